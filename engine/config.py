@@ -1,0 +1,98 @@
+"""Engine configuration: frozen, validated once, never mutated.
+
+Values discovered at run time (how many KV blocks fit, the model's context length) live in
+``EngineRuntimeInfo`` objects built by the engine, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+KVDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8", "int8"]
+EvictionPolicyName = Literal["cost", "lru"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Args:
+    model_dir: a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).
+    device: "cpu" or "cuda" (or "cuda:N").
+    dtype: compute dtype; "auto" = float32 on CPU, bfloat16 on CUDA.
+    kv_dtype: KV cache storage; "auto" follows dtype; fp8 (e4m3) and int8 quantize on write.
+    block_size: tokens per KV block (the prefix-cache granularity).
+    num_kv_blocks: HBM blocks; None = size from ``kv_memory_fraction`` of free device memory
+        (CUDA) or ``cpu_kv_bytes`` (CPU).
+    max_num_seqs: most requests in one running batch.
+    max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
+    enable_prefix_caching: off = every request computes its whole prompt (for comparisons).
+    eviction_policy: "cost" (reuse frequency x recompute cost) or "lru".
+    max_waiting: most queued requests before generate() raises EngineOverloadedError.
+    seed: seeds the model's random weights where a test builds one, and default sampling.
+    """
+
+    model_dir: Path
+    device: str = "cpu"
+    dtype: str = "auto"
+    kv_dtype: KVDtype = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.85
+    cpu_kv_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    eviction_policy: EvictionPolicyName = "cost"
+    max_waiting: int = 4096
+    use_cuda_graphs: bool = True
+    dram_bytes: int = 0
+    nvme_dir: Path | None = None
+    nvme_bytes: int = 0
+    model_id: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.nvme_dir is not None:
+            object.__setattr__(self, "nvme_dir", Path(self.nvme_dir))
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8/16/32/64/128, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be >= 2")
+        if not 0.05 <= self.kv_memory_fraction <= 0.98:
+            raise ValueError("kv_memory_fraction must be in [0.05, 0.98]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens >= block_size")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.eviction_policy not in ("cost", "lru"):
+            raise ValueError(f"eviction_policy must be 'cost' or 'lru', got {self.eviction_policy!r}")
+        for name in ("dram_bytes", "nvme_bytes", "cpu_kv_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    @property
+    def resolved_model_id(self) -> str:
+        return self.model_id or self.model_dir.name
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB', '8GiB', '1.5GB', '4096' -> bytes. Raises ValueError with a clear message."""
+    if isinstance(text, int):
+        return text
+    units = {
+        "": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+        "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
+        "tib": 1024**4,
+    }
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"invalid size {text!r}: expected e.g. 512MiB, 8GiB or plain bytes") from None
+    if unit not in units or value < 0:
+        raise ValueError(f"invalid size {text!r}: expected e.g. 512MiB, 8GiB or plain bytes")
+    return int(value * units[unit])

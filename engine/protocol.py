@@ -1,0 +1,213 @@
+"""The engine's public surface: what the gateway (or a remote node) may rely on.
+
+The gateway talks to every engine — in-process, a remote node over HTTP — through the small
+``EngineClient`` Protocol below, and a tenant reaches the engine only as a ``TenantScope``: an
+opaque namespace, a ``BlockCipher`` and a few quota numbers. Tenancy implements these Protocols
+structurally; the engine never imports tenancy or gateway code (import-linter enforces it).
+
+This module imports no torch, so the gateway can depend on it cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@runtime_checkable
+class BlockCipher(Protocol):
+    """Authenticated encryption for KV bytes that leave HBM (one tenant's data key).
+
+    Contract:
+        - ``encrypt`` returns a self-contained blob (nonce, ciphertext and tag inside it); every
+          call uses a fresh nonce, so equal plaintexts give unequal blobs.
+        - ``decrypt`` returns the plaintext, or ``None`` when the blob is truncated, tampered
+          with, bound to other ``aad`` bytes, or was made under another key. It never raises for
+          bad ciphertext: a failed tag is a cache miss, never served.
+        - Both are thread-safe: the engine calls them from a thread pool.
+    """
+
+    def encrypt(self, plaintext: bytes | memoryview, aad: bytes) -> bytes: ...
+
+    def decrypt(self, blob: bytes | memoryview, aad: bytes) -> bytes | None: ...
+
+
+@runtime_checkable
+class TenantScope(Protocol):
+    """What the engine knows of a tenant. Implemented by ``tenancy`` (``TenantContext``).
+
+    Attributes:
+        namespace: the server-derived cache namespace (HMAC of tenant id and share scope). It
+            seeds the prefix hash chain, so two namespaces never share a cache entry in any tier.
+        metrics_label: a bounded-cardinality label for Prometheus (never a raw end-user id).
+        cipher: encrypts this tenant's blocks when they leave HBM; ``None`` disables spilling for
+            this tenant (its evicted blocks are dropped, never written in clear).
+        priority: larger is served first among waiting requests (0 = default class).
+        kv_block_quota: most HBM blocks this tenant may hold at once; ``None`` = no cap.
+        ttft_target_s: optional time-to-first-token target that orders admission.
+    """
+
+    @property
+    def namespace(self) -> bytes: ...
+
+    @property
+    def metrics_label(self) -> str: ...
+
+    @property
+    def cipher(self) -> BlockCipher | None: ...
+
+    @property
+    def priority(self) -> int: ...
+
+    @property
+    def kv_block_quota(self) -> int | None: ...
+
+    @property
+    def ttft_target_s(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class StaticTenantScope:
+    """A plain ``TenantScope`` for the CLI, tests and benchmarks (no tenancy database)."""
+
+    namespace: bytes = b"default"
+    metrics_label: str = "default"
+    cipher: BlockCipher | None = None
+    priority: int = 0
+    kv_block_quota: int | None = None
+    ttft_target_s: float | None = None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if len(self.stop) > 4:
+            raise ValueError("at most 4 stop sequences are supported")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids`` is set.
+
+    ``messages`` (OpenAI chat shape, optionally with ``tools``) are rendered by the engine's chat
+    template, since the engine owns the tokenizer; ``prompt`` is raw text; ``prompt_token_ids``
+    skips tokenization.
+    """
+
+    request_id: str
+    tenant: TenantScope
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    messages: Sequence[dict[str, Any]] | None = None
+    tools: Sequence[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        given = sum(x is not None for x in (self.messages, self.prompt, self.prompt_token_ids))
+        if given != 1:
+            raise ValueError("exactly one of messages, prompt, prompt_token_ids must be given")
+        if not self.request_id:
+            raise ValueError("request_id must be non-empty")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One streamed increment of a request (the last one has ``finished=True``).
+
+    Times are seconds. ``cached_tokens`` counts prompt tokens served from the prefix cache in any
+    tier (what OpenAI reports as ``usage.prompt_tokens_details.cached_tokens``).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+    queue_time_s: float | None = None
+    ttft_s: float | None = None
+    token_times_s: tuple[float, ...] = ()
+    error: str | None = None
+
+
+class EngineError(Exception):
+    """Base for errors a caller can act on. ``status`` is the HTTP status it maps to."""
+
+    status: int = 500
+    code: str = "engine_error"
+
+
+class PromptTooLongError(EngineError):
+    """The prompt plus ``max_tokens`` does not fit the model's context."""
+
+    status = 400
+    code = "context_length_exceeded"
+
+
+class EngineOverloadedError(EngineError):
+    """The engine's waiting queue is full; retry later."""
+
+    status = 503
+    code = "engine_overloaded"
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    max_model_len: int
+    owned_by: str = "prefixgate"
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The one interface between the gateway and any engine (in-process or remote).
+
+    - ``generate`` yields increments until one with ``finished=True``; raises ``EngineError``
+      subclasses for requests that cannot start (prompt too long, overloaded). Cancelling the
+      iterator (client disconnect) aborts the request and frees its blocks.
+    - ``abort`` is idempotent; unknown ids are ignored.
+    - ``health`` is cheap and never raises; ``stats`` returns a JSON-serialisable snapshot.
+    """
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """An async generator (``async def`` with ``yield``) in implementations."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+    def models(self) -> list[ModelCard]: ...
+
+    def count_prompt_tokens(self, request: GenerateRequest) -> int: ...

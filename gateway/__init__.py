@@ -1,0 +1,1 @@
+"""OpenAI-compatible gateway: auth, canonicalization, routing, streaming, metrics, CLI."""

@@ -1,0 +1,1 @@
+"""The ``prefixgate`` command. Each ``*_cmd`` module in this package registers its subcommands."""

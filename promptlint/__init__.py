@@ -1,0 +1,1 @@
+"""Prefix-cache friendliness linter for prompt templates, and the canonicalization the gateway applies."""

@@ -1,0 +1,1 @@
+"""Tenants, API keys, quotas, envelope encryption, usage ledger and reports."""
