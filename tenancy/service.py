@@ -331,8 +331,6 @@ class TenancyService:
     def usage(self, ctx: TenantContext, since: datetime | None = None, *, tenant: str | None = None) -> dict:
         """The usage report (``tenancy.report`` JSON shape) of ``ctx``'s own tenant; admins see all tenants
         (or the one named ``tenant``). A non-admin naming another tenant gets PermissionDeniedError."""
-        from tenancy import report
-
         if tenant is not None and not ctx.is_admin and tenant != ctx.name:
             raise PermissionDeniedError("only an admin key may read another tenant's usage")
         if not ctx.is_admin:
@@ -344,9 +342,17 @@ class TenancyService:
             tenant_ids = [info.tenant_id]
         else:
             tenant_ids = None
+        return self.report(tenant_ids=tenant_ids, since=since)
+
+    def report(
+        self, *, tenant_ids: list[str] | None = None, since: datetime | None = None, until: datetime | None = None
+    ) -> dict:
+        """Operator view (the CLI): the report over ``tenant_ids`` (None = all), after flushing the ledger."""
+        from tenancy import report
+
         self.flush()
         with self._lock:
-            return report.build_report(self._db, tenant_ids=tenant_ids, since=since)
+            return report.build_report(self._db, tenant_ids=tenant_ids, since=since, until=until)
 
     # -- administration ------------------------------------------------------------------------
 
