@@ -19,9 +19,11 @@ Tables (v1)::
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import sqlite_utils
@@ -97,6 +99,10 @@ def connect(path: Path) -> sqlite_utils.Database:
     access with their own lock.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        # Key hashes and wrapped data keys live here: owner-only, like the KEK. SQLite gives the
+        # -wal and -shm files the same mode as the database file.
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
     conn = sqlite3.connect(str(path), timeout=10.0, check_same_thread=False)
     db = sqlite_utils.Database(conn, execute_plugins=False)
     db.execute("PRAGMA busy_timeout = 10000")
@@ -137,6 +143,23 @@ def migrate(db: sqlite_utils.Database) -> int:
         except BaseException:
             db.rollback()
             raise
+
+
+@contextlib.contextmanager
+def write_transaction(db: sqlite_utils.Database) -> Iterator[sqlite_utils.Database]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (rollback on error).
+
+    Read-then-write transactions must take the write lock up front: a deferred transaction that
+    read a snapshot and then tries to write while another connection wrote gets SQLITE_BUSY at once
+    (busy_timeout cannot help, its snapshot is stale). IMMEDIATE waits for the lock instead.
+    """
+    db.conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        db.rollback()
+        raise
+    db.conn.execute("COMMIT")
 
 
 def checkpoint_truncate(db: sqlite_utils.Database) -> None:

@@ -128,7 +128,7 @@ class LedgerWriter:
 
 def write_rows(db: Any, rows: list[dict[str, Any]]) -> None:
     """Insert ``rows`` in one transaction; rows whose request_id exists already are skipped."""
-    with db.atomic():
+    with dbmod.write_transaction(db):
         db.conn.executemany(
             f"INSERT OR IGNORE INTO usage ({', '.join(USAGE_COLUMNS)}) "
             f"VALUES ({', '.join('?' for _ in USAGE_COLUMNS)})",

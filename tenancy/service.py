@@ -169,7 +169,7 @@ class TenancyService:
             pending = kek_path(self.home).with_name(kek_path(self.home).name + ".new")
             if not from_env:
                 write_secret_file(pending, new.raw)
-            with self._db.atomic():
+            with dbmod.write_transaction(self._db):
                 wrapped = store.all_wrapped_keys(self._db)
                 store.set_wrapped_keys(self._db, [(o, new.wrap(old.unwrap(w, o), o)) for o, w in wrapped])
                 store.set_meta(self._db, _KEK_FINGERPRINT, new.fingerprint)
@@ -364,7 +364,7 @@ class TenancyService:
         kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme.
         """
         key_id, api_key = keymod.new_api_key()
-        with self._lock, self._db.atomic():
+        with self._lock, dbmod.write_transaction(self._db):
             tenant_id = store.insert_tenant(self._db, name, is_admin=admin, settings=settings)
             store.insert_key(self._db, tenant_id, key_id, keymod.hash_key(self._pepper, api_key))
             share_scope = settings.get("share_scope", "tenant")

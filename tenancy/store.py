@@ -17,6 +17,7 @@ from typing import Any
 
 import sqlite_utils
 
+from tenancy.db import write_transaction
 from tenancy.errors import ConflictError, InvalidSettingError, NotFoundError
 from tenancy.namespace import parse_share_scope
 from tenancy.types import BUDGET_PERIODS, CANON_MODES, KeyInfo, Quotas, TenantInfo
@@ -134,7 +135,7 @@ def list_tenants(db: sqlite_utils.Database) -> list[TenantInfo]:
 
 def delete_tenant(db: sqlite_utils.Database, tenant_id: str, data_key_owner: str) -> None:
     """Delete the tenant, its keys (cascade) and its data key, in one transaction."""
-    with db.atomic():
+    with write_transaction(db):
         db.execute("DELETE FROM data_keys WHERE owner = ?", [data_key_owner])
         cur = db.execute("DELETE FROM tenants WHERE id = ?", [tenant_id])
         if cur.rowcount == 0:
