@@ -248,7 +248,7 @@ def _svg_hit_rate(rep: dict[str, Any]) -> str:
     def sy(y: float) -> float:
         return _PAD_T + (1 - y) * ph
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="Cache hit rate over time" '
+    parts = [f'<svg role="img" aria-label="Cache hit rate over time" '
              f'viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" id="chart-hit-rate">']
     for frac in (0, 0.25, 0.5, 0.75, 1.0):
         y = sy(frac)
@@ -280,7 +280,7 @@ def _svg_cost_saved(rep: dict[str, Any]) -> str:
     pw, ph = _W - _PAD_L - _PAD_R, _H - _PAD_T - _PAD_B
     group = pw / len(tenants)
     bar = min(40.0, group / 3)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="Cost against saved per tenant" '
+    parts = [f'<svg role="img" aria-label="Cost against saved per tenant" '
              f'viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" id="chart-cost-saved">']
     for frac in (0, 0.5, 1.0):
         y = _PAD_T + (1 - frac) * ph
