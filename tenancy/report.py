@@ -19,7 +19,8 @@ JSON shape (``schema: "prefixgate.report/v1"``; fields are only ever added, neve
            "prompt_tokens", "cached_tokens", "completion_tokens",
            "hit_rate",           # cached_tokens / prompt_tokens (0 when no prompt tokens)
            "request_hit_rate",   # share of requests with cached_tokens > 0
-           "cost_usd", "saved_usd", "ttft_p50_s", "ttft_p95_s"}   # p50/p95: null when no TTFT
+           "cost_usd", "saved_usd", "ttft_p50_s", "ttft_p95_s",   # p50/p95: null when no TTFT
+           "priced_as"}          # rows only: the cost-map entry used (the reference model for local ones)
 
 "Reused tokens" are ``cached_tokens``: prompt tokens served from the prefix cache instead of being
 recomputed. TTFT percentiles use linear interpolation between closest ranks (numpy's default).
@@ -69,13 +70,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 class _Acc:
     __slots__ = ("requests", "ok", "errors", "aborted", "prompt", "cached", "completion", "hit_requests",
-                 "cost", "saved", "ttfts")
+                 "cost", "saved", "ttfts", "priced_as")
 
     def __init__(self) -> None:
         self.requests = self.ok = self.errors = self.aborted = 0
         self.prompt = self.cached = self.completion = self.hit_requests = 0
         self.cost = self.saved = 0.0
         self.ttfts: list[float] = []
+        self.priced_as: set[str] = set()
 
     def add(self, r: dict[str, Any]) -> None:
         self.requests += 1
@@ -90,6 +92,7 @@ class _Acc:
         self.saved += r["saved_usd"]
         if r["ttft_s"] is not None:
             self.ttfts.append(r["ttft_s"])
+        self.priced_as.add(r["priced_as"])
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -143,7 +146,8 @@ def aggregate(
         "since": _iso(since.timestamp()) if since else None,
         "until": _iso(until.timestamp()),
         "tenant_ids": tenant_ids,
-        "rows": [{"tenant_id": tid, "tenant": name, "model": model, **acc.as_dict()}
+        "rows": [{"tenant_id": tid, "tenant": name, "model": model, **acc.as_dict(),
+                  "priced_as": ",".join(sorted(acc.priced_as))}
                  for (name, tid, model), acc in sorted(by_model.items())],
         "tenants": [{"tenant_id": tid, "tenant": name, **acc.as_dict()} for (name, tid), acc in sorted(by_tenant.items())],
         "totals": total.as_dict(),
@@ -171,7 +175,7 @@ def build_report(
 _COLUMNS: tuple[tuple[str, str], ...] = (
     ("tenant", "tenant"), ("model", "model"), ("requests", "requests"), ("prompt_tokens", "prompt tok"),
     ("cached_tokens", "cached (reused) tok"), ("hit_rate", "hit rate"), ("cost_usd", "cost $"),
-    ("saved_usd", "saved $"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p95_s", "TTFT p95 s"),
+    ("saved_usd", "saved $"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p95_s", "TTFT p95 s"), ("priced_as", "priced as"),
 )
 
 
@@ -193,7 +197,7 @@ def render_table(rep: dict[str, Any]) -> str:
                  for k, _ in _COLUMNS])
     head = [h for _, h in _COLUMNS]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    numeric = [i >= 2 for i in range(len(head))]
+    numeric = [2 <= i < len(head) - 1 for i in range(len(head))]  # names and "priced as" are text
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric)).rstrip()
@@ -208,6 +212,7 @@ def render_table(rep: dict[str, Any]) -> str:
 CSV_FIELDS: tuple[str, ...] = (
     "tenant_id", "tenant", "model", "requests", "ok", "errors", "aborted", "prompt_tokens", "cached_tokens",
     "completion_tokens", "hit_rate", "request_hit_rate", "cost_usd", "saved_usd", "ttft_p50_s", "ttft_p95_s",
+    "priced_as",
 )
 
 

@@ -104,10 +104,14 @@ class TenancyService:
         self.auth_cache_ttl_s = auth_cache_ttl_s
         self._lock = threading.RLock()
         self._db = dbmod.connect(self.db_path)
-        self._secret = keymod.ServerSecret.load(self.home)
-        self._pepper = self._secret.pepper
-        self._kek = self._load_checked_kek()
-        self._prices = PriceBook(reference_model)
+        try:
+            self._secret = keymod.ServerSecret.load(self.home)
+            self._pepper = self._secret.pepper
+            self._kek = self._load_checked_kek()
+            self._prices = PriceBook(reference_model)
+        except BaseException:
+            self._db.close()
+            raise
         self._limiter = RateLimiter()
         self._auth_cache: dict[bytes, tuple[TenantContext, float]] = {}
         self._ciphers: dict[str, TenantCipher] = {}
