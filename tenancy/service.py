@@ -61,7 +61,8 @@ __all__ = [
 ]
 
 _KEK_FINGERPRINT = "kek_fingerprint"
-_RECENT_IDS = 50_000  # request ids remembered to keep in-memory spend idempotent like the ledger
+_RECENT_IDS = 50_000
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))  # request ids remembered to keep in-memory spend idempotent like the ledger
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,9 @@ class TenancyService:
     def record_usage(self, rec: UsageRecord) -> None:
         """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once."""
         p = self.price(rec.model, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)
-        row = dataclasses.asdict(rec) | {"cost_usd": p.cost_usd, "saved_usd": p.saved_usd, "priced_as": p.priced_as}
+        # Not dataclasses.asdict: it deep-copies every field (~70 us here), and this runs per request.
+        row = {f: getattr(rec, f) for f in _RECORD_FIELDS}
+        row.update(cost_usd=p.cost_usd, saved_usd=p.saved_usd, priced_as=p.priced_as)
         with self._lock:
             if rec.request_id in self._recent_ids:
                 return
