@@ -44,20 +44,35 @@ from tenancy.crypto import (
 )
 from tenancy.errors import (
     AuthenticationError,
+    ConflictError,
+    InvalidSettingError,
     KeyMaterialError,
     NotFoundError,
     PermissionDeniedError,
     QuotaExceededError,
+    TenancyError,
 )
 from tenancy.ledger import LedgerWriter
 from tenancy.namespace import metrics_label, namespace_for, parse_share_scope
 from tenancy.pricing import PriceBook
 from tenancy.quota import RateLimiter, check_budget, period_bounds
-from tenancy.types import CreatedKey, CreatedTenant, KeyInfo, Price, TenantContext, TenantInfo, UsageRecord
+from tenancy.types import (
+    CreatedKey,
+    CreatedTenant,
+    KeyInfo,
+    Price,
+    Quotas,
+    TenantContext,
+    TenantInfo,
+    UsageRecord,
+)
 
+# The gateway imports only this module: everything it needs is re-exported here.
 __all__ = [
-    "AuthenticationError", "CreatedKey", "CreatedTenant", "KeyInfo", "Price", "QuotaExceededError",
-    "RotationResult", "TenancyService", "TenantContext", "TenantInfo", "UsageRecord",
+    "AuthenticationError", "ConflictError", "CreatedKey", "CreatedTenant", "InvalidSettingError", "KeyInfo",
+    "KeyMaterialError", "NotFoundError", "PermissionDeniedError", "Price", "QuotaExceededError", "Quotas",
+    "RotationResult", "TenancyError", "TenancyService", "TenantCipher", "TenantContext", "TenantInfo",
+    "UsageRecord",
 ]
 
 _KEK_FINGERPRINT = "kek_fingerprint"
