@@ -8,7 +8,8 @@ Layout written to ``out_dir`` (a standard Hugging Face checkpoint directory)::
 
     config.json              LlamaForCausalLM, hidden 256, 4 layers, 8 heads / 2 kv heads
     generation_config.json   eos = <|im_end|>, <|endoftext|>
-    model.safetensors        bf16 weights, N(0, 0.02) from torch.Generator(seed), norms = 1
+    model.safetensors        bf16 weights from torch.Generator(seed): embedding N(0, 0.02),
+                             projections N(0, 1/fan_in), norms = 1
     tokenizer.json, tokenizer_config.json, chat_template.jinja
     prefixgate_tiny.json     what built it (seed, encoding, builder version)
 
@@ -80,10 +81,14 @@ def tiny_state_dict(seed: int) -> dict[str, torch.Tensor]:
     q_out, kv_out = d["num_attention_heads"] * head_dim, d["num_key_value_heads"] * head_dim
     gen = torch.Generator().manual_seed(seed)
 
-    def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * INIT_STD).to(torch.bfloat16)
+    def normal(*shape: int, std: float | None = None) -> torch.Tensor:
+        # Projections get std 1/sqrt(fan_in): each layer then moves the residual stream as much as
+        # the embedding does, so greedy text varies instead of echoing the input token (which is
+        # what a tied-embedding model with tiny layer weights does).
+        std = shape[-1] ** -0.5 if std is None else std
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
 
-    sd = {"model.embed_tokens.weight": normal(d["vocab_size"], hidden)}
+    sd = {"model.embed_tokens.weight": normal(d["vocab_size"], hidden, std=INIT_STD)}
     for i in range(d["num_hidden_layers"]):
         p = f"model.layers.{i}."
         sd[p + "self_attn.q_proj.weight"] = normal(q_out, hidden)
