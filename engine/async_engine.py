@@ -18,6 +18,7 @@ snapshot the thread publishes after every step, so it never waits for a step to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -120,10 +121,8 @@ class AsyncEngine:
         if target is None:
             return  # the consumer went away; its abort is queued
         loop, queue = target
-        try:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
             loop.call_soon_threadsafe(queue.put_nowait, out)
-        except RuntimeError:  # the consumer's loop is closed
-            pass
 
     def _run(self) -> None:
         engine = self.engine
