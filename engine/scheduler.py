@@ -141,9 +141,7 @@ class Scheduler:
                 continue
             if not self._grow(req, i, req.num_computed_tokens + n, out):
                 continue  # req itself was preempted; running[i] is now the next request
-            chunks.append(self._chunk(req, n))
-            out.requests.append(req)
-            out.num_tokens.append(n)
+            self._emit(req, n, out, chunks)
             budget -= n
             i += 1
 
@@ -155,8 +153,6 @@ class Scheduler:
         for ns, queue in self.waiting.items():
             for req in queue:
                 req.queue_reason = QueueReason.TENANT_OVER_QUOTA if ns in over_quota else stop_reason
-        for req, n in zip(out.requests, out.num_tokens):
-            self.service[req.namespace] = self.service.get(req.namespace, 0.0) + n
         out.batch = ScheduledBatch(tuple(chunks))
         return out
 
@@ -247,9 +243,7 @@ class Scheduler:
             req.queue_reason = None
             req.admit_seq = next(self._admit_seq)
             self.running.append(req)
-            chunks.append(self._chunk(req, n))
-            out.requests.append(req)
-            out.num_tokens.append(n)
+            self._emit(req, n, out, chunks)
             out.admitted.append(req)
             budget -= n
 
@@ -258,6 +252,13 @@ class Scheduler:
         priority = max(r.tenant.priority for r in queue)
         deadline = min(r.ttft_deadline for r in queue)
         return (-priority, deadline, self.service.get(ns, 0.0))
+
+    def _emit(self, req: Request, n: int, out: SchedulerOutput, chunks: list[SequenceChunk]) -> None:
+        chunks.append(self._chunk(req, n))
+        out.requests.append(req)
+        out.num_tokens.append(n)
+        # charged at once, so the next admission in this same step already sees it
+        self.service[req.namespace] = self.service.get(req.namespace, 0.0) + n
 
     def _chunk(self, req: Request, n: int) -> SequenceChunk:
         start = req.num_computed_tokens
