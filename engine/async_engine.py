@@ -152,9 +152,9 @@ class AsyncEngine:
                 except Exception as exc:  # a bug outside any one request: fail them all, keep serving
                     log.exception("engine step failed")
                     outputs = engine.fail_all(f"{type(exc).__name__}: {exc}")
+                self._snapshot = engine.stats()  # before delivery: a consumer sees state at least this new
                 for out in outputs:
                     self._deliver(out)
-                self._snapshot = engine.stats()
             else:
                 self._snapshot = engine.stats()
                 self._wake.wait()

@@ -188,21 +188,25 @@ class LLMEngine:
                     self._hit[label] += req.num_cached_tokens or 0
                     self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
             results = self._execute(step)
+            failed: list[Request] = []
+            for req, result in zip(step.requests, results):
+                if isinstance(result, BaseException):
+                    # before commit: a failed chunk's blocks may hold garbage and must never be indexed
+                    req.error = f"{type(result).__name__}: {result}"
+                    self._finish(req, "error")
+                    failed.append(req)
             self.scheduler.commit(step)
             now = self.clock()
             for req, chunk, result in zip(step.requests, step.batch.chunks, results):
-                if req.is_finished:
+                if req.is_finished and req not in failed:
                     continue
-                if isinstance(result, BaseException):
-                    req.error = f"{type(result).__name__}: {result}"
-                    self._finish(req, "error")
-                elif chunk.sample:
+                if chunk.sample and not req.is_finished:
                     try:
-                        self._append_token(req, result, now)
+                        self._append_token(req, result, now)  # type: ignore[arg-type]
                     except Exception as exc:  # a bad token or detokenizer failure fails only this request
                         req.error = f"{type(exc).__name__}: {exc}"
                         self._finish(req, "error")
-                else:
+                elif not req.is_finished:
                     continue
                 out = self._output(req)
                 if out is not None:
