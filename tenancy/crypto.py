@@ -46,10 +46,6 @@ KEK_ENV = "PREFIXGATE_KEK"
 KEK_FILE_ENV = "PREFIXGATE_KEK_FILE"
 
 
-class KeyDestroyedError(RuntimeError):
-    """``encrypt`` was called on the cipher of a deleted tenant: its key is gone for good."""
-
-
 def decode_key(text: str, *, what: str) -> bytes:
     """Decode a 32-byte key written as 64 hex digits or base64 (standard or URL-safe)."""
     text = text.strip()
@@ -198,10 +194,15 @@ class TenantCipher:
         self.owner = owner
 
     def encrypt(self, plaintext: bytes | memoryview, aad: bytes) -> bytes:
-        """blob = version byte | fresh 96-bit nonce | ciphertext + tag. Raises KeyDestroyedError after destroy."""
+        """blob = version byte | fresh 96-bit nonce | ciphertext + tag.
+
+        After ``destroy`` (tenant deleted) it still returns a blob of the same shape, but under a
+        one-time random key that is dropped at once: the engine's spill path keeps working (it is
+        not written to expect an exception here) and what it stores can never be decrypted.
+        """
         aead = self._aead
         if aead is None:
-            raise KeyDestroyedError(f"the data key of {self.owner} was destroyed (tenant deleted)")
+            aead = AESGCM(AESGCM.generate_key(bit_length=256))
         nonce = secrets.token_bytes(NONCE_BYTES)
         return bytes([BLOB_VERSION]) + nonce + aead.encrypt(nonce, bytes(plaintext), bytes(aad))
 

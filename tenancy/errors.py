@@ -17,6 +17,10 @@ class TenancyError(Exception):
     status: int = 400
     code: str = "tenancy_error"
 
+    @property
+    def message(self) -> str:
+        return str(self)
+
 
 class AuthenticationError(TenancyError):
     """The API key is missing, malformed, unknown or revoked (HTTP 401)."""

@@ -133,6 +133,7 @@ class TenancyService:
         self._ciphers: dict[str, TenantCipher] = {}
         self._spend: dict[str, _Spend] = {}
         self._recent_ids: OrderedDict[str, None] = OrderedDict()
+        self._next_sweep = 0.0
         self._ledger = LedgerWriter(self.db_path, batch_max=ledger_batch_max, max_delay_s=ledger_max_delay_s)
         self._closed = False
 
@@ -240,6 +241,7 @@ class TenancyService:
         hit = self._auth_cache.get(digest)
         if hit is not None and hit[1] > now:
             return hit[0]
+        self._sweep_ciphers(now)
         key_id = keymod.parse_key_id(api_key)
         invalid = AuthenticationError(f"Incorrect API key provided: {keymod.redact(api_key)}.")
         if key_id is None:
@@ -258,6 +260,20 @@ class TenancyService:
             self._auth_cache = {d: v for d, v in self._auth_cache.items() if v[1] > now}
         self._auth_cache[digest] = (ctx, now + self.auth_cache_ttl_s)
         return ctx
+
+    def _sweep_ciphers(self, now: float) -> None:
+        """Destroy in-memory data keys whose stored key is gone (a tenant deleted by another process).
+
+        Runs on authentication cache misses, at most once per TTL, so a running gateway stops
+        decrypting a deleted tenant's spilled KV within about one TTL of the delete while traffic flows.
+        """
+        if now < self._next_sweep or not self._ciphers:
+            return
+        self._next_sweep = now + self.auth_cache_ttl_s
+        with self._lock:
+            stored = {r["owner"] for r in self._db.query("SELECT owner FROM data_keys")}
+            for owner in [o for o in self._ciphers if o not in stored]:
+                self._ciphers.pop(owner).destroy()
 
     def _context(self, t: TenantInfo, key_id: str) -> TenantContext:
         return TenantContext(

@@ -6,6 +6,7 @@ import base64
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,18 @@ def test_cipher_returns_none_for_every_bad_blob() -> None:
     assert c.decrypt(blob, AAD + b"x") is None
     assert c.decrypt(blob, b"") is None
     assert other.decrypt(blob, AAD) is None
+
+
+def test_a_destroyed_cipher_still_encrypts_but_nothing_can_decrypt_it() -> None:
+    key = new_data_key()
+    c = TenantCipher(key, owner="tenant:t")
+    before = c.encrypt(b"kv", AAD)
+    c.destroy()
+    after = c.encrypt(b"kv", AAD)  # the engine may still be spilling the deleted tenant's blocks
+    assert len(after) == len(before) and after[0] == 1
+    assert c.decrypt(before, AAD) is None and c.decrypt(after, AAD) is None
+    assert TenantCipher(key, owner="copy").decrypt(after, AAD) is None  # not even with the old key
+    assert TenantCipher(key, owner="copy").decrypt(before, AAD) == b"kv"
 
 
 def test_cipher_is_thread_safe() -> None:
@@ -100,6 +113,26 @@ def test_deleting_a_tenant_crypto_shreds_its_spilled_kv(home: Path) -> None:
         assert again.get_tenant_by_name("doomed") is None
     finally:
         again.close()
+
+
+def test_a_delete_by_another_process_destroys_the_running_gateways_key_within_the_ttl(home: Path) -> None:
+    gateway = TenancyService.open(home, auth_cache_ttl_s=0.2)
+    admin_cli = TenancyService.open(home)
+    try:
+        doomed_key = admin_cli.create_tenant("doomed").api_key
+        other_key = admin_cli.create_tenant("other").api_key
+        doomed = gateway.authenticate(doomed_key)
+        blob = doomed.cipher.encrypt(b"kv", AAD)
+        admin_cli.delete_tenant("doomed")
+        assert doomed.cipher.decrypt(blob, AAD) == b"kv"  # within the TTL the gateway still holds the key
+        time.sleep(0.25)
+        gateway.authenticate(other_key)  # ordinary traffic: a cache miss runs the sweep
+        assert doomed.cipher.decrypt(blob, AAD) is None
+        assert gateway.authenticate(other_key).cipher.decrypt(
+            gateway.authenticate(other_key).cipher.encrypt(b"ok", AAD), AAD) == b"ok"
+    finally:
+        gateway.close()
+        admin_cli.close()
 
 
 def test_kek_rotation_rewraps_data_keys_and_old_blobs_still_decrypt(home: Path) -> None:
