@@ -37,7 +37,9 @@ CanonMode = Literal["off", "safe", "reorder"]
 CANON_MODES: tuple[str, ...] = ("off", "safe", "reorder")
 
 # Label of the context message that ``reorder`` inserts; also how a second pass recognises it.
-CONTEXT_HEADER = "Request context (moved out of the system prompt by PrefixGate so the prompt prefix stays cacheable):"
+CONTEXT_HEADER = (
+    "Request context (moved out of the system prompt by PrefixGate so the prompt prefix stays cacheable):"
+)
 
 SpanKind = Literal["timestamp", "date", "time", "uuid", "request-id", "random-id"]
 
@@ -262,7 +264,11 @@ def _normalize_whitespace(body: dict, applied: list[str]) -> None:
                 changed = True
         elif isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     new = _norm_text(part["text"])
                     if new != part["text"]:
                         part["text"] = new
@@ -316,8 +322,10 @@ def _move_dynamic(body: dict, per_user_vars: Sequence[str], applied: list[str]) 
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
-    last_user = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
-                    default=len(messages))
+    last_user = max(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+        default=len(messages),
+    )
     per_user = per_user_line_pattern(per_user_vars)
     moved_lines: list[str] = []
     kinds: list[str] = []
@@ -333,7 +341,11 @@ def _move_dynamic(body: dict, per_user_vars: Sequence[str], applied: list[str]) 
             kinds += k
         elif isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     part["text"], lines, k, _ = _split_dynamic_lines(part["text"], per_user)
                     moved_lines += lines
                     kinds += k

@@ -9,11 +9,17 @@ from promptlint.canon import CONTEXT_HEADER, CanonResult, canonicalize, find_dyn
 
 
 def _tool(name, props):
-    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": props}}}
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": props}},
+    }
 
 
 def _request(system, user="How do I reset my password?", tools=None):
-    body = {"model": "gpt-4o", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    body = {
+        "model": "gpt-4o",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
     if tools is not None:
         body["tools"] = tools
     return body
@@ -34,7 +40,10 @@ def test_off_is_identity_and_a_new_object():
 
 
 def test_safe_sorts_tools_and_schema_keys_without_changing_meaning():
-    tools = [_tool("search", {"q": {"type": "string"}, "k": {"type": "integer"}}), _tool("add", {"y": {}, "x": {}})]
+    tools = [
+        _tool("search", {"q": {"type": "string"}, "k": {"type": "integer"}}),
+        _tool("add", {"y": {}, "x": {}}),
+    ]
     body = _request("sys", tools=tools)
     snapshot = copy.deepcopy(body)
     res = canonicalize(body, "safe")
@@ -49,7 +58,9 @@ def test_safe_sorts_tools_and_schema_keys_without_changing_meaning():
 
 
 def test_safe_is_idempotent_and_normalises_message_edges():
-    body = _request("\n  You are terse.\r\nReally.  \n", user="  hi\r\n", tools=[_tool("b", {}), _tool("a", {})])
+    body = _request(
+        "\n  You are terse.\r\nReally.  \n", user="  hi\r\n", tools=[_tool("b", {}), _tool("a", {})]
+    )
     body["messages"].append({"role": "assistant", "content": "Sure, "})  # trailing prefill: untouched
     once = canonicalize(body, "safe")
     assert once.body["messages"][0]["content"] == "You are terse.\nReally."
@@ -77,8 +88,10 @@ def test_safe_does_not_move_dynamic_values():
     ("a", "b"),
     [
         (dict(ts="2026-11-29T10:00:00Z", name="Alice"), dict(ts="2026-11-30T08:12:59Z", name="Alice")),
-        (dict(ts="3f2b8c1e-1234-4abc-9def-0123456789ab", name="Alice"),
-         dict(ts="9a1b8c1e-0000-4abc-8def-fedcba987654", name="Alice")),
+        (
+            dict(ts="3f2b8c1e-1234-4abc-9def-0123456789ab", name="Alice"),
+            dict(ts="9a1b8c1e-0000-4abc-8def-fedcba987654", name="Alice"),
+        ),
         (dict(ts="2026-11-29T10:00:00Z", name="Alice"), dict(ts="2026-11-29T10:00:00Z", name="Bartholomew")),
         (dict(ts="req_8f7a6b5c4d3e", name="Alice"), dict(ts="req_11aa22bb33cc", name="Zoe")),
     ],
@@ -158,8 +171,14 @@ def test_detectors_find_each_kind(text, kind):
 
 @pytest.mark.parametrize(
     "text",
-    ["You are a helpful assistant.", "Open 9:00-17:00 on weekdays.", "Use version 3.11 and HTTP/2.",
-     "Call us at 555-0100.", "request_handler and session_state", "deadbeefcafebabe (no digits)"],
+    [
+        "You are a helpful assistant.",
+        "Open 9:00-17:00 on weekdays.",
+        "Use version 3.11 and HTTP/2.",
+        "Call us at 555-0100.",
+        "request_handler and session_state",
+        "deadbeefcafebabe (no digits)",
+    ],
 )
 def test_detectors_leave_static_text_alone(text):
     assert find_dynamic_spans(text) == []
