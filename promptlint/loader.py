@@ -293,7 +293,9 @@ def _request_doc(path: Path, shown: str, raw: str, body: dict[str, Any], ext: st
     cursor = 0
     # The provider renders tools (and a response schema) ahead of the system prompt.
     if tools:
-        line, cursor = _locate(raw, "tools", cursor, ext)
+        key = '"tools"' if ext == ".json" else "tools:"
+        pos = raw.find(key)
+        line = raw.count("\n", 0, pos) + 1 if pos >= 0 else 1
         elements.append(Element(json.dumps(tools, ensure_ascii=False), "tools", line, 1, is_tools=True,
                                 name="tools", breakpoint=any(isinstance(t, dict) and "cache_control" in t for t in tools)))
     blocks: list[tuple[str, str, str, bool]] = []  # (role, text, where, cache_control)

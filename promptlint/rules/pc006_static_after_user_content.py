@@ -21,7 +21,8 @@ Fix:
 
 import re
 
-from promptlint.analysis import finding, shown
+from promptlint.analysis import shown
+from promptlint.model import Finding
 
 CODE = "PC006"
 NAME = "static-after-user-content"
@@ -47,11 +48,16 @@ def check(doc, ctx):
             run = 0
             continue
         run += e.tokens
-        if _EXAMPLES.search(e.text) or run >= LONG_STATIC:
-            what = "few-shot examples" if _EXAMPLES.search(e.text) else f"{run} tokens of static instructions"
-            yield finding(
-                doc, e, CODE, SEVERITY,
+        m = _EXAMPLES.search(e.text)
+        if m or run >= LONG_STATIC:
+            what = "few-shot examples" if m else f"{run} tokens of static instructions"
+            line = e.line
+            if m and doc.kind == "template":  # template text keeps its newlines: point at the examples
+                line += e.text.count("\n", 0, m.start() + len(m.group()) - len(m.group().lstrip()))
+            yield Finding(
+                CODE, doc.display, line, 1,
                 f"{what} after the user's input {shown(user)} (line {user.line}) are prefilled on every "
                 "request; move them before the input",
+                SEVERITY,
             )
             return

@@ -29,13 +29,17 @@ FIXABLE = False
 
 def check(doc, ctx):
     first_dyn = None
+    late = []
     for e in doc.elements:
         if first_dyn is None and e.dyn in ("volatile", "per-user", "placeholder", "control"):
             first_dyn = e
         if e.breakpoint and first_dyn is not None:
-            yield finding(
-                doc, e, CODE, SEVERITY,
-                f"cache_control breakpoint caches a prefix that includes dynamic value {shown(first_dyn)} "
-                f"(line {first_dyn.line}); it is written on every request and rarely read. Put the "
-                "breakpoint before the first dynamic value",
-            )
+            late.append(e)
+    if late:
+        more = f" ({len(late) - 1} later breakpoint(s) likewise)" if len(late) > 1 else ""
+        yield finding(
+            doc, late[0], CODE, SEVERITY,
+            f"cache_control breakpoint caches a prefix that includes dynamic value {shown(first_dyn)} "
+            f"(line {first_dyn.line}), so it is written on every request and rarely read{more}; put the "
+            "breakpoint before the first dynamic value",
+        )
