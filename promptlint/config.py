@@ -58,8 +58,11 @@ def find_pyproject(start: Path) -> Path | None:
         if candidate.is_file():
             try:
                 data = tomllib.loads(candidate.read_text(encoding="utf-8"))
-            except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+            except OSError:
                 continue
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                # Like ruff: a broken pyproject.toml on the way up is an error, not silently skipped.
+                raise UsageError(f"invalid TOML in {candidate}: {exc}") from None
             if "promptlint" in data.get("tool", {}):
                 return candidate
     return None
