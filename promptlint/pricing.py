@@ -9,13 +9,20 @@ For each file, at ``volume`` requests per day over 30 days, with litellm's bundl
 
 ``left`` is what hoisting every static token ahead of the first dynamic value would add. Cache
 *write* premiums (Anthropic 1.25x) are not counted: a stable prefix is written once per TTL.
-litellm is imported here only, lazily: it takes seconds to import.
+Prices come from litellm's bundled cost map (what ``litellm.model_cost`` holds under
+``LITELLM_LOCAL_MODEL_COST_MAP=True``), read straight from the installed package's JSON file: importing
+litellm takes 5-15 s, too slow for a linter in CI. If that file is missing (a litellm that moved it),
+we fall back to importing litellm.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 from promptlint.errors import UsageError
 from promptlint.linter import Report
@@ -44,12 +51,28 @@ def cached_tokens(prefix: int, model: str) -> int:
     return prefix
 
 
+COST_MAP_FILE = "model_prices_and_context_window_backup.json"
+
+
+@lru_cache(maxsize=1)
+def cost_map() -> dict:
+    """litellm's bundled model cost map, without importing litellm (no network either way)."""
+    spec = importlib.util.find_spec("litellm")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / COST_MAP_FILE
+        if path.is_file():
+            return json.loads(path.read_text(encoding="utf-8"))
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    try:
+        import litellm
+    except ImportError:
+        raise UsageError("--volume needs litellm's price map; install litellm") from None
+    return litellm.model_cost
+
+
 def prices(model: str) -> tuple[float, float]:
     """(input, cache-read) USD per token from litellm's bundled cost map (no network)."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    info = litellm.model_cost.get(model)
+    info = cost_map().get(model)
     if info is None:
         raise UsageError(f"no price for model {model!r} in litellm's cost map; pass --model with a known name")
     p_in = info.get("input_cost_per_token")

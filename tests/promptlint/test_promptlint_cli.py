@@ -185,13 +185,19 @@ def test_inline_and_file_noqa(run_cli, tmp_path):
     assert by_file == {"b.j2": ["PC003", "PC003"]}
 
 
-def test_volume_estimates_money_from_litellm_prices(run_cli):
-    import litellm
+def _bundled_prices():
+    import importlib.util
 
+    spec = importlib.util.find_spec("litellm")
+    root = next(iter(spec.submodule_search_locations))
+    return json.loads((REPO.__class__(root) / "model_prices_and_context_window_backup.json").read_text())
+
+
+def test_volume_estimates_money_from_litellm_prices(run_cli):
     res = run_cli("check", str(FIXTURES / "PC007" / "good"), "--format", "json", "--volume", "10000")
     data = json.loads(res.out)
     s = data["savings"]
-    info = litellm.model_cost["gpt-4o"]
+    info = _bundled_prices()["gpt-4o"]
     assert s["input_price_per_token"] == info["input_cost_per_token"]
     assert s["cache_read_price_per_token"] == info["cache_read_input_token_cost"]
     prefix = data["files"][0]["prefix_tokens"]
@@ -214,3 +220,14 @@ def test_module_entry_point_sets_up_tiktoken_itself():
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["files"][0]["total_tokens"] > 700
+
+
+@pytest.mark.slow
+def test_bundled_price_file_is_what_litellm_loads():
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    import litellm  # 5-15 s: why promptlint reads the bundled file instead
+
+    from promptlint.pricing import cost_map
+
+    for model in ("gpt-4o", "gpt-4o-mini", "claude-sonnet-4-5"):
+        assert cost_map()[model]["input_cost_per_token"] == litellm.model_cost[model]["input_cost_per_token"]
