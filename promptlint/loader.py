@@ -37,10 +37,12 @@ class NotAPrompt(Exception):
 
 
 def display_path(path: Path) -> str:
-    try:
-        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
-        return path.as_posix()
+    """The path relative to the working directory when it lies below it, else as given."""
+    absolute = os.path.abspath(path)
+    cwd = os.getcwd()
+    if absolute.startswith(cwd + os.sep):
+        return Path(absolute[len(cwd) + 1 :]).as_posix()
+    return path.as_posix()
 
 
 def _gitignore_specs(start: Path) -> list[tuple[Path, pathspec.PathSpec]]:
@@ -84,29 +86,29 @@ def discover(paths: list[Path]) -> Iterator[tuple[Path, bool]]:
         if not root.exists():
             raise FileNotFoundError(str(root))
         if root.is_file():
-            if root.resolve() not in seen:
-                seen.add(root.resolve())
+            if root.absolute() not in seen:
+                seen.add(root.absolute())
                 yield root, True
             continue
-        specs = _gitignore_specs(root.resolve())
+        specs = _gitignore_specs(root.absolute())
         found: list[Path] = []
         for dirpath, dirnames, filenames in os.walk(root):
             d = Path(dirpath)
             local = d / ".gitignore"
-            if local.is_file() and d.resolve() != root.resolve():
-                specs = [*specs, (d.resolve(), _load_spec(local))]
+            if local.is_file() and d.absolute() != root.absolute():
+                specs = [*specs, (d.absolute(), _load_spec(local))]
             dirnames[:] = sorted(
                 n for n in dirnames
-                if n not in _SKIP_DIRS and not _ignored((d / n).resolve(), True, specs)
+                if n not in _SKIP_DIRS and not _ignored((d / n).absolute(), True, specs)
             )
             for name in filenames:
                 p = d / name
                 ext = p.suffix.lower()
-                if (ext in TEMPLATE_EXTS or ext in REQUEST_EXTS) and not _ignored(p.resolve(), False, specs):
+                if (ext in TEMPLATE_EXTS or ext in REQUEST_EXTS) and not _ignored(p.absolute(), False, specs):
                     found.append(p)
         for p in sorted(found):
-            if p.resolve() not in seen:
-                seen.add(p.resolve())
+            if p.absolute() not in seen:
+                seen.add(p.absolute())
                 yield p, False
 
 
@@ -194,8 +196,10 @@ def _load_template(path: Path, shown: str, raw: str, meta: dict[str, Any] | None
     syntax = str(meta.get("syntax", "auto"))
     if syntax not in ("auto", "jinja", "format", "dollar", "none"):
         raise _Invalid(f"front matter 'syntax' must be auto, jinja, format, dollar or none, not {syntax!r}")
-    if ext in JINJA_EXTS or syntax == "jinja" or "{%" in body:
+    if "{%" in body or "{#" in body:
         _check_jinja(body, body_line)
+    elif ext in JINJA_EXTS or syntax == "jinja":
+        _check_expressions(body, body_line)
     classes, _ = _var_classes(meta)
     role = str(meta.get("role", "system"))
     elements = split_text(body, role, LineIndex(body, body_line), syntax, classes)
@@ -206,6 +210,22 @@ def _load_template(path: Path, shown: str, raw: str, meta: dict[str, Any] | None
 
 
 _JINJA_ENV = None
+
+
+def _check_expressions(body: str, body_line: int) -> None:
+    """Cheap check for templates with only ``{{ }}`` expressions: every one is closed.
+
+    A full Jinja parse costs ~2 ms a file (most of the linter's time on expression-only templates),
+    so it is kept for templates with statements or comments, where nesting errors happen.
+    """
+    pos = 0
+    while (start := body.find("{{", pos)) >= 0:
+        end = body.find("}}", start + 2)
+        nxt = body.find("{{", start + 2)
+        if end < 0 or (0 <= nxt < end):
+            line = body_line + body.count("\n", 0, start)
+            raise _Invalid("invalid Jinja2 template: '{{' is not closed by '}}'", line)
+        pos = end + 2
 
 
 def _check_jinja(body: str, body_line: int) -> None:
@@ -306,18 +326,23 @@ def _request_doc(path: Path, shown: str, raw: str, body: dict[str, Any], ext: st
         for j, (text, cc) in enumerate(parts):
             last_part = j == len(parts) - 1
             blocks.append((m["role"], text, f"messages[{i}]", cc or (last_part and "cache_control" in m)))
+    lines = []
+    for _, text, _, _ in blocks:
+        line, cursor = _locate(raw, text, cursor, ext)
+        lines.append(line)
+    split = [
+        split_text(text, role, _line_index_for(text, line, ext), "auto", classes)
+        for (role, text, _, _), line in zip(blocks, lines)
+    ]
     # A file whose messages hold template variables is a request template: its variables are the
     # dynamic parts. Otherwise it is a sample request, whose last user message is the input.
-    split = [split_text(text, role, LineIndex(text), "auto", classes) for role, text, _, _ in blocks]
     has_placeholders = any(e.dyn is not None and not e.literal for parts in split for e in parts)
     last_user = max((k for k, b in enumerate(blocks) if b[0] == "user"), default=None)
-    for k, (role, text, _where, cc) in enumerate(blocks):
-        line, cursor = _locate(raw, text, cursor, ext)
+    for k, ((role, text, _where, cc), line, parts) in enumerate(zip(blocks, lines, split)):
         if not has_placeholders and k == last_user:
             # A sample request: its last user message is the per-request input.
             elements.append(Element(text, role, line, 1, dyn="input", name="last user message", breakpoint=cc))
             continue
-        parts = split_text(text, role, _line_index_for(text, line, ext), "auto", classes)
         if not parts:
             parts = [Element("", role, line)]
         parts[-1].breakpoint = cc

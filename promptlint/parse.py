@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 
-from promptlint.canon import find_dynamic_spans, per_user_line_pattern
+from promptlint.canon import DIGITS, find_any, find_dynamic_spans, lines_with, per_user_line_pattern
 from promptlint.model import DynClass, Element
 
 # Variable-name vocabularies; matched against the name's words (split on _ . - and camelCase).
@@ -68,7 +68,7 @@ _PLACEHOLDER_RE = re.compile(
     r"|\{\{-?\s*(?P<jexpr>.*?)\s*-?\}\}"
     r"|\{%-?\s*(?P<jstmt>\w+)(?P<jrest>.*?)-?%\}"
     r"|\$\{(?P<dbrace>[A-Za-z_]\w*)\}|\$(?P<dollar>[A-Za-z_]\w*)"
-    r"|(?<!\{)\{(?P<fmt>[A-Za-z_][\w.]*(?:\[[^\]{}\n]*\])?)(?:![rsa])?(?::[^{}\n]*)?\}(?!\})",
+    r"|\{(?<!\{\{)(?P<fmt>[A-Za-z_][\w.]*(?:\[[^\]{}\n]*\])?)(?:![rsa])?(?::[^{}\n]*)?\}(?!\})",
     re.DOTALL,
 )
 _SYNTAX_GROUPS = {
@@ -79,6 +79,7 @@ _SYNTAX_GROUPS = {
 # Jinja statements after which the rendered text depends on data.
 _CONTROL_STATEMENTS = {"if", "elif", "else", "for", "include", "call", "macro", "import", "from", "extends"}
 _IDENT = re.compile(r"[A-Za-z_]\w*")
+_NEWLINE = re.compile(r"\n")
 
 
 def _placeholder(m: re.Match[str]) -> tuple[DynClass, str] | None:
@@ -100,6 +101,19 @@ def _placeholder(m: re.Match[str]) -> tuple[DynClass, str] | None:
     return classify_name(name), name
 
 
+def _placeholders(text: str):
+    """``_PLACEHOLDER_RE.finditer(text)``, but only tried where a ``{`` or ``$`` is: every placeholder
+    starts with one, and a regex alternation scans slowly through the long static text between."""
+    pos = 0
+    while (i := find_any(text, "{$", pos)) >= 0:
+        m = _PLACEHOLDER_RE.match(text, i)
+        if m is None:
+            pos = i + 1
+        else:
+            yield m
+            pos = max(m.end(), i + 1)
+
+
 def _style(m: re.Match[str]) -> str:
     for group in ("jcomment", "jexpr", "jstmt", "dbrace", "dollar", "fmt"):
         if m.group(group) is not None:
@@ -111,7 +125,7 @@ class LineIndex:
     """Offset -> (line, column) for a text, 1-based, given the line its first character is on."""
 
     def __init__(self, text: str, first_line: int = 1) -> None:
-        self._starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n"]
+        self._starts = [0] + [m.end() for m in _NEWLINE.finditer(text)]
         self._first = first_line
 
     def at(self, offset: int) -> tuple[int, int]:
@@ -134,7 +148,7 @@ def split_text(
     """
     allowed = None if syntax == "auto" else _SYNTAX_GROUPS.get(syntax, set())
     cuts: list[tuple[int, int, DynClass, str, bool]] = []
-    for m in _PLACEHOLDER_RE.finditer(text):
+    for m in _placeholders(text):
         if allowed is not None and _style(m) not in allowed:
             continue
         got = _placeholder(m)
@@ -147,9 +161,11 @@ def split_text(
         cuts.append((m.start(), m.end(), cls, name, False))
     # Literal per-user lines and dynamic values live in the static stretches between placeholders.
     literal: list[tuple[int, int, DynClass, str, bool]] = []
-    if _has_colon_or_digit(text):
-        for m in _PER_USER_LINE.finditer(text):
-            literal.append((m.start("value"), m.end("value"), "per-user", m.group("key"), True))
+    if find_any(text, ":=" + DIGITS) >= 0:
+        for base, line in lines_with(":=", text):
+            m = _PER_USER_LINE.match(line)
+            if m is not None:
+                literal.append((base + m.start("value"), base + m.end("value"), "per-user", m.group("key"), True))
         for s in find_dynamic_spans(text):
             literal.append((s.start, s.end, "volatile", s.kind, True))
     if literal:
@@ -168,10 +184,6 @@ def split_text(
         line, col = lines.at(offset + pos)
         elements.append(Element(text[pos:], role, line, col))
     return elements
-
-
-def _has_colon_or_digit(text: str) -> bool:
-    return ":" in text or "=" in text or any(c.isdigit() for c in text)
 
 
 def _merge_cuts(placeholders, literal):

@@ -38,13 +38,22 @@ _TOOLS_BLOCK = re.compile(
 )
 
 
+_HINTS = ("parameters", "properties", "schema", "tools", "functions", "tool_definitions")
+
+
+def _maybe_tools(text: str) -> bool:
+    # Substring tests are far cheaper than the regex; most static text has none of these words.
+    lower = text.lower()
+    return any(h in lower for h in _HINTS)
+
+
 def check(doc, ctx):
     first = doc.first_dynamic
     if first is None:
         return
     cut = doc.elements[first]
     for e in doc.elements[first + 1 :]:
-        m = _TOOLS_BLOCK.search(e.text) if e.dyn is None else None
+        m = _TOOLS_BLOCK.search(e.text) if e.dyn is None and _maybe_tools(e.text) else None
         if m is None:
             continue
         # Template text keeps its newlines; a JSON string sits on one physical line.
