@@ -40,11 +40,16 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--fix", action="store_true", help="apply safe fixes and list what changed")
     check.add_argument("--config", type=Path, default=None, help="a pyproject.toml to read [tool.promptlint] from")
     check.add_argument("--output", "-o", type=Path, default=None, help="write the report to FILE")
+    check.add_argument("--skip-non-prompts", action="store_true",
+                       help="skip named .json/.yaml files that are not prompts instead of reporting PC000 "
+                       "(for pre-commit, which names every staged file)")
     check.set_defaults(func=_check)
     rule = sub.add_parser("rule", help="print a rule's documentation")
     rule.add_argument("code", metavar="CODE")
     rule.set_defaults(func=_rule)
     rules = sub.add_parser("rules", help="list every rule")
+    rules.add_argument("--format", choices=("text", "markdown"), default="text",
+                       help="markdown: the table in docs/promptlint.md")
     rules.set_defaults(func=_rules)
     return parser
 
@@ -61,7 +66,7 @@ def _check(args: argparse.Namespace) -> int:
     if args.volume is not None and args.volume < 0:
         raise UsageError("--volume must be a non-negative number of requests per day")
     config = load_config(args.config)
-    report = lint(args.paths, config, args.model)
+    report = lint(args.paths, config, args.model, args.skip_non_prompts)
     if args.fix:
         changes = [(r.path, fix_file(r)) for r in report.files]
         changes = [(p, c) for p, c in changes if c]
@@ -69,7 +74,7 @@ def _check(args: argparse.Namespace) -> int:
             print(f"fixed {path}: {', '.join(what)}", file=sys.stderr)
         if not changes:
             print("nothing to fix", file=sys.stderr)
-        report = lint(args.paths, config, args.model)  # report what is left
+        report = lint(args.paths, config, args.model, args.skip_non_prompts)  # report what is left
     savings = estimate(report, args.volume) if args.volume is not None else None
     fail_under = args.fail_under if args.fail_under is not None else config.fail_under
     text = render(report, args.format, savings, fail_under)
@@ -103,6 +108,11 @@ def _rule(args: argparse.Namespace) -> int:
 def _rules(args: argparse.Namespace) -> int:
     from promptlint.rules import all_rules
 
+    if args.format == "markdown":
+        print("| code | name | severity | fix | what it finds |\n|---|---|---|---|---|")
+        for r in all_rules().values():
+            print(f"| {r.code} | `{r.name}` | {r.severity} | {'yes' if r.fixable else ''} | {r.summary} |")
+        return 0
     for r in all_rules().values():
         print(f"{r.code}  {r.name:<32} {r.severity:<8} {r.summary}")
     return 0

@@ -90,8 +90,11 @@ def _keep(f: Finding, raw: str | None, path: Path, config: Config, cache: dict) 
     return True
 
 
-def lint(paths: list[Path], config: Config, model: str | None = None) -> Report:
-    """Lint files and directories. Raises UsageError if a named path does not exist."""
+def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_prompts: bool = False) -> Report:
+    """Lint files and directories. Raises UsageError if a named path does not exist.
+
+    ``skip_non_prompts``: treat named data files like walked ones (a non-prompt is skipped, not PC000).
+    """
     ctx = LintContext.for_model(model or config.model)
     results: list[FileResult] = []
     try:
@@ -101,7 +104,7 @@ def lint(paths: list[Path], config: Config, model: str | None = None) -> Report:
     rules = [r for r in all_rules().values() if config.enabled(r.code)]
     docs: list[PromptDoc] = []
     for path, named in found:
-        loaded = load(path, named)
+        loaded = load(path, named and not skip_non_prompts)
         if loaded is None:
             continue
         if isinstance(loaded, Finding):

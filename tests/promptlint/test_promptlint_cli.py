@@ -25,7 +25,7 @@ EXPECTED_EXAMPLE_CODES = {
     "examples/prompts/support/billing.txt": ["PC008"],
     "examples/prompts/support/security.txt": ["PC008"],
     "examples/prompts/support/storage.txt": ["PC008"],
-    "examples/prompts/support/system_personalized.txt": ["PC001", "PC002", "PC003", "PC003", "PC008"],
+    "examples/prompts/support/system_personalized.txt": ["PC001", "PC002", "PC003", "PC003", "PC007", "PC008"],
     "examples/prompts/support_system_good.txt": [],
 }
 UPDATE = os.environ.get("PROMPTLINT_UPDATE_GOLDEN") == "1"
