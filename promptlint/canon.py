@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 CanonMode = Literal["off", "safe", "reorder"]
@@ -150,7 +151,13 @@ def per_user_line_pattern(names: Sequence[str]) -> re.Pattern[str] | None:
 
     ``user_name`` also matches ``User name:`` and ``user-name:`` (case-insensitive); bullets are
     allowed. Group ``key`` is the variable as written, ``value`` its value. ``None`` for no names.
+    Compiled patterns are cached per tuple of names.
     """
+    return _per_user_line_pattern(tuple(names))
+
+
+@lru_cache(maxsize=64)  # the gateway passes the same tenant variables on every request
+def _per_user_line_pattern(names: tuple[str, ...]) -> re.Pattern[str] | None:
     alts = []
     for name in names:
         words = [re.escape(w) for w in re.split(r"[\s_\-]+", name.strip()) if w]
@@ -238,7 +245,7 @@ def _sort_tools(body: dict, applied: list[str]) -> None:
     for field in ("tools", "functions"):
         tools = body.get(field)
         if isinstance(tools, list) and len(tools) > 1:
-            # Stable sort: tools without a name keep their relative order, after... nothing, at "".
+            # Stable sort: tools without a name sort first, in their original order.
             ordered = sorted(tools, key=tool_name)
             if [id(t) for t in ordered] != [id(t) for t in tools]:
                 body[field] = ordered
@@ -376,7 +383,11 @@ def _move_dynamic(body: dict, per_user_vars: Sequence[str], applied: list[str]) 
                     kinds += k
     if not moved_lines:
         return
+    # A system message that held nothing but dynamic lines would be sent empty: drop it.
+    kept = [m for m in messages[:last_user] if not (
+        isinstance(m, dict) and m.get("role") in ("system", "developer") and m.get("content") in ("", [])
+    )]
     context = {"role": "system", "content": CONTEXT_HEADER + "\n" + "\n".join(moved_lines)}
-    messages.insert(last_user, context)
+    messages[:] = kept + [context] + messages[last_user:]
     for kind in dict.fromkeys(kinds):
         applied.append(f"dynamic-moved:{kind}")

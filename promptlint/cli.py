@@ -68,13 +68,20 @@ def _check(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     report = lint(args.paths, config, args.model, args.skip_non_prompts)
     if args.fix:
-        changes = [(r.path, fix_file(r)) for r in report.files]
-        changes = [(p, c) for p, c in changes if c]
-        for path, what in changes:
-            print(f"fixed {path}: {', '.join(what)}", file=sys.stderr)
-        if not changes:
+        fixed_any = False
+        for r in report.files:
+            what = fix_file(r)
+            done = [w for w in what if not w.startswith("not fixed")]
+            if done:
+                fixed_any = True
+                print(f"fixed {r.path}: {', '.join(done)}", file=sys.stderr)
+            for note in (w for w in what if w.startswith("not fixed")):
+                print(f"{r.path}: {note}", file=sys.stderr)
+        if not fixed_any:
             print("nothing to fix", file=sys.stderr)
         report = lint(args.paths, config, args.model, args.skip_non_prompts)  # report what is left
+    if not report.files:
+        print("promptlint: warning: no prompt files found", file=sys.stderr)
     savings = estimate(report, args.volume) if args.volume is not None else None
     fail_under = args.fail_under if args.fail_under is not None else config.fail_under
     text = render(report, args.format, savings, fail_under)

@@ -4,6 +4,7 @@
     model = "gpt-4o"                 # tokenizer, cache minimum and prices
     select = ["PC"]                  # codes or prefixes; default: all
     ignore = ["PC008"]
+    exclude = ["prompts/README.md"]  # skipped when walking directories
     fail-under = 80                  # exit 1 when the overall score is lower
     [tool.promptlint.per-file-ignores]
     "prompts/legacy/**" = ["PC001", "PC002"]
@@ -25,7 +26,7 @@ from promptlint.errors import UsageError
 from promptlint.rules import all_rules
 from promptlint.tokens import DEFAULT_MODEL
 
-_KEYS = {"select", "ignore", "per-file-ignores", "fail-under", "model"}
+_KEYS = {"select", "ignore", "per-file-ignores", "fail-under", "model", "exclude"}
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,27 @@ class Config:
     per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
     fail_under: float | None = None
     model: str = DEFAULT_MODEL
+    exclude: tuple[str, ...] = ()  # gitignore-style patterns: files skipped when walking directories
     root: Path = field(default_factory=Path.cwd)  # per-file-ignores patterns are relative to it
 
     def enabled(self, code: str) -> bool:
         selected = not self.select or any(code.startswith(p) for p in self.select)
         return selected and not any(code.startswith(p) for p in self.ignore)
 
+    def _relative(self, path: Path) -> str:
+        try:
+            return path.absolute().relative_to(self.root.absolute()).as_posix()
+        except ValueError:
+            return path.as_posix()
+
+    def excluded(self, path: Path) -> bool:
+        rel = self._relative(path) if self.exclude else ""
+        return any(_spec(p).match_file(rel) for p in self.exclude)
+
     def ignored_in_file(self, code: str, path: Path) -> bool:
         if not self.per_file_ignores:
             return False
-        try:
-            rel = path.absolute().relative_to(self.root.absolute()).as_posix()
-        except ValueError:
-            rel = path.as_posix()
+        rel = self._relative(path)
         for pattern, codes in self.per_file_ignores:
             if any(code.startswith(c) for c in codes) and _spec(pattern).match_file(rel):
                 return True
@@ -116,6 +125,9 @@ def load_config(path: Path | None = None, start: Path | None = None) -> Config:
     model = table.get("model", DEFAULT_MODEL)
     if not isinstance(model, str) or not model:
         raise UsageError(f"{path}: [tool.promptlint] model must be a model name string")
+    exclude = table.get("exclude", [])
+    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
+        raise UsageError(f"{path}: [tool.promptlint] exclude must be a list of glob patterns")
     pfi = table.get("per-file-ignores", {})
     if not isinstance(pfi, dict):
         raise UsageError(f"{path}: [tool.promptlint] per-file-ignores must be a table of glob = [codes]")
@@ -125,5 +137,6 @@ def load_config(path: Path | None = None, start: Path | None = None) -> Config:
         per_file_ignores=tuple((str(k), _codes(v, f"per-file-ignores.{k!r}")) for k, v in pfi.items()),
         fail_under=None if fail_under is None else float(fail_under),
         model=model,
+        exclude=tuple(exclude),
         root=path.parent,
     )

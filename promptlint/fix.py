@@ -20,6 +20,7 @@ import yaml
 
 from promptlint.canon import canonicalize
 from promptlint.linter import FileResult
+from promptlint.loader import REQUEST_EXTS
 
 _MOVE_CODES = {"PC001", "PC002", "PC003"}
 _YAML_COMMENT = re.compile(r"^\s*#|\s#", re.MULTILINE)
@@ -63,6 +64,9 @@ def _fix_template(result: FileResult, lines_to_move: set[int]) -> list[str]:
     assert doc is not None
     if not lines_to_move:
         return []
+    if doc.path.suffix.lower() in REQUEST_EXTS:
+        # The template is a string inside YAML/JSON: moving raw lines could break the document.
+        return ["not fixed: move the marked lines by hand in a YAML/JSON template"]
     all_lines = doc.raw.split("\n")
     head, body = all_lines[: doc.body_line - 1], all_lines[doc.body_line - 1 :]
     idx = sorted(n - doc.body_line for n in lines_to_move if 0 <= n - doc.body_line < len(body))

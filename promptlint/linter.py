@@ -16,7 +16,7 @@ from pathlib import Path
 from promptlint.analysis import LintContext, measure
 from promptlint.config import Config
 from promptlint.errors import UsageError
-from promptlint.loader import discover, display_path, load
+from promptlint.loader import discover, load
 from promptlint.model import Finding, PromptDoc
 from promptlint.rules import all_rules
 
@@ -104,6 +104,8 @@ def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_p
     rules = [r for r in all_rules().values() if config.enabled(r.code)]
     docs: list[PromptDoc] = []
     for path, named in found:
+        if not named and config.excluded(path):
+            continue
         loaded = load(path, named and not skip_non_prompts)
         if loaded is None:
             continue
@@ -127,6 +129,3 @@ def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_p
     results.sort(key=lambda r: r.path)
     return Report(results, ctx.model, ctx.counter.encoding)
 
-
-def display(path: Path) -> str:
-    return display_path(path)

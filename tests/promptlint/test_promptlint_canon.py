@@ -182,3 +182,11 @@ def test_detectors_find_each_kind(text, kind):
 )
 def test_detectors_leave_static_text_alone(text):
     assert find_dynamic_spans(text) == []
+
+
+def test_reorder_drops_a_system_message_left_empty():
+    body = {"messages": [{"role": "system", "content": "Now: 2026-11-29T10:00:00Z"}, {"role": "user", "content": "hi"}]}
+    res = canonicalize(body, "reorder")
+    assert [m["role"] for m in res.body["messages"]] == ["system", "user"]
+    assert res.body["messages"][0]["content"].startswith(CONTEXT_HEADER)
+    assert canonicalize(res.body, "reorder").body == res.body

@@ -115,6 +115,9 @@ def test_exit_codes(run_cli, tmp_path):
     assert run_cli("check", str(good), "--format", "xml").code == 2
     assert run_cli("check", str(good), "--fail-under", "150").code == 2
     assert run_cli().code == 2
+    (tmp_path / "empty").mkdir()
+    res = run_cli("check", str(tmp_path / "empty"))
+    assert res.code == 0 and "no prompt files found" in res.err
 
 
 def test_text_output_lists_findings_and_scores(run_cli):
@@ -144,6 +147,12 @@ def test_config_select_ignore_and_per_file_ignores(run_cli, tmp_path):
     (tmp_path / "pyproject.toml").write_text(
         '[tool.promptlint]\n[tool.promptlint.per-file-ignores]\n"prompts/PC001_*" = ["PC001"]\n')
     assert _codes(run_cli("check", "prompts", "--format", "json", cwd=tmp_path)) == ["PC002"]
+    (tmp_path / "pyproject.toml").write_text('[tool.promptlint]\nexclude = ["prompts/PC002_*"]\n')
+    assert _codes(run_cli("check", "prompts", "--format", "json", cwd=tmp_path)) == ["PC001"]
+    # a named file is linted even when excluded (like ruff without --force-exclude)
+    assert _codes(run_cli("check", "prompts/PC002_bad.md", "--format", "json", cwd=tmp_path)) == ["PC002"]
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.promptlint]\n[tool.promptlint.per-file-ignores]\n"prompts/PC001_*" = ["PC001"]\n')
     # config is found from a subdirectory too
     assert _codes(run_cli("check", ".", "--format", "json", cwd=tmp_path / "prompts")) == ["PC002"]
 
