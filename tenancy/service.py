@@ -199,6 +199,26 @@ class TenancyService:
                 raise
         _fsync_dir(kek_path(self.home).parent)
 
+    def _kek_for_wrapping(self) -> KeyEncryptionKey:
+        """The KEK to wrap a new data key with; call inside a write transaction.
+
+        Another process may have rotated the KEK since this one loaded it; wrapping under the old
+        one would store a data key nobody else can unwrap, so re-read it when the fingerprint moved.
+        """
+        stored = store.get_meta(self._db, _KEK_FINGERPRINT)
+        if stored == self._kek.fingerprint:
+            return self._kek
+        candidates = [KeyEncryptionKey.load(self.home)]
+        pending = self._pending_kek_path()
+        if candidates[0].source != "env" and pending.exists():  # rotation committed, file not yet renamed
+            candidates.append(KeyEncryptionKey(read_secret_file(pending, what="pending KEK"),
+                                               source=str(kek_path(self.home))))
+        for kek in candidates:
+            if kek.fingerprint == stored:
+                self._kek = kek
+                return kek
+        raise KeyMaterialError(f"no available KEK matches this database's (fingerprint {stored})")
+
     def rotate_kek(self) -> RotationResult:
         """Re-wrap every data key under a fresh KEK. KV blobs stay valid (data keys do not change).
 
@@ -242,8 +262,10 @@ class TenancyService:
                 return cipher
             wrapped = store.get_wrapped_key(self._db, owner)
             if wrapped is None:
-                store.insert_wrapped_key_if_absent(self._db, owner, self._kek.wrap(new_data_key(), owner))
-                wrapped = store.get_wrapped_key(self._db, owner)
+                with dbmod.write_transaction(self._db):
+                    kek = self._kek_for_wrapping()
+                    store.insert_wrapped_key_if_absent(self._db, owner, kek.wrap(new_data_key(), owner))
+                    wrapped = store.get_wrapped_key(self._db, owner)
                 assert wrapped is not None
             try:
                 data_key = self._kek.unwrap(wrapped, owner)
@@ -438,7 +460,8 @@ class TenancyService:
             store.insert_key(self._db, tenant_id, key_id, keymod.hash_key(self._pepper, api_key))
             share_scope = settings.get("share_scope", "tenant")
             owner = data_key_owner(tenant_id, share_scope)
-            store.insert_wrapped_key_if_absent(self._db, owner, self._kek.wrap(new_data_key(), owner))
+            kek = self._kek_for_wrapping()
+            store.insert_wrapped_key_if_absent(self._db, owner, kek.wrap(new_data_key(), owner))
         return CreatedTenant(tenant_id=tenant_id, name=name, api_key=api_key, key_id=key_id)
 
     def get_tenant_by_name(self, name: str) -> TenantInfo | None:

@@ -197,6 +197,20 @@ def test_a_second_concurrent_rotation_fails_cleanly_and_nothing_is_lost(home: Pa
         again.rotate_kek()  # a fresh process rotates fine
 
 
+def test_a_process_with_a_stale_kek_wraps_new_data_keys_under_the_current_one(home: Path) -> None:
+    gateway, cli = TenancyService.open(home), TenancyService.open(home)
+    try:
+        cli.rotate_kek()
+        created = gateway.create_tenant("late")  # the gateway still holds the pre-rotation KEK
+        ctx = gateway.authenticate(created.api_key)
+        blob = ctx.cipher.encrypt(b"w", AAD)
+    finally:
+        gateway.close()
+        cli.close()
+    with TenancyService.open(home) as fresh:  # only the current KEK on disk: the key must unwrap
+        assert fresh.authenticate(created.api_key).cipher.decrypt(blob, AAD) == b"w"
+
+
 def test_processes_starting_together_on_a_fresh_home_agree_on_one_kek(home: Path) -> None:
     services: list[TenancyService] = []
     errors: list[BaseException] = []
