@@ -126,6 +126,7 @@ def test_report_formats(capsys, home: Path, tmp_path: Path) -> None:
     code, out, _ = run(capsys, *h, "report", "--format", "json")
     rep = json.loads(out)
     assert code == 0 and rep["totals"]["requests"] == 10 and rep["totals"]["cached_tokens"] == 2 * (0 + 20 + 40 + 60 + 80)
+    assert json.loads(run(capsys, *h, "report", "--json")[1])["totals"] == rep["totals"]
     code, out, _ = run(capsys, *h, "report", "--tenant", "a", "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(out)))
     assert [(r["tenant"], r["requests"]) for r in rows] == [("a", "5")]
