@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from engine.protocol import EngineClient, EngineError, GenerateRequest, RequestOutput, SamplingParams
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics, LiveStats
@@ -242,12 +244,15 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
                     finished.add(i)
                 yield i, item
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for i, gr in enumerate(prep.requests):
-                if i not in finished:
-                    await asyncio.shield(client.abort(gr.request_id))
+            # Shielded: under a cancelled anyio scope (client gone) every await would re-raise, and
+            # the abort must still reach the engine to free the request's KV blocks.
+            with anyio.CancelScope(shield=True):
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for i, gr in enumerate(prep.requests):
+                    if i not in finished:
+                        await client.abort(gr.request_id)
 
 
 class Accounting:

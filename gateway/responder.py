@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -47,11 +48,14 @@ async def respond(prep: Prepared, router: Router, acct: Accounting, request: Req
 async def _stream(prep: Prepared, router: Router, acct: Accounting, fmt: Any) -> AsyncIterator[bytes]:
     status = "aborted"  # if the client leaves, the generator is cancelled before status changes
     try:
-        async for i, out in run_choices(prep, router):
-            _check(out)
-            acct.observe(i, out)
-            for chunk in fmt.chunks(i, out):
-                yield _sse(chunk)
+        # aclosing: leaving early (disconnect, error) must close run_choices now, which aborts the
+        # engine requests, before the ledger row is written below.
+        async with aclosing(run_choices(prep, router)) as outputs:
+            async for i, out in outputs:
+                _check(out)
+                acct.observe(i, out)
+                for chunk in fmt.chunks(i, out):
+                    yield _sse(chunk)
         if prep.include_usage:
             yield _sse(fmt.usage_chunk(acct.usage_dict()))
         status = "ok"
@@ -76,10 +80,11 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: Any, req
     acc = ChoiceText()
 
     async def collect() -> None:
-        async for i, out in run_choices(prep, router):
-            _check(out)
-            acct.observe(i, out)
-            acc.add(i, out)
+        async with aclosing(run_choices(prep, router)) as outputs:
+            async for i, out in outputs:
+                _check(out)
+                acct.observe(i, out)
+                acc.add(i, out)
 
     work = asyncio.create_task(collect())
     gone = asyncio.create_task(_wait_disconnect(request))
