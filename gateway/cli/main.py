@@ -76,4 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this __main__ copy: subcommand modules raise
+    # gateway.cli.main.CLIError, which is a different class from __main__.CLIError.
+    from gateway.cli.main import main as _main
+
+    sys.exit(_main())
