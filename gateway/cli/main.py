@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main, not this __main__ copy: subcommand modules raise
-    # gateway.cli.main.CLIError, which is a different class from __main__.CLIError.
-    from gateway.cli.main import main as _main
+    # Under `python -m`, this file runs as __main__ while subcommands raise
+    # gateway.cli.main.CLIError, a different class object; dispatch through the package module.
+    from gateway.cli.main import main as package_main
 
-    sys.exit(_main())
+    sys.exit(package_main())
