@@ -75,19 +75,12 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 def ensure_tiny_model(home: Path) -> Path:
     """The tiny default checkpoint under ``home/models/tiny``, built (seeded, offline) if missing."""
-    out = home / "models" / "tiny"
-    if (out / "config.json").exists():
-        return out
-    try:
-        import engine.launch as launch
-    except ImportError as exc:
-        raise CLIError(f"cannot build the tiny model: the engine is not installed ({exc})") from None
-    build = getattr(launch, "build_tiny_checkpoint", None)
-    if build is None:
-        raise CLIError("cannot build the tiny model: engine.launch has no build_tiny_checkpoint")
-    print(f"building the tiny default model in {out} ...", flush=True)
-    build(out, seed=0)
-    return out
+    from engine.launch import default_tiny_dir
+    from engine.launch import ensure_tiny_model as ensure
+
+    if not (default_tiny_dir(home) / "config.json").exists():
+        print(f"building the tiny default model in {default_tiny_dir(home)} ...", flush=True)
+    return ensure(home)
 
 
 def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
