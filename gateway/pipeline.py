@@ -107,6 +107,19 @@ def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) ->
             raise invalid_request("best_of is not supported by this model", param="best_of")
 
 
+def _count_tokens(engine: EngineClient, request: GenerateRequest, kind: str) -> int:
+    """Tokenize through the engine's chat template; a prompt it cannot render is the client's error."""
+    try:
+        return engine.count_prompt_tokens(request)
+    except EngineError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - template/tokenizer errors carry the useful message
+        raise invalid_request(
+            f"the model's chat template could not render this request: {exc}",
+            param="messages" if kind == "chat" else "prompt",
+        ) from None
+
+
 def prepare(
     kind: str,
     req: ChatCompletionRequest | CompletionRequest,
@@ -155,7 +168,7 @@ def prepare(
         probe = SamplingParams(max_tokens=1)
         for inp in inputs:
             gr = GenerateRequest(request_id=request_id, tenant=scoped, sampling=probe, model=backend.target_model, **inp)
-            prompt_counts.append(engine.count_prompt_tokens(gr))
+            prompt_counts.append(_count_tokens(engine, gr, kind))
     longest = max(prompt_counts, default=0)
     if max_len:
         room = max_len - longest

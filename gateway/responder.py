@@ -33,6 +33,10 @@ class OutputError(EngineError):
 def _check(out: Any) -> None:
     if out.finish_reason == "error" or out.error:
         raise OutputError(out.error or "the engine failed while generating")
+    if out.finish_reason == "abort":  # only the engine aborts on its own (e.g. shutting down)
+        exc = OutputError("the engine stopped this request (it is shutting down); retry")
+        exc.status, exc.code = 503, "engine_unavailable"
+        raise exc
 
 
 async def respond(prep: Prepared, router: Router, acct: Accounting, request: Request) -> Any:
