@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.protocol import EngineClient
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.metrics import GatewayMetrics, LiveStats
-from gateway.ports import TenancyPort, open_tenancy
+from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
 from gateway.routes import completions, dashboard, internal, models, ops, usage
 from gateway.routing import Backend, Route, Router
@@ -86,9 +86,8 @@ def build_router(settings: GatewaySettings) -> Router:
 def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> EngineClient | None:
     if settings.model_dir is None:
         return None
-    from engine.launch import build_engine
-
     from engine.config import EngineConfig
+    from engine.launch import build_engine
 
     config = EngineConfig(
         model_dir=settings.model_dir, device=settings.device, num_kv_blocks=settings.kv_blocks,
@@ -157,6 +156,11 @@ def create_app(
     app.state.live_stats = LiveStats()
     app.state.router = build_router(settings)
     install_error_handlers(app)
+
+    @app.exception_handler(TenancyError)
+    async def _tenancy(_: Any, exc: TenancyError) -> Any:
+        return tenancy_error(exc).response()
+
     for module in (completions, models, usage, ops, dashboard, internal):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)

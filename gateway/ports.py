@@ -16,13 +16,19 @@ from typing import Any, Protocol
 from gateway.errors import OpenAIError
 
 try:  # the tenancy team's exceptions, when present, so real and fake tenancy raise the same types
-    from tenancy.service import AuthenticationError, QuotaExceededError
+    from tenancy.service import AuthenticationError, QuotaExceededError, TenancyError
 except ImportError:  # pragma: no cover - only before tenancy lands
 
-    class AuthenticationError(Exception):  # type: ignore[no-redef]
+    class TenancyError(Exception):  # type: ignore[no-redef]
+        """Base of tenancy's errors; carries ``status`` and ``code``."""
+
+        status = 400
+        code = "tenancy_error"
+
+    class AuthenticationError(TenancyError):  # type: ignore[no-redef]
         """The API key is missing, unknown or revoked."""
 
-    class QuotaExceededError(Exception):  # type: ignore[no-redef]
+    class QuotaExceededError(TenancyError):  # type: ignore[no-redef]
         """A rate limit, token limit or budget is exhausted."""
 
         def __init__(self, kind: str, message: str, retry_after_s: float | None = None) -> None:
@@ -100,18 +106,29 @@ def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0) -> Any:
 def quota_error(exc: Exception) -> OpenAIError:
     """Map ``QuotaExceededError`` to a 429 the openai SDK understands.
 
-    A rate limit is retried by the SDK (``retry-after``); an exhausted budget or token allowance
-    is not (``insufficient_quota`` with ``x-should-retry: false``), as OpenAI does.
+    A rate or token-rate limit that waiting can cure is retried by the SDK (``retry-after``). An
+    exhausted budget (``insufficient_quota``), or a request too large for the quota on its own
+    (no ``retry_after_s``), says ``x-should-retry: false`` so the SDK does not retry, as OpenAI does.
     """
     kind = getattr(exc, "kind", "rate")
     message = getattr(exc, "message", None) or str(exc)
     retry = getattr(exc, "retry_after_s", None)
-    if kind == "rate":
-        headers = {"retry-after": str(max(1, int(round(retry or 1))))}
-        return OpenAIError(429, message, code="rate_limit_exceeded", type="requests", headers=headers)
-    return OpenAIError(
-        429, message, code="insufficient_quota", type="insufficient_quota", headers={"x-should-retry": "false"}
-    )
+    if kind == "budget":
+        return OpenAIError(429, message, code="insufficient_quota", type="insufficient_quota",
+                           headers={"x-should-retry": "false"})
+    if retry is None:
+        return OpenAIError(429, message, code="rate_limit_exceeded", type="requests",
+                           headers={"x-should-retry": "false"})
+    headers = {"retry-after": str(max(1, int(round(retry))))}
+    return OpenAIError(429, message, code="rate_limit_exceeded", type="requests", headers=headers)
+
+
+def tenancy_error(exc: Exception) -> OpenAIError:
+    """Any other tenancy error: it carries its own HTTP ``status`` and OpenAI ``code``."""
+    if isinstance(exc, QuotaExceededError):
+        return quota_error(exc)
+    status = int(getattr(exc, "status", 400) or 400)
+    return OpenAIError(status, str(exc), code=getattr(exc, "code", None))
 
 
 @dataclass(frozen=True)

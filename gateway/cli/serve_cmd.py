@@ -160,11 +160,10 @@ def dev_api_key(home: Path) -> tuple[str, bool]:
         return key_file.read_text().strip(), False
     svc = open_tenancy(home)
     try:
-        existing = svc.get_tenant_by_name(DEV_TENANT)
-        if existing is not None:
-            raise CLIError(f"tenant {DEV_TENANT!r} exists but {key_file} is missing; create a key with "
-                           f"`prefixgate key create {DEV_TENANT} --home {home}`")
-        created = svc.create_tenant(DEV_TENANT, admin=True)
+        if svc.get_tenant_by_name(DEV_TENANT) is None:
+            created = svc.create_tenant(DEV_TENANT, admin=True)
+        else:  # the tenant outlived its key file: issue it a fresh key rather than fail
+            created = svc.create_key(DEV_TENANT)
         svc.flush()
     finally:
         svc.close()

@@ -210,6 +210,10 @@ def test_rate_limit_and_budget_429(parts):
     resp = client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
     assert_openai_error(resp, 429, code="insufficient_quota")
     assert resp.headers["x-should-retry"] == "false"
+    tenancy.quota_error = QuotaExceededError("tokens", "This request alone exceeds 1000 tokens per minute", None)
+    resp = client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
+    assert_openai_error(resp, 429, code="rate_limit_exceeded")
+    assert resp.headers["x-should-retry"] == "false" and "retry-after" not in resp.headers
 
 
 def test_body_size_limit_413(parts):
