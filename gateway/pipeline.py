@@ -134,7 +134,9 @@ def prepare(
     scoped = tenancy.scope_for(ctx, req.user)
     body = req.model_dump(exclude_unset=True)
     body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
-    canon = canonicalize(body, getattr(scoped, "canon_mode", "off"), getattr(scoped, "per_user_vars", ()))
+    # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
+    mode = getattr(scoped, "canon_mode", "off") if kind == "chat" else "off"
+    canon = canonicalize(body, mode, getattr(scoped, "per_user_vars", ()))
     model_cls = type(req)
     req = model_cls.model_validate(canon.body)
 
