@@ -74,6 +74,7 @@ def tenants(home):
     try:
         made = {name: svc.create_tenant(name) for name in ("acme", "beta")}
         made["canon"] = svc.create_tenant("canon", canon_mode="reorder")
+        made["plain"] = svc.create_tenant("plain", canon_mode="off")
         made["admin"] = svc.create_tenant("ops", admin=True)
         svc.flush()
     finally:
@@ -139,19 +140,50 @@ def test_errors_in_openai_shape(server, tenants):
     assert exc.value.code == "context_length_exceeded"
 
 
-def test_canonical_header_and_usage_ledger(server, tenants):
-    h = {"Authorization": f"Bearer {tenants['canon']}"}
-    r = httpx.post(f"{server}/v1/chat/completions", headers=h, timeout=120,
-                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
-    assert r.status_code == 200 and "x-prefixgate-canonical" in r.headers
-    plain = httpx.post(f"{server}/v1/chat/completions", timeout=120,
-                       headers={"Authorization": f"Bearer {tenants['beta']}"},
-                       json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
+TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} tool",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+         for n in ("search_orders", "get_invoice", "track_parcel", "open_ticket")]
+
+
+def agent_request(i: int) -> dict:
+    """What agents send: the same tools in a different order, a fresh timestamp in the system prompt."""
+    tools = TOOLS[i % 4:] + TOOLS[:i % 4]
+    system = f"Current time: 2026-01-0{i + 1}T10:00:0{i}Z\n{SYSTEM}"
+    return {"model": "tiny", "max_tokens": 1, "tools": tools,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Where is it?"}]}
+
+
+def test_canonicalization_header_and_cache_hits(server, tenants):
+    def post(tenant: str, body: dict) -> httpx.Response:
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {tenants[tenant]}"})
+        assert r.status_code == 200, r.text
+        return r
+
+    first = post("canon", agent_request(0))
+    applied = first.headers["x-prefixgate-canonical"].split(",")
+    assert "tools-sorted" in applied and any(a.startswith("dynamic-moved") for a in applied)
+    again = post("canon", agent_request(1)).json()["usage"]
+    # canonicalized: tools sorted and the timestamp moved out of the prefix -> the prefix is reused
+    assert again["prompt_tokens_details"]["cached_tokens"] >= again["prompt_tokens"] // 2
+    post("plain", agent_request(0))
+    plain = post("plain", agent_request(1))
     assert plain.headers["x-prefixgate-canonical"] == "none"
+    # without canonicalization the tool order and timestamp differ early: little or nothing is reused
+    assert plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_usage_ledger_and_metrics(server, tenants):
+    h = {"Authorization": f"Bearer {tenants['beta']}"}
+    httpx.post(f"{server}/v1/chat/completions", headers=h, timeout=120,
+               json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
+    time.sleep(1.5)  # the ledger writer batches rows
     usage = httpx.get(f"{server}/v1/usage", headers=h, timeout=30)
     assert usage.status_code == 200 and usage.json()
+    assert "beta" in usage.text and "acme" not in usage.text
+    assert httpx.get(f"{server}/v1/usage?since=soon", headers=h, timeout=30).status_code == 400
     metrics = httpx.get(f"{server}/metrics", timeout=30).text
-    assert "prefixgate_gateway_requests_total" in metrics
+    assert 'prefixgate_gateway_requests_total{backend="local",status="ok"' in metrics
 
 
 def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path):
