@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import socket
 import statistics
 import subprocess
@@ -41,22 +42,33 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: the project is not installed
 BODY = {"model": "echo", "max_tokens": 8,
         "messages": [{"role": "system", "content": "You are a helpful assistant. " * 20},
                      {"role": "user", "content": "Say hi."}]}
 
 UPSTREAM_SRC = '''
-import sys, time
+import json, sys, time
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 import uvicorn
 app = FastAPI()
+USAGE = {"prompt_tokens": 120, "completion_tokens": 2, "total_tokens": 122, "prompt_tokens_details": {"cached_tokens": 96}}
 @app.post("/v1/chat/completions")
 async def chat(req: Request):
     body = await req.json()
-    return {"id": "chatcmpl-echo", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 120, "completion_tokens": 2, "total_tokens": 122,
-                      "prompt_tokens_details": {"cached_tokens": 96}}}
+    head = {"id": "chatcmpl-echo", "created": int(time.time()), "model": body["model"]}
+    if not body.get("stream"):
+        return {**head, "object": "chat.completion", "usage": USAGE, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}]}
+    def sse():
+        for delta, fin in (({"role": "assistant", "content": "hi"}, None), ({"content": " there"}, None), ({}, "stop")):
+            chunk = {**head, "object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]}
+            yield "data: " + json.dumps(chunk) + "\\n\\n"
+        yield "data: " + json.dumps({**head, "object": "chat.completion.chunk", "choices": [], "usage": USAGE}) + "\\n\\n"
+        yield "data: [DONE]\\n\\n"
+    return StreamingResponse(sse(), media_type="text/event-stream")
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 '''
 
@@ -178,11 +190,12 @@ def run_overhead(args: argparse.Namespace) -> int:
                 "model_list:\n  - model_name: echo\n    litellm_params:\n"
                 f"      model: openai/echo\n      api_base: {up}/v1\n      api_key: sk-up\n"
             )
+            master = "sk-" + secrets.token_urlsafe(32)  # the proxy refuses to start without a strong key
             procs.append(subprocess.Popen([args.litellm_cmd, "--config", str(tmp / "litellm.yaml"), "--port", str(lp),
-                                           "--host", "127.0.0.1"], env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
+                                           "--host", "127.0.0.1"], env={**env, "LITELLM_MASTER_KEY": master},
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             wait_up(f"http://127.0.0.1:{lp}", procs[-1], path="/health/liveliness")
-            targets["litellm-proxy"] = (f"http://127.0.0.1:{lp}", {"Authorization": "Bearer sk-anything"})
+            targets["litellm-proxy"] = (f"http://127.0.0.1:{lp}", {"Authorization": f"Bearer {master}"})
         for name, (base, headers) in targets.items():
             results[name] = asyncio.run(measure(f"{base}/v1/chat/completions", headers,
                                                 args.latency_requests, args.concurrency, args.seconds))

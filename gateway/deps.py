@@ -1,5 +1,9 @@
 """FastAPI dependencies: the app's parts read from ``app.state``, as ``Annotated`` aliases.
 
+All are ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread, which cost
+~1.5 ms per request here (7 dependencies) for lookups that never block. Tenancy's
+``authenticate`` hits SQLite only on an auth-cache miss.
+
 Tests replace any of them with ``app.dependency_overrides[get_engine] = lambda: fake``.
 """
 
@@ -17,31 +21,31 @@ from gateway.routing import Router
 from gateway.settings import GatewaySettings
 
 
-def get_settings(request: Request) -> GatewaySettings:
+async def get_settings(request: Request) -> GatewaySettings:
     return request.app.state.settings
 
 
-def get_engine(request: Request) -> EngineClient | None:
+async def get_engine(request: Request) -> EngineClient | None:
     """The in-process engine, or None for a gateway-only process."""
     return getattr(request.app.state, "engine", None)
 
 
-def get_tenancy(request: Request) -> TenancyPort:
+async def get_tenancy(request: Request) -> TenancyPort:
     tenancy = getattr(request.app.state, "tenancy", None)
     if tenancy is None:
         raise OpenAIError(503, "tenancy is not configured on this server (start it with --home)", code="no_tenancy")
     return tenancy
 
 
-def get_router(request: Request) -> Router:
+async def get_router(request: Request) -> Router:
     return request.app.state.router
 
 
-def get_metrics(request: Request) -> GatewayMetrics:
+async def get_metrics(request: Request) -> GatewayMetrics:
     return request.app.state.metrics
 
 
-def get_live_stats(request: Request) -> LiveStats:
+async def get_live_stats(request: Request) -> LiveStats:
     return request.app.state.live_stats
 
 
@@ -60,7 +64,7 @@ def bearer_key(authorization: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-def get_tenant(tenancy: TenancyDep, authorization: Annotated[str | None, Header()] = None) -> Any:
+async def get_tenant(tenancy: TenancyDep, authorization: Annotated[str | None, Header()] = None) -> Any:
     """Bearer key -> ``TenantContext``. Missing or bad key -> 401 in the OpenAI shape."""
     key = bearer_key(authorization)
     try:

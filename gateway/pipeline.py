@@ -234,7 +234,10 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
 
     async def pump(i: int, gr: GenerateRequest) -> None:
         try:
-            stream = client.stream(gr, prep.extra) if prep.backend.kind == "provider" else client.generate(gr)
+            if prep.backend.kind == "provider":
+                stream = client.stream(gr, prep.extra, incremental=prep.stream)
+            else:
+                stream = client.generate(gr)
             async for out in stream:
                 await queue.put((i, out))
         except asyncio.CancelledError:

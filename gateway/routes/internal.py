@@ -22,7 +22,7 @@ from gateway.node_wire import output_to_wire, request_from_wire
 router = APIRouter(prefix="/internal/v1", tags=["internal"])
 
 
-def require_node(settings: SettingsDep, engine: EngineDep,
+async def require_node(settings: SettingsDep, engine: EngineDep,
                  authorization: Annotated[str | None, Header()] = None) -> EngineClient:
     if not settings.node_token:
         raise OpenAIError(404, "Unknown URL.", code="not_found")
