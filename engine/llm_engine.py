@@ -71,6 +71,7 @@ class LLMEngine:
         self.clock = clock
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.kv_bytes_per_token.set(runner.kv_bytes_per_block / runner.block_size)
+        self.metrics.kv_block_size.set(runner.block_size)
         self.pool = BlockPool(
             runner.num_kv_blocks,
             runner.block_size,

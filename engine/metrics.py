@@ -51,6 +51,7 @@ class EngineMetrics:
         self.fragmentation = Gauge(
             "prefixgate_kv_fragmentation", "Unused slots in allocated blocks / allocated slots", registry=r
         )
+        self.kv_block_size = Gauge("prefixgate_kv_block_size", "Tokens per KV block", registry=r)
         self.kv_bytes_per_token = Gauge("prefixgate_kv_bytes_per_token", "KV cache bytes per token", registry=r)
         self.queue_reason = Gauge(
             "prefixgate_waiting_requests", "Waiting requests by queue reason", ["reason"], registry=r
