@@ -188,7 +188,7 @@ class LocalGateway:
                 raise BenchError(f"{self.config.name} gateway exited with status {self.proc.returncode}: "
                                  f"{(lines or ['(no output)'])[-1]}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.target.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.target.url + "/health", timeout=2, trust_env=False).status_code == 200:
                     return self.target
             time.sleep(0.3)
         raise BenchError(f"{self.config.name} gateway at {self.target.url} not healthy after {timeout_s:.0f}s")
@@ -213,7 +213,8 @@ def external_target(url: str, api_keys: list[str], model: str | None) -> Target:
         raise BenchError("--url needs at least one --api-key")
     if model is None:
         try:
-            r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {api_keys[0]}"}, timeout=10)
+            r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {api_keys[0]}"}, timeout=10,
+                          trust_env=False)
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
@@ -320,7 +321,8 @@ async def run_workload(target: Target, workload: str, sessions: list[Session], *
                        max_duration_s: float, sample_interval_s: float, progress: Any = None) -> dict[str, Any]:
     """Replay ``sessions`` against ``target``; returns the records and metric snapshots of the run."""
     limits = httpx.Limits(max_connections=concurrency + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
+    # trust_env=False: loopback only, never through a proxy from the environment
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits, trust_env=False) as client:
         before = parse_metrics((await client.get(target.url + "/metrics")).text)
         records: list[RequestRecord] = []
         samples: list[tuple[float, Snapshot]] = []
