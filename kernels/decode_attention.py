@@ -1,0 +1,241 @@
+"""Paged decode attention: one query token per sequence over its block table (flash-decoding).
+
+Work split (one program = one sequence x one KV head x one slice of the context)::
+
+    grid = (num_seqs, num_kv_heads, num_splits)
+                 split 0            split 1            split 2
+    context  |<- split_tokens ->|<- split_tokens ->|<- ... ->|     (a split past seq_len exits at once)
+    tile     |BLOCK_N|BLOCK_N|..                                    (a tile spans BLOCK_N / block_size pages)
+
+GQA: the ``group = q_heads / kv_heads`` query heads that share a KV head are the rows of one
+[GROUP_PAD, head_dim] operand, so every KV tile is read from memory once for all of them and the
+scores come out of one ``tl.dot``. With one split the kernel writes the output directly; with more,
+each split writes its normalised partial output and its log-sum-exp, and ``_reduce_kernel`` merges
+them (weights exp2(lse_s - max lse)).
+
+Quantized KV: scales are folded into the score columns (K) and the probability columns (V), so the
+dot runs on the raw (upcast) cache values: fp8 -> one per-tensor scale; int8 -> one scale per
+(block, slot, kv head), loaded alongside each tile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import KV_FP8, KV_INT8, KV_PLAIN, interpreting, kv_code, next_pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [NB, BS, Hkv, D] (strided)
+    v_ptr,
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    k_scale_ptr,  # fp8: [1]; int8: [NB, BS, Hkv]; plain: unused
+    v_scale_ptr,
+    out_ptr,  # [B, Hq, D]                 (written when NUM_SPLITS == 1)
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32 (written when NUM_SPLITS > 1)
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
+    qk_scale,  # softmax scale * log2(e)
+    split_tokens,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb,
+    stride_sb, stride_ss, stride_sh,
+    stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * split_tokens
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + split_tokens, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_ok = rows < GROUP
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    dot_ty = tl.float32 if DOT_FP32 else q_ptr.dtype.element_ty
+    q = q.to(dot_ty)  # [GROUP_PAD, D]
+
+    if KV_QUANT == 1:
+        k_tensor_scale = tl.load(k_scale_ptr)
+        v_tensor_scale = tl.load(v_scale_ptr)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + b * stride_btb
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % BLOCK_SIZE
+        k = tl.load(
+            k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            mask=tok_ok[:, None], other=0.0,
+        )  # [BLOCK_N, D]
+        v = tl.load(
+            v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+            mask=tok_ok[:, None], other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(dot_ty)))  # [GROUP_PAD, BLOCK_N] fp32
+        if KV_QUANT == 1:
+            s = s * k_tensor_scale
+        if KV_QUANT == 2:
+            sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
+            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT == 2:
+            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty))
+        m_i = m_new
+
+    if KV_QUANT == 1:
+        acc = acc * v_tensor_scale
+    acc = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        bh = b * (GROUP * tl.num_programs(1)) + heads  # flat (b, q head) index into the partials
+        tl.store(part_out_ptr + (bh[:, None] * NUM_SPLITS + split) * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + bh * NUM_SPLITS + split, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [B, Hq, D]
+    split_tokens,
+    stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_valid = tl.cdiv(seq_len, split_tokens)  # splits past the context wrote nothing
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = (sp < n_valid) & (sp < NUM_SPLITS)
+    bh = b * tl.num_programs(1) + h
+    lse = tl.load(part_lse_ptr + bh * NUM_SPLITS + sp, mask=sp_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = tl.where(sp_ok, w, 0.0)
+    d = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_out_ptr + (bh * NUM_SPLITS + sp[:, None]) * HEAD_DIM + d[None, :], mask=sp_ok[:, None], other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int) -> int:
+    """Enough (sequence, kv head, split) programs to cover ~4 waves of the SMs, each split >= 256 tokens.
+
+    Uses the block table's capacity, not the live lengths, so the launch shape never depends on
+    device values (no host sync; CUDA-graph safe). Splits past a sequence's end exit at once.
+    """
+    programs = num_seqs * kv_heads
+    want = math.ceil(4 * num_sms / programs)
+    cap = max(1, math.ceil(max_context / max(256, block_n)))
+    return max(1, min(want, cap, 256))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a small fake machine so that tests exercise split-KV
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D], any block stride
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, >= 1 each
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``."""
+    num_seqs, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = q_heads // kv_heads
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    block_n = max(block_n, 16)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, _num_sms(q.device), block_n)
+    split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_context, split_tokens)
+
+    out = torch.empty_like(q)  # [B, Hq, D]
+    code = kv_code(k_cache)
+    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+    ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
+    vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
+    sc_strides = k_scale.stride() if code == KV_INT8 else (0, 0, 0)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = dummy
+    assert code in (KV_PLAIN, KV_FP8, KV_INT8)
+    _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, ks, vs, out, part_out, part_lse,
+        scale * LOG2E, split_tokens,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        *sc_strides,
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_FP32=interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, q_heads)](
+            part_out, part_lse, seq_lens, out, split_tokens, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_pow2(num_splits)), HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out
