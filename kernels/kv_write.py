@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import KV_FP8, KV_INT8, kv_code, next_pow2
+from kernels._common import KV_FP8, KV_INT8, interpreting, kv_code, next_pow2
 
 
 @triton.jit
@@ -30,20 +30,35 @@ def _round_half_even(x):
 
 
 @triton.jit
+def _round_to_e4m3(y):
+    # Round-to-nearest-even onto the e4m3 grid in fp32 (|y| <= 448 already). Only used in the
+    # interpreter: its fp32->fp8 cast rounds halves away from zero, drops the carry into the next
+    # binade (31.64 -> 16) and flushes subnormals; casting an exactly representable value is right.
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(y), 1e-30))), -6.0)  # subnormals share the 2^-6 binade's quantum
+    quantum = tl.exp2(e - 3.0)  # 3 mantissa bits
+    return _round_half_even(y / quantum) * quantum
+
+
+@triton.jit
 def _quantize_store(
-    x,  # [HEADS_PAD, D] fp32
+    x,  # [HEADS_PAD, D] as loaded (key/value dtype)
     cache_ptr, scale_ptr, block, slot, heads, d, mask,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
     KV_QUANT: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
 ):
     dst = cache_ptr + block * stride_cb + slot * stride_cs + heads[:, None] * stride_ch + d[None, :]
     if KV_QUANT == 0:
+        # Direct cast, no fp32 detour: same dtype is then bit-exact everywhere.
         tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
     elif KV_QUANT == 1:
-        y = tl.math.div_rn(x, tl.load(scale_ptr))
+        y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if SOFT_FP8:
+            y = _round_to_e4m3(y)
         tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=mask)
     else:
+        x = x.to(tl.float32)
         amax = tl.max(tl.abs(x), 1)  # [HEADS_PAD]
         s = tl.math.div_rn(tl.maximum(amax, 1e-8), tl.full(amax.shape, 127.0, tl.float32))
         y = _round_half_even(tl.math.div_rn(x, s[:, None]))
@@ -71,6 +86,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot_id = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -83,10 +99,10 @@ def _write_kv_kernel(
     mask = (heads < HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
     v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
-    _quantize_store(k.to(tl.float32), k_cache_ptr, k_scale_ptr, block, slot, heads, d, mask,
-                    stride_kcb, stride_kcs, stride_kch, stride_sb, stride_ss, stride_sh, KV_QUANT)
-    _quantize_store(v.to(tl.float32), v_cache_ptr, v_scale_ptr, block, slot, heads, d, mask,
-                    stride_vcb, stride_vcs, stride_vch, stride_sb, stride_ss, stride_sh, KV_QUANT)
+    _quantize_store(k, k_cache_ptr, k_scale_ptr, block, slot, heads, d, mask,
+                    stride_kcb, stride_kcs, stride_kch, stride_sb, stride_ss, stride_sh, KV_QUANT, SOFT_FP8)
+    _quantize_store(v, v_cache_ptr, v_scale_ptr, block, slot, heads, d, mask,
+                    stride_vcb, stride_vcs, stride_vch, stride_sb, stride_ss, stride_sh, KV_QUANT, SOFT_FP8)
 
 
 def write_kv(
@@ -114,5 +130,5 @@ def write_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *sc_strides,
         HEADS=kv_heads, HEADS_PAD=next_pow2(kv_heads), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        KV_QUANT=code, num_warps=4,
+        KV_QUANT=code, SOFT_FP8=interpreting(), num_warps=4,
     )
