@@ -19,22 +19,25 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs
 KV_DTYPES = [None, ref.FP8_DTYPE, torch.int8]
 
 
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
-@pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_decode_gpu(q_dtype, kv_dtype, head_dim, group, block_size, num_splits):
+@pytest.mark.parametrize("num_splits", [None, 7])
+def test_decode_gpu(kv_dtype, head_dim, group, block_size, num_splits, q_dtype=torch.bfloat16):
     lens = [1, 15, 16, 17, 300, 1025, 4000, 77]
     decode.run_case(head_dim, group, block_size, lens, kv_dtype, q_dtype=q_dtype, num_splits=num_splits,
                     kv_heads=2, seed=head_dim + group, device="cuda")
 
 
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
-def test_prefill_gpu(q_dtype, kv_dtype, head_dim, group, block_size):
+def test_prefill_gpu(kv_dtype, head_dim, group, block_size, q_dtype=torch.bfloat16):
     prefill.run_case(head_dim, group, block_size, cached=[0, 21, 700, 5, 1000], new=[300, 7, 1, 0, 513],
                      kv_dtype=kv_dtype, q_dtype=q_dtype, kv_heads=2, seed=head_dim * group, device="cuda")
+
+
+def test_fp16_attention_gpu():
+    decode.run_case(128, 4, 16, [3, 500, 2049], None, q_dtype=torch.float16, kv_heads=2, seed=1, device="cuda")
+    prefill.run_case(128, 4, 16, cached=[64, 0], new=[100, 129], q_dtype=torch.float16, seed=2, device="cuda")
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, ref.FP8_DTYPE, torch.int8])
