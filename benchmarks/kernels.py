@@ -39,11 +39,11 @@ DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
     (16, 32, 8, 128, 32768, 16),
     (1, 32, 8, 128, 131072, 16),
 ]
-DECODE_VARIANTS = [  # (block_n, num_warps, num_stages) tried besides the launcher's default
-    (32, 4, 3), (64, 4, 3), (128, 4, 2), (128, 8, 3),
-]
+DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # swept with each DECODE_TILES entry (bf16)
+DECODE_TILES = [(32, 4, 3), (64, 4, 2)]  # (block_n, num_warps, num_stages)
+QUANT_TILES = [(64, 4, 2), (128, 4, 2), (128, 8, 3)]  # fp8 tiles, launcher's split choice
 PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3),
+    (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2),
 ]
 
 
@@ -143,12 +143,15 @@ def decode_case(shape, gen, ceil: dict, quick: bool) -> dict:
     )
     if not quick:
         variants = {}
-        for bn, nw, ns in DECODE_VARIANTS:
-            def run(bn=bn, nw=nw, ns=ns):
-                return decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, None, None,
-                                                     block_n=bn, num_warps=nw, num_stages=ns)
-            err = check(run(), k_cache, v_cache)
-            variants[f"bn{bn}_w{nw}_s{ns}"] = {"ms": bench(run), "rel_err": err}
+        cap = max(1, context // 256)
+        for bn, nw, ns in DECODE_TILES:
+            for splits in [x for x in DECODE_SPLITS if x <= cap]:
+                def run(bn=bn, nw=nw, ns=ns, splits=splits):
+                    return decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, None, None,
+                                                         num_splits=splits, block_n=bn, num_warps=nw,
+                                                         num_stages=ns)
+                err = check(run(), k_cache, v_cache)
+                variants[f"bn{bn}_w{nw}_s{ns}_splits{splits}"] = {"ms": bench(run), "rel_err": err}
         row["bf16_variants"] = variants
 
     # torch SDPA over a contiguous cache [B, Hkv, ctx, D]; GQA as [B, Hkv, group, D] queries (no mask needed
@@ -177,6 +180,16 @@ def decode_case(shape, gen, ceil: dict, quick: bool) -> dict:
         qbytes = kv_bytes // 2 + (2 * ks.numel() * 4 if dtype == torch.int8 else 0)
         row[f"{name}_TBps"] = qbytes / (row[f"{name}_ms"] * 1e-3) / 1e12
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
+        if not quick and dtype == ref.FP8_DTYPE:
+            tiles = {}
+            for bn, nw, ns in QUANT_TILES:
+                def runq(bn=bn, nw=nw, ns=ns, kq=kq, vq=vq, ks=ks, vs=vs):
+                    return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, block_n=bn,
+                                                         num_warps=nw, num_stages=ns)
+                err = rel_err(runq()[:n_check], ref.paged_decode_attention(
+                    q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs))
+                tiles[f"bn{bn}_w{nw}_s{ns}"] = {"ms": bench(runq), "rel_err": err}
+            row["fp8_variants"] = tiles
         del qkv, kq, vq
     row["vs_sdpa_contig"] = row["sdpa_contig_ms"] / row["bf16_ms"]
     row["vs_gather_sdpa"] = row["gather_sdpa_ms"] / row["bf16_ms"]

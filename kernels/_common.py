@@ -61,3 +61,19 @@ def check_kv_scales(
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_dtype(q_dtype: torch.dtype, cache: torch.Tensor):
+    """The tl dtype attention kernels feed to ``tl.dot``.
+
+    fp32 in the interpreter (its bf16 dot is broken); fp16 for fp8/int8 caches, because e4m3 -> fp16
+    is one instruction per pair on Hopper while e4m3 -> bf16 goes through fp32 and made fp8 decode
+    slower than bf16 (measured, run 1); otherwise q's own dtype.
+    """
+    import triton.language as tl
+
+    if interpreting():
+        return tl.float32
+    if kv_code(cache) != KV_PLAIN:
+        return tl.float16
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q_dtype]

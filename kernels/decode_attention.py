@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import KV_FP8, KV_INT8, KV_PLAIN, interpreting, kv_code, next_pow2
+from kernels._common import KV_FP8, KV_INT8, KV_PLAIN, dot_dtype, kv_code, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -58,7 +58,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KV_QUANT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_TY: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -74,8 +74,7 @@ def _decode_split_kernel(
     heads = kvh * GROUP + rows
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    dot_ty = tl.float32 if DOT_FP32 else q_ptr.dtype.element_ty
-    q = q.to(dot_ty)  # [GROUP_PAD, D]
+    q = q.to(DOT_TY)  # [GROUP_PAD, D]
 
     if KV_QUANT == 1:
         k_tensor_scale = tl.load(k_scale_ptr)
@@ -98,7 +97,7 @@ def _decode_split_kernel(
             v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
             mask=tok_ok[:, None], other=0.0,
         )
-        s = tl.dot(q, tl.trans(k.to(dot_ty)))  # [GROUP_PAD, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k.to(DOT_TY)))  # [GROUP_PAD, BLOCK_N] fp32
         if KV_QUANT == 1:
             s = s * k_tensor_scale
         if KV_QUANT == 2:
@@ -112,7 +111,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_QUANT == 2:
             p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty))
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY))
         m_i = m_new
 
     if KV_QUANT == 1:
@@ -229,7 +228,7 @@ def paged_decode(
         *sc_strides,
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_FP32=interpreting(),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
