@@ -26,16 +26,39 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import KV_FP8, KV_INT8, KV_PLAIN, dot_dtype, kv_code, next_pow2
+from kernels._common import KV_FP8, KV_INT8, KV_PLAIN, dot_dtype, interpreting, kv_code, next_pow2
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _unpack_8bit_pairs(pairs, KV_QUANT: tl.constexpr):
+    """pairs: int16 holding two 8-bit cache values (low byte = even d) -> (even, odd) fp16 tensors.
+
+    Why: the PV dot reduces over tokens, which are strided in the cache, so its operand must be
+    transposed on the way into the MMA; Triton 3.6/3.9 transposes 8-bit operands with one ld.shared.b8
+    per byte (seen in the PTX; fp8 decode ran slower than bf16 in H200 run 2). Loading the 8-bit V as
+    16-bit pairs keeps that transpose 16-bit (ldmatrix.trans), and the unpack is one instruction.
+    """
+    if KV_QUANT == 1:
+        even, odd = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
+        )
+    else:
+        even, odd = tl.inline_asm_elementwise(
+            "{ .reg .s16 a, b; shl.b16 a, $2, 8; shr.s16 a, a, 8; shr.s16 b, $2, 8;"
+            " cvt.rn.f16.s16 $0, a; cvt.rn.f16.s16 $1, b; }",
+            "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
+        )
+    return even, odd
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [NB, BS, Hkv, D] (strided)
-    v_ptr,
+    v_ptr,  # same, or when V_PAIRS its int16 view [NB, BS, Hkv, D/2] (two 8-bit values per element)
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     k_scale_ptr,  # fp8: [1]; int8: [NB, BS, Hkv]; plain: unused
@@ -59,6 +82,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     KV_QUANT: tl.constexpr,
     DOT_TY: tl.constexpr,
+    V_PAIRS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,6 +97,7 @@ def _decode_split_kernel(
     row_ok = rows < GROUP
     heads = kvh * GROUP + rows
     d = tl.arange(0, HEAD_DIM)
+    dh = tl.arange(0, HEAD_DIM // 2)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_TY)  # [GROUP_PAD, D]
 
@@ -82,7 +107,11 @@ def _decode_split_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    if V_PAIRS:
+        acc_e = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 0, 2, 4, ...
+        acc_o = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 1, 3, 5, ...
+    else:
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + b * stride_btb
     for t0 in range(start, end, BLOCK_N):
         toks = t0 + tl.arange(0, BLOCK_N)
@@ -93,10 +122,6 @@ def _decode_split_kernel(
             k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
             mask=tok_ok[:, None], other=0.0,
         )  # [BLOCK_N, D]
-        v = tl.load(
-            v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-            mask=tok_ok[:, None], other=0.0,
-        )
         s = tl.dot(q, tl.trans(k.to(DOT_TY)))  # [GROUP_PAD, BLOCK_N] fp32
         if KV_QUANT == 1:
             s = s * k_tensor_scale
@@ -111,18 +136,38 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_QUANT == 2:
             p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY))
+        v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
+        if V_PAIRS:
+            pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None], other=0)  # [BLOCK_N, D/2] int16
+            v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
+            p16 = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
+        else:
+            v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY))
         m_i = m_new
 
+    v_final = 1.0 / l_i
     if KV_QUANT == 1:
-        acc = acc * v_tensor_scale
-    acc = acc / l_i[:, None]
+        v_final = v_final * v_tensor_scale
     if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        o_row = out_ptr + b * stride_ob + heads[:, None] * stride_oh
+        if V_PAIRS:
+            tl.store(o_row + 2 * dh[None, :], (acc_e * v_final[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+            tl.store(o_row + 2 * dh[None, :] + 1, (acc_o * v_final[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+        else:
+            tl.store(o_row + d[None, :], (acc * v_final[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         bh = b * (GROUP * tl.num_programs(1)) + heads  # flat (b, q head) index into the partials
-        tl.store(part_out_ptr + (bh[:, None] * NUM_SPLITS + split) * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        p_row = part_out_ptr + (bh[:, None] * NUM_SPLITS + split) * HEAD_DIM
+        if V_PAIRS:
+            tl.store(p_row + 2 * dh[None, :], acc_e * v_final[:, None], mask=row_ok[:, None])
+            tl.store(p_row + 2 * dh[None, :] + 1, acc_o * v_final[:, None], mask=row_ok[:, None])
+        else:
+            tl.store(p_row + d[None, :], acc * v_final[:, None], mask=row_ok[:, None])
         tl.store(part_lse_ptr + bh * NUM_SPLITS + split, m_i + tl.log2(l_i), mask=row_ok)
 
 
@@ -154,16 +199,24 @@ def _reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int) -> int:
-    """Enough (sequence, kv head, split) programs to cover ~4 waves of the SMs, each split >= 256 tokens.
+def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
+                      programs_per_sm: int = 4) -> int:
+    """Split count that wastes the least of the last wave of (sequence, kv head, split) programs.
 
-    Uses the block table's capacity, not the live lengths, so the launch shape never depends on
-    device values (no host sync; CUDA-graph safe). Splits past a sequence's end exit at once.
+    A wave is ``programs_per_sm * num_sms`` programs running at once (about 4 per SM for the default
+    tiles: ~40 KB of shared memory and 128 threads each). Run time ~ waves * (context / splits), so
+    pick the smallest split count within 5% of the best ``ceil(programs * s / wave) / s``, each split
+    at least 256 tokens. Measured on the H200 (run 2): 16 x 32768 took 0.60 ms at 5 splits (1.2
+    waves) and 0.49 ms at 4 or 8. Uses the block table's capacity, not the live lengths, so the
+    launch never reads device values (no host sync; CUDA-graph safe); splits past a sequence's end
+    exit at once.
     """
-    programs = num_seqs * kv_heads
-    want = math.ceil(4 * num_sms / programs)
-    cap = max(1, math.ceil(max_context / max(256, block_n)))
-    return max(1, min(want, cap, 256))
+    programs = max(1, num_seqs * kv_heads)
+    wave = max(1, programs_per_sm * num_sms)
+    cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
+    cost = {s: math.ceil(programs * s / wave) / s for s in range(1, cap + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * 1.05)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -192,13 +245,15 @@ def paged_decode(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    v_pairs: bool | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
-    if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
+    code = kv_code(k_cache)
+    if block_n is None:  # H200 sweep (run 2): 64 tokens best for 16-bit KV; 8-bit moves half the bytes a token
+        block_n = (64 if code == KV_PLAIN else 128) if head_dim <= 128 else 32
     block_n = max(block_n, 16)
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
@@ -207,7 +262,6 @@ def paged_decode(
     num_splits = triton.cdiv(max_context, split_tokens)
 
     out = torch.empty_like(q)  # [B, Hq, D]
-    code = kv_code(k_cache)
     dummy = torch.empty(1, dtype=torch.float32, device=q.device)
     ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
     vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
@@ -218,17 +272,23 @@ def paged_decode(
     else:
         part_out = part_lse = dummy
     assert code in (KV_PLAIN, KV_FP8, KV_INT8)
+    if v_pairs is None:  # GPU only: the interpreter has no inline PTX
+        v_pairs = code != KV_PLAIN and not interpreting()
+    v_arg = v_cache
+    if v_pairs:
+        assert code != KV_PLAIN and head_dim % 2 == 0
+        v_arg = v_cache.view(torch.uint8).view(torch.int16)  # [NB, BS, Hkv, D/2], block strides halved
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, ks, vs, out, part_out, part_lse,
+        q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse,
         scale * LOG2E, split_tokens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_arg.stride(0), v_arg.stride(1), v_arg.stride(2),
         block_tables.stride(0),
         *sc_strides,
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), V_PAIRS=v_pairs,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
