@@ -59,6 +59,17 @@ def check_kv_scales(
         assert k_scale.stride() == v_scale.stride(), "int8 k_scale and v_scale must share strides"
 
 
+_PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A 1-element tensor for pointer arguments a kernel variant never reads (cached: no allocation per call)."""
+    key = (torch.device(device), dtype)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _PLACEHOLDERS[key]
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

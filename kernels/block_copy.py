@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._common import placeholder
+
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 CHUNK = 1024
 
@@ -95,7 +97,7 @@ def copy_rows(
     s = _rows_as_words(src, "source", word)
     d = _rows_as_words(dst, "destination", word)
     assert s.shape[1] == d.shape[1], f"block sizes differ: {s.shape[1]} vs {d.shape[1]} words"
-    dummy = torch.empty(1, dtype=torch.int64, device=src.device)
+    dummy = placeholder(src.device, torch.int64)
     _copy_rows_kernel[(n, triton.cdiv(s.shape[1], CHUNK))](
         s, d,
         src_idx if src_idx is not None else dummy,

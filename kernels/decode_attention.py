@@ -26,7 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import KV_FP8, KV_INT8, KV_PLAIN, dot_dtype, interpreting, kv_code, next_pow2
+from kernels._common import (
+    KV_FP8,
+    KV_INT8,
+    KV_PLAIN,
+    dot_dtype,
+    interpreting,
+    kv_code,
+    next_pow2,
+    placeholder,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -262,7 +271,7 @@ def paged_decode(
     num_splits = triton.cdiv(max_context, split_tokens)
 
     out = torch.empty_like(q)  # [B, Hq, D]
-    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+    dummy = placeholder(q.device, torch.float32)
     ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
     vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
     sc_strides = k_scale.stride() if code == KV_INT8 else (0, 0, 0)

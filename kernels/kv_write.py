@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import KV_FP8, KV_INT8, interpreting, kv_code, next_pow2
+from kernels._common import KV_FP8, KV_INT8, interpreting, kv_code, next_pow2, placeholder
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def write_kv(
     if num_tokens == 0:
         return
     code = kv_code(k_cache)
-    dummy = torch.empty(1, dtype=torch.float32, device=key.device)
+    dummy = placeholder(key.device, torch.float32)
     ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
     vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
     sc_strides = k_scale.stride() if code == KV_INT8 else (0, 0, 0)

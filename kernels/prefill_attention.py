@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import KV_FP8, KV_INT8, dot_dtype, kv_code
+from kernels._common import KV_FP8, KV_INT8, dot_dtype, kv_code, placeholder
 
 LOG2E = 1.4426950408889634
 
@@ -179,7 +179,7 @@ def paged_prefill(
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     code = kv_code(k_cache)
-    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+    dummy = placeholder(q.device, torch.float32)
     ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
     vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
     sc_strides = k_scale.stride() if code == KV_INT8 else (0, 0, 0)
