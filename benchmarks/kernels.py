@@ -296,6 +296,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     ap.add_argument("--quick", action="store_true", help="skip the tile-size variants")
+    ap.add_argument("--shapes", default=None, help="comma-separated indices into DECODE_SHAPES (default: all)")
+    ap.add_argument("--skip-prefill", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -313,10 +315,12 @@ def main() -> int:
         "ceilings": ceil,
         "decode": [],
     }
-    for shape in DECODE_SHAPES:
+    picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",")]
+    for shape in picked:
         result["decode"].append(decode_case(shape, gen, ceil, args.quick))
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
-    result["prefill"] = prefill_case(gen, ceil, args.quick)
+    if not args.skip_prefill:
+        result["prefill"] = prefill_case(gen, ceil, args.quick)
     result["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -342,7 +346,9 @@ def print_table(r: dict) -> None:
     print("CUDA-graph replay (ms): " + "  ".join(
         f"{d['shape']['batch']}x{d['shape']['context']}: bf16 {_ms(d.get('bf16_graph_ms'))} fp8 {_ms(d.get('fp8_graph_ms'))}"
         f" int8 {_ms(d.get('int8_graph_ms'))}" for d in r["decode"]))
-    p = r["prefill"]
+    p = r.get("prefill")
+    if p is None:
+        return
     print(f"prefill 4x(8192 cached + 512 new): ours {p['ms']:.3f} ms = {p['TFLOPs']:.0f} TFLOP/s "
           f"({100 * p['pct_matmul']:.0f}% of matmul), gather+SDPA {p['gather_sdpa_ms']:.3f} ms "
           f"[{p.get('gather_sdpa_form')}], x{p['vs_gather_sdpa']:.2f}, err {p['rel_err']:.1e}")
