@@ -41,7 +41,14 @@ CHAT_TEMPLATE = """\
 {%- macro text(content) -%}
 {%- if content is none -%}
 {%- elif content is string -%}{{ content }}
-{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content -%}
+{%- if part.type == 'text' -%}
+{%- if part.text is not string -%}{{ raise_exception('a text content part needs a "text" string') }}{%- endif -%}
+{{ part.text }}
+{%- endif -%}
+{%- endfor -%}
+{%- else -%}{{ raise_exception('message content must be a string, a list of parts or null') }}
 {%- endif -%}
 {%- endmacro -%}
 {%- set first_is_system = messages | length > 0 and messages[0].role == 'system' -%}
@@ -65,6 +72,7 @@ For each call, answer with a JSON object inside <tool_call></tool_call>:
 {{ text(messages[0].content) }}<|im_end|>
 {% endif -%}
 {%- for message in messages -%}
+{%- if message.role is not string -%}{{ raise_exception('every message needs a "role" string') }}{%- endif -%}
 {%- if not (loop.first and first_is_system) -%}
 <|im_start|>{{ message.role }}
 {{ text(message.content) }}
