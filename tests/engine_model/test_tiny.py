@@ -143,3 +143,11 @@ def test_cli_init_tiny_refuses_foreign_directory(tmp_path):
     assert res.stderr.startswith("prefixgate: error:") and "not a tiny checkpoint" in res.stderr
     assert (foreign / "precious.txt").read_text() == "keep me"
     shutil.rmtree(foreign)
+
+
+def test_cli_init_tiny_without_the_tiktoken_file_says_what_to_do(tmp_path):
+    env = {**os.environ, "PREFIXGATE_HOME": str(tmp_path), "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")}
+    res = _cli("model", "init-tiny", env=env)
+    assert res.returncode == 2
+    assert "cl100k_base file is not in" in res.stderr and "TIKTOKEN_CACHE_DIR" in res.stderr
+    assert not (tmp_path / "models" / "tiny").exists()
