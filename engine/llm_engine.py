@@ -265,8 +265,9 @@ class LLMEngine:
         assert state is not None
         state.tokens.append(token)
         tok = self.runner.tokenizer
-        prefix_text = tok.decode(state.tokens[state.prefix_offset : state.read_offset], skip_special_tokens=True)
-        full_text = tok.decode(state.tokens[state.prefix_offset :], skip_special_tokens=True)
+        with self._tokenizer_lock:  # prepare() may be encoding on another thread
+            prefix_text = tok.decode(state.tokens[state.prefix_offset : state.read_offset], skip_special_tokens=True)
+            full_text = tok.decode(state.tokens[state.prefix_offset :], skip_special_tokens=True)
         # U+FFFD at the end = a multi-byte character split across tokens: wait for the rest
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             req.output_text += full_text[len(prefix_text) :]
