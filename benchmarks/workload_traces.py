@@ -37,7 +37,8 @@ _SYLLABLES = ("ka", "lo", "mi", "ren", "tor", "val", "se", "dun", "pra", "li", "
 class TraceSizes:
     """How big each workload is. Defaults suit the tiny CPU model (a couple of minutes for all)."""
 
-    tenants: int = 3  # tenants of system_prompts and agents; chat/rag/random use as many
+    tenants: int = 3  # tenants of system_prompts, chat, rag and random
+    agent_tenants: int = 1  # tenants of agents: a tenant's sessions share its tool set (in varying order)
     requests: int = 10  # single-turn requests of system_prompts, rag and random
     system_words: int = 250  # words of a long system prompt
     chat_sessions: int = 3
@@ -135,11 +136,11 @@ def _tool(text: _Text, i: int) -> dict[str, Any]:
 
 def agents(sizes: TraceSizes, rng: random.Random) -> list[Session]:
     text = _Text(rng)
-    toolsets = [[_tool(text, i) for i in range(sizes.tools)] for _ in range(sizes.tenants)]
+    toolsets = [[_tool(text, i) for i in range(sizes.tools)] for _ in range(sizes.agent_tenants)]
     system = "You are an agent. Call tools to finish the task; answer when done. " + text.words(30)
     sessions = []
     for s in range(sizes.agent_sessions):
-        t = s % sizes.tenants
+        t = s % sizes.agent_tenants
         tools = list(toolsets[t])
         rng.shuffle(tools)  # frameworks build the tool list from a dict/set: order varies per run
         turns = [Turn([{"role": "system", "content": system},

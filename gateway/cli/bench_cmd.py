@@ -20,7 +20,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 _WORKLOADS = ("system_prompts", "chat", "agents", "rag", "random")
 # flag -> TraceSizes field (defaults live in TraceSizes)
 _SIZE_FLAGS = {
-    "tenants": "tenants per workload", "requests": "requests of system_prompts, rag and random",
+    "tenants": "tenants of system_prompts, chat, rag and random", "agent_tenants": "tenants of agents", "requests": "requests of system_prompts, rag and random",
     "system_words": "words of a long system prompt", "chat_sessions": "chat sessions",
     "chat_turns": "turns per chat session", "agent_sessions": "agent sessions",
     "agent_steps": "tool call + result rounds per agent session", "tools": "tools per agent",

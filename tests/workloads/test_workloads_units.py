@@ -33,7 +33,7 @@ def test_trace_shapes():
     assert len(chat) == 2 and all(s.carry_history and len(s.turns) == 3 for s in chat)
     agents = build_trace("agents", SMALL)
     assert all(len(s.turns) == 3 and len(s.turns[0].tools) == 5 for s in agents)
-    one_tenant = build_trace("agents", TraceSizes(tenants=1, agent_sessions=4, tools=6))
+    one_tenant = build_trace("agents", TraceSizes(agent_tenants=1, agent_sessions=4, tools=6))
     names = [[t["function"]["name"] for t in s.turns[0].tools] for s in one_tenant]
     # the planted defect that canon safe repairs: one tenant's tool set, sent in varying order
     assert all(sorted(n) == sorted(names[0]) for n in names) and len({tuple(n) for n in names}) > 1
