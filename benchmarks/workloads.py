@@ -600,6 +600,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                else configs_for(list(opts.configs), opts.canon))
     total = sum(len(s.turns) for w in opts.workloads for s in traces[w]) * len(configs)
     started = datetime.now(UTC)
+    commit = _git_commit()  # at the start: the code that ran, even if the tree changes meanwhile
     cells: list[dict[str, Any]] = []
     gateways: list[LocalGateway] = []
     if not opts.url:
@@ -648,7 +649,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         "benchmark": "workloads",
         "command": opts.command or " ".join(sys.argv),
         "started_at": started.isoformat(),
-        "git_commit": _git_commit(),
+        "git_commit": commit,
         "machine": _machine(),
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()
                     if k not in ("api_keys", "sizes", "command")},
