@@ -111,3 +111,13 @@ def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
     assert cli_main(["--home", str(tmp_path), *argv, "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("prefixgate: error:") and err.count("\n") == 1
+
+
+def test_external_keys_are_shared_round_robin():
+    from benchmarks.workloads import GatewayConfig, Target
+
+    target = Target(GatewayConfig("external", True, "as configured"), "http://127.0.0.1:1", "m",
+                    {("*", 0): "k0", ("*", 1): "k1"})
+    assert [target.key("rag", t) for t in range(4)] == ["k0", "k1", "k0", "k1"]
+    local = Target(GatewayConfig("cache", True, "off"), "http://127.0.0.1:1", "m", {("rag", 0): "r0", ("chat", 0): "c0"})
+    assert local.key("rag", 0) == "r0" and local.key("chat", 0) == "c0"
