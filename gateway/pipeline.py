@@ -31,6 +31,7 @@ from gateway.ports import (
     make_usage_record,
     quota_error,
 )
+from gateway.remote import NodeUnavailableError
 from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
 from gateway.settings import GatewaySettings
@@ -228,24 +229,38 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
     client disconnect = cancellation), every unfinished engine request is cancelled and aborted,
     which frees its KV blocks.
     """
-    client = prep.backend.client
+    used: dict[int, Backend] = {}  # the backend each choice ended on (after any failover)
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
     finished: set[int] = set()
 
     async def pump(i: int, gr: GenerateRequest) -> None:
-        try:
-            if prep.backend.kind == "provider":
-                stream = client.stream(gr, prep.extra, incremental=prep.stream)
-            else:
-                stream = client.generate(gr)
-            async for out in stream:
-                await queue.put((i, out))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
-            await queue.put((i, exc))
+        backend = prep.backend
+        while True:
+            used[i] = backend
+            started = False
+            try:
+                if backend.kind == "provider":
+                    stream = backend.client.stream(gr, prep.extra, incremental=prep.stream)
+                else:
+                    stream = backend.client.generate(gr)
+                async for out in stream:
+                    started = True
+                    await queue.put((i, out))
+            except asyncio.CancelledError:
+                raise
+            except NodeUnavailableError as exc:
+                # Nothing was generated yet: another node of the pool can take the request.
+                alternative = None if started else router.failover(prep.model, backend)
+                if alternative is None:
+                    await queue.put((i, exc))
+                    return
+                backend = alternative
+                continue
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
+                await queue.put((i, exc))
+                return
+            await queue.put((i, None))
             return
-        await queue.put((i, None))
 
     with router.track(prep.backend):
         tasks = [asyncio.create_task(pump(i, gr)) for i, gr in enumerate(prep.requests)]
@@ -270,7 +285,7 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
                 await asyncio.gather(*tasks, return_exceptions=True)
                 for i, gr in enumerate(prep.requests):
                     if i not in finished:
-                        await client.abort(gr.request_id)
+                        await used.get(i, prep.backend).client.abort(gr.request_id)
 
 
 class Accounting:
