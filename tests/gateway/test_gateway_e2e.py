@@ -186,10 +186,10 @@ def test_usage_ledger_and_metrics(server, tenants):
     assert 'prefixgate_gateway_requests_total{backend="local",status="ok"' in metrics
 
 
-def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path):
+def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path, monkeypatch):
     """A gateway-only process in front of the serving one: as an engine node and as an OpenAI upstream."""
-    os.environ["PG_E2E_NODE_TOKEN"] = "e2e-node-token"
-    os.environ["PG_E2E_UPSTREAM_KEY"] = tenants["acme"]
+    monkeypatch.setenv("PG_E2E_NODE_TOKEN", "e2e-node-token")
+    monkeypatch.setenv("PG_E2E_UPSTREAM_KEY", tenants["acme"])
     front_home = tmp_path / "front"
     svc = TenancyService.open(front_home)
     key = svc.create_tenant("frontco").api_key
