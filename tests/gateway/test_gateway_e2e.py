@@ -184,6 +184,7 @@ def test_usage_ledger_and_metrics(server, tenants):
     assert httpx.get(f"{server}/v1/usage?since=soon", headers=h, timeout=30).status_code == 400
     metrics = httpx.get(f"{server}/metrics", timeout=30).text
     assert 'prefixgate_gateway_requests_total{backend="local",status="ok"' in metrics
+    assert "prefixgate_prompt_tokens_hit" in metrics  # the engine's collectors share the registry
 
 
 def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path, monkeypatch):
