@@ -209,6 +209,24 @@ def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path, 
             assert again.usage.prompt_tokens_details.cached_tokens > 0, model
 
 
+def test_client_disconnect_frees_the_engine_request(server, tenants):
+    node = {"Authorization": "Bearer e2e-node-token"}  # the node API exposes the engine's stats
+    h = {"Authorization": f"Bearer {tenants['acme']}"}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "stream": True, "temperature": 0}
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{server}/v1/chat/completions", json=body,
+                                                         headers=h) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(4))
+        assert httpx.get(f"{server}/internal/v1/stats", headers=node, timeout=30).json()["running"] == 1
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        stats = httpx.get(f"{server}/internal/v1/stats", headers=node, timeout=30).json()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats  # aborted, its blocks released
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed")
 def test_dashboard_of_the_real_server_in_chromium(server, tenants, tmp_path):
     for name in ("acme", "beta"):  # make sure both tenants have traffic, whatever ran before
