@@ -315,7 +315,8 @@ class Accounting:
             if i % self.prep.n == 0:
                 prompt += out.prompt_tokens
                 cached += out.cached_tokens
-        return prompt, cached, sum(self.completion_seen.values())
+        # A provider can report cache reads its prompt count does not cover; never claim more hits than prompt.
+        return prompt, min(cached, prompt), sum(self.completion_seen.values())
 
     def usage_dict(self) -> dict[str, Any]:
         return usage_dict(*self.usage())
@@ -327,12 +328,15 @@ class Accounting:
         prep = self.prep
         prompt, cached, completion = self.usage()
         latency = time.perf_counter() - self.start
-        price = self.tenancy.price(prep.model, prompt, cached, completion)
+        # The ledger and the price use the model that did the work: for a provider route that is the
+        # provider's model (priced from litellm's map), not the alias the client sent.
+        model = prep.backend.target_model if prep.backend.kind == "provider" else prep.model
+        price = self.tenancy.price(model, prompt, cached, completion)
         cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)
         t = prep.tenant
         self.tenancy.record_usage(make_usage_record(UsageRow(
-            request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=prep.model,
+            request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
             ttft_s=self.ttft, latency_s=latency, status=status,
         )))

@@ -163,6 +163,7 @@ def test_litellm_route_to_openai_compatible_upstream(monkeypatch):
             assert usage["prompt_tokens_details"]["cached_tokens"] > 0
             assert tenancy.rows[-1].cached_tokens == usage["prompt_tokens_details"]["cached_tokens"]
             assert tenancy.rows[-1].backend == "litellm:openai/tiny"
+            assert tenancy.rows[-1].model == "openai/tiny"  # priced as the provider's model, not the alias
             # the tenant namespace travels as cache_salt; the upstream saw our model name and the key
             assert up.url and upstream.bodies[0]["cache_salt"] == tenancy.keys[key].namespace.hex()
             assert upstream.bodies[0]["model"] == "tiny"
