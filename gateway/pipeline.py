@@ -12,6 +12,7 @@ The chat and completions routers only format what these produce.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +36,8 @@ from gateway.remote import NodeUnavailableError
 from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
 from gateway.settings import GatewaySettings
+
+log = logging.getLogger("prefixgate.gateway")
 
 # Fields that only an upstream provider can honour; forwarded to it as-is.
 _PROVIDER_PASSTHROUGH = ("tool_choice", "response_format", "presence_penalty", "frequency_penalty", "logprobs",
@@ -322,9 +325,17 @@ class Accounting:
         return usage_dict(*self.usage())
 
     def record(self, status: str) -> None:
+        """Write the ledger row, metrics and dashboard totals once. A ledger failure is logged with
+        the request id, never turned into an error for a response that has already been produced."""
         if self.recorded:
             return
         self.recorded = True
+        try:
+            self._record(status)
+        except Exception:
+            log.exception("could not record usage of request %s", self.prep.request_id)
+
+    def _record(self, status: str) -> None:
         prep = self.prep
         prompt, cached, completion = self.usage()
         latency = time.perf_counter() - self.start
