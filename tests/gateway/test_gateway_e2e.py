@@ -175,13 +175,19 @@ def test_canonicalization_header_and_cache_hits(server, tenants):
 
 def test_usage_ledger_and_metrics(server, tenants):
     h = {"Authorization": f"Bearer {tenants['beta']}"}
-    httpx.post(f"{server}/v1/chat/completions", headers=h, timeout=120,
-               json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
+    for key in (tenants["acme"], tenants["beta"]):
+        httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
     time.sleep(1.5)  # the ledger writer batches rows
     usage = httpx.get(f"{server}/v1/usage", headers=h, timeout=30)
     assert usage.status_code == 200 and usage.json()
     assert "beta" in usage.text and "acme" not in usage.text
     assert httpx.get(f"{server}/v1/usage?since=soon", headers=h, timeout=30).status_code == 400
+    other = httpx.get(f"{server}/v1/usage?tenant=acme", headers=h, timeout=30)
+    assert other.status_code == 403 and other.json()["error"]["code"] == "permission_denied"
+    admin = httpx.get(f"{server}/v1/usage?tenant=acme&since=1d", timeout=30,
+                      headers={"Authorization": f"Bearer {tenants['admin']}"})
+    assert admin.status_code == 200 and "acme" in admin.text
     metrics = httpx.get(f"{server}/metrics", timeout=30).text
     assert 'prefixgate_gateway_requests_total{backend="local",status="ok"' in metrics
     assert "prefixgate_prompt_tokens_hit" in metrics  # the engine's collectors share the registry
