@@ -23,11 +23,12 @@ pytest.importorskip("tenancy.service", reason="tenancy has not landed yet")
 pytest.importorskip("promptlint.canon", reason="promptlint.canon has not landed yet")
 
 from gateway_fakes import LoopbackServer  # noqa: E402
-from tenancy.service import TenancyService  # noqa: E402
+from test_gateway_sdk import CHROMIUM, render_dashboard  # noqa: E402
 
 from gateway.app import create_app  # noqa: E402
 from gateway.cli.serve_cmd import dev_api_key, ensure_tiny_model  # noqa: E402
 from gateway.settings import GatewaySettings, RouteConfig  # noqa: E402
+from tenancy.service import TenancyService  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEM = ("You are the support assistant of ExampleCo. Answer briefly, politely and only about our products. "
@@ -206,6 +207,16 @@ def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path):
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
             again = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
             assert again.usage.prompt_tokens_details.cached_tokens > 0, model
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed")
+def test_dashboard_of_the_real_server_in_chromium(server, tenants, tmp_path):
+    for name in ("acme", "beta"):  # make sure both tenants have traffic, whatever ran before
+        sdk(server, tenants[name]).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    dom = render_dashboard(f"{server}/dashboard#key={tenants['admin']}", tmp_path, "dashboard-e2e.png")
+    assert "all tenants" in dom and "data-tenant=" in dom
+    own = render_dashboard(f"{server}/dashboard#key={tenants['beta']}", tmp_path, "dashboard-e2e-beta.png")
+    assert "your tenant" in own and own.count("data-tenant=") == 1
 
 
 def test_dev_key_is_created_once_and_kept_private(tmp_path):
