@@ -318,6 +318,11 @@ class TierManager:
                             meta.nbytes, meta.created_s, meta.last_access_s, meta.expires_s, meta.hits)
         return self._put(self.nvme, moved, blob, report)
 
+    def record_skip(self, reason: str, blocks: int) -> None:
+        """Count blocks the caller dropped before reaching ``demote`` (e.g. no known tenant)."""
+        if self.tiers:
+            self.metrics.skipped.labels(self.tiers[0].name, reason).inc(blocks)
+
     def _skip(self, report: DemoteReport, tier: str, reason: str, blocks: int) -> None:
         report.skipped[reason] = report.skipped.get(reason, 0) + blocks
         self.metrics.skipped.labels(tier, reason).inc(blocks)
