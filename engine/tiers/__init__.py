@@ -8,6 +8,7 @@ from engine.tiers.base import BlockLocation, SegmentMeta, Tier, TierError, TierS
 from engine.tiers.codec import FORMAT_VERSION, segment_aad
 from engine.tiers.cost import CostModel, TierRates
 from engine.tiers.dram import DramTier
+from engine.tiers.engine_hook import TierHook, build_tier_hook
 from engine.tiers.manager import DemoteReport, RestoreResult, TenantTierPolicy, TierManager, TierMatch
 from engine.tiers.null_cipher import InsecureNullCipher, NullCipher
 from engine.tiers.nvme import NvmeTier
@@ -15,5 +16,5 @@ from engine.tiers.nvme import NvmeTier
 __all__ = [
     "FORMAT_VERSION", "BlockLocation", "CostModel", "DemoteReport", "DramTier", "InsecureNullCipher",
     "NullCipher", "NvmeTier", "RestoreResult", "SegmentMeta", "TenantTierPolicy", "Tier", "TierError",
-    "TierManager", "TierMatch", "TierRates", "TierStats", "TierWriteError", "segment_aad",
+    "TierManager", "TierMatch", "TierRates", "TierHook", "TierStats", "TierWriteError", "build_tier_hook", "segment_aad",
 ]

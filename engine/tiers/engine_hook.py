@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.config import EngineConfig
 from engine.protocol import TenantScope
 from engine.tiers.base import BlockHash
 from engine.tiers.manager import RestoreResult, TierManager, TierMatch
@@ -200,7 +201,23 @@ class TierHook:
                 del self._holding[rid]
                 scheduler.pool.free(ids)
 
+    def stats(self) -> dict[str, Any]:
+        out = self.manager.stats()
+        out["restoring"] = len(self._restoring)
+        out["restored_blocks"] = self.restored_blocks
+        return out
+
     def close(self) -> None:
         self.flush_evictions()
-        self.manager.drain()
+        self.manager.close()
+
+
+def build_tier_hook(config: EngineConfig, runner: KVBlockIO, registry: Any = None, **kwargs: Any) -> TierHook | None:
+    """The composition root's one call: a ``TierHook`` sized by ``config.dram_bytes`` /
+    ``nvme_dir`` / ``nvme_bytes``, or None when both tiers are off (or prefix caching is)."""
+    if not config.enable_prefix_caching or (config.dram_bytes <= 0 and
+                                            (config.nvme_dir is None or config.nvme_bytes <= 0)):
+        return None
+    manager = TierManager.from_config(config, runner.kv_bytes_per_block, registry=registry, **kwargs)
+    return TierHook(manager, runner)
 

@@ -49,6 +49,9 @@ from engine.tiers.nvme import NvmeTier
 
 log = logging.getLogger(__name__)
 
+PENDING = "pending"  # a TierMatch tier for blocks whose demotion is still in flight
+_NOWHERE = BlockLocation("", -1)
+
 
 @dataclass(frozen=True)
 class TenantTierPolicy:
@@ -72,7 +75,11 @@ class TenantTierPolicy:
 
 @dataclass(frozen=True)
 class TierMatch:
-    """The leading blocks of a hash chain found below HBM, and where each one is."""
+    """The leading blocks of a hash chain found below HBM, and where each one is.
+
+    ``tiers[i]`` is "dram", "nvme", or "pending" (its demotion is still being encrypted and
+    stored: ``restore`` waits for it).
+    """
 
     namespace: bytes
     hashes: tuple[BlockHash, ...] = ()
@@ -171,6 +178,9 @@ class TierManager:
             self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-tier")
         self._pending: set[Future] = set()
+        # (namespace, hash) -> the demotion carrying it: a lookup right after an eviction finds the
+        # block "pending" and the restore waits for that demotion instead of missing.
+        self._inflight: dict[tuple[bytes, BlockHash], Future] = {}
         self._pending_lock = threading.Lock()
         self._sweep_interval_s = sweep_interval_s
         self._last_sweep_s = 0.0
@@ -221,15 +231,21 @@ class TierManager:
         view = _as_bytes_view(data)
         if len(view) != len(hashes) * self.block_bytes:
             raise ValueError(f"data has {len(view)} bytes, expected {len(hashes)} x {self.block_bytes}")
-        fut = self._pool.submit(self._demote, tenant, tuple(hashes), view, data)
-        with self._pending_lock:
+        hashes = tuple(hashes)
+        with self._pending_lock:  # held across submit so _done cannot run before registration
+            fut = self._pool.submit(self._demote, tenant, hashes, view, data)
             self._pending.add(fut)
-        fut.add_done_callback(self._done)
+            for h in hashes:
+                self._inflight[(tenant.namespace, h)] = fut
+        fut.add_done_callback(lambda f: self._done(f, tenant.namespace, hashes))
         return fut
 
-    def _done(self, fut: Future) -> None:
+    def _done(self, fut: Future, namespace: bytes, hashes: tuple[BlockHash, ...]) -> None:
         with self._pending_lock:
             self._pending.discard(fut)
+            for h in hashes:
+                if self._inflight.get((namespace, h)) is fut:
+                    del self._inflight[(namespace, h)]
         if not fut.cancelled() and fut.exception() is not None:
             log.error("tier demotion failed", exc_info=fut.exception())
 
@@ -345,7 +361,13 @@ class TierManager:
                     found_l.append(loc)
                     break
             else:
-                break
+                with self._pending_lock:
+                    pending = (namespace, h) in self._inflight
+                if not pending:
+                    break
+                found_h.append(h)
+                found_t.append(PENDING)
+                found_l.append(_NOWHERE)
         return TierMatch(namespace, tuple(found_h), tuple(found_t), tuple(found_l))
 
     def restore(self, tenant: TenantScope, match: TierMatch) -> Future[RestoreResult]:
@@ -363,11 +385,19 @@ class TierManager:
 
     def _restore(self, tenant: TenantScope, match: TierMatch) -> RestoreResult:
         t0 = time.perf_counter()
+        if match.blocks_in(PENDING):
+            # Wait for the demotions that carry them (queued before this task, so no deadlock),
+            # then look again: they may have been stored, or dropped by the cost/quota rules.
+            with self._pending_lock:
+                futs = {self._inflight.get((match.namespace, h)) for h in match.hashes}
+            for fut in futs - {None}:
+                fut.exception()
+            match = self.lookup(match.namespace, match.hashes)
         pieces: list[bytes] = []
         by_tier: dict[str, int] = {}
         bb, i, n = self.block_bytes, 0, match.num_blocks
         cipher = tenant.cipher
-        while i < n and cipher is not None:
+        while i < n and cipher is not None and match.tiers[i] != PENDING:
             tier = self.dram if match.tiers[i] == "dram" else self.nvme
             sid, pos = match.locations[i].segment_id, match.locations[i].position
             j = i + 1  # the run of blocks this segment serves, positions consecutive

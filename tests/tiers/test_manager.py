@@ -324,3 +324,24 @@ def test_from_config_and_null_cipher_for_benchmarks_only(tmp_path, registry):
         m.close()
     with pytest.raises(ValueError, match="nvme_dir"):
         TierManager(model_id="x", block_size=16, block_bytes=64, nvme_bytes=10)
+
+
+def test_lookup_right_after_demote_sees_pending_blocks_and_restore_waits(make_manager, monkeypatch):
+    m = make_manager(dram_bytes=1 << 20, max_workers=2)
+    a = tenant("a")
+    hs, data = chain(a.namespace, 4), kv_bytes(4)
+    gate = threading.Event()
+    real_put = m.dram.put
+
+    def slow_put(meta, blob):
+        gate.wait(10)  # the demotion is stuck until the lookup and restore are under way
+        return real_put(meta, blob)
+
+    monkeypatch.setattr(m.dram, "put", slow_put)
+    m.demote(a, hs, data)
+    match = m.lookup(a.namespace, hs)
+    assert match.num_blocks == 4 and match.tiers == ("pending",) * 4
+    fut = m.restore(a, match)
+    gate.set()
+    res = fut.result(timeout=30)
+    assert res.num_blocks == 4 and res.data == data
