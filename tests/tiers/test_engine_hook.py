@@ -1,0 +1,106 @@
+"""The tiers inside the engine's step loop: evicted prefixes come back from DRAM / NVMe.
+
+Uses the real block pool, scheduler and step loop with a runner double whose KV holds token ids
+(``kv_runner_double``): a wrongly restored block changes the output or raises.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("engine.llm_engine")
+
+from engine.llm_engine import LLMEngine  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from engine.tiers import TierHook, TierManager  # noqa: E402
+from tests.tiers.conftest import metric, tenant  # noqa: E402
+from tests.tiers.kv_runner_double import TokenKVRunner, reference_generate  # noqa: E402
+
+BS = 16
+
+
+def build(tmp_path, registry, *, dram_bytes=0, nvme_bytes=0, num_blocks=12):
+    cfg = EngineConfig(model_dir=tmp_path / "double", block_size=BS, num_kv_blocks=num_blocks,
+                       dram_bytes=dram_bytes, nvme_dir=tmp_path / "nvme" if nvme_bytes else None,
+                       nvme_bytes=nvme_bytes, eviction_policy="lru")
+    runner = TokenKVRunner(num_blocks, BS)
+    manager = TierManager.from_config(cfg, runner.kv_bytes_per_block, registry=registry, pin_memory=False)
+    hook = TierHook(manager, runner, pin_memory=False)
+    return LLMEngine(cfg, runner, tier_hook=hook), hook
+
+
+def run(engine, rid, who, prompt, max_tokens=4):
+    engine.add_request(GenerateRequest(request_id=rid, tenant=who, prompt_token_ids=prompt,
+                                       sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    outs, reasons = [], set()
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        outs += engine.step()
+        engine.check_integrity()
+        reasons |= set(engine.scheduler.queue_reasons())
+    final = outs[-1]
+    assert final.finished and final.finish_reason == "length"
+    return [t for o in outs for t in o.new_token_ids], final.cached_tokens, reasons
+
+
+@pytest.mark.parametrize("where", ["dram", "nvme"])
+def test_evicted_prefix_is_restored_with_identical_output(tmp_path, registry, where):
+    sizes = {"dram_bytes": 1 << 20} if where == "dram" else {"nvme_bytes": 1 << 20}
+    engine, hook = build(tmp_path, registry, **sizes)
+    a = tenant("a")
+    rng = random.Random(0)
+    p = [rng.randrange(1000, 40_000) for _ in range(100)]  # 6 cacheable full blocks
+    q = [rng.randrange(1000, 40_000) for _ in range(170)]  # needs 11 of the 12 blocks
+    cold, cached, _ = run(engine, "p1", a, p)
+    assert cold == reference_generate(p, 4) and cached == 0
+    run(engine, "q", a, q)  # pushes p's tail out of HBM
+    hook.manager.drain()
+    assert engine.runner.exported >= 5
+    warm, cached, reasons = run(engine, "p2", a, p)
+    assert warm == cold
+    assert cached == 96  # 1 block still in HBM + 5 restored from the tier
+    assert "restoring" in reasons
+    assert engine.runner.imported == 5
+    assert metric(registry, "prefixgate_tier_restores_total", tier=where, tenant="a") == 5
+    assert hook.held_block_tables() == [] or engine.step() == []  # holds are released next step
+    engine.step()
+    assert hook.held_block_tables() == []
+    engine.check_integrity()
+    hook.close()
+
+
+def test_tenant_without_cipher_recomputes(tmp_path, registry):
+    engine, hook = build(tmp_path, registry, dram_bytes=1 << 20)
+    clear = tenant("clear", cipher=None)
+    rng = random.Random(1)
+    p = [rng.randrange(1000, 40_000) for _ in range(100)]
+    cold, _, _ = run(engine, "p1", clear, p)
+    run(engine, "q", clear, [rng.randrange(1000, 40_000) for _ in range(170)])
+    warm, cached, reasons = run(engine, "p2", clear, p)
+    assert warm == cold and cached == 16 and "restoring" not in reasons
+    assert engine.runner.imported == 0
+    assert metric(registry, "prefixgate_tier_demotions_skipped_total", tier="dram", reason="no_cipher") >= 5
+    hook.close()
+
+
+def test_tampered_tier_block_is_recomputed_not_served(tmp_path, registry):
+    engine, hook = build(tmp_path, registry, nvme_bytes=1 << 20)
+    a = tenant("a")
+    rng = random.Random(2)
+    p = [rng.randrange(1000, 40_000) for _ in range(100)]
+    cold, _, _ = run(engine, "p1", a, p)
+    run(engine, "q", a, [rng.randrange(1000, 40_000) for _ in range(170)])
+    hook.manager.drain()
+    for f in hook.manager.nvme.root.rglob("*.seg"):
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    warm, cached, _ = run(engine, "p2", a, p)
+    assert warm == cold and cached == 16  # only the block HBM still had
+    assert metric(registry, "prefixgate_tier_auth_failures_total", tier="nvme", tenant="a") >= 1
+    hook.close()
