@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,6 +78,7 @@ class TierHook:
         self._holding: dict[str, tuple[Any, list[int]]] = {}  # request id -> (request, block ids held)
         self._checked: set[tuple[str, int]] = set()  # (request id, preemptions) already looked up
         self.restored_blocks = 0
+        self.idle_wait_s = 0.05  # longest a step with nothing else to run blocks on a restore
 
     # ---- KVTierHook ----------------------------------------------------------------------------
     def on_evict(self, block: Any) -> None:
@@ -120,6 +122,16 @@ class TierHook:
         if self.manager.enabled and scheduler.pool.enable_caching:
             self._start_restores(scheduler)
         self.flush_evictions()  # allocations for restores may have evicted blocks
+        if self._restoring and not scheduler.running and self._all_waiting_held(scheduler):
+            # Nothing else could run this step: wait for a restore instead of spinning empty steps
+            # (which would also compete with the decrypting worker for the GIL).
+            wait([r.future for r in self._restoring.values()], timeout=self.idle_wait_s,
+                 return_when=FIRST_COMPLETED)
+            self._finish_restores(scheduler)
+
+    @staticmethod
+    def _all_waiting_held(scheduler: Any) -> bool:
+        return all(r.request_id in scheduler.held for q in scheduler.waiting.values() for r in q)
 
     def held_block_tables(self) -> list[list[int]]:
         """Block references the hook holds (add them to ``BlockPool.check_integrity``'s tables)."""

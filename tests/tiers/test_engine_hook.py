@@ -64,7 +64,6 @@ def test_evicted_prefix_is_restored_with_identical_output(tmp_path, registry, wh
     warm, cached, reasons = run(engine, "p2", a, p)
     assert warm == cold
     assert cached == 96  # 1 block still in HBM + 5 restored from the tier
-    assert "restoring" in reasons
     assert engine.runner.imported == 5
     assert metric(registry, "prefixgate_tier_restores_total", tier=where, tenant="a") == 5
     assert hook.held_block_tables() == [] or engine.step() == []  # holds are released next step
@@ -103,4 +102,39 @@ def test_tampered_tier_block_is_recomputed_not_served(tmp_path, registry):
     warm, cached, _ = run(engine, "p2", a, p)
     assert warm == cold and cached == 16  # only the block HBM still had
     assert metric(registry, "prefixgate_tier_auth_failures_total", tier="nvme", tenant="a") >= 1
+    hook.close()
+
+
+def test_a_restoring_request_waits_while_others_keep_running(tmp_path, registry, monkeypatch):
+    import threading
+
+    engine, hook = build(tmp_path, registry, dram_bytes=1 << 20, num_blocks=16)
+    a, b = tenant("a"), tenant("b")
+    rng = random.Random(3)
+    p = [rng.randrange(1000, 40_000) for _ in range(100)]
+    cold, _, _ = run(engine, "p1", a, p)
+    run(engine, "q", a, [rng.randrange(1000, 40_000) for _ in range(230)])  # evicts p's tail
+    hook.manager.drain()
+    gate = threading.Event()
+    real_restore = hook.manager._restore
+    monkeypatch.setattr(hook.manager, "_restore", lambda *args: (gate.wait(10), real_restore(*args))[1])
+    other = [rng.randrange(1000, 40_000) for _ in range(20)]
+    engine.add_request(GenerateRequest(request_id="other", tenant=b, prompt_token_ids=other,
+                                       sampling=SamplingParams(max_tokens=30, temperature=0.0)))
+    outs = engine.step()
+    engine.add_request(GenerateRequest(request_id="p2", tenant=a, prompt_token_ids=p,
+                                       sampling=SamplingParams(max_tokens=4, temperature=0.0)))
+    for _ in range(5):  # the restore is stuck: p2 waits as "restoring", "other" keeps decoding
+        outs += engine.step()
+        engine.check_integrity()
+        assert engine.scheduler.queue_reasons() == {"restoring": 1}
+    assert sum(len(o.new_token_ids) for o in outs if o.request_id == "other") == 6
+    gate.set()
+    while engine.has_unfinished():
+        outs += engine.step()
+        engine.check_integrity()
+    p2 = [t for o in outs if o.request_id == "p2" for t in o.new_token_ids]
+    assert p2 == cold
+    assert [o for o in outs if o.request_id == "p2"][-1].cached_tokens == 96
+    assert [t for o in outs if o.request_id == "other" for t in o.new_token_ids] == reference_generate(other, 30)
     hook.close()
