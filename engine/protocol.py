@@ -173,6 +173,13 @@ class PromptTooLongError(EngineError):
     code = "context_length_exceeded"
 
 
+class InvalidRequestError(EngineError):
+    """The request cannot be served as given (empty prompt, token id outside the vocabulary...)."""
+
+    status = 400
+    code = "invalid_request_error"
+
+
 class EngineOverloadedError(EngineError):
     """The engine's waiting queue is full; retry later."""
 

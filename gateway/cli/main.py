@@ -76,4 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m`, this file runs as __main__ while subcommands raise
+    # gateway.cli.main.CLIError, a different class object; dispatch through the package module.
+    from gateway.cli.main import main as package_main
+
+    sys.exit(package_main())

@@ -1,0 +1,169 @@
+"""``AsyncEngine``: an ``EngineClient`` that runs ``LLMEngine``'s step loop in a background thread.
+
+    event loop (gateway)                         engine thread
+    ---------------------                        -------------
+    generate(req): prepare (tokenize, validate)
+                   queue "add" + wake  ───────►  drain adds/aborts
+                                                 step() while requests are unfinished
+    await per-request asyncio.Queue  ◄─────────  loop.call_soon_threadsafe(queue.put_nowait, out)
+    iterator cancelled (client gone)
+                   queue "abort" + wake ───────► engine.abort(id): blocks freed
+                                                 idle: sleeps on an Event (never busy-spins)
+
+Only the engine thread touches the ``LLMEngine`` after construction (tokenization in
+``generate``/``count_prompt_tokens`` is guarded by the engine's tokenizer lock). ``stats`` reads a
+snapshot the thread publishes after every step, so it never waits for a step to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.protocol import (
+    EngineError,
+    EngineOverloadedError,
+    GenerateRequest,
+    InvalidRequestError,
+    ModelCard,
+    RequestOutput,
+)
+from engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineShutDownError(EngineError):
+    status = 503
+    code = "engine_shut_down"
+
+
+class AsyncEngine:
+    """Implements ``engine.protocol.EngineClient``. Build it with ``engine.launch.build_engine``."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()  # guards the three fields below
+        self._adds: list[Request] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._snapshot: dict[str, Any] = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ EngineClient
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if self._stopping:
+            raise EngineShutDownError("the engine is shutting down")
+        req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        with self._lock:
+            if request.request_id in self._streams:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            if self._snapshot["waiting"] + len(self._adds) >= self.engine.config.max_waiting:
+                raise EngineOverloadedError(
+                    f"the engine has {self.engine.config.max_waiting} requests waiting; retry later"
+                )
+            self._streams[request.request_id] = (loop, queue)
+            self._adds.append(req)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+                if not finished:  # cancelled or closed early: free its blocks
+                    self._aborts.append(request.request_id)
+            if not finished:
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    async def health(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(self._snapshot, healthy=self._thread.is_alive() and not self._stopping)
+
+    def models(self) -> list[ModelCard]:
+        return [ModelCard(id=self.engine.config.resolved_model_id, max_model_len=self.engine.max_model_len)]
+
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        return len(self.engine.tokenize(request))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still running end with finish_reason "abort"."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            target = self._streams.get(out.request_id)
+        if target is None:
+            return  # the consumer went away; its abort is queued
+        loop, queue = target
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._lock:
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            for req in adds:
+                try:
+                    engine.add_request(req)
+                except EngineError as exc:
+                    self._deliver(_failed(req, str(exc)))
+            for request_id in aborts:
+                out = engine.abort(request_id)
+                if out is not None:
+                    self._deliver(out)
+            if self._stopping:
+                for request_id in list(engine.requests):
+                    out = engine.abort(request_id)
+                    if out is not None:
+                        self._deliver(out)
+                self._snapshot = engine.stats()
+                return
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a bug outside any one request: fail them all, keep serving
+                    log.exception("engine step failed")
+                    outputs = engine.fail_all(f"{type(exc).__name__}: {exc}")
+                self._snapshot = engine.stats()  # before delivery: a consumer sees state at least this new
+                for out in outputs:
+                    self._deliver(out)
+            else:
+                self._snapshot = engine.stats()
+                self._wake.wait()
+                self._wake.clear()
+
+
+def _failed(req: Request, error: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id, new_token_ids=(), new_text="", finished=True,
+        prompt_tokens=req.num_prompt_tokens, cached_tokens=0, completion_tokens=0,
+        finish_reason="error", error=error,
+    )

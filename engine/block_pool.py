@@ -1,0 +1,329 @@
+"""The KV block pool: preallocated blocks, refcounts, free queues, prefix index, eviction.
+
+Block life cycle::
+
+      allocate()                      free() -> ref 0, never indexed
+    +-----------> [in use, ref>=1] ------------------------------------> [free, uncached]
+    |               |      ^  touch() (prefix hit)                            |
+    |   register()  |      |                                                  |
+    |   (block full)v      |                                                  |
+    |           [in use, indexed] --free() -> ref 0--> [evictable, indexed]   |
+    |                                                      | evict (policy)   |
+    +------------------------------------------------------+------------------+
+
+- ``allocate`` takes never-indexed free blocks first (nothing is lost), then asks the eviction
+  policy for a victim: a free, indexed *leaf* (tails go before their parents, so the index stays
+  prefix-closed). Before a victim is reused the optional ``KVTierHook`` sees it, so a lower tier
+  can keep a copy.
+- Blocks are shared only through the index, so a shared block is always indexed, and every block
+  in use belongs to one namespace: that is what the per-tenant quota counts.
+- ``register`` indexes a block that just filled. If its hash is already resident in another block
+  (two requests computed the same prefix concurrently), the caller's reference moves to the
+  resident block and the duplicate is freed, so the pool never holds one prefix twice.
+
+No torch here (import-linter contract ``engine-core-torch-free``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from engine.config import EvictionPolicyName
+from engine.eviction import Block, EvictionPolicy, FreeBlockQueue, make_policy
+from engine.prefix_index import BlockHash, PrefixIndex
+
+
+class IntegrityError(AssertionError):
+    """``BlockPool.check_integrity`` found the pool's bookkeeping inconsistent."""
+
+
+@dataclass(frozen=True)
+class EvictedBlock:
+    """What a tier manager needs of a block leaving HBM (its bytes are still in ``block_id``)."""
+
+    block_hash: BlockHash
+    namespace: bytes
+    depth: int  # chain position: the block holds tokens depth*bs .. (depth+1)*bs-1
+    block_id: int
+
+
+@runtime_checkable
+class KVTierHook(Protocol):
+    """The seam to lower KV tiers (DRAM, NVMe); ``engine/tiers/`` implements it.
+
+    Contract:
+        - ``on_evict`` is called synchronously before ``block_id`` is handed out again, so the
+          hook may read the block's bytes (e.g. ``runner.export_blocks([block_id])``), encrypt
+          and store them under ``(namespace, block_hash)``. It must not call back into the pool.
+        - ``lookup`` tells how many of ``block_hashes`` (a chain's hashes that follow the last
+          HBM hit, in order) a lower tier holds, counting from the first. A prefix match that stops
+          in HBM continues there; the engine then allocates blocks and restores them
+          (``runner.import_blocks``) before scheduling the rest of the prompt.
+    """
+
+    def on_evict(self, block: EvictedBlock) -> None: ...
+
+    def lookup(self, namespace: bytes, block_hashes: Sequence[BlockHash]) -> int: ...
+
+
+class BlockPool:
+    """Fixed set of ``num_blocks`` KV blocks with refcounts and a prefix index.
+
+    Args:
+        num_blocks: blocks in the runner's KV cache.
+        block_size: tokens per block.
+        eviction_policy: "cost" (default) or "lru", or an ``EvictionPolicy`` object.
+        enable_caching: False = ``register`` indexes nothing, so nothing is ever hit.
+        tier_hook: told of every eviction before the block is reused.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        eviction_policy: EvictionPolicyName | EvictionPolicy = "cost",
+        enable_caching: bool = True,
+        tier_hook: KVTierHook | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.tier_hook = tier_hook
+        self.policy: EvictionPolicy = (
+            make_policy(eviction_policy, block_size) if isinstance(eviction_policy, str) else eviction_policy
+        )
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.index = PrefixIndex(block_size)
+        self._uncached = FreeBlockQueue()
+        for block in self.blocks:
+            self._uncached.append(block)
+        self._used_by_ns: Counter[bytes] = Counter()
+        self._indexed_by_ns: Counter[bytes] = Counter()
+        self.num_evictions = 0
+
+    # ------------------------------------------------------------------ counts
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an ``allocate`` can hand out now (never-indexed free + evictable)."""
+        return len(self._uncached) + len(self.policy)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.policy)
+
+    def used_by(self, namespace: bytes) -> int:
+        """Blocks in use (refcount > 0) by requests of ``namespace``: what its quota counts."""
+        return self._used_by_ns[namespace]
+
+    def indexed_by(self, namespace: bytes) -> int:
+        """Indexed blocks (in use or evictable) of ``namespace``."""
+        return self._indexed_by_ns[namespace]
+
+    def usage_by_namespace(self) -> dict[bytes, int]:
+        return {ns: n for ns, n in self._used_by_ns.items() if n}
+
+    # ------------------------------------------------------------------ operations
+
+    def allocate(self, n: int, namespace: bytes) -> list[int] | None:
+        """``n`` fresh blocks (refcount 1) for ``namespace``, or ``None`` (and no change) if fewer
+        than ``n`` are free. May evict indexed blocks, tails first."""
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        if n > self.num_free:
+            return None
+        out: list[int] = []
+        for _ in range(n):
+            block = self._uncached.popleft()
+            if block is None:
+                block = self._evict_one()
+            block.ref_cnt = 1
+            block.namespace = namespace
+            self._used_by_ns[namespace] += 1
+            out.append(block.block_id)
+        return out
+
+    def _evict_one(self) -> Block:
+        victim = self.policy.pop_victim()
+        if victim is None:  # num_free counted it, so a leaf must exist (the index is prefix-closed)
+            raise IntegrityError("eviction policy found no evictable leaf although blocks were free")
+        assert victim.block_hash is not None and victim.namespace is not None
+        if self.tier_hook is not None:
+            self.tier_hook.on_evict(
+                EvictedBlock(BlockHash(victim.block_hash), victim.namespace, victim.depth, victim.block_id)
+            )
+        self._unindex(victim)
+        self.num_evictions += 1
+        return victim
+
+    def _unindex(self, block: Block) -> None:
+        assert block.block_hash is not None and block.namespace is not None
+        self.index.remove(BlockHash(block.block_hash))
+        self._indexed_by_ns[block.namespace] -= 1
+        parent = block.parent
+        if parent is not None:
+            parent.num_children -= 1
+            if parent.num_children == 0 and parent.ref_cnt == 0:
+                self.policy.leaf_exposed(parent)
+        block.block_hash = None
+        block.parent = None
+        block.depth = -1
+        block.uses = 0
+        block.namespace = None
+
+    def touch(self, block_ids: Sequence[int], namespace: bytes) -> None:
+        """Take a reference on cached blocks (a prefix hit); evictable ones come back into use."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None or block.namespace != namespace:
+                raise ValueError(f"block {block_id} is not an indexed block of this namespace")
+            if block.ref_cnt == 0:
+                self.policy.discard(block)
+                self._used_by_ns[namespace] += 1
+            block.ref_cnt += 1
+            block.uses += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block. Freed in reverse so that, among blocks released
+        together, a sequence's tail is older than its head (evicted first under LRU)."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            assert block.namespace is not None
+            self._used_by_ns[block.namespace] -= 1
+            if block.block_hash is not None:
+                self.policy.push(block)
+            else:
+                block.namespace = None
+                self._uncached.append(block)
+
+    def register(self, block_id: int, block_hash: BlockHash, depth: int, parent_id: int | None) -> int:
+        """Index a block that just became full; returns the block id that now holds ``block_hash``.
+
+        ``depth`` is its chain position and ``parent_id`` the block holding the previous hash of
+        the chain (``None`` at depth 0); the caller holds both. If ``block_hash`` is already
+        indexed elsewhere (another request computed the same prefix concurrently), the caller's
+        reference moves there and ``block_id`` is freed: replace it in the block table by the
+        returned id. With caching disabled nothing is indexed and ``block_id`` is returned.
+        """
+        block = self.blocks[block_id]
+        if block.ref_cnt < 1 or block.namespace is None:
+            raise ValueError(f"block {block_id} is not in use")
+        if not self.enable_caching or block.block_hash == block_hash:
+            return block_id
+        if block.block_hash is not None:
+            raise ValueError(f"block {block_id} is already indexed under another hash")
+        resident = self.index.get(block_hash)
+        if resident is not None:
+            assert block.ref_cnt == 1, "an unindexed block is never shared"
+            self.touch([resident], block.namespace)
+            self.free([block_id])
+            return resident
+        parent: Block | None = None
+        if depth > 0:
+            if parent_id is None:
+                raise ValueError("a block at depth > 0 needs its parent block")
+            parent = self.blocks[parent_id]
+            if parent.block_hash is None or parent.depth != depth - 1 or parent.ref_cnt < 1:
+                raise ValueError(f"parent block {parent_id} is not an in-use indexed block at depth {depth - 1}")
+        elif parent_id is not None:
+            raise ValueError("a block at depth 0 has no parent")
+        return self._index(block, block_hash, depth, parent)
+
+    def _index(self, block: Block, block_hash: BlockHash, depth: int, parent: Block | None) -> int:
+        assert block.namespace is not None
+        self.index.insert(block_hash, block.block_id)
+        block.block_hash = block_hash
+        block.depth = depth
+        block.parent = parent
+        block.uses = 1
+        if parent is not None:
+            parent.num_children += 1
+        self._indexed_by_ns[block.namespace] += 1
+        return block.block_id
+
+    def evict_all_cached(self) -> int:
+        """Drop every evictable block from the index (``reset_prefix_cache``). Returns how many."""
+        n = 0
+        while len(self.policy):
+            block = self._evict_one()
+            self._uncached.append(block)
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ checking
+
+    def check_integrity(self, block_tables: Iterable[Sequence[int]]) -> None:
+        """Raise ``IntegrityError`` unless every invariant holds.
+
+        ``block_tables`` are the block tables of every live request (the only holders of
+        references). Checks: refcounts equal table references; the never-indexed free queue is
+        linked both ways and holds exactly the unreferenced unindexed blocks; evictable blocks are
+        exactly the unreferenced indexed ones and the policy holds that many; free + used = total;
+        the index maps every hash to the block that holds it and back; the index is prefix-closed
+        with correct child counts; per-namespace counts match.
+        """
+
+        def fail(msg: str) -> None:
+            raise IntegrityError(msg)
+
+        refs: Counter[int] = Counter()
+        for table in block_tables:
+            refs.update(table)
+        for block in self.blocks:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                fail(f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs.get(block.block_id, 0)} table refs")
+        queued = self._uncached.check()
+        expected_uncached = [b for b in self.blocks if b.ref_cnt == 0 and b.block_hash is None]
+        if {b.block_id for b in queued} != {b.block_id for b in expected_uncached} or len(queued) != len(
+            expected_uncached
+        ):
+            fail("free queue does not hold exactly the unreferenced, unindexed blocks")
+        evictable = [b for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        if len(evictable) != len(self.policy):
+            fail(f"policy holds {len(self.policy)} evictable blocks, pool has {len(evictable)}")
+        for b in evictable:
+            if b.prev_free is not None and b in queued:
+                fail(f"evictable block {b.block_id} is in the free queue")
+        used = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        if used + self.num_free != self.num_blocks or used != self.num_used:
+            fail(f"used {used} + free {self.num_free} != total {self.num_blocks}")
+        if len(self.index) != sum(1 for b in self.blocks if b.block_hash is not None):
+            fail("index size differs from the number of indexed blocks")
+        children: Counter[int] = Counter()
+        for block_hash, block_id in self.index.items():
+            block = self.blocks[block_id]
+            if block.block_hash != block_hash:
+                fail(f"index maps a hash to block {block_id}, which holds another")
+            if block.depth > 0:
+                parent = block.parent
+                if parent is None or parent.block_hash is None or self.index.get(BlockHash(parent.block_hash)) != parent.block_id:
+                    fail(f"indexed block {block_id} has no indexed parent (index not prefix-closed)")
+                    return
+                if parent.depth != block.depth - 1 or parent.namespace != block.namespace:
+                    fail(f"block {block_id}'s parent has the wrong depth or namespace")
+                children[parent.block_id] += 1
+            elif block.parent is not None:
+                fail(f"block {block_id} at depth 0 has a parent")
+        for block in self.blocks:
+            if block.num_children != children.get(block.block_id, 0):
+                fail(f"block {block.block_id}: num_children {block.num_children} != {children.get(block.block_id, 0)}")
+        used_ns: Counter[bytes] = Counter(b.namespace for b in self.blocks if b.ref_cnt > 0 and b.namespace)
+        if +used_ns != +self._used_by_ns:
+            fail(f"per-namespace use {dict(self._used_by_ns)} != {dict(used_ns)}")
+        idx_ns: Counter[bytes] = Counter(b.namespace for b in self.blocks if b.block_hash is not None and b.namespace)
+        if +idx_ns != +self._indexed_by_ns:
+            fail("per-namespace indexed counts are off")

@@ -1,0 +1,71 @@
+"""The engine's composition root: what the gateway and the CLI call to get a running engine.
+
+The gateway may import only ``engine.protocol``, ``engine.config`` and this module (import-linter
+contract ``gateway-engine-surface``). Heavy modules (torch, transformers) are imported inside the
+functions, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from engine.async_engine import AsyncEngine
+    from engine.block_pool import KVTierHook
+    from engine.llm_engine import LLMEngine
+
+
+def build_llm_engine(
+    config: EngineConfig, registry: CollectorRegistry | None = None, tier_hook: KVTierHook | None = None
+) -> LLMEngine:
+    """A synchronous ``LLMEngine`` over a ``ModelRunner`` for ``config`` (benchmarks, tests)."""
+    from engine.llm_engine import LLMEngine
+    from engine.metrics import EngineMetrics
+    from engine.model_runner import ModelRunner
+
+    runner = ModelRunner(config)
+    return LLMEngine(config, runner, EngineMetrics(registry, model=config.resolved_model_id), tier_hook=tier_hook)
+
+
+def build_engine(
+    config: EngineConfig, registry: CollectorRegistry | None = None, tier_hook: KVTierHook | None = None
+) -> AsyncEngine:
+    """Load the model, size the KV cache and start the engine thread.
+
+    Args:
+        config: the engine configuration (``config.model_dir`` must hold a checkpoint; see
+            ``ensure_tiny_model`` for the offline default).
+        registry: where the engine's Prometheus metrics go; a fresh one if None. Pass the registry
+            the gateway serves on ``/metrics``.
+        tier_hook: lower KV tiers (DRAM/NVMe) told of every HBM eviction; None = drop evicted KV.
+
+    Returns:
+        an ``AsyncEngine`` (implements ``engine.protocol.EngineClient``); call ``shutdown()`` when done.
+    """
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine(build_llm_engine(config, registry, tier_hook))
+
+
+def default_tiny_dir(home: Path) -> Path:
+    """Where the offline default model lives under a PrefixGate home directory."""
+    return Path(home) / "models" / "tiny"
+
+
+def build_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    """Write the tiny seeded random-weight model (real tokenizer) to ``out_dir``; returns it."""
+    from engine.models.tiny import build_tiny_checkpoint as build
+
+    return build(out_dir, seed=seed)
+
+
+def ensure_tiny_model(home: Path, seed: int = 0) -> Path:
+    """``<home>/models/tiny``, built first if missing or incomplete."""
+    from engine.models.tiny import ensure_tiny_checkpoint
+
+    return ensure_tiny_checkpoint(default_tiny_dir(home), seed=seed)

@@ -1,0 +1,382 @@
+"""``LLMEngine``: the synchronous step loop (tokenize -> schedule -> run -> sample -> stop -> free).
+
+One ``step()``::
+
+    scheduler.schedule()          -> ScheduledBatch (chunks of prefill + decodes, block tables)
+    runner.execute(batch)         -> one sampled token per chunk with sample=True
+    scheduler.commit(step)        -> computed-token counts advance, newly full blocks get indexed
+    per sampled token             -> append, detokenize incrementally, check stop conditions
+    finished requests             -> blocks freed (full ones stay indexed for reuse)
+
+Thread-safety: none. ``AsyncEngine`` drives one ``LLMEngine`` from a single thread; only
+``prepare()`` (tokenization and validation) may be called from other threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from engine.batch import ScheduledBatch, StepResult
+from engine.block_pool import BlockPool, KVTierHook
+from engine.config import EngineConfig
+from engine.metrics import EngineMetrics
+from engine.protocol import (
+    FinishReason,
+    GenerateRequest,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestOutput,
+)
+from engine.request import DetokenizerState, Request, RequestStatus
+from engine.scheduler import Scheduler, SchedulerOutput
+
+# Trailing prompt tokens kept as detokenization context (leading-space and merge rules).
+_DETOK_CONTEXT = 5
+
+
+class Runner(Protocol):
+    """What the engine needs of a model runner (``engine.model_runner.ModelRunner`` in production;
+    tests inject a deterministic double). See the ModelRunner contract in the engine docs."""
+
+    spec: Any  # has vocab_size, max_model_len, eos_token_ids
+    tokenizer: Any  # encode(text) -> list[int]; decode(ids, skip_special_tokens=...) -> str
+    block_size: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+
+    def execute(self, batch: ScheduledBatch) -> StepResult: ...
+
+    def render_prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> list[int]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        metrics: EngineMetrics | None = None,
+        tier_hook: KVTierHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.clock = clock
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.metrics.kv_bytes_per_token.set(runner.kv_bytes_per_block / runner.block_size)
+        self.pool = BlockPool(
+            runner.num_kv_blocks,
+            runner.block_size,
+            eviction_policy=config.eviction_policy,
+            enable_caching=config.enable_prefix_caching,
+            tier_hook=tier_hook,
+        )
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, clock)
+        spec_len = int(runner.spec.max_model_len)
+        self.max_model_len = min(config.max_model_len or spec_len, spec_len)
+        self.eos_token_ids = tuple(runner.spec.eos_token_ids or ())
+        self.vocab_size = int(runner.spec.vocab_size)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self._queried: Counter[str] = Counter()  # prompt tokens looked up, per metrics label
+        self._hit: Counter[str] = Counter()  # of which served from cache
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+
+    # ------------------------------------------------------------------ intake
+
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids: chat template for messages, tokenizer for text, or as given."""
+        if request.prompt_token_ids is not None:
+            ids = [int(t) for t in request.prompt_token_ids]
+        else:
+            with self._tokenizer_lock:
+                if request.messages is not None:
+                    ids = list(self.runner.render_prompt(request.messages, request.tools))
+                else:
+                    ids = list(self.runner.tokenizer.encode(request.prompt))
+        return ids
+
+    def prepare(self, request: GenerateRequest) -> Request:
+        """Tokenize and validate; raises ``EngineError`` subclasses for requests that cannot run."""
+        ids = self.tokenize(request)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        max_tokens = request.sampling.max_tokens
+        total = len(ids) + max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(ids)} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens."
+            )
+        blocks = -(-total // self.block_size)
+        if blocks > self.pool.num_blocks:
+            raise PromptTooLongError(
+                f"The request needs {blocks} KV blocks ({total} tokens) but the KV cache holds "
+                f"{self.pool.num_blocks}. Please reduce the prompt or max_tokens."
+            )
+        quota = request.tenant.kv_block_quota
+        if quota is not None and blocks > quota:
+            raise PromptTooLongError(
+                f"The request needs {blocks} KV blocks ({total} tokens) but this tenant's KV quota "
+                f"is {quota} blocks. Please reduce the prompt or max_tokens."
+            )
+        req = Request(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            prompt_token_ids=ids,
+            sampling=request.sampling,
+            block_size=self.block_size,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=self.clock(),
+        )
+        ctx = ids[-_DETOK_CONTEXT:]
+        req.detok = DetokenizerState(tokens=list(ctx), prefix_offset=0, read_offset=len(ctx))
+        return req
+
+    def add_request(self, request: GenerateRequest | Request) -> Request:
+        req = request if isinstance(request, Request) else self.prepare(request)
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output, or None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return self._output(req)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request with finish_reason "error" (after an unexpected engine failure)."""
+        outputs = []
+        for req in list(self.requests.values()):
+            req.error = error
+            self._finish(req, "error")
+            out = self._output(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if not step.is_empty:
+            self.num_steps += 1
+            now = self.clock()
+            for req in step.admitted:
+                if req.num_preemptions == 0:  # count each request's lookup once, not per readmission
+                    label = req.tenant.metrics_label
+                    self._queried[label] += req.num_prompt_tokens
+                    self._hit[label] += req.num_cached_tokens or 0
+                    self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
+            results = self._execute(step)
+            failed: list[Request] = []
+            for req, result in zip(step.requests, results):
+                if isinstance(result, BaseException):
+                    # before commit: a failed chunk's blocks may hold garbage and must never be indexed
+                    req.error = f"{type(result).__name__}: {result}"
+                    self._finish(req, "error")
+                    failed.append(req)
+            self.scheduler.commit(step)
+            now = self.clock()
+            for req, chunk, result in zip(step.requests, step.batch.chunks, results):
+                if req.is_finished and req not in failed:
+                    continue
+                if chunk.sample and not req.is_finished:
+                    try:
+                        self._append_token(req, result, now)  # type: ignore[arg-type]
+                    except Exception as exc:  # a bad token or detokenizer failure fails only this request
+                        req.error = f"{type(exc).__name__}: {exc}"
+                        self._finish(req, "error")
+                elif not req.is_finished:
+                    continue
+                out = self._output(req)
+                if out is not None:
+                    outputs.append(out)
+        self._publish_state()
+        return outputs
+
+    def _execute(self, step: SchedulerOutput) -> list[int | None | BaseException]:
+        """Run the batch; if it raises, run each chunk alone so only the failing requests fail."""
+        try:
+            result = self.runner.execute(step.batch)
+            tokens = list(result.sampled_token_ids)
+            if len(tokens) != len(step.batch.chunks):
+                raise RuntimeError(f"runner returned {len(tokens)} tokens for {len(step.batch.chunks)} chunks")
+            return tokens
+        except Exception as batch_exc:
+            if len(step.batch.chunks) == 1:
+                return [batch_exc]
+        out: list[int | None | BaseException] = []
+        for chunk in step.batch.chunks:
+            try:
+                out.append(self.runner.execute(ScheduledBatch((chunk,), step.batch.block_copies)).sampled_token_ids[0])
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    # ------------------------------------------------------------------ tokens, text, stopping
+
+    def _append_token(self, req: Request, token: int | None, now: float) -> None:
+        if token is None:
+            raise RuntimeError("runner sampled no token for a chunk with sample=True")
+        token = int(token)
+        if not 0 <= token < self.vocab_size:
+            raise RuntimeError(f"runner sampled token {token} outside the vocabulary")
+        req.append_output_token(token, now)
+        sp = req.sampling
+        reason: FinishReason | None = None
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"  # the stop token is returned as an id but not as text
+        else:
+            self._detokenize(req, token)
+            if sp.stop and self._apply_stop_strings(req):
+                reason = "stop"
+        if reason is None and (len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _detokenize(self, req: Request, token: int) -> None:
+        state = req.detok
+        assert state is not None
+        state.tokens.append(token)
+        tok = self.runner.tokenizer
+        prefix_text = tok.decode(state.tokens[state.prefix_offset : state.read_offset], skip_special_tokens=True)
+        full_text = tok.decode(state.tokens[state.prefix_offset :], skip_special_tokens=True)
+        # U+FFFD at the end = a multi-byte character split across tokens: wait for the rest
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            req.output_text += full_text[len(prefix_text) :]
+            state.prefix_offset = state.read_offset
+            state.read_offset = len(state.tokens)
+
+    def _apply_stop_strings(self, req: Request) -> bool:
+        """Truncate the text at the first stop string; True if one was found."""
+        longest = max(len(s) for s in req.sampling.stop)
+        # only the tail can hold a stop string that was not there before this token
+        start = max(0, req.sent_text_len - longest)
+        hits = [i for i in (req.output_text.find(s, start) for s in req.sampling.stop) if i != -1]
+        if not hits:
+            return False
+        req.output_text = req.output_text[: min(hits)]
+        return True
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.is_finished:
+            return
+        req.finish_reason = reason
+        req.status = RequestStatus.FINISHED
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        try:
+            self.runner.release(req.request_id)
+        finally:
+            self.metrics.observe_finished(
+                req.tenant.metrics_label, reason, req.ttft_s, req.token_times
+            )
+
+    def _output(self, req: Request) -> RequestOutput | None:
+        """The increment since the last output (None if there is nothing new and it is running).
+
+        While running, the last ``longest stop string - 1`` characters are held back: they might
+        be the start of a stop string, whose text must never reach the client."""
+        finished = req.is_finished
+        end = len(req.output_text)
+        if not finished and req.sampling.stop:
+            end = max(req.sent_text_len, end - (max(len(s) for s in req.sampling.stop) - 1))
+        new_ids = tuple(req.output_token_ids[req.sent_token_count :])
+        new_text = req.output_text[req.sent_text_len : end]
+        if not finished and not new_ids and not new_text:
+            return None
+        times = tuple(t - req.arrival_time for t in req.token_times[req.sent_token_count :])
+        req.sent_token_count = len(req.output_token_ids)
+        req.sent_text_len = end
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            prompt_tokens=req.num_prompt_tokens,
+            cached_tokens=req.num_cached_tokens or 0,
+            completion_tokens=len(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            queue_time_s=req.queue_time_s,
+            ttft_s=req.ttft_s,
+            token_times_s=times,
+            error=req.error,
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def fragmentation(self) -> float:
+        """Unused slots in allocated blocks / allocated slots. Only a sequence's last block can be
+        partly empty (shared blocks are full), so this is O(running)."""
+        allocated = self.pool.num_used * self.block_size
+        if not allocated:
+            return 0.0
+        unused = sum(len(r.block_table) * self.block_size - r.num_tokens for r in self.scheduler.running)
+        return max(0, unused) / allocated
+
+    def _publish_state(self) -> None:
+        self.metrics.observe_state(
+            used=self.pool.num_used,
+            free=self.pool.num_free,
+            evictable=self.pool.num_evictable,
+            fragmentation=self.fragmentation(),
+            num_evictions=self.pool.num_evictions,
+            num_preemptions=self.scheduler.num_preemptions,
+            running=len(self.scheduler.running),
+            queue_reasons=dict(self.scheduler.queue_reasons()),
+        )
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self.scheduler.block_tables())
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot (what ``AsyncEngine.stats`` returns)."""
+        queried = sum(self._queried.values())
+        hit = sum(self._hit.values())
+        return {
+            "model": self.config.resolved_model_id,
+            "block_size": self.block_size,
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_evictable": self.pool.num_evictable,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_block / self.block_size,
+            "fragmentation": round(self.fragmentation(), 4),
+            "prompt_tokens_queried": int(queried),
+            "prompt_tokens_hit": int(hit),
+            "hit_rate": round(hit / queried, 4) if queried else 0.0,
+            "running": len(self.scheduler.running),
+            "waiting": self.scheduler.num_waiting,
+            "queue_reasons": dict(self.scheduler.queue_reasons()),
+            "preemptions": self.scheduler.num_preemptions,
+            "evictions": self.pool.num_evictions,
+            "eviction_policy": self.config.eviction_policy,
+            "prefix_caching": self.config.enable_prefix_caching,
+            "steps": self.num_steps,
+            "tenants": {
+                label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}
+                for label, q in self._queried.items()
+            },
+        }
+

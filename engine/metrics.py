@@ -1,0 +1,96 @@
+"""Prometheus metrics of one engine, registered in a ``CollectorRegistry`` the caller passes in.
+
+No global registry: several engines (and tests) coexist in one process, and the gateway exposes
+whichever registry it built. Tenant labels are ``TenantScope.metrics_label`` values, which tenancy
+keeps to a bounded set (never a raw end-user id).
+
+Reading the numbers:
+    hit rate       = prefixgate_prompt_tokens_hit_total / prefixgate_prompt_tokens_queried_total
+    fragmentation  = unused token slots in allocated blocks / allocated slots (0 = no waste; a
+                     sequence wastes at most block_size-1 slots in its last block)
+    queue reasons  = how many waiting requests are blocked by each reason right now
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.request import QueueReason
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, model: str = "") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens_queried = Counter(
+            "prefixgate_prompt_tokens_queried", "Prompt tokens looked up in the prefix cache", ["tenant"], registry=r
+        )
+        self.prompt_tokens_hit = Counter(
+            "prefixgate_prompt_tokens_hit", "Prompt tokens served from the prefix cache", ["tenant"], registry=r
+        )
+        self.evictions = Counter("prefixgate_kv_evictions", "Indexed KV blocks evicted", ["tier"], registry=r)
+        self.preemptions = Counter("prefixgate_preemptions", "Requests preempted (recompute)", registry=r)
+        self.requests_finished = Counter(
+            "prefixgate_requests_finished", "Finished requests", ["tenant", "finish_reason"], registry=r
+        )
+        self.blocks_used = Gauge("prefixgate_kv_blocks_used", "KV blocks referenced by requests", registry=r)
+        self.blocks_free = Gauge("prefixgate_kv_blocks_free", "KV blocks allocatable (incl. evictable)", registry=r)
+        self.blocks_evictable = Gauge(
+            "prefixgate_kv_blocks_evictable", "Free KV blocks still holding an indexed prefix", registry=r
+        )
+        self.fragmentation = Gauge(
+            "prefixgate_kv_fragmentation", "Unused slots in allocated blocks / allocated slots", registry=r
+        )
+        self.kv_bytes_per_token = Gauge("prefixgate_kv_bytes_per_token", "KV cache bytes per token", registry=r)
+        self.queue_reason = Gauge(
+            "prefixgate_waiting_requests", "Waiting requests by queue reason", ["reason"], registry=r
+        )
+        self.running = Gauge("prefixgate_running_requests", "Requests in the running batch", registry=r)
+        self.ttft = Histogram(
+            "prefixgate_ttft_seconds", "Time to first token", ["tenant"], buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "prefixgate_tpot_seconds", "Time per output token after the first", ["tenant"],
+            buckets=_TPOT_BUCKETS, registry=r,
+        )
+        self._evictions_seen = 0
+        self._preemptions_seen = 0
+
+    def observe_admission(self, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens_queried.labels(tenant).inc(prompt_tokens)
+        self.prompt_tokens_hit.labels(tenant).inc(cached_tokens)
+
+    def observe_finished(self, tenant: str, reason: str, ttft_s: float | None, token_times: list[float]) -> None:
+        self.requests_finished.labels(tenant, reason).inc()
+        if ttft_s is not None:
+            self.ttft.labels(tenant).observe(ttft_s)
+        if len(token_times) > 1:
+            self.tpot.labels(tenant).observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+
+    def observe_state(
+        self,
+        *,
+        used: int,
+        free: int,
+        evictable: int,
+        fragmentation: float,
+        num_evictions: int,
+        num_preemptions: int,
+        running: int,
+        queue_reasons: dict[str, int],
+    ) -> None:
+        self.blocks_used.set(used)
+        self.blocks_free.set(free)
+        self.blocks_evictable.set(evictable)
+        self.fragmentation.set(fragmentation)
+        self.running.set(running)
+        # the pool and scheduler keep running totals; counters advance by the difference
+        self.evictions.labels("hbm").inc(num_evictions - self._evictions_seen)
+        self._evictions_seen = num_evictions
+        self.preemptions.inc(num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = num_preemptions
+        for reason in QueueReason:
+            self.queue_reason.labels(reason.value).set(queue_reasons.get(reason.value, 0))

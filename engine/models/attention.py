@@ -1,0 +1,77 @@
+"""Paged attention for one layer, and the single place where the KV ops are chosen by device.
+
+``select_ops`` returns a module with the reference op signatures (``write_kv``,
+``paged_prefill_attention``, ``paged_decode_attention``, ``copy_blocks``, ``gather_blocks``,
+``scatter_blocks``): ``kernels.reference`` on CPU, ``kernels.triton_ops`` on CUDA when present.
+Swapping implementations is that one function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+
+log = logging.getLogger(__name__)
+
+
+def select_ops(device: torch.device | str) -> ModuleType:
+    if torch.device(device).type == "cuda":
+        try:
+            return importlib.import_module("kernels.triton_ops")
+        except ImportError as exc:  # the Triton launchers are not built yet / triton missing
+            log.warning("kernels.triton_ops unavailable (%s); using the torch reference ops on CUDA", exc)
+    return reference
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step layout of the packed batch (B sequences, T new tokens in all).
+
+    slot_mapping  [T] int64   cache slot of each new token (block_id * block_size + offset)
+    block_tables  [B, max_blocks] int32, padded with 0
+    cu_seqlens_q  [B + 1] int32, offsets of each sequence's new tokens in the packed tensors
+    seq_lens      [B] int32, context length after this step (cached + new)
+    decode_only   every sequence contributes exactly one new token
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    decode_only: bool
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's views into the block-major cache: k, v [NB, BS, Hkv, D]; int8 scales [NB, BS, Hkv]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+def paged_attention(
+    ops: ModuleType,
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cache: LayerCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend over each sequence's whole context -> [T, Hq, D]."""
+    ops.write_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    if meta.decode_only:
+        return ops.paged_decode_attention(
+            q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, cache.k_scale, cache.v_scale
+        )
+    return ops.paged_prefill_attention(
+        q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, cache.k_scale, cache.v_scale
+    )

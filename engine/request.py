@@ -1,0 +1,157 @@
+"""``Request``: one generation's state inside the engine (the scheduler's and the step loop's unit).
+
+Token layout of a request (``all_token_ids = prompt_token_ids + output_token_ids``)::
+
+    |<------------------ prompt ------------------>|<---- output ---->|
+    |<- cached (hit) ->|<- computed by prefill -->|   decoded         |
+    [ block 0 ][ block 1 ][ block 2 ][ block 3 ][ blk 4 ...             block_table
+     h_0        h_1        h_2        h_3        (partial: no hash)    block_hashes (full blocks)
+
+``num_computed_tokens`` counts tokens whose K/V is in the request's blocks; the next chunk starts
+there. ``block_hashes`` grows as blocks fill (each block hashed once); ``num_registered_blocks``
+counts how many leading blocks are already in the prefix index.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.prefix_index import BlockHash, extend_block_hashes
+from engine.protocol import FinishReason, SamplingParams, TenantScope
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class QueueReason(enum.StrEnum):
+    """Why a waiting request was not admitted at the last step."""
+
+    NO_KV_BLOCKS = "no_kv_blocks"
+    BATCH_FULL = "batch_full"
+    TENANT_OVER_QUOTA = "tenant_over_quota"
+    TOKEN_BUDGET = "token_budget"
+
+
+@dataclass
+class DetokenizerState:
+    """Incremental detokenization: decode a short window so each step costs O(window), not O(n).
+
+    ``tokens`` = a few trailing prompt tokens (context for leading-space rules) + output tokens.
+    Text of tokens ``[prefix_offset, read_offset)`` was already emitted; decoding from
+    ``prefix_offset`` and diffing keeps merges across token boundaries right.
+    """
+
+    tokens: list[int]
+    prefix_offset: int
+    read_offset: int
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    tenant: TenantScope
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    block_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    queue_reason: QueueReason | None = None
+    num_preemptions: int = 0
+    admit_seq: int = 0  # order of (re)admission: the latest admitted is preempted first
+
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # monotonic time of each output token
+
+    output_text: str = ""
+    sent_text_len: int = 0
+    sent_token_count: int = 0
+    detok: DetokenizerState | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.update_block_hashes()
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def namespace(self) -> bytes:
+        return self.tenant.namespace
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def update_block_hashes(self) -> None:
+        """Hash every block that became full since the last call (once per block)."""
+        full = self.num_tokens // self.block_size
+        if full > len(self.block_hashes):
+            # slice only the tokens of the new blocks' span to avoid copying the whole list
+            extend_block_hashes(
+                self.namespace, self.all_token_ids[: full * self.block_size], self.block_size, self.block_hashes
+            )
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.update_block_hashes()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks the table must hold for ``num_tokens`` tokens of context."""
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ timing
+
+    @property
+    def queue_time_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def ttft_deadline(self) -> float:
+        """Arrival + the tenant's TTFT target (inf without a target): orders admission."""
+        target = self.tenant.ttft_target_s
+        return self.arrival_time + target if target is not None else float("inf")

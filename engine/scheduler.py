@@ -1,0 +1,290 @@
+"""Continuous batching with chunked prefill, prefix-aware admission, tenant fairness and preemption.
+
+One ``schedule()`` call builds one engine step under a token budget (``max_num_batched_tokens``)
+and a batch-size cap (``max_num_seqs``)::
+
+    1. running requests, highest priority class first, then in admission order:
+         each gets min(its uncomputed tokens, budget left) tokens (a decode is 1 token, a prefill
+         continues its next chunk); new blocks come from the pool; when none are free, or the
+         tenant's KV quota would be exceeded, the lowest-priority, latest-admitted request is
+         preempted by recompute (blocks freed, requeued at the front of its tenant's queue;
+         its full blocks stay indexed, so its readmission usually hits them).
+    2. waiting requests, while budget and batch slots remain, and nobody was preempted:
+         tenant  = highest priority class, then earliest TTFT deadline (arrival + ttft_target_s),
+                   then least service received (Virtual Token Counter fairness: a tenant with
+                   100 queued requests cannot starve one with a single request);
+         request = longest cached prefix within that tenant, then arrival order;
+         admitted only if its first chunk's blocks are free and fit the tenant's quota.
+    3. every request still waiting records why (``QueueReason``).
+
+Requests join and leave between steps (continuous batching). The scheduler owns no tensors; the
+result is an ``engine.batch.ScheduledBatch`` for the runner. No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.batch import ScheduledBatch, SequenceChunk
+from engine.block_pool import BlockPool
+from engine.prefix_index import EMPTY_MATCH, MatchResult
+from engine.request import QueueReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: the batch for the runner plus which request each chunk belongs to."""
+
+    batch: ScheduledBatch
+    requests: list[Request]  # requests[i] owns batch.chunks[i]
+    num_tokens: list[int]  # tokens of chunk i
+    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """Args:
+    pool: the block pool (its ``enable_caching`` decides whether prefixes are ever matched).
+    max_num_seqs: most running requests.
+    max_num_batched_tokens: tokens per step (prefill chunks + decodes).
+    clock: monotonic time source (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.clock = clock
+        self.waiting: OrderedDict[bytes, deque[Request]] = OrderedDict()
+        self.running: list[Request] = []
+        self.service: dict[bytes, float] = {}  # tokens served per tenant (VTC counters)
+        self.num_preemptions = 0
+        self._admit_seq = itertools.count(1)
+
+    # ------------------------------------------------------------------ queue membership
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def add(self, request: Request) -> None:
+        ns = request.namespace
+        if not self.waiting.get(ns) and not any(r.namespace == ns for r in self.running):
+            # A tenant returning from idle starts at the least-served active tenant's counter, so
+            # it can neither bank credit while idle nor be punished for service long ago.
+            active = [self.service[t] for t in self._active_tenants() if t in self.service]
+            self.service[ns] = max(self.service.get(ns, 0.0), min(active, default=0.0))
+        self.waiting.setdefault(ns, deque()).append(request)
+        request.status = RequestStatus.WAITING
+
+    def _active_tenants(self) -> set[bytes]:
+        return {ns for ns, q in self.waiting.items() if q} | {r.namespace for r in self.running}
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the scheduler (finished or aborted) and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            queue = self.waiting.get(request.namespace)
+            if queue is not None and request in queue:
+                queue.remove(request)
+        self._free_blocks(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.block_table:
+            self.pool.free(request.block_table)
+        request.block_table = []
+        request.num_registered_blocks = 0
+
+    def block_tables(self) -> list[list[int]]:
+        """Every live request's block table (for ``BlockPool.check_integrity``)."""
+        tables = [r.block_table for r in self.running]
+        tables += [r.block_table for q in self.waiting.values() for r in q if r.block_table]
+        return tables
+
+    def queue_reasons(self) -> Counter[str]:
+        return Counter(r.queue_reason.value for q in self.waiting.values() for r in q if r.queue_reason)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput(ScheduledBatch(()), [], [])
+        chunks: list[SequenceChunk] = []
+        now = self.clock()
+
+        self.running.sort(key=lambda r: (-r.tenant.priority, r.admit_seq))
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            if n == 0:  # defensive: a running request always has its newest token to compute
+                i += 1
+                continue
+            if not self._grow(req, i, req.num_computed_tokens + n, out):
+                continue  # req itself was preempted; running[i] is now the next request
+            self._emit(req, n, out, chunks)
+            budget -= n
+            i += 1
+
+        over_quota: set[bytes] = set()
+        if out.preempted:
+            stop_reason = QueueReason.NO_KV_BLOCKS  # admitting now would only preempt again
+        else:
+            stop_reason = self._admit(budget, now, out, chunks, over_quota)
+        for ns, queue in self.waiting.items():
+            for req in queue:
+                req.queue_reason = QueueReason.TENANT_OVER_QUOTA if ns in over_quota else stop_reason
+        out.batch = ScheduledBatch(tuple(chunks))
+        return out
+
+    def _grow(self, req: Request, pos: int, context_len: int, out: SchedulerOutput) -> bool:
+        """Give ``req`` blocks for ``context_len`` tokens, preempting later requests if needed.
+
+        Returns False if ``req`` itself had to be preempted."""
+        need = req.blocks_needed(context_len) - len(req.block_table)
+        quota = req.tenant.kv_block_quota
+        while need > 0:
+            over_quota = quota is not None and self.pool.used_by(req.namespace) + need > quota
+            if not over_quota and need <= self.pool.num_free:
+                break
+            victim = self._pick_victim(pos, req.namespace if over_quota else None) or req
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        if need > 0:
+            new = self.pool.allocate(need, req.namespace)
+            assert new is not None
+            req.block_table.extend(new)
+        return True
+
+    def _pick_victim(self, after: int, namespace: bytes | None) -> Request | None:
+        """The last running request after position ``after`` (lowest priority, latest admitted),
+        of ``namespace`` if given (a quota is freed only by the same tenant's blocks)."""
+        for j in range(len(self.running) - 1, after, -1):
+            cand = self.running[j]
+            if namespace is None or cand.namespace == namespace:
+                return cand
+        return None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self._free_blocks(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        req.queue_reason = QueueReason.NO_KV_BLOCKS
+        self.waiting.setdefault(req.namespace, deque()).appendleft(req)
+        self.num_preemptions += 1
+        out.preempted.append(req)
+
+    def _match(self, req: Request) -> MatchResult:
+        if not self.pool.enable_caching:
+            return EMPTY_MATCH
+        return self.pool.index.match_hashes(req.block_hashes, req.num_tokens)
+
+    def _admit(
+        self, budget: int, now: float, out: SchedulerOutput, chunks: list[SequenceChunk], over_quota: set[bytes]
+    ) -> QueueReason:
+        """Admit waiting requests; returns the reason the rest keep waiting. Tenants refused for
+        their KV quota are added to ``over_quota``."""
+        while True:
+            if budget <= 0:
+                return QueueReason.TOKEN_BUDGET
+            if len(self.running) >= self.max_num_seqs:
+                return QueueReason.BATCH_FULL
+            tenants = [ns for ns, q in self.waiting.items() if q and ns not in over_quota]
+            if not tenants:
+                return QueueReason.NO_KV_BLOCKS  # only over-quota tenants (or none) remain
+            ns = min(tenants, key=lambda t: self._tenant_key(t))
+            queue = self.waiting[ns]
+            matches = [(self._match(r), r) for r in queue]
+            # longest cached prefix first; ties keep queue order (min is stable)
+            match, req = min(matches, key=lambda mr: -mr[0].cached_tokens)
+            n = min(req.num_tokens - match.cached_tokens, budget)
+            new_blocks = req.blocks_needed(match.cached_tokens + n) - match.num_blocks
+            revived = sum(1 for b in match.block_ids if self.pool.blocks[b].ref_cnt == 0)
+            quota = req.tenant.kv_block_quota
+            if quota is not None and self.pool.used_by(ns) + new_blocks + revived > quota:
+                over_quota.add(ns)
+                continue
+            if new_blocks + revived > self.pool.num_free:
+                return QueueReason.NO_KV_BLOCKS
+            self.pool.touch(match.block_ids, ns)
+            new = self.pool.allocate(new_blocks, ns)
+            assert new is not None
+            queue.remove(req)
+            req.block_table = list(match.block_ids) + new
+            req.num_registered_blocks = match.num_blocks
+            req.num_computed_tokens = match.cached_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(match.cached_tokens, req.num_prompt_tokens)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            req.queue_reason = None
+            req.admit_seq = next(self._admit_seq)
+            self.running.append(req)
+            self._emit(req, n, out, chunks)
+            out.admitted.append(req)
+            budget -= n
+
+    def _tenant_key(self, ns: bytes) -> tuple[int, float, float]:
+        queue = self.waiting[ns]
+        priority = max(r.tenant.priority for r in queue)
+        deadline = min(r.ttft_deadline for r in queue)
+        return (-priority, deadline, self.service.get(ns, 0.0))
+
+    def _emit(self, req: Request, n: int, out: SchedulerOutput, chunks: list[SequenceChunk]) -> None:
+        chunks.append(self._chunk(req, n))
+        out.requests.append(req)
+        out.num_tokens.append(n)
+        # charged at once, so the next admission in this same step already sees it
+        self.service[req.namespace] = self.service.get(req.namespace, 0.0) + n
+
+    def _chunk(self, req: Request, n: int) -> SequenceChunk:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + n]
+        return SequenceChunk(
+            request_id=req.request_id,
+            token_ids=tuple(tokens),
+            start_pos=start,
+            block_table=tuple(req.block_table),
+            sample=start + n == req.num_tokens,
+            sampling=req.sampling,
+            output_token_ids=tuple(req.output_token_ids),
+        )
+
+    # ------------------------------------------------------------------ after the step
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Record that the step ran: advance computed tokens and index blocks that became full.
+
+        Call after the runner wrote the batch's K/V and before appending sampled tokens."""
+        for req, n in zip(out.requests, out.num_tokens):
+            if req.is_finished or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+            for i in range(req.num_registered_blocks, full):
+                parent = req.block_table[i - 1] if i > 0 else None
+                req.block_table[i] = self.pool.register(req.block_table[i], req.block_hashes[i], i, parent)
+            req.num_registered_blocks = max(req.num_registered_blocks, full)

@@ -1,0 +1,214 @@
+"""The step loop with the deterministic fake runner: outputs, stopping, abort, errors, accounting."""
+
+import pytest
+from engine_core_fakes import EOS, FakeRunner, reference_generate, scope
+from prometheus_client import CollectorRegistry, generate_latest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.metrics import EngineMetrics
+from engine.protocol import GenerateRequest, InvalidRequestError, PromptTooLongError, SamplingParams
+
+BS = 8
+
+
+def make_engine(num_blocks=64, budget=64, max_num_seqs=8, caching=True, runner=None, registry=None, **kw):
+    runner = runner or FakeRunner(num_kv_blocks=num_blocks, block_size=BS, **kw)
+    config = EngineConfig(
+        model_dir="fake", block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+        enable_prefix_caching=caching,
+    )
+    return LLMEngine(config, runner, EngineMetrics(registry)), runner
+
+
+def greq(rid, prompt, max_tokens=8, tenant=None, **sp):
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sp)
+    if isinstance(prompt, str):
+        return GenerateRequest(rid, tenant or scope(), sampling, prompt=prompt)
+    return GenerateRequest(rid, tenant or scope(), sampling, prompt_token_ids=list(prompt))
+
+
+def run_all(engine, max_steps=1000):
+    results: dict[str, dict] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"ids": [], "text": "", "outs": []})
+            r["ids"] += out.new_token_ids
+            r["text"] += out.new_text
+            r["outs"].append(out)
+        engine.check_integrity()
+    assert not engine.has_unfinished()
+    return results
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [97 + (seed * 7 + i * 3) % 26 for i in range(n)]
+
+
+def test_batched_chunked_outputs_equal_the_reference():
+    engine, runner = make_engine(budget=16)
+    prompts = {f"r{i}": prompt(i, 10 + 9 * i) for i in range(5)}
+    for rid, p in prompts.items():
+        engine.add_request(greq(rid, p, max_tokens=12))
+    res = run_all(engine)
+    for rid, p in prompts.items():
+        assert res[rid]["ids"] == reference_generate(p, 12)
+        assert res[rid]["outs"][-1].finish_reason == "length"
+    assert any(len(b.chunks) > 1 for b in runner.batches)  # really batched
+    assert max(b.num_tokens for b in runner.batches) <= 16  # chunked under the budget
+    assert engine.pool.num_used == 0 and sorted(runner.released) == sorted(prompts)
+
+
+def test_prefix_hit_serves_the_same_tokens_and_reports_cached_tokens():
+    engine, _ = make_engine()
+    system = prompt(1, 40)
+    cold = run_all_single(engine, "cold", system + [100, 101])
+    warm = run_all_single(engine, "warm", system + [100, 101])
+    other = run_all_single(engine, "other", system + [100, 101], tenant=scope("other-tenant"))
+    expected = reference_generate(system + [100, 101], 8)
+    assert cold["ids"] == warm["ids"] == other["ids"] == expected
+    assert cold["outs"][-1].cached_tokens == 0
+    assert warm["outs"][-1].cached_tokens == 40  # 5 full blocks of the 42-token prompt
+    assert other["outs"][-1].cached_tokens == 0  # another namespace never hits
+    stats = engine.stats()
+    assert stats["prompt_tokens_hit"] == 40 and stats["prompt_tokens_queried"] == 126
+
+
+def run_all_single(engine, rid, p, tenant=None, **kw):
+    engine.add_request(greq(rid, p, tenant=tenant, **kw))
+    return run_all(engine)[rid]
+
+
+def test_prefix_caching_disabled_never_matches():
+    engine, _ = make_engine(caching=False)
+    p = prompt(2, 40)
+    run_all_single(engine, "a", p)
+    b = run_all_single(engine, "b", p)
+    assert b["outs"][-1].cached_tokens == 0 and len(engine.pool.index) == 0
+
+
+def test_outputs_survive_forced_preemption_with_few_blocks():
+    engine, _ = make_engine(num_blocks=8, budget=64)
+    prompts = {f"r{i}": prompt(i, 20) for i in range(4)}  # 3 blocks each + decode growth
+    for rid, p in prompts.items():
+        engine.add_request(greq(rid, p, max_tokens=20))
+    res = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for rid, p in prompts.items():
+        assert res[rid]["ids"] == reference_generate(p, 20)
+
+
+def test_stop_string_text_is_cut_and_never_streamed():
+    p = prompt(3, 12)
+    full = bytes(reference_generate(p, 30)).decode()
+    stop = full[10:13]
+    engine, _ = make_engine()
+    res = run_all_single(engine, "s", p, max_tokens=30, stop=(stop,))
+    cut = full.index(stop)
+    assert res["text"] == full[:cut]
+    assert res["outs"][-1].finish_reason == "stop"
+    assert all(stop not in o.new_text for o in res["outs"])
+
+
+def test_stop_token_ids_eos_and_ignore_eos():
+    eos_after = {5}
+
+    def fn(ctx):  # emits EOS as the 6th generated token
+        return EOS if len(ctx) - 12 in eos_after else 98
+
+    p = prompt(4, 12)
+    engine, _ = make_engine(fn=fn)
+    r = run_all_single(engine, "eos", p, max_tokens=20)
+    assert r["ids"] == [98] * 5 + [EOS] and r["text"] == "b" * 5
+    assert r["outs"][-1].finish_reason == "stop"
+    r = run_all_single(engine, "ign", p, max_tokens=8, ignore_eos=True)
+    assert r["ids"] == [98] * 5 + [EOS, 98, 98] and r["outs"][-1].finish_reason == "length"
+    r = run_all_single(engine, "stopid", p, max_tokens=8, stop_token_ids=(98,))
+    assert r["ids"] == [98] and r["text"] == "" and r["outs"][-1].finish_reason == "stop"
+
+
+def test_incremental_detokenization_waits_for_multibyte_characters():
+    text = "héllo wörld ✓"
+    data = list(text.encode())
+    engine, _ = make_engine(fn=lambda ctx: data[len(ctx) - 9] if len(ctx) - 9 < len(data) else 33)
+    r = run_all_single(engine, "utf8", prompt(5, 9), max_tokens=len(data))
+    assert r["text"] == text
+    assert all("\ufffd" not in o.new_text for o in r["outs"])
+
+
+def test_abort_frees_blocks_and_returns_a_final_output():
+    engine, runner = make_engine()
+    engine.add_request(greq("a", prompt(6, 30), max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.pool.num_used > 0
+    out = engine.abort("a")
+    assert out.finished and out.finish_reason == "abort" and out.completion_tokens == 2
+    assert engine.pool.num_used == 0 and "a" in runner.released
+    assert engine.pool.num_evictable == 3  # its full prompt blocks stay indexed for reuse
+    assert engine.abort("a") is None and engine.abort("nope") is None
+    engine.check_integrity()
+
+
+def test_a_failing_request_does_not_take_the_others_down():
+    engine, runner = make_engine()
+    runner.fail_request_ids.add("bad")
+    engine.add_request(greq("good", prompt(7, 10)))
+    engine.add_request(greq("bad", prompt(8, 10)))
+    res = run_all(engine)
+    assert res["bad"]["outs"][-1].finish_reason == "error"
+    assert "injected failure" in res["bad"]["outs"][-1].error
+    assert res["good"]["ids"] == reference_generate(prompt(7, 10), 8)
+    assert engine.pool.num_used == 0
+
+
+def test_rejects_prompts_that_do_not_fit():
+    engine, _ = make_engine(num_blocks=64, max_model_len=100)
+    with pytest.raises(PromptTooLongError, match="maximum context length is 100"):
+        engine.add_request(greq("long", prompt(1, 95), max_tokens=10))
+    small, _ = make_engine(num_blocks=4)
+    with pytest.raises(PromptTooLongError, match="KV blocks"):
+        small.add_request(greq("big", prompt(1, 40)))
+    with pytest.raises(PromptTooLongError, match="quota"):
+        engine.add_request(greq("q", prompt(1, 40), tenant=scope("q", kv_block_quota=2)))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.add_request(greq("v", [5, 300]))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request(greq("e", ""))
+    assert not engine.has_unfinished()
+
+
+def test_chat_messages_use_the_runners_template_and_text_prompts_the_tokenizer():
+    engine, runner = make_engine()
+    msgs = [{"role": "user", "content": "hi"}]
+    r = engine.add_request(GenerateRequest("m", scope(), SamplingParams(max_tokens=2), messages=msgs))
+    assert r.prompt_token_ids == runner.render_prompt(msgs)
+    r = engine.add_request(greq("p", "abc"))
+    assert r.prompt_token_ids == [97, 98, 99]
+
+
+def test_timings_and_metrics_exposition():
+    registry = CollectorRegistry()
+    engine, _ = make_engine(registry=registry)
+    res = run_all_single(engine, "t", prompt(9, 20), max_tokens=5)
+    outs = res["outs"]
+    assert outs[0].ttft_s is not None and outs[0].ttft_s >= 0
+    assert outs[-1].queue_time_s is not None and outs[-1].queue_time_s <= outs[-1].ttft_s
+    times = [t for o in outs for t in o.token_times_s]
+    assert len(times) == 5 and times == sorted(times)
+    text = generate_latest(registry).decode()
+    assert 'prefixgate_prompt_tokens_queried_total{tenant="t"} 20.0' in text
+    assert 'prefixgate_ttft_seconds_count{tenant="t"} 1.0' in text
+    assert "prefixgate_kv_bytes_per_token 128.0" in text
+    assert 'prefixgate_requests_finished_total{finish_reason="length",tenant="t"} 1.0' in text
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == 64 and stats["waiting"] == 0
+
+
+def test_fragmentation_counts_unused_slots_of_allocated_blocks():
+    engine, _ = make_engine(budget=64)
+    engine.add_request(greq("f", prompt(1, 10), max_tokens=30))
+    engine.step()  # 10 prompt tokens + 1 sampled = 11 tokens in 2 blocks (16 slots)
+    assert engine.fragmentation() == pytest.approx(5 / 16)

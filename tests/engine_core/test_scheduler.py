@@ -1,0 +1,179 @@
+"""Scheduler policy: fairness, quotas, preemption, queue reasons, prefix-aware ordering, chunking."""
+
+from engine_core_fakes import make_request, scope
+
+from engine.block_pool import BlockPool
+from engine.request import QueueReason, RequestStatus
+from engine.scheduler import Scheduler
+
+BS = 4
+
+
+def sched(num_blocks=64, max_num_seqs=8, budget=64, policy="lru") -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, BS, policy), max_num_seqs, budget, clock=lambda: 100.0)
+
+
+def run_step(s: Scheduler, token: int = 7):
+    """Schedule, pretend the runner ran, append a token to every sampling chunk."""
+    out = s.schedule()
+    s.commit(out)
+    for req, chunk in zip(out.requests, out.batch.chunks):
+        if chunk.sample:
+            req.append_output_token(token, 100.0)
+    s.pool.check_integrity(s.block_tables())
+    return out
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = sched(budget=8)
+    r = make_request("a", range(20))
+    s.add(r)
+    sizes = []
+    for _ in range(3):
+        out = run_step(s)
+        sizes.append((out.batch.chunks[0].start_pos, out.batch.chunks[0].num_tokens, out.batch.chunks[0].sample))
+    assert sizes == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert r.output_token_ids == [7]
+    out = run_step(s)  # decode: one token at position 20
+    assert (out.batch.chunks[0].start_pos, out.batch.chunks[0].token_ids) == (20, (7,))
+    assert out.batch.chunks[0].block_table == tuple(r.block_table) and len(r.block_table) == 6
+
+
+def test_continuous_batching_decodes_and_new_prefill_share_a_step():
+    s = sched(budget=16)
+    a = make_request("a", range(8))
+    s.add(a)
+    run_step(s)
+    s.add(make_request("b", range(100, 120)))
+    out = run_step(s)
+    assert [(c.request_id, c.num_tokens) for c in out.batch.chunks] == [("a", 1), ("b", 15)]
+    assert out.batch.num_tokens == 16
+
+
+def test_tenant_with_one_request_is_admitted_while_another_has_100_queued():
+    s = sched(max_num_seqs=2, budget=1000)
+    big, small = scope("big"), scope("small")
+    for i in range(100):
+        s.add(make_request(f"big{i}", [i] * 8, big, arrival_time=float(i)))
+    run_step(s)  # two of big's requests fill the batch
+    s.add(make_request("lonely", [1000] * 8, small, arrival_time=200.0))
+    for r in list(s.running):
+        s.remove(r)  # both finish
+    out = run_step(s)
+    admitted = [r.request_id for r in out.admitted]
+    assert "lonely" in admitted, admitted
+    waiting = [r for q in s.waiting.values() for r in q]
+    assert {r.queue_reason for r in waiting} == {QueueReason.BATCH_FULL}
+
+
+def test_fairness_alternates_between_tenants_by_service():
+    s = sched(max_num_seqs=1, budget=1000)
+    for i in range(3):
+        s.add(make_request(f"a{i}", [1, i] * 4, scope("a")))
+        s.add(make_request(f"b{i}", [2, i] * 4, scope("b")))
+    order = []
+    for _ in range(6):
+        out = run_step(s)
+        order.append(out.admitted[0].request_id)
+        s.remove(out.requests[0])
+    assert [o[0] for o in order] == ["a", "b", "a", "b", "a", "b"]
+
+
+def test_longest_cached_prefix_first_within_a_tenant():
+    s = sched(max_num_seqs=1)
+    warm = make_request("warm", list(range(12)) + [50])
+    s.add(warm)
+    run_step(s)
+    s.remove(warm)  # its 3 full blocks stay indexed
+    s.add(make_request("cold", [90] * 13))
+    s.add(make_request("hit", list(range(12)) + [60]))
+    out = run_step(s)
+    assert out.admitted[0].request_id == "hit" and out.admitted[0].num_cached_tokens == 12
+    assert out.batch.chunks[0].start_pos == 12 and out.batch.chunks[0].num_tokens == 1
+
+
+def test_two_namespaces_never_share_cached_tokens():
+    s = sched()
+    a = make_request("a", list(range(16)) + [1], scope("a"))
+    s.add(a)
+    run_step(s)
+    b = make_request("b", list(range(16)) + [1], scope("b"))
+    a2 = make_request("a2", list(range(16)) + [1], scope("a"))
+    s.add(b)
+    s.add(a2)
+    run_step(s)
+    assert b.num_cached_tokens == 0 and a2.num_cached_tokens == 16
+    assert set(b.block_table).isdisjoint(a.block_table)
+
+
+def test_priority_class_goes_first_and_ttft_target_orders_admission():
+    s = sched(max_num_seqs=1)
+    s.add(make_request("low", [1] * 8, scope("low"), arrival_time=0.0))
+    s.add(make_request("high", [2] * 8, scope("high", priority=5), arrival_time=50.0))
+    s.add(make_request("slo", [3] * 8, scope("slo", ttft_target_s=1.0), arrival_time=40.0))
+    order = []
+    for _ in range(3):
+        out = run_step(s)
+        order.append(out.admitted[0].request_id)
+        s.remove(out.requests[0])
+    assert order == ["high", "slo", "low"]
+
+
+def test_tenant_quota_blocks_admission_and_records_the_reason():
+    s = sched()
+    capped = scope("capped", kv_block_quota=4)
+    s.add(make_request("c1", range(12), capped))  # 3 blocks
+    s.add(make_request("c2", range(100, 112), capped))  # 3 more would exceed 4
+    s.add(make_request("free", range(200, 212), scope("other")))
+    out = run_step(s)
+    assert sorted(r.request_id for r in out.admitted) == ["c1", "free"]
+    c2 = s.waiting[b"capped"][0]
+    assert c2.queue_reason is QueueReason.TENANT_OVER_QUOTA
+    assert s.pool.used_by(b"capped") == 3
+    assert s.queue_reasons() == {"tenant_over_quota": 1}
+
+
+def test_quota_preempts_the_same_tenants_request_when_a_decode_needs_a_block():
+    s = sched()
+    capped = scope("capped", kv_block_quota=4)
+    a = make_request("a", range(7), capped)  # 2 blocks, 8 slots
+    b = make_request("b", range(100, 108), capped)  # 2 blocks (full) + needs a 3rd on decode
+    other = make_request("o", range(200, 207), scope("other"))
+    for r in (a, b, other):
+        s.add(r)
+    run_step(s)  # all prefilled; a and b now hold 4 blocks = quota
+    out = run_step(s)  # a decodes into its slot 8 -> needs block 3: over quota -> preempt b
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert b.status is RequestStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert other.status is RequestStatus.RUNNING  # another tenant's request is never the victim
+
+
+def test_preemption_when_blocks_run_out_requeues_and_rehits_its_prefix():
+    s = sched(num_blocks=5, budget=100)
+    a = make_request("a", range(8), arrival_time=0.0)
+    b = make_request("b", range(100, 108), arrival_time=1.0)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a: 2 blocks + b: 2 blocks (prompt full) = 4 of 5 used... each needs a 3rd block
+    out = run_step(s)
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert s.num_preemptions == 1
+    assert s.waiting[b"t"][0] is b and b.queue_reason is QueueReason.NO_KV_BLOCKS
+    s.remove(a)
+    out = run_step(s)
+    assert out.admitted == [b]
+    # b's prompt blocks stayed indexed: recompute starts after them (prompt 8 + 1 output token)
+    assert out.batch.chunks[0].start_pos == 8 and b.num_cached_tokens == 0
+
+
+def test_queue_reasons_token_budget_and_no_kv_blocks():
+    s = sched(num_blocks=4, budget=8)
+    s.add(make_request("a", range(8)))
+    s.add(make_request("b", range(50, 58)))
+    run_step(s)
+    assert s.waiting[b"t"][0].queue_reason is QueueReason.TOKEN_BUDGET
+    s2 = sched(num_blocks=4, budget=100)
+    s2.add(make_request("a", range(12)))
+    s2.add(make_request("b", range(50, 62)))
+    run_step(s2)
+    assert s2.waiting[b"t"][0].queue_reason is QueueReason.NO_KV_BLOCKS
