@@ -176,6 +176,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        before_schedule = getattr(self.pool.tier_hook, "before_schedule", None)
+        if before_schedule is not None:  # engine.tiers: hand evicted blocks down, restored ones in
+            before_schedule(self.scheduler)
         step = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not step.is_empty:
@@ -348,7 +351,8 @@ class LLMEngine:
         )
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self.scheduler.block_tables())
+        held = getattr(self.pool.tier_hook, "held_block_tables", list)()  # refs a tier restore holds
+        self.pool.check_integrity(self.scheduler.block_tables() + held)
 
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (what ``AsyncEngine.stats`` returns)."""
