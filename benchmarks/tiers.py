@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from cryptography.exceptions import InvalidTag  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
-from engine.launch import build_llm_engine  # noqa: E402
-from engine.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.launch import build_llm_engine  # noqa: E402
+from engine.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
 from engine.tiers import InsecureNullCipher  # noqa: E402
 
@@ -138,6 +138,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
+    commit = git_commit()  # the code that runs, even if HEAD moves while it does
     work = Path(tempfile.mkdtemp(prefix="pg-tiers-bench-"))
     model = ensure_tiny_checkpoint(work / "tiny")
     blocks = max(args.lengths) // 16 + 16
@@ -179,7 +180,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": " ".join([sys.executable, *sys.argv]),
-        "git_commit": git_commit(),
+        "git_commit": commit,
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},

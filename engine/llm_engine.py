@@ -378,6 +378,7 @@ class LLMEngine:
             "eviction_policy": self.config.eviction_policy,
             "prefix_caching": self.config.enable_prefix_caching,
             "steps": self.num_steps,
+            "kv_tiers": self.pool.tier_hook.stats() if hasattr(self.pool.tier_hook, "stats") else None,
             "tenants": {
                 label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}
                 for label, q in self._queried.items()

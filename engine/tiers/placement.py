@@ -46,6 +46,7 @@ class SegmentIndex:
         self._blocks: dict[tuple[bytes, BlockHash], BlockLocation] = {}
         self._live: dict[str, int] = {}  # segment id -> blocks of the map still pointing at it
         self.usage: dict[bytes, int] = {}  # namespace -> bytes held
+        self._by_label: dict[str, int] = {}  # metrics label -> bytes held (kept for cheap stats)
         self.used_bytes = 0
 
     # ---- queries -------------------------------------------------------------------------------
@@ -65,10 +66,7 @@ class SegmentIndex:
         return [sid for sid, m in self.segments.items() if m.namespace == namespace]
 
     def bytes_by_label(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in self.segments.values():
-            out[m.tenant_label] = out.get(m.tenant_label, 0) + m.nbytes
-        return out
+        return {label: n for label, n in self._by_label.items() if n}
 
     # ---- mutation ------------------------------------------------------------------------------
     def add(self, meta: SegmentMeta) -> list[str]:
@@ -79,6 +77,7 @@ class SegmentIndex:
         self.segments[meta.segment_id] = meta
         self._live[meta.segment_id] = 0
         self.usage[meta.namespace] = self.usage.get(meta.namespace, 0) + meta.nbytes
+        self._by_label[meta.tenant_label] = self._by_label.get(meta.tenant_label, 0) + meta.nbytes
         self.used_bytes += meta.nbytes
         orphans = []
         for pos, h in enumerate(meta.hashes):
@@ -108,6 +107,7 @@ class SegmentIndex:
             self.usage[meta.namespace] = left
         else:
             del self.usage[meta.namespace]
+        self._by_label[meta.tenant_label] -= meta.nbytes
         self.used_bytes -= meta.nbytes
         return meta
 
@@ -168,6 +168,10 @@ class SegmentIndex:
         for m in self.segments.values():
             by_ns[m.namespace] = by_ns.get(m.namespace, 0) + m.nbytes
         assert by_ns == self.usage, (by_ns, self.usage)
+        by_label: dict[str, int] = {}
+        for m in self.segments.values():
+            by_label[m.tenant_label] = by_label.get(m.tenant_label, 0) + m.nbytes
+        assert by_label == self.bytes_by_label(), (by_label, self._by_label)
         live: dict[str, int] = dict.fromkeys(self.segments, 0)
         for (ns, h), loc in self._blocks.items():
             meta = self.segments[loc.segment_id]

@@ -10,15 +10,12 @@ import random
 
 import pytest
 
-pytest.importorskip("engine.llm_engine")
-
-from engine.llm_engine import LLMEngine  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
-from engine.tiers import TierHook, TierManager  # noqa: E402
-from tests.tiers.conftest import metric, tenant  # noqa: E402
-from tests.tiers.kv_runner_double import TokenKVRunner, reference_generate  # noqa: E402
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.protocol import GenerateRequest, SamplingParams
+from engine.tiers import TierHook, TierManager
+from tests.tiers.conftest import metric, tenant
+from tests.tiers.kv_runner_double import TokenKVRunner, reference_generate
 
 BS = 16
 
@@ -137,4 +134,25 @@ def test_a_restoring_request_waits_while_others_keep_running(tmp_path, registry,
     assert p2 == cold
     assert [o for o in outs if o.request_id == "p2"][-1].cached_tokens == 96
     assert [t for o in outs if o.request_id == "other" for t in o.new_token_ids] == reference_generate(other, 30)
+    hook.close()
+
+
+@pytest.mark.gpu
+def test_restore_stages_plaintext_in_pinned_memory_on_cuda(tmp_path, registry):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engine, hook = build(tmp_path, registry, dram_bytes=1 << 20)
+    hook.pin_memory = True
+    seen = []
+    real_import = engine.runner.import_blocks
+    engine.runner.import_blocks = lambda ids, data: (seen.append(data.is_pinned()), real_import(ids, data))
+    a = tenant("a")
+    rng = random.Random(4)
+    p = [rng.randrange(1000, 40_000) for _ in range(100)]
+    cold, _, _ = run(engine, "p1", a, p)
+    run(engine, "q", a, [rng.randrange(1000, 40_000) for _ in range(170)])
+    warm, cached, _ = run(engine, "p2", a, p)
+    assert warm == cold and cached == 96 and seen == [True]
     hook.close()

@@ -345,3 +345,19 @@ def test_lookup_right_after_demote_sees_pending_blocks_and_restore_waits(make_ma
     gate.set()
     res = fut.result(timeout=30)
     assert res.num_blocks == 4 and res.data == data
+
+
+@pytest.mark.gpu
+def test_dram_blobs_are_pinned_on_cuda_hosts(make_manager):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    m = make_manager(dram_bytes=1 << 20, pin_memory=None)  # None = pinned when CUDA is available
+    assert m.dram.pin_memory
+    a = tenant("a")
+    hs, data = chain(a.namespace, 6), kv_bytes(6)
+    spill(m, a, hs, data)
+    assert all(blob._t.is_pinned() for blob in m.dram._blobs.values())
+    _, res = restore_all(m, a, hs)
+    assert res.data == data
+    m.dram.check_integrity()
