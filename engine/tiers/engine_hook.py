@@ -114,9 +114,12 @@ class TierHook:
         self.flush_evictions()
         for req in scheduler.running:
             self._tenants[req.namespace] = req.tenant
+        waiting = set()
         for queue in scheduler.waiting.values():
             for req in queue:
                 self._tenants[req.namespace] = req.tenant
+                waiting.add(req.request_id)
+        self._checked = {k for k in self._checked if k[0] in waiting}  # forget admitted / finished ones
         self._release_holds(scheduler)
         self._finish_restores(scheduler)
         if self.manager.enabled and scheduler.pool.enable_caching:
