@@ -1,0 +1,5 @@
+import sys
+
+from promptlint.cli import main
+
+sys.exit(main())

@@ -1,0 +1,144 @@
+"""The ``promptlint`` command.
+
+    promptlint check PATH... [--format text|json|github|sarif|junit] [--fail-under SCORE]
+                             [--model NAME] [--volume REQS_PER_DAY] [--fix] [--config FILE] [--output FILE]
+    promptlint rule CODE       print a rule's documentation
+    promptlint rules           list every rule
+
+Exit status: 0 clean; 1 findings, or the overall score below ``--fail-under``; 2 usage or config
+error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from promptlint.errors import UsageError
+
+
+def _parser() -> argparse.ArgumentParser:
+    from promptlint import __version__
+    from promptlint.formats import FORMATS
+
+    parser = argparse.ArgumentParser(
+        prog="promptlint",
+        description="Find prompt structures that defeat prefix caching (timestamps in the system prompt, "
+        "unsorted tools, user names before instructions, ...).",
+    )
+    parser.add_argument("--version", action="version", version=f"promptlint {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    check = sub.add_parser("check", help="lint prompt templates and chat request files")
+    check.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files or directories")
+    check.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    check.add_argument("--fail-under", type=float, default=None, metavar="SCORE",
+                       help="exit 1 if the overall score (0-100) is below SCORE")
+    check.add_argument("--model", default=None, help="target model: tokenizer, cache minimum, prices")
+    check.add_argument("--volume", type=float, default=None, metavar="REQS_PER_DAY",
+                       help="requests per day per file: print the monthly money saved / left (litellm prices)")
+    check.add_argument("--fix", action="store_true", help="apply safe fixes and list what changed")
+    check.add_argument("--config", type=Path, default=None, help="a pyproject.toml to read [tool.promptlint] from")
+    check.add_argument("--output", "-o", type=Path, default=None, help="write the report to FILE")
+    check.add_argument("--skip-non-prompts", action="store_true",
+                       help="skip named .json/.yaml files that are not prompts instead of reporting PC000 "
+                       "(for pre-commit, which names every staged file)")
+    check.set_defaults(func=_check)
+    rule = sub.add_parser("rule", help="print a rule's documentation")
+    rule.add_argument("code", metavar="CODE")
+    rule.set_defaults(func=_rule)
+    rules = sub.add_parser("rules", help="list every rule")
+    rules.add_argument("--format", choices=("text", "markdown"), default="text",
+                       help="markdown: the table in docs/promptlint.md")
+    rules.set_defaults(func=_rules)
+    return parser
+
+
+def _check(args: argparse.Namespace) -> int:
+    from promptlint.config import load_config
+    from promptlint.fix import fix_file
+    from promptlint.formats import render
+    from promptlint.linter import lint
+    from promptlint.pricing import estimate
+
+    if args.fail_under is not None and not 0 <= args.fail_under <= 100:
+        raise UsageError("--fail-under must be between 0 and 100")
+    if args.volume is not None and args.volume < 0:
+        raise UsageError("--volume must be a non-negative number of requests per day")
+    config = load_config(args.config)
+    report = lint(args.paths, config, args.model, args.skip_non_prompts)
+    if args.fix:
+        fixed_any = False
+        for r in report.files:
+            what = fix_file(r)
+            done = [w for w in what if not w.startswith("not fixed")]
+            if done:
+                fixed_any = True
+                print(f"fixed {r.path}: {', '.join(done)}", file=sys.stderr)
+            for note in (w for w in what if w.startswith("not fixed")):
+                print(f"{r.path}: {note}", file=sys.stderr)
+        if not fixed_any:
+            print("nothing to fix", file=sys.stderr)
+        report = lint(args.paths, config, args.model, args.skip_non_prompts)  # report what is left
+    if not report.files:
+        print("promptlint: warning: no prompt files found", file=sys.stderr)
+    savings = estimate(report, args.volume) if args.volume is not None else None
+    fail_under = args.fail_under if args.fail_under is not None else config.fail_under
+    text = render(report, args.format, savings, fail_under)
+    if args.output is not None:
+        try:
+            args.output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    else:
+        sys.stdout.write(text)
+    failed = bool(report.findings) or (fail_under is not None and report.score < fail_under)
+    return 1 if failed else 0
+
+
+def _rule(args: argparse.Namespace) -> int:
+    from promptlint.rules import all_rules
+
+    rules = all_rules()
+    code = args.code.upper()
+    if code not in rules:
+        by_name = {r.name: r for r in rules.values()}
+        if args.code not in by_name:
+            raise UsageError(f"unknown rule {args.code!r}; `promptlint rules` lists them")
+        code = by_name[args.code].code
+    r = rules[code]
+    fix = "sometimes (--fix)" if r.fixable else "no"
+    print(f"{r.doc}\n\nSeverity: {r.severity}. Fixable: {fix}.")
+    return 0
+
+
+def _rules(args: argparse.Namespace) -> int:
+    from promptlint.rules import all_rules
+
+    if args.format == "markdown":
+        print("| code | name | severity | fix | what it finds |\n|---|---|---|---|---|")
+        for r in all_rules().values():
+            print(f"| {r.code} | `{r.name}` | {r.severity} | {'yes' if r.fixable else ''} | {r.summary} |")
+        return 0
+    for r in all_rules().values():
+        print(f"{r.code}  {r.name:<32} {r.severity:<8} {r.summary}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"promptlint: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Output formats: text (people), json (tools), github (workflow annotations), sarif 2.1.0, junit."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from typing import Any
+
+from promptlint import __version__
+from promptlint.linter import Report
+from promptlint.pricing import Savings
+from promptlint.rules import all_rules
+
+FORMATS = ("text", "json", "github", "sarif", "junit")
+_SARIF_LEVEL = {"error": "error", "warning": "warning", "info": "note"}
+INFO_URI = "https://github.com/prefixgate/prefixgate/blob/main/docs/promptlint.md"
+
+
+def render(report: Report, fmt: str, savings: Savings | None = None, fail_under: float | None = None) -> str:
+    return {"text": _text, "json": _json, "github": _github, "sarif": _sarif, "junit": _junit}[fmt](
+        report, savings, fail_under
+    )
+
+
+def _text(report: Report, savings: Savings | None, fail_under: float | None) -> str:
+    rules = all_rules()
+    out = []
+    for f in report.findings:
+        mark = " [*]" if f.fixable else ""
+        out.append(f"{f.path}:{f.line}:{f.column}: {f.code} {rules[f.code].name}: {f.message}{mark}")
+    if out:
+        out.append("")
+    scored = [r for r in report.files if r.doc is not None]
+    if scored:
+        width = max(len(r.path) for r in scored)
+        out.append(f"{'file':<{width}}  score  prefix/total tokens")
+        for r in scored:
+            d = r.doc
+            out.append(f"{r.path:<{width}}  {d.score:5.1f}  {d.prefix_tokens}/{d.total_tokens}")
+        out.append("")
+    findings = report.findings
+    fixable = sum(f.fixable for f in findings)
+    out.append(
+        f"Score {report.score:.1f}/100 over {len(report.files)} file(s) "
+        f"(share of expected prompt tokens that stay cacheable; {report.model}, {report.encoding})"
+    )
+    if savings is not None:
+        out.append(
+            f"At {savings.volume_per_day:g} requests/day per file: ${savings.saved_per_month:,.2f}/month saved "
+            f"by caching now, ${savings.left_per_month:,.2f}/month left on the table ({savings.model} prices)"
+        )
+    if fail_under is not None and report.score < fail_under:
+        out.append(f"Score {report.score:.1f} is below --fail-under {fail_under:g}")
+    if findings:
+        out.append(f"Found {len(findings)} finding(s)" + (f" ({fixable} fixable with --fix)." if fixable else "."))
+    else:
+        out.append("All checks passed!")
+    return "\n".join(out) + "\n"
+
+
+def report_dict(report: Report, savings: Savings | None = None) -> dict[str, Any]:
+    rules = all_rules()
+    data: dict[str, Any] = {
+        "version": __version__,
+        "model": report.model,
+        "encoding": report.encoding,
+        "score": round(report.score, 2),
+        "files": [
+            {
+                "path": r.path,
+                "score": None if r.doc is None else round(r.doc.score, 2),
+                "prefix_tokens": None if r.doc is None else r.doc.prefix_tokens,
+                "static_tokens": None if r.doc is None else r.doc.static_tokens,
+                "total_tokens": None if r.doc is None else r.doc.total_tokens,
+            }
+            for r in report.files
+        ],
+        "findings": [
+            {
+                "code": f.code,
+                "name": rules[f.code].name,
+                "severity": f.severity,
+                "path": f.path,
+                "line": f.line,
+                "column": f.column,
+                "message": f.message,
+                "fixable": f.fixable,
+            }
+            for f in report.findings
+        ],
+    }
+    if savings is not None:
+        data["savings"] = {
+            "model": savings.model,
+            "volume_per_day": savings.volume_per_day,
+            "input_price_per_token": savings.input_price,
+            "cache_read_price_per_token": savings.cache_read_price,
+            "saved_per_month_usd": round(savings.saved_per_month, 2),
+            "left_per_month_usd": round(savings.left_per_month, 2),
+        }
+    return data
+
+
+def _json(report: Report, savings: Savings | None, fail_under: float | None) -> str:
+    return json.dumps(report_dict(report, savings), indent=2) + "\n"
+
+
+def _escape_data(s: str) -> str:
+    return s.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _escape_prop(s: str) -> str:
+    return _escape_data(s).replace(":", "%3A").replace(",", "%2C")
+
+
+def _github(report: Report, savings: Savings | None, fail_under: float | None) -> str:
+    rules = all_rules()
+    out = []
+    for f in report.findings:
+        level = {"error": "error", "warning": "warning", "info": "notice"}[f.severity]
+        title = _escape_prop(f"{f.code} {rules[f.code].name}")
+        out.append(
+            f"::{level} file={_escape_prop(f.path)},line={f.line},col={f.column},title={title}::"
+            f"{_escape_data(f.message)}"
+        )
+    if fail_under is not None and report.score < fail_under:
+        out.append(f"::error title=promptlint score::Score {report.score:.1f} is below {fail_under:g}")
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def sarif_dict(report: Report) -> dict[str, Any]:
+    rules = list(all_rules().values())
+    index = {r.code: i for i, r in enumerate(rules)}
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "promptlint",
+                        "version": __version__,
+                        "informationUri": INFO_URI,
+                        "rules": [
+                            {
+                                "id": r.code,
+                                "name": r.name,
+                                "shortDescription": {"text": r.summary},
+                                "fullDescription": {"text": r.doc.split("\n\n", 1)[-1].strip()},
+                                "help": {"text": r.doc},
+                                "helpUri": f"{INFO_URI}#{r.code.lower()}",
+                                "defaultConfiguration": {"level": _SARIF_LEVEL[r.severity]},
+                            }
+                            for r in rules
+                        ],
+                    }
+                },
+                "columnKind": "unicodeCodePoints",
+                "results": [
+                    {
+                        "ruleId": f.code,
+                        "ruleIndex": index[f.code],
+                        "level": _SARIF_LEVEL[f.severity],
+                        "message": {"text": f.message},
+                        "locations": [
+                            {
+                                "physicalLocation": {
+                                    "artifactLocation": {"uri": f.path},
+                                    "region": {"startLine": f.line, "startColumn": f.column},
+                                }
+                            }
+                        ],
+                    }
+                    for f in report.findings
+                ],
+                "properties": {"score": round(report.score, 2), "model": report.model},
+            }
+        ],
+    }
+
+
+def _sarif(report: Report, savings: Savings | None, fail_under: float | None) -> str:
+    return json.dumps(sarif_dict(report), indent=2) + "\n"
+
+
+def _junit(report: Report, savings: Savings | None, fail_under: float | None) -> str:
+    rules = all_rules()
+    findings = report.findings
+    suites = ET.Element("testsuites", name="promptlint", tests=str(len(report.files)),
+                        failures=str(sum(1 for r in report.files if r.findings)))
+    suite = ET.SubElement(suites, "testsuite", name="promptlint", tests=str(len(report.files)),
+                          failures=str(sum(1 for r in report.files if r.findings)), errors="0")
+    for r in report.files:
+        case = ET.SubElement(suite, "testcase", classname="promptlint", name=r.path)
+        mine = [f for f in findings if f.path == r.path]
+        if mine:
+            fail = ET.SubElement(case, "failure", message=f"{len(mine)} finding(s)", type=mine[0].code)
+            fail.text = "\n".join(
+                f"{f.path}:{f.line}:{f.column}: {f.code} {rules[f.code].name}: {f.message}" for f in mine
+            )
+        if r.doc is not None:
+            props = ET.SubElement(case, "properties")
+            ET.SubElement(props, "property", name="score", value=f"{r.doc.score:.1f}")
+    ET.indent(suites)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"

@@ -1,0 +1,131 @@
+"""Linting a set of paths: load, measure, run the rules, apply suppressions, score.
+
+Suppressions, most local first:
+- inline ``promptlint: noqa`` / ``promptlint: noqa[PC002,PC003]`` anywhere on the finding's line
+  (put it in a comment your renderer strips: ``{# ... #}``, ``<!-- -->``, YAML ``#``);
+- file-level ``promptlint: noqa-file`` / ``promptlint: noqa-file[PC008]`` on any line;
+- ``per-file-ignores``, ``ignore`` and ``select`` in the config.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from promptlint.analysis import LintContext, measure
+from promptlint.config import Config
+from promptlint.errors import UsageError
+from promptlint.loader import discover, load
+from promptlint.model import Finding, PromptDoc
+from promptlint.rules import all_rules
+
+_NOQA = re.compile(r"promptlint:\s*noqa(?P<file>-file)?(?:\[(?P<codes>[A-Z0-9,\s]*)\])?")
+
+
+@dataclass
+class FileResult:
+    path: str
+    doc: PromptDoc | None  # None when the file could not be loaded (a PC000 finding)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def score(self) -> float | None:
+        return None if self.doc is None else self.doc.score
+
+
+@dataclass
+class Report:
+    files: list[FileResult]
+    model: str
+    encoding: str
+
+    @property
+    def findings(self) -> list[Finding]:
+        return sorted((f for r in self.files for f in r.findings), key=lambda f: (f.path, f.line, f.column, f.code))
+
+    @property
+    def score(self) -> float:
+        """Overall score: token-weighted over files, so a long template counts for more."""
+        docs = [r.doc for r in self.files if r.doc is not None]
+        total = sum(d.total_tokens for d in docs)
+        return 100.0 if total == 0 else 100.0 * sum(d.prefix_tokens for d in docs) / total
+
+
+def _suppressions(raw: str) -> tuple[dict[int, set[str] | None], set[str] | None, bool]:
+    """(line -> codes or None for all, file-level codes, whole file suppressed)."""
+    per_line: dict[int, set[str] | None] = {}
+    file_codes: set[str] = set()
+    whole_file = False
+    if "promptlint:" not in raw:
+        return per_line, file_codes, whole_file
+    for n, line in enumerate(raw.split("\n"), start=1):
+        for m in _NOQA.finditer(line):
+            codes = {c.strip() for c in m.group("codes").split(",") if c.strip()} if m.group("codes") else None
+            if m.group("file"):
+                if codes is None:
+                    whole_file = True
+                else:
+                    file_codes |= codes
+            elif codes is None or per_line.get(n, set()) is None:
+                per_line[n] = None
+            else:
+                per_line[n] = per_line.get(n, set()) | codes  # type: ignore[operator]
+    return per_line, file_codes, whole_file
+
+
+def _keep(f: Finding, raw: str | None, path: Path, config: Config, cache: dict) -> bool:
+    if not config.enabled(f.code) or config.ignored_in_file(f.code, path):
+        return False
+    if raw is None:
+        return True
+    if path not in cache:
+        cache[path] = _suppressions(raw)
+    per_line, file_codes, whole_file = cache[path]
+    if whole_file or f.code in file_codes:
+        return False
+    if f.line in per_line:
+        codes = per_line[f.line]
+        return codes is not None and f.code not in codes
+    return True
+
+
+def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_prompts: bool = False) -> Report:
+    """Lint files and directories. Raises UsageError if a named path does not exist.
+
+    ``skip_non_prompts``: treat named data files like walked ones (a non-prompt is skipped, not PC000).
+    """
+    ctx = LintContext.for_model(model or config.model)
+    results: list[FileResult] = []
+    try:
+        found = list(discover(paths))
+    except FileNotFoundError as exc:
+        raise UsageError(f"no such file or directory: {exc}") from None
+    rules = [r for r in all_rules().values() if config.enabled(r.code)]
+    docs: list[PromptDoc] = []
+    for path, named in found:
+        if not named and config.excluded(path):
+            continue
+        loaded = load(path, named and not skip_non_prompts)
+        if loaded is None:
+            continue
+        if isinstance(loaded, Finding):
+            results.append(FileResult(loaded.path, None, [loaded]))
+            continue
+        measure(loaded, ctx)
+        docs.append(loaded)
+        findings = [f for r in rules if r.check is not None for f in r.check(loaded, ctx)]
+        results.append(FileResult(loaded.display, loaded, findings))
+    by_path = {r.path: r for r in results}
+    for r in rules:
+        if r.check_project is not None:
+            for f in r.check_project(docs, ctx):
+                by_path[f.path].findings.append(f)
+    cache: dict = {}
+    for res in results:
+        raw = res.doc.raw if res.doc is not None else None
+        path = res.doc.path if res.doc is not None else Path(res.path)
+        res.findings = [f for f in res.findings if _keep(f, raw, path, config, cache)]
+    results.sort(key=lambda r: r.path)
+    return Report(results, ctx.model, ctx.counter.encoding)
+

@@ -1,0 +1,36 @@
+"""PC011 too-many-cache-breakpoints: more than four Anthropic ``cache_control`` breakpoints.
+
+What:
+    The request marks more than four blocks (tools, system blocks, message blocks) with
+    ``cache_control``.
+
+Why:
+    Anthropic allows at most four breakpoints per request and rejects the request otherwise;
+    gateways that strip the extra ones keep an arbitrary subset.
+
+Example:
+    Five system blocks, each with "cache_control": {"type": "ephemeral"}.
+
+Fix:
+    Keep at most four: typically one after the tools, one after the system prompt, one at the end
+    of the conversation history.
+"""
+
+from promptlint.analysis import finding
+
+CODE = "PC011"
+NAME = "too-many-cache-breakpoints"
+SEVERITY = "error"
+SUMMARY = "more than four cache_control breakpoints"
+FIXABLE = False
+MAX_BREAKPOINTS = 4
+
+
+def check(doc, ctx):
+    marks = [e for e in doc.elements if e.breakpoint]
+    if len(marks) > MAX_BREAKPOINTS:
+        yield finding(
+            doc, marks[MAX_BREAKPOINTS], CODE, SEVERITY,
+            f"{len(marks)} cache_control breakpoints; Anthropic accepts at most {MAX_BREAKPOINTS} "
+            f"(this is number {MAX_BREAKPOINTS + 1})",
+        )

@@ -1,0 +1,232 @@
+"""Envelope encryption: one key-encryption key (KEK) wraps a data key per tenant (or share group).
+
+::
+
+    KEK (32 bytes: $PREFIXGATE_KEK, or the file home/kek.key, created 0600 on first run)
+      └─ wraps ─► data key of tenant t (AES-256), stored wrapped in the data_keys table
+                    └─ encrypts ─► KV blocks that leave HBM (TenantCipher, AES-256-GCM)
+
+Deleting a tenant deletes its wrapped data key (with SQLite ``secure_delete`` on and the WAL
+truncated), so its spilled KV can never be decrypted again, even by someone holding the database
+and the KEK: crypto-shredding. Rotating the KEK re-wraps every data key; the KV blobs themselves
+never change.
+
+Blob formats (both start with a version byte so the format can evolve)::
+
+    KV blob:          0x01 | nonce (12) | AES-256-GCM(data key, nonce, plaintext, aad) + tag (16)
+    wrapped data key: 0x01 | nonce (12) | AES-256-GCM(KEK, nonce, data key, b"prefixgate/dek/v1\\0" + owner) + tag
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import sys
+import threading
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from tenancy.errors import KeyMaterialError
+
+log = logging.getLogger("tenancy.crypto")
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+TAG_BYTES = 16
+BLOB_VERSION = 0x01
+_DEK_AAD = b"prefixgate/dek/v1\x00"
+KEK_ENV = "PREFIXGATE_KEK"
+KEK_FILE_ENV = "PREFIXGATE_KEK_FILE"
+
+
+def decode_key(text: str, *, what: str) -> bytes:
+    """Decode a 32-byte key written as 64 hex digits or base64 (standard or URL-safe)."""
+    text = text.strip()
+    raw: bytes | None = None
+    if len(text) == 2 * KEY_BYTES:
+        try:
+            raw = bytes.fromhex(text)
+        except ValueError:
+            raw = None
+    if raw is None:
+        try:
+            raw = base64.b64decode(text.replace("-", "+").replace("_", "/") + "=" * (-len(text) % 4),
+                                   validate=True)
+        except (binascii.Error, ValueError):
+            raise KeyMaterialError(f"{what} is neither hex nor base64") from None
+    if len(raw) != KEY_BYTES:
+        raise KeyMaterialError(f"{what} must decode to {KEY_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+def encode_key(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def write_secret_file(path: Path, raw: bytes) -> None:
+    """Write ``raw`` (base64) to ``path`` atomically with mode 0600: tmp file, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (encode_key(raw) + "\n").encode("ascii"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o600)  # the umask may have narrowed it further, never widened; make it exact
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_secret_file(path: Path, *, what: str) -> bytes:
+    try:
+        text = path.read_text(encoding="ascii")
+    except OSError as exc:
+        raise KeyMaterialError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise KeyMaterialError(f"{what} {path} is not base64/hex text") from None
+    return decode_key(text, what=f"{what} {path}")
+
+
+def load_or_create_secret(path: Path, *, what: str) -> tuple[bytes, bool]:
+    """Read a 32-byte secret from ``path``; create it (random, 0600) if absent.
+
+    Returns ``(secret, created)``. Creation warns on stderr because losing this file loses
+    whatever it protects, so the operator must know it now exists and should be backed up.
+    """
+    if path.exists():
+        return read_secret_file(path, what=what), False
+    raw = secrets.token_bytes(KEY_BYTES)
+    write_secret_file(path, raw)
+    message = f"created a new {what} at {path} (mode 0600); back it up: without it the data it protects is lost"
+    if log.hasHandlers():  # the host app configured logging: go through it
+        log.warning(message)
+    else:
+        print(f"prefixgate: warning: {message}", file=sys.stderr)
+    return raw, True
+
+
+class KeyEncryptionKey:
+    """The KEK: wraps and unwraps data keys. Immutable; rotation makes a new one."""
+
+    def __init__(self, raw: bytes, *, source: str) -> None:
+        if len(raw) != KEY_BYTES:
+            raise KeyMaterialError(f"KEK must be {KEY_BYTES} bytes")
+        self._aead = AESGCM(raw)
+        self._fingerprint = hmac.new(raw, b"prefixgate/kek-fingerprint/v1", hashlib.sha256).hexdigest()[:16]
+        self.raw = raw
+        self.source = source  # "env" or the file path, for messages
+
+    @classmethod
+    def generate(cls, *, source: str) -> KeyEncryptionKey:
+        return cls(secrets.token_bytes(KEY_BYTES), source=source)
+
+    @classmethod
+    def load(cls, home: Path) -> KeyEncryptionKey:
+        """$PREFIXGATE_KEK (hex/base64), else $PREFIXGATE_KEK_FILE, else home/kek.key (created if absent)."""
+        env = os.environ.get(KEK_ENV)
+        if env:
+            return cls(decode_key(env, what=f"${KEK_ENV}"), source="env")
+        path = kek_path(home)
+        raw, _ = load_or_create_secret(path, what="key-encryption key (KEK)")
+        return cls(raw, source=str(path))
+
+    @property
+    def fingerprint(self) -> str:
+        """A short public id of this KEK (HMAC of a constant), stored in the db to detect a wrong KEK."""
+        return self._fingerprint
+
+    def wrap(self, data_key: bytes, owner: str) -> bytes:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        return bytes([BLOB_VERSION]) + nonce + self._aead.encrypt(nonce, data_key, _DEK_AAD + owner.encode())
+
+    def unwrap(self, blob: bytes, owner: str) -> bytes:
+        if len(blob) != 1 + NONCE_BYTES + KEY_BYTES + TAG_BYTES or blob[0] != BLOB_VERSION:
+            raise KeyMaterialError(f"wrapped data key of {owner} is malformed")
+        try:
+            return self._aead.decrypt(blob[1 : 1 + NONCE_BYTES], blob[1 + NONCE_BYTES :], _DEK_AAD + owner.encode())
+        except InvalidTag:
+            raise KeyMaterialError(
+                f"the data key of {owner} does not unwrap under the KEK from {self.source}: wrong KEK?"
+            ) from None
+
+
+def kek_path(home: Path) -> Path:
+    env = os.environ.get(KEK_FILE_ENV)
+    return Path(env).expanduser() if env else home / "kek.key"
+
+
+def new_data_key() -> bytes:
+    return AESGCM.generate_key(bit_length=256)
+
+
+class TenantCipher:
+    """AES-256-GCM under one tenant's (or share group's) data key; the engine's ``BlockCipher``.
+
+    Thread-safe: ``AESGCM`` keeps no per-call state (each call builds its own cipher context), and
+    the nonce comes from ``secrets`` (a CSPRNG), so concurrent calls share nothing mutable except the
+    key reference, which ``destroy`` swaps under a lock.
+    """
+
+    def __init__(self, data_key: bytes, *, owner: str) -> None:
+        self._aead: AESGCM | None = AESGCM(data_key)
+        self._lock = threading.Lock()
+        self.owner = owner
+
+    def encrypt(self, plaintext: bytes | memoryview, aad: bytes) -> bytes:
+        """blob = version byte | fresh 96-bit nonce | ciphertext + tag.
+
+        After ``destroy`` (tenant deleted) it still returns a blob of the same shape, but under a
+        one-time random key that is dropped at once: the engine's spill path keeps working (it is
+        not written to expect an exception here) and what it stores can never be decrypted.
+        """
+        aead = self._aead
+        if aead is None:
+            aead = AESGCM(AESGCM.generate_key(bit_length=256))
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        return bytes([BLOB_VERSION]) + nonce + aead.encrypt(nonce, bytes(plaintext), bytes(aad))
+
+    def decrypt(self, blob: bytes | memoryview, aad: bytes) -> bytes | None:
+        """The plaintext, or None for any bad blob (truncated, tampered, wrong key or aad, destroyed key)."""
+        aead = self._aead
+        if aead is None:
+            return None
+        blob = bytes(blob)
+        if len(blob) < 1 + NONCE_BYTES + TAG_BYTES or blob[0] != BLOB_VERSION:
+            return None
+        try:
+            return aead.decrypt(blob[1 : 1 + NONCE_BYTES], blob[1 + NONCE_BYTES :], bytes(aad))
+        except (InvalidTag, ValueError, OverflowError):
+            return None
+
+    def destroy(self) -> None:
+        """Forget the key in this process (the stored copy is shredded by the service)."""
+        with self._lock:
+            self._aead = None
+
+    @property
+    def destroyed(self) -> bool:
+        return self._aead is None
+
+    def __repr__(self) -> str:  # never print key material
+        return f"TenantCipher(owner={self.owner!r}, destroyed={self.destroyed})"

@@ -1,0 +1,167 @@
+"""The tenancy database: one SQLite file (WAL) opened through sqlite-utils, with numbered migrations.
+
+Every process (gateway replicas, the CLI, the ledger writer thread) opens its own connection; WAL
+lets readers run beside the single writer, and ``busy_timeout`` makes writers queue, not fail.
+
+Migrations are numbered and append-only: ``MIGRATIONS[i]`` takes the schema from version ``i`` to
+``i + 1``. Each runs in its own ``BEGIN IMMEDIATE`` transaction together with its row in
+``schema_version``, so two processes opening a fresh database at once apply it exactly once, and a
+crash mid-migration leaves the previous version intact.
+
+Tables (v1)::
+
+    tenants    id PK, name UNIQUE, settings (share scope, canon mode, ...), quota columns
+    api_keys   key_id PK, tenant_id -> tenants ON DELETE CASCADE, key_hash (HMAC-SHA256), revoked_at
+    data_keys  owner PK ("tenant:<id>" | "group:<name>"), data key wrapped by the KEK
+    meta       key PK, value   (kek_fingerprint)
+    usage      request_id PK, one row per request (the ledger); kept after its tenant is deleted
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import sqlite_utils
+
+DB_FILENAME = "prefixgate.db"
+
+
+def _v1(db: sqlite_utils.Database) -> None:
+    statements = [
+        """CREATE TABLE tenants (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL UNIQUE,
+            is_admin INTEGER NOT NULL DEFAULT 0,
+            share_scope TEXT NOT NULL DEFAULT 'tenant',
+            canon_mode TEXT NOT NULL DEFAULT 'safe' CHECK (canon_mode IN ('off', 'safe', 'reorder')),
+            per_user_vars TEXT NOT NULL DEFAULT '[]',
+            priority INTEGER NOT NULL DEFAULT 0,
+            ttft_target_s REAL,
+            rpm INTEGER, tpm INTEGER,
+            budget_usd REAL,
+            budget_period TEXT NOT NULL DEFAULT 'month' CHECK (budget_period IN ('day', 'month')),
+            kv_blocks_hbm INTEGER, kv_blocks_dram INTEGER, kv_blocks_nvme INTEGER,
+            created_at REAL NOT NULL
+        )""",
+        """CREATE TABLE api_keys (
+            key_id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+            key_hash BLOB NOT NULL,
+            created_at REAL NOT NULL,
+            revoked_at REAL
+        )""",
+        "CREATE INDEX api_keys_tenant ON api_keys(tenant_id)",
+        """CREATE TABLE data_keys (
+            owner TEXT PRIMARY KEY,
+            wrapped BLOB NOT NULL,
+            created_at REAL NOT NULL
+        )""",
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        """CREATE TABLE usage (
+            request_id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL,
+            key_id TEXT NOT NULL,
+            model TEXT NOT NULL,
+            backend TEXT NOT NULL,
+            prompt_tokens INTEGER NOT NULL,
+            cached_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            ttft_s REAL,
+            latency_s REAL,
+            status TEXT NOT NULL CHECK (status IN ('ok', 'error', 'aborted')),
+            created_at REAL NOT NULL,
+            cost_usd REAL NOT NULL,
+            saved_usd REAL NOT NULL,
+            priced_as TEXT NOT NULL,
+            miss_rule TEXT,
+            miss_position INTEGER
+        )""",
+        "CREATE INDEX usage_tenant_time ON usage(tenant_id, created_at)",
+        "CREATE INDEX usage_time ON usage(created_at)",
+    ]
+    for sql in statements:
+        db.execute(sql)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def connect(path: Path) -> sqlite_utils.Database:
+    """Open (creating if needed) the database at ``path`` with tenancy's pragmas, migrated to the latest schema.
+
+    The connection may be used from several threads (``check_same_thread=False``); callers serialise
+    access with their own lock.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        # Key hashes and wrapped data keys live here: owner-only, like the KEK. SQLite gives the
+        # -wal and -shm files the same mode as the database file.
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    conn = sqlite3.connect(str(path), timeout=10.0, check_same_thread=False)
+    db = sqlite_utils.Database(conn, execute_plugins=False)
+    db.execute("PRAGMA busy_timeout = 10000")
+    db.enable_wal()
+    # FULL: a commit is on disk when it returns. The ledger batches commits, so the fsync is cheap.
+    db.execute("PRAGMA synchronous = FULL")
+    # Deleted rows (a shredded data key) are overwritten with zeros, not left in free pages.
+    db.execute("PRAGMA secure_delete = ON")
+    db.execute("PRAGMA foreign_keys = ON")
+    migrate(db)
+    return db
+
+
+def current_version(db: sqlite_utils.Database) -> int:
+    if not db["schema_version"].exists():
+        return 0
+    row = next(db.query("SELECT MAX(version) AS v FROM schema_version"))
+    return int(row["v"] or 0)
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Apply every pending migration; return the resulting version. Safe against concurrent openers."""
+    db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+    while True:
+        db.conn.execute("BEGIN IMMEDIATE")  # take the write lock before reading the version
+        try:
+            version = current_version(db)
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"database schema v{version} is newer than this prefixgate (v{SCHEMA_VERSION}); upgrade it"
+                )
+            if version == SCHEMA_VERSION:
+                db.conn.execute("COMMIT")
+                return version
+            MIGRATIONS[version](db)
+            db.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", [version + 1, time.time()])
+            db.conn.execute("COMMIT")
+        except BaseException:
+            db.rollback()
+            raise
+
+
+@contextlib.contextmanager
+def write_transaction(db: sqlite_utils.Database) -> Iterator[sqlite_utils.Database]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (rollback on error).
+
+    Read-then-write transactions must take the write lock up front: a deferred transaction that
+    read a snapshot and then tries to write while another connection wrote gets SQLITE_BUSY at once
+    (busy_timeout cannot help, its snapshot is stale). IMMEDIATE waits for the lock instead.
+    """
+    db.conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        db.rollback()
+        raise
+    db.conn.execute("COMMIT")
+
+
+def checkpoint_truncate(db: sqlite_utils.Database) -> None:
+    """Copy the WAL into the main file and truncate it, so no old page version (a shredded key) lingers there."""
+    db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()

@@ -1,0 +1,82 @@
+"""API keys and the server secret.
+
+An API key looks like ``pg-1a2b3c4d_<43 url-safe chars>``: ``pg-1a2b3c4d`` is the visible prefix
+(``1a2b3c4d`` is the key id, safe to show and log), the rest is 256 random bits shown once at
+creation. Only ``HMAC-SHA256(pepper, key)`` is stored, where the pepper is derived from the server
+secret (``home/server.secret``, 0600), so a stolen database alone cannot be used to test guesses.
+
+Lookup is by key id (indexed), then the stored hash is compared in constant time
+(``hmac.compare_digest``), so response time does not leak how much of a guess was right.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from tenancy.crypto import load_or_create_secret
+
+KEY_PREFIX = "pg-"
+KEY_ID_HEX = 8
+SECRET_FILENAME = "server.secret"
+
+
+@dataclass(frozen=True)
+class ServerSecret:
+    """The 32-byte server secret and the keys derived from it (one label per use, never reused)."""
+
+    raw: bytes
+
+    @classmethod
+    def load(cls, home: Path) -> ServerSecret:
+        raw, _ = load_or_create_secret(home / SECRET_FILENAME, what="server secret")
+        return cls(raw)
+
+    @property
+    def namespace_key(self) -> bytes:
+        return self.raw
+
+    @property
+    def pepper(self) -> bytes:
+        return hmac.new(self.raw, b"prefixgate/api-key-pepper/v1", hashlib.sha256).digest()
+
+    def __repr__(self) -> str:
+        return "ServerSecret(<hidden>)"
+
+
+def new_api_key() -> tuple[str, str]:
+    """Returns ``(key_id, api_key)``."""
+    key_id = secrets.token_hex(KEY_ID_HEX // 2)
+    return key_id, f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+
+
+def visible_prefix(key_id: str) -> str:
+    return f"{KEY_PREFIX}{key_id}"
+
+
+def parse_key_id(api_key: str) -> str | None:
+    """The key id inside ``api_key``, or None when it does not have our shape."""
+    if not api_key.startswith(KEY_PREFIX):
+        return None
+    key_id, sep, rest = api_key[len(KEY_PREFIX) :].partition("_")
+    if not sep or len(key_id) != KEY_ID_HEX or len(rest) < 32:
+        return None
+    if any(c not in "0123456789abcdef" for c in key_id):
+        return None
+    return key_id
+
+
+def hash_key(pepper: bytes, api_key: str) -> bytes:
+    return hmac.new(pepper, api_key.encode("utf-8"), hashlib.sha256).digest()
+
+
+def verify_key(pepper: bytes, api_key: str, stored_hash: bytes) -> bool:
+    return hmac.compare_digest(hash_key(pepper, api_key), stored_hash)
+
+
+def redact(api_key: str) -> str:
+    """What an error message may show of a key: its prefix (at most 11 chars) and stars."""
+    return api_key[: len(KEY_PREFIX) + KEY_ID_HEX] + "****" if api_key else "<empty>"

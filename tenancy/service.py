@@ -1,0 +1,478 @@
+"""``TenancyService``: the one object the gateway and the CLI use (the API other teams code against).
+
+::
+
+    gateway request ─► authenticate(key) ─► scope_for(ctx, user) ─► admit(ctx, estimated_tokens=)
+                          │ (TTL cache)           │ (namespace)            │ (rpm/tpm buckets, budget)
+                          ▼                       ▼                        ▼
+                      TenantContext ──────── engine (TenantScope) ──── record_usage(UsageRecord)
+                                                                          │ (queue, writer thread)
+                                                                          ▼
+                                                                 usage table (ledger) ─► report
+
+State lives under ``home``: ``prefixgate.db`` (SQLite, WAL), ``kek.key`` (unless $PREFIXGATE_KEK) and
+``server.secret`` (both 0600, created on first run with a warning on stderr).
+
+Thread-safety: every method may be called from any thread. One connection, guarded by a lock,
+serves the request path (auth misses, budget refreshes, admin calls); the ledger writer has its
+own connection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tenancy import db as dbmod
+from tenancy import keys as keymod
+from tenancy import store
+from tenancy.crypto import (
+    KeyEncryptionKey,
+    TenantCipher,
+    encode_key,
+    kek_path,
+    new_data_key,
+    read_secret_file,
+    write_secret_file,
+)
+from tenancy.errors import (
+    AuthenticationError,
+    ConflictError,
+    InvalidSettingError,
+    KeyMaterialError,
+    NotFoundError,
+    PermissionDeniedError,
+    QuotaExceededError,
+    TenancyError,
+)
+from tenancy.ledger import LedgerWriter
+from tenancy.namespace import metrics_label, namespace_for, parse_share_scope
+from tenancy.pricing import PriceBook
+from tenancy.quota import RateLimiter, check_budget, period_bounds
+from tenancy.types import (
+    CreatedKey,
+    CreatedTenant,
+    KeyInfo,
+    Price,
+    Quotas,
+    TenantContext,
+    TenantInfo,
+    UsageRecord,
+)
+
+# The gateway imports only this module: everything it needs is re-exported here.
+__all__ = [
+    "AuthenticationError", "ConflictError", "CreatedKey", "CreatedTenant", "InvalidSettingError", "KeyInfo",
+    "KeyMaterialError", "NotFoundError", "PermissionDeniedError", "Price", "QuotaExceededError", "Quotas",
+    "RotationResult", "TenancyError", "TenancyService", "TenantCipher", "TenantContext", "TenantInfo",
+    "UsageRecord",
+]
+
+_KEK_FINGERPRINT = "kek_fingerprint"
+_RECENT_IDS = 50_000
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))  # request ids remembered to keep in-memory spend idempotent like the ledger
+
+
+@dataclass(frozen=True)
+class RotationResult:
+    old_fingerprint: str
+    new_fingerprint: str
+    data_keys: int
+    kek_file: str | None  # where the new KEK was written, or None when the KEK came from the env
+    new_kek_b64: str | None  # only when the KEK came from $PREFIXGATE_KEK: shown once, set it yourself
+
+
+@dataclass
+class _Spend:
+    period_start: float
+    total_usd: float
+    loaded_at: float  # monotonic
+
+
+def data_key_owner(tenant_id: str, share_scope: str) -> str:
+    """Whose data key encrypts this tenant's spilled KV: its own, or its share group's (shared cache)."""
+    kind, group = parse_share_scope(share_scope)
+    return f"group:{group}" if kind == "group" else f"tenant:{tenant_id}"
+
+
+class TenancyService:
+    """Tenants, keys, quotas, envelope encryption and the usage ledger behind one object."""
+
+    def __init__(
+        self,
+        home: Path,
+        *,
+        auth_cache_ttl_s: float = 5.0,
+        reference_model: str | None = None,
+        ledger_batch_max: int = 256,
+        ledger_max_delay_s: float = 0.05,
+    ) -> None:
+        """Prefer ``TenancyService.open(home)``."""
+        self.home = Path(home)
+        self.db_path = self.home / dbmod.DB_FILENAME
+        self.auth_cache_ttl_s = auth_cache_ttl_s
+        self._lock = threading.RLock()
+        self._db = dbmod.connect(self.db_path)
+        try:
+            self._secret = keymod.ServerSecret.load(self.home)
+            self._pepper = self._secret.pepper
+            self._kek = self._load_checked_kek()
+            self._prices = PriceBook(reference_model)
+        except BaseException:
+            self._db.close()
+            raise
+        self._limiter = RateLimiter()
+        self._auth_cache: dict[bytes, tuple[TenantContext, float]] = {}
+        self._ciphers: dict[str, TenantCipher] = {}
+        self._spend: dict[str, _Spend] = {}
+        self._recent_ids: OrderedDict[str, None] = OrderedDict()
+        self._next_sweep = 0.0
+        self._ledger = LedgerWriter(self.db_path, batch_max=ledger_batch_max, max_delay_s=ledger_max_delay_s)
+        self._closed = False
+
+    @classmethod
+    def open(cls, home: Path, *, auth_cache_ttl_s: float = 5.0, **kwargs: Any) -> TenancyService:
+        """Open (creating on first run) the state under ``home``: db, KEK, server secret."""
+        home = Path(home).expanduser()
+        home.mkdir(parents=True, exist_ok=True)
+        return cls(home, auth_cache_ttl_s=auth_cache_ttl_s, **kwargs)
+
+    def __enter__(self) -> TenancyService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- KEK -------------------------------------------------------------------------------------
+
+    def _load_checked_kek(self) -> KeyEncryptionKey:
+        """Load the KEK and check it against the fingerprint stored in the db (finishing a rotation cut short)."""
+        kek = KeyEncryptionKey.load(self.home)
+        with self._lock:
+            stored = store.get_meta(self._db, _KEK_FINGERPRINT)
+            pending = kek_path(self.home).with_name(kek_path(self.home).name + ".new")
+            if stored is None:
+                store.set_meta(self._db, _KEK_FINGERPRINT, kek.fingerprint)
+                return kek
+            if stored == kek.fingerprint:
+                if kek.source != "env" and pending.exists():
+                    pending.unlink()  # a rotation died before its db commit: the old KEK is still right
+                return kek
+            if kek.source != "env" and pending.exists():
+                new = KeyEncryptionKey(read_secret_file(pending, what="pending KEK"), source=str(kek_path(self.home)))
+                if new.fingerprint == stored:  # a rotation committed but died before renaming the file
+                    os.replace(pending, kek_path(self.home))
+                    return new
+            raise KeyMaterialError(
+                f"the KEK from {kek.source} (fingerprint {kek.fingerprint}) is not the one this database was "
+                f"encrypted with (fingerprint {stored}); restore the right KEK or set $PREFIXGATE_KEK"
+            )
+
+    def rotate_kek(self) -> RotationResult:
+        """Re-wrap every data key under a fresh KEK. KV blobs stay valid (data keys do not change).
+
+        File-held KEK: the new KEK goes to ``kek.key.new`` first, the db is re-wrapped in one
+        transaction, then the file is renamed over ``kek.key``; ``open`` finishes either half of a
+        rotation a crash cut short. Env-held KEK: the new KEK is returned once (base64) and the
+        operator must put it in $PREFIXGATE_KEK before the next start.
+        """
+        with self._lock:
+            old = self._kek
+            from_env = old.source == "env"
+            new = KeyEncryptionKey.generate(source="env" if from_env else str(kek_path(self.home)))
+            pending = kek_path(self.home).with_name(kek_path(self.home).name + ".new")
+            if not from_env:
+                write_secret_file(pending, new.raw)
+            with dbmod.write_transaction(self._db):
+                wrapped = store.all_wrapped_keys(self._db)
+                store.set_wrapped_keys(self._db, [(o, new.wrap(old.unwrap(w, o), o)) for o, w in wrapped])
+                store.set_meta(self._db, _KEK_FINGERPRINT, new.fingerprint)
+            if not from_env:
+                os.replace(pending, kek_path(self.home))
+            dbmod.checkpoint_truncate(self._db)
+            self._kek = new
+            return RotationResult(
+                old.fingerprint, new.fingerprint, len(wrapped),
+                None if from_env else str(kek_path(self.home)), encode_key(new.raw) if from_env else None,
+            )
+
+    def _cipher(self, owner: str) -> TenantCipher:
+        """The cipher for a data-key owner, unwrapping (or creating) its data key once per process."""
+        with self._lock:
+            cipher = self._ciphers.get(owner)
+            if cipher is not None:
+                return cipher
+            wrapped = store.get_wrapped_key(self._db, owner)
+            if wrapped is None:
+                store.insert_wrapped_key_if_absent(self._db, owner, self._kek.wrap(new_data_key(), owner))
+                wrapped = store.get_wrapped_key(self._db, owner)
+                assert wrapped is not None
+            try:
+                data_key = self._kek.unwrap(wrapped, owner)
+            except KeyMaterialError:
+                # Another process (`prefixgate kek rotate`) may have rotated the KEK since we started.
+                self._kek = self._load_checked_kek()
+                data_key = self._kek.unwrap(wrapped, owner)
+            cipher = self._ciphers[owner] = TenantCipher(data_key, owner=owner)
+            return cipher
+
+    # -- request path ----------------------------------------------------------------------------
+
+    def authenticate(self, api_key: str | None) -> TenantContext:
+        """The tenant behind ``api_key``; raises AuthenticationError. Cached for ``auth_cache_ttl_s``.
+
+        A key revoked through this service stops working at once; one revoked by another process
+        (the CLI) within the TTL.
+        """
+        if not api_key:
+            raise AuthenticationError(
+                "You didn't provide an API key. Pass it as 'Authorization: Bearer pg-...' "
+                "(create one with `prefixgate tenant create NAME`)."
+            )
+        digest = keymod.hash_key(self._pepper, api_key)
+        now = time.monotonic()
+        hit = self._auth_cache.get(digest)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        self._sweep_ciphers(now)
+        key_id = keymod.parse_key_id(api_key)
+        invalid = AuthenticationError(f"Incorrect API key provided: {keymod.redact(api_key)}.")
+        if key_id is None:
+            raise invalid
+        with self._lock:
+            found = store.key_with_tenant(self._db, key_id)
+        if found is None:
+            raise invalid
+        row, tenant = found
+        if not keymod.verify_key(self._pepper, api_key, bytes(row["key_hash"])):
+            raise invalid
+        if row["revoked_at"] is not None:
+            raise AuthenticationError(f"API key {keymod.visible_prefix(key_id)} has been revoked.")
+        ctx = self._context(tenant, key_id)
+        if len(self._auth_cache) > 10_000:
+            self._auth_cache = {d: v for d, v in self._auth_cache.items() if v[1] > now}
+        self._auth_cache[digest] = (ctx, now + self.auth_cache_ttl_s)
+        return ctx
+
+    def _sweep_ciphers(self, now: float) -> None:
+        """Destroy in-memory data keys whose stored key is gone (a tenant deleted by another process).
+
+        Runs on authentication cache misses, at most once per TTL, so a running gateway stops
+        decrypting a deleted tenant's spilled KV within about one TTL of the delete while traffic flows.
+        """
+        if now < self._next_sweep or not self._ciphers:
+            return
+        self._next_sweep = now + self.auth_cache_ttl_s
+        with self._lock:
+            stored = {r["owner"] for r in self._db.query("SELECT owner FROM data_keys")}
+            for owner in [o for o in self._ciphers if o not in stored]:
+                self._ciphers.pop(owner).destroy()
+
+    def _context(self, t: TenantInfo, key_id: str) -> TenantContext:
+        return TenantContext(
+            tenant_id=t.tenant_id,
+            name=t.name,
+            key_id=key_id,
+            is_admin=t.is_admin,
+            share_scope=t.share_scope,
+            canon_mode=t.canon_mode,
+            per_user_vars=t.per_user_vars,
+            namespace=namespace_for(
+                self._secret.namespace_key, tenant_id=t.tenant_id, share_scope=t.share_scope, key_id=key_id, user=None
+            ),
+            metrics_label=metrics_label(t.name),
+            cipher=self._cipher(data_key_owner(t.tenant_id, t.share_scope)),
+            priority=t.priority,
+            kv_block_quota=t.quotas.kv_blocks_hbm,
+            ttft_target_s=t.ttft_target_s,
+            quotas=t.quotas,
+        )
+
+    def scope_for(self, ctx: TenantContext, user: str | None = None) -> TenantContext:
+        """``ctx`` with the namespace of its share scope for end user ``user`` (the OpenAI ``user`` field).
+
+        Only ``share_scope == "user"`` changes the namespace; other scopes ignore ``user``.
+        """
+        if parse_share_scope(ctx.share_scope)[0] != "user":
+            return ctx
+        ns = namespace_for(
+            self._secret.namespace_key, tenant_id=ctx.tenant_id, share_scope=ctx.share_scope, key_id=ctx.key_id,
+            user=user,
+        )
+        return dataclasses.replace(ctx, namespace=ns, user=user or None)
+
+    def admit(self, ctx: TenantContext, *, estimated_tokens: int) -> None:
+        """Admit one request of about ``estimated_tokens`` (prompt + max_tokens) or raise QuotaExceededError.
+
+        Checks the budget (this period's ledger spend) first, then consumes rpm/tpm.
+        """
+        if ctx.quotas.budget_usd is not None:
+            now = datetime.now(UTC)
+            check_budget(ctx.quotas, self._spent(ctx.tenant_id, ctx.quotas.budget_period, now), now)
+        self._limiter.admit(ctx.tenant_id, ctx.quotas, estimated_tokens)
+
+    def _spent(self, tenant_id: str, period: str, now: datetime) -> float:
+        """USD spent this period: a ledger sum refreshed every TTL, plus what this process recorded since."""
+        start = period_bounds(period, now)[0].timestamp()
+        with self._lock:
+            s = self._spend.get(tenant_id)
+            mono = time.monotonic()
+            if s is None or s.period_start != start or mono - s.loaded_at > self.auth_cache_ttl_s:
+                self._ledger.flush()  # our own queued rows must be in the sum
+                row = next(self._db.query(
+                    "SELECT COALESCE(SUM(cost_usd), 0) AS c FROM usage WHERE tenant_id = ? AND created_at >= ?",
+                    [tenant_id, start],
+                ))
+                s = self._spend[tenant_id] = _Spend(start, float(row["c"]), mono)
+            return s.total_usd
+
+    def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Price:
+        return self._prices.price(model, prompt_tokens, cached_tokens, completion_tokens)
+
+    def record_usage(self, rec: UsageRecord) -> None:
+        """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once."""
+        p = self.price(rec.model, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)
+        # Not dataclasses.asdict: it deep-copies every field (~70 us here), and this runs per request.
+        row = {f: getattr(rec, f) for f in _RECORD_FIELDS}
+        row.update(cost_usd=p.cost_usd, saved_usd=p.saved_usd, priced_as=p.priced_as)
+        with self._lock:
+            if rec.request_id in self._recent_ids:
+                return
+            self._recent_ids[rec.request_id] = None
+            if len(self._recent_ids) > _RECENT_IDS:
+                self._recent_ids.popitem(last=False)
+            s = self._spend.get(rec.tenant_id)
+            if s is not None and rec.created_at >= s.period_start:
+                s.total_usd += p.cost_usd
+        self._ledger.submit(row)
+
+    def flush(self) -> None:
+        """Block until every recorded usage row is committed."""
+        self._ledger.flush()
+
+    def close(self) -> None:
+        """Commit queued usage rows and close the database. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ledger.close()
+        with self._lock:
+            self._db.close()
+
+    def usage(self, ctx: TenantContext, since: datetime | None = None, *, tenant: str | None = None) -> dict:
+        """The usage report (``tenancy.report`` JSON shape) of ``ctx``'s own tenant; admins see all tenants
+        (or the one named ``tenant``). A non-admin naming another tenant gets PermissionDeniedError."""
+        if tenant is not None and not ctx.is_admin and tenant != ctx.name:
+            raise PermissionDeniedError("only an admin key may read another tenant's usage")
+        if not ctx.is_admin:
+            tenant_ids: list[str] | None = [ctx.tenant_id]
+        elif tenant is not None:
+            info = self.get_tenant_by_name(tenant)
+            if info is None:
+                raise NotFoundError(f"no tenant named {tenant!r}")
+            tenant_ids = [info.tenant_id]
+        else:
+            tenant_ids = None
+        return self.report(tenant_ids=tenant_ids, since=since)
+
+    def report(
+        self, *, tenant_ids: list[str] | None = None, since: datetime | None = None, until: datetime | None = None
+    ) -> dict:
+        """Operator view (the CLI): the report over ``tenant_ids`` (None = all), after flushing the ledger."""
+        from tenancy import report
+
+        self.flush()
+        with self._lock:
+            return report.build_report(self._db, tenant_ids=tenant_ids, since=since, until=until)
+
+    # -- administration ------------------------------------------------------------------------
+
+    def create_tenant(self, name: str, *, admin: bool = False, **settings: Any) -> CreatedTenant:
+        """Create a tenant, its data key and a first API key (returned once, never stored in clear).
+
+        ``settings``: share_scope ("tenant" | "user" | "group:NAME"), canon_mode ("off" | "safe" |
+        "reorder"), per_user_vars, priority, ttft_target_s, rpm, tpm, budget_usd, budget_period,
+        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme.
+        """
+        key_id, api_key = keymod.new_api_key()
+        with self._lock, dbmod.write_transaction(self._db):
+            tenant_id = store.insert_tenant(self._db, name, is_admin=admin, settings=settings)
+            store.insert_key(self._db, tenant_id, key_id, keymod.hash_key(self._pepper, api_key))
+            share_scope = settings.get("share_scope", "tenant")
+            owner = data_key_owner(tenant_id, share_scope)
+            store.insert_wrapped_key_if_absent(self._db, owner, self._kek.wrap(new_data_key(), owner))
+        return CreatedTenant(tenant_id=tenant_id, name=name, api_key=api_key, key_id=key_id)
+
+    def get_tenant_by_name(self, name: str) -> TenantInfo | None:
+        with self._lock:
+            return store.get_tenant(self._db, name=name)
+
+    def get_tenant(self, tenant_id: str) -> TenantInfo | None:
+        with self._lock:
+            return store.get_tenant(self._db, tenant_id=tenant_id)
+
+    def list_tenants(self) -> list[TenantInfo]:
+        with self._lock:
+            return store.list_tenants(self._db)
+
+    def _require(self, name: str) -> TenantInfo:
+        info = self.get_tenant_by_name(name)
+        if info is None:
+            raise NotFoundError(f"no tenant named {name!r} (see `prefixgate tenant list`)")
+        return info
+
+    def update_tenant(self, name: str, **settings: Any) -> TenantInfo:
+        """Change settings/quotas. Other processes see it within their auth cache TTL."""
+        info = self._require(name)
+        with self._lock:
+            store.update_tenant(self._db, info.tenant_id, settings)
+            self._forget_tenant(info.tenant_id)
+        return self._require(name)
+
+    def delete_tenant(self, name: str) -> TenantInfo:
+        """Delete the tenant and its keys and shred its data key: KV it spilled can never be decrypted again.
+
+        Its ledger rows are kept (billing history). Share-group data keys are shared and survive.
+        """
+        info = self._require(name)
+        owner = f"tenant:{info.tenant_id}"
+        with self._lock:
+            store.delete_tenant(self._db, info.tenant_id, owner)
+            # secure_delete zeroed the row in the new page version; truncating the WAL drops old ones.
+            dbmod.checkpoint_truncate(self._db)
+            cipher = self._ciphers.pop(owner, None)
+            if cipher is not None:
+                cipher.destroy()
+            self._forget_tenant(info.tenant_id)
+        return info
+
+    def create_key(self, name: str) -> CreatedKey:
+        info = self._require(name)
+        key_id, api_key = keymod.new_api_key()
+        with self._lock:
+            store.insert_key(self._db, info.tenant_id, key_id, keymod.hash_key(self._pepper, api_key))
+        return CreatedKey(info.tenant_id, key_id, api_key, keymod.visible_prefix(key_id))
+
+    def list_keys(self, name: str | None = None) -> list[KeyInfo]:
+        tenant_id = self._require(name).tenant_id if name is not None else None
+        with self._lock:
+            return store.list_keys(self._db, tenant_id)
+
+    def revoke_key(self, key_id: str) -> None:
+        """Revoke at once in this process; other processes stop accepting it within their TTL."""
+        if key_id.startswith(keymod.KEY_PREFIX):
+            key_id = key_id[len(keymod.KEY_PREFIX) :]
+        with self._lock:
+            tenant_id = store.revoke_key(self._db, key_id)
+            self._forget_tenant(tenant_id)
+
+    def _forget_tenant(self, tenant_id: str) -> None:
+        self._auth_cache = {d: v for d, v in self._auth_cache.items() if v[0].tenant_id != tenant_id}
+        self._spend.pop(tenant_id, None)

@@ -1,0 +1,181 @@
+"""The small value types of tenancy: what the gateway receives and hands back.
+
+``TenantContext`` implements the engine's ``TenantScope`` Protocol structurally (same attribute
+names), so ``engine/`` never imports tenancy and tenancy never imports ``engine/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from tenancy.crypto import TenantCipher
+
+CanonMode = Literal["off", "safe", "reorder"]
+BudgetPeriod = Literal["day", "month"]
+UsageStatus = Literal["ok", "error", "aborted"]
+
+CANON_MODES: tuple[str, ...] = ("off", "safe", "reorder")
+BUDGET_PERIODS: tuple[str, ...] = ("day", "month")
+USAGE_STATUSES: tuple[str, ...] = ("ok", "error", "aborted")
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """A tenant's limits. ``None`` everywhere means unlimited.
+
+    ``kv_blocks_hbm`` / ``kv_blocks_dram`` / ``kv_blocks_nvme`` cap how many KV blocks the tenant may
+    hold in each tier (the engine enforces them; tenancy only stores and forwards them).
+    """
+
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_usd: float | None = None
+    budget_period: BudgetPeriod = "month"
+    kv_blocks_hbm: int | None = None
+    kv_blocks_dram: int | None = None
+    kv_blocks_nvme: int | None = None
+
+
+@dataclass(frozen=True)
+class TenantContext:
+    """An authenticated caller: who it is, how its prompts are cached, and its limits.
+
+    The last six fields before the quota fields are the engine's ``TenantScope``. ``namespace`` is
+    derived by the server (HMAC of tenant id and share scope); ``scope_for`` returns a copy whose
+    namespace is narrowed to one end user when ``share_scope == "user"``.
+    """
+
+    tenant_id: str
+    name: str
+    key_id: str
+    is_admin: bool
+    share_scope: str  # "tenant" | "user" | "group:<name>"
+    canon_mode: CanonMode
+    per_user_vars: tuple[str, ...]
+    # -- TenantScope --
+    namespace: bytes
+    metrics_label: str
+    cipher: TenantCipher | None = field(default=None, compare=False, repr=False)
+    priority: int = 0
+    kv_block_quota: int | None = None
+    ttft_target_s: float | None = None
+    # -- quota numbers (admission happens in TenancyService.admit) --
+    quotas: Quotas = field(default_factory=Quotas)
+    user: str | None = None  # the end user this context was scoped to, if any
+
+    @property
+    def rpm(self) -> int | None:
+        return self.quotas.rpm
+
+    @property
+    def tpm(self) -> int | None:
+        return self.quotas.tpm
+
+    @property
+    def budget_usd(self) -> float | None:
+        return self.quotas.budget_usd
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One finished (or failed, or aborted) request, as the gateway saw it.
+
+    ``created_at`` is the request's arrival time (epoch seconds). ``miss_rule`` / ``miss_position``
+    are reserved for cache-miss explanations (which canonicalization rule or token position broke
+    the prefix); tenancy stores them as given.
+    """
+
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str
+    backend: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    latency_s: float | None
+    status: UsageStatus
+    created_at: float
+    miss_rule: str | None = None
+    miss_position: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be non-empty")
+        for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens ({self.cached_tokens}) cannot exceed prompt_tokens ({self.prompt_tokens})"
+            )
+        if self.status not in USAGE_STATUSES:
+            raise ValueError(f"status must be one of {USAGE_STATUSES}, got {self.status!r}")
+
+
+@dataclass(frozen=True)
+class Price:
+    """What a request cost and what its cached tokens saved, in USD.
+
+    ``priced_as`` names the cost-map entry used: the model itself, or the reference model when the
+    model is local/unknown (so savings still mean "what this would have cost at that price").
+    """
+
+    cost_usd: float
+    saved_usd: float
+    priced_as: str
+
+
+@dataclass(frozen=True)
+class CreatedTenant:
+    """Returned once by ``create_tenant``: ``api_key`` is never shown again (only its hash is kept)."""
+
+    tenant_id: str
+    name: str
+    api_key: str
+    key_id: str
+
+
+@dataclass(frozen=True)
+class CreatedKey:
+    """Returned once by ``create_key``."""
+
+    tenant_id: str
+    key_id: str
+    api_key: str
+    prefix: str
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """An API key as listed: never the key itself, only its visible prefix."""
+
+    key_id: str
+    tenant_id: str
+    tenant_name: str
+    prefix: str
+    created_at: float
+    revoked_at: float | None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    """A tenant's stored settings (what ``tenant show`` prints)."""
+
+    tenant_id: str
+    name: str
+    is_admin: bool
+    share_scope: str
+    canon_mode: CanonMode
+    per_user_vars: tuple[str, ...]
+    priority: int
+    ttft_target_s: float | None
+    quotas: Quotas
+    created_at: float

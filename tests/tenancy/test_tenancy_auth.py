@@ -1,0 +1,102 @@
+"""API keys: only a hash is stored, wrong/malformed/revoked keys fail, revocation within the TTL."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.protocol import BlockCipher, TenantScope
+from tenancy.errors import AuthenticationError
+from tenancy.keys import ServerSecret, parse_key_id
+from tenancy.service import TenancyService
+
+
+def test_created_key_authenticates_and_context_is_a_tenant_scope(svc: TenancyService) -> None:
+    created = svc.create_tenant("acme", canon_mode="reorder", per_user_vars=["user_name"], priority=3)
+    ctx = svc.authenticate(created.api_key)
+    assert (ctx.tenant_id, ctx.name, ctx.key_id) == (created.tenant_id, "acme", created.key_id)
+    assert ctx.canon_mode == "reorder" and ctx.per_user_vars == ("user_name",) and ctx.priority == 3
+    assert isinstance(ctx, TenantScope)
+    assert isinstance(ctx.cipher, BlockCipher)
+    assert created.api_key.startswith(f"pg-{created.key_id}_")
+    assert len(ctx.namespace) == 32
+
+
+def test_only_a_peppered_hash_of_the_key_is_stored(svc: TenancyService, home: Path) -> None:
+    created = svc.create_tenant("acme")
+    svc.close()
+    raw = b"".join(p.read_bytes() for p in home.iterdir() if p.name.startswith("prefixgate.db"))
+    assert created.api_key.encode() not in raw
+    secret_part = created.api_key.split("_", 1)[1].encode()
+    assert secret_part not in raw
+    conn = sqlite3.connect(home / "prefixgate.db")
+    (stored,) = conn.execute("SELECT key_hash FROM api_keys WHERE key_id = ?", [created.key_id]).fetchone()
+    conn.close()
+    pepper = ServerSecret.load(home).pepper
+    assert stored == hmac.new(pepper, created.api_key.encode(), hashlib.sha256).digest()
+    # a plain unpeppered SHA-256 is not what is stored (a stolen db alone cannot test guesses)
+    assert stored != hashlib.sha256(created.api_key.encode()).digest()
+
+
+@pytest.mark.parametrize("bad", [None, "", "sk-abc", "pg-zzzzzzzz_" + "a" * 43, "pg-1234"])
+def test_missing_or_malformed_keys_are_rejected(svc: TenancyService, bad: str | None) -> None:
+    with pytest.raises(AuthenticationError) as err:
+        svc.authenticate(bad)
+    assert err.value.status == 401 and err.value.code == "invalid_api_key"
+
+
+def test_a_wrong_secret_with_a_real_key_id_is_rejected_without_echoing_it(svc: TenancyService) -> None:
+    created = svc.create_tenant("acme")
+    forged = created.api_key[:-4] + ("AAAA" if not created.api_key.endswith("AAAA") else "BBBB")
+    with pytest.raises(AuthenticationError) as err:
+        svc.authenticate(forged)
+    assert forged not in str(err.value) and f"pg-{created.key_id}" in str(err.value)
+    assert parse_key_id(forged) == created.key_id
+
+
+def test_revocation_through_the_service_is_immediate(svc: TenancyService) -> None:
+    created = svc.create_tenant("acme")
+    svc.authenticate(created.api_key)  # now cached
+    svc.revoke_key(created.key_id)
+    with pytest.raises(AuthenticationError, match="revoked"):
+        svc.authenticate(created.api_key)
+
+
+def test_revocation_by_another_process_takes_effect_within_the_ttl(home: Path) -> None:
+    gateway = TenancyService.open(home, auth_cache_ttl_s=1.0)  # generous: CI machines are loaded
+    admin_cli = TenancyService.open(home)
+    try:
+        created = admin_cli.create_tenant("acme")
+        second = admin_cli.create_key("acme")
+        gateway.authenticate(created.api_key)
+        admin_cli.revoke_key(f"pg-{created.key_id}")  # the visible prefix works as an id too
+        gateway.authenticate(created.api_key)  # still cached: within the TTL this is allowed
+        time.sleep(1.05)
+        with pytest.raises(AuthenticationError, match="revoked"):
+            gateway.authenticate(created.api_key)
+        assert gateway.authenticate(second.api_key).tenant_id == created.tenant_id  # other keys unaffected
+        keys = {k.key_id: k for k in admin_cli.list_keys("acme")}
+        assert not keys[created.key_id].active and keys[second.key_id].active
+    finally:
+        gateway.close()
+        admin_cli.close()
+
+
+def test_deleted_tenant_keys_stop_working(svc: TenancyService) -> None:
+    created = svc.create_tenant("acme")
+    svc.authenticate(created.api_key)
+    svc.delete_tenant("acme")
+    with pytest.raises(AuthenticationError):
+        svc.authenticate(created.api_key)
+    assert svc.get_tenant_by_name("acme") is None
+
+
+def test_state_files_are_owner_only(svc: TenancyService, home: Path) -> None:
+    svc.create_tenant("acme")
+    for name in ("kek.key", "server.secret", "prefixgate.db"):
+        assert (home / name).stat().st_mode & 0o777 == 0o600, name
