@@ -361,3 +361,20 @@ def test_dram_blobs_are_pinned_on_cuda_hosts(make_manager):
     _, res = restore_all(m, a, hs)
     assert res.data == data
     m.dram.check_integrity()
+
+
+def test_with_tenancys_cipher_and_crypto_shredding(make_manager, registry):
+    """The real BlockCipher tenancy hands the engine: spill, restore, then delete the key."""
+    from engine.protocol import StaticTenantScope
+    from tenancy.crypto import TenantCipher, new_data_key
+
+    cipher = TenantCipher(new_data_key(), owner="acme")
+    acme = StaticTenantScope(namespace=b"ns-acme", metrics_label="acme", cipher=cipher)
+    m = make_manager(nvme_bytes=1 << 20)
+    hs, data = chain(acme.namespace, 6), kv_bytes(6)
+    assert spill(m, acme, hs, data).stored == {"nvme": 6}
+    assert restore_all(m, acme, hs)[1].data == data
+    cipher.destroy()  # tenant deleted: its spilled KV is unreadable from now on
+    match, res = restore_all(m, acme, hs)
+    assert match.num_blocks == 6 and res.num_blocks == 0
+    assert metric(registry, "prefixgate_tier_auth_failures_total", tier="nvme", tenant="acme") == 1
