@@ -83,6 +83,10 @@ class TierHook:
     # ---- KVTierHook ----------------------------------------------------------------------------
     def on_evict(self, block: Any) -> None:
         """``block``: ``engine.block_pool.EvictedBlock`` (block_hash, namespace, depth, block_id)."""
+        tenant = self._tenants.get(block.namespace)
+        if tenant is None or tenant.cipher is None:  # cannot be spilled: skip the copy out of HBM too
+            self.manager.record_skip("unknown_tenant" if tenant is None else "no_cipher", 1)
+            return
         data = self.runner.export_blocks([block.block_id])  # [1, kv_bytes_per_block], a CPU copy
         if self._run:
             last = self._run[-1][0]
@@ -100,10 +104,7 @@ class TierHook:
             return
         run, self._run = self._run[::-1], []  # chain order: shallowest first
         ns = run[0][0].namespace
-        tenant = self._tenants.get(ns)
-        if tenant is None:  # no request of this namespace was ever seen: no cipher to use
-            self.manager.record_skip("unknown_tenant", len(run))
-            return
+        tenant = self._tenants[ns]  # on_evict only queues blocks of known tenants
         hashes = [bytes(b.block_hash) for b, _ in run]
         data = torch.cat([d for _, d in run]) if len(run) > 1 else run[0][1]
         self.manager.demote(tenant, hashes, data)

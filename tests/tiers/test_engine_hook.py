@@ -79,7 +79,7 @@ def test_tenant_without_cipher_recomputes(tmp_path, registry):
     run(engine, "q", clear, [rng.randrange(1000, 40_000) for _ in range(170)])
     warm, cached, reasons = run(engine, "p2", clear, p)
     assert warm == cold and cached == 16 and "restoring" not in reasons
-    assert engine.runner.imported == 0
+    assert engine.runner.imported == 0 and engine.runner.exported == 0  # never even copied out of HBM
     assert metric(registry, "prefixgate_tier_demotions_skipped_total", tier="dram", reason="no_cipher") >= 5
     hook.close()
 
