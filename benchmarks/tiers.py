@@ -52,7 +52,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.launch import build_llm_engine  # noqa: E402
 from engine.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
-from engine.tiers import InsecureNullCipher  # noqa: E402
+from engine.tiers import InsecureNullCipher, TierManager  # noqa: E402
 
 SUFFIX = 16
 RESULTS = Path(__file__).resolve().parent / "results" / "tiers_cpu.json"
@@ -91,19 +91,14 @@ def ttft(engine, rid: str, tenant, prompt: list[int]) -> tuple[float, int]:
     return first, cached
 
 
-def spill_hbm(engine, drop_page_cache: bool) -> None:
+def spill_hbm(engine, cold_disk: bool) -> None:
     """Evict every cached block from HBM into the tier and wait until it is stored."""
     hook = engine.pool.tier_hook
     engine.pool.evict_all_cached()
     hook.flush_evictions()
     hook.manager.drain()
-    if drop_page_cache and hook.manager.nvme is not None:
-        for f in hook.manager.nvme.root.rglob("*.seg"):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    if cold_disk and hook.manager.nvme is not None:
+        drop_page_cache_of(hook.manager.nvme.root)
 
 
 def measure(engine, rid: str, who, rng: random.Random, n: int, vocab: int) -> tuple[float, float, float]:
@@ -115,12 +110,56 @@ def measure(engine, rid: str, who, rng: random.Random, n: int, vocab: int) -> tu
 
     cold, c0 = ttft(engine, rid + "-cold", who, prompt())
     hbm, c1 = ttft(engine, rid + "-hbm", who, prompt())
-    spill_hbm(engine, drop_page_cache=True)
+    spill_hbm(engine, cold_disk=True)
     restored, c2 = ttft(engine, rid + "-tier", who, prompt())
     # The restored prefix is reported as cached, exactly like an HBM hit.
     assert c0 == 0 and c1 == c2 == n, (c0, c1, c2, n)
-    spill_hbm(engine, drop_page_cache=False)  # the next measurement starts with an empty HBM
+    spill_hbm(engine, cold_disk=False)  # the next measurement starts with an empty HBM
     return cold, hbm, restored
+
+
+def restore_only(lengths: list[int], trials: int, kv_block: int, work: Path) -> list[dict]:
+    """Demote (encrypt + store) and restore (read + decrypt) of an n-token prefix through
+    ``TierManager`` alone: no model, so the cost of the cipher stands out of the TTFT noise."""
+    out = []
+    for tier in ("dram", "nvme"):
+        for cname, cipher in (("aes", AesGcm()), ("null", InsecureNullCipher())):
+            sizes = {"dram_bytes": 1 << 30} if tier == "dram" else {"nvme_dir": work / f"ro-{cname}",
+                                                                     "nvme_bytes": 1 << 30}
+            m = TierManager(model_id="bench", block_size=16, block_bytes=kv_block, max_segment_blocks=32,
+                            pin_memory=False, **sizes)
+            who = StaticTenantScope(namespace=f"ro-{tier}-{cname}".encode(), metrics_label=cname, cipher=cipher)
+            for n in lengths:
+                dem, res = [], []
+                for _ in range(trials):
+                    hashes = [os.urandom(32) for _ in range(n // 16)]
+                    data = os.urandom(n // 16 * kv_block)
+                    t0 = time.perf_counter()
+                    m.demote(who, hashes, data).result()
+                    dem.append(time.perf_counter() - t0)
+                    if m.nvme is not None:
+                        drop_page_cache_of(m.nvme.root)
+                    t0 = time.perf_counter()
+                    got = m.restore(who, m.lookup(who.namespace, hashes)).result()
+                    res.append(time.perf_counter() - t0)
+                    assert got.data == data
+                    m.delete_tenant(who.namespace)
+                mib = len(data) / 2**20
+                out.append({"tier": tier, "cipher": cname, "prefix_tokens": n, "mib": mib,
+                            "demote_ms": statistics.median(dem) * 1e3, "restore_ms": statistics.median(res) * 1e3,
+                            "restore_mib_per_s": mib / statistics.median(res)})
+            m.close()
+    return out
+
+
+def drop_page_cache_of(root: Path) -> None:
+    """Evict the tier's segment files from the page cache, so the next read goes to the device."""
+    for f in root.rglob("*.seg"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def git_commit() -> str:
@@ -177,6 +216,13 @@ def main() -> int:
         print(f"{n:>7} {mib:>7.1f} " + " ".join(f"{med[c]:>10.1f}" for c in cols))
         table.append({"prefix_tokens": n, "kv_mib": mib, "median_ms": med,
                       "samples_ms": {c: [x * 1e3 for x in rows[n][c]] for c in cols}})
+    ro = restore_only(args.lengths, max(args.trials, 5), kv_block, work)
+    print(f"\nTierManager alone (no model), median of {max(args.trials, 5)}: demote = encrypt + store, "
+          "restore = read + decrypt")
+    print(f"{'tier':>5} {'cipher':>6} {'prefix':>7} {'MiB':>6} {'demote ms':>10} {'restore ms':>11} {'MiB/s':>8}")
+    for r in ro:
+        print(f"{r['tier']:>5} {r['cipher']:>6} {r['prefix_tokens']:>7} {r['mib']:>6.1f} {r['demote_ms']:>10.1f} "
+              f"{r['restore_ms']:>11.1f} {r['restore_mib_per_s']:>8.0f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": " ".join([sys.executable, *sys.argv]),
@@ -190,6 +236,7 @@ def main() -> int:
         "suffix_tokens": SUFFIX,
         "trials": args.trials,
         "results": table,
+        "restore_only": ro,
         "load_average_1_5_15_min_at_end": os.getloadavg(),
     }, indent=2))
     print(f"wrote {args.out}")
