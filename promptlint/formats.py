@@ -12,6 +12,7 @@ from promptlint.pricing import Savings
 from promptlint.rules import all_rules
 
 FORMATS = ("text", "json", "github", "sarif", "junit")
+MAX_TABLE_ROWS = 50
 _SARIF_LEVEL = {"error": "error", "warning": "warning", "info": "note"}
 INFO_URI = "https://github.com/prefixgate/prefixgate/blob/main/docs/promptlint.md"
 
@@ -32,11 +33,16 @@ def _text(report: Report, savings: Savings | None, fail_under: float | None) -> 
         out.append("")
     scored = [r for r in report.files if r.doc is not None]
     if scored:
-        width = max(len(r.path) for r in scored)
+        shown = scored
+        if len(scored) > MAX_TABLE_ROWS:  # a big tree: the files most worth a look
+            shown = sorted(scored, key=lambda r: (r.doc.score, r.path))[:MAX_TABLE_ROWS]
+        width = max(len(r.path) for r in shown)
         out.append(f"{'file':<{width}}  score  prefix/total tokens")
-        for r in scored:
+        for r in shown:
             d = r.doc
             out.append(f"{r.path:<{width}}  {d.score:5.1f}  {d.prefix_tokens}/{d.total_tokens}")
+        if len(shown) < len(scored):
+            out.append(f"... the {len(shown)} lowest of {len(scored)} files (--format json lists all)")
         out.append("")
     findings = report.findings
     fixable = sum(f.fixable for f in findings)

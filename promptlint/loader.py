@@ -206,6 +206,10 @@ def _load_template(path: Path, shown: str, raw: str, meta: dict[str, Any] | None
     for e in elements:
         if e.dyn == "static":  # a variable the author declared constant
             e.dyn = None
+        elif e.literal and e.name == "date":
+            # A date written into a template ("policy effective 2024-01-01") is a constant; timestamps,
+            # times and ids written into a file are what a rendered prompt was captured with.
+            e.dyn, e.literal = None, False
     return PromptDoc(path, shown, "template", raw, meta, elements, body_line=body_line)
 
 

@@ -1,9 +1,10 @@
 """PC002 volatile-value-in-prefix: a timestamp, date, time, UUID or request id ahead of static content.
 
 What:
-    A value that changes on every request — a literal timestamp/date/time/UUID/request id in a
-    sample prompt, a variable named like ``current_date``/``request_id``, or a Jinja ``now()`` —
-    is followed by static text.
+    A value that changes on every request — a variable named like ``current_date``/``request_id``,
+    a Jinja ``now()``, or a literal timestamp/time/UUID/request id (and, in a chat request file, a
+    date) captured in the file — is followed by static text. A plain date written into a template
+    is taken for a constant ("policy effective 2024-01-01") and not reported.
 
 Why:
     "Today is 2026-11-29" on the first line of a system prompt makes every request's prompt differ

@@ -145,3 +145,15 @@ def test_request_shapes(tmp_path):
     p.write_text(json.dumps(templated))
     doc = load(p, named=True)
     assert [(e.dyn, e.name) for e in doc.elements if e.dyn] == [("input", "question")]
+
+
+def test_literal_dates_are_constants_in_templates_but_values_in_requests(tmp_path):
+    t = tmp_path / "t.md"
+    t.write_text("Policy effective 2024-01-01.\nGenerated 2026-11-29T10:00:00Z.\n")
+    doc = load(t, named=True)
+    assert [(e.dyn, e.name) for e in doc.elements if e.dyn] == [("volatile", "timestamp")]
+    r = tmp_path / "r.json"
+    r.write_text(json.dumps({"messages": [{"role": "system", "content": "Today is 2026-11-29."},
+                                          {"role": "user", "content": "hi"}]}))
+    doc = load(r, named=True)
+    assert [(e.dyn, e.name) for e in doc.elements if e.dyn] == [("volatile", "date"), ("input", "last user message")]
