@@ -148,8 +148,9 @@ class LocalGateway:
     """
 
     def __init__(self, config: GatewayConfig, model_dir: Path, *, device: str, kv_blocks: int | None,
-                 tenants: dict[str, int]) -> None:
+                 tenants: dict[str, int], dram_bytes: str | None = None, nvme_bytes: str | None = None) -> None:
         self.config, self.model_dir, self.device, self.kv_blocks = config, model_dir, device, kv_blocks
+        self.dram_bytes, self.nvme_bytes = dram_bytes, nvme_bytes
         self.tenants = tenants
         self._tmp = tempfile.TemporaryDirectory(prefix=f"pg-bench-{config.name.replace('+', '-')}-")
         self.home = Path(self._tmp.name)
@@ -173,6 +174,10 @@ class LocalGateway:
                "--model", str(self.model_dir), "--device", self.device, "--log-level", "warning"]
         if self.kv_blocks:
             cmd += ["--kv-blocks", str(self.kv_blocks)]
+        if self.dram_bytes:
+            cmd += ["--dram-bytes", self.dram_bytes]
+        if self.nvme_bytes:  # the NVMe tier's files live in the throwaway home
+            cmd += ["--nvme-dir", str(self.home / "nvme"), "--nvme-bytes", self.nvme_bytes]
         if not self.config.prefix_cache:
             cmd.append("--no-prefix-cache")
         with open(self.log_path, "wb") as log:
@@ -562,6 +567,8 @@ class BenchOptions:
     model_dir: Path | None = None  # local gateways' model (None with url)
     device: str = "cpu"
     kv_blocks: int | None = 384
+    dram_bytes: str | None = None  # lower KV tiers of the local gateways (serve's SIZE syntax)
+    nvme_bytes: str | None = None
     concurrency: int = 4
     max_duration_s: float = 60.0
     sample_interval_s: float = 0.2
@@ -605,7 +612,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     gateways: list[LocalGateway] = []
     if not opts.url:
         assert opts.model_dir is not None
-        gateways = [LocalGateway(c, opts.model_dir, device=opts.device, kv_blocks=opts.kv_blocks, tenants=tenants)
+        gateways = [LocalGateway(c, opts.model_dir, device=opts.device, kv_blocks=opts.kv_blocks, tenants=tenants,
+                                 dram_bytes=opts.dram_bytes, nvme_bytes=opts.nvme_bytes)
                     for c in configs]
     # On CPU the gateways load side by side (an idle engine thread sleeps, so waiting gateways do not
     # disturb the one being measured); on a GPU one at a time, so each sizes its KV cache alone.

@@ -41,6 +41,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for the local gateways")
     p.add_argument("--kv-blocks", type=int, default=384,
                    help="KV blocks of each local gateway (default 384: small enough to evict; 0 = engine default)")
+    p.add_argument("--dram-bytes", default=None, help="DRAM KV tier of each local gateway, e.g. 256MiB (default off)")
+    p.add_argument("--nvme-bytes", default=None,
+                   help="NVMe KV tier of each local gateway, in its temporary home, e.g. 1GiB (default off)")
     p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once (default 4)")
     p.add_argument("--max-duration", type=float, default=60.0,
                    help="seconds per workload after which no new session starts (default 60)")
@@ -88,6 +91,19 @@ def _model_dir(args: argparse.Namespace) -> Path | None:
     return path
 
 
+def _size(value: str | None, flag: str) -> str | None:
+    """Checked here so a typo fails before any gateway starts; serve gets the text as given."""
+    if value is None:
+        return None
+    from engine.config import parse_size
+
+    try:
+        parse_size(value)
+    except ValueError as exc:
+        raise CLIError(f"{flag}: {exc}") from None
+    return value
+
+
 def run_bench_cmd(args: argparse.Namespace) -> int:
     wl = _load_workloads()
     from benchmarks.workload_traces import TraceSizes
@@ -98,7 +114,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
             workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
             configs=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
             canon=args.canon, model_dir=_model_dir(args), device=args.device,
-            kv_blocks=args.kv_blocks or None, concurrency=args.concurrency, max_duration_s=args.max_duration,
+            kv_blocks=args.kv_blocks or None, dram_bytes=_size(args.dram_bytes, "--dram-bytes"),
+            nvme_bytes=_size(args.nvme_bytes, "--nvme-bytes"), concurrency=args.concurrency, max_duration_s=args.max_duration,
             sample_interval_s=args.sample_interval, seed=args.seed, sizes=sizes, url=args.url,
             api_keys=tuple(args.api_keys), model_name=args.model_name,
             out_dir=Path(args.out_dir) if args.out_dir else wl.RESULTS_DIR, plots=not args.no_plots,

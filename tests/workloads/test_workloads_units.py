@@ -106,6 +106,7 @@ def test_break_even_uses_the_cold_run_of_the_same_workload():
     (["bench", "--url", "http://example.com:8000", "--api-key", "k", "--no-progress"], "loopback"),
     (["bench", "--url", "http://127.0.0.1:9", "--no-progress"], "--api-key"),
     (["bench", "--requests", "0", "--url", "http://127.0.0.1:9", "--api-key", "k"], "requests must be >= 1"),
+    (["bench", "--dram-bytes", "lots", "--url", "http://127.0.0.1:9", "--api-key", "k"], "--dram-bytes"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
     assert cli_main(["--home", str(tmp_path), *argv, "--out-dir", str(tmp_path)]) == 2
