@@ -415,6 +415,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "preemptions": d("prefixgate_preemptions_total"),
         "restore_bytes": d("prefixgate_tier_restore_bytes_total"),
         "restored_blocks": d("prefixgate_tier_restores_total"),
+        "tier_hit_blocks": d("prefixgate_tier_hits_total"),  # found in DRAM/NVMe by a prefix lookup
+        "demoted_blocks": d("prefixgate_tier_demotions_total"),
+        "demotions_skipped": {r: d("prefixgate_tier_demotions_skipped_total", reason=r)
+                              for r in label_values(after, "prefixgate_tier_demotions_skipped_total", "reason")},
         "fragmentation": {"mean": statistics.fmean(frag) if frag else None, "max": max(frag) if frag else None},
         "hbm": {"blocks_total": total_blocks, "blocks_used_max": max(used, default=0.0),
                 "blocks_cached_max": max(evictable, default=0.0),
