@@ -98,6 +98,7 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self.num_runs = 0  # decode steps served (tests and benchmarks check the graph path was taken)
         self._reset_padding(n)
 
     # ----------------------------------------------------------------------------- capture
@@ -186,6 +187,7 @@ class DecodeGraphs:
     def run(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """One decode step for ``chunks`` (K/V written) -> logits [len(chunks), V] float32."""
         size = self.fill(chunks)
+        self.num_runs += 1
         if self.captured:
             self._graphs[size].replay()
             logits = self._logits[size]
