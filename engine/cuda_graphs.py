@@ -166,20 +166,28 @@ class DecodeGraphs:
             raise ValueError(f"batch of {b} exceeds the largest captured size {self.sizes[-1]}")
         if self._copied is not None:
             self._copied.synchronize()  # the last step's H2D copy must be done before the host rewrite
-        bs, h = self.block_size, self._host
+        bs, h, w = self.block_size, self._host, self.max_blocks_per_seq
         self._reset_padding(size)
-        for i, c in enumerate(chunks):
+        # Build Python lists and write each buffer once: one tensor op per buffer instead of ~5 per
+        # row (each costs microseconds of host time, and the GPU waits for the host here).
+        ids, pos, slots, lens, table_rows = [], [], [], [], []
+        for c in chunks:
             if c.num_tokens != 1:
                 raise ValueError(f"{c.request_id}: a decode chunk has one token, got {c.num_tokens}")
-            pos = c.start_pos
-            n_blocks = pos // bs + 1
-            if n_blocks > self.max_blocks_per_seq or len(c.block_table) < n_blocks:
-                raise ValueError(f"{c.request_id}: position {pos} does not fit the captured block tables")
-            h["input_ids"][i] = int(c.token_ids[0])
-            h["positions"][i] = pos
-            h["slot_mapping"][i] = c.block_table[pos // bs] * bs + pos % bs
-            h["block_tables"][i, :n_blocks] = torch.tensor(list(c.block_table[:n_blocks]), dtype=torch.int32)
-            h["seq_lens"][i] = pos + 1
+            p = c.start_pos
+            n_blocks = p // bs + 1
+            if n_blocks > w or len(c.block_table) < n_blocks:
+                raise ValueError(f"{c.request_id}: position {p} does not fit the captured block tables")
+            ids.append(int(c.token_ids[0]))
+            pos.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            table_rows.append(list(c.block_table[:n_blocks]) + [0] * (w - n_blocks))
+        h["input_ids"][:b] = torch.tensor(ids, dtype=torch.int64)
+        h["positions"][:b] = torch.tensor(pos, dtype=torch.int64)
+        h["slot_mapping"][:b] = torch.tensor(slots, dtype=torch.int64)
+        h["seq_lens"][:b] = torch.tensor(lens, dtype=torch.int32)
+        h["block_tables"][:b] = torch.tensor(table_rows, dtype=torch.int32)
         self._dev_copy(size)
         return size
 
