@@ -146,7 +146,10 @@ class DecodeGraphs:
         h["input_ids"][:n] = 0
         h["positions"][:n] = 0
         h["slot_mapping"][:n] = PADDING_SLOT
-        h["block_tables"][:n] = 0
+        # Only column 0 is read for a padded row (seq_len 1). Entries past a sequence's last block
+        # are never read (kernels mask by seq_len), so stale ids there are harmless: the table is
+        # not cleared per step (clearing and rebuilding [N, W] cost ~1 ms of host time per step).
+        h["block_tables"][:n, 0] = 0
         h["seq_lens"][:n] = 1
 
     def _dev_copy(self, n: int) -> None:
@@ -171,6 +174,7 @@ class DecodeGraphs:
         # Build Python lists and write each buffer once: one tensor op per buffer instead of ~5 per
         # row (each costs microseconds of host time, and the GPU waits for the host here).
         ids, pos, slots, lens, table_rows = [], [], [], [], []
+        widest = max(c.start_pos // bs + 1 for c in chunks)
         for c in chunks:
             if c.num_tokens != 1:
                 raise ValueError(f"{c.request_id}: a decode chunk has one token, got {c.num_tokens}")
@@ -182,12 +186,12 @@ class DecodeGraphs:
             pos.append(p)
             slots.append(c.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
-            table_rows.append(list(c.block_table[:n_blocks]) + [0] * (w - n_blocks))
+            table_rows.append(list(c.block_table[:n_blocks]) + [0] * (widest - n_blocks))
         h["input_ids"][:b] = torch.tensor(ids, dtype=torch.int64)
         h["positions"][:b] = torch.tensor(pos, dtype=torch.int64)
         h["slot_mapping"][:b] = torch.tensor(slots, dtype=torch.int64)
         h["seq_lens"][:b] = torch.tensor(lens, dtype=torch.int32)
-        h["block_tables"][:b] = torch.tensor(table_rows, dtype=torch.int32)
+        h["block_tables"][:b, :widest] = torch.tensor(table_rows, dtype=torch.int32)
         self._dev_copy(size)
         return size
 

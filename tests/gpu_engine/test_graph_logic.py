@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.batch import ScheduledBatch
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from engine.gpu_memory import (
     kv_blocks_for_budget,
@@ -65,6 +66,9 @@ def test_padded_decode_matches_eager_and_padding_writes_nothing(tmp_path):
     assert torch.equal(runner.kv_cache, after_eager)  # same K/V rewritten; the padded row wrote nothing
     assert written == [3, 8, 12]  # the blocks holding positions 5, 20, 40 (table index 0, 1, 2)
     assert graphs.num_runs == 1
+    # a later, narrower batch reuses the buffers: stale table entries past its blocks are not read
+    short = ScheduledBatch([batch.chunks[0]])
+    torch.testing.assert_close(graphs.run(short.chunks), runner.forward(short, all_logits=True), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="exceeds the largest captured size"):
         graphs.run(list(batch.chunks) * 3)
 
