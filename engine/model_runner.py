@@ -187,7 +187,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
         """Run one packed forward (writing K/V) and return logits float32:
-        [num sampled chunks, V] (last position of each chunk with sample=True), or [T, V] with all_logits."""
+        [num sampled chunks, V] (last position of each chunk with sample=True), or [T, V] with all_logits.
+
+        A decode-only batch on CUDA returns a view of a CUDA graph's output, valid until the next
+        forward: copy it to keep it. ``all_logits=True`` always runs eagerly."""
         self.copy_blocks(batch.block_copies)
         graphs = self.decode_graphs
         if graphs is not None and not all_logits and batch.is_decode_only and len(batch.chunks) <= graphs.sizes[-1]:
