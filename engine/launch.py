@@ -74,3 +74,10 @@ def ensure_tiny_model(home: Path, seed: int = 0) -> Path:
     from engine.models.tiny import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(default_tiny_dir(home), seed=seed)
+
+
+def is_tiny_checkpoint(path: Path, seed: int | None = None) -> bool:
+    """Whether ``path`` holds a complete tiny checkpoint (of ``seed``, when given)."""
+    from engine.models.tiny import is_tiny_checkpoint as check
+
+    return check(path, seed=seed)
