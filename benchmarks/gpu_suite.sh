@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the kernels in one call: the `-m gpu` pytest subset (bf16 dots, fp8/int8 KV, compiled
-# Triton) and benchmarks/kernels.py, then a short table. Run from the repository root on a CUDA machine:
-#   bash benchmarks/gpu_suite.sh [--quick]
-# Results: benchmarks/results/kernels_h200.json (or $OUT/ when the device tool sets OUT).
+# GPU check in one call: the `-m gpu` pytest subset of the kernels (bf16 dots, fp8/int8 KV, compiled
+# Triton) and of the GPU engine path (CUDA graphs, side-stream transfers), benchmarks/kernels.py, then
+# benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
+# root on a CUDA machine:
+#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 to skip one)
+# Results: benchmarks/results/kernels_h200.json, engine_gpu_h200.json (or $OUT/ when the device tool sets OUT).
 set -uo pipefail
 export PREFIXGATE_KERNELS_GPU=1   # compiled Triton: tests/kernels/conftest.py leaves the interpreter off
 export PYTHONUNBUFFERED=1
@@ -11,17 +13,29 @@ RES=${OUT:-benchmarks/results}
 mkdir -p "$RES"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 
-"$PY" -m pytest tests/kernels -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
+"$PY" -m pytest tests/kernels tests/gpu_engine -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
 TEST_RC=${PIPESTATUS[0]}
 
 BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
-"$PY" benchmarks/kernels.py --out "$BENCH_JSON" "$@" 2>&1 | tee "$RES/kernels_bench.log"
-BENCH_RC=${PIPESTATUS[0]}
+BENCH_RC=0
+if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
+  "$PY" benchmarks/kernels.py --out "$BENCH_JSON" "$@" 2>&1 | tee "$RES/kernels_bench.log"
+  BENCH_RC=${PIPESTATUS[0]}
+fi
+
+# The engine on the GPU: prints its own table last (see docs/gpu.md for how to read it).
+ENGINE_RC=0
+if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
+  "$PY" benchmarks/engine_gpu.py --out "${ENGINE_JSON:-$RES/engine_gpu_h200.json}" 2>&1 | tee "$RES/engine_gpu.log"
+  ENGINE_RC=${PIPESTATUS[0]}
+fi
 
 echo
 echo "== gpu suite =="
 echo "pytest -m gpu: $(tail -n 1 "$RES/kernels_gpu_pytest.log")  (rc $TEST_RC)"
-if [ "$BENCH_RC" = 0 ]; then
+if [ "${SKIP_KERNEL_BENCH:-0}" = 1 ]; then
+  echo "kernel benchmark skipped"
+elif [ "$BENCH_RC" = 0 ]; then
   "$PY" - "$BENCH_JSON" <<'PYEOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -36,4 +50,5 @@ PYEOF
 else
   echo "benchmark failed (rc $BENCH_RC): see $RES/kernels_bench.log"
 fi
-exit $(( TEST_RC != 0 || BENCH_RC != 0 ))
+echo "engine_gpu.py: rc $ENGINE_RC (table above; JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
+exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 ))

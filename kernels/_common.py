@@ -88,3 +88,4 @@ def dot_dtype(q_dtype: torch.dtype, cache: torch.Tensor):
     if kv_code(cache) != KV_PLAIN:
         return tl.float16
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q_dtype]
+

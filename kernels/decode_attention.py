@@ -36,6 +36,7 @@ from kernels._common import (
     next_pow2,
     placeholder,
 )
+from kernels._dot import exact_dot
 
 LOG2E = 1.4426950408889634
 
@@ -131,7 +132,7 @@ def _decode_split_kernel(
             k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
             mask=tok_ok[:, None], other=0.0,
         )  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k.to(DOT_TY)))  # [GROUP_PAD, BLOCK_N] fp32
+        s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
         if KV_QUANT == 1:
             s = s * k_tensor_scale
         if KV_QUANT == 2:
@@ -154,7 +155,7 @@ def _decode_split_kernel(
             acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
         else:
             v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY))
+            acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
         m_i = m_new
 
     v_final = 1.0 / l_i

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import KV_FP8, KV_INT8, dot_dtype, kv_code, placeholder
+from kernels._dot import exact_dot
 
 LOG2E = 1.4426950408889634
 
@@ -46,7 +47,7 @@ def _attend_tile(
             v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
             mask=tok_ok[:, None], other=0.0,
         )
-        s = tl.dot(q, tl.trans(k.to(DOT_TY)))  # [BLOCK_M, BLOCK_N] fp32
+        s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [BLOCK_M, BLOCK_N] fp32
         if KV_QUANT == 1:
             s = s * k_tensor_scale
         if KV_QUANT == 2:
@@ -61,7 +62,7 @@ def _attend_tile(
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_QUANT == 2:
             p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY))
+        acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
         m_i = m_new
     return acc, m_i, l_i
 
