@@ -98,7 +98,7 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes)}
     values.update({k: v for k, v in flags.items() if v is not None})
-    if args.no_prefix_cache:
+    if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
         values["prefix_caching"] = False
     if args.node_token_env:
         token = os.environ.get(args.node_token_env)
