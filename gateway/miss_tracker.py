@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptlint.canon import find_dynamic_spans
-from promptlint.explain import UNEXPLAINED, Break, content_text, explain, render
+from promptlint.explain import UNEXPLAINED, Break, Segment, content_text, explain, render
 
 BLOCK_CHARS = 256  # hash granularity: a near-hit is measured in blocks of this many characters
 _FAMILY_LEAD = 200
@@ -88,7 +88,7 @@ class _Entry:
     text: str  # rendered (promptlint.explain.render) text
     hashes: tuple[bytes, ...]
     model: str
-    prompt_tokens: int | None = None
+    reachable: int  # characters before its own input (see _reachable)
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,8 @@ class MissTracker:
         """Compare ``body`` (the canonical request as sent to the backend) with its family, then remember it."""
         family = family_key(body)
         rendered = render(body)
-        entry = _Entry(body, rendered.text, block_hashes(rendered.text, self.block_chars), str(body.get("model", "")))
+        entry = _Entry(body, rendered.text, block_hashes(rendered.text, self.block_chars), str(body.get("model", "")),
+                       _reachable(rendered.segments, len(rendered.text)))
         with self._lock:
             history = list(self._families.get((tenant, family), ()))
             fallback = self._latest.get((tenant, entry.model)) if not history else None
@@ -177,7 +178,7 @@ class MissTracker:
         brk = explain(near.body, body, per_user_vars=per_user_vars, count_tokens=self._count)
         if brk is not None and not history and brk.rule == UNEXPLAINED:
             brk = None  # another family's request that merely came last: no near-hit to explain against
-        return Observation(tenant, family, brk, _reachable(near), len(rendered.text))
+        return Observation(tenant, family, brk, near.reachable, len(rendered.text))
 
     def settle(self, obs: Observation, *, request_id: str, prompt_tokens: int, cached_tokens: int) -> MissRecord | None:
         """After the request ran: a record when a break cost tokens the near-hit had cached, else None.
@@ -258,12 +259,12 @@ class MissTracker:
                     del self._latest[k]
 
 
-def _reachable(near: _Entry) -> int:
-    """Characters of the near-hit's prompt before its own input (its last user/tool message)."""
-    seg = render(near.body).segments
-    if seg and seg[-1].role in ("user", "tool", "function"):
-        return seg[-1].start
-    return len(near.text)
+def _reachable(segments: tuple[Segment, ...], length: int) -> int:
+    """Characters of a prompt before its own input (its last user/tool message): what the next request
+    of the family can reuse."""
+    if segments and segments[-1].role in ("user", "tool", "function"):
+        return segments[-1].start
+    return length
 
 
 def header_value(cached_tokens: int | None, record: MissRecord | None = None, brk: Break | None = None) -> str:

@@ -252,7 +252,7 @@ def _classify(previous, current, prev_r, cur_r, seg_prev, seg_cur, pos, per_user
     cur_text = cur_r.text[seg_cur.start : seg_cur.end]
     role = seg_cur.role
     place = "the system prompt" if role in ("system", "developer") else f"{seg_cur.where} ({role})"
-    if seg_prev.role == seg_cur.role and _ws_norm(prev_text) == _ws_norm(cur_text):
+    if seg_prev.role == seg_cur.role and _ws_at(prev_text, cur_text, local) and _ws_norm(prev_text) == _ws_norm(cur_text):
         return "PC009", "whitespace", (
             f"{place} differs only in whitespace (line endings, trailing or invisible spaces); the client "
             "sends the same text with different bytes")
@@ -295,6 +295,13 @@ def _classify_tools(previous, current, prev_r, cur_r, pos) -> tuple[str, str, st
     return UNEXPLAINED, "tools-changed", "the tool definitions changed (added, removed or edited tools)"
 
 
+def _ws_at(a: str, b: str, i: int) -> bool:
+    """Cheap guard for the whitespace test: a whitespace-only difference starts at a blank character."""
+    def blank(t: str) -> bool:
+        return i >= len(t) or t[i].isspace() or bool(_INVISIBLE.match(t, i))
+    return blank(a) or blank(b)
+
+
 def _ws_norm(text: str) -> str:
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     text = _INVISIBLE.sub("", text)
@@ -305,8 +312,11 @@ def _ws_norm(text: str) -> str:
 def _dynamic_at(prev_text: str, cur_text: str, local: int) -> str | None:
     """The kind of a dynamic value (span or ``volatile: ...`` line) at offset ``local``, if any."""
     for text in (cur_text, prev_text):
-        for span in find_dynamic_spans(text):
-            if span.start <= local <= span.end and (local < span.end or span.start < local):
+        # find_dynamic_spans never crosses a line, so only the line holding the break is scanned.
+        start = text.rfind("\n", 0, local) + 1
+        end = text.find("\n", local)
+        for span in find_dynamic_spans(text[start : len(text) if end < 0 else end]):
+            if start + span.start <= local <= start + span.end:
                 return span.kind
         key = _key_at(text, local)
         if key is not None and classify_name(key) == "volatile":
