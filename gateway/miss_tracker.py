@@ -291,3 +291,11 @@ def break_counter(registry: Any) -> Any:
         ("tenant", "rule"),
         registry=registry,
     )
+
+
+def usage_fields(record: MissRecord | None) -> dict[str, Any]:
+    """The ``UsageRecord`` miss fields for ``record`` (all None when the request broke nothing)."""
+    if record is None:
+        return {}
+    return {"miss_rule": record.rule, "miss_position": record.position, "miss_detail": record.detail,
+            "miss_tokens": record.tokens_lost, "miss_family": record.family, "miss_context": record.context}
