@@ -108,6 +108,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": platform.python_version()},
         "git_commit": commit + ("-dirty" if dirty else ""),
+        "load_average_1_5_15": list(os.getloadavg()),  # the build machine is shared: context for the figures
         "units": {"_us": "microseconds per call", "_per_s": "rows per second", "_MBps": "bytes per microsecond = MB/s"},
         "results": results,
         "predictions": PREDICTIONS,

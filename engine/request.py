@@ -72,6 +72,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     queue_reason: QueueReason | None = None
     num_preemptions: int = 0
+    num_bypassed: int = 0  # times a later request with a longer cached prefix was admitted first
     admit_seq: int = 0  # order of (re)admission: the latest admitted is preempted first
 
     first_scheduled_time: float | None = None

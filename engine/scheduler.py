@@ -34,6 +34,9 @@ from engine.block_pool import BlockPool
 from engine.prefix_index import EMPTY_MATCH, MatchResult
 from engine.request import QueueReason, Request, RequestStatus
 
+# Times a waiting request may be passed over for requests with longer cached prefixes.
+MAX_BYPASS = 8
+
 
 @dataclass
 class SchedulerOutput:
@@ -216,9 +219,7 @@ class Scheduler:
                 return QueueReason.NO_KV_BLOCKS  # only over-quota tenants (or none) remain
             ns = min(tenants, key=lambda t: self._tenant_key(t))
             queue = self.waiting[ns]
-            matches = [(self._match(r), r) for r in queue]
-            # longest cached prefix first; ties keep queue order (min is stable)
-            match, req = min(matches, key=lambda mr: -mr[0].cached_tokens)
+            match, req = self._pick_in_tenant(queue)
             n = min(req.num_tokens - match.cached_tokens, budget)
             new_blocks = req.blocks_needed(match.cached_tokens + n) - match.num_blocks
             revived = sum(1 for b in match.block_ids if self.pool.blocks[b].ref_cnt == 0)
@@ -228,6 +229,10 @@ class Scheduler:
                 continue
             if new_blocks + revived > self.pool.num_free:
                 return QueueReason.NO_KV_BLOCKS
+            for r in queue:  # everyone queued ahead of req was passed over once more
+                if r is req:
+                    break
+                r.num_bypassed += 1
             self.pool.touch(match.block_ids, ns)
             new = self.pool.allocate(new_blocks, ns)
             assert new is not None
@@ -246,6 +251,15 @@ class Scheduler:
             self._emit(req, n, out, chunks)
             out.admitted.append(req)
             budget -= n
+
+    def _pick_in_tenant(self, queue: deque[Request]) -> tuple[MatchResult, Request]:
+        """Longest cached prefix first (ties: queue order), except that a request passed over
+        ``MAX_BYPASS`` times goes first, so a cold request is not starved by a stream of hits."""
+        for r in queue:
+            if r.num_bypassed >= MAX_BYPASS:
+                return self._match(r), r
+        matches = [(self._match(r), r) for r in queue]
+        return min(matches, key=lambda mr: -mr[0].cached_tokens)  # min is stable: queue order on ties
 
     def _tenant_key(self, ns: bytes) -> tuple[int, float, float]:
         queue = self.waiting[ns]

@@ -111,13 +111,23 @@ def read_secret_file(path: Path, *, what: str) -> bytes:
 def load_or_create_secret(path: Path, *, what: str) -> tuple[bytes, bool]:
     """Read a 32-byte secret from ``path``; create it (random, 0600) if absent.
 
-    Returns ``(secret, created)``. Creation warns on stderr because losing this file loses
+    Returns ``(secret, created)``. Creation is atomic and first-wins across processes (a complete
+    temp file is hard-linked into place, which fails if the name exists), so two processes starting
+    on a fresh home agree on one secret. Creation warns on stderr because losing this file loses
     whatever it protects, so the operator must know it now exists and should be backed up.
     """
     if path.exists():
         return read_secret_file(path, what=what), False
     raw = secrets.token_bytes(KEY_BYTES)
-    write_secret_file(path, raw)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{secrets.token_hex(4)}")
+    write_secret_file(tmp, raw)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return read_secret_file(path, what=what), False
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
     message = f"created a new {what} at {path} (mode 0600); back it up: without it the data it protects is lost"
     if log.hasHandlers():  # the host app configured logging: go through it
         log.warning(message)

@@ -365,7 +365,8 @@ def render_html(rep: dict[str, Any]) -> str:
     foot = "<tr><td>TOTAL</td><td></td>" + "".join(
         f'<td class="{k}">{html.escape(_fmt(k, tot.get(k)))}</td>' for k, _ in _COLUMNS[2:]) + "</tr>"
     since = html.escape(rep["since"] or "the beginning")
-    data_json = json.dumps(rep).replace("</", "<\\/")  # cannot close the data island
+    # "<" as \u003c: the data island can then never close the script element or open a comment.
+    data_json = json.dumps(rep).replace("<", "\\u003c")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; img-src data:">

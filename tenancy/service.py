@@ -36,6 +36,7 @@ from tenancy import store
 from tenancy.crypto import (
     KeyEncryptionKey,
     TenantCipher,
+    _fsync_dir,
     encode_key,
     kek_path,
     new_data_key,
@@ -152,50 +153,100 @@ class TenancyService:
 
     # -- KEK -------------------------------------------------------------------------------------
 
+    def _pending_kek_path(self) -> Path:
+        return kek_path(self.home).with_name(kek_path(self.home).name + ".new")
+
     def _load_checked_kek(self) -> KeyEncryptionKey:
-        """Load the KEK and check it against the fingerprint stored in the db (finishing a rotation cut short)."""
+        """Load the KEK and check it against the fingerprint stored in the db, finishing or discarding
+        a rotation that a crash cut short (``kek.key.new`` present).
+
+        The pending-file check runs under the database write lock, which a rotation holds from
+        before it writes ``kek.key.new`` until its commit, so this never mistakes a rotation in
+        progress for a dead one.
+        """
         kek = KeyEncryptionKey.load(self.home)
+        pending = self._pending_kek_path()
         with self._lock:
-            stored = store.get_meta(self._db, _KEK_FINGERPRINT)
-            pending = kek_path(self.home).with_name(kek_path(self.home).name + ".new")
-            if stored is None:
-                store.set_meta(self._db, _KEK_FINGERPRINT, kek.fingerprint)
-                return kek
-            if stored == kek.fingerprint:
-                if kek.source != "env" and pending.exists():
-                    pending.unlink()  # a rotation died before its db commit: the old KEK is still right
-                return kek
             if kek.source != "env" and pending.exists():
-                new = KeyEncryptionKey(read_secret_file(pending, what="pending KEK"), source=str(kek_path(self.home)))
-                if new.fingerprint == stored:  # a rotation committed but died before renaming the file
-                    os.replace(pending, kek_path(self.home))
-                    return new
-            raise KeyMaterialError(
-                f"the KEK from {kek.source} (fingerprint {kek.fingerprint}) is not the one this database was "
-                f"encrypted with (fingerprint {stored}); restore the right KEK or set $PREFIXGATE_KEK"
-            )
+                with dbmod.write_transaction(self._db):
+                    return self._reconcile_kek(kek, pending)
+            return self._reconcile_kek(kek, None)
+
+    def _reconcile_kek(self, kek: KeyEncryptionKey, pending: Path | None) -> KeyEncryptionKey:
+        store.set_meta_if_absent(self._db, _KEK_FINGERPRINT, kek.fingerprint)  # first run: adopt this KEK
+        stored = store.get_meta(self._db, _KEK_FINGERPRINT)
+        if stored == kek.fingerprint:
+            if pending is not None and pending.exists():
+                pending.unlink()  # a rotation died before its commit: the current KEK is still right
+            return kek
+        if pending is not None and pending.exists():
+            new = KeyEncryptionKey(read_secret_file(pending, what="pending KEK"), source=str(kek_path(self.home)))
+            if new.fingerprint == stored:  # a rotation committed but died before renaming the file
+                self._install_pending_kek(pending, new)
+                return new
+        raise KeyMaterialError(
+            f"the KEK from {kek.source} (fingerprint {kek.fingerprint}) is not the one this database was "
+            f"encrypted with (fingerprint {stored}); restore the right KEK or set $PREFIXGATE_KEK"
+        )
+
+    def _install_pending_kek(self, pending: Path, new: KeyEncryptionKey) -> None:
+        """Rename ``kek.key.new`` over ``kek.key``; tolerate another process having done it first."""
+        try:
+            os.replace(pending, kek_path(self.home))
+        except FileNotFoundError:
+            current = read_secret_file(kek_path(self.home), what="key-encryption key (KEK)")
+            if KeyEncryptionKey(current, source="file").fingerprint != new.fingerprint:
+                raise
+        _fsync_dir(kek_path(self.home).parent)
+
+    def _kek_for_wrapping(self) -> KeyEncryptionKey:
+        """The KEK to wrap a new data key with; call inside a write transaction.
+
+        Another process may have rotated the KEK since this one loaded it; wrapping under the old
+        one would store a data key nobody else can unwrap, so re-read it when the fingerprint moved.
+        """
+        stored = store.get_meta(self._db, _KEK_FINGERPRINT)
+        if stored == self._kek.fingerprint:
+            return self._kek
+        candidates = [KeyEncryptionKey.load(self.home)]
+        pending = self._pending_kek_path()
+        if candidates[0].source != "env" and pending.exists():  # rotation committed, file not yet renamed
+            candidates.append(KeyEncryptionKey(read_secret_file(pending, what="pending KEK"),
+                                               source=str(kek_path(self.home))))
+        for kek in candidates:
+            if kek.fingerprint == stored:
+                self._kek = kek
+                return kek
+        raise KeyMaterialError(f"no available KEK matches this database's (fingerprint {stored})")
 
     def rotate_kek(self) -> RotationResult:
         """Re-wrap every data key under a fresh KEK. KV blobs stay valid (data keys do not change).
 
-        File-held KEK: the new KEK goes to ``kek.key.new`` first, the db is re-wrapped in one
-        transaction, then the file is renamed over ``kek.key``; ``open`` finishes either half of a
-        rotation a crash cut short. Env-held KEK: the new KEK is returned once (base64) and the
-        operator must put it in $PREFIXGATE_KEK before the next start.
+        File-held KEK: under the database write lock, the new KEK goes to ``kek.key.new``, every data
+        key is re-wrapped and the new fingerprint stored, all in one transaction; then the file is
+        renamed over ``kek.key``. ``open`` finishes or discards a rotation a crash cut short, and a
+        concurrent rotation in another process fails cleanly (its KEK is no longer the stored one).
+        Env-held KEK: the new KEK is returned once (base64) and the operator must put it in
+        $PREFIXGATE_KEK before the next start.
         """
         with self._lock:
             old = self._kek
             from_env = old.source == "env"
             new = KeyEncryptionKey.generate(source="env" if from_env else str(kek_path(self.home)))
-            pending = kek_path(self.home).with_name(kek_path(self.home).name + ".new")
-            if not from_env:
-                write_secret_file(pending, new.raw)
+            pending = self._pending_kek_path()
             with dbmod.write_transaction(self._db):
+                stored = store.get_meta(self._db, _KEK_FINGERPRINT)
+                if stored != old.fingerprint:
+                    raise KeyMaterialError(
+                        "the KEK was rotated by another process since this one started; run it again"
+                    )
+                if not from_env:
+                    write_secret_file(pending, new.raw)
                 wrapped = store.all_wrapped_keys(self._db)
                 store.set_wrapped_keys(self._db, [(o, new.wrap(old.unwrap(w, o), o)) for o, w in wrapped])
                 store.set_meta(self._db, _KEK_FINGERPRINT, new.fingerprint)
             if not from_env:
-                os.replace(pending, kek_path(self.home))
+                self._install_pending_kek(pending, new)
             dbmod.checkpoint_truncate(self._db)
             self._kek = new
             return RotationResult(
@@ -211,8 +262,10 @@ class TenancyService:
                 return cipher
             wrapped = store.get_wrapped_key(self._db, owner)
             if wrapped is None:
-                store.insert_wrapped_key_if_absent(self._db, owner, self._kek.wrap(new_data_key(), owner))
-                wrapped = store.get_wrapped_key(self._db, owner)
+                with dbmod.write_transaction(self._db):
+                    kek = self._kek_for_wrapping()
+                    store.insert_wrapped_key_if_absent(self._db, owner, kek.wrap(new_data_key(), owner))
+                    wrapped = store.get_wrapped_key(self._db, owner)
                 assert wrapped is not None
             try:
                 data_key = self._kek.unwrap(wrapped, owner)
@@ -409,7 +462,8 @@ class TenancyService:
             store.insert_key(self._db, tenant_id, key_id, keymod.hash_key(self._pepper, api_key))
             share_scope = settings.get("share_scope", "tenant")
             owner = data_key_owner(tenant_id, share_scope)
-            store.insert_wrapped_key_if_absent(self._db, owner, self._kek.wrap(new_data_key(), owner))
+            kek = self._kek_for_wrapping()
+            store.insert_wrapped_key_if_absent(self._db, owner, kek.wrap(new_data_key(), owner))
         return CreatedTenant(tenant_id=tenant_id, name=name, api_key=api_key, key_id=key_id)
 
     def get_tenant_by_name(self, name: str) -> TenantInfo | None:

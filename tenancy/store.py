@@ -209,6 +209,10 @@ def get_meta(db: sqlite_utils.Database, key: str) -> str | None:
     return rows[0]["value"] if rows else None
 
 
+def set_meta_if_absent(db: sqlite_utils.Database, key: str, value: str) -> None:
+    db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", [key, value])
+
+
 def set_meta(db: sqlite_utils.Database, key: str, value: str) -> None:
     db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                [key, value])

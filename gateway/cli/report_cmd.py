@@ -45,5 +45,6 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--since", metavar="AGE|DATE", default="7d",
                    help="start of the period: 7d, 24h, 30m, 2w or an ISO date, or 'all' (default 7d)")
     p.add_argument("--format", choices=tuple(report.RENDERERS), default="table")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
     p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     p.set_defaults(func=cmd_report)

@@ -86,6 +86,20 @@ def test_quota_set_show_and_clear(capsys, home: Path) -> None:
     assert "tpm=10000" in out and "budget=$2.50/day" in out
 
 
+def test_tenant_set_changes_settings(capsys, home: Path) -> None:
+    h = ["--home", str(home)]
+    created = json.loads(run(capsys, *h, "tenant", "create", "acme", "--json")[1])
+    code, out, _ = run(capsys, *h, "tenant", "set", "acme", "--share-scope", "group:docs", "--canon", "off",
+                       "--priority", "5", "--json")
+    t = json.loads(out)
+    assert code == 0 and (t["share_scope"], t["canon_mode"], t["priority"]) == ("group:docs", "off", 5)
+    with TenancyService.open(home) as svc:
+        ctx = svc.authenticate(created["api_key"])
+        assert ctx.cipher.owner == "group:docs" and ctx.canon_mode == "off"
+    code, _, err = run(capsys, *h, "tenant", "set", "acme")
+    assert code == 2 and "nothing to change" in err
+
+
 def test_key_create_list_revoke(capsys, home: Path) -> None:
     h = ["--home", str(home)]
     first = json.loads(run(capsys, *h, "tenant", "create", "acme", "--json")[1])
@@ -126,6 +140,7 @@ def test_report_formats(capsys, home: Path, tmp_path: Path) -> None:
     code, out, _ = run(capsys, *h, "report", "--format", "json")
     rep = json.loads(out)
     assert code == 0 and rep["totals"]["requests"] == 10 and rep["totals"]["cached_tokens"] == 2 * (0 + 20 + 40 + 60 + 80)
+    assert json.loads(run(capsys, *h, "report", "--json")[1])["totals"] == rep["totals"]
     code, out, _ = run(capsys, *h, "report", "--tenant", "a", "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(out)))
     assert [(r["tenant"], r["requests"]) for r in rows] == [("a", "5")]

@@ -183,6 +183,59 @@ def test_a_rotation_cut_short_after_the_db_commit_is_finished_on_open(home: Path
         reopened.close()
 
 
+def test_a_second_concurrent_rotation_fails_cleanly_and_nothing_is_lost(home: Path) -> None:
+    a, b = TenancyService.open(home), TenancyService.open(home)
+    created = a.create_tenant("acme")
+    blob = a.authenticate(created.api_key).cipher.encrypt(b"z", AAD)
+    a.rotate_kek()
+    with pytest.raises(KeyMaterialError, match="rotated by another process"):
+        b.rotate_kek()  # b still holds the old KEK
+    a.close()
+    b.close()
+    with TenancyService.open(home) as again:
+        assert again.authenticate(created.api_key).cipher.decrypt(blob, AAD) == b"z"
+        again.rotate_kek()  # a fresh process rotates fine
+
+
+def test_a_process_with_a_stale_kek_wraps_new_data_keys_under_the_current_one(home: Path) -> None:
+    gateway, cli = TenancyService.open(home), TenancyService.open(home)
+    try:
+        cli.rotate_kek()
+        created = gateway.create_tenant("late")  # the gateway still holds the pre-rotation KEK
+        ctx = gateway.authenticate(created.api_key)
+        blob = ctx.cipher.encrypt(b"w", AAD)
+    finally:
+        gateway.close()
+        cli.close()
+    with TenancyService.open(home) as fresh:  # only the current KEK on disk: the key must unwrap
+        assert fresh.authenticate(created.api_key).cipher.decrypt(blob, AAD) == b"w"
+
+
+def test_processes_starting_together_on_a_fresh_home_agree_on_one_kek(home: Path) -> None:
+    services: list[TenancyService] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            services.append(TenancyService.open(home))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert errors == []
+        assert len({s._kek.fingerprint for s in services}) == 1
+        assert len({s._secret.raw for s in services}) == 1
+        assert sorted(p.name for p in home.iterdir() if ".tmp" in p.name) == []
+    finally:
+        for s in services:
+            s.close()
+
+
 def test_kek_from_the_environment_hex_or_base64(home: Path, monkeypatch) -> None:
     raw = os.urandom(32)
     monkeypatch.setenv("PREFIXGATE_KEK", raw.hex())

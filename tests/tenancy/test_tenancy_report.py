@@ -161,6 +161,11 @@ def _console_lines(stderr: str) -> list[str]:
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI installs it: apt-get install chromium)")
 def test_html_report_renders_in_headless_chromium_without_console_errors(filled: TenancyService,
                                                                          tmp_path: Path) -> None:
+    # a client-chosen model name is data, never markup (the CSP would also log any inline script)
+    ctx = filled.authenticate(filled.create_key("alpha").api_key)
+    nasty = "</script><script>console.error('xss')</script><!--<b>x"
+    filled.record_usage(UsageRecord("nasty", ctx.tenant_id, ctx.key_id, nasty, "local", 10, 0, 1, 0.1, 0.2, "ok",
+                                    time.time()))
     rep = filled.report()
     page = tmp_path / "report.html"
     page.write_text(report.render_html(rep), encoding="utf-8")
@@ -179,5 +184,8 @@ def test_html_report_renders_in_headless_chromium_without_console_errors(filled:
     assert len(re.findall(r"<polyline", dom)) == 3  # one hit-rate line per tenant
     island = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', dom, re.S)
     assert json.loads(island.group(1))["totals"] == rep["totals"]
+    assert nasty in {r["model"] for r in json.loads(island.group(1))["rows"]}
+    assert "&lt;/script&gt;&lt;script&gt;console.error('xss')&lt;/script&gt;&lt;!--&lt;b&gt;x" in dom
+    assert "<b>x" not in dom
     for name in ("https://", "http://", "<link", "src="):
         assert name not in page.read_text(), f"the report must be self-contained: found {name!r}"

@@ -1,0 +1,167 @@
+"""The app factory: ``create_app(settings) -> FastAPI``. No import-time globals.
+
+Everything a request needs hangs off ``app.state`` (settings, engine, tenancy, router, metrics
+registry) and is reached through ``gateway.deps``. The lifespan builds what was not injected —
+the local engine from ``settings.model_dir``, tenancy from ``settings.home``, clients for the
+configured routes — and closes all of it on shutdown (flushing the usage ledger).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.protocol import EngineClient
+from gateway.errors import OpenAIError, install_error_handlers
+from gateway.metrics import GatewayMetrics, LiveStats
+from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
+from gateway.remote import RemoteEngineClient
+from gateway.routes import completions, dashboard, internal, models, ops, usage
+from gateway.routing import Backend, Route, Router
+from gateway.settings import GatewaySettings
+from gateway.upstream import ProviderClient
+
+log = logging.getLogger("prefixgate.gateway")
+
+
+class BodySizeLimit:
+    """Refuse request bodies over ``limit`` bytes with a 413, before the app buffers them.
+
+    Checks Content-Length up front and also counts streamed (chunked) bodies as they arrive.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(413, f"Request body too large: the limit is {self.limit} bytes.",
+                           code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large().response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def build_router(settings: GatewaySettings) -> Router:
+    routes = []
+    for rc in settings.routes:
+        if rc.provider:
+            client = ProviderClient(
+                rc.provider, api_base=rc.api_base, api_key=rc.api_key, cache_salt=rc.cache_salt,
+                extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
+            )
+            backends = [Backend(f"litellm:{rc.provider}", "provider", client, rc.provider)]
+        else:
+            backends = [Backend(f"node:{url}", "node", RemoteEngineClient(url, rc.node_token), "")
+                        for url in rc.nodes]
+        routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len))
+    return Router(routes, load_factor=settings.load_factor, prefix_bytes=settings.route_prefix_bytes)
+
+
+def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> EngineClient | None:
+    if settings.model_dir is None:
+        return None
+    from engine.config import EngineConfig
+    from engine.launch import build_engine
+
+    config = EngineConfig(
+        model_dir=settings.model_dir, device=settings.device, num_kv_blocks=settings.kv_blocks,
+        dram_bytes=settings.dram_bytes, nvme_dir=settings.nvme_dir, nvme_bytes=settings.nvme_bytes,
+        model_id=settings.model if settings.model and settings.model != str(settings.model_dir) else None,
+    )
+    return build_engine(config, registry=registry)
+
+
+async def _call_optional(obj: Any, *names: str) -> None:
+    """Call the first lifecycle method ``obj`` has (engines differ: start/stop/aclose/shutdown)."""
+    for name in names:
+        fn = getattr(obj, name, None)
+        if callable(fn):
+            result = fn()
+            if inspect.isawaitable(result):
+                await result
+            return
+
+
+def create_app(
+    settings: GatewaySettings,
+    *,
+    engine: EngineClient | None = None,
+    tenancy: TenancyPort | None = None,
+) -> FastAPI:
+    """Build the gateway. ``engine``/``tenancy`` may be injected (tests, embedding); otherwise the
+    lifespan builds them from ``settings`` and owns their shutdown."""
+    registry = CollectorRegistry()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned_engine = owned_tenancy = None
+        if app.state.engine is None:
+            owned_engine = app.state.engine = _build_local_engine(settings, registry)
+            if owned_engine is not None:
+                await _call_optional(owned_engine, "start")
+        if app.state.tenancy is None and settings.home is not None:
+            owned_tenancy = app.state.tenancy = open_tenancy(settings.home, auth_cache_ttl_s=settings.auth_cache_ttl_s)
+        for client in app.state.router.all_clients():
+            if isinstance(client, RemoteEngineClient):
+                try:
+                    await client.refresh_models()
+                except Exception as exc:  # noqa: BLE001 - a node may start later; routing still works
+                    log.warning("engine node %s: cannot list models yet: %r", client.base_url, exc)
+        try:
+            yield
+        finally:
+            for client in app.state.router.all_clients():
+                if isinstance(client, RemoteEngineClient):
+                    await client.aclose()
+            if owned_engine is not None:
+                await _call_optional(owned_engine, "aclose", "shutdown", "stop", "close")
+            tenancy_now = app.state.tenancy
+            if tenancy_now is not None:
+                await _call_optional(tenancy_now, "flush")
+            if owned_tenancy is not None:
+                await _call_optional(owned_tenancy, "close")
+
+    app = FastAPI(title="PrefixGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.tenancy = tenancy
+    app.state.registry = registry
+    app.state.metrics = GatewayMetrics(registry)
+    app.state.live_stats = LiveStats()
+    app.state.router = build_router(settings)
+    install_error_handlers(app)
+
+    @app.exception_handler(TenancyError)
+    async def _tenancy(_: Any, exc: TenancyError) -> Any:
+        return tenancy_error(exc).response()
+
+    for module in (completions, models, usage, ops, dashboard, internal):
+        app.include_router(module.router)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    return app

@@ -1,0 +1,138 @@
+"""Every error the gateway returns, in the OpenAI envelope.
+
+The openai SDK maps status codes to exception classes and reads ``error.message`` / ``error.code``,
+so every failure path — our own checks, pydantic validation, malformed JSON, engine errors, tenancy
+quota errors, unexpected exceptions — ends up here as::
+
+    HTTP <status>
+    {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+
+FastAPI's default ``{"detail": ...}`` shape never reaches a client.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.protocol import EngineError
+
+log = logging.getLogger("prefixgate.gateway")
+
+# status -> the ``type`` OpenAI uses for it.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error with an HTTP status, rendered as the OpenAI error envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def from_engine_error(exc: EngineError) -> OpenAIError:
+    """Map an engine error to the status it declares (400 too long, 503 overloaded, ...)."""
+    status = getattr(exc, "status", 500) or 500
+    headers = {"retry-after": "1"} if status == 503 else None
+    return OpenAIError(status, str(exc) or exc.code, code=getattr(exc, "code", None), headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
+    """First pydantic error -> (message, param, code). Malformed JSON gets its own code."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None, None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        detail = ctx.get("error", "could not parse the body")
+        return (
+            f"We could not parse the JSON body of your request ({detail}). The body must be valid JSON.",
+            None,
+            "invalid_json",
+        )
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if param is None:  # the body as a whole: not a JSON object (or sent without a JSON content type)
+        return (
+            "The request body must be a JSON object sent with Content-Type: application/json.",
+            None,
+            "invalid_json",
+        )
+    if first.get("type") == "missing":
+        return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
+    where = f" at '{param}'" if param else ""
+    return f"Invalid value{where}: {msg}.", param, "invalid_value"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception type the app can raise to the OpenAI envelope."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, code = _validation_message(exc)
+        return OpenAIError(400, message, param=param, code=code).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"Unknown URL. {message}" if message != "Not Found" else "Unknown URL."
+        return OpenAIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+        return from_engine_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return OpenAIError(500, "The server had an error while processing your request.", code="internal_error").response()

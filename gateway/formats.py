@@ -1,0 +1,136 @@
+"""OpenAI response objects for chat and text completions (whole responses and stream chunks).
+
+Stream chunk sequence for one chat request (what the openai SDK parses)::
+
+    {"object": "chat.completion.chunk", "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}
+    {... "choices": [{"index": i, "delta": {"content": "Hel"}, "finish_reason": null}]}     (many)
+    {... "choices": [{"index": i, "delta": {}, "finish_reason": "stop"}]}                   (one per choice)
+    {... "choices": [], "usage": {...}}              (only with stream_options.include_usage)
+    [DONE]
+
+With ``include_usage`` every other chunk carries ``"usage": null``, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from engine.protocol import RequestOutput
+from gateway.pipeline import Prepared
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    reason = out.finish_reason
+    if reason in (None, "abort", "error"):
+        return "stop" if out.finished else None
+    return reason
+
+
+class ChoiceText:
+    """Accumulates each choice's text, tool calls and finish reason for a non-streamed response."""
+
+    def __init__(self) -> None:
+        self.text: dict[int, list[str]] = defaultdict(list)
+        self.tools: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+        self.finish: dict[int, str | None] = {}
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        if out.new_text:
+            self.text[i].append(out.new_text)
+        for delta in getattr(out, "tool_call_deltas", ()) or ():
+            call = self.tools[i].setdefault(
+                delta.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            call["id"] = delta.get("id") or call["id"]
+            fn = delta.get("function") or {}
+            call["function"]["name"] += fn.get("name") or ""
+            call["function"]["arguments"] += fn.get("arguments") or ""
+        if out.finished:
+            self.finish[i] = finish_reason(out)
+
+
+class ChatFormat:
+    object_name = "chat.completion"
+
+    def __init__(self, prep: Prepared) -> None:
+        self.prep = prep
+        self._started: set[int] = set()
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {
+            "id": self.prep.request_id, "object": "chat.completion.chunk", "created": self.prep.created,
+            "model": self.prep.model, "system_fingerprint": None, "choices": choices,
+        }
+        if self.prep.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
+        result = []
+        if i not in self._started:
+            self._started.add(i)
+            result.append(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]))
+        tool_deltas = list(getattr(out, "tool_call_deltas", ()) or ())
+        if out.new_text or tool_deltas:
+            delta: dict[str, Any] = {}
+            if out.new_text:
+                delta["content"] = out.new_text
+            if tool_deltas:
+                delta["tool_calls"] = tool_deltas
+            result.append(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        if out.finished:
+            result.append(self._chunk([{"index": i, "delta": {}, "logprobs": None,
+                                        "finish_reason": finish_reason(out)}]))
+        return result
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = usage
+        return chunk
+
+    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
+        choices = []
+        for i in range(len(self.prep.requests)):
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(acc.text[i]), "refusal": None}
+            if acc.tools.get(i):
+                message["tool_calls"] = [acc.tools[i][k] for k in sorted(acc.tools[i])]
+            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": acc.finish.get(i)})
+        return {
+            "id": self.prep.request_id, "object": "chat.completion", "created": self.prep.created,
+            "model": self.prep.model, "system_fingerprint": None, "choices": choices, "usage": usage,
+        }
+
+
+class CompletionFormat:
+    object_name = "text_completion"
+
+    def __init__(self, prep: Prepared) -> None:
+        self.prep = prep
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.prep.request_id, "object": "text_completion", "created": self.prep.created,
+                 "model": self.prep.model, "system_fingerprint": None, "choices": choices}
+        if self.prep.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
+        if not out.new_text and not out.finished:
+            return []
+        reason = finish_reason(out) if out.finished else None
+        return [self._chunk([{"index": i, "text": out.new_text, "logprobs": None, "finish_reason": reason}])]
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = usage
+        return chunk
+
+    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
+        choices = [
+            {"index": i, "text": "".join(acc.text[i]), "logprobs": None, "finish_reason": acc.finish.get(i)}
+            for i in range(len(self.prep.requests))
+        ]
+        return {"id": self.prep.request_id, "object": "text_completion", "created": self.prep.created,
+                "model": self.prep.model, "system_fingerprint": None, "choices": choices, "usage": usage}

@@ -1,0 +1,346 @@
+"""One request's way through the gateway, independent of the response shape.
+
+    authenticate (deps) -> scope_for(user) -> canonicalize -> resolve backend -> check params
+    -> count prompt tokens, check context length -> admit (quotas) -> run choices -> account
+
+``prepare`` does everything up to admission and raises ``OpenAIError`` for anything the client
+must fix; ``run_choices`` streams the engine outputs of all ``n`` choices (and prompts) merged;
+``Accounting`` turns the final outputs into usage, one ledger row, metrics and dashboard totals.
+The chat and completions routers only format what these produce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from engine.protocol import EngineClient, EngineError, GenerateRequest, RequestOutput, SamplingParams
+from gateway.errors import OpenAIError, invalid_request
+from gateway.metrics import GatewayMetrics, LiveStats
+from gateway.ports import (
+    QuotaExceededError,
+    TenancyPort,
+    UsageRow,
+    canonicalize,
+    make_usage_record,
+    quota_error,
+)
+from gateway.routing import Backend, Router
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
+from gateway.settings import GatewaySettings
+
+# Fields that only an upstream provider can honour; forwarded to it as-is.
+_PROVIDER_PASSTHROUGH = ("tool_choice", "response_format", "presence_penalty", "frequency_penalty", "logprobs",
+                         "top_logprobs", "logit_bias", "parallel_tool_calls", "reasoning_effort")
+
+
+@dataclass
+class Prepared:
+    kind: str  # "chat" | "completion"
+    request_id: str
+    created: int
+    model: str  # the name the client asked for (echoed back)
+    backend: Backend
+    requests: list[GenerateRequest]  # one per choice; choice i = prompt i // n, sample i % n
+    n: int
+    stream: bool
+    include_usage: bool
+    canon_applied: tuple[str, ...]
+    tenant: Any  # the scoped TenantContext
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-prefixgate-canonical": ",".join(self.canon_applied) or "none",
+            "x-request-id": self.request_id,
+            "x-prefixgate-backend": self.backend.label,
+        }
+
+
+def _message_dict(m: Any, *, local: bool) -> dict[str, Any]:
+    d = m.model_dump(exclude_none=True)
+    if local and isinstance(d.get("content"), list):
+        texts = []
+        for part in d["content"]:
+            if part.get("type") != "text":
+                raise invalid_request(
+                    f"content part type {part.get('type')!r} is not supported by this model; send text parts only",
+                    param="messages",
+                )
+            texts.append(part.get("text", ""))
+        d["content"] = "".join(texts)
+    return d
+
+
+def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Parameters the local engine cannot honour get a 400 naming them (never a silent drop)."""
+    if req.logprobs not in (None, False, 0):
+        raise invalid_request("logprobs are not supported by this model", param="logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise invalid_request(f"{name} is not supported by this model; omit it or send 0", param=name)
+    if isinstance(req, ChatCompletionRequest):
+        rf = req.response_format
+        if rf and rf.get("type") not in (None, "text"):
+            raise invalid_request(
+                f"response_format type {rf.get('type')!r} is not supported by this model", param="response_format"
+            )
+        tc = req.tool_choice
+        if tc not in (None, "auto", "none"):
+            raise invalid_request(
+                "tool_choice 'required' or a named function is not supported by this model; use 'auto' or 'none'",
+                param="tool_choice",
+            )
+    else:
+        if req.echo:
+            raise invalid_request("echo is not supported by this model", param="echo")
+        if req.suffix:
+            raise invalid_request("suffix is not supported by this model", param="suffix")
+        if req.best_of not in (None, 1, req.n):
+            raise invalid_request("best_of is not supported by this model", param="best_of")
+
+
+def _count_tokens(engine: EngineClient, request: GenerateRequest, kind: str) -> int:
+    """Tokenize through the engine's chat template; a prompt it cannot render is the client's error."""
+    try:
+        return engine.count_prompt_tokens(request)
+    except EngineError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - template/tokenizer errors carry the useful message
+        raise invalid_request(
+            f"the model's chat template could not render this request: {exc}",
+            param="messages" if kind == "chat" else "prompt",
+        ) from None
+
+
+def prepare(
+    kind: str,
+    req: ChatCompletionRequest | CompletionRequest,
+    ctx: Any,
+    *,
+    tenancy: TenancyPort,
+    router: Router,
+    engine: EngineClient | None,
+    settings: GatewaySettings,
+) -> Prepared:
+    """Validate, canonicalize, route, size and admit a request. Raises ``OpenAIError``."""
+    scoped = tenancy.scope_for(ctx, req.user)
+    body = req.model_dump(exclude_unset=True)
+    body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
+    # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
+    mode = getattr(scoped, "canon_mode", "off") if kind == "chat" else "off"
+    canon = canonicalize(body, mode, getattr(scoped, "per_user_vars", ()))
+    model_cls = type(req)
+    req = model_cls.model_validate(canon.body)
+
+    backend = router.resolve(req.model, engine, scoped.namespace, canon.body)
+    if req.n > settings.max_n:
+        raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n")
+    stops = req.stop_list()
+    if len(stops) > 4:
+        raise invalid_request("stop accepts at most 4 sequences", param="stop")
+    extra: dict[str, Any] = {}
+    if backend.kind == "provider":
+        extra = {k: body[k] for k in _PROVIDER_PASSTHROUGH if k in body}
+    else:
+        _reject_unsupported_local(req)
+
+    request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    inputs: list[dict[str, Any]]
+    if isinstance(req, ChatCompletionRequest):
+        local = backend.kind != "provider"
+        inputs = [{"messages": [_message_dict(m, local=local) for m in req.messages], "tools": req.tools}]
+    else:
+        prompts = req.prompts()
+        if not prompts:
+            raise invalid_request("prompt must not be empty", param="prompt")
+        inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+
+    asked = req.effective_max_tokens()
+    max_len = router.max_model_len(backend) if backend.kind == "local" else None
+    prompt_counts: list[int] = []
+    if backend.kind == "local":
+        probe = SamplingParams(max_tokens=1)
+        for inp in inputs:
+            gr = GenerateRequest(request_id=request_id, tenant=scoped, sampling=probe, model=backend.target_model, **inp)
+            prompt_counts.append(_count_tokens(engine, gr, kind))
+    longest = max(prompt_counts, default=0)
+    if max_len:
+        room = max_len - longest
+        if asked is None:
+            asked = min(settings.default_max_tokens, room)
+        if room < 1 or asked > room:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{longest + (asked or 0)} tokens ({longest} in the messages, {asked or 0} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                code="context_length_exceeded",
+                param="messages" if kind == "chat" else "prompt",
+            )
+    max_tokens = asked or settings.default_max_tokens
+
+    requests: list[GenerateRequest] = []
+    for p, inp in enumerate(inputs):
+        for i in range(req.n):
+            try:
+                sampling = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    seed=None if req.seed is None else req.seed + i,  # n samples must differ
+                    stop=stops,
+                )
+            except ValueError as exc:
+                raise invalid_request(str(exc)) from None
+            requests.append(GenerateRequest(
+                request_id=f"{request_id}-{p}-{i}", tenant=scoped, sampling=sampling,
+                model=backend.target_model or None, **inp,
+            ))
+
+    estimated = sum(prompt_counts) * req.n + max_tokens * len(requests)
+    if not prompt_counts:  # providers/nodes: a cheap estimate from the body size (~4 bytes a token)
+        estimated = len(str(canon.body)) // 4 + max_tokens * len(requests)
+    try:
+        tenancy.admit(scoped, estimated_tokens=estimated)
+    except QuotaExceededError as exc:
+        raise quota_error(exc) from None
+
+    opts = req.stream_options
+    return Prepared(
+        kind=kind, request_id=request_id, created=now(), model=req.model, backend=backend, requests=requests,
+        n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
+        canon_applied=canon.applied, tenant=scoped, extra=extra,
+    )
+
+
+async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run every choice concurrently and yield ``(choice_index, output)`` as they arrive.
+
+    An ``EngineError`` from any choice propagates. However the consumer stops (finished, error,
+    client disconnect = cancellation), every unfinished engine request is cancelled and aborted,
+    which frees its KV blocks.
+    """
+    client = prep.backend.client
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    finished: set[int] = set()
+
+    async def pump(i: int, gr: GenerateRequest) -> None:
+        try:
+            if prep.backend.kind == "provider":
+                stream = client.stream(gr, prep.extra, incremental=prep.stream)
+            else:
+                stream = client.generate(gr)
+            async for out in stream:
+                await queue.put((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
+            await queue.put((i, exc))
+            return
+        await queue.put((i, None))
+
+    with router.track(prep.backend):
+        tasks = [asyncio.create_task(pump(i, gr)) for i, gr in enumerate(prep.requests)]
+        done = 0
+        try:
+            while done < len(tasks):
+                i, item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished.add(i)
+                yield i, item
+        finally:
+            # Shielded: under a cancelled anyio scope (client gone) every await would re-raise, and
+            # the abort must still reach the engine to free the request's KV blocks.
+            with anyio.CancelScope(shield=True):
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for i, gr in enumerate(prep.requests):
+                    if i not in finished:
+                        await client.abort(gr.request_id)
+
+
+class Accounting:
+    """Collects final outputs and writes exactly one ledger row per HTTP request."""
+
+    def __init__(self, prep: Prepared, tenancy: TenancyPort, metrics: GatewayMetrics, live: LiveStats) -> None:
+        self.prep = prep
+        self.tenancy = tenancy
+        self.metrics = metrics
+        self.live = live
+        self.start = time.perf_counter()
+        self.ttft: float | None = None
+        self.last: dict[int, RequestOutput] = {}
+        self.completion_seen: dict[int, int] = {}
+        self.recorded = False
+
+    def observe(self, i: int, out: RequestOutput) -> None:
+        if self.ttft is None and (out.new_text or out.new_token_ids or out.finished):
+            self.ttft = time.perf_counter() - self.start
+        self.last[i] = out
+        self.completion_seen[i] = max(self.completion_seen.get(i, 0), out.completion_tokens)
+
+    def usage(self) -> tuple[int, int, int]:
+        """Prompt and cached tokens count once per prompt (choice 0 of it); completions add up."""
+        prompt = cached = 0
+        for i, out in self.last.items():
+            if i % self.prep.n == 0:
+                prompt += out.prompt_tokens
+                cached += out.cached_tokens
+        return prompt, cached, sum(self.completion_seen.values())
+
+    def usage_dict(self) -> dict[str, Any]:
+        return usage_dict(*self.usage())
+
+    def record(self, status: str) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        prep = self.prep
+        prompt, cached, completion = self.usage()
+        latency = time.perf_counter() - self.start
+        price = self.tenancy.price(prep.model, prompt, cached, completion)
+        cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
+        saved = float(getattr(price, "saved_usd", 0.0) or 0.0)
+        t = prep.tenant
+        self.tenancy.record_usage(make_usage_record(UsageRow(
+            request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=prep.model,
+            backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+            ttft_s=self.ttft, latency_s=latency, status=status,
+        )))
+        label, backend = t.metrics_label, prep.backend.label
+        self.metrics.requests.labels(label, backend, status).inc()
+        self.metrics.prompt_tokens.labels(label, backend).inc(prompt)
+        self.metrics.cached_tokens.labels(label, backend).inc(cached)
+        self.metrics.completion_tokens.labels(label, backend).inc(completion)
+        self.metrics.cost_usd.labels(label).inc(cost)
+        self.metrics.saved_usd.labels(label).inc(saved)
+        self.metrics.latency.labels(label, backend).observe(latency)
+        if self.ttft is not None:
+            self.metrics.ttft.labels(label, backend).observe(self.ttft)
+        self.live.add(label, status=status, prompt=prompt, cached=cached, completion=completion,
+                      cost=cost, saved=saved, ttft=self.ttft)
+
+
+def engine_failure(exc: BaseException) -> OpenAIError:
+    """An exception from ``run_choices`` as the error the client sees."""
+    from gateway.errors import from_engine_error
+
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineError):
+        return from_engine_error(exc)
+    return OpenAIError(500, "The server had an error while processing your request.", code="internal_error")

@@ -1,0 +1,151 @@
+"""Thin adapters to the sibling packages the gateway depends on (tenancy, promptlint.canon, engine.launch).
+
+Everything the gateway needs from them goes through this one module, so the rest of the gateway
+codes against small Protocols and tests can inject fakes. Where a sibling is not installed the
+adapter says so clearly at the point of use (never silently at import time), except for the two
+exception classes, which fall back to local definitions so that fakes can raise them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gateway.errors import OpenAIError
+
+try:  # the tenancy team's exceptions, when present, so real and fake tenancy raise the same types
+    from tenancy.service import AuthenticationError, QuotaExceededError, TenancyError
+except ImportError:  # pragma: no cover - only before tenancy lands
+
+    class TenancyError(Exception):  # type: ignore[no-redef]
+        """Base of tenancy's errors; carries ``status`` and ``code``."""
+
+        status = 400
+        code = "tenancy_error"
+
+    class AuthenticationError(TenancyError):  # type: ignore[no-redef]
+        """The API key is missing, unknown or revoked."""
+
+    class QuotaExceededError(TenancyError):  # type: ignore[no-redef]
+        """A rate limit, token limit or budget is exhausted."""
+
+        def __init__(self, kind: str, message: str, retry_after_s: float | None = None) -> None:
+            super().__init__(message)
+            self.kind = kind
+            self.message = message
+            self.retry_after_s = retry_after_s
+
+
+class TenantCtx(Protocol):
+    """What the gateway reads of ``tenancy.service.TenantContext`` (also a ``TenantScope``)."""
+
+    tenant_id: str
+    name: str
+    key_id: str
+    is_admin: bool
+    canon_mode: str
+    per_user_vars: Any
+    namespace: bytes
+    metrics_label: str
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """The fields of one ledger row, built by the gateway, converted for tenancy by ``record``."""
+
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str
+    backend: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    latency_s: float
+    status: str  # "ok" | "error" | "aborted"
+    created_at: float = field(default_factory=time.time)
+
+
+class TenancyPort(Protocol):
+    """The subset of ``tenancy.service.TenancyService`` the gateway calls (see its docs for contracts)."""
+
+    def authenticate(self, api_key: str | None) -> Any: ...
+
+    def scope_for(self, ctx: Any, user: str | None) -> Any: ...
+
+    def admit(self, ctx: Any, *, estimated_tokens: int) -> None: ...
+
+    def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Any: ...
+
+    def record_usage(self, record: Any) -> None: ...
+
+    def usage(self, ctx: Any, since: Any = None) -> dict: ...
+
+
+def make_usage_record(row: UsageRow) -> Any:
+    """A ``tenancy.service.UsageRecord`` when tenancy is installed, else the row itself (for fakes)."""
+    try:
+        from tenancy.service import UsageRecord
+    except ImportError:
+        return row
+    return UsageRecord(**row.__dict__)
+
+
+def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0) -> Any:
+    """Open the real tenancy service under ``home``."""
+    try:
+        from tenancy.service import TenancyService
+    except ImportError as exc:  # pragma: no cover - only before tenancy lands
+        raise RuntimeError("the tenancy package is not installed; cannot authenticate tenants") from exc
+    return TenancyService.open(home, auth_cache_ttl_s=auth_cache_ttl_s)
+
+
+def quota_error(exc: Exception) -> OpenAIError:
+    """Map ``QuotaExceededError`` to a 429 the openai SDK understands.
+
+    A rate or token-rate limit that waiting can cure is retried by the SDK (``retry-after``). An
+    exhausted budget (``insufficient_quota``), or a request too large for the quota on its own
+    (no ``retry_after_s``), says ``x-should-retry: false`` so the SDK does not retry, as OpenAI does.
+    """
+    kind = getattr(exc, "kind", "rate")
+    message = getattr(exc, "message", None) or str(exc)
+    retry = getattr(exc, "retry_after_s", None)
+    if kind == "budget":
+        return OpenAIError(429, message, code="insufficient_quota", type="insufficient_quota",
+                           headers={"x-should-retry": "false"})
+    if retry is None:
+        return OpenAIError(429, message, code="rate_limit_exceeded", type="requests",
+                           headers={"x-should-retry": "false"})
+    headers = {"retry-after": str(max(1, int(round(retry))))}
+    return OpenAIError(429, message, code="rate_limit_exceeded", type="requests", headers=headers)
+
+
+def tenancy_error(exc: Exception) -> OpenAIError:
+    """Any other tenancy error: it carries its own HTTP ``status`` and OpenAI ``code``."""
+    if isinstance(exc, QuotaExceededError):
+        return quota_error(exc)
+    status = int(getattr(exc, "status", 400) or 400)
+    return OpenAIError(status, str(exc), code=getattr(exc, "code", None))
+
+
+@dataclass(frozen=True)
+class CanonOutcome:
+    body: dict[str, Any]
+    applied: tuple[str, ...]
+
+
+def canonicalize(body: dict[str, Any], mode: str, per_user_vars: Any = ()) -> CanonOutcome:
+    """Run ``promptlint.canon.canonicalize`` for a tenant's mode ("off" returns the body unchanged)."""
+    if mode == "off":
+        return CanonOutcome(body, ())
+    try:
+        from promptlint.canon import canonicalize as _canon
+    except ImportError as exc:  # pragma: no cover - only before promptlint lands
+        raise OpenAIError(
+            500, f"canonicalization mode {mode!r} is configured but promptlint is not installed"
+        ) from exc
+    result = _canon(body, mode, per_user_vars=tuple(per_user_vars or ()))
+    return CanonOutcome(dict(result.body), tuple(result.applied))

@@ -1,0 +1,35 @@
+"""``GET /v1/usage``: the caller's own ledger summary (an admin key sees every tenant)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from fastapi import APIRouter
+
+from gateway.deps import TenancyDep, TenantDep
+from gateway.errors import invalid_request
+
+router = APIRouter(prefix="/v1", tags=["usage"])
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_since(text: str | None) -> datetime | None:
+    """'7d', '12h', '30m' (relative) or an ISO-8601 timestamp -> aware UTC datetime."""
+    if not text:
+        return None
+    t = text.strip()
+    if t[:-1].isdigit() and t[-1:].lower() in _UNITS:
+        return datetime.now(UTC) - timedelta(seconds=int(t[:-1]) * _UNITS[t[-1].lower()])
+    try:
+        parsed = datetime.fromisoformat(t)
+    except ValueError:
+        raise invalid_request(f"since must look like 7d, 12h or an ISO-8601 time, got {text!r}",
+                              param="since") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+@router.get("/usage")
+async def usage(ctx: TenantDep, tenancy: TenancyDep, since: str | None = None) -> Any:
+    return tenancy.usage(ctx, since=parse_since(since))

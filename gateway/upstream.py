@@ -1,0 +1,226 @@
+"""``ProviderClient``: an ``EngineClient`` over an upstream provider, through litellm.
+
+Any litellm model string works (``openai/...``, ``anthropic/...``, ``deepseek/...``, or
+``openai/<name>`` with an ``api_base`` for any OpenAI-compatible server such as vLLM, SGLang or
+another PrefixGate). Each provider reports prompt-cache hits in its own fields; ``normalize_usage``
+folds them into the one number OpenAI clients read (``prompt_tokens_details.cached_tokens``)::
+
+    OpenAI     prompt_tokens_details.cached_tokens              (prompt_tokens includes them)
+    Anthropic  cache_read_input_tokens, cache_creation_input_tokens (raw input_tokens excludes both)
+    DeepSeek   prompt_cache_hit_tokens, prompt_cache_miss_tokens    (prompt_tokens = hit + miss)
+
+Upstream responses carry text (and tool calls), not our token ids, so outputs have empty
+``new_token_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutput
+
+
+@dataclass(frozen=True)
+class ProviderOutput(RequestOutput):
+    """A ``RequestOutput`` that may also carry streamed tool-call deltas (OpenAI chunk shape)."""
+
+    tool_call_deltas: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class NormalizedUsage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cache_creation_tokens: int = 0
+
+
+def _get(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, dict):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def normalize_usage(usage: Any) -> NormalizedUsage:
+    """Provider usage (dict or litellm object) -> prompt/cached/completion tokens, OpenAI semantics."""
+    completion = _get(usage, "completion_tokens") or _get(usage, "output_tokens") or 0
+    cache_read = _get(usage, "cache_read_input_tokens") or 0
+    cache_creation = _get(usage, "cache_creation_input_tokens") or 0
+    prompt = _get(usage, "prompt_tokens")
+    if prompt is None:  # Anthropic's raw shape: input_tokens excludes cache reads and writes
+        prompt = (_get(usage, "input_tokens") or 0) + cache_read + cache_creation
+    cached = _get(_get(usage, "prompt_tokens_details"), "cached_tokens") or 0
+    cached = cached or cache_read or _get(usage, "prompt_cache_hit_tokens") or 0
+    return NormalizedUsage(int(prompt), int(cached), int(completion), int(cache_creation))
+
+
+class ProviderError(EngineError):
+    status = 502
+    code = "upstream_error"
+
+
+def _provider_error(exc: Exception) -> EngineError:
+    """Keep the upstream's status where it is a client error the caller can fix."""
+    status = getattr(exc, "status_code", None)
+    err = ProviderError(f"upstream provider error: {getattr(exc, 'message', None) or exc}")
+    if isinstance(status, int) and status in (400, 404, 413, 429):
+        err.status = status
+        err.code = {429: "rate_limit_exceeded", 404: "model_not_found"}.get(status, "upstream_invalid_request")
+    return err
+
+
+class ProviderClient:
+    """One upstream model. ``extra`` OpenAI fields (tool_choice, response_format...) pass through."""
+
+    def __init__(
+        self,
+        provider: str,
+        *,
+        api_base: str | None = None,
+        api_key: str | None = None,
+        cache_salt: bool = False,
+        extra_body: dict[str, Any] | None = None,
+        max_model_len: int | None = None,
+        model_id: str | None = None,
+    ) -> None:
+        self.provider = provider
+        self.api_base = api_base
+        self.api_key = api_key
+        self.cache_salt = cache_salt
+        self.extra_body = dict(extra_body or {})
+        self._card = ModelCard(id=model_id or provider, max_model_len=max_model_len or 0, owned_by="upstream")
+
+    def _params(self, request: GenerateRequest, extra: dict[str, Any]) -> dict[str, Any]:
+        s = request.sampling
+        params: dict[str, Any] = {
+            "model": self.provider,
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "api_base": self.api_base,
+            "api_key": self.api_key,
+            **extra,
+        }
+        if s.seed is not None:
+            params["seed"] = s.seed
+        if s.stop:
+            params["stop"] = list(s.stop)
+        extra_body = dict(self.extra_body)
+        if self.cache_salt:  # vLLM-style per-request cache isolation, keyed by our namespace
+            extra_body["cache_salt"] = bytes(request.tenant.namespace).hex()
+        if extra_body:
+            params["extra_body"] = extra_body
+        if request.tools:
+            params["tools"] = list(request.tools)
+        return params
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        async for out in self.stream(request, {}):
+            yield out
+
+    async def stream(
+        self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs for ``request``. ``incremental=False`` (the client did not ask to stream) makes one
+        non-streamed upstream call: measured 8 ms instead of 29 ms per call through litellm on loopback."""
+        import litellm  # heavy import: only when a provider route is used
+
+        params = self._params(request, extra)
+        start = time.perf_counter()
+        rid = request.request_id
+        if request.messages is not None and not incremental:
+            try:
+                resp = await litellm.acompletion(messages=list(request.messages), **params)
+            except Exception as exc:
+                raise _provider_error(exc) from exc
+            u = normalize_usage(resp.usage)
+            choice = resp.choices[0]
+            message = _get(choice, "message")
+            calls = tuple({**_as_dict(c), "index": i} for i, c in enumerate(_get(message, "tool_calls") or []))
+            yield ProviderOutput(
+                rid, (), _get(message, "content") or "", True, u.prompt_tokens, u.cached_tokens,
+                u.completion_tokens, finish_reason=_finish(_get(choice, "finish_reason")),
+                ttft_s=time.perf_counter() - start, tool_call_deltas=calls,
+            )
+            return
+        if request.messages is None:  # text completion: one upstream call, one output
+            try:
+                resp = await litellm.atext_completion(prompt=request.prompt or list(request.prompt_token_ids or ()), **params)
+            except Exception as exc:
+                raise _provider_error(exc) from exc
+            u = normalize_usage(resp.usage)
+            choice = resp.choices[0]
+            yield ProviderOutput(
+                rid, (), _get(choice, "text") or "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+                finish_reason=_finish(_get(choice, "finish_reason")), ttft_s=time.perf_counter() - start,
+            )
+            return
+        try:
+            chunks = await litellm.acompletion(
+                messages=list(request.messages), stream=True, stream_options={"include_usage": True}, **params
+            )
+        except Exception as exc:
+            raise _provider_error(exc) from exc
+        ttft: float | None = None
+        finish = None
+        usage = None
+        completion_seen = 0
+        try:
+            async for chunk in chunks:
+                usage = _get(chunk, "usage") or usage
+                for choice in _get(chunk, "choices") or []:
+                    delta = _get(choice, "delta")
+                    text = _get(delta, "content") or ""
+                    tools = _get(delta, "tool_calls") or []
+                    finish = _get(choice, "finish_reason") or finish
+                    if text or tools:
+                        ttft = ttft if ttft is not None else time.perf_counter() - start
+                        completion_seen += 1
+                        yield ProviderOutput(
+                            rid, (), text, False, 0, 0, completion_seen, ttft_s=ttft,
+                            tool_call_deltas=tuple(_as_dict(t) for t in tools),
+                        )
+        except Exception as exc:
+            raise _provider_error(exc) from exc
+        u = normalize_usage(usage) if usage is not None else NormalizedUsage(0, 0, completion_seen)
+        yield ProviderOutput(
+            rid, (), "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens or completion_seen,
+            finish_reason=_finish(finish), ttft_s=ttft,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        return None  # closing the stream ends the upstream request
+
+    async def health(self) -> bool:
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        return {"provider": self.provider, "api_base": self.api_base}
+
+    def models(self) -> list[ModelCard]:
+        return [self._card]
+
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        import litellm
+
+        if request.messages is not None:
+            return int(litellm.token_counter(model=self.provider, messages=list(request.messages)))
+        return int(litellm.token_counter(model=self.provider, text=request.prompt or ""))
+
+
+def _finish(reason: Any) -> Any:
+    if reason in ("stop", "length", "tool_calls", "content_filter"):
+        return reason
+    return "stop" if reason is None else str(reason)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return obj
+    dump = getattr(obj, "model_dump", None)
+    return dump(exclude_none=True) if dump else dict(vars(obj))

@@ -1,0 +1,175 @@
+"""The gateway over real loopback HTTP: client disconnects, remote engine nodes, litellm upstreams."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from gateway_fakes import FakeEngine, FakeTenancy, LoopbackServer
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings, RouteConfig
+
+CHAT = {"model": "tiny", "messages": [{"role": "system", "content": "be brief and exact " * 4},
+                                      {"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def wait_for(cond, timeout=5.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_client_disconnect_aborts_engine_request_and_records_aborted():
+    engine, tenancy = FakeEngine(delay_s=0.05), FakeTenancy()
+    key = tenancy.add("acme")
+    app = create_app(GatewaySettings(), engine=engine, tenancy=tenancy)
+    with LoopbackServer(app) as srv:
+        h = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=srv.url, headers=h) as http, \
+                http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert any(g.startswith("data: ") for g in got)
+        assert wait_for(lambda: tenancy.rows), "no ledger row after disconnect"
+        assert tenancy.rows[0].status == "aborted" and 0 < tenancy.rows[0].completion_tokens < 200
+        assert engine.aborted and engine.aborted[0].startswith(tenancy.rows[0].request_id)
+        assert not engine.active
+        # non-streamed: the client gives up (timeout) -> the server notices and aborts too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{srv.url}/v1/chat/completions", json={**CHAT, "max_tokens": 200}, headers=h, timeout=0.3)
+        assert wait_for(lambda: len(tenancy.rows) == 2)
+        assert tenancy.rows[1].status == "aborted" and len(engine.aborted) == 2 and not engine.active
+
+
+@pytest.fixture
+def node_pool(monkeypatch):
+    monkeypatch.setenv("PG_TEST_NODE_TOKEN", "node-secret")
+    engines = [FakeEngine(), FakeEngine()]
+    servers = [LoopbackServer(create_app(GatewaySettings(node_token="node-secret"), engine=e)) for e in engines]
+    for s in servers:
+        s.__enter__()
+    yield engines, servers
+    for s in servers:
+        s.__exit__(None, None, None)
+
+
+def test_remote_nodes_cache_aware_routing(node_pool):
+    engines, servers = node_pool
+    tenancy = FakeTenancy()
+    keys = [tenancy.add("acme"), tenancy.add("beta")]
+    route = RouteConfig(model="tiny", nodes=tuple(s.url for s in servers), node_token_env="PG_TEST_NODE_TOKEN")
+    app = create_app(GatewaySettings(routes=(route,)), tenancy=tenancy)
+    with TestClient(app) as client:
+        h = {"Authorization": f"Bearer {keys[0]}"}
+        assert [m["id"] for m in client.get("/v1/models", headers=h).json()["data"]] == ["tiny"]
+        first = client.post("/v1/chat/completions", json=CHAT, headers=h)
+        assert first.status_code == 200, first.text
+        second = client.post("/v1/chat/completions", json=CHAT, headers=h).json()
+        # same namespace + prefix -> same node -> the second request hits that node's cache
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        used = [i for i, e in enumerate(engines) if e.requests]
+        assert len(used) == 1 and len(engines[used[0]].requests) == 2
+        assert first.headers["x-prefixgate-backend"] == f"node:{servers[used[0]].url}"
+        # the node got the server-derived namespace, never a key or tenant id
+        sent = engines[used[0]].requests[0]
+        assert sent.tenant.namespace == tenancy.keys[keys[0]].namespace and sent.tenant.cipher is None
+        # streaming through a node
+        stream = client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=h)
+        assert stream.text.rstrip().endswith("data: [DONE]")
+        # many namespaces spread over both nodes
+        for i in range(12):
+            client.post("/v1/chat/completions", headers=h,
+                        json={**CHAT, "messages": [{"role": "user", "content": f"topic {i} " * 80}]})
+        assert all(e.requests for e in engines)
+
+
+def test_node_api_requires_token_and_maps_engine_errors(node_pool):
+    engines, servers = node_pool
+    url = servers[0].url
+    body = {"request_id": "r1", "model": None, "tenant": {"namespace": "ab", "metrics_label": "x"},
+            "sampling": {"max_tokens": 2}, "prompt": "a b c"}
+    assert httpx.post(f"{url}/internal/v1/generate", json=body).status_code == 401
+    bad = httpx.post(f"{url}/internal/v1/generate", json=body, headers={"Authorization": "Bearer wrong"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_node_token"
+    h = {"Authorization": "Bearer node-secret"}
+    ok = httpx.post(f"{url}/internal/v1/generate", json=body, headers=h)
+    lines = [json.loads(x) for x in ok.text.splitlines()]
+    assert lines[-1]["finished"] and lines[-1]["completion_tokens"] == 2
+    too_long = httpx.post(f"{url}/internal/v1/generate", headers=h,
+                          json={**body, "sampling": {"max_tokens": 255}})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    malformed = httpx.post(f"{url}/internal/v1/generate", headers=h, json={"request_id": "x"})
+    assert malformed.status_code == 400
+    # a process without a node token exposes no node API
+    plain = create_app(GatewaySettings(), engine=FakeEngine())
+    with TestClient(plain) as c:
+        assert c.post("/internal/v1/generate", json=body, headers=h).status_code == 404
+
+
+class BodyRecorder:
+    """ASGI middleware that keeps every request body the upstream receives (to check cache_salt)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.bodies: list[dict] = []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks = []
+
+        async def recv():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                chunks.append(msg.get("body", b""))
+                if not msg.get("more_body") and chunks and b"".join(chunks):
+                    self.bodies.append(json.loads(b"".join(chunks)))
+            return msg
+
+        return await self.app(scope, recv, send)
+
+
+def test_litellm_route_to_openai_compatible_upstream(monkeypatch):
+    monkeypatch.setenv("PG_TEST_UPSTREAM_KEY", "sk-upstream")
+    up_engine, up_tenancy = FakeEngine(), FakeTenancy()
+    up_tenancy.keys["sk-upstream"] = up_tenancy.keys.pop(up_tenancy.add("gatewayco"))
+    upstream = BodyRecorder(create_app(GatewaySettings(), engine=up_engine, tenancy=up_tenancy))
+    with LoopbackServer(upstream) as up:
+        tenancy = FakeTenancy()
+        key = tenancy.add("acme")
+        route = RouteConfig(model="up-tiny", provider="openai/tiny", api_base=f"{up.url}/v1",
+                            api_key_env="PG_TEST_UPSTREAM_KEY", cache_salt=True, max_model_len=256)
+        app = create_app(GatewaySettings(routes=(route,)), tenancy=tenancy)
+        with TestClient(app) as client:
+            h = {"Authorization": f"Bearer {key}"}
+            body = {**CHAT, "model": "up-tiny"}
+            first = client.post("/v1/chat/completions", json=body, headers=h)
+            assert first.status_code == 200, first.text
+            assert first.json()["choices"][0]["message"]["content"] == " w0 w1"
+            assert first.headers["x-prefixgate-backend"] == "litellm:openai/tiny"
+            second = client.post("/v1/chat/completions", json={**body, "stream": True,
+                                                              "stream_options": {"include_usage": True}}, headers=h)
+            events = [json.loads(e[6:]) for e in second.text.split("\n\n") if e.startswith("data: {")]
+            usage = events[-1]["usage"]
+            # the upstream's cached_tokens come back through litellm into our usage and ledger
+            assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+            assert tenancy.rows[-1].cached_tokens == usage["prompt_tokens_details"]["cached_tokens"]
+            assert tenancy.rows[-1].backend == "litellm:openai/tiny"
+            # the tenant namespace travels as cache_salt; the upstream saw our model name and the key
+            assert up.url and upstream.bodies[0]["cache_salt"] == tenancy.keys[key].namespace.hex()
+            assert upstream.bodies[0]["model"] == "tiny"
+            comp = client.post("/v1/completions", json={"model": "up-tiny", "prompt": "a b c", "max_tokens": 2},
+                               headers=h)
+            assert comp.status_code == 200, comp.text
+            assert comp.json()["choices"][0]["text"] == " w0 w1"
+            # an upstream 400 (context too long there) stays a 400 here
+            too_long = client.post("/v1/chat/completions", json={**body, "max_tokens": 255}, headers=h)
+            assert too_long.status_code == 400 and too_long.json()["error"]["message"]

@@ -1,0 +1,129 @@
+"""Pure units of the gateway: settings files, CLI flag errors, routing, usage normalisation, node wire."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from gateway_fakes import FakeEngine
+
+from engine.protocol import GenerateRequest, RequestOutput, SamplingParams, StaticTenantScope
+from gateway.cli.main import main
+from gateway.node_wire import output_from_wire, output_to_wire, request_from_wire, request_to_wire
+from gateway.routing import Backend, choose, rendezvous_order, routing_key
+from gateway.settings import GatewaySettings, RouteConfig, read_config_file
+from gateway.upstream import normalize_usage
+
+
+def test_toml_and_yaml_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("PG_NODE_TOKEN", "s3cret")
+    toml = tmp_path / "gw.toml"
+    toml.write_text(
+        '[server]\nport = 9001\nmax_body_bytes = "1MiB"\nnode_token_env = "PG_NODE_TOKEN"\n'
+        '[engine]\nmodel = "tiny"\ndram_bytes = "2GiB"\n'
+        '[[routes]]\nmodel = "gpt-4o-mini"\nprovider = "openai/gpt-4o-mini"\napi_key_env = "OPENAI_API_KEY"\n'
+        '[[routes]]\nmodel = "big"\nnodes = ["http://10.0.0.2:8000", "http://10.0.0.3:8000"]\n'
+    )
+    s = GatewaySettings(**read_config_file(toml))
+    assert (s.port, s.max_body_bytes, s.dram_bytes, s.node_token) == (9001, 1024**2, 2 * 1024**3, "s3cret")
+    assert [r.model for r in s.routes] == ["gpt-4o-mini", "big"] and s.routes[1].nodes[1] == "http://10.0.0.3:8000"
+    yml = tmp_path / "gw.yaml"
+    yml.write_text("server:\n  port: 9002\nroutes:\n  - model: m\n    provider: openai/m\n    cache_salt: true\n")
+    s2 = GatewaySettings(**read_config_file(yml))
+    assert s2.port == 9002 and s2.routes[0].cache_salt
+
+
+def test_config_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\nport=1")
+    with pytest.raises(ValueError, match="cannot parse config file"):
+        read_config_file(bad)
+    ini = tmp_path / "x.ini"
+    ini.write_text("port = 1\n")
+    with pytest.raises(ValueError, match="must end in"):
+        read_config_file(ini)
+    extra = tmp_path / "extra.toml"
+    extra.write_text("[servers]\nport=1\n")
+    with pytest.raises(ValueError, match="unknown sections"):
+        read_config_file(extra)
+    with pytest.raises(ValueError, match="exactly one of"):
+        RouteConfig(model="m", provider="openai/m", nodes=("http://x",))
+    with pytest.raises(ValueError, match="duplicate"):
+        GatewaySettings(routes=(RouteConfig(model="m", provider="a/b"), RouteConfig(model="m", provider="a/c")))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dram-bytes", "lots"], "--dram-bytes: invalid size 'lots'"),
+    (["--nvme-bytes=-1GiB"], "--nvme-bytes: invalid size"),
+    (["--kv-blocks", "1"], "--kv-blocks must be >= 2"),
+    (["--port", "http"], "--port must be an integer"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--model", "/no/such/dir"], "not a checkpoint directory"),
+    (["--config", "/no/such.toml"], "cannot read config file"),
+    (["--model", "none", "--node-token-env", "PG_UNSET_TOKEN_VAR"], "PG_UNSET_TOKEN_VAR"),
+])
+def test_serve_flag_errors_exit_2_with_one_line(tmp_path, capsys, flags, message):
+    assert main(["serve", "--home", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("prefixgate: error: ") and message in err
+
+
+def _backends(n):
+    return [Backend(f"node:http://10.0.0.{i}:8000", "node", FakeEngine(), "") for i in range(n)]
+
+
+def test_rendezvous_is_stable_and_moves_few_keys():
+    nodes = _backends(4)
+    keys = [routing_key(hashlib.sha256(b"t%d" % i).digest(), b"prompt", 1024) for i in range(400)]
+    owner = {k: rendezvous_order(k, nodes)[0].label for k in keys}
+    assert len(set(owner.values())) == 4  # every node owns some keys
+    fewer = nodes[:3]  # removing a node moves only the keys it owned
+    moved = [k for k in keys if rendezvous_order(k, fewer)[0].label != owner[k]]
+    assert all(owner[k] == nodes[3].label for k in moved)
+    assert rendezvous_order(keys[0], list(reversed(nodes)))[0].label == owner[keys[0]]
+
+
+def test_routing_key_uses_namespace_and_prefix_blocks():
+    ns_a, ns_b = b"a" * 32, b"b" * 32
+    long_a = b"x" * 1024 + b"tail one"
+    long_b = b"x" * 1024 + b"tail two, different"
+    assert routing_key(ns_a, long_a, 1024) == routing_key(ns_a, long_b, 1024)  # shared 1 KiB prefix
+    assert routing_key(ns_a, long_a, 1024) != routing_key(ns_b, long_a, 1024)  # tenants never share
+    assert routing_key(ns_a, b"x" * 256 + b"y" * 256, 1024) != routing_key(ns_a, b"x" * 256 + b"z" * 256, 1024)
+    assert routing_key(ns_a, b"short", 1024) != routing_key(ns_a, b"other", 1024)
+
+
+def test_load_guard_falls_back_to_least_loaded():
+    nodes = _backends(3)
+    key = routing_key(b"ns", b"p", 1024)
+    best = rendezvous_order(key, nodes)[0]
+    assert choose(key, nodes, 2.0) is best
+    best.inflight = 2  # 2 <= 2 * (0 + 1): still the cache-affine choice
+    assert choose(key, nodes, 2.0) is best
+    best.inflight = 3
+    chosen = choose(key, nodes, 2.0)
+    assert chosen is not best and chosen.inflight == 0
+
+
+def test_normalize_usage_provider_shapes():
+    openai = {"prompt_tokens": 100, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 64}}
+    assert normalize_usage(openai) == normalize_usage(openai).__class__(100, 64, 5, 0)
+    anthropic = {"input_tokens": 10, "output_tokens": 7, "cache_read_input_tokens": 80,
+                 "cache_creation_input_tokens": 20}
+    u = normalize_usage(anthropic)
+    assert (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cache_creation_tokens) == (110, 80, 7, 20)
+    deepseek = {"prompt_tokens": 50, "completion_tokens": 3, "prompt_cache_hit_tokens": 32,
+                "prompt_cache_miss_tokens": 18}
+    assert (normalize_usage(deepseek).prompt_tokens, normalize_usage(deepseek).cached_tokens) == (50, 32)
+    assert normalize_usage({"prompt_tokens": 9, "completion_tokens": 1}).cached_tokens == 0
+
+
+def test_node_wire_round_trip():
+    scope = StaticTenantScope(namespace=b"\x01\x02", metrics_label="acme", priority=2, kv_block_quota=10)
+    req = GenerateRequest(request_id="r", tenant=scope, sampling=SamplingParams(max_tokens=3, stop=("x",), seed=1),
+                          messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}], model="m")
+    back = request_from_wire(request_to_wire(req))
+    assert back.tenant.namespace == b"\x01\x02" and back.tenant.priority == 2 and back.tenant.cipher is None
+    assert back.sampling == req.sampling and list(back.messages) == list(req.messages) and back.model == "m"
+    out = RequestOutput("r", (1, 2), "ab", True, 5, 4, 2, finish_reason="stop", token_times_s=(0.1, 0.2))
+    assert output_from_wire(output_to_wire(out)) == out
