@@ -203,7 +203,8 @@ def explain(
     pos = first_divergence(prev_r.text, cur_r.text)
     seg_prev = prev_r.segment_at(pos)
     seg_cur = cur_r.segment_at(pos)
-    if _is_input_or_append(prev_r, previous, seg_prev, pos):
+    if _is_input_or_append(prev_r, previous, seg_prev, pos) or pos >= len(cur_r.text):
+        # Current extends previous, changes only its input, or lies wholly inside previous's prompt.
         return _below_minimum(cur_r, previous, current, pos, min_prefix_tokens, count_tokens)
     assert seg_cur is not None and seg_prev is not None  # pos < len of both: inside a segment of each
     rule, detail, message = _classify(previous, current, prev_r, cur_r, seg_prev, seg_cur, pos, per_user_vars)

@@ -102,6 +102,8 @@ def test_new_question_or_appended_turn_is_no_break():
                             {"role": "user", "content": "And B?"}])
     assert explain(prev, longer) is None
     assert explain(prev, copy.deepcopy(prev)) is None
+    # a request that is a prefix of the previous one (a retry from an earlier turn) is fully cacheable
+    assert explain(longer, prev) is None
 
 
 def test_whitespace_only_difference_is_pc009():
