@@ -5,8 +5,9 @@ record*, see ``docs/explain.md``); ``prefixgate report --format json`` exports t
 ``"misses"``. This module reads that export (or a bare JSON list, or JSON lines, of miss records)
 and attributes each record to a linted file:
 
-1. by name: the record's ``template`` or ``family`` equals a file's front-matter ``family``, its
-   stem, or its name (``support-bot`` matches ``support-bot.txt``);
+1. by name: the record's ``template`` or ``family`` (the gateway's ``prompt_cache_key:<key>``
+   counts as ``<key>``) equals a file's front-matter ``family``, its stem, or its name
+   (``support-bot`` matches ``support-bot.txt``);
 2. by text: the static text just before the break (``context``) is found in the file's static text;
    the finding points at the line where that text ends, i.e. where the changing value sits.
 
@@ -105,6 +106,9 @@ def attribute(report: Report, misses: list[dict[str, Any]]) -> Attribution:
 
 def _match(docs: list[PromptDoc], rec: dict[str, Any]) -> tuple[PromptDoc, int] | None:
     names = {str(rec[k]) for k in ("template", "family") if rec.get(k)}
+    # The gateway names a family "prompt_cache_key:<key>" when the client sent one: send the template's
+    # family name as prompt_cache_key and attribution is exact.
+    names |= {n.split(":", 1)[1] for n in names if n.startswith("prompt_cache_key:")}
     named = [d for d in docs if names & {str(d.meta.get("family") or ""), d.path.stem, d.path.name}]
     piece = _context_piece(str(rec.get("context") or ""))
     best: tuple[int, PromptDoc, int] | None = None

@@ -107,3 +107,13 @@ def test_bad_usage_files_are_usage_errors(run_cli, tmp_path):
             path.write_text(text)
         res = run_cli("check", str(prompts), "--from-usage", str(path))
         assert res.code == 2 and res.err.startswith("promptlint: error: ") and res.err.count("\n") == 1, (name, res.err)
+
+
+def test_prompt_cache_key_family_matches_the_template_by_name(run_cli, tmp_path):
+    prompts, misses = _setup(tmp_path)
+    # The text before the break is nowhere in the files, but the client sent prompt_cache_key=support-bot.
+    rec = {**misses[0], "family": "prompt_cache_key:support-bot", "context": "no such text in any template"}
+    res = run_cli("check", str(prompts), "--from-usage", str(_write(tmp_path, [rec])), "--format", "json")
+    live = [f for f in json.loads(res.out)["findings"] if f["message"].startswith("live traffic")]
+    # Attributed to support.txt, at its first dynamic value ({timestamp}, line 5).
+    assert [(f["path"].rsplit("/", 1)[-1], f["code"], f["line"]) for f in live] == [("support.txt", "PC002", 5)]
