@@ -294,8 +294,13 @@ def break_counter(registry: Any) -> Any:
 
 
 def usage_fields(record: MissRecord | None) -> dict[str, Any]:
-    """The ``UsageRecord`` miss fields for ``record`` (all None when the request broke nothing)."""
+    """The ``UsageRecord`` miss fields for ``record`` (all None when the request broke nothing).
+
+    The context (prompt text before the break) goes to the ledger in clear, so it is kept only where it
+    is template text: a history edit (PC012) would store the end user's conversation instead.
+    """
     if record is None:
         return {}
+    context = None if record.rule == "PC012" else record.context
     return {"miss_rule": record.rule, "miss_position": record.position, "miss_detail": record.detail,
-            "miss_tokens": record.tokens_lost, "miss_family": record.family, "miss_context": record.context}
+            "miss_tokens": record.tokens_lost, "miss_family": record.family, "miss_context": context}

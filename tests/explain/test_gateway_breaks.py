@@ -138,6 +138,9 @@ def test_each_break_is_explained_counted_recorded_and_kept_per_tenant(served):
     assert sorted(m["rule"] for m in rep["misses"]) == ["PC002", "PC004", "PC012"]
     assert {m["tenant"] for m in rep["misses"]} == {"acme"}
     assert all(b["tokens_lost"] > 0 for b in rep["breaks"])
+    # template text before a break is kept for --from-usage; conversation text (PC012) is not stored
+    contexts = {m["rule"]: m["context"] for m in rep["misses"]}
+    assert contexts["PC002"].endswith("Current time: 2026-11-29T10:0") and contexts["PC012"] is None
     table = subprocess.run([sys.executable, "-m", "gateway.cli.main", "report", "--home", str(home)],
                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=120).stdout
     assert "Top cache-break reasons" in table and "PC012" in table
