@@ -181,6 +181,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        before_schedule = getattr(self.pool.tier_hook, "before_schedule", None)
+        if before_schedule is not None:  # engine.tiers: hand evicted blocks down, restored ones in
+            before_schedule(self.scheduler)
         step = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not step.is_empty:
@@ -354,7 +357,8 @@ class LLMEngine:
         )
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self.scheduler.block_tables())
+        held = getattr(self.pool.tier_hook, "held_block_tables", list)()  # refs a tier restore holds
+        self.pool.check_integrity(self.scheduler.block_tables() + held)
 
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (what ``AsyncEngine.stats`` returns)."""
@@ -380,6 +384,7 @@ class LLMEngine:
             "eviction_policy": self.config.eviction_policy,
             "prefix_caching": self.config.enable_prefix_caching,
             "steps": self.num_steps,
+            "kv_tiers": self.pool.tier_hook.stats() if hasattr(self.pool.tier_hook, "stats") else None,
             "tenants": {
                 label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}
                 for label, q in self._queried.items()

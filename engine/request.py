@@ -37,6 +37,7 @@ class QueueReason(enum.StrEnum):
     BATCH_FULL = "batch_full"
     TENANT_OVER_QUOTA = "tenant_over_quota"
     TOKEN_BUDGET = "token_budget"
+    RESTORING = "restoring"  # its prefix is being restored from a lower KV tier (engine.tiers)
 
 
 @dataclass
