@@ -34,6 +34,9 @@ def test_each_sdk_call_is_scored_and_its_dynamic_values_found(run_cli):
     # Four calls send prompts (models.list does not); the one with the policy first scores best.
     scores = [f["score"] for f in data["files"]]
     assert len(scores) == 4 and max(scores) == scores[2] > 20 > max(scores[:2] + scores[3:])
+    assert [f["call_line"] for f in data["files"]] == [17, 24, 33, 41]  # one entry per SDK call
+    table = run_cli("check", str(APP)).out
+    assert all(f"app.py:{n} " in table for n in (17, 24, 33, 41))
 
 
 def test_module_constants_and_locals_are_followed(tmp_path):
