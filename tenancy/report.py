@@ -355,6 +355,16 @@ def _svg_cost_saved(rep: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _html_breaks(breaks: list[dict[str, Any]], top: int = 10) -> str:
+    if not breaks:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(b['tenant'])}</td><td>{html.escape(b['rule'])}</td><td>{b['requests']}</td>"
+        f"<td>{b['tokens_lost']}</td><td>{b['usd_lost']:.6f}</td></tr>" for b in breaks[:top])
+    return ("<h2>Top cache-break reasons</h2><table id=\"breaks\"><thead><tr><th>tenant</th><th>rule</th>"
+            f"<th>requests</th><th>tokens lost</th><th>$ lost</th></tr></thead><tbody>{rows}</tbody></table>")
+
+
 def render_html(rep: dict[str, Any]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h in _COLUMNS)
     body = "".join(
@@ -386,6 +396,7 @@ svg text {{ font: 11px system-ui, sans-serif; fill: #444; }}
 Hit rate = cached (reused) prompt tokens / prompt tokens.</p>
 <h2>Per tenant and model</h2>
 <table id="usage"><thead><tr>{head}</tr></thead><tbody>{body}</tbody><tfoot>{foot}</tfoot></table>
+{_html_breaks(rep.get("breaks") or [])}
 <h2>Cache hit rate over time</h2>
 {_svg_hit_rate(rep)}
 <h2>Cost against saved</h2>

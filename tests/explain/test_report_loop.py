@@ -59,6 +59,7 @@ def test_breaks_reach_the_report_per_tenant_and_promptlint_finds_the_template_li
     assert {m["request_id"] for m in rep["misses"]} == {"a1", "a2", "a3"}
     assert all(m["rule"] == "PC002" and m["detail"] == "timestamp" for m in rep["misses"])
     assert "Top cache-break reasons" in report.render_table(rep)
+    assert '<table id="breaks">' in report.render_html(rep) and "<td>PC002</td>" in report.render_html(rep)
     # globex's own view holds none of acme's break records
     mine = svc.usage(b)
     assert mine["misses"] == [] and mine["breaks"] == []
