@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.protocol import EngineClient
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.metrics import GatewayMetrics, LiveStats
+from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
 from gateway.routes import completions, dashboard, internal, models, ops, usage
@@ -155,6 +156,7 @@ def create_app(
     app.state.registry = registry
     app.state.metrics = GatewayMetrics(registry)
     app.state.live_stats = LiveStats()
+    app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)
     app.state.router = build_router(settings)
     install_error_handlers(app)
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from gateway.miss_tracker import break_counter
+
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -42,6 +44,7 @@ class GatewayMetrics:
             "prefixgate_gateway_request_seconds", "Whole-request latency", labels,
             buckets=_TTFT_BUCKETS, registry=registry,
         )
+        self.cache_breaks = break_counter(registry)  # prefixgate_cache_breaks_total{tenant,rule}
 
 
 @dataclass

@@ -24,6 +24,7 @@ import anyio
 from engine.protocol import EngineClient, EngineError, GenerateRequest, RequestOutput, SamplingParams
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics, LiveStats
+from gateway.miss_tracker import MissRecord, MissTracker, Observation, header_value, usage_fields
 from gateway.ports import (
     QuotaExceededError,
     TenancyPort,
@@ -58,14 +59,26 @@ class Prepared:
     canon_applied: tuple[str, ...]
     tenant: Any  # the scoped TenantContext
     extra: dict[str, Any] = field(default_factory=dict)
+    # Cache-miss explanation: the tracker's view before the run, and after it (set by Accounting.record).
+    miss_tracker: MissTracker | None = None
+    miss: Observation | None = None
+    miss_record: MissRecord | None = None
+    cached_tokens: int | None = None
 
     @property
     def headers(self) -> dict[str, str]:
-        return {
+        headers = {
             "x-prefixgate-canonical": ",".join(self.canon_applied) or "none",
             "x-request-id": self.request_id,
             "x-prefixgate-backend": self.backend.label,
         }
+        # Streaming headers go out before the engine reports cached tokens: then only a predicted
+        # break (rule, character position); a whole response carries cached tokens and the settled break.
+        predicted = self.miss.brk if self.miss is not None and self.cached_tokens is None else None
+        cache = header_value(self.cached_tokens, self.miss_record, predicted)
+        if cache != "none":
+            headers["x-prefixgate-cache"] = cache
+        return headers
 
 
 def _message_dict(m: Any, *, local: bool) -> dict[str, Any]:
@@ -133,8 +146,13 @@ def prepare(
     router: Router,
     engine: EngineClient | None,
     settings: GatewaySettings,
+    tracker: MissTracker | None = None,
 ) -> Prepared:
-    """Validate, canonicalize, route, size and admit a request. Raises ``OpenAIError``."""
+    """Validate, canonicalize, route, size and admit a request. Raises ``OpenAIError``.
+
+    With a ``tracker``, an admitted chat request is compared with its family's recent requests
+    (the canonical body, as the backend will see it) to explain a cache break.
+    """
     scoped = tenancy.scope_for(ctx, req.user)
     body = req.model_dump(exclude_unset=True)
     body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
@@ -217,11 +235,14 @@ def prepare(
     except QuotaExceededError as exc:
         raise quota_error(exc) from None
 
+    miss = None
+    if tracker is not None and kind == "chat":
+        miss = tracker.observe(scoped.tenant_id, canon.body, per_user_vars=tuple(getattr(scoped, "per_user_vars", ())))
     opts = req.stream_options
     return Prepared(
         kind=kind, request_id=request_id, created=now(), model=req.model, backend=backend, requests=requests,
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
-        canon_applied=canon.applied, tenant=scoped, extra=extra,
+        canon_applied=canon.applied, tenant=scoped, extra=extra, miss_tracker=tracker, miss=miss,
     )
 
 
@@ -346,12 +367,18 @@ class Accounting:
         cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)
         t = prep.tenant
+        prep.cached_tokens = cached
+        if status == "ok" and prep.miss is not None and prep.miss_tracker is not None:
+            prep.miss_record = prep.miss_tracker.settle(
+                prep.miss, request_id=prep.request_id, prompt_tokens=prompt, cached_tokens=cached)
         self.tenancy.record_usage(make_usage_record(UsageRow(
             request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
-            ttft_s=self.ttft, latency_s=latency, status=status,
+            ttft_s=self.ttft, latency_s=latency, status=status, **usage_fields(prep.miss_record),
         )))
         label, backend = t.metrics_label, prep.backend.label
+        if prep.miss_record is not None:
+            self.metrics.cache_breaks.labels(label, prep.miss_record.rule).inc()
         self.metrics.requests.labels(label, backend, status).inc()
         self.metrics.prompt_tokens.labels(label, backend).inc(prompt)
         self.metrics.cached_tokens.labels(label, backend).inc(cached)

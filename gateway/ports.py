@@ -67,6 +67,13 @@ class UsageRow:
     latency_s: float
     status: str  # "ok" | "error" | "aborted"
     created_at: float = field(default_factory=time.time)
+    # Cache-miss explanation (gateway.miss_tracker.usage_fields); None when nothing broke.
+    miss_rule: str | None = None
+    miss_position: int | None = None
+    miss_detail: str | None = None
+    miss_tokens: int | None = None
+    miss_family: str | None = None
+    miss_context: str | None = None
 
 
 class TenancyPort(Protocol):

@@ -354,9 +354,14 @@ def _move_dynamic(body: dict, per_user_vars: Sequence[str], applied: list[str]) 
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
+    # Without a user message the context goes last, but never after a trailing assistant prefill: that
+    # message must stay last (and unnormalized), or a second pass would change it (idempotence).
+    tail = len(messages)
+    if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        tail -= 1
     last_user = max(
         (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
-        default=len(messages),
+        default=tail,
     )
     per_user = per_user_line_pattern(per_user_vars)
     moved_lines: list[str] = []

@@ -2,6 +2,7 @@
 
     promptlint check PATH... [--format text|json|github|sarif|junit] [--fail-under SCORE]
                              [--model NAME] [--volume REQS_PER_DAY] [--fix] [--config FILE] [--output FILE]
+                             [--from-usage REPORT_JSON]
     promptlint rule CODE       print a rule's documentation
     promptlint rules           list every rule
 
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--skip-non-prompts", action="store_true",
                        help="skip named .json/.yaml files that are not prompts instead of reporting PC000 "
                        "(for pre-commit, which names every staged file)")
+    check.add_argument("--from-usage", type=Path, default=None, metavar="FILE",
+                       help="also report live cache breaks from FILE (`prefixgate report --format json`, or a "
+                       "miss log) against the templates that caused them")
     check.set_defaults(func=_check)
     rule = sub.add_parser("rule", help="print a rule's documentation")
     rule.add_argument("code", metavar="CODE")
@@ -82,6 +86,8 @@ def _check(args: argparse.Namespace) -> int:
         report = lint(args.paths, config, args.model, args.skip_non_prompts)  # report what is left
     if not report.files:
         print("promptlint: warning: no prompt files found", file=sys.stderr)
+    if args.from_usage is not None:
+        _add_live_findings(report, args.from_usage, config)
     savings = estimate(report, args.volume) if args.volume is not None else None
     fail_under = args.fail_under if args.fail_under is not None else config.fail_under
     text = render(report, args.format, savings, fail_under)
@@ -94,6 +100,24 @@ def _check(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     failed = bool(report.findings) or (fail_under is not None and report.score < fail_under)
     return 1 if failed else 0
+
+
+def _add_live_findings(report, path: Path, config) -> None:
+    """Attach ``--from-usage`` miss records to the files they came from (see ``promptlint.from_usage``)."""
+    from promptlint.from_usage import attribute, load_misses
+
+    misses = load_misses(path)
+    got = attribute(report, misses)
+    by_path = {}
+    for r in report.files:
+        by_path.setdefault(r.path, r)
+    for f in got.findings:
+        if config.enabled(f.code):
+            by_path[f.path].findings.append(f)
+    if got.unmatched:
+        rules = sorted({str(r.get("rule")) for r in got.unmatched})
+        print(f"promptlint: {len(got.unmatched)} of {len(misses)} miss record(s) matched no linted file "
+              f"(rules {', '.join(rules)})", file=sys.stderr)
 
 
 def _rule(args: argparse.Namespace) -> int:

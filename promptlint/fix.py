@@ -30,8 +30,8 @@ def fix_file(result: FileResult) -> list[str]:
     """Apply the safe fixes for one file's findings; return human-readable changes (empty: none)."""
     doc = result.doc
     fixable = [f for f in result.findings if f.fixable]
-    if doc is None or not fixable:
-        return []
+    if doc is None or not fixable or doc.kind == "source":
+        return []  # source files are never rewritten: the fix is a code change
     if doc.kind == "request":
         return _fix_request(result)
     return _fix_template(result, {f.line for f in fixable if f.code in _MOVE_CODES})

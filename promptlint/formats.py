@@ -36,11 +36,12 @@ def _text(report: Report, savings: Savings | None, fail_under: float | None) -> 
         shown = scored
         if len(scored) > MAX_TABLE_ROWS:  # a big tree: the files most worth a look
             shown = sorted(scored, key=lambda r: (r.doc.score, r.path))[:MAX_TABLE_ROWS]
-        width = max(len(r.path) for r in shown)
+        names = {id(r): _row_name(r) for r in shown}
+        width = max(len(n) for n in names.values())
         out.append(f"{'file':<{width}}  score  prefix/total tokens")
         for r in shown:
             d = r.doc
-            out.append(f"{r.path:<{width}}  {d.score:5.1f}  {d.prefix_tokens}/{d.total_tokens}")
+            out.append(f"{names[id(r)]:<{width}}  {d.score:5.1f}  {d.prefix_tokens}/{d.total_tokens}")
         if len(shown) < len(scored):
             out.append(f"... the {len(shown)} lowest of {len(scored)} files (--format json lists all)")
         out.append("")
@@ -64,6 +65,11 @@ def _text(report: Report, savings: Savings | None, fail_under: float | None) -> 
     return "\n".join(out) + "\n"
 
 
+def _row_name(r: Any) -> str:
+    """A table row's name: the path, and for a Python file the line of the SDK call (one row per call)."""
+    return f"{r.path}:{r.doc.body_line}" if r.doc is not None and r.doc.kind == "source" else r.path
+
+
 def report_dict(report: Report, savings: Savings | None = None) -> dict[str, Any]:
     rules = all_rules()
     data: dict[str, Any] = {
@@ -78,6 +84,7 @@ def report_dict(report: Report, savings: Savings | None = None) -> dict[str, Any
                 "prefix_tokens": None if r.doc is None else r.doc.prefix_tokens,
                 "static_tokens": None if r.doc is None else r.doc.static_tokens,
                 "total_tokens": None if r.doc is None else r.doc.total_tokens,
+                **({"call_line": r.doc.body_line} if r.doc is not None and r.doc.kind == "source" else {}),
             }
             for r in report.files
         ],

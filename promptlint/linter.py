@@ -112,10 +112,11 @@ def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_p
         if isinstance(loaded, Finding):
             results.append(FileResult(loaded.path, None, [loaded]))
             continue
-        measure(loaded, ctx)
-        docs.append(loaded)
-        findings = [f for r in rules if r.check is not None for f in r.check(loaded, ctx)]
-        results.append(FileResult(loaded.display, loaded, findings))
+        for doc in loaded if isinstance(loaded, list) else [loaded]:  # a .py file: one doc per SDK call
+            measure(doc, ctx)
+            docs.append(doc)
+            findings = [f for r in rules if r.check is not None for f in r.check(doc, ctx)]
+            results.append(FileResult(doc.display, doc, findings))
     by_path = {r.path: r for r in results}
     for r in rules:
         if r.check_project is not None:
@@ -126,6 +127,6 @@ def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_p
         raw = res.doc.raw if res.doc is not None else None
         path = res.doc.path if res.doc is not None else Path(res.path)
         res.findings = [f for f in res.findings if _keep(f, raw, path, config, cache)]
-    results.sort(key=lambda r: r.path)
+    results.sort(key=lambda r: (r.path, r.doc.body_line if r.doc is not None else 0))
     return Report(results, ctx.model, ctx.counter.encoding)
 

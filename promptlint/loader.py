@@ -26,6 +26,7 @@ from promptlint.parse import LineIndex, split_text
 
 TEMPLATE_EXTS = {".txt", ".md", ".prompt", ".j2", ".jinja", ".jinja2"}
 REQUEST_EXTS = {".json", ".yaml", ".yml"}
+SOURCE_EXTS = {".py"}  # application code calling the openai / anthropic / litellm SDKs (source_scan)
 JINJA_EXTS = {".j2", ".jinja", ".jinja2"}
 _SKIP_DIRS = {".git", ".hg", ".svn", ".venv", "venv", "node_modules", "__pycache__", ".tox", ".mypy_cache"}
 _DYN_CLASSES = {"volatile", "per-user", "input", "placeholder", "control", "static"}
@@ -104,7 +105,9 @@ def discover(paths: list[Path]) -> Iterator[tuple[Path, bool]]:
             for name in filenames:
                 p = d / name
                 ext = p.suffix.lower()
-                if (ext in TEMPLATE_EXTS or ext in REQUEST_EXTS) and not _ignored(p.absolute(), False, specs):
+                if (ext in TEMPLATE_EXTS or ext in REQUEST_EXTS or ext in SOURCE_EXTS) and not _ignored(
+                    p.absolute(), False, specs
+                ):
                     found.append(p)
         for p in sorted(found):
             if p.absolute() not in seen:
@@ -112,8 +115,11 @@ def discover(paths: list[Path]) -> Iterator[tuple[Path, bool]]:
                 yield p, False
 
 
-def load(path: Path, named: bool) -> PromptDoc | Finding | None:
-    """Load one file. Returns a doc, a PC000 finding, or ``None`` (a walked non-prompt data file)."""
+def load(path: Path, named: bool) -> PromptDoc | list[PromptDoc] | Finding | None:
+    """Load one file. Returns a doc, a PC000 finding, or ``None`` (a walked non-prompt data file).
+
+    A Python file gives a list: one ``source`` doc per SDK call that sends a prompt (``source_scan``).
+    """
     shown = display_path(path)
     try:
         data = path.read_bytes()
@@ -125,6 +131,8 @@ def load(path: Path, named: bool) -> PromptDoc | Finding | None:
         line = data[: exc.start].count(b"\n") + 1
         return Finding(INVALID, shown, line, 1, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", "error")
     ext = path.suffix.lower()
+    if ext in SOURCE_EXTS:
+        return _load_source(path, shown, raw, named)
     try:
         if ext in REQUEST_EXTS:
             return _load_data_file(path, shown, raw, ext)
@@ -135,6 +143,17 @@ def load(path: Path, named: bool) -> PromptDoc | Finding | None:
         return None
     except _Invalid as exc:
         return Finding(INVALID, shown, exc.line, exc.column, exc.message, "error")
+
+
+def _load_source(path: Path, shown: str, raw: str, named: bool) -> list[PromptDoc] | Finding | None:
+    from promptlint import source_scan  # deferred: only runs that meet a .py file pay for ast walking
+
+    try:
+        return source_scan.scan(path, shown, raw)
+    except SyntaxError as exc:
+        return Finding(INVALID, shown, exc.lineno or 1, exc.offset or 1, f"invalid Python: {exc.msg}", "error")
+    except source_scan.NotSource as exc:
+        return Finding(INVALID, shown, 1, 1, f"not a prompt source file: {exc}", "error") if named else None
 
 
 class _Invalid(Exception):

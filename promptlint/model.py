@@ -55,7 +55,7 @@ class PromptDoc:
 
     path: Path
     display: str  # the path as reported (relative to the working directory when possible)
-    kind: Literal["template", "request"]
+    kind: Literal["template", "request", "source"]  # source: one SDK call in a .py file
     raw: str
     meta: dict[str, Any] = field(default_factory=dict)  # front matter / non-prompt keys
     elements: list[Element] = field(default_factory=list)

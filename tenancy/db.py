@@ -88,7 +88,15 @@ def _v1(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1]
+def _v2(db: sqlite_utils.Database) -> None:
+    """Cache-miss explanations: what broke the prefix, what it cost (added by the explain feature)."""
+    for column, kind in (("miss_detail", "TEXT"), ("miss_tokens", "INTEGER"), ("miss_family", "TEXT"),
+                         ("miss_context", "TEXT"), ("miss_usd", "REAL")):
+        db.execute(f"ALTER TABLE usage ADD COLUMN {column} {kind}")
+    db.execute("CREATE INDEX usage_miss_rule ON usage(miss_rule) WHERE miss_rule IS NOT NULL")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -12,8 +12,13 @@ JSON shape (``schema: "prefixgate.report/v1"``; fields are only ever added, neve
       "bucket_s": 3600 | 86400,              # timeline granularity (hour when the span <= 2 days)
       "timeline": [{"bucket_start": ISO, "tenant_id", "tenant", "requests", "prompt_tokens",
                     "cached_tokens", "hit_rate", "cost_usd", "saved_usd"}],
-      "misses": []                           # reserved: cache-miss explanations (miss_rule/position)
+      "misses": [Miss],                      # explained cache breaks, newest first (at most MAX_MISSES)
+      "breaks": [Break]                      # per tenant and rule, most tokens lost first
     }
+
+    Miss = {"request_id", "tenant_id", "tenant", "model", "created_at": ISO, "rule", "detail",
+            "position" (token), "family", "context" (text before the break), "tokens_lost", "usd_lost"}
+    Break = {"tenant_id", "tenant", "rule", "requests", "tokens_lost", "usd_lost"}
 
     Row = {"tenant_id", "tenant", "model", "requests", "ok", "errors", "aborted",
            "prompt_tokens", "cached_tokens", "completion_tokens",
@@ -158,8 +163,33 @@ def aggregate(
                 if k in ("requests", "prompt_tokens", "cached_tokens", "hit_rate", "cost_usd", "saved_usd")}}
             for (b, name, tid), acc in sorted(timeline.items())
         ],
-        "misses": [],
+        **_breaks(rows),
     }
+
+
+MAX_MISSES = 1000  # the export stays small; `breaks` counts every miss of the period
+
+
+def _breaks(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``misses`` and ``breaks`` parts of the report, from rows that carry a ``miss_rule``."""
+    missed = [r for r in rows if r.get("miss_rule")]
+    by_rule: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for r in missed:
+        acc = by_rule[(r["tenant"], r["tenant_id"], r["miss_rule"])]
+        acc[0] += 1
+        acc[1] += r.get("miss_tokens") or 0
+        acc[2] += r.get("miss_usd") or 0.0
+    breaks = [{"tenant_id": tid, "tenant": name, "rule": rule, "requests": int(n), "tokens_lost": int(tok),
+               "usd_lost": usd} for (name, tid, rule), (n, tok, usd) in by_rule.items()]
+    breaks.sort(key=lambda b: (-b["tokens_lost"], -b["requests"], b["tenant"], b["rule"]))
+    misses = [
+        {"request_id": r["request_id"], "tenant_id": r["tenant_id"], "tenant": r["tenant"], "model": r["model"],
+         "created_at": _iso(r["created_at"]), "rule": r["miss_rule"], "detail": r.get("miss_detail"),
+         "position": r.get("miss_position"), "family": r.get("miss_family"), "context": r.get("miss_context"),
+         "tokens_lost": r.get("miss_tokens") or 0, "usd_lost": r.get("miss_usd") or 0.0}
+        for r in reversed(missed[-MAX_MISSES:])
+    ]
+    return {"misses": misses, "breaks": breaks}
 
 
 def build_report(
@@ -206,7 +236,25 @@ def render_table(rep: dict[str, Any]) -> str:
     out = [f"Usage from {since} to {rep['until']}", line(head), line(["-" * w for w in widths])]
     out += [line(r) for r in rows[:-1]]
     out += [line(["-" * w for w in widths]), line(rows[-1])]
+    out += _breaks_table(rep.get("breaks") or [])
     return "\n".join(out) + "\n"
+
+
+def _breaks_table(breaks: list[dict[str, Any]], top: int = 10) -> list[str]:
+    """"Top cache-break reasons": what broke the prefix (promptlint rule codes), and what it cost."""
+    if not breaks:
+        return []
+    head = ["tenant", "rule", "requests", "tokens lost", "$ lost"]
+    rows = [[b["tenant"], b["rule"], str(b["requests"]), str(b["tokens_lost"]), f"{b['usd_lost']:.6f}"]
+            for b in breaks[:top]]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = ["", "Top cache-break reasons (`promptlint rule CODE` explains each; "
+           "`promptlint check --from-usage` finds the template line)", line(head), line(["-" * w for w in widths])]
+    return out + [line(r) for r in rows]
 
 
 CSV_FIELDS: tuple[str, ...] = (
@@ -307,6 +355,16 @@ def _svg_cost_saved(rep: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _html_breaks(breaks: list[dict[str, Any]], top: int = 10) -> str:
+    if not breaks:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(b['tenant'])}</td><td>{html.escape(b['rule'])}</td><td>{b['requests']}</td>"
+        f"<td>{b['tokens_lost']}</td><td>{b['usd_lost']:.6f}</td></tr>" for b in breaks[:top])
+    return ("<h2>Top cache-break reasons</h2><table id=\"breaks\"><thead><tr><th>tenant</th><th>rule</th>"
+            f"<th>requests</th><th>tokens lost</th><th>$ lost</th></tr></thead><tbody>{rows}</tbody></table>")
+
+
 def render_html(rep: dict[str, Any]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h in _COLUMNS)
     body = "".join(
@@ -338,6 +396,7 @@ svg text {{ font: 11px system-ui, sans-serif; fill: #444; }}
 Hit rate = cached (reused) prompt tokens / prompt tokens.</p>
 <h2>Per tenant and model</h2>
 <table id="usage"><thead><tr>{head}</tr></thead><tbody>{body}</tbody><tfoot>{foot}</tfoot></table>
+{_html_breaks(rep.get("breaks") or [])}
 <h2>Cache hit rate over time</h2>
 {_svg_hit_rate(rep)}
 <h2>Cost against saved</h2>

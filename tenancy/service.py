@@ -395,6 +395,8 @@ class TenancyService:
         # Not dataclasses.asdict: it deep-copies every field (~70 us here), and this runs per request.
         row = {f: getattr(rec, f) for f in _RECORD_FIELDS}
         row.update(cost_usd=p.cost_usd, saved_usd=p.saved_usd, priced_as=p.priced_as)
+        if rec.miss_tokens:  # what the re-prefilled tokens would have saved had they been cached
+            row["miss_usd"] = self.price(rec.model, rec.miss_tokens, rec.miss_tokens, 0).saved_usd
         with self._lock:
             if rec.request_id in self._recent_ids:
                 return

@@ -101,6 +101,13 @@ class UsageRecord:
     created_at: float
     miss_rule: str | None = None
     miss_position: int | None = None
+    # Cache-miss explanation details (gateway.miss_tracker): the rule's detail ("timestamp"), prompt
+    # tokens re-prefilled because of the break, the prompt family, and up to 32 characters of prompt
+    # text just before the break (what `promptlint check --from-usage` matches templates by).
+    miss_detail: str | None = None
+    miss_tokens: int | None = None
+    miss_family: str | None = None
+    miss_context: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -112,6 +119,8 @@ class UsageRecord:
             raise ValueError(
                 f"cached_tokens ({self.cached_tokens}) cannot exceed prompt_tokens ({self.prompt_tokens})"
             )
+        if self.miss_tokens is not None and self.miss_tokens < 0:
+            raise ValueError(f"miss_tokens must be >= 0, got {self.miss_tokens}")
         if self.status not in USAGE_STATUSES:
             raise ValueError(f"status must be one of {USAGE_STATUSES}, got {self.status!r}")
 

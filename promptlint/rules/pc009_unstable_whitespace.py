@@ -34,6 +34,8 @@ _TRAILING = re.compile(r"[ \t]+\r?$")
 
 
 def check(doc, ctx):
+    if doc.kind == "source":
+        return  # the raw text is Python code, not the prompt; its whitespace is the code's business
     if doc.kind == "request":
         if doc.body is not None and "whitespace-normalized" in canonicalize(
             {"messages": doc.body.get("messages", [])}, "safe"

@@ -69,7 +69,9 @@ def test_gitignore_and_hidden_dirs_are_honoured(tmp_path):
         p.write_text("x")
     (tmp_path / "sub" / ".gitignore").write_text("deep/\n")
     found = [(p.relative_to(tmp_path).as_posix(), named) for p, named in discover([tmp_path])]
-    assert found == [("a.txt", False), ("sub/d.j2", False)]
+    # .py files are found too (source_scan); one without an SDK call is then skipped by load().
+    assert found == [("a.txt", False), ("sub/d.j2", False), ("sub/e.py", False)]
+    assert load(tmp_path / "sub" / "e.py", named=False) is None
     # a file named explicitly is linted even when ignored
     assert [n for _, n in discover([tmp_path / "b.tmp.txt"])] == [True]
     with pytest.raises(FileNotFoundError):

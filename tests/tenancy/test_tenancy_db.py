@@ -19,7 +19,8 @@ def test_fresh_database_is_migrated_and_in_wal_mode(tmp_path: Path) -> None:
     assert {"tenants", "api_keys", "data_keys", "meta", "usage", "schema_version"} <= set(db.table_names())
     db.close()
     again = dbmod.connect(path)  # reopening applies nothing twice
-    assert [r["version"] for r in again.query("SELECT version FROM schema_version")] == [1]
+    versions = [r["version"] for r in again.query("SELECT version FROM schema_version")]
+    assert versions == list(range(1, dbmod.SCHEMA_VERSION + 1))
     again.close()
 
 
@@ -40,7 +41,7 @@ def test_concurrent_first_opens_migrate_once(tmp_path: Path) -> None:
         t.join()
     assert errors == []
     conn = sqlite3.connect(path)
-    assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+    assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == dbmod.SCHEMA_VERSION
     conn.close()
 
 
@@ -61,6 +62,6 @@ def test_ledger_rows_reject_partial_or_invalid_values(tmp_path: Path) -> None:
         db.execute("INSERT INTO usage (request_id, tenant_id) VALUES ('r', 't')")
     with pytest.raises(sqlite3.IntegrityError):
         db.execute(
-            "INSERT INTO usage VALUES ('r','t','k','m','b',1,0,1,NULL,NULL,'weird',0,0,0,'m',NULL,NULL)"
+            "INSERT INTO usage VALUES ('r','t','k','m','b',1,0,1,NULL,NULL,'weird',0,0,0,'m',NULL,NULL,NULL,NULL,NULL,NULL,NULL)"  # + v2's five miss columns
         )
     db.close()

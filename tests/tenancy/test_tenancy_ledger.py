@@ -78,7 +78,8 @@ def test_rows_carry_price_and_all_fields(home: Path) -> None:
     svc = TenancyService.open(home)
     ctx = svc.authenticate(svc.create_tenant("a").api_key)
     rec = UsageRecord("r", ctx.tenant_id, ctx.key_id, "local-tiny", "local", 1000, 600, 50, 0.25, 1.5, "aborted",
-                      1_750_000_000.0, miss_rule="PC003", miss_position=17)
+                      1_750_000_000.0, miss_rule="PC003", miss_position=17, miss_detail="user_name",
+                      miss_tokens=400, miss_family="user:u-1", miss_context="user_name: ")
     svc.record_usage(rec)
     svc.close()
     (row,) = _rows(home)
@@ -88,6 +89,9 @@ def test_rows_carry_price_and_all_fields(home: Path) -> None:
         "backend": "local", "prompt_tokens": 1000, "cached_tokens": 600, "completion_tokens": 50, "ttft_s": 0.25,
         "latency_s": 1.5, "status": "aborted", "created_at": 1_750_000_000.0, "cost_usd": price.cost_usd,
         "saved_usd": price.saved_usd, "priced_as": "gpt-4o-mini", "miss_rule": "PC003", "miss_position": 17,
+        "miss_detail": "user_name", "miss_tokens": 400, "miss_family": "user:u-1", "miss_context": "user_name: ",
+        # the 400 re-prefilled tokens priced as if they had been cache reads
+        "miss_usd": TenancyService.open(home).price("local-tiny", 400, 400, 0).saved_usd,
     }
 
 
