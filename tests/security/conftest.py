@@ -1,36 +1,15 @@
-"""Security suite fixtures: a real gateway (tiny engine, real tenancy on a temp SQLite home) in process.
-
-The environment is set before anything imports litellm/tiktoken, so nothing touches the network.
-"""
+"""Security suite fixtures: a real gateway (tiny engine, real tenancy on a temp SQLite home) in process."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
-try:
-    import importlib.util
-
-    _spec = importlib.util.find_spec("litellm")
-    if _spec and _spec.origin:
-        os.environ.setdefault(
-            "TIKTOKEN_CACHE_DIR", str(Path(_spec.origin).parent / "litellm_core_utils" / "tokenizers")
-        )
-except ImportError:  # pragma: no cover
-    pass
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
-
-from security_helpers import TENANT_NAMES, make_home  # noqa: E402
+from security_helpers import make_home  # noqa: E402  (sets the offline environment on import)
 
 
 @pytest.fixture(scope="session")

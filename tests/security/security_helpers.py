@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+
+def offline_env() -> None:
+    """Set before anything imports litellm/tiktoken/transformers, so nothing touches the network."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
+    import importlib.util
+
+    spec = importlib.util.find_spec("litellm")
+    if spec and spec.origin:
+        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(Path(spec.origin).parent / "litellm_core_utils" / "tokenizers"))
+
+
+offline_env()
 
 TENANT_NAMES = ("acme", "beta")
 
@@ -79,3 +97,62 @@ def kolmogorov_q(lam: float) -> float:
             break
         sign = -sign
     return min(1.0, max(0.0, total))
+
+
+# --------------------------------------------------------------------------- timing audit
+
+_WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
+          "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega"]
+
+
+def random_prompt(rng, words: int) -> str:
+    """A prompt nobody has sent before (random words; ~1.1 tokens a word with cl100k)."""
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def timing_audit(client, victim_key: str, attacker_key: str, trials: int, *, words: int = 160,
+                 seed: int = 0) -> dict[str, Any]:
+    """The prompt-cache audit of Gu et al. 2025 ("Auditing Prompt Caching in LM APIs"), over HTTP.
+
+    Each trial: the victim sends a fresh random prompt P; then the attacker sends either P (an
+    "attack" trial: a hit if the cache is shared) or another fresh prompt Q of the same length (a
+    "control" trial: a certain miss). The two kinds are interleaved in a shuffled order, so drift
+    in machine load affects both alike, and each is preceded by the same victim work. The attacker
+    measures time to the complete max_tokens=1 response (= TTFT for one token).
+
+    Returns {"attack": [s...], "control": [s...], "D", "p", "attack_cached", "control_cached"}
+    where *_cached sum the cached_tokens the attacker was told (0 across tenants).
+    """
+    import random
+    import time
+
+    rng = random.Random(seed)
+    kinds = ["attack"] * trials + ["control"] * trials
+    rng.shuffle(kinds)
+    times: dict[str, list[float]] = {"attack": [], "control": []}
+    cached = {"attack": 0, "control": 0}
+
+    def send(key: str, prompt: str) -> tuple[float, int]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        t0 = time.perf_counter()
+        r = client.post("/v1/completions", json=body, headers=auth(key))
+        dt = time.perf_counter() - t0
+        assert r.status_code == 200, r.text
+        return dt, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for _ in range(3):  # warm-up: first requests pay one-time costs (allocations, caches)
+        send(attacker_key, random_prompt(rng, words))
+    for kind in kinds:
+        p = random_prompt(rng, words)
+        send(victim_key, p)
+        dt, hit = send(attacker_key, p if kind == "attack" else random_prompt(rng, words))
+        times[kind].append(dt)
+        cached[kind] += hit
+    d, p = ks_2samp(times["attack"], times["control"])
+    return {"attack": times["attack"], "control": times["control"], "D": d, "p": p,
+            "attack_cached": cached["attack"], "control_cached": cached["control"]}
+
+
+def summarize(xs: Sequence[float]) -> str:
+    s = sorted(xs)
+    return f"n={len(s)} p50={1000 * s[len(s) // 2]:.1f}ms p90={1000 * s[int(len(s) * 0.9)]:.1f}ms"
