@@ -41,11 +41,11 @@ lint: install
 
 test: install lint
 	@TIKTOKEN_CACHE_DIR="$$($(PY) -c 'import litellm,os;print(os.path.join(os.path.dirname(litellm.__file__),"litellm_core_utils","tokenizers"))')" \
-	  $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	  $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-slow: install
 	@TIKTOKEN_CACHE_DIR="$$($(PY) -c 'import litellm,os;print(os.path.join(os.path.dirname(litellm.__file__),"litellm_core_utils","tokenizers"))')" \
-	  $(PY) -m pytest -m slow $(PYTEST_ARGS)
+	  $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 bench-cpu: install
 	$(PY) benchmarks/engine_cpu.py

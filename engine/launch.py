@@ -29,7 +29,12 @@ def build_llm_engine(
     from engine.model_runner import ModelRunner
 
     runner = ModelRunner(config)
-    return LLMEngine(config, runner, EngineMetrics(registry, model=config.resolved_model_id), tier_hook=tier_hook)
+    metrics = EngineMetrics(registry, model=config.resolved_model_id)
+    if tier_hook is None:  # DRAM / NVMe tiers from config.dram_bytes, nvme_dir, nvme_bytes (None if off)
+        from engine.tiers import build_tier_hook
+
+        tier_hook = build_tier_hook(config, runner, metrics.registry)
+    return LLMEngine(config, runner, metrics, tier_hook=tier_hook)
 
 
 def build_engine(
@@ -69,3 +74,10 @@ def ensure_tiny_model(home: Path, seed: int = 0) -> Path:
     from engine.models.tiny import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(default_tiny_dir(home), seed=seed)
+
+
+def is_tiny_checkpoint(path: Path, seed: int | None = None) -> bool:
+    """Whether ``path`` holds a complete tiny checkpoint (of ``seed``, when given)."""
+    from engine.models.tiny import is_tiny_checkpoint as check
+
+    return check(path, seed=seed)

@@ -63,7 +63,12 @@ class LLMEngine:
         metrics: EngineMetrics | None = None,
         tier_hook: KVTierHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        num_blocks: int | None = None,
     ) -> None:
+        """``num_blocks`` uses only the first N of the runner's KV blocks (tests and benchmarks
+        share one loaded runner between engines of different cache sizes); default all."""
+        if num_blocks is not None and not 2 <= num_blocks <= runner.num_kv_blocks:
+            raise ValueError(f"num_blocks must be in [2, {runner.num_kv_blocks}], got {num_blocks}")
         self.config = config
         self.runner = runner
         self.block_size = runner.block_size
@@ -71,7 +76,7 @@ class LLMEngine:
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.kv_bytes_per_token.set(runner.kv_bytes_per_block / runner.block_size)
         self.pool = BlockPool(
-            runner.num_kv_blocks,
+            num_blocks or runner.num_kv_blocks,
             runner.block_size,
             eviction_policy=config.eviction_policy,
             enable_caching=config.enable_prefix_caching,
@@ -176,6 +181,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        before_schedule = getattr(self.pool.tier_hook, "before_schedule", None)
+        if before_schedule is not None:  # engine.tiers: hand evicted blocks down, restored ones in
+            before_schedule(self.scheduler)
         step = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not step.is_empty:
@@ -260,8 +268,9 @@ class LLMEngine:
         assert state is not None
         state.tokens.append(token)
         tok = self.runner.tokenizer
-        prefix_text = tok.decode(state.tokens[state.prefix_offset : state.read_offset], skip_special_tokens=True)
-        full_text = tok.decode(state.tokens[state.prefix_offset :], skip_special_tokens=True)
+        with self._tokenizer_lock:  # prepare() may be encoding on another thread
+            prefix_text = tok.decode(state.tokens[state.prefix_offset : state.read_offset], skip_special_tokens=True)
+            full_text = tok.decode(state.tokens[state.prefix_offset :], skip_special_tokens=True)
         # U+FFFD at the end = a multi-byte character split across tokens: wait for the rest
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             req.output_text += full_text[len(prefix_text) :]
@@ -348,7 +357,8 @@ class LLMEngine:
         )
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self.scheduler.block_tables())
+        held = getattr(self.pool.tier_hook, "held_block_tables", list)()  # refs a tier restore holds
+        self.pool.check_integrity(self.scheduler.block_tables() + held)
 
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (what ``AsyncEngine.stats`` returns)."""
@@ -374,6 +384,7 @@ class LLMEngine:
             "eviction_policy": self.config.eviction_policy,
             "prefix_caching": self.config.enable_prefix_caching,
             "steps": self.num_steps,
+            "kv_tiers": self.pool.tier_hook.stats() if hasattr(self.pool.tier_hook, "stats") else None,
             "tenants": {
                 label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}
                 for label, q in self._queried.items()

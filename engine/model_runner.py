@@ -10,6 +10,10 @@ KV cache (block-major, one block = one contiguous run of bytes)::
 
 An exported block is ``kv_cache[b]``'s bytes followed by ``kv_scales[b]``'s bytes (int8).
 fp8 uses one fixed per-tensor scale (1.0), so its blocks carry no scale bytes.
+
+On CUDA (docs/gpu.md): the Triton kernels, decode-only steps replayed from CUDA graphs
+(``engine.cuda_graphs``, when ``config.use_cuda_graphs``), and block exports/imports on a side
+stream so that tier transfers overlap the compute stream. CPU behaviour is unchanged.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.batch import BlockCopy, ScheduledBatch, SequenceChunk, StepResult
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model
-from engine.models.spec import ModelSpec, parse_checkpoint_config, read_special_ids
+from engine.models.spec import ArchConfig, ModelSpec, parse_checkpoint_config, read_special_ids
 from engine.sampling import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +50,20 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 class ModelRunner:
     """See the contract in engine/batch.py and the module docstring. Not thread-safe: one caller."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        arch: ArchConfig | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        model: LlamaForCausalLM | None = None,
+    ) -> None:
+        """Load ``config.model_dir`` (config.json, tokenizer, safetensors) onto ``config.device``.
+
+        ``arch``, ``tokenizer`` and ``model`` replace what would be read from the checkpoint: a
+        benchmark passes an in-memory random-weight model (engine.models.random_init), or shares
+        one loaded model between runners with different KV dtypes. ``model`` must be on the
+        device in the compute dtype, built for ``arch``."""
         self.config = config
         self.device = config.device
         self.block_size = config.block_size
@@ -51,9 +71,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, torch_device.type)
         self.kv_dtype = self.dtype if config.kv_dtype == "auto" else _KV_DTYPES[config.kv_dtype]
 
-        arch = parse_checkpoint_config(config.model_dir, config.max_model_len)
+        if arch is None:
+            arch = parse_checkpoint_config(config.model_dir, config.max_model_len)
         self.arch = arch
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = (
+            tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(config.model_dir)
+        )
         eos, bos = read_special_ids(config.model_dir)
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -70,7 +93,12 @@ class ModelRunner:
             bos_token_id=bos,
             dtype=str(self.dtype).removeprefix("torch."),
         )
-        self.model = build_model(arch, config.model_dir, torch_device, self.dtype)
+        if model is not None:
+            if model.arch != arch:
+                raise ValueError("the given model was built for a different ArchConfig")
+            self.model = model
+        else:
+            self.model = build_model(arch, config.model_dir, torch_device, self.dtype)
         self.ops = select_ops(torch_device)
         self.sampler = Sampler(torch_device)
 
@@ -88,22 +116,26 @@ class ModelRunner:
         fp8_scale = torch.ones(1, dtype=torch.float32, device=torch_device) if self.kv_dtype == torch.float8_e4m3fn else None
         self.layer_caches = [self._layer_cache(layer, fp8_scale) for layer in range(arch.num_layers)]
 
+        self._transfer_stream = torch.cuda.Stream(torch_device) if torch_device.type == "cuda" else None
+        self.decode_graphs: DecodeGraphs | None = None
+        if torch_device.type == "cuda" and config.use_cuda_graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.layer_caches, self.ops, self.block_size,
+                max_blocks_per_seq=-(-arch.max_model_len // self.block_size),
+                sizes=graph_batch_sizes(config.max_num_seqs), device=torch_device,
+            )
+            self.decode_graphs.capture()
+
     # ----------------------------------------------------------------------------------- setup
     def _count_blocks(self, device: torch.device) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
-            budget = int(free * self.config.kv_memory_fraction) - _CUDA_HEADROOM_BYTES
+            budget = kv_budget_from_free(free, self.config.kv_memory_fraction, _CUDA_HEADROOM_BYTES)
         else:
             budget = self.config.cpu_kv_bytes
-        blocks = budget // self.kv_bytes_per_block
-        if blocks < 2:
-            raise ValueError(
-                f"KV budget of {budget} bytes holds {blocks} blocks of {self.kv_bytes_per_block} bytes; "
-                "raise cpu_kv_bytes / kv_memory_fraction or set num_kv_blocks"
-            )
-        return int(blocks)
+        return kv_blocks_for_budget(budget, self.kv_bytes_per_block)
 
     def _layer_cache(self, layer: int, fp8_scale: torch.Tensor | None) -> LayerCache:
         k, v = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [NB, BS, Hkv, D] strided views
@@ -155,8 +187,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
         """Run one packed forward (writing K/V) and return logits float32:
-        [num sampled chunks, V] (last position of each chunk with sample=True), or [T, V] with all_logits."""
+        [num sampled chunks, V] (last position of each chunk with sample=True), or [T, V] with all_logits.
+
+        A decode-only batch on CUDA returns a view of a CUDA graph's output, valid until the next
+        forward: copy it to keep it. ``all_logits=True`` always runs eagerly."""
         self.copy_blocks(batch.block_copies)
+        graphs = self.decode_graphs
+        if graphs is not None and not all_logits and batch.is_decode_only and len(batch.chunks) <= graphs.sizes[-1]:
+            logits = graphs.run(batch.chunks)  # [B, V], a view of the graph's output
+            rows = [i for i, c in enumerate(batch.chunks) if c.sample]
+            return logits if len(rows) == len(batch.chunks) else logits[rows]
         input_ids, positions, meta = self._prepare(batch.chunks)
         hidden = self.model(input_ids, positions, self.layer_caches, meta, self.ops)  # [T, hidden]
         if not all_logits:
@@ -222,11 +262,25 @@ class ModelRunner:
         """-> CPU contiguous uint8 [len(block_ids), kv_bytes_per_block]."""
         ids = self._ids(block_ids)
         n = len(ids)
+        stream = self._transfer_stream
+        if stream is None:
+            return self._gather_packed(ids, n).cpu().contiguous()
+        # Side stream: after the compute work queued so far (it may still be writing these blocks),
+        # concurrent with what is queued later; only this stream is waited on.
+        stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        with torch.cuda.stream(stream):
+            packed = self._gather_packed(ids, n)
+            host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+        stream.synchronize()
+        return host
+
+    def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         data = self.ops.gather_blocks(self.kv_cache, ids).view(torch.uint8).reshape(n, -1)
         if self.kv_scales is not None:
             scales = self.ops.gather_blocks(self.kv_scales, ids).view(torch.uint8).reshape(n, -1)
             data = torch.cat([data, scales], dim=1)
-        return data.cpu().contiguous()
+        return data
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Inverse of ``export_blocks``: data uint8 [len(block_ids), kv_bytes_per_block] (any device)."""
@@ -236,7 +290,24 @@ class ModelRunner:
             raise ValueError(
                 f"expected uint8 [{n}, {self.kv_bytes_per_block}], got {data.dtype} {tuple(data.shape)}"
             )
-        data = data.to(self.kv_cache.device).contiguous()
+        stream = self._transfer_stream
+        if stream is None:
+            self._scatter_packed(ids, n, data.to(self.kv_cache.device).contiguous())
+            return
+        # H2D + scatter on the side stream; the compute stream waits for it on the device (no host
+        # sync), so the next step that reads these blocks sees them.
+        compute = torch.cuda.current_stream(self.kv_cache.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            if data.device.type == "cpu" and not data.is_pinned():
+                data = data.contiguous().pin_memory()
+            staged = data.to(self.kv_cache.device, non_blocking=True).contiguous()
+            self._scatter_packed(ids, n, staged)
+        compute.wait_stream(stream)
+        for t in (ids, staged):  # allocated on the side stream, used until it finishes
+            t.record_stream(stream)
+
+    def _scatter_packed(self, ids: torch.Tensor, n: int, data: torch.Tensor) -> None:
         kv = data[:, : self._cache_block_bytes].contiguous().view(self.kv_dtype)
         self.ops.scatter_blocks(self.kv_cache, ids, kv.reshape(n, *self.kv_cache.shape[1:]))
         if self.kv_scales is not None:

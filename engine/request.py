@@ -37,6 +37,7 @@ class QueueReason(enum.StrEnum):
     BATCH_FULL = "batch_full"
     TENANT_OVER_QUOTA = "tenant_over_quota"
     TOKEN_BUDGET = "token_budget"
+    RESTORING = "restoring"  # its prefix is being restored from a lower KV tier (engine.tiers)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     queue_reason: QueueReason | None = None
     num_preemptions: int = 0
+    num_bypassed: int = 0  # times a later request with a longer cached prefix was admitted first
     admit_seq: int = 0  # order of (re)admission: the latest admitted is preempted first
 
     first_scheduled_time: float | None = None

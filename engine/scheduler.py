@@ -34,6 +34,9 @@ from engine.block_pool import BlockPool
 from engine.prefix_index import EMPTY_MATCH, MatchResult
 from engine.request import QueueReason, Request, RequestStatus
 
+# Times a waiting request may be passed over for requests with longer cached prefixes.
+MAX_BYPASS = 8
+
 
 @dataclass
 class SchedulerOutput:
@@ -75,6 +78,8 @@ class Scheduler:
         self.service: dict[bytes, float] = {}  # tokens served per tenant (VTC counters)
         self.num_preemptions = 0
         self._admit_seq = itertools.count(1)
+        # Waiting requests an outside agent holds back, and why (engine.tiers restoring a prefix).
+        self.held: dict[str, QueueReason] = {}
 
     # ------------------------------------------------------------------ queue membership
 
@@ -153,6 +158,7 @@ class Scheduler:
         for ns, queue in self.waiting.items():
             for req in queue:
                 req.queue_reason = QueueReason.TENANT_OVER_QUOTA if ns in over_quota else stop_reason
+                req.queue_reason = QueueReason(self.held.get(req.request_id, req.queue_reason))
         out.batch = ScheduledBatch(tuple(chunks))
         return out
 
@@ -211,14 +217,13 @@ class Scheduler:
                 return QueueReason.TOKEN_BUDGET
             if len(self.running) >= self.max_num_seqs:
                 return QueueReason.BATCH_FULL
-            tenants = [ns for ns, q in self.waiting.items() if q and ns not in over_quota]
+            tenants = [ns for ns, q in self.waiting.items()
+                       if ns not in over_quota and any(r.request_id not in self.held for r in q)]
             if not tenants:
                 return QueueReason.NO_KV_BLOCKS  # only over-quota tenants (or none) remain
             ns = min(tenants, key=lambda t: self._tenant_key(t))
             queue = self.waiting[ns]
-            matches = [(self._match(r), r) for r in queue]
-            # longest cached prefix first; ties keep queue order (min is stable)
-            match, req = min(matches, key=lambda mr: -mr[0].cached_tokens)
+            match, req = self._pick_in_tenant(queue)
             n = min(req.num_tokens - match.cached_tokens, budget)
             new_blocks = req.blocks_needed(match.cached_tokens + n) - match.num_blocks
             revived = sum(1 for b in match.block_ids if self.pool.blocks[b].ref_cnt == 0)
@@ -228,6 +233,10 @@ class Scheduler:
                 continue
             if new_blocks + revived > self.pool.num_free:
                 return QueueReason.NO_KV_BLOCKS
+            for r in queue:  # everyone queued ahead of req was passed over once more
+                if r is req:
+                    break
+                r.num_bypassed += 1
             self.pool.touch(match.block_ids, ns)
             new = self.pool.allocate(new_blocks, ns)
             assert new is not None
@@ -246,6 +255,16 @@ class Scheduler:
             self._emit(req, n, out, chunks)
             out.admitted.append(req)
             budget -= n
+
+    def _pick_in_tenant(self, queue: deque[Request]) -> tuple[MatchResult, Request]:
+        """Longest cached prefix first (ties: queue order), except that a request passed over
+        ``MAX_BYPASS`` times goes first, so a cold request is not starved by a stream of hits."""
+        eligible = [r for r in queue if r.request_id not in self.held]  # held: a tier restore is under way
+        for r in eligible:
+            if r.num_bypassed >= MAX_BYPASS:
+                return self._match(r), r
+        matches = [(self._match(r), r) for r in eligible]
+        return min(matches, key=lambda mr: -mr[0].cached_tokens)  # min is stable: queue order on ties
 
     def _tenant_key(self, ns: bytes) -> tuple[int, float, float]:
         queue = self.waiting[ns]

@@ -12,6 +12,7 @@ The chat and completions routers only format what these produce.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,9 +32,12 @@ from gateway.ports import (
     make_usage_record,
     quota_error,
 )
+from gateway.remote import NodeUnavailableError
 from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
 from gateway.settings import GatewaySettings
+
+log = logging.getLogger("prefixgate.gateway")
 
 # Fields that only an upstream provider can honour; forwarded to it as-is.
 _PROVIDER_PASSTHROUGH = ("tool_choice", "response_format", "presence_penalty", "frequency_penalty", "logprobs",
@@ -228,24 +232,38 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
     client disconnect = cancellation), every unfinished engine request is cancelled and aborted,
     which frees its KV blocks.
     """
-    client = prep.backend.client
+    used: dict[int, Backend] = {}  # the backend each choice ended on (after any failover)
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
     finished: set[int] = set()
 
     async def pump(i: int, gr: GenerateRequest) -> None:
-        try:
-            if prep.backend.kind == "provider":
-                stream = client.stream(gr, prep.extra, incremental=prep.stream)
-            else:
-                stream = client.generate(gr)
-            async for out in stream:
-                await queue.put((i, out))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
-            await queue.put((i, exc))
+        backend = prep.backend
+        while True:
+            used[i] = backend
+            started = False
+            try:
+                if backend.kind == "provider":
+                    stream = backend.client.stream(gr, prep.extra, incremental=prep.stream)
+                else:
+                    stream = backend.client.generate(gr)
+                async for out in stream:
+                    started = True
+                    await queue.put((i, out))
+            except asyncio.CancelledError:
+                raise
+            except NodeUnavailableError as exc:
+                # Nothing was generated yet: another node of the pool can take the request.
+                alternative = None if started else router.failover(prep.model, backend)
+                if alternative is None:
+                    await queue.put((i, exc))
+                    return
+                backend = alternative
+                continue
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
+                await queue.put((i, exc))
+                return
+            await queue.put((i, None))
             return
-        await queue.put((i, None))
 
     with router.track(prep.backend):
         tasks = [asyncio.create_task(pump(i, gr)) for i, gr in enumerate(prep.requests)]
@@ -270,7 +288,7 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
                 await asyncio.gather(*tasks, return_exceptions=True)
                 for i, gr in enumerate(prep.requests):
                     if i not in finished:
-                        await client.abort(gr.request_id)
+                        await used.get(i, prep.backend).client.abort(gr.request_id)
 
 
 class Accounting:
@@ -300,24 +318,36 @@ class Accounting:
             if i % self.prep.n == 0:
                 prompt += out.prompt_tokens
                 cached += out.cached_tokens
-        return prompt, cached, sum(self.completion_seen.values())
+        # A provider can report cache reads its prompt count does not cover; never claim more hits than prompt.
+        return prompt, min(cached, prompt), sum(self.completion_seen.values())
 
     def usage_dict(self) -> dict[str, Any]:
         return usage_dict(*self.usage())
 
     def record(self, status: str) -> None:
+        """Write the ledger row, metrics and dashboard totals once. A ledger failure is logged with
+        the request id, never turned into an error for a response that has already been produced."""
         if self.recorded:
             return
         self.recorded = True
+        try:
+            self._record(status)
+        except Exception:
+            log.exception("could not record usage of request %s", self.prep.request_id)
+
+    def _record(self, status: str) -> None:
         prep = self.prep
         prompt, cached, completion = self.usage()
         latency = time.perf_counter() - self.start
-        price = self.tenancy.price(prep.model, prompt, cached, completion)
+        # The ledger and the price use the model that did the work: for a provider route that is the
+        # provider's model (priced from litellm's map), not the alias the client sent.
+        model = prep.backend.target_model if prep.backend.kind == "provider" else prep.model
+        price = self.tenancy.price(model, prompt, cached, completion)
         cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)
         t = prep.tenant
         self.tenancy.record_usage(make_usage_record(UsageRow(
-            request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=prep.model,
+            request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
             ttft_s=self.ttft, latency_s=latency, status=status,
         )))

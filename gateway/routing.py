@@ -9,6 +9,7 @@ gives that with no shared state, and adding or removing a node only moves the ke
             h_0 = SHA-256(namespace), h_i = SHA-256(h_{i-1} || block_i)      (like the engine's index)
     node  = argmax_n SHA-256(key || n.url)
     guard: if inflight(node) > load_factor * (min_inflight + 1): take the least-loaded node instead
+    down:  a node that refused a connection is skipped for DOWN_S seconds (all down: try them all)
 
 The guard trades a cache miss for not piling work on one hot node.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from engine.protocol import EngineClient, ModelCard
 from gateway.errors import OpenAIError
 
 ROUTE_BLOCK_BYTES = 256
+DOWN_S = 10.0
 
 
 @dataclass
@@ -42,6 +45,11 @@ class Backend:
     client: EngineClient
     target_model: str
     inflight: int = 0
+    down_until: float = 0.0  # time.monotonic() before which the node is skipped
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
 
 
 @dataclass
@@ -81,8 +89,8 @@ def rendezvous_order(key: bytes, backends: Sequence[Backend]) -> list[Backend]:
 
 
 def choose(key: bytes, backends: Sequence[Backend], load_factor: float) -> Backend:
-    """Rendezvous choice with the load guard described in the module docstring."""
-    order = rendezvous_order(key, backends)
+    """Rendezvous choice among nodes that are up, with the load guard of the module docstring."""
+    order = rendezvous_order(key, [b for b in backends if b.up] or backends)
     best = order[0]
     least = min(b.inflight for b in order)
     if best.inflight > load_factor * (least + 1):
@@ -143,6 +151,13 @@ class Router:
                 max_len = max(lens) if lens else 0
             cards[route.model] = ModelCard(id=route.model, max_model_len=max_len)
         return list(cards.values())
+
+    def failover(self, model: str, failed: Backend) -> Backend | None:
+        """Mark ``failed`` down and return the least-loaded other node of ``model``'s pool, if any."""
+        failed.down_until = time.monotonic() + DOWN_S
+        route = self.routes.get(model)
+        others = [b for b in (route.backends if route else []) if b is not failed and b.up]
+        return min(others, key=lambda b: b.inflight) if others else None
 
     def max_model_len(self, backend: Backend) -> int | None:
         for card in backend.client.models():

@@ -104,8 +104,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_s
     k = k.repeat_interleave(group, dim=1)  # [Tk, Hq, D]
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [Hq, Tq, Tk]
-    q_pos = torch.arange(q_start, q_start + tq).unsqueeze(1)
-    k_pos = torch.arange(tk).unsqueeze(0)
+    # On q's device: a CPU mask cannot index a CUDA score tensor (the GPU tests compare against this).
+    q_pos = torch.arange(q_start, q_start + tq, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(tk, device=q.device).unsqueeze(0)
     scores = scores.masked_fill((k_pos > q_pos).unsqueeze(0), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)

@@ -52,3 +52,12 @@ def test_cli_help_and_unknown_command():
     assert ok.returncode == 0 and "prefixgate" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "gateway.cli.main", "no-such-cmd"], capture_output=True, text=True)
     assert bad.returncode == 2
+
+
+def test_home_flag_before_or_after_the_subcommand():
+    from gateway.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--home", "/x", "serve"]).home == "/x"
+    assert parser.parse_args(["serve", "--home", "/y"]).home == "/y"
+    assert parser.parse_args(["serve"]).home is None

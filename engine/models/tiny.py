@@ -71,6 +71,10 @@ def tiny_config_dict(eos_token_ids: list[int], pad_token_id: int) -> dict:
         "torch_dtype": "bfloat16",
         "dtype": "bfloat16",
         "use_cache": True,
+        # transformers 5.x warns about a "Mistral regex" on >100k-vocab local tokenizers whose
+        # config.json predates 5.0 or lacks a version; our pattern is tiktoken's and is verified
+        # by the round-trip tests, so we declare the format version we write.
+        "transformers_version": "5.0.0",
     }
 
 

@@ -21,9 +21,11 @@ is contiguous up to ``vocab_size`` (a multiple of 128 for friendly matmul shapes
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
@@ -41,7 +43,14 @@ CHAT_TEMPLATE = """\
 {%- macro text(content) -%}
 {%- if content is none -%}
 {%- elif content is string -%}{{ content }}
-{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content -%}
+{%- if part.type == 'text' -%}
+{%- if part.text is not string -%}{{ raise_exception('a text content part needs a "text" string') }}{%- endif -%}
+{{ part.text }}
+{%- endif -%}
+{%- endfor -%}
+{%- else -%}{{ raise_exception('message content must be a string, a list of parts or null') }}
 {%- endif -%}
 {%- endmacro -%}
 {%- set first_is_system = messages | length > 0 and messages[0].role == 'system' -%}
@@ -65,6 +74,7 @@ For each call, answer with a JSON object inside <tool_call></tool_call>:
 {{ text(messages[0].content) }}<|im_end|>
 {% endif -%}
 {%- for message in messages -%}
+{%- if message.role is not string -%}{{ raise_exception('every message needs a "role" string') }}{%- endif -%}
 {%- if not (loop.first and first_is_system) -%}
 <|im_start|>{{ message.role }}
 {{ text(message.content) }}
@@ -134,12 +144,38 @@ def _default_tiktoken_cache() -> None:
             os.environ["TIKTOKEN_CACHE_DIR"] = str(bundled)
 
 
+# Where tiktoken downloads each encoding from; its local cache names the file sha1(url).
+ENCODING_URLS = {
+    "cl100k_base": "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken",
+    "o200k_base": "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
+    "p50k_base": "https://openaipublic.blob.core.windows.net/encodings/p50k_base.tiktoken",
+}
+
+
+def _require_local_encoding(encoding_name: str) -> None:
+    """Fail with instructions instead of letting tiktoken try (and fail) to download the file."""
+    url = ENCODING_URLS.get(encoding_name)
+    if url is None:
+        raise ValueError(f"unknown encoding {encoding_name!r}; known: {', '.join(ENCODING_URLS)}")
+    cache_dir = (
+        os.environ.get("TIKTOKEN_CACHE_DIR")
+        or os.environ.get("DATA_GYM_CACHE_DIR")
+        or os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    )
+    if not (Path(cache_dir) / hashlib.sha1(url.encode()).hexdigest()).is_file():
+        raise ValueError(
+            f"tiktoken's {encoding_name} file is not in {cache_dir}; set TIKTOKEN_CACHE_DIR to a folder "
+            "holding it (litellm ships one in litellm/litellm_core_utils/tokenizers)"
+        )
+
+
 def build_tokenizer(encoding_name: str = "cl100k_base", vocab_size: int = 100352) -> PreTrainedTokenizerFast:
     """A fast tokenizer whose ids equal ``tiktoken.get_encoding(encoding_name)``'s on any text.
 
     Raises ValueError if ``vocab_size`` cannot hold the encoding's tokens.
     """
     _default_tiktoken_cache()
+    _require_local_encoding(encoding_name)
     import tiktoken  # imported here: only the tiny-model builder needs it
 
     encoding = tiktoken.get_encoding(encoding_name)

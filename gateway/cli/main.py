@@ -41,18 +41,19 @@ def resolve_home(value: str | None) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--home",
-        default=None,
-        help="state directory (database, keys, default model, NVMe tier); default $PREFIXGATE_HOME "
-        "or the user's data directory",
+    home_help = (
+        "state directory (database, keys, default model, NVMe tier); default $PREFIXGATE_HOME "
+        "or the user's data directory"
     )
+    # Subcommands inherit --home with a SUPPRESSed default: a nested parser's default would otherwise
+    # overwrite the value of `prefixgate --home X serve` with None.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--home", default=argparse.SUPPRESS, help=home_help)
     parser = argparse.ArgumentParser(
         prog="prefixgate",
         description="PrefixGate: a multi-tenant prompt-cache gateway for LLM serving.",
-        parents=[common],
     )
+    parser.add_argument("--home", default=None, help=home_help)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in sorted(pkgutil.iter_modules(cli_pkg.__path__), key=lambda m: m.name):
         if mod.name.endswith("_cmd"):

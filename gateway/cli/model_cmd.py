@@ -38,7 +38,7 @@ def _no_action(parser: argparse.ArgumentParser) -> int:
 
 def _init_tiny(args: argparse.Namespace) -> int:
     # Imported here so `prefixgate --help` stays fast (torch, transformers, tiktoken are heavy).
-    from engine.models.tiny import build_tiny_checkpoint, is_tiny_checkpoint
+    from engine.launch import build_tiny_checkpoint, is_tiny_checkpoint
 
     out = Path(args.out).expanduser() if args.out else resolve_home(getattr(args, "home", None)) / "models" / "tiny"
     if out.exists() and not out.is_dir():

@@ -55,7 +55,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="TOML or YAML file with [server], [engine], [[routes]]")
     p.add_argument("--kv-blocks", default=None, help="KV blocks on the device (default: sized by the engine)")
     p.add_argument("--dram-bytes", default=None, help="CPU DRAM tier size, e.g. 8GiB (default 0: off)")
-    p.add_argument("--nvme-dir", default=None, help="directory of the NVMe tier")
+    p.add_argument("--nvme-dir", default=None, help="directory of the NVMe tier (default <home>/nvme)")
     p.add_argument("--nvme-bytes", default=None, help="NVMe tier size, e.g. 100GiB")
     p.add_argument("--node-token-env", default=None,
                    help="environment variable holding the shared token that enables the internal node API")
@@ -115,6 +115,8 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
             raise CLIError(f"--model {model}: not a checkpoint directory (no config.json); use a directory or 'tiny'")
         values["model"], values["model_dir"] = path.name, path
     values["home"] = home
+    if values.get("nvme_bytes") and not values.get("nvme_dir"):  # the NVMe tier lives under --home by default
+        values["nvme_dir"] = home / "nvme"
     try:
         return GatewaySettings(**values)
     except ValidationError as exc:

@@ -212,3 +212,33 @@ def test_fragmentation_counts_unused_slots_of_allocated_blocks():
     engine.add_request(greq("f", prompt(1, 10), max_tokens=30))
     engine.step()  # 10 prompt tokens + 1 sampled = 11 tokens in 2 blocks (16 slots)
     assert engine.fragmentation() == pytest.approx(5 / 16)
+
+
+def test_preemption_eviction_and_queue_metrics_and_tier_hook():
+    evicted = []
+
+    class Hook:
+        def on_evict(self, block):
+            evicted.append(block)
+
+        def lookup(self, namespace, hashes):
+            return 0
+
+    registry = CollectorRegistry()
+    runner = FakeRunner(num_kv_blocks=8, block_size=BS)
+    config = EngineConfig(model_dir="fake", block_size=BS, max_num_batched_tokens=64, max_num_seqs=2)
+    engine = LLMEngine(config, runner, EngineMetrics(registry), tier_hook=Hook())
+    ps = {f"r{i}": prompt(i, 20) for i in range(4)}
+    for rid, p in ps.items():
+        engine.add_request(greq(rid, p, max_tokens=20))
+    first = {o.request_id: list(o.new_token_ids) for o in engine.step()}
+    text = generate_latest(registry).decode()
+    assert 'prefixgate_waiting_requests{reason="batch_full"} 2.0' in text
+    res = run_all(engine)
+    for rid, p in ps.items():
+        assert first.get(rid, []) + res[rid]["ids"] == reference_generate(p, 20)
+    text = generate_latest(registry).decode()
+    preemptions = engine.scheduler.num_preemptions
+    assert preemptions > 0 and f"prefixgate_preemptions_total {float(preemptions)}" in text
+    assert evicted and f'prefixgate_kv_evictions_total{{tier="hbm"}} {float(len(evicted))}' in text
+    assert {b.namespace for b in evicted} == {b"t"} and all(b.depth >= 0 for b in evicted)

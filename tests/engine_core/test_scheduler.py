@@ -177,3 +177,22 @@ def test_queue_reasons_token_budget_and_no_kv_blocks():
     s2.add(make_request("b", range(50, 62)))
     run_step(s2)
     assert s2.waiting[b"t"][0].queue_reason is QueueReason.NO_KV_BLOCKS
+
+
+def test_a_cold_request_is_not_starved_by_a_stream_of_prefix_hits():
+    from engine.scheduler import MAX_BYPASS
+
+    s = sched(max_num_seqs=1)
+    warm = make_request("warm", list(range(12)) + [50])
+    s.add(warm)
+    run_step(s)
+    s.remove(warm)
+    s.add(make_request("cold", [90] * 13))
+    admitted = []
+    for i in range(MAX_BYPASS + 2):
+        s.add(make_request(f"hit{i}", list(range(12)) + [60 + i]))
+        out = run_step(s)
+        admitted.append(out.admitted[0].request_id)
+        s.remove(out.requests[0])
+    assert admitted[:MAX_BYPASS] == [f"hit{i}" for i in range(MAX_BYPASS)]
+    assert admitted[MAX_BYPASS] == "cold"

@@ -107,7 +107,8 @@ def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _cli(*args, env=None):
+def _cli(*args, env):
+    env = {**env, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "gateway.cli.main", *args], capture_output=True, text=True, env=env, timeout=300
     )
@@ -131,8 +132,6 @@ def test_cli_init_tiny_builds_deterministically_and_reuses(tiny_dir, tmp_path):
     env_elsewhere = {**os.environ, "PREFIXGATE_HOME": str(tmp_path / "elsewhere")}
     plain = _cli("--home", str(tmp_path / "home"), "model", "init-tiny", env=env_elsewhere)
     assert plain.returncode == 0 and plain.stdout.strip() == str(out.resolve())
-    plain = _cli("model", "init-tiny", "--home", str(tmp_path / "home"), env=env_elsewhere)
-    assert plain.returncode == 0 and plain.stdout.strip() == str(out.resolve())
 
 
 def test_cli_init_tiny_refuses_foreign_directory(tmp_path):
@@ -144,3 +143,11 @@ def test_cli_init_tiny_refuses_foreign_directory(tmp_path):
     assert res.stderr.startswith("prefixgate: error:") and "not a tiny checkpoint" in res.stderr
     assert (foreign / "precious.txt").read_text() == "keep me"
     shutil.rmtree(foreign)
+
+
+def test_cli_init_tiny_without_the_tiktoken_file_says_what_to_do(tmp_path):
+    env = {**os.environ, "PREFIXGATE_HOME": str(tmp_path), "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")}
+    res = _cli("model", "init-tiny", env=env)
+    assert res.returncode == 2
+    assert "cl100k_base file is not in" in res.stderr and "TIKTOKEN_CACHE_DIR" in res.stderr
+    assert not (tmp_path / "models" / "tiny").exists()

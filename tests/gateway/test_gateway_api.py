@@ -271,3 +271,15 @@ def test_dashboard_data_scoped_by_key(parts):
     own = client.get("/dashboard/data", headers=auth(keys["b"])).json()
     assert own["scope"] == "own" and [t["tenant"] for t in own["tenants"]] == ["beta"]
     assert_openai_error(client.get("/dashboard/data"), 401)
+
+
+def test_chat_template_failure_is_a_400(parts):
+    client, engine, _, keys = parts
+
+    def refuse(request):
+        raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
+
+    engine.count_prompt_tokens = refuse
+    err = assert_openai_error(client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"])), 400,
+                              param="messages")
+    assert "roles must alternate" in err["message"]

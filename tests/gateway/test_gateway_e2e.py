@@ -23,11 +23,12 @@ pytest.importorskip("tenancy.service", reason="tenancy has not landed yet")
 pytest.importorskip("promptlint.canon", reason="promptlint.canon has not landed yet")
 
 from gateway_fakes import LoopbackServer  # noqa: E402
-from tenancy.service import TenancyService  # noqa: E402
+from test_gateway_sdk import CHROMIUM, render_dashboard  # noqa: E402
 
 from gateway.app import create_app  # noqa: E402
-from gateway.cli.serve_cmd import dev_api_key, ensure_tiny_model  # noqa: E402
+from gateway.cli.serve_cmd import dev_api_key  # noqa: E402
 from gateway.settings import GatewaySettings, RouteConfig  # noqa: E402
+from tenancy.service import TenancyService  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEM = ("You are the support assistant of ExampleCo. Answer briefly, politely and only about our products. "
@@ -41,7 +42,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -63,9 +64,8 @@ def env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    h = tmp_path_factory.mktemp("pg-home")
-    ensure_tiny_model(h)
-    return h
+    # `serve --model tiny` builds the tiny model itself: this test process never imports torch.
+    return tmp_path_factory.mktemp("pg-home")
 
 
 @pytest.fixture(scope="module")
@@ -175,21 +175,28 @@ def test_canonicalization_header_and_cache_hits(server, tenants):
 
 def test_usage_ledger_and_metrics(server, tenants):
     h = {"Authorization": f"Bearer {tenants['beta']}"}
-    httpx.post(f"{server}/v1/chat/completions", headers=h, timeout=120,
-               json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
+    for key in (tenants["acme"], tenants["beta"]):
+        httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
     time.sleep(1.5)  # the ledger writer batches rows
     usage = httpx.get(f"{server}/v1/usage", headers=h, timeout=30)
     assert usage.status_code == 200 and usage.json()
     assert "beta" in usage.text and "acme" not in usage.text
     assert httpx.get(f"{server}/v1/usage?since=soon", headers=h, timeout=30).status_code == 400
+    other = httpx.get(f"{server}/v1/usage?tenant=acme", headers=h, timeout=30)
+    assert other.status_code == 403 and other.json()["error"]["code"] == "permission_denied"
+    admin = httpx.get(f"{server}/v1/usage?tenant=acme&since=1d", timeout=30,
+                      headers={"Authorization": f"Bearer {tenants['admin']}"})
+    assert admin.status_code == 200 and "acme" in admin.text
     metrics = httpx.get(f"{server}/metrics", timeout=30).text
     assert 'prefixgate_gateway_requests_total{backend="local",status="ok"' in metrics
+    assert "prefixgate_prompt_tokens_hit" in metrics  # the engine's collectors share the registry
 
 
-def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path):
+def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path, monkeypatch):
     """A gateway-only process in front of the serving one: as an engine node and as an OpenAI upstream."""
-    os.environ["PG_E2E_NODE_TOKEN"] = "e2e-node-token"
-    os.environ["PG_E2E_UPSTREAM_KEY"] = tenants["acme"]
+    monkeypatch.setenv("PG_E2E_NODE_TOKEN", "e2e-node-token")
+    monkeypatch.setenv("PG_E2E_UPSTREAM_KEY", tenants["acme"])
     front_home = tmp_path / "front"
     svc = TenancyService.open(front_home)
     key = svc.create_tenant("frontco").api_key
@@ -206,6 +213,34 @@ def test_gateway_routes_to_node_and_litellm_upstream(server, tenants, tmp_path):
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
             again = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
             assert again.usage.prompt_tokens_details.cached_tokens > 0, model
+
+
+def test_client_disconnect_frees_the_engine_request(server, tenants):
+    node = {"Authorization": "Bearer e2e-node-token"}  # the node API exposes the engine's stats
+    h = {"Authorization": f"Bearer {tenants['acme']}"}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "stream": True, "temperature": 0}
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{server}/v1/chat/completions", json=body,
+                                                         headers=h) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(4))
+        assert httpx.get(f"{server}/internal/v1/stats", headers=node, timeout=30).json()["running"] == 1
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        stats = httpx.get(f"{server}/internal/v1/stats", headers=node, timeout=30).json()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats  # aborted, its blocks released
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed")
+def test_dashboard_of_the_real_server_in_chromium(server, tenants, tmp_path):
+    for name in ("acme", "beta"):  # make sure both tenants have traffic, whatever ran before
+        sdk(server, tenants[name]).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    dom = render_dashboard(f"{server}/dashboard#key={tenants['admin']}", tmp_path, "dashboard-e2e.png")
+    assert "all tenants" in dom and "data-tenant=" in dom
+    own = render_dashboard(f"{server}/dashboard#key={tenants['beta']}", tmp_path, "dashboard-e2e-beta.png")
+    assert "your tenant" in own and own.count("data-tenant=") == 1
 
 
 def test_dev_key_is_created_once_and_kept_private(tmp_path):

@@ -163,6 +163,7 @@ def test_litellm_route_to_openai_compatible_upstream(monkeypatch):
             assert usage["prompt_tokens_details"]["cached_tokens"] > 0
             assert tenancy.rows[-1].cached_tokens == usage["prompt_tokens_details"]["cached_tokens"]
             assert tenancy.rows[-1].backend == "litellm:openai/tiny"
+            assert tenancy.rows[-1].model == "openai/tiny"  # priced as the provider's model, not the alias
             # the tenant namespace travels as cache_salt; the upstream saw our model name and the key
             assert up.url and upstream.bodies[0]["cache_salt"] == tenancy.keys[key].namespace.hex()
             assert upstream.bodies[0]["model"] == "tiny"
@@ -173,3 +174,30 @@ def test_litellm_route_to_openai_compatible_upstream(monkeypatch):
             # an upstream 400 (context too long there) stays a 400 here
             too_long = client.post("/v1/chat/completions", json={**body, "max_tokens": 255}, headers=h)
             assert too_long.status_code == 400 and too_long.json()["error"]["message"]
+
+
+def test_unreachable_node_fails_over_to_another(node_pool):
+    engines, servers = node_pool
+    tenancy = FakeTenancy()
+    key = tenancy.add("acme")
+    import socket
+
+    with socket.socket() as s:  # a port with nobody listening: connection refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    route = RouteConfig(model="tiny", nodes=(dead, servers[0].url), node_token_env="PG_TEST_NODE_TOKEN")
+    app = create_app(GatewaySettings(routes=(route,)), tenancy=tenancy)
+    with TestClient(app) as client:
+        h = {"Authorization": f"Bearer {key}"}
+        for i in range(6):  # different prompts: some would hash to the dead node
+            body = {**CHAT, "messages": [{"role": "user", "content": f"question {i} " * 40}]}
+            r = client.post("/v1/chat/completions", json=body, headers=h)
+            assert r.status_code == 200, r.text
+        assert len(engines[0].requests) == 6
+        dead_backend = app.state.router.routes["tiny"].backends[0]
+        assert not dead_backend.up  # skipped for a while after it refused
+    # a pool whose only node is down answers 503 in the OpenAI shape
+    only_dead = create_app(GatewaySettings(routes=(RouteConfig(model="tiny", nodes=(dead,)),)), tenancy=tenancy)
+    with TestClient(only_dead) as client:
+        r = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "node_unavailable"

@@ -66,16 +66,21 @@ def test_dashboard_renders_in_headless_chromium(server, tmp_path):
     for _ in range(2):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
     sdk(srv, keys["b"]).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    dom = render_dashboard(f"{srv.url}/dashboard#key={keys['admin']}", tmp_path, "dashboard.png")
+    assert 'data-tenant="acme"' in dom and 'data-tenant="beta"' in dom
+    assert "all tenants" in dom
+
+
+def render_dashboard(url: str, tmp_path: Path, png: str) -> str:
+    """Load the dashboard in headless Chromium: return the DOM after its script ran; save a screenshot."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    shot = ARTIFACTS / "dashboard.png"
+    shot = ARTIFACTS / png
     shot.unlink(missing_ok=True)
-    url = f"{srv.url}/dashboard#key={keys['admin']}"
     flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=4000", "--window-size=1280,720"]
     dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=60).stdout
-    assert 'data-loaded="1"' in dom, dom[-2000:]
-    assert 'data-tenant="acme"' in dom and 'data-tenant="beta"' in dom
-    assert "all tenants" in dom and '<span id="status">error' not in dom
+    assert 'data-loaded="1"' in dom and '<span id="status">error' not in dom, dom[-2000:]
     subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=60)
     assert shot.exists() and shot.stat().st_size > 5000
+    return dom

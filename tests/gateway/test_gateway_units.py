@@ -127,3 +127,18 @@ def test_node_wire_round_trip():
     assert back.sampling == req.sampling and list(back.messages) == list(req.messages) and back.model == "m"
     out = RequestOutput("r", (1, 2), "ab", True, 5, 4, 2, finish_reason="stop", token_times_s=(0.1, 0.2))
     assert output_from_wire(output_to_wire(out)) == out
+
+
+def test_serve_settings_from_flags_and_file(tmp_path):
+    import argparse
+
+    from gateway.cli.serve_cmd import build_settings
+
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("server:\n  port: 9100\nengine:\n  dram_bytes: 1GiB\n")
+    args = argparse.Namespace(config=str(cfg), host=None, port="9200", model="none", device=None, kv_blocks="64",
+                              dram_bytes=None, nvme_dir=None, nvme_bytes="2GiB", node_token_env=None)
+    s = build_settings(args, tmp_path)
+    assert s.port == 9200  # a flag beats the file
+    assert s.dram_bytes == 1024**3 and s.kv_blocks == 64 and s.model is None and s.home == tmp_path
+    assert s.nvme_bytes == 2 * 1024**3 and s.nvme_dir == tmp_path / "nvme"

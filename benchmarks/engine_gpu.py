@@ -1,0 +1,545 @@
+"""The engine on one GPU, end to end, against transformers on the same weights, in one run.
+
+    python benchmarks/engine_gpu.py [--out benchmarks/results/engine_gpu_h200.json]
+    python benchmarks/engine_gpu.py --smoke --device cpu     # the same flow on tiny shapes (CPU check)
+
+Sections (each writes its figures into the JSON as soon as it ends; a failing section records its
+error and the run goes on):
+  ceilings     device-to-device copy bandwidth (bytes read + written / time), the decode floor's divisor
+  correctness  a small random model, fp32: engine greedy tokens (CUDA graphs, chunked prefill,
+               prefix hits) == transformers greedy generate on the very same weight tensors
+  decode       Llama-3.1-8B shape, random bf16 weights built on the GPU: batch 32 x 2,048-token
+               prompts, 128 new tokens; transformers generate vs the engine, output tokens/s; mean
+               decode step vs its floor (weight + KV bytes read per step / copy bandwidth)
+  prefix       TTFT of an 8,192-token prompt with 7,680 tokens cached vs cold
+  capacity     same KV bytes, bf16 vs fp8: peak concurrent 4K-token sequences; fp8-vs-bf16 greedy agreement
+  tenants      8 tenants x N requests (2,048-token system prompt each + 200 unique tokens): throughput,
+               TTFT p50/p95, prefix caching on vs off (all requests arrive at once)
+A table is printed last. Random weights: token *values* mean nothing, timings and equalities do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from engine.batch import ScheduledBatch  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.models.random_init import LLAMA31_8B_SHAPE, build_random_model, llama_config_dict  # noqa: E402
+from engine.models.spec import parse_checkpoint_config  # noqa: E402
+from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
+
+SMALL_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096, "rms_norm_eps": 1e-5,
+               "rope_theta": 10000.0, "max_position_embeddings": 2048}
+SMOKE_8B = {**SMALL_SHAPE, "num_hidden_layers": 2, "vocab_size": 2048}  # --smoke stand-in for the 8B shape
+
+
+class IdTokenizer:
+    """Random-weight models have no vocabulary: token ids are the text (the engine detokenizes)."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+
+class TimedRunner:
+    """Wraps a ModelRunner: wall time of every execute (it ends in the sampling sync) and its shape."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.steps: list[tuple[float, int, bool, int]] = []  # (seconds, chunks, decode-only, context tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def execute(self, batch: ScheduledBatch):
+        t0 = time.perf_counter()
+        out = self.runner.execute(batch)
+        ctx = sum(c.context_len for c in batch.chunks)
+        self.steps.append((time.perf_counter() - t0, len(batch.chunks), batch.is_decode_only, ctx))
+        return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+        return (sha or "unknown") + ("-dirty" if dirty.strip() else "")
+    except OSError:
+        return os.environ.get("PREFIXGATE_COMMIT", "unknown")
+
+
+def arch_for(shape: dict, max_model_len: int):
+    cfg = llama_config_dict(**shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+        return cfg, parse_checkpoint_config(Path(tmp), max_model_len)
+
+
+def hf_sharing(model, cfg: dict, device: str):
+    """transformers' LlamaForCausalLM whose parameters ARE our model's tensors (no copy)."""
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    hf_cfg = LlamaConfig(**cfg)
+    with torch.device("meta"):
+        hf = HFLlama(hf_cfg)
+    hf.load_state_dict(model.state_dict(), strict=True, assign=True)
+    rope_cls = type(hf.model.rotary_emb)  # its buffers were made on meta; rebuild them for real
+    try:
+        hf.model.rotary_emb = rope_cls(config=hf_cfg, device=device)  # transformers <= 5.17 takes device
+    except TypeError:
+        hf.model.rotary_emb = rope_cls(config=hf_cfg).to(device)
+    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    assert not left, f"transformers tensors left on meta: {left[:3]}"
+    return hf.eval()
+
+
+def make_engine(config: EngineConfig, runner, num_blocks: int | None = None) -> LLMEngine:
+    return LLMEngine(config, runner, num_blocks=num_blocks)
+
+
+def run_requests(engine: LLMEngine, reqs: list[GenerateRequest]) -> dict:
+    """Add all requests at once, step to completion -> wall time, per-request TTFT, outputs, peak running."""
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.add_request(r)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    ttft: dict[str, float] = {}
+    cached: dict[str, int] = {}
+    peak = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+        now = time.perf_counter() - t0
+        for o in outs:
+            if o.new_token_ids and o.request_id not in ttft:
+                ttft[o.request_id] = now
+            tokens[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                cached[o.request_id] = o.cached_tokens
+                if o.error:
+                    raise RuntimeError(f"{o.request_id}: {o.error}")
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "ttft": ttft, "tokens": tokens, "cached": cached, "peak_running": peak}
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+# ----------------------------------------------------------------------------------- sections
+def sec_ceilings(dev: str) -> dict:
+    n = (2 << 30) if dev.startswith("cuda") else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(dev)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    t = sorted(times)[len(times) // 2]
+    return {"copy_bytes": n, "copy_s": t, "copy_bw_Bps": 2 * n / t}
+
+
+def sec_correctness(dev: str, args) -> dict:
+    """fp32 small model: the engine (graphs, chunked prefill, prefix hits) vs transformers greedy."""
+    cfg, arch = arch_for(SMALL_SHAPE, 1024)
+    model = build_random_model(arch, dev, torch.float32, seed=1, std=0.05)
+    hf = hf_sharing(model, cfg, dev)
+    config = EngineConfig(model_dir=Path("random-small"), device=dev, dtype="float32", num_kv_blocks=1024,
+                          max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
+    runner = ModelRunner(config, arch=arch, tokenizer=IdTokenizer(), model=model)
+    rng = random.Random(0)
+    base = [rng.randrange(arch.vocab_size) for _ in range(600)]
+    prompts = [base[:5], base[:37], [rng.randrange(arch.vocab_size) for _ in range(300)], base[:513],
+               base[:496] + [7, 8, 9, 10, 11], base[:600]]
+    n_new = 24
+    engine = make_engine(config, runner)
+    reqs = [GenerateRequest(f"c{i}", StaticTenantScope(), greedy(n_new), prompt_token_ids=p)
+            for i, p in enumerate(prompts)]
+    res = run_requests(engine, reqs[:3])  # the first three; then three that hit their prefixes
+    res2 = run_requests(engine, reqs[3:])
+    ours = [res["tokens"][f"c{i}"] for i in range(3)] + [res2["tokens"][f"c{i}"] for i in range(3, 6)]
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=dev)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    equal = [a == b for a, b in zip(ours, refs, strict=True)]
+    graphs = runner.decode_graphs
+    return {
+        "model": "random fp32, hidden 512, 4 layers, 8/2 heads, vocab 4096",
+        "prompt_lens": [len(p) for p in prompts], "new_tokens": n_new,
+        "cached_tokens": [res["cached"].get(f"c{i}", 0) for i in range(3)] + [res2["cached"][f"c{i}"] for i in range(3, 6)],
+        "equal": equal, "all_equal": all(equal),
+        "graph_decode_steps": graphs.num_runs if graphs else 0,
+        "first_mismatch": next(({"i": i, "ours": a, "hf": b} for i, (a, b, e) in enumerate(zip(ours, refs, equal))
+                                if not e), None),
+    }
+
+
+def weight_read_bytes(model) -> int:
+    """Bytes of weights a decode step reads: all but the embedding table (only B rows are gathered)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def sec_decode(dev, args, cfg, model, hf, runner, config, bw) -> dict:
+    b, plen, new = args.batch, args.prompt_len, args.new_tokens
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, cfg["vocab_size"], (b, plen), generator=g)
+    out: dict[str, Any] = {"batch": b, "prompt_len": plen, "new_tokens": new}
+    # transformers generate (dynamic cache, SDPA), same model tensors and inputs
+    if hf is not None:
+        ids = prompts.to(dev)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            hf.generate(ids[:, :256], attention_mask=mask[:, :256], max_new_tokens=4, do_sample=False, pad_token_id=0)
+            sync(dev)
+            t0 = time.perf_counter()
+            hf.generate(ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+            sync(dev)
+            hf_prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            hf_out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=0)
+            sync(dev)
+            hf_wall = time.perf_counter() - t0
+        out["hf"] = {"wall_s": hf_wall, "prefill_s": hf_prefill, "out_tok_s": b * new / hf_wall,
+                     "decode_tok_s": b * (new - 1) / max(1e-9, hf_wall - hf_prefill),
+                     "prompt_tok_s": b * plen / hf_prefill}
+        hf_tokens = hf_out[:, plen:].cpu().tolist()
+        del hf_out
+        gc.collect()
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    # the engine: warm-up (compile kernels at these shapes), then the timed run
+    timed = TimedRunner(runner)
+    warm = make_engine(replace(config, enable_prefix_caching=False), timed)
+    run_requests(warm, [GenerateRequest(f"w{i}", StaticTenantScope(), greedy(4), prompt_token_ids=prompts[i].tolist())
+                        for i in range(min(4, b))])
+    engine = make_engine(replace(config, enable_prefix_caching=False), timed)
+    timed.steps.clear()
+    sync(dev)
+    res = run_requests(engine, [GenerateRequest(f"d{i}", StaticTenantScope(), greedy(new),
+                                                prompt_token_ids=prompts[i].tolist()) for i in range(b)])
+    dec = [s for s in timed.steps if s[2] and s[1] == b]
+    step_s = sum(s[0] for s in dec) / max(1, len(dec))
+    mean_ctx = sum(s[3] for s in dec) / max(1, len(dec))
+    kv_read = mean_ctx * runner.kv_bytes_per_block / runner.block_size
+    w_read = weight_read_bytes(model)
+    floor_s = (w_read + kv_read) / bw
+    prefill_s = sum(s[0] for s in timed.steps if not s[2])
+    out["engine"] = {
+        "wall_s": res["wall_s"], "out_tok_s": b * new / res["wall_s"], "prefill_s": prefill_s,
+        "prompt_tok_s": b * plen / prefill_s if prefill_s else None,
+        "decode_steps": len(dec), "decode_step_ms": 1e3 * step_s, "decode_tok_s": b / step_s if dec else None,
+        "floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s if dec else None,
+        "weight_bytes_read": w_read, "kv_bytes_read_mean": kv_read,
+        "graph_decode_steps": runner.decode_graphs.num_runs if runner.decode_graphs else 0,
+    }
+    if hf is not None:
+        ours = [res["tokens"][f"d{i}"] for i in range(b)]
+        first = sum(a[0] == h[0] for a, h in zip(ours, hf_tokens))
+        out["engine_vs_hf"] = {
+            "out_tok_s_x": out["engine"]["out_tok_s"] / out["hf"]["out_tok_s"],
+            "decode_tok_s_x": (out["engine"]["decode_tok_s"] or 0) / out["hf"]["decode_tok_s"],
+            "bf16_first_token_agreement": first / b,
+            "bf16_identical_sequences": sum(a == h for a, h in zip(ours, hf_tokens)) / b,
+        }
+    return out
+
+
+def sec_prefix(dev, args, config, runner) -> dict:
+    total, cached_len = args.prefix_total, args.prefix_cached
+    g = random.Random(5)
+    vocab = runner.spec.vocab_size
+
+    def prompt(head):
+        return head + [g.randrange(vocab) for _ in range(total - len(head))]
+
+    engine = make_engine(config, runner)
+    run_requests(engine, [GenerateRequest("pw", StaticTenantScope(b"warm"), greedy(1), prompt_token_ids=prompt([]))])
+    head = [g.randrange(vocab) for _ in range(cached_len)]
+    cold = run_requests(engine, [GenerateRequest("p0", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head))])
+    hits = []
+    for i in range(3):
+        hits.append(run_requests(engine, [GenerateRequest(f"p{i + 1}", StaticTenantScope(), greedy(1),
+                                                          prompt_token_ids=prompt(head))]))
+    colds = [cold]
+    for i in range(2):  # two more cold prompts (fresh heads) for the spread
+        h = [g.randrange(vocab) for _ in range(cached_len)]
+        colds.append(run_requests(engine, [GenerateRequest(f"q{i}", StaticTenantScope(), greedy(1),
+                                                           prompt_token_ids=prompt(h))]))
+    cold_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in colds)
+    hit_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in hits)
+    hit_cached = [next(iter(r["cached"].values())) for r in hits]
+    return {"prompt_tokens": total, "cached_tokens": hit_cached, "cold_ttft_ms": cold_ms, "hit_ttft_ms": hit_ms,
+            "speedup": cold_ms[len(cold_ms) // 2] / hit_ms[len(hit_ms) // 2]}
+
+
+def sec_capacity(dev, args, config, arch, model, runner_bf16) -> dict:
+    seq = args.cap_seq_len
+    blocks_per_seq = -(-(seq + args.cap_new) // config.block_size)
+    bf16_blocks = args.cap_bf16_seqs * blocks_per_seq
+    budget = bf16_blocks * runner_bf16.kv_bytes_per_block
+    fp8_cfg = replace(config, kv_dtype="fp8", max_num_seqs=32)
+    elems_per_block = runner_bf16.kv_bytes_per_block // runner_bf16.kv_cache.element_size()
+    fp8_blocks = budget // elems_per_block  # fp8: one byte per element, no scales
+    runner_fp8 = ModelRunner(replace(fp8_cfg, num_kv_blocks=fp8_blocks), arch=arch, tokenizer=IdTokenizer(),
+                             model=model)
+    n_req = 2 * args.cap_bf16_seqs + 2
+    g = torch.Generator().manual_seed(11)
+    prompts = torch.randint(0, arch.vocab_size, (n_req, seq), generator=g).tolist()
+    out: dict[str, Any] = {"seq_tokens": seq + args.cap_new, "kv_budget_bytes": budget}
+    cap_cfg = replace(config, max_num_seqs=min(config.max_num_seqs, n_req), enable_prefix_caching=False)
+    for name, runner, blocks in (("bf16", runner_bf16, bf16_blocks), ("fp8", runner_fp8, fp8_blocks)):
+        engine = make_engine(cap_cfg, runner, num_blocks=blocks)
+        res = run_requests(engine, [GenerateRequest(f"{name}{i}", StaticTenantScope(), greedy(args.cap_new),
+                                                    prompt_token_ids=p) for i, p in enumerate(prompts)])
+        out[name] = {"blocks": blocks, "bytes_per_block": runner.kv_bytes_per_block, "peak_running": res["peak_running"],
+                     "wall_s": res["wall_s"], "preemptions": engine.scheduler.num_preemptions
+                     if hasattr(engine.scheduler, "num_preemptions") else None}
+    out["ratio"] = out["fp8"]["peak_running"] / max(1, out["bf16"]["peak_running"])
+    # greedy agreement of fp8 with bf16 KV on a fixed prompt set
+    g2 = random.Random(13)
+    fixed = [[g2.randrange(arch.vocab_size) for _ in range(args.agree_len)] for _ in range(args.agree_prompts)]
+    toks = {}
+    for name, runner in (("bf16", runner_bf16), ("fp8", runner_fp8)):
+        engine = make_engine(replace(config, enable_prefix_caching=False), runner)
+        res = run_requests(engine, [GenerateRequest(f"a{name}{i}", StaticTenantScope(), greedy(args.agree_new),
+                                                    prompt_token_ids=p) for i, p in enumerate(fixed)])
+        toks[name] = [res["tokens"][f"a{name}{i}"] for i in range(len(fixed))]
+    same_pos = sum(a == b for x, y in zip(toks["bf16"], toks["fp8"]) for a, b in zip(x, y))
+    prefix = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(toks["bf16"], toks["fp8"])]
+    out["agreement"] = {"prompts": len(fixed), "prompt_len": args.agree_len, "new_tokens": args.agree_new,
+                        "token_agreement": same_pos / (len(fixed) * args.agree_new),
+                        "first_token_agreement": sum(x[0] == y[0] for x, y in zip(toks["bf16"], toks["fp8"])) / len(fixed),
+                        "identical_sequences": sum(x == y for x, y in zip(toks["bf16"], toks["fp8"])) / len(fixed),
+                        "mean_tokens_before_divergence": sum(prefix) / len(prefix)}
+    del runner_fp8
+    return out
+
+
+def sec_tenants(dev, args, config, runner) -> dict:
+    g = random.Random(17)
+    vocab = runner.spec.vocab_size
+    systems = [[g.randrange(vocab) for _ in range(args.mt_system)] for _ in range(args.mt_tenants)]
+    reqs_spec = []
+    for i in range(args.mt_requests):
+        for t in range(args.mt_tenants):  # interleaved arrival order
+            reqs_spec.append((t, i, systems[t] + [g.randrange(vocab) for _ in range(args.mt_unique)]))
+    out: dict[str, Any] = {"tenants": args.mt_tenants, "requests_per_tenant": args.mt_requests,
+                           "system_tokens": args.mt_system, "unique_tokens": args.mt_unique, "new_tokens": args.mt_new}
+    for mode in ("on", "off"):
+        cfg = replace(config, enable_prefix_caching=mode == "on")
+        engine = make_engine(cfg, runner)
+        reqs = [GenerateRequest(f"{mode}-t{t}-{i}", StaticTenantScope(f"tenant-{t}".encode(), f"t{t}"),
+                                greedy(args.mt_new), prompt_token_ids=p) for t, i, p in reqs_spec]
+        res = run_requests(engine, reqs)
+        ttfts = list(res["ttft"].values())
+        n_out = sum(len(v) for v in res["tokens"].values())
+        prompt_tokens = sum(len(p) for _, _, p in reqs_spec)
+        out[mode] = {"wall_s": res["wall_s"], "req_s": len(reqs) / res["wall_s"], "out_tok_s": n_out / res["wall_s"],
+                     "prompt_tok_s": prompt_tokens / res["wall_s"],
+                     "ttft_p50_ms": 1e3 * pct(ttfts, 0.5), "ttft_p95_ms": 1e3 * pct(ttfts, 0.95),
+                     "cached_tokens": sum(res["cached"].values()), "prompt_tokens": prompt_tokens}
+    out["throughput_x"] = out["on"]["req_s"] / out["off"]["req_s"]
+    return out
+
+
+# ------------------------------------------------------------------------------------- main
+def table(r: dict) -> str:
+    s = r["sections"]
+    rows = []
+
+    def get(*keys, fmt="{:.3g}"):
+        x: Any = s
+        for k in keys:
+            if not isinstance(x, dict) or k not in x:
+                return "n/a"
+            x = x[k]
+        if isinstance(x, list):
+            return "[" + ", ".join(fmt.format(v) for v in x) + "]"
+        return fmt.format(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+    bw = s.get("ceilings", {}).get("copy_bw_Bps")
+    rows.append(("copy bandwidth, read+write (TB/s)", f"{bw / 1e12:.2f}" if bw else "n/a", ""))
+    rows.append(("correctness: engine == HF greedy", get("correctness", "all_equal"), "all equal"))
+    rows.append(("decode: HF out tok/s (e2e)", get("decode", "hf", "out_tok_s", fmt="{:.0f}"), "~420 seen"))
+    rows.append(("decode: engine out tok/s (e2e)", get("decode", "engine", "out_tok_s", fmt="{:.0f}"), ""))
+    rows.append(("decode: engine/HF e2e", get("decode", "engine_vs_hf", "out_tok_s_x", fmt="{:.1f}x"), ">= 10x"))
+    rows.append(("decode: engine/HF decode phase", get("decode", "engine_vs_hf", "decode_tok_s_x", fmt="{:.1f}x"), ""))
+    rows.append(("decode: mean step (ms)", get("decode", "engine", "decode_step_ms", fmt="{:.2f}"), ""))
+    rows.append(("decode: floor (ms)", get("decode", "engine", "floor_ms", fmt="{:.2f}"), ""))
+    rows.append(("decode: step / floor", get("decode", "engine", "step_over_floor", fmt="{:.2f}x"), "<= 1.25x"))
+    rows.append(("prefix: cold TTFT (ms)", get("prefix", "cold_ttft_ms", fmt="{:.1f}"), ""))
+    rows.append(("prefix: cached TTFT (ms)", get("prefix", "hit_ttft_ms", fmt="{:.1f}"), ""))
+    rows.append(("prefix: speedup", get("prefix", "speedup", fmt="{:.1f}x"), ">= 10x"))
+    rows.append(("capacity: bf16 / fp8 peak seqs", f"{get('capacity', 'bf16', 'peak_running')} / "
+                 f"{get('capacity', 'fp8', 'peak_running')}", "2x"))
+    rows.append(("capacity: fp8 token agreement", get("capacity", "agreement", "token_agreement", fmt="{:.2f}"), ""))
+    for mode in ("on", "off"):
+        rows.append((f"tenants ({mode}): req/s, TTFT p50/p95 ms",
+                     f"{get('tenants', mode, 'req_s', fmt='{:.1f}')}, {get('tenants', mode, 'ttft_p50_ms', fmt='{:.0f}')}"
+                     f"/{get('tenants', mode, 'ttft_p95_ms', fmt='{:.0f}')}", ""))
+    rows.append(("tenants: throughput on/off", get("tenants", "throughput_x", fmt="{:.1f}x"), ""))
+    w = max(len(a) for a, _, _ in rows)
+    lines = [f"{'figure':<{w}}  {'measured':<28}target", "-" * (w + 40)]
+    lines += [f"{a:<{w}}  {b:<28}{c}" for a, b, c in rows]
+    errs = [f"{k}: {v['error']}" for k, v in s.items() if isinstance(v, dict) and "error" in v]
+    return "\n".join(lines + [f"ERROR {e}" for e in errs])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/engine_gpu_h200.json)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the whole flow on a CPU")
+    ap.add_argument("--sections", default="ceilings,correctness,decode,prefix,capacity,tenants")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers in the decode section")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--mt-requests", type=int, default=64)
+    args = ap.parse_args()
+    dev = args.device
+    smoke = args.smoke
+    # shapes (the --smoke values only check the flow)
+    args.batch, args.prompt_len, args.new_tokens = (4, 64, 8) if smoke else (32, 2048, 128)
+    args.prefix_total, args.prefix_cached = (192, 160) if smoke else (8192, 7680)
+    args.cap_seq_len, args.cap_new, args.cap_bf16_seqs = (96, 4, 3) if smoke else (4096, 16, 12)
+    args.agree_prompts, args.agree_len, args.agree_new = (3, 32, 8) if smoke else (16, 512, 32)
+    args.mt_tenants, args.mt_system, args.mt_unique, args.mt_new = (2, 64, 8, 4) if smoke else (8, 2048, 200, 16)
+    if smoke:
+        args.mt_requests = min(args.mt_requests, 3)
+    out_path = Path(args.out or Path(__file__).resolve().parent / "results" / "engine_gpu_h200.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    result: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": os.environ.get("PREFIXGATE_COMMIT") or git_commit(),
+        "machine": {"gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else platform.processor() or "cpu",
+                    "host": platform.node(), "torch": torch.__version__, "transformers": transformers.__version__,
+                    "python": platform.python_version()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "sections": {},
+    }
+    try:
+        import triton
+
+        result["machine"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+    t_start = time.perf_counter()
+
+    def save():
+        result["elapsed_s"] = time.perf_counter() - t_start
+        out_path.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+
+    def section(name, fn, *a):
+        if name not in args.sections.split(","):
+            return None
+        t0 = time.perf_counter()
+        print(f"== {name} ...", flush=True)
+        try:
+            r = fn(*a)
+        except Exception as exc:  # record and go on: one run must yield every figure it can
+            traceback.print_exc()
+            r = {"error": f"{type(exc).__name__}: {exc}"}
+        r["section_s"] = time.perf_counter() - t0
+        result["sections"][name] = r
+        save()
+        print(f"   {name}: {json.dumps(r, default=str)[:600]}", flush=True)
+        return r
+
+    torch.manual_seed(0)
+    ceil = section("ceilings", sec_ceilings, dev) or {}
+    bw = ceil.get("copy_bw_Bps") or 4.2e12
+    section("correctness", sec_correctness, dev, args)
+
+    # the 8B-shaped model (random bf16 weights on the device) and transformers on the same tensors
+    big = {k: v for k, v in LLAMA31_8B_SHAPE.items()} if not smoke else SMOKE_8B
+    max_len = args.prefix_total + 256
+    t0 = time.perf_counter()
+    cfg, arch = arch_for(big, max_len)
+    model = build_random_model(arch, dev, torch.bfloat16 if dev.startswith("cuda") else torch.float32, seed=0)
+    sync(dev)
+    result["model"] = {"shape": big, "params": sum(p.numel() for p in model.parameters()),
+                       "build_s": time.perf_counter() - t0}
+    hf = None
+    if not args.no_hf and "decode" in args.sections:
+        try:
+            hf = hf_sharing(model, cfg, dev)
+        except Exception as exc:
+            traceback.print_exc()
+            result["model"]["hf_error"] = f"{type(exc).__name__}: {exc}"
+    config = EngineConfig(model_dir=Path("random-llama-3.1-8b-shape"), device=dev, kv_memory_fraction=0.45,
+                          num_kv_blocks=None if dev.startswith("cuda") else 4096, max_num_seqs=64,
+                          max_num_batched_tokens=16384 if not smoke else 256, max_model_len=max_len,
+                          use_cuda_graphs=not args.no_graphs)
+    t0 = time.perf_counter()
+    runner = ModelRunner(config, arch=arch, tokenizer=IdTokenizer(), model=model)
+    sync(dev)
+    result["runner"] = {"num_kv_blocks": runner.num_kv_blocks, "kv_bytes_per_block": runner.kv_bytes_per_block,
+                        "kv_memory_fraction": config.kv_memory_fraction, "init_and_capture_s": time.perf_counter() - t0,
+                        "graph_sizes": list(runner.decode_graphs.sizes) if runner.decode_graphs else []}
+    save()
+    print(f"   runner: {result['runner']}", flush=True)
+    section("decode", sec_decode, dev, args, cfg, model, hf, runner, config, bw)
+    hf = None
+    gc.collect()
+    section("prefix", sec_prefix, dev, args, config, runner)
+    section("capacity", sec_capacity, dev, args, config, arch, model, runner)
+    section("tenants", sec_tenants, dev, args, config, runner)
+    save()
+    print()
+    print(f"engine_gpu: {result['machine']['gpu']}, commit {result['commit']}, {result['elapsed_s']:.0f} s -> {out_path}")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

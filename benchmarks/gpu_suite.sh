@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# GPU check in one call: the `-m gpu` pytest subset of the kernels (bf16 dots, fp8/int8 KV, compiled
+# Triton) and of the GPU engine path (CUDA graphs, side-stream transfers), benchmarks/kernels.py, then
+# benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
+# root on a CUDA machine:
+#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 to skip one)
+# Results: benchmarks/results/kernels_h200.json, engine_gpu_h200.json (or $OUT/ when the device tool sets OUT).
+set -uo pipefail
+export PREFIXGATE_KERNELS_GPU=1   # compiled Triton: tests/kernels/conftest.py leaves the interpreter off
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+RES=${OUT:-benchmarks/results}
+mkdir -p "$RES"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+
+"$PY" -m pytest tests/kernels tests/gpu_engine -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
+TEST_RC=${PIPESTATUS[0]}
+
+BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
+BENCH_RC=0
+if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
+  "$PY" benchmarks/kernels.py --out "$BENCH_JSON" "$@" 2>&1 | tee "$RES/kernels_bench.log"
+  BENCH_RC=${PIPESTATUS[0]}
+fi
+
+# The engine on the GPU: prints its own table last (see docs/gpu.md for how to read it).
+ENGINE_RC=0
+if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
+  "$PY" benchmarks/engine_gpu.py --out "${ENGINE_JSON:-$RES/engine_gpu_h200.json}" 2>&1 | tee "$RES/engine_gpu.log"
+  ENGINE_RC=${PIPESTATUS[0]}
+fi
+
+echo
+echo "== gpu suite =="
+echo "pytest -m gpu: $(tail -n 1 "$RES/kernels_gpu_pytest.log")  (rc $TEST_RC)"
+if [ "${SKIP_KERNEL_BENCH:-0}" = 1 ]; then
+  echo "kernel benchmark skipped"
+elif [ "$BENCH_RC" = 0 ]; then
+  "$PY" - "$BENCH_JSON" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{'decode shape':<26}{'%copy':>7}{'vs sdpa':>9}{'vs gather':>10}{'fp8 x':>7}")
+for d in r["decode"]:
+    s = ",".join(str(v) for v in d["shape"].values())
+    print(f"{s:<26}{100*d['bf16_pct_copy']:>6.0f}%{d['vs_sdpa_contig']:>9.2f}{d['vs_gather_sdpa']:>10.2f}"
+          f"{d['fp8_speedup_vs_bf16']:>7.2f}")
+p = r.get("prefill") or {"TFLOPs": float("nan"), "pct_matmul": float("nan"), "vs_gather_sdpa": float("nan")}
+print(f"prefill {p['TFLOPs']:.0f} TFLOP/s ({100*p['pct_matmul']:.0f}% of matmul), x{p['vs_gather_sdpa']:.2f} vs gather+SDPA")
+PYEOF
+else
+  echo "benchmark failed (rc $BENCH_RC): see $RES/kernels_bench.log"
+fi
+echo "engine_gpu.py: rc $ENGINE_RC (table above; JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
+exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 ))

@@ -1,0 +1,362 @@
+"""GPU benchmark of the paged-KV Triton kernels against torch baselines, with correctness checks.
+
+Measures in one run (CUDA events through triton.testing.do_bench, median):
+  * ceilings: a large device-to-device copy (bytes read + written / time) and an 8192^3 bf16 matmul;
+  * decode at the issue's (batch, q heads, kv heads, head dim, context, block size) shapes: our paged
+    kernel (bf16, fp8, int8 KV), torch SDPA on a contiguous cache, gather-then-SDPA over the same paged
+    cache; bandwidth = KV bytes read / time, reported as a fraction of the copy bandwidth;
+  * prefill (8,192 cached + 512 new tokens per sequence): our kernel vs gather-then-SDPA, TFLOP/s
+    against the matmul.
+Every kernel result is checked against kernels.reference on the GPU (a slice of the batch) first.
+
+    python benchmarks/kernels.py [--out benchmarks/results/kernels_h200.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import decode_attention, prefill_attention, triton_ops  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+
+DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
+    (64, 32, 8, 128, 4096, 16),
+    (256, 32, 8, 128, 2048, 16),
+    (16, 32, 8, 128, 32768, 16),
+    (1, 32, 8, 128, 131072, 16),
+]
+DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # swept with each DECODE_TILES entry (bf16)
+DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also tried (32, 4, 3): slower
+QUANT_TILES = [(64, 4, 2, True), (128, 4, 2, True), (64, 4, 2, False)]  # 8-bit KV (bn, warps, stages, v_pairs)
+PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages)
+    (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2),
+]
+
+
+def bench(fn) -> float:
+    """Median milliseconds of fn over ~200 ms of repeats, after warm-up."""
+    return float(triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"))
+
+
+def bench_graph(fn) -> float | None:
+    """Median milliseconds of one CUDA-graph replay of fn: launch overhead removed, as in the engine's
+    graph-captured decode. None if capture fails (recorded, never fatal)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return bench(graph.replay)
+    except Exception as e:  # noqa: BLE001
+        print(f"graph capture failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    out, want = out.double(), want.double()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return float((out - want).norm() / want.norm().clamp(min=1e-12))
+
+
+def git_commit() -> str:
+    if os.environ.get("PREFIXGATE_COMMIT"):
+        return os.environ["PREFIXGATE_COMMIT"]
+    marker = Path(__file__).resolve().parents[1] / "COMMIT"
+    if marker.exists():
+        return marker.read_text().strip()
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 1 GiB of bf16 per side: far past the 60 MB L2
+    x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    copy_tbs = 2 * n / (ms * 1e-3) / 1e12
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms_mm = bench(lambda: a @ b)
+    return {"copy_TBps": copy_tbs, "copy_ms": ms, "matmul_bf16_TFLOPs": 2 * 8192**3 / (ms_mm * 1e-3) / 1e12}
+
+
+def paged_setup(batch, kv_heads, head_dim, context, block_size, gen):
+    """A block-major cache [NB, 1, 2, BS, Hkv, D] bf16 with shuffled block tables (fragmented pages)."""
+    per_seq = context // block_size
+    num_blocks = batch * per_seq
+    kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                     generator=gen)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    tables = perm.view(batch, per_seq).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return kv, tables, lens
+
+
+def quantize_cache(kv: torch.Tensor, dtype: torch.dtype):
+    """bf16 cache -> (quantized cache, k_scale, v_scale) with the reference's scale conventions."""
+    if dtype == ref.FP8_DTYPE:
+        amax = kv.abs().amax().float()
+        s = (amax / ref.FP8_MAX).reshape(1)
+        return (kv.float() / s).clamp(-ref.FP8_MAX, ref.FP8_MAX).to(dtype), s, s.clone()
+    nb, layers, _, bs, h, d = kv.shape
+    q = torch.empty(kv.shape, dtype=torch.int8, device=kv.device)
+    scales = []
+    for i in range(2):
+        x = kv[:, 0, i].float()  # [NB, BS, H, D]
+        s = x.abs().amax(-1).clamp(min=1e-8) / ref.INT8_MAX  # [NB, BS, H]
+        q[:, 0, i] = torch.round(x / s.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        scales.append(s.contiguous())
+    return q, scales[0], scales[1]
+
+
+def sdpa_contiguous_ms(q4, batch, kv_heads, context, head_dim, scale, gen) -> float:
+    kc = torch.randn(batch, kv_heads, context, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn_like(kc)
+    return bench(lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale))
+
+
+def decode_case(shape, gen, ceil: dict, quick: bool) -> dict:
+    batch, q_heads, kv_heads, head_dim, context, block_size = shape
+    scale = 1 / math.sqrt(head_dim)
+    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
+    k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]  # strided layer views, as the engine passes them
+    q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * kv.element_size()
+    row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"], shape))}
+    n_check = min(batch, 4)
+
+    def check(out, kc, vc, ks=None, vs=None):
+        want = ref.paged_decode_attention(q[:n_check], kc, vc, tables[:n_check], lens[:n_check], scale, ks, vs)
+        return rel_err(out[:n_check], want)
+
+    out = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    # Timed before the reference check: in run 3 a timing taken right after the 131072-token reference
+    # read 0.265 ms and the same call 0.141 ms later in the case.
+    ms = bench(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+    row["bf16_rel_err"] = check(out, k_cache, v_cache)
+    row["bf16_ms"] = ms
+    # Added after run 4, where the 1 x 131072 shape (0.14 ms of GPU work) read 0.17-0.23 ms eagerly
+    # through the checked launcher: host-bound. Graph replay times the kernels alone.
+    row["bf16_graph_ms"] = bench_graph(lambda: triton_ops.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, scale))
+    # The same call timed again at the end of the case: the spread between the two is the noise floor.
+    row["bf16_TBps"] = kv_bytes / (ms * 1e-3) / 1e12
+    row["bf16_pct_copy"] = row["bf16_TBps"] / ceil["copy_TBps"]
+    row["num_splits"] = decode_attention.choose_num_splits(
+        batch, kv_heads, tables.shape[1] * block_size, torch.cuda.get_device_properties(0).multi_processor_count, 64
+    )
+    if not quick:
+        variants = {}
+        cap = max(1, context // 256)
+        for bn, nw, ns in DECODE_TILES:
+            for splits in [x for x in DECODE_SPLITS if x <= cap]:
+                def run(bn=bn, nw=nw, ns=ns, splits=splits):
+                    return decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, None, None,
+                                                         num_splits=splits, block_n=bn, num_warps=nw,
+                                                         num_stages=ns)
+                err = check(run(), k_cache, v_cache)
+                variants[f"bn{bn}_w{nw}_s{ns}_splits{splits}"] = {"ms": bench(run), "rel_err": err}
+        row["bf16_variants"] = variants
+
+    # torch SDPA over a contiguous cache [B, Hkv, ctx, D]; GQA as [B, Hkv, group, D] queries (no mask needed
+    # for one decode token), the fastest form we know for SDPA.
+    q4 = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
+    row["sdpa_contig_ms"] = sdpa_contiguous_ms(q4, batch, kv_heads, context, head_dim, scale, gen)
+
+    def gather_sdpa():
+        ids = tables.long()
+        k = k_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
+        v = v_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale)
+
+    g = gather_sdpa().reshape(batch, q_heads, head_dim)
+    row["gather_sdpa_rel_err"] = rel_err(g, out)
+    row["gather_sdpa_ms"] = bench(gather_sdpa)
+
+    for name, dtype in (("fp8", ref.FP8_DTYPE), ("int8", torch.int8)):
+        qkv, ks, vs = quantize_cache(kv, dtype)
+        kq, vq = qkv[:, 0, 0], qkv[:, 0, 1]
+        outq = triton_ops.paged_decode_attention(q, kq, vq, tables, lens, scale, ks, vs)
+        row[f"{name}_rel_err"] = check(outq, kq, vq, ks, vs)
+        row[f"{name}_vs_bf16_rel_err"] = rel_err(outq, out)
+        row[f"{name}_ms"] = bench(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
+            q, kq, vq, tables, lens, scale, ks, vs))
+        qbytes = kv_bytes // 2 + (2 * ks.numel() * 4 if dtype == torch.int8 else 0)
+        row[f"{name}_TBps"] = qbytes / (row[f"{name}_ms"] * 1e-3) / 1e12
+        row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
+        row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
+            q, kq, vq, tables, lens, scale, ks, vs))
+        if not quick:
+            tiles = {}
+            for bn, nw, ns, vp in QUANT_TILES:
+                def runq(bn=bn, nw=nw, ns=ns, vp=vp, kq=kq, vq=vq, ks=ks, vs=vs):
+                    return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, block_n=bn,
+                                                         num_warps=nw, num_stages=ns, v_pairs=vp)
+                err = rel_err(runq()[:n_check], ref.paged_decode_attention(
+                    q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs))
+                tiles[f"bn{bn}_w{nw}_s{ns}_pairs{int(vp)}"] = {"ms": bench(runq), "rel_err": err}
+            row[f"{name}_variants"] = tiles
+        del qkv, kq, vq
+    row["bf16_ms_repeat"] = bench(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+    row["vs_sdpa_contig"] = row["sdpa_contig_ms"] / row["bf16_ms"]
+    row["vs_gather_sdpa"] = row["gather_sdpa_ms"] / row["bf16_ms"]
+    del kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def prefill_case(gen, ceil: dict, quick: bool, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
+                 head_dim=128, block_size=16) -> dict:
+    context = cached + new
+    scale = 1 / math.sqrt(head_dim)
+    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
+    k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
+    q = torch.randn(batch * new, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * new
+    # Visible (query, key) pairs per head: every cached key + the causal triangle of the new ones.
+    pairs = batch * (new * cached + new * (new + 1) // 2)
+    flops = 4 * pairs * q_heads * head_dim
+    row: dict = {"shape": {"batch": batch, "cached": cached, "new": new, "q_heads": q_heads, "kv_heads": kv_heads,
+                           "head_dim": head_dim, "block_size": block_size}, "flops": flops}
+    out = triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+    want = ref.paged_prefill_attention(q[:new], k_cache, v_cache, tables[:1], cu[:2], lens[:1], scale)
+    row["rel_err"] = rel_err(out[:new], want)
+    ms = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
+    row["ms"] = ms
+    row["TFLOPs"] = flops / (ms * 1e-3) / 1e12
+    row["pct_matmul"] = row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
+    if not quick:
+        variants = {}
+        for bm, bn, nw, ns in PREFILL_VARIANTS:
+            def run(bm=bm, bn=bn, nw=nw, ns=ns):
+                return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
+                                                       max_q_len=new, block_m=bm, block_n=bn, num_warps=nw,
+                                                       num_stages=ns)
+            try:
+                err = rel_err(run()[:new], want)
+                t = bench(run)
+                variants[f"m{bm}_n{bn}_w{nw}_s{ns}"] = {"ms": t, "TFLOPs": flops / (t * 1e-3) / 1e12, "rel_err": err}
+            except Exception as e:  # e.g. out of shared memory for a large tile: record, keep going
+                variants[f"m{bm}_n{bn}_w{nw}_s{ns}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        row["variants"] = variants
+
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(new, context)
+    qs = q.view(batch, new, q_heads, head_dim).transpose(1, 2)  # [B, Hq, new, D]
+
+    def gather_sdpa(gqa: bool):
+        ids = tables.long()
+        k = k_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, ctx, D]
+        v = v_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
+        if not gqa:
+            k = k.repeat_interleave(q_heads // kv_heads, dim=1)
+            v = v.repeat_interleave(q_heads // kv_heads, dim=1)
+            return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    for gqa in (True, False):
+        try:
+            g = gather_sdpa(gqa).transpose(1, 2).reshape(batch * new, q_heads, head_dim)
+            row["gather_sdpa_form"] = "enable_gqa" if gqa else "repeat_interleave"
+            break
+        except Exception as e:
+            row["gather_sdpa_gqa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    row["gather_sdpa_rel_err"] = rel_err(g, out)
+    row["gather_sdpa_ms"] = bench(lambda: gather_sdpa(row["gather_sdpa_form"] == "enable_gqa"))
+    row["vs_gather_sdpa"] = row["gather_sdpa_ms"] / ms
+    del kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/kernels_h200.json")
+    ap.add_argument("--quick", action="store_true", help="skip the tile-size variants")
+    ap.add_argument("--shapes", default=None, help="comma-separated indices into DECODE_SHAPES (default: all)")
+    ap.add_argument("--skip-prefill", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    ceil = ceilings()
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "gpu": torch.cuda.get_device_name(0),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "ceilings": ceil,
+        "decode": [],
+    }
+    picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",")]
+    for shape in picked:
+        result["decode"].append(decode_case(shape, gen, ceil, args.quick))
+        print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
+    if not args.skip_prefill:
+        result["prefill"] = prefill_case(gen, ceil, args.quick)
+    result["wall_s"] = time.time() - t0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print_table(result)
+    print(f"wrote {out}")
+    return 0
+
+
+def print_table(r: dict) -> None:
+    c = r["ceilings"]
+    print(f"\n{r['gpu']}  torch {r['torch']}  triton {r['triton']}  commit {r['commit'][:10]}")
+    print(f"copy {c['copy_TBps']:.2f} TB/s (read+write)   bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+    hdr = (f"{'decode B,Hq,Hkv,D,ctx,BS':<28}{'ours ms':>9}{'again':>7}{'%copy':>7}{'sdpa':>8}{'gath+sdpa':>10}"
+           f"{'fp8 ms':>8}{'fp8 x':>7}{'int8 ms':>8}{'int8 x':>7}{'err bf16/fp8/int8':>24}")
+    print(hdr)
+    for d in r["decode"]:
+        s = ",".join(str(v) for v in d["shape"].values())
+        print(f"{s:<28}{d['bf16_ms']:>9.3f}{d['bf16_ms_repeat']:>7.3f}{100 * d['bf16_pct_copy']:>6.0f}%"
+              f"{d['sdpa_contig_ms']:>8.3f}{d['gather_sdpa_ms']:>10.3f}{d['fp8_ms']:>8.3f}{d['fp8_speedup_vs_bf16']:>7.2f}"
+              f"{d['int8_ms']:>8.3f}{d['int8_speedup_vs_bf16']:>7.2f}"
+              f"   {d['bf16_rel_err']:.1e}/{d['fp8_rel_err']:.1e}/{d['int8_rel_err']:.1e}")
+    print("CUDA-graph replay (ms): " + "  ".join(
+        f"{d['shape']['batch']}x{d['shape']['context']}: bf16 {_ms(d.get('bf16_graph_ms'))} fp8 {_ms(d.get('fp8_graph_ms'))}"
+        f" int8 {_ms(d.get('int8_graph_ms'))}" for d in r["decode"]))
+    p = r.get("prefill")
+    if p is None:
+        return
+    print(f"prefill 4x(8192 cached + 512 new): ours {p['ms']:.3f} ms = {p['TFLOPs']:.0f} TFLOP/s "
+          f"({100 * p['pct_matmul']:.0f}% of matmul), gather+SDPA {p['gather_sdpa_ms']:.3f} ms "
+          f"[{p.get('gather_sdpa_form')}], x{p['vs_gather_sdpa']:.2f}, err {p['rel_err']:.1e}")
+
+
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Decode steps replayed from CUDA graphs: one graph per captured batch size, static input buffers.
+
+A decode step of a Llama-8B-shaped model is ~32 layers x ~15 kernel launches; launched eagerly from
+Python the host needs longer than the GPU for small batches. A captured graph replays all of them
+with one launch. What makes that legal here:
+
+* every input lives in a static device buffer that is overwritten in place before each replay;
+* the Triton kernels launch with a grid that depends on tensor *shapes* only (the decode split count
+  comes from the block table's width, not the live lengths; see docs/kernels.md), so one capture is
+  valid for any context length up to ``max_blocks_per_seq * block_size``;
+* a batch of ``n`` sequences runs the graph of the smallest captured size ``>= n``; the padded rows
+  write their K/V nowhere (slot -1) and attend over one token of block 0, so they cannot disturb a
+  real sequence, and their logits are dropped.
+
+Static buffers (``N`` = the largest captured size, ``W`` = max blocks per sequence)::
+
+    input_ids    [N] int64        positions [N] int64       slot_mapping [N] int64 (-1 = padding)
+    block_tables [N, W] int32     seq_lens  [N] int32       cu_seqlens_q [N + 1] int32 (= arange)
+    logits       [n, V] float32 per captured size (graph outputs share one memory pool)
+
+Inputs are staged in pinned host memory and copied with ``non_blocking=True``; the only host
+synchronisation of a step is the caller reading the sampled tokens. On a CPU device (tests) the same
+padded static-buffer path runs eagerly, so the padding logic is checked without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from engine.batch import SequenceChunk
+from engine.models.attention import AttentionMetadata, LayerCache
+
+PADDING_SLOT = -1  # write_kv skips slot -1: padded rows never touch the cache
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to 64, then of 32, ending at
+    ``max_num_seqs`` itself. Padding waste stays under ~25% above 8 while the capture count (time
+    and graph memory) stays small."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    s = 8
+    while s < max_num_seqs:
+        sizes.append(s)
+        s += 8 if s < 64 else 32
+    sizes.append(max_num_seqs)
+    return tuple(sizes)
+
+
+def padded_batch_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds ``num_seqs`` sequences, or None (run eagerly)."""
+    if num_seqs < 1:
+        raise ValueError(f"num_seqs must be >= 1, got {num_seqs}")
+    fitting = [s for s in sizes if s >= num_seqs]
+    return min(fitting) if fitting else None
+
+
+class DecodeGraphs:
+    """Runs decode-only batches of up to ``max(sizes)`` sequences through captured graphs.
+
+    Not thread-safe (one caller, the runner). ``run`` returns a view into a graph-owned output that
+    the next ``run`` overwrites: consume it (sample) before calling again.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layer_caches: list[LayerCache],
+        ops: ModuleType,
+        block_size: int,
+        max_blocks_per_seq: int,
+        sizes: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self.model, self.layer_caches, self.ops = model, layer_caches, ops
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.sizes = tuple(sorted(set(sizes)))
+        self.device = device
+        self.captured = device.type == "cuda"
+        n, w = self.sizes[-1], max_blocks_per_seq
+        pin = self.captured  # pinned host memory only exists with a CUDA runtime
+
+        def host(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self._host = {
+            "input_ids": host((n,), torch.int64), "positions": host((n,), torch.int64),
+            "slot_mapping": host((n,), torch.int64), "block_tables": host((n, w), torch.int32),
+            "seq_lens": host((n,), torch.int32),
+        }
+        self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
+        self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)  # one new token per sequence
+        self._copied: torch.cuda.Event | None = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.num_runs = 0  # decode steps served (tests and benchmarks check the graph path was taken)
+        self._reset_padding(n)
+
+    # ----------------------------------------------------------------------------- capture
+    def _forward(self, n: int) -> torch.Tensor:
+        d = self._dev
+        meta = AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:n],
+            block_tables=d["block_tables"][:n],
+            cu_seqlens_q=self._cu[: n + 1],
+            seq_lens=d["seq_lens"][:n],
+            decode_only=True,
+        )
+        hidden = self.model(d["input_ids"][:n], d["positions"][:n], self.layer_caches, meta, self.ops)  # [n, H]
+        return self.model.compute_logits(hidden)  # [n, V] float32
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first so the smaller ones fit in its memory pool.
+
+        The static inputs hold padding (slot -1, seq_len 1, block 0) while capturing: the warm-up
+        runs write nothing into the cache."""
+        if not self.captured:
+            return
+        self._reset_padding(self.sizes[-1])
+        self._dev_copy(self.sizes[-1])
+        torch.cuda.synchronize(self.device)
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        for n in reversed(self.sizes):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile the Triton kernels and settle the allocator outside capture
+                    self._forward(n)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._logits[n] = self._forward(n)
+            pool = graph.pool()
+            self._graphs[n] = graph
+        torch.cuda.synchronize(self.device)
+
+    # --------------------------------------------------------------------------------- run
+    def _reset_padding(self, n: int) -> None:
+        h = self._host
+        h["input_ids"][:n] = 0
+        h["positions"][:n] = 0
+        h["slot_mapping"][:n] = PADDING_SLOT
+        # Only column 0 is read for a padded row (seq_len 1). Entries past a sequence's last block
+        # are never read (kernels mask by seq_len), so stale ids there are harmless: the table is
+        # not cleared per step (clearing and rebuilding [N, W] cost ~1 ms of host time per step).
+        h["block_tables"][:n, 0] = 0
+        h["seq_lens"][:n] = 1
+
+    def _dev_copy(self, n: int) -> None:
+        for k, v in self._host.items():
+            self._dev[k][:n].copy_(v[:n], non_blocking=True)
+        if self.captured:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def fill(self, chunks: Sequence[SequenceChunk]) -> int:
+        """Write a decode batch into the static inputs; -> the padded size it runs at.
+
+        Raises ValueError when the batch is not decode-only, too large, or too long for the tables."""
+        b = len(chunks)
+        size = padded_batch_size(b, self.sizes)
+        if size is None:
+            raise ValueError(f"batch of {b} exceeds the largest captured size {self.sizes[-1]}")
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's H2D copy must be done before the host rewrite
+        bs, h, w = self.block_size, self._host, self.max_blocks_per_seq
+        self._reset_padding(size)
+        # Build Python lists and write each buffer once: one tensor op per buffer instead of ~5 per
+        # row (each costs microseconds of host time, and the GPU waits for the host here).
+        ids, pos, slots, lens, table_rows = [], [], [], [], []
+        widest = max(c.start_pos // bs + 1 for c in chunks)
+        for c in chunks:
+            if c.num_tokens != 1:
+                raise ValueError(f"{c.request_id}: a decode chunk has one token, got {c.num_tokens}")
+            p = c.start_pos
+            n_blocks = p // bs + 1
+            if n_blocks > w or len(c.block_table) < n_blocks:
+                raise ValueError(f"{c.request_id}: position {p} does not fit the captured block tables")
+            ids.append(int(c.token_ids[0]))
+            pos.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            table_rows.append(list(c.block_table[:n_blocks]) + [0] * (widest - n_blocks))
+        h["input_ids"][:b] = torch.tensor(ids, dtype=torch.int64)
+        h["positions"][:b] = torch.tensor(pos, dtype=torch.int64)
+        h["slot_mapping"][:b] = torch.tensor(slots, dtype=torch.int64)
+        h["seq_lens"][:b] = torch.tensor(lens, dtype=torch.int32)
+        h["block_tables"][:b, :widest] = torch.tensor(table_rows, dtype=torch.int32)
+        self._dev_copy(size)
+        return size
+
+    @torch.inference_mode()
+    def run(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        """One decode step for ``chunks`` (K/V written) -> logits [len(chunks), V] float32."""
+        size = self.fill(chunks)
+        self.num_runs += 1
+        if self.captured:
+            self._graphs[size].replay()
+            logits = self._logits[size]
+        else:
+            logits = self._forward(size)
+        return logits[: len(chunks)]

@@ -1,0 +1,485 @@
+"""``TierManager``: the engine's one handle on the tiers below HBM.
+
+What the engine calls, and from where::
+
+    step loop, when the block pool evicts indexed blocks:
+        data = runner.export_blocks(ids)            # uint8 [N, block_bytes], a CPU copy
+        tiers.demote(tenant, hashes, data)          # returns at once; encrypt + put on the pool
+    scheduler, admitting a request whose HBM match stopped at block k:
+        match = tiers.lookup(namespace, hashes[k:]) # in-memory maps only: no I/O, no crypto
+        fut = tiers.restore(tenant, match)          # read + decrypt on the pool
+        ... request waits with reason "restoring"; other requests keep stepping ...
+        res = fut.result()                          # res.data: res.num_blocks leading blocks
+        runner.import_blocks(new_ids, res.data)     # then prefill continues after them
+
+Demotion path of one run of blocks (HBM eviction)::
+
+    encrypt(run) ──► DRAM ──(DRAM evicts it to make room)──► NVMe ──(evicted)──► dropped
+         │              └─ refused (quota / too large) ──► NVMe
+         └─ tenant has no cipher ──► dropped (never written in clear)
+
+At each step the cost model may say recomputing is cheaper than restoring from the next tier: the
+run is then dropped instead. Blobs move between tiers as they are (the AAD names no tier), so a
+block is encrypted once when it leaves HBM and decrypted once when it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
+from engine.protocol import TenantScope
+from engine.tiers.base import BlockHash, BlockLocation, SegmentMeta, TierWriteError
+from engine.tiers.codec import FORMAT_VERSION, segment_aad
+from engine.tiers.cost import CostModel, TierRates
+from engine.tiers.dram import DramTier
+from engine.tiers.metrics import TierMetrics
+from engine.tiers.nvme import NvmeTier
+
+log = logging.getLogger(__name__)
+
+PENDING = "pending"  # a TierMatch tier for blocks whose demotion is still in flight
+_NOWHERE = BlockLocation("", -1)
+
+
+@dataclass(frozen=True)
+class TenantTierPolicy:
+    """Per-tenant limits below HBM. ``None`` = the manager's default.
+
+    ttl_s: spilled blocks are deleted this long after they left HBM (retention limit).
+    dram_bytes / nvme_bytes: most bytes this tenant may hold in each tier (a hard cap, on top of
+        the fair-share floor that protects every tenant from the others).
+    """
+
+    ttl_s: float | None = None
+    dram_bytes: int | None = None
+    nvme_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttl_s", "dram_bytes", "nvme_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+
+@dataclass(frozen=True)
+class TierMatch:
+    """The leading blocks of a hash chain found below HBM, and where each one is.
+
+    ``tiers[i]`` is "dram", "nvme", or "pending" (its demotion is still being encrypted and
+    stored: ``restore`` waits for it).
+    """
+
+    namespace: bytes
+    hashes: tuple[BlockHash, ...] = ()
+    tiers: tuple[str, ...] = ()
+    locations: tuple[BlockLocation, ...] = field(default=(), repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+    def blocks_in(self, tier: str) -> int:
+        return sum(t == tier for t in self.tiers)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """``data`` holds the plaintext of the first ``num_blocks`` blocks of the match, in chain order
+    (``num_blocks * block_bytes`` bytes). Fewer than asked when a segment failed authentication or
+    vanished meanwhile: the caller recomputes the rest."""
+
+    num_blocks: int
+    data: bytes
+    hashes: tuple[BlockHash, ...]
+    blocks_by_tier: dict[str, int]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DemoteReport:
+    """What happened to one ``demote`` call's blocks (for tests and logs)."""
+
+    stored: dict[str, int] = field(default_factory=dict)  # tier -> blocks written
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> blocks not written
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)[:80] or "model"
+
+
+class TierManager:
+    """Owns the DRAM and NVMe tiers, the worker pool, the cost model and the tier metrics.
+
+    Thread-safety: every public method may be called from any thread. ``demote`` and ``restore``
+    return futures; ``lookup`` and ``stats`` are synchronous and do no I/O.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        block_size: int,
+        block_bytes: int,
+        dram_bytes: int = 0,
+        nvme_dir: Path | None = None,
+        nvme_bytes: int = 0,
+        rates: TierRates | None = None,
+        max_segment_blocks: int = 32,
+        floor_fraction: float = 1.0,
+        max_tenant_fraction: float = 1.0,
+        default_ttl_s: float | None = None,
+        registry: CollectorRegistry | None = None,
+        max_workers: int = 2,
+        pin_memory: bool | None = None,
+        clock: Callable[[], float] = time.time,
+        sweep_interval_s: float = 1.0,
+    ):
+        if block_bytes <= 0 or block_size <= 0 or max_segment_blocks <= 0:
+            raise ValueError("block_size, block_bytes and max_segment_blocks must be > 0")
+        if not 0.0 < max_tenant_fraction <= 1.0:
+            raise ValueError("max_tenant_fraction must be in (0, 1]")
+        if nvme_bytes > 0 and nvme_dir is None:
+            raise ValueError("nvme_bytes > 0 needs nvme_dir")
+        self.model_id = model_id
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.max_segment_blocks = max_segment_blocks
+        self.default_ttl_s = default_ttl_s
+        self.max_tenant_fraction = max_tenant_fraction
+        self.cost = CostModel(rates or TierRates(), block_size)
+        self.metrics = TierMetrics(registry if registry is not None else CollectorRegistry())
+        self._clock = clock
+        self._policies: dict[bytes, TenantTierPolicy] = {}
+        self.dram: DramTier | None = None
+        self.nvme: NvmeTier | None = None
+        if dram_bytes > 0:
+            self.dram = DramTier(dram_bytes, pin_memory=pin_memory, score=self.cost.score_fn("dram"),
+                                 tenant_cap=self._cap_fn("dram", dram_bytes), floor_fraction=floor_fraction,
+                                 clock=clock)
+        if nvme_bytes > 0:
+            root = Path(nvme_dir) / f"kv-v{FORMAT_VERSION}" / _slug(model_id)
+            self.nvme = NvmeTier(root, nvme_bytes, score=self.cost.score_fn("nvme"),
+                                 tenant_cap=self._cap_fn("nvme", nvme_bytes), floor_fraction=floor_fraction,
+                                 clock=clock)
+        for tier in self.tiers:
+            self.metrics.capacity.labels(tier.name).set(tier.capacity_bytes)
+            self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-tier")
+        self._pending: set[Future] = set()
+        # (namespace, hash) -> the demotion carrying it: a lookup right after an eviction finds the
+        # block "pending" and the restore waits for that demotion instead of missing.
+        self._inflight: dict[tuple[bytes, BlockHash], Future] = {}
+        self._pending_lock = threading.Lock()
+        self._sweep_interval_s = sweep_interval_s
+        self._last_sweep_s = 0.0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, block_bytes: int, **kwargs: Any) -> TierManager:
+        """Sizes from ``EngineConfig.dram_bytes`` / ``nvme_dir`` / ``nvme_bytes``."""
+        return cls(model_id=config.resolved_model_id, block_size=config.block_size, block_bytes=block_bytes,
+                   dram_bytes=config.dram_bytes, nvme_dir=config.nvme_dir,
+                   nvme_bytes=config.nvme_bytes if config.nvme_dir is not None else 0, **kwargs)
+
+    @property
+    def tiers(self) -> list[DramTier | NvmeTier]:
+        return [t for t in (self.dram, self.nvme) if t is not None]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tiers)
+
+    def set_tenant_policy(self, namespace: bytes, policy: TenantTierPolicy) -> None:
+        self._policies[namespace] = policy
+
+    def _cap_fn(self, tier: str, capacity: int) -> Callable[[bytes], int | None]:
+        share = int(capacity * self.max_tenant_fraction)
+
+        def cap(namespace: bytes) -> int | None:
+            p = self._policies.get(namespace)
+            explicit = None if p is None else (p.dram_bytes if tier == "dram" else p.nvme_bytes)
+            return share if explicit is None else min(share, explicit)
+
+        return cap
+
+    def _ttl(self, namespace: bytes) -> float | None:
+        p = self._policies.get(namespace)
+        return self.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s
+
+    # ---- demotion ------------------------------------------------------------------------------
+    def demote(self, tenant: TenantScope, hashes: Sequence[BlockHash], data: Any) -> Future[DemoteReport]:
+        """Spill a run of consecutive blocks of one hash chain; returns at once.
+
+        Args:
+            tenant: the blocks' owner; its ``cipher`` encrypts them (``None``: they are dropped).
+            hashes: the run's block hashes, in chain order.
+            data: the run's plaintext KV, ``len(hashes) * block_bytes`` bytes: ``bytes``, a
+                ``memoryview`` or a CPU uint8 tensor ``[N, block_bytes]`` (the runner's export).
+                It must not be written to afterwards: the worker reads it later.
+        """
+        view = _as_bytes_view(data)
+        if len(view) != len(hashes) * self.block_bytes:
+            raise ValueError(f"data has {len(view)} bytes, expected {len(hashes)} x {self.block_bytes}")
+        hashes = tuple(hashes)
+        with self._pending_lock:  # held across submit so _done cannot run before registration
+            fut = self._pool.submit(self._demote, tenant, hashes, view, data)
+            self._pending.add(fut)
+            for h in hashes:
+                self._inflight[(tenant.namespace, h)] = fut
+        fut.add_done_callback(lambda f: self._done(f, tenant.namespace, hashes))
+        return fut
+
+    def _done(self, fut: Future, namespace: bytes, hashes: tuple[BlockHash, ...]) -> None:
+        with self._pending_lock:
+            self._pending.discard(fut)
+            for h in hashes:
+                if self._inflight.get((namespace, h)) is fut:
+                    del self._inflight[(namespace, h)]
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("tier demotion failed", exc_info=fut.exception())
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every demotion submitted so far has finished (tests, shutdown)."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        for fut in pending:
+            fut.exception(timeout=timeout)
+
+    def _demote(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], view: memoryview,
+                keepalive: Any) -> DemoteReport:
+        del keepalive  # held by the closure only so the exporter's buffer outlives the view
+        self._maybe_sweep()
+        report = DemoteReport()
+        first = self.tiers[0].name if self.tiers else None
+        if first is None:
+            return report
+        cipher = tenant.cipher
+        if cipher is None:
+            self._skip(report, first, "no_cipher", len(hashes))
+            return report
+        ns = tenant.namespace
+        # Blocks already in the first tier need no second copy; store the runs in between.
+        i, n = 0, len(hashes)
+        while i < n:
+            if self.tiers[0].contains(ns, hashes[i]) is not None:
+                self._skip(report, first, "present", 1)
+                i += 1
+                continue
+            j = i
+            while j < n and j - i < self.max_segment_blocks and self.tiers[0].contains(ns, hashes[j]) is None:
+                j += 1
+            self._demote_run(tenant, hashes[i:j], view[i * self.block_bytes:j * self.block_bytes], report)
+            i = j
+        return report
+
+    def _demote_run(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview,
+                    report: DemoteReport) -> None:
+        ns = tenant.namespace
+        approx = len(plain) + 28  # nonce + tag of AES-GCM; only used for the cost estimate
+        targets = [t for t in self.tiers if self.cost.worth_keeping(t.name, len(hashes), approx)]
+        if not targets:
+            self._skip(report, self.tiers[0].name, "cost", len(hashes))
+            return
+        blob = tenant.cipher.encrypt(plain, segment_aad(ns, self.model_id, hashes, self.block_bytes))
+        now = self._clock()
+        ttl = self._ttl(ns)
+        meta = SegmentMeta(uuid.uuid4().hex, ns, tenant.metrics_label, hashes, self.block_bytes, len(blob),
+                           now, now, None if ttl is None else now + ttl)
+        for tier in targets:
+            if self._put(tier, meta, blob, report):
+                return
+
+    def _put(self, tier: DramTier | NvmeTier, meta: SegmentMeta, blob: bytes, report: DemoteReport) -> bool:
+        """Store one segment in ``tier``, cascading what it evicts downwards. True if stored."""
+        try:
+            res = tier.put(meta, blob)
+        except TierWriteError as exc:
+            log.warning("kv tier %s: demotion skipped: %s", tier.name, exc)
+            self._skip(report, tier.name, "io_error", meta.num_blocks)
+            return False
+        if not res.stored:
+            self._skip(report, tier.name, res.reason or "full", meta.num_blocks)
+            return False
+        report.stored[tier.name] = report.stored.get(tier.name, 0) + meta.num_blocks
+        self.metrics.demotions.labels(tier.name, meta.tenant_label).inc(meta.num_blocks)
+        self.metrics.demoted_bytes.labels(tier.name).inc(meta.nbytes)
+        for old, old_blob in res.evicted:
+            if not self._cascade(tier, old, old_blob, report):
+                self.metrics.drops.labels(tier.name, "evicted").inc(old.num_blocks)
+        self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
+        return True
+
+    def _cascade(self, src: DramTier | NvmeTier, meta: SegmentMeta, blob: bytes | None,
+                 report: DemoteReport) -> bool:
+        """Move a segment DRAM evicted down to NVMe, if worth it. True if it now lives there."""
+        if src is not self.dram or blob is None or self.nvme is None or meta.expired(self._clock()):
+            return False
+        if all(self.nvme.contains(meta.namespace, h) is not None for h in meta.hashes):
+            return True  # already there from an earlier spill
+        if not self.cost.worth_keeping("nvme", meta.num_blocks, meta.nbytes):
+            self._skip(report, "nvme", "cost", meta.num_blocks)
+            return False
+        moved = SegmentMeta(uuid.uuid4().hex, meta.namespace, meta.tenant_label, meta.hashes, meta.block_bytes,
+                            meta.nbytes, meta.created_s, meta.last_access_s, meta.expires_s, meta.hits)
+        return self._put(self.nvme, moved, blob, report)
+
+    def record_skip(self, reason: str, blocks: int) -> None:
+        """Count blocks the caller dropped before reaching ``demote`` (e.g. no known tenant)."""
+        if self.tiers:
+            self.metrics.skipped.labels(self.tiers[0].name, reason).inc(blocks)
+
+    def _skip(self, report: DemoteReport, tier: str, reason: str, blocks: int) -> None:
+        report.skipped[reason] = report.skipped.get(reason, 0) + blocks
+        self.metrics.skipped.labels(tier, reason).inc(blocks)
+
+    # ---- lookup and restore --------------------------------------------------------------------
+    def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> TierMatch:
+        """How many leading ``hashes`` are held below HBM, and in which tier each one is.
+
+        Pass the chain from the first block HBM did not have. No I/O, no crypto: in-memory maps
+        only, so the scheduler may call it on every admission attempt.
+        """
+        self._maybe_sweep()
+        found_h, found_t, found_l = [], [], []
+        for h in hashes:
+            for tier in self.tiers:
+                loc = tier.contains(namespace, h)
+                if loc is not None:
+                    found_h.append(h)
+                    found_t.append(tier.name)
+                    found_l.append(loc)
+                    break
+            else:
+                with self._pending_lock:
+                    pending = (namespace, h) in self._inflight
+                if not pending:
+                    break
+                found_h.append(h)
+                found_t.append(PENDING)
+                found_l.append(_NOWHERE)
+        return TierMatch(namespace, tuple(found_h), tuple(found_t), tuple(found_l))
+
+    def restore(self, tenant: TenantScope, match: TierMatch) -> Future[RestoreResult]:
+        """Read and decrypt the blocks of ``match`` on the worker pool.
+
+        The result holds the longest leading part that authenticated; a segment whose tag fails
+        is counted (``auth_failures``), deleted from its tier, and ends the restore there.
+        """
+        if match.namespace != tenant.namespace:
+            raise ValueError("the match belongs to another namespace than the tenant")
+        for t in ("dram", "nvme"):
+            if match.blocks_in(t):
+                self.metrics.hits.labels(t, tenant.metrics_label).inc(match.blocks_in(t))
+        return self._pool.submit(self._restore, tenant, match)
+
+    def _restore(self, tenant: TenantScope, match: TierMatch) -> RestoreResult:
+        t0 = time.perf_counter()
+        if match.blocks_in(PENDING):
+            # Wait for the demotions that carry them (queued before this task, so no deadlock),
+            # then look again: they may have been stored, or dropped by the cost/quota rules.
+            with self._pending_lock:
+                futs = {self._inflight.get((match.namespace, h)) for h in match.hashes}
+            for fut in futs - {None}:
+                fut.exception()
+            match = self.lookup(match.namespace, match.hashes)
+        pieces: list[bytes] = []
+        by_tier: dict[str, int] = {}
+        bb, i, n = self.block_bytes, 0, match.num_blocks
+        cipher = tenant.cipher
+        while i < n and cipher is not None and match.tiers[i] != PENDING:
+            tier = self.dram if match.tiers[i] == "dram" else self.nvme
+            sid, pos = match.locations[i].segment_id, match.locations[i].position
+            j = i + 1  # the run of blocks this segment serves, positions consecutive
+            while (j < n and match.tiers[j] == match.tiers[i] and match.locations[j].segment_id == sid
+                   and match.locations[j].position == pos + (j - i)):
+                j += 1
+            s0 = time.perf_counter()
+            got = tier.get(sid) if tier is not None else None
+            if got is None or got[0].namespace != tenant.namespace:
+                break  # evicted or expired since the lookup: recompute from here
+            meta, blob = got
+            plain = cipher.decrypt(blob, segment_aad(meta.namespace, self.model_id, meta.hashes, meta.block_bytes))
+            if plain is None or len(plain) != meta.num_blocks * bb:
+                self.metrics.auth_failures.labels(tier.name, tenant.metrics_label).inc()
+                if tier.evict(sid) is not None:
+                    self.metrics.drops.labels(tier.name, "auth_failure").inc(meta.num_blocks)
+                    self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
+                log.warning("kv tier %s: segment %s failed authentication; dropped", tier.name, sid)
+                break
+            self.metrics.restore_seconds.labels(tier.name).observe(time.perf_counter() - s0)
+            self.metrics.restores.labels(tier.name, tenant.metrics_label).inc(j - i)
+            self.metrics.restore_bytes.labels(tier.name, tenant.metrics_label).inc(len(blob))
+            pieces.append(plain[pos * bb:(pos + j - i) * bb])
+            by_tier[tier.name] = by_tier.get(tier.name, 0) + (j - i)
+            i = j
+        return RestoreResult(i, b"".join(pieces), match.hashes[:i], by_tier, time.perf_counter() - t0)
+
+    # ---- retention -----------------------------------------------------------------------------
+    def _maybe_sweep(self) -> None:
+        now = self._clock()
+        if now - self._last_sweep_s >= self._sweep_interval_s:
+            self._last_sweep_s = now
+            self.sweep_expired()
+
+    def sweep_expired(self) -> int:
+        """Delete every segment past its tenant's TTL. Returns the number of blocks deleted.
+        (Lookups never return an expired block even before the sweep has run.)"""
+        now, dropped = self._clock(), 0
+        for tier in self.tiers:
+            for sid in tier.expired_segments(now):
+                gone = tier.evict(sid)
+                if gone is not None:
+                    dropped += gone[0].num_blocks
+                    self.metrics.drops.labels(tier.name, "ttl").inc(gone[0].num_blocks)
+            self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
+        return dropped
+
+    def delete_tenant(self, namespace: bytes) -> int:
+        """Delete every block of ``namespace`` in every tier. Returns the blocks deleted."""
+        dropped = 0
+        for tier in self.tiers:
+            for sid in tier.segments_of(namespace):
+                gone = tier.evict(sid)
+                if gone is not None:
+                    dropped += gone[0].num_blocks
+                    self.metrics.drops.labels(tier.name, "tenant_deleted").inc(gone[0].num_blocks)
+            self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
+        return dropped
+
+    # ---- introspection -------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for tier in self.tiers:
+            s = tier.stats()
+            out[tier.name] = {"capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
+                              "segments": s.num_segments, "blocks": s.num_blocks,
+                              "bytes_by_tenant": s.bytes_by_tenant}
+        with self._pending_lock:
+            out["pending_demotions"] = len(self._pending)
+        return out
+
+    def close(self) -> None:
+        """Finish in-flight work, then release the pool and the NVMe index."""
+        self._pool.shutdown(wait=True)
+        if self.nvme is not None:
+            self.nvme.close()
+
+
+def _as_bytes_view(data: Any) -> memoryview:
+    """bytes / bytearray / memoryview / CPU tensor or ndarray -> flat read-only byte view (no copy)."""
+    if hasattr(data, "numpy") and not isinstance(data, memoryview):
+        if getattr(data, "device", None) is not None and str(data.device) != "cpu":
+            raise ValueError("demote() needs a CPU buffer; export the blocks to host memory first")
+        data = data.contiguous().numpy() if hasattr(data, "contiguous") else data.numpy()
+    return memoryview(data).cast("B").toreadonly()

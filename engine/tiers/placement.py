@@ -1,0 +1,181 @@
+"""In-memory bookkeeping of one tier and the rule that picks what to evict to make room.
+
+Both tiers keep their index here (the NVMe tier rebuilds it from SQLite at start-up). Not
+thread-safe: the owning tier holds its lock around every call.
+
+Eviction rule for ``plan_room(tenant, need)``, in order:
+
+1. The segment must fit the tier and the tenant's own cap (``tenant_cap_bytes``); if the tenant
+   would exceed its cap, only its own segments are candidates until it fits.
+2. Fair-share floor: with ``n`` tenants holding data in the tier (the newcomer included), each is
+   guaranteed ``floor = capacity * floor_fraction / n``. Another tenant's segment is a candidate
+   only while that tenant holds more than its floor, so a tenant whose working set fits its
+   share is never pushed out by someone else's flood. The putting tenant may always evict its own.
+3. Among candidates, the lowest ``score`` goes first (the manager's score weighs recompute cost
+   against restore cost, reuse and idleness; see ``engine.tiers.cost``).
+
+If no set of candidates frees enough bytes, the put is refused ("quota") and nothing is evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.tiers.base import BlockHash, BlockLocation, SegmentMeta
+
+ScoreFn = Callable[[SegmentMeta, float], float]
+
+
+def lru_score(meta: SegmentMeta, now_s: float) -> float:
+    """Plain least-recently-used: the oldest access is evicted first."""
+    return meta.last_access_s
+
+
+class SegmentIndex:
+    """Segments, the per-block map into them, and per-tenant byte usage of one tier."""
+
+    def __init__(self, capacity_bytes: int, *, floor_fraction: float = 1.0, score: ScoreFn = lru_score):
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        if not 0.0 <= floor_fraction <= 1.0:
+            raise ValueError("floor_fraction must be in [0, 1]")
+        self.capacity_bytes = capacity_bytes
+        self.floor_fraction = floor_fraction
+        self.score = score
+        self.segments: dict[str, SegmentMeta] = {}
+        self._blocks: dict[tuple[bytes, BlockHash], BlockLocation] = {}
+        self._live: dict[str, int] = {}  # segment id -> blocks of the map still pointing at it
+        self.usage: dict[bytes, int] = {}  # namespace -> bytes held
+        self._by_label: dict[str, int] = {}  # metrics label -> bytes held (kept for cheap stats)
+        self.used_bytes = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    def lookup(self, namespace: bytes, block_hash: BlockHash, now_s: float) -> BlockLocation | None:
+        loc = self._blocks.get((namespace, block_hash))
+        if loc is None or self.segments[loc.segment_id].expired(now_s):
+            return None
+        return loc
+
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def expired(self, now_s: float) -> list[str]:
+        return [sid for sid, m in self.segments.items() if m.expired(now_s)]
+
+    def of_namespace(self, namespace: bytes) -> list[str]:
+        return [sid for sid, m in self.segments.items() if m.namespace == namespace]
+
+    def bytes_by_label(self) -> dict[str, int]:
+        return {label: n for label, n in self._by_label.items() if n}
+
+    # ---- mutation ------------------------------------------------------------------------------
+    def add(self, meta: SegmentMeta) -> list[str]:
+        """Insert ``meta``; its blocks now point at it (newest wins). Returns the ids of older
+        segments left with no block pointing at them: the caller must remove them."""
+        if meta.segment_id in self.segments:
+            raise ValueError(f"segment {meta.segment_id} already stored")
+        self.segments[meta.segment_id] = meta
+        self._live[meta.segment_id] = 0
+        self.usage[meta.namespace] = self.usage.get(meta.namespace, 0) + meta.nbytes
+        self._by_label[meta.tenant_label] = self._by_label.get(meta.tenant_label, 0) + meta.nbytes
+        self.used_bytes += meta.nbytes
+        orphans = []
+        for pos, h in enumerate(meta.hashes):
+            key = (meta.namespace, h)
+            old = self._blocks.get(key)
+            if old is not None and old.segment_id != meta.segment_id:
+                self._live[old.segment_id] -= 1
+                if self._live[old.segment_id] == 0:
+                    orphans.append(old.segment_id)
+            if old is None or old.segment_id != meta.segment_id:
+                self._live[meta.segment_id] += 1
+            self._blocks[key] = BlockLocation(meta.segment_id, pos)
+        return orphans
+
+    def remove(self, segment_id: str) -> SegmentMeta | None:
+        meta = self.segments.pop(segment_id, None)
+        if meta is None:
+            return None
+        del self._live[segment_id]
+        for h in meta.hashes:
+            key = (meta.namespace, h)
+            loc = self._blocks.get(key)
+            if loc is not None and loc.segment_id == segment_id:
+                del self._blocks[key]
+        left = self.usage[meta.namespace] - meta.nbytes
+        if left:
+            self.usage[meta.namespace] = left
+        else:
+            del self.usage[meta.namespace]
+        self._by_label[meta.tenant_label] -= meta.nbytes
+        self.used_bytes -= meta.nbytes
+        return meta
+
+    # ---- the eviction rule ---------------------------------------------------------------------
+    def plan_room(
+        self, namespace: bytes, need: int, tenant_cap_bytes: int | None, now_s: float
+    ) -> list[str] | str:
+        """Victims (segment ids, in eviction order) that make room for ``need`` more bytes of
+        ``namespace``, or the reason it cannot be placed: "too_large" or "quota".
+
+        Pure: evicts nothing itself.
+        """
+        cap = self.capacity_bytes if tenant_cap_bytes is None else min(tenant_cap_bytes, self.capacity_bytes)
+        if need > cap:
+            return "too_large"
+        usage = dict(self.usage)
+        tenants = set(usage) | {namespace}
+        floor = self.capacity_bytes * self.floor_fraction / len(tenants)
+        free = self.capacity_bytes - self.used_bytes
+        own_over = usage.get(namespace, 0) + need - cap  # bytes of its own it must give up
+        if free >= need and own_over <= 0:
+            return []
+        ranked = sorted(self.segments.values(), key=lambda m: self.score(m, now_s))
+        victims: list[str] = []
+        # Pass 1: a tenant over its own cap makes room from its own segments only.
+        if own_over > 0:
+            for m in ranked:
+                if own_over <= 0:
+                    break
+                if m.namespace == namespace:
+                    victims.append(m.segment_id)
+                    own_over -= m.nbytes
+                    free += m.nbytes
+                    usage[namespace] -= m.nbytes
+            if own_over > 0:
+                return "quota"
+        # Pass 2: free bytes. One pass in score order is exact: eligibility only shrinks as
+        # usages drop, so a segment skipped once stays ineligible.
+        chosen = set(victims)
+        for m in ranked:
+            if free >= need:
+                break
+            if m.segment_id in chosen:
+                continue
+            if m.namespace == namespace or usage[m.namespace] > floor:
+                victims.append(m.segment_id)
+                free += m.nbytes
+                usage[m.namespace] -= m.nbytes
+        if free < need:
+            return "quota"
+        return victims
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the bookkeeping disagrees with itself (tests call it)."""
+        assert self.used_bytes == sum(m.nbytes for m in self.segments.values())
+        assert self.used_bytes <= self.capacity_bytes, (self.used_bytes, self.capacity_bytes)
+        by_ns: dict[bytes, int] = {}
+        for m in self.segments.values():
+            by_ns[m.namespace] = by_ns.get(m.namespace, 0) + m.nbytes
+        assert by_ns == self.usage, (by_ns, self.usage)
+        by_label: dict[str, int] = {}
+        for m in self.segments.values():
+            by_label[m.tenant_label] = by_label.get(m.tenant_label, 0) + m.nbytes
+        assert by_label == self.bytes_by_label(), (by_label, self._by_label)
+        live: dict[str, int] = dict.fromkeys(self.segments, 0)
+        for (ns, h), loc in self._blocks.items():
+            meta = self.segments[loc.segment_id]
+            assert meta.namespace == ns and meta.hashes[loc.position] == h
+            live[loc.segment_id] += 1
+        assert live == self._live, (live, self._live)
+        assert all(n > 0 for n in live.values()), "a segment with no live block was kept"

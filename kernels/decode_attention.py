@@ -1,0 +1,310 @@
+"""Paged decode attention: one query token per sequence over its block table (flash-decoding).
+
+Work split (one program = one sequence x one KV head x one slice of the context)::
+
+    grid = (num_seqs, num_kv_heads, num_splits)
+                 split 0            split 1            split 2
+    context  |<- split_tokens ->|<- split_tokens ->|<- ... ->|     (a split past seq_len exits at once)
+    tile     |BLOCK_N|BLOCK_N|..                                    (a tile spans BLOCK_N / block_size pages)
+
+GQA: the ``group = q_heads / kv_heads`` query heads that share a KV head are the rows of one
+[GROUP_PAD, head_dim] operand, so every KV tile is read from memory once for all of them and the
+scores come out of one ``tl.dot``. With one split the kernel writes the output directly; with more,
+each split writes its normalised partial output and its log-sum-exp, and ``_reduce_kernel`` merges
+them (weights exp2(lse_s - max lse)).
+
+Quantized KV: scales are folded into the score columns (K) and the probability columns (V), so the
+dot runs on the raw (upcast) cache values: fp8 -> one per-tensor scale; int8 -> one scale per
+(block, slot, kv head), loaded alongside each tile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    KV_FP8,
+    KV_INT8,
+    KV_PLAIN,
+    dot_dtype,
+    interpreting,
+    kv_code,
+    next_pow2,
+    placeholder,
+)
+from kernels._dot import exact_dot
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _unpack_8bit_pairs(pairs, KV_QUANT: tl.constexpr):
+    """pairs: int16 holding two 8-bit cache values (low byte = even d) -> (even, odd) fp16 tensors.
+
+    Why: the PV dot reduces over tokens, which are strided in the cache, so its operand must be
+    transposed on the way into the MMA; Triton 3.6/3.9 transposes 8-bit operands with one ld.shared.b8
+    per byte (seen in the PTX; fp8 decode ran slower than bf16 in H200 run 2). Loading the 8-bit V as
+    16-bit pairs keeps that transpose 16-bit (ldmatrix.trans), and the unpack is one instruction.
+    """
+    if KV_QUANT == 1:
+        even, odd = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
+        )
+    else:
+        even, odd = tl.inline_asm_elementwise(
+            "{ .reg .s16 a, b; shl.b16 a, $2, 8; shr.s16 a, a, 8; shr.s16 b, $2, 8;"
+            " cvt.rn.f16.s16 $0, a; cvt.rn.f16.s16 $1, b; }",
+            "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
+        )
+    return even, odd
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [NB, BS, Hkv, D] (strided)
+    v_ptr,  # same, or when V_PAIRS its int16 view [NB, BS, Hkv, D/2] (two 8-bit values per element)
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    k_scale_ptr,  # fp8: [1]; int8: [NB, BS, Hkv]; plain: unused
+    v_scale_ptr,
+    out_ptr,  # [B, Hq, D]                 (written when NUM_SPLITS == 1)
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32 (written when NUM_SPLITS > 1)
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
+    qk_scale,  # softmax scale * log2(e)
+    split_tokens,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb,
+    stride_sb, stride_ss, stride_sh,
+    stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    DOT_TY: tl.constexpr,
+    V_PAIRS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * split_tokens
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + split_tokens, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_ok = rows < GROUP
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, HEAD_DIM)
+    dh = tl.arange(0, HEAD_DIM // 2)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = q.to(DOT_TY)  # [GROUP_PAD, D]
+
+    if KV_QUANT == 1:
+        k_tensor_scale = tl.load(k_scale_ptr)
+        v_tensor_scale = tl.load(v_scale_ptr)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if V_PAIRS:
+        acc_e = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 0, 2, 4, ...
+        acc_o = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 1, 3, 5, ...
+    else:
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + b * stride_btb
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % BLOCK_SIZE
+        k = tl.load(
+            k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            mask=tok_ok[:, None], other=0.0,
+        )  # [BLOCK_N, D]
+        s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
+        if KV_QUANT == 1:
+            s = s * k_tensor_scale
+        if KV_QUANT == 2:
+            sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
+            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT == 2:
+            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
+        if V_PAIRS:
+            pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None], other=0)  # [BLOCK_N, D/2] int16
+            v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
+            p16 = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
+        else:
+            v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
+        m_i = m_new
+
+    v_final = 1.0 / l_i
+    if KV_QUANT == 1:
+        v_final = v_final * v_tensor_scale
+    if NUM_SPLITS == 1:
+        o_row = out_ptr + b * stride_ob + heads[:, None] * stride_oh
+        if V_PAIRS:
+            tl.store(o_row + 2 * dh[None, :], (acc_e * v_final[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+            tl.store(o_row + 2 * dh[None, :] + 1, (acc_o * v_final[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+        else:
+            tl.store(o_row + d[None, :], (acc * v_final[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        bh = b * (GROUP * tl.num_programs(1)) + heads  # flat (b, q head) index into the partials
+        p_row = part_out_ptr + (bh[:, None] * NUM_SPLITS + split) * HEAD_DIM
+        if V_PAIRS:
+            tl.store(p_row + 2 * dh[None, :], acc_e * v_final[:, None], mask=row_ok[:, None])
+            tl.store(p_row + 2 * dh[None, :] + 1, acc_o * v_final[:, None], mask=row_ok[:, None])
+        else:
+            tl.store(p_row + d[None, :], acc * v_final[:, None], mask=row_ok[:, None])
+        tl.store(part_lse_ptr + bh * NUM_SPLITS + split, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [B, Hq, D]
+    split_tokens,
+    stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_valid = tl.cdiv(seq_len, split_tokens)  # splits past the context wrote nothing
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = (sp < n_valid) & (sp < NUM_SPLITS)
+    bh = b * tl.num_programs(1) + h
+    lse = tl.load(part_lse_ptr + bh * NUM_SPLITS + sp, mask=sp_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = tl.where(sp_ok, w, 0.0)
+    d = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_out_ptr + (bh * NUM_SPLITS + sp[:, None]) * HEAD_DIM + d[None, :], mask=sp_ok[:, None], other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
+                      programs_per_sm: int = 4) -> int:
+    """Split count that wastes the least of the last wave of (sequence, kv head, split) programs.
+
+    A wave is ``programs_per_sm * num_sms`` programs running at once (about 4 per SM for the default
+    tiles: ~40 KB of shared memory and 128 threads each). Run time ~ waves * (context / splits), so
+    pick the smallest split count within 5% of the best ``ceil(programs * s / wave) / s``, each split
+    at least 256 tokens. Measured on the H200 (run 2): 16 x 32768 took 0.60 ms at 5 splits (1.2
+    waves) and 0.49 ms at 4 or 8. Uses the block table's capacity, not the live lengths, so the
+    launch never reads device values (no host sync; CUDA-graph safe); splits past a sequence's end
+    exit at once.
+    """
+    programs = max(1, num_seqs * kv_heads)
+    wave = max(1, programs_per_sm * num_sms)
+    cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
+    cost = {s: math.ceil(programs * s / wave) / s for s in range(1, cap + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * 1.05)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a small fake machine so that tests exercise split-KV
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D], any block stride
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, >= 1 each
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    v_pairs: bool | None = None,
+) -> torch.Tensor:
+    """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``."""
+    num_seqs, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = q_heads // kv_heads
+    code = kv_code(k_cache)
+    if block_n is None:  # H200 sweeps (runs 2-3): 64-token tiles were fastest for bf16 and for fp8 (pairs path)
+        block_n = 64 if head_dim <= 128 else 32
+    block_n = max(block_n, 16)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, _num_sms(q.device), block_n)
+    split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_context, split_tokens)
+
+    out = torch.empty_like(q)  # [B, Hq, D]
+    dummy = placeholder(q.device, torch.float32)
+    ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
+    vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
+    sc_strides = k_scale.stride() if code == KV_INT8 else (0, 0, 0)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = dummy
+    assert code in (KV_PLAIN, KV_FP8, KV_INT8)
+    if v_pairs is None:  # GPU only: the interpreter has no inline PTX
+        v_pairs = code != KV_PLAIN and not interpreting()
+    v_arg = v_cache
+    if v_pairs:
+        assert code != KV_PLAIN and head_dim % 2 == 0
+        v_arg = v_cache.view(torch.uint8).view(torch.int16)  # [NB, BS, Hkv, D/2], block strides halved
+    _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
+        q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse,
+        scale * LOG2E, split_tokens,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_arg.stride(0), v_arg.stride(1), v_arg.stride(2),
+        block_tables.stride(0),
+        *sc_strides,
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), V_PAIRS=v_pairs,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, q_heads)](
+            part_out, part_lse, seq_lens, out, split_tokens, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_pow2(num_splits)), HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out

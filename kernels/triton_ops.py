@@ -1,0 +1,168 @@
+"""Typed launchers for the Triton kernels, drop-in for ``kernels.reference`` (same names, same arguments).
+
+The engine picks ``kernels.reference`` on CPU and this module on CUDA. Each launcher checks
+shapes, dtypes, devices and strides and fails with an AssertionError that says what was wrong;
+the kernels themselves live in ``decode_attention``, ``prefill_attention``, ``kv_write`` and
+``block_copy``. Conventions (cache layout, quantization scales) are those of ``kernels.reference``.
+
+Differences from the reference, all on inputs the reference would also mishandle:
+  * ``copy_blocks``: a block that is both a source and a destination in one call races (the
+    reference reads every source first). Copy-on-write never does this: destinations are fresh.
+  * attention: every sequence needs ``seq_len >= 1``; head_dim must be a power of two >= 16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import block_copy, decode_attention, kv_write, prefill_attention
+from kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache
+from kernels.reference import FP8_DTYPE, dequantize, is_quantized, quantize  # noqa: F401  (re-exported)
+
+__all__ = [
+    "copy_blocks", "gather_blocks", "scatter_blocks", "paged_decode_attention", "paged_prefill_attention",
+    "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
+]
+
+
+def _check_int_vector(name: str, t: torch.Tensor, length: int | None, device: torch.device) -> None:
+    assert t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}"
+    assert t.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {t.dtype}"
+    assert t.device == device, f"{name} is on {t.device}, expected {device}"
+    assert t.is_contiguous(), f"{name} must be contiguous"
+    if length is not None:
+        assert t.shape[0] == length, f"{name} must have {length} entries, got {t.shape[0]}"
+
+
+def _check_attention_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> None:
+    assert q.dim() == 3, f"q must be [tokens, q_heads, head_dim], got {tuple(q.shape)}"
+    assert q.dtype in ATTN_DTYPES, f"q must be fp16/bf16/fp32, got {q.dtype}"
+    assert q.stride(2) == 1, f"q's head_dim must be contiguous, got strides {q.stride()}"
+    check_paged_cache("k_cache", k_cache, q.device)
+    check_paged_cache("v_cache", v_cache, q.device)
+    assert k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ"
+    assert k_cache.dtype == v_cache.dtype, f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}"
+    _, _, kv_heads, head_dim = k_cache.shape
+    assert q.shape[2] == head_dim, f"q head_dim {q.shape[2]} != cache head_dim {head_dim}"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
+    assert q.shape[1] % kv_heads == 0, f"q_heads {q.shape[1]} must be a multiple of kv_heads {kv_heads}"
+    assert block_tables.dim() == 2, f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}"
+    assert block_tables.dtype == torch.int32, f"block_tables must be int32, got {block_tables.dtype}"
+    assert block_tables.device == q.device, f"block_tables is on {block_tables.device}, expected {q.device}"
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    check_kv_scales(k_cache, k_scale, v_scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D], any block stride
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32 (context including the current token), >= 1
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its whole cached context -> [B, Hq, D] (q's dtype)."""
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
+    assert block_tables.shape[0] == q.shape[0], f"block_tables has {block_tables.shape[0]} rows, q has {q.shape[0]} seqs"
+    _check_int_vector("seq_lens", seq_lens, q.shape[0], q.device)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D] new tokens of all sequences, packed
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32, context after this chunk (cached + new)
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """New tokens attend causally among themselves and fully to their cached prefix -> [T, Hq, D].
+
+    The new tokens' K/V must already be in the cache (write_kv first).
+    """
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
+    num_seqs = block_tables.shape[0]
+    _check_int_vector("cu_seqlens_q", cu_seqlens_q, num_seqs + 1, q.device)
+    _check_int_vector("seq_lens", seq_lens, num_seqs, q.device)
+    return prefill_attention.paged_prefill(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale
+    )
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Scatter new K/V into their cache slots (reshape_and_cache), quantizing on the way."""
+    for name, x in (("key", key), ("value", value)):
+        assert x.dim() == 3, f"{name} must be [tokens, kv_heads, head_dim], got {tuple(x.shape)}"
+        assert x.dtype in ATTN_DTYPES, f"{name} must be fp16/bf16/fp32, got {x.dtype}"
+        assert x.stride(2) == 1, f"{name}'s head_dim must be contiguous, got strides {x.stride()}"
+    assert key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+    device = key.device
+    assert value.device == device, f"value is on {value.device}, key on {device}"
+    check_paged_cache("k_cache", k_cache, device)
+    check_paged_cache("v_cache", v_cache, device)
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype, "k_cache and v_cache must match"
+    assert tuple(k_cache.shape[2:]) == tuple(key.shape[1:]), (
+        f"key heads/dim {tuple(key.shape[1:])} != cache heads/dim {tuple(k_cache.shape[2:])}"
+    )
+    _check_int_vector("slot_mapping", slot_mapping, key.shape[0], device)
+    check_kv_scales(k_cache, k_scale, v_scale)
+    kv_write.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def _check_block_ids(name: str, ids: torch.Tensor, cache: torch.Tensor) -> None:
+    _check_int_vector(name, ids, None, cache.device)
+
+
+def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """cache[dst[i]] = cache[src[i]] for every i (block-major cache: dim 0 indexes blocks).
+
+    Bit-exact for any dtype. src and dst must not share a block (see the module docstring).
+    """
+    _check_block_ids("src", src, cache)
+    _check_block_ids("dst", dst, cache)
+    assert src.shape == dst.shape, f"src has {src.shape[0]} ids, dst has {dst.shape[0]}"
+    block_copy.copy_rows(cache, cache, src, dst, src.shape[0])
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack blocks into a contiguous staging buffer: [N, *cache.shape[1:]] on cache's device."""
+    _check_block_ids("block_ids", block_ids, cache)
+    n = block_ids.shape[0]
+    if out is None:
+        out = torch.empty((n, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    assert tuple(out.shape) == (n, *cache.shape[1:]), f"out must be {(n, *cache.shape[1:])}, got {tuple(out.shape)}"
+    assert out.dtype == cache.dtype, f"out is {out.dtype}, cache is {cache.dtype}"
+    assert out.device == cache.device, f"out is on {out.device}, cache on {cache.device} (copy D2H afterwards)"
+    block_copy.copy_rows(cache, out, block_ids, None, n)
+    return out
+
+
+def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    """Unpack a staging buffer [N, *cache.shape[1:]] into the given blocks (converted to cache's dtype)."""
+    _check_block_ids("block_ids", block_ids, cache)
+    n = block_ids.shape[0]
+    assert tuple(staging.shape) == (n, *cache.shape[1:]), (
+        f"staging must be {(n, *cache.shape[1:])}, got {tuple(staging.shape)}"
+    )
+    assert staging.device == cache.device, f"staging is on {staging.device}, cache on {cache.device} (copy H2D first)"
+    if staging.dtype != cache.dtype:
+        staging = staging.to(cache.dtype)
+    block_copy.copy_rows(staging, cache, None, block_ids, n)

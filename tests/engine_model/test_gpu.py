@@ -1,0 +1,66 @@
+"""The CUDA path (GPU machines only): same parity checks on the device, bf16 sanity, cache sizing."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from engine.batch import ScheduledBatch, SequenceChunk
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from tests.engine_model.driver import GREEDY, BlockAllocator, Seq, blocks_needed, hf_greedy, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _hf(model_dir, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_dir", "qwen2_dir"])
+def test_cuda_fp32_matches_transformers(model_fixture, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cuda", dtype="float32", num_kv_blocks=64,
+                                      block_size=16))
+    oracle = _hf(model_dir, torch.float32)
+    prompt = list(range(1000, 1037))
+    logits = runner.forward(ScheduledBatch([SequenceChunk("l", prompt, 0, [5, 9, 2], True, GREEDY)]),
+                            all_logits=True)
+    with torch.no_grad():
+        ref = oracle(torch.tensor([prompt], device="cuda")).logits[0]
+    torch.testing.assert_close(logits, ref, atol=2e-3, rtol=0)
+
+    alloc = BlockAllocator(64, seed=0)
+    ps = [list(range(7, 12)), list(range(300, 340)), list(range(4000, 4019))]
+    seqs = [Seq(f"g{i}", list(p), alloc.take(blocks_needed(len(p) + 10, 16))) for i, p in enumerate(ps)]
+    outs = run(runner, seqs, 10, chunk=16)
+    for p, out in zip(ps, outs, strict=True):
+        assert out == hf_greedy(oracle.cpu().float(), p, 10)
+
+
+def test_cuda_bf16_close_and_kv_sized_from_free_memory(tiny_dir):
+    runner = ModelRunner(EngineConfig(model_dir=tiny_dir, device="cuda", kv_memory_fraction=0.3))
+    assert runner.spec.dtype == "bfloat16" and runner.kv_cache.dtype == torch.bfloat16
+    free, total = torch.cuda.mem_get_info()
+    assert runner.num_kv_blocks * runner.kv_bytes_per_block < 0.3 * total
+    assert runner.num_kv_blocks > 1000
+    prompt = list(range(2000, 2050))
+    logits = runner.forward(ScheduledBatch([SequenceChunk("b", prompt, 0, [0, 1, 2, 3], True, GREEDY)]),
+                            all_logits=True)
+    with torch.no_grad():
+        ref = _hf(tiny_dir, torch.float32)(torch.tensor([prompt], device="cuda")).logits[0]
+    assert (logits - ref).abs().max().item() < 0.1
+    data = runner.export_blocks([0, 1])
+    assert data.device.type == "cpu" and data.shape == (2, runner.kv_bytes_per_block)
+    runner.import_blocks([7, 8], data)
+    assert torch.equal(runner.export_blocks([7, 8]), data)
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()

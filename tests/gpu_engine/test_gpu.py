@@ -1,0 +1,30 @@
+"""CUDA only: captured decode graphs give the eager logits; tier transfers on the side stream round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu_engine.helpers import prefill_then_decode_batch, small_runner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_graph_decode_equals_eager(tmp_path):
+    runner = small_runner(tmp_path, "cuda")
+    assert runner.decode_graphs is not None and runner.decode_graphs.sizes == (1, 2, 4, 8)
+    batch = prefill_then_decode_batch(runner)
+    eager = runner.forward(batch, all_logits=True).clone()  # all_logits forces the eager path
+    graphed = runner.forward(batch)
+    assert runner.decode_graphs.num_runs == 1
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    assert runner.execute(batch).sampled_token_ids == eager.argmax(-1).tolist()
+
+
+def test_side_stream_export_import_round_trip(tmp_path):
+    runner = small_runner(tmp_path, "cuda", use_cuda_graphs=False)
+    runner.kv_cache.normal_()
+    data = runner.export_blocks([3, 5])
+    assert data.is_pinned() and data.shape == (2, runner.kv_bytes_per_block)
+    runner.import_blocks([9, 10], data)
+    assert torch.equal(runner.kv_cache[9], runner.kv_cache[3]) and torch.equal(runner.kv_cache[10], runner.kv_cache[5])

@@ -1,0 +1,86 @@
+"""Paged decode attention (Triton, interpreter on CPU) against kernels.reference on fresh random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import decode_attention, triton_ops
+from kernels import reference as ref
+from tests.kernels.kernel_cases import INTERPRET, make_block_tables, make_kv_cache, rel_err
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+# Relative L2 error bounds against the fp32-accumulating reference (whose K/V are rounded to q's dtype).
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, ref.FP8_DTYPE: 5e-3, torch.int8: 5e-3}
+
+
+def run_case(head_dim, group, block_size, seq_lens, kv_dtype, q_dtype=torch.float16, num_splits=None,
+             kv_heads=2, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q_heads = kv_heads * group
+    num_blocks = sum((n + block_size - 1) // block_size for n in seq_lens) + 3
+    k_cache, v_cache, ks, vs = make_kv_cache(num_blocks, block_size, kv_heads, head_dim,
+                                             kv_dtype if kv_dtype is not None else q_dtype, device, gen)
+    tables = make_block_tables(seq_lens, block_size, num_blocks, gen, device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(seq_lens), q_heads, head_dim, generator=gen).to(device=device, dtype=q_dtype)
+    scale = 1 / math.sqrt(head_dim)
+    want = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs)
+    if num_splits is None:
+        got = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs)
+    else:
+        got = decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, ks, vs, num_splits=num_splits)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    err = rel_err(got, want)
+    assert err < TOL[kv_dtype if kv_dtype is not None else q_dtype], f"relative error {err:.2e}"
+    return err
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_reference_fp16(head_dim, group, block_size):
+    # Ragged lengths: 1 token, under one block, not a multiple of the block size, several blocks.
+    # Odd parametrizations force 3 splits (split-KV + reduce); the rest go through the launcher's choice.
+    forced = 3 if (head_dim + group + block_size) % 2 else None
+    run_case(head_dim, group, block_size, [1, 13, 70, 33], None, num_splits=forced, seed=head_dim + group + block_size)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_decode_split_counts_agree(num_splits):
+    # A context of 150 tokens cut into 1, 2 or 5 slices: splits past a short sequence's end must be ignored.
+    run_case(64, 4, 16, [150, 9, 64], None, num_splits=num_splits, seed=7)
+
+
+def test_decode_bf16_queries_upcast_in_interpreter():
+    run_case(64, 4, 16, [40, 5], None, q_dtype=torch.bfloat16, num_splits=2, seed=3)
+
+
+@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 4, 16), (128, 8, 32)])
+def test_decode_quantized_kv(kv_dtype, head_dim, group, block_size):
+    run_case(head_dim, group, block_size, [45, 17, 1], kv_dtype, num_splits=2 if block_size == 16 else None,
+             seed=11 + head_dim)
+
+
+def test_decode_checks_inputs():
+    gen = torch.Generator().manual_seed(0)
+    k, v, _, _ = make_kv_cache(4, 16, 2, 64, torch.float16, "cpu", gen)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    q = torch.randn(1, 3, 64, dtype=torch.float16)
+    with pytest.raises(AssertionError, match="multiple of kv_heads"):
+        triton_ops.paged_decode_attention(q, k, v, tables, lens, 0.1)
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    with pytest.raises(AssertionError, match="block_tables must be int32"):
+        triton_ops.paged_decode_attention(q, k, v, tables.long(), lens, 0.1)
+    with pytest.raises(AssertionError, match="head_dim must be contiguous"):
+        triton_ops.paged_decode_attention(q, k.transpose(2, 3), v.transpose(2, 3), tables, lens, 0.1)
+    k8, v8, _, _ = make_kv_cache(4, 16, 2, 64, ref.FP8_DTYPE, "cpu", gen)
+    with pytest.raises(AssertionError, match="needs k_scale and v_scale"):
+        triton_ops.paged_decode_attention(q, k8, v8, tables, lens, 0.1)
+
+

@@ -1,0 +1,63 @@
+"""The same kernel checks compiled on a CUDA GPU, bf16 included (the interpreter cannot check bf16 dots).
+
+Run with benchmarks/gpu_suite.sh (PREFIXGATE_KERNELS_GPU=1 keeps the interpreter off).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels import triton_ops
+from tests.kernels import test_decode_attention as decode
+from tests.kernels import test_kv_write as kvw
+from tests.kernels import test_prefill_attention as prefill
+from tests.kernels.kernel_cases import gpu_ready
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CUDA and compiled Triton")]
+KV_DTYPES = [None, ref.FP8_DTYPE, torch.int8]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
+@pytest.mark.parametrize("num_splits", [None, 7])
+def test_decode_gpu(kv_dtype, head_dim, group, block_size, num_splits, q_dtype=torch.bfloat16):
+    lens = [1, 15, 16, 17, 300, 1025, 4000, 77]
+    decode.run_case(head_dim, group, block_size, lens, kv_dtype, q_dtype=q_dtype, num_splits=num_splits,
+                    kv_heads=2, seed=head_dim + group, device="cuda")
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
+def test_prefill_gpu(kv_dtype, head_dim, group, block_size, q_dtype=torch.bfloat16):
+    prefill.run_case(head_dim, group, block_size, cached=[0, 21, 700, 5, 1000], new=[300, 7, 1, 0, 513],
+                     kv_dtype=kv_dtype, q_dtype=q_dtype, kv_heads=2, seed=head_dim * group, device="cuda")
+
+
+def test_fp16_attention_gpu():
+    decode.run_case(128, 4, 16, [3, 500, 2049], None, q_dtype=torch.float16, kv_heads=2, seed=1, device="cuda")
+    prefill.run_case(128, 4, 16, cached=[64, 0], new=[100, 129], q_dtype=torch.float16, seed=2, device="cuda")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, ref.FP8_DTYPE, torch.int8])
+def test_write_kv_gpu(kv_dtype):
+    src = kv_dtype if kv_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    kvw.run_case(kv_dtype, src, kv_heads=8, head_dim=128, block_size=16, seed=3, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, ref.FP8_DTYPE, torch.int8])
+def test_block_ops_gpu(dtype):
+    gen = torch.Generator().manual_seed(0)
+    cache = (torch.randn(64, 4, 2, 16, 8, 128, generator=gen) * 10).to(dtype).cuda()
+    want = cache.clone()
+    src = torch.tensor([0, 5, 9], device="cuda")
+    dst = torch.tensor([60, 61, 2], device="cuda")
+    ref.copy_blocks(want, src, dst)
+    triton_ops.copy_blocks(cache, src, dst)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    ids = torch.tensor([3, 1, 40], device="cuda")
+    packed = triton_ops.gather_blocks(cache[:, 2, 1], ids)
+    assert torch.equal(packed.view(torch.uint8), cache[:, 2, 1][ids].view(torch.uint8))
+    triton_ops.scatter_blocks(cache, torch.tensor([7, 8], device="cuda"), cache[[1, 2]].clone())
+    assert torch.equal(cache[7].view(torch.uint8), cache[1].view(torch.uint8))

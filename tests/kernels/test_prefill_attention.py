@@ -1,0 +1,75 @@
+"""Paged ragged prefill attention (Triton, interpreter on CPU) against kernels.reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import prefill_attention, triton_ops
+from kernels import reference as ref
+from tests.kernels.kernel_cases import INTERPRET, make_block_tables, make_kv_cache, rel_err
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, ref.FP8_DTYPE: 5e-3, torch.int8: 5e-3}
+
+
+def run_case(head_dim, group, block_size, cached, new, kv_dtype=None, q_dtype=torch.float16, kv_heads=2,
+             seed=0, device="cpu", **launch):
+    """cached[i] tokens already in the cache + new[i] new tokens (also in the cache) per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(cached, new)]
+    num_blocks = sum((n + block_size - 1) // block_size for n in seq_lens) + 2
+    k_cache, v_cache, ks, vs = make_kv_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype or q_dtype,
+                                             device, gen)
+    tables = make_block_tables(seq_lens, block_size, num_blocks, gen, device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = torch.randn(sum(new), kv_heads * group, head_dim, generator=gen).to(device=device, dtype=q_dtype)
+    scale = 1 / math.sqrt(head_dim)
+    want = ref.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, ks, vs)
+    if launch:
+        got = prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, ks, vs, **launch)
+    else:
+        got = triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, ks, vs)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    err = rel_err(got, want)
+    assert err < TOL[kv_dtype or q_dtype], f"relative error {err:.2e}"
+    return err
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_matches_reference_fp16(head_dim, group, block_size):
+    # A fresh prompt, a cached prefix not aligned to blocks, a one-token chunk and an empty sequence.
+    run_case(head_dim, group, block_size, cached=[0, 21, 40, 5], new=[19, 7, 1, 0], seed=head_dim * group + block_size)
+
+
+def test_prefill_tiles_cross_the_diagonal():
+    # Small tiles so one sequence spans several query tiles and the masked loop starts mid-context.
+    run_case(64, 4, 16, cached=[35, 0], new=[37, 50], block_m=16, block_n=16, seed=5)
+
+
+def test_prefill_bf16_queries_upcast_in_interpreter():
+    run_case(64, 4, 16, cached=[17], new=[9], q_dtype=torch.bfloat16, seed=9)
+
+
+@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8])
+def test_prefill_quantized_kv(kv_dtype):
+    run_case(64, 4, 16, cached=[20, 0], new=[6, 11], kv_dtype=kv_dtype, seed=13)
+
+
+def test_prefill_checks_inputs():
+    gen = torch.Generator().manual_seed(0)
+    k, v, _, _ = make_kv_cache(4, 16, 2, 64, torch.float16, "cpu", gen)
+    q = torch.randn(5, 4, 64, dtype=torch.float16)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(AssertionError, match="cu_seqlens_q must have 2 entries"):
+        triton_ops.paged_prefill_attention(q, k, v, tables, torch.tensor([0, 5, 5], dtype=torch.int32),
+                                           torch.tensor([5], dtype=torch.int32), 0.1)
+    with pytest.raises(AssertionError, match="q head_dim"):
+        triton_ops.paged_prefill_attention(q[..., :32], k, v, tables, torch.tensor([0, 5], dtype=torch.int32),
+                                           torch.tensor([5], dtype=torch.int32), 0.1)

@@ -1,0 +1,90 @@
+"""A model-runner double whose KV cache holds token ids as bytes, for engine-level tier tests.
+
+It writes each computed token's id where a real runner writes K/V and predicts the next token
+from the context it *reads back from the blocks*, so a restored block with the wrong bytes, a
+block restored into the wrong place or a slot never written changes the output or raises. Its
+``export_blocks`` / ``import_blocks`` move raw bytes exactly like the real runner's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import ScheduledBatch, StepResult
+
+EMPTY = -1
+
+
+def next_token(context: Sequence[int]) -> int:
+    digest = hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in context)).digest()
+    return 97 + digest[0] % 26
+
+
+def reference_generate(prompt: Sequence[int], n: int) -> list[int]:
+    ctx, out = list(prompt), []
+    for _ in range(n):
+        out.append(next_token(ctx))
+        ctx.append(out[-1])
+    return out
+
+
+class ByteTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return bytes(i % 256 for i in ids).decode(errors="replace")
+
+
+@dataclass
+class Spec:
+    vocab_size: int = 50_000
+    max_model_len: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class TokenKVRunner:
+    def __init__(self, num_kv_blocks: int, block_size: int):
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.kv_bytes_per_block = block_size * 4
+        self.spec = Spec()
+        self.tokenizer = ByteTokenizer()
+        self.kv = torch.full((num_kv_blocks, block_size), EMPTY, dtype=torch.int32)  # [blocks, slots]
+        self.exported = self.imported = 0
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        bs, out = self.block_size, []
+        for chunk in batch.chunks:
+            for j, tok in enumerate(chunk.token_ids):
+                p = chunk.start_pos + j
+                self.kv[chunk.block_table[p // bs], p % bs] = tok
+        for chunk in batch.chunks:
+            if not chunk.sample:
+                out.append(None)
+                continue
+            ctx = [int(self.kv[chunk.block_table[p // bs], p % bs]) for p in range(chunk.context_len)]
+            if EMPTY in ctx:
+                raise RuntimeError("read a KV slot that was never written")
+            out.append(next_token(ctx))
+        return StepResult(out)
+
+    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        self.exported += len(block_ids)
+        # [N, block_size] int32 -> [N, kv_bytes_per_block] uint8, a copy
+        return self.kv[list(block_ids)].contiguous().view(torch.uint8).clone()
+
+    def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        assert data.dtype == torch.uint8 and data.shape == (len(block_ids), self.kv_bytes_per_block)
+        self.imported += len(block_ids)
+        self.kv[list(block_ids)] = data.contiguous().view(torch.int32)
+
+    def render_prompt(self, messages, tools=None) -> list[int]:
+        return self.tokenizer.encode("".join(m["content"] for m in messages))
+
+    def release(self, request_id: str) -> None:
+        pass
