@@ -33,11 +33,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(home: Path, port: int) -> subprocess.Popen:
+def _serve(home: Path, port: int, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO), NO_PROXY="127.0.0.1,localhost")
+    flags = list(extra) or ["--kv-blocks", "512"]
     return subprocess.Popen(
         [sys.executable, "-m", "gateway.cli.main", "serve", "--home", str(home), "--port", str(port),
-         "--model", "tiny", "--kv-blocks", "512", "--log-level", "warning"],
+         "--model", "tiny", "--log-level", "warning", *flags],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
 
@@ -135,3 +136,70 @@ def test_kill9_during_streaming_load_keeps_the_ledger_consistent(slow_home) -> N
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+TIER_FLAGS = ("--kv-blocks", "48", "--nvme-bytes", "64MiB")  # few HBM blocks: prompts spill to <home>/nvme
+
+
+def _complete(url: str, key: str, prompt: str) -> dict:
+    r = httpx.post(f"{url}/v1/completions", headers=auth(key), timeout=60,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def test_kill9_keeps_the_nvme_tier_consistent_and_decryptable(tmp_path: Path) -> None:
+    import random
+
+    from security_helpers import make_home, random_prompt
+
+    home, keys = make_home(tmp_path / "home")
+    rng = random.Random(3)
+    secret = "kill9-tier. " + random_prompt(rng, 160)
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(home, port, *TIER_FLAGS)
+    _wait(url, proc)
+    _complete(url, keys["acme"], secret)
+    for _ in range(6):  # evict it from HBM: it is demoted, encrypted, to the NVMe tier
+        _complete(url, keys["acme"], random_prompt(rng, 160))
+    time.sleep(1.0)
+    segs = list((home / "nvme").rglob("*.seg"))
+    assert segs, "nothing spilled: the test would prove nothing"
+    stop, done = threading.Event(), []
+    threads = [threading.Thread(target=_stream_forever, args=(url, keys[n], stop, done), daemon=True)
+               for n in ("acme", "beta") * 4]
+    for t in threads:
+        t.start()
+    while len(done) < 8:
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)  # streams open, evictions and demotions in flight
+    proc.wait(10)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    index = next((home / "nvme").rglob("index.sqlite"))
+    con = sqlite3.connect(index, timeout=10)
+    try:
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        con.close()
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(home, port, *TIER_FLAGS)
+    try:
+        _wait(url, proc)
+        # the restarted engine finds the spilled prefix in the index, and its blocks decrypt
+        usage = _complete(url, keys["acme"], secret)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 16, usage
+        assert _complete(url, keys["beta"], secret)["prompt_tokens_details"]["cached_tokens"] == 0
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        failures = [ln for ln in metrics.splitlines()
+                    if ln.startswith("prefixgate_tier_auth_failures_total{") and not ln.endswith(" 0.0")]
+        assert not failures, failures
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
