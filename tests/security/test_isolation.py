@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from security_helpers import auth
+from security_helpers import assert_openai_error, auth
 
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope
 
@@ -117,12 +117,18 @@ def test_usage_endpoint_shows_only_the_callers_rows(gateway) -> None:
         rep = client.get("/v1/usage", headers=auth(keys[name])).json()
         tenants = {row["tenant"] for row in rep["rows"]}
         assert tenants == {name}, rep
-        # asking for the other tenant by query parameter changes nothing (it is not a parameter)
+        # naming the other tenant is refused (403, OpenAI shape) and returns none of its rows
         other = "beta" if name == "acme" else "acme"
-        rep2 = client.get(f"/v1/usage?tenant={other}", headers=auth(keys[name])).json()
-        assert {row["tenant"] for row in rep2["rows"]} == {name}
+        r2 = client.get("/v1/usage", params={"tenant": other}, headers=auth(keys[name]))
+        assert r2.status_code == 403, r2.text
+        assert_openai_error(r2.json(), 403)
+        assert other not in r2.text
+        own = client.get("/v1/usage", params={"tenant": name}, headers=auth(keys[name])).json()
+        assert {row["tenant"] for row in own["rows"]} == {name}
     admin = client.get("/v1/usage", headers=auth(keys["admin"])).json()
     assert {"acme", "beta"} <= {row["tenant"] for row in admin["rows"]}
+    one = client.get("/v1/usage", params={"tenant": "beta"}, headers=auth(keys["admin"])).json()
+    assert {row["tenant"] for row in one["rows"]} == {"beta"}
 
 
 def test_dashboard_data_is_scoped_to_the_caller(gateway) -> None:
