@@ -87,3 +87,16 @@ def test_promptlint_fix_on_a_broken_corpus_changes_nothing_it_cannot_parse(tmp_p
     assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr[-2000:]
     for p in ("truncated.json", "bad.j2", "bad.yaml", "binary.txt", "latin1.txt"):
         assert (corpus / p).read_bytes() == before[corpus / p], p
+
+
+def test_canon_reorder_keeps_a_trailing_assistant_prefill_last() -> None:
+    """Found by the promptlint hypothesis property (idempotence): with no user turn, the moved
+    context message was appended after the assistant prefill, so a second pass changed it."""
+    from promptlint.canon import canonicalize
+
+    body = {"model": "m", "messages": [{"role": "system", "content": "Current time: 2026-11-29T10:00:00Z"},
+                                       {"role": "assistant", "content": "  Be brief.  "}]}
+    once = canonicalize(body, "reorder")
+    msgs = once.body["messages"]
+    assert msgs[-1] == {"role": "assistant", "content": "  Be brief.  "}
+    assert canonicalize(once.body, "reorder").body == once.body
