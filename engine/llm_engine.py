@@ -14,6 +14,7 @@ Thread-safety: none. ``AsyncEngine`` drives one ``LLMEngine`` from a single thre
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 from engine.batch import ScheduledBatch, StepResult
 from engine.block_pool import BlockPool, KVTierHook
 from engine.config import EngineConfig
-from engine.metrics import EngineMetrics
+from engine.metrics import CACHE_PHASES, EngineMetrics
 from engine.protocol import (
     FinishReason,
     GenerateRequest,
@@ -75,6 +76,7 @@ class LLMEngine:
         self.clock = clock
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.kv_bytes_per_token.set(runner.kv_bytes_per_block / runner.block_size)
+        self.metrics.kv_block_size.set(runner.block_size)
         self.pool = BlockPool(
             num_blocks or runner.num_kv_blocks,
             runner.block_size,
@@ -92,6 +94,58 @@ class LLMEngine:
         self._queried: Counter[str] = Counter()  # prompt tokens looked up, per metrics label
         self._hit: Counter[str] = Counter()  # of which served from cache
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        # Cost side of the cache's break-even: seconds per phase (CACHE_PHASES) and the prefill
+        # throughput the hits are worth. prepare() hashes on the caller's thread, hence the lock.
+        self._timing_lock = threading.Lock()
+        self.cache_time_s: dict[str, float] = dict.fromkeys(CACHE_PHASES, 0.0)
+        self._cache_time_published: dict[str, float] = dict.fromkeys(CACHE_PHASES, 0.0)  # + totals below
+        self.prefill_tokens = 0
+        self.prefill_time_s = 0.0
+        self.decode_tokens = 0
+        self.execute_time_s = 0.0
+        self._instrument_cache()
+
+    # ------------------------------------------------------------------ cache timing
+
+    def _add_cache_time(self, phase: str, seconds: float) -> None:
+        with self._timing_lock:
+            self.cache_time_s[phase] += seconds
+
+    def _timed(
+        self, phase: str, fn: Callable[..., Any], clock: Callable[[], float] = time.thread_time
+    ) -> Callable[..., Any]:
+        """``fn`` timed into ``phase``. Pure-CPU phases use the calling thread's CPU time: wall time
+        would also count GIL waits and descheduling, which belong to other work (seen: 5-30 ms
+        outliers on a loaded 2-core machine). Phases that wait on I/O pass a wall clock."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add_cache_time(phase, clock() - t0)
+
+        return timed
+
+    def _instrument_cache(self) -> None:
+        """Time this engine's own pool, index and tier hook by wrapping their bound methods.
+
+        Why wrap instead of timing inside them: the pool, index and scheduler stay timer-free
+        torch-free units (their tests count exact blocks, not seconds), and only an engine that
+        reports a break-even pays the clock calls. Eviction includes the tier hook's
+        ``on_evict`` (spill); ``tier`` is the hook's per-step work (restores, demotions)."""
+        self.pool.index.match_hashes = self._timed("match", self.pool.index.match_hashes)  # type: ignore[method-assign]
+        hook = self.pool.tier_hook
+        # with a tier hook an eviction also writes the block down (possibly to disk): wall time
+        evict_clock = time.thread_time if hook is None else time.perf_counter
+        self.pool._evict_one = self._timed("evict", self.pool._evict_one, evict_clock)  # type: ignore[method-assign]
+        self.pool.register = self._timed("register", self.pool.register)  # type: ignore[method-assign]
+        if hook is not None and callable(getattr(hook, "before_schedule", None)):
+            # a hook with __slots__ refuses the attribute: its work then goes untimed
+            with contextlib.suppress(AttributeError):
+                hook.before_schedule = self._timed(  # type: ignore[attr-defined]
+                    "tier", hook.before_schedule, time.perf_counter
+                )
 
     # ------------------------------------------------------------------ intake
 
@@ -135,7 +189,8 @@ class LLMEngine:
                 f"The request needs {blocks} KV blocks ({total} tokens) but this tenant's KV quota "
                 f"is {quota} blocks. Please reduce the prompt or max_tokens."
             )
-        req = Request(
+        t0 = time.thread_time()  # CPU time: see _timed
+        req = Request(  # the constructor hashes every full prompt block
             request_id=request.request_id,
             tenant=request.tenant,
             prompt_token_ids=ids,
@@ -144,6 +199,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_time=self.clock(),
         )
+        self._add_cache_time("hash", time.thread_time() - t0)
         ctx = ids[-_DETOK_CONTEXT:]
         req.detok = DetokenizerState(tokens=list(ctx), prefix_offset=0, read_offset=len(ctx))
         return req
@@ -195,7 +251,9 @@ class LLMEngine:
                     self._queried[label] += req.num_prompt_tokens
                     self._hit[label] += req.num_cached_tokens or 0
                     self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
+            t0 = time.perf_counter()
             results = self._execute(step)
+            self._account_execute(step, time.perf_counter() - t0)
             failed: list[Request] = []
             for req, result in zip(step.requests, results):
                 if isinstance(result, BaseException):
@@ -241,6 +299,22 @@ class LLMEngine:
                 out.append(exc)
         return out
 
+    def _account_execute(self, step: SchedulerOutput, seconds: float) -> None:
+        """Split one step's runner time between prefill and decode by token share (a decode chunk
+        is one token past the prompt; everything else, recompute after preemption included, is
+        prefill). The prefill share gives the cold-prefill throughput the break-even uses."""
+        prefill = decode = 0
+        for req, n, chunk in zip(step.requests, step.num_tokens, step.batch.chunks):
+            if n == 1 and chunk.start_pos >= req.num_prompt_tokens:
+                decode += 1
+            else:
+                prefill += n
+        total = prefill + decode
+        self.execute_time_s += seconds
+        self.prefill_tokens += prefill
+        self.decode_tokens += decode
+        self.prefill_time_s += seconds * prefill / total if total else 0.0
+
     # ------------------------------------------------------------------ tokens, text, stopping
 
     def _append_token(self, req: Request, token: int | None, now: float) -> None:
@@ -249,7 +323,9 @@ class LLMEngine:
         token = int(token)
         if not 0 <= token < self.vocab_size:
             raise RuntimeError(f"runner sampled token {token} outside the vocabulary")
-        req.append_output_token(token, now)
+        t0 = time.thread_time()
+        req.append_output_token(token, now)  # hashes the block this token filled, if any
+        self._add_cache_time("hash", time.thread_time() - t0)
         sp = req.sampling
         reason: FinishReason | None = None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
@@ -345,6 +421,21 @@ class LLMEngine:
         return max(0, unused) / allocated
 
     def _publish_state(self) -> None:
+        m = self.metrics
+        with self._timing_lock:
+            times = dict(self.cache_time_s)
+        for phase, total in times.items():
+            m.cache_seconds.labels(phase).inc(total - self._cache_time_published[phase])
+            self._cache_time_published[phase] = total
+        # counters advance by the difference since the last publish (the totals live here)
+        for counter, key, total in (
+            (m.prefill_tokens, "prefill_tokens", self.prefill_tokens),
+            (m.prefill_seconds, "prefill_time_s", self.prefill_time_s),
+            (m.decode_tokens, "decode_tokens", self.decode_tokens),
+            (m.execute_seconds, "execute_time_s", self.execute_time_s),
+        ):
+            counter.inc(total - self._cache_time_published.get(key, 0))
+            self._cache_time_published[key] = total
         self.metrics.observe_state(
             used=self.pool.num_used,
             free=self.pool.num_free,
@@ -384,6 +475,11 @@ class LLMEngine:
             "eviction_policy": self.config.eviction_policy,
             "prefix_caching": self.config.enable_prefix_caching,
             "steps": self.num_steps,
+            "cache_time_s": {k: round(v, 6) for k, v in self.cache_time_s.items()},
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_time_s": round(self.prefill_time_s, 6),
+            "decode_tokens": self.decode_tokens,
+            "execute_time_s": round(self.execute_time_s, 6),
             "kv_tiers": self.pool.tier_hook.stats() if hasattr(self.pool.tier_hook, "stats") else None,
             "tenants": {
                 label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}

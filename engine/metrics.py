@@ -9,6 +9,11 @@ Reading the numbers:
     fragmentation  = unused token slots in allocated blocks / allocated slots (0 = no waste; a
                      sequence wastes at most block_size-1 slots in its last block)
     queue reasons  = how many waiting requests are blocked by each reason right now
+    cache cost     = prefixgate_cache_manage_seconds_total{phase}: engine-thread time spent hashing
+                     blocks, matching prefixes, evicting (tier spill included), indexing full
+                     blocks and running the tier hook (restores); compare it with the prefill time
+                     the hits saved = hit tokens / (prefixgate_prefill_tokens_total /
+                     prefixgate_prefill_seconds_total of a cache-off run)
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from engine.request import QueueReason
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Phases of cache management timed by LLMEngine (the `phase` label of prefixgate_cache_manage_seconds).
+CACHE_PHASES = ("hash", "match", "evict", "register", "tier")
 
 
 class EngineMetrics:
@@ -44,6 +51,7 @@ class EngineMetrics:
         self.fragmentation = Gauge(
             "prefixgate_kv_fragmentation", "Unused slots in allocated blocks / allocated slots", registry=r
         )
+        self.kv_block_size = Gauge("prefixgate_kv_block_size", "Tokens per KV block", registry=r)
         self.kv_bytes_per_token = Gauge("prefixgate_kv_bytes_per_token", "KV cache bytes per token", registry=r)
         self.queue_reason = Gauge(
             "prefixgate_waiting_requests", "Waiting requests by queue reason", ["reason"], registry=r
@@ -56,6 +64,20 @@ class EngineMetrics:
             "prefixgate_tpot_seconds", "Time per output token after the first", ["tenant"],
             buckets=_TPOT_BUCKETS, registry=r,
         )
+        self.cache_seconds = Counter(
+            "prefixgate_cache_manage_seconds", "Engine time spent managing the prefix cache", ["phase"],
+            registry=r,
+        )
+        self.prefill_tokens = Counter(
+            "prefixgate_prefill_tokens", "Prompt tokens computed by prefill (cache hits excluded)", registry=r
+        )
+        self.prefill_seconds = Counter(
+            "prefixgate_prefill_seconds",
+            "Model time attributed to prefill (each step's time split by its share of prefill tokens)",
+            registry=r,
+        )
+        self.decode_tokens = Counter("prefixgate_decode_tokens", "Tokens computed by decode steps", registry=r)
+        self.execute_seconds = Counter("prefixgate_execute_seconds", "Model runner time of all steps", registry=r)
         self._evictions_seen = 0
         self._preemptions_seen = 0
 

@@ -92,6 +92,7 @@ class GatewaySettings(BaseModel):
     dram_bytes: int = 0
     nvme_dir: Path | None = None
     nvme_bytes: int = 0
+    prefix_caching: bool = True  # False = every request computes its whole prompt (benchmark baseline)
     routes: tuple[RouteConfig, ...] = ()
     node_token: str | None = None  # shared secret for /internal/v1/* (None = node API disabled)
     max_body_bytes: int = 4 * 1024 * 1024

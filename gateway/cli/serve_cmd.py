@@ -57,6 +57,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram-bytes", default=None, help="CPU DRAM tier size, e.g. 8GiB (default 0: off)")
     p.add_argument("--nvme-dir", default=None, help="directory of the NVMe tier (default <home>/nvme)")
     p.add_argument("--nvme-bytes", default=None, help="NVMe tier size, e.g. 100GiB")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="disable prefix caching in the local engine (a baseline for `prefixgate bench`)")
     p.add_argument("--node-token-env", default=None,
                    help="environment variable holding the shared token that enables the internal node API")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -96,6 +98,8 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes)}
     values.update({k: v for k, v in flags.items() if v is not None})
+    if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
+        values["prefix_caching"] = False
     if args.node_token_env:
         token = os.environ.get(args.node_token_env)
         if not token:
