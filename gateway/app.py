@@ -35,7 +35,10 @@ log = logging.getLogger("prefixgate.gateway")
 class BodySizeLimit:
     """Refuse request bodies over ``limit`` bytes with a 413, before the app buffers them.
 
-    Checks Content-Length up front and also counts streamed (chunked) bodies as they arrive.
+    Checks Content-Length up front; a body without one (chunked) is read here up to ``limit``
+    and then replayed to the app. Raising from inside the app's ``receive`` instead would be
+    caught by FastAPI's body parser and reported as a 400 "error parsing the body"
+    (tests/security/test_bad_input.py::test_huge_body_is_a_413_declared_and_streamed).
     """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
@@ -51,21 +54,37 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large().response()(scope, receive, send)
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.limit:
+                await self._too_large().response()(scope, receive, send)
+                return
+            await self.app(scope, receive, send)  # the server stops at Content-Length bytes
             return
+        # no (valid) Content-Length: buffer at most `limit` bytes, then replay them as one message
+        chunks: list[bytes] = []
         seen = 0
-
-        async def limited_receive() -> Any:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise self._too_large()
-            return message
+            if message["type"] != "http.request":  # client went away
+                return
+            body = message.get("body", b"")
+            seen += len(body)
+            if seen > self.limit:
+                await self._too_large().response()(scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        await self.app(scope, limited_receive, send)
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 def build_router(settings: GatewaySettings) -> Router:

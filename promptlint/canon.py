@@ -393,6 +393,11 @@ def _move_dynamic(body: dict, per_user_vars: Sequence[str], applied: list[str]) 
         isinstance(m, dict) and m.get("role") in ("system", "developer") and m.get("content") in ("", [])
     )]
     context = {"role": "system", "content": CONTEXT_HEADER + "\n" + "\n".join(moved_lines)}
-    messages[:] = kept + [context] + messages[last_user:]
+    tail = messages[last_user:]
+    if not tail and kept and isinstance(kept[-1], dict) and kept[-1].get("role") == "assistant":
+        # no user turn: a trailing assistant message is a prefill and must stay last (appending
+        # the context after it would change its meaning and break idempotence)
+        tail, kept = kept[-1:], kept[:-1]
+    messages[:] = kept + [context] + tail
     for kind in dict.fromkeys(kinds):
         applied.append(f"dynamic-moved:{kind}")

@@ -272,6 +272,8 @@ def _load_data_file(path: Path, shown: str, raw: str, ext: str) -> PromptDoc:
             body = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise _Invalid(f"invalid JSON: {exc.msg}", exc.lineno, exc.colno) from None
+        except RecursionError:  # json's C scanner recurses per nesting level (~1000 max)
+            raise _Invalid("invalid JSON: nested too deeply to be a prompt file", 1, 1) from None
     else:
         try:
             body = yaml.safe_load(raw)
@@ -279,6 +281,8 @@ def _load_data_file(path: Path, shown: str, raw: str, ext: str) -> PromptDoc:
             mark = getattr(exc, "problem_mark", None)
             line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
             raise _Invalid(f"invalid YAML: {getattr(exc, 'problem', None) or exc}", line, col) from None
+        except RecursionError:
+            raise _Invalid("invalid YAML: nested too deeply to be a prompt file", 1, 1) from None
     if not isinstance(body, dict):
         raise NotAPrompt("not a prompt file: expected a mapping with messages, system, tools or template")
     for key in ("template", "prompt"):

@@ -55,7 +55,10 @@ def parse_since(value: str, now: datetime | None = None) -> datetime:
     now = now or datetime.now(UTC)
     m = _SINCE_RE.match(value.strip())
     if m:
-        return now - timedelta(seconds=int(m.group(1)) * _UNITS[m.group(2)])
+        try:
+            return now - timedelta(seconds=int(m.group(1)) * _UNITS[m.group(2)])
+        except (OverflowError, ValueError):  # before year 1: a clear error, not a traceback
+            raise ValueError(f"--since is too far in the past: {value!r}") from None
     try:
         dt = datetime.fromisoformat(value.strip())
     except ValueError:

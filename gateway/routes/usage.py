@@ -21,7 +21,10 @@ def parse_since(text: str | None) -> datetime | None:
         return None
     t = text.strip()
     if t[:-1].isdigit() and t[-1:].lower() in _UNITS:
-        return datetime.now(UTC) - timedelta(seconds=int(t[:-1]) * _UNITS[t[-1].lower()])
+        try:
+            return datetime.now(UTC) - timedelta(seconds=int(t[:-1]) * _UNITS[t[-1].lower()])
+        except (OverflowError, ValueError):  # '9999999999d' is before year 1: a client error, not a 500
+            raise invalid_request(f"since is too far in the past: {text!r}", param="since") from None
     try:
         parsed = datetime.fromisoformat(t)
     except ValueError:
