@@ -183,8 +183,21 @@ def run_overhead(args: argparse.Namespace) -> int:
             cwd=REPO, env={**env, "BENCH_UP_KEY": "sk-up"}))
         gw = f"http://127.0.0.1:{gw_port}"
         wait_up(gw, procs[-1])
+        # The same route with transport = "direct" (keep-alive httpx to the OpenAI-compatible upstream).
+        gwd_port = free_port()
+        (tmp / "gwd.toml").write_text(
+            f'[[routes]]\nmodel = "echo"\nprovider = "openai/echo"\napi_base = "{up}/v1"\n'
+            'api_key_env = "BENCH_UP_KEY"\ntransport = "direct"\n'
+        )
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli.main", "serve", "--model", "none", "--home", str(home),
+             "--port", str(gwd_port), "--config", str(tmp / "gwd.toml"), "--log-level", "warning"],
+            cwd=REPO, env={**env, "BENCH_UP_KEY": "sk-up"}))
+        gwd = f"http://127.0.0.1:{gwd_port}"
+        wait_up(gwd, procs[-1])
 
-        targets = {"direct": (up, {}), "prefixgate": (gw, {"Authorization": f"Bearer {key}"})}
+        auth = {"Authorization": f"Bearer {key}"}
+        targets = {"direct": (up, {}), "prefixgate": (gw, auth), "prefixgate-direct": (gwd, auth)}
         if args.litellm_cmd:
             lp = free_port()
             (tmp / "litellm.yaml").write_text(
@@ -204,11 +217,11 @@ def run_overhead(args: argparse.Namespace) -> int:
         stop_all(procs)
 
     base = results["direct"]
-    print(f"{'target':<15}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>11}{'added p99':>11}{'req/s':>10}")
+    print(f"{'target':<18}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>11}{'added p99':>11}{'req/s':>10}")
     for name, r in results.items():
         r["added_p50_ms"] = r["p50_ms"] - base["p50_ms"]
         r["added_p99_ms"] = r["p99_ms"] - base["p99_ms"]
-        print(f"{name:<15}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['added_p50_ms']:>11.2f}"
+        print(f"{name:<18}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['added_p50_ms']:>11.2f}"
               f"{r['added_p99_ms']:>11.2f}{r['rate_rps']:>10.0f}")
     write_result("overhead", args, results)
     return 0

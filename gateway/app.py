@@ -27,7 +27,7 @@ from gateway.remote import RemoteEngineClient
 from gateway.routes import completions, dashboard, internal, models, ops, usage
 from gateway.routing import Backend, Route, Router
 from gateway.settings import GatewaySettings
-from gateway.upstream import ProviderClient
+from gateway.upstream import DirectOpenAIClient, ProviderClient
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -91,11 +91,12 @@ def build_router(settings: GatewaySettings) -> Router:
     routes = []
     for rc in settings.routes:
         if rc.provider:
-            client = ProviderClient(
+            client_cls = DirectOpenAIClient if rc.transport == "direct" else ProviderClient
+            client = client_cls(
                 rc.provider, api_base=rc.api_base, api_key=rc.api_key, cache_salt=rc.cache_salt,
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
             )
-            backends = [Backend(f"litellm:{rc.provider}", "provider", client, rc.provider)]
+            backends = [Backend(f"{rc.transport}:{rc.provider}", "provider", client, rc.provider)]
         else:
             backends = [Backend(f"node:{url}", "node", RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -60,11 +60,20 @@ class RouteConfig(BaseModel):
     nodes: tuple[str, ...] = ()
     node_token_env: str | None = None
     max_model_len: int | None = None  # advertised in /v1/models for providers; nodes report their own
+    # "litellm" (any provider) or "direct": a keep-alive HTTP client straight to an OpenAI-compatible
+    # api_base, skipping litellm's per-call work (the gateway's added latency in front of vLLM/SGLang).
+    transport: Literal["litellm", "direct"] = "litellm"
 
     @model_validator(mode="after")
     def _one_target(self) -> RouteConfig:
         if bool(self.provider) == bool(self.nodes):
             raise ValueError(f"route {self.model!r}: give exactly one of `provider` or `nodes`")
+        if self.transport == "direct" and not (
+            self.provider and self.provider.startswith("openai/") and self.api_base
+        ):
+            raise ValueError(
+                f"route {self.model!r}: transport = \"direct\" needs provider = \"openai/<model>\" and an api_base"
+            )
         return self
 
     @property

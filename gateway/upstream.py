@@ -15,6 +15,7 @@ Upstream responses carry text (and tool calls), not our token ids, so outputs ha
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -224,3 +225,115 @@ def _as_dict(obj: Any) -> dict[str, Any]:
         return obj
     dump = getattr(obj, "model_dump", None)
     return dump(exclude_none=True) if dump else dict(vars(obj))
+
+
+class DirectOpenAIClient(ProviderClient):
+    """An OpenAI-compatible upstream (vLLM, SGLang, another PrefixGate) over one keep-alive HTTP client.
+
+    Same outputs and error mapping as ``ProviderClient``, without litellm on the request path: litellm
+    rebuilds its client and parses provider quirks on every call, which was most of the gateway's added
+    latency in front of a loopback upstream. ``provider`` is ``openai/<upstream model name>``.
+    """
+
+    def __init__(self, provider: str, **kwargs: Any) -> None:
+        super().__init__(provider, **kwargs)
+        self._upstream_model = provider.split("/", 1)[1]
+        self._http: Any = None  # httpx.AsyncClient, made in the serving event loop on first use
+
+    def _client(self) -> Any:
+        if self._http is None:
+            import httpx
+
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+            self._http = httpx.AsyncClient(base_url=str(self.api_base).rstrip("/"), headers=headers,
+                                           timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
+        return self._http
+
+    def _body(self, request: GenerateRequest, extra: dict[str, Any]) -> dict[str, Any]:
+        params = self._params(request, extra)
+        for name in ("api_base", "api_key"):
+            params.pop(name, None)
+        params["model"] = self._upstream_model
+        params.update(params.pop("extra_body", {}))  # the OpenAI SDK merges extra_body into the JSON body
+        return params
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            resp = await self._client().post(path, json=body)
+        except Exception as exc:
+            raise _provider_error(exc) from exc
+        if resp.status_code >= 400:
+            raise _http_error(resp.status_code, resp.text)
+        return resp.json()
+
+    async def stream(
+        self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
+    ) -> AsyncIterator[RequestOutput]:
+        body = self._body(request, extra)
+        start = time.perf_counter()
+        rid = request.request_id
+        if request.messages is None or not incremental:
+            if request.messages is None:
+                body["prompt"] = request.prompt or list(request.prompt_token_ids or ())
+                data = await self._post("/completions", body)
+            else:
+                body["messages"] = list(request.messages)
+                data = await self._post("/chat/completions", body)
+            u = normalize_usage(data.get("usage"))
+            choice = (data.get("choices") or [{}])[0]
+            message = choice.get("message") or {}
+            text = message.get("content") if request.messages is not None else choice.get("text")
+            calls = tuple({**c, "index": i} for i, c in enumerate(message.get("tool_calls") or []))
+            yield ProviderOutput(
+                rid, (), text or "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+                finish_reason=_finish(choice.get("finish_reason")), ttft_s=time.perf_counter() - start,
+                tool_call_deltas=calls,
+            )
+            return
+        body.update(messages=list(request.messages), stream=True, stream_options={"include_usage": True})
+        ttft: float | None = None
+        finish = None
+        usage = None
+        seen = 0
+        try:
+            async with self._client().stream("POST", "/chat/completions", json=body) as resp:
+                if resp.status_code >= 400:
+                    raise _http_error(resp.status_code, (await resp.aread()).decode("utf-8", "replace"))
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or []:
+                        delta = choice.get("delta") or {}
+                        text = delta.get("content") or ""
+                        tools = delta.get("tool_calls") or []
+                        finish = choice.get("finish_reason") or finish
+                        if text or tools:
+                            ttft = ttft if ttft is not None else time.perf_counter() - start
+                            seen += 1
+                            yield ProviderOutput(rid, (), text, False, 0, 0, seen, ttft_s=ttft,
+                                                 tool_call_deltas=tuple(tools))
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise _provider_error(exc) from exc
+        u = normalize_usage(usage) if usage is not None else NormalizedUsage(0, 0, seen)
+        yield ProviderOutput(rid, (), "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens or seen,
+                             finish_reason=_finish(finish), ttft_s=ttft)
+
+    async def stats(self) -> dict[str, Any]:
+        return {"provider": self.provider, "api_base": self.api_base, "transport": "direct"}
+
+
+def _http_error(status: int, text: str) -> EngineError:
+    """An upstream HTTP error, with the upstream's OpenAI error message where it sent one."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except Exception:
+        message = text[:500]
+    exc = Exception(message)
+    exc.status_code = status  # type: ignore[attr-defined]
+    exc.message = message  # type: ignore[attr-defined]
+    return _provider_error(exc)
