@@ -137,7 +137,9 @@ class BodyRecorder:
         return await self.app(scope, recv, send)
 
 
-def test_litellm_route_to_openai_compatible_upstream(monkeypatch):
+@pytest.mark.parametrize("transport", ["litellm", "direct"])
+def test_provider_route_to_openai_compatible_upstream(monkeypatch, transport):
+    """Through litellm, and with transport = "direct" (keep-alive httpx): the same wire results."""
     monkeypatch.setenv("PG_TEST_UPSTREAM_KEY", "sk-upstream")
     up_engine, up_tenancy = FakeEngine(), FakeTenancy()
     up_tenancy.keys["sk-upstream"] = up_tenancy.keys.pop(up_tenancy.add("gatewayco"))
@@ -146,7 +148,8 @@ def test_litellm_route_to_openai_compatible_upstream(monkeypatch):
         tenancy = FakeTenancy()
         key = tenancy.add("acme")
         route = RouteConfig(model="up-tiny", provider="openai/tiny", api_base=f"{up.url}/v1",
-                            api_key_env="PG_TEST_UPSTREAM_KEY", cache_salt=True, max_model_len=256)
+                            api_key_env="PG_TEST_UPSTREAM_KEY", cache_salt=True, max_model_len=256,
+                            transport=transport)
         app = create_app(GatewaySettings(routes=(route,)), tenancy=tenancy)
         with TestClient(app) as client:
             h = {"Authorization": f"Bearer {key}"}
@@ -154,15 +157,16 @@ def test_litellm_route_to_openai_compatible_upstream(monkeypatch):
             first = client.post("/v1/chat/completions", json=body, headers=h)
             assert first.status_code == 200, first.text
             assert first.json()["choices"][0]["message"]["content"] == " w0 w1"
-            assert first.headers["x-prefixgate-backend"] == "litellm:openai/tiny"
+            assert first.headers["x-prefixgate-backend"] == f"{transport}:openai/tiny"
             second = client.post("/v1/chat/completions", json={**body, "stream": True,
                                                               "stream_options": {"include_usage": True}}, headers=h)
             events = [json.loads(e[6:]) for e in second.text.split("\n\n") if e.startswith("data: {")]
+            assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == " w0 w1"
             usage = events[-1]["usage"]
-            # the upstream's cached_tokens come back through litellm into our usage and ledger
+            # the upstream's cached_tokens come back into our usage and ledger
             assert usage["prompt_tokens_details"]["cached_tokens"] > 0
             assert tenancy.rows[-1].cached_tokens == usage["prompt_tokens_details"]["cached_tokens"]
-            assert tenancy.rows[-1].backend == "litellm:openai/tiny"
+            assert tenancy.rows[-1].backend == f"{transport}:openai/tiny"
             assert tenancy.rows[-1].model == "openai/tiny"  # priced as the provider's model, not the alias
             # the tenant namespace travels as cache_salt; the upstream saw our model name and the key
             assert up.url and upstream.bodies[0]["cache_salt"] == tenancy.keys[key].namespace.hex()
@@ -201,45 +205,6 @@ def test_unreachable_node_fails_over_to_another(node_pool):
     with TestClient(only_dead) as client:
         r = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "node_unavailable"
-
-
-def test_direct_transport_to_openai_compatible_upstream(monkeypatch):
-    """transport = "direct": the same wire results as the litellm route, without litellm per call."""
-    monkeypatch.setenv("PG_TEST_UPSTREAM_KEY", "sk-upstream")
-    up_engine, up_tenancy = FakeEngine(), FakeTenancy()
-    up_tenancy.keys["sk-upstream"] = up_tenancy.keys.pop(up_tenancy.add("gatewayco"))
-    upstream = BodyRecorder(create_app(GatewaySettings(), engine=up_engine, tenancy=up_tenancy))
-    with LoopbackServer(upstream) as up:
-        tenancy = FakeTenancy()
-        key = tenancy.add("acme")
-        route = RouteConfig(model="up-tiny", provider="openai/tiny", api_base=f"{up.url}/v1",
-                            api_key_env="PG_TEST_UPSTREAM_KEY", cache_salt=True, max_model_len=256,
-                            transport="direct")
-        app = create_app(GatewaySettings(routes=(route,)), tenancy=tenancy)
-        with TestClient(app) as client:
-            h = {"Authorization": f"Bearer {key}"}
-            body = {**CHAT, "model": "up-tiny"}
-            first = client.post("/v1/chat/completions", json=body, headers=h)
-            assert first.status_code == 200, first.text
-            assert first.json()["choices"][0]["message"]["content"] == " w0 w1"
-            assert first.headers["x-prefixgate-backend"] == "direct:openai/tiny"
-            second = client.post("/v1/chat/completions", json={**body, "stream": True,
-                                                              "stream_options": {"include_usage": True}}, headers=h)
-            events = [json.loads(e[6:]) for e in second.text.split("\n\n") if e.startswith("data: {")]
-            text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
-            assert text == " w0 w1"
-            usage = events[-1]["usage"]
-            assert usage["prompt_tokens_details"]["cached_tokens"] > 0
-            assert tenancy.rows[-1].cached_tokens == usage["prompt_tokens_details"]["cached_tokens"]
-            # the namespace travels as a top-level cache_salt, the upstream model name without "openai/"
-            assert upstream.bodies[0]["cache_salt"] == tenancy.keys[key].namespace.hex()
-            assert upstream.bodies[0]["model"] == "tiny"
-            comp = client.post("/v1/completions", json={"model": "up-tiny", "prompt": "a b c", "max_tokens": 2},
-                               headers=h)
-            assert comp.status_code == 200, comp.text
-            assert comp.json()["choices"][0]["text"] == " w0 w1"
-            too_long = client.post("/v1/chat/completions", json={**body, "max_tokens": 255}, headers=h)
-            assert too_long.status_code == 400 and too_long.json()["error"]["message"]
 
 
 def test_direct_transport_needs_an_openai_compatible_base():
