@@ -11,7 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.tiers.base import BlockHash, BlockLocation, PutResult, SegmentMeta, TierStats
+from engine.tiers.base import BlockHash, BlockLocation, PutResult, SegmentMeta
+from engine.tiers.indexed import IndexedTierQueries
 from engine.tiers.placement import ScoreFn, SegmentIndex, lru_score
 
 TenantCapFn = Callable[[bytes], "int | None"]
@@ -41,7 +42,7 @@ class _PinnedBlob:
         return memoryview(self._t.numpy()).toreadonly()
 
 
-class DramTier:
+class DramTier(IndexedTierQueries):
     """``Tier`` in host memory. See ``engine.tiers.base.Tier`` for the contract."""
 
     name = "dram"
@@ -105,24 +106,6 @@ class DramTier:
             return None
         blob = self._blobs.pop(segment_id)
         return meta, (bytes(blob.view()) if isinstance(blob, _PinnedBlob) else blob)
-
-    def expired_segments(self, now_s: float) -> list[str]:
-        with self._lock:
-            return self._index.expired(now_s)
-
-    def segments_of(self, namespace: bytes) -> list[str]:
-        with self._lock:
-            return self._index.of_namespace(namespace)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            return TierStats(self.name, self.capacity_bytes, self._index.used_bytes,
-                             len(self._index.segments), self._index.num_blocks(),
-                             self._index.bytes_by_label())
 
     def check_integrity(self) -> None:
         with self._lock:

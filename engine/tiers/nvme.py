@@ -31,9 +31,9 @@ from engine.tiers.base import (
     BlockLocation,
     PutResult,
     SegmentMeta,
-    TierStats,
     TierWriteError,
 )
+from engine.tiers.indexed import IndexedTierQueries
 from engine.tiers.placement import ScoreFn, SegmentIndex, lru_score
 
 TenantCapFn = Callable[[bytes], "int | None"]
@@ -84,7 +84,7 @@ def write_durably(path: Path, data: bytes | memoryview) -> None:
         raise
 
 
-class NvmeTier:
+class NvmeTier(IndexedTierQueries):
     """``Tier`` on a local disk. See ``engine.tiers.base.Tier`` for the contract."""
 
     name = "nvme"
@@ -226,24 +226,6 @@ class NvmeTier:
         self._db.execute("DELETE FROM segments WHERE id = ?", (segment_id,))  # row first, then file
         self._path(segment_id).unlink(missing_ok=True)
         return meta, None
-
-    def expired_segments(self, now_s: float) -> list[str]:
-        with self._lock:
-            return self._index.expired(now_s)
-
-    def segments_of(self, namespace: bytes) -> list[str]:
-        with self._lock:
-            return self._index.of_namespace(namespace)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            return TierStats(self.name, self.capacity_bytes, self._index.used_bytes,
-                             len(self._index.segments), self._index.num_blocks(),
-                             self._index.bytes_by_label())
 
     def check_integrity(self) -> None:
         with self._lock:

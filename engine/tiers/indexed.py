@@ -1,0 +1,39 @@
+"""The read-side queries every tier answers from its in-memory ``SegmentIndex``.
+
+DRAM and NVMe differ in where segment bytes live, not in how segments are found, aged or counted;
+both tiers inherit these so the answers cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from engine.tiers.base import TierStats
+from engine.tiers.placement import SegmentIndex
+
+
+class IndexedTierQueries:
+    """Mixin. The tier sets ``name``, ``capacity_bytes``, ``_index`` and ``_lock``."""
+
+    name: str
+    capacity_bytes: int
+    _index: SegmentIndex
+    _lock: threading.Lock
+
+    def expired_segments(self, now_s: float) -> list[str]:
+        with self._lock:
+            return self._index.expired(now_s)
+
+    def segments_of(self, namespace: bytes) -> list[str]:
+        with self._lock:
+            return self._index.of_namespace(namespace)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.name, self.capacity_bytes, self._index.used_bytes,
+                             len(self._index.segments), self._index.num_blocks(),
+                             self._index.bytes_by_label())
