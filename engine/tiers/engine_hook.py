@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.config import EngineConfig
+from engine.prefix_index import max_cacheable_blocks
 from engine.protocol import TenantScope
 from engine.tiers.base import BlockHash
 from engine.tiers.manager import RestoreResult, TierManager, TierMatch
@@ -151,7 +152,7 @@ class TierHook:
                     continue
                 self._checked.add(key)
                 hbm = pool.index.match_hashes(req.block_hashes, req.num_tokens)
-                limit = max(0, (req.num_tokens - 1) // pool.block_size)  # the last token is computed
+                limit = max_cacheable_blocks(req.num_tokens, pool.block_size)
                 match = self.manager.lookup(req.namespace, req.block_hashes[hbm.num_blocks:limit])
                 if match.num_blocks == 0:
                     continue
