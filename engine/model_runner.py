@@ -200,7 +200,13 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch.chunks)
         hidden = self.model(input_ids, positions, self.layer_caches, meta, self.ops)  # [T, hidden]
         if not all_logits:
-            last = [int(meta.cu_seqlens_q[i + 1]) - 1 for i, c in enumerate(batch.chunks) if c.sample]
+            # each sampled chunk's last row, from host-side token counts: indexing meta.cu_seqlens_q
+            # (a device tensor) would cost one host sync per sampled chunk
+            last, end = [], 0
+            for c in batch.chunks:
+                end += c.num_tokens
+                if c.sample:
+                    last.append(end - 1)
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=hidden.device)]
         return self.model.compute_logits(hidden)
 
