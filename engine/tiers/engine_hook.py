@@ -116,13 +116,13 @@ class TierHook:
         self.flush_evictions()
         for req in scheduler.running:
             self._tenants[req.namespace] = req.tenant
-        waiting = set()
+        waiting: set[str] = set()
         for queue in scheduler.waiting.values():
             for req in queue:
                 self._tenants[req.namespace] = req.tenant
                 waiting.add(req.request_id)
         self._checked = {k for k in self._checked if k[0] in waiting}  # forget admitted / finished ones
-        self._release_holds(scheduler)
+        self._release_holds(scheduler, waiting)
         self._finish_restores(scheduler)
         if self.manager.enabled and scheduler.pool.enable_caching:
             self._start_restores(scheduler)
@@ -208,11 +208,9 @@ class TierHook:
             if kept:
                 self._holding[rid] = (r.request, kept)
 
-    def _release_holds(self, scheduler: Any) -> None:
-        """Drop the hook's references once the request has taken its own (admitted) or ended."""
-        if not self._holding:
-            return
-        waiting = {r.request_id for q in scheduler.waiting.values() for r in q}
+    def _release_holds(self, scheduler: Any, waiting: set[str]) -> None:
+        """Drop the hook's references once the request has taken its own (admitted) or ended.
+        ``waiting``: ids of the requests now waiting."""
         for rid, (req, ids) in list(self._holding.items()):
             if req.is_finished or req.block_table or rid not in waiting:
                 del self._holding[rid]
