@@ -169,10 +169,13 @@ class ModelRunner:
             cu.append(cu[-1] + c.num_tokens)
             seq_lens.append(end)
             max_blocks = max(max_blocks, needed)
-        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
-        for i, c in enumerate(chunks):
+        # one tensor from padded rows, not one small tensor and slice write per row (as in
+        # DecodeGraphs.fill: each tensor op costs microseconds of host time per sequence)
+        rows = []
+        for c in chunks:
             n = (c.context_len + bs - 1) // bs
-            tables[i, :n] = torch.tensor(list(c.block_table[:n]), dtype=torch.int32)
+            rows.append(list(c.block_table[:n]) + [0] * (max_blocks - n))
+        tables = torch.tensor(rows, dtype=torch.int32).reshape(len(chunks), max_blocks)  # [B, max_blocks]
         dev = self.kv_cache.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
