@@ -215,6 +215,13 @@ class CostPolicy:
     def _heappush(self, block: Block) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (block.priority, self._seq, block.version, block))
+        if len(self._heap) > 4 * max(self._count, 64):
+            # Entries go stale on every hit (discard) and are dropped only when popped, i.e. only
+            # under eviction pressure; without it the heap would grow by one entry per release.
+            # Rebuilding from the live entries is O(heap), amortised O(1) per push.
+            self._heap = [e for e in self._heap if e[2] == e[3].version and e[3].ref_cnt == 0
+                          and e[3].num_children == 0]
+            heapq.heapify(self._heap)
 
     def discard(self, block: Block) -> None:
         block.version += 1  # its heap entry, if any, is now stale

@@ -169,10 +169,13 @@ class ModelRunner:
             cu.append(cu[-1] + c.num_tokens)
             seq_lens.append(end)
             max_blocks = max(max_blocks, needed)
-        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
-        for i, c in enumerate(chunks):
+        # one tensor from padded rows, not one small tensor and slice write per row (as in
+        # DecodeGraphs.fill: each tensor op costs microseconds of host time per sequence)
+        rows = []
+        for c in chunks:
             n = (c.context_len + bs - 1) // bs
-            tables[i, :n] = torch.tensor(list(c.block_table[:n]), dtype=torch.int32)
+            rows.append(list(c.block_table[:n]) + [0] * (max_blocks - n))
+        tables = torch.tensor(rows, dtype=torch.int32).reshape(len(chunks), max_blocks)  # [B, max_blocks]
         dev = self.kv_cache.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -200,7 +203,13 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch.chunks)
         hidden = self.model(input_ids, positions, self.layer_caches, meta, self.ops)  # [T, hidden]
         if not all_logits:
-            last = [int(meta.cu_seqlens_q[i + 1]) - 1 for i, c in enumerate(batch.chunks) if c.sample]
+            # each sampled chunk's last row, from host-side token counts: indexing meta.cu_seqlens_q
+            # (a device tensor) would cost one host sync per sampled chunk
+            last, end = [], 0
+            for c in batch.chunks:
+                end += c.num_tokens
+                if c.sample:
+                    last.append(end - 1)
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=hidden.device)]
         return self.model.compute_logits(hidden)
 

@@ -59,6 +59,20 @@ def check_kv_scales(
         assert k_scale.stride() == v_scale.stride(), "int8 k_scale and v_scale must share strides"
 
 
+def scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """(k scales, v scales, int8 scale strides) as the attention kernels take them: fp8 scales
+    flattened to [1], int8 ones as given with their (block, slot, head) strides, a placeholder otherwise."""
+    code = kv_code(k_cache)
+    if code == KV_FP8:
+        return k_scale.reshape(-1), v_scale.reshape(-1), (0, 0, 0)
+    if code == KV_INT8:
+        return k_scale, v_scale, k_scale.stride()
+    dummy = placeholder(k_cache.device, torch.float32)
+    return dummy, dummy, (0, 0, 0)
+
+
 _PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 

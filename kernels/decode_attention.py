@@ -35,6 +35,7 @@ from kernels._common import (
     kv_code,
     next_pow2,
     placeholder,
+    scale_args,
 )
 from kernels._dot import exact_dot
 
@@ -273,9 +274,7 @@ def paged_decode(
 
     out = torch.empty_like(q)  # [B, Hq, D]
     dummy = placeholder(q.device, torch.float32)
-    ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
-    vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
-    sc_strides = k_scale.stride() if code == KV_INT8 else (0, 0, 0)
+    ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=q.device)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import KV_FP8, KV_INT8, interpreting, kv_code, next_pow2, placeholder
+from kernels._common import interpreting, kv_code, next_pow2, scale_args
 
 
 @triton.jit
@@ -119,10 +119,7 @@ def write_kv(
     if num_tokens == 0:
         return
     code = kv_code(k_cache)
-    dummy = placeholder(key.device, torch.float32)
-    ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
-    vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
-    sc_strides = k_scale.stride() if code == KV_INT8 else (0, 0, 0)
+    ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, ks, vs,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import KV_FP8, KV_INT8, dot_dtype, kv_code, placeholder
+from kernels._common import dot_dtype, kv_code, scale_args
 from kernels._dot import exact_dot
 
 LOG2E = 1.4426950408889634
@@ -180,10 +180,7 @@ def paged_prefill(
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     code = kv_code(k_cache)
-    dummy = placeholder(q.device, torch.float32)
-    ks = k_scale.reshape(-1) if code == KV_FP8 else (k_scale if code == KV_INT8 else dummy)
-    vs = v_scale.reshape(-1) if code == KV_FP8 else (v_scale if code == KV_INT8 else dummy)
-    sc_strides = k_scale.stride() if code == KV_INT8 else (0, 0, 0)
+    ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     grid = (q_heads, triton.cdiv(max_q_len, block_m), num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ks, vs, out,

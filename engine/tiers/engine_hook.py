@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.config import EngineConfig
+from engine.prefix_index import max_cacheable_blocks
 from engine.protocol import TenantScope
 from engine.tiers.base import BlockHash
 from engine.tiers.manager import RestoreResult, TierManager, TierMatch
@@ -115,13 +116,13 @@ class TierHook:
         self.flush_evictions()
         for req in scheduler.running:
             self._tenants[req.namespace] = req.tenant
-        waiting = set()
+        waiting: set[str] = set()
         for queue in scheduler.waiting.values():
             for req in queue:
                 self._tenants[req.namespace] = req.tenant
                 waiting.add(req.request_id)
         self._checked = {k for k in self._checked if k[0] in waiting}  # forget admitted / finished ones
-        self._release_holds(scheduler)
+        self._release_holds(scheduler, waiting)
         self._finish_restores(scheduler)
         if self.manager.enabled and scheduler.pool.enable_caching:
             self._start_restores(scheduler)
@@ -151,7 +152,7 @@ class TierHook:
                     continue
                 self._checked.add(key)
                 hbm = pool.index.match_hashes(req.block_hashes, req.num_tokens)
-                limit = max(0, (req.num_tokens - 1) // pool.block_size)  # the last token is computed
+                limit = max_cacheable_blocks(req.num_tokens, pool.block_size)
                 match = self.manager.lookup(req.namespace, req.block_hashes[hbm.num_blocks:limit])
                 if match.num_blocks == 0:
                     continue
@@ -207,11 +208,9 @@ class TierHook:
             if kept:
                 self._holding[rid] = (r.request, kept)
 
-    def _release_holds(self, scheduler: Any) -> None:
-        """Drop the hook's references once the request has taken its own (admitted) or ended."""
-        if not self._holding:
-            return
-        waiting = {r.request_id for q in scheduler.waiting.values() for r in q}
+    def _release_holds(self, scheduler: Any, waiting: set[str]) -> None:
+        """Drop the hook's references once the request has taken its own (admitted) or ended.
+        ``waiting``: ids of the requests now waiting."""
         for rid, (req, ids) in list(self._holding.items()):
             if req.is_finished or req.block_table or rid not in waiting:
                 del self._holding[rid]

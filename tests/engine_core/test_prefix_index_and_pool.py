@@ -202,3 +202,24 @@ def test_check_integrity_catches_corruption():
     pool.index._blocks[pool.blocks[a[1]].block_hash] = a[0]
     with pytest.raises(IntegrityError, match="holds another"):
         pool.check_integrity([a])
+
+
+def test_cost_policy_heap_stays_bounded_under_hits_without_evictions():
+    """Every free pushes a heap entry and every hit leaves it stale; with no memory pressure nothing
+    is ever popped, so stale entries must be dropped some other way or the heap grows forever."""
+    pool = BlockPool(4, BS, eviction_policy="cost")
+    toks = list(range(2 * BS + 1))
+    hashes = block_hashes(b"ns", toks, BS)
+    table = pool.allocate(2, b"ns")
+    assert table is not None
+    pool.register(table[0], hashes[0], 0, None)
+    pool.register(table[1], hashes[1], 1, table[0])
+    pool.free(table)
+    for _ in range(10_000):  # the same prefix hit and released again and again
+        pool.touch(table, b"ns")
+        pool.free(table)
+    policy = pool.policy
+    assert isinstance(policy, CostPolicy)
+    assert len(policy._heap) <= 4 * max(len(policy), 64)
+    pool.check_integrity([])
+    assert pool.allocate(4, b"other") is not None and pool.num_evictions == 2  # still evicts both

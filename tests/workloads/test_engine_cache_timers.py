@@ -71,3 +71,27 @@ def test_eviction_is_timed_when_the_pool_is_full():
         while engine.has_unfinished():
             engine.step()
     assert engine.pool.num_evictions > 0 and engine.cache_time_s["evict"] > 0
+
+
+def test_tier_time_excludes_the_pool_work_it_does_so_phases_sum_once():
+    """A tier hook's before_schedule looks up, evicts and registers through the pool, whose calls are
+    timed into their own phases: "tier" must not count those seconds again (the break-even sums all
+    phases). A fake clock makes the seconds exact."""
+    engine = LLMEngine(EngineConfig(model_dir="fake", block_size=BS), FakeRunner(num_kv_blocks=8, block_size=BS))
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def lookup(*_: object) -> None:
+        now[0] += 3.0  # 3 s of prefix matching
+
+    match = engine._timed("match", lookup, clock)
+
+    def before_schedule() -> None:
+        match()
+        now[0] += 1.0  # 1 s of the hook's own work
+
+    engine._timed("tier", before_schedule, clock, exclusive_of=("match", "evict", "register"))()
+    assert engine.cache_time_s["match"] == 3.0
+    assert engine.cache_time_s["tier"] == 1.0
