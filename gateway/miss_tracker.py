@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptlint.canon import find_dynamic_spans
-from promptlint.explain import UNEXPLAINED, Break, Segment, content_text, explain, render
+from promptlint.explain import UNEXPLAINED, Break, Segment, content_text, explain, first_divergence, render
 
 BLOCK_CHARS = 256  # hash granularity: a near-hit is measured in blocks of this many characters
 _FAMILY_LEAD = 200
@@ -52,16 +52,6 @@ def block_hashes(text: str, block_chars: int = BLOCK_CHARS) -> tuple[bytes, ...]
         h = hashlib.sha256(h + text[i : i + block_chars].encode("utf-8", "surrogatepass")).digest()
         out.append(h)
     return tuple(out)
-
-
-def shared_blocks(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
-    """How many leading blocks two chains share (chained hashes: the first unequal one ends it)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def family_key(body: dict[str, Any]) -> str:
@@ -174,7 +164,7 @@ class MissTracker:
         candidates = history or ([fallback] if fallback is not None else [])
         if not candidates:
             return Observation(tenant, family, None, 0, len(rendered.text))
-        near = max(candidates, key=lambda e: (shared_blocks(e.hashes, entry.hashes), -len(e.text)))
+        near = max(candidates, key=lambda e: (first_divergence(e.hashes, entry.hashes), -len(e.text)))
         brk = explain(near.body, body, per_user_vars=per_user_vars, count_tokens=self._count)
         if brk is not None and not history and brk.rule == UNEXPLAINED:
             brk = None  # another family's request that merely came last: no near-hit to explain against

@@ -13,9 +13,8 @@ from gateway.miss_tracker import (
     break_counter,
     family_key,
     header_value,
-    shared_blocks,
 )
-from promptlint.explain import render
+from promptlint.explain import first_divergence, render
 
 POLICY = "\n".join(f"Rule {i}: answer from the handbook, cite the section, stay polite and brief." for i in range(40))
 
@@ -145,7 +144,7 @@ def test_unrelated_prompt_of_a_new_family_is_not_a_break():
 def test_block_hashes_are_chained():
     a = block_hashes("x" * 1000, 100)
     b = block_hashes("x" * 550 + "y" + "x" * 449, 100)
-    assert len(a) == 10 and shared_blocks(a, b) == 5 and a[6] != b[6]
+    assert len(a) == 10 and first_divergence(a, b) == 5 and a[6] != b[6]
 
 
 def test_header_and_counter():
