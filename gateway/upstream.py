@@ -308,6 +308,12 @@ class DirectOpenAIClient(ProviderClient):
     async def stats(self) -> dict[str, Any]:
         return {"provider": self.provider, "api_base": self.api_base, "transport": "direct"}
 
+    async def aclose(self) -> None:
+        """Close the keep-alive pool (the app's lifespan calls this at shutdown)."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
 
 def _http_error(status: int, text: str) -> EngineError:
     """An upstream HTTP error, with the upstream's OpenAI error message where it sent one."""
