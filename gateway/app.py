@@ -158,9 +158,8 @@ def create_app(
         try:
             yield
         finally:
-            for client in app.state.router.all_clients():
-                if isinstance(client, RemoteEngineClient):
-                    await client.aclose()
+            for client in app.state.router.all_clients():  # nodes' and direct upstreams' HTTP pools
+                await _call_optional(client, "aclose")
             if owned_engine is not None:
                 await _call_optional(owned_engine, "aclose", "shutdown", "stop", "close")
             tenancy_now = app.state.tenancy

@@ -50,21 +50,35 @@ class ChoiceText:
             self.finish[i] = finish_reason(out)
 
 
-class ChatFormat:
-    object_name = "chat.completion"
+class _Format:
+    """The stream-chunk envelope both response shapes share; ``chunk_object`` names its type."""
+
+    chunk_object: str
 
     def __init__(self, prep: Prepared) -> None:
         self.prep = prep
-        self._started: set[int] = set()
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
-            "id": self.prep.request_id, "object": "chat.completion.chunk", "created": self.prep.created,
+            "id": self.prep.request_id, "object": self.chunk_object, "created": self.prep.created,
             "model": self.prep.model, "system_fingerprint": None, "choices": choices,
         }
         if self.prep.include_usage:
             chunk["usage"] = None
         return chunk
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = usage
+        return chunk
+
+
+class ChatFormat(_Format):
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, prep: Prepared) -> None:
+        super().__init__(prep)
+        self._started: set[int] = set()
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
         result = []
@@ -85,11 +99,6 @@ class ChatFormat:
                                         "finish_reason": finish_reason(out)}]))
         return result
 
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        chunk = self._chunk([])
-        chunk["usage"] = usage
-        return chunk
-
     def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
         choices = []
         for i in range(len(self.prep.requests)):
@@ -103,29 +112,14 @@ class ChatFormat:
         }
 
 
-class CompletionFormat:
-    object_name = "text_completion"
-
-    def __init__(self, prep: Prepared) -> None:
-        self.prep = prep
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {"id": self.prep.request_id, "object": "text_completion", "created": self.prep.created,
-                 "model": self.prep.model, "system_fingerprint": None, "choices": choices}
-        if self.prep.include_usage:
-            chunk["usage"] = None
-        return chunk
+class CompletionFormat(_Format):
+    chunk_object = "text_completion"
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
         if not out.new_text and not out.finished:
             return []
         reason = finish_reason(out) if out.finished else None
         return [self._chunk([{"index": i, "text": out.new_text, "logprobs": None, "finish_reason": reason}])]
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        chunk = self._chunk([])
-        chunk["usage"] = usage
-        return chunk
 
     def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
         choices = [

@@ -1,8 +1,8 @@
 """Which recent request a new one should have shared its prefix with, and why it did not.
 
-Per tenant and per prompt family the tracker keeps the last few requests: the chained block hashes
-of their rendered prompt and their canonical body. A new request is compared with the family's
-request that shares the most leading blocks (the near-hit); ``promptlint.explain`` then classifies
+Per tenant and per prompt family the tracker keeps the last few requests: their rendered prompt
+and their canonical body. A new request is compared with the family's request that shares the most
+leading blocks of ``BLOCK_CHARS`` characters (the near-hit); ``promptlint.explain`` then classifies
 the first divergence into a rule code. Memory is bounded::
 
     OrderedDict (tenant, family) -> deque[Entry] (<= requests_per_family), least recently used first
@@ -19,8 +19,8 @@ not make every request a family of its own). A request whose family has no histo
 the tenant's latest request for the same model, and only a classified break (not ``other``) is kept
 from that comparison: an unrelated prompt is no near-hit.
 
-Thread-safe (one lock); the work per request is one render, one SHA-256 pass and, on a break, one
-``explain`` call.
+Thread-safe (one lock); the work per request is one render, a C-speed common-prefix compare with each of
+the (at most ``requests_per_family``) candidates and, when there is one, one ``explain`` call.
 """
 
 from __future__ import annotations
@@ -35,33 +35,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptlint.canon import find_dynamic_spans
-from promptlint.explain import UNEXPLAINED, Break, Segment, content_text, explain, render
+from promptlint.explain import UNEXPLAINED, Break, Segment, content_text, explain, first_divergence, render
 
-BLOCK_CHARS = 256  # hash granularity: a near-hit is measured in blocks of this many characters
+BLOCK_CHARS = 256  # granularity of the engine cache: a near-hit is measured in blocks of this many characters
 _FAMILY_LEAD = 200
 
 
-def block_hashes(text: str, block_chars: int = BLOCK_CHARS) -> tuple[bytes, ...]:
-    """Chained SHA-256 over full blocks of ``text``: h_i = SHA-256(h_{i-1} || block_i), h_-1 = b"".
+def shared_blocks(a: str, b: str, block_chars: int = BLOCK_CHARS) -> int:
+    """How many leading full blocks of ``block_chars`` characters two rendered prompts share.
 
-    Like the engine's prefix index, equal i-th hashes mean equal text up to the end of block i.
+    What chained block hashes (the engine's prefix index) would say, without hashing: equal i-th
+    hashes mean equal text up to the end of block i, i.e. a common prefix of at least (i+1) blocks.
     """
-    out = []
-    h = b""
-    for i in range(0, len(text) - block_chars + 1, block_chars):
-        h = hashlib.sha256(h + text[i : i + block_chars].encode("utf-8", "surrogatepass")).digest()
-        out.append(h)
-    return tuple(out)
-
-
-def shared_blocks(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
-    """How many leading blocks two chains share (chained hashes: the first unequal one ends it)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return first_divergence(a, b) // block_chars
 
 
 def family_key(body: dict[str, Any]) -> str:
@@ -86,7 +72,6 @@ def family_key(body: dict[str, Any]) -> str:
 class _Entry:
     body: dict[str, Any]
     text: str  # rendered (promptlint.explain.render) text
-    hashes: tuple[bytes, ...]
     model: str
     reachable: int  # characters before its own input (see _reachable)
 
@@ -165,8 +150,7 @@ class MissTracker:
         """Compare ``body`` (the canonical request as sent to the backend) with its family, then remember it."""
         family = family_key(body)
         rendered = render(body)
-        entry = _Entry(body, rendered.text, block_hashes(rendered.text, self.block_chars), str(body.get("model", "")),
-                       _reachable(rendered.segments, len(rendered.text)))
+        entry = _Entry(body, rendered.text, str(body.get("model", "")), _reachable(rendered.segments, len(rendered.text)))
         with self._lock:
             history = list(self._families.get((tenant, family), ()))
             fallback = self._latest.get((tenant, entry.model)) if not history else None
@@ -174,7 +158,7 @@ class MissTracker:
         candidates = history or ([fallback] if fallback is not None else [])
         if not candidates:
             return Observation(tenant, family, None, 0, len(rendered.text))
-        near = max(candidates, key=lambda e: (shared_blocks(e.hashes, entry.hashes), -len(e.text)))
+        near = max(candidates, key=lambda e: (shared_blocks(e.text, entry.text, self.block_chars), -len(e.text)))
         brk = explain(near.body, body, per_user_vars=per_user_vars, count_tokens=self._count)
         if brk is not None and not history and brk.rule == UNEXPLAINED:
             brk = None  # another family's request that merely came last: no near-hit to explain against

@@ -1,41 +1,26 @@
 """Thin adapters to the sibling packages the gateway depends on (tenancy, promptlint.canon, engine.launch).
 
 Everything the gateway needs from them goes through this one module, so the rest of the gateway
-codes against small Protocols and tests can inject fakes. Where a sibling is not installed the
-adapter says so clearly at the point of use (never silently at import time), except for the two
-exception classes, which fall back to local definitions so that fakes can raise them.
+codes against small Protocols and tests can inject fakes. The ledger row is tenancy's own
+``UsageRecord`` and the errors are tenancy's, so real and fake tenancy take and raise the same types.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from gateway.errors import OpenAIError
 
-try:  # the tenancy team's exceptions, when present, so real and fake tenancy raise the same types
-    from tenancy.service import AuthenticationError, QuotaExceededError, TenancyError
-except ImportError:  # pragma: no cover - only before tenancy lands
-
-    class TenancyError(Exception):  # type: ignore[no-redef]
-        """Base of tenancy's errors; carries ``status`` and ``code``."""
-
-        status = 400
-        code = "tenancy_error"
-
-    class AuthenticationError(TenancyError):  # type: ignore[no-redef]
-        """The API key is missing, unknown or revoked."""
-
-    class QuotaExceededError(TenancyError):  # type: ignore[no-redef]
-        """A rate limit, token limit or budget is exhausted."""
-
-        def __init__(self, kind: str, message: str, retry_after_s: float | None = None) -> None:
-            super().__init__(message)
-            self.kind = kind
-            self.message = message
-            self.retry_after_s = retry_after_s
+# The rest of the gateway (and its test fakes) take tenancy's types from here.
+from tenancy.service import (  # noqa: F401 - re-exported
+    AuthenticationError,
+    QuotaExceededError,
+    TenancyError,
+    TenancyService,
+    UsageRecord,
+)
 
 
 class TenantCtx(Protocol):
@@ -49,31 +34,6 @@ class TenantCtx(Protocol):
     per_user_vars: Any
     namespace: bytes
     metrics_label: str
-
-
-@dataclass(frozen=True)
-class UsageRow:
-    """The fields of one ledger row, built by the gateway, converted for tenancy by ``record``."""
-
-    request_id: str
-    tenant_id: str
-    key_id: str
-    model: str
-    backend: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    ttft_s: float | None
-    latency_s: float
-    status: str  # "ok" | "error" | "aborted"
-    created_at: float = field(default_factory=time.time)
-    # Cache-miss explanation (gateway.miss_tracker.usage_fields); None when nothing broke.
-    miss_rule: str | None = None
-    miss_position: int | None = None
-    miss_detail: str | None = None
-    miss_tokens: int | None = None
-    miss_family: str | None = None
-    miss_context: str | None = None
 
 
 class TenancyPort(Protocol):
@@ -92,21 +52,8 @@ class TenancyPort(Protocol):
     def usage(self, ctx: Any, since: Any = None) -> dict: ...
 
 
-def make_usage_record(row: UsageRow) -> Any:
-    """A ``tenancy.service.UsageRecord`` when tenancy is installed, else the row itself (for fakes)."""
-    try:
-        from tenancy.service import UsageRecord
-    except ImportError:
-        return row
-    return UsageRecord(**row.__dict__)
-
-
 def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0) -> Any:
     """Open the real tenancy service under ``home``."""
-    try:
-        from tenancy.service import TenancyService
-    except ImportError as exc:  # pragma: no cover - only before tenancy lands
-        raise RuntimeError("the tenancy package is not installed; cannot authenticate tenants") from exc
     return TenancyService.open(home, auth_cache_ttl_s=auth_cache_ttl_s)
 
 

@@ -139,27 +139,14 @@ class ProviderClient:
                 resp = await litellm.acompletion(messages=list(request.messages), **params)
             except Exception as exc:
                 raise _provider_error(exc) from exc
-            u = normalize_usage(resp.usage)
-            choice = resp.choices[0]
-            message = _get(choice, "message")
-            calls = tuple({**_as_dict(c), "index": i} for i, c in enumerate(_get(message, "tool_calls") or []))
-            yield ProviderOutput(
-                rid, (), _get(message, "content") or "", True, u.prompt_tokens, u.cached_tokens,
-                u.completion_tokens, finish_reason=_finish(_get(choice, "finish_reason")),
-                ttft_s=time.perf_counter() - start, tool_call_deltas=calls,
-            )
+            yield _whole_output(rid, resp, chat=True, start=start)
             return
         if request.messages is None:  # text completion: one upstream call, one output
             try:
                 resp = await litellm.atext_completion(prompt=request.prompt or list(request.prompt_token_ids or ()), **params)
             except Exception as exc:
                 raise _provider_error(exc) from exc
-            u = normalize_usage(resp.usage)
-            choice = resp.choices[0]
-            yield ProviderOutput(
-                rid, (), _get(choice, "text") or "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-                finish_reason=_finish(_get(choice, "finish_reason")), ttft_s=time.perf_counter() - start,
-            )
+            yield _whole_output(rid, resp, chat=False, start=start)
             return
         try:
             chunks = await litellm.acompletion(
@@ -167,32 +154,11 @@ class ProviderClient:
             )
         except Exception as exc:
             raise _provider_error(exc) from exc
-        ttft: float | None = None
-        finish = None
-        usage = None
-        completion_seen = 0
         try:
-            async for chunk in chunks:
-                usage = _get(chunk, "usage") or usage
-                for choice in _get(chunk, "choices") or []:
-                    delta = _get(choice, "delta")
-                    text = _get(delta, "content") or ""
-                    tools = _get(delta, "tool_calls") or []
-                    finish = _get(choice, "finish_reason") or finish
-                    if text or tools:
-                        ttft = ttft if ttft is not None else time.perf_counter() - start
-                        completion_seen += 1
-                        yield ProviderOutput(
-                            rid, (), text, False, 0, 0, completion_seen, ttft_s=ttft,
-                            tool_call_deltas=tuple(_as_dict(t) for t in tools),
-                        )
+            async for out in _chunk_outputs(rid, chunks, start):
+                yield out
         except Exception as exc:
             raise _provider_error(exc) from exc
-        u = normalize_usage(usage) if usage is not None else NormalizedUsage(0, 0, completion_seen)
-        yield ProviderOutput(
-            rid, (), "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens or completion_seen,
-            finish_reason=_finish(finish), ttft_s=ttft,
-        )
 
     async def abort(self, request_id: str) -> None:
         return None  # closing the stream ends the upstream request
@@ -225,6 +191,51 @@ def _as_dict(obj: Any) -> dict[str, Any]:
         return obj
     dump = getattr(obj, "model_dump", None)
     return dump(exclude_none=True) if dump else dict(vars(obj))
+
+
+def _whole_output(rid: str, resp: Any, *, chat: bool, start: float) -> ProviderOutput:
+    """A non-streamed chat or text completion (litellm object or OpenAI JSON) as one final output."""
+    u = normalize_usage(_get(resp, "usage"))
+    choice = (_get(resp, "choices") or [{}])[0]
+    message = _get(choice, "message")
+    text = _get(message, "content") if chat else _get(choice, "text")
+    calls = tuple({**_as_dict(c), "index": i} for i, c in enumerate(_get(message, "tool_calls") or []))
+    return ProviderOutput(
+        rid, (), text or "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+        finish_reason=_finish(_get(choice, "finish_reason")), ttft_s=time.perf_counter() - start,
+        tool_call_deltas=calls,
+    )
+
+
+async def _chunk_outputs(rid: str, chunks: AsyncIterator[Any], start: float) -> AsyncIterator[ProviderOutput]:
+    """Streamed chat chunks (litellm objects or OpenAI JSON): one output per content or tool-call delta,
+    then a final one with the usage (counted deltas where the upstream sent none)."""
+    ttft: float | None = None
+    finish = None
+    usage = None
+    seen = 0
+    async for chunk in chunks:
+        usage = _get(chunk, "usage") or usage
+        for choice in _get(chunk, "choices") or []:
+            delta = _get(choice, "delta")
+            text = _get(delta, "content") or ""
+            tools = _get(delta, "tool_calls") or []
+            finish = _get(choice, "finish_reason") or finish
+            if text or tools:
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                seen += 1
+                yield ProviderOutput(rid, (), text, False, 0, 0, seen, ttft_s=ttft,
+                                     tool_call_deltas=tuple(_as_dict(t) for t in tools))
+    u = normalize_usage(usage) if usage is not None else NormalizedUsage(0, 0, seen)
+    yield ProviderOutput(rid, (), "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens or seen,
+                         finish_reason=_finish(finish), ttft_s=ttft)
+
+
+async def _sse_chunks(resp: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI server-sent-events stream (an httpx streaming response)."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 class DirectOpenAIClient(ProviderClient):
@@ -280,51 +291,28 @@ class DirectOpenAIClient(ProviderClient):
             else:
                 body["messages"] = list(request.messages)
                 data = await self._post("/chat/completions", body)
-            u = normalize_usage(data.get("usage"))
-            choice = (data.get("choices") or [{}])[0]
-            message = choice.get("message") or {}
-            text = message.get("content") if request.messages is not None else choice.get("text")
-            calls = tuple({**c, "index": i} for i, c in enumerate(message.get("tool_calls") or []))
-            yield ProviderOutput(
-                rid, (), text or "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-                finish_reason=_finish(choice.get("finish_reason")), ttft_s=time.perf_counter() - start,
-                tool_call_deltas=calls,
-            )
+            yield _whole_output(rid, data, chat=request.messages is not None, start=start)
             return
         body.update(messages=list(request.messages), stream=True, stream_options={"include_usage": True})
-        ttft: float | None = None
-        finish = None
-        usage = None
-        seen = 0
         try:
             async with self._client().stream("POST", "/chat/completions", json=body) as resp:
                 if resp.status_code >= 400:
                     raise _http_error(resp.status_code, (await resp.aread()).decode("utf-8", "replace"))
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    usage = chunk.get("usage") or usage
-                    for choice in chunk.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        text = delta.get("content") or ""
-                        tools = delta.get("tool_calls") or []
-                        finish = choice.get("finish_reason") or finish
-                        if text or tools:
-                            ttft = ttft if ttft is not None else time.perf_counter() - start
-                            seen += 1
-                            yield ProviderOutput(rid, (), text, False, 0, 0, seen, ttft_s=ttft,
-                                                 tool_call_deltas=tuple(tools))
+                async for out in _chunk_outputs(rid, _sse_chunks(resp), start):
+                    yield out
         except EngineError:
             raise
         except Exception as exc:
             raise _provider_error(exc) from exc
-        u = normalize_usage(usage) if usage is not None else NormalizedUsage(0, 0, seen)
-        yield ProviderOutput(rid, (), "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens or seen,
-                             finish_reason=_finish(finish), ttft_s=ttft)
 
     async def stats(self) -> dict[str, Any]:
         return {"provider": self.provider, "api_base": self.api_base, "transport": "direct"}
+
+    async def aclose(self) -> None:
+        """Close the keep-alive pool (the app's lifespan calls this at shutdown)."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
 
 def _http_error(status: int, text: str) -> EngineError:

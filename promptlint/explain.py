@@ -162,8 +162,11 @@ def render(body: dict[str, Any]) -> Rendered:
     return Rendered("".join(pieces), tuple(segments))
 
 
-def first_divergence(a: str, b: str) -> int:
-    """Length of the common prefix of ``a`` and ``b`` (== the index of the first differing char)."""
+def first_divergence(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (== the index of the first differing item).
+
+    Any sliceable sequence: the characters of two prompts, the lines of two templates, two chains of
+    block hashes."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

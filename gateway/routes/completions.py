@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError
 from gateway.pipeline import Accounting, prepare
-from gateway.ports import UsageRow, make_usage_record
+from gateway.ports import UsageRecord
 from gateway.responder import respond
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -20,11 +20,11 @@ router = APIRouter(prefix="/v1", tags=["completions"])
 
 def _record_rejected(tenancy: Any, ctx: Any, model: str, kind: str) -> None:
     """A request refused after authentication still gets its one ledger row (status error)."""
-    tenancy.record_usage(make_usage_record(UsageRow(
+    tenancy.record_usage(UsageRecord(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex, tenant_id=ctx.tenant_id,
         key_id=ctx.key_id, model=model, backend="none", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
         ttft_s=None, latency_s=0.0, status="error", created_at=time.time(),
-    )))
+    ))
 
 
 async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any, router_: Any, engine: Any,

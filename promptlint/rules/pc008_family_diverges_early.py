@@ -21,6 +21,7 @@ Fix:
 
 from collections import defaultdict
 
+from promptlint.explain import first_divergence
 from promptlint.model import Finding
 
 CODE = "PC008"
@@ -34,15 +35,6 @@ MIN_SHARED_CHARS = 400  # about 100 tokens: below that, hoisting is not worth a 
 
 def _lines(doc) -> list[str]:
     return "".join(e.text for e in doc.elements).split("\n")
-
-
-def _lcp(a: tuple[str, ...], b: tuple[str, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def check_project(docs, ctx):
@@ -63,7 +55,7 @@ def check_project(docs, ctx):
         ordered = sorted(members, key=lambda d: lines[id(d)])
         best = {id(d): 0 for d in members}
         for a, b in zip(ordered, ordered[1:]):
-            n = _lcp(lines[id(a)], lines[id(b)])
+            n = first_divergence(lines[id(a)], lines[id(b)])
             best[id(a)] = max(best[id(a)], n)
             best[id(b)] = max(best[id(b)], n)
         for d in members:

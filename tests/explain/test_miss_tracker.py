@@ -9,7 +9,6 @@ from prometheus_client import CollectorRegistry
 
 from gateway.miss_tracker import (
     MissTracker,
-    block_hashes,
     break_counter,
     family_key,
     header_value,
@@ -142,10 +141,12 @@ def test_unrelated_prompt_of_a_new_family_is_not_a_break():
     assert t.observe("acme", b).brk.rule == "PC003"
 
 
-def test_block_hashes_are_chained():
-    a = block_hashes("x" * 1000, 100)
-    b = block_hashes("x" * 550 + "y" + "x" * 449, 100)
-    assert len(a) == 10 and shared_blocks(a, b) == 5 and a[6] != b[6]
+def test_shared_blocks_counts_full_blocks_of_the_common_prefix():
+    a = "x" * 1000
+    b = "x" * 550 + "y" + "x" * 449
+    assert shared_blocks(a, a, 100) == 10 and shared_blocks(a, b, 100) == 5
+    assert shared_blocks(a[600:], b[600:], 100) == 4  # after the break the blocks agree again
+    assert shared_blocks(a[:599], a, 100) == 5  # a partial last block is not shared
 
 
 def test_header_and_counter():
