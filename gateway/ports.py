@@ -7,11 +7,12 @@ codes against small Protocols and tests can inject fakes. The ledger row is tena
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from gateway.errors import OpenAIError
+from promptlint.canon import CanonResult
+from promptlint.canon import canonicalize as _canonicalize
 
 # The rest of the gateway (and its test fakes) take tenancy's types from here.
 from tenancy.service import (  # noqa: F401 - re-exported
@@ -85,21 +86,8 @@ def tenancy_error(exc: Exception) -> OpenAIError:
     return OpenAIError(status, str(exc), code=getattr(exc, "code", None))
 
 
-@dataclass(frozen=True)
-class CanonOutcome:
-    body: dict[str, Any]
-    applied: tuple[str, ...]
-
-
-def canonicalize(body: dict[str, Any], mode: str, per_user_vars: Any = ()) -> CanonOutcome:
-    """Run ``promptlint.canon.canonicalize`` for a tenant's mode ("off" returns the body unchanged)."""
+def canonicalize(body: dict[str, Any], mode: str, per_user_vars: Any = ()) -> CanonResult:
+    """``promptlint.canon.canonicalize`` for a tenant's mode ("off" returns the body unchanged)."""
     if mode == "off":
-        return CanonOutcome(body, ())
-    try:
-        from promptlint.canon import canonicalize as _canon
-    except ImportError as exc:  # pragma: no cover - only before promptlint lands
-        raise OpenAIError(
-            500, f"canonicalization mode {mode!r} is configured but promptlint is not installed"
-        ) from exc
-    result = _canon(body, mode, per_user_vars=tuple(per_user_vars or ()))
-    return CanonOutcome(dict(result.body), tuple(result.applied))
+        return CanonResult(body, ())
+    return _canonicalize(body, mode, per_user_vars=tuple(per_user_vars or ()))
