@@ -57,7 +57,7 @@ def served(tmp_path_factory):
         svc.flush()
     finally:
         svc.close()
-    url, proc = serve_tiny(home, "--kv-blocks", "512", env=OFFLINE, timeout=120)
+    url, proc = serve_tiny(home, "--kv-blocks", "512", env=OFFLINE)
     try:
         yield url, keys, home
     finally:
