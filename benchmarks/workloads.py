@@ -488,52 +488,43 @@ def write_plots(cells: list[dict[str, Any]], prefix: Path) -> list[Path]:
     nrows = -(-len(workloads) // ncols)
     paths = []
 
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
-    for ax, wl in zip(axes.flat, workloads):
-        for c in (c for c in cells if c["workload"] == wl):
-            xs = sorted(t * 1e3 for t in c["summary"]["ttfts"])
-            if xs:
-                ys = [i / len(xs) for i in range(len(xs) + 1)]
-                ax.step([0.0, *xs], ys, where="post", color=colors[c["config"]], label=c["config"])
-        ax.set_title(wl)
-        ax.set_xlim(left=0)
-        ax.set_ylim(0, 1.02)
-        ax.set_xlabel("TTFT (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
-    for ax in list(axes.flat)[len(workloads):]:
-        ax.axis("off")
-    fig.suptitle("Time to first token: CDF per workload (left = faster)")
-    fig.tight_layout()
-    paths.append(prefix.with_name(prefix.name + "_ttft.png"))
-    fig.savefig(paths[-1], dpi=72)
-    plt.close(fig)
+    def grid(name: str, title: str, draw, xlabel: str, ylabel: str, legend_loc: str, **limits) -> None:
+        """One panel per workload, ``draw(ax, cell)`` for each of its cells, saved as ``<prefix>_<name>.png``."""
+        fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
+        for ax, wl in zip(axes.flat, workloads):
+            for c in (c for c in cells if c["workload"] == wl):
+                draw(ax, c)
+            ax.set(title=wl, xlabel=xlabel, ylabel=ylabel, **limits)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc=legend_loc)
+        for ax in list(axes.flat)[len(workloads):]:
+            ax.axis("off")
+        fig.suptitle(title)
+        fig.tight_layout()
+        paths.append(prefix.with_name(f"{prefix.name}_{name}.png"))
+        fig.savefig(paths[-1], dpi=72)
+        plt.close(fig)
 
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
-    for ax, wl in zip(axes.flat, workloads):
-        for c in (c for c in cells if c["workload"] == wl):
-            tl = sorted(c["summary"]["timeline"], key=lambda x: x["t_end_s"])
-            xs, ys, p, h = [], [], 0, 0
-            for point in tl:  # cumulative hit rate as requests finish
-                p += point["prompt"]
-                h += point["cached"]
-                xs.append(point["t_end_s"])
-                ys.append(100 * h / p if p else 0)
-            ax.plot(xs, ys, marker=".", color=colors[c["config"]], label=c["config"])
-        ax.set_title(wl)
-        ax.set_ylim(-2, 102)
-        ax.set_xlabel("time since workload start (s)")
-        ax.set_ylabel("cumulative hit rate (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    for ax in list(axes.flat)[len(workloads):]:
-        ax.axis("off")
-    fig.suptitle("Prefix-cache hit rate over time (cached / prompt tokens, cumulative)")
-    fig.tight_layout()
-    paths.append(prefix.with_name(prefix.name + "_hitrate.png"))
-    fig.savefig(paths[-1], dpi=72)
-    plt.close(fig)
+    def ttft_cdf(ax, c) -> None:
+        xs = sorted(t * 1e3 for t in c["summary"]["ttfts"])
+        if xs:
+            ys = [i / len(xs) for i in range(len(xs) + 1)]
+            ax.step([0.0, *xs], ys, where="post", color=colors[c["config"]], label=c["config"])
+
+    def hit_rate(ax, c) -> None:
+        tl = sorted(c["summary"]["timeline"], key=lambda x: x["t_end_s"])
+        xs, ys, p, h = [], [], 0, 0
+        for point in tl:  # cumulative hit rate as requests finish
+            p += point["prompt"]
+            h += point["cached"]
+            xs.append(point["t_end_s"])
+            ys.append(100 * h / p if p else 0)
+        ax.plot(xs, ys, marker=".", color=colors[c["config"]], label=c["config"])
+
+    grid("ttft", "Time to first token: CDF per workload (left = faster)", ttft_cdf,
+         "TTFT (ms)", "fraction of requests", "lower right", xlim=(0, None), ylim=(0, 1.02))
+    grid("hitrate", "Prefix-cache hit rate over time (cached / prompt tokens, cumulative)", hit_rate,
+         "time since workload start (s)", "cumulative hit rate (%)", "upper left", ylim=(-2, 102))
     return paths
 
 

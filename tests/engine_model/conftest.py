@@ -1,28 +1,10 @@
-"""Shared fixtures: offline environment and the tiny checkpoint built once per session."""
+"""Shared fixtures: HF checkpoints of the supported architectures, oracles and runners built once per session."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
-
-def _offline_env() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not os.environ.get("TIKTOKEN_CACHE_DIR"):
-        import importlib.util
-
-        spec = importlib.util.find_spec("litellm")
-        assert spec and spec.submodule_search_locations, "litellm (bundled tiktoken files) is required"
-        root = Path(next(iter(spec.submodule_search_locations)))
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(root / "litellm_core_utils" / "tokenizers")
-
-
-_offline_env()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -35,14 +17,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    """The tiny default model (seed 0), built once for the whole session."""
-    from engine.models.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", seed=0)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -66,7 +40,7 @@ def _randomise(model, seed: int) -> None:
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
 
 
-def _save_hf_model(config, out: Path, tiny_dir: Path, seed: int, **save_kwargs) -> Path:
+def _save_hf_model(config, out: Path, tiny_model_dir: Path, seed: int, **save_kwargs) -> Path:
     import shutil
 
     import torch
@@ -77,8 +51,8 @@ def _save_hf_model(config, out: Path, tiny_dir: Path, seed: int, **save_kwargs) 
     _randomise(model, seed)
     model.save_pretrained(out, safe_serialization=True, **save_kwargs)
     for name in TOKENIZER_FILES:
-        if (tiny_dir / name).is_file():
-            shutil.copy(tiny_dir / name, out / name)
+        if (tiny_model_dir / name).is_file():
+            shutil.copy(tiny_model_dir / name, out / name)
     return out
 
 
@@ -88,16 +62,16 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 
 @pytest.fixture(scope="session")
-def qwen2_dir(tmp_path_factory, tiny_dir) -> Path:
+def qwen2_dir(tmp_path_factory, tiny_model_dir) -> Path:
     """A Qwen2-style checkpoint (qkv bias, tied embeddings), saved in shards with an index."""
     from transformers import Qwen2Config
 
     cfg = Qwen2Config(**SMALL, tie_word_embeddings=True, max_position_embeddings=512, rope_theta=1000000.0)
-    return _save_hf_model(cfg, tmp_path_factory.mktemp("qwen2") / "qwen2", tiny_dir, seed=1, max_shard_size="8MB")
+    return _save_hf_model(cfg, tmp_path_factory.mktemp("qwen2") / "qwen2", tiny_model_dir, seed=1, max_shard_size="8MB")
 
 
 @pytest.fixture(scope="session")
-def llama3_dir(tmp_path_factory, tiny_dir) -> Path:
+def llama3_dir(tmp_path_factory, tiny_model_dir) -> Path:
     """A Llama checkpoint with llama3 rope scaling and untied embeddings."""
     from transformers import LlamaConfig
 
@@ -106,7 +80,7 @@ def llama3_dir(tmp_path_factory, tiny_dir) -> Path:
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64},
     )
-    return _save_hf_model(cfg, tmp_path_factory.mktemp("llama3") / "llama3", tiny_dir, seed=2)
+    return _save_hf_model(cfg, tmp_path_factory.mktemp("llama3") / "llama3", tiny_model_dir, seed=2)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ def _hf(model_dir, dtype):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_dir", "qwen2_dir"])
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "qwen2_dir"])
 def test_cuda_fp32_matches_transformers(model_fixture, request):
     model_dir = request.getfixturevalue(model_fixture)
     runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cuda", dtype="float32", num_kv_blocks=64,
@@ -45,8 +45,8 @@ def test_cuda_fp32_matches_transformers(model_fixture, request):
         assert out == hf_greedy(oracle.cpu().float(), p, 10)
 
 
-def test_cuda_bf16_close_and_kv_sized_from_free_memory(tiny_dir):
-    runner = ModelRunner(EngineConfig(model_dir=tiny_dir, device="cuda", kv_memory_fraction=0.3))
+def test_cuda_bf16_close_and_kv_sized_from_free_memory(tiny_model_dir):
+    runner = ModelRunner(EngineConfig(model_dir=tiny_model_dir, device="cuda", kv_memory_fraction=0.3))
     assert runner.spec.dtype == "bfloat16" and runner.kv_cache.dtype == torch.bfloat16
     free, total = torch.cuda.mem_get_info()
     assert runner.num_kv_blocks * runner.kv_bytes_per_block < 0.3 * total
@@ -55,7 +55,7 @@ def test_cuda_bf16_close_and_kv_sized_from_free_memory(tiny_dir):
     logits = runner.forward(ScheduledBatch([SequenceChunk("b", prompt, 0, [0, 1, 2, 3], True, GREEDY)]),
                             all_logits=True)
     with torch.no_grad():
-        ref = _hf(tiny_dir, torch.float32)(torch.tensor([prompt], device="cuda")).logits[0]
+        ref = _hf(tiny_model_dir, torch.float32)(torch.tensor([prompt], device="cuda")).logits[0]
     assert (logits - ref).abs().max().item() < 0.1
     data = runner.export_blocks([0, 1])
     assert data.device.type == "cpu" and data.shape == (2, runner.kv_bytes_per_block)

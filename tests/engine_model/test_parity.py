@@ -10,7 +10,7 @@ from engine.batch import BlockCopy, ScheduledBatch, SequenceChunk
 from tests.engine_model.driver import GREEDY, BlockAllocator, Seq, blocks_needed, hf_greedy, run
 
 LOGIT_ATOL = 1e-4  # fp32 both sides; observed ~2e-6 (summation order differs)
-MODELS = ["tiny_dir", "qwen2_dir", "llama3_dir"]
+MODELS = ["tiny_model_dir", "qwen2_dir", "llama3_dir"]
 
 
 def prompts(vocab_hi: int = 100000, lengths=(5, 17, 30), seed: int = 0) -> list[list[int]]:
@@ -83,9 +83,9 @@ def test_prefix_reused_from_earlier_sequence(model_fixture, request, runner_cach
     assert out == hf_greedy(oracle, shared + tail_b, max_new)
 
 
-def test_copied_and_exported_blocks_serve_the_same_prefix(tiny_dir, runner_cache, oracle_cache):
+def test_copied_and_exported_blocks_serve_the_same_prefix(tiny_model_dir, runner_cache, oracle_cache):
     """copy_blocks (copy-on-write) and export/import (tiers) move a prefix intact."""
-    runner, oracle = runner_cache(tiny_dir), oracle_cache(tiny_dir)
+    runner, oracle = runner_cache(tiny_model_dir), oracle_cache(tiny_model_dir)
     bs, max_new = runner.block_size, 6
     alloc = BlockAllocator(runner.num_kv_blocks, seed=5)
     shared, tail = prompts(lengths=(16, 5), seed=4)

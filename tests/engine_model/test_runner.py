@@ -17,8 +17,8 @@ from tests.engine_model.conftest import SMALL, _save_hf_model
 from tests.engine_model.driver import GREEDY, BlockAllocator, blocks_needed
 
 
-def test_spec_and_cache_sizing(tiny_dir, runner_cache):
-    runner = runner_cache(tiny_dir)
+def test_spec_and_cache_sizing(tiny_model_dir, runner_cache):
+    runner = runner_cache(tiny_model_dir)
     s = runner.spec
     assert (s.model_type, s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim) == (
         "llama", 4, 256, 8, 2, 32)
@@ -27,12 +27,12 @@ def test_spec_and_cache_sizing(tiny_dir, runner_cache):
     # 4 layers x (k, v) x 8 slots x 2 kv heads x 32 dims x 4 bytes
     assert runner.kv_bytes_per_block == 4 * 2 * 8 * 2 * 32 * 4
     assert runner.kv_cache.shape == (96, 4, 2, 8, 2, 32) and runner.num_kv_blocks == 96
-    sized = ModelRunner(EngineConfig(model_dir=tiny_dir, cpu_kv_bytes=1 << 20, block_size=16))
+    sized = ModelRunner(EngineConfig(model_dir=tiny_model_dir, cpu_kv_bytes=1 << 20, block_size=16))
     assert sized.num_kv_blocks == (1 << 20) // sized.kv_bytes_per_block == 32
 
 
-def test_render_prompt_uses_chat_template(tiny_dir, runner_cache):
-    runner = runner_cache(tiny_dir)
+def test_render_prompt_uses_chat_template(tiny_model_dir, runner_cache):
+    runner = runner_cache(tiny_model_dir)
     msgs = [{"role": "user", "content": "Hi!"}]
     ids = runner.render_prompt(msgs, None)
     assert runner.tokenizer.decode(ids) == "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
@@ -48,8 +48,8 @@ def test_render_prompt_uses_chat_template(tiny_dir, runner_cache):
 
 
 @pytest.mark.parametrize(("kv_dtype", "atol"), [("int8", 0.05), ("fp8", 0.15)])
-def test_quantized_kv_cache_tracks_full_precision(kv_dtype, atol, tiny_dir, runner_cache):
-    full, quant = runner_cache(tiny_dir), runner_cache(tiny_dir, kv_dtype=kv_dtype)
+def test_quantized_kv_cache_tracks_full_precision(kv_dtype, atol, tiny_model_dir, runner_cache):
+    full, quant = runner_cache(tiny_model_dir), runner_cache(tiny_model_dir, kv_dtype=kv_dtype)
     prompt = list(range(3000, 3030))
     alloc = BlockAllocator(full.num_kv_blocks, seed=9)
     table = alloc.take(blocks_needed(30, 8))
@@ -92,7 +92,7 @@ def test_rope_frequencies_match_transformers(rope_scaling, seq_len, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
 
 
-def test_mistral_and_linear_rope_logits_match(tmp_path, tiny_dir, oracle_cache):
+def test_mistral_and_linear_rope_logits_match(tmp_path, tiny_model_dir, oracle_cache):
     from transformers import LlamaConfig, MistralConfig
 
     configs = {
@@ -102,7 +102,7 @@ def test_mistral_and_linear_rope_logits_match(tmp_path, tiny_dir, oracle_cache):
     }
     prompt = list(range(500, 541))
     for i, (name, cfg) in enumerate(configs.items()):
-        model_dir = _save_hf_model(cfg, tmp_path / name, tiny_dir, seed=10 + i)
+        model_dir = _save_hf_model(cfg, tmp_path / name, tiny_model_dir, seed=10 + i)
         runner = ModelRunner(EngineConfig(model_dir=model_dir, num_kv_blocks=8, block_size=8))
         assert runner.spec.model_type == cfg.model_type
         ours = runner.forward(
@@ -113,11 +113,11 @@ def test_mistral_and_linear_rope_logits_match(tmp_path, tiny_dir, oracle_cache):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_bad_checkpoints_fail_with_the_reason(tiny_dir, tmp_path):
+def test_bad_checkpoints_fail_with_the_reason(tiny_model_dir, tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         parse_checkpoint_config(tmp_path)
     bad = tmp_path / "bad"
-    shutil.copytree(tiny_dir, bad)
+    shutil.copytree(tiny_model_dir, bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(CheckpointError, match="unsupported model_type 'gpt2'"):
@@ -138,8 +138,8 @@ def test_bad_checkpoints_fail_with_the_reason(tiny_dir, tmp_path):
         ModelRunner(EngineConfig(model_dir=bad, num_kv_blocks=4))
 
 
-def test_execute_rejects_inconsistent_chunks(tiny_dir, runner_cache):
-    runner = runner_cache(tiny_dir)
+def test_execute_rejects_inconsistent_chunks(tiny_model_dir, runner_cache):
+    runner = runner_cache(tiny_model_dir)
     with pytest.raises(ValueError, match="block_table has 1 blocks, needs 2"):
         runner.execute(ScheduledBatch([SequenceChunk("x", list(range(9)), 0, [0], True, GREEDY)]))
     with pytest.raises(IndexError, match="block ids must be in"):

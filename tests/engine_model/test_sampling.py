@@ -91,8 +91,8 @@ def test_seed_reproducible_and_independent_of_batch_partners():
 
 
 @pytest.mark.parametrize("partner", [False, True])
-def test_seeded_generation_through_runner_is_reproducible(partner, tiny_dir, runner_cache):
-    runner = runner_cache(tiny_dir)
+def test_seeded_generation_through_runner_is_reproducible(partner, tiny_model_dir, runner_cache):
+    runner = runner_cache(tiny_model_dir)
     alloc = BlockAllocator(runner.num_kv_blocks, seed=7)
     prompt = list(range(1000, 1013))
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8)

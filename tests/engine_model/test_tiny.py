@@ -44,8 +44,8 @@ def reference_encoding():
     )
 
 
-def test_saved_tokenizer_round_trips_to_tiktoken_ids(tiny_dir, reference_encoding):
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
+def test_saved_tokenizer_round_trips_to_tiktoken_ids(tiny_model_dir, reference_encoding):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     for text in CORPUS:
         expected = reference_encoding.encode(text, allowed_special="all")
         got = tok.encode(text, add_special_tokens=False)
@@ -56,8 +56,8 @@ def test_saved_tokenizer_round_trips_to_tiktoken_ids(tiny_dir, reference_encodin
     assert tok.encode(doc, add_special_tokens=False) == reference_encoding.encode(doc, allowed_special="all")
 
 
-def test_tokenizer_ids_and_chat_template(tiny_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
+def test_tokenizer_ids_and_chat_template(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(tok) == TINY_DIMS["vocab_size"]
     assert tok.convert_tokens_to_ids("<|im_start|>") == 100264
     assert tok.eos_token_id == 100265 and tok.pad_token_id == 100257 and tok.bos_token_id is None
@@ -82,8 +82,8 @@ def test_tokenizer_ids_and_chat_template(tiny_dir):
     assert text.endswith("<|im_start|>tool\n42<|im_end|>\n")
 
 
-def test_checkpoint_loads_offline_in_transformers(tiny_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+def test_checkpoint_loads_offline_in_transformers(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     cfg = model.config
     assert cfg.model_type == "llama" and cfg.tie_word_embeddings
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (256, 4, 2)
@@ -114,7 +114,7 @@ def _cli(*args, env):
     )
 
 
-def test_cli_init_tiny_builds_deterministically_and_reuses(tiny_dir, tmp_path):
+def test_cli_init_tiny_builds_deterministically_and_reuses(tiny_model_dir, tmp_path):
     env = {**os.environ, "PREFIXGATE_HOME": str(tmp_path / "home")}
     first = _cli("model", "init-tiny", "--json", env=env)
     assert first.returncode == 0, first.stderr
@@ -124,7 +124,7 @@ def test_cli_init_tiny_builds_deterministically_and_reuses(tiny_dir, tmp_path):
     assert is_tiny_checkpoint(out, seed=0)
     # Same seed -> byte-identical files to the fixture's independent build.
     for name in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json"):
-        assert _sha(out / name) == _sha(tiny_dir / name), name
+        assert _sha(out / name) == _sha(tiny_model_dir / name), name
     assert not list(out.parent.glob(".tiny.tmp-*")), "temp dir left behind"
     again = _cli("model", "init-tiny", "--json", env=env)
     assert again.returncode == 0 and json.loads(again.stdout)["built"] is False

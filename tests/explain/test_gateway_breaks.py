@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,33 +23,15 @@ pytest.importorskip("engine.launch")
 
 from gateway.cli.serve_cmd import ensure_tiny_model  # noqa: E402
 from tenancy.service import TenancyService  # noqa: E402
+from tests.serverutil import serve_tiny, stop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+OFFLINE = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost",
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return {**os.environ, "PYTHONPATH": str(REPO), **OFFLINE}
 
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not become healthy")
 
 POLICY = " ".join(f"Rule {i}: answer from the handbook and cite the section." for i in range(12))
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} for the customer",
@@ -76,22 +57,11 @@ def served(tmp_path_factory):
         svc.flush()
     finally:
         svc.close()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli.main", "serve", "--home", str(home), "--port", str(port),
-         "--model", "tiny", "--kv-blocks", "512", "--log-level", "warning"],
-        cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    url, proc = serve_tiny(home, "--kv-blocks", "512", env=OFFLINE)
     try:
-        wait_healthy(url, proc)
         yield url, keys, home
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def _send(url, key, body):

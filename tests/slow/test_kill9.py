@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,38 +19,10 @@ import httpx
 import pytest
 from security_helpers import auth
 
+from tests import serverutil
+from tests.serverutil import serve_tiny
+
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(home: Path, port: int, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), NO_PROXY="127.0.0.1,localhost")
-    flags = list(extra) or ["--kv-blocks", "512"]
-    return subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli.main", "serve", "--home", str(home), "--port", str(port),
-         "--model", "tiny", "--log-level", "warning", *flags],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-
-
-def _wait(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        assert proc.poll() is None, "server died on start"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("server did not start")
 
 
 def _rows(db: Path) -> dict[str, tuple]:
@@ -83,10 +52,7 @@ def test_kill9_during_streaming_load_keeps_the_ledger_consistent(slow_home) -> N
     home, keys = slow_home
     db = home / "prefixgate.db"  # the tenancy database (ledger table `usage`)
     for rounds in range(2):  # kill twice: recovery after a kill must itself survive a kill
-        port = _port()
-        url = f"http://127.0.0.1:{port}"
-        proc = _serve(home, port)
-        _wait(url, proc)
+        url, proc = serve_tiny(home, "--kv-blocks", "512")
         stop, done = threading.Event(), []
         threads = [threading.Thread(target=_stream_forever, args=(url, keys[n], stop, done), daemon=True)
                    for n in ("acme", "beta") * 8]
@@ -104,11 +70,8 @@ def test_kill9_during_streaming_load_keeps_the_ledger_consistent(slow_home) -> N
             t.join(30)
         assert committed, f"round {rounds}: no ledger row was committed before the kill"
 
-        port = _port()
-        url = f"http://127.0.0.1:{port}"
-        proc = _serve(home, port)
+        url, proc = serve_tiny(home, "--kv-blocks", "512")
         try:
-            _wait(url, proc)
             con = sqlite3.connect(db, timeout=10)
             try:
                 assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -131,11 +94,7 @@ def test_kill9_during_streaming_load_keeps_the_ledger_consistent(slow_home) -> N
                            json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            serverutil.stop(proc, timeout=30)
 
 
 TIER_FLAGS = ("--kv-blocks", "48", "--nvme-bytes", "64MiB")  # few HBM blocks: prompts spill to <home>/nvme
@@ -156,10 +115,7 @@ def test_kill9_keeps_the_nvme_tier_consistent_and_decryptable(tmp_path: Path) ->
     home, keys = make_home(tmp_path / "home")
     rng = random.Random(3)
     secret = "kill9-tier. " + random_prompt(rng, 160)
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    proc = _serve(home, port, *TIER_FLAGS)
-    _wait(url, proc)
+    url, proc = serve_tiny(home, *TIER_FLAGS)
     _complete(url, keys["acme"], secret)
     for _ in range(6):  # evict it from HBM: it is demoted, encrypted, to the NVMe tier
         _complete(url, keys["acme"], random_prompt(rng, 160))
@@ -184,11 +140,8 @@ def test_kill9_keeps_the_nvme_tier_consistent_and_decryptable(tmp_path: Path) ->
         assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         con.close()
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    proc = _serve(home, port, *TIER_FLAGS)
+    url, proc = serve_tiny(home, *TIER_FLAGS)
     try:
-        _wait(url, proc)
         # the restarted engine finds the spilled prefix in the index, and its blocks decrypt
         usage = _complete(url, keys["acme"], secret)
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 16, usage
@@ -198,8 +151,4 @@ def test_kill9_keeps_the_nvme_tier_consistent_and_decryptable(tmp_path: Path) ->
                     if ln.startswith("prefixgate_tier_auth_failures_total{") and not ln.endswith(" 0.0")]
         assert not failures, failures
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        serverutil.stop(proc, timeout=30)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import random
-from pathlib import Path
 
 import pytest
 from cryptography.exceptions import InvalidTag
@@ -15,22 +13,6 @@ from prometheus_client import CollectorRegistry
 
 from engine.protocol import StaticTenantScope
 from engine.tiers import TierManager
-
-
-def _offline_env() -> None:
-    """Nothing may touch the network: the tiny model's tokenizer comes from litellm's bundled files."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not os.environ.get("TIKTOKEN_CACHE_DIR"):
-        spec = importlib.util.find_spec("litellm")
-        assert spec and spec.submodule_search_locations, "litellm (bundled tiktoken files) is required"
-        root = Path(next(iter(spec.submodule_search_locations)))
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(root / "litellm_core_utils" / "tokenizers")
-
-
-_offline_env()
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 512
@@ -82,14 +64,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """The tiny offline model (seed 0), built once per session."""
-    from engine.models.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", seed=0)
 
 
 @pytest.fixture
