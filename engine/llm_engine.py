@@ -235,6 +235,9 @@ class LLMEngine:
         if req is None:
             return None
         self._finish(req, "abort")
+        # Gauges are published at the end of each step; an abort while the engine then goes idle
+        # (a client dropping its stream) runs no step, so publish here or they stay stale.
+        self._publish_state()
         return self._output(req)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
