@@ -114,7 +114,7 @@ class RequestSample:
     """One finished or refused request, as the dashboard aggregates it."""
 
     tenant_id: str
-    tenant: str  # display name (the metrics label)
+    tenant: str  # display name (the tenant name: labels are cut to 32 characters)
     outcome: Outcome
     prompt: int = 0
     cached: int = 0

@@ -391,7 +391,7 @@ class Accounting:
         if self.ttft is not None:
             self.metrics.ttft.labels(label, backend).observe(self.ttft)
         self.live.add(RequestSample(
-            tenant_id=t.tenant_id, tenant=label, outcome=outcome, prompt=prompt, cached=cached,
+            tenant_id=t.tenant_id, tenant=t.name, outcome=outcome, prompt=prompt, cached=cached,
             completion=completion, cost=cost, saved=saved, ttft=self.ttft, latency=latency,
             family=prep.miss.family if prep.miss is not None else None))
 

@@ -263,7 +263,8 @@ def test_dashboard_data_scoped_by_key(parts):
     client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
     client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["b"]))
     page = client.get("/dashboard")
-    assert page.status_code == 200 and "<script>" in page.text and "http" not in page.text.split("<script>")[1]
+    assert page.status_code == 200 and 'src="dashboard/assets/dashboard.js"' in page.text
+    assert "http" not in page.text.split("<script")[1]  # vendored assets only, no CDN
     admin = client.get("/dashboard/data", headers=auth(keys["admin"])).json()
     assert admin["scope"] == "all" and [t["tenant"] for t in admin["tenants"]] == ["acme", "beta"]
     acme = admin["tenants"][0]
