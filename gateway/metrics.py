@@ -124,6 +124,7 @@ class RequestSample:
     ttft: float | None = None
     latency: float | None = None
     family: str | None = None  # the miss tracker's prompt family (chat requests)
+    spill_encrypted: bool | None = None  # whether the tenant's context carries a cipher for KV that leaves HBM
 
     @property
     def tpot(self) -> float | None:
@@ -147,6 +148,7 @@ class TenantTotals:
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT_LATENCIES))
     # prompt family -> [requests, prompt tokens computed (not served from cache)]
     computed: dict[str, list[int]] = field(default_factory=dict)
+    spill_encrypted: bool | None = None  # as of its latest request
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,8 @@ class LiveStats:
             t.completion_tokens += s.completion
             t.cost_usd += s.cost
             t.saved_usd += s.saved
+            if s.spill_encrypted is not None:
+                t.spill_encrypted = s.spill_encrypted
             if s.ttft is not None:
                 t.ttfts.append(s.ttft)
             if s.outcome != Outcome.OK and s.ttft is None:
@@ -215,6 +219,11 @@ class LiveStats:
                                  "requests": requests, "computed_tokens": computed})
         rows.sort(key=lambda r: (-r["computed_tokens"], r["tenant"], r["family"]))
         return rows[:top]
+
+    def spill_encrypted(self) -> dict[str, bool | None]:
+        """Tenant id -> whether its latest request's context could encrypt spilled KV."""
+        with self._lock:
+            return {tenant_id: t.spill_encrypted for tenant_id, t in self._by_tenant.items()}
 
     def snapshot(self, only: str | None = None) -> list[dict[str, Any]]:
         """One row per tenant (only tenant id ``only`` when given), by name."""

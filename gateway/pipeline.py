@@ -393,7 +393,7 @@ class Accounting:
         self.live.add(RequestSample(
             tenant_id=t.tenant_id, tenant=t.name, outcome=outcome, prompt=prompt, cached=cached,
             completion=completion, cost=cost, saved=saved, ttft=self.ttft, latency=latency,
-            family=prep.miss.family if prep.miss is not None else None))
+            family=prep.miss.family if prep.miss is not None else None, spill_encrypted=t.cipher is not None))
 
 
 def engine_failure(exc: BaseException) -> OpenAIError:

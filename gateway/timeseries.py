@@ -100,9 +100,12 @@ def frame_from_registry(registry: CollectorRegistry, at: float) -> Frame:
     block_size = _sum(s, "prefixgate_kv_block_size")
     bytes_per_token = _sum(s, "prefixgate_kv_bytes_per_token")
     used = _sum(s, "prefixgate_kv_blocks_used")
-    total = used + _sum(s, "prefixgate_kv_blocks_free")
-    g["kv_bytes.hbm"] = used * block_size * bytes_per_token
-    g["kv_capacity.hbm"] = total * block_size * bytes_per_token
+    total = used + _sum(s, "prefixgate_kv_blocks_free")  # free counts the evictable (cached) blocks
+    per_block = block_size * bytes_per_token
+    # held = referenced by requests + cached prefixes kept until evicted; active = referenced only
+    g["kv_bytes.hbm"] = (used + _sum(s, "prefixgate_kv_blocks_evictable")) * per_block
+    g["kv_bytes.hbm_active"] = used * per_block
+    g["kv_capacity.hbm"] = total * per_block
     for tier in ("dram", "nvme"):
         g[f"kv_bytes.{tier}"] = _sum(s, "prefixgate_tier_bytes_used", tier=tier)
         g[f"kv_capacity.{tier}"] = _sum(s, "prefixgate_tier_capacity_bytes", tier=tier)

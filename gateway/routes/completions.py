@@ -25,7 +25,8 @@ def _record_rejected(tenancy: Any, ctx: Any, model: str, kind: str, err: OpenAIE
     counted by outcome (4xx, 429 by kind) in ``/metrics`` and on the dashboard like any other."""
     outcome = outcome_of_error(err.status, err.code)
     metrics.count(ctx.metrics_label, "none", "error", outcome)
-    live.add(RequestSample(tenant_id=ctx.tenant_id, tenant=ctx.name, outcome=outcome))
+    live.add(RequestSample(tenant_id=ctx.tenant_id, tenant=ctx.name, outcome=outcome,
+                           spill_encrypted=ctx.cipher is not None))
     tenancy.record_usage(UsageRecord(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex, tenant_id=ctx.tenant_id,
         key_id=ctx.key_id, model=model, backend="none", prompt_tokens=0, cached_tokens=0, completion_tokens=0,

@@ -28,6 +28,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from gateway.deps import LiveStatsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError, invalid_request
+from gateway.metrics import LiveStats
 from gateway.ports import TenantDirectory
 from gateway.timeseries import WINDOWS, TimeSeries, frame_from_registry
 
@@ -100,8 +101,12 @@ def _isolation_row(name: str, share_scope: str, encrypted: bool | None, quotas: 
     }
 
 
-def _isolation(ctx: Any, tenancy: Any) -> list[dict[str, Any]]:
-    """Share scope, spill encryption, quotas and the newest API key of each visible tenant."""
+def _isolation(ctx: Any, tenancy: Any, live: LiveStats) -> list[dict[str, Any]]:
+    """Share scope, spill encryption, quotas and the newest API key of each visible tenant.
+
+    Encryption is a property of an authenticated context (its cipher): known for the caller and
+    for every tenant that sent a request to this process; None (shown as "–") otherwise.
+    """
     if not isinstance(tenancy, TenantDirectory):
         return []
     keys: dict[str, float] = {}
@@ -110,9 +115,9 @@ def _isolation(ctx: Any, tenancy: Any) -> list[dict[str, Any]]:
             keys[k.tenant_id] = max(keys.get(k.tenant_id, 0.0), k.created_at)
     if not ctx.is_admin:
         return [_isolation_row(ctx.name, ctx.share_scope, ctx.cipher is not None, ctx.quotas, keys.get(ctx.tenant_id))]
-    # Encryption is a property of an authenticated context (its cipher); the listing has none.
-    return [_isolation_row(t.name, t.share_scope, ctx.cipher is not None if t.tenant_id == ctx.tenant_id else None,
-                           t.quotas, keys.get(t.tenant_id)) for t in tenancy.list_tenants()]
+    seen = {**live.spill_encrypted(), ctx.tenant_id: ctx.cipher is not None}
+    return [_isolation_row(t.name, t.share_scope, seen.get(t.tenant_id), t.quotas, keys.get(t.tenant_id))
+            for t in tenancy.list_tenants()]
 
 
 @router.get("/dashboard/data")
@@ -146,5 +151,5 @@ async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, t
         "series": series.series(window) if admin else None,
         "ledger": {"since": since.isoformat(), **_ledger_view(report)},
         "cache": {"most_computed": live.most_computed(only), **(_cache_pays(request) if admin else {})},
-        "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy)),
+        "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy, live)),
     }

@@ -47,10 +47,12 @@
     ["outcomes", "Requests / s by outcome", "req/s", [["requests.", ""]]],
     ["hit", "Prefix-cache hit rate", "%", [["hit_rate", "hit rate", pct]]],
     ["kvshare", "KV usage (share of capacity)", "%", [["kv_share.hbm", "HBM", pct], ["kv_share.dram", "DRAM", pct], ["kv_share.nvme", "NVMe", pct]]],
-    ["kvbytes", "KV bytes per tier", "MiB", [["kv_bytes.hbm", "HBM", mib], ["kv_bytes.dram", "DRAM", mib], ["kv_bytes.nvme", "NVMe", mib]]],
+    ["kvbytes", "KV bytes per tier", "MiB", [["kv_bytes.hbm", "HBM held", mib], ["kv_bytes.hbm_active", "HBM in use", mib],
+                                             ["kv_bytes.dram", "DRAM", mib], ["kv_bytes.nvme", "NVMe", mib]]],
     ["evict", "Evictions and demotions / s", "blocks/s", [["evictions.hbm", "evict HBM"], ["demotions.dram", "demote→DRAM"], ["demotions.nvme", "demote→NVMe"], ["evictions.dram", "evict DRAM"], ["evictions.nvme", "evict NVMe"]]],
     ["restore", "Restore latency (mean)", "ms", [["restore_ms.dram", "DRAM"], ["restore_ms.nvme", "NVMe"]]],
-    ["frag", "Fragmentation · KV bytes per token", "", [["fragmentation", "fragmentation %", pct], ["kv_bytes_per_token", "bytes/token"]]],
+    ["frag", "Fragmentation (unused slots in allocated blocks)", "%", [["fragmentation", "fragmentation", pct]]],
+    ["bpt", "KV bytes per token", "bytes", [["kv_bytes_per_token", "bytes/token"]]],
     ["queue", "Queue depth by reason · running", "requests", [["queue.", ""], ["running", "running"]]],
   ];
   const plots = {};
@@ -67,7 +69,10 @@
     return out;
   }
 
-  function drawCharts(ts) {
+  const view = { end: 0, span: 300 };
+  function drawCharts(ts, now) {
+    view.end = now;
+    view.span = ts.span_s;
     const box = $("charts");
     for (const [id, title, unit, spec] of CHARTS) {
       const series = chartSeries(spec, ts.series);
@@ -94,7 +99,8 @@
           width, height: 160,
           legend: { live: false },
           cursor: { drag: { x: false, y: false } },
-          scales: { x: { time: true }, y: { range: (u, lo, hi) => [Math.min(0, lo ?? 0), hi > 0 ? hi * 1.1 : 1] } },
+          // the whole window on the x axis, whatever part of it has data
+          scales: { x: { time: true, range: () => [view.end - view.span, view.end] }, y: { range: (u, lo, hi) => [Math.min(0, lo ?? 0), hi > 0 ? hi * 1.1 : 1] } },
           axes: [
             { stroke: "#8a96a3", grid: { stroke: "#222b35" }, ticks: { stroke: "#222b35" } },
             { stroke: "#8a96a3", grid: { stroke: "#222b35" }, ticks: { stroke: "#222b35" }, size: 50 },
@@ -171,7 +177,7 @@
     ], "–", 10);
 
     $("live").hidden = !data.series;
-    if (data.series) drawCharts(data.series);
+    if (data.series) drawCharts(data.series, data.generated_at);
     $("status").textContent = "updated " + new Date(data.generated_at * 1000).toLocaleTimeString() + " · " +
       (data.scope === "all" ? "all tenants" : "your tenant");
   }

@@ -114,7 +114,11 @@ def test_dashboard_filters_by_tenant_id_not_by_the_32_character_label(panel):
     assert b["series"] is None  # engine-wide charts are the operator's
     admin = client.get("/dashboard/data", headers=auth(keys["admin"])).json()
     assert {r["tenant"] for r in admin["tenants"]} == {LONG_A, LONG_B}
-    assert {i["tenant"] for i in admin["isolation"]} >= {LONG_A, LONG_B, "limited", "other", "ops"}
+    isolation = {i["tenant"]: i for i in admin["isolation"]}
+    assert set(isolation) >= {LONG_A, LONG_B, "limited", "other", "ops"}
+    assert isolation[LONG_A]["spill_encrypted"] is True  # seen: its context carries its data-key cipher
+    assert isolation["limited"]["spill_encrypted"] is None  # no request yet: unknown, not claimed
+    assert isolation["limited"]["quotas"]["rpm"] == 6 and isolation["ops"]["last_key_created_at"] > 0
 
 
 def test_metrics_need_the_metrics_token_or_an_admin_key(panel, tmp_path):
