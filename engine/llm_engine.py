@@ -249,6 +249,7 @@ class LLMEngine:
             out = self._output(req)
             if out is not None:
                 outputs.append(out)
+        self._publish_state()  # the failed step never reached its own publish; the engine may now idle
         return outputs
 
     def has_unfinished(self) -> bool:

@@ -197,9 +197,17 @@
     b.addEventListener("click", () => {
       windowName = b.dataset.window;
       for (const o of document.querySelectorAll("nav.windows button")) o.setAttribute("aria-pressed", String(o === b));
-      poll();
+      clearTimeout(timer);
+      loop();
     });
   }
-  poll();
-  setInterval(poll, 2000);
+  // The 1 h and 24 h windows change slowly, and each poll reads the ledger for the whole window.
+  const PERIOD_MS = { "5m": 2000, "1h": 10000, "24h": 60000 };
+  let timer = null;
+  async function loop() {
+    await poll();
+    timer = setTimeout(loop, PERIOD_MS[windowName]);
+  }
+  window.addEventListener("beforeunload", () => clearTimeout(timer));
+  loop();
 })();

@@ -61,3 +61,42 @@ def test_dropped_streams_leave_no_stale_gauges():
                                          {"tenant": scope().metrics_label, "finish_reason": "abort"}) == 200
     finally:
         eng.shutdown()
+
+
+def test_a_failed_step_leaves_no_stale_gauges(monkeypatch):
+    """The same class of bug on the other path that ends requests without finishing a step: a step
+    that raises outside any one request (``fail_all``)."""
+    registry = CollectorRegistry()
+    config = EngineConfig(model_dir="fake", block_size=BS, max_num_seqs=4, max_num_batched_tokens=256)
+    llm = LLMEngine(config, FakeRunner(num_kv_blocks=128, block_size=BS), EngineMetrics(registry))
+    eng = AsyncEngine(llm)
+    real_schedule = llm.scheduler.schedule
+    calls = {"n": 0}
+
+    def schedule_then_fail():
+        calls["n"] += 1
+        if calls["n"] == 3:  # the requests hold blocks and run by now
+            raise RuntimeError("injected scheduler bug")
+        return real_schedule()
+
+    monkeypatch.setattr(llm.scheduler, "schedule", schedule_then_fail)
+
+    async def run(i: int) -> str | None:
+        prompt = [97 + (i + j) % 26 for j in range(20)]
+        request = GenerateRequest(f"f{i}", scope(), SamplingParams(max_tokens=200, temperature=0.0),
+                                  prompt_token_ids=prompt)
+        last = None
+        async for out in eng.generate(request):
+            last = out
+        return last.finish_reason if last else None
+
+    async def main() -> list[str | None]:
+        return await asyncio.gather(*(run(i) for i in range(4)))
+
+    try:
+        assert asyncio.run(main()) == ["error"] * 4
+        time.sleep(0.1)
+        assert _gauge(registry, "prefixgate_running_requests") == 0
+        assert _gauge(registry, "prefixgate_kv_blocks_used") == 0
+    finally:
+        eng.shutdown()
