@@ -192,7 +192,7 @@ def create_app(
     app.state.timeseries = TimeSeries(registry, app.state.live_stats)  # the dashboard's charts
     app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)
     app.state.router = build_router(settings)
-    install_error_handlers(app)
+    install_error_handlers(app, on_invalid_body=completions.record_invalid_body)
 
     @app.exception_handler(TenancyError)
     async def _tenancy(_: Any, exc: TenancyError) -> Any:

@@ -34,6 +34,23 @@ def _record_rejected(tenancy: Any, ctx: Any, model: str, kind: str, err: OpenAIE
     ))
 
 
+_KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+def record_invalid_body(request: Request, err: OpenAIError) -> None:
+    """A completion body that failed validation after its key was authenticated: one ledger row and
+    the same counts as any refused request (the model is unknown: the body did not parse)."""
+    kind = _KIND_OF_PATH.get(request.url.path)
+    ctx = getattr(request.state, "tenant", None)
+    if kind is None or ctx is None:
+        return
+    state = request.app.state
+    tenancy = state.tenancy
+    if tenancy is None:
+        return
+    _record_rejected(tenancy, ctx, "unknown", kind, err, state.metrics, state.live_stats)
+
+
 async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any, router_: Any, engine: Any,
                   settings: Any, metrics: Any, live: Any) -> Any:
     try:

@@ -75,6 +75,15 @@ def test_rejected_requests_are_counted_in_metrics_dashboard_and_ledger(panel):
     scrape = client.get("/metrics", headers=auth("scrape-token")).text
     assert metric(scrape, "prefixgate_gateway_requests_total", tenant="other", outcome="4xx") == 1
 
+    # a body that fails validation is refused after its key was authenticated: counted too, with a ledger row
+    bad = client.post("/v1/chat/completions", json={"model": "tiny"}, headers=auth(keys["other"]))
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "missing_required_parameter"
+    scrape = client.get("/metrics", headers=auth("scrape-token")).text
+    assert metric(scrape, "prefixgate_gateway_requests_total", tenant="other", outcome="4xx") == 2
+    other = client.get("/dashboard/data", headers=auth(keys["other"])).json()["tenants"][0]
+    assert (other["requests"], other["errors"]) == (2, 2)
+    assert client.get("/v1/usage", headers=auth(keys["other"])).json()["totals"]["requests"] == 2
+
     row = client.get("/dashboard/data", headers=auth(keys["limited"])).json()["tenants"]
     assert [(r["tenant"], r["requests"], r["errors"]) for r in row] == [("limited", 10, 4)]
     assert row[0]["by_outcome"] == {"ok": 6, "429_rate_limit": 4}
