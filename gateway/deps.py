@@ -77,6 +77,7 @@ async def get_tenant(request: Request, tenancy: TenancyDep,
         request.state.tenant = ctx
         return ctx
     except AuthenticationError as exc:
+        request.app.state.metrics.unauthenticated.inc()
         if key is None:
             message = (
                 "You didn't provide an API key. You need to provide your API key in an Authorization header "

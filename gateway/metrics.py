@@ -104,6 +104,11 @@ class GatewayMetrics:
             buckets=_TTFT_BUCKETS, registry=registry,
         )
         self.cache_breaks = break_counter(registry)  # prefixgate_cache_breaks_total{tenant,rule}
+        # no tenant to count them under: missing, unknown or revoked keys (401), on any route
+        self.unauthenticated = Counter(
+            "prefixgate_gateway_unauthenticated_requests", "Requests refused for a missing or bad API key",
+            registry=registry,
+        )
 
     def count(self, label: str, backend: str, status: str, outcome: Outcome) -> None:
         self.requests.labels(label, backend, status, outcome.value).inc()

@@ -85,6 +85,7 @@ def frame_from_registry(registry: CollectorRegistry, at: float) -> Frame:
     g: dict[str, float] = {}
     for outcome in _label_values(s, "prefixgate_gateway_requests_total", "outcome"):
         c[f"requests.{outcome}"] = _sum(s, "prefixgate_gateway_requests_total", outcome=outcome)
+    c["requests.401"] = _sum(s, "prefixgate_gateway_unauthenticated_requests_total")
     c["prompt_tokens"] = _sum(s, "prefixgate_gateway_prompt_tokens_total")
     c["cached_tokens"] = _sum(s, "prefixgate_gateway_cached_tokens_total")
     c["prefill_tokens"] = _sum(s, "prefixgate_prefill_tokens_total")

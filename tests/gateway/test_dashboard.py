@@ -133,6 +133,9 @@ def test_dashboard_filters_by_tenant_id_not_by_the_32_character_label(panel):
 def test_metrics_need_the_metrics_token_or_an_admin_key(panel, tmp_path):
     client, keys, _ = panel
     assert client.get("/metrics").status_code == 401
+    assert client.post("/v1/chat/completions", json=CHAT, headers=auth("sk-nobody")).status_code == 401
+    scrape = client.get("/metrics", headers=auth("scrape-token")).text
+    assert "prefixgate_gateway_unauthenticated_requests_total 1.0" in scrape
     assert client.get("/metrics", headers=auth("wrong")).json()["error"]["code"] == "invalid_api_key"
     denied = client.get("/metrics", headers=auth(keys["other"]))
     assert denied.status_code == 403 and denied.json()["error"]["code"] == "permission_denied"
