@@ -56,26 +56,25 @@ class Frame:
     gauges: dict[str, float]  # served as they are
 
 
-def read_registry(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of ``registry`` as ``{(sample name, sorted labels): value}``."""
-    out = {}
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def read_registry(registry: CollectorRegistry) -> Samples:
+    """Every sample of ``registry``, grouped by sample name: ``{name: [(labels, value)]}``."""
+    out: Samples = {}
     for family in registry.collect():
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            out.setdefault(s.name, []).append((s.labels, s.value))
     return out
 
 
-def _sum(samples: dict, name: str, **match: str) -> float:
+def _sum(samples: Samples, name: str, **match: str) -> float:
     """Sum of ``name``'s samples whose labels include ``match``."""
-    total = 0.0
-    for (n, labels), v in samples.items():
-        if n == name and all(dict(labels).get(k) == want for k, want in match.items()):
-            total += v
-    return total
+    return sum(v for labels, v in samples.get(name, ()) if all(labels.get(k) == want for k, want in match.items()))
 
 
-def _label_values(samples: dict, name: str, label: str) -> set[str]:
-    return {dict(labels)[label] for (n, labels) in samples if n == name and label in dict(labels)}
+def _label_values(samples: Samples, name: str, label: str) -> set[str]:
+    return {labels[label] for labels, _ in samples.get(name, ()) if label in labels}
 
 
 def frame_from_registry(registry: CollectorRegistry, at: float) -> Frame:
