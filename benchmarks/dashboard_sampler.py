@@ -18,6 +18,7 @@ the 2-core build machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -71,11 +72,9 @@ def busy_registry(tenants: int) -> tuple[CollectorRegistry, LiveStats]:
 
 def machine() -> dict[str, object]:
     cpu = platform.processor()
-    try:
+    with contextlib.suppress(OSError, StopIteration):
         cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                    if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
             "load_average": os.getloadavg()}
 

@@ -136,9 +136,9 @@ async def _call_optional(obj: Any, *names: str) -> None:
 async def _sample_forever(series: TimeSeries) -> None:
     """Feed the dashboard's time series from the /metrics registry every step, in a worker thread.
 
-    One sample costs about half of one /metrics scrape: it collects the registry but does not format
-    it (measured with 20 tenants, 1,379 samples, on the 2-core build machine at load 11: sample
-    9.9-16.5 ms, collect 17 ms, generate_latest 35 ms; command in docs/operations.md)."""
+    One sample collects the registry without formatting it: 0.38x the cost of one /metrics scrape
+    (median 11 vs 29 ms with 20 tenants on the loaded 2-core build machine;
+    ``benchmarks/dashboard_sampler.py``)."""
     while True:
         try:
             await anyio.to_thread.run_sync(series.sample)
