@@ -36,6 +36,9 @@
 
   // ---------------------------------------------------------------- charts
   const palette = ["#4fc3a1", "#e0a84f", "#e06c5f", "#6fa8dc", "#b48ead", "#a3be8c", "#d08770"];
+  // outcomes keep one colour whatever set of them has occurred: ok is never red
+  const OUTCOME_COLORS = { ok: "#4fc3a1", "4xx": "#e0a84f", "429_rate_limit": "#ebcb8b", "429_quota": "#d08770",
+                           "5xx": "#e06c5f", aborted: "#8a96a3", "401": "#b48ead" };
   const ms = (v) => (v === null || v === undefined ? null : 1000 * v);
   const pct = (v) => (v === null || v === undefined ? null : 100 * v);
   const mib = (v) => (v === null || v === undefined ? null : v / 1048576);
@@ -105,7 +108,8 @@
             { stroke: "#8a96a3", grid: { stroke: "#222b35" }, ticks: { stroke: "#222b35" } },
             { stroke: "#8a96a3", grid: { stroke: "#222b35" }, ticks: { stroke: "#222b35" }, size: 50 },
           ],
-          series: [{}, ...series.map((s, i) => ({ label: s[0], stroke: palette[i % palette.length], width: 1.5, spanGaps: true,
+          series: [{}, ...series.map((s, i) => ({ label: s[0], stroke: (id === "outcomes" && OUTCOME_COLORS[s[0]]) || palette[i % palette.length],
+                                                   width: 1.5, spanGaps: true,
                                                    points: { show: false } }))],
         };
         plot = plots[id] = new uPlot(opts, data, plotEl);
