@@ -7,7 +7,10 @@ Real tenancy (SQLite ledger, real rpm quotas, real pricing) and the gateway's fa
 
 from __future__ import annotations
 
+import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from gateway_fakes import FakeEngine
 from prometheus_client import CollectorRegistry
 
 from gateway.app import create_app
+from gateway.cli.serve_cmd import build_settings, register
 from gateway.metrics import GatewayMetrics, LiveStats, Outcome, RequestSample, percentile
 from gateway.settings import GatewaySettings
 from gateway.timeseries import TimeSeries, latency_quantiles
@@ -218,3 +222,20 @@ def test_dashboard_page_and_vendored_assets_need_no_network(panel):
     assert client.get("/dashboard/assets/dashboard.js").status_code == 200
     assert client.get("/dashboard/assets/..%2Fmetrics.py").status_code == 404
     assert client.get("/dashboard/data?window=7d", headers=auth(keys["admin"])).status_code == 400
+
+
+
+def test_serve_metrics_flags(tmp_path, monkeypatch):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    bad = subprocess.run([sys.executable, "-m", "gateway.cli.main", "serve", "--home", str(tmp_path), "--model",
+                          "none", "--metrics-token-env", "PG_UNSET_TOKEN"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "PG_UNSET_TOKEN" in bad.stderr
+    parser = argparse.ArgumentParser()  # flags -> settings, as `serve` parses them
+    register(parser.add_subparsers(), argparse.ArgumentParser(add_help=False))
+    monkeypatch.setenv("PG_SCRAPE", "tok-1")
+    args = parser.parse_args(["serve", "--model", "none", "--metrics-token-env", "PG_SCRAPE", "--metrics-public"])
+    settings = build_settings(args, tmp_path)
+    assert settings.metrics_token == "tok-1" and settings.metrics_public
+    monkeypatch.setenv("PREFIXGATE_METRICS_TOKEN", "tok-2")
+    assert build_settings(parser.parse_args(["serve", "--model", "none"]), tmp_path).metrics_token == "tok-2"
