@@ -29,6 +29,7 @@ VAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 SETTINGS: tuple[str, ...] = (
     "share_scope", "canon_mode", "per_user_vars", "priority", "ttft_target_s",
     "rpm", "tpm", "budget_usd", "budget_period", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme",
+    "store_miss_context",
 )
 _POSITIVE_INT_OR_NONE = ("rpm", "tpm", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme")
 
@@ -66,6 +67,10 @@ def validate_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
                 if not isinstance(n, str) or not VAR_NAME_RE.match(n):
                     raise InvalidSettingError(f"per-user variable name {n!r} is not an identifier")
             value = json.dumps(sorted(set(names)))
+        elif key == "store_miss_context":
+            if not isinstance(value, bool):
+                raise InvalidSettingError(f"store_miss_context must be true or false, got {value!r}")
+            value = int(value)
         elif key == "priority":
             if isinstance(value, bool) or not isinstance(value, int) or not -100 <= value <= 100:
                 raise InvalidSettingError(f"priority must be an integer in [-100, 100], got {value!r}")
@@ -96,6 +101,7 @@ def tenant_from_row(row: Mapping[str, Any]) -> TenantInfo:
             kv_blocks_nvme=row["kv_blocks_nvme"],
         ),
         created_at=row["created_at"],
+        store_miss_context=bool(row["store_miss_context"]),
     )
 
 
