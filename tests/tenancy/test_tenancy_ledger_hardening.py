@@ -218,3 +218,22 @@ def test_store_miss_context_must_be_a_boolean(svc: TenancyService) -> None:
 
     with pytest.raises(InvalidSettingError):
         svc.create_tenant("a", store_miss_context="yes")
+
+
+def test_cli_store_miss_context_flag_round_trips(home: Path) -> None:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(repo), "LITELLM_LOCAL_MODEL_COST_MAP": "True", "HF_HUB_OFFLINE": "1",
+           "PATH": "/usr/bin:/bin"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gateway.cli.main", *args, "--home", str(home)],
+                              capture_output=True, text=True, env=env, cwd=repo, timeout=120)
+
+    assert cli("tenant", "create", "acme", "--store-miss-context", "--json").returncode == 0
+    shown = json.loads(cli("tenant", "show", "acme", "--json").stdout)
+    assert shown["store_miss_context"] is True
+    assert cli("tenant", "set", "acme", "--no-store-miss-context").returncode == 0
+    assert json.loads(cli("tenant", "show", "acme", "--json").stdout)["store_miss_context"] is False
