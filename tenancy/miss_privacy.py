@@ -33,7 +33,7 @@ def keyed_family(key: bytes, tenant_id: str, family: str) -> str:
         kind = f"prefix:{model}"
     if value.startswith(KEYED_MARK):
         return family
-    mac = hmac.new(key, tenant_id.encode("utf-8", "replace") + b"\0" + value.encode("utf-8", "replace"),
+    mac = hmac.new(key, tenant_id.encode("utf-8", "surrogatepass") + b"\0" + value.encode("utf-8", "surrogatepass"),
                    hashlib.sha256).hexdigest()[:24]
     return f"{kind}:{KEYED_MARK}{mac}"
 

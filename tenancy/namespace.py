@@ -30,7 +30,7 @@ GROUP_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 def frame(*parts: str | bytes) -> bytes:
     out = bytearray()
     for part in parts:
-        data = part.encode("utf-8") if isinstance(part, str) else part
+        data = part.encode("utf-8", "surrogatepass") if isinstance(part, str) else part
         out += len(data).to_bytes(4, "big") + data
     return bytes(out)
 

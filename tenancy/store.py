@@ -32,6 +32,8 @@ SETTINGS: tuple[str, ...] = (
     "store_miss_context",
 )
 _POSITIVE_INT_OR_NONE = ("rpm", "tpm", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme")
+_INT_MAX = 2**63 - 1  # what an SQLite INTEGER holds: a larger limit would fail the write, not the check
+_MAX_PER_USER_VARS = 64
 
 
 def validate_name(name: str) -> str:
@@ -63,6 +65,8 @@ def validate_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
                 raise InvalidSettingError(f"budget period must be 'day' or 'month', got {value!r}")
         elif key == "per_user_vars":
             names = [value] if isinstance(value, str) else list(value or ())
+            if len(set(names)) > _MAX_PER_USER_VARS:
+                raise InvalidSettingError(f"at most {_MAX_PER_USER_VARS} per-user variables, got {len(set(names))}")
             for n in names:
                 if not isinstance(n, str) or not VAR_NAME_RE.match(n):
                     raise InvalidSettingError(f"per-user variable name {n!r} is not an identifier")
@@ -75,8 +79,10 @@ def validate_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, int) or not -100 <= value <= 100:
                 raise InvalidSettingError(f"priority must be an integer in [-100, 100], got {value!r}")
         elif key in _POSITIVE_INT_OR_NONE:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise InvalidSettingError(f"{key} must be a positive integer (or unset), got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= _INT_MAX):
+                raise InvalidSettingError(f"{key} must be a positive integer up to {_INT_MAX} (or unset), "
+                                          f"got {value!r}")
         elif key in ("budget_usd", "ttft_target_s") and value is not None:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise InvalidSettingError(f"{key} must be a positive number (or unset), got {value!r}")

@@ -237,3 +237,19 @@ def test_cli_store_miss_context_flag_round_trips(home: Path) -> None:
     assert shown["store_miss_context"] is True
     assert cli("tenant", "set", "acme", "--no-store-miss-context").returncode == 0
     assert json.loads(cli("tenant", "show", "acme", "--json").stdout)["store_miss_context"] is False
+
+
+def test_limits_past_what_sqlite_stores_are_a_setting_error_not_a_crash(svc: TenancyService) -> None:
+    from tenancy.errors import InvalidSettingError
+
+    svc.create_tenant("a")
+    with pytest.raises(InvalidSettingError, match="tpm"):
+        svc.update_tenant("a", tpm=99999999999999999999999)
+    svc.update_tenant("a", tpm=2**63 - 1)
+    assert svc.get_tenant_by_name("a").quotas.tpm == 2**63 - 1
+
+
+def test_a_lone_surrogate_end_user_gets_its_own_namespace(svc: TenancyService) -> None:
+    ctx = svc.authenticate(svc.create_tenant("u", share_scope="user").api_key)
+    spaces = {svc.scope_for(ctx, user=u).namespace for u in ("\ud800", "\udfff", "\ufffd", "a", None)}
+    assert len(spaces) == 5
