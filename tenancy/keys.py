@@ -43,11 +43,6 @@ class ServerSecret:
     def pepper(self) -> bytes:
         return hmac.new(self.raw, b"prefixgate/api-key-pepper/v1", hashlib.sha256).digest()
 
-    @property
-    def miss_family_key(self) -> bytes:
-        """Keys the prompt families stored with cache-miss explanations (``tenancy.miss_privacy``)."""
-        return hmac.new(self.raw, b"prefixgate/miss-family/v1", hashlib.sha256).digest()
-
     def __repr__(self) -> str:
         return "ServerSecret(<hidden>)"
 

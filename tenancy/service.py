@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import os
 import threading
 import time
@@ -79,6 +81,7 @@ __all__ = [
 ]
 
 _KEK_FINGERPRINT = "kek_fingerprint"
+NAMESPACE_KEY_OWNER = "system:namespace"  # data_keys owner of the namespace root key
 _RECENT_IDS = 50_000
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))  # request ids remembered to keep in-memory spend idempotent like the ledger
 # How long a request-path read (budget check, /v1/usage) waits for the ledger to commit this
@@ -130,6 +133,8 @@ class TenancyService:
             self._secret = keymod.ServerSecret.load(self.home)
             self._pepper = self._secret.pepper
             self._kek = self._load_checked_kek()
+            self._namespace_key = self._load_namespace_key()
+            self._miss_family_key = hmac.new(self._namespace_key, b"prefixgate/miss-family/v1", hashlib.sha256).digest()
             self._prices = PriceBook(reference_model)
         except BaseException:
             self._db.close()
@@ -204,6 +209,27 @@ class TenancyService:
             if KeyEncryptionKey(current, source="file").fingerprint != new.fingerprint:
                 raise
         _fsync_dir(kek_path(self.home).parent)
+
+    def _load_namespace_key(self) -> bytes:
+        """The key cache namespaces are derived with: the server secret combined with a random root
+        key kept wrapped by the KEK (created once, shared by every process on this database).
+
+        Why both: a namespace seeds the block hash chain, so whoever can derive one can test a
+        guessed prompt against anything keyed by it (the NVMe index). With the root key under the
+        KEK, a stolen ``--home`` without the KEK derives nothing. KEK rotation re-wraps the root key
+        like any data key, so namespaces (and the cache) survive it.
+        """
+        with self._lock:
+            wrapped = store.get_wrapped_key(self._db, NAMESPACE_KEY_OWNER)
+            if wrapped is None:
+                with dbmod.write_transaction(self._db):
+                    kek = self._kek_for_wrapping()
+                    store.insert_wrapped_key_if_absent(self._db, NAMESPACE_KEY_OWNER,
+                                                       kek.wrap(new_data_key(), NAMESPACE_KEY_OWNER))
+                    wrapped = store.get_wrapped_key(self._db, NAMESPACE_KEY_OWNER)
+                assert wrapped is not None
+            root = self._kek.unwrap(wrapped, NAMESPACE_KEY_OWNER)
+        return hmac.new(self._secret.namespace_key, b"prefixgate/ns-key/v2\0" + root, hashlib.sha256).digest()
 
     def _kek_for_wrapping(self) -> KeyEncryptionKey:
         """The KEK to wrap a new data key with; call inside a write transaction.
@@ -345,7 +371,7 @@ class TenancyService:
             canon_mode=t.canon_mode,
             per_user_vars=t.per_user_vars,
             namespace=namespace_for(
-                self._secret.namespace_key, tenant_id=t.tenant_id, share_scope=t.share_scope, key_id=key_id, user=None
+                self._namespace_key, tenant_id=t.tenant_id, share_scope=t.share_scope, key_id=key_id, user=None
             ),
             metrics_label=metrics_label(t.name),
             cipher=self._cipher(data_key_owner(t.tenant_id, t.share_scope)),
@@ -363,7 +389,7 @@ class TenancyService:
         if parse_share_scope(ctx.share_scope)[0] != "user":
             return ctx
         ns = namespace_for(
-            self._secret.namespace_key, tenant_id=ctx.tenant_id, share_scope=ctx.share_scope, key_id=ctx.key_id,
+            self._namespace_key, tenant_id=ctx.tenant_id, share_scope=ctx.share_scope, key_id=ctx.key_id,
             user=user,
         )
         return dataclasses.replace(ctx, namespace=ns, user=user or None)
@@ -414,7 +440,7 @@ class TenancyService:
         row.update(cost_usd=p.cost_usd, saved_usd=p.saved_usd, priced_as=p.priced_as)
         if rec.miss_context is not None or rec.miss_family is not None:
             apply_miss_policy(row, store_clear=self._stores_clear_miss_data(rec.tenant_id),
-                              key=self._secret.miss_family_key)
+                              key=self._miss_family_key)
         if rec.miss_tokens:  # what the re-prefilled tokens would have saved had they been cached
             row["miss_usd"] = self.price(rec.model, rec.miss_tokens, rec.miss_tokens, 0).saved_usd
         with self._lock:
