@@ -113,8 +113,15 @@ class _Acc:
         }
 
 
+_FIRST_TS = datetime(1, 1, 1, tzinfo=UTC).timestamp()
+_LAST_TS = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
+
+
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+    # Clamped to what datetime can show: a bound like 0001-01-01T00:00:00+14:00 is before year 1 in
+    # UTC, and one odd stored time must not make every report of its tenant fail.
+    clamped = min(max(ts, _FIRST_TS), _LAST_TS) if ts == ts else _FIRST_TS
+    return datetime.fromtimestamp(clamped, UTC).isoformat().replace("+00:00", "Z")
 
 
 def fetch_rows(db: Any, *, tenant_ids: list[str] | None, since: datetime | None, until: datetime) -> list[dict]:

@@ -253,3 +253,15 @@ def test_a_lone_surrogate_end_user_gets_its_own_namespace(svc: TenancyService) -
     ctx = svc.authenticate(svc.create_tenant("u", share_scope="user").api_key)
     spaces = {svc.scope_for(ctx, user=u).namespace for u in ("\ud800", "\udfff", "\ufffd", "a", None)}
     assert len(spaces) == 5
+
+
+def test_reports_over_extreme_bounds_and_odd_stored_times_answer(svc: TenancyService) -> None:
+    from datetime import datetime
+
+    a = svc.authenticate(svc.create_tenant("a").api_key)
+    svc.record_usage(_rec(a, "odd", created_at=1e300))
+    svc.record_usage(_rec(a, "fine"))
+    for since in ("0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00"):
+        rep = svc.usage(a, datetime.fromisoformat(since))
+        assert rep["since"] is not None
+    assert svc.report()["totals"]["requests"] == 1  # "odd" lies in the future, past "until"
