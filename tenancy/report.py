@@ -274,12 +274,19 @@ CSV_FIELDS: tuple[str, ...] = (
 )
 
 
+def _csv_cell(value: Any) -> Any:
+    # A client names the model: "=HYPERLINK(...)" must stay text in a spreadsheet, not run as a formula.
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
 def render_csv(rep: dict[str, Any]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rep["rows"]:
-        w.writerow(r)
+        w.writerow({k: _csv_cell(v) for k, v in r.items()})
     return buf.getvalue()
 
 

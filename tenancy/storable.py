@@ -39,20 +39,25 @@ REQUIRED_NUMBERS: tuple[str, ...] = ("prompt_tokens", "cached_tokens", "completi
 OPTIONAL_NUMBERS: tuple[str, ...] = ("ttft_s", "latency_s", "miss_position", "miss_tokens", "miss_usd")
 REQUIRED_TEXT: tuple[str, ...] = ("tenant_id", "key_id", "model", "backend", "status", "priced_as")
 _INT_MAX = 2**63 - 1
-# Lone surrogates (not encodable as UTF-8), NUL and the other C0 controls but tab/newline: replaced.
-_UNSTORABLE = re.compile("[\ud800-\udfff\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Lone surrogates (not encodable as UTF-8), NUL, and the C0/C1 controls (an ESC or CSI in a model name
+# would drive the terminal of an operator reading `prefixgate report`): replaced. Only the prompt
+# text of ``miss_context`` keeps tab and newline; every other column is one line of a table.
+_UNSTORABLE = re.compile("[\ud800-\udfff\x00-\x1f\x7f-\x9f]")
+_UNSTORABLE_MULTILINE = re.compile("[\ud800-\udfff\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_MULTILINE = frozenset({"miss_context"})
 _REPLACEMENT = "\ufffd"
 _TRUNCATED = "\u2026"  # marks a cut value, so a reader knows it is not whole
 
 
-def storable_text(value: object, limit: int) -> str | None:
-    """``value`` as text of at most ``limit`` characters that UTF-8 and SQLite accept; None stays None."""
+def storable_text(value: object, limit: int, *, multiline: bool = False) -> str | None:
+    """``value`` as one line (or, ``multiline``, lines) of at most ``limit`` characters that UTF-8 and
+    SQLite accept; None stays None."""
     if value is None:
         return None
     text = value if isinstance(value, str) else str(value)
     if len(text) > limit:
         text = text[: limit - 1] + _TRUNCATED
-    return _UNSTORABLE.sub(_REPLACEMENT, text)
+    return (_UNSTORABLE_MULTILINE if multiline else _UNSTORABLE).sub(_REPLACEMENT, text)
 
 
 def storable_request_id(value: object) -> str:
@@ -86,7 +91,7 @@ def storable_row(row: Mapping[str, Any]) -> dict[str, Any]:
         if column == "request_id":
             out[column] = storable_request_id("" if value is None else value)
         else:
-            text = storable_text(value, limit)
+            text = storable_text(value, limit, multiline=column in _MULTILINE)
             out[column] = "" if text is None and column in REQUIRED_TEXT else text
     for column in REQUIRED_NUMBERS:
         out[column] = storable_number(row.get(column), required=True)

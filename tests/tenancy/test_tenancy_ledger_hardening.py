@@ -265,3 +265,16 @@ def test_reports_over_extreme_bounds_and_odd_stored_times_answer(svc: TenancySer
         rep = svc.usage(a, datetime.fromisoformat(since))
         assert rep["since"] is not None
     assert svc.report()["totals"]["requests"] == 1  # "odd" lies in the future, past "until"
+
+
+def test_client_text_cannot_drive_a_terminal_or_a_spreadsheet(svc: TenancyService) -> None:
+    from tenancy.report import render_csv, render_table
+
+    a = svc.authenticate(svc.create_tenant("a").api_key)
+    svc.record_usage(_rec(a, "esc", model="m\x1b[2J\x9b31m\nTOTAL  999"))
+    svc.record_usage(_rec(a, "formula", model="=HYPERLINK(\"http://x\")"))
+    rep = svc.usage(a)
+    table = render_table(rep)
+    assert "\x1b" not in table and "\x9b" not in table and "\nTOTAL  999" not in table
+    assert "'=HYPERLINK" in render_csv(rep)
+    assert storable_row({"miss_context": "a\nb\tc"})["miss_context"] == "a\nb\tc"
