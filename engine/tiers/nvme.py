@@ -307,7 +307,9 @@ class NvmeTier(IndexedTierQueries):
                 # Open under the lock: once open, a concurrent eviction's unlink cannot take the
                 # bytes away from this reader.
                 f = open(self._path(segment_id), "rb")  # noqa: SIM115 - closed below, outside the lock
-            except FileNotFoundError:
+            except OSError as exc:  # gone, or replaced by something unreadable (a directory, no access)
+                if not isinstance(exc, FileNotFoundError):
+                    log.warning("kv tier nvme: cannot open segment %s (%s); dropped", segment_id, exc)
                 self._remove_locked(segment_id)
                 return None
             meta.hits += 1
@@ -316,8 +318,12 @@ class NvmeTier(IndexedTierQueries):
                           (meta.hits, now, segment_id))
         with f:
             # A short read (truncated file) is returned as is: the cipher rejects it as a failed
-            # tag, which the manager counts as an authentication failure.
-            return meta, f.read()
+            # tag, which the manager counts as an authentication failure. An I/O error is a miss.
+            try:
+                return meta, f.read()
+            except OSError as exc:
+                log.warning("kv tier nvme: cannot read segment %s (%s)", segment_id, exc)
+                return None
 
     def put(self, meta: SegmentMeta, blob: bytes | memoryview) -> PutResult:
         if len(blob) != meta.nbytes:
@@ -377,7 +383,11 @@ class NvmeTier(IndexedTierQueries):
 
     def _forget_locked(self, segment_id: str) -> None:
         self._persist("DELETE FROM segments WHERE id = ?", (segment_id,))  # row first, then file
-        self._path(segment_id).unlink(missing_ok=True)
+        path = self._path(segment_id)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # something else took the file's place: the next start removes it
+            self._remove_junk(path, counted=True)
 
     def _persist(self, sql: str, params: tuple) -> None:
         """Write bookkeeping to the index; a failure is logged, never raised: memory is authoritative

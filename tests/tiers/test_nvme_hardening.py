@@ -160,3 +160,18 @@ def test_a_manager_restart_after_sealing_restores_the_tenants_prefix(make_manage
     match, res = restore_all(m2, a, hs)
     assert match.num_blocks == 8 and res.data == data
     assert m2.lookup(tenant("b").namespace, chain(tenant("b").namespace, 8)).num_blocks == 0
+
+
+def test_a_segment_file_replaced_by_a_directory_while_serving_is_a_miss(tmp_path: Path) -> None:
+    ns = b"n" * 32
+    root = tmp_path / "kv"
+    hs = _fill(root, ns, n=2)
+    t = _tier(root)
+    loc = t.contains(ns, hs[0])
+    path = next(p for p in root.rglob("*.seg") if p.stem == loc.segment_id)
+    path.unlink()
+    (path / "inner").mkdir(parents=True)  # the file's place taken by a directory
+    assert t.get(loc.segment_id) is None
+    assert t.contains(ns, hs[0]) is None and t.contains(ns, hs[4]) is not None
+    assert not path.exists()
+    t.check_integrity()
