@@ -170,9 +170,10 @@ class LedgerWriter:
         if self._thread.is_alive():
             self._hurry.set()
             self._thread.join(self._retry.busy_timeout_ms / 1000 + 5.0)
-        if self._thread.is_alive():  # wedged inside SQLite: keep the rows it has not taken yet
-            rest = [item for item in _drain(self._queue) if isinstance(item, dict)]
-            self._spill(rest, "writer did not stop in time")
+        # Rows the thread will not take: it is wedged inside SQLite, or a submit raced with close
+        # and queued behind the stop marker. They go to the file, which the next start replays.
+        rest = [item for item in _drain(self._queue) if isinstance(item, dict)]
+        self._spill(rest, "writer did not stop in time" if self._thread.is_alive() else "submitted during close")
 
     # -- writer thread ---------------------------------------------------------------------------
 
