@@ -15,6 +15,9 @@ Tables (v1)::
     data_keys  owner PK ("tenant:<id>" | "group:<name>"), data key wrapped by the KEK
     meta       key PK, value   (kek_fingerprint)
     usage      request_id PK, one row per request (the ledger); kept after its tenant is deleted
+
+v3 adds ``usage_quarantine`` (rows the ledger writer could not store, with the reason and the row as
+ASCII JSON) and the tenant setting ``store_miss_context``.
 """
 
 from __future__ import annotations
@@ -96,24 +99,39 @@ def _v2(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX usage_miss_rule ON usage(miss_rule) WHERE miss_rule IS NOT NULL")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2]
+def _v3(db: sqlite_utils.Database) -> None:
+    """Hardening (issue 16): rows the ledger refused are kept aside, and each tenant chooses whether
+    cache-miss explanations keep prompt text (off by default)."""
+    db.execute("""CREATE TABLE usage_quarantine (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        request_id TEXT,
+        tenant_id TEXT,
+        reason TEXT NOT NULL,
+        row_json TEXT NOT NULL,
+        created_at REAL NOT NULL
+    )""")
+    db.execute("ALTER TABLE tenants ADD COLUMN store_miss_context INTEGER NOT NULL DEFAULT 0")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
-def connect(path: Path) -> sqlite_utils.Database:
+def connect(path: Path, *, busy_timeout_s: float = 10.0) -> sqlite_utils.Database:
     """Open (creating if needed) the database at ``path`` with tenancy's pragmas, migrated to the latest schema.
 
     The connection may be used from several threads (``check_same_thread=False``); callers serialise
-    access with their own lock.
+    access with their own lock. ``busy_timeout_s``: how long a statement waits for another
+    connection's write lock before "database is locked".
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         # Key hashes and wrapped data keys live here: owner-only, like the KEK. SQLite gives the
         # -wal and -shm files the same mode as the database file.
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    conn = sqlite3.connect(str(path), timeout=10.0, check_same_thread=False)
+    conn = sqlite3.connect(str(path), timeout=busy_timeout_s, check_same_thread=False)
     db = sqlite_utils.Database(conn, execute_plugins=False)
-    db.execute("PRAGMA busy_timeout = 10000")
+    db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
     db.enable_wal()
     # FULL: a commit is on disk when it returns. The ledger batches commits, so the fsync is cheap.
     db.execute("PRAGMA synchronous = FULL")

@@ -20,7 +20,10 @@ own connection.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import hmac
 import os
 import threading
 import time
@@ -53,7 +56,8 @@ from tenancy.errors import (
     QuotaExceededError,
     TenancyError,
 )
-from tenancy.ledger import LedgerWriter
+from tenancy.ledger import LedgerStats, LedgerWriter
+from tenancy.miss_privacy import apply_miss_policy
 from tenancy.namespace import metrics_label, namespace_for, parse_share_scope
 from tenancy.pricing import PriceBook
 from tenancy.quota import RateLimiter, check_budget, period_bounds
@@ -71,14 +75,18 @@ from tenancy.types import (
 # The gateway imports only this module: everything it needs is re-exported here.
 __all__ = [
     "AuthenticationError", "ConflictError", "CreatedKey", "CreatedTenant", "InvalidSettingError", "KeyInfo",
-    "KeyMaterialError", "NotFoundError", "PermissionDeniedError", "Price", "QuotaExceededError", "Quotas",
+    "KeyMaterialError", "LedgerStats", "NotFoundError", "PermissionDeniedError", "Price", "QuotaExceededError", "Quotas",
     "RotationResult", "TenancyError", "TenancyService", "TenantCipher", "TenantContext", "TenantInfo",
     "UsageRecord",
 ]
 
 _KEK_FINGERPRINT = "kek_fingerprint"
+NAMESPACE_KEY_OWNER = "system:namespace"  # data_keys owner of the namespace root key
 _RECENT_IDS = 50_000
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))  # request ids remembered to keep in-memory spend idempotent like the ledger
+# How long a request-path read (budget check, /v1/usage) waits for the ledger to commit this
+# process's queued rows before it answers from what is committed: a slow disk must not turn into 500s.
+_READ_FLUSH_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,8 @@ class TenancyService:
             self._secret = keymod.ServerSecret.load(self.home)
             self._pepper = self._secret.pepper
             self._kek = self._load_checked_kek()
+            self._namespace_key = self._load_namespace_key()
+            self._miss_family_key = hmac.new(self._namespace_key, b"prefixgate/miss-family/v1", hashlib.sha256).digest()
             self._prices = PriceBook(reference_model)
         except BaseException:
             self._db.close()
@@ -134,6 +144,7 @@ class TenancyService:
         self._ciphers: dict[str, TenantCipher] = {}
         self._spend: dict[str, _Spend] = {}
         self._recent_ids: OrderedDict[str, None] = OrderedDict()
+        self._clear_miss_data: dict[str, bool] = {}  # tenant id -> store_miss_context
         self._next_sweep = 0.0
         self._ledger = LedgerWriter(self.db_path, batch_max=ledger_batch_max, max_delay_s=ledger_max_delay_s)
         self._closed = False
@@ -198,6 +209,27 @@ class TenancyService:
             if KeyEncryptionKey(current, source="file").fingerprint != new.fingerprint:
                 raise
         _fsync_dir(kek_path(self.home).parent)
+
+    def _load_namespace_key(self) -> bytes:
+        """The key cache namespaces are derived with: the server secret combined with a random root
+        key kept wrapped by the KEK (created once, shared by every process on this database).
+
+        Why both: a namespace seeds the block hash chain, so whoever can derive one can test a
+        guessed prompt against anything keyed by it (the NVMe index). With the root key under the
+        KEK, a stolen ``--home`` without the KEK derives nothing. KEK rotation re-wraps the root key
+        like any data key, so namespaces (and the cache) survive it.
+        """
+        with self._lock:
+            wrapped = store.get_wrapped_key(self._db, NAMESPACE_KEY_OWNER)
+            if wrapped is None:
+                with dbmod.write_transaction(self._db):
+                    kek = self._kek_for_wrapping()
+                    store.insert_wrapped_key_if_absent(self._db, NAMESPACE_KEY_OWNER,
+                                                       kek.wrap(new_data_key(), NAMESPACE_KEY_OWNER))
+                    wrapped = store.get_wrapped_key(self._db, NAMESPACE_KEY_OWNER)
+                assert wrapped is not None
+            root = self._kek.unwrap(wrapped, NAMESPACE_KEY_OWNER)
+        return hmac.new(self._secret.namespace_key, b"prefixgate/ns-key/v2\0" + root, hashlib.sha256).digest()
 
     def _kek_for_wrapping(self) -> KeyEncryptionKey:
         """The KEK to wrap a new data key with; call inside a write transaction.
@@ -329,6 +361,7 @@ class TenancyService:
                 self._ciphers.pop(owner).destroy()
 
     def _context(self, t: TenantInfo, key_id: str) -> TenantContext:
+        self._clear_miss_data[t.tenant_id] = t.store_miss_context
         return TenantContext(
             tenant_id=t.tenant_id,
             name=t.name,
@@ -338,7 +371,7 @@ class TenancyService:
             canon_mode=t.canon_mode,
             per_user_vars=t.per_user_vars,
             namespace=namespace_for(
-                self._secret.namespace_key, tenant_id=t.tenant_id, share_scope=t.share_scope, key_id=key_id, user=None
+                self._namespace_key, tenant_id=t.tenant_id, share_scope=t.share_scope, key_id=key_id, user=None
             ),
             metrics_label=metrics_label(t.name),
             cipher=self._cipher(data_key_owner(t.tenant_id, t.share_scope)),
@@ -356,7 +389,7 @@ class TenancyService:
         if parse_share_scope(ctx.share_scope)[0] != "user":
             return ctx
         ns = namespace_for(
-            self._secret.namespace_key, tenant_id=ctx.tenant_id, share_scope=ctx.share_scope, key_id=ctx.key_id,
+            self._namespace_key, tenant_id=ctx.tenant_id, share_scope=ctx.share_scope, key_id=ctx.key_id,
             user=user,
         )
         return dataclasses.replace(ctx, namespace=ns, user=user or None)
@@ -377,8 +410,14 @@ class TenancyService:
         with self._lock:
             s = self._spend.get(tenant_id)
             mono = time.monotonic()
+            if s is not None and s.period_start == start and mono - s.loaded_at <= self.auth_cache_ttl_s:
+                return s.total_usd
+        # Our own queued rows must be in the sum. Outside the lock: other tenants' requests must not
+        # wait on this tenant's refresh, and a slow ledger only makes the sum a little stale.
+        self._flush_for_read()
+        with self._lock:
+            s = self._spend.get(tenant_id)
             if s is None or s.period_start != start or mono - s.loaded_at > self.auth_cache_ttl_s:
-                self._ledger.flush()  # our own queued rows must be in the sum
                 row = next(self._db.query(
                     "SELECT COALESCE(SUM(cost_usd), 0) AS c FROM usage WHERE tenant_id = ? AND created_at >= ?",
                     [tenant_id, start],
@@ -390,11 +429,18 @@ class TenancyService:
         return self._prices.price(model, prompt_tokens, cached_tokens, completion_tokens)
 
     def record_usage(self, rec: UsageRecord) -> None:
-        """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once."""
+        """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once.
+
+        The ledger writer makes every field storable (bounded text, valid UTF-8); here the miss
+        explanation loses its prompt text and clear family unless the tenant chose to keep them.
+        """
         p = self.price(rec.model, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)
         # Not dataclasses.asdict: it deep-copies every field (~70 us here), and this runs per request.
         row = {f: getattr(rec, f) for f in _RECORD_FIELDS}
         row.update(cost_usd=p.cost_usd, saved_usd=p.saved_usd, priced_as=p.priced_as)
+        if rec.miss_context is not None or rec.miss_family is not None:
+            apply_miss_policy(row, store_clear=self._stores_clear_miss_data(rec.tenant_id),
+                              key=self._miss_family_key)
         if rec.miss_tokens:  # what the re-prefilled tokens would have saved had they been cached
             row["miss_usd"] = self.price(rec.model, rec.miss_tokens, rec.miss_tokens, 0).saved_usd
         with self._lock:
@@ -408,9 +454,25 @@ class TenancyService:
                 s.total_usd += p.cost_usd
         self._ledger.submit(row)
 
+    def _stores_clear_miss_data(self, tenant_id: str) -> bool:
+        known = self._clear_miss_data.get(tenant_id)
+        if known is None:
+            info = self.get_tenant(tenant_id)
+            known = self._clear_miss_data[tenant_id] = bool(info is not None and info.store_miss_context)
+        return known
+
     def flush(self) -> None:
-        """Block until every recorded usage row is committed."""
+        """Block until every recorded usage row is committed (or quarantined, see ``tenancy.ledger``)."""
         self._ledger.flush()
+
+    def _flush_for_read(self) -> None:
+        # On a timeout, answer from what is committed; the writer keeps going and counts what it cannot store.
+        with contextlib.suppress(TimeoutError):
+            self._ledger.flush(timeout=_READ_FLUSH_S)
+
+    def ledger_stats(self) -> LedgerStats:
+        """Counters of the ledger writer: committed, quarantined, spilled, lost rows and retries."""
+        return self._ledger.stats()
 
     def close(self) -> None:
         """Commit queued usage rows and close the database. Idempotent."""
@@ -443,7 +505,7 @@ class TenancyService:
         """Operator view (the CLI): the report over ``tenant_ids`` (None = all), after flushing the ledger."""
         from tenancy import report
 
-        self.flush()
+        self._flush_for_read()
         with self._lock:
             return report.build_report(self._db, tenant_ids=tenant_ids, since=since, until=until)
 
@@ -454,7 +516,8 @@ class TenancyService:
 
         ``settings``: share_scope ("tenant" | "user" | "group:NAME"), canon_mode ("off" | "safe" |
         "reorder"), per_user_vars, priority, ttft_target_s, rpm, tpm, budget_usd, budget_period,
-        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme.
+        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme, store_miss_context (keep prompt text
+        and clear family names of cache-miss explanations in the ledger; default False).
         """
         key_id, api_key = keymod.new_api_key()
         with self._lock, dbmod.write_transaction(self._db):
@@ -490,6 +553,7 @@ class TenancyService:
         with self._lock:
             store.update_tenant(self._db, info.tenant_id, settings)
             self._forget_tenant(info.tenant_id)
+            self._clear_miss_data.pop(info.tenant_id, None)
         return self._require(name)
 
     def delete_tenant(self, name: str) -> TenantInfo:

@@ -29,8 +29,11 @@ VAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 SETTINGS: tuple[str, ...] = (
     "share_scope", "canon_mode", "per_user_vars", "priority", "ttft_target_s",
     "rpm", "tpm", "budget_usd", "budget_period", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme",
+    "store_miss_context",
 )
 _POSITIVE_INT_OR_NONE = ("rpm", "tpm", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme")
+_INT_MAX = 2**63 - 1  # what an SQLite INTEGER holds: a larger limit would fail the write, not the check
+_MAX_PER_USER_VARS = 64
 
 
 def validate_name(name: str) -> str:
@@ -62,16 +65,24 @@ def validate_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
                 raise InvalidSettingError(f"budget period must be 'day' or 'month', got {value!r}")
         elif key == "per_user_vars":
             names = [value] if isinstance(value, str) else list(value or ())
+            if len(set(names)) > _MAX_PER_USER_VARS:
+                raise InvalidSettingError(f"at most {_MAX_PER_USER_VARS} per-user variables, got {len(set(names))}")
             for n in names:
                 if not isinstance(n, str) or not VAR_NAME_RE.match(n):
                     raise InvalidSettingError(f"per-user variable name {n!r} is not an identifier")
             value = json.dumps(sorted(set(names)))
+        elif key == "store_miss_context":
+            if not isinstance(value, bool):
+                raise InvalidSettingError(f"store_miss_context must be true or false, got {value!r}")
+            value = int(value)
         elif key == "priority":
             if isinstance(value, bool) or not isinstance(value, int) or not -100 <= value <= 100:
                 raise InvalidSettingError(f"priority must be an integer in [-100, 100], got {value!r}")
         elif key in _POSITIVE_INT_OR_NONE:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise InvalidSettingError(f"{key} must be a positive integer (or unset), got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= _INT_MAX):
+                raise InvalidSettingError(f"{key} must be a positive integer up to {_INT_MAX} (or unset), "
+                                          f"got {value!r}")
         elif key in ("budget_usd", "ttft_target_s") and value is not None:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise InvalidSettingError(f"{key} must be a positive number (or unset), got {value!r}")
@@ -96,6 +107,7 @@ def tenant_from_row(row: Mapping[str, Any]) -> TenantInfo:
             kv_blocks_nvme=row["kv_blocks_nvme"],
         ),
         created_at=row["created_at"],
+        store_miss_context=bool(row["store_miss_context"]),
     )
 
 

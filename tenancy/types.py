@@ -104,6 +104,8 @@ class UsageRecord:
     # Cache-miss explanation details (gateway.miss_tracker): the rule's detail ("timestamp"), prompt
     # tokens re-prefilled because of the break, the prompt family, and up to 32 characters of prompt
     # text just before the break (what `promptlint check --from-usage` matches templates by).
+    # ``record_usage`` stores the context and the family in clear only for a tenant that set
+    # ``store_miss_context``; otherwise the context is dropped and the family's value keyed (HMAC).
     miss_detail: str | None = None
     miss_tokens: int | None = None
     miss_family: str | None = None
@@ -188,3 +190,6 @@ class TenantInfo:
     ttft_target_s: float | None
     quotas: Quotas
     created_at: float
+    # Keep the prompt text around a cache break (``miss_context``) and end-user family names in clear
+    # in the ledger. Off by default: the ledger then holds no prompt text (see SECURITY.md).
+    store_miss_context: bool = False

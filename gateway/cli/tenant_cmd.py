@@ -78,12 +78,16 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
                    help="template variable that differs per end user (repeatable)")
     p.add_argument("--priority", type=int, help="scheduling priority in [-100, 100] (default 0)")
     p.add_argument("--ttft-target", type=float, metavar="SECONDS", help="time-to-first-token target")
+    p.add_argument("--store-miss-context", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the prompt text around each cache break and clear prompt-family names "
+                        "(end-user ids) in the ledger (default off: no prompt text, families keyed)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     pairs = {
         "share_scope": args.share_scope, "canon_mode": args.canon, "per_user_vars": args.per_user_vars,
         "priority": args.priority, "ttft_target_s": args.ttft_target,
+        "store_miss_context": args.store_miss_context,
     }
     return {k: v for k, v in pairs.items() if v is not None}
 
@@ -98,6 +102,7 @@ def _show_text(t: TenantInfo) -> str:
         f"canon mode  {t.canon_mode}",
         f"user vars   {', '.join(t.per_user_vars) or '-'}",
         f"priority    {t.priority}   TTFT target {t.ttft_target_s if t.ttft_target_s is not None else '-'}",
+        f"miss text   {'kept (--store-miss-context)' if t.store_miss_context else 'not stored'}",
         f"quotas      rpm={q.rpm or '-'} tpm={q.tpm or '-'} budget="
         f"{budget} "
         f"kv_blocks hbm={q.kv_blocks_hbm or '-'} dram={q.kv_blocks_dram or '-'} nvme={q.kv_blocks_nvme or '-'}",
@@ -144,7 +149,7 @@ def cmd_tenant_set(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if not settings:
         raise CLIError("nothing to change: give at least one of --share-scope, --canon, --per-user-var, "
-                       "--priority, --ttft-target")
+                       "--priority, --ttft-target, --store-miss-context")
     with open_service(args) as svc:
         t = svc.update_tenant(args.name, **settings)
     _emit(args, _tenant_dict(t), _show_text(t))

@@ -76,7 +76,9 @@ def test_record_usage_returns_before_the_row_is_written(home: Path) -> None:
 
 def test_rows_carry_price_and_all_fields(home: Path) -> None:
     svc = TenancyService.open(home)
-    ctx = svc.authenticate(svc.create_tenant("a").api_key)
+    # store_miss_context: this tenant chose to keep miss text in clear (the default keeps none,
+    # tests/tenancy/test_tenancy_ledger_hardening.py)
+    ctx = svc.authenticate(svc.create_tenant("a", store_miss_context=True).api_key)
     rec = UsageRecord("r", ctx.tenant_id, ctx.key_id, "local-tiny", "local", 1000, 600, 50, 0.25, 1.5, "aborted",
                       1_750_000_000.0, miss_rule="PC003", miss_position=17, miss_detail="user_name",
                       miss_tokens=400, miss_family="user:u-1", miss_context="user_name: ")
