@@ -36,7 +36,6 @@ from tenancy import store
 from tenancy.crypto import (
     KeyEncryptionKey,
     TenantCipher,
-    _fsync_dir,
     encode_key,
     kek_path,
     new_data_key,
@@ -53,6 +52,7 @@ from tenancy.errors import (
     QuotaExceededError,
     TenancyError,
 )
+from tenancy.fsutil import fsync_dir
 from tenancy.ledger import LedgerWriter
 from tenancy.namespace import metrics_label, namespace_for, parse_share_scope
 from tenancy.pricing import PriceBook
@@ -197,7 +197,7 @@ class TenancyService:
             current = read_secret_file(kek_path(self.home), what="key-encryption key (KEK)")
             if KeyEncryptionKey(current, source="file").fingerprint != new.fingerprint:
                 raise
-        _fsync_dir(kek_path(self.home).parent)
+        fsync_dir(kek_path(self.home).parent)
 
     def _kek_for_wrapping(self) -> KeyEncryptionKey:
         """The KEK to wrap a new data key with; call inside a write transaction.
@@ -344,6 +344,8 @@ class TenancyService:
             cipher=self._cipher(data_key_owner(t.tenant_id, t.share_scope)),
             priority=t.priority,
             kv_block_quota=t.quotas.kv_blocks_hbm,
+            kv_block_quota_dram=t.quotas.kv_blocks_dram,
+            kv_block_quota_nvme=t.quotas.kv_blocks_nvme,
             ttft_target_s=t.ttft_target_s,
             quotas=t.quotas,
         )

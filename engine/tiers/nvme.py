@@ -26,17 +26,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.kv_types import BlockHash, TierName
 from engine.tiers.base import (
-    BlockHash,
     BlockLocation,
     PutResult,
     SegmentMeta,
+    TenantCap,
+    TenantCapFn,
     TierWriteError,
 )
 from engine.tiers.indexed import IndexedTierQueries
 from engine.tiers.placement import ScoreFn, SegmentIndex, lru_score
-
-TenantCapFn = Callable[[bytes], "int | None"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS segments (
@@ -87,7 +87,7 @@ def write_durably(path: Path, data: bytes | memoryview) -> None:
 class NvmeTier(IndexedTierQueries):
     """``Tier`` on a local disk. See ``engine.tiers.base.Tier`` for the contract."""
 
-    name = "nvme"
+    name = TierName.NVME
 
     def __init__(
         self,
@@ -95,7 +95,7 @@ class NvmeTier(IndexedTierQueries):
         capacity_bytes: int,
         *,
         score: ScoreFn = lru_score,
-        tenant_cap: TenantCapFn = lambda ns: None,
+        tenant_cap: TenantCapFn = lambda ns: TenantCap(),
         floor_fraction: float = 1.0,
         clock: Callable[[], float] = time.time,
     ):
@@ -187,8 +187,9 @@ class NvmeTier(IndexedTierQueries):
         if len(blob) != meta.nbytes:
             raise ValueError(f"blob has {len(blob)} bytes, meta says {meta.nbytes}")
         with self._lock:  # cheap early refusal: no point writing a file that cannot be kept
-            plan = self._index.plan_room(meta.namespace, meta.nbytes, self._tenant_cap(meta.namespace),
-                                         self._clock())
+            cap = self._tenant_cap(meta.namespace)
+            plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
+                                         need_blocks=meta.num_blocks, tenant_cap_blocks=cap.blocks)
         if isinstance(plan, str):
             return PutResult(stored=False, reason=plan)
         path = self._path(meta.segment_id)
@@ -199,8 +200,9 @@ class NvmeTier(IndexedTierQueries):
             raise TierWriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
         with self._lock:
             # Re-plan: other writers may have filled the tier while this file was written.
-            plan = self._index.plan_room(meta.namespace, meta.nbytes, self._tenant_cap(meta.namespace),
-                                         self._clock())
+            cap = self._tenant_cap(meta.namespace)
+            plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
+                                         need_blocks=meta.num_blocks, tenant_cap_blocks=cap.blocks)
             if isinstance(plan, str):
                 path.unlink(missing_ok=True)
                 return PutResult(stored=False, reason=plan)

@@ -27,7 +27,7 @@ def build(tmp_path, registry, *, dram_bytes=0, nvme_bytes=0, num_blocks=12):
     runner = TokenKVRunner(num_blocks, BS)
     manager = TierManager.from_config(cfg, runner.kv_bytes_per_block, registry=registry, pin_memory=False)
     hook = TierHook(manager, runner, pin_memory=False)
-    return LLMEngine(cfg, runner, tier_hook=hook), hook
+    return LLMEngine(cfg, runner, lower_tier=hook), hook
 
 
 def run(engine, rid, who, prompt, max_tokens=4):
@@ -63,9 +63,7 @@ def test_evicted_prefix_is_restored_with_identical_output(tmp_path, registry, wh
     assert cached == 96  # 1 block still in HBM + 5 restored from the tier
     assert engine.runner.imported == 5
     assert metric(registry, "prefixgate_tier_restores_total", tier=where, tenant="a") == 5
-    assert hook.held_block_tables() == [] or engine.step() == []  # holds are released next step
-    engine.step()
-    assert hook.held_block_tables() == []
+    assert engine.cache.num_used == 0  # the restored prefix is held by nobody once p2 is done
     engine.check_integrity()
     hook.close()
 
@@ -186,7 +184,7 @@ def test_mixed_workload_under_pressure_stays_correct(tmp_path, registry):
     for o in outs:
         got.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert got == expected
-    assert hook.restored_blocks > 0  # the tiers were really used, both of them
+    assert engine.cache.restored_blocks > 0  # the tiers were really used, both of them
     for where in ("dram", "nvme"):
         assert sum(metric(registry, "prefixgate_tier_demotions_total", tier=where, tenant=t) for t in "abc") > 0
     assert sum(o.cached_tokens for o in outs if o.finished) > 0
