@@ -6,6 +6,7 @@ Uses the real block pool, scheduler and step loop with a runner double whose KV 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -191,4 +192,37 @@ def test_mixed_workload_under_pressure_stays_correct(tmp_path, registry):
     hook.manager.drain()
     hook.manager.dram.check_integrity()
     hook.manager.nvme.check_integrity()
+    hook.close()
+
+
+def test_tenant_dram_and_nvme_block_quotas_are_enforced(tmp_path, registry):
+    """Issue 16.8: ``--kv-blocks-dram 2 --kv-blocks-nvme 2`` held 983 KB in DRAM and 22 MB on NVMe.
+    Now the tiers keep at most 2 blocks of the capped tenant each (its leading ones, so a later
+    prefix match still restores them), while an uncapped tenant's spill is unaffected."""
+    engine, hook = build(tmp_path, registry, dram_bytes=1 << 20, nvme_bytes=1 << 20)
+    capped = dataclasses.replace(tenant("capped"), kv_block_quota_dram=2, kv_block_quota_nvme=2)
+    free = tenant("free")
+    rng = random.Random(8)
+    p = [rng.randrange(1000, 40_000) for _ in range(100)]  # 6 cacheable full blocks
+    filler = [rng.randrange(1000, 40_000) for _ in range(170)]  # needs 11 of the 12 blocks
+    run(engine, "p1", capped, p)
+    run(engine, "q1", capped, filler)  # pushes p's blocks out of HBM: 5+ spilled, 4 may stay below
+    hook.manager.drain()
+    stats = hook.manager.stats()
+    assert stats["dram"]["blocks"] == 2 and stats["nvme"]["blocks"] == 2
+    warm, cached, _ = run(engine, "p2", capped, p)
+    assert warm == reference_generate(p, 4)
+    hook.manager.drain()
+    stats = hook.manager.stats()
+    assert stats["dram"]["blocks"] <= 2 and stats["nvme"]["blocks"] <= 2
+    hook.manager.dram.check_integrity()
+    hook.manager.nvme.check_integrity()
+    # the same workload of an uncapped tenant spills everything HBM gave up
+    engine.cache.evict_all_cached()
+    hook.manager.drain()
+    before = hook.manager.stats()["dram"]["blocks"]
+    run(engine, "p3", free, p)
+    run(engine, "q3", free, filler)
+    hook.manager.drain()
+    assert hook.manager.stats()["dram"]["blocks"] - before >= 5
     hook.close()
