@@ -226,3 +226,28 @@ def test_tenant_dram_and_nvme_block_quotas_are_enforced(tmp_path, registry):
     hook.manager.drain()
     assert hook.manager.stats()["dram"]["blocks"] - before >= 5
     hook.close()
+
+
+def test_quotas_set_in_tenancy_reach_the_tiers(tmp_path, registry):
+    """The path of ``tenant quota set X --kv-blocks-dram 2 --kv-blocks-nvme 2``: the quota stored by
+    tenancy arrives on the authenticated context (a ``TenantScope`` with its real AES-GCM cipher)
+    and the tiers keep no more than 2 blocks of X each."""
+    from tenancy.service import TenancyService
+
+    svc = TenancyService.open(tmp_path / "home")
+    try:
+        key = svc.create_tenant("x").api_key
+        svc.update_tenant("x", kv_blocks_dram=2, kv_blocks_nvme=2)
+        ctx = svc.authenticate(key)
+        assert (ctx.kv_block_quota_dram, ctx.kv_block_quota_nvme) == (2, 2) and ctx.cipher is not None
+        engine, hook = build(tmp_path, registry, dram_bytes=1 << 20, nvme_bytes=1 << 20)
+        rng = random.Random(9)
+        p = [rng.randrange(1000, 40_000) for _ in range(100)]
+        run(engine, "p1", ctx, p)
+        run(engine, "q1", ctx, [rng.randrange(1000, 40_000) for _ in range(170)])
+        hook.manager.drain()
+        stats = hook.manager.stats()
+        assert stats["dram"]["blocks"] == 2 and stats["nvme"]["blocks"] == 2
+        hook.close()
+    finally:
+        svc.close()
