@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,7 +328,7 @@ class KVCacheManager:
         if not marks:
             del self._computing_of[request_id]
 
-    def _phase(self, phase: CachePhase) -> Any:
+    def _phase(self, phase: CachePhase) -> AbstractContextManager[None]:
         return self._observer.phase(phase) if self._observer is not None else _UNOBSERVED
 
     def check_integrity(self, block_tables: Iterable[Sequence[int]]) -> None:

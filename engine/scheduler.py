@@ -5,7 +5,7 @@ and a batch-size cap (``max_num_seqs``)::
 
     1. running requests, highest priority class first, then in admission order:
          each gets min(its uncomputed tokens, budget left) tokens (a decode is 1 token, a prefill
-         continues its next chunk); new blocks come from the pool; when none are free, or the
+         continues its next chunk); new blocks come from the cache manager; when none are free, or the
          tenant's KV quota would be exceeded, the lowest-priority, latest-admitted request is
          preempted by recompute (blocks freed, requeued at the front of its tenant's queue;
          its full blocks stay indexed, so its readmission usually hits them).
