@@ -16,7 +16,7 @@ import enum
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NewType, Protocol
+from typing import Any, NewType, Protocol, runtime_checkable
 
 from engine.protocol import TenantScope
 
@@ -116,6 +116,7 @@ class CacheRequest(Protocol):
     def num_preemptions(self) -> int: ...
 
 
+@runtime_checkable
 class CacheObserver(Protocol):
     """Told of the cache manager's work; ``LLMEngine`` times it into ``CachePhase`` totals.
 
@@ -127,6 +128,7 @@ class CacheObserver(Protocol):
     def phase(self, phase: CachePhase) -> AbstractContextManager[None]: ...
 
 
+@runtime_checkable
 class LowerTier(Protocol):
     """The KV tiers below HBM, as the cache manager uses them; ``engine.tiers.TierHook`` implements it.
 

@@ -5,8 +5,9 @@ from engine_core_fakes import EOS, FakeRunner, reference_generate, scope
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.config import EngineConfig
+from engine.kv_types import CacheObserver, LowerTier
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
+from engine.metrics import CacheTimer, EngineMetrics
 from engine.protocol import GenerateRequest, InvalidRequestError, PromptTooLongError, SamplingParams
 
 BS = 8
@@ -248,6 +249,7 @@ class RecordingLowerTier:
 
 def test_preemption_eviction_and_queue_metrics_and_lower_tier():
     lower = RecordingLowerTier()
+    assert isinstance(lower, LowerTier) and isinstance(CacheTimer(), CacheObserver)
     registry = CollectorRegistry()
     runner = FakeRunner(num_kv_blocks=8, block_size=BS)
     config = EngineConfig(model_dir="fake", block_size=BS, max_num_batched_tokens=64, max_num_seqs=2)

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from engine.config import EngineConfig
+from engine.kv_types import LowerTier
 from engine.llm_engine import LLMEngine
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.tiers import TierHook, TierManager
@@ -54,6 +55,7 @@ def test_evicted_prefix_is_restored_with_identical_output(tmp_path, registry, wh
     rng = random.Random(0)
     p = [rng.randrange(1000, 40_000) for _ in range(100)]  # 6 cacheable full blocks
     q = [rng.randrange(1000, 40_000) for _ in range(170)]  # needs 11 of the 12 blocks
+    assert isinstance(hook, LowerTier)  # the engine-side Protocol, structurally
     cold, cached, _ = run(engine, "p1", a, p)
     assert cold == reference_generate(p, 4) and cached == 0
     run(engine, "q", a, q)  # pushes p's tail out of HBM
