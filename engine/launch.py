@@ -1,7 +1,7 @@
 """The engine's composition root: what the gateway and the CLI call to get a running engine.
 
-The gateway may import only ``engine.protocol``, ``engine.config`` and this module (import-linter
-contract ``gateway-engine-surface``). Heavy modules (torch, transformers) are imported inside the
+The gateway may import only ``engine.protocol``, ``engine.config`` and this module (the
+import-linter allow-list ``gateway-engine-surface``). Heavy modules (torch, transformers) are imported inside the
 functions, so importing this module stays cheap.
 """
 
@@ -16,12 +16,12 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from engine.async_engine import AsyncEngine
-    from engine.block_pool import KVTierHook
+    from engine.kv_types import LowerTier
     from engine.llm_engine import LLMEngine
 
 
 def build_llm_engine(
-    config: EngineConfig, registry: CollectorRegistry | None = None, tier_hook: KVTierHook | None = None
+    config: EngineConfig, registry: CollectorRegistry | None = None, lower_tier: LowerTier | None = None
 ) -> LLMEngine:
     """A synchronous ``LLMEngine`` over a ``ModelRunner`` for ``config`` (benchmarks, tests)."""
     from engine.llm_engine import LLMEngine
@@ -30,15 +30,15 @@ def build_llm_engine(
 
     runner = ModelRunner(config)
     metrics = EngineMetrics(registry, model=config.resolved_model_id)
-    if tier_hook is None:  # DRAM / NVMe tiers from config.dram_bytes, nvme_dir, nvme_bytes (None if off)
+    if lower_tier is None:  # DRAM / NVMe tiers from config.dram_bytes, nvme_dir, nvme_bytes (None if off)
         from engine.tiers import build_tier_hook
 
-        tier_hook = build_tier_hook(config, runner, metrics.registry)
-    return LLMEngine(config, runner, metrics, tier_hook=tier_hook)
+        lower_tier = build_tier_hook(config, runner, metrics.registry)
+    return LLMEngine(config, runner, metrics, lower_tier=lower_tier)
 
 
 def build_engine(
-    config: EngineConfig, registry: CollectorRegistry | None = None, tier_hook: KVTierHook | None = None
+    config: EngineConfig, registry: CollectorRegistry | None = None, lower_tier: LowerTier | None = None
 ) -> AsyncEngine:
     """Load the model, size the KV cache and start the engine thread.
 
@@ -47,14 +47,15 @@ def build_engine(
             ``ensure_tiny_model`` for the offline default).
         registry: where the engine's Prometheus metrics go; a fresh one if None. Pass the registry
             the gateway serves on ``/metrics``.
-        tier_hook: lower KV tiers (DRAM/NVMe) told of every HBM eviction; None = drop evicted KV.
+        lower_tier: KV tiers below HBM (``engine.kv_types.LowerTier``); None = the DRAM / NVMe
+            tiers ``config`` asks for (none: evicted KV is dropped).
 
     Returns:
         an ``AsyncEngine`` (implements ``engine.protocol.EngineClient``); call ``shutdown()`` when done.
     """
     from engine.async_engine import AsyncEngine
 
-    return AsyncEngine(build_llm_engine(config, registry, tier_hook))
+    return AsyncEngine(build_llm_engine(config, registry, lower_tier))
 
 
 def default_tiny_dir(home: Path) -> Path:

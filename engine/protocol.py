@@ -47,6 +47,8 @@ class TenantScope(Protocol):
             this tenant (its evicted blocks are dropped, never written in clear).
         priority: larger is served first among waiting requests (0 = default class).
         kv_block_quota: most HBM blocks this tenant may hold at once; ``None`` = no cap.
+        kv_block_quota_dram / kv_block_quota_nvme: most KV blocks it may keep in the DRAM / NVMe
+            tier (over it, its own oldest blocks there are dropped first); ``None`` = no cap.
         ttft_target_s: optional time-to-first-token target that orders admission.
     """
 
@@ -66,6 +68,12 @@ class TenantScope(Protocol):
     def kv_block_quota(self) -> int | None: ...
 
     @property
+    def kv_block_quota_dram(self) -> int | None: ...
+
+    @property
+    def kv_block_quota_nvme(self) -> int | None: ...
+
+    @property
     def ttft_target_s(self) -> float | None: ...
 
 
@@ -79,6 +87,8 @@ class StaticTenantScope:
     priority: int = 0
     kv_block_quota: int | None = None
     ttft_target_s: float | None = None
+    kv_block_quota_dram: int | None = None
+    kv_block_quota_nvme: int | None = None
 
 
 @dataclass(frozen=True)

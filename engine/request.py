@@ -20,7 +20,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.prefix_index import BlockHash, extend_block_hashes
+from engine.kv_types import BlockHash, QueueReason
+from engine.prefix_index import extend_block_hashes
 from engine.protocol import FinishReason, SamplingParams, TenantScope
 
 
@@ -28,16 +29,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class QueueReason(enum.StrEnum):
-    """Why a waiting request was not admitted at the last step."""
-
-    NO_KV_BLOCKS = "no_kv_blocks"
-    BATCH_FULL = "batch_full"
-    TENANT_OVER_QUOTA = "tenant_over_quota"
-    TOKEN_BUDGET = "token_budget"
-    RESTORING = "restoring"  # its prefix is being restored from a lower KV tier (engine.tiers)
 
 
 @dataclass

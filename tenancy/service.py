@@ -39,7 +39,6 @@ from tenancy import store
 from tenancy.crypto import (
     KeyEncryptionKey,
     TenantCipher,
-    _fsync_dir,
     encode_key,
     kek_path,
     new_data_key,
@@ -56,6 +55,7 @@ from tenancy.errors import (
     QuotaExceededError,
     TenancyError,
 )
+from tenancy.fsutil import fsync_dir
 from tenancy.ledger import LedgerStats, LedgerWriter
 from tenancy.miss_privacy import apply_miss_policy
 from tenancy.namespace import metrics_label, namespace_for, parse_share_scope
@@ -208,7 +208,7 @@ class TenancyService:
             current = read_secret_file(kek_path(self.home), what="key-encryption key (KEK)")
             if KeyEncryptionKey(current, source="file").fingerprint != new.fingerprint:
                 raise
-        _fsync_dir(kek_path(self.home).parent)
+        fsync_dir(kek_path(self.home).parent)
 
     def _load_namespace_key(self) -> bytes:
         """The key cache namespaces are derived with: the server secret combined with a random root
@@ -377,6 +377,8 @@ class TenancyService:
             cipher=self._cipher(data_key_owner(t.tenant_id, t.share_scope)),
             priority=t.priority,
             kv_block_quota=t.quotas.kv_blocks_hbm,
+            kv_block_quota_dram=t.quotas.kv_blocks_dram,
+            kv_block_quota_nvme=t.quotas.kv_blocks_nvme,
             ttft_target_s=t.ttft_target_s,
             quotas=t.quotas,
         )

@@ -42,7 +42,7 @@ class Quotas:
 class TenantContext:
     """An authenticated caller: who it is, how its prompts are cached, and its limits.
 
-    The last six fields before the quota fields are the engine's ``TenantScope``. ``namespace`` is
+    The eight fields before the quota fields are the engine's ``TenantScope``. ``namespace`` is
     derived by the server (HMAC of tenant id and share scope); ``scope_for`` returns a copy whose
     namespace is narrowed to one end user when ``share_scope == "user"``.
     """
@@ -61,6 +61,8 @@ class TenantContext:
     priority: int = 0
     kv_block_quota: int | None = None
     ttft_target_s: float | None = None
+    kv_block_quota_dram: int | None = None
+    kv_block_quota_nvme: int | None = None
     # -- quota numbers (admission happens in TenancyService.admit) --
     quotas: Quotas = field(default_factory=Quotas)
     user: str | None = None  # the end user this context was scoped to, if any

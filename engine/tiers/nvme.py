@@ -38,11 +38,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.kv_types import BlockHash, TierName
 from engine.tiers.base import (
-    BlockHash,
     BlockLocation,
     PutResult,
     SegmentMeta,
+    TenantCap,
+    TenantCapFn,
     TierWriteError,
 )
 from engine.tiers.index_seal import IndexSealer
@@ -50,8 +52,6 @@ from engine.tiers.indexed import IndexedTierQueries
 from engine.tiers.placement import ScoreFn, SegmentIndex, lru_score
 
 log = logging.getLogger("engine.tiers.nvme")
-
-TenantCapFn = Callable[[bytes], "int | None"]
 
 INDEX_VERSION = 2  # PRAGMA user_version; 0/1 = the old index with raw namespaces and hashes
 _SCHEMA = """
@@ -119,7 +119,7 @@ def write_durably(path: Path, data: bytes | memoryview) -> None:
 class NvmeTier(IndexedTierQueries):
     """``Tier`` on a local disk. See ``engine.tiers.base.Tier`` for the contract."""
 
-    name = "nvme"
+    name = TierName.NVME
 
     def __init__(
         self,
@@ -127,7 +127,7 @@ class NvmeTier(IndexedTierQueries):
         capacity_bytes: int,
         *,
         score: ScoreFn = lru_score,
-        tenant_cap: TenantCapFn = lambda ns: None,
+        tenant_cap: TenantCapFn = lambda ns: TenantCap(),
         floor_fraction: float = 1.0,
         clock: Callable[[], float] = time.time,
         index_key: bytes = b"",
@@ -331,8 +331,9 @@ class NvmeTier(IndexedTierQueries):
         if not _SEGMENT_ID.fullmatch(meta.segment_id):
             raise ValueError(f"segment id {meta.segment_id!r} is not lower-case hex")
         with self._lock:  # cheap early refusal: no point writing a file that cannot be kept
-            plan = self._index.plan_room(meta.namespace, meta.nbytes, self._tenant_cap(meta.namespace),
-                                         self._clock())
+            cap = self._tenant_cap(meta.namespace)
+            plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
+                                         need_blocks=meta.num_blocks, tenant_cap_blocks=cap.blocks)
         if isinstance(plan, str):
             return PutResult(stored=False, reason=plan)
         path = self._path(meta.segment_id)
@@ -343,8 +344,9 @@ class NvmeTier(IndexedTierQueries):
             raise TierWriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
         with self._lock:
             # Re-plan: other writers may have filled the tier while this file was written.
-            plan = self._index.plan_room(meta.namespace, meta.nbytes, self._tenant_cap(meta.namespace),
-                                         self._clock())
+            cap = self._tenant_cap(meta.namespace)
+            plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
+                                         need_blocks=meta.num_blocks, tenant_cap_blocks=cap.blocks)
             if isinstance(plan, str):
                 path.unlink(missing_ok=True)
                 return PutResult(stored=False, reason=plan)

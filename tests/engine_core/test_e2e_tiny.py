@@ -106,7 +106,7 @@ def test_engine_greedy_equals_transformers(base_engine, tokenizer, expected, lab
         assert cached["r1"] > 0 and cached["r2"] > 0  # served from r0's prefix blocks
     else:
         assert set(cached.values()) == {0}
-    assert engine.pool.num_used == 0
+    assert engine.cache.num_used == 0
 
 
 def test_prefix_hit_serves_same_tokens_as_cold_run(base_engine, tokenizer, expected):
