@@ -5,6 +5,10 @@ Subcommands live in sibling modules named ``*_cmd.py``; each defines
 ``func`` on its parser. Discovery keeps this file free of a list that every feature must edit.
 
 User errors raise ``CLIError``: one line on stderr and exit status 2, like argparse's own errors.
+
+One home rule for every command (``make serve`` included, so the README's sequence works from any
+shell): ``--home``, else ``$PREFIXGATE_HOME``, else the user's data directory. A command that creates
+the home says so on stderr, naming where the choice came from.
 """
 
 from __future__ import annotations
@@ -23,20 +27,28 @@ class CLIError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+def default_home() -> tuple[Path, str]:
+    """The home when no --home is given, and where that choice came from (for messages)."""
+    if os.environ.get("PREFIXGATE_HOME"):
+        return Path(os.environ["PREFIXGATE_HOME"]), "$PREFIXGATE_HOME"
+    if os.environ.get("XDG_DATA_HOME"):
+        return Path(os.environ["XDG_DATA_HOME"]) / "prefixgate", "$XDG_DATA_HOME/prefixgate"
+    return Path.home() / ".local" / "share" / "prefixgate", "the default, ~/.local/share/prefixgate"
+
+
 def resolve_home(value: str | None) -> Path:
-    """--home, else $PREFIXGATE_HOME, else the user's data directory. Created if missing."""
-    if value:
-        home = Path(value)
-    elif os.environ.get("PREFIXGATE_HOME"):
-        home = Path(os.environ["PREFIXGATE_HOME"])
-    else:
-        base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
-        home = Path(base) / "prefixgate"
+    """--home, else $PREFIXGATE_HOME, else the user's data directory. Created (and announced) if missing."""
+    home, source = (Path(value), "--home") if value else default_home()
     home = home.expanduser()
+    if home.is_dir():
+        return home
     try:
         home.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CLIError(f"cannot create home directory {home}: {exc.strerror}") from None
+    # stderr: stdout may be --json that a script parses.
+    print(f"prefixgate: created home directory {home} (from {source}); pass --home or set "
+          "$PREFIXGATE_HOME to use another", file=sys.stderr)
     return home
 
 
@@ -74,6 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `prefixgate report | head`: the reader left; that is not an error of ours
+        return quiet_broken_pipe()
+
+
+def quiet_broken_pipe() -> int:
+    """Silence the flush at exit that would raise again, as the Python docs advise; exit 141 like SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":
