@@ -74,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as exc:  # the light install (promptlint only) has no gateway dependencies
+        print(f"prefixgate: error: this install lacks {exc.name!r}, which the gateway needs; install it with "
+              "`pip install 'prefixgate[all]'` (`promptlint` works without it)", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -57,7 +57,7 @@ def _limit(value: str) -> int | None:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}") from None
     if not 1 <= n <= MAX_LIMIT:
-        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_LIMIT}] or 'none', got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_LIMIT} or 'none', got {value!r}")
     return n
 
 
