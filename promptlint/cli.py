@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that left shows up here, not at interpreter exit
+        return code
     except UsageError as exc:
         print(f"promptlint: error: {exc}", file=sys.stderr)
         return 2

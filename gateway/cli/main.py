@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that left shows up here, not at interpreter exit
+        return code
     except CLIError as exc:
         print(f"prefixgate: error: {exc}", file=sys.stderr)
         return 2
