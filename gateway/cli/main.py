@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
               "`pip install 'prefixgate[all]'` (`promptlint` works without it)", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    bad = _not_utf8(args)
+    if bad is not None:  # bytes from the shell that are not UTF-8 reach SQLite and files as surrogates
+        print(f"prefixgate: error: argument {bad} is not valid UTF-8 text", file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -95,6 +99,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `prefixgate report | head`: the reader left; that is not an error of ours
         return quiet_broken_pipe()
+
+
+def _not_utf8(args: argparse.Namespace) -> str | None:
+    """The first argument holding text that cannot be encoded as UTF-8 (as --flag or a position), or None."""
+    for name, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "--" + name.replace("_", "-") if name != "name" else "NAME"
+    return None
 
 
 def quiet_broken_pipe() -> int:

@@ -14,7 +14,9 @@ Order of a start, so that what is printed is true when it is read:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -42,7 +44,7 @@ def _size_flag(flag: str, value: str | None) -> int | None:
         raise CLIError(f"{flag}: {exc}") from None
 
 
-def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
+def _int_flag(flag: str, value: str | None, minimum: int, maximum: int | None = None) -> int | None:
     if value is None:
         return None
     try:
@@ -51,6 +53,8 @@ def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
         raise CLIError(f"{flag} must be an integer, got {value!r}") from None
     if number < minimum:
         raise CLIError(f"{flag} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise CLIError(f"{flag} must be <= {maximum}, got {number}")
     return number
 
 
@@ -108,7 +112,7 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
             values.update(read_config_file(Path(args.config)))
         except ValueError as exc:
             raise CLIError(str(exc)) from None
-    flags = {"host": args.host, "port": _int_flag("--port", args.port, 0), "model": args.model,
+    flags = {"host": args.host, "port": _int_flag("--port", args.port, 0, 65535), "model": args.model,
              "device": args.device, "kv_blocks": _int_flag("--kv-blocks", args.kv_blocks, 2),
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes)}
@@ -181,8 +185,53 @@ def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] 
     announcer = threading.Thread(target=_announce_when_healthy, args=(server, where, ready, banner),
                                  name="prefixgate-banner", daemon=True)
     announcer.start()
-    server.run()
-    return 0 if server.started else 1  # uvicorn returns without raising when start-up failed
+    failure = _StartupFailure(server)
+    if log_level != "debug":  # --log-level debug keeps uvicorn's full traceback
+        logging.getLogger("uvicorn.error").addFilter(failure)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits with status 3 when the app's start-up (engine, tenancy) failed
+        if server.started:
+            raise
+    if server.started:
+        return 0
+    reason = failure.reason or "see the log above"
+    raise CLIError(f"the server could not start: {reason} (--log-level debug shows the traceback)")
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:: .*)?$")
+
+
+def _exception_line(traceback_text: str) -> str | None:
+    """``Type: message`` of a formatted traceback: its last unindented line that looks like one.
+
+    Frame lines are indented; a multi-line message (torch's C++ frames) continues unindented but not
+    in ``Name: ...`` shape, so the exception's own line is found, not the message's last line.
+    """
+    lines = [ln for ln in traceback_text.splitlines() if _EXCEPTION_LINE.match(ln) and not ln.startswith("Traceback")]
+    return lines[-1][:300] if lines else None
+
+
+class _StartupFailure(logging.Filter):
+    """Keeps the last line of a start-up traceback and drops the rest: a user sees one line."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__()
+        self.server = server
+        self.reason: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.server.started:
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            self.reason = f"{type(exc).__name__}: {exc}"
+            return False
+        if text.startswith("Traceback"):
+            self.reason = _exception_line(text)
+            return False
+        return text != "Application startup failed. Exiting."
 
 
 def _announce_when_healthy(server: Any, where: str, ready: str, banner: Callable[[], str] | None) -> None:
