@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -124,3 +125,19 @@ def test_a_reader_that_leaves_early_is_not_a_traceback(argv):
     proc.wait(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert proc.returncode in (0, 1, 141)
+
+
+def test_bench_runs_from_the_installed_package_outside_a_checkout(tmp_path):
+    """#17: `prefixgate bench` imports gateway.bench, not benchmarks/ through a sys.path insert."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, gateway.bench.replay as r, gateway.cli.bench_cmd; "
+         "print(r.default_results_dir()); print(any(m.startswith('benchmarks') for m in sys.modules))"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == [str(tmp_path / "prefixgate-bench"), "False"]
+    res = subprocess.run([sys.executable, "-m", "gateway.cli.main", "--home", str(tmp_path / "h"), "bench",
+                          "--url", "http://127.0.0.1:1", "--api-key", "pg-x", "--workloads", "nope"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "unknown workload 'nope'" in res.stderr, res.stderr
+    assert "sys.path" not in (REPO / "gateway" / "cli" / "bench_cmd.py").read_text()
