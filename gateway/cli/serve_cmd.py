@@ -182,7 +182,7 @@ def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] 
                                            timeout_graceful_shutdown=5))
     where = f"http://{settings.host}:{settings.port}"
     ready = f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}"
-    announcer = threading.Thread(target=_announce_when_healthy, args=(server, where, ready, banner),
+    announcer = threading.Thread(target=_announce_when_healthy, args=(server, _probe_url(settings), ready, banner),
                                  name="prefixgate-banner", daemon=True)
     announcer.start()
     failure = _StartupFailure(server)
@@ -234,15 +234,24 @@ class _StartupFailure(logging.Filter):
         return text != "Application startup failed. Exiting."
 
 
-def _announce_when_healthy(server: Any, where: str, ready: str, banner: Callable[[], str] | None) -> None:
+def _probe_url(settings: GatewaySettings) -> str:
+    """Where this process can reach its own server: a wildcard bind is probed on loopback."""
+    host = settings.host
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{settings.port}" if ":" in host else f"http://{host}:{settings.port}"
+
+
+def _announce_when_healthy(server: Any, probe: str, ready: str, banner: Callable[[], str] | None) -> None:
     """Poll until uvicorn listens and ``/health`` says 200, then print; give up silently if it stops."""
     import httpx
 
-    host_url = where.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
     while not server.should_exit:
         if server.started:
             try:
-                if httpx.get(f"{host_url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                if httpx.get(f"{probe}/health", timeout=2.0, trust_env=False).status_code == 200:
                     print(ready + (("\n" + banner()) if banner else ""), flush=True)
                     return
             except httpx.HTTPError:

@@ -141,3 +141,13 @@ def test_bench_runs_from_the_installed_package_outside_a_checkout(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "unknown workload 'nope'" in res.stderr, res.stderr
     assert "sys.path" not in (REPO / "gateway" / "cli" / "bench_cmd.py").read_text()
+
+
+@pytest.mark.parametrize(("host", "url"), [("127.0.0.1", "http://127.0.0.1:9"), ("0.0.0.0", "http://127.0.0.1:9"),
+                                           ("::", "http://[::1]:9"), ("::1", "http://[::1]:9"),
+                                           ("localhost", "http://localhost:9")])
+def test_the_banner_probes_its_own_server_on_a_reachable_address(host, url):
+    from gateway.cli.serve_cmd import _probe_url
+    from gateway.settings import GatewaySettings
+
+    assert _probe_url(GatewaySettings(host=host, port=9)) == url
