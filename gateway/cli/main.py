@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _not_utf8(args: argparse.Namespace) -> str | None:
-    """The first argument holding text that cannot be encoded as UTF-8 (as --flag or a position), or None."""
+    """The name of the first argument holding text that cannot be encoded as UTF-8, or None."""
     for name, value in vars(args).items():
         values = value if isinstance(value, list) else [value]
         for v in values:
@@ -110,7 +110,7 @@ def _not_utf8(args: argparse.Namespace) -> str | None:
                 try:
                     v.encode("utf-8")
                 except UnicodeEncodeError:
-                    return "--" + name.replace("_", "-") if name != "name" else "NAME"
+                    return name  # the dest: a positional's name or a flag's, without dashes
     return None
 
 
