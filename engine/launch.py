@@ -82,3 +82,15 @@ def is_tiny_checkpoint(path: Path, seed: int | None = None) -> bool:
     from engine.models.tiny import is_tiny_checkpoint as check
 
     return check(path, seed=seed)
+
+
+def check_checkpoint(model_dir: Path) -> None:
+    """Raise ``ValueError`` (one line) for a checkpoint the engine cannot load: config and weight files.
+
+    Cheap (no torch, no weights read), so the CLI calls it before the server starts.
+    """
+    from engine.models.loader import checkpoint_files
+    from engine.models.spec import parse_checkpoint_config
+
+    parse_checkpoint_config(Path(model_dir))
+    checkpoint_files(Path(model_dir))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -189,6 +190,7 @@ def create_app(
 
     app = FastAPI(title="PrefixGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
+    app.state.started_at = int(time.time())  # /v1/models "created"
     app.state.engine = engine
     app.state.tenancy = tenancy
     app.state.registry = registry

@@ -4,13 +4,24 @@
 given on the command line, then runs the app under uvicorn. ``dev-serve`` additionally makes sure
 a development tenant exists and prints its API key and an openai-SDK snippet: the key is shown by
 tenancy only once, at creation, so it is kept in ``<home>/dev-api-key`` (mode 0600) for reruns.
+
+Order of a start, so that what is printed is true when it is read:
+  1. the port is checked (a busy port is one line and exit 2, before any model is built);
+  2. settings and the model are resolved (a checkpoint the engine cannot load fails here, one line);
+  3. uvicorn starts; the banner (key, snippet) is printed only once ``/health`` answers 200.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import re
 import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +44,7 @@ def _size_flag(flag: str, value: str | None) -> int | None:
         raise CLIError(f"{flag}: {exc}") from None
 
 
-def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
+def _int_flag(flag: str, value: str | None, minimum: int, maximum: int | None = None) -> int | None:
     if value is None:
         return None
     try:
@@ -42,6 +53,8 @@ def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
         raise CLIError(f"{flag} must be an integer, got {value!r}") from None
     if number < minimum:
         raise CLIError(f"{flag} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise CLIError(f"{flag} must be <= {maximum}, got {number}")
     return number
 
 
@@ -74,7 +87,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                                   description="Run the OpenAI-compatible gateway (and its local engine).")
     _add_serve_flags(serve)
     serve.set_defaults(func=run_serve)
-    dev = subparsers.add_parser("dev-serve", parents=[common], help=argparse.SUPPRESS,
+    # No help=: argparse would print a literal ==SUPPRESS== in `prefixgate --help`; a sub-command
+    # without help is simply not listed.
+    dev = subparsers.add_parser("dev-serve", parents=[common],
                                 description="serve with a development tenant (used by `make serve`)")
     _add_serve_flags(dev)
     dev.set_defaults(func=run_dev_serve)
@@ -90,15 +105,19 @@ def ensure_tiny_model(home: Path) -> Path:
     return ensure(home)
 
 
-def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
-    """Config file values, overridden by the flags that were given. Raises CLIError on bad input."""
+def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None = None) -> GatewaySettings:
+    """Config file values, overridden by the flags that were given. Raises CLIError on bad input.
+
+    With ``port_hint`` (how the user picks another port), the listen address is checked before the
+    model is resolved, so a busy port fails at once rather than after building the tiny model.
+    """
     values: dict[str, Any] = {}
     if args.config:
         try:
             values.update(read_config_file(Path(args.config)))
         except ValueError as exc:
             raise CLIError(str(exc)) from None
-    flags = {"host": args.host, "port": _int_flag("--port", args.port, 0), "model": args.model,
+    flags = {"host": args.host, "port": _int_flag("--port", args.port, 0, 65535), "model": args.model,
              "device": args.device, "kv_blocks": _int_flag("--kv-blocks", args.kv_blocks, 2),
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes)}
@@ -123,6 +142,8 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
     device = values.get("device", "cpu")
     if device != "cpu" and not str(device).startswith("cuda"):
         raise CLIError(f"--device must be cpu or cuda[:N], got {device!r}")
+    if port_hint is not None:
+        _check_port_free(str(values.get("host", "127.0.0.1")), int(values.get("port", 8000)), port_hint)
     model = values.get("model", "tiny")
     if model == "none":
         values["model"], values["model_dir"] = None, None
@@ -132,6 +153,7 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
         path = Path(model).expanduser()
         if not (path / "config.json").exists():
             raise CLIError(f"--model {model}: not a checkpoint directory (no config.json); use a directory or 'tiny'")
+        _check_checkpoint(path)
         values["model"], values["model_dir"] = path.name, path
     values["home"] = home
     if values.get("nvme_bytes") and not values.get("nvme_dir"):  # the NVMe tier lives under --home by default
@@ -144,32 +166,117 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
         raise CLIError(f"invalid setting {where}: {err.get('msg')}") from None
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_checkpoint(path: Path) -> None:
+    """Fail now, in one line, on a checkpoint the engine would reject inside the server's start-up."""
+    from engine.launch import check_checkpoint
+
+    try:
+        check_checkpoint(path)
+    except (ValueError, KeyError, OSError) as exc:  # CheckpointError, a broken index, an unreadable file
+        raise CLIError(f"--model {path}: {exc}") from None
+
+
+def _check_port_free(host: str, port: int, hint: str) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror} (is another server running there?); "
+                           f"pick another port with {hint}") from None
 
 
-def _serve(settings: GatewaySettings, log_level: str) -> int:
+def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] | None = None) -> int:
+    """Run uvicorn; print the start line and ``banner()`` once ``/health`` answers 200."""
     import uvicorn
 
     from gateway.app import create_app
 
-    _check_port_free(settings.host, settings.port)
     app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
     where = f"http://{settings.host}:{settings.port}"
-    print(f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}",
-          flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, timeout_graceful_shutdown=5)
-    return 0
+    ready = f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}"
+    announcer = threading.Thread(target=_announce_when_healthy, args=(server, _probe_url(settings), ready, banner),
+                                 name="prefixgate-banner", daemon=True)
+    announcer.start()
+    failure = _StartupFailure(server)
+    if log_level != "debug":  # --log-level debug keeps uvicorn's full traceback
+        logging.getLogger("uvicorn.error").addFilter(failure)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits with status 3 when the app's start-up (engine, tenancy) failed
+        if server.started:
+            raise
+    if server.started:
+        return 0
+    reason = failure.reason or "see the log above"
+    raise CLIError(f"the server could not start: {reason} (--log-level debug shows the traceback)")
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:: .*)?$")
+
+
+def _exception_line(traceback_text: str) -> str | None:
+    """``Type: message`` of a formatted traceback: its last unindented line that looks like one.
+
+    Frame lines are indented; a multi-line message (torch's C++ frames) continues unindented but not
+    in ``Name: ...`` shape, so the exception's own line is found, not the message's last line.
+    """
+    lines = [ln for ln in traceback_text.splitlines() if _EXCEPTION_LINE.match(ln) and not ln.startswith("Traceback")]
+    return lines[-1][:300] if lines else None
+
+
+class _StartupFailure(logging.Filter):
+    """Keeps the last line of a start-up traceback and drops the rest: a user sees one line."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__()
+        self.server = server
+        self.reason: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.server.started:
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            self.reason = f"{type(exc).__name__}: {exc}"
+            return False
+        if text.startswith("Traceback"):
+            self.reason = _exception_line(text)
+            return False
+        return text != "Application startup failed. Exiting."
+
+
+def _probe_url(settings: GatewaySettings) -> str:
+    """Where this process can reach its own server: a wildcard bind is probed on loopback."""
+    host = settings.host
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{settings.port}" if ":" in host else f"http://{host}:{settings.port}"
+
+
+def _announce_when_healthy(server: Any, probe: str, ready: str, banner: Callable[[], str] | None) -> None:
+    """Poll until uvicorn listens and ``/health`` says 200, then print; give up silently if it stops."""
+    import httpx
+
+    while not server.should_exit:
+        if server.started:
+            try:
+                if httpx.get(f"{probe}/health", timeout=2.0, trust_env=False).status_code == 200:
+                    print(ready + (("\n" + banner()) if banner else ""), flush=True)
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.1)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
-    return _serve(build_settings(args, home), args.log_level)
+    return _serve(build_settings(args, home, port_hint="--port N"), args.log_level)
 
 
 def dev_api_key(home: Path) -> tuple[str, bool]:
@@ -197,16 +304,33 @@ def dev_api_key(home: Path) -> tuple[str, bool]:
 
 def run_dev_serve(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
-    settings = build_settings(args, home)
+    settings = build_settings(args, home, port_hint="`make serve PORT=N` (or --port N)")
     key, created = dev_api_key(home)
     where = f"http://{settings.host}:{settings.port}"
     model = settings.model or (settings.routes[0].model if settings.routes else "tiny")
-    print(f"{'created' if created else 'reusing'} development tenant {DEV_TENANT!r} (admin); key kept in "
-          f"{home / DEV_KEY_FILE}\n"
-          f"\n  API key:   {key}\n  base_url:  {where}/v1\n  dashboard: {where}/dashboard#key={key}\n\n"
-          "  from openai import OpenAI\n"
-          f"  client = OpenAI(base_url=\"{where}/v1\", api_key=\"{key}\")\n"
-          f"  r = client.chat.completions.create(model=\"{model}\", max_tokens=16,\n"
-          "      messages=[{\"role\": \"user\", \"content\": \"Hello!\"}])\n"
-          "  print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)\n", flush=True)
-    return _serve(settings, args.log_level)
+    status = "created" if created else "reusing"
+
+    def banner() -> str:
+        return (f"{status} development tenant {DEV_TENANT!r} (admin); key kept in {home / DEV_KEY_FILE}\n"
+                f"\n  API key:   {key}\n  base_url:  {where}/v1\n  dashboard: {where}/dashboard#key={key}\n\n"
+                "  from openai import OpenAI\n"
+                f"  client = OpenAI(base_url=\"{where}/v1\", api_key=\"{key}\")\n"
+                f"  r = client.chat.completions.create(model=\"{model}\", max_tokens=16,\n"
+                "      messages=[{\"role\": \"user\", \"content\": \"Hello!\"}])\n"
+                "  print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)\n\n"
+                f"  CLI (same home, from another shell): {_cli_hint()} tenant create acme --json\n"
+                "  another port: make serve PORT=8001   stop: Ctrl-C\n")
+
+    return _serve(settings, args.log_level, banner)
+
+
+def _cli_hint() -> str:
+    """How to run ``prefixgate`` from another shell: the venv's script, or the bare name if on PATH."""
+    script = Path(sys.executable).parent / "prefixgate"
+    if not script.exists():
+        return "prefixgate"
+    try:
+        shown = script.relative_to(Path.cwd())
+    except ValueError:
+        shown = script
+    return f"{shown} (or `source {shown.parent}/activate` once, then `prefixgate`)"

@@ -44,16 +44,20 @@ def _tenant_dict(t: TenantInfo) -> dict[str, Any]:
     return d
 
 
+# SQLite stores a signed 64-bit INTEGER; a larger limit would fail deep in the store (OverflowError).
+MAX_LIMIT = 2**63 - 1
+
+
 def _limit(value: str) -> int | None:
-    """A positive integer, or none/unlimited to clear the limit."""
+    """A positive integer up to MAX_LIMIT, or none/unlimited to clear the limit."""
     if value.lower() in ("none", "unlimited", "off"):
         return None
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}")
+    if not 1 <= n <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_LIMIT} or 'none', got {value!r}")
     return n
 
 
@@ -156,8 +160,30 @@ def cmd_tenant_set(args: argparse.Namespace) -> int:
     return 0
 
 
+def _confirm_delete(name: str) -> None:
+    """Ask before crypto-shredding: the tenant's spilled KV becomes undecryptable, for good.
+
+    Without a terminal there is nobody to ask: refuse rather than guess, and name ``--yes``.
+    """
+    if not sys.stdin.isatty():
+        raise CLIError(f"deleting tenant {name!r} destroys its keys and data key for good; "
+                       "pass --yes to confirm (stdin is not a terminal, so there is nobody to ask)")
+    print(f"Delete tenant {name!r}? Its API keys stop working and its data key is destroyed, so its spilled "
+          "KV can never be decrypted (usage rows are kept).", file=sys.stderr)
+    try:
+        answer = input(f"Type the tenant name ({name}) to confirm: ")
+    except EOFError:
+        answer = ""
+    if answer.strip() != name:
+        raise CLIError(f"not deleted: the answer did not match {name!r}")
+
+
 def cmd_tenant_delete(args: argparse.Namespace) -> int:
     with open_service(args) as svc:
+        if svc.get_tenant_by_name(args.name) is None:
+            raise CLIError(f"no tenant named {args.name!r} (see `prefixgate tenant list`)")
+        if not args.yes:
+            _confirm_delete(args.name)
         t = svc.delete_tenant(args.name)
     _emit(args, {"deleted": True, "tenant_id": t.tenant_id, "name": t.name},
           f"deleted tenant {t.name} ({t.tenant_id}); its API keys are gone and its data key is destroyed, "
@@ -267,6 +293,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = tsub.add_parser("delete", parents=parents,
                         help="delete a tenant, its keys and its data key (crypto-shreds its spilled KV)")
     p.add_argument("name")
+    p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation (scripts)")
     p.set_defaults(func=cmd_tenant_delete)
     quota = tsub.add_parser("quota", help="set a tenant's quotas")
     qsub = quota.add_subparsers(dest="quota_command", metavar="ACTION", required=True)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks.workloads import msum, parse_metrics
 from engine.config import EngineConfig
 from engine.kv_types import CachePhase
 from engine.llm_engine import LLMEngine
 from engine.metrics import CACHE_PHASES, CacheTimer, EngineMetrics
 from engine.protocol import GenerateRequest, SamplingParams
+from gateway.bench.replay import msum, parse_metrics
 from tests.engine_core.engine_core_fakes import FakeRunner, scope
 
 BS = 8
