@@ -99,6 +99,8 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.num_runs = 0  # decode steps served (tests and benchmarks check the graph path was taken)
+        # device-side bracket of the last replay: how long the GPU itself ran the step (benchmarks)
+        self._replay_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._reset_padding(n)
 
     # ----------------------------------------------------------------------------- capture
@@ -201,8 +203,23 @@ class DecodeGraphs:
         size = self.fill(chunks)
         self.num_runs += 1
         if self.captured:
+            if self._replay_events is None:
+                self._replay_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            start, end = self._replay_events
+            start.record()
             self._graphs[size].replay()
+            end.record()
             logits = self._logits[size]
         else:
             logits = self._forward(size)
         return logits[: len(chunks)]
+
+    def last_replay_ms(self) -> float | None:
+        """GPU time of the last graph replay (waits for it), or None before any (or on CPU).
+
+        Step wall time minus this is the time the GPU sat idle waiting for the host (fill, sampling)."""
+        if self._replay_events is None:
+            return None
+        start, end = self._replay_events
+        end.synchronize()
+        return float(start.elapsed_time(end))
