@@ -342,9 +342,10 @@ def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
             runner.execute(decode_batch(tables, ctx, w, runner.spec.vocab_size))
         sync(dev)
         walls, device_ms = [], []
-        for st in range(steps):
+        batches = [decode_batch(tables, ctx, st, runner.spec.vocab_size) for st in range(steps)]  # untimed
+        for batch in batches:
             t0 = time.perf_counter()
-            runner.execute(decode_batch(tables, ctx, st, runner.spec.vocab_size))
+            runner.execute(batch)
             walls.append(time.perf_counter() - t0)
             rep = runner.decode_graphs.last_replay_ms() if runner.decode_graphs else None
             if rep is not None:
@@ -401,7 +402,14 @@ def sec_long_prefill(dev, args, shape) -> dict:
             row.update({"hf_forward_s": hf_s, "hf_tok_s": tokens / hf_s, "engine_vs_hf": hf_s / eng_s})
         out[name] = row
         print(f"   long prefill {name}: {row}", flush=True)
-    out["chunked_32k_vs_16k_tok_s"] = out["1x32k"]["engine_tok_s"] / out["4x16k"]["engine_tok_s"]
+    # the same 32K prompt in one step (budget 32K): what chunking it into two 16K steps costs
+    runner.steps.clear()
+    whole = replace(config, max_num_batched_tokens=len32)
+    run_requests(make_engine(whole, runner), [GenerateRequest("whole", StaticTenantScope(), greedy(1),
+                                                              prompt_token_ids=p32[0].tolist())])
+    one_s = sum(t for t, _, _, _ in runner.steps)
+    out["1x32k_one_step"] = {"engine_s": one_s, "engine_tok_s": len32 / one_s, "engine_steps": len(runner.steps)}
+    out["chunked_vs_one_step_tok_s"] = out["1x32k"]["engine_tok_s"] / out["1x32k_one_step"]["engine_tok_s"]
     del hf, runner, model
     gc.collect()
     if dev.startswith("cuda"):
@@ -561,8 +569,8 @@ def table(r: dict) -> str:
                      f"{get('long_prefill', name, 'engine_tok_s', fmt='{:.0f}')} / "
                      f"{get('long_prefill', name, 'hf_tok_s', fmt='{:.0f}')} = "
                      f"{get('long_prefill', name, 'engine_vs_hf', fmt='{:.2f}x')}", ">= 0.90x"))
-    rows.append(("long prefill: 1x32k (chunked) / 4x16k tok/s", get("long_prefill", "chunked_32k_vs_16k_tok_s",
-                                                                   fmt="{:.2f}x"), "no loss"))
+    rows.append(("long prefill: 1x32k in 2 chunks / in 1 step", get("long_prefill", "chunked_vs_one_step_tok_s",
+                                                                    fmt="{:.2f}x"), "no loss (1.00x)"))
     w = max(len(a) for a, _, _ in rows)
     lines = [f"{'figure':<{w}}  {'measured':<28}target", "-" * (w + 40)]
     lines += [f"{a:<{w}}  {b:<28}{c}" for a, b, c in rows]

@@ -63,6 +63,12 @@ for f in r.get("fused_ops", []):
                                                         if isinstance(v, dict)))
 p = r.get("prefill") or {"TFLOPs": float("nan"), "pct_matmul": float("nan"), "vs_gather_sdpa": float("nan")}
 print(f"prefill {p['TFLOPs']:.0f} TFLOP/s ({100*p['pct_matmul']:.0f}% of matmul), x{p['vs_gather_sdpa']:.2f} vs gather+SDPA")
+h = r.get("prefill_hit")
+if h:
+    print(f"prefill hit 1x(7680+512): {h['TFLOPs']:.0f} TFLOP/s, x{h['vs_gather_sdpa']:.2f} vs gather+SDPA")
+g = r.get("decode_gemms")
+if g:
+    print("cuBLAS decode GEMMs %copy: " + " ".join(f"{k}:{100*v['pct_copy']:.0f}" for k, v in g.items()))
 PYEOF
 else
   echo "benchmark failed (rc $BENCH_RC): see $RES/kernels_bench.log"

@@ -58,7 +58,7 @@ DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # swept with each DECODE_TIL
 DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also tried (32, 4, 3): slower
 QUANT_TILES = [(64, 4, 2, True), (128, 4, 2, True), (64, 4, 2, False)]  # 8-bit KV (bn, warps, stages, v_pairs)
 PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2),
+    (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3),
 ]
 
 
@@ -261,7 +261,14 @@ def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size
     ms = bench(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
     graph_ms = bench_graph(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
     best = min(x for x in (ms, graph_ms) if x is not None)
-    row = {"shape": {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+    # diagnostic only (the figure above is the launcher's own choice): what other split counts give
+    # on this batch, where the split count is chosen for the longest sequence
+    split_ms = {s: bench(lambda s=s: decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, None,
+                                                                   None, num_splits=s)) for s in (2, 4, 8, 16, 32)}
+    row_splits = {"chosen": decode_attention.choose_num_splits(
+        batch, kv_heads, per_seq * block_size, torch.cuda.get_device_properties(0).multi_processor_count, 64),
+        "ms_by_splits": split_ms}
+    row = {"splits": row_splits, "shape": {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
                      "lens": f"{lo}-{hi}", "block_size": block_size},
            "total_tokens": sum(lens_l), "rel_err": rel_err(out[:4], want), "bf16_ms": ms, "bf16_graph_ms": graph_ms,
            "bf16_pct_copy": kv_bytes / (best * 1e-3) / 1e12 / ceil["copy_TBps"]}
@@ -302,6 +309,25 @@ def fused_ops_case(gen, ceil: dict, tokens: int, hidden=4096, inter=14336, q_hea
         row[name] = {"fused_ms": fused_ms, "torch_ms": torch_ms, "speedup": torch_ms / fused_ms, "rel_err": err,
                      "fused_pct_copy": nbytes / (fused_ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
     return row
+
+
+GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "lm_head": (128256, 4096)}  # Llama-3.1-8B's decode GEMMs (out, in), merged as the engine runs them
+
+
+def decode_gemm_case(gen, ceil: dict) -> dict:
+    """cuBLAS (F.linear, bf16) on the decode step's weight shapes at M = 1..128 rows: the weight bytes
+    each reads over its time, as a share of copy bandwidth. Diagnostic: where a decode step's GPU time
+    above the floor goes (the GEMMs read ~15 GB of the step's bytes)."""
+    out: dict = {}
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for m in (1, 8, 32, 128):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ms = bench(lambda x=x, w=w: F.linear(x, w))
+            out[f"{name}_m{m}"] = {"ms": ms, "pct_copy": w.numel() * 2 / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+        del w
+    return out
 
 
 def prefill_case(gen, ceil: dict, quick: bool, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
@@ -408,8 +434,11 @@ def main() -> int:
             print(f"class {shape} done ({time.time() - t0:.0f}s)", flush=True)
         result["mixed"] = mixed_case(gen, ceil)
         result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
+        result["decode_gemms"] = decode_gemm_case(gen, ceil)
     if not args.skip_prefill:
         result["prefill"] = prefill_case(gen, ceil, args.quick)
+        # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
+        result["prefill_hit"] = prefill_case(gen, ceil, args.quick, batch=1, cached=7680, new=512)
     result["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -456,9 +485,17 @@ def print_table(r: dict) -> None:
         print(f"fused ops at {f['tokens']} rows: " + "  ".join(
             f"{k} {v['fused_ms']:.3f} ms ({v['speedup']:.1f}x torch, {100 * v['fused_pct_copy']:.0f}% copy, "
             f"err {v['rel_err']:.0e})" for k, v in f.items() if isinstance(v, dict)))
+    g = r.get("decode_gemms")
+    if g:
+        print("cuBLAS decode GEMMs, % of copy: " + "  ".join(f"{k} {100 * v['pct_copy']:.0f}%" for k, v in g.items()))
     p = r.get("prefill")
     if p is None:
         return
+    h = r.get("prefill_hit")
+    if h:
+        v = h.get("variants", {})
+        print(f"prefill 1x(7680 cached + 512 new): ours {h['ms']:.3f} ms = {h['TFLOPs']:.0f} TFLOP/s, gather+SDPA "
+              f"{h['gather_sdpa_ms']:.3f} ms; tiles " + ", ".join(f"{k} {x['ms']:.3f}" for k, x in v.items() if "ms" in x))
     print(f"prefill 4x(8192 cached + 512 new): ours {p['ms']:.3f} ms = {p['TFLOPs']:.0f} TFLOP/s "
           f"({100 * p['pct_matmul']:.0f}% of matmul), gather+SDPA {p['gather_sdpa_ms']:.3f} ms "
           f"[{p.get('gather_sdpa_form')}], x{p['vs_gather_sdpa']:.2f}, err {p['rel_err']:.1e}")

@@ -71,13 +71,18 @@ def run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, dtype, se
     q_got = triton_ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, ks, vs)
     assert q_got.shape == (tokens, q_heads, head_dim) and q_got.is_contiguous()
     assert rel_err(q_got, q_want) < tol(dtype)
+    # The rotated k may differ from torch's by one ulp of the compute dtype (bf16 on the GPU), which
+    # can move its quantized value by a step (two for int8, whose per-head scale can move too).
     for got, want, s_got, s_want in ((k_cache, want_k, ks, want_s[0]), (v_cache, want_v, vs, want_s[1])):
         if kv_dtype == torch.int8:
-            assert (got.int() - want.int()).abs().max() <= 1
+            assert (got.int() - want.int()).abs().max() <= 2
+            assert (got != want).float().mean() < 0.05
             torch.testing.assert_close(s_got, s_want, rtol=tol(dtype), atol=0)
         elif kv_dtype == ref.FP8_DTYPE:
             diff = (got.float() - want.float()).abs()
-            assert (diff <= want.float().abs() * 0.0625 + 1e-6).all(), "fp8 values differ by more than one ulp"
+            # one e4m3 ulp is 1/8 of the value at the bottom of a binade; subnormal steps are 2^-9
+            assert (diff <= want.float().abs() * 0.125 + 2.0**-8).all(), "fp8 values differ by more than one ulp"
+            assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.05
         else:
             assert rel_err(got, want) < tol(dtype)
         untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
