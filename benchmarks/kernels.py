@@ -30,7 +30,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import decode_attention, prefill_attention, triton_ops  # noqa: E402
+from kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
 DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
@@ -320,14 +320,44 @@ def decode_gemm_case(gen, ceil: dict) -> dict:
     each reads over its time, as a share of copy bandwidth. Diagnostic: where a decode step's GPU time
     above the floor goes (the GEMMs read ~15 GB of the step's bytes)."""
     out: dict = {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in GEMM_SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        wbytes = w.numel() * 2
         for m in (1, 8, 32, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             ms = bench(lambda x=x, w=w: F.linear(x, w))
-            out[f"{name}_m{m}"] = {"ms": ms, "pct_copy": w.numel() * 2 / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+            row = {"ms": ms, "pct_copy": wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+            cfg = skinny_gemm.choose_config(m, n, k, sms)
+            if cfg is not None:
+                want = F.linear(x.float(), w.float())
+                row["ours_rel_err"] = rel_err(triton_ops.linear(x, w), want)
+                row["ours_ms"] = bench(lambda x=x, w=w: triton_ops.linear(x, w))
+                row["ours_pct_copy"] = wbytes / (row["ours_ms"] * 1e-3) / 1e12 / ceil["copy_TBps"]
+                row["ours_config"] = str(cfg)
+                if m in SKINNY_SWEEP_ROWS:
+                    sweep = {}
+                    for bn, bk, nw, ns, auto_split in SKINNY_VARIANTS:
+                        split = skinny_gemm.split_for(n, k, bn, bk, sms) if auto_split else 1
+                        c = skinny_gemm.SkinnyConfig(bn, bk, split, nw, ns)
+                        try:
+                            t = bench(lambda x=x, w=w, c=c: skinny_gemm.skinny_linear(x, w, None, c))
+                            sweep[f"n{bn}_k{bk}_w{nw}_s{ns}_split{split}"] = round(
+                                wbytes / (t * 1e-3) / 1e12 / ceil["copy_TBps"], 3)
+                        except Exception as e:  # noqa: BLE001  (a tile that does not fit: recorded)
+                            sweep[f"n{bn}_k{bk}_w{nw}_s{ns}_split{split}"] = f"{type(e).__name__}"
+                    row["ours_sweep_pct_copy"] = sweep
+            out[f"{name}_m{m}"] = row
         del w
     return out
+
+
+SKINNY_SWEEP_ROWS = (1, 32)
+SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatically)
+    (64, 256, 4, 4, True), (32, 256, 4, 4, True), (128, 256, 4, 4, True), (64, 128, 4, 4, True),
+    (64, 256, 4, 3, True), (64, 256, 8, 4, True), (64, 256, 4, 4, False), (32, 128, 4, 6, True),
+    (128, 128, 8, 4, True), (16, 512, 4, 4, True),
+]
 
 
 def prefill_case(gen, ceil: dict, quick: bool, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
@@ -402,6 +432,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated indices into DECODE_SHAPES (default: all)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
+    ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -420,6 +451,9 @@ def main() -> int:
         "decode": [],
     }
     picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",")]
+    if args.gemm_only:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["decode_gemms"] = decode_gemm_case(gen, ceil)
     for shape in picked:
         result["decode"].append(decode_case(shape, gen, ceil, args.quick))
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
@@ -487,7 +521,11 @@ def print_table(r: dict) -> None:
             f"err {v['rel_err']:.0e})" for k, v in f.items() if isinstance(v, dict)))
     g = r.get("decode_gemms")
     if g:
-        print("cuBLAS decode GEMMs, % of copy: " + "  ".join(f"{k} {100 * v['pct_copy']:.0f}%" for k, v in g.items()))
+        print("decode GEMMs, % of copy, cuBLAS / ours: " + "  ".join(
+            f"{k} {100 * v['pct_copy']:.0f}/{100 * v.get('ours_pct_copy', float('nan')):.0f}" for k, v in g.items()))
+        for k, v in g.items():
+            if "ours_sweep_pct_copy" in v:
+                print(f"  {k} sweep: " + " ".join(f"{a}:{b}" for a, b in v["ours_sweep_pct_copy"].items()))
     p = r.get("prefill")
     if p is None:
         return

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_dtype, kv_code, num_sms, scale_args
+from kernels._common import dot_dtype, kv_code, scale_args
 from kernels._dot import exact_dot
 
 LOG2E = 1.4426950408889634
@@ -145,20 +145,6 @@ def _prefill_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def choose_prefill_tiles(q_heads: int, max_q_len: int, num_seqs: int, num_sms: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) for the GPU.
-
-    128x128 tiles with 8 warps were fastest when the grid fills the machine (H200 sweep, 4 x (8192
-    cached + 512 new): 365 TFLOP/s; 64x64 with 4 warps 341). One short chunk over a long cached
-    prefix (a prefix hit: 512 new tokens) gives only heads x 4 programs of 128 rows, about one per
-    SM, each walking the whole context alone; 64-row tiles double the programs and let two share an
-    SM. Shapes only (no host sync): ``max_q_len`` is the grid's bound, not the live maximum."""
-    programs_128 = q_heads * triton.cdiv(max_q_len, 128) * num_seqs
-    if programs_128 < 2 * num_sms:
-        return 64, 64, 4, 3
-    return 128, 128, 8, 3
-
-
 def paged_prefill(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D], any block stride
@@ -190,12 +176,8 @@ def paged_prefill(
     if max_q_len is None:
         max_q_len = num_tokens
     on_gpu = q.device.type == "cuda"
-    if on_gpu and block_m is None and block_n is None:
-        block_m, block_n, num_warps_default, stages = choose_prefill_tiles(q_heads, max_q_len, num_seqs,
-                                                                           num_sms(q.device))
-        num_warps = num_warps if num_warps is not None else num_warps_default
-        num_stages = stages
-    # GPU tiles from the H200 sweep (run 1: 128x128, 8 warps, 3 stages was fastest at 8192+512).
+    # GPU tiles from the H200 sweeps: 128x128, 8 warps, 3 stages was fastest at 4 x (8192 + 512) (run 1)
+    # and at 1 x (7680 + 512) as well (0.195 ms against 0.213 for 64x64 tiles, session 2 run 2).
     if block_m is None:
         block_m = 128 if on_gpu else 16
     if block_n is None:

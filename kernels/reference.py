@@ -229,3 +229,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate | up columns) -> silu(gate) * up [T, I] in gate_up's dtype."""
     inter = gate_up.shape[-1] // 2
     return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] (``F.linear``)."""
+    return torch.nn.functional.linear(x, weight, bias)

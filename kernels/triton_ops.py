@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import torch
 
-from kernels import activation, block_copy, decode_attention, kv_write, prefill_attention, rmsnorm, rotary
-from kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache
+from kernels import (
+    activation,
+    block_copy,
+    decode_attention,
+    kv_write,
+    prefill_attention,
+    rmsnorm,
+    rotary,
+    skinny_gemm,
+)
+from kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache, num_sms
 from kernels.reference import FP8_DTYPE, dequantize, is_quantized, quantize  # noqa: F401  (re-exported)
 
 __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "paged_decode_attention", "paged_prefill_attention",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
-    "rms_norm", "add_rms_norm", "rotary_write_kv", "silu_mul",
+    "rms_norm", "add_rms_norm", "rotary_write_kv", "silu_mul", "linear",
 ]
 
 
@@ -233,3 +242,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _check_rows("gate_up", gate_up)
     assert gate_up.shape[1] % 2 == 0, f"gate_up must have an even number of columns, got {gate_up.shape[1]}"
     return activation.silu_mul(gate_up)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N]: the weight-streaming kernel for decode-sized
+    16-bit batches (``skinny_gemm.choose_config``), cuBLAS (``F.linear``) for everything else."""
+    _check_rows("x", x)
+    assert weight.dim() == 2 and weight.shape[1] == x.shape[1], (
+        f"weight must be [out, {x.shape[1]}], got {tuple(weight.shape)}"
+    )
+    assert weight.dtype == x.dtype and weight.device == x.device, "x and weight must share dtype and device"
+    assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous()), "bias must be [out] contiguous"
+    config = None
+    if x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1 and x.device.type == "cuda":
+        config = skinny_gemm.choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device))
+    if config is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return skinny_gemm.skinny_linear(x, weight, bias, config)

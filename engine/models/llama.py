@@ -14,9 +14,12 @@ taken on CUDA by the model runner) runs one GEMM for q|k|v and one for gate|up, 
 concatenated once at load, and three fused kernels from ``ops`` per layer step::
 
     h = add_rms_norm(delta, residual)        residual += delta; h = norm(residual)   (in place)
-    qkv = h @ Wqkv;  q = rotary_write_kv(qkv) RoPE on q and k, K/V into the cache
-    attention(q, cache) @ Wo -> delta;  h = add_rms_norm(delta, residual)
-    silu_mul(h @ Wgate|up) @ Wdown -> delta
+    qkv = linear(h, Wqkv);  q = rotary_write_kv(qkv)   RoPE on q and k, K/V into the cache
+    linear(attention(q, cache), Wo) -> delta;  h = add_rms_norm(delta, residual)
+    linear(silu_mul(linear(h, Wgate|up)), Wdown) -> delta
+
+``ops.linear`` is cuBLAS except for decode-sized 16-bit batches on the GPU, which stream the weights
+through ``kernels.skinny_gemm``.
 
 After fusion the original ``q_proj.weight`` etc. are views into the concatenated tensors, so the
 state dict, its names and its memory are unchanged (transformers can still share the tensors).
@@ -85,7 +88,7 @@ class Attention(nn.Module):
         """x [T, hidden] normed; cos, sin [T, D] fp32 -> attention output projected [T, hidden]."""
         assert self.qkv_weight is not None, "call fuse_projections() first"
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         q = ops.rotary_write_kv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
                                 cache.k_scale, cache.v_scale)  # [T, Hq, D]; K/V now in the cache
         if meta.decode_only:
@@ -94,7 +97,7 @@ class Attention(nn.Module):
         else:
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,
                                               meta.seq_lens, self.scale, cache.k_scale, cache.v_scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return ops.linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         t = x.shape[0]
@@ -121,7 +124,8 @@ class MLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         assert self.gate_up_weight is not None, "call fuse_projections() first"
-        return self.down_proj(ops.silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))  # [T, hidden]
+        act = ops.silu_mul(ops.linear(x, self.gate_up_weight, self.gate_up_bias))  # [T, I]
+        return ops.linear(act, self.down_proj.weight, self.down_proj.bias)  # [T, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

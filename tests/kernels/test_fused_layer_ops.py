@@ -79,9 +79,10 @@ def run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, dtype, se
             assert (got != want).float().mean() < 0.05
             torch.testing.assert_close(s_got, s_want, rtol=tol(dtype), atol=0)
         elif kv_dtype == ref.FP8_DTYPE:
-            diff = (got.float() - want.float()).abs()
-            # one e4m3 ulp is 1/8 of the value at the bottom of a binade; subnormal steps are 2^-9
-            assert (diff <= want.float().abs() * 0.125 + 2.0**-8).all(), "fp8 values differ by more than one ulp"
+            # x*cos + rot(x)*sin cancels for some elements: there one bf16 ulp of the products is many
+            # e4m3 steps of the small result, so the check is on the whole tensor and on the share of
+            # differing bytes, not per element
+            assert rel_err(got.float(), want.float()) < 2e-2
             assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.05
         else:
             assert rel_err(got, want) < tol(dtype)
@@ -130,3 +131,33 @@ def test_fused_ops_reject_bad_shapes():
     with pytest.raises(AssertionError, match="qkv must have"):
         triton_ops.rotary_write_kv(torch.randn(3, 10), torch.randn(3, 16), torch.randn(3, 16), kc, vc,
                                    torch.zeros(3, dtype=torch.int64), 4)
+
+
+def run_skinny_case(m, n, k, dtype, split_k, bias, seed, device="cpu", block_k=64):
+    from kernels import skinny_gemm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+    cfg = skinny_gemm.SkinnyConfig(block_n=32, block_k=block_k, split_k=split_k, num_stages=2)
+    got = skinny_gemm.skinny_linear(x, w, b, cfg)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double() if b is not None else None)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert rel_err(got, want) < tol(dtype)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (5, 70, 128), (32, 64, 512)])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_skinny_gemm_matches_linear(m, n, k, split_k):
+    run_skinny_case(m, n, k, torch.float32, split_k, bias=(m == 5), seed=m * n + split_k)
+
+
+def test_skinny_gemm_config_rules():
+    from kernels import skinny_gemm
+
+    assert skinny_gemm.choose_config(64, 4096, 4096, 132) is None  # too many rows: cuBLAS
+    assert skinny_gemm.choose_config(8, 4096, 4000, 132) is None  # K not a multiple of the K tile
+    c = skinny_gemm.choose_config(32, 4096, 14336, 132)
+    assert c is not None and (14336 // c.block_k) % c.split_k == 0
+    assert triton_ops.linear(torch.randn(3, 40), torch.randn(8, 40)).shape == (3, 8)  # CPU: F.linear

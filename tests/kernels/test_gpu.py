@@ -81,3 +81,17 @@ def test_rotary_write_kv_gpu(kv_dtype, q_heads, kv_heads, head_dim, block_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_mul_gpu(dtype):
     fused.run_silu_case(33, 14336, dtype, seed=4, device="cuda")
+
+
+@pytest.mark.parametrize("m,n,k,split_k,bias", [(32, 6144, 4096, 4, False), (1, 4096, 14336, 7, True),
+                                                (8, 448, 512, 1, True)])
+def test_skinny_gemm_gpu(m, n, k, split_k, bias):
+    fused.run_skinny_case(m, n, k, torch.bfloat16, split_k, bias, seed=m + n, device="cuda", block_k=256)
+
+
+def test_linear_routes_decode_rows_to_the_skinny_kernel_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    for m in (1, 17, 32, 33, 300):  # 33 and 300 rows go to cuBLAS
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+        assert fused.rel_err(triton_ops.linear(x, w), torch.nn.functional.linear(x.double(), w.double())) < 1e-2
