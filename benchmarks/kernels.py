@@ -316,9 +316,10 @@ GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 
 
 def decode_gemm_case(gen, ceil: dict) -> dict:
-    """cuBLAS (F.linear, bf16) on the decode step's weight shapes at M = 1..128 rows: the weight bytes
-    each reads over its time, as a share of copy bandwidth. Diagnostic: where a decode step's GPU time
-    above the floor goes (the GEMMs read ~15 GB of the step's bytes)."""
+    """cuBLAS (F.linear, bf16) and kernels.skinny_gemm on the decode step's weight shapes at M = 1..128
+    rows, timed as CUDA-graph replays (as the engine runs them: a small GEMM is shorter than a Triton
+    launch from Python, so eager timings measure the host): the weight bytes each reads over its time,
+    as a share of copy bandwidth. Diagnostic: where a decode step's GPU time above the floor goes."""
     out: dict = {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in GEMM_SHAPES.items():
@@ -326,13 +327,13 @@ def decode_gemm_case(gen, ceil: dict) -> dict:
         wbytes = w.numel() * 2
         for m in (1, 8, 32, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ms = bench(lambda x=x, w=w: F.linear(x, w))
+            ms = bench_graph(lambda x=x, w=w: F.linear(x, w)) or float("nan")
             row = {"ms": ms, "pct_copy": wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
             cfg = skinny_gemm.choose_config(m, n, k, sms)
             if cfg is not None:
                 want = F.linear(x.float(), w.float())
-                row["ours_rel_err"] = rel_err(triton_ops.linear(x, w), want)
-                row["ours_ms"] = bench(lambda x=x, w=w: triton_ops.linear(x, w))
+                row["ours_rel_err"] = rel_err(skinny_gemm.skinny_linear(x, w, None, cfg), want)
+                row["ours_ms"] = bench_graph(lambda x=x, w=w, c=cfg: skinny_gemm.skinny_linear(x, w, None, c)) or float("nan")
                 row["ours_pct_copy"] = wbytes / (row["ours_ms"] * 1e-3) / 1e12 / ceil["copy_TBps"]
                 row["ours_config"] = str(cfg)
                 if m in SKINNY_SWEEP_ROWS:
@@ -341,7 +342,7 @@ def decode_gemm_case(gen, ceil: dict) -> dict:
                         split = skinny_gemm.split_for(n, k, bn, bk, sms) if auto_split else 1
                         c = skinny_gemm.SkinnyConfig(bn, bk, split, nw, ns)
                         try:
-                            t = bench(lambda x=x, w=w, c=c: skinny_gemm.skinny_linear(x, w, None, c))
+                            t = bench_graph(lambda x=x, w=w, c=c: skinny_gemm.skinny_linear(x, w, None, c))
                             sweep[f"n{bn}_k{bk}_w{nw}_s{ns}_split{split}"] = round(
                                 wbytes / (t * 1e-3) / 1e12 / ceil["copy_TBps"], 3)
                         except Exception as e:  # noqa: BLE001  (a tile that does not fit: recorded)

@@ -3,7 +3,8 @@
 A decode step multiplies M <= 32 rows by every weight matrix once, so each GEMM is a pass over its
 weight bytes (qkv 48 MiB, o 32 MiB, gate|up 224 MiB, down 112 MiB per Llama-8B layer). cuBLAS runs
 these at 41-79% of copy bandwidth on the H200 (session 2, run 2: o 41%, qkv 50%, down 64%, gate|up
-78%); the weight read is what the hardware bounds, so the kernel is built around it::
+78%); the weight read is what the hardware bounds, so the kernel is built around it (an experiment:
+not yet faster than cuBLAS in the engine, see ``ENGINE_MAX_ROWS``)::
 
     grid = (N / BLOCK_N, SPLIT_K)        program (n, s): out columns [n*BN, (n+1)*BN), K range s of SPLIT_K
     for each BLOCK_K slice of its range:  w tile [BN, BK] (streamed once, pipelined) . x tile [M, BK]
@@ -24,6 +25,12 @@ import triton.language as tl
 from kernels._common import interpreting, next_pow2
 
 MAX_ROWS = 32  # above this cuBLAS's tiles amortise the weight read well enough
+# Rows up to which ``kernels.triton_ops.linear`` (the engine's fused path) takes this kernel: 0, off.
+# Measured on the H200 inside the engine's CUDA graphs (session 2, run 3): the 8B decode step's GPU
+# time at batch 32 rose from 7.68 ms (cuBLAS) to 8.97 ms, at batch 1 from 4.87 to 5.45 ms, with the
+# untuned 64 x 256 tiles. benchmarks/kernels.py keeps measuring it (decode_gemms, graph replays) so
+# that tiles can be tuned before it is switched on.
+ENGINE_MAX_ROWS = 0
 
 
 @dataclass(frozen=True)
@@ -91,14 +98,14 @@ def _split_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS:
     tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig | None:
+def choose_config(m: int, n: int, k: int, num_sms: int, max_rows: int = MAX_ROWS) -> SkinnyConfig | None:
     """Tiles for an [m, k] x [n, k]^T product, or None where the kernel does not apply (too many
     rows, K not a multiple of the K tile). Shapes only, so it is CUDA-graph safe.
 
     64-column tiles of 256-wide K slices (32 KiB of bf16 per stage); SPLIT_K is the smallest divisor
     of the K slices that gives at least two programs per SM, at most 8."""
     block_n, block_k = 64, 256
-    if m > MAX_ROWS or k % block_k:
+    if m > max_rows or k % block_k:
         return None
     return SkinnyConfig(block_n, block_k, split_for(n, k, block_n, block_k, num_sms))
 

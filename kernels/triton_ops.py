@@ -245,8 +245,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N]: the weight-streaming kernel for decode-sized
-    16-bit batches (``skinny_gemm.choose_config``), cuBLAS (``F.linear``) for everything else."""
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N]: cuBLAS (``F.linear``), or the weight-streaming
+    kernel for 16-bit batches of at most ``skinny_gemm.ENGINE_MAX_ROWS`` rows (0 now: off)."""
     _check_rows("x", x)
     assert weight.dim() == 2 and weight.shape[1] == x.shape[1], (
         f"weight must be [out, {x.shape[1]}], got {tuple(weight.shape)}"
@@ -255,7 +255,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous()), "bias must be [out] contiguous"
     config = None
     if x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1 and x.device.type == "cuda":
-        config = skinny_gemm.choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device))
+        config = skinny_gemm.choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device),
+                                           max_rows=skinny_gemm.ENGINE_MAX_ROWS)
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
     return skinny_gemm.skinny_linear(x, weight, bias, config)
