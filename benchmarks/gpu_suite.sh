@@ -8,13 +8,18 @@
 # Results: benchmarks/results/kernels_h200.json, engine_gpu_h200.json (or $OUT/ when the device tool sets OUT).
 set -uo pipefail
 export PREFIXGATE_KERNELS_GPU=1   # compiled Triton: tests/kernels/conftest.py leaves the interpreter off
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 RES=${OUT:-benchmarks/results}
 mkdir -p "$RES"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 
-"$PY" -m pytest tests/kernels tests/gpu_engine -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
+# tests/engine_model's GPU tests (the runner vs transformers on the tiny and Qwen2 checkpoints) build a
+# tokenizer from tiktoken's files: run them where those are found (litellm installed, or
+# TIKTOKEN_CACHE_DIR pointing at a copy of litellm/litellm_core_utils/tokenizers).
+MODEL_TESTS=""
+if [ -n "${TIKTOKEN_CACHE_DIR:-}" ] || "$PY" -c "import litellm" 2>/dev/null; then MODEL_TESTS="tests/engine_model"; fi
+"$PY" -m pytest tests/kernels tests/gpu_engine $MODEL_TESTS -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
 TEST_RC=${PIPESTATUS[0]}
 
 BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
