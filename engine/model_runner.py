@@ -100,6 +100,10 @@ class ModelRunner:
         else:
             self.model = build_model(arch, config.model_dir, torch_device, self.dtype)
         self.ops = select_ops(torch_device)
+        if torch_device.type == "cuda":
+            # GPU path: merged q|k|v and gate|up GEMMs and the fused norm / RoPE+KV-write / SiLU
+            # kernels (engine/models/llama.py); before any graph capture, which records the path.
+            self.model.fuse_projections()
         self.sampler = Sampler(torch_device)
 
         layer_shape = (arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
