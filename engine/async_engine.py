@@ -63,7 +63,10 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
-        req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
+        if request.sampling.guided is not None:  # compiling a grammar can take a while: off the loop
+            req = await asyncio.to_thread(self.engine.prepare, request)
+        else:
+            req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._lock:

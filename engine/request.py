@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.prefix_index import BlockHash, extend_block_hashes
-from engine.protocol import FinishReason, SamplingParams, TenantScope
+from engine.protocol import FinishReason, SamplingParams, TenantScope, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -83,6 +83,8 @@ class Request:
     output_text: str = ""
     sent_text_len: int = 0
     sent_token_count: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # text tokens, when sampling.logprobs is set
+    sent_logprob_count: int = 0
     detok: DetokenizerState | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
