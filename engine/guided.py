@@ -5,8 +5,13 @@
     GrammarCompiler.check(spec)          GuidedRow.sync(output_token_ids)   catch up / roll back
       spec -> Lark grammar text          GuidedRow.fill(bitmask row)        allowed tokens, 1 bit each
       validate under LLParserLimits      apply_bitmask(logits, bitmask)     disallowed -> -inf
-      and a wall-clock bound             (sampled token is consumed at the next sync)
-      -> ValueError (a 400) or cached
+      build a prototype matcher          (sampled token is consumed at the next sync)
+      within a wall-clock bound
+      -> ValueError (a 400) or cached    first step: GrammarCompiler.matcher = prototype.deep_copy()
+
+Building a matcher is the expensive part (0.1-0.5 s for a schema with thousands of
+alternatives, measured here), so it happens at admission, off the engine thread; the engine
+thread only copies the prototype (~70 us).
 
 Why llguidance (not xgrammar): it is one abi3 wheel with no dependencies, so it installs beside
 any torch (the CPU 2.13 wheel here, 2.11 on the GPU host); xgrammar 0.2.8 requires torch,
@@ -25,9 +30,9 @@ re-run after a failed batch. A request's matcher therefore always agrees with it
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
@@ -43,6 +48,7 @@ MAX_SCHEMA_BYTES = 64 * 1024
 _LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                max_lexer_states=100_000)
 COMPILE_TIMEOUT_S = 5.0
+_CACHE_SIZE = 256  # prototype matchers kept (one per distinct spec)
 
 # Compact JSON (no free whitespace): otherwise a weak model can fill max_tokens with blanks.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -78,6 +84,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self._cache_lock = threading.Lock()
+        self._prototypes: OrderedDict[GuidedSpec, llguidance.LLMatcher] = OrderedDict()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -96,17 +104,20 @@ class GrammarCompiler:
         """Raise ValueError (with the reason) unless ``spec`` compiles within the bounds."""
         if len(spec.json_schema.encode()) > MAX_SCHEMA_BYTES:
             raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
-        tokenizer = self.tokenizer
-        future = self._pool.submit(self._compile, spec, tokenizer)
+        future = self._pool.submit(self._prototype, spec)
         try:
             future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             raise ValueError(f"the grammar did not compile within {timeout_s:g} s; simplify the schema") from None
 
-    @staticmethod
-    @functools.lru_cache(maxsize=256)
-    def _compile(spec: GuidedSpec, tokenizer: llguidance.LLTokenizer) -> str:
-        """Validated grammar text (cached: repeated schemas compile once)."""
+    def _prototype(self, spec: GuidedSpec) -> llguidance.LLMatcher:
+        """The cached, validated matcher in its start state (built on a miss)."""
+        with self._cache_lock:
+            proto = self._prototypes.get(spec)
+            if proto is not None:
+                self._prototypes.move_to_end(spec)
+                return proto
+        tokenizer = self.tokenizer
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec))
         except (ValueError, TypeError, RecursionError) as exc:
@@ -114,12 +125,19 @@ class GrammarCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=_limits())
         if is_error:
             raise ValueError(f"the schema cannot be enforced: {messages[0]}")
-        return grammar
+        proto = llguidance.LLMatcher(tokenizer, grammar, limits=_limits(), log_level=0)
+        if proto.is_error():
+            raise ValueError(f"the schema cannot be enforced: {proto.get_error()}")
+        with self._cache_lock:
+            self._prototypes[spec] = proto
+            while len(self._prototypes) > _CACHE_SIZE:
+                self._prototypes.popitem(last=False)
+        return proto
 
     def matcher(self, spec: GuidedSpec) -> GuidedRow:
-        """A fresh matcher for one request (``check`` must have accepted ``spec``)."""
-        grammar = self._compile(spec, self.tokenizer)
-        return GuidedRow(llguidance.LLMatcher(self.tokenizer, grammar, limits=_limits(), log_level=0))
+        """A fresh matcher for one request: a copy of the prototype ``check`` built (rebuilt here
+        only if the cache dropped it since)."""
+        return GuidedRow(self._prototype(spec).deep_copy())
 
 
 class GuidedRow:

@@ -159,3 +159,45 @@ def test_sampler_without_grammar_pays_nothing_and_keeps_the_old_contract():
     assert lps == pytest.approx(torch.log_softmax(logits, -1).max(-1).values.tolist(), abs=1e-6)
     with pytest.raises(RuntimeError, match="no grammar compiler"):
         sampler.sample_rows(logits[:1], [SamplingParams(guided=GuidedSpec(json_schema="{}"))], ["g"], [()])
+
+
+def _many_alternatives(n: int) -> dict:
+    """A schema whose matcher takes ~0.1-0.5 s to build on this CPU (thousands of alternatives)."""
+    obj = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{1,{i + 1}}}"}
+                                            for i in range(60)}, "required": [f"k{i}" for i in range(60)]}
+    return {"anyOf": [obj] * n}
+
+
+def test_a_compile_over_the_time_bound_is_refused_and_others_still_run(engine):
+    slow = GuidedSpec(json_schema=json.dumps(_many_alternatives(15)))
+    with pytest.raises(ValueError, match="did not compile within"):
+        engine.runner.grammars.check(slow, timeout_s=0.001)
+    # the engine keeps serving while that compile finishes in its worker thread
+    out = run(engine, req("after", max_tokens=3))["after"]
+    assert len(out["ids"]) == 3
+
+
+def test_guided_row_follows_rollback_and_catch_up(engine):
+    grammars = engine.runner.grammars
+    spec = GuidedSpec(json_schema=json.dumps(SCHEMA))
+    grammars.check(spec)
+    row = grammars.matcher(spec)
+    words = bitmask_words(engine.vocab_size)
+    start = torch.empty(words, dtype=torch.int32)
+    row.fill(start)
+    prefix = engine.runner.tokenizer.encode('{"city":"Oslo"')
+    row.sync(prefix)
+    mid = torch.empty(words, dtype=torch.int32)
+    row.fill(mid)
+    assert not torch.equal(start, mid)
+    row.sync(prefix[:0])  # a re-run from the start: back to the first state
+    again = torch.empty(words, dtype=torch.int32)
+    row.fill(again)
+    assert torch.equal(start, again)
+    row.sync(prefix)  # and forward again
+    row.fill(again)
+    assert torch.equal(mid, again)
+    # a fresh matcher is independent of this one (a copy of the cached prototype)
+    fresh = torch.empty(words, dtype=torch.int32)
+    grammars.matcher(spec).fill(fresh)
+    assert torch.equal(fresh, start)
