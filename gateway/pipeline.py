@@ -108,11 +108,34 @@ def _message_dict(m: Any, *, local: bool) -> dict[str, Any]:
     return d
 
 
+# OpenAI request fields outside the schema models that the local engine cannot honour: each gets a
+# 400 naming it (with what to use instead), never a silent drop. Bookkeeping fields that change
+# nothing about the output (metadata, store, service_tier, prompt_cache_key...) are tolerated.
+_UNSUPPORTED_LOCAL_EXTRAS = {
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+    "audio": "this model outputs text only",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model does not reason in a separate channel",
+    "web_search_options": "web search is not available",
+    "min_p": "use top_p",
+    "repetition_penalty": "omit it",
+}
+
+
 def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Parameters the local engine cannot honour get a 400 naming them (never a silent drop)."""
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise invalid_request(f"{name} is not supported by this model; omit it or send 0", param=name)
+    extras = req.model_extra or {}
+    for name, hint in _UNSUPPORTED_LOCAL_EXTRAS.items():
+        if extras.get(name) is not None:
+            raise invalid_request(f"{name} is not supported by this model: {hint}", param=name)
+    modalities = extras.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise invalid_request("modalities: this model outputs text only; send [\"text\"] or omit it",
+                              param="modalities")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise invalid_request("echo is not supported by this model", param="echo")

@@ -5,7 +5,9 @@ upstream providers may understand them. Every sampling and output field OpenAI d
 honoured by the local engine (tools and ``tool_choice``, ``response_format``, ``logprobs`` /
 ``top_logprobs``, ``logit_bias``; see docs/gateway.md) or rejected in
 ``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter
-(``presence_penalty``, ``frequency_penalty``, ``echo``, ``suffix``, ``best_of``): never silently dropped.
+(``presence_penalty``, ``frequency_penalty``, ``echo``, ``suffix``, ``best_of``, and extra fields
+such as ``functions``, ``audio``, ``reasoning_effort``): never silently dropped. Extra fields that
+change nothing in the output (``metadata``, ``store``...) are accepted.
 """
 
 from __future__ import annotations

@@ -178,3 +178,16 @@ def test_node_wire_carries_grammar_bias_logprobs_both_ways():
     out = RequestOutput("r", (5,), "hi", True, 3, 0, 1, finish_reason="stop", logprobs=(
         TokenLogprob(5, "hi", (104, 105), -0.5, top=(("hi", (104, 105), -0.5), ("ho", (104, 111), -1.5))),))
     assert output_from_wire(_json.loads(_json.dumps(output_to_wire(out)))) == out
+
+
+@pytest.mark.parametrize("field", ["functions", "function_call", "audio", "prediction", "reasoning_effort",
+                                   "web_search_options", "min_p", "repetition_penalty"])
+def test_openai_fields_the_local_engine_cannot_honour_are_400s(field):
+    from gateway.pipeline import _reject_unsupported_local
+
+    with pytest.raises(OpenAIError) as err:
+        _reject_unsupported_local(chat(**{field: {"x": 1} if field != "min_p" else 0.1}))
+    assert err.value.status == 400 and err.value.param == field
+    with pytest.raises(OpenAIError):
+        _reject_unsupported_local(chat(modalities=["text", "audio"]))
+    _reject_unsupported_local(chat(modalities=["text"], metadata={"a": "b"}, store=False, service_tier="auto"))
