@@ -201,3 +201,18 @@ def test_guided_row_follows_rollback_and_catch_up(engine):
     fresh = torch.empty(words, dtype=torch.int32)
     grammars.matcher(spec).fill(fresh)
     assert torch.equal(fresh, start)
+
+
+def test_guided_output_validates_across_preemption_and_recompute(engine):
+    small = LLMEngine(EngineConfig(model_dir=engine.config.model_dir, block_size=16), engine.runner, num_blocks=6)
+    spec = GuidedSpec(json_schema=json.dumps(SCHEMA))
+    # prompts of 14 tokens: all four fit at first, and their outputs then outgrow the 6 blocks
+    prompts = [[1000 + 97 * i + j for j in range(14)] for i in range(4)]
+    reqs = [GenerateRequest(request_id=f"p{i}", tenant=StaticTenantScope(), prompt_token_ids=p,
+                            sampling=SamplingParams(temperature=0.0, guided=spec, max_tokens=64))
+            for i, p in enumerate(prompts)]
+    out = run(small, *reqs)
+    assert small.scheduler.num_preemptions > 0, "the pool must be small enough to force preemption"
+    for r in reqs:
+        assert out[r.request_id]["finish"] == "stop"
+        jsonschema.validate(json.loads(out[r.request_id]["text"]), SCHEMA)
