@@ -63,7 +63,8 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
-        if request.sampling.guided is not None:  # compiling a grammar can take a while: off the loop
+        if request.sampling.guided is not None or request.sampling.logprobs is not None:
+            # compiling a grammar (or the first token-bytes table) can take a while: off the loop
             req = await asyncio.to_thread(self.engine.prepare, request)
         else:
             req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued

@@ -247,6 +247,10 @@ class LLMEngine:
                 self.runner.check_grammar(sp.guided)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc)) from None
+        if sp.logprobs is not None:
+            # the token-bytes table is built on first use (~1 s for a 100k vocabulary): here, on
+            # the admitting thread, rather than in the middle of a step
+            self.runner.token_bytes(())
 
     def add_request(self, request: GenerateRequest | Request) -> Request:
         req = request if isinstance(request, Request) else self.prepare(request)

@@ -30,8 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
+import jsonschema_rs
 
 from engine.protocol import GuidedSpec
 from gateway.errors import invalid_request
@@ -53,16 +52,55 @@ class ToolPlan:
     guided: GuidedSpec | None  # the grammar that forces a call (required / named)
 
 
+MAX_SCHEMA_DEPTH = 64  # nesting levels of objects/arrays in one schema
+
+
+# The drafts whose meta-schemas ship inside jsonschema-rs. Any other ``$schema`` would make it try
+# to fetch the URL: a request from client input, on the event loop. Refused before that.
+KNOWN_DRAFTS = frozenset(
+    u + suffix
+    for u in ("http://json-schema.org/draft-04/schema", "http://json-schema.org/draft-06/schema",
+              "http://json-schema.org/draft-07/schema", "https://json-schema.org/draft/2019-09/schema",
+              "https://json-schema.org/draft/2020-12/schema")
+    for suffix in ("", "#")
+)
+
+
+def _shape_problem(node: Any, limit: int) -> str | None:
+    """Why ``node`` cannot be checked safely: nested deeper than ``limit`` or an unknown
+    ``$schema`` anywhere (iterative: no recursion to blow). None when it can."""
+    stack = [(node, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return f"is nested deeper than {limit} levels"
+        if isinstance(item, dict):
+            meta = item.get("$schema")
+            if meta is not None and meta not in KNOWN_DRAFTS:
+                return f"declares $schema {str(meta)[:80]!r}; use one of the published drafts (4, 6, 7, 2019-09, 2020-12)"
+            children = item.values()
+        else:
+            children = item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return None
+
+
 def check_schema(schema: Any, param: str) -> None:
-    """A 400 naming ``param`` unless ``schema`` is a valid JSON Schema (2020-12)."""
+    """A 400 naming ``param`` unless ``schema`` is a valid JSON Schema (its declared draft, else 2020-12).
+
+    jsonschema-rs checks against the meta-schema in well under a millisecond where the pure-Python
+    ``jsonschema`` took 0.4 s on a 54 KB schema: this runs on the event loop, before admission."""
     if not isinstance(schema, dict):
         raise invalid_request(f"{param} must be a JSON Schema object", param=param)
+    problem = _shape_problem(schema, MAX_SCHEMA_DEPTH)
+    if problem is not None:
+        raise invalid_request(f"{param} {problem}", param=param)
     try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as exc:
         raise invalid_request(f"{param} is not a valid JSON Schema: {exc.message}", param=param) from None
-    except RecursionError:
-        raise invalid_request(f"{param} is nested too deeply", param=param) from None
+    except (jsonschema_rs.ReferencingError, ValueError, TypeError) as exc:  # not JSON data, a bad reference
+        raise invalid_request(f"{param} is not a valid JSON Schema: {str(exc)[:200]}", param=param) from None
 
 
 def _function(tool: Any, i: int) -> dict[str, Any]:

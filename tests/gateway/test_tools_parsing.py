@@ -191,3 +191,24 @@ def test_openai_fields_the_local_engine_cannot_honour_are_400s(field):
     with pytest.raises(OpenAIError):
         _reject_unsupported_local(chat(modalities=["text", "audio"]))
     _reject_unsupported_local(chat(modalities=["text"], metadata={"a": "b"}, store=False, service_tier="auto"))
+
+
+def test_schema_checks_are_bounded_and_never_fetch():
+    from gateway.tool_calls import KNOWN_DRAFTS, check_schema
+
+    for bad, match in [({"$schema": "http://127.0.0.1:9/evil", "type": "object"}, "declares \\$schema"),
+                       ({"type": "object", "properties": {"a": {"$schema": "file:///etc/passwd"}}}, "declares"),
+                       ({"type": "array", "items": _nested(80)}, "nested deeper than 64"),
+                       ({"type": "string", "minLength": -1}, "not a valid JSON Schema")]:
+        with pytest.raises(OpenAIError, match=match):
+            check_schema(bad, "response_format.json_schema.schema")
+    for draft in KNOWN_DRAFTS:
+        check_schema({"$schema": draft, "type": "object"}, "x")
+    # (its speed on a schema of thousands of alternatives: tests/slow/test_guided_isolation.py)
+
+
+def _nested(depth: int) -> dict:
+    node: dict = {"type": "string"}
+    for _ in range(depth):
+        node = {"type": "array", "items": node}
+    return node
