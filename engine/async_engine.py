@@ -48,6 +48,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        engine.warm_up()  # serving starts with the grammar/logprob vocabulary built (engine.guided)
         self._lock = threading.Lock()  # guards the three fields below
         self._adds: list[Request] = []
         self._aborts: list[str] = []

@@ -74,8 +74,8 @@ class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer. Thread-safe.
 
     Building llguidance's view of the vocabulary takes 1-5 s for a 100k vocabulary and holds the
-    GIL for most of it: the serving engine calls ``warm_up`` at start (engine.launch.build_engine);
-    elsewhere (tests, benchmarks) it happens on first use.
+    GIL for most of it: the serving engine builds it at start (``AsyncEngine`` ->
+    ``LLMEngine.warm_up``); elsewhere (tests, benchmarks) it happens on first use.
     """
 
     def __init__(self, hf_tokenizer: object, vocab_size: int, eos_token_id: int | None) -> None:

@@ -21,19 +21,14 @@ if TYPE_CHECKING:
 
 
 def build_llm_engine(
-    config: EngineConfig, registry: CollectorRegistry | None = None, tier_hook: KVTierHook | None = None,
-    *, warm_grammars: bool = False,
+    config: EngineConfig, registry: CollectorRegistry | None = None, tier_hook: KVTierHook | None = None
 ) -> LLMEngine:
-    """A synchronous ``LLMEngine`` over a ``ModelRunner`` for ``config`` (benchmarks, tests).
-
-    ``warm_grammars`` builds the grammar library's vocabulary table now (see ``build_engine``)."""
+    """A synchronous ``LLMEngine`` over a ``ModelRunner`` for ``config`` (benchmarks, tests)."""
     from engine.llm_engine import LLMEngine
     from engine.metrics import EngineMetrics
     from engine.model_runner import ModelRunner
 
     runner = ModelRunner(config)
-    if warm_grammars:
-        runner.grammars.warm_up()
     metrics = EngineMetrics(registry, model=config.resolved_model_id)
     if tier_hook is None:  # DRAM / NVMe tiers from config.dram_bytes, nvme_dir, nvme_bytes (None if off)
         from engine.tiers import build_tier_hook
@@ -59,10 +54,7 @@ def build_engine(
     """
     from engine.async_engine import AsyncEngine
 
-    # Serving: build llguidance's vocabulary table before the first request. It holds the GIL for
-    # 1-2.5 s (measured with the tiny model's 100k vocabulary), which would freeze the event loop
-    # under the first guided or logprobs request.
-    return AsyncEngine(build_llm_engine(config, registry, tier_hook, warm_grammars=True))
+    return AsyncEngine(build_llm_engine(config, registry, tier_hook))
 
 
 def default_tiny_dir(home: Path) -> Path:

@@ -279,6 +279,12 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
+    def warm_up(self) -> None:
+        """Build what the first logprobs or guided request would otherwise build mid-flight: the
+        runner's token-bytes table (llguidance's vocabulary, 1-2.5 s with the GIL held for a 100k
+        vocabulary: before serving, not under the first request). ``AsyncEngine`` calls it."""
+        self.runner.token_bytes(())
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

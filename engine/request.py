@@ -19,9 +19,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.prefix_index import BlockHash, extend_block_hashes
-from engine.protocol import FinishReason, SamplingParams, TenantScope, TokenLogprob
+from engine.protocol import FinishReason, SamplingParams, TenantScope
+
+if TYPE_CHECKING:
+    from engine.protocol import TokenLogprob
 
 
 class RequestStatus(enum.Enum):
