@@ -48,6 +48,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        engine.warm_up()  # serving starts with the grammar/logprob vocabulary built (engine.guided)
         self._lock = threading.Lock()  # guards the three fields below
         self._adds: list[Request] = []
         self._aborts: list[str] = []
@@ -63,7 +64,11 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
-        req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
+        if request.sampling.guided is not None or request.sampling.logprobs is not None:
+            # compiling a grammar (or the first token-bytes table) can take a while: off the loop
+            req = await asyncio.to_thread(self.engine.prepare, request)
+        else:
+            req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._lock:

@@ -28,9 +28,11 @@ from engine.metrics import CacheTimer, EngineMetrics
 from engine.protocol import (
     FinishReason,
     GenerateRequest,
+    GuidedSpec,
     InvalidRequestError,
     PromptTooLongError,
     RequestOutput,
+    TokenLogprob,
 )
 from engine.request import DetokenizerState, Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -54,6 +56,18 @@ class Runner(Protocol):
     def render_prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> list[int]: ...
 
     def release(self, request_id: str) -> None: ...
+
+    def check_grammar(self, spec: GuidedSpec) -> None:
+        """Raise ValueError unless ``spec`` compiles within the runner's bounds."""
+        ...
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Each token's exact bytes (for logprobs)."""
+        ...
+
+
+# One chunk's sampled token as the runner reported it: (raw logprob, top alternatives or None).
+_TokenInfo = tuple[float | None, tuple[tuple[int, float], ...] | None]
 
 
 class LLMEngine:
@@ -134,6 +148,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_sampling(request)
         max_tokens = request.sampling.max_tokens
         total = len(ids) + max_tokens
         if total > self.max_model_len:
@@ -169,6 +184,22 @@ class LLMEngine:
         req.detok = DetokenizerState(tokens=list(ctx), prefix_offset=0, read_offset=len(ctx))
         return req
 
+    def _check_sampling(self, request: GenerateRequest) -> None:
+        """Token ids in logit_bias must exist; a grammar must compile within its bounds."""
+        sp = request.sampling
+        bad = [t for t, _ in sp.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if sp.guided is not None:
+            try:
+                self.runner.check_grammar(sp.guided)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        if sp.logprobs is not None:
+            # the token-bytes table is built on first use (~1 s for a 100k vocabulary): here, on
+            # the admitting thread, rather than in the middle of a step
+            self.runner.token_bytes(())
+
     def add_request(self, request: GenerateRequest | Request) -> Request:
         req = request if isinstance(request, Request) else self.prepare(request)
         if req.request_id in self.requests:
@@ -200,6 +231,12 @@ class LLMEngine:
         self._publish_state()  # the failed step never reached its own publish; the engine may now idle
         return outputs
 
+    def warm_up(self) -> None:
+        """Build what the first logprobs or guided request would otherwise build mid-flight: the
+        runner's token-bytes table (llguidance's vocabulary, 1-2.5 s with the GIL held for a 100k
+        vocabulary: before serving, not under the first request). ``AsyncEngine`` calls it."""
+        self.runner.token_bytes(())
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -218,7 +255,7 @@ class LLMEngine:
                     self._hit[label] += req.num_cached_tokens or 0
                     self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
             t0 = time.perf_counter()
-            results = self._execute(step)
+            results, infos = self._execute(step)
             self._account_execute(step, time.perf_counter() - t0)
             failed: list[Request] = []
             for req, result in zip(step.requests, results):
@@ -229,12 +266,12 @@ class LLMEngine:
                     failed.append(req)
             self.scheduler.commit(step)
             now = self.clock()
-            for req, chunk, result in zip(step.requests, step.batch.chunks, results):
+            for req, chunk, result, info in zip(step.requests, step.batch.chunks, results, infos):
                 if req.is_finished and req not in failed:
                     continue
                 if chunk.sample and not req.is_finished:
                     try:
-                        self._append_token(req, result, now)  # type: ignore[arg-type]
+                        self._append_token(req, result, now, info)  # type: ignore[arg-type]
                     except Exception as exc:  # a bad token or detokenizer failure fails only this request
                         req.error = f"{type(exc).__name__}: {exc}"
                         self._finish(req, "error")
@@ -246,24 +283,30 @@ class LLMEngine:
         self._publish_state()
         return outputs
 
-    def _execute(self, step: SchedulerOutput) -> list[int | None | BaseException]:
-        """Run the batch; if it raises, run each chunk alone so only the failing requests fail."""
+    def _execute(self, step: SchedulerOutput) -> tuple[list[int | None | BaseException], list[_TokenInfo | None]]:
+        """Run the batch; if it raises, run each chunk alone so only the failing requests fail.
+
+        -> (token or exception per chunk, the token's logprob info per chunk)."""
         try:
             result = self.runner.execute(step.batch)
             tokens = list(result.sampled_token_ids)
             if len(tokens) != len(step.batch.chunks):
                 raise RuntimeError(f"runner returned {len(tokens)} tokens for {len(step.batch.chunks)} chunks")
-            return tokens
+            return tokens, _token_infos(result, len(tokens))
         except Exception as batch_exc:
             if len(step.batch.chunks) == 1:
-                return [batch_exc]
+                return [batch_exc], [None]
         out: list[int | None | BaseException] = []
+        infos: list[_TokenInfo | None] = []
         for chunk in step.batch.chunks:
             try:
-                out.append(self.runner.execute(ScheduledBatch((chunk,), step.batch.block_copies)).sampled_token_ids[0])
+                single = self.runner.execute(ScheduledBatch((chunk,), step.batch.block_copies))
+                out.append(single.sampled_token_ids[0])
+                infos.append(_token_infos(single, 1)[0])
             except Exception as exc:
                 out.append(exc)
-        return out
+                infos.append(None)
+        return out, infos
 
     def _account_execute(self, step: SchedulerOutput, seconds: float) -> None:
         """Split one step's runner time between prefill and decode by token share (a decode chunk
@@ -283,7 +326,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tokens, text, stopping
 
-    def _append_token(self, req: Request, token: int | None, now: float) -> None:
+    def _append_token(self, req: Request, token: int | None, now: float, info: _TokenInfo | None = None) -> None:
         if token is None:
             raise RuntimeError("runner sampled no token for a chunk with sample=True")
         token = int(token)
@@ -297,6 +340,8 @@ class LLMEngine:
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             reason = "stop"  # the stop token is returned as an id but not as text
         else:
+            if sp.logprobs is not None:
+                self._record_logprob(req, token, info)
             self._detokenize(req, token)
             if sp.stop and self._apply_stop_strings(req):
                 reason = "stop"
@@ -304,6 +349,20 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self._finish(req, reason)
+
+    def _record_logprob(self, req: Request, token: int, info: _TokenInfo | None) -> None:
+        """Keep the token's logprob entry (text tokens only: a stop token has no text to score)."""
+        logprob, top = info if info is not None else (None, None)
+        top = top or ()
+        ids = [token, *(t for t, _ in top)]
+        with self._tokenizer_lock:
+            raw = self.runner.token_bytes(ids)
+        text = [b.decode("utf-8", errors="replace") for b in raw]
+        req.output_logprobs.append(TokenLogprob(
+            token_id=token, token=text[0], token_bytes=tuple(raw[0]),
+            logprob=float("nan") if logprob is None else float(logprob),
+            top=tuple((text[j + 1], tuple(raw[j + 1]), float(lp)) for j, (_, lp) in enumerate(top)),
+        ))
 
     def _detokenize(self, req: Request, token: int) -> None:
         state = req.detok
@@ -358,6 +417,8 @@ class LLMEngine:
         if not finished and not new_ids and not new_text:
             return None
         times = tuple(t - req.arrival_time for t in req.token_times[req.sent_token_count :])
+        new_logprobs = tuple(req.output_logprobs[req.sent_logprob_count :])
+        req.sent_logprob_count = len(req.output_logprobs)
         req.sent_token_count = len(req.output_token_ids)
         req.sent_text_len = end
         return RequestOutput(
@@ -373,6 +434,7 @@ class LLMEngine:
             ttft_s=req.ttft_s,
             token_times_s=times,
             error=req.error,
+            logprobs=new_logprobs,
         )
 
     # ------------------------------------------------------------------ state
@@ -450,3 +512,10 @@ class LLMEngine:
             },
         }
 
+
+
+def _token_infos(result: StepResult, n: int) -> list[_TokenInfo | None]:
+    """Per chunk (logprob, top alternatives) from a runner's result (runners may omit them)."""
+    lps = list(result.logprobs) or [None] * n
+    tops = list(result.top_logprobs) or [None] * n
+    return [(lp, top) for lp, top in zip(lps, tops)]

@@ -27,10 +27,12 @@ from engine.batch import BlockCopy, ScheduledBatch, SequenceChunk, StepResult
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
+from engine.guided import GrammarCompiler
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model
 from engine.models.spec import ArchConfig, ModelSpec, parse_checkpoint_config, read_special_ids
+from engine.protocol import GuidedSpec
 from engine.sampling import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,7 +106,8 @@ class ModelRunner:
             # GPU path: merged q|k|v and gate|up GEMMs and the fused norm / RoPE+KV-write / SiLU
             # kernels (engine/models/llama.py); before any graph capture, which records the path.
             self.model.fuse_projections()
-        self.sampler = Sampler(torch_device)
+        self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, eos[0] if eos else None)
+        self.sampler = Sampler(torch_device, grammars=self.grammars)
 
         layer_shape = (arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         elems = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
@@ -223,19 +226,16 @@ class ModelRunner:
             return StepResult(sampled_token_ids=[], logprobs=[])
         logits = self.forward(batch)  # [S, V]
         sampled = [c for c in batch.chunks if c.sample]
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        if sampled:
-            tokens, logprobs = self.sampler.sample(
-                logits,
-                [c.sampling for c in sampled],
-                [c.request_id for c in sampled],
-                [len(c.output_token_ids) for c in sampled],
-            )
-        tok_iter, lp_iter = iter(tokens), iter(logprobs)
-        out_tokens = [next(tok_iter) if c.sample else None for c in batch.chunks]
-        out_lps = [next(lp_iter) if c.sample else None for c in batch.chunks]
-        return StepResult(sampled_token_ids=out_tokens, logprobs=out_lps)
+        rows = iter(self.sampler.sample_rows(
+            logits, [c.sampling for c in sampled], [c.request_id for c in sampled],
+            [c.output_token_ids for c in sampled],
+        ) if sampled else ())
+        picks = [next(rows) if c.sample else None for c in batch.chunks]
+        return StepResult(
+            sampled_token_ids=[p.token_id if p else None for p in picks],
+            logprobs=[p.logprob if p else None for p in picks],
+            top_logprobs=[p.top if p else None for p in picks],
+        )
 
     # ------------------------------------------------------------------------------ prompts
     def render_prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
@@ -329,3 +329,10 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
+
+    def check_grammar(self, spec: GuidedSpec) -> None:
+        """Raise ValueError unless ``spec`` compiles within the bounds (engine.guided)."""
+        self.grammars.check(spec)
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return self.grammars.token_bytes(token_ids)

@@ -19,10 +19,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_types import BlockHash, QueueReason
 from engine.prefix_index import extend_block_hashes
 from engine.protocol import FinishReason, SamplingParams, TenantScope
+
+if TYPE_CHECKING:
+    from engine.protocol import TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -74,6 +78,8 @@ class Request:
     output_text: str = ""
     sent_text_len: int = 0
     sent_token_count: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # text tokens, when sampling.logprobs is set
+    sent_logprob_count: int = 0
     detok: DetokenizerState | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None

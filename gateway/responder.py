@@ -81,7 +81,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: Any, request: Request) -> JSONResponse:
-    acc = ChoiceText()
+    acc = ChoiceText(prep)
 
     async def collect() -> None:
         async with aclosing(run_choices(prep, router)) as outputs:
