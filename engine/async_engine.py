@@ -2,7 +2,8 @@
 
     event loop (gateway)                         engine thread
     ---------------------                        -------------
-    generate(req): prepare (tokenize, validate)
+    generate(req): prepare (tokenize, validate:
+                   in the tokenizer thread for text)
                    queue "add" + wake  ───────►  drain adds/aborts
                                                  step() while requests are unfinished
     await per-request asyncio.Queue  ◄─────────  loop.call_soon_threadsafe(queue.put_nowait, out)
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.llm_engine import LLMEngine
@@ -55,6 +57,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
+        # One thread: the engine's tokenizer lock lets one encode run at a time anyway; the gateway
+        # bounds how many of these one tenant queues (gateway.prompt_counter).
+        self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixgate-tokenize")
         self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
         self._thread.start()
 
@@ -63,7 +68,13 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
-        req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
+        # Tokenizing text can take seconds: in the tokenizer thread, so the event loop keeps serving
+        # (issue 16.2). Token ids only need a bounds check, which is cheaper than the thread hop.
+        if request.prompt_token_ids is None:
+            loop = asyncio.get_running_loop()
+            req = await loop.run_in_executor(self._tokenizer, self.engine.prepare, request)
+        else:
+            req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._lock:
@@ -112,6 +123,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ engine thread
 

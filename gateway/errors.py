@@ -95,6 +95,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
             "invalid_json",
         )
     param = ".".join(loc) or None
+    if first.get("type") == "body_limit":  # gateway.ingress: depth, lone surrogates, sizes
+        ctx = first.get("ctx") or {}
+        return f"Invalid request: {ctx.get('message')}.", param or ctx.get("param"), "invalid_value"
     msg = first.get("msg", "invalid value")
     if param is None:  # the body as a whole: not a JSON object (or sent without a JSON content type)
         return (

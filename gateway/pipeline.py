@@ -12,12 +12,14 @@ The chat and completions routers only format what these produce.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 
@@ -32,6 +34,7 @@ from gateway.ports import (
     canonicalize,
     quota_error,
 )
+from gateway.prompt_counter import PromptCounter
 from gateway.remote import NodeUnavailableError
 from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
@@ -77,7 +80,17 @@ class Prepared:
         cache = header_value(self.cached_tokens, self.miss_record, predicted)
         if cache != "none":
             headers["x-prefixgate-cache"] = cache
-        return headers
+        return {name: header_text(value) for name, value in headers.items()}
+
+
+# HTTP header values are latin-1 on the wire (and non-ASCII is unsafe in practice): the break detail
+# quotes the client's prompt ("user_имя"), which made the response itself fail with a 500 (issue 16.4).
+_HEADER_SAFE = " !#$&'()*+,/:;=?@[]~"
+
+
+def header_text(value: str) -> str:
+    """``value`` as printable ASCII: anything else percent-encoded as UTF-8 (RFC 3986 style)."""
+    return value if value.isascii() and value.isprintable() and "%" not in value else quote(value, safe=_HEADER_SAFE)
 
 
 def _message_dict(m: Any, *, local: bool) -> dict[str, Any]:
@@ -123,10 +136,40 @@ def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) ->
             raise invalid_request("best_of is not supported by this model", param="best_of")
 
 
-def _count_tokens(engine: EngineClient, request: GenerateRequest, kind: str) -> int:
+# Below this a temperature is greedy decoding (as in vLLM): dividing logits by 1e-300 gave inf/nan
+# probabilities, a 500, and slowed the rest of the batch (issue 16.11).
+_GREEDY_BELOW = 1e-5
+
+
+def _charge_rejected(tenancy: TenancyPort, scoped: Any) -> None:
+    """A request refused before admission still takes its place in the rate limit (issue 16.9), so
+    that an over-limit tenant cannot make the gateway validate huge bodies for free."""
+    with contextlib.suppress(QuotaExceededError):  # already over: the refusal stands as it is
+        tenancy.admit(scoped, estimated_tokens=0)
+
+
+def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings,
+                prompts: int) -> None:
+    """The work a request asks for, bounded before any of it is done (issue 16.2)."""
+    param = "messages" if kind == "chat" else "prompt"
+    if req.n > settings.max_n:
+        raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n")
+    if prompts > settings.max_prompts:
+        raise invalid_request(f"at most {settings.max_prompts} prompts per request, got {prompts}", param=param)
+    if prompts * req.n > settings.max_choices:
+        raise invalid_request(
+            f"prompts x n must be at most {settings.max_choices}, got {prompts} x {req.n}", param="n")
+    if req.text_chars > settings.max_prompt_chars:
+        raise invalid_request(
+            f"the request holds {req.text_chars} characters of text; the limit is {settings.max_prompt_chars}",
+            param=param, code="request_too_large")
+
+
+async def _count_tokens(counter: PromptCounter, tenant_id: str, engine: EngineClient,
+                        requests: list[GenerateRequest], kind: str) -> list[int]:
     """Tokenize through the engine's chat template; a prompt it cannot render is the client's error."""
     try:
-        return engine.count_prompt_tokens(request)
+        return await counter.count(tenant_id, engine, requests)
     except EngineError:
         raise
     except Exception as exc:  # noqa: BLE001 - template/tokenizer errors carry the useful message
@@ -136,7 +179,7 @@ def _count_tokens(engine: EngineClient, request: GenerateRequest, kind: str) -> 
         ) from None
 
 
-def prepare(
+async def prepare(
     kind: str,
     req: ChatCompletionRequest | CompletionRequest,
     ctx: Any,
@@ -145,14 +188,35 @@ def prepare(
     router: Router,
     engine: EngineClient | None,
     settings: GatewaySettings,
+    counter: PromptCounter,
     tracker: MissTracker | None = None,
 ) -> Prepared:
-    """Validate, canonicalize, route, size and admit a request. Raises ``OpenAIError``.
+    """Bound, admit, canonicalize, route and size a request. Raises ``OpenAIError``.
 
+    Order matters: everything before ``tenancy.admit`` is O(1) or already bounded by the body
+    size; tokenization (seconds for a long prompt) runs after admission, off the event loop.
     With a ``tracker``, an admitted chat request is compared with its family's recent requests
     (the canonical body, as the backend will see it) to explain a cache break.
     """
     scoped = tenancy.scope_for(ctx, req.user)
+    prompts = req.prompts() if isinstance(req, CompletionRequest) else []
+    max_tokens_asked = req.effective_max_tokens()
+    try:
+        _check_size(kind, req, settings, len(prompts) or 1)
+        if isinstance(req, CompletionRequest) and not prompts:
+            raise invalid_request("prompt must not be empty", param="prompt")
+    except OpenAIError:
+        _charge_rejected(tenancy, scoped)
+        raise
+    choices = (len(prompts) or 1) * req.n
+    # Admission before any costly work, on an estimate (~4 characters a token, as for providers);
+    # the ledger row records the real counts.
+    estimated = req.text_chars // 4 + (max_tokens_asked or settings.default_max_tokens) * choices
+    try:
+        tenancy.admit(scoped, estimated_tokens=estimated)
+    except QuotaExceededError as exc:
+        raise quota_error(exc) from None
+
     body = req.model_dump(exclude_unset=True)
     body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
     # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
@@ -162,11 +226,7 @@ def prepare(
         req = type(req).model_validate(canon.body)
 
     backend = router.resolve(req.model, engine, scoped.namespace, canon.body)
-    if req.n > settings.max_n:
-        raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n")
     stops = req.stop_list()
-    if len(stops) > 4:
-        raise invalid_request("stop accepts at most 4 sequences", param="stop")
     extra: dict[str, Any] = {}
     if backend.kind == "provider":
         extra = {k: body[k] for k in _PROVIDER_PASSTHROUGH if k in body}
@@ -179,42 +239,40 @@ def prepare(
         local = backend.kind != "provider"
         inputs = [{"messages": [_message_dict(m, local=local) for m in req.messages], "tools": req.tools}]
     else:
-        prompts = req.prompts()
-        if not prompts:
-            raise invalid_request("prompt must not be empty", param="prompt")
-        inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+        inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
     asked = req.effective_max_tokens()
     max_len = router.max_model_len(backend) if backend.kind == "local" else None
     prompt_counts: list[int] = []
     if backend.kind == "local":
         probe = SamplingParams(max_tokens=1)
-        for inp in inputs:
-            gr = GenerateRequest(request_id=request_id, tenant=scoped, sampling=probe, model=backend.target_model, **inp)
-            prompt_counts.append(_count_tokens(engine, gr, kind))
+        probes = [GenerateRequest(request_id=request_id, tenant=scoped, sampling=probe, model=backend.target_model,
+                                  **inp) for inp in inputs]
+        if max_len:  # token ids need no tokenizer: a list longer than the context fails without one
+            for inp in inputs:
+                ids = inp.get("prompt_token_ids")
+                if ids is not None and len(ids) >= max_len:
+                    raise _context_error(max_len, len(ids), asked or 0, kind)
+        prompt_counts = await _count_tokens(counter, scoped.tenant_id, engine, probes, kind)
     longest = max(prompt_counts, default=0)
     if max_len:
         room = max_len - longest
         if asked is None:
             asked = min(settings.default_max_tokens, room)
         if room < 1 or asked > room:
-            raise OpenAIError(
-                400,
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{longest + (asked or 0)} tokens ({longest} in the messages, {asked or 0} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                code="context_length_exceeded",
-                param="messages" if kind == "chat" else "prompt",
-            )
+            raise _context_error(max_len, longest, asked or 0, kind)
     max_tokens = asked or settings.default_max_tokens
 
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature < _GREEDY_BELOW:
+        temperature = 0.0
     requests: list[GenerateRequest] = []
     for p, inp in enumerate(inputs):
         for i in range(req.n):
             try:
                 sampling = SamplingParams(
                     max_tokens=max_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
+                    temperature=temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
                     seed=None if req.seed is None else req.seed + i,  # n samples must differ
                     stop=stops,
@@ -226,14 +284,6 @@ def prepare(
                 model=backend.target_model or None, **inp,
             ))
 
-    estimated = sum(prompt_counts) * req.n + max_tokens * len(requests)
-    if not prompt_counts:  # providers/nodes: a cheap estimate from the body size (~4 bytes a token)
-        estimated = len(str(canon.body)) // 4 + max_tokens * len(requests)
-    try:
-        tenancy.admit(scoped, estimated_tokens=estimated)
-    except QuotaExceededError as exc:
-        raise quota_error(exc) from None
-
     miss = None
     if tracker is not None and kind == "chat":
         miss = tracker.observe(scoped.tenant_id, canon.body, per_user_vars=tuple(getattr(scoped, "per_user_vars", ())))
@@ -242,6 +292,17 @@ def prepare(
         kind=kind, request_id=request_id, created=now(), model=req.model, backend=backend, requests=requests,
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
         canon_applied=canon.applied, tenant=scoped, extra=extra, miss_tracker=tracker, miss=miss,
+    )
+
+
+def _context_error(max_len: int, prompt: int, asked: int, kind: str) -> OpenAIError:
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). "
+        "Please reduce the length of the messages or completion.",
+        code="context_length_exceeded",
+        param="messages" if kind == "chat" else "prompt",
     )
 
 
@@ -325,6 +386,7 @@ class Accounting:
         self.last: dict[int, RequestOutput] = {}
         self.completion_seen: dict[int, int] = {}
         self.recorded = False
+        self.settled = False
 
     def observe(self, i: int, out: RequestOutput) -> None:
         if self.ttft is None and (out.new_text or out.new_token_ids or out.finished):
@@ -344,6 +406,19 @@ class Accounting:
 
     def usage_dict(self) -> dict[str, Any]:
         return usage_dict(*self.usage())
+
+    def settle(self) -> None:
+        """Fix the cached tokens and the cache-break explanation of a finished request (once); the
+        whole response's headers carry both, so this runs before they are built."""
+        if self.settled:
+            return
+        self.settled = True
+        prep = self.prep
+        prompt, cached, _ = self.usage()
+        prep.cached_tokens = cached
+        if prep.miss is not None and prep.miss_tracker is not None:
+            prep.miss_record = prep.miss_tracker.settle(
+                prep.miss, request_id=prep.request_id, prompt_tokens=prompt, cached_tokens=cached)
 
     def record(self, status: str) -> None:
         """Write the ledger row, metrics and dashboard totals once. A ledger failure is logged with
@@ -368,9 +443,8 @@ class Accounting:
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)
         t = prep.tenant
         prep.cached_tokens = cached
-        if status == "ok" and prep.miss is not None and prep.miss_tracker is not None:
-            prep.miss_record = prep.miss_tracker.settle(
-                prep.miss, request_id=prep.request_id, prompt_tokens=prompt, cached_tokens=cached)
+        if status == "ok":
+            self.settle()
         self.tenancy.record_usage(UsageRecord(
             request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,

@@ -107,6 +107,14 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = Field(256, ge=1)
     max_n: int = Field(8, ge=1)
+    # Work one request may ask for, refused with a 400 before anything costly (issue 16.2): prompts in
+    # one completions request, choices (prompts x n), characters of text in the whole body.
+    max_prompts: int = Field(64, ge=1)
+    max_choices: int = Field(64, ge=1)
+    max_prompt_chars: int = Field(1_000_000, ge=1)
+    # Prompt counting threads, and how many of them one tenant may hold at once.
+    tokenize_workers: int = Field(2, ge=1)
+    tokenize_per_tenant: int = Field(1, ge=1)
     auth_cache_ttl_s: float = 5.0
     # Node choice: hash this many bytes of the canonical prompt with the namespace (the shared prefix).
     route_prefix_bytes: int = Field(1024, ge=16)

@@ -30,8 +30,9 @@ def _record_rejected(tenancy: Any, ctx: Any, model: str, kind: str) -> None:
 async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any, router_: Any, engine: Any,
                   settings: Any, metrics: Any, live: Any) -> Any:
     try:
-        prep = prepare(kind, body, ctx, tenancy=tenancy, router=router_, engine=engine, settings=settings,
-                       tracker=getattr(request.app.state, "miss_tracker", None))
+        prep = await prepare(kind, body, ctx, tenancy=tenancy, router=router_, engine=engine, settings=settings,
+                             counter=request.app.state.prompt_counter,
+                             tracker=getattr(request.app.state, "miss_tracker", None))
     except OpenAIError:
         _record_rejected(tenancy, ctx, body.model, kind)
         raise

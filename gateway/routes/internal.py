@@ -40,7 +40,7 @@ NodeEngine = Annotated[EngineClient, Depends(require_node)]
 async def _wire_request(request: Request) -> Any:
     try:
         return request_from_wire(await request.json())
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise OpenAIError(400, f"malformed node request: {exc}", code="invalid_node_request") from None
 
 
@@ -70,8 +70,14 @@ async def generate(request: Request, engine: NodeEngine) -> Any:
 
 @router.post("/abort")
 async def abort(request: Request, engine: NodeEngine) -> dict[str, bool]:
-    body = await request.json()
-    await engine.abort(str(body.get("request_id", "")))
+    try:
+        body = await request.json()
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        body = None
+    request_id = body.get("request_id") if isinstance(body, dict) else None
+    if not isinstance(request_id, str) or not request_id:
+        raise OpenAIError(400, 'the body must be a JSON object {"request_id": "<id>"}', code="invalid_node_request")
+    await engine.abort(request_id)
     return {"ok": True}
 
 

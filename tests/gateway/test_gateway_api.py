@@ -229,9 +229,13 @@ def test_engine_errors_map_to_status(parts):
     resp = client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
     assert_openai_error(resp, 503, code="engine_overloaded")
     assert tenancy.rows[-1].status == "error"
+    # A stream that fails before its first token gets the real status (issue 17), so SDK retries work,
+    # and its ledger row says error.
+    rows = len(tenancy.rows)
     stream = client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth(keys["a"]))
-    events = [e for e in stream.text.split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "engine_overloaded"
+    assert_openai_error(stream, 503, code="engine_overloaded")
+    assert stream.headers["retry-after"] == "1"
+    assert len(tenancy.rows) == rows + 1 and tenancy.rows[-1].status == "error"
 
 
 def test_client_cache_salt_is_ignored(parts):
