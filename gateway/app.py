@@ -94,7 +94,8 @@ def build_router(settings: GatewaySettings) -> Router:
         if rc.provider:
             client_cls = DirectOpenAIClient if rc.transport == "direct" else ProviderClient
             client = client_cls(
-                rc.provider, api_base=rc.api_base, api_key=rc.api_key, cache_salt=rc.cache_salt,
+                rc.provider, api_base=rc.api_base, api_key=rc.api_key, cache_salt=rc.sends_cache_salt,
+                tenant_prefix=rc.tenant_prefix, prompt_cache_key=rc.sends_prompt_cache_key,
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
             )
             backends = [Backend(f"{rc.transport}:{rc.provider}", "provider", client, rc.provider)]

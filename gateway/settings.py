@@ -19,7 +19,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     provider = "openai/gpt-4o-mini"
     api_base = "https://api.openai.com/v1"
     api_key_env = "OPENAI_API_KEY"
-    cache_salt = false          # true: send the tenant namespace (hex) as `cache_salt` (vLLM)
+    # cache_salt / tenant_prefix / prompt_cache_key: tenant isolation upstream (docs/gateway.md)
 
     [[routes]]                  # remote engine nodes (other `prefixgate serve` processes)
     model = "tiny"
@@ -35,6 +35,7 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -55,7 +56,16 @@ class RouteConfig(BaseModel):
     provider: str | None = None  # litellm model string, e.g. "openai/gpt-4o-mini", "anthropic/claude-..."
     api_base: str | None = None
     api_key_env: str | None = None
-    cache_salt: bool = False
+    # Tenant isolation in the upstream's own prompt cache (SECURITY.md, "Provider routes"):
+    # cache_salt: send the namespace as vLLM's `cache_salt`; None = on for a self-hosted
+    #   OpenAI-compatible api_base (vLLM, SGLang, PrefixGate), off for hosted providers, which refuse it.
+    # tenant_prefix: start every prompt with a per-tenant marker, so that upstreams which cache per
+    #   account (OpenAI, Anthropic) or ignore cache_salt never match one tenant's prefix for another.
+    # prompt_cache_key: send a per-tenant OpenAI `prompt_cache_key` (routing, hit rate; not isolation);
+    #   None = on for api.openai.com.
+    cache_salt: bool | None = None
+    tenant_prefix: bool = True
+    prompt_cache_key: bool | None = None
     extra_body: dict[str, Any] = Field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     node_token_env: str | None = None
@@ -75,6 +85,26 @@ class RouteConfig(BaseModel):
                 f"route {self.model!r}: transport = \"direct\" needs provider = \"openai/<model>\" and an api_base"
             )
         return self
+
+    @property
+    def hosted_openai(self) -> bool:
+        """OpenAI's own API (no api_base, or api.openai.com)."""
+        return bool(self.provider and self.provider.startswith("openai/")) and (
+            not self.api_base or urlsplit(self.api_base).hostname == "api.openai.com")
+
+    @property
+    def self_hosted(self) -> bool:
+        """An OpenAI-compatible server the operator runs: ``openai/...`` or ``hosted_vllm/...`` at an api_base."""
+        prefixes = ("openai/", "hosted_vllm/")
+        return bool(self.provider and self.provider.startswith(prefixes) and self.api_base) and not self.hosted_openai
+
+    @property
+    def sends_cache_salt(self) -> bool:
+        return self.self_hosted if self.cache_salt is None else self.cache_salt
+
+    @property
+    def sends_prompt_cache_key(self) -> bool:
+        return self.hosted_openai if self.prompt_cache_key is None else self.prompt_cache_key
 
     @property
     def api_key(self) -> str | None:

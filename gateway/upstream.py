@@ -15,6 +15,7 @@ Upstream responses carry text (and tool calls), not our token ids, so outputs ha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -85,6 +86,8 @@ class ProviderClient:
         api_base: str | None = None,
         api_key: str | None = None,
         cache_salt: bool = False,
+        tenant_prefix: bool = True,
+        prompt_cache_key: bool = False,
         extra_body: dict[str, Any] | None = None,
         max_model_len: int | None = None,
         model_id: str | None = None,
@@ -93,6 +96,8 @@ class ProviderClient:
         self.api_base = api_base
         self.api_key = api_key
         self.cache_salt = cache_salt
+        self.tenant_prefix = tenant_prefix
+        self.prompt_cache_key = prompt_cache_key
         self.extra_body = dict(extra_body or {})
         self._card = ModelCard(id=model_id or provider, max_model_len=max_model_len or 0, owned_by="upstream")
 
@@ -114,11 +119,22 @@ class ProviderClient:
         extra_body = dict(self.extra_body)
         if self.cache_salt:  # vLLM-style per-request cache isolation, keyed by our namespace
             extra_body["cache_salt"] = bytes(request.tenant.namespace).hex()
+        if self.prompt_cache_key:  # OpenAI: keeps one tenant's requests on the same cache machines
+            extra_body["prompt_cache_key"] = scope_marker(request.tenant.namespace)
         if extra_body:
             params["extra_body"] = extra_body
         if request.tools:
             params["tools"] = list(request.tools)
         return params
+
+    def _messages(self, request: GenerateRequest) -> list[dict[str, Any]]:
+        messages = list(request.messages or ())
+        return scoped_messages(messages, request.tenant.namespace) if self.tenant_prefix else messages
+
+    def _prompt(self, request: GenerateRequest) -> str | list[int]:
+        if request.prompt is None:  # token ids: no tokenizer here to prefix them (SECURITY.md says so)
+            return list(request.prompt_token_ids or ())
+        return scoped_prompt(request.prompt, request.tenant.namespace) if self.tenant_prefix else request.prompt
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         async for out in self.stream(request, {}):
@@ -136,21 +152,21 @@ class ProviderClient:
         rid = request.request_id
         if request.messages is not None and not incremental:
             try:
-                resp = await litellm.acompletion(messages=list(request.messages), **params)
+                resp = await litellm.acompletion(messages=self._messages(request), **params)
             except Exception as exc:
                 raise _provider_error(exc) from exc
             yield _whole_output(rid, resp, chat=True, start=start)
             return
         if request.messages is None:  # text completion: one upstream call, one output
             try:
-                resp = await litellm.atext_completion(prompt=request.prompt or list(request.prompt_token_ids or ()), **params)
+                resp = await litellm.atext_completion(prompt=self._prompt(request), **params)
             except Exception as exc:
                 raise _provider_error(exc) from exc
             yield _whole_output(rid, resp, chat=False, start=start)
             return
         try:
             chunks = await litellm.acompletion(
-                messages=list(request.messages), stream=True, stream_options={"include_usage": True}, **params
+                messages=self._messages(request), stream=True, stream_options={"include_usage": True}, **params
             )
         except Exception as exc:
             raise _provider_error(exc) from exc
@@ -178,6 +194,40 @@ class ProviderClient:
         if request.messages is not None:
             return int(litellm.token_counter(model=self.provider, messages=list(request.messages)))
         return int(litellm.token_counter(model=self.provider, text=request.prompt or ""))
+
+
+def scope_marker(namespace: bytes) -> str:
+    """An opaque per-scope id for upstreams: 128 bits of SHA-256 over the namespace, so the upstream
+    never sees the namespace itself (the seed of our own block hashes) where it does not need it."""
+    return hashlib.sha256(b"prefixgate-upstream-scope\0" + bytes(namespace)).hexdigest()[:32]
+
+
+def _marker_line(namespace: bytes) -> str:
+    return f"[cache-scope {scope_marker(namespace)}]"
+
+
+def scoped_messages(messages: list[dict[str, Any]], namespace: bytes) -> list[dict[str, Any]]:
+    """``messages`` with the tenant's marker as the very first text of the prompt.
+
+    Providers that cache prompts per account (OpenAI, Anthropic) match exact leading tokens, so two
+    tenants whose prompts start differently can never share a cached prefix there. The marker joins
+    the leading system message where there is one (some templates allow only one), else it is one.
+    """
+    line = _marker_line(namespace)
+    if messages and messages[0].get("role") in ("system", "developer"):
+        first = dict(messages[0])
+        content = first.get("content")
+        if isinstance(content, list):
+            first["content"] = [{"type": "text", "text": line + "\n"}, *content]
+        else:
+            first["content"] = f"{line}\n{content or ''}"
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": line}, *messages]
+
+
+def scoped_prompt(prompt: str, namespace: bytes) -> str:
+    """A text-completions prompt with the tenant's marker line in front (see ``scoped_messages``)."""
+    return f"{_marker_line(namespace)}\n{prompt}"
 
 
 def _finish(reason: Any) -> Any:
@@ -286,14 +336,14 @@ class DirectOpenAIClient(ProviderClient):
         rid = request.request_id
         if request.messages is None or not incremental:
             if request.messages is None:
-                body["prompt"] = request.prompt or list(request.prompt_token_ids or ())
+                body["prompt"] = self._prompt(request)
                 data = await self._post("/completions", body)
             else:
-                body["messages"] = list(request.messages)
+                body["messages"] = self._messages(request)
                 data = await self._post("/chat/completions", body)
             yield _whole_output(rid, data, chat=request.messages is not None, start=start)
             return
-        body.update(messages=list(request.messages), stream=True, stream_options={"include_usage": True})
+        body.update(messages=self._messages(request), stream=True, stream_options={"include_usage": True})
         try:
             async with self._client().stream("POST", "/chat/completions", json=body) as resp:
                 if resp.status_code >= 400:
