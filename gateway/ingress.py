@@ -82,3 +82,13 @@ def scan(value: Any, *, max_depth: int = MAX_DEPTH) -> BodyShape:
             stack.extend((child, depth, (*path, i)) for i, child in enumerate(item)
                          if isinstance(child, str | dict | list))
     return BodyShape(deepest, chars)
+
+
+# Below this a temperature is greedy decoding (as in vLLM): dividing logits by 1e-300 gave inf/nan
+# probabilities, a 500, and slowed the rest of the batch (issue 16.11).
+GREEDY_BELOW = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature to sample with: ``temperature``, or 0 (greedy) where it is too small to divide by."""
+    return 0.0 if temperature < GREEDY_BELOW else temperature

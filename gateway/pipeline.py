@@ -25,6 +25,7 @@ import anyio
 
 from engine.protocol import EngineClient, EngineError, GenerateRequest, RequestOutput, SamplingParams
 from gateway.errors import OpenAIError, invalid_request
+from gateway.ingress import effective_temperature
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissRecord, MissTracker, Observation, header_value, usage_fields
 from gateway.ports import (
@@ -134,11 +135,6 @@ def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) ->
             raise invalid_request("suffix is not supported by this model", param="suffix")
         if req.best_of not in (None, 1, req.n):
             raise invalid_request("best_of is not supported by this model", param="best_of")
-
-
-# Below this a temperature is greedy decoding (as in vLLM): dividing logits by 1e-300 gave inf/nan
-# probabilities, a 500, and slowed the rest of the batch (issue 16.11).
-_GREEDY_BELOW = 1e-5
 
 
 def _charge_rejected(tenancy: TenancyPort, scoped: Any) -> None:
@@ -263,9 +259,7 @@ async def prepare(
             raise _context_error(max_len, longest, asked or 0, kind)
     max_tokens = asked or settings.default_max_tokens
 
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if temperature < _GREEDY_BELOW:
-        temperature = 0.0
+    temperature = effective_temperature(1.0 if req.temperature is None else req.temperature)
     requests: list[GenerateRequest] = []
     for p, inp in enumerate(inputs):
         for i in range(req.n):

@@ -98,3 +98,15 @@ def test_node_abort_with_a_malformed_body_is_a_400() -> None:
         for raw in (b"[1]", b"{", b'{"tenant": [1]}'):
             r = client.post("/internal/v1/generate", content=raw, headers=h)
             assert r.status_code == 400, (raw, r.text)
+
+
+def test_node_api_bounds_temperature_like_the_public_api() -> None:
+    """A variant of 16.11 through the node API: a denormal temperature reaches the engine as greedy."""
+    engine = FakeEngine()
+    app = create_app(GatewaySettings(node_token="node-secret"), engine=engine)
+    body = {"request_id": "r1", "tenant": {"namespace": "00" * 32}, "prompt": "a b c",
+            "sampling": {"max_tokens": 1, "temperature": 1e-300}}
+    with TestClient(app) as client:
+        r = client.post("/internal/v1/generate", json=body, headers={"Authorization": "Bearer node-secret"})
+        assert r.status_code == 200, r.text
+    assert engine.requests[-1].sampling.temperature == 0.0
