@@ -58,7 +58,7 @@ class AsyncEngine:
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
         # One thread: the engine's tokenizer lock lets one encode run at a time anyway; the gateway
-        # bounds how many of these one tenant queues (gateway.prompt_counter).
+        # bounds how many of these one tenant queues (gateway.tenant_threads).
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixgate-tokenize")
         self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
         self._thread.start()

@@ -23,11 +23,11 @@ from gateway.errors import OpenAIError, install_error_handlers
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
-from gateway.prompt_counter import PromptCounter
 from gateway.remote import RemoteEngineClient
 from gateway.routes import completions, dashboard, internal, models, ops, usage
 from gateway.routing import Backend, Route, Router
 from gateway.settings import GatewaySettings
+from gateway.tenant_threads import TenantThreads
 from gateway.upstream import DirectOpenAIClient, ProviderClient
 
 log = logging.getLogger("prefixgate.gateway")
@@ -179,8 +179,8 @@ def create_app(
     app.state.live_stats = LiveStats()
     app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)
     app.state.router = build_router(settings)
-    app.state.prompt_counter = PromptCounter(
-        workers=settings.tokenize_workers, per_tenant=min(settings.tokenize_per_tenant, settings.tokenize_workers))
+    app.state.tenant_threads = TenantThreads(
+        workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
     install_error_handlers(app)
 
     @app.exception_handler(TenancyError)

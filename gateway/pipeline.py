@@ -35,11 +35,11 @@ from gateway.ports import (
     canonicalize,
     quota_error,
 )
-from gateway.prompt_counter import PromptCounter
 from gateway.remote import NodeUnavailableError
 from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
 from gateway.settings import GatewaySettings
+from gateway.tenant_threads import TenantThreads
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -161,11 +161,15 @@ def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, setti
             param=param, code="request_too_large")
 
 
-async def _count_tokens(counter: PromptCounter, tenant_id: str, engine: EngineClient,
+# Text below this is canonicalized inline: a thread hop costs more than the work (~1 ms at 64k chars).
+_INLINE_CANON_CHARS = 65_536
+
+
+async def _count_tokens(threads: TenantThreads, tenant_id: str, engine: EngineClient,
                         requests: list[GenerateRequest], kind: str) -> list[int]:
     """Tokenize through the engine's chat template; a prompt it cannot render is the client's error."""
     try:
-        return await counter.count(tenant_id, engine, requests)
+        return await threads.run(tenant_id, _count_all, engine, requests)
     except EngineError:
         raise
     except Exception as exc:  # noqa: BLE001 - template/tokenizer errors carry the useful message
@@ -184,7 +188,7 @@ async def prepare(
     router: Router,
     engine: EngineClient | None,
     settings: GatewaySettings,
-    counter: PromptCounter,
+    threads: TenantThreads,
     tracker: MissTracker | None = None,
 ) -> Prepared:
     """Bound, admit, canonicalize, route and size a request. Raises ``OpenAIError``.
@@ -217,7 +221,11 @@ async def prepare(
     body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
     # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
     mode = getattr(scoped, "canon_mode", "off") if kind == "chat" else "off"
-    canon = canonicalize(body, mode, getattr(scoped, "per_user_vars", ()))
+    per_user_vars = getattr(scoped, "per_user_vars", ())
+    if mode != "off" and req.text_chars > _INLINE_CANON_CHARS:  # reorder's regexes are linear in the text
+        canon = await threads.run(scoped.tenant_id, canonicalize, body, mode, per_user_vars)
+    else:
+        canon = canonicalize(body, mode, per_user_vars)
     if canon.applied:  # a transform changed the body; otherwise re-validating it (~90 us) rebuilds the same req
         req = type(req).model_validate(canon.body)
 
@@ -249,7 +257,7 @@ async def prepare(
                 ids = inp.get("prompt_token_ids")
                 if ids is not None and len(ids) >= max_len:
                     raise _context_error(max_len, len(ids), asked or 0, kind)
-        prompt_counts = await _count_tokens(counter, scoped.tenant_id, engine, probes, kind)
+        prompt_counts = await _count_tokens(threads, scoped.tenant_id, engine, probes, kind)
     longest = max(prompt_counts, default=0)
     if max_len:
         room = max_len - longest
@@ -287,6 +295,10 @@ async def prepare(
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
         canon_applied=canon.applied, tenant=scoped, extra=extra, miss_tracker=tracker, miss=miss,
     )
+
+
+def _count_all(engine: EngineClient, requests: list[GenerateRequest]) -> list[int]:
+    return [engine.count_prompt_tokens(r) for r in requests]
 
 
 def _context_error(max_len: int, prompt: int, asked: int, kind: str) -> OpenAIError:

@@ -142,9 +142,9 @@ class GatewaySettings(BaseModel):
     max_prompts: int = Field(64, ge=1)
     max_choices: int = Field(64, ge=1)
     max_prompt_chars: int = Field(1_000_000, ge=1)
-    # Prompt counting threads, and how many of them one tenant may hold at once.
-    tokenize_workers: int = Field(2, ge=1)
-    tokenize_per_tenant: int = Field(1, ge=1)
+    # Threads for tokenization and large canonicalizations, and how many one tenant may hold at once.
+    worker_threads: int = Field(2, ge=1)
+    worker_threads_per_tenant: int = Field(1, ge=1)
     auth_cache_ttl_s: float = 5.0
     # Node choice: hash this many bytes of the canonical prompt with the namespace (the shared prefix).
     route_prefix_bytes: int = Field(1024, ge=16)

@@ -31,7 +31,7 @@ async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any
                   settings: Any, metrics: Any, live: Any) -> Any:
     try:
         prep = await prepare(kind, body, ctx, tenancy=tenancy, router=router_, engine=engine, settings=settings,
-                             counter=request.app.state.prompt_counter,
+                             threads=request.app.state.tenant_threads,
                              tracker=getattr(request.app.state, "miss_tracker", None))
     except OpenAIError:
         _record_rejected(tenancy, ctx, body.model, kind)
