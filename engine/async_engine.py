@@ -118,6 +118,9 @@ class AsyncEngine:
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return len(self.engine.tokenize(request))
 
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        return self.engine.tokenize(request)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running end with finish_reason "abort"."""
         self._stopping = True

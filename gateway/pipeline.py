@@ -165,11 +165,11 @@ def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, setti
 _INLINE_CANON_CHARS = 65_536
 
 
-async def _count_tokens(threads: TenantThreads, tenant_id: str, engine: EngineClient,
-                        requests: list[GenerateRequest], kind: str) -> list[int]:
+async def _tokenize(threads: TenantThreads, tenant_id: str, engine: EngineClient,
+                    requests: list[GenerateRequest], kind: str) -> list[list[int]]:
     """Tokenize through the engine's chat template; a prompt it cannot render is the client's error."""
     try:
-        return await threads.run(tenant_id, _count_all, engine, requests)
+        return await threads.run(tenant_id, _tokenize_all, engine, requests)
     except EngineError:
         raise
     except Exception as exc:  # noqa: BLE001 - template/tokenizer errors carry the useful message
@@ -257,7 +257,10 @@ async def prepare(
                 ids = inp.get("prompt_token_ids")
                 if ids is not None and len(ids) >= max_len:
                     raise _context_error(max_len, len(ids), asked or 0, kind)
-        prompt_counts = await _count_tokens(threads, scoped.tenant_id, engine, probes, kind)
+        # Tokenized once: the engine gets the ids and skips its own tokenization (issue 17).
+        token_ids = await _tokenize(threads, scoped.tenant_id, engine, probes, kind)
+        prompt_counts = [len(ids) for ids in token_ids]
+        inputs = [{"prompt_token_ids": ids} for ids in token_ids]
     longest = max(prompt_counts, default=0)
     if max_len:
         room = max_len - longest
@@ -297,8 +300,8 @@ async def prepare(
     )
 
 
-def _count_all(engine: EngineClient, requests: list[GenerateRequest]) -> list[int]:
-    return [engine.count_prompt_tokens(r) for r in requests]
+def _tokenize_all(engine: EngineClient, requests: list[GenerateRequest]) -> list[list[int]]:
+    return [engine.tokenize(r) for r in requests]
 
 
 def _context_error(max_len: int, prompt: int, asked: int, kind: str) -> OpenAIError:

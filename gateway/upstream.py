@@ -195,6 +195,9 @@ class ProviderClient:
             return int(litellm.token_counter(model=self.provider, messages=list(request.messages)))
         return int(litellm.token_counter(model=self.provider, text=request.prompt or ""))
 
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        raise NotImplementedError("an upstream provider tokenizes with its own tokenizer")
+
 
 def scope_marker(namespace: bytes) -> str:
     """An opaque per-scope id for upstreams: 128 bits of SHA-256 over the namespace, so the upstream

@@ -283,7 +283,20 @@ def test_chat_template_failure_is_a_400(parts):
     def refuse(request):
         raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
 
-    engine.count_prompt_tokens = refuse
+    engine.tokenize = refuse  # the gateway tokenizes once, through the chat template
     err = assert_openai_error(client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"])), 400,
                               param="messages")
     assert "roles must alternate" in err["message"]
+
+
+def test_prompt_is_tokenized_once_and_ids_go_to_the_engine(parts):
+    """Issue 17: the gateway tokenizes (off the loop) and passes ids on; the engine does not tokenize again."""
+    client, engine, _, keys = parts
+    calls = []
+    tokenize = engine.tokenize
+    engine.tokenize = lambda request: calls.append(request) or tokenize(request)
+    r = client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=auth(keys["a"]))
+    assert r.status_code == 200, r.text
+    assert len(calls) == 1 and calls[0].messages is not None  # one prompt, one tokenization for both choices
+    sent = engine.requests[-2:]
+    assert all(g.messages is None and list(g.prompt_token_ids) == tokenize(calls[0]) for g in sent)
