@@ -25,7 +25,7 @@ from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
 from gateway.routes import completions, dashboard, internal, models, ops, usage
-from gateway.routing import Backend, Route, Router
+from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
 from gateway.upstream import DirectOpenAIClient, ProviderClient
@@ -98,9 +98,9 @@ def build_router(settings: GatewaySettings) -> Router:
                 tenant_prefix=rc.tenant_prefix, prompt_cache_key=rc.sends_prompt_cache_key,
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
             )
-            backends = [Backend(f"{rc.transport}:{rc.provider}", "provider", client, rc.provider)]
+            backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]
         else:
-            backends = [Backend(f"node:{url}", "node", RemoteEngineClient(url, rc.node_token), "")
+            backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
         routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len))
     return Router(routes, load_factor=settings.load_factor, prefix_bytes=settings.route_prefix_bytes)

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -40,6 +40,7 @@ from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
+from gateway.upstream import UpstreamRequest
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -61,7 +62,6 @@ class Prepared:
     include_usage: bool
     canon_applied: tuple[str, ...]
     tenant: Any  # the scoped TenantContext
-    extra: dict[str, Any] = field(default_factory=dict)
     # Cache-miss explanation: the tracker's view before the run, and after it (set by Accounting.record).
     miss_tracker: MissTracker | None = None
     miss: Observation | None = None
@@ -232,7 +232,7 @@ async def prepare(
     backend = router.resolve(req.model, engine, scoped.namespace, canon.body)
     stops = req.stop_list()
     extra: dict[str, Any] = {}
-    if backend.kind == "provider":
+    if backend.takes_openai_fields:
         extra = {k: body[k] for k in _PROVIDER_PASSTHROUGH if k in body}
     else:
         _reject_unsupported_local(req)
@@ -240,15 +240,15 @@ async def prepare(
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     inputs: list[dict[str, Any]]
     if isinstance(req, ChatCompletionRequest):
-        local = backend.kind != "provider"
+        local = not backend.takes_openai_fields
         inputs = [{"messages": [_message_dict(m, local=local) for m in req.messages], "tools": req.tools}]
     else:
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
     asked = req.effective_max_tokens()
-    max_len = router.max_model_len(backend) if backend.kind == "local" else None
+    max_len = router.max_model_len(backend) if backend.tokenizes_here else None
     prompt_counts: list[int] = []
-    if backend.kind == "local":
+    if backend.tokenizes_here:
         probe = SamplingParams(max_tokens=1)
         probes = [GenerateRequest(request_id=request_id, tenant=scoped, sampling=probe, model=backend.target_model,
                                   **inp) for inp in inputs]
@@ -284,10 +284,13 @@ async def prepare(
                 )
             except ValueError as exc:
                 raise invalid_request(str(exc)) from None
-            requests.append(GenerateRequest(
-                request_id=f"{request_id}-{p}-{i}", tenant=scoped, sampling=sampling,
-                model=backend.target_model or None, **inp,
-            ))
+            rid = f"{request_id}-{p}-{i}"
+            model = backend.target_model or None
+            if backend.takes_openai_fields:  # the same generate() call, with what only a provider reads
+                requests.append(UpstreamRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model,
+                                                passthrough=extra, incremental=req.stream, **inp))
+            else:
+                requests.append(GenerateRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model, **inp))
 
     miss = None
     if tracker is not None and kind == "chat":
@@ -296,7 +299,7 @@ async def prepare(
     return Prepared(
         kind=kind, request_id=request_id, created=now(), model=req.model, backend=backend, requests=requests,
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
-        canon_applied=canon.applied, tenant=scoped, extra=extra, miss_tracker=tracker, miss=miss,
+        canon_applied=canon.applied, tenant=scoped, miss_tracker=tracker, miss=miss,
     )
 
 
@@ -332,11 +335,7 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
             used[i] = backend
             started = False
             try:
-                if backend.kind == "provider":
-                    stream = backend.client.stream(gr, prep.extra, incremental=prep.stream)
-                else:
-                    stream = backend.client.generate(gr)
-                async for out in stream:
+                async for out in backend.client.generate(gr):
                     started = True
                     await queue.put((i, out))
             except asyncio.CancelledError:
@@ -446,7 +445,7 @@ class Accounting:
         latency = time.perf_counter() - self.start
         # The ledger and the price use the model that did the work: for a provider route that is the
         # provider's model (priced from litellm's map), not the alias the client sent.
-        model = prep.backend.target_model if prep.backend.kind == "provider" else prep.model
+        model = prep.backend.target_model if prep.backend.takes_openai_fields else prep.model
         price = self.tenancy.price(model, prompt, cached, completion)
         cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutput
@@ -30,6 +30,19 @@ class ProviderOutput(RequestOutput):
     """A ``RequestOutput`` that may also carry streamed tool-call deltas (OpenAI chunk shape)."""
 
     tool_call_deltas: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class UpstreamRequest(GenerateRequest):
+    """A ``GenerateRequest`` with what only a provider can use, so that every backend is driven by the
+    same ``generate(request)`` call.
+
+    passthrough: OpenAI fields forwarded as they are (tool_choice, response_format, ...).
+    incremental: stream from the upstream (the client asked to stream); False makes one whole call.
+    """
+
+    passthrough: Mapping[str, Any] = field(default_factory=dict)
+    incremental: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,10 +150,14 @@ class ProviderClient:
         return scoped_prompt(request.prompt, request.tenant.namespace) if self.tenant_prefix else request.prompt
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        async for out in self.stream(request, {}):
+        """The ``EngineClient`` call; an ``UpstreamRequest`` adds pass-through fields and the stream choice."""
+        upstream = request if isinstance(request, UpstreamRequest) else None
+        extra = dict(upstream.passthrough) if upstream is not None else {}
+        incremental = upstream.incremental if upstream is not None else True
+        async for out in self._outputs(request, extra, incremental=incremental):
             yield out
 
-    async def stream(
+    async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
     ) -> AsyncIterator[RequestOutput]:
         """Outputs for ``request``. ``incremental=False`` (the client did not ask to stream) makes one
@@ -331,7 +348,7 @@ class DirectOpenAIClient(ProviderClient):
             raise _http_error(resp.status_code, resp.text)
         return resp.json()
 
-    async def stream(
+    async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
     ) -> AsyncIterator[RequestOutput]:
         body = self._body(request, extra)
