@@ -204,3 +204,17 @@ def test_canon_refuses_deep_bodies_with_a_value_error() -> None:
     ok = {"messages": [{"role": "user", "content": "x"}], "extra": _deep(MAX_DEPTH - 2)}
     assert json_depth(ok) == MAX_DEPTH
     assert canonicalize(ok, "reorder").body["extra"] == ok["extra"]
+
+
+def test_scan_counts_text_and_names_where_it_failed() -> None:
+    from pydantic_core import PydanticCustomError
+
+    from gateway.ingress import MAX_DEPTH, MAX_ITEMS, scan
+
+    shape = scan({"ab": [{"c": "déf"}, 1, 2.5, None], "ids": list(range(10_000))})
+    assert (shape.depth, shape.chars) == (3, len("ab") + len("c") + len("déf") + len("ids"))
+    for bad, where in (({"a": [{"b": "x\ud800"}]}, "a.0.b"), ({"k\udfff": 1}, "body"),
+                       ({"p": ["s"] * (MAX_ITEMS + 1)}, "p"), (_deep(MAX_DEPTH + 1), "a")):
+        with pytest.raises(PydanticCustomError) as info:
+            scan(bad)
+        assert info.value.context["param"] == where, (where, info.value.context)
