@@ -8,18 +8,21 @@ configured routes — and closes all of it on shutdown (flushing the usage ledge
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.protocol import EngineClient
-from gateway.errors import OpenAIError, install_error_handlers
+from gateway.deps import bearer_key
+from gateway.errors import OpenAIError, install_error_handlers, validation_error
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
@@ -31,6 +34,9 @@ from gateway.tenant_threads import TenantThreads
 from gateway.upstream import DirectOpenAIClient, ProviderClient
 
 log = logging.getLogger("prefixgate.gateway")
+
+# Routes whose refused bodies count against the rate limit (the ones that do the costly work).
+_CHARGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class BodySizeLimit:
@@ -186,6 +192,16 @@ def create_app(
     @app.exception_handler(TenancyError)
     async def _tenancy(_: Any, exc: TenancyError) -> Any:
         return tenancy_error(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError) -> Any:
+        """A body the schema refuses still takes a place in its tenant's rate limit (issue 16.9)."""
+        tenancy_now = app.state.tenancy
+        key = bearer_key(request.headers.get("authorization"))
+        if tenancy_now is not None and key is not None and request.url.path in _CHARGED_PATHS:
+            with contextlib.suppress(TenancyError):  # unknown key, or already over its limit
+                tenancy_now.admit(tenancy_now.authenticate(key), estimated_tokens=0)
+        return validation_error(exc).response()
 
     for module in (completions, models, usage, ops, dashboard, internal):
         app.include_router(module.router)

@@ -111,6 +111,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     return f"Invalid value{where}: {msg}.", param, "invalid_value"
 
 
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    message, param, code = _validation_message(exc)
+    return OpenAIError(400, message, param=param, code=code)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception type the app can raise to the OpenAI envelope."""
 
@@ -120,8 +125,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param, code = _validation_message(exc)
-        return OpenAIError(400, message, param=param, code=code).response()
+        return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

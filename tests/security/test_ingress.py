@@ -92,6 +92,15 @@ def test_refused_requests_count_against_the_rate_limit(gateway) -> None:
             429, "rate_limit_exceeded")
 
 
+def test_bodies_the_schema_refuses_count_against_the_rate_limit(gateway) -> None:
+    """16.9: a 400 from the schema (here: nesting) also takes a request of the minute."""
+    client, _, app = gateway
+    key = app.state.tenancy.create_tenant(f"rpm-schema-{uuid.uuid4().hex[:8]}", rpm=2).api_key
+    for _ in range(2):
+        _expect(_post(client, key, _chat(extra_field=_deep(100))), 400)
+    _expect(_post(client, key, _chat()), 429, "rate_limit_exceeded")
+
+
 def test_stored_client_strings_are_bounded(gateway) -> None:
     """16.9: a 3 MB model name (or user, or prompt_cache_key) is a 400, never a stored ledger row."""
     client, keys, app = gateway
