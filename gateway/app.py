@@ -102,6 +102,7 @@ def build_router(settings: GatewaySettings) -> Router:
             client = client_cls(
                 rc.provider, api_base=rc.api_base, api_key=rc.api_key, cache_salt=rc.sends_cache_salt,
                 tenant_prefix=rc.tenant_prefix, prompt_cache_key=rc.sends_prompt_cache_key,
+                tenant_api_keys=rc.tenant_api_keys, shared_api_key=rc.shared_api_key,
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
             )
             backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]

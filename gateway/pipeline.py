@@ -288,7 +288,8 @@ async def prepare(
             model = backend.target_model or None
             if backend.takes_openai_fields:  # the same generate() call, with what only a provider reads
                 requests.append(UpstreamRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model,
-                                                passthrough=extra, incremental=req.stream, **inp))
+                                                passthrough=extra, incremental=req.stream,
+                                                tenant_name=scoped.name, **inp))
             else:
                 requests.append(GenerateRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model, **inp))
 

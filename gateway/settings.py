@@ -66,6 +66,10 @@ class RouteConfig(BaseModel):
     cache_salt: bool | None = None
     tenant_prefix: bool = True
     prompt_cache_key: bool | None = None
+    # Per-tenant upstream accounts (separate caches at the provider): tenant name -> the environment
+    # variable with that tenant's own key. shared_api_key = false: tenants without one get a 403.
+    tenant_api_key_envs: dict[str, str] = Field(default_factory=dict)
+    shared_api_key: bool = True
     extra_body: dict[str, Any] = Field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     node_token_env: str | None = None
@@ -105,6 +109,11 @@ class RouteConfig(BaseModel):
     @property
     def sends_prompt_cache_key(self) -> bool:
         return self.hosted_openai if self.prompt_cache_key is None else self.prompt_cache_key
+
+    @property
+    def tenant_api_keys(self) -> dict[str, str]:
+        """Tenant name -> its own upstream key (tenants whose variable is unset are left out)."""
+        return {name: os.environ[env] for name, env in self.tenant_api_key_envs.items() if os.environ.get(env)}
 
     @property
     def api_key(self) -> str | None:
