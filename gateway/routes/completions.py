@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
-from gateway.errors import OpenAIError
 from gateway.pipeline import Accounting, prepare
 from gateway.ports import UsageRecord
 from gateway.responder import respond
@@ -33,7 +32,7 @@ async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any
         prep = await prepare(kind, body, ctx, tenancy=tenancy, router=router_, engine=engine, settings=settings,
                              threads=request.app.state.tenant_threads,
                              tracker=getattr(request.app.state, "miss_tracker", None))
-    except OpenAIError:
+    except Exception:  # a refusal (OpenAIError) or a bug: either way the request gets its one row
         _record_rejected(tenancy, ctx, body.model, kind)
         raise
     return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request)
