@@ -2,7 +2,8 @@
 
     event loop (gateway)                         engine thread
     ---------------------                        -------------
-    generate(req): prepare (tokenize, validate)
+    generate(req): prepare (tokenize, validate:
+                   in the tokenizer thread for text)
                    queue "add" + wake  ───────►  drain adds/aborts
                                                  step() while requests are unfinished
     await per-request asyncio.Queue  ◄─────────  loop.call_soon_threadsafe(queue.put_nowait, out)
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.llm_engine import LLMEngine
@@ -56,6 +58,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
+        # One thread: the engine's tokenizer lock lets one encode run at a time anyway; the gateway
+        # bounds how many of these one tenant queues (gateway.tenant_threads).
+        self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixgate-tokenize")
         self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
         self._thread.start()
 
@@ -64,9 +69,13 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
-        if request.sampling.guided is not None or request.sampling.logprobs is not None:
-            # compiling a grammar (or the first token-bytes table) can take a while: off the loop
-            req = await asyncio.to_thread(self.engine.prepare, request)
+        # Tokenizing text can take seconds, and compiling a grammar (or the first token-bytes table)
+        # a while: both in the tokenizer thread, so the event loop keeps serving (issue 16.2). Token
+        # ids alone only need a bounds check, which is cheaper than the thread hop.
+        if (request.prompt_token_ids is None or request.sampling.guided is not None
+                or request.sampling.logprobs is not None):
+            loop = asyncio.get_running_loop()
+            req = await loop.run_in_executor(self._tokenizer, self.engine.prepare, request)
         else:
             req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
         loop = asyncio.get_running_loop()
@@ -112,11 +121,15 @@ class AsyncEngine:
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return len(self.engine.tokenize(request))
 
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        return self.engine.tokenize(request)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running end with finish_reason "abort"."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ engine thread
 

@@ -284,3 +284,12 @@ class EngineClient(Protocol):
     def models(self) -> list[ModelCard]: ...
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int: ...
+
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids exactly as ``generate`` would compute them (chat template applied).
+
+        Blocking, and slow for long prompts: call it off the event loop. Sending the ids back as
+        ``prompt_token_ids`` lets ``generate`` skip tokenizing again. A client without the model's
+        tokenizer in this process (remote node, upstream provider) raises ``NotImplementedError``.
+        """
+        ...

@@ -9,6 +9,7 @@ configured routes — and closes all of it on shutdown (flushing the usage ledge
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -17,23 +18,28 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.protocol import EngineClient
+from gateway.deps import bearer_key
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
 from gateway.routes import completions, dashboard, internal, models, ops, usage
-from gateway.routing import Backend, Route, Router
+from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.settings import GatewaySettings
+from gateway.tenant_threads import TenantThreads
 from gateway.timeseries import TimeSeries
 from gateway.upstream import DirectOpenAIClient, ProviderClient
 
 log = logging.getLogger("prefixgate.gateway")
+
+# Routes whose refused bodies count against the rate limit (the ones that do the costly work).
+_CHARGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class BodySizeLimit:
@@ -97,12 +103,14 @@ def build_router(settings: GatewaySettings) -> Router:
         if rc.provider:
             client_cls = DirectOpenAIClient if rc.transport == "direct" else ProviderClient
             client = client_cls(
-                rc.provider, api_base=rc.api_base, api_key=rc.api_key, cache_salt=rc.cache_salt,
+                rc.provider, api_base=rc.api_base, api_key=rc.api_key, cache_salt=rc.sends_cache_salt,
+                tenant_prefix=rc.tenant_prefix, prompt_cache_key=rc.sends_prompt_cache_key,
+                tenant_api_keys=rc.tenant_api_keys, shared_api_key=rc.shared_api_key,
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
             )
-            backends = [Backend(f"{rc.transport}:{rc.provider}", "provider", client, rc.provider)]
+            backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]
         else:
-            backends = [Backend(f"node:{url}", "node", RemoteEngineClient(url, rc.node_token), "")
+            backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
         routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len))
     return Router(routes, load_factor=settings.load_factor, prefix_bytes=settings.route_prefix_bytes)
@@ -199,7 +207,20 @@ def create_app(
     app.state.timeseries = TimeSeries(registry, app.state.live_stats)  # the dashboard's charts
     app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)
     app.state.router = build_router(settings)
-    install_error_handlers(app, on_invalid_body=completions.record_invalid_body)
+    app.state.tenant_threads = TenantThreads(
+        workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
+
+    def _on_invalid_body(request: Request, error: OpenAIError) -> None:
+        """A body the schema refuses still takes a place in its tenant's rate limit (issue 16.9),
+        and gets its ledger row and outcome count like any refused request (issue 21)."""
+        tenancy_now = app.state.tenancy
+        key = bearer_key(request.headers.get("authorization"))
+        if tenancy_now is not None and key is not None and request.url.path in _CHARGED_PATHS:
+            with contextlib.suppress(TenancyError):  # unknown key, or already over its limit
+                tenancy_now.admit(tenancy_now.authenticate(key), estimated_tokens=0)
+        completions.record_invalid_body(request, error)
+
+    install_error_handlers(app, on_invalid_body=_on_invalid_body)
 
     @app.exception_handler(TenancyError)
     async def _tenancy(_: Any, exc: TenancyError) -> Any:

@@ -96,6 +96,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
             "invalid_json",
         )
     param = ".".join(loc) or None
+    if first.get("type") == "body_limit":  # gateway.ingress: depth, lone surrogates, sizes
+        ctx = first.get("ctx") or {}
+        return f"Invalid request: {ctx.get('message')}.", param or ctx.get("param"), "invalid_value"
     msg = first.get("msg", "invalid value")
     if param is None:  # the body as a whole: not a JSON object (or sent without a JSON content type)
         return (
@@ -107,6 +110,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
     where = f" at '{param}'" if param else ""
     return f"Invalid value{where}: {msg}.", param, "invalid_value"
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    message, param, code = _validation_message(exc)
+    return OpenAIError(400, message, param=param, code=code)
 
 
 RejectedHook = Callable[[Request, OpenAIError], None]
@@ -126,8 +134,7 @@ def install_error_handlers(app: FastAPI, on_invalid_body: RejectedHook | None = 
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param, code = _validation_message(exc)
-        error = OpenAIError(400, message, param=param, code=code)
+        error = validation_error(exc)
         if on_invalid_body is not None:
             try:
                 on_invalid_body(request, error)

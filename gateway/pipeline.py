@@ -12,12 +12,14 @@ The chat and completions routers only format what these produce.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 
@@ -30,6 +32,7 @@ from engine.protocol import (
     SamplingParams,
 )
 from gateway.errors import OpenAIError, invalid_request
+from gateway.ingress import effective_temperature
 from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_status
 from gateway.miss_tracker import MissRecord, MissTracker, Observation, header_value, usage_fields
 from gateway.ports import (
@@ -44,7 +47,9 @@ from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
 from gateway.settings import GatewaySettings
 from gateway.structured_output import guided_for_response_format
+from gateway.tenant_threads import TenantThreads
 from gateway.tool_calls import ToolPlan, plan_tools
+from gateway.upstream import UpstreamRequest
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -66,7 +71,6 @@ class Prepared:
     include_usage: bool
     canon_applied: tuple[str, ...]
     tenant: Any  # the scoped TenantContext
-    extra: dict[str, Any] = field(default_factory=dict)
     # Cache-miss explanation: the tracker's view before the run, and after it (set by Accounting.record).
     miss_tracker: MissTracker | None = None
     miss: Observation | None = None
@@ -90,7 +94,17 @@ class Prepared:
         cache = header_value(self.cached_tokens, self.miss_record, predicted)
         if cache != "none":
             headers["x-prefixgate-cache"] = cache
-        return headers
+        return {name: header_text(value) for name, value in headers.items()}
+
+
+# HTTP header values are latin-1 on the wire (and non-ASCII is unsafe in practice): the break detail
+# quotes the client's prompt ("user_имя"), which made the response itself fail with a 500 (issue 16.4).
+_HEADER_SAFE = " !#$&'()*+,/:;=?@[]~"
+
+
+def header_text(value: str) -> str:
+    """``value`` as printable ASCII: anything else percent-encoded as UTF-8 (RFC 3986 style)."""
+    return value if value.isascii() and value.isprintable() and "%" not in value else quote(value, safe=_HEADER_SAFE)
 
 
 def _message_dict(m: Any, *, local: bool) -> dict[str, Any]:
@@ -196,10 +210,39 @@ def local_features(req: ChatCompletionRequest | CompletionRequest) -> LocalFeatu
     return LocalFeatures(tools, guided or tools.guided, logprobs, bias)
 
 
-def _count_tokens(engine: EngineClient, request: GenerateRequest, kind: str) -> int:
+def _charge_rejected(tenancy: TenancyPort, scoped: Any) -> None:
+    """A request refused before admission still takes its place in the rate limit (issue 16.9), so
+    that an over-limit tenant cannot make the gateway validate huge bodies for free."""
+    with contextlib.suppress(QuotaExceededError):  # already over: the refusal stands as it is
+        tenancy.admit(scoped, estimated_tokens=0)
+
+
+def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings,
+                prompts: int) -> None:
+    """The work a request asks for, bounded before any of it is done (issue 16.2)."""
+    param = "messages" if kind == "chat" else "prompt"
+    if req.n > settings.max_n:
+        raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n")
+    if prompts > settings.max_prompts:
+        raise invalid_request(f"at most {settings.max_prompts} prompts per request, got {prompts}", param=param)
+    if prompts * req.n > settings.max_choices:
+        raise invalid_request(
+            f"prompts x n must be at most {settings.max_choices}, got {prompts} x {req.n}", param="n")
+    if req.text_chars > settings.max_prompt_chars:
+        raise invalid_request(
+            f"the request holds {req.text_chars} characters of text; the limit is {settings.max_prompt_chars}",
+            param=param, code="request_too_large")
+
+
+# Text below this is canonicalized inline: a thread hop costs more than the work (~1 ms at 64k chars).
+_INLINE_CANON_CHARS = 65_536
+
+
+async def _tokenize(threads: TenantThreads, tenant_id: str, engine: EngineClient,
+                    requests: list[GenerateRequest], kind: str) -> list[list[int]]:
     """Tokenize through the engine's chat template; a prompt it cannot render is the client's error."""
     try:
-        return engine.count_prompt_tokens(request)
+        return await threads.run(tenant_id, _tokenize_all, engine, requests)
     except EngineError:
         raise
     except Exception as exc:  # noqa: BLE001 - template/tokenizer errors carry the useful message
@@ -209,7 +252,7 @@ def _count_tokens(engine: EngineClient, request: GenerateRequest, kind: str) -> 
         ) from None
 
 
-def prepare(
+async def prepare(
     kind: str,
     req: ChatCompletionRequest | CompletionRequest,
     ctx: Any,
@@ -218,31 +261,52 @@ def prepare(
     router: Router,
     engine: EngineClient | None,
     settings: GatewaySettings,
+    threads: TenantThreads,
     tracker: MissTracker | None = None,
 ) -> Prepared:
-    """Validate, canonicalize, route, size and admit a request. Raises ``OpenAIError``.
+    """Bound, admit, canonicalize, route and size a request. Raises ``OpenAIError``.
 
+    Order matters: everything before ``tenancy.admit`` is O(1) or already bounded by the body
+    size; tokenization (seconds for a long prompt) runs after admission, off the event loop.
     With a ``tracker``, an admitted chat request is compared with its family's recent requests
     (the canonical body, as the backend will see it) to explain a cache break.
     """
     scoped = tenancy.scope_for(ctx, req.user)
+    prompts = req.prompts() if isinstance(req, CompletionRequest) else []
+    max_tokens_asked = req.effective_max_tokens()
+    try:
+        _check_size(kind, req, settings, len(prompts) or 1)
+        if isinstance(req, CompletionRequest) and not prompts:
+            raise invalid_request("prompt must not be empty", param="prompt")
+    except OpenAIError:
+        _charge_rejected(tenancy, scoped)
+        raise
+    choices = (len(prompts) or 1) * req.n
+    # Admission before any costly work, on an estimate (~4 characters a token, as for providers);
+    # the ledger row records the real counts.
+    estimated = req.text_chars // 4 + (max_tokens_asked or settings.default_max_tokens) * choices
+    try:
+        tenancy.admit(scoped, estimated_tokens=estimated)
+    except QuotaExceededError as exc:
+        raise quota_error(exc) from None
+
     body = req.model_dump(exclude_unset=True)
     body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
     # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
     mode = getattr(scoped, "canon_mode", "off") if kind == "chat" else "off"
-    canon = canonicalize(body, mode, getattr(scoped, "per_user_vars", ()))
+    per_user_vars = getattr(scoped, "per_user_vars", ())
+    if mode != "off" and req.text_chars > _INLINE_CANON_CHARS:  # reorder's regexes are linear in the text
+        canon = await threads.run(scoped.tenant_id, canonicalize, body, mode, per_user_vars)
+    else:
+        canon = canonicalize(body, mode, per_user_vars)
     if canon.applied:  # a transform changed the body; otherwise re-validating it (~90 us) rebuilds the same req
         req = type(req).model_validate(canon.body)
 
     backend = router.resolve(req.model, engine, scoped.namespace, canon.body)
-    if req.n > settings.max_n:
-        raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n")
     stops = req.stop_list()
-    if len(stops) > 4:
-        raise invalid_request("stop accepts at most 4 sequences", param="stop")
     extra: dict[str, Any] = {}
     features: LocalFeatures | None = None
-    if backend.kind == "provider":
+    if backend.takes_openai_fields:
         extra = {k: body[k] for k in _PROVIDER_PASSTHROUGH if k in body}
     else:
         _reject_unsupported_local(req)
@@ -251,46 +315,45 @@ def prepare(
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     inputs: list[dict[str, Any]]
     if isinstance(req, ChatCompletionRequest):
-        local = backend.kind != "provider"
+        local = not backend.takes_openai_fields
         tools = features.tools.tools if features is not None else req.tools
         inputs = [{"messages": [_message_dict(m, local=local) for m in req.messages], "tools": tools}]
     else:
-        prompts = req.prompts()
-        if not prompts:
-            raise invalid_request("prompt must not be empty", param="prompt")
-        inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+        inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
     asked = req.effective_max_tokens()
-    max_len = router.max_model_len(backend) if backend.kind == "local" else None
+    max_len = router.max_model_len(backend) if backend.tokenizes_here else None
     prompt_counts: list[int] = []
-    if backend.kind == "local":
+    if backend.tokenizes_here:
         probe = SamplingParams(max_tokens=1)
-        for inp in inputs:
-            gr = GenerateRequest(request_id=request_id, tenant=scoped, sampling=probe, model=backend.target_model, **inp)
-            prompt_counts.append(_count_tokens(engine, gr, kind))
+        probes = [GenerateRequest(request_id=request_id, tenant=scoped, sampling=probe, model=backend.target_model,
+                                  **inp) for inp in inputs]
+        if max_len:  # token ids need no tokenizer: a list longer than the context fails without one
+            for inp in inputs:
+                ids = inp.get("prompt_token_ids")
+                if ids is not None and len(ids) >= max_len:
+                    raise _context_error(max_len, len(ids), asked or 0, kind)
+        # Tokenized once: the engine gets the ids and skips its own tokenization (issue 17).
+        token_ids = await _tokenize(threads, scoped.tenant_id, engine, probes, kind)
+        prompt_counts = [len(ids) for ids in token_ids]
+        inputs = [{"prompt_token_ids": ids} for ids in token_ids]
     longest = max(prompt_counts, default=0)
     if max_len:
         room = max_len - longest
         if asked is None:
             asked = min(settings.default_max_tokens, room)
         if room < 1 or asked > room:
-            raise OpenAIError(
-                400,
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{longest + (asked or 0)} tokens ({longest} in the messages, {asked or 0} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                code="context_length_exceeded",
-                param="messages" if kind == "chat" else "prompt",
-            )
+            raise _context_error(max_len, longest, asked or 0, kind)
     max_tokens = asked or settings.default_max_tokens
 
+    temperature = effective_temperature(1.0 if req.temperature is None else req.temperature)
     requests: list[GenerateRequest] = []
     for p, inp in enumerate(inputs):
         for i in range(req.n):
             try:
                 sampling = SamplingParams(
                     max_tokens=max_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
+                    temperature=temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
                     seed=None if req.seed is None else req.seed + i,  # n samples must differ
                     stop=stops,
@@ -300,18 +363,14 @@ def prepare(
                 )
             except ValueError as exc:
                 raise invalid_request(str(exc)) from None
-            requests.append(GenerateRequest(
-                request_id=f"{request_id}-{p}-{i}", tenant=scoped, sampling=sampling,
-                model=backend.target_model or None, **inp,
-            ))
-
-    estimated = sum(prompt_counts) * req.n + max_tokens * len(requests)
-    if not prompt_counts:  # providers/nodes: a cheap estimate from the body size (~4 bytes a token)
-        estimated = len(str(canon.body)) // 4 + max_tokens * len(requests)
-    try:
-        tenancy.admit(scoped, estimated_tokens=estimated)
-    except QuotaExceededError as exc:
-        raise quota_error(exc) from None
+            rid = f"{request_id}-{p}-{i}"
+            model = backend.target_model or None
+            if backend.takes_openai_fields:  # the same generate() call, with what only a provider reads
+                requests.append(UpstreamRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model,
+                                                passthrough=extra, incremental=req.stream,
+                                                tenant_name=scoped.name, **inp))
+            else:
+                requests.append(GenerateRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model, **inp))
 
     miss = None
     if tracker is not None and kind == "chat":
@@ -320,8 +379,23 @@ def prepare(
     return Prepared(
         kind=kind, request_id=request_id, created=now(), model=req.model, backend=backend, requests=requests,
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
-        canon_applied=canon.applied, tenant=scoped, extra=extra, miss_tracker=tracker, miss=miss,
+        canon_applied=canon.applied, tenant=scoped, miss_tracker=tracker, miss=miss,
         tool_parsing=bool(features and features.tools.parse), logprobs=features.logprobs if features else None,
+    )
+
+
+def _tokenize_all(engine: EngineClient, requests: list[GenerateRequest]) -> list[list[int]]:
+    return [engine.tokenize(r) for r in requests]
+
+
+def _context_error(max_len: int, prompt: int, asked: int, kind: str) -> OpenAIError:
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). "
+        "Please reduce the length of the messages or completion.",
+        code="context_length_exceeded",
+        param="messages" if kind == "chat" else "prompt",
     )
 
 
@@ -342,11 +416,7 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
             used[i] = backend
             started = False
             try:
-                if backend.kind == "provider":
-                    stream = backend.client.stream(gr, prep.extra, incremental=prep.stream)
-                else:
-                    stream = backend.client.generate(gr)
-                async for out in stream:
+                async for out in backend.client.generate(gr):
                     started = True
                     await queue.put((i, out))
             except asyncio.CancelledError:
@@ -405,6 +475,7 @@ class Accounting:
         self.last: dict[int, RequestOutput] = {}
         self.completion_seen: dict[int, int] = {}
         self.recorded = False
+        self.settled = False
 
     def observe(self, i: int, out: RequestOutput) -> None:
         if self.ttft is None and (out.new_text or out.new_token_ids or out.finished):
@@ -425,6 +496,19 @@ class Accounting:
     def usage_dict(self) -> dict[str, Any]:
         return usage_dict(*self.usage())
 
+    def settle(self) -> None:
+        """Fix the cached tokens and the cache-break explanation of a finished request (once); the
+        whole response's headers carry both, so this runs before they are built."""
+        if self.settled:
+            return
+        self.settled = True
+        prep = self.prep
+        prompt, cached, _ = self.usage()
+        prep.cached_tokens = cached
+        if prep.miss is not None and prep.miss_tracker is not None:
+            prep.miss_record = prep.miss_tracker.settle(
+                prep.miss, request_id=prep.request_id, prompt_tokens=prompt, cached_tokens=cached)
+
     def record(self, status: str) -> None:
         """Write the ledger row, metrics and dashboard totals once. A ledger failure is logged with
         the request id, never turned into an error for a response that has already been produced."""
@@ -442,15 +526,14 @@ class Accounting:
         latency = time.perf_counter() - self.start
         # The ledger and the price use the model that did the work: for a provider route that is the
         # provider's model (priced from litellm's map), not the alias the client sent.
-        model = prep.backend.target_model if prep.backend.kind == "provider" else prep.model
+        model = prep.backend.target_model if prep.backend.takes_openai_fields else prep.model
         price = self.tenancy.price(model, prompt, cached, completion)
         cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)
         t = prep.tenant
         prep.cached_tokens = cached
-        if status == "ok" and prep.miss is not None and prep.miss_tracker is not None:
-            prep.miss_record = prep.miss_tracker.settle(
-                prep.miss, request_id=prep.request_id, prompt_tokens=prompt, cached_tokens=cached)
+        if status == "ok":
+            self.settle()
         self.tenancy.record_usage(UsageRecord(
             request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,

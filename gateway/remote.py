@@ -105,5 +105,8 @@ class RemoteEngineClient:
             raise _error_from_response(resp.status_code, resp.content)
         return int(resp.json()["prompt_tokens"])
 
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        raise NotImplementedError("an engine node tokenizes its own requests")
+
     async def aclose(self) -> None:
         await self._http.aclose()

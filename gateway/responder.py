@@ -42,19 +42,74 @@ def _check(out: Any) -> None:
 async def respond(prep: Prepared, router: Router, acct: Accounting, request: Request) -> Any:
     fmt = ChatFormat(prep) if prep.kind == "chat" else CompletionFormat(prep)
     if prep.stream:
-        return StreamingResponse(
-            _stream(prep, router, acct, fmt), media_type="text/event-stream",
-            headers={**prep.headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
+        return await _stream_response(prep, router, acct, fmt, request)
     return await _whole(prep, router, acct, fmt, request)
 
 
-async def _stream(prep: Prepared, router: Router, acct: Accounting, fmt: Any) -> AsyncIterator[bytes]:
+class _Disconnected(Exception):
+    """The client went away before the first output."""
+
+
+async def _first_or_disconnect(outputs: AsyncIterator[tuple[int, Any]], request: Request) -> tuple[int, Any] | None:
+    """The first output (None if the stream is empty), raising ``_Disconnected`` if the client leaves first."""
+    first = asyncio.ensure_future(anext(outputs, None))
+    gone = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            raise _Disconnected
+        return first.result()
+    finally:
+        gone.cancel()
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+
+
+async def _stream_response(prep: Prepared, router: Router, acct: Accounting, fmt: Any,
+                           request: Request) -> Any:
+    """An SSE response whose status line waits for the first output or the error (issue 17).
+
+    A backend that fails before its first token (rate-limited upstream, engine overloaded,
+    prompt too long for a node) answers with its real HTTP status, so SDK retries work; only an
+    error after the first token goes in-band, as OpenAI does.
+    """
+    outputs = run_choices(prep, router)
+    try:
+        first = await _first_or_disconnect(outputs, request)
+        if first is not None:
+            _check(first[1])
+    except _Disconnected:
+        await outputs.aclose()
+        acct.record("aborted")
+        return _client_gone()
+    except BaseException as exc:
+        await outputs.aclose()
+        acct.record("error")
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        raise engine_failure(exc) from None
+    try:
+        headers = {**prep.headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        return StreamingResponse(_stream(prep, acct, fmt, outputs, first), media_type="text/event-stream",
+                                 headers=headers)
+    except BaseException:
+        await outputs.aclose()
+        acct.record("error")
+        raise
+
+
+async def _stream(prep: Prepared, acct: Accounting, fmt: Any, outputs: AsyncIterator[tuple[int, Any]],
+                  first: tuple[int, Any] | None) -> AsyncIterator[bytes]:
     status = "aborted"  # if the client leaves, the generator is cancelled before status changes
     try:
         # aclosing: leaving early (disconnect, error) must close run_choices now, which aborts the
         # engine requests, before the ledger row is written below.
-        async with aclosing(run_choices(prep, router)) as outputs:
+        async with aclosing(outputs):
+            if first is not None:
+                acct.observe(*first)
+                for chunk in fmt.chunks(*first):
+                    yield _sse(chunk)
             async for i, out in outputs:
                 _check(out)
                 acct.observe(i, out)
@@ -64,7 +119,7 @@ async def _stream(prep: Prepared, router: Router, acct: Accounting, fmt: Any) ->
             yield _sse(fmt.usage_chunk(acct.usage_dict()))
         status = "ok"
         yield b"data: [DONE]\n\n"
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, as OpenAI does
         status = "error"
         yield _sse(engine_failure(exc).body())
         yield b"data: [DONE]\n\n"
@@ -78,6 +133,11 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _client_gone() -> JSONResponse:
+    return JSONResponse({"error": {"message": "client disconnected", "type": "server_error",
+                                   "param": None, "code": "client_closed_request"}}, status_code=499)
 
 
 async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: Any, request: Request) -> JSONResponse:
@@ -98,8 +158,7 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: Any, req
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             acct.record("aborted")
-            return JSONResponse({"error": {"message": "client disconnected", "type": "server_error",
-                                           "param": None, "code": "client_closed_request"}}, status_code=499)
+            return _client_gone()
         exc = work.exception()
         if exc is not None:
             acct.record("error")
@@ -108,5 +167,13 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: Any, req
         gone.cancel()
         if not work.done():
             work.cancel()
+    # Build the whole response before the row says "ok": a response that cannot be rendered is an error.
+    try:
+        usage = acct.usage_dict()
+        acct.settle()  # cached tokens and the settled break feed the headers
+        response = JSONResponse(fmt.whole(acc, usage), headers=prep.headers)
+    except BaseException:
+        acct.record("error")
+        raise
     acct.record("ok")
-    return JSONResponse(fmt.whole(acc, acct.usage_dict()), headers=prep.headers)
+    return response

@@ -15,7 +15,14 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from gateway.ingress import body_limit, scan
+
+# Strings that are stored per request (ledger rows, miss families) or echoed: bounded at ingress so
+# that a rejected request cannot store megabytes (issue 16.9). OpenAI caps `user` at 256 too.
+MAX_NAME_CHARS = 256
+MAX_STOP_CHARS = 1024
 
 
 class StreamOptions(BaseModel):
@@ -26,20 +33,47 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS)
     logprobs: Any = None  # chat: bool; completions: int 0..5 (the subclasses narrow it)
     logit_bias: dict[str, float] | None = None  # token id (as a string key) -> bias in [-100, 100]
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    _text_chars: int = PrivateAttr(0)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _bounded(cls, data: Any, handler: Any) -> Any:
+        """Depth, text validity and size of the raw body first, before any field is built from it."""
+        shape = scan(data) if isinstance(data, dict) else None
+        model = handler(data)
+        if shape is not None:
+            model._text_chars = shape.chars
+        return model
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4:
+            raise body_limit("stop accepts at most 4 sequences", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise body_limit(f"each stop sequence may have at most {MAX_STOP_CHARS} characters", "stop")
+        return stop
+
+    @property
+    def text_chars(self) -> int:
+        """Characters in every string of the body as received (``ingress.scan``)."""
+        return self._text_chars
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -55,6 +89,19 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_are_text(cls, content: Any) -> Any:
+        """A part of type "text" carries a string (a number or object there used to be a 500)."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type")
+                if not isinstance(kind, str):
+                    raise body_limit(f"content part {i} needs a string 'type'", "content")
+                if kind == "text" and not isinstance(part.get("text"), str):
+                    raise body_limit(f"content part {i} of type 'text' needs a string 'text'", "content")
+        return content
 
 
 class ChatCompletionRequest(_Common):

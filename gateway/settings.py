@@ -20,7 +20,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     provider = "openai/gpt-4o-mini"
     api_base = "https://api.openai.com/v1"
     api_key_env = "OPENAI_API_KEY"
-    cache_salt = false          # true: send the tenant namespace (hex) as `cache_salt` (vLLM)
+    # cache_salt / tenant_prefix / prompt_cache_key: tenant isolation upstream (docs/gateway.md)
 
     [[routes]]                  # remote engine nodes (other `prefixgate serve` processes)
     model = "tiny"
@@ -36,6 +36,7 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -56,7 +57,20 @@ class RouteConfig(BaseModel):
     provider: str | None = None  # litellm model string, e.g. "openai/gpt-4o-mini", "anthropic/claude-..."
     api_base: str | None = None
     api_key_env: str | None = None
-    cache_salt: bool = False
+    # Tenant isolation in the upstream's own prompt cache (SECURITY.md, "Provider routes"):
+    # cache_salt: send the namespace as vLLM's `cache_salt`; None = on for a self-hosted
+    #   OpenAI-compatible api_base (vLLM, SGLang, PrefixGate), off for hosted providers, which refuse it.
+    # tenant_prefix: start every prompt with a per-tenant marker, so that upstreams which cache per
+    #   account (OpenAI, Anthropic) or ignore cache_salt never match one tenant's prefix for another.
+    # prompt_cache_key: send a per-tenant OpenAI `prompt_cache_key` (routing, hit rate; not isolation);
+    #   None = on for api.openai.com.
+    cache_salt: bool | None = None
+    tenant_prefix: bool = True
+    prompt_cache_key: bool | None = None
+    # Per-tenant upstream accounts (separate caches at the provider): tenant name -> the environment
+    # variable with that tenant's own key. shared_api_key = false: tenants without one get a 403.
+    tenant_api_key_envs: dict[str, str] = Field(default_factory=dict)
+    shared_api_key: bool = True
     extra_body: dict[str, Any] = Field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     node_token_env: str | None = None
@@ -76,6 +90,31 @@ class RouteConfig(BaseModel):
                 f"route {self.model!r}: transport = \"direct\" needs provider = \"openai/<model>\" and an api_base"
             )
         return self
+
+    @property
+    def hosted_openai(self) -> bool:
+        """OpenAI's own API (no api_base, or api.openai.com)."""
+        return bool(self.provider and self.provider.startswith("openai/")) and (
+            not self.api_base or urlsplit(self.api_base).hostname == "api.openai.com")
+
+    @property
+    def self_hosted(self) -> bool:
+        """An OpenAI-compatible server the operator runs: ``openai/...`` or ``hosted_vllm/...`` at an api_base."""
+        prefixes = ("openai/", "hosted_vllm/")
+        return bool(self.provider and self.provider.startswith(prefixes) and self.api_base) and not self.hosted_openai
+
+    @property
+    def sends_cache_salt(self) -> bool:
+        return self.self_hosted if self.cache_salt is None else self.cache_salt
+
+    @property
+    def sends_prompt_cache_key(self) -> bool:
+        return self.hosted_openai if self.prompt_cache_key is None else self.prompt_cache_key
+
+    @property
+    def tenant_api_keys(self) -> dict[str, str]:
+        """Tenant name -> its own upstream key (tenants whose variable is unset are left out)."""
+        return {name: os.environ[env] for name, env in self.tenant_api_key_envs.items() if os.environ.get(env)}
 
     @property
     def api_key(self) -> str | None:
@@ -111,6 +150,14 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = Field(256, ge=1)
     max_n: int = Field(8, ge=1)
+    # Work one request may ask for, refused with a 400 before anything costly (issue 16.2): prompts in
+    # one completions request, choices (prompts x n), characters of text in the whole body.
+    max_prompts: int = Field(64, ge=1)
+    max_choices: int = Field(64, ge=1)
+    max_prompt_chars: int = Field(1_000_000, ge=1)
+    # Threads for tokenization and large canonicalizations, and how many one tenant may hold at once.
+    worker_threads: int = Field(2, ge=1)
+    worker_threads_per_tenant: int = Field(1, ge=1)
     auth_cache_ttl_s: float = 5.0
     # Node choice: hash this many bytes of the canonical prompt with the namespace (the shared prefix).
     route_prefix_bytes: int = Field(1024, ge=16)

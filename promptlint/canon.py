@@ -181,13 +181,17 @@ def canonicalize(body: dict, mode: CanonMode, per_user_vars: Sequence[str] = ())
             (``reorder`` only).
 
     Raises:
-        ValueError: unknown ``mode``.
+        ValueError: unknown ``mode``; ``CanonDepthError`` (a ValueError) for a body nested deeper
+            than ``MAX_DEPTH``.
         TypeError: ``body`` is not a dict.
     """
     if mode not in CANON_MODES:
         raise ValueError(f"unknown canonicalization mode {mode!r}; expected one of {', '.join(CANON_MODES)}")
     if not isinstance(body, dict):
         raise TypeError(f"request body must be a JSON object, got {type(body).__name__}")
+    depth = json_depth(body)
+    if depth > MAX_DEPTH:  # the transforms below recurse; past ~1000 frames that is a RecursionError
+        raise CanonDepthError(f"request body is nested {depth} levels deep; canonicalization accepts {MAX_DEPTH}")
     out = _copy_json(body)
     if mode == "off":
         return CanonResult(out, ())
@@ -198,6 +202,32 @@ def canonicalize(body: dict, mode: CanonMode, per_user_vars: Sequence[str] = ())
     if mode == "reorder":
         _move_dynamic(out, per_user_vars, applied)
     return CanonResult(out, tuple(applied))
+
+
+# Nesting that the recursive transforms below accept: two Python frames per level at most, far from
+# the interpreter's recursion limit (1000), far beyond any real tool schema.
+MAX_DEPTH = 200
+
+
+class CanonDepthError(ValueError):
+    """The body is nested deeper than ``MAX_DEPTH``."""
+
+
+def json_depth(value: Any) -> int:
+    """Levels of dict/list nesting in ``value`` (a scalar is 0), computed without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
 
 
 # --- safe transforms -------------------------------------------------------------------------------

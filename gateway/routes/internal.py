@@ -6,17 +6,20 @@ it as a Bearer token (compared in constant time). Wire format: ``gateway.node_wi
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.protocol import EngineClient, EngineError
 from gateway.deps import EngineDep, SettingsDep, bearer_key
 from gateway.errors import OpenAIError, from_engine_error
+from gateway.ingress import effective_temperature
 from gateway.node_wire import output_to_wire, request_from_wire
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"])
@@ -39,9 +42,14 @@ NodeEngine = Annotated[EngineClient, Depends(require_node)]
 
 async def _wire_request(request: Request) -> Any:
     try:
-        return request_from_wire(await request.json())
-    except (ValueError, KeyError, TypeError) as exc:
+        gr = request_from_wire(await request.json())
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise OpenAIError(400, f"malformed node request: {exc}", code="invalid_node_request") from None
+    # The same sampling bound as the public API: a node is reached by gateways, not only ours.
+    temperature = effective_temperature(gr.sampling.temperature)
+    if temperature != gr.sampling.temperature:
+        gr = dataclasses.replace(gr, sampling=dataclasses.replace(gr.sampling, temperature=temperature))
+    return gr
 
 
 @router.post("/generate")
@@ -70,15 +78,22 @@ async def generate(request: Request, engine: NodeEngine) -> Any:
 
 @router.post("/abort")
 async def abort(request: Request, engine: NodeEngine) -> dict[str, bool]:
-    body = await request.json()
-    await engine.abort(str(body.get("request_id", "")))
+    try:
+        body = await request.json()
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        body = None
+    request_id = body.get("request_id") if isinstance(body, dict) else None
+    if not isinstance(request_id, str) or not request_id:
+        raise OpenAIError(400, 'the body must be a JSON object {"request_id": "<id>"}', code="invalid_node_request")
+    await engine.abort(request_id)
     return {"ok": True}
 
 
 @router.post("/count")
 async def count(request: Request, engine: NodeEngine) -> dict[str, int]:
     gr = await _wire_request(request)
-    return {"prompt_tokens": engine.count_prompt_tokens(gr)}
+    # Tokenizing can take seconds: in a thread, as for the public API (issue 16.2).
+    return {"prompt_tokens": await anyio.to_thread.run_sync(engine.count_prompt_tokens, gr)}
 
 
 @router.get("/health")

@@ -30,7 +30,12 @@ def parse_since(text: str | None) -> datetime | None:
     except ValueError:
         raise invalid_request(f"since must look like 7d, 12h or an ISO-8601 time, got {text!r}",
                               param="since") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC)
+    try:  # '0001-01-01T00:00:00+14:00' is before year 1 in UTC: a client error, not a 500
+        return parsed.astimezone(UTC)
+    except (OverflowError, ValueError):
+        raise invalid_request(f"since is out of the representable range: {text!r}", param="since") from None
 
 
 @router.get("/usage")

@@ -231,9 +231,13 @@ def test_engine_errors_map_to_status(parts):
     resp = client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
     assert_openai_error(resp, 503, code="engine_overloaded")
     assert tenancy.rows[-1].status == "error"
+    # A stream that fails before its first token gets the real status (issue 17), so SDK retries work,
+    # and its ledger row says error.
+    rows = len(tenancy.rows)
     stream = client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth(keys["a"]))
-    events = [e for e in stream.text.split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "engine_overloaded"
+    assert_openai_error(stream, 503, code="engine_overloaded")
+    assert stream.headers["retry-after"] == "1"
+    assert len(tenancy.rows) == rows + 1 and tenancy.rows[-1].status == "error"
 
 
 def test_client_cache_salt_is_ignored(parts):
@@ -282,7 +286,20 @@ def test_chat_template_failure_is_a_400(parts):
     def refuse(request):
         raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
 
-    engine.count_prompt_tokens = refuse
+    engine.tokenize = refuse  # the gateway tokenizes once, through the chat template
     err = assert_openai_error(client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"])), 400,
                               param="messages")
     assert "roles must alternate" in err["message"]
+
+
+def test_prompt_is_tokenized_once_and_ids_go_to_the_engine(parts):
+    """Issue 17: the gateway tokenizes (off the loop) and passes ids on; the engine does not tokenize again."""
+    client, engine, _, keys = parts
+    calls = []
+    tokenize = engine.tokenize
+    engine.tokenize = lambda request: calls.append(request) or tokenize(request)
+    r = client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=auth(keys["a"]))
+    assert r.status_code == 200, r.text
+    assert len(calls) == 1 and calls[0].messages is not None  # one prompt, one tokenization for both choices
+    sent = engine.requests[-2:]
+    assert all(g.messages is None and list(g.prompt_token_ids) == tokenize(calls[0]) for g in sent)

@@ -1,0 +1,116 @@
+"""Bounds on a request body's shape, checked once on the parsed JSON before any other work.
+
+The body-size limit (``app.BodySizeLimit``) caps bytes; this caps what bytes can still hide:
+
+- nesting depth: every later step that walks the body (canonicalization, the miss tracker,
+  ``model_dump``) recurses, and Python's recursion limit turned a 600-deep ``tools`` schema into a
+  500. The walk here is iterative, so it has no depth limit of its own;
+- text that cannot be stored or encoded: a lone UTF-16 surrogate (``"\\ud800"``) is valid JSON but
+  not Unicode text; UTF-8 encoders (SQLite, the namespace HMAC, HTTP) raise on it;
+- total text: characters in all strings, so work that is linear in the text is bounded per request.
+
+``scan`` is called from the request schema's ``mode="before"`` validator, so a failure becomes a
+400 in the OpenAI shape (``errors._validation_message`` knows the ``body_limit`` error type).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+# Deeper than any real JSON schema a tool declares (OpenAI documents 5 levels for strict schemas),
+# far below the ~1000 frames at which a recursive walk fails.
+MAX_DEPTH = 64
+# Entries of one list that holds text or objects (prompts, messages, tools, enum values); checked
+# before the walk visits them, so 300,000 one-letter prompts cost one len().
+MAX_ITEMS = 4096
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class BodyShape:
+    depth: int
+    chars: int  # characters in every string, keys included
+
+
+def body_limit(message: str, param: str | None = None) -> PydanticCustomError:
+    """A validation error that the gateway reports as a 400 naming ``param``."""
+    return PydanticCustomError("body_limit", "{message}", {"message": message, "param": param})
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(p) for p in path) or "body"
+
+
+def scan(value: Any, *, max_depth: int = MAX_DEPTH) -> BodyShape:
+    """Walk parsed JSON without recursion. Raises ``PydanticCustomError("body_limit")``.
+
+    Fast path: strings are collected, then searched for surrogates by the regex engine in one
+    ``map``; only a body that fails is walked again, for the path in the error message.
+    """
+    texts: list[str] = []
+    deepest = 0
+    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(value, 1, ())]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            texts.append(item)
+            continue
+        deepest = max(deepest, depth)
+        if depth > max_depth:
+            raise body_limit(f"the request is nested more than {max_depth} levels deep (at '{_where(path[:8])}...')",
+                             _where(path[:1]) if path else None)
+        if isinstance(item, dict):
+            for key, child in item.items():
+                texts.append(key)
+                if isinstance(child, str):
+                    texts.append(child)
+                elif isinstance(child, dict | list):
+                    stack.append((child, depth + 1, (*path, key)))
+        elif isinstance(item, list):
+            # token ids and numbers need no visit: skipping them keeps a 1M-id prompt at C speed
+            if all(type(child) is int for child in item):
+                continue
+            if len(item) > MAX_ITEMS:
+                raise body_limit(f"'{_where(path)}' has {len(item)} entries; at most {MAX_ITEMS} are accepted",
+                                 _where(path))
+            for i, child in enumerate(item):
+                if isinstance(child, str):
+                    texts.append(child)
+                elif isinstance(child, dict | list):
+                    stack.append((child, depth + 1, (*path, i)))
+    if any(map(_SURROGATE.search, texts)):
+        where = _where(_surrogate_path(value))
+        raise body_limit(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text", where)
+    return BodyShape(deepest, sum(map(len, texts)))
+
+
+def _surrogate_path(value: Any) -> tuple[str | int, ...]:
+    """Where the first lone surrogate is (slow path, for the error message only; depth already bounded)."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _SURROGATE.search(key):
+                    return path
+                stack.append((child, (*path, key)))
+        elif isinstance(item, list):
+            stack.extend((child, (*path, i)) for i, child in enumerate(item))
+    return ()
+
+
+# Below this a temperature is greedy decoding (as in vLLM): dividing logits by 1e-300 gave inf/nan
+# probabilities, a 500, and slowed the rest of the batch (issue 16.11).
+GREEDY_BELOW = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature to sample with: ``temperature``, or 0 (greedy) where it is too small to divide by."""
+    return 0.0 if temperature < GREEDY_BELOW else temperature

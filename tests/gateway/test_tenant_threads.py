@@ -1,0 +1,45 @@
+"""``TenantThreads``: one tenant's heavy steps queue behind each other, never in front of another tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from gateway.tenant_threads import TenantThreads
+
+
+def test_one_tenant_cannot_hold_every_worker() -> None:
+    async def main() -> None:
+        threads = TenantThreads(workers=2, per_tenant=1)
+        release = threading.Event()
+        running: list[str] = []
+        lock = threading.Lock()
+
+        def blocked(name: str) -> str:
+            with lock:
+                running.append(name)
+            release.wait(10)
+            return name
+
+        hog = [asyncio.create_task(threads.run("hog", blocked, f"hog-{i}")) for i in range(3)]
+        while not running:  # the hog's first job holds one worker
+            await asyncio.sleep(0.01)
+        # the other tenant still gets the second worker, while the hog's next jobs wait for the first
+        assert await asyncio.wait_for(threads.run("quiet", lambda: "quiet"), 10) == "quiet"
+        assert running == ["hog-0"]
+        release.set()
+        assert sorted(await asyncio.gather(*hog)) == ["hog-0", "hog-1", "hog-2"]
+
+    asyncio.run(main())
+
+
+def test_exceptions_come_back_and_bad_bounds_are_refused() -> None:
+    async def main() -> None:
+        with pytest.raises(ZeroDivisionError):
+            await TenantThreads().run("t", lambda: 1 / 0)
+
+    asyncio.run(main())
+    with pytest.raises(ValueError):
+        TenantThreads(workers=1, per_tenant=2)
