@@ -2,7 +2,8 @@
 
 ``select_ops`` returns a module with the reference op signatures (``write_kv``,
 ``paged_prefill_attention``, ``paged_decode_attention``, ``copy_blocks``, ``gather_blocks``,
-``scatter_blocks``): ``kernels.reference`` on CPU, ``kernels.triton_ops`` on CUDA when present.
+``scatter_blocks``): ``kernels.cpu_sdpa`` on CPU (the reference ops with PyTorch's fused SDPA for attention),
+``kernels.triton_ops`` on CUDA when present, else ``kernels.reference``.
 Swapping implementations is that one function.
 """
 
@@ -15,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import cpu_sdpa, reference
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ def select_ops(device: torch.device | str) -> ModuleType:
             return importlib.import_module("kernels.triton_ops")
         except ImportError as exc:  # the Triton launchers are not built yet / triton missing
             log.warning("kernels.triton_ops unavailable (%s); using the torch reference ops on CUDA", exc)
-    return reference
+        return reference
+    return cpu_sdpa
 
 
 @dataclass(frozen=True)
