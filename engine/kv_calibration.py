@@ -1,4 +1,13 @@
-"""fp8 KV-cache scales, calibrated per layer from one unquantized forward (as vLLM's fp8 KV does).
+"""fp8 KV-cache calibration: a per-channel key bias and per-layer scales, from one unquantized forward.
+
+Key bias (what makes fp8 work): keys carry large per-channel offsets (SmolLM2: channel means up to
+~14 against a per-layer max of ~17), so most of each key's magnitude is the same for every token,
+and e4m3's ~3.6% relative rounding error on that shared part swamps the part that differs. The
+cache stores ``k - mu`` instead, ``mu`` = the layer's mean key per (kv head, channel) over the
+calibration text. Attention is unchanged: ``q . (k - mu) = q . k - q . mu`` and ``q . mu`` is the
+same for every key of a query, which softmax ignores. Measured on 2,048 tokens of real text: fp8
+K+V perplexity +4.38% with plain keys, -0.62% (noise) with the bias; K alone caused +4.32%, V
++0.28%.
 
 e4m3 holds magnitudes up to 448 with ~3 significant bits, and subnormals below 2^-6. A fixed scale
 of 1.0 (x stored as is) clips a layer whose keys reach hundreds and flushes small values of a layer
@@ -13,8 +22,10 @@ unquantized K/V (plain causal SDPA, nothing written to the cache), so every laye
 activations an unquantized cache would give it. The text is fixed, so every process serving the
 same checkpoint computes the same scales (exported fp8 blocks stay valid across nodes).
 
-The scales live in one float32 tensor ``[num_layers, 2 (k|v), 1]`` owned by the runner; each
-layer's ``LayerCache`` holds views of it, so the kernels' per-tensor scale interface is unchanged.
+The scales live in one float32 tensor ``[num_layers, 2 (k|v), 1]`` and the bias in one
+``[num_layers, num_kv_heads, head_dim]`` tensor owned by the runner; each layer's ``LayerCache``
+holds views of them. The kernels' per-tensor scale interface is unchanged: the bias is subtracted
+before ``write_kv`` (engine/models/attention.py), so no kernel knows about it.
 """
 
 from __future__ import annotations
@@ -52,13 +63,16 @@ class AmaxRecorder:
     """
 
     def __init__(self) -> None:
-        self.k_amax: list[float] = []
+        self.k_mean: list[torch.Tensor] = []  # per layer [Hkv, D]
+        self.k_amax: list[float] = []  # of the centred keys (k - mean)
         self.v_amax: list[float] = []
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         # key, value: [T, Hkv, D]
-        self.k_amax.append(float(key.float().abs().amax()))
+        mean = key.float().mean(dim=0)
+        self.k_mean.append(mean)
+        self.k_amax.append(float((key.float() - mean).abs().amax()))
         self.v_amax.append(float(value.float().abs().amax()))
         self._kv = (key, value)
 
@@ -88,11 +102,14 @@ def fp8_scales_from_amax(k_amax: list[float], v_amax: list[float]) -> torch.Tens
     return torch.exp2(torch.ceil(torch.log2(raw))).unsqueeze(-1)
 
 
-def calibrate_fp8_scales(run_prefill: Callable[[AmaxRecorder], None], num_layers: int) -> torch.Tensor:
+def calibrate_fp8(
+    run_prefill: Callable[[AmaxRecorder], None], num_layers: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``run_prefill(recorder)`` (one forward of the calibration tokens with ``recorder`` as the
-    KV ops) and return per-layer fp8 scales [num_layers, 2, 1]."""
+    KV ops). Returns (scales [num_layers, 2, 1], key bias [num_layers, Hkv, D]), float32 on CPU."""
     recorder = AmaxRecorder()
     run_prefill(recorder)
     if len(recorder.k_amax) != num_layers:
         raise RuntimeError(f"calibration saw {len(recorder.k_amax)} layers, expected {num_layers}")
-    return fp8_scales_from_amax(recorder.k_amax, recorder.v_amax)
+    bias = torch.stack([m.cpu() for m in recorder.k_mean])
+    return fp8_scales_from_amax(recorder.k_amax, recorder.v_amax), bias

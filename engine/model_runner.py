@@ -9,8 +9,9 @@ KV cache (block-major, one block = one contiguous run of bytes)::
     kv_scales : [num_blocks, num_layers, 2, block_size, num_kv_heads] float32   (int8 only)
 
 An exported block is ``kv_cache[b]``'s bytes followed by ``kv_scales[b]``'s bytes (int8).
-fp8 uses one scale per (layer, k|v), calibrated once at load from a fixed text
-(engine/kv_calibration.py, the same on every node), so its blocks carry no scale bytes.
+fp8 uses one scale per (layer, k|v) and stores keys minus a per-(layer, head, channel) bias, both
+calibrated once at load from a fixed text (engine/kv_calibration.py, the same on every node), so
+its blocks carry no scale bytes.
 
 On CUDA (docs/gpu.md): the Triton kernels, decode-only steps replayed from CUDA graphs
 (``engine.cuda_graphs``, when ``config.use_cuda_graphs``), and block exports/imports on a side
@@ -120,11 +121,14 @@ class ModelRunner:
             self.kv_scales = torch.ones((self.num_kv_blocks, *layer_shape[:-1]), dtype=torch.float32, device=torch_device)
         # fp8: one scale per (layer, k|v), calibrated below (engine/kv_calibration.py); layers hold views.
         self.fp8_scales: torch.Tensor | None = None
+        self.fp8_key_bias: torch.Tensor | None = None
         if self.kv_dtype == torch.float8_e4m3fn:
             self.fp8_scales = torch.ones((arch.num_layers, 2, 1), dtype=torch.float32, device=torch_device)
+            self.fp8_key_bias = torch.zeros((arch.num_layers, arch.num_kv_heads, arch.head_dim),
+                                            dtype=torch.float32, device=torch_device)
         self.layer_caches = [self._layer_cache(layer) for layer in range(arch.num_layers)]
         if self.fp8_scales is not None:
-            self.set_fp8_scales(self.calibrate_fp8_scales())
+            self.set_fp8_calibration(*self.calibrate_fp8())
 
         self._transfer_stream = torch.cuda.Stream(torch_device) if torch_device.type == "cuda" else None
         self.decode_graphs: DecodeGraphs | None = None
@@ -151,15 +155,15 @@ class ModelRunner:
         k, v = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [NB, BS, Hkv, D] strided views
         if self.kv_scales is not None:
             return LayerCache(k, v, self.kv_scales[:, layer, 0], self.kv_scales[:, layer, 1])
-        if self.fp8_scales is not None:
-            return LayerCache(k, v, self.fp8_scales[layer, 0], self.fp8_scales[layer, 1])  # [1] views
+        if self.fp8_scales is not None and self.fp8_key_bias is not None:  # [1] views, bias [Hkv, D]
+            return LayerCache(k, v, self.fp8_scales[layer, 0], self.fp8_scales[layer, 1], self.fp8_key_bias[layer])
         return LayerCache(k, v)
 
     # ------------------------------------------------------------------------ fp8 KV scales
-    def calibrate_fp8_scales(self) -> torch.Tensor:
-        """Per-layer fp8 K/V scales [L, 2, 1] from one unquantized forward over the fixed
-        calibration text (engine/kv_calibration.py). Reads and writes no KV block."""
-        from engine.kv_calibration import CALIBRATION_TEXT, calibrate_fp8_scales
+    def calibrate_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 K/V scales [L, 2, 1] and key bias [L, Hkv, D] from one unquantized forward over the
+        fixed calibration text (engine/kv_calibration.py). Reads and writes no KV block."""
+        from engine.kv_calibration import CALIBRATION_TEXT, calibrate_fp8
 
         limit = min(self.spec.max_model_len, self.num_kv_blocks * self.block_size)
         ids = list(self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))[:limit]
@@ -172,14 +176,18 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare([chunk])
             self.model(input_ids, positions, self.layer_caches, meta, recorder)
 
-        return calibrate_fp8_scales(run, self.arch.num_layers)
+        return calibrate_fp8(run, self.arch.num_layers)
 
-    def set_fp8_scales(self, scales: torch.Tensor) -> None:
-        """Replace the fp8 K/V scales in place ([L, 2, 1]; layer caches and captured graphs see them).
-        Blocks already written with other scales become wrong: call before serving."""
-        if self.fp8_scales is None:
+    def set_fp8_calibration(self, scales: torch.Tensor, key_bias: torch.Tensor | None = None) -> None:
+        """Replace the fp8 scales [L, 2, 1] (and key bias [L, Hkv, D]; None = zero) in place: layer
+        caches and captured graphs see them. Blocks written before become wrong: call before serving."""
+        if self.fp8_scales is None or self.fp8_key_bias is None:
             raise ValueError("the KV cache is not fp8")
         self.fp8_scales.copy_(scales.to(self.fp8_scales.device).reshape(self.fp8_scales.shape))
+        if key_bias is None:
+            self.fp8_key_bias.zero_()
+        else:
+            self.fp8_key_bias.copy_(key_bias.to(self.fp8_key_bias.device).reshape(self.fp8_key_bias.shape))
 
     # --------------------------------------------------------------------------------- forward
     def _prepare(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -1,20 +1,20 @@
-"""CPU paged attention through PyTorch's fused ``scaled_dot_product_attention`` (the CPU engine path).
+"""CPU paged attention (the CPU engine path): SDPA for prefill, grouped-query einsum for decode.
 
 Same signatures and cache layout as ``kernels.reference`` (whose plain einsum-softmax ``_attend``
-stays the test oracle); the block moves and ``write_kv`` are the reference ones. Why: the
-reference materializes a float32 [heads, Tq, Tk] score matrix per sequence (a 4K prompt holds
-4K x 4K x heads floats), while SDPA's CPU flash kernel tiles it and fuses the softmax.
+stays the test oracle); the block moves and ``write_kv`` are the reference ones.
 
-Decode gathers every sequence's blocks at once, padded to the longest context, and runs one SDPA
-call for the whole batch with a key-padding mask (no Python loop per sequence):
+Prefill (why SDPA): the reference materializes a float32 [heads, Tq, Tk] score matrix per
+sequence (a 4K prompt: 4K x 4K x heads floats) and softmaxes it out of cache; PyTorch's fused
+``scaled_dot_product_attention`` tiles it. A sequence's new tokens sit at positions n - Tq .. n - 1
+of an n-token context, so token i may see keys 0 .. n - Tq + i: with no cached prefix (Tq == n)
+that is SDPA's own ``is_causal``; with one, an explicit boolean mask shifted by the prefix length.
 
-    q      [B, Hq, 1, D]
-    k, v   [B, Hkv, max_blocks * block_size, D]    (blocks of block_tables, dequantized)
-    mask   [B, 1, 1, max_blocks * block_size]       key position < seq_len
+Decode (why not SDPA): one query token per sequence gains nothing from a fused kernel, while
+repeating K/V for every query head of a group (what the reference and SDPA's GQA path do) triples
+the bytes read for a 9/3-head model. Grouping the query heads by KV head instead reads each K/V
+once (measured 3x faster than either at batch 1, context 2048, on one core):
 
-Prefill runs per sequence: its new tokens sit at positions n - Tq .. n - 1 of an n-token context,
-so token i may see keys 0 .. n - Tq + i. With no cached prefix (Tq == n) that is SDPA's own
-``is_causal``; with one, an explicit boolean mask shifted by the prefix length.
+    q [Hq, D] -> [Hkv, G, D];  k, v [n, Hkv, D];  scores [Hkv, G, n] = einsum("hgd,nhd->hgn")
 """
 
 from __future__ import annotations
@@ -30,32 +30,19 @@ __all__ = [
 ]
 
 
+# SDPA's enable_gqa (no K/V repeat) exists from torch 2.5; the project admits 2.4.
+_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw) -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> [B, Hq, Tq, D]; kv heads shared by Hq/Hkv query heads."""
     group = q.shape[1] // k.shape[1]
-    if group > 1:  # SDPA's enable_gqa needs torch >= 2.5 and its CPU path repeats K/V itself anyway
+    if group > 1 and _HAS_GQA:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **kw)
+    if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
-
-
-def _gather_padded(
-    cache: torch.Tensor,  # [NB, BS, Hkv, D]
-    block_tables: torch.Tensor,  # [B, max_blocks]
-    scale: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Every sequence's blocks, padded to max_blocks: [B, Hkv, max_blocks * BS, D] in ``out_dtype``."""
-    b, max_blocks = block_tables.shape
-    bs, hkv, d = cache.shape[1:]
-    ids = block_tables.long().clamp(0, cache.shape[0] - 1)  # padding entries may hold anything
-    x = cache[ids].reshape(b, max_blocks * bs, hkv, d)
-    if cache.dtype == torch.int8:
-        s = scale[ids].reshape(b, max_blocks * bs, hkv, 1)
-        x = x.float() * s
-    elif cache.dtype == torch.float8_e4m3fn:
-        x = x.float() * scale.float().reshape(())
-    return x.to(out_dtype).transpose(1, 2)
 
 
 def paged_decode_attention(
@@ -69,18 +56,16 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its whole cached context -> [B, Hq, D]."""
-    bsz = q.shape[0]
-    max_len = int(seq_lens.max())
-    block_size = k_cache.shape[1]
-    tables = block_tables[:, : (max_len + block_size - 1) // block_size]
-    k = _gather_padded(k_cache, tables, k_scale, q.dtype)  # [B, Hkv, L, D]
-    v = _gather_padded(v_cache, tables, v_scale, q.dtype)
-    if bsz == 1:  # no padding: the whole gathered context up to seq_len is valid
-        k, v = k[:, :, :max_len], v[:, :, :max_len]
-        return _sdpa(q.unsqueeze(2), k, v, scale).squeeze(2)
-    key_pos = torch.arange(k.shape[2], device=q.device)
-    mask = (key_pos.unsqueeze(0) < seq_lens.to(q.device).long().unsqueeze(1))[:, None, None, :]  # [B,1,1,L]
-    return _sdpa(q.unsqueeze(2), k, v, scale, attn_mask=mask).squeeze(2)
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    qg = q.float().view(bsz, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    for b, n in enumerate(seq_lens.tolist()):
+        k = gather_context(k_cache, block_tables[b], n, k_scale, torch.float32)  # [n, Hkv, D]
+        v = gather_context(v_cache, block_tables[b], n, v_scale, torch.float32)
+        probs = torch.softmax(torch.einsum("hgd,nhd->hgn", qg[b], k) * scale, dim=-1)  # [Hkv, G, n]
+        out[b] = torch.einsum("hgn,nhd->hgd", probs, v).reshape(hq, d).to(q.dtype)
+    return out
 
 
 def paged_prefill_attention(

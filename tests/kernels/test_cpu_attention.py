@@ -1,8 +1,8 @@
-"""The CPU SDPA attention path (kernels.cpu_sdpa) against the plain reference oracle.
+"""The CPU attention path (kernels.cpu_attention: SDPA prefill, grouped decode) against the reference oracle.
 
 Ragged batches over fragmented block tables: cached prefixes of every length relative to the
-block size, prefill chunks with and without a prefix, decode batches of mixed lengths (the padded
-one-call path), and every cache dtype (quantized ones dequantize on gather).
+block size, prefill chunks with and without a prefix, decode batches of mixed lengths, and every
+cache dtype (quantized ones dequantize on gather).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_sdpa
+from kernels import cpu_attention
 from kernels import reference as ref
 from tests.kernels.kernel_cases import make_block_tables, make_kv_cache, rel_err
 
@@ -39,7 +39,7 @@ def test_prefill_matches_reference(kv_dtype, cached, new):
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = 1 / math.sqrt(d)
     want = ref.paged_prefill_attention(q, k, v, tables, cu, lens, scale, ks, vs)
-    got = cpu_sdpa.paged_prefill_attention(q, k, v, tables, cu, lens, scale, ks, vs)
+    got = cpu_attention.paged_prefill_attention(q, k, v, tables, cu, lens, scale, ks, vs)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert rel_err(got, want) < TOL[kv_dtype]
 
@@ -52,7 +52,7 @@ def test_decode_matches_reference(kv_dtype, seq_lens):
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = 1 / math.sqrt(d)
     want = ref.paged_decode_attention(q, k, v, tables, lens, scale, ks, vs)
-    got = cpu_sdpa.paged_decode_attention(q, k, v, tables, lens, scale, ks, vs)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, ks, vs)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert rel_err(got, want) < TOL[kv_dtype]
 
@@ -62,6 +62,6 @@ def test_decode_ignores_keys_past_each_sequence_end():
     k, v, ks, vs, tables, q_dtype, hq, d, gen = _case(torch.float32, [3, 40])
     q = torch.randn(2, hq, d, generator=gen)
     lens = torch.tensor([3, 40], dtype=torch.int32)
-    alone = cpu_sdpa.paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], 0.25)
-    batched = cpu_sdpa.paged_decode_attention(q, k, v, tables, lens, 0.25)
+    alone = cpu_attention.paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], 0.25)
+    batched = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.25)
     torch.testing.assert_close(batched[:1], alone, rtol=1e-5, atol=1e-6)
