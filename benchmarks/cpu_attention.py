@@ -122,7 +122,7 @@ def main() -> int:
     print(f"{'workload':<32}{'reference':>11}{'cpu_attention':>15}{'speedup':>9}")
     for r in rows:
         print(f"{r['workload']:<32}{r['reference']:>11.4f}{r['cpu_attention']:>15.4f}{r['speedup']:>8.2f}x")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     result = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"processor": platform.processor() or platform.machine(), "cores": os.cpu_count(),

@@ -170,7 +170,7 @@ def main() -> int:
     for r in rows:
         print(f"{r['kv']:<22}{r['perplexity']:>9.3f}{r['ppl_change_pct']:>7.2f}%{r['prompts_keeping_all']:>7}/6"
               f"{r['mean_agreeing_prefix']:>8.1f}{r['kv_bytes_per_token']:>9}{r['capacity_vs_bf16']:>9.2f}x")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     result = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"processor": platform.processor() or platform.machine(), "cores": os.cpu_count(),

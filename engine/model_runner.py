@@ -124,8 +124,9 @@ class ModelRunner:
         self.fp8_key_bias: torch.Tensor | None = None
         if self.kv_dtype == torch.float8_e4m3fn:
             self.fp8_scales = torch.ones((arch.num_layers, 2, 1), dtype=torch.float32, device=torch_device)
+            # in the compute dtype: subtracting it costs no cast per step (any μ shared by all keys is exact)
             self.fp8_key_bias = torch.zeros((arch.num_layers, arch.num_kv_heads, arch.head_dim),
-                                            dtype=torch.float32, device=torch_device)
+                                            dtype=self.dtype, device=torch_device)
         self.layer_caches = [self._layer_cache(layer) for layer in range(arch.num_layers)]
         if self.fp8_scales is not None:
             self.set_fp8_calibration(*self.calibrate_fp8())
