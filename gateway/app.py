@@ -119,15 +119,9 @@ def build_router(settings: GatewaySettings) -> Router:
 def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> EngineClient | None:
     if settings.model_dir is None:
         return None
-    from engine.config import EngineConfig
     from engine.launch import build_engine
 
-    config = EngineConfig(
-        model_dir=settings.model_dir, device=settings.device, num_kv_blocks=settings.kv_blocks,
-        dram_bytes=settings.dram_bytes, nvme_dir=settings.nvme_dir, nvme_bytes=settings.nvme_bytes,
-        enable_prefix_caching=settings.prefix_caching,
-        model_id=settings.model if settings.model and settings.model != str(settings.model_dir) else None,
-    )
+    config = settings.engine_config()
     return build_engine(config, registry=registry)
 
 

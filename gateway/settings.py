@@ -10,9 +10,15 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     metrics_token_env = "PREFIXGATE_METRICS_TOKEN"  # Prometheus scrapes /metrics with this bearer token
 
     [engine]                    # the in-process engine; omit `model` for a gateway-only process
-    model = "tiny"              # or a checkpoint directory
+    model = "smol"              # SmolLM2-135M-Instruct (the default), "tiny", or a checkpoint directory
     device = "cpu"
+    dtype = "auto"              # compute: auto (fp32 on CPU, bf16 on CUDA) / bf16 / fp16 / fp32
+    kv_dtype = "auto"           # KV cache: auto (= dtype) / bf16 / fp16 / fp32 / fp8 / int8
     kv_blocks = 512
+    block_size = 16             # tokens per KV block (8/16/32/64/128)
+    max_num_seqs = 64           # most requests in one running batch
+    max_num_batched_tokens = 2048
+    threads = 2                 # torch CPU threads (default: torch's choice)
     dram_bytes = "1GiB"
 
     [[routes]]                  # an upstream provider through litellm
@@ -41,7 +47,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.config import parse_size
+from engine.config import COMPUTE_DTYPES, DTYPE_ALIASES, KV_DTYPES, EngineConfig, parse_size
 
 
 def _size(value: Any) -> int:
@@ -137,7 +143,13 @@ class GatewaySettings(BaseModel):
     model: str | None = None
     model_dir: Path | None = None  # resolved checkpoint directory (serve_cmd fills it from `model`)
     device: str = "cpu"
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
     kv_blocks: int | None = None
+    block_size: Literal[8, 16, 32, 64, 128] = 16
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=8)
+    threads: int | None = Field(None, ge=1)
     dram_bytes: int = 0
     nvme_dir: Path | None = None
     nvme_bytes: int = 0
@@ -163,6 +175,29 @@ class GatewaySettings(BaseModel):
     route_prefix_bytes: int = Field(1024, ge=16)
     # Load guard: leave the rendezvous choice when it has more than factor * (least load + 1) in flight.
     load_factor: float = Field(2.0, ge=1.0)
+
+    def engine_config(self) -> EngineConfig:
+        """The in-process engine's configuration (every [engine] setting reaches the engine here).
+        Raises ValueError when there is no local model (``model_dir`` is None)."""
+        if self.model_dir is None:
+            raise ValueError("no local model: this gateway only routes")
+        return EngineConfig(
+            model_dir=self.model_dir, device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
+            block_size=self.block_size, num_kv_blocks=self.kv_blocks, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.threads,
+            dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
+            enable_prefix_caching=self.prefix_caching,
+            model_id=self.model if self.model and self.model != str(self.model_dir) else None,
+        )
+
+    @field_validator("dtype", "kv_dtype")
+    @classmethod
+    def _dtype(cls, v: str, info: Any) -> str:
+        v = DTYPE_ALIASES.get(v, v)
+        allowed = KV_DTYPES if info.field_name == "kv_dtype" else COMPUTE_DTYPES
+        if v not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)} (or bf16, fp16, fp32), got {v!r}")
+        return v
 
     @field_validator("dram_bytes", "nvme_bytes", "max_body_bytes", mode="before")
     @classmethod

@@ -62,9 +62,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", default=None, help="TCP port (default 8000)")
     p.add_argument("--model", default=None,
-                   help="checkpoint directory, 'tiny' (built under --home if missing; the default) "
+                   help="'smol' (SmolLM2-135M-Instruct, converted under --home if missing; the default), "
+                        "'tiny' (random weights, for tests), a checkpoint directory, "
                         "or 'none' for a gateway that only routes")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default cpu)")
+    add_engine_flags(p)
     p.add_argument("--config", default=None, help="TOML or YAML file with [server], [engine], [[routes]]")
     p.add_argument("--kv-blocks", default=None, help="KV blocks on the device (default: sized by the engine)")
     p.add_argument("--dram-bytes", default=None, help="CPU DRAM tier size, e.g. 8GiB (default 0: off)")
@@ -80,6 +82,47 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without authentication (only on a listener tenants cannot reach)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Compute/cache options shared by ``serve`` and ``generate`` (defaults: the config file, then the engine's)."""
+    p.add_argument("--threads", default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default=None, help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), bf16, fp16, fp32")
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype: auto (= --dtype), bf16, fp16, fp32, fp8, int8")
+
+
+def engine_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags that were given, checked: {"threads", "dtype", "kv_dtype"} subset."""
+    from engine.config import COMPUTE_DTYPES, DTYPE_ALIASES, KV_DTYPES
+
+    values: dict[str, Any] = {}
+    threads = _int_flag("--threads", getattr(args, "threads", None), 1)
+    if threads is not None:
+        values["threads"] = threads
+    for flag, key, allowed in (("--dtype", "dtype", COMPUTE_DTYPES), ("--kv-dtype", "kv_dtype", KV_DTYPES)):
+        given = getattr(args, key, None)
+        if given is None:
+            continue
+        value = DTYPE_ALIASES.get(given, given)
+        if value not in allowed:
+            raise CLIError(f"{flag} must be one of {', '.join(allowed)} (or bf16, fp16, fp32), got {given!r}")
+        values[key] = value
+    return values
+
+
+def resolve_model(model: str, home: Path, flag: str = "--model") -> tuple[str, Path]:
+    """'smol' | 'tiny' | a checkpoint directory -> (model id clients send, checkpoint directory)."""
+    from engine.launch import SMOL_MODEL_ID
+
+    if model == "smol":
+        return SMOL_MODEL_ID, ensure_smol_model(home)
+    if model == "tiny":
+        return "tiny", ensure_tiny_model(home)
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise CLIError(f"{flag} {model}: not a checkpoint directory (no config.json); use a directory, 'smol' or 'tiny'")
+    _check_checkpoint(path)
+    return path.name, path
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -105,6 +148,19 @@ def ensure_tiny_model(home: Path) -> Path:
     return ensure(home)
 
 
+def ensure_smol_model(home: Path) -> Path:
+    """SmolLM2-135M-Instruct under ``home/models/smol``, converted offline (~6 s) if missing."""
+    from engine.launch import default_smol_dir, is_smol_checkpoint
+    from engine.launch import ensure_smol_model as ensure
+
+    if not is_smol_checkpoint(default_smol_dir(home)):
+        print(f"converting SmolLM2-135M-Instruct into {default_smol_dir(home)} ...", flush=True)
+    try:
+        return ensure(home)
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot prepare the default model SmolLM2-135M-Instruct: {exc}") from None
+
+
 def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None = None) -> GatewaySettings:
     """Config file values, overridden by the flags that were given. Raises CLIError on bad input.
 
@@ -122,6 +178,7 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes)}
     values.update({k: v for k, v in flags.items() if v is not None})
+    values.update(engine_flag_values(args))
     if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
         values["prefix_caching"] = False
     if args.node_token_env:
@@ -144,17 +201,11 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
         raise CLIError(f"--device must be cpu or cuda[:N], got {device!r}")
     if port_hint is not None:
         _check_port_free(str(values.get("host", "127.0.0.1")), int(values.get("port", 8000)), port_hint)
-    model = values.get("model", "tiny")
+    model = values.get("model", "smol")
     if model == "none":
         values["model"], values["model_dir"] = None, None
-    elif model == "tiny":
-        values["model"], values["model_dir"] = "tiny", ensure_tiny_model(home)
     else:
-        path = Path(model).expanduser()
-        if not (path / "config.json").exists():
-            raise CLIError(f"--model {model}: not a checkpoint directory (no config.json); use a directory or 'tiny'")
-        _check_checkpoint(path)
-        values["model"], values["model_dir"] = path.name, path
+        values["model"], values["model_dir"] = resolve_model(str(model), home)
     values["home"] = home
     if values.get("nvme_bytes") and not values.get("nvme_dir"):  # the NVMe tier lives under --home by default
         values["nvme_dir"] = home / "nvme"
@@ -307,7 +358,7 @@ def run_dev_serve(args: argparse.Namespace) -> int:
     settings = build_settings(args, home, port_hint="`make serve PORT=N` (or --port N)")
     key, created = dev_api_key(home)
     where = f"http://{settings.host}:{settings.port}"
-    model = settings.model or (settings.routes[0].model if settings.routes else "tiny")
+    model = settings.model or (settings.routes[0].model if settings.routes else "SmolLM2-135M-Instruct")
     status = "created" if created else "reusing"
 
     def banner() -> str:

@@ -36,9 +36,9 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _seed_tiny(home: Path, tiny_model_dir: Path) -> None:
-    """Copy the session's tiny model where the server would build it (saves the build, same files)."""
-    shutil.copytree(tiny_model_dir, home / "models" / "tiny")
+def _seed_default_model(home: Path, smol_model_dir: Path) -> None:
+    """Copy the session's converted default model where the server would convert it (same files)."""
+    shutil.copytree(smol_model_dir, home / "models" / "smol")
 
 
 def _readme_sequence() -> tuple[list[str], str]:
@@ -64,11 +64,11 @@ def _wait_for(log: Path, needle: str, proc: subprocess.Popen, timeout: float = 1
 
 
 @pytest.fixture
-def make_serve(tmp_path, tiny_model_dir):
+def make_serve(tmp_path, smol_model_dir):
     """Start ``dev-serve`` (what `make serve` runs) with the default home rule; yields (url, log, env)."""
     env = _env(tmp_path)
     home = tmp_path / "xdg" / "prefixgate"
-    _seed_tiny(home, tiny_model_dir)
+    _seed_default_model(home, smol_model_dir)
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("wb") as out:

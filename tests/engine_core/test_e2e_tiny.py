@@ -146,7 +146,7 @@ def test_async_engine_streams_and_abort_frees_blocks(tiny_dir):
 def test_cli_generate_json(tiny_dir, capsys):
     from gateway.cli.main import main
 
-    assert main(["generate", "--model", str(tiny_dir), "--max-tokens", "5", "--json", "Hello there"]) == 0
+    assert main(["generate", "--model", str(tiny_dir), "--raw", "--max-tokens", "5", "--json", "Hello there"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "prompt_tokens", "cached_tokens"}
     assert 1 <= len(out["token_ids"]) <= 5 and out["prompt_tokens"] == 2 and out["cached_tokens"] == 0

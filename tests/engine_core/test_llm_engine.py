@@ -169,8 +169,9 @@ def test_rejects_prompts_that_do_not_fit():
     engine, _ = make_engine(num_blocks=64, max_model_len=100)
     with pytest.raises(PromptTooLongError, match="maximum context length is 100"):
         engine.add_request(greq("long", prompt(1, 95), max_tokens=10))
-    small, _ = make_engine(num_blocks=4)
-    with pytest.raises(PromptTooLongError, match="KV blocks"):
+    small, _ = make_engine(num_blocks=4)  # 4 blocks x 8 tokens: the advertised context shrinks to fit
+    assert small.max_model_len == 32
+    with pytest.raises(PromptTooLongError, match="maximum context length is 32"):
         small.add_request(greq("big", prompt(1, 40)))
     with pytest.raises(PromptTooLongError, match="quota"):
         engine.add_request(greq("q", prompt(1, 40), tenant=scope("q", kv_block_quota=2)))
