@@ -120,9 +120,11 @@ class PostgresDatabase:
     def open(cls, url: str, *, lock_timeout_s: float = 10.0, connect_timeout_s: float = 5.0) -> PostgresDatabase:
         """Connect and migrate. Raises DatabaseUnavailableError with one line naming the server."""
         def connect() -> psycopg.Connection[dict[str, Any]]:
-            return psycopg.connect(url, autocommit=True, row_factory=dict_row,
-                                   connect_timeout=max(1, int(connect_timeout_s)),
-                                   options=f"-c lock_timeout={int(lock_timeout_s * 1000)}")
+            conn = psycopg.connect(url, autocommit=True, row_factory=dict_row,
+                                   connect_timeout=max(1, int(connect_timeout_s)))
+            # Waits for the writer lock (and any row lock) are bounded, like SQLite's busy_timeout.
+            conn.execute(f"SET lock_timeout = {int(lock_timeout_s * 1000)}")
+            return conn
         try:
             db = cls(connect, url)
         except psycopg.Error as exc:
