@@ -66,6 +66,12 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "(default PREFIXGATE_METRICS_TOKEN when set; admin API keys are always accepted)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without authentication (only on a listener tenants cannot reach)")
+    p.add_argument("--database-url", default=None, metavar="URL",
+                   help="postgresql://USER@HOST:PORT/DB: tenants, keys and the ledger shared by a fleet of gateways "
+                        "(default: the SQLite file under --home; also `database_url` in [server])")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="redis://HOST:PORT/0: fleet-wide rate limits, budgets and revocation "
+                        "(default: per process; also `redis_url` in [server])")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -101,7 +107,8 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
     flags = {"host": args.host, "port": _int_flag("--port", args.port, 0), "model": args.model,
              "device": args.device, "kv_blocks": _int_flag("--kv-blocks", args.kv_blocks, 2),
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
-             "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes)}
+             "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes),
+             "database_url": getattr(args, "database_url", None), "redis_url": getattr(args, "redis_url", None)}
     values.update({k: v for k, v in flags.items() if v is not None})
     if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
         values["prefix_caching"] = False
@@ -153,12 +160,28 @@ def _check_port_free(host: str, port: int) -> None:
             raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
+def _check_tenancy(settings: GatewaySettings) -> None:
+    """Open the tenancy state once before serving, so that a wrong or unreachable database URL, a KEK
+    or server secret that does not match the shared database, fails start-up with one line (exit 2)
+    instead of a traceback from inside the server's start-up."""
+    from gateway.ports import TenancyError, open_tenancy
+
+    if settings.home is None:
+        return
+    try:
+        # No Redis here: an unreachable Redis is not fatal (the gateway serves with local limits).
+        open_tenancy(settings.home, database_url=settings.database_url).close()
+    except TenancyError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def _serve(settings: GatewaySettings, log_level: str) -> int:
     import uvicorn
 
     from gateway.app import create_app
 
     _check_port_free(settings.host, settings.port)
+    _check_tenancy(settings)
     app = create_app(settings)
     where = f"http://{settings.host}:{settings.port}"
     print(f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}",

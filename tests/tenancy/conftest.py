@@ -17,7 +17,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tenancy.service import TenancyService  # noqa: E402
-from tests.fleetutil import postgres_server  # noqa: E402, F401 - a fixture
+from tests.fleetutil import postgres_server, redis_server, redis_session_server  # noqa: E402, F401 - fixtures
 
 
 @pytest.fixture(autouse=True)

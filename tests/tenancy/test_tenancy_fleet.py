@@ -12,7 +12,7 @@ import pytest
 from tenancy.errors import AuthenticationError, KeyMaterialError, QuotaExceededError
 from tenancy.service import DatabaseUnavailableError, TenancyService
 from tenancy.types import UsageRecord
-from tests.fleetutil import PostgresServer, RedisServer, read_rows, redis_server, redis_session_server  # noqa: F401
+from tests.fleetutil import PostgresServer, RedisServer, read_rows
 
 
 def _fleet_home(tmp_path: Path, name: str, first: Path | None) -> Path:
