@@ -130,6 +130,10 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
     device = values.get("device", "cpu")
     if device != "cpu" and not str(device).startswith("cuda"):
         raise CLIError(f"--device must be cpu or cuda[:N], got {device!r}")
+    database_url = values.get("database_url")
+    if database_url is not None and not isinstance(database_url, str):
+        raise CLIError(f"invalid setting database_url: must be a string, got {database_url!r}")
+    _check_tenancy(home, database_url)  # before the model: a bad URL must not wait for a checkpoint
     model = values.get("model", "tiny")
     if model == "none":
         values["model"], values["model_dir"] = None, None
@@ -160,17 +164,15 @@ def _check_port_free(host: str, port: int) -> None:
             raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def _check_tenancy(settings: GatewaySettings) -> None:
-    """Open the tenancy state once before serving, so that a wrong or unreachable database URL, a KEK
-    or server secret that does not match the shared database, fails start-up with one line (exit 2)
-    instead of a traceback from inside the server's start-up."""
+def _check_tenancy(home: Path, database_url: str | None) -> None:
+    """Open the tenancy state once before anything else, so that a wrong or unreachable database URL,
+    or a KEK or server secret that does not match the shared database, fails start-up with one line
+    (exit 2) instead of a traceback from inside the server's start-up."""
     from gateway.ports import TenancyError, open_tenancy
 
-    if settings.home is None:
-        return
     try:
         # No Redis here: an unreachable Redis is not fatal (the gateway serves with local limits).
-        open_tenancy(settings.home, database_url=settings.database_url).close()
+        open_tenancy(home, database_url=database_url).close()
     except TenancyError as exc:
         raise CLIError(str(exc)) from None
 
@@ -181,7 +183,6 @@ def _serve(settings: GatewaySettings, log_level: str) -> int:
     from gateway.app import create_app
 
     _check_port_free(settings.host, settings.port)
-    _check_tenancy(settings)
     app = create_app(settings)
     where = f"http://{settings.host}:{settings.port}"
     print(f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}",
