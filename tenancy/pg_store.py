@@ -153,7 +153,15 @@ class PostgresDatabase:
         return bool(self._conn.closed or self._conn.broken)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        return self._live().execute(_pg_sql(sql), list(params)).fetchall()
+        try:
+            return self._live().execute(_pg_sql(sql), list(params)).fetchall()
+        except psycopg.OperationalError:
+            # An idle connection learns that the server restarted only when it is used. A read
+            # outside a transaction is safe to send again once, on a new connection; a write is not
+            # (it may have committed before the connection died), so writes only reconnect next time.
+            if self._depth or not self.broken:
+                raise
+            return self._live().execute(_pg_sql(sql), list(params)).fetchall()
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self._live().execute(_pg_sql(sql), list(params)).rowcount

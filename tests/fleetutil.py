@@ -49,10 +49,11 @@ class PostgresServer:
     def __init__(self) -> None:
         self.port = 0
         self.dir = Path()
+        self._opts = ""
         self._run_as: list[str] = []
 
     def start(self) -> PostgresServer:
-        initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        initdb = _pg_bin("initdb")
         self.dir = Path(tempfile.mkdtemp(prefix="prefixgate-pg-"))
         if os.geteuid() == 0:
             try:
@@ -64,9 +65,17 @@ class PostgresServer:
         data, sock = self.dir / "data", self.dir
         self._run([initdb, "-D", str(data), "-A", "trust", "-U", self.user, "--no-sync", "-E", "UTF8"])
         self.port = free_port()
-        opts = f"-p {self.port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-        self._run([pg_ctl, "-D", str(data), "-o", opts, "-l", str(self.dir / "log"), "-w", "-t", "60", "start"])
+        self._opts = f"-p {self.port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        self.resume()
         return self
+
+    def halt(self) -> None:
+        """Stop the server, keeping its data and port (an outage); ``resume`` brings it back."""
+        self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate", "-w", "stop"])
+
+    def resume(self) -> None:
+        self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-o", self._opts, "-l", str(self.dir / "log"),
+                   "-w", "-t", "60", "start"])
 
     def _run(self, cmd: list[str]) -> None:
         result = subprocess.run([*self._run_as, *cmd], capture_output=True, text=True, timeout=120)

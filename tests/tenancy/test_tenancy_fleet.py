@@ -143,6 +143,37 @@ def test_migrations_apply_once_when_gateways_start_together(tmp_path: Path, post
             s.close()
 
 
+def test_the_ledger_rides_out_a_postgresql_restart_and_the_request_path_reconnects(tmp_path: Path) -> None:
+    """Rows recorded while the server is down are spilled to the home's quarantine file and replayed
+    once it is back; authentication works again without a restart of the gateway."""
+    try:
+        own = PostgresServer().start()  # this test stops its server: not the shared one
+    except Exception as exc:  # noqa: BLE001 - the shared fixture already skips when PostgreSQL is absent
+        pytest.skip(f"PostgreSQL unavailable: {exc}")
+    try:
+        svc = TenancyService.open(tmp_path / "a", database_url=own.new_database(), ledger_max_delay_s=0.01)
+        try:
+            created = svc.create_tenant("acme")
+            ctx = svc.authenticate(created.api_key)
+            svc.record_usage(_usage(ctx, "before"))
+            svc.flush()
+            own.halt()
+            svc.record_usage(_usage(ctx, "during"))
+            svc.flush()  # bounded retries, then the quarantine file
+            assert svc.ledger_stats().spilled == 1 and (tmp_path / "a" / "ledger-quarantine.jsonl").exists()
+            own.resume()
+            svc.record_usage(_usage(ctx, "after"))
+            svc.flush()  # the next batch that commits brings back what was spilled
+            ids = {r["request_id"] for r in read_rows(svc, "SELECT request_id FROM usage")}
+            assert ids == {"before", "during", "after"} and svc.ledger_stats().replayed == 1
+            svc._auth_cache.clear()  # force a database read on the request path's reconnected connection
+            assert svc.authenticate(created.api_key).tenant_id == created.tenant_id
+        finally:
+            svc.close()
+    finally:
+        own.stop()
+
+
 # -- Redis ------------------------------------------------------------------------------------------
 
 
