@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -138,12 +138,3 @@ def redact_url(url: str) -> str:
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return parts._replace(netloc=netloc).geturl()
 
-
-@contextlib.contextmanager
-def closing_on_error(db: Database) -> Iterator[Database]:
-    """Close ``db`` if the block raises (a half-opened service must not leak its connection)."""
-    try:
-        yield db
-    except BaseException:
-        db.close()
-        raise

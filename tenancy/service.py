@@ -10,8 +10,9 @@
                                                                           ▼
                                                                  usage table (ledger) ─► report
 
-State lives under ``home``: ``prefixgate.db`` (SQLite, WAL), ``kek.key`` (unless $PREFIXGATE_KEK) and
-``server.secret`` (both 0600, created on first run with a warning on stderr).
+State lives under ``home``: ``prefixgate.db`` (SQLite, WAL; or PostgreSQL with ``database_url``),
+``kek.key`` (unless $PREFIXGATE_KEK) and ``server.secret`` (both 0600, created on first run with a
+warning on stderr). With ``redis_url`` the rpm/tpm buckets, budgets and revocations are fleet-wide.
 
 Thread-safety: every method may be called from any thread. One connection, guarded by a lock,
 serves the request path (auth misses, budget refreshes, admin calls); the ledger writer has its
