@@ -14,8 +14,8 @@ bucket expires after two minutes: by then it would be full again anyway.
 
 Redis away: admission falls back to the local buckets (the limit then holds per gateway, as it did
 before Redis), ``status()`` says so (``/health``, the ``prefixgate_redis_up`` gauge), and Redis is
-tried again at most once per ``retry_s``, so a dead server costs one connect attempt a second, not
-one per request. Revocation falls back to the auth-cache TTL; after a reconnection every cached key
+tried again after ``retry_s`` (1 s), doubling up to ``max_retry_s`` (8 s) while it stays away, so a
+dead server costs one bounded attempt (``socket_timeout_s``, 0.2 s) per interval, not one per request. Revocation falls back to the auth-cache TTL; after a reconnection every cached key
 is dropped, since messages sent meanwhile were lost.
 """
 
@@ -101,7 +101,7 @@ class SharedLimits:
 
     def __init__(self, url: str, *, fallback: Limiter,
                  on_change: Callable[[FleetEvent, str | None], None],
-                 retry_s: float = 1.0, socket_timeout_s: float = 0.5) -> None:
+                 retry_s: float = 1.0, max_retry_s: float = 8.0, socket_timeout_s: float = 0.2) -> None:
         try:
             self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout_s,
                                                socket_connect_timeout=socket_timeout_s, decode_responses=True)
@@ -111,6 +111,8 @@ class SharedLimits:
         self._fallback = fallback
         self._on_change = on_change
         self._retry_s = retry_s
+        self._max_retry_s = max_retry_s
+        self._backoff_s = retry_s  # doubles while Redis stays away: a black-holed server costs less and less
         self._bucket = self._redis.register_script(_TOKEN_BUCKET)
         self._spend_at_least = self._redis.register_script(_SPEND_AT_LEAST)
         self._origin = secrets.token_hex(8)  # this process's own messages need no handling
@@ -139,13 +141,15 @@ class SharedLimits:
             if not self._connected:
                 log.warning("Redis at %s answers again: rate limits and budgets are fleet-wide again", self._url)
             self._connected = True
+            self._backoff_s = self._retry_s
 
     def _down(self, exc: BaseException) -> None:
         with self._lock:
             if self._connected:
                 log.error("Redis at %s does not answer (%s): using this gateway's local limits", self._url, exc)
             self._connected = False
-            self._retry_at = time.monotonic() + self._retry_s
+            self._retry_at = time.monotonic() + self._backoff_s
+            self._backoff_s = min(self._max_retry_s, self._backoff_s * 2)
             self._last_error = f"{type(exc).__name__}: {exc}"
 
     def _call(self, fn: Callable[[], _T]) -> _T | None:
@@ -221,6 +225,7 @@ class SharedLimits:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(CHANNEL)
+                self._up()  # Redis answers: admissions need not wait out their backoff
                 if missed:
                     self._on_change(FleetEvent.UPDATED, None)
                     missed = False
