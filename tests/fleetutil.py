@@ -61,7 +61,10 @@ class PostgresServer:
             except KeyError:
                 raise Unavailable("running as root and there is no 'postgres' user to run PostgreSQL as") from None
             os.chown(self.dir, owner.pw_uid, owner.pw_gid)
-            self._run_as = ["runuser", "-u", "postgres", "--"]
+            runuser = shutil.which("runuser") or ("/usr/sbin/runuser" if os.path.exists("/usr/sbin/runuser") else None)
+            if runuser is None:
+                raise Unavailable("running as root and `runuser` is missing to start PostgreSQL as 'postgres'")
+            self._run_as = [runuser, "-u", "postgres", "--"]
         data, sock = self.dir / "data", self.dir
         self._run([initdb, "-D", str(data), "-A", "trust", "-U", self.user, "--no-sync", "-E", "UTF8"])
         self.port = free_port()
@@ -78,7 +81,10 @@ class PostgresServer:
                    "-w", "-t", "60", "start"])
 
     def _run(self, cmd: list[str]) -> None:
-        result = subprocess.run([*self._run_as, *cmd], capture_output=True, text=True, timeout=120)
+        try:
+            result = subprocess.run([*self._run_as, *cmd], capture_output=True, text=True, timeout=120)
+        except FileNotFoundError as exc:
+            raise Unavailable(f"cannot run {exc.filename} ({INSTALL_HINT})") from None
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd[:2])} failed: {(result.stderr or result.stdout)[-2000:]}")
 

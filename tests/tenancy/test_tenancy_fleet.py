@@ -151,7 +151,9 @@ def test_the_ledger_rides_out_a_postgresql_restart_and_the_request_path_reconnec
     except Exception as exc:  # noqa: BLE001 - the shared fixture already skips when PostgreSQL is absent
         pytest.skip(f"PostgreSQL unavailable: {exc}")
     try:
-        svc = TenancyService.open(tmp_path / "a", database_url=own.new_database(), ledger_max_delay_s=0.01)
+        # TTL 0: every authentication reads the database, on the connection that saw the restart
+        svc = TenancyService.open(tmp_path / "a", database_url=own.new_database(), ledger_max_delay_s=0.01,
+                                  auth_cache_ttl_s=0.0)
         try:
             created = svc.create_tenant("acme")
             ctx = svc.authenticate(created.api_key)
@@ -166,7 +168,6 @@ def test_the_ledger_rides_out_a_postgresql_restart_and_the_request_path_reconnec
             svc.flush()  # the next batch that commits brings back what was spilled
             ids = {r["request_id"] for r in read_rows(svc, "SELECT request_id FROM usage")}
             assert ids == {"before", "during", "after"} and svc.ledger_stats().replayed == 1
-            svc._auth_cache.clear()  # force a database read on the request path's reconnected connection
             assert svc.authenticate(created.api_key).tenant_id == created.tenant_id
         finally:
             svc.close()
