@@ -30,6 +30,7 @@ from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
 from gateway.routes import completions, dashboard, internal, models, ops, usage
+from gateway.routes.ops import FleetCollector
 from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
@@ -168,7 +169,9 @@ def create_app(
             if owned_engine is not None:
                 await _call_optional(owned_engine, "start")
         if app.state.tenancy is None and settings.home is not None:
-            owned_tenancy = app.state.tenancy = open_tenancy(settings.home, auth_cache_ttl_s=settings.auth_cache_ttl_s)
+            owned_tenancy = app.state.tenancy = open_tenancy(
+                settings.home, auth_cache_ttl_s=settings.auth_cache_ttl_s,
+                database_url=settings.database_url, redis_url=settings.redis_url)
         for client in app.state.router.all_clients():
             if isinstance(client, RemoteEngineClient):
                 try:
@@ -197,6 +200,7 @@ def create_app(
     app.state.tenancy = tenancy
     app.state.registry = registry
     app.state.metrics = GatewayMetrics(registry)
+    registry.register(FleetCollector(lambda: app.state.tenancy))  # prefixgate_redis_up and friends
     app.state.live_stats = LiveStats()
     app.state.timeseries = TimeSeries(registry, app.state.live_stats)  # the dashboard's charts
     app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)

@@ -8,6 +8,8 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     max_body_bytes = "4MiB"
     node_token_env = "PREFIXGATE_NODE_TOKEN"   # enables POST /internal/v1/generate on this process
     metrics_token_env = "PREFIXGATE_METRICS_TOKEN"  # Prometheus scrapes /metrics with this bearer token
+    database_url = "postgresql://prefixgate@db:5432/prefixgate"  # shared state of a fleet (default: SQLite under --home)
+    redis_url = "redis://redis:6379/0"  # fleet-wide rpm/tpm limits, budgets and revocation (default: per process)
 
     [engine]                    # the in-process engine; omit `model` for a gateway-only process
     model = "smol"              # SmolLM2-135M-Instruct (the default), "tiny", or a checkpoint directory
@@ -139,6 +141,9 @@ class GatewaySettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     home: Path | None = None  # tenancy database and keys; None = tenancy injected (tests)
+    # A fleet: tenants, keys and the ledger in PostgreSQL (None = SQLite under home) and limits in Redis.
+    database_url: str | None = None
+    redis_url: str | None = None
     # Local engine: None = gateway-only (every model is routed elsewhere).
     model: str | None = None
     model_dir: Path | None = None  # resolved checkpoint directory (serve_cmd fills it from `model`)

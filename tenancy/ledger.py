@@ -3,7 +3,7 @@
 ::
 
     request threads ──submit(row)──► storable_row ──► queue ──► writer thread ──► BEGIN; INSERT x N; COMMIT
-                      (bounded, valid UTF-8,            (own SQLite connection, batches of <= batch_max rows
+                      (bounded, valid UTF-8,            (own connection, batches of <= batch_max rows
                        finite numbers)                   or whatever arrived within max_delay_s)
                                                               │ a row the database refuses
                                                               ├──────────────► usage_quarantine table (counted)
@@ -13,7 +13,8 @@
 Guarantees:
     - Idempotent: ``request_id`` is the primary key and rows go in with ``ON CONFLICT DO NOTHING``, so a
       retried record (the gateway may record twice after a reconnect) is stored once, first wins.
-    - Crash-safe: a batch is one SQLite transaction in WAL mode with ``synchronous=FULL``; a process
+    - Crash-safe: a batch is one transaction (SQLite in WAL mode with ``synchronous=FULL``, or
+      PostgreSQL, where batches of several gateways commit side by side without a lock); a process
       killed at any instant leaves every committed batch whole and no part of an uncommitted one.
       Rows still in the queue at a kill are lost (at most ``max_delay_s`` worth); ``flush`` waits
       until everything submitted before it is committed.
@@ -33,7 +34,6 @@ import json
 import logging
 import os
 import queue
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tenancy import db as dbmod
+from tenancy.database import Database, DatabaseTarget, DatabaseUnavailableError, ErrorKind
+from tenancy.db import is_transient  # noqa: F401 - re-exported (the SQLite classification)
 from tenancy.storable import storable_row, storable_text
 
 log = logging.getLogger("tenancy.ledger")
@@ -58,21 +59,7 @@ QUARANTINE_FILENAME = "ledger-quarantine.jsonl"
 # a second row for a request id is ignored; every other refusal is seen and the row quarantined.
 _INSERT = (f"INSERT INTO usage ({', '.join(USAGE_COLUMNS)}) "
            f"VALUES ({', '.join('?' for _ in USAGE_COLUMNS)}) ON CONFLICT(request_id) DO NOTHING")
-# Errors that may go away by themselves: another process holds the write lock, the disk is full.
-_TRANSIENT_CODES = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_FULL,
-                              sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN})
 _STOP = object()
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True for a database error worth retrying later (the row is fine, the database is not ready)."""
-    if not isinstance(exc, sqlite3.OperationalError):
-        return False
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return (code & 0xFF) in _TRANSIENT_CODES  # extended codes carry the primary code in the low byte
-    text = str(exc).lower()
-    return "locked" in text or "busy" in text or "disk is full" in text
 
 
 @dataclass(frozen=True)
@@ -105,10 +92,17 @@ class RetryPolicy:
 class LedgerWriter:
     """A daemon thread that commits submitted usage rows in batched transactions."""
 
-    def __init__(self, db_path: Path, *, batch_max: int = 256, max_delay_s: float = 0.05,
-                 retry: RetryPolicy | None = None) -> None:
-        self._db_path = db_path
-        self._spill_path = db_path.with_name(QUARANTINE_FILENAME)
+    def __init__(self, target: DatabaseTarget | Path, *, spill_path: Path | None = None, batch_max: int = 256,
+                 max_delay_s: float = 0.05, retry: RetryPolicy | None = None) -> None:
+        """``target``: the database (a Path is an SQLite file). ``spill_path``: the quarantine file
+        (default: next to an SQLite file; a PostgreSQL target must name one, under ``--home``)."""
+        if isinstance(target, Path):
+            target = DatabaseTarget(sqlite_path=target)
+        if spill_path is None:
+            assert target.sqlite_path is not None, "a PostgreSQL ledger needs a spill_path"
+            spill_path = target.sqlite_path.with_name(QUARANTINE_FILENAME)
+        self._target = target
+        self._spill_path = spill_path
         self._batch_max = batch_max
         self._max_delay_s = max_delay_s
         self._retry = retry or RetryPolicy()
@@ -117,7 +111,7 @@ class LedgerWriter:
         self._wake = threading.Event()  # cuts the batching delay short (flush, close, full batch)
         self._hurry = threading.Event()  # set by close: stop retrying, spill what cannot be written
         self._lock = threading.Lock()
-        self._db: Any = None  # the writer thread's connection, opened on its first batch (see _database)
+        self._db: Database | None = None  # the writer thread's connection, opened on its first batch (see _database)
         self._spill_pending = self._spill_path.exists()
         self._unavailable = False  # the last batch could not be written (transient): close() stops trying  # rows in the file wait for the database to work
         self._counts = {"committed": 0, "quarantined": 0, "spilled": 0, "replayed": 0, "lost": 0, "retries": 0}
@@ -200,13 +194,23 @@ class LedgerWriter:
             log.exception("ledger writer error")
             self._spill(rows, f"{type(exc).__name__}: {exc}")
 
-    def _database(self) -> Any:
+    def _database(self) -> Database:
         """The writer's connection, opened lazily so that a locked database at start is one more
-        transient failure, not a dead writer thread."""
+        transient failure, not a dead writer thread; a connection broken by a transient error (the
+        PostgreSQL server restarted) is replaced on the next attempt."""
+        if self._db is not None and self._db.broken:
+            self._db.close()
+            self._db = None
         if self._db is None:
             # May raise "database is locked" (a migration waits for the write lock): a transient failure.
-            self._db = dbmod.connect(self._db_path, busy_timeout_s=self._retry.busy_timeout_ms / 1000)
+            self._db = self._target.connect(busy_timeout_s=self._retry.busy_timeout_ms / 1000)
         return self._db
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        if self._db is not None:
+            return self._db.classify(exc) is ErrorKind.TRANSIENT
+        # No connection yet: SQLite's "locked", or a PostgreSQL server not answering (start-up).
+        return is_transient(exc) or _is_unavailable(exc)
 
     def _collect(self) -> tuple[list[dict[str, Any]], list[threading.Event], bool]:
         """Block for one item, let a batch accumulate for up to ``max_delay_s``, then drain the queue.
@@ -247,7 +251,7 @@ class LedgerWriter:
                 refused = write_rows(self._database(), rows)
             except Exception as exc:
                 reason = f"{type(exc).__name__}: {exc}"
-                if not is_transient(exc):
+                if not self._is_transient(exc):
                     break  # not the rows (each was tried alone) and not going away: the file keeps them
                 self._counts["retries"] += 1
                 if attempt == self._retry.attempts or self._hurry.is_set():
@@ -301,7 +305,7 @@ class LedgerWriter:
         taken.unlink(missing_ok=True)
 
 
-def write_rows(db: Any, rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+def write_rows(db: Database, rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
     """Insert ``rows`` in one transaction; rows whose request_id exists already are skipped.
 
     Returns the rows the database refused on their own, with the reason; they are stored in
@@ -310,35 +314,33 @@ def write_rows(db: Any, rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any]
     """
     params = [tuple(r.get(c) for c in USAGE_COLUMNS) for r in rows]
     try:
-        with dbmod.write_transaction(db):
-            db.conn.executemany(_INSERT, params)
+        # Not exclusive: ON CONFLICT makes concurrent batches from several gateways safe without a lock.
+        with db.transaction(exclusive=False):
+            db.executemany(_INSERT, params)
         return []
-    except sqlite3.Error as exc:
-        if is_transient(exc):
+    except Exception as exc:
+        if db.classify(exc) is not ErrorKind.REFUSED:
             raise
-    except (ValueError, TypeError, OverflowError, UnicodeError):
-        pass  # a value the driver cannot bind: find it row by row
     refused: list[tuple[dict[str, Any], str]] = []
-    with dbmod.write_transaction(db):
+    with db.transaction(exclusive=False):
         for row, values in zip(rows, params, strict=True):
-            db.conn.execute("SAVEPOINT ledger_row")
             try:
-                db.conn.execute(_INSERT, values)
-            except sqlite3.Error as exc:
-                if is_transient(exc):
+                with db.savepoint():
+                    db.execute(_INSERT, values)
+            except Exception as exc:
+                if db.classify(exc) is not ErrorKind.REFUSED:
                     raise
-                db.conn.execute("ROLLBACK TO ledger_row")
                 refused.append((row, f"{type(exc).__name__}: {exc}"))
-            except (ValueError, TypeError, OverflowError, UnicodeError) as exc:
-                db.conn.execute("ROLLBACK TO ledger_row")
-                refused.append((row, f"{type(exc).__name__}: {exc}"))
-            db.conn.execute("RELEASE ledger_row")
-        db.conn.executemany(
+        db.executemany(
             "INSERT INTO usage_quarantine (request_id, tenant_id, reason, row_json, created_at) VALUES (?, ?, ?, ?, ?)",
             [(storable_text(r.get("request_id"), 200), storable_text(r.get("tenant_id"), 64),
               storable_text(why, 500), _row_json(r), time.time()) for r, why in refused],
         )
     return refused
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, DatabaseUnavailableError)
 
 
 def _row_json(row: Mapping[str, Any]) -> str:

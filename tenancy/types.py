@@ -6,6 +6,7 @@ names), so ``engine/`` never imports tenancy and tenancy never imports ``engine/
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -195,3 +196,22 @@ class TenantInfo:
     # Keep the prompt text around a cache break (``miss_context``) and end-user family names in clear
     # in the ledger. Off by default: the ledger then holds no prompt text (see SECURITY.md).
     store_miss_context: bool = False
+
+
+class FleetEvent(enum.Enum):
+    """What another gateway (or the CLI) changed about a tenant."""
+
+    REVOKED = "revoked"
+    DELETED = "deleted"
+    UPDATED = "updated"
+
+
+@dataclass(frozen=True)
+class SharedLimitsStatus:
+    """``connected``: the last Redis call worked. ``fallbacks``: admissions decided by local limits
+    because Redis did not answer. ``last_error``: the latest Redis error, or None."""
+
+    url: str
+    connected: bool
+    fallbacks: int
+    last_error: str | None

@@ -81,6 +81,12 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "(default PREFIXGATE_METRICS_TOKEN when set; admin API keys are always accepted)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without authentication (only on a listener tenants cannot reach)")
+    p.add_argument("--database-url", default=None, metavar="URL",
+                   help="postgresql://USER@HOST:PORT/DB: tenants, keys and the ledger shared by a fleet of gateways "
+                        "(default: the SQLite file under --home; also `database_url` in [server])")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="redis://HOST:PORT/0: fleet-wide rate limits, budgets and revocation "
+                        "(default: per process; also `redis_url` in [server])")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -176,7 +182,8 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
     flags = {"host": args.host, "port": _int_flag("--port", args.port, 0, 65535), "model": args.model,
              "device": args.device, "kv_blocks": _int_flag("--kv-blocks", args.kv_blocks, 2),
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
-             "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes)}
+             "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes),
+             "database_url": getattr(args, "database_url", None), "redis_url": getattr(args, "redis_url", None)}
     values.update({k: v for k, v in flags.items() if v is not None})
     values.update(engine_flag_values(args))
     if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
@@ -201,6 +208,10 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
         raise CLIError(f"--device must be cpu or cuda[:N], got {device!r}")
     if port_hint is not None:
         _check_port_free(str(values.get("host", "127.0.0.1")), int(values.get("port", 8000)), port_hint)
+    database_url = values.get("database_url")
+    if database_url is not None and not isinstance(database_url, str):
+        raise CLIError(f"invalid setting database_url: must be a string, got {database_url!r}")
+    _check_tenancy(home, database_url)  # before the model: a bad URL must not wait for a checkpoint
     model = values.get("model", "smol")
     if model == "none":
         values["model"], values["model_dir"] = None, None
@@ -235,6 +246,19 @@ def _check_port_free(host: str, port: int, hint: str) -> None:
         except OSError as exc:
             raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror} (is another server running there?); "
                            f"pick another port with {hint}") from None
+
+
+def _check_tenancy(home: Path, database_url: str | None) -> None:
+    """Open the tenancy state once before anything else, so that a wrong or unreachable database URL,
+    or a KEK or server secret that does not match the shared database, fails start-up with one line
+    (exit 2) instead of a traceback from inside the server's start-up."""
+    from gateway.ports import TenancyError, open_tenancy
+
+    try:
+        # No Redis here: an unreachable Redis is not fatal (the gateway serves with local limits).
+        open_tenancy(home, database_url=database_url).close()
+    except TenancyError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] | None = None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,9 +23,11 @@ from tenancy.service import TenancyService, TenantInfo
 
 @contextmanager
 def open_service(args: argparse.Namespace) -> Iterator[TenancyService]:
-    """The service under --home, with tenancy errors turned into one-line CLI errors."""
+    """The service under --home (on --database-url / --redis-url when given), with tenancy errors
+    turned into one-line CLI errors. With Redis, a revocation or deletion reaches running gateways at once."""
     try:
-        with TenancyService.open(resolve_home(args.home)) as svc:
+        with TenancyService.open(resolve_home(args.home), database_url=getattr(args, "database_url", None),
+                                 redis_url=getattr(args, "redis_url", None)) as svc:
             yield svc
     except TenancyError as exc:
         raise CLIError(str(exc)) from None
@@ -262,6 +265,12 @@ def sub_common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--home", default=argparse.SUPPRESS,
                    help="state directory (database, keys); default $PREFIXGATE_HOME or the user's data directory")
+    # A fleet's shared state: the same URLs the gateways run with (serve's --database-url / --redis-url).
+    p.add_argument("--database-url", default=os.environ.get("PREFIXGATE_DATABASE_URL") or None, metavar="URL",
+                   help="postgresql://... of a fleet (default $PREFIXGATE_DATABASE_URL, else SQLite under --home)")
+    p.add_argument("--redis-url", default=os.environ.get("PREFIXGATE_REDIS_URL") or None, metavar="URL",
+                   help="redis://... of a fleet: revocations reach running gateways at once "
+                        "(default $PREFIXGATE_REDIS_URL)")
     return p
 
 
