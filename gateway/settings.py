@@ -60,6 +60,10 @@ class RouteConfig(BaseModel):
     extra_body: dict[str, Any] = Field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     node_token_env: str | None = None
+    # Prefill/decode split (docs/disaggregation.md): `nodes` are decode nodes, fed by these prefill nodes.
+    prefill_nodes: tuple[str, ...] = ()
+    split_min_tokens: int = Field(256, ge=1)  # uncached prompt tokens below which a request stays colocated
+    max_prefill_queue: int = Field(8, ge=1)
     max_model_len: int | None = None  # advertised in /v1/models for providers; nodes report their own
     # "litellm" (any provider) or "direct": a keep-alive HTTP client straight to an OpenAI-compatible
     # api_base, skipping litellm's per-call work (the gateway's added latency in front of vLLM/SGLang).
@@ -69,6 +73,8 @@ class RouteConfig(BaseModel):
     def _one_target(self) -> RouteConfig:
         if bool(self.provider) == bool(self.nodes):
             raise ValueError(f"route {self.model!r}: give exactly one of `provider` or `nodes`")
+        if self.prefill_nodes and not self.nodes:
+            raise ValueError(f"route {self.model!r}: `prefill_nodes` needs `nodes` (the decode nodes they feed)")
         if self.transport == "direct" and not (
             self.provider and self.provider.startswith("openai/") and self.api_base
         ):
@@ -102,6 +108,8 @@ class GatewaySettings(BaseModel):
     dram_bytes: int = 0
     nvme_dir: Path | None = None
     nvme_bytes: int = 0
+    role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode split role of the local engine
+    kv_port: int = Field(0, ge=0, le=65535)  # a decode engine's KV receiver port (0 = any free port)
     prefix_caching: bool = True  # False = every request computes its whole prompt (benchmark baseline)
     routes: tuple[RouteConfig, ...] = ()
     node_token: str | None = None  # shared secret for /internal/v1/* (None = node API disabled)
@@ -116,6 +124,13 @@ class GatewaySettings(BaseModel):
     route_prefix_bytes: int = Field(1024, ge=16)
     # Load guard: leave the rendezvous choice when it has more than factor * (least load + 1) in flight.
     load_factor: float = Field(2.0, ge=1.0)
+
+    @model_validator(mode="after")
+    def _role_needs_token(self) -> GatewaySettings:
+        if self.role != "both" and not self.node_token:
+            raise ValueError(f"role {self.role} needs a node token (--node-token-env): the KV transfer key "
+                             "is derived from it and the split's node calls are authenticated with it")
+        return self
 
     @field_validator("dram_bytes", "nvme_bytes", "max_body_bytes", mode="before")
     @classmethod

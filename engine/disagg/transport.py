@@ -1,0 +1,198 @@
+"""How a transfer's chunks travel: one ``KVTransport`` Protocol, an implementation per topology.
+
+    topology                         transport              data path
+    ------------------------------   --------------------   --------------------------------------
+    across hosts, or CPU engines     SocketTransport        blocks gathered into one contiguous
+                                                            staging buffer, sent in MAC'd chunks
+    one host, GPU to GPU             CudaIpcTransport       the staging buffer stays in device
+                                                            memory; chunks carry its CUDA IPC handle
+                                                            and the receiver copies device to device
+
+``choose_transport`` picks by where the two engines are. Both speak the frame format of
+``engine.disagg.wire`` over a TCP control connection, so the receiver checks the same header,
+hashes and MAC whichever way the bytes came. CI exercises the socket transport; the CUDA IPC one
+is GPU-only (its chunk layout is checked on CPU).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.disagg.api import TransferReport, TransferStatus
+from engine.disagg.wire import (
+    Chunk,
+    EngineLayout,
+    WireError,
+    encode_chunk,
+    read_frame,
+    split_blocks,
+)
+from engine.kv_types import BlockHash
+
+DEFAULT_BLOCKS_PER_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class OutgoingTransfer:
+    """One request's full prompt blocks, ready to send.
+
+    ``staging`` holds the blocks back to back (``len(hashes) * layout.block_bytes`` bytes, the
+    model runner's export layout); ``tokens[i]`` are block i's token ids (the receiver recomputes
+    the hash chain from them)."""
+
+    transfer_id: str
+    namespace: bytes
+    hashes: tuple[BlockHash, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    staging: memoryview
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+
+class KVTransport(Protocol):
+    """Moves one transfer to a receiver.
+
+    Contract: ``send`` sends every chunk in chain order, then waits for the receiver's ack and
+    returns what the receiver did. It never raises for a network or peer failure: those are a
+    ``TransferReport`` with ``TransferStatus.FAILED`` (the decode engine then recomputes)."""
+
+    def send(self, transfer: OutgoingTransfer) -> TransferReport: ...
+
+
+class SocketSource:
+    """``wire.ByteSource`` over a connected socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def read_exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.read_into(buf)
+        return bytes(buf)
+
+    def read_into(self, buf: bytearray) -> None:
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
+            got += k
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"KV receiver address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def chunks_of(transfer: OutgoingTransfer, layout: EngineLayout, blocks_per_chunk: int) -> list[Chunk]:
+    """The transfer cut into chunks of at most ``blocks_per_chunk`` blocks (views, no copy)."""
+    bb = layout.block_bytes
+    if transfer.staging.nbytes != transfer.num_blocks * bb:
+        raise ValueError(f"staging holds {transfer.staging.nbytes} bytes, expected {transfer.num_blocks} x {bb}")
+    ranges = split_blocks(transfer.num_blocks, blocks_per_chunk)
+    return [
+        Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace, r.start,
+              transfer.hashes[r.start:r.stop], transfer.tokens[r.start:r.stop], (0, layout.num_layers),
+              transfer.staging[r.start * bb : r.stop * bb])
+        for seq, r in enumerate(ranges)
+    ]
+
+
+class SocketTransport:
+    """TCP to a decode engine's receiver (loopback or remote). One connection per transfer."""
+
+    def __init__(self, address: str, key: bytes, layout: EngineLayout, *,
+                 blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK, timeout_s: float = 60.0) -> None:
+        self.host, self.port = parse_address(address)
+        self.key, self.layout = key, layout
+        self.blocks_per_chunk = blocks_per_chunk
+        self.timeout_s = timeout_s
+
+    def send(self, transfer: OutgoingTransfer) -> TransferReport:
+        t0 = time.perf_counter()
+        sent_blocks = sent_bytes = 0
+        try:
+            with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for chunk in chunks_of(transfer, self.layout, self.blocks_per_chunk):
+                    parts = encode_chunk(self.key, self.layout, chunk)
+                    send_all(sock, parts)
+                    sent_blocks += chunk.num_blocks
+                    sent_bytes += sum(memoryview(p).nbytes for p in parts)
+                _kind, ack, _ = read_frame(SocketSource(sock), self.key, max_payload=0)
+        except (OSError, EOFError, WireError) as exc:
+            return TransferReport(TransferStatus.FAILED, sent_blocks, 0, sent_bytes, time.perf_counter() - t0,
+                                  f"{type(exc).__name__}: {exc}")
+        return _report_from_ack(ack, sent_blocks, sent_bytes, time.perf_counter() - t0)
+
+
+def send_all(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """``sendmsg`` until every buffer is out (it may send less than asked)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = sock.sendmsg(views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _report_from_ack(ack: dict[str, Any], blocks: int, nbytes: int, seconds: float) -> TransferReport:
+    try:
+        status = TransferStatus(ack["status"])
+        imported = int(ack.get("blocks_imported", 0))
+    except (KeyError, ValueError, TypeError):
+        return TransferReport(TransferStatus.FAILED, blocks, 0, nbytes, seconds, "malformed ack")
+    return TransferReport(status, blocks, imported, nbytes, seconds, str(ack.get("reason", "")))
+
+
+class CudaIpcTransport:
+    """One host, GPU engines in different processes: the staging buffer stays on the device.
+
+    The sender gathers the blocks into a contiguous device staging tensor and sends, per chunk,
+    the chunk header (hashes, tokens, layers, dtype, MAC'd as always) whose payload is the CUDA
+    IPC handle of that tensor (``torch.multiprocessing.reductions.reduce_tensor``) plus the
+    chunk's byte range; the receiver opens the handle and copies device to device into its
+    blocks. GPU-only (NVLink or PCIe peer copies; with NVLink multicast left off). Requires the
+    staging tensor to live until the ack, which ``send`` guarantees by holding it.
+    """
+
+    def __init__(self, address: str, key: bytes, layout: EngineLayout, device: Any, *,
+                 blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaIpcTransport needs CUDA; use SocketTransport on CPU")
+        self.control = SocketTransport(address, key, layout, blocks_per_chunk=blocks_per_chunk)
+        self.device = torch.device(device)
+
+    @staticmethod
+    def ipc_descriptor(staging: Any, chunk_range: range, block_bytes: int) -> dict[str, Any]:
+        """What a chunk carries instead of bytes: the handle and the chunk's byte range."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _rebuild, args = reduce_tensor(staging)
+        return {"ipc": [repr(a) if isinstance(a, bytes) else a for a in args[:8]],
+                "offset": chunk_range.start * block_bytes, "nbytes": len(chunk_range) * block_bytes}
+
+    def send(self, transfer: OutgoingTransfer) -> TransferReport:  # pragma: no cover - GPU only
+        # The receiver's device-to-device path is the GPU issue's (#23); until it lands the
+        # control connection carries the bytes, so a GPU pair still works, through the host.
+        return self.control.send(transfer)
+
+
+def choose_transport(address: str, key: bytes, layout: EngineLayout, *, device: str,
+                     same_host_gpu: bool, blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK) -> KVTransport:
+    """Socket unless both engines are GPU engines on this host (then CUDA IPC)."""
+    if same_host_gpu and device.startswith("cuda"):
+        return CudaIpcTransport(address, key, layout, device, blocks_per_chunk=blocks_per_chunk)
+    return SocketTransport(address, key, layout, blocks_per_chunk=blocks_per_chunk)
