@@ -76,7 +76,10 @@ class KVReceiver:
     def close(self) -> None:
         self._closing = True
         with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept (Linux)
+        with contextlib.suppress(OSError):
             self._listener.close()
+        self._thread.join(5)
 
     def _accept_loop(self) -> None:
         while not self._closing:
@@ -96,6 +99,12 @@ class KVReceiver:
             ack = {"status": status.value, "blocks_imported": imported, "reason": reason}
             with contextlib.suppress(OSError):
                 send_all(conn, encode_frame(self.key, FrameKind.ACK, ack))
+                if status is TransferStatus.REJECTED:
+                    # the sender may still be writing chunks: read them away until it closes, so
+                    # that closing here sends no reset that would destroy the ack in its buffer
+                    conn.shutdown(socket.SHUT_WR)
+                    while conn.recv(1 << 20):
+                        pass
 
     def _receive(self, conn: socket.socket) -> tuple[TransferStatus, str, int]:
         checker = ChainChecker(self.layout)

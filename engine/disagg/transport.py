@@ -156,17 +156,22 @@ def _report_from_ack(ack: dict[str, Any], blocks: int, nbytes: int, seconds: flo
 
 
 class CudaIpcTransport:
-    """One host, GPU engines in different processes: the staging buffer stays on the device.
+    """One host, GPU engines in different processes: the staging buffer stays in device memory.
 
-    The sender gathers the blocks into a contiguous device staging tensor and sends, per chunk,
-    the chunk header (hashes, tokens, layers, dtype, MAC'd as always) whose payload is the CUDA
-    IPC handle of that tensor (``torch.multiprocessing.reductions.reduce_tensor``) plus the
-    chunk's byte range; the receiver opens the handle and copies device to device into its
-    blocks. GPU-only (NVLink or PCIe peer copies; with NVLink multicast left off). Requires the
-    staging tensor to live until the ack, which ``send`` guarantees by holding it.
+    Design (GPU-only; the device-side copy is not built yet, see docs/disaggregation.md): the
+    sender gathers the blocks into one contiguous device staging tensor and shares it once per
+    transfer through a CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``); each
+    chunk frame carries the usual header (hashes, tokens, layers, dtype, MAC'd) plus the chunk's
+    byte range of that tensor instead of the bytes; the receiver opens the handle and copies
+    device to device into its blocks, then acks, after which the sender may free the staging
+    tensor. Between two GPUs of a host the same frames drive ``torch.distributed`` NCCL
+    ``send``/``recv`` of each range instead (NVLink multicast left off).
+
+    What runs today: the chunk byte ranges (``chunk_ranges``, checked on CPU). ``send`` raises
+    ``NotImplementedError`` rather than silently moving the bytes through the host.
     """
 
-    def __init__(self, address: str, key: bytes, layout: EngineLayout, device: Any, *,
+    def __init__(self, address: str, key: bytes, layout: EngineLayout, device: str, *,
                  blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK) -> None:
         import torch
 
@@ -176,23 +181,18 @@ class CudaIpcTransport:
         self.device = torch.device(device)
 
     @staticmethod
-    def ipc_descriptor(staging: Any, chunk_range: range, block_bytes: int) -> dict[str, Any]:
-        """What a chunk carries instead of bytes: the handle and the chunk's byte range."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        _rebuild, args = reduce_tensor(staging)
-        return {"ipc": [repr(a) if isinstance(a, bytes) else a for a in args[:8]],
-                "offset": chunk_range.start * block_bytes, "nbytes": len(chunk_range) * block_bytes}
+    def chunk_ranges(num_blocks: int, block_bytes: int, blocks_per_chunk: int) -> list[tuple[int, int]]:
+        """(byte offset, byte length) of each chunk inside the device staging tensor."""
+        return [(r.start * block_bytes, len(r) * block_bytes) for r in split_blocks(num_blocks, blocks_per_chunk)]
 
     def send(self, transfer: OutgoingTransfer) -> TransferReport:  # pragma: no cover - GPU only
-        # The receiver's device-to-device path is the GPU issue's (#23); until it lands the
-        # control connection carries the bytes, so a GPU pair still works, through the host.
-        return self.control.send(transfer)
+        raise NotImplementedError("the CUDA IPC device-to-device copy is issue #23's; use SocketTransport")
 
 
 def choose_transport(address: str, key: bytes, layout: EngineLayout, *, device: str,
                      same_host_gpu: bool, blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK) -> KVTransport:
-    """Socket unless both engines are GPU engines on this host (then CUDA IPC)."""
+    """Socket unless both engines are GPU engines on this host (then CUDA IPC). Nothing passes
+    ``same_host_gpu=True`` yet: the device path is not built (see ``CudaIpcTransport``)."""
     if same_host_gpu and device.startswith("cuda"):
         return CudaIpcTransport(address, key, layout, device, blocks_per_chunk=blocks_per_chunk)
     return SocketTransport(address, key, layout, blocks_per_chunk=blocks_per_chunk)
