@@ -13,6 +13,8 @@ import contextlib
 import shutil
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,11 +38,15 @@ def nodes(tmp_path_factory):
     ensure_tiny_model(homes[0])
     shutil.copytree(homes[0] / "models", homes[1] / "models")
     procs = []
+    with ThreadPoolExecutor(2) as pool:  # the two model loads overlap
+        futures = [pool.submit(serve_tiny, home, "--role", role, "--node-token-env", "PD_NODE_TOKEN", env=ENV)
+                   for home, role in zip(homes, ("prefill", "decode"))]
+        started = [f.result() for f in futures if f.exception() is None]
+        procs = [proc for _, proc in started]
     try:
-        prefill_url, p = serve_tiny(homes[0], "--role", "prefill", "--node-token-env", "PD_NODE_TOKEN", env=ENV)
-        procs.append(p)
-        decode_url, d = serve_tiny(homes[1], "--role", "decode", "--node-token-env", "PD_NODE_TOKEN", env=ENV)
-        procs.append(d)
+        if len(started) != 2:
+            raise RuntimeError(f"a node did not start: {[f.exception() for f in futures]}")
+        (prefill_url, _), (decode_url, _) = started
         yield prefill_url, decode_url, procs
     finally:
         for p in procs:
@@ -104,6 +110,49 @@ def test_split_output_equals_single_engine_and_cached_tokens_are_true(nodes):
     assert again_ids == ref_ids and again_cached == 144
     assert integrity(decode_url)["ok"] and integrity(decode_url)["kv_blocks_used"] == 0
     assert integrity(prefill_url)["ok"]
+
+
+def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes, tmp_path, monkeypatch):
+    """The real gateway (real tenancy, config with prefill_nodes) in front of the two nodes."""
+    import sys
+
+    import openai
+
+    from gateway.app import create_app
+    from gateway.ports import open_tenancy
+    from gateway.settings import GatewaySettings, RouteConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+    from gateway_fakes import LoopbackServer
+
+    prefill_url, decode_url, _ = nodes
+    monkeypatch.setenv("PD_NODE_TOKEN", TOKEN)
+    svc = open_tenancy(tmp_path)
+    key, other = svc.create_tenant("acme").api_key, svc.create_tenant("beta").api_key
+    svc.flush()
+    svc.close()
+    route = RouteConfig(model="tiny", nodes=(decode_url,), prefill_nodes=(prefill_url,),
+                        node_token_env="PD_NODE_TOKEN", split_min_tokens=32)
+    messages = [{"role": "system", "content": "You are a careful assistant for the acme store. " * 6},
+                {"role": "user", "content": "What do you sell?"}]
+    single = RouteConfig(model="tiny-single", nodes=(prefill_url,), node_token_env="PD_NODE_TOKEN")  # one engine
+    settings = GatewaySettings(home=tmp_path, routes=(route, single), metrics_token="pd-metrics")
+    with LoopbackServer(create_app(settings)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+        second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+        # the same canonical request, another tenant (nothing cached), one engine doing everything
+        ref = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=other, max_retries=0).chat.completions.create(
+            model="tiny-single", messages=messages, max_tokens=10, temperature=0)
+        metrics = httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer pd-metrics"}, trust_env=False).text
+
+    assert first.choices[0].message.content == ref.choices[0].message.content == second.choices[0].message.content
+    assert ref.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # the prefill node computed the prompt
+    prompt = first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16  # moved blocks: a hit
+    assert 'prefixgate_pd_decisions_total{placement="split",reason="long_uncached_prompt"} 1.0' in metrics
+    assert 'prefixgate_pd_decisions_total{placement="colocated",reason="cached_on_decode"} 1.0' in metrics
 
 
 class CorruptingProxy:
