@@ -127,6 +127,8 @@ class GatewaySettings(BaseModel):
 
     @model_validator(mode="after")
     def _role_needs_token(self) -> GatewaySettings:
+        if self.role != "both" and self.model_dir is None:
+            raise ValueError(f"role {self.role} needs a local engine (--model DIR or tiny)")
         if self.role != "both" and not self.node_token:
             raise ValueError(f"role {self.role} needs a node token (--node-token-env): the KV transfer key "
                              "is derived from it and the split's node calls are authenticated with it")
