@@ -124,5 +124,5 @@ class DisaggConfig:
     def __post_init__(self) -> None:
         if self.role is not Role.BOTH and not self.node_token:
             raise ValueError(f"role {self.role.value} needs a node token (the KV transfer key is derived from it)")
-        if not 0 <= self.kv_port <= 65535 or self.blocks_per_chunk < 1:
-            raise ValueError("kv_port must be in [0, 65535] and blocks_per_chunk >= 1")
+        if not 0 <= self.kv_port <= 65535 or not 1 <= self.blocks_per_chunk <= 256:
+            raise ValueError("kv_port must be in [0, 65535] and blocks_per_chunk in [1, 256]")

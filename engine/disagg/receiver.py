@@ -39,6 +39,7 @@ from engine.disagg.wire import (
 from engine.kv_types import BlockHash
 
 log = logging.getLogger(__name__)
+MAX_BLOCKS_PER_CHUNK = 256  # the most blocks one chunk may carry (DisaggConfig.blocks_per_chunk <= this)
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,13 @@ class KVReceiver:
     """Listens on ``host:port`` (0 = any free port; see ``address``) until ``close``."""
 
     def __init__(self, host: str, port: int, key: bytes, layout: EngineLayout, importer: Importer,
-                 metrics: TransferMetrics, *, max_chunk_bytes: int = 256 * 1024 * 1024, io_timeout_s: float = 60.0) -> None:
+                 metrics: TransferMetrics, *, max_blocks_per_chunk: int = MAX_BLOCKS_PER_CHUNK,
+                 max_connections: int = 16, io_timeout_s: float = 60.0) -> None:
         self.key, self.layout, self.importer, self.metrics = key, layout, importer, metrics
-        self.max_chunk_bytes = max_chunk_bytes
+        # A frame's payload is read before its MAC can be checked: bound what an unauthenticated
+        # peer can make this process allocate (one chunk per connection, few connections).
+        self.max_chunk_bytes = max_blocks_per_chunk * layout.block_bytes
+        self._slots = threading.BoundedSemaphore(max_connections)
         self.io_timeout_s = io_timeout_s
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._closing = False
@@ -87,9 +92,19 @@ class KVReceiver:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                self.metrics.failures.labels("receive", "too_many_connections").inc()
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="prefixgate-kv-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(self.io_timeout_s)
             status, reason, imported = self._receive(conn)

@@ -155,3 +155,20 @@ def test_unreachable_receiver_is_a_failed_report_not_an_exception():
     rx.close()
     report = SocketTransport(address, KEY, LAYOUT, timeout_s=2).send(transfer(1))
     assert report.status is TransferStatus.FAILED
+
+
+def test_an_oversized_chunk_claim_is_refused_before_its_payload_is_read():
+    import socket
+    import struct
+
+    from engine.disagg.transport import SocketSource, parse_address
+    from engine.disagg.wire import FrameKind, read_frame
+
+    rx, got = serve(lambda c: ImportOutcome(0, 0))
+    try:
+        with socket.create_connection(parse_address(rx.address)) as s:
+            s.sendall(struct.pack(">4sBBIQ", b"PGKV", 1, int(FrameKind.CHUNK), 2, 1 << 40) + b"{}")
+            kind, ack, _ = read_frame(SocketSource(s), KEY, max_payload=0)
+    finally:
+        rx.close()
+    assert kind is FrameKind.ACK and ack["status"] == "rejected" and ack["reason"] == "too_large" and got == []
