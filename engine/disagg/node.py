@@ -44,6 +44,7 @@ from engine.kv_types import BlockHash, QueueReason
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.protocol import GenerateRequest, InvalidRequestError, ModelCard, RequestOutput, StaticTenantScope
+from engine.request import Request
 
 
 def engine_layout(engine: LLMEngine, runner: ModelRunner) -> EngineLayout:
@@ -59,10 +60,9 @@ class ExportedPrefix:
     staging: torch.Tensor  # uint8 [n, block_bytes], CPU, contiguous
 
 
-def export_prefix(engine: LLMEngine, runner: ModelRunner, request: GenerateRequest) -> ExportedPrefix:
-    """Engine thread: the request's prompt blocks resident in HBM now, gathered into one staging
-    buffer (a copy: the blocks may be reused by the next step)."""
-    req = engine.prepare(request)
+def export_prefix(engine: LLMEngine, runner: ModelRunner, req: Request) -> ExportedPrefix:
+    """Engine thread: the prepared request's prompt blocks resident in HBM now, gathered into one
+    staging buffer (a copy: the blocks may be reused by the next step)."""
     match = engine.cache.match(req)
     n, bs = match.num_blocks, runner.block_size
     ids = req.prompt_token_ids
@@ -157,8 +157,9 @@ class DisaggEngine:
         if last.finish_reason == "error":
             raise InvalidRequestError(f"prefill failed: {last.error}")
         self.metrics.prefill_seconds.observe(prefill_s)
+        req = await asyncio.to_thread(self.inner.engine.prepare, request)  # tokenize off the engine thread
         exported = await asyncio.wrap_future(
-            self.inner.call_in_engine_thread(lambda e: export_prefix(e, self.runner, request)))
+            self.inner.call_in_engine_thread(lambda e: export_prefix(e, self.runner, req)))
         report = await asyncio.to_thread(self._send, request, exported, address)
         self.metrics.observe_sent(report)
         if report.status is not TransferStatus.IMPORTED:
