@@ -4,8 +4,9 @@
       decode node: POST /internal/v1/kv/lookup  -> prompt tokens, prefix cached there, queue depth
       SplitPolicy.decide(...)
         colocated: decode node runs the whole request (short prompt, prefix already there, prefill busy)
-        split:     least-loaded prefill node: POST /internal/v1/kv/prefill {request, decode's receiver}
-                   (it prefills, sends the blocks, returns after the decode node's ack)
+        split:     least-loaded prefill node: POST /internal/v1/kv/prefill {request, decode's receiver,
+                   skip_tokens = the decode node's prefix} (it prefills, sends the blocks the decode
+                   node lacks, returns after the decode node's ack)
                    then the decode node runs the request: its prompt is now a prefix hit
       a prefill node that fails, refuses or whose transfer is rejected: the decode node computes
       what did not arrive (the request still completes); the failure is counted.
@@ -141,7 +142,7 @@ class DisaggEngineClient(RemoteEngineClient):
         self.metrics.decisions.labels(placement.value, reason).inc()
         prefill_cached: int | None = None
         if placement is Placement.SPLIT:
-            prefill_cached = await self._handoff(node, request)
+            prefill_cached = await self._handoff(node, request, look.cached_tokens)
         t_decode = time.perf_counter()
         first = True
         async for out in super().generate(request):
@@ -152,14 +153,15 @@ class DisaggEngineClient(RemoteEngineClient):
                 out = dataclasses.replace(out, cached_tokens=min(prefill_cached, out.cached_tokens))
             yield out
 
-    async def _handoff(self, node: _PrefillNode, request: GenerateRequest) -> int | None:
+    async def _handoff(self, node: _PrefillNode, request: GenerateRequest, decode_cached: int) -> int | None:
         """Prefill on ``node`` and move the blocks; the prefill node's cache hit, or None when the
         decode node must compute the prompt itself (then its own hit is what the tenant got)."""
         node.inflight += 1
         try:
             address = await self._receiver_address()
             d = await self._post(node.http, "/internal/v1/kv/prefill",
-                                 {"request": request_to_wire(request), "address": address})
+                                 {"request": request_to_wire(request), "address": address,
+                                  "skip_tokens": decode_cached})
         except Exception as exc:  # noqa: BLE001 - any prefill failure means: recompute on the decode node
             reason = exc.code if isinstance(exc, EngineError) else type(exc).__name__
             self.metrics.failures.labels(reason).inc()

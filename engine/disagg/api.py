@@ -87,7 +87,8 @@ class KVHandoff(Protocol):
     - ``prefill_and_send`` runs the request's prompt here (reusing this engine's prefix cache),
       then sends its full prompt blocks to the receiver at ``address`` ("host:port"); it returns
       after the receiver answered or the transfer failed (never raises for a failed transfer:
-      the report says so). Only on a node whose role can send (``Role.PREFILL``).
+      the report says so). Only on a node whose role can send (``Role.PREFILL``). Blocks
+      within ``skip_tokens`` are not sent.
     - ``receiver_address`` is "host:port" of this node's KV receiver, or None.
     """
 
@@ -95,7 +96,10 @@ class KVHandoff(Protocol):
 
     async def lookup(self, request: GenerateRequest) -> LookupResult: ...
 
-    async def prefill_and_send(self, request: GenerateRequest, address: str) -> HandoffReport: ...
+    async def prefill_and_send(self, request: GenerateRequest, address: str, skip_tokens: int = 0) -> HandoffReport:
+        """``skip_tokens``: the prefix the decode node holds already (its lookup); those blocks
+        are named by hash, not sent."""
+        ...
 
     def receiver_address(self) -> str | None: ...
 

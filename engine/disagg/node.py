@@ -55,20 +55,24 @@ def engine_layout(engine: LLMEngine, runner: ModelRunner) -> EngineLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ExportedPrefix:
+    prefix: tuple[BlockHash, ...]  # blocks the receiver holds already: named, not sent
     hashes: tuple[BlockHash, ...]
     tokens: tuple[tuple[int, ...], ...]
     staging: torch.Tensor  # uint8 [n, block_bytes], CPU, contiguous
 
 
-def export_prefix(engine: LLMEngine, runner: ModelRunner, req: Request) -> ExportedPrefix:
-    """Engine thread: the prepared request's prompt blocks resident in HBM now, gathered into one
-    staging buffer (a copy: the blocks may be reused by the next step)."""
+def export_prefix(engine: LLMEngine, runner: ModelRunner, req: Request, skip_blocks: int = 0) -> ExportedPrefix:
+    """Engine thread: the prepared request's prompt blocks resident in HBM now, less the first
+    ``skip_blocks`` (the receiver holds them), gathered into one staging buffer (a copy: the
+    blocks may be reused by the next step)."""
     match = engine.cache.match(req)
     n, bs = match.num_blocks, runner.block_size
+    skip = min(max(0, skip_blocks), n)
     ids = req.prompt_token_ids
-    tokens = tuple(tuple(ids[i * bs : (i + 1) * bs]) for i in range(n))
-    # staging: [n, kv_bytes_per_block] = per block [layers, 2, block_size, kv_heads, head_dim] (+ int8 scales)
-    return ExportedPrefix(match.block_hashes, tokens, runner.export_blocks(match.block_ids))
+    tokens = tuple(tuple(ids[i * bs : (i + 1) * bs]) for i in range(skip, n))
+    # staging: [n - skip, kv_bytes_per_block] = per block [layers, 2, block_size, kv_heads, head_dim] (+ int8 scales)
+    return ExportedPrefix(match.block_hashes[:skip], match.block_hashes[skip:], tokens,
+                          runner.export_blocks(match.block_ids[skip:]))
 
 
 def import_chunk(engine: LLMEngine, runner: ModelRunner, chunk: Chunk, chain: tuple[BlockHash, ...]) -> ImportOutcome:
@@ -144,7 +148,7 @@ class DisaggEngine:
 
         return await asyncio.wrap_future(self.inner.call_in_engine_thread(match))
 
-    async def prefill_and_send(self, request: GenerateRequest, address: str) -> HandoffReport:
+    async def prefill_and_send(self, request: GenerateRequest, address: str, skip_tokens: int = 0) -> HandoffReport:
         if self.role is not Role.PREFILL:
             raise InvalidRequestError(f"this engine's role is {self.role.value}; only a prefill engine sends KV")
         t0 = time.perf_counter()
@@ -159,7 +163,8 @@ class DisaggEngine:
         self.metrics.prefill_seconds.observe(prefill_s)
         req = await asyncio.to_thread(self.inner.engine.prepare, request)  # tokenize off the engine thread
         exported = await asyncio.wrap_future(
-            self.inner.call_in_engine_thread(lambda e: export_prefix(e, self.runner, req)))
+            self.inner.call_in_engine_thread(
+                lambda e: export_prefix(e, self.runner, req, skip_tokens // self.runner.block_size)))
         report = await asyncio.to_thread(self._send, request, exported, address)
         self.metrics.observe_sent(report)
         if report.status is not TransferStatus.IMPORTED:
@@ -175,7 +180,7 @@ class DisaggEngine:
             blocks_per_chunk=self.config.blocks_per_chunk)
         staging = memoryview(exported.staging.numpy()).cast("B")
         return transport.send(OutgoingTransfer(request.request_id, bytes(request.tenant.namespace),
-                                               exported.hashes, exported.tokens, staging))
+                                               exported.hashes, exported.tokens, staging, exported.prefix))
 
     async def check_integrity(self) -> str:
         """"" if the cache manager's invariants hold (no leaked or double-held block), else why not."""

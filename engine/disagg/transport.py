@@ -38,17 +38,19 @@ DEFAULT_BLOCKS_PER_CHUNK = 16
 
 @dataclass(frozen=True)
 class OutgoingTransfer:
-    """One request's full prompt blocks, ready to send.
+    """One request's full prompt blocks ``len(prefix) ..``, ready to send.
 
     ``staging`` holds the blocks back to back (``len(hashes) * layout.block_bytes`` bytes, the
     model runner's export layout); ``tokens[i]`` are block i's token ids (the receiver recomputes
-    the hash chain from them)."""
+    the hash chain from them). ``prefix``: hashes of the leading blocks the receiver already holds
+    (not sent)."""
 
     transfer_id: str
     namespace: bytes
     hashes: tuple[BlockHash, ...]
     tokens: tuple[tuple[int, ...], ...]
     staging: memoryview
+    prefix: tuple[BlockHash, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -98,10 +100,11 @@ def chunks_of(transfer: OutgoingTransfer, layout: EngineLayout, blocks_per_chunk
     if transfer.staging.nbytes != transfer.num_blocks * bb:
         raise ValueError(f"staging holds {transfer.staging.nbytes} bytes, expected {transfer.num_blocks} x {bb}")
     ranges = split_blocks(transfer.num_blocks, blocks_per_chunk)
+    skip = len(transfer.prefix)
     return [
-        Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace, r.start,
+        Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace, skip + r.start,
               transfer.hashes[r.start:r.stop], transfer.tokens[r.start:r.stop], (0, layout.num_layers),
-              transfer.staging[r.start * bb : r.stop * bb])
+              transfer.staging[r.start * bb : r.stop * bb], transfer.prefix if seq == 0 else ())
         for seq, r in enumerate(ranges)
     ]
 

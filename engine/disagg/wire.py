@@ -8,7 +8,7 @@ One transfer = a stream of chunk frames on one connection, then one ack frame ba
 
     chunk header = {"transfer_id", "seq", "last", "model", "namespace" (hex), "first_block",
                     "hashes" [hex], "tokens" [[ids of block i]...], "layers" [lo, hi],
-                    "dtype", "block_bytes"}
+                    "dtype", "block_bytes", "prefix_hashes" [hex] (seq 0 only)}
     chunk payload = the chunk's blocks back to back, one block = ``block_bytes`` bytes
                     (the model runner's export layout: all layers' K and V of the block)
     ack header   = {"transfer_id", "status", "blocks_imported", "reason"}
@@ -16,7 +16,10 @@ One transfer = a stream of chunk frames on one connection, then one ack frame ba
 The receiver checks, in this order: magic and version, sizes against its limits, the MAC (in
 constant time), then the header against its own engine (model, dtype, block bytes, layer range)
 and the transfer so far (seq and first_block contiguous, one namespace), and recomputes the
-chained block hashes from the namespace and the tokens. Any failure is a ``WireError`` whose
+chained block hashes from the namespace and the tokens. A transfer may start after blocks the
+receiver already holds (``first_block > 0``): its first chunk names their hashes
+(``prefix_hashes``), which cannot be recomputed without their tokens and are therefore only ever
+*looked up* in the receiver's own index (an import whose prefix is not resident there is a miss). Any failure is a ``WireError`` whose
 ``reason`` is a short stable label (a metric label): the chunk is never used as data.
 """
 
@@ -79,6 +82,7 @@ class Chunk:
     tokens: tuple[tuple[int, ...], ...]
     layers: tuple[int, int]
     payload: bytes | bytearray | memoryview
+    prefix: tuple[BlockHash, ...] = ()  # seq 0 only: hashes of blocks 0..first_block-1 (held by the receiver)
 
     @property
     def num_blocks(self) -> int:
@@ -103,6 +107,7 @@ def encode_chunk(key: bytes, layout: EngineLayout, chunk: Chunk) -> list[bytes |
         "namespace": chunk.namespace.hex(), "first_block": chunk.first_block,
         "hashes": [h.hex() for h in chunk.hashes], "tokens": [list(t) for t in chunk.tokens],
         "layers": list(chunk.layers), "dtype": layout.dtype, "block_bytes": layout.block_bytes,
+        "prefix_hashes": [h.hex() for h in chunk.prefix],
     }
     return encode_frame(key, FrameKind.CHUNK, header, chunk.payload)
 
@@ -169,6 +174,7 @@ class ChainChecker:
             lo, hi = (int(x) for x in header["layers"])
             model, dtype, block_bytes = str(header["model"]), str(header["dtype"]), int(header["block_bytes"])
             last = bool(header["last"])
+            prefix = tuple(BlockHash(bytes.fromhex(h)) for h in header.get("prefix_hashes") or ())
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError("bad_header", repr(exc)) from None
         if model != lay.model:
@@ -181,6 +187,11 @@ class ChainChecker:
             raise WireError("layers", f"[{lo}, {hi}) but this engine needs all {lay.num_layers} layers per block")
         if self.transfer_id is None:
             self.transfer_id, self.namespace = transfer_id, namespace
+            if len(prefix) != first or any(len(h) != 32 for h in prefix):
+                raise WireError("bad_header", f"{len(prefix)} prefix hashes for a transfer starting at block {first}")
+            self.chain, self.next_block = list(prefix), first
+        elif prefix:
+            raise WireError("bad_header", "prefix_hashes after the first chunk")
         if transfer_id != self.transfer_id or namespace != self.namespace:
             raise WireError("mixed_transfer")
         if seq != self.next_seq or first != self.next_block:
@@ -197,7 +208,7 @@ class ChainChecker:
         self.chain.extend(hashes)
         self.next_seq += 1
         self.next_block += len(hashes)
-        return Chunk(transfer_id, seq, last, namespace, first, hashes, tokens, (lo, hi), payload)
+        return Chunk(transfer_id, seq, last, namespace, first, hashes, tokens, (lo, hi), payload, prefix)
 
 
 def split_blocks(n: int, blocks_per_chunk: int) -> Sequence[range]:

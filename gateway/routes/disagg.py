@@ -1,7 +1,7 @@
 """The split topology's node calls (``/internal/v1/kv/*``), beside the node API and behind its token.
 
     POST /internal/v1/kv/lookup    {request}                -> {"prompt_tokens", "cached_tokens", "running", "waiting"}
-    POST /internal/v1/kv/prefill   {"request", "address"}   -> HandoffReport as JSON (prefill role only)
+    POST /internal/v1/kv/prefill   {"request", "address", "skip_tokens"?} -> HandoffReport as JSON (prefill role only)
     GET  /internal/v1/kv/receiver                           -> {"address": "host:port" | null}
     GET  /internal/v1/kv/integrity                          -> {"ok", "error", "kv_blocks_used"}
 
@@ -66,8 +66,11 @@ async def prefill(request: Request, node: Handoff) -> Any:
     address = body.get("address")
     if not isinstance(address, str) or ":" not in address:
         raise OpenAIError(400, "`address` must be the decode node's KV receiver as host:port", code="invalid_node_request")
+    skip = body.get("skip_tokens", 0)
+    if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
+        raise OpenAIError(400, "`skip_tokens` must be a non-negative integer", code="invalid_node_request")
     try:
-        report = await node.prefill_and_send(gr, address)
+        report = await node.prefill_and_send(gr, address, skip)
     except EngineError as exc:
         return from_engine_error(exc).response()
     out = dataclasses.asdict(report)

@@ -155,6 +155,42 @@ def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes
     assert 'prefixgate_pd_decisions_total{placement="colocated",reason="cached_on_decode"} 1.0' in metrics
 
 
+def test_blocks_the_decode_node_holds_are_named_not_sent(nodes):
+    prefill_url, decode_url, _ = nodes
+    head = [int(t) for t in range(7000, 7000 + 144)]  # 9 blocks
+    prompt = head + [int(t) for t in range(8000, 8000 + 150)]  # 294 tokens: 18 full cacheable blocks
+    from gateway.remote import RemoteEngineClient
+
+    async def warm_decode_then_single():
+        decode, single = RemoteEngineClient(decode_url, TOKEN), RemoteEngineClient(prefill_url, TOKEN)
+        try:
+            await collect(decode, req("h1", b"tenant-h", head + [5], max_tokens=1))  # the decode node holds `head`
+            return await collect(single, req("h-ref", b"tenant-h-ref", prompt))
+        finally:
+            await decode.aclose()
+            await single.aclose()
+
+    ref_ids, _ = asyncio.run(warm_decode_then_single())
+    gr = req("h2", b"tenant-h", prompt)
+    assert lookup(decode_url, gr) == 144
+    r = httpx.post(f"{prefill_url}/internal/v1/kv/prefill", headers=HEADERS, timeout=120, trust_env=False,
+                   json={"request": request_to_wire(gr), "address": receiver_of(decode_url), "skip_tokens": 144})
+    transfer = r.json()["transfer"]
+    assert transfer["status"] == "imported" and transfer["blocks_sent"] == 9 == transfer["blocks_imported"]
+    assert lookup(decode_url, gr) == 288
+
+    async def decode_it():
+        decode = RemoteEngineClient(decode_url, TOKEN)
+        try:
+            return await collect(decode, gr)
+        finally:
+            await decode.aclose()
+
+    ids, cached = asyncio.run(decode_it())
+    assert ids == ref_ids and cached == 288
+    assert integrity(decode_url)["ok"]
+
+
 class CorruptingProxy:
     """TCP relay prefill -> decode receiver that flips one byte at ``flip_at`` (or, with
     ``stall_at``, stops forwarding there so that the sender can be killed mid-transfer)."""

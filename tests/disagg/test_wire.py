@@ -108,3 +108,18 @@ def test_out_of_order_chunk_is_rejected():
 def test_truncated_frame_is_eof():
     with pytest.raises(EOFError):
         receive(frame(chunk(0, 0, 2))[:-5], ChainChecker(LAYOUT))
+
+
+def test_a_transfer_may_start_after_blocks_the_receiver_holds():
+    checker = ChainChecker(LAYOUT)
+    c = receive(frame(chunk(0, 2, 2, last=True, prefix=HASHES[:2])), checker)
+    assert c.first_block == 2 and c.prefix == HASHES[:2] and tuple(checker.chain) == HASHES
+
+
+def test_prefix_hashes_must_match_the_first_block():
+    with pytest.raises(WireError) as err:
+        receive(frame(chunk(0, 2, 2, prefix=HASHES[:1])), ChainChecker(LAYOUT))
+    assert err.value.reason == "bad_header"
+    with pytest.raises(WireError) as err:  # claimed prefix that is not these tokens' parent: chain breaks
+        receive(frame(chunk(0, 2, 2, prefix=(HASHES[1], HASHES[0]))), ChainChecker(LAYOUT))
+    assert err.value.reason == "hash_chain"
