@@ -266,7 +266,7 @@ def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
     assert integrity(decode_url)["ok"]
 
 
-def test_prefill_killed_mid_transfer_leaks_nothing(nodes, tmp_path):
+def test_prefill_killed_mid_transfer_leaks_nothing(nodes, tmp_path):  # last: it kills the module's prefill node
     prefill_url, decode_url, procs = nodes
     prompt = [int(t) for t in range(5000, 5000 + 600)]  # 37 blocks: 3 chunks, the stall is in the second
     gr = req("k1", b"tenant-k", prompt)
