@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.protocol import (
@@ -38,6 +38,7 @@ from engine.protocol import (
 from engine.request import Request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineShutDownError(EngineError):
@@ -55,6 +56,7 @@ class AsyncEngine:
         self._adds: list[Request] = []
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._calls: list[tuple[Callable[[LLMEngine], Any], Future[Any]]] = []  # run between steps
         self._wake = threading.Event()
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
@@ -124,6 +126,18 @@ class AsyncEngine:
     def tokenize(self, request: GenerateRequest) -> list[int]:
         return self.engine.tokenize(request)
 
+    def call_in_engine_thread(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the engine thread between two steps (KV imports and exports of the
+        prefill/decode split: the only thread that may touch the cache manager and the runner)."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._stopping:
+                future.set_exception(EngineShutDownError("the engine is shutting down"))
+                return future
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running end with finish_reason "abort"."""
         self._stopping = True
@@ -148,6 +162,13 @@ class AsyncEngine:
             with self._lock:
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(engine))
+                    except Exception as exc:  # noqa: BLE001 - the caller gets it; the loop keeps serving
+                        future.set_exception(exc)
             for req in adds:
                 try:
                     engine.add_request(req)

@@ -26,7 +26,7 @@ Torch-free (import-linter contract ``engine-core-torch-free``); single-threaded 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +207,63 @@ class KVCacheManager:
             assert self._lower is not None
             self._lower.cancel_restore(request_id)
             self._pool.free(restore.hbm_ids + restore.new_ids)
+
+    # ------------------------------------------------------------------ KV from another engine
+
+    def import_chain(
+        self, tenant: TenantScope, chain: Sequence[BlockHash], start: int, write: Callable[[list[int], int], None]
+    ) -> int | QueueReason:
+        """Index blocks ``start ..`` of ``chain`` (hashes from depth 0) whose KV another engine
+        computed (prefill/decode split, ``engine.disagg``); they end free and indexed, a hit for
+        the tenant's next request like any committed block.
+
+        ``chain[:start]`` must be resident (else nothing happens: 0, a miss). Blocks already
+        indexed are kept; for the rest fresh blocks are allocated and ``write(block_ids, first)``
+        must fill them with the KV of chain blocks ``first, first+1, ..``. Returns how many
+        blocks were imported, or ``NO_KV_BLOCKS`` / ``TENANT_OVER_QUOTA`` (nothing changed).
+        """
+        if not self.enable_caching or start >= len(chain):
+            return 0
+        index = self._pool.index
+        held = [index.get(h) for h in chain[:start]]
+        if any(b is None for b in held):
+            return 0  # the chain broke (an earlier chunk was refused, or evicted meanwhile)
+        have = start
+        while have < len(chain) and chain[have] in index:
+            held.append(index.get(chain[have]))
+            have += 1
+        todo = list(chain[have:])
+        if not todo:
+            return 0
+        ids = [b for b in held if b is not None]
+        reason = self._fits(tenant, len(todo), ids[-1:])
+        if reason is not None:
+            return reason
+        self._tenants[tenant.namespace] = tenant
+        parent = ids[-1] if ids else None
+        if parent is not None:
+            self._pool.touch([parent], tenant.namespace)  # register needs an in-use parent
+        new = self._pool.allocate(len(todo), tenant.namespace)
+        assert new is not None  # _fits counted free blocks
+        kept: list[int] = []
+        try:
+            write(new, have)
+            with self._phase(CachePhase.REGISTER):
+                for i, h in enumerate(todo):
+                    parent = self._pool.register(new[i], h, have + i, parent)
+                    kept.append(parent)
+        finally:
+            # drop the references taken here: the blocks stay indexed (evictable) or, where
+            # write failed before registering, go back to the free queue unindexed
+            self._pool.free(ids[-1:] + kept + new[len(kept):])
+        return len(todo)
+
+    def resident_prefix(self, chain: Sequence[BlockHash]) -> int:
+        """How many leading hashes of ``chain`` are indexed in HBM now."""
+        n = 0
+        while n < len(chain) and chain[n] in self._pool.index:
+            n += 1
+        return n
 
     def evict_all_cached(self) -> int:
         """Evict every evictable block (``reset_prefix_cache``; spilled if there is a lower tier)."""

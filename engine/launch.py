@@ -16,20 +16,32 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from engine.async_engine import AsyncEngine
+    from engine.disagg.api import DisaggConfig
+    from engine.disagg.node import DisaggEngine
     from engine.kv_types import LowerTier
     from engine.llm_engine import LLMEngine
+    from engine.metrics import EngineMetrics
+    from engine.model_runner import ModelRunner
 
 
 def build_llm_engine(
     config: EngineConfig, registry: CollectorRegistry | None = None, lower_tier: LowerTier | None = None
 ) -> LLMEngine:
     """A synchronous ``LLMEngine`` over a ``ModelRunner`` for ``config`` (benchmarks, tests)."""
-    from engine.llm_engine import LLMEngine
     from engine.metrics import EngineMetrics
     from engine.model_runner import ModelRunner
 
     runner = ModelRunner(config)
     metrics = EngineMetrics(registry, model=config.resolved_model_id)
+    return build_llm_engine_for(config, runner, metrics, lower_tier)
+
+
+def build_llm_engine_for(
+    config: EngineConfig, runner: ModelRunner, metrics: EngineMetrics, lower_tier: LowerTier | None = None
+) -> LLMEngine:
+    """An ``LLMEngine`` over an already loaded runner (the disaggregation roles keep the runner)."""
+    from engine.llm_engine import LLMEngine
+
     if lower_tier is None:  # DRAM / NVMe tiers from config.dram_bytes, nvme_dir, nvme_bytes (None if off)
         from engine.tiers import build_tier_hook
 
@@ -38,8 +50,9 @@ def build_llm_engine(
 
 
 def build_engine(
-    config: EngineConfig, registry: CollectorRegistry | None = None, lower_tier: LowerTier | None = None
-) -> AsyncEngine:
+    config: EngineConfig, registry: CollectorRegistry | None = None, lower_tier: LowerTier | None = None,
+    disagg: DisaggConfig | None = None,
+) -> AsyncEngine | DisaggEngine:
     """Load the model, size the KV cache and start the engine thread.
 
     Args:
@@ -50,10 +63,19 @@ def build_engine(
         lower_tier: KV tiers below HBM (``engine.kv_types.LowerTier``); None = the DRAM / NVMe
             tiers ``config`` asks for (none: evicted KV is dropped).
 
+        disagg: a prefill/decode split role (``engine.disagg.api``); None or ``Role.BOTH`` = an
+            ordinary engine.
+
     Returns:
-        an ``AsyncEngine`` (implements ``engine.protocol.EngineClient``); call ``shutdown()`` when done.
+        an ``AsyncEngine`` (implements ``engine.protocol.EngineClient``), or for a split role a
+        ``DisaggEngine`` (also ``engine.disagg.api.KVHandoff``); call ``shutdown()`` when done.
     """
     from engine.async_engine import AsyncEngine
+
+    if disagg is not None and disagg.role.value != "both":
+        from engine.disagg.node import build_disagg_engine
+
+        return build_disagg_engine(config, disagg, registry)
 
     return AsyncEngine(build_llm_engine(config, registry, lower_tier))
 

@@ -24,12 +24,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.protocol import EngineClient
 from gateway.deps import bearer_key
+from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
-from gateway.routes import completions, dashboard, internal, models, ops, usage
+from gateway.routes import completions, dashboard, disagg, internal, models, ops, usage
 from gateway.routes.ops import FleetCollector
 from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.settings import GatewaySettings
@@ -98,8 +99,9 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
-def build_router(settings: GatewaySettings) -> Router:
+def build_router(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Router:
     routes = []
+    pd_metrics = None  # one set for every split route (docs/disaggregation.md)
     for rc in settings.routes:
         if rc.provider:
             client_cls = DirectOpenAIClient if rc.transport == "direct" else ProviderClient
@@ -110,6 +112,12 @@ def build_router(settings: GatewaySettings) -> Router:
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
             )
             backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]
+        elif rc.prefill_nodes:
+            pd_metrics = pd_metrics or DisaggMetrics(registry if registry is not None else CollectorRegistry())
+            policy = SplitPolicy(min_split_tokens=rc.split_min_tokens, max_prefill_queue=rc.max_prefill_queue)
+            backends = [Backend(f"node:{url}", BackendKind.NODE, DisaggEngineClient(url, rc.prefill_nodes, rc.node_token,
+                                                                          policy=policy, metrics=pd_metrics), "")
+                        for url in rc.nodes]
         else:
             backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
@@ -123,7 +131,13 @@ def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) 
     from engine.launch import build_engine
 
     config = settings.engine_config()
-    return build_engine(config, registry=registry)
+    disagg = None
+    if settings.role != "both":  # prefill/decode split (docs/disaggregation.md)
+        from engine.disagg.api import DisaggConfig, Role
+
+        disagg = DisaggConfig(Role(settings.role), settings.node_token or "", kv_host=settings.host,
+                              kv_port=settings.kv_port)
+    return build_engine(config, registry=registry, disagg=disagg)
 
 
 async def _call_optional(obj: Any, *names: str) -> None:
@@ -204,7 +218,7 @@ def create_app(
     app.state.live_stats = LiveStats()
     app.state.timeseries = TimeSeries(registry, app.state.live_stats)  # the dashboard's charts
     app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)
-    app.state.router = build_router(settings)
+    app.state.router = build_router(settings, registry)
     app.state.tenant_threads = TenantThreads(
         workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
 
@@ -224,7 +238,7 @@ def create_app(
     async def _tenancy(_: Any, exc: TenancyError) -> Any:
         return tenancy_error(exc).response()
 
-    for module in (completions, models, usage, ops, dashboard, internal):
+    for module in (completions, models, usage, ops, dashboard, internal, disagg):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

@@ -82,6 +82,10 @@ class RouteConfig(BaseModel):
     extra_body: dict[str, Any] = Field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     node_token_env: str | None = None
+    # Prefill/decode split (docs/disaggregation.md): `nodes` are decode nodes, fed by these prefill nodes.
+    prefill_nodes: tuple[str, ...] = ()
+    split_min_tokens: int = Field(256, ge=1)  # uncached prompt tokens below which a request stays colocated
+    max_prefill_queue: int = Field(8, ge=1)
     max_model_len: int | None = None  # advertised in /v1/models for providers; nodes report their own
     # "litellm" (any provider) or "direct": a keep-alive HTTP client straight to an OpenAI-compatible
     # api_base, skipping litellm's per-call work (the gateway's added latency in front of vLLM/SGLang).
@@ -91,6 +95,8 @@ class RouteConfig(BaseModel):
     def _one_target(self) -> RouteConfig:
         if bool(self.provider) == bool(self.nodes):
             raise ValueError(f"route {self.model!r}: give exactly one of `provider` or `nodes`")
+        if self.prefill_nodes and not self.nodes:
+            raise ValueError(f"route {self.model!r}: `prefill_nodes` needs `nodes` (the decode nodes they feed)")
         if self.transport == "direct" and not (
             self.provider and self.provider.startswith("openai/") and self.api_base
         ):
@@ -158,6 +164,8 @@ class GatewaySettings(BaseModel):
     dram_bytes: int = 0
     nvme_dir: Path | None = None
     nvme_bytes: int = 0
+    role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode split role of the local engine
+    kv_port: int = Field(0, ge=0, le=65535)  # a decode engine's KV receiver port (0 = any free port)
     prefix_caching: bool = True  # False = every request computes its whole prompt (benchmark baseline)
     routes: tuple[RouteConfig, ...] = ()
     node_token: str | None = None  # shared secret for /internal/v1/* (None = node API disabled)
@@ -203,6 +211,15 @@ class GatewaySettings(BaseModel):
         if v not in allowed:
             raise ValueError(f"must be one of {', '.join(allowed)} (or bf16, fp16, fp32), got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _role_needs_token(self) -> GatewaySettings:
+        if self.role != "both" and self.model_dir is None:
+            raise ValueError(f"role {self.role} needs a local engine (--model DIR or tiny)")
+        if self.role != "both" and not self.node_token:
+            raise ValueError(f"role {self.role} needs a node token (--node-token-env): the KV transfer key "
+                             "is derived from it and the split's node calls are authenticated with it")
+        return self
 
     @field_validator("dram_bytes", "nvme_bytes", "max_body_bytes", mode="before")
     @classmethod

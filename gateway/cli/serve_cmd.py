@@ -74,6 +74,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-bytes", default=None, help="NVMe tier size, e.g. 100GiB")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="disable prefix caching in the local engine (a baseline for `prefixgate bench`)")
+    p.add_argument("--role", default=None, choices=["both", "prefill", "decode"],
+                   help="prefill/decode split role of the local engine (default both; needs --node-token-env)")
+    p.add_argument("--kv-port", default=None, help="a decode engine's KV receiver port (default 0: any free port)")
     p.add_argument("--node-token-env", default=None,
                    help="environment variable holding the shared token that enables the internal node API")
     p.add_argument("--metrics-token-env", default=None,
@@ -183,7 +186,8 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
              "device": args.device, "kv_blocks": _int_flag("--kv-blocks", args.kv_blocks, 2),
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes),
-             "database_url": getattr(args, "database_url", None), "redis_url": getattr(args, "redis_url", None)}
+             "database_url": getattr(args, "database_url", None), "redis_url": getattr(args, "redis_url", None),
+             "role": getattr(args, "role", None), "kv_port": _int_flag("--kv-port", getattr(args, "kv_port", None), 0)}
     values.update({k: v for k, v in flags.items() if v is not None})
     values.update(engine_flag_values(args))
     if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
