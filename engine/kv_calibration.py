@@ -62,15 +62,16 @@ class AmaxRecorder:
     the new K/V; ``paged_prefill_attention`` attends causally over exactly those tensors.
     """
 
-    def __init__(self) -> None:
-        self.k_mean: list[torch.Tensor] = []  # per layer [Hkv, D]
-        self.k_amax: list[float] = []  # of the centred keys (k - mean)
+    def __init__(self, centre_keys: bool = True) -> None:
+        self.centre_keys = centre_keys
+        self.k_mean: list[torch.Tensor] = []  # per layer [Hkv, D] (zeros when keys are not centred)
+        self.k_amax: list[float] = []  # of the stored keys: k - mean, or k
         self.v_amax: list[float] = []
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         # key, value: [T, Hkv, D]
-        mean = key.float().mean(dim=0)
+        mean = key.float().mean(dim=0) if self.centre_keys else torch.zeros_like(key[0], dtype=torch.float32)
         self.k_mean.append(mean)
         self.k_amax.append(float((key.float() - mean).abs().amax()))
         self.v_amax.append(float(value.float().abs().amax()))
@@ -103,11 +104,14 @@ def fp8_scales_from_amax(k_amax: list[float], v_amax: list[float]) -> torch.Tens
 
 
 def calibrate_fp8(
-    run_prefill: Callable[[AmaxRecorder], None], num_layers: int
+    run_prefill: Callable[[AmaxRecorder], None], num_layers: int, *, centre_keys: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``run_prefill(recorder)`` (one forward of the calibration tokens with ``recorder`` as the
-    KV ops). Returns (scales [num_layers, 2, 1], key bias [num_layers, Hkv, D]), float32 on CPU."""
-    recorder = AmaxRecorder()
+    KV ops). Returns (scales [num_layers, 2, 1], key bias [num_layers, Hkv, D]), float32 on CPU.
+
+    ``centre_keys=False`` (a path whose KV write cannot subtract the bias: the fused GPU RoPE+KV-write
+    kernel) gives a zero bias and scales for the raw keys, so nothing is clipped there."""
+    recorder = AmaxRecorder(centre_keys)
     run_prefill(recorder)
     if len(recorder.k_amax) != num_layers:
         raise RuntimeError(f"calibration saw {len(recorder.k_amax)} layers, expected {num_layers}")

@@ -107,10 +107,6 @@ class ModelRunner:
         else:
             self.model = build_model(arch, config.model_dir, torch_device, self.dtype)
         self.ops = select_ops(torch_device)
-        if torch_device.type == "cuda":
-            # GPU path: merged q|k|v and gate|up GEMMs and the fused norm / RoPE+KV-write / SiLU
-            # kernels (engine/models/llama.py); before any graph capture, which records the path.
-            self.model.fuse_projections()
         self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, eos[0] if eos else None)
         self.sampler = Sampler(torch_device, grammars=self.grammars)
 
@@ -134,8 +130,16 @@ class ModelRunner:
             self.fp8_key_bias = torch.zeros((arch.num_layers, arch.num_kv_heads, arch.head_dim),
                                             dtype=self.dtype, device=torch_device)
         self.layer_caches = [self._layer_cache(layer) for layer in range(arch.num_layers)]
+        # The GPU path fuses RoPE into its KV write, which does not subtract the fp8 key bias: there
+        # the scales cover the raw keys (engine/kv_calibration.py). Calibration itself runs the plain
+        # path (its recording ops stand in for the KV ops), so it comes before fusing.
+        fused = torch_device.type == "cuda"
         if self.fp8_scales is not None:
-            self.set_fp8_calibration(*self.calibrate_fp8())
+            self.set_fp8_calibration(*self.calibrate_fp8(centre_keys=not fused))
+        if fused:
+            # merged q|k|v and gate|up GEMMs and the fused norm / RoPE+KV-write / SiLU kernels
+            # (engine/models/llama.py); before any graph capture, which records the path.
+            self.model.fuse_projections()
 
         self._transfer_stream = torch.cuda.Stream(torch_device) if torch_device.type == "cuda" else None
         self.decode_graphs: DecodeGraphs | None = None
@@ -167,7 +171,7 @@ class ModelRunner:
         return LayerCache(k, v)
 
     # ------------------------------------------------------------------------ fp8 KV scales
-    def calibrate_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def calibrate_fp8(self, centre_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 K/V scales [L, 2, 1] and key bias [L, Hkv, D] from one unquantized forward over the
         fixed calibration text (engine/kv_calibration.py). Reads and writes no KV block."""
         from engine.kv_calibration import CALIBRATION_TEXT, calibrate_fp8
@@ -181,9 +185,10 @@ class ModelRunner:
         @torch.inference_mode()
         def run(recorder) -> None:
             input_ids, positions, meta = self._prepare([chunk])
-            self.model(input_ids, positions, self.layer_caches, meta, recorder)
+            with self.model.plain_path():
+                self.model(input_ids, positions, self.layer_caches, meta, recorder)
 
-        return calibrate_fp8(run, self.arch.num_layers)
+        return calibrate_fp8(run, self.arch.num_layers, centre_keys=centre_keys)
 
     def set_fp8_calibration(self, scales: torch.Tensor, key_bias: torch.Tensor | None = None) -> None:
         """Replace the fp8 scales [L, 2, 1] (and key bias [L, Hkv, D]; None = zero) in place: layer

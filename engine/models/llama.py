@@ -27,6 +27,8 @@ state dict, its names and its memory are unchanged (transformers can still share
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -172,6 +174,17 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         self.fused = True
+
+    @contextmanager
+    def plain_path(self) -> Iterator[None]:
+        """Run forward on the plain (unfused) path inside the block, e.g. for fp8 calibration, whose
+        recording ops stand in for the KV ops of that path. The fused weights stay: the plain
+        parameters are views of them."""
+        was, self.fused = self.fused, False
+        try:
+            yield
+        finally:
+            self.fused = was
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
