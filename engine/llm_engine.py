@@ -108,7 +108,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, clock)
         spec_len = int(runner.spec.max_model_len)
         # Advertise (and admit) only what the KV pool can hold: one sequence may fill every block.
-        pool_len = self.pool.num_blocks * runner.block_size
+        pool_len = self.cache.num_blocks * runner.block_size
         self.max_model_len = min(config.max_model_len or spec_len, spec_len, pool_len)
         self.eos_token_ids = tuple(runner.spec.eos_token_ids or ())
         self.vocab_size = int(runner.spec.vocab_size)
