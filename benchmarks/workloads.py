@@ -37,6 +37,7 @@ import io
 import json
 import os
 import platform
+import secrets
 import signal
 import socket
 import statistics
@@ -122,12 +123,21 @@ class Target:
     url: str
     model: str
     keys: dict[tuple[str, int], str]
+    # Bearer credential for /metrics (a metrics token or an admin key): the gateway does not serve it openly.
+    metrics_key: str = ""
+
+    @property
+    def metrics_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {}
 
     def key(self, workload: str, tenant: int) -> str:
         if (workload, tenant) in self.keys:
             return self.keys[(workload, tenant)]
         ring = sorted(self.keys.values())  # --url mode: a few keys shared round-robin
         return ring[tenant % len(ring)]
+
+
+_METRICS_TOKEN = secrets.token_urlsafe(16)
 
 
 def _bench_env() -> dict[str, str]:
@@ -137,6 +147,7 @@ def _bench_env() -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PREFIXGATE_METRICS_TOKEN"] = _METRICS_TOKEN  # the local gateways' /metrics credential
     return env
 
 
@@ -182,7 +193,7 @@ class LocalGateway:
             cmd.append("--no-prefix-cache")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_bench_env(), stdout=log, stderr=subprocess.STDOUT)
-        self.target = Target(self.config, f"http://127.0.0.1:{port}", self.model_dir.name, keys)
+        self.target = Target(self.config, f"http://127.0.0.1:{port}", self.model_dir.name, keys, _METRICS_TOKEN)
 
     def wait_healthy(self, timeout_s: float) -> Target:
         assert self.proc is not None and self.target is not None, "start() first"
@@ -224,8 +235,10 @@ def external_target(url: str, api_keys: list[str], model: str | None) -> Target:
             model = r.json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             raise BenchError(f"cannot list models at {url}/v1/models: {exc}") from None
+    # /metrics: PREFIXGATE_METRICS_TOKEN when set, else the first key (it must be an admin key then)
     return Target(GatewayConfig("external", True, "as configured"), url, model,
-                  {("*", i): k for i, k in enumerate(api_keys)})
+                  {("*", i): k for i, k in enumerate(api_keys)},
+                  os.environ.get("PREFIXGATE_METRICS_TOKEN") or api_keys[0])
 
 
 # ---------------------------------------------------------------------- running a workload
@@ -312,11 +325,11 @@ async def _run_session(client: httpx.AsyncClient, target: Target, session: Sessi
                 history.append({"role": "assistant", "content": reply})
 
 
-async def _sample_metrics(client: httpx.AsyncClient, url: str, t0: float, interval_s: float,
-                          out: list[tuple[float, Snapshot]], stop: asyncio.Event) -> None:
+async def _sample_metrics(client: httpx.AsyncClient, url: str, headers: dict[str, str], t0: float,
+                          interval_s: float, out: list[tuple[float, Snapshot]], stop: asyncio.Event) -> None:
     while not stop.is_set():
         with contextlib.suppress(httpx.HTTPError):
-            r = await client.get(url + "/metrics")
+            r = await client.get(url + "/metrics", headers=headers)
             out.append((time.monotonic() - t0, parse_metrics(r.text)))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
@@ -328,12 +341,12 @@ async def run_workload(target: Target, workload: str, sessions: list[Session], *
     limits = httpx.Limits(max_connections=concurrency + 2)
     # trust_env=False: loopback only, never through a proxy from the environment
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits, trust_env=False) as client:
-        before = parse_metrics((await client.get(target.url + "/metrics")).text)
+        before = parse_metrics((await client.get(target.url + "/metrics", headers=target.metrics_headers)).text)
         records: list[RequestRecord] = []
         samples: list[tuple[float, Snapshot]] = []
         stop = asyncio.Event()
         t0 = time.monotonic()
-        sampler = asyncio.create_task(_sample_metrics(client, target.url, t0, sample_interval_s, samples, stop))
+        sampler = asyncio.create_task(_sample_metrics(client, target.url, target.metrics_headers, t0, sample_interval_s, samples, stop))
         sem = asyncio.Semaphore(concurrency)
         await asyncio.gather(*(_run_session(client, target, s, sem, t0, t0 + max_duration_s, records, progress)
                                for s in sessions))
@@ -341,7 +354,7 @@ async def run_workload(target: Target, workload: str, sessions: list[Session], *
         stop.set()
         await sampler
         await asyncio.sleep(0.05)  # the engine publishes its counters after the step that finished
-        after = parse_metrics((await client.get(target.url + "/metrics")).text)
+        after = parse_metrics((await client.get(target.url + "/metrics", headers=target.metrics_headers)).text)
     return {"records": records, "before": before, "after": after, "samples": samples, "wall_s": wall}
 
 

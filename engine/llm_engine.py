@@ -235,6 +235,9 @@ class LLMEngine:
         if req is None:
             return None
         self._finish(req, "abort")
+        # Gauges are published at the end of each step; an abort while the engine then goes idle
+        # (a client dropping its stream) runs no step, so publish here or they stay stale.
+        self._publish_state()
         return self._output(req)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -246,6 +249,7 @@ class LLMEngine:
             out = self._output(req)
             if out is not None:
                 outputs.append(out)
+        self._publish_state()  # the failed step never reached its own publish; the engine may now idle
         return outputs
 
     def has_unfinished(self) -> bool:

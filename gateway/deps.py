@@ -64,12 +64,20 @@ def bearer_key(authorization: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-async def get_tenant(tenancy: TenancyDep, authorization: Annotated[str | None, Header()] = None) -> Any:
-    """Bearer key -> ``TenantContext``. Missing or bad key -> 401 in the OpenAI shape."""
+async def get_tenant(request: Request, tenancy: TenancyDep,
+                     authorization: Annotated[str | None, Header()] = None) -> Any:
+    """Bearer key -> ``TenantContext``. Missing or bad key -> 401 in the OpenAI shape.
+
+    The context is also left on ``request.state.tenant``: a body that then fails validation is
+    refused after authentication, and the error handler counts it for this tenant.
+    """
     key = bearer_key(authorization)
     try:
-        return tenancy.authenticate(key)
+        ctx = tenancy.authenticate(key)
+        request.state.tenant = ctx
+        return ctx
     except AuthenticationError as exc:
+        request.app.state.metrics.unauthenticated.inc()
         if key is None:
             message = (
                 "You didn't provide an API key. You need to provide your API key in an Authorization header "

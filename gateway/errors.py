@@ -13,6 +13,7 @@ FastAPI's default ``{"detail": ...}`` shape never reaches a client.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -111,17 +112,31 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     return f"Invalid value{where}: {msg}.", param, "invalid_value"
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception type the app can raise to the OpenAI envelope."""
+RejectedHook = Callable[[Request, OpenAIError], None]
+
+
+def install_error_handlers(app: FastAPI, on_invalid_body: RejectedHook | None = None) -> None:
+    """Route every exception type the app can raise to the OpenAI envelope.
+
+    ``on_invalid_body(request, error)`` is told of every body that failed validation: FastAPI
+    validates the body after the dependencies ran, so the caller may already be authenticated and
+    the refusal must be counted like any other (``gateway.app`` does that).
+    """
 
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param, code = _validation_message(exc)
-        return OpenAIError(400, message, param=param, code=code).response()
+        error = OpenAIError(400, message, param=param, code=code)
+        if on_invalid_body is not None:
+            try:
+                on_invalid_body(request, error)
+            except Exception:  # noqa: BLE001 - counting must never change the client's answer
+                log.exception("could not record a refused request")
+        return error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

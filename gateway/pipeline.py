@@ -26,7 +26,7 @@ import anyio
 from engine.protocol import EngineClient, EngineError, GenerateRequest, RequestOutput, SamplingParams
 from gateway.errors import OpenAIError, invalid_request
 from gateway.ingress import effective_temperature
-from gateway.metrics import GatewayMetrics, LiveStats
+from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_status
 from gateway.miss_tracker import MissRecord, MissTracker, Observation, header_value, usage_fields
 from gateway.ports import (
     QuotaExceededError,
@@ -463,7 +463,8 @@ class Accounting:
         label, backend = t.metrics_label, prep.backend.label
         if prep.miss_record is not None:
             self.metrics.cache_breaks.labels(label, prep.miss_record.rule).inc()
-        self.metrics.requests.labels(label, backend, status).inc()
+        outcome = outcome_of_status(status)
+        self.metrics.count(label, backend, status, outcome)
         self.metrics.prompt_tokens.labels(label, backend).inc(prompt)
         self.metrics.cached_tokens.labels(label, backend).inc(cached)
         self.metrics.completion_tokens.labels(label, backend).inc(completion)
@@ -472,8 +473,10 @@ class Accounting:
         self.metrics.latency.labels(label, backend).observe(latency)
         if self.ttft is not None:
             self.metrics.ttft.labels(label, backend).observe(self.ttft)
-        self.live.add(label, status=status, prompt=prompt, cached=cached, completion=completion,
-                      cost=cost, saved=saved, ttft=self.ttft)
+        self.live.add(RequestSample(
+            tenant_id=t.tenant_id, tenant=t.name, outcome=outcome, prompt=prompt, cached=cached,
+            completion=completion, cost=cost, saved=saved, ttft=self.ttft, latency=latency,
+            family=prep.miss.family if prep.miss is not None else None, spill_encrypted=t.cipher is not None))
 
 
 def engine_failure(exc: BaseException) -> OpenAIError:

@@ -8,7 +8,7 @@ codes against small Protocols and tests can inject fakes. The ledger row is tena
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from gateway.errors import OpenAIError
 from promptlint.canon import CanonResult
@@ -51,6 +51,15 @@ class TenancyPort(Protocol):
     def record_usage(self, record: Any) -> None: ...
 
     def usage(self, ctx: Any, since: Any = None) -> dict: ...
+
+
+@runtime_checkable
+class TenantDirectory(Protocol):
+    """Listing tenants and keys (``TenancyService`` has it; test fakes may not): the panel's isolation table."""
+
+    def list_tenants(self) -> list[Any]: ...
+
+    def list_keys(self, name: str | None = None) -> list[Any]: ...
 
 
 def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0) -> Any:

@@ -7,6 +7,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     port = 8000
     max_body_bytes = "4MiB"
     node_token_env = "PREFIXGATE_NODE_TOKEN"   # enables POST /internal/v1/generate on this process
+    metrics_token_env = "PREFIXGATE_METRICS_TOKEN"  # Prometheus scrapes /metrics with this bearer token
 
     [engine]                    # the in-process engine; omit `model` for a gateway-only process
     model = "tiny"              # or a checkpoint directory
@@ -134,6 +135,9 @@ class GatewaySettings(BaseModel):
     prefix_caching: bool = True  # False = every request computes its whole prompt (benchmark baseline)
     routes: tuple[RouteConfig, ...] = ()
     node_token: str | None = None  # shared secret for /internal/v1/* (None = node API disabled)
+    # /metrics: a bearer token for Prometheus (None = admin keys only), or no auth at all (opt-in)
+    metrics_token: str | None = None
+    metrics_public: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = Field(256, ge=1)
     max_n: int = Field(8, ge=1)
@@ -193,6 +197,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     token_env = flat.pop("node_token_env", None)
     if token_env:
         flat["node_token"] = os.environ.get(token_env)
+    metrics_env = flat.pop("metrics_token_env", None)
+    if metrics_env:
+        flat["metrics_token"] = os.environ.get(metrics_env)
     if "routes" in raw:
         flat["routes"] = raw["routes"]
     unknown = set(raw) - {"server", "engine", "routes"}

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from promptlint.tokens import ensure_tiktoken_cache
 
@@ -19,6 +20,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
 ensure_tiktoken_cache()
+
+# Property tests run the same examples on every machine and every run (derandomize): a red CI must
+# mean a bug in the change, not a draw of the dice. No deadline and no "too slow" health check: a
+# loaded 2-core CI machine is slow, not wrong. New examples are found by raising max_examples
+# locally (HYPOTHESIS_PROFILE=explore), not by CI's luck.
+settings.register_profile("suite", derandomize=True, deadline=None, database=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+settings.register_profile("explore", deadline=None, max_examples=2000,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
 @pytest.fixture(scope="session")

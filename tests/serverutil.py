@@ -20,6 +20,18 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 
 
+# `serve_tiny` servers accept this bearer token on /metrics (PREFIXGATE_METRICS_TOKEN); see `scrape`.
+METRICS_TOKEN = "serverutil-metrics-token"
+
+
+def scrape(url: str, timeout: float = 30.0) -> str:
+    """``GET {url}/metrics`` with the metrics token of a ``serve_tiny`` server -> the Prometheus text."""
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, timeout=timeout,
+                  trust_env=False)
+    r.raise_for_status()
+    return r.text
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,7 +48,8 @@ def serve_tiny(home: Path, *flags: str, env: dict[str, str] | None = None,
     """
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost",
+                "PREFIXGATE_METRICS_TOKEN": METRICS_TOKEN, **(env or {})}
     # The child keeps its own descriptor of the (unlinked) file after ours closes.
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(

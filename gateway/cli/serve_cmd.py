@@ -61,6 +61,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="disable prefix caching in the local engine (a baseline for `prefixgate bench`)")
     p.add_argument("--node-token-env", default=None,
                    help="environment variable holding the shared token that enables the internal node API")
+    p.add_argument("--metrics-token-env", default=None,
+                   help="environment variable holding the bearer token Prometheus scrapes /metrics with "
+                        "(default PREFIXGATE_METRICS_TOKEN when set; admin API keys are always accepted)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without authentication (only on a listener tenants cannot reach)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -105,6 +110,16 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
         if not token:
             raise CLIError(f"--node-token-env {args.node_token_env}: that environment variable is empty or unset")
         values["node_token"] = token
+    metrics_env = getattr(args, "metrics_token_env", None)
+    if metrics_env:
+        token = os.environ.get(metrics_env)
+        if not token:
+            raise CLIError(f"--metrics-token-env {metrics_env}: that environment variable is empty or unset")
+        values["metrics_token"] = token
+    elif os.environ.get("PREFIXGATE_METRICS_TOKEN") and "metrics_token" not in values:
+        values["metrics_token"] = os.environ["PREFIXGATE_METRICS_TOKEN"]
+    if getattr(args, "metrics_public", False):
+        values["metrics_public"] = True
     device = values.get("device", "cpu")
     if device != "cpu" and not str(device).startswith("cuda"):
         raise CLIError(f"--device must be cpu or cuda[:N], got {device!r}")

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 
 from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError
+from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_error
 from gateway.pipeline import Accounting, prepare
 from gateway.ports import UsageRecord
 from gateway.responder import respond
@@ -18,13 +19,36 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 router = APIRouter(prefix="/v1", tags=["completions"])
 
 
-def _record_rejected(tenancy: Any, ctx: Any, model: str, kind: str) -> None:
-    """A request refused after authentication still gets its one ledger row (status error)."""
+def _record_rejected(tenancy: Any, ctx: Any, model: str, kind: str, err: OpenAIError, metrics: GatewayMetrics,
+                     live: LiveStats) -> None:
+    """A request refused after authentication still gets its one ledger row (status error), and is
+    counted by outcome (4xx, 429 by kind) in ``/metrics`` and on the dashboard like any other."""
+    outcome = outcome_of_error(err.status, err.code)
+    metrics.count(ctx.metrics_label, "none", "error", outcome)
+    live.add(RequestSample(tenant_id=ctx.tenant_id, tenant=ctx.name, outcome=outcome,
+                           spill_encrypted=ctx.cipher is not None))
     tenancy.record_usage(UsageRecord(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex, tenant_id=ctx.tenant_id,
         key_id=ctx.key_id, model=model, backend="none", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
         ttft_s=None, latency_s=0.0, status="error", created_at=time.time(),
     ))
+
+
+_KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+def record_invalid_body(request: Request, err: OpenAIError) -> None:
+    """A completion body that failed validation after its key was authenticated: one ledger row and
+    the same counts as any refused request (the model is unknown: the body did not parse)."""
+    kind = _KIND_OF_PATH.get(request.url.path)
+    ctx = getattr(request.state, "tenant", None)
+    if kind is None or ctx is None:
+        return
+    state = request.app.state
+    tenancy = state.tenancy
+    if tenancy is None:
+        return
+    _record_rejected(tenancy, ctx, "unknown", kind, err, state.metrics, state.live_stats)
 
 
 async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any, router_: Any, engine: Any,
@@ -33,8 +57,8 @@ async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any
         prep = await prepare(kind, body, ctx, tenancy=tenancy, router=router_, engine=engine, settings=settings,
                              threads=request.app.state.tenant_threads,
                              tracker=getattr(request.app.state, "miss_tracker", None))
-    except OpenAIError:
-        _record_rejected(tenancy, ctx, body.model, kind)
+    except OpenAIError as err:
+        _record_rejected(tenancy, ctx, body.model, kind, err, metrics, live)
         raise
     return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request)
 

@@ -1,23 +1,45 @@
-"""``GET /dashboard`` (a self-contained page, no CDN) and ``GET /dashboard/data`` (the JSON it polls).
+"""``GET /dashboard`` (a self-contained page, no CDN), its vendored assets, and ``GET /dashboard/data``.
 
 The page reads an API key from its URL fragment (``/dashboard#key=sk-...``; a fragment never
-leaves the browser) and sends it as a Bearer key; an admin key sees every tenant, any other key
-only its own tenant. Numbers are since this process started (the ledger has the history).
+leaves the browser) and sends it as a Bearer key. An admin key sees every tenant and the
+engine-wide charts; any other key sees only its own tenant's rows (filtered by tenant id, never by
+the display label, which two tenants may share) and no engine-wide series.
+
+``/dashboard/data?window=5m|1h|24h``::
+
+    {"generated_at", "scope": "all"|"own", "window",
+     "totals": {...}, "tenants": [LiveStats row],          # since this process started (= /metrics)
+     "series": TimeSeries.series(window) | null,           # admin only
+     "ledger": {"since", "totals", "models": [...], "breaks": [...]},   # the ledger, for the window
+     "cache": {"most_computed": [...], "cache_seconds", "prefill_seconds_saved", "pays"} ,
+     "isolation": [{"tenant", "share_scope", "spill_encrypted", "quotas", "last_key_created_at"}]}
 """
 
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import HTMLResponse
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, Response
 
-from gateway.deps import LiveStatsDep, TenantDep
+from gateway.deps import LiveStatsDep, TenancyDep, TenantDep
+from gateway.errors import OpenAIError, invalid_request
+from gateway.metrics import LiveStats
+from gateway.ports import TenantDirectory
+from gateway.timeseries import WINDOWS, TimeSeries, frame_from_registry
 
 router = APIRouter(tags=["dashboard"])
-_STARTED = "started_at"
+
+# The vendored charting library (uPlot 1.6.32, MIT, 51 KB minified; see static/vendor/uPlot.LICENSE).
+_ASSETS = {
+    "uPlot.iife.min.js": "application/javascript",
+    "uPlot.min.css": "text/css",
+    "dashboard.js": "application/javascript",
+}
 
 
 @router.get("/dashboard", response_class=HTMLResponse)
@@ -26,17 +48,99 @@ async def dashboard() -> HTMLResponse:
     return HTMLResponse(page, headers={"cache-control": "no-store"})
 
 
+@router.get("/dashboard/assets/{name}")
+async def dashboard_asset(name: str) -> Response:
+    if name not in _ASSETS:
+        raise OpenAIError(404, "Unknown URL.", code="not_found")
+    folder = "static" if name == "dashboard.js" else "static/vendor"
+    body = resources.files("gateway").joinpath(f"{folder}/{name}").read_bytes()
+    return Response(body, media_type=_ASSETS[name], headers={"cache-control": "no-cache"})
+
+
+def _per_million(usd: float, tokens: int) -> float | None:
+    return usd * 1e6 / tokens if tokens else None
+
+
+def _ledger_view(report: dict[str, Any]) -> dict[str, Any]:
+    """What the panel shows of the ledger report: unit cost per model and the top break reasons."""
+    models = []
+    for r in report.get("rows", []):
+        tokens = r["prompt_tokens"] + r["completion_tokens"]
+        models.append({
+            "tenant_id": r["tenant_id"], "tenant": r["tenant"], "model": r["model"], "requests": r["requests"],
+            "errors": r["errors"], "tokens": tokens, "cost_usd": r["cost_usd"], "saved_usd": r["saved_usd"],
+            "cost_per_1m_usd": _per_million(r["cost_usd"], tokens),
+            "saved_per_1m_usd": _per_million(r["saved_usd"], tokens),
+            "hit_rate": r["hit_rate"], "ttft_p95_s": r["ttft_p95_s"],
+        })
+    return {"totals": report.get("totals"), "models": models, "breaks": report.get("breaks", [])[:10]}
+
+
+def _cache_pays(request: Request) -> dict[str, Any]:
+    """The cache's own cost against the prefill it saved, engine-wide, from the /metrics registry.
+
+    Saved prefill time = hit tokens x (prefill seconds / prefill tokens computed) of this process.
+    """
+    frame = frame_from_registry(request.app.state.registry, time.time())
+    c = frame.counters
+    hit = c["cached_tokens"]
+    per_token = c["prefill_seconds"] / c["prefill_tokens"] if c["prefill_tokens"] else None
+    saved = hit * per_token if per_token is not None else None
+    return {"cache_seconds": c["cache_manage_seconds"], "prefill_seconds_saved": saved,
+            "pays": None if saved is None else saved > c["cache_manage_seconds"]}
+
+
+def _isolation_row(name: str, share_scope: str, encrypted: bool | None, quotas: Any,
+                   last_key: float | None) -> dict[str, Any]:
+    return {
+        "tenant": name, "share_scope": share_scope, "spill_encrypted": encrypted,
+        "quotas": {"rpm": quotas.rpm, "tpm": quotas.tpm, "budget_usd": quotas.budget_usd,
+                   "kv_blocks_hbm": quotas.kv_blocks_hbm, "kv_blocks_dram": quotas.kv_blocks_dram,
+                   "kv_blocks_nvme": quotas.kv_blocks_nvme},
+        "last_key_created_at": last_key,
+    }
+
+
+def _isolation(ctx: Any, tenancy: Any, live: LiveStats) -> list[dict[str, Any]]:
+    """Share scope, spill encryption, quotas and the newest API key of each visible tenant.
+
+    Encryption is a property of an authenticated context (its cipher): known for the caller and
+    for every tenant that sent a request to this process; None (shown as "–") otherwise.
+    """
+    if not isinstance(tenancy, TenantDirectory):
+        return []
+    keys: dict[str, float] = {}
+    for k in tenancy.list_keys(None if ctx.is_admin else ctx.name):
+        if k.revoked_at is None:
+            keys[k.tenant_id] = max(keys.get(k.tenant_id, 0.0), k.created_at)
+    if not ctx.is_admin:
+        return [_isolation_row(ctx.name, ctx.share_scope, ctx.cipher is not None, ctx.quotas, keys.get(ctx.tenant_id))]
+    seen = {**live.spill_encrypted(), ctx.tenant_id: ctx.cipher is not None}
+    return [_isolation_row(t.name, t.share_scope, seen.get(t.tenant_id), t.quotas, keys.get(t.tenant_id))
+            for t in tenancy.list_tenants()]
+
+
 @router.get("/dashboard/data")
-async def dashboard_data(ctx: TenantDep, live: LiveStatsDep) -> dict[str, Any]:
-    only = None if getattr(ctx, "is_admin", False) else ctx.metrics_label
+async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, tenancy: TenancyDep,
+                         window: str = "5m") -> dict[str, Any]:
+    if window not in WINDOWS:
+        raise invalid_request(f"window must be one of {', '.join(WINDOWS)}, got {window!r}", param="window")
+    admin = bool(ctx.is_admin)
+    only = None if admin else ctx.tenant_id
     tenants = live.snapshot(only=only)
     total_prompt = sum(t["prompt_tokens"] for t in tenants)
     total_cached = sum(t["cached_tokens"] for t in tenants)
+    since = datetime.fromtimestamp(time.time() - WINDOWS[window].span_s, UTC)
+    # The report flushes the ledger and reads SQLite: off the event loop.
+    report = await anyio.to_thread.run_sync(lambda: tenancy.usage(ctx, since=since))
+    series: TimeSeries = request.app.state.timeseries
     return {
         "generated_at": time.time(),
-        "scope": "all" if only is None else "own",
+        "scope": "all" if admin else "own",
+        "window": window,
         "totals": {
             "requests": sum(t["requests"] for t in tenants),
+            "errors": sum(t["errors"] for t in tenants),
             "prompt_tokens": total_prompt,
             "cached_tokens": total_cached,
             "hit_rate": total_cached / total_prompt if total_prompt else 0.0,
@@ -44,4 +148,8 @@ async def dashboard_data(ctx: TenantDep, live: LiveStatsDep) -> dict[str, Any]:
             "cost_usd": sum(t["cost_usd"] for t in tenants),
         },
         "tenants": tenants,
+        "series": series.series(window) if admin else None,
+        "ledger": {"since": since.isoformat(), **_ledger_view(report)},
+        "cache": {"most_computed": live.most_computed(only), **(_cache_pays(request) if admin else {})},
+        "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy, live)),
     }

@@ -13,6 +13,7 @@ import torch
 
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.protocol import SamplingParams
+from tests.greedy_reference import hf_greedy  # noqa: F401  (re-exported: the tests import it from here)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
@@ -75,11 +76,3 @@ def run(runner, seqs: list[Seq], max_new: int, chunk: int | None = None) -> list
             else:
                 assert tok is None
     return [s.output for s in seqs]
-
-
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    """transformers' own greedy generation, EOS disabled so lengths match."""
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt):].tolist()

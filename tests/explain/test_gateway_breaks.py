@@ -23,7 +23,7 @@ pytest.importorskip("engine.launch")
 
 from gateway.cli.serve_cmd import ensure_tiny_model  # noqa: E402
 from tenancy.service import TenancyService  # noqa: E402
-from tests.serverutil import serve_tiny, stop  # noqa: E402
+from tests.serverutil import scrape, serve_tiny, stop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 OFFLINE = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -103,7 +103,7 @@ def test_each_break_is_explained_counted_recorded_and_kept_per_tenant(served):
     header, _ = _send(url, keys["beta"], _request(ts="2026-11-29T10:09:00Z"))
     assert "break" not in header
 
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    metrics = scrape(url)
     for rule in ("PC002", "PC004", "PC012"):
         # PC002 twice: the timestamp break, then the streamed one (settled after the stream ended)
         count = 2.0 if rule == "PC002" else 1.0

@@ -254,8 +254,8 @@ def test_models_health_metrics_usage(parts):
     assert_openai_error(client.get("/v1/models/nope", headers=auth(keys["a"])), 404, code="model_not_found")
     assert client.get("/health").json()["status"] == "ok"
     client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
-    text = client.get("/metrics").text
-    assert 'prefixgate_gateway_requests_total{backend="local",status="ok",tenant="acme"} 1.0' in text
+    text = client.get("/metrics", headers=auth(keys["admin"])).text  # /metrics: admin key or metrics token
+    assert 'prefixgate_gateway_requests_total{backend="local",outcome="ok",status="ok",tenant="acme"} 1.0' in text
     assert "prefixgate_gateway_ttft_seconds_bucket" in text
     assert client.get("/v1/usage", headers=auth(keys["a"])).json()["requests"] == 1
     assert_openai_error(client.get("/v1/usage?since=yesterday", headers=auth(keys["a"])), 400, param="since")
@@ -267,7 +267,8 @@ def test_dashboard_data_scoped_by_key(parts):
     client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
     client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["b"]))
     page = client.get("/dashboard")
-    assert page.status_code == 200 and "<script>" in page.text and "http" not in page.text.split("<script>")[1]
+    assert page.status_code == 200 and 'src="dashboard/assets/dashboard.js"' in page.text
+    assert "http" not in page.text.split("<script")[1]  # vendored assets only, no CDN
     admin = client.get("/dashboard/data", headers=auth(keys["admin"])).json()
     assert admin["scope"] == "all" and [t["tenant"] for t in admin["tenants"]] == ["acme", "beta"]
     acme = admin["tenants"][0]

@@ -63,8 +63,15 @@ def test_padded_decode_matches_eager_and_padding_writes_nothing(tmp_path):
     padded = graphs.run(batch.chunks)  # runs at size 4: one padded row
     assert padded.shape == eager.shape
     torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
-    assert torch.equal(runner.kv_cache, after_eager)  # same K/V rewritten; the padded row wrote nothing
+    # The padded run multiplies 4 rows where the eager one multiplied 3, and fp32 GEMMs may pick
+    # another kernel (another summation order) for another row count: the K/V it rewrites into the
+    # written blocks is equal only within rounding. Every other block must stay bit-identical:
+    # that is what proves the padded row wrote nothing.
     assert written == [3, 8, 12]  # the blocks holding positions 5, 20, 40 (table index 0, 1, 2)
+    untouched = torch.ones(runner.kv_cache.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(runner.kv_cache[untouched], after_eager[untouched])
+    torch.testing.assert_close(runner.kv_cache[written], after_eager[written], rtol=1e-5, atol=1e-5)
     assert graphs.num_runs == 1
     # a later, narrower batch reuses the buffers: stale table entries past its blocks are not read
     short = ScheduledBatch([batch.chunks[0]])

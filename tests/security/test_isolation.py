@@ -141,7 +141,10 @@ def test_dashboard_data_is_scoped_to_the_caller(gateway) -> None:
         assert r.status_code in (401, 403), r.text
 
 
-def test_metrics_do_not_need_a_tenant_key_and_show_no_prompt_text(gateway) -> None:
-    client, _, _ = gateway
-    text = client.get("/metrics").text
+def test_metrics_need_an_admin_key_and_show_no_prompt_text(gateway) -> None:
+    client, keys, _ = gateway
+    assert client.get("/metrics").status_code == 401  # #16.10: every tenant's numbers are not public
+    assert client.get("/metrics", headers=auth(keys["acme"])).status_code == 403
+    text = client.get("/metrics", headers=auth(keys["admin"])).text
+    assert "prefixgate_gateway_requests_total" in text
     assert "refund policy" not in text

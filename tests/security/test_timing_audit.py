@@ -1,27 +1,27 @@
-"""Timing audit (Gu et al. 2025, two-sample KS on TTFT): a fast variant for `make test`.
+"""Timing audit (Gu et al. 2025, two-sample KS on TTFT): the deterministic half, for `make test`.
 
-Within one tenant a hit must be detectable (that is the cache working, and shows the audit has
-the power to see a shared cache); across tenants the attacker's timings must look like misses.
-The 200+-samples-per-side audit at p > 0.05 is ``tests/slow/test_timing_audit_full.py``. Here, with
-60 trials per side, we assert p > 0.01 across tenants: a correct system then fails by chance in
-1 run of 100 rather than 1 in 20, while a shared cache (D near 1 within the tenant, p ~ 1e-20)
-is still caught at once.
+The audit's statistical half (a KS test on wall-clock timings) fails by chance at its own
+significance level and depends on the machine's load, so it lives only in the slow suite
+(``tests/slow/test_timing_audit_full.py``: 250 trials per side, within-tenant p < 1e-6 and
+across-tenant p > 0.05). What the fast suite can assert exactly is the mechanism the timings
+would reveal: the same interleaved attack/control trials, and the cached tokens each side was
+told. Within a tenant every attack trial is a hit and every control trial a miss (the audit has a
+signal to find); across tenants no trial hits at all (there is nothing to find).
 """
 
 from __future__ import annotations
 
-from security_helpers import summarize, timing_audit
+from security_helpers import timing_audit
 
 
-def test_hit_is_detectable_within_a_tenant(gateway) -> None:
+def test_hit_is_served_from_cache_within_a_tenant(gateway) -> None:
     client, keys, _ = gateway
-    res = timing_audit(client, keys["acme"], keys["acme"], trials=30, seed=1)
-    assert res["control_cached"] == 0 and res["attack_cached"] > 0
-    assert res["p"] < 1e-3, (res["D"], res["p"], summarize(res["attack"]), summarize(res["control"]))
+    res = timing_audit(client, keys["acme"], keys["acme"], trials=12, seed=1)
+    assert res["control_cached"] == 0
+    assert res["attack_cached"] >= 12 * 16, res["attack_cached"]  # each attack reuses >= one block
 
 
-def test_cross_tenant_timings_are_indistinguishable_from_misses(gateway) -> None:
+def test_cross_tenant_trials_never_hit(gateway) -> None:
     client, keys, _ = gateway
-    res = timing_audit(client, keys["acme"], keys["beta"], trials=60, seed=2)
+    res = timing_audit(client, keys["acme"], keys["beta"], trials=24, seed=2)
     assert res["attack_cached"] == 0 and res["control_cached"] == 0
-    assert res["p"] > 0.01, (res["D"], res["p"], summarize(res["attack"]), summarize(res["control"]))

@@ -20,7 +20,7 @@ import pytest
 from security_helpers import auth
 
 from tests import serverutil
-from tests.serverutil import serve_tiny
+from tests.serverutil import scrape, serve_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def test_kill9_keeps_the_nvme_tier_consistent_and_decryptable(tmp_path: Path) ->
         usage = _complete(url, keys["acme"], secret)
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 16, usage
         assert _complete(url, keys["beta"], secret)["prompt_tokens_details"]["cached_tokens"] == 0
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        metrics = scrape(url, timeout=10)
         failures = [ln for ln in metrics.splitlines()
                     if ln.startswith("prefixgate_tier_auth_failures_total{") and not ln.endswith(" 0.0")]
         assert not failures, failures
