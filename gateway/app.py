@@ -21,12 +21,13 @@ from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.protocol import EngineClient
-from gateway.errors import OpenAIError, install_error_handlers
+from gateway.anthropic_api import error_body as anthropic_error_body
+from gateway.errors import OpenAIError, install_error_handlers, render
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
-from gateway.routes import completions, dashboard, internal, models, ops, usage
+from gateway.routes import completions, dashboard, internal, messages, models, ops, responses, usage
 from gateway.routing import Backend, Route, Router
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
@@ -203,11 +204,13 @@ def create_app(
         workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
     install_error_handlers(app, on_invalid_body=completions.record_invalid_body)
 
-    @app.exception_handler(TenancyError)
-    async def _tenancy(_: Any, exc: TenancyError) -> Any:
-        return tenancy_error(exc).response()
+    app.state.error_shapes = {"/v1/messages": anthropic_error_body}  # Anthropic's SDK reads its own shape
 
-    for module in (completions, models, usage, ops, dashboard, internal):
+    @app.exception_handler(TenancyError)
+    async def _tenancy(request: Any, exc: TenancyError) -> Any:
+        return render(request, tenancy_error(exc))
+
+    for module in (completions, responses, messages, models, usage, ops, dashboard, internal):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

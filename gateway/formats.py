@@ -13,10 +13,12 @@ With ``include_usage`` every other chunk carries ``"usage": null``, as OpenAI se
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from typing import Any
+from typing import Any, Protocol
 
 from engine.protocol import RequestOutput
+from gateway.errors import OpenAIError
 from gateway.pipeline import Prepared
 
 
@@ -50,6 +52,30 @@ class ChoiceText:
             self.finish[i] = finish_reason(out)
 
 
+def sse(obj: Any, event: str | None = None) -> bytes:
+    """One server-sent event: ``data:`` JSON, with an ``event:`` line where the API names its events."""
+    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
+
+
+class WireFormat(Protocol):
+    """How one API shapes a response: the whole body, and the stream as SSE frames.
+
+    ``chunks`` turns one engine increment into zero or more events; ``frame`` encodes one;
+    ``tail`` gives the frames after the last increment (usage, terminator) and ``error_frames``
+    the in-band error once the status line has gone out."""
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]: ...
+
+    def frame(self, chunk: dict[str, Any]) -> bytes: ...
+
+    def tail(self, usage: dict[str, Any]) -> list[bytes]: ...
+
+    def error_frames(self, error: OpenAIError) -> list[bytes]: ...
+
+    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]: ...
+
+
 class _Format:
     """The stream-chunk envelope both response shapes share; ``chunk_object`` names its type."""
 
@@ -57,6 +83,16 @@ class _Format:
 
     def __init__(self, prep: Prepared) -> None:
         self.prep = prep
+
+    def frame(self, chunk: dict[str, Any]) -> bytes:
+        return sse(chunk)
+
+    def tail(self, usage: dict[str, Any]) -> list[bytes]:
+        frames = [sse(self.usage_chunk(usage))] if self.prep.include_usage else []
+        return [*frames, b"data: [DONE]\n\n"]
+
+    def error_frames(self, error: OpenAIError) -> list[bytes]:
+        return [sse(error.body()), b"data: [DONE]\n\n"]
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {

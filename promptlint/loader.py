@@ -21,6 +21,7 @@ from typing import Any
 import pathspec
 import yaml
 
+from promptlint.cache_control import is_marked
 from promptlint.model import DynClass, Element, Finding, PromptDoc
 from promptlint.parse import LineIndex, split_text
 
@@ -317,7 +318,7 @@ def _text_blocks(content: Any, where: str) -> list[tuple[str, bool]]:
                 out.append((part, False))
             elif isinstance(part, dict):
                 text = part.get("text") if isinstance(part.get("text"), str) else ""
-                out.append((text, "cache_control" in part))
+                out.append((text, is_marked(part)))
             else:
                 raise _Invalid(f"{where}[{i}] must be a string or an object")
         return out
@@ -344,7 +345,7 @@ def _request_doc(path: Path, shown: str, raw: str, body: dict[str, Any], ext: st
         pos = raw.find(key)
         line = raw.count("\n", 0, pos) + 1 if pos >= 0 else 1
         elements.append(Element(json.dumps(tools, ensure_ascii=False), "tools", line, 1, is_tools=True,
-                                name="tools", breakpoint=any(isinstance(t, dict) and "cache_control" in t for t in tools)))
+                                name="tools", breakpoint=any(is_marked(t) for t in tools)))
     blocks: list[tuple[str, str, str, bool]] = []  # (role, text, where, cache_control)
     for text, cc in _text_blocks(body.get("system"), "system"):
         blocks.append(("system", text, "system", cc))
@@ -352,7 +353,7 @@ def _request_doc(path: Path, shown: str, raw: str, body: dict[str, Any], ext: st
         parts = _text_blocks(m.get("content"), f"messages[{i}].content")
         for j, (text, cc) in enumerate(parts):
             last_part = j == len(parts) - 1
-            blocks.append((m["role"], text, f"messages[{i}]", cc or (last_part and "cache_control" in m)))
+            blocks.append((m["role"], text, f"messages[{i}]", cc or (last_part and is_marked(m))))
     lines = []
     for _, text, _, _ in blocks:
         line, cursor = _locate(raw, text, cursor, ext)

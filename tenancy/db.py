@@ -15,6 +15,7 @@ Tables (v1)::
     data_keys  owner PK ("tenant:<id>" | "group:<name>"), data key wrapped by the KEK
     meta       key PK, value   (kek_fingerprint)
     usage      request_id PK, one row per request (the ledger); kept after its tenant is deleted
+    responses  id PK, tenant_id -> tenants ON DELETE CASCADE, body (JSON)   (v3: the Responses API)
 """
 
 from __future__ import annotations
@@ -96,7 +97,18 @@ def _v2(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX usage_miss_rule ON usage(miss_rule) WHERE miss_rule IS NOT NULL")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2]
+def _v3(db: sqlite_utils.Database) -> None:
+    """Stored Responses-API responses (``previous_response_id``): one tenant's, deleted with it."""
+    db.execute("""CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        body TEXT NOT NULL
+    )""")
+    db.execute("CREATE INDEX responses_tenant ON responses(tenant_id)")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from tenancy import db as dbmod
 from tenancy import keys as keymod
-from tenancy import store
+from tenancy import responses, store
 from tenancy.crypto import (
     KeyEncryptionKey,
     TenantCipher,
@@ -446,6 +446,22 @@ class TenancyService:
         self.flush()
         with self._lock:
             return report.build_report(self._db, tenant_ids=tenant_ids, since=since, until=until)
+
+    # -- stored responses (the Responses API) -------------------------------------------------
+
+    def save_response(self, ctx: TenantContext, response_id: str, body: dict[str, Any]) -> None:
+        """Keep ``body`` (the response and the conversation behind it) for ``ctx``'s tenant."""
+        with self._lock:
+            responses.save(self._db, ctx.tenant_id, response_id, body)
+
+    def load_response(self, ctx: TenantContext, response_id: str) -> dict[str, Any] | None:
+        """The stored body, or None when this tenant has no response with that id (another tenant's included)."""
+        with self._lock:
+            return responses.load(self._db, ctx.tenant_id, response_id)
+
+    def delete_response(self, ctx: TenantContext, response_id: str) -> bool:
+        with self._lock:
+            return responses.delete(self._db, ctx.tenant_id, response_id)
 
     # -- administration ------------------------------------------------------------------------
 
