@@ -34,6 +34,7 @@ from engine.protocol import (
     InvalidRequestError,
     ModelCard,
     RequestOutput,
+    TenantScope,
 )
 from engine.request import Request
 
@@ -120,6 +121,10 @@ class AsyncEngine:
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         return self.engine.tokenize(request)
+
+    def cache_usage(self, tenant: TenantScope) -> dict[str, int]:
+        bs = self.engine.block_size
+        return {tier: n * bs for tier, n in self.engine.cached_blocks(tenant.namespace).items()}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running end with finish_reason "abort"."""

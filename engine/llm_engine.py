@@ -83,6 +83,7 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             enable_caching=config.enable_prefix_caching,
             tier_hook=tier_hook,
+            clock=clock,
         )
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, clock)
         spec_len = int(runner.spec.max_model_len)
@@ -215,6 +216,7 @@ class LLMEngine:
             block_size=self.block_size,
             eos_token_ids=self.eos_token_ids,
             arrival_time=self.clock(),
+            retention=tuple(request.retention),
         )
         self._add_cache_time("hash", time.thread_time() - t0)
         ctx = ids[-_DETOK_CONTEXT:]
@@ -471,6 +473,14 @@ class LLMEngine:
     def check_integrity(self) -> None:
         held = getattr(self.pool.tier_hook, "held_block_tables", list)()  # refs a tier restore holds
         self.pool.check_integrity(self.scheduler.block_tables() + held)
+
+    def cached_blocks(self, namespace: bytes) -> dict[str, int]:
+        """Blocks cached for ``namespace`` per tier (``hbm`` plus any lower tier) and how many are retained.
+
+        Reads counters only; safe from another thread (a count may be one step old)."""
+        lower = getattr(self.pool.tier_hook, "blocks_of", None)  # None without DRAM/NVMe tiers
+        return {"hbm": self.pool.indexed_by(namespace), **(lower(namespace) if lower else {}),
+                "retained": self.pool.retained_by(namespace)}
 
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (what ``AsyncEngine.stats`` returns)."""

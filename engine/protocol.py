@@ -244,3 +244,14 @@ class EngineClient(Protocol):
         tokenizer in this process (remote node, upstream provider) raises ``NotImplementedError``.
         """
         ...
+
+
+@runtime_checkable
+class CacheInspector(Protocol):
+    """An engine that can say what it holds for one tenant (the in-process engine does).
+
+    ``cache_usage`` returns prompt tokens cached per tier (``"hbm"``, and ``"dram"``/``"nvme"``
+    where enabled) and ``"retained"``: tokens of HBM blocks under explicit retention. Cheap; never raises.
+    """
+
+    def cache_usage(self, tenant: TenantScope) -> dict[str, int]: ...

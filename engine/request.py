@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.prefix_index import BlockHash, extend_block_hashes
-from engine.protocol import FinishReason, SamplingParams, TenantScope
+from engine.protocol import FinishReason, Retention, SamplingParams, TenantScope
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +63,7 @@ class Request:
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    retention: tuple[Retention, ...] = ()  # prompt prefixes to keep cached (GenerateRequest.retention)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -115,9 +115,22 @@ class Scheduler:
 
     def _free_blocks(self, request: Request) -> None:
         if request.block_table:
+            self._retain(request)
             self.pool.free(request.block_table)
         request.block_table = []
         request.num_registered_blocks = 0
+
+    def _retain(self, request: Request) -> None:
+        """Mark the indexed blocks inside the request's retention spans before it lets them go.
+
+        A tenant retains at most its HBM block quota, or a quarter of the pool without one."""
+        if not request.retention:
+            return
+        now = self.clock()
+        limit = request.tenant.kv_block_quota or max(1, self.pool.num_blocks // 4)
+        for span in request.retention:
+            n = min(span.tokens // self.pool.block_size, request.num_registered_blocks)
+            self.pool.retain(request.block_table[:n], now + span.seconds, limit)
 
     def block_tables(self) -> list[list[int]]:
         """Every live request's block table (for ``BlockPool.check_integrity``)."""

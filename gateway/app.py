@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
-from gateway.routes import completions, dashboard, internal, messages, models, ops, responses, usage
+from gateway.routes import cache, completions, dashboard, internal, messages, models, ops, responses, usage
 from gateway.routing import Backend, Route, Router
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
@@ -210,7 +210,7 @@ def create_app(
     async def _tenancy(request: Any, exc: TenancyError) -> Any:
         return render(request, tenancy_error(exc))
 
-    for module in (completions, responses, messages, models, usage, ops, dashboard, internal):
+    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, internal):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

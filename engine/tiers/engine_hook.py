@@ -216,6 +216,9 @@ class TierHook:
                 del self._holding[rid]
                 scheduler.pool.free(ids)
 
+    def blocks_of(self, namespace: bytes) -> dict[str, int]:
+        return self.manager.blocks_of(namespace)
+
     def stats(self) -> dict[str, Any]:
         out = self.manager.stats()
         out["restoring"] = len(self._restoring)
