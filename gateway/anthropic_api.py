@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,9 +241,13 @@ class CacheUsage:
     creation_1h: int
 
     @classmethod
-    def of(cls, prompt: int, cached: int, written_upto: int, long_upto: int) -> CacheUsage:
+    def of(cls, prompt: int, cached: int, written_upto: int, long_upto: int, reported: int = 0) -> CacheUsage:
         """``written_upto``: tokens in full blocks up to the last breakpoint (the blocks that end up cached);
-        ``long_upto``: the same for the last 1h breakpoint."""
+        ``long_upto``: the same for the last 1h breakpoint. ``reported``: the cache writes an upstream
+        provider reported (a provider route), taken as they are."""
+        if reported:
+            creation = min(reported, prompt - cached)
+            return cls(prompt - cached - creation, cached, creation, 0)
         creation = max(0, min(written_upto, prompt) - cached)
         creation_1h = max(0, min(long_upto, prompt) - cached)
         return cls(prompt - cached - creation, cached, creation, min(creation_1h, creation))
@@ -264,10 +269,12 @@ class MessagesFormat:
 
     ``written_upto``/``long_upto``: see ``CacheUsage.of`` (0 when the request has no breakpoint)."""
 
-    def __init__(self, prep: Prepared, *, written_upto: int, long_upto: int) -> None:
+    def __init__(self, prep: Prepared, *, written_upto: int, long_upto: int,
+                 reported_creation: Callable[[], int] = lambda: 0) -> None:
         self.prep = prep
         self.written_upto = written_upto
         self.long_upto = long_upto
+        self.reported_creation = reported_creation
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.acc = ChoiceText()
         self.started = False
@@ -276,7 +283,8 @@ class MessagesFormat:
         self.prompt = self.cached = 0
 
     def _usage(self, prompt: int, cached: int, output: int) -> dict[str, Any]:
-        return CacheUsage.of(prompt, cached, self.written_upto, self.long_upto).as_dict(output)
+        return CacheUsage.of(prompt, cached, self.written_upto, self.long_upto,
+                             self.reported_creation()).as_dict(output)
 
     def _stop_reason(self, has_calls: bool) -> str:
         return "tool_use" if has_calls else _STOP_REASONS.get(self.finish or "stop", "end_turn")

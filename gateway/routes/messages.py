@@ -39,6 +39,7 @@ from gateway.errors import OpenAIError, invalid_request
 from gateway.pipeline import Accounting, Prepared
 from gateway.ports import AuthenticationError
 from gateway.responder import respond
+from gateway.upstream import ProviderOutput
 from promptlint.cache_control import Breakpoint, CacheControlError, parse_breakpoints
 
 router = APIRouter(prefix="/v1", tags=["messages"])
@@ -123,6 +124,12 @@ async def create_message(
         written_upto = spans[-1].tokens // block * block
         long_upto = max((s.tokens for s, bp in zip(spans, breakpoints) if bp.ttl == "1h"), default=0) // block * block
         prep.requests = [dataclasses.replace(r, retention=tuple(spans)) for r in prep.requests]
-    fmt = MessagesFormat(prep, written_upto=written_upto, long_upto=long_upto)
+    acct = Accounting(prep, tenancy, metrics, live)
+
+    def provider_writes() -> int:  # a provider route: what Anthropic itself reported writing
+        last = acct.last.get(0)
+        return last.cache_creation_tokens if isinstance(last, ProviderOutput) else 0
+
+    fmt = MessagesFormat(prep, written_upto=written_upto, long_upto=long_upto, reported_creation=provider_writes)
     prep.request_id = fmt.msg_id
-    return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request, fmt)
+    return await respond(prep, router_, acct, request, fmt)
