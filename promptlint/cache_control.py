@@ -131,6 +131,15 @@ def count_marks(body: Mapping[str, Any]) -> int:
     return sum(1 for _ in _marks(body))
 
 
+Position = tuple[Section, int | None, int | None]
+
+
+def marked_positions(body: Mapping[str, Any]) -> set[Position]:
+    """Where the marks sit, valid or not: ``(section, message index, block index)`` as in ``Breakpoint``.
+    The linter's loader tags its prompt elements from this, so it sees exactly the gateway's breakpoints."""
+    return {(section, message, block) for section, message, block, _ in _marks(body)}
+
+
 def retention_seconds(value: Any) -> float | None:
     """OpenAI ``prompt_cache_retention`` -> seconds to keep the prefix (None = the default policy).
 
