@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from engine.protocol import Retention
+from engine.protocol import GenerateRequest, Retention
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.pipeline import Prepared, prepare
@@ -48,6 +48,11 @@ def whole_prompt_for(seconds: float | None) -> RetentionPlan | None:
     return lambda ids: (Retention(len(ids), seconds),)
 
 
+def with_retention(request: GenerateRequest, spans: tuple[Retention, ...]) -> GenerateRequest:
+    """``request`` keeping ``spans`` as well as what it already keeps (the tenant's default retention)."""
+    return dataclasses.replace(request, retention=(*spans, *request.retention))
+
+
 async def prepare_door(
     chat: ChatCompletionRequest, request: Request, ctx: Any, *, tenancy: TenancyPort, router: Router,
     engine: Any, settings: GatewaySettings, metrics: GatewayMetrics, live: LiveStats,
@@ -62,6 +67,5 @@ async def prepare_door(
         record_rejected(tenancy, ctx, chat.model, "chat", err, metrics, live)
         raise
     if retention is not None and prep.backend.kind == "local":
-        prep.requests = [dataclasses.replace(r, retention=retention(list(r.prompt_token_ids or ())))
-                         for r in prep.requests]
+        prep.requests = [with_retention(r, retention(list(r.prompt_token_ids or ()))) for r in prep.requests]
     return prep

@@ -17,13 +17,20 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote
 
 import anyio
 
-from engine.protocol import EngineClient, EngineError, GenerateRequest, RequestOutput, SamplingParams
+from engine.protocol import (
+    EngineClient,
+    EngineError,
+    GenerateRequest,
+    RequestOutput,
+    Retention,
+    SamplingParams,
+)
 from gateway.errors import OpenAIError, invalid_request
 from gateway.ingress import effective_temperature
 from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_status
@@ -288,6 +295,11 @@ async def prepare(
                 request_id=f"{request_id}-{p}-{i}", tenant=scoped, sampling=sampling,
                 model=backend.target_model or None, **inp,
             ))
+
+    keep_s = getattr(scoped, "cache_retention_s", None)  # the tenant's explicit cache control (#24.3)
+    if keep_s and backend.kind == "local":
+        requests = [replace(r, retention=(Retention(len(r.prompt_token_ids or ()), keep_s),))
+                    for r in requests]
 
     miss = None
     if tracker is not None and kind == "chat":

@@ -98,7 +98,8 @@ def _v2(db: sqlite_utils.Database) -> None:
 
 
 def _v3(db: sqlite_utils.Database) -> None:
-    """Stored Responses-API responses (``previous_response_id``): one tenant's, deleted with it."""
+    """Stored Responses-API responses (``previous_response_id``): one tenant's, deleted with it; and
+    the tenant setting ``cache_retention_s``."""
     db.execute("""CREATE TABLE responses (
         id TEXT PRIMARY KEY,
         tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
@@ -106,6 +107,8 @@ def _v3(db: sqlite_utils.Database) -> None:
         body TEXT NOT NULL
     )""")
     db.execute("CREATE INDEX responses_tenant ON responses(tenant_id)")
+    # Explicit cache control as a tenant setting: every prompt's prefix is retained this many seconds.
+    db.execute("ALTER TABLE tenants ADD COLUMN cache_retention_s REAL")
 
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]

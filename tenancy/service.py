@@ -346,6 +346,7 @@ class TenancyService:
             kv_block_quota=t.quotas.kv_blocks_hbm,
             ttft_target_s=t.ttft_target_s,
             quotas=t.quotas,
+            cache_retention_s=t.cache_retention_s,
         )
 
     def scope_for(self, ctx: TenantContext, user: str | None = None) -> TenantContext:
@@ -470,7 +471,7 @@ class TenancyService:
 
         ``settings``: share_scope ("tenant" | "user" | "group:NAME"), canon_mode ("off" | "safe" |
         "reorder"), per_user_vars, priority, ttft_target_s, rpm, tpm, budget_usd, budget_period,
-        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme.
+        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme, cache_retention_s.
         """
         key_id, api_key = keymod.new_api_key()
         with self._lock, dbmod.write_transaction(self._db):

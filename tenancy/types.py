@@ -63,6 +63,7 @@ class TenantContext:
     ttft_target_s: float | None = None
     # -- quota numbers (admission happens in TenancyService.admit) --
     quotas: Quotas = field(default_factory=Quotas)
+    cache_retention_s: float | None = None  # the tenant's default retention of its prompts' prefixes
     user: str | None = None  # the end user this context was scoped to, if any
 
     @property
@@ -188,3 +189,4 @@ class TenantInfo:
     ttft_target_s: float | None
     quotas: Quotas
     created_at: float
+    cache_retention_s: float | None = None  # keep every prompt's prefix this long (explicit cache control)

@@ -11,7 +11,6 @@ where that breakpoint falls in the prompt the engine really runs.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -34,7 +33,7 @@ from gateway.deps import (
     TenancyDep,
     bearer_key,
 )
-from gateway.door import chat_request, prepare_door
+from gateway.door import chat_request, prepare_door, with_retention
 from gateway.errors import OpenAIError, invalid_request
 from gateway.pipeline import Accounting, Prepared
 from gateway.ports import AuthenticationError
@@ -123,7 +122,7 @@ async def create_message(
             spans.append(Retention(tokens, bp.ttl_s))
         written_upto = spans[-1].tokens // block * block
         long_upto = max((s.tokens for s, bp in zip(spans, breakpoints) if bp.ttl == "1h"), default=0) // block * block
-        prep.requests = [dataclasses.replace(r, retention=tuple(spans)) for r in prep.requests]
+        prep.requests = [with_retention(r, tuple(spans)) for r in prep.requests]
     acct = Accounting(prep, tenancy, metrics, live)
 
     def provider_writes() -> int:  # a provider route: what Anthropic itself reported writing

@@ -20,6 +20,7 @@ from tests.serverutil import REPO, serve_tiny, stop
 KV_BLOCKS = 48  # x 16 tokens: a few prompts fill it; each tenant may retain a quarter (12 blocks)
 MARKED = "Return policy of ExampleCo: thirty days, receipt required, refunds to the card used. " * 2
 UNMARKED = "Shipping policy of ExampleCo: two to five days, free above fifty euros, tracked. " * 2
+KEPT = "Opening hours of ExampleCo: nine to six on weekdays, ten to four on Saturdays. " * 2
 RETAINED = "Warranty terms of ExampleCo: two years on parts, one year on labour, proof needed. " * 2
 
 
@@ -32,6 +33,7 @@ def home(tmp_path_factory):
 def keys(home):
     with TenancyService.open(home) as svc:
         made = {name: svc.create_tenant(name).api_key for name in ("acme", "oai", "flood", "warm")}
+        made["keeper"] = svc.create_tenant("keeper", cache_retention_s=3600).api_key  # the tenant setting
         svc.flush()
     return made
 
@@ -64,6 +66,12 @@ def test_retained_prefixes_survive_a_flood_that_evicts_an_unmarked_one(server, k
     def ask_unmarked():
         return claude.messages.create(model="tiny", max_tokens=1, system=UNMARKED, messages=question).usage
 
+    keeper = openai.OpenAI(base_url=f"{server}/v1", api_key=keys["keeper"], max_retries=0, timeout=120)
+
+    def ask_kept():  # plain chat completions: the tenant's cache_retention_s setting keeps the prefix
+        return keeper.chat.completions.create(model="tiny", max_tokens=1, messages=[
+            {"role": "system", "content": KEPT}, {"role": "user", "content": "Open on Saturday?"}]).usage
+
     def ask_retained():
         return oai.responses.create(model="tiny", instructions=RETAINED, input="Is the battery covered?",
                                     max_output_tokens=1, prompt_cache_retention="24h").usage
@@ -72,6 +80,7 @@ def test_retained_prefixes_survive_a_flood_that_evicts_an_unmarked_one(server, k
     assert first.cache_creation_input_tokens > 0 and first.cache_creation.ephemeral_1h_input_tokens > 0
     ask_unmarked()
     ask_retained()
+    ask_kept()
     # before the flood all three are cached
     assert ask_unmarked().cache_read_input_tokens > 0
     _flood(server, keys["flood"])
@@ -79,6 +88,7 @@ def test_retained_prefixes_survive_a_flood_that_evicts_an_unmarked_one(server, k
     assert after.cache_read_input_tokens >= first.cache_creation_input_tokens
     assert ask_unmarked().cache_read_input_tokens == 0
     assert ask_retained().input_tokens_details.cached_tokens > 0
+    assert ask_kept().prompt_tokens_details.cached_tokens > 0
 
 
 def test_warm_then_show_then_hit(server, keys):
