@@ -27,6 +27,7 @@ def home(tmp_path_factory):
 def tenants(home):
     with TenancyService.open(home) as svc:
         made = {name: svc.create_tenant(name) for name in ("acme", "beta", "gone")}
+        made["limited"] = svc.create_tenant("limited", rpm=1)
         svc.flush()
     return {k: v.api_key for k, v in made.items()}
 
@@ -241,3 +242,16 @@ def test_messages_bad_input_gets_anthropic_errors(server, tenants):
                         json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]},
                         trust_env=False, timeout=60)
     assert bearer.status_code == 200 and bearer.json()["type"] == "message"
+
+
+def test_rate_limits_in_each_doors_shape(server, tenants):
+    question = [{"role": "user", "content": "x"}]
+    limited = claude(server, tenants["limited"])
+    limited.messages.create(model="tiny", max_tokens=1, messages=question)
+    with pytest.raises(anthropic.RateLimitError) as over:
+        limited.messages.create(model="tiny", max_tokens=1, messages=question)
+    assert over.value.body["error"]["type"] == "rate_limit_error"
+    assert over.value.response.headers.get("retry-after")
+    with pytest.raises(openai.RateLimitError) as over_oai:  # the same tenant through the Responses door
+        oai(server, tenants["limited"]).responses.create(model="tiny", input="x", max_output_tokens=1)
+    assert over_oai.value.code == "rate_limit_exceeded"
