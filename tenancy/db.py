@@ -15,7 +15,7 @@ Tables (v1)::
     data_keys  owner PK ("tenant:<id>" | "group:<name>"), data key wrapped by the KEK
     meta       key PK, value   (kek_fingerprint)
     usage      request_id PK, one row per request (the ledger); kept after its tenant is deleted
-    responses  id PK, tenant_id -> tenants ON DELETE CASCADE, body (JSON)   (v3: the Responses API)
+    responses  id PK, tenant_id -> tenants ON DELETE CASCADE, body (JSON sealed with the tenant's data key)  (v3)
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _v3(db: sqlite_utils.Database) -> None:
         id TEXT PRIMARY KEY,
         tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
         created_at REAL NOT NULL,
-        body TEXT NOT NULL
+        body BLOB NOT NULL
     )""")
     db.execute("CREATE INDEX responses_tenant ON responses(tenant_id)")
     # Explicit cache control as a tenant setting: every prompt's prefix is retained this many seconds.

@@ -453,12 +453,16 @@ class TenancyService:
     def save_response(self, ctx: TenantContext, response_id: str, body: dict[str, Any]) -> None:
         """Keep ``body`` (the response and the conversation behind it) for ``ctx``'s tenant."""
         with self._lock:
-            responses.save(self._db, ctx.tenant_id, response_id, body)
+            responses.save(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id, body)
 
     def load_response(self, ctx: TenantContext, response_id: str) -> dict[str, Any] | None:
         """The stored body, or None when this tenant has no response with that id (another tenant's included)."""
         with self._lock:
-            return responses.load(self._db, ctx.tenant_id, response_id)
+            return responses.load(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id)
+
+    def _response_cipher(self, ctx: TenantContext) -> TenantCipher:
+        """The tenant's own data key (not a share group's): its stored responses die with it."""
+        return self._cipher(f"tenant:{ctx.tenant_id}")
 
     def delete_response(self, ctx: TenantContext, response_id: str) -> bool:
         with self._lock:

@@ -147,10 +147,12 @@ def test_responses_bad_input_gets_openai_errors(server, tenants):
 
 def test_stored_responses_are_deleted_with_their_tenant(server, home, tenants):
     client = oai(server, tenants["gone"])
-    r = client.responses.create(model="tiny", input="Remember this.", max_output_tokens=2)
+    r = client.responses.create(model="tiny", input="Remember the code word pelican.", max_output_tokens=2)
     with TenancyService.open(home) as svc:
         ctx = svc.authenticate(tenants["gone"])
-        assert svc.load_response(ctx, r.id) is not None
+        assert svc.load_response(ctx, r.id)["response"]["id"] == r.id
+        sealed = next(svc._db.query("SELECT body FROM responses WHERE id = ?", [r.id]))["body"]
+        assert b"pelican" not in bytes(sealed)  # sealed with the tenant's data key, not stored in clear
         svc.delete_tenant("gone")
         rows = list(svc._db.query("SELECT COUNT(*) AS n FROM responses WHERE tenant_id = ?", [ctx.tenant_id]))
     assert rows[0]["n"] == 0
