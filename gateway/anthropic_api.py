@@ -83,6 +83,12 @@ class MessagesRequest(BaseModel):
         return model
 
 
+class CountTokensRequest(MessagesRequest):
+    """The body of ``POST /v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
+
+    max_tokens: int = Field(1, ge=1)
+
+
 def _text_part(block: dict[str, Any]) -> dict[str, Any]:
     part = {"type": "text", "text": block["text"]}
     if block.get("cache_control") is not None:

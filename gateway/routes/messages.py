@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Header, Request
 
 from engine.protocol import EngineClient, GenerateRequest, Retention, SamplingParams
 from gateway.anthropic_api import (
+    CountTokensRequest,
     MessagesFormat,
     MessagesRequest,
     chat_body,
@@ -96,6 +97,24 @@ def _breakpoint_tokens(engine: EngineClient, prep: Prepared, body: MessagesReque
     except Exception:  # noqa: BLE001 - a template that cannot render a cut prefix: nothing to retain there
         return 0
     return _common_prefix(ids, full)
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(
+    body: CountTokensRequest, request: Request, ctx: AnthropicTenantDep, tenancy: TenancyDep, router_: RouterDep,
+    engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
+) -> Any:
+    """The prompt's tokens as the local engine counts them (admitted like a request, not run, no ledger row)."""
+    try:
+        parse_breakpoints(body.model_dump())
+    except CacheControlError as exc:
+        raise invalid_request(str(exc), param=exc.param) from None
+    prep = await prepare_door(chat_request(chat_body(body)), request, ctx, tenancy=tenancy, router=router_,
+                              engine=engine, settings=settings, metrics=metrics, live=live)
+    if prep.backend.kind != "local":
+        raise invalid_request(f"model {body.model!r} is not served by the local engine; its tokens cannot be "
+                              "counted here", param="model")
+    return {"input_tokens": len(prep.requests[0].prompt_token_ids or ())}
 
 
 @router.post("/messages")

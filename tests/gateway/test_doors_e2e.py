@@ -257,3 +257,11 @@ def test_rate_limits_in_each_doors_shape(server, tenants):
     with pytest.raises(openai.RateLimitError) as over_oai:  # the same tenant through the Responses door
         oai(server, tenants["limited"]).responses.create(model="tiny", input="x", max_output_tokens=1)
     assert over_oai.value.code == "rate_limit_exceeded"
+
+
+def test_count_tokens_matches_the_prompt_the_engine_runs(server, tenants):
+    client = claude(server, tenants["acme"])
+    system, messages = _cached_system(), [{"role": "user", "content": "How long does a refund take?"}]
+    counted = client.messages.count_tokens(model="tiny", system=system, messages=messages)
+    ran = client.messages.create(model="tiny", max_tokens=1, system=system, messages=messages).usage
+    assert counted.input_tokens == ran.input_tokens + ran.cache_read_input_tokens + ran.cache_creation_input_tokens
