@@ -8,8 +8,9 @@ Explicit cache control (a retention span per prompt) is attached to the prepared
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import Request
@@ -19,7 +20,7 @@ from engine.protocol import GenerateRequest, Retention
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.pipeline import Prepared, prepare
-from gateway.ports import TenancyPort
+from gateway.ports import QuotaExceededError, TenancyPort
 from gateway.routes.completions import record_rejected
 from gateway.routing import Router
 from gateway.schemas import ChatCompletionRequest
@@ -39,6 +40,20 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         ctx = first.get("ctx") or {}
         message = ctx.get("message") if first.get("type") == "body_limit" else first.get("msg")
         raise invalid_request(f"Invalid value at '{param}': {message}.", param=param) from None
+
+
+@contextlib.contextmanager
+def refusals_counted(tenancy: TenancyPort, ctx: Any, model: str, metrics: GatewayMetrics,
+                     live: LiveStats) -> Iterator[None]:
+    """A door's own 400s (translation, cache_control) are refused requests like the pipeline's: they
+    take their place in the rate limit (issue 16.9) and get their ledger row and counts."""
+    try:
+        yield
+    except OpenAIError as err:
+        with contextlib.suppress(QuotaExceededError):  # already over: the refusal stands as it is
+            tenancy.admit(tenancy.scope_for(ctx, None), estimated_tokens=0)
+        record_rejected(tenancy, ctx, model, "chat", err, metrics, live)
+        raise
 
 
 def whole_prompt_for(seconds: float | None) -> RetentionPlan | None:

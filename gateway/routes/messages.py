@@ -34,7 +34,7 @@ from gateway.deps import (
     TenancyDep,
     bearer_key,
 )
-from gateway.door import chat_request, prepare_door, with_retention
+from gateway.door import chat_request, prepare_door, refusals_counted, with_retention
 from gateway.errors import OpenAIError, invalid_request
 from gateway.pipeline import Accounting, Prepared
 from gateway.ports import AuthenticationError
@@ -105,11 +105,13 @@ async def count_tokens(
     engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
 ) -> Any:
     """The prompt's tokens as the local engine counts them (admitted like a request, not run, no ledger row)."""
-    try:
-        parse_breakpoints(body.model_dump())
-    except CacheControlError as exc:
-        raise invalid_request(str(exc), param=exc.param) from None
-    prep = await prepare_door(chat_request(chat_body(body)), request, ctx, tenancy=tenancy, router=router_,
+    with refusals_counted(tenancy, ctx, body.model, metrics, live):
+        try:
+            parse_breakpoints(body.model_dump())
+        except CacheControlError as exc:
+            raise invalid_request(str(exc), param=exc.param) from None
+        chat = chat_request(chat_body(body))
+    prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_,
                               engine=engine, settings=settings, metrics=metrics, live=live)
     if prep.backend.kind != "local":
         raise invalid_request(f"model {body.model!r} is not served by the local engine; its tokens cannot be "
@@ -123,11 +125,12 @@ async def create_message(
     tenancy: TenancyDep, router_: RouterDep, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep,
     live: LiveStatsDep,
 ) -> Any:
-    try:
-        breakpoints = parse_breakpoints(body.model_dump())
-    except CacheControlError as exc:
-        raise invalid_request(str(exc), param=exc.param) from None
-    chat = chat_request(chat_body(body))
+    with refusals_counted(tenancy, ctx, body.model, metrics, live):
+        try:
+            breakpoints = parse_breakpoints(body.model_dump())
+        except CacheControlError as exc:
+            raise invalid_request(str(exc), param=exc.param) from None
+        chat = chat_request(chat_body(body))
     prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_, engine=engine,
                               settings=settings, metrics=metrics, live=live)
     written_upto = long_upto = 0

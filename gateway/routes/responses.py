@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 from fastapi import APIRouter, Request
 
 from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
-from gateway.door import chat_request, prepare_door, whole_prompt_for
+from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request
 from gateway.pipeline import Accounting
 from gateway.responder import respond
@@ -61,12 +61,13 @@ async def create_response(
             raise OpenAIError(400, f"Previous response with id '{body.previous_response_id}' not found.",
                               param="previous_response_id", code="previous_response_not_found")
         history = stored["conversation"]
-    try:
-        retention = retention_seconds(body.prompt_cache_retention)
-    except CacheControlError as exc:
-        raise invalid_request(str(exc), param=exc.param) from None
-    conversation = history + input_messages(body)
-    chat = chat_request(chat_body(body, history, conversation))
+    with refusals_counted(tenancy, ctx, body.model, metrics, live):
+        try:
+            retention = retention_seconds(body.prompt_cache_retention)
+        except CacheControlError as exc:
+            raise invalid_request(str(exc), param=exc.param) from None
+        conversation = history + input_messages(body)
+        chat = chat_request(chat_body(body, history, conversation))
     prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_, engine=engine,
                               settings=settings, metrics=metrics, live=live,
                               retention=whole_prompt_for(retention))

@@ -265,3 +265,25 @@ def test_count_tokens_matches_the_prompt_the_engine_runs(server, tenants):
     counted = client.messages.count_tokens(model="tiny", system=system, messages=messages)
     ran = client.messages.create(model="tiny", max_tokens=1, system=system, messages=messages).usage
     assert counted.input_tokens == ran.input_tokens + ran.cache_read_input_tokens + ran.cache_creation_input_tokens
+
+
+def _error_rows(home, key: str) -> int:
+    with TenancyService.open(home) as svc:
+        tenant_id = svc.authenticate(key).tenant_id
+        return next(svc._db.query("SELECT COUNT(*) AS n FROM usage WHERE tenant_id = ? AND status = 'error'",
+                                  [tenant_id]))["n"]
+
+
+def test_a_doors_own_refusals_get_ledger_rows(server, home, tenants):
+    import time
+
+    before = _error_rows(home, tenants["beta"])
+    with pytest.raises(anthropic.BadRequestError):
+        claude(server, tenants["beta"]).messages.create(model="tiny", max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "hologram"}]}])
+    with pytest.raises(openai.BadRequestError):
+        oai(server, tenants["beta"]).responses.create(model="tiny", input=[{"type": "telepathy"}])
+    deadline = time.monotonic() + 10
+    while _error_rows(home, tenants["beta"]) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _error_rows(home, tenants["beta"]) == before + 2
