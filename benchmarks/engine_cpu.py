@@ -88,7 +88,7 @@ def bench_ttft(base, repeats: int, rng: random.Random) -> dict:
     config = EngineConfig(model_dir=base.config.model_dir, max_num_batched_tokens=PROMPT_LEN)
     cold, warm, cached, cold_cpu, warm_cpu = [], [], [], [], []
     for i in range(repeats):
-        engine = LLMEngine(config, base.runner, num_blocks=base.pool.num_blocks)
+        engine = LLMEngine(config, base.runner, num_blocks=base.cache.num_blocks)
         prefix = random_tokens(rng, CACHED_LEN)
         _, cpu, _, last = run_engine(engine, {f"cold{i}": prefix + random_tokens(rng, SUFFIX_LEN)}, 1)
         cold.append(last[f"cold{i}"].ttft_s)
@@ -111,7 +111,7 @@ def bench_throughput(base, prompts: dict[str, list[int]]) -> dict:
     out = {}
     for label, seqs in (("batch1", 1), ("batch16", N_REQ)):
         config = EngineConfig(model_dir=base.config.model_dir, max_num_seqs=seqs, enable_prefix_caching=False)
-        engine = LLMEngine(config, base.runner, num_blocks=base.pool.num_blocks)
+        engine = LLMEngine(config, base.runner, num_blocks=base.cache.num_blocks)
         wall, cpu, tokens, _ = run_engine(engine, prompts, REQ_NEW)
         n = sum(len(t) for t in tokens.values())
         out[label] = {"wall_s": wall, "cpu_s": cpu, "output_tokens": n, "tokens_per_s": n / wall,

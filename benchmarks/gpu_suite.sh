@@ -3,17 +3,23 @@
 # Triton) and of the GPU engine path (CUDA graphs, side-stream transfers), benchmarks/kernels.py, then
 # benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
 # root on a CUDA machine:
-#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 to skip one)
+#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 to skip one;
+#   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...")
 # Results: benchmarks/results/kernels_h200.json, engine_gpu_h200.json (or $OUT/ when the device tool sets OUT).
 set -uo pipefail
 export PREFIXGATE_KERNELS_GPU=1   # compiled Triton: tests/kernels/conftest.py leaves the interpreter off
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 RES=${OUT:-benchmarks/results}
 mkdir -p "$RES"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 
-"$PY" -m pytest tests/kernels tests/gpu_engine -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
+# tests/engine_model's GPU tests (the runner vs transformers on the tiny and Qwen2 checkpoints) build a
+# tokenizer from tiktoken's files: run them where those are found (litellm installed, or
+# TIKTOKEN_CACHE_DIR pointing at a copy of litellm/litellm_core_utils/tokenizers).
+MODEL_TESTS=""
+if [ -n "${TIKTOKEN_CACHE_DIR:-}" ] || "$PY" -c "import litellm" 2>/dev/null; then MODEL_TESTS="tests/engine_model"; fi
+"$PY" -m pytest tests/kernels tests/gpu_engine $MODEL_TESTS -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
 TEST_RC=${PIPESTATUS[0]}
 
 BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
@@ -26,7 +32,8 @@ fi
 # The engine on the GPU: prints its own table last (see docs/gpu.md for how to read it).
 ENGINE_RC=0
 if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
-  "$PY" benchmarks/engine_gpu.py --out "${ENGINE_JSON:-$RES/engine_gpu_h200.json}" 2>&1 | tee "$RES/engine_gpu.log"
+  "$PY" benchmarks/engine_gpu.py --out "${ENGINE_JSON:-$RES/engine_gpu_h200.json}" --mt-requests "${MT_REQUESTS:-16}" \
+    ${ENGINE_ARGS:-} 2>&1 | tee "$RES/engine_gpu.log"
   ENGINE_RC=${PIPESTATUS[0]}
 fi
 
@@ -44,11 +51,36 @@ for d in r["decode"]:
     s = ",".join(str(v) for v in d["shape"].values())
     print(f"{s:<26}{100*d['bf16_pct_copy']:>6.0f}%{d['vs_sdpa_contig']:>9.2f}{d['vs_gather_sdpa']:>10.2f}"
           f"{d['fp8_speedup_vs_bf16']:>7.2f}")
+for d in r.get("classes", []):
+    s = ",".join(str(v) for v in d["shape"].values())
+    if "error" in d:
+        print(f"{s:<26}ERROR {d['error'][:60]}")
+        continue
+    best = min(x for x in (d["bf16_ms"], d.get("bf16_graph_ms")) if x is not None)
+    fp8 = min(x for x in (d["fp8_ms"], d.get("fp8_graph_ms")) if x is not None)
+    print(f"{s:<26}{100*d['bf16_pct_copy']*d['bf16_ms']/best:>6.0f}%{d['sdpa_contig_ms']/best:>9.2f}"
+          f"{d['gather_sdpa_ms']/best:>10.2f}{best/fp8:>7.2f}   (best of eager/graph)")
+m = r.get("mixed")
+if m:
+    print(f"mixed {m['shape']['lens']} x{m['shape']['batch']}: {100*m['bf16_pct_copy']:.0f}% of copy")
+for f in r.get("fused_ops", []):
+    print(f"fused ops, {f['tokens']} rows: " + ", ".join(f"{k} {v['speedup']:.1f}x" for k, v in f.items()
+                                                        if isinstance(v, dict)))
 p = r.get("prefill") or {"TFLOPs": float("nan"), "pct_matmul": float("nan"), "vs_gather_sdpa": float("nan")}
 print(f"prefill {p['TFLOPs']:.0f} TFLOP/s ({100*p['pct_matmul']:.0f}% of matmul), x{p['vs_gather_sdpa']:.2f} vs gather+SDPA")
+h = r.get("prefill_hit")
+if h:
+    print(f"prefill hit 1x(7680+512): {h['TFLOPs']:.0f} TFLOP/s, x{h['vs_gather_sdpa']:.2f} vs gather+SDPA")
+g = r.get("decode_gemms")
+if g:
+    print("cuBLAS decode GEMMs %copy: " + " ".join(f"{k}:{100*v['pct_copy']:.0f}" for k, v in g.items()))
 PYEOF
 else
   echo "benchmark failed (rc $BENCH_RC): see $RES/kernels_bench.log"
 fi
-echo "engine_gpu.py: rc $ENGINE_RC (table above; JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
+if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
+  # the engine's own table again, last, so that it survives a truncated log tail
+  sed -n '/^figure /,$p' "$RES/engine_gpu.log"
+fi
+echo "engine_gpu.py: rc $ENGINE_RC (JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
 exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 ))

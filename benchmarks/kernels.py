@@ -30,7 +30,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import decode_attention, prefill_attention, triton_ops  # noqa: E402
+from kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
 DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
@@ -39,11 +39,26 @@ DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
     (16, 32, 8, 128, 32768, 16),
     (1, 32, 8, 128, 131072, 16),
 ]
+# Every shape class a Llama-family model produces (issue #19 item 4), timed at the launcher's own
+# choices (no sweep): head dim 64/128, GQA ratio 1/3/4/7/8, batch 1-2 at 64K-128K, block size 32.
+DECODE_CLASSES = [
+    (32, 32, 32, 128, 2048, 16),  # GQA 1 (MHA)
+    (32, 24, 8, 128, 4096, 16),  # GQA 3
+    (32, 28, 4, 128, 4096, 16),  # GQA 7 (Qwen2-7B)
+    (32, 64, 8, 128, 4096, 16),  # GQA 8 (Llama-70B)
+    (64, 32, 8, 64, 4096, 16),  # head dim 64, GQA 4
+    (64, 9, 3, 64, 4096, 16),  # head dim 64, GQA 3 (SmolLM2-135M)
+    (64, 32, 8, 128, 4096, 32),  # block size 32
+    (1, 32, 8, 128, 65536, 16),
+    (2, 32, 8, 128, 65536, 16),
+    (2, 32, 8, 128, 131072, 16),
+]
+MIXED_LENS = (32, 100, 8000)  # batch of 32, lengths uniform in [100, 8000]
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # swept with each DECODE_TILES entry (bf16)
 DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also tried (32, 4, 3): slower
 QUANT_TILES = [(64, 4, 2, True), (128, 4, 2, True), (64, 4, 2, False)]  # 8-bit KV (bn, warps, stages, v_pairs)
 PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2),
+    (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3),
 ]
 
 
@@ -227,6 +242,125 @@ def decode_case(shape, gen, ceil: dict, quick: bool) -> dict:
     return row
 
 
+def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
+    """One batch of very different lengths (MIXED_LENS): the split count is chosen for the longest."""
+    batch, lo, hi = MIXED_LENS
+    lens_l = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(7)).tolist()
+    per_seq = -(-hi // block_size)
+    num_blocks = batch * per_seq
+    kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                     generator=gen)
+    tables = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32).view(batch, per_seq).contiguous()
+    lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
+    k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
+    q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    scale = 1 / math.sqrt(head_dim)
+    out = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    want = ref.paged_decode_attention(q[:4], k_cache, v_cache, tables[:4], lens[:4], scale)
+    kv_bytes = 2 * sum(lens_l) * kv_heads * head_dim * kv.element_size()
+    ms = bench(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+    graph_ms = bench_graph(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+    best = min(x for x in (ms, graph_ms) if x is not None)
+    # diagnostic only (the figure above is the launcher's own choice): what other split counts give
+    # on this batch, where the split count is chosen for the longest sequence
+    split_ms = {s: bench(lambda s=s: decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, None,
+                                                                   None, num_splits=s)) for s in (2, 4, 8, 16, 32)}
+    row_splits = {"chosen": decode_attention.choose_num_splits(
+        batch, kv_heads, per_seq * block_size, torch.cuda.get_device_properties(0).multi_processor_count, 64),
+        "ms_by_splits": split_ms}
+    row = {"splits": row_splits, "shape": {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                     "lens": f"{lo}-{hi}", "block_size": block_size},
+           "total_tokens": sum(lens_l), "rel_err": rel_err(out[:4], want), "bf16_ms": ms, "bf16_graph_ms": graph_ms,
+           "bf16_pct_copy": kv_bytes / (best * 1e-3) / 1e12 / ceil["copy_TBps"]}
+    del kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def fused_ops_case(gen, ceil: dict, tokens: int, hidden=4096, inter=14336, q_heads=32, kv_heads=8,
+                   head_dim=128) -> dict:
+    """The fused layer kernels vs the unfused torch code they replace (kernels.reference), at one row
+    count: time and bandwidth of the bytes the fused kernel must move."""
+    dt = torch.bfloat16
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dt, generator=gen)
+    res = torch.randn(tokens, hidden, device="cuda", dtype=dt, generator=gen)
+    w = torch.randn(hidden, device="cuda", dtype=dt, generator=gen)
+    gu = torch.randn(tokens, 2 * inter, device="cuda", dtype=dt, generator=gen)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, device="cuda", dtype=dt, generator=gen)
+    ang = torch.rand(tokens, head_dim, device="cuda", generator=gen) * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    nb = -(-tokens // 16) + 1
+    kv = torch.randn(nb, 1, 2, 16, kv_heads, head_dim, device="cuda", dtype=dt, generator=gen)
+    kc, vc = kv[:, 0, 0], kv[:, 0, 1]
+    slots = torch.randperm(nb * 16, device="cuda", generator=gen)[:tokens].to(torch.int64)
+    row: dict = {"tokens": tokens}
+    cases = {
+        "add_rms_norm": (lambda m: m.add_rms_norm(x, res, w, 1e-5), 3 * x.numel() * 2 + hidden * 2),
+        "silu_mul": (lambda m: m.silu_mul(gu), gu.numel() * 2 * 3 // 2),
+        "rotary_write_kv": (lambda m: m.rotary_write_kv(qkv, cos, sin, kc, vc, slots, q_heads),
+                            qkv.numel() * 2 + (q_heads + 2 * kv_heads) * head_dim * tokens * 2),
+    }
+    for name, (fn, nbytes) in cases.items():
+        saved = res.clone()  # add_rms_norm updates res in place: both sides of the check start equal
+        got = fn(triton_ops)
+        res.copy_(saved)
+        err = rel_err(got, fn(ref))
+        fused_ms, torch_ms = bench(lambda fn=fn: fn(triton_ops)), bench(lambda fn=fn: fn(ref))
+        row[name] = {"fused_ms": fused_ms, "torch_ms": torch_ms, "speedup": torch_ms / fused_ms, "rel_err": err,
+                     "fused_pct_copy": nbytes / (fused_ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+    return row
+
+
+GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "lm_head": (128256, 4096)}  # Llama-3.1-8B's decode GEMMs (out, in), merged as the engine runs them
+
+
+def decode_gemm_case(gen, ceil: dict) -> dict:
+    """cuBLAS (F.linear, bf16) and kernels.skinny_gemm on the decode step's weight shapes at M = 1..128
+    rows, timed as CUDA-graph replays (as the engine runs them: a small GEMM is shorter than a Triton
+    launch from Python, so eager timings measure the host): the weight bytes each reads over its time,
+    as a share of copy bandwidth. Diagnostic: where a decode step's GPU time above the floor goes."""
+    out: dict = {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        wbytes = w.numel() * 2
+        for m in (1, 8, 32, 128):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ms = bench_graph(lambda x=x, w=w: F.linear(x, w)) or float("nan")
+            row = {"ms": ms, "pct_copy": wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+            cfg = skinny_gemm.choose_config(m, n, k, sms)
+            if cfg is not None:
+                want = F.linear(x.float(), w.float())
+                row["ours_rel_err"] = rel_err(skinny_gemm.skinny_linear(x, w, None, cfg), want)
+                row["ours_ms"] = bench_graph(lambda x=x, w=w, c=cfg: skinny_gemm.skinny_linear(x, w, None, c)) or float("nan")
+                row["ours_pct_copy"] = wbytes / (row["ours_ms"] * 1e-3) / 1e12 / ceil["copy_TBps"]
+                row["ours_config"] = str(cfg)
+                if m in SKINNY_SWEEP_ROWS:
+                    sweep = {}
+                    for bn, bk, nw, ns, auto_split in SKINNY_VARIANTS:
+                        split = skinny_gemm.split_for(n, k, bn, bk, sms) if auto_split else 1
+                        c = skinny_gemm.SkinnyConfig(bn, bk, split, nw, ns)
+                        try:
+                            t = bench_graph(lambda x=x, w=w, c=c: skinny_gemm.skinny_linear(x, w, None, c))
+                            sweep[f"n{bn}_k{bk}_w{nw}_s{ns}_split{split}"] = round(
+                                wbytes / (t * 1e-3) / 1e12 / ceil["copy_TBps"], 3)
+                        except Exception as e:  # noqa: BLE001  (a tile that does not fit: recorded)
+                            sweep[f"n{bn}_k{bk}_w{nw}_s{ns}_split{split}"] = f"{type(e).__name__}"
+                    row["ours_sweep_pct_copy"] = sweep
+            out[f"{name}_m{m}"] = row
+        del w
+    return out
+
+
+SKINNY_SWEEP_ROWS = (1, 32)
+SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatically)
+    (64, 256, 4, 4, True), (32, 256, 4, 4, True), (128, 256, 4, 4, True), (64, 128, 4, 4, True),
+    (64, 256, 4, 3, True), (64, 256, 8, 4, True), (64, 256, 4, 4, False), (32, 128, 4, 6, True),
+    (128, 128, 8, 4, True), (16, 512, 4, 4, True),
+]
+
+
 def prefill_case(gen, ceil: dict, quick: bool, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
                  head_dim=128, block_size=16) -> dict:
     context = cached + new
@@ -298,6 +432,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="skip the tile-size variants")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into DECODE_SHAPES (default: all)")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
+    ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -316,11 +452,28 @@ def main() -> int:
         "decode": [],
     }
     picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",")]
+    if args.gemm_only:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["decode_gemms"] = decode_gemm_case(gen, ceil)
     for shape in picked:
         result["decode"].append(decode_case(shape, gen, ceil, args.quick))
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
+    if not args.skip_classes:
+        result["classes"] = []
+        for shape in DECODE_CLASSES:
+            try:
+                result["classes"].append(decode_case(shape, gen, ceil, quick=True))
+            except Exception as e:  # noqa: BLE001  (one shape failing must not lose the others)
+                result["classes"].append({"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context",
+                                                             "block_size"], shape)), "error": f"{type(e).__name__}: {e}"})
+            print(f"class {shape} done ({time.time() - t0:.0f}s)", flush=True)
+        result["mixed"] = mixed_case(gen, ceil)
+        result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
+        result["decode_gemms"] = decode_gemm_case(gen, ceil)
     if not args.skip_prefill:
         result["prefill"] = prefill_case(gen, ceil, args.quick)
+        # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
+        result["prefill_hit"] = prefill_case(gen, ceil, args.quick, batch=1, cached=7680, new=512)
     result["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -346,9 +499,42 @@ def print_table(r: dict) -> None:
     print("CUDA-graph replay (ms): " + "  ".join(
         f"{d['shape']['batch']}x{d['shape']['context']}: bf16 {_ms(d.get('bf16_graph_ms'))} fp8 {_ms(d.get('fp8_graph_ms'))}"
         f" int8 {_ms(d.get('int8_graph_ms'))}" for d in r["decode"]))
+    if r.get("classes"):
+        print(f"{'shape class B,Hq,Hkv,D,ctx,BS':<30}{'splits':>7}{'eager ms':>9}{'graph ms':>9}{'%copy':>7}"
+              f"{'vs sdpa':>8}{'fp8 x':>7}")
+        for d in r["classes"]:
+            s = ",".join(str(v) for v in d["shape"].values())
+            if "error" in d:
+                print(f"{s:<30}  ERROR {d['error'][:80]}")
+                continue
+            best = min(x for x in (d["bf16_ms"], d.get("bf16_graph_ms")) if x is not None)
+            fp8_best = min(x for x in (d["fp8_ms"], d.get("fp8_graph_ms")) if x is not None)
+            print(f"{s:<30}{d['num_splits']:>7}{d['bf16_ms']:>9.3f}{_ms(d.get('bf16_graph_ms')):>9}"
+                  f"{100 * d['bf16_pct_copy'] * d['bf16_ms'] / best:>6.0f}%{d['sdpa_contig_ms'] / best:>8.2f}"
+                  f"{best / fp8_best:>7.2f}")
+    m = r.get("mixed")
+    if m:
+        print(f"mixed lengths {m['shape']['lens']} x {m['shape']['batch']}: {m['bf16_ms']:.3f} ms eager, "
+              f"{_ms(m.get('bf16_graph_ms'))} graph, {100 * m['bf16_pct_copy']:.0f}% of copy, err {m['rel_err']:.1e}")
+    for f in r.get("fused_ops", []):
+        print(f"fused ops at {f['tokens']} rows: " + "  ".join(
+            f"{k} {v['fused_ms']:.3f} ms ({v['speedup']:.1f}x torch, {100 * v['fused_pct_copy']:.0f}% copy, "
+            f"err {v['rel_err']:.0e})" for k, v in f.items() if isinstance(v, dict)))
+    g = r.get("decode_gemms")
+    if g:
+        print("decode GEMMs, % of copy, cuBLAS / ours: " + "  ".join(
+            f"{k} {100 * v['pct_copy']:.0f}/{100 * v.get('ours_pct_copy', float('nan')):.0f}" for k, v in g.items()))
+        for k, v in g.items():
+            if "ours_sweep_pct_copy" in v:
+                print(f"  {k} sweep: " + " ".join(f"{a}:{b}" for a, b in v["ours_sweep_pct_copy"].items()))
     p = r.get("prefill")
     if p is None:
         return
+    h = r.get("prefill_hit")
+    if h:
+        v = h.get("variants", {})
+        print(f"prefill 1x(7680 cached + 512 new): ours {h['ms']:.3f} ms = {h['TFLOPs']:.0f} TFLOP/s, gather+SDPA "
+              f"{h['gather_sdpa_ms']:.3f} ms; tiles " + ", ".join(f"{k} {x['ms']:.3f}" for k, x in v.items() if "ms" in x))
     print(f"prefill 4x(8192 cached + 512 new): ours {p['ms']:.3f} ms = {p['TFLOPs']:.0f} TFLOP/s "
           f"({100 * p['pct_matmul']:.0f}% of matmul), gather+SDPA {p['gather_sdpa_ms']:.3f} ms "
           f"[{p.get('gather_sdpa_form')}], x{p['vs_gather_sdpa']:.2f}, err {p['rel_err']:.1e}")

@@ -93,9 +93,9 @@ def ttft(engine, rid: str, tenant, prompt: list[int]) -> tuple[float, int]:
 
 def spill_hbm(engine, cold_disk: bool) -> None:
     """Evict every cached block from HBM into the tier and wait until it is stored."""
-    hook = engine.pool.tier_hook
-    engine.pool.evict_all_cached()
-    hook.flush_evictions()
+    hook = engine.lower_tier
+    engine.cache.evict_all_cached()
+    hook.flush_spills()
     hook.manager.drain()
     if cold_disk and hook.manager.nvme is not None:
         drop_page_cache_of(hook.manager.nvme.root)
@@ -204,7 +204,7 @@ def main() -> int:
                         r.setdefault("cold", []).append(cold)
                         r.setdefault("hbm", []).append(hbm)
                     r.setdefault(f"{tier}_{cname}", []).append(restored)
-        engine.pool.tier_hook.close()
+        engine.lower_tier.close()
 
     cols = ["cold", "hbm", "dram_aes", "dram_null", "nvme_aes", "nvme_null"]
     print(f"TTFT, median of {args.trials} trials, ms (tiny model, CPU, fp32 KV {kv_block // 1024} KiB/block)")

@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.protocol import (
@@ -39,6 +39,7 @@ from engine.protocol import (
 from engine.request import Request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineShutDownError(EngineError):
@@ -51,10 +52,12 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        engine.warm_up()  # serving starts with the grammar/logprob vocabulary built (engine.guided)
         self._lock = threading.Lock()  # guards the three fields below
         self._adds: list[Request] = []
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._calls: list[tuple[Callable[[LLMEngine], Any], Future[Any]]] = []  # run between steps
         self._wake = threading.Event()
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
@@ -69,9 +72,11 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
-        # Tokenizing text can take seconds: in the tokenizer thread, so the event loop keeps serving
-        # (issue 16.2). Token ids only need a bounds check, which is cheaper than the thread hop.
-        if request.prompt_token_ids is None:
+        # Tokenizing text can take seconds, and compiling a grammar (or the first token-bytes table)
+        # a while: both in the tokenizer thread, so the event loop keeps serving (issue 16.2). Token
+        # ids alone only need a bounds check, which is cheaper than the thread hop.
+        if (request.prompt_token_ids is None or request.sampling.guided is not None
+                or request.sampling.logprobs is not None):
             loop = asyncio.get_running_loop()
             req = await loop.run_in_executor(self._tokenizer, self.engine.prepare, request)
         else:
@@ -126,6 +131,18 @@ class AsyncEngine:
         bs = self.engine.block_size
         return {tier: n * bs for tier, n in self.engine.cached_blocks(tenant.namespace).items()}
 
+    def call_in_engine_thread(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the engine thread between two steps (KV imports and exports of the
+        prefill/decode split: the only thread that may touch the cache manager and the runner)."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._stopping:
+                future.set_exception(EngineShutDownError("the engine is shutting down"))
+                return future
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running end with finish_reason "abort"."""
         self._stopping = True
@@ -150,6 +167,13 @@ class AsyncEngine:
             with self._lock:
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(engine))
+                    except Exception as exc:  # noqa: BLE001 - the caller gets it; the loop keeps serving
+                        future.set_exception(exc)
             for req in adds:
                 try:
                     engine.add_request(req)

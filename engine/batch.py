@@ -82,7 +82,11 @@ class ScheduledBatch:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What the runner returns for one batch: a token per chunk (None where sample=False)."""
+    """What the runner returns for one batch: a token per chunk (None where sample=False).
+
+    ``logprobs``: the sampled token's raw log-probability per chunk; ``top_logprobs``: per chunk,
+    (token id, logprob) of the most likely tokens when its request asked for them, else None."""
 
     sampled_token_ids: Sequence[int | None]
     logprobs: Sequence[float | None] = ()
+    top_logprobs: Sequence[tuple[tuple[int, float], ...] | None] = ()

@@ -13,8 +13,7 @@ Block life cycle::
 
 - ``allocate`` takes never-indexed free blocks first (nothing is lost), then asks the eviction
   policy for a victim: a free, indexed *leaf* (tails go before their parents, so the index stays
-  prefix-closed). Before a victim is reused the optional ``KVTierHook`` sees it, so a lower tier
-  can keep a copy.
+  prefix-closed). Before a victim is reused ``on_evict`` sees it, so a lower tier can keep a copy.
 - Blocks are shared only through the index, so a shared block is always indexed, and every block
   in use belongs to one namespace: that is what the per-tenant quota counts.
 - ``register`` indexes a block that just filled. If its hash is already resident in another block
@@ -29,45 +28,19 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from contextlib import nullcontext
 
 from engine.config import EvictionPolicyName
 from engine.eviction import Block, EvictionPolicy, FreeBlockQueue, make_policy
-from engine.prefix_index import BlockHash, PrefixIndex
+from engine.kv_types import BlockHash, CacheObserver, CachePhase, EvictedBlock
+from engine.prefix_index import PrefixIndex
 
 
 class IntegrityError(AssertionError):
     """``BlockPool.check_integrity`` found the pool's bookkeeping inconsistent."""
 
 
-@dataclass(frozen=True)
-class EvictedBlock:
-    """What a tier manager needs of a block leaving HBM (its bytes are still in ``block_id``)."""
-
-    block_hash: BlockHash
-    namespace: bytes
-    depth: int  # chain position: the block holds tokens depth*bs .. (depth+1)*bs-1
-    block_id: int
-
-
-@runtime_checkable
-class KVTierHook(Protocol):
-    """The seam to lower KV tiers (DRAM, NVMe); ``engine/tiers/`` implements it.
-
-    Contract:
-        - ``on_evict`` is called synchronously before ``block_id`` is handed out again, so the
-          hook may read the block's bytes (e.g. ``runner.export_blocks([block_id])``), encrypt
-          and store them under ``(namespace, block_hash)``. It must not call back into the pool.
-        - ``lookup`` tells how many of ``block_hashes`` (a chain's hashes that follow the last
-          HBM hit, in order) a lower tier holds, counting from the first. A prefix match that stops
-          in HBM continues there; the engine then allocates blocks and restores them
-          (``runner.import_blocks``) before scheduling the rest of the prompt.
-    """
-
-    def on_evict(self, block: EvictedBlock) -> None: ...
-
-    def lookup(self, namespace: bytes, block_hashes: Sequence[BlockHash]) -> int: ...
+_UNOBSERVED = nullcontext()
 
 
 class BlockPool:
@@ -78,7 +51,11 @@ class BlockPool:
         block_size: tokens per block.
         eviction_policy: "cost" (default) or "lru", or an ``EvictionPolicy`` object.
         enable_caching: False = ``register`` indexes nothing, so nothing is ever hit.
-        tier_hook: told of every eviction before the block is reused.
+        on_evict: told of every eviction before the block is reused (its bytes are still there).
+        observer: times each eviction (``CachePhase.EVICT``).
+
+    The pool is private to ``engine.kv_cache_manager.KVCacheManager``; only it and the pool's own
+    tests call it.
     """
 
     def __init__(
@@ -87,7 +64,8 @@ class BlockPool:
         block_size: int,
         eviction_policy: EvictionPolicyName | EvictionPolicy = "cost",
         enable_caching: bool = True,
-        tier_hook: KVTierHook | None = None,
+        on_evict: Callable[[EvictedBlock], None] | None = None,
+        observer: CacheObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks < 1:
@@ -95,7 +73,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.tier_hook = tier_hook
+        self._on_evict = on_evict
+        self._observer = observer
         self.clock = clock
         self.policy: EvictionPolicy = (
             make_policy(eviction_policy, block_size, clock) if isinstance(eviction_policy, str) else eviction_policy
@@ -125,6 +104,9 @@ class BlockPool:
     @property
     def num_evictable(self) -> int:
         return len(self.policy)
+
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_cnt
 
     def used_by(self, namespace: bytes) -> int:
         """Blocks in use (refcount > 0) by requests of ``namespace``: what its quota counts."""
@@ -158,17 +140,16 @@ class BlockPool:
         return out
 
     def _evict_one(self) -> Block:
-        victim = self.policy.pop_victim()
-        if victim is None:  # num_free counted it, so a leaf must exist (the index is prefix-closed)
-            raise IntegrityError("eviction policy found no evictable leaf although blocks were free")
-        assert victim.block_hash is not None and victim.namespace is not None
-        if self.tier_hook is not None:
-            self.tier_hook.on_evict(
-                EvictedBlock(BlockHash(victim.block_hash), victim.namespace, victim.depth, victim.block_id)
-            )
-        self._unindex(victim)
-        self.num_evictions += 1
-        return victim
+        with self._observer.phase(CachePhase.EVICT) if self._observer is not None else _UNOBSERVED:
+            victim = self.policy.pop_victim()
+            if victim is None:  # num_free counted it, so a leaf must exist (the index is prefix-closed)
+                raise IntegrityError("eviction policy found no evictable leaf although blocks were free")
+            assert victim.block_hash is not None and victim.namespace is not None
+            if self._on_evict is not None:
+                self._on_evict(EvictedBlock(BlockHash(victim.block_hash), victim.namespace, victim.depth, victim.block_id))
+            self._unindex(victim)
+            self.num_evictions += 1
+            return victim
 
     def _unindex(self, block: Block) -> None:
         assert block.block_hash is not None and block.namespace is not None

@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Literal
 
 KVDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8", "int8"]
+ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
+# Short names users type (vLLM's --kv-cache-dtype / --dtype spellings) -> the canonical ones.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                 "fp8_e4m3": "fp8"}
+KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
+COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 EvictionPolicyName = Literal["cost", "lru"]
 
 
@@ -30,11 +36,13 @@ class EngineConfig:
     eviction_policy: "cost" (reuse frequency x recompute cost) or "lru".
     max_waiting: most queued requests before generate() raises EngineOverloadedError.
     seed: seeds the model's random weights where a test builds one, and default sampling.
+    num_threads: torch intra-op threads for CPU compute (process-wide); None = torch's default.
+    dtype / kv_dtype also accept the short names bf16, fp16, fp32 (normalized here).
     """
 
     model_dir: Path
     device: str = "cpu"
-    dtype: str = "auto"
+    dtype: ComputeDtype = "auto"
     kv_dtype: KVDtype = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -51,9 +59,18 @@ class EngineConfig:
     nvme_dir: Path | None = None
     nvme_bytes: int = 0
     model_id: str | None = None
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        object.__setattr__(self, "kv_dtype", DTYPE_ALIASES.get(self.kv_dtype, self.kv_dtype))
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {'/'.join(COMPUTE_DTYPES)} (or bf16/fp16/fp32), got {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {'/'.join(KV_DTYPES)} (or bf16/fp16/fp32), got {self.kv_dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.nvme_dir is not None:
             object.__setattr__(self, "nvme_dir", Path(self.nvme_dir))
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -96,9 +96,16 @@ class DecodeGraphs:
         self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
         self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)  # one new token per sequence
         self._copied: torch.cuda.Event | None = None
+        # What each host block-table row holds: (request id, blocks written, its last block id), or None.
+        # A decode step usually changes no row (a sequence gains a block every block_size steps), so
+        # fill rewrites only rows whose owner or length changed: converting the whole [B, blocks] table
+        # from Python lists cost more host time than anything else in the fill (~25 us per sequence).
+        self._row_owner: list[tuple[str, int, int] | None] = [None] * n
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.num_runs = 0  # decode steps served (tests and benchmarks check the graph path was taken)
+        # device-side bracket of the last replay: how long the GPU itself ran the step (benchmarks)
+        self._replay_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._reset_padding(n)
 
     # ----------------------------------------------------------------------------- capture
@@ -141,16 +148,20 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     # --------------------------------------------------------------------------------- run
-    def _reset_padding(self, n: int) -> None:
+    def _reset_padding_rows(self, lo: int, hi: int) -> None:
         h = self._host
-        h["input_ids"][:n] = 0
-        h["positions"][:n] = 0
-        h["slot_mapping"][:n] = PADDING_SLOT
+        h["input_ids"][lo:hi] = 0
+        h["positions"][lo:hi] = 0
+        h["slot_mapping"][lo:hi] = PADDING_SLOT
+        h["block_tables"][lo:hi, 0] = 0
+        h["seq_lens"][lo:hi] = 1
+        self._row_owner[lo:hi] = [None] * (hi - lo)
+
+    def _reset_padding(self, n: int) -> None:
         # Only column 0 is read for a padded row (seq_len 1). Entries past a sequence's last block
         # are never read (kernels mask by seq_len), so stale ids there are harmless: the table is
         # not cleared per step (clearing and rebuilding [N, W] cost ~1 ms of host time per step).
-        h["block_tables"][:n, 0] = 0
-        h["seq_lens"][:n] = 1
+        self._reset_padding_rows(0, n)
 
     def _dev_copy(self, n: int) -> None:
         for k, v in self._host.items():
@@ -170,12 +181,15 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's H2D copy must be done before the host rewrite
         bs, h, w = self.block_size, self._host, self.max_blocks_per_seq
-        self._reset_padding(size)
+        # Padded rows only (rows past the batch); rows below b are rewritten below or kept.
+        if size > b:
+            self._reset_padding_rows(b, size)
         # Build Python lists and write each buffer once: one tensor op per buffer instead of ~5 per
         # row (each costs microseconds of host time, and the GPU waits for the host here).
-        ids, pos, slots, lens, table_rows = [], [], [], [], []
-        widest = max(c.start_pos // bs + 1 for c in chunks)
-        for c in chunks:
+        ids, pos, slots, lens = [], [], [], []
+        table = h["block_tables"]
+        owner = self._row_owner
+        for i, c in enumerate(chunks):
             if c.num_tokens != 1:
                 raise ValueError(f"{c.request_id}: a decode chunk has one token, got {c.num_tokens}")
             p = c.start_pos
@@ -186,14 +200,35 @@ class DecodeGraphs:
             pos.append(p)
             slots.append(c.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
-            table_rows.append(list(c.block_table[:n_blocks]) + [0] * (widest - n_blocks))
+            self._write_row(table, owner, i, c.request_id, c.block_table, n_blocks)
         h["input_ids"][:b] = torch.tensor(ids, dtype=torch.int64)
         h["positions"][:b] = torch.tensor(pos, dtype=torch.int64)
         h["slot_mapping"][:b] = torch.tensor(slots, dtype=torch.int64)
         h["seq_lens"][:b] = torch.tensor(lens, dtype=torch.int32)
-        h["block_tables"][:b, :widest] = torch.tensor(table_rows, dtype=torch.int32)
         self._dev_copy(size)
         return size
+
+    @staticmethod
+    def _write_row(table: torch.Tensor, owner: list, i: int, request_id: str, blocks: Sequence[int],
+                   n_blocks: int) -> None:
+        """Bring host row ``i`` to ``blocks[:n_blocks]``, writing only what changed.
+
+        Relies on a running sequence's blocks before its last one never changing (full blocks are
+        immutable; copy-on-write only replaces the block being written): a row of the same sequence
+        that has grown gets its new columns; a row whose last block changed, or that another
+        sequence held, is rewritten whole."""
+        last = blocks[n_blocks - 1]
+        held = owner[i]
+        if held is not None and held[0] == request_id:
+            _, have, held_last = held
+            if have == n_blocks and held_last == last:
+                return
+            if have < n_blocks and blocks[have - 1] == held_last:
+                table[i, have:n_blocks] = torch.tensor(list(blocks[have:n_blocks]), dtype=torch.int32)
+                owner[i] = (request_id, n_blocks, last)
+                return
+        table[i, :n_blocks] = torch.tensor(list(blocks[:n_blocks]), dtype=torch.int32)
+        owner[i] = (request_id, n_blocks, last)
 
     @torch.inference_mode()
     def run(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
@@ -201,8 +236,23 @@ class DecodeGraphs:
         size = self.fill(chunks)
         self.num_runs += 1
         if self.captured:
+            if self._replay_events is None:
+                self._replay_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            start, end = self._replay_events
+            start.record()
             self._graphs[size].replay()
+            end.record()
             logits = self._logits[size]
         else:
             logits = self._forward(size)
         return logits[: len(chunks)]
+
+    def last_replay_ms(self) -> float | None:
+        """GPU time of the last graph replay (waits for it), or None before any (or on CPU).
+
+        Step wall time minus this is the time the GPU sat idle waiting for the host (fill, sampling)."""
+        if self._replay_events is None:
+            return None
+        start, end = self._replay_events
+        end.synchronize()
+        return float(start.elapsed_time(end))

@@ -14,7 +14,6 @@ Thread-safety: none. ``AsyncEngine`` drives one ``LLMEngine`` from a single thre
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter
@@ -22,15 +21,18 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from engine.batch import ScheduledBatch, StepResult
-from engine.block_pool import BlockPool, KVTierHook
 from engine.config import EngineConfig
-from engine.metrics import CACHE_PHASES, EngineMetrics
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_types import CachePhase, LowerTier
+from engine.metrics import CacheTimer, EngineMetrics
 from engine.protocol import (
     FinishReason,
     GenerateRequest,
+    GuidedSpec,
     InvalidRequestError,
     PromptTooLongError,
     RequestOutput,
+    TokenLogprob,
 )
 from engine.request import DetokenizerState, Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -55,6 +57,18 @@ class Runner(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def check_grammar(self, spec: GuidedSpec) -> None:
+        """Raise ValueError unless ``spec`` compiles within the runner's bounds."""
+        ...
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Each token's exact bytes (for logprobs)."""
+        ...
+
+
+# One chunk's sampled token as the runner reported it: (raw logprob, top alternatives or None).
+_TokenInfo = tuple[float | None, tuple[tuple[int, float], ...] | None]
+
 
 class LLMEngine:
     def __init__(
@@ -62,7 +76,7 @@ class LLMEngine:
         config: EngineConfig,
         runner: Runner,
         metrics: EngineMetrics | None = None,
-        tier_hook: KVTierHook | None = None,
+        lower_tier: LowerTier | None = None,
         clock: Callable[[], float] = time.monotonic,
         num_blocks: int | None = None,
     ) -> None:
@@ -77,17 +91,26 @@ class LLMEngine:
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.kv_bytes_per_token.set(runner.kv_bytes_per_block / runner.block_size)
         self.metrics.kv_block_size.set(runner.block_size)
-        self.pool = BlockPool(
+        # Cost side of the cache's break-even: seconds per CachePhase (with a lower tier an eviction
+        # also writes the block down, possibly to disk: wall time) and the prefill throughput the
+        # hits are worth.
+        wall = {CachePhase.TIER} | ({CachePhase.EVICT} if lower_tier is not None else set())
+        self.cache_timer = CacheTimer(frozenset(wall))
+        self.lower_tier = lower_tier
+        self.cache = KVCacheManager(
             num_blocks or runner.num_kv_blocks,
             runner.block_size,
             eviction_policy=config.eviction_policy,
             enable_caching=config.enable_prefix_caching,
-            tier_hook=tier_hook,
+            lower=lower_tier,
+            observer=self.cache_timer,
             clock=clock,
         )
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, clock)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, clock)
         spec_len = int(runner.spec.max_model_len)
-        self.max_model_len = min(config.max_model_len or spec_len, spec_len)
+        # Advertise (and admit) only what the KV pool can hold: one sequence may fill every block.
+        pool_len = self.cache.num_blocks * runner.block_size
+        self.max_model_len = min(config.max_model_len or spec_len, spec_len, pool_len)
         self.eos_token_ids = tuple(runner.spec.eos_token_ids or ())
         self.vocab_size = int(runner.spec.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -95,75 +118,16 @@ class LLMEngine:
         self._queried: Counter[str] = Counter()  # prompt tokens looked up, per metrics label
         self._hit: Counter[str] = Counter()  # of which served from cache
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
-        # Cost side of the cache's break-even: seconds per phase (CACHE_PHASES) and the prefill
-        # throughput the hits are worth. prepare() hashes on the caller's thread, hence the lock.
-        self._timing_lock = threading.Lock()
-        self.cache_time_s: dict[str, float] = dict.fromkeys(CACHE_PHASES, 0.0)
-        self._cache_time_published: dict[str, float] = dict.fromkeys(CACHE_PHASES, 0.0)  # + totals below
+        self._published: dict[str, float] = {}  # totals already added to the Prometheus counters
         self.prefill_tokens = 0
         self.prefill_time_s = 0.0
         self.decode_tokens = 0
         self.execute_time_s = 0.0
-        self._instrument_cache()
 
-    # ------------------------------------------------------------------ cache timing
-
-    def _add_cache_time(self, phase: str, seconds: float) -> None:
-        with self._timing_lock:
-            self.cache_time_s[phase] += seconds
-
-    def _timed(
-        self,
-        phase: str,
-        fn: Callable[..., Any],
-        clock: Callable[[], float] = time.thread_time,
-        exclusive_of: tuple[str, ...] = (),
-    ) -> Callable[..., Any]:
-        """``fn`` timed into ``phase``. Pure-CPU phases use the calling thread's CPU time: wall time
-        would also count GIL waits and descheduling, which belong to other work (seen: 5-30 ms
-        outliers on a loaded 2-core machine). Phases that wait on I/O pass a wall clock.
-
-        ``exclusive_of``: phases timed inside ``fn`` whose time is taken out of ``phase``, so that
-        the phases stay disjoint and their sum (the break-even's cost) counts each second once."""
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            inner0 = self._phase_sum(exclusive_of)
-            t0 = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                elapsed = clock() - t0
-                inner = self._phase_sum(exclusive_of) - inner0
-                self._add_cache_time(phase, max(0.0, elapsed - inner))
-
-        return timed
-
-    def _phase_sum(self, phases: tuple[str, ...]) -> float:
-        if not phases:
-            return 0.0
-        with self._timing_lock:
-            return sum(self.cache_time_s[p] for p in phases)
-
-    def _instrument_cache(self) -> None:
-        """Time this engine's own pool, index and tier hook by wrapping their bound methods.
-
-        Why wrap instead of timing inside them: the pool, index and scheduler stay timer-free
-        torch-free units (their tests count exact blocks, not seconds), and only an engine that
-        reports a break-even pays the clock calls. Eviction includes the tier hook's
-        ``on_evict`` (spill); ``tier`` is the hook's per-step work (restores, demotions) less the
-        lookups, evictions and registrations it makes through the pool, which count as theirs."""
-        self.pool.index.match_hashes = self._timed("match", self.pool.index.match_hashes)  # type: ignore[method-assign]
-        hook = self.pool.tier_hook
-        # with a tier hook an eviction also writes the block down (possibly to disk): wall time
-        evict_clock = time.thread_time if hook is None else time.perf_counter
-        self.pool._evict_one = self._timed("evict", self.pool._evict_one, evict_clock)  # type: ignore[method-assign]
-        self.pool.register = self._timed("register", self.pool.register)  # type: ignore[method-assign]
-        if hook is not None and callable(getattr(hook, "before_schedule", None)):
-            # a hook with __slots__ refuses the attribute: its work then goes untimed
-            with contextlib.suppress(AttributeError):
-                hook.before_schedule = self._timed(  # type: ignore[attr-defined]
-                    "tier", hook.before_schedule, time.perf_counter, exclusive_of=("match", "evict", "register")
-                )
+    @property
+    def cache_time_s(self) -> dict[CachePhase, float]:
+        """Seconds of cache management per phase so far."""
+        return self.cache_timer.seconds()
 
     # ------------------------------------------------------------------ intake
 
@@ -187,6 +151,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_sampling(request)
         max_tokens = request.sampling.max_tokens
         total = len(ids) + max_tokens
         if total > self.max_model_len:
@@ -196,10 +161,10 @@ class LLMEngine:
                 "Please reduce the prompt or max_tokens."
             )
         blocks = -(-total // self.block_size)
-        if blocks > self.pool.num_blocks:
+        if blocks > self.cache.num_blocks:
             raise PromptTooLongError(
                 f"The request needs {blocks} KV blocks ({total} tokens) but the KV cache holds "
-                f"{self.pool.num_blocks}. Please reduce the prompt or max_tokens."
+                f"{self.cache.num_blocks}. Please reduce the prompt or max_tokens."
             )
         quota = request.tenant.kv_block_quota
         if quota is not None and blocks > quota:
@@ -207,7 +172,7 @@ class LLMEngine:
                 f"The request needs {blocks} KV blocks ({total} tokens) but this tenant's KV quota "
                 f"is {quota} blocks. Please reduce the prompt or max_tokens."
             )
-        t0 = time.thread_time()  # CPU time: see _timed
+        t0 = time.thread_time()  # CPU time: see CacheTimer
         req = Request(  # the constructor hashes every full prompt block
             request_id=request.request_id,
             tenant=request.tenant,
@@ -218,10 +183,26 @@ class LLMEngine:
             arrival_time=self.clock(),
             retention=tuple(request.retention),
         )
-        self._add_cache_time("hash", time.thread_time() - t0)
+        self.cache_timer.add(CachePhase.HASH, time.thread_time() - t0)
         ctx = ids[-_DETOK_CONTEXT:]
         req.detok = DetokenizerState(tokens=list(ctx), prefix_offset=0, read_offset=len(ctx))
         return req
+
+    def _check_sampling(self, request: GenerateRequest) -> None:
+        """Token ids in logit_bias must exist; a grammar must compile within its bounds."""
+        sp = request.sampling
+        bad = [t for t, _ in sp.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if sp.guided is not None:
+            try:
+                self.runner.check_grammar(sp.guided)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        if sp.logprobs is not None:
+            # the token-bytes table is built on first use (~1 s for a 100k vocabulary): here, on
+            # the admitting thread, rather than in the middle of a step
+            self.runner.token_bytes(())
 
     def add_request(self, request: GenerateRequest | Request) -> Request:
         req = request if isinstance(request, Request) else self.prepare(request)
@@ -254,15 +235,18 @@ class LLMEngine:
         self._publish_state()  # the failed step never reached its own publish; the engine may now idle
         return outputs
 
+    def warm_up(self) -> None:
+        """Build what the first logprobs or guided request would otherwise build mid-flight: the
+        runner's token-bytes table (llguidance's vocabulary, 1-2.5 s with the GIL held for a 100k
+        vocabulary: before serving, not under the first request). ``AsyncEngine`` calls it."""
+        self.runner.token_bytes(())
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        before_schedule = getattr(self.pool.tier_hook, "before_schedule", None)
-        if before_schedule is not None:  # engine.tiers: hand evicted blocks down, restored ones in
-            before_schedule(self.scheduler)
         step = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not step.is_empty:
@@ -275,7 +259,7 @@ class LLMEngine:
                     self._hit[label] += req.num_cached_tokens or 0
                     self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
             t0 = time.perf_counter()
-            results = self._execute(step)
+            results, infos = self._execute(step)
             self._account_execute(step, time.perf_counter() - t0)
             failed: list[Request] = []
             for req, result in zip(step.requests, results):
@@ -286,12 +270,12 @@ class LLMEngine:
                     failed.append(req)
             self.scheduler.commit(step)
             now = self.clock()
-            for req, chunk, result in zip(step.requests, step.batch.chunks, results):
+            for req, chunk, result, info in zip(step.requests, step.batch.chunks, results, infos):
                 if req.is_finished and req not in failed:
                     continue
                 if chunk.sample and not req.is_finished:
                     try:
-                        self._append_token(req, result, now)  # type: ignore[arg-type]
+                        self._append_token(req, result, now, info)  # type: ignore[arg-type]
                     except Exception as exc:  # a bad token or detokenizer failure fails only this request
                         req.error = f"{type(exc).__name__}: {exc}"
                         self._finish(req, "error")
@@ -303,24 +287,30 @@ class LLMEngine:
         self._publish_state()
         return outputs
 
-    def _execute(self, step: SchedulerOutput) -> list[int | None | BaseException]:
-        """Run the batch; if it raises, run each chunk alone so only the failing requests fail."""
+    def _execute(self, step: SchedulerOutput) -> tuple[list[int | None | BaseException], list[_TokenInfo | None]]:
+        """Run the batch; if it raises, run each chunk alone so only the failing requests fail.
+
+        -> (token or exception per chunk, the token's logprob info per chunk)."""
         try:
             result = self.runner.execute(step.batch)
             tokens = list(result.sampled_token_ids)
             if len(tokens) != len(step.batch.chunks):
                 raise RuntimeError(f"runner returned {len(tokens)} tokens for {len(step.batch.chunks)} chunks")
-            return tokens
+            return tokens, _token_infos(result, len(tokens))
         except Exception as batch_exc:
             if len(step.batch.chunks) == 1:
-                return [batch_exc]
+                return [batch_exc], [None]
         out: list[int | None | BaseException] = []
+        infos: list[_TokenInfo | None] = []
         for chunk in step.batch.chunks:
             try:
-                out.append(self.runner.execute(ScheduledBatch((chunk,), step.batch.block_copies)).sampled_token_ids[0])
+                single = self.runner.execute(ScheduledBatch((chunk,), step.batch.block_copies))
+                out.append(single.sampled_token_ids[0])
+                infos.append(_token_infos(single, 1)[0])
             except Exception as exc:
                 out.append(exc)
-        return out
+                infos.append(None)
+        return out, infos
 
     def _account_execute(self, step: SchedulerOutput, seconds: float) -> None:
         """Split one step's runner time between prefill and decode by token share (a decode chunk
@@ -340,7 +330,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tokens, text, stopping
 
-    def _append_token(self, req: Request, token: int | None, now: float) -> None:
+    def _append_token(self, req: Request, token: int | None, now: float, info: _TokenInfo | None = None) -> None:
         if token is None:
             raise RuntimeError("runner sampled no token for a chunk with sample=True")
         token = int(token)
@@ -348,12 +338,14 @@ class LLMEngine:
             raise RuntimeError(f"runner sampled token {token} outside the vocabulary")
         t0 = time.thread_time()
         req.append_output_token(token, now)  # hashes the block this token filled, if any
-        self._add_cache_time("hash", time.thread_time() - t0)
+        self.cache_timer.add(CachePhase.HASH, time.thread_time() - t0)
         sp = req.sampling
         reason: FinishReason | None = None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             reason = "stop"  # the stop token is returned as an id but not as text
         else:
+            if sp.logprobs is not None:
+                self._record_logprob(req, token, info)
             self._detokenize(req, token)
             if sp.stop and self._apply_stop_strings(req):
                 reason = "stop"
@@ -361,6 +353,20 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self._finish(req, reason)
+
+    def _record_logprob(self, req: Request, token: int, info: _TokenInfo | None) -> None:
+        """Keep the token's logprob entry (text tokens only: a stop token has no text to score)."""
+        logprob, top = info if info is not None else (None, None)
+        top = top or ()
+        ids = [token, *(t for t, _ in top)]
+        with self._tokenizer_lock:
+            raw = self.runner.token_bytes(ids)
+        text = [b.decode("utf-8", errors="replace") for b in raw]
+        req.output_logprobs.append(TokenLogprob(
+            token_id=token, token=text[0], token_bytes=tuple(raw[0]),
+            logprob=float("nan") if logprob is None else float(logprob),
+            top=tuple((text[j + 1], tuple(raw[j + 1]), float(lp)) for j, (_, lp) in enumerate(top)),
+        ))
 
     def _detokenize(self, req: Request, token: int) -> None:
         state = req.detok
@@ -415,6 +421,8 @@ class LLMEngine:
         if not finished and not new_ids and not new_text:
             return None
         times = tuple(t - req.arrival_time for t in req.token_times[req.sent_token_count :])
+        new_logprobs = tuple(req.output_logprobs[req.sent_logprob_count :])
+        req.sent_logprob_count = len(req.output_logprobs)
         req.sent_token_count = len(req.output_token_ids)
         req.sent_text_len = end
         return RequestOutput(
@@ -430,6 +438,7 @@ class LLMEngine:
             ttft_s=req.ttft_s,
             token_times_s=times,
             error=req.error,
+            logprobs=new_logprobs,
         )
 
     # ------------------------------------------------------------------ state
@@ -437,7 +446,7 @@ class LLMEngine:
     def fragmentation(self) -> float:
         """Unused slots in allocated blocks / allocated slots. Only a sequence's last block can be
         partly empty (shared blocks are full), so this is O(running)."""
-        allocated = self.pool.num_used * self.block_size
+        allocated = self.cache.num_used * self.block_size
         if not allocated:
             return 0.0
         unused = sum(len(r.block_table) * self.block_size - r.num_tokens for r in self.scheduler.running)
@@ -445,11 +454,9 @@ class LLMEngine:
 
     def _publish_state(self) -> None:
         m = self.metrics
-        with self._timing_lock:
-            times = dict(self.cache_time_s)
-        for phase, total in times.items():
-            m.cache_seconds.labels(phase).inc(total - self._cache_time_published[phase])
-            self._cache_time_published[phase] = total
+        for phase, total in self.cache_timer.seconds().items():
+            m.cache_seconds.labels(phase.value).inc(total - self._published.get(phase.value, 0.0))
+            self._published[phase.value] = total
         # counters advance by the difference since the last publish (the totals live here)
         for counter, key, total in (
             (m.prefill_tokens, "prefill_tokens", self.prefill_tokens),
@@ -457,30 +464,27 @@ class LLMEngine:
             (m.decode_tokens, "decode_tokens", self.decode_tokens),
             (m.execute_seconds, "execute_time_s", self.execute_time_s),
         ):
-            counter.inc(total - self._cache_time_published.get(key, 0))
-            self._cache_time_published[key] = total
+            counter.inc(total - self._published.get(key, 0))
+            self._published[key] = total
         self.metrics.observe_state(
-            used=self.pool.num_used,
-            free=self.pool.num_free,
-            evictable=self.pool.num_evictable,
+            used=self.cache.num_used,
+            free=self.cache.num_free,
+            evictable=self.cache.num_evictable,
             fragmentation=self.fragmentation(),
-            num_evictions=self.pool.num_evictions,
+            num_evictions=self.cache.num_evictions,
             num_preemptions=self.scheduler.num_preemptions,
             running=len(self.scheduler.running),
             queue_reasons=dict(self.scheduler.queue_reasons()),
         )
 
     def check_integrity(self) -> None:
-        held = getattr(self.pool.tier_hook, "held_block_tables", list)()  # refs a tier restore holds
-        self.pool.check_integrity(self.scheduler.block_tables() + held)
+        self.cache.check_integrity(self.scheduler.block_tables())
 
     def cached_blocks(self, namespace: bytes) -> dict[str, int]:
         """Blocks cached for ``namespace`` per tier (``hbm`` plus any lower tier) and how many are retained.
 
         Reads counters only; safe from another thread (a count may be one step old)."""
-        lower = getattr(self.pool.tier_hook, "blocks_of", None)  # None without DRAM/NVMe tiers
-        return {"hbm": self.pool.indexed_by(namespace), **(lower(namespace) if lower else {}),
-                "retained": self.pool.retained_by(namespace)}
+        return self.cache.cached_blocks(namespace)
 
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (what ``AsyncEngine.stats`` returns)."""
@@ -489,10 +493,10 @@ class LLMEngine:
         return {
             "model": self.config.resolved_model_id,
             "block_size": self.block_size,
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_blocks_used": self.pool.num_used,
-            "kv_blocks_free": self.pool.num_free,
-            "kv_blocks_evictable": self.pool.num_evictable,
+            "kv_blocks_total": self.cache.num_blocks,
+            "kv_blocks_used": self.cache.num_used,
+            "kv_blocks_free": self.cache.num_free,
+            "kv_blocks_evictable": self.cache.num_evictable,
             "kv_bytes_per_token": self.runner.kv_bytes_per_block / self.block_size,
             "fragmentation": round(self.fragmentation(), 4),
             "prompt_tokens_queried": int(queried),
@@ -502,19 +506,26 @@ class LLMEngine:
             "waiting": self.scheduler.num_waiting,
             "queue_reasons": dict(self.scheduler.queue_reasons()),
             "preemptions": self.scheduler.num_preemptions,
-            "evictions": self.pool.num_evictions,
+            "evictions": self.cache.num_evictions,
             "eviction_policy": self.config.eviction_policy,
             "prefix_caching": self.config.enable_prefix_caching,
             "steps": self.num_steps,
-            "cache_time_s": {k: round(v, 6) for k, v in self.cache_time_s.items()},
+            "cache_time_s": {k.value: round(v, 6) for k, v in self.cache_time_s.items()},
             "prefill_tokens": self.prefill_tokens,
             "prefill_time_s": round(self.prefill_time_s, 6),
             "decode_tokens": self.decode_tokens,
             "execute_time_s": round(self.execute_time_s, 6),
-            "kv_tiers": self.pool.tier_hook.stats() if hasattr(self.pool.tier_hook, "stats") else None,
+            "kv_tiers": self.cache.tier_stats(),
             "tenants": {
                 label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}
                 for label, q in self._queried.items()
             },
         }
 
+
+
+def _token_infos(result: StepResult, n: int) -> list[_TokenInfo | None]:
+    """Per chunk (logprob, top alternatives) from a runner's result (runners may omit them)."""
+    lps = list(result.logprobs) or [None] * n
+    tops = list(result.top_logprobs) or [None] * n
+    return [(lp, top) for lp, top in zip(lps, tops)]

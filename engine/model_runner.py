@@ -9,7 +9,9 @@ KV cache (block-major, one block = one contiguous run of bytes)::
     kv_scales : [num_blocks, num_layers, 2, block_size, num_kv_heads] float32   (int8 only)
 
 An exported block is ``kv_cache[b]``'s bytes followed by ``kv_scales[b]``'s bytes (int8).
-fp8 uses one fixed per-tensor scale (1.0), so its blocks carry no scale bytes.
+fp8 uses one scale per (layer, k|v) and stores keys minus a per-(layer, head, channel) bias, both
+calibrated once at load from a fixed text (engine/kv_calibration.py, the same on every node), so
+its blocks carry no scale bytes.
 
 On CUDA (docs/gpu.md): the Triton kernels, decode-only steps replayed from CUDA graphs
 (``engine.cuda_graphs``, when ``config.use_cuda_graphs``), and block exports/imports on a side
@@ -27,10 +29,13 @@ from engine.batch import BlockCopy, ScheduledBatch, SequenceChunk, StepResult
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
+from engine.guided import GrammarCompiler
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
+from engine.models.chat_render import render_chat_ids
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model
 from engine.models.spec import ArchConfig, ModelSpec, parse_checkpoint_config, read_special_ids
+from engine.protocol import GuidedSpec, SamplingParams
 from engine.sampling import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,6 +73,8 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.block_size
         torch_device = torch.device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: the engine owns the CPU it runs on
         self.dtype = resolve_dtype(config.dtype, torch_device.type)
         self.kv_dtype = self.dtype if config.kv_dtype == "auto" else _KV_DTYPES[config.kv_dtype]
 
@@ -100,7 +107,8 @@ class ModelRunner:
         else:
             self.model = build_model(arch, config.model_dir, torch_device, self.dtype)
         self.ops = select_ops(torch_device)
-        self.sampler = Sampler(torch_device)
+        self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, eos[0] if eos else None)
+        self.sampler = Sampler(torch_device, grammars=self.grammars)
 
         layer_shape = (arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         elems = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
@@ -113,8 +121,25 @@ class ModelRunner:
         self.kv_scales = None
         if self.kv_dtype == torch.int8:
             self.kv_scales = torch.ones((self.num_kv_blocks, *layer_shape[:-1]), dtype=torch.float32, device=torch_device)
-        fp8_scale = torch.ones(1, dtype=torch.float32, device=torch_device) if self.kv_dtype == torch.float8_e4m3fn else None
-        self.layer_caches = [self._layer_cache(layer, fp8_scale) for layer in range(arch.num_layers)]
+        # fp8: one scale per (layer, k|v), calibrated below (engine/kv_calibration.py); layers hold views.
+        self.fp8_scales: torch.Tensor | None = None
+        self.fp8_key_bias: torch.Tensor | None = None
+        if self.kv_dtype == torch.float8_e4m3fn:
+            self.fp8_scales = torch.ones((arch.num_layers, 2, 1), dtype=torch.float32, device=torch_device)
+            # in the compute dtype: subtracting it costs no cast per step (any μ shared by all keys is exact)
+            self.fp8_key_bias = torch.zeros((arch.num_layers, arch.num_kv_heads, arch.head_dim),
+                                            dtype=self.dtype, device=torch_device)
+        self.layer_caches = [self._layer_cache(layer) for layer in range(arch.num_layers)]
+        # The GPU path fuses RoPE into its KV write, which does not subtract the fp8 key bias: there
+        # the scales cover the raw keys (engine/kv_calibration.py). Calibration itself runs the plain
+        # path (its recording ops stand in for the KV ops), so it comes before fusing.
+        fused = torch_device.type == "cuda"
+        if self.fp8_scales is not None:
+            self.set_fp8_calibration(*self.calibrate_fp8(centre_keys=not fused))
+        if fused:
+            # merged q|k|v and gate|up GEMMs and the fused norm / RoPE+KV-write / SiLU kernels
+            # (engine/models/llama.py); before any graph capture, which records the path.
+            self.model.fuse_projections()
 
         self._transfer_stream = torch.cuda.Stream(torch_device) if torch_device.type == "cuda" else None
         self.decode_graphs: DecodeGraphs | None = None
@@ -137,11 +162,44 @@ class ModelRunner:
             budget = self.config.cpu_kv_bytes
         return kv_blocks_for_budget(budget, self.kv_bytes_per_block)
 
-    def _layer_cache(self, layer: int, fp8_scale: torch.Tensor | None) -> LayerCache:
+    def _layer_cache(self, layer: int) -> LayerCache:
         k, v = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [NB, BS, Hkv, D] strided views
         if self.kv_scales is not None:
             return LayerCache(k, v, self.kv_scales[:, layer, 0], self.kv_scales[:, layer, 1])
-        return LayerCache(k, v, fp8_scale, fp8_scale)
+        if self.fp8_scales is not None and self.fp8_key_bias is not None:  # [1] views, bias [Hkv, D]
+            return LayerCache(k, v, self.fp8_scales[layer, 0], self.fp8_scales[layer, 1], self.fp8_key_bias[layer])
+        return LayerCache(k, v)
+
+    # ------------------------------------------------------------------------ fp8 KV scales
+    def calibrate_fp8(self, centre_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 K/V scales [L, 2, 1] and key bias [L, Hkv, D] from one unquantized forward over the
+        fixed calibration text (engine/kv_calibration.py). Reads and writes no KV block."""
+        from engine.kv_calibration import CALIBRATION_TEXT, calibrate_fp8
+
+        limit = min(self.spec.max_model_len, self.num_kv_blocks * self.block_size)
+        ids = list(self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))[:limit]
+        chunk = SequenceChunk(request_id="kv-calibration", token_ids=ids, start_pos=0,
+                              block_table=list(range(-(-len(ids) // self.block_size))), sample=False,
+                              sampling=SamplingParams())
+
+        @torch.inference_mode()
+        def run(recorder) -> None:
+            input_ids, positions, meta = self._prepare([chunk])
+            with self.model.plain_path():
+                self.model(input_ids, positions, self.layer_caches, meta, recorder)
+
+        return calibrate_fp8(run, self.arch.num_layers, centre_keys=centre_keys)
+
+    def set_fp8_calibration(self, scales: torch.Tensor, key_bias: torch.Tensor | None = None) -> None:
+        """Replace the fp8 scales [L, 2, 1] (and key bias [L, Hkv, D]; None = zero) in place: layer
+        caches and captured graphs see them. Blocks written before become wrong: call before serving."""
+        if self.fp8_scales is None or self.fp8_key_bias is None:
+            raise ValueError("the KV cache is not fp8")
+        self.fp8_scales.copy_(scales.to(self.fp8_scales.device).reshape(self.fp8_scales.shape))
+        if key_bias is None:
+            self.fp8_key_bias.zero_()
+        else:
+            self.fp8_key_bias.copy_(key_bias.to(self.fp8_key_bias.device).reshape(self.fp8_key_bias.shape))
 
     # --------------------------------------------------------------------------------- forward
     def _prepare(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -219,37 +277,26 @@ class ModelRunner:
             return StepResult(sampled_token_ids=[], logprobs=[])
         logits = self.forward(batch)  # [S, V]
         sampled = [c for c in batch.chunks if c.sample]
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        if sampled:
-            tokens, logprobs = self.sampler.sample(
-                logits,
-                [c.sampling for c in sampled],
-                [c.request_id for c in sampled],
-                [len(c.output_token_ids) for c in sampled],
-            )
-        tok_iter, lp_iter = iter(tokens), iter(logprobs)
-        out_tokens = [next(tok_iter) if c.sample else None for c in batch.chunks]
-        out_lps = [next(lp_iter) if c.sample else None for c in batch.chunks]
-        return StepResult(sampled_token_ids=out_tokens, logprobs=out_lps)
+        rows = iter(self.sampler.sample_rows(
+            logits, [c.sampling for c in sampled], [c.request_id for c in sampled],
+            [c.output_token_ids for c in sampled],
+        ) if sampled else ())
+        picks = [next(rows) if c.sample else None for c in batch.chunks]
+        return StepResult(
+            sampled_token_ids=[p.token_id if p else None for p in picks],
+            logprobs=[p.logprob if p else None for p in picks],
+            top_logprobs=[p.top if p else None for p in picks],
+        )
 
     # ------------------------------------------------------------------------------ prompts
     def render_prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the chat template applied to ``messages`` (+ ``tools``), ending in the
-        assistant generation prompt. Raises ValueError for messages the template cannot render."""
+        assistant generation prompt. Client text is tokenized as text: a special-token string in
+        a message never becomes a control token (engine/models/chat_render.py). Raises ValueError
+        for messages the template cannot render."""
         if not self.tokenizer.chat_template:
             raise ValueError(f"the checkpoint at {self.config.model_dir} has no chat template")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        except Exception as exc:  # jinja2 TemplateError, or the template's own raise_exception
-            raise ValueError(f"cannot render these messages with the chat template: {exc}") from exc
-        # The template already contains any BOS it wants; don't let the tokenizer add another.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return render_chat_ids(self.tokenizer, messages, tools)
 
     # ------------------------------------------------------------------------- block moves
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
@@ -325,3 +372,10 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
+
+    def check_grammar(self, spec: GuidedSpec) -> None:
+        """Raise ValueError unless ``spec`` compiles within the bounds (engine.guided)."""
+        self.grammars.check(spec)
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return self.grammars.token_bytes(token_ids)

@@ -20,10 +20,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import NewType
 
-BlockHash = NewType("BlockHash", bytes)
+from engine.kv_types import EMPTY_MATCH, BlockHash, MatchResult
 
 
 def hash_block(parent: bytes, tokens: Sequence[int]) -> BlockHash:
@@ -59,29 +57,6 @@ def block_hashes(namespace: bytes, token_ids: Sequence[int], block_size: int) ->
     out: list[BlockHash] = []
     extend_block_hashes(namespace, token_ids, block_size, out)
     return out
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """The cached prefix of a sequence.
-
-    Attributes:
-        block_ids: cached blocks in order (block ``i`` holds tokens ``i*bs .. (i+1)*bs-1``).
-        block_hashes: their hashes (the first ``len(block_ids)`` of the sequence's hashes).
-        cached_tokens: ``len(block_ids) * block_size``; always < the sequence length, so at least
-            its last token is computed and there are logits to sample from.
-    """
-
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    cached_tokens: int
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-
-EMPTY_MATCH = MatchResult((), (), 0)
 
 
 def max_cacheable_blocks(num_tokens: int, block_size: int) -> int:

@@ -16,6 +16,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
+
 
 @runtime_checkable
 class BlockCipher(Protocol):
@@ -47,6 +49,8 @@ class TenantScope(Protocol):
             this tenant (its evicted blocks are dropped, never written in clear).
         priority: larger is served first among waiting requests (0 = default class).
         kv_block_quota: most HBM blocks this tenant may hold at once; ``None`` = no cap.
+        kv_block_quota_dram / kv_block_quota_nvme: most KV blocks it may keep in the DRAM / NVMe
+            tier (over it, its own oldest blocks there are dropped first); ``None`` = no cap.
         ttft_target_s: optional time-to-first-token target that orders admission.
     """
 
@@ -66,6 +70,12 @@ class TenantScope(Protocol):
     def kv_block_quota(self) -> int | None: ...
 
     @property
+    def kv_block_quota_dram(self) -> int | None: ...
+
+    @property
+    def kv_block_quota_nvme(self) -> int | None: ...
+
+    @property
     def ttft_target_s(self) -> float | None: ...
 
 
@@ -79,11 +89,39 @@ class StaticTenantScope:
     priority: int = 0
     kv_block_quota: int | None = None
     ttft_target_s: float | None = None
+    kv_block_quota_dram: int | None = None
+    kv_block_quota_nvme: int | None = None
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """A grammar the output must follow, enforced token by token while decoding (engine.guided).
+
+    The output is ``prefix`` + one JSON value matching ``json_schema`` + ``suffix``, then EOS.
+    ``json_schema`` is the schema's JSON text (``'{"type": "object"}'`` for any JSON object);
+    ``prefix``/``suffix`` are literal text (a tool-call wrapper such as ``<tool_call>\\n``).
+    Frozen and hashable: equal specs share one compiled grammar.
+    """
+
+    json_schema: str
+    prefix: str = ""
+    suffix: str = ""
+    repeat: bool = False  # the whole prefix+value+suffix may repeat (several tool calls)
+
+    def __post_init__(self) -> None:
+        if not self.json_schema:
+            raise ValueError("a guided spec needs a JSON schema")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token and when to stop. Validated on construction."""
+    """How to pick each next token and when to stop. Validated on construction.
+
+    ``logit_bias``: (token id, bias) pairs added to the logits before anything else (OpenAI's
+    range -100..100); ids are checked against the vocabulary when the engine admits the request.
+    ``logprobs``: None = no logprobs; k >= 0 = the sampled token's logprob plus the k most likely
+    alternatives at each step. ``guided``: a grammar the output must follow.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -93,8 +131,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias token id must be >= 0, got {token_id}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -155,6 +203,23 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its log-probability and, when asked, the most likely alternatives.
+
+    ``token`` is the token's text (UTF-8 decoded, U+FFFD where it holds part of a character);
+    ``token_bytes`` its exact bytes. Log-probabilities are of the model's distribution before
+    logit_bias, grammar masks, temperature and top-k/top-p (what vLLM reports by default).
+    ``top`` holds ``(token, token_bytes, logprob)`` triples, most likely first.
+    """
+
+    token_id: int
+    token: str
+    token_bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One streamed increment of a request (the last one has ``finished=True``).
 
@@ -174,6 +239,7 @@ class RequestOutput:
     ttft_s: float | None = None
     token_times_s: tuple[float, ...] = ()
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new text token, when the sampling asked for them
 
 
 class EngineError(Exception):

@@ -19,25 +19,20 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.prefix_index import BlockHash, extend_block_hashes
+from engine.kv_types import BlockHash, QueueReason
+from engine.prefix_index import extend_block_hashes
 from engine.protocol import FinishReason, Retention, SamplingParams, TenantScope
+
+if TYPE_CHECKING:
+    from engine.protocol import TokenLogprob
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class QueueReason(enum.StrEnum):
-    """Why a waiting request was not admitted at the last step."""
-
-    NO_KV_BLOCKS = "no_kv_blocks"
-    BATCH_FULL = "batch_full"
-    TENANT_OVER_QUOTA = "tenant_over_quota"
-    TOKEN_BUDGET = "token_budget"
-    RESTORING = "restoring"  # its prefix is being restored from a lower KV tier (engine.tiers)
 
 
 @dataclass
@@ -84,6 +79,8 @@ class Request:
     output_text: str = ""
     sent_text_len: int = 0
     sent_token_count: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # text tokens, when sampling.logprobs is set
+    sent_logprob_count: int = 0
     detok: DetokenizerState | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None

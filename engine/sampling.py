@@ -1,7 +1,12 @@
 """Pick the next token of each sampled sequence from its last-position logits.
 
-Per row: greedy (argmax) when ``temperature == 0`` or ``top_k == 1``; otherwise temperature,
-then top-k, then top-p (nucleus) filtering, then a draw from the renormalised distribution.
+Per row, in order: ``logit_bias`` added, the grammar mask applied (guided rows: disallowed
+tokens -> -inf, engine.guided), then greedy (argmax) when ``temperature == 0`` or
+``top_k == 1``; otherwise temperature, top-k, top-p (nucleus) filtering and a draw from the
+renormalised distribution. Rows without bias or grammar skip those steps (no copy, no mask).
+
+Log-probabilities (the sampled token's, and the top-k alternatives when a request asks) are of
+the model's raw distribution, before bias, mask and temperature, as vLLM reports them.
 
 Reproducibility: a request with ``seed`` draws from its own ``torch.Generator``, re-seeded at
 every step from ``(seed, step)`` where step = tokens generated so far. A draw is then a pure
@@ -12,9 +17,11 @@ the prompt cannot change it. Requests without a seed share the sampler's generat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from engine.guided import GrammarCompiler, GuidedRow, apply_bitmask, bitmask_words
 from engine.protocol import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the 63-bit seed space
@@ -44,9 +51,23 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+@dataclass(frozen=True)
+class SampledRow:
+    """One row's pick: the token, its raw log-probability and, when asked, the top alternatives
+    as (token id, logprob) pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] | None = None
+
+
 class Sampler:
-    def __init__(self, device: torch.device | str, seed: int | None = None):
+    def __init__(self, device: torch.device | str, seed: int | None = None,
+                 grammars: GrammarCompiler | None = None):
+        """``grammars`` compiles guided requests' grammars; without it a guided request fails."""
         self.device = torch.device(device)
+        self.grammars = grammars
+        self._guided: dict[str, GuidedRow] = {}
         self._shared = torch.Generator(device=self.device)
         if seed is None:
             self._shared.seed()
@@ -56,6 +77,47 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
+        self._guided.pop(request_id, None)
+
+    def _guided_row(self, request_id: str, params: SamplingParams) -> GuidedRow:
+        row = self._guided.get(request_id)
+        if row is None:
+            if self.grammars is None:
+                raise RuntimeError("this sampler has no grammar compiler; guided decoding is unavailable")
+            assert params.guided is not None
+            row = self._guided[request_id] = self.grammars.matcher(params.guided)
+        return row
+
+    def _constrain(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+        outputs: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Logits with each row's logit_bias added and its grammar mask applied (a copy only
+        when some row has either; rows without them are untouched)."""
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        guided = [i for i, p in enumerate(params) if p.guided is not None]
+        if not biased and not guided:
+            return logits
+        logits = logits.clone()
+        for i in biased:
+            ids = torch.tensor([t for t, _ in params[i].logit_bias], dtype=torch.long, device=logits.device)
+            bias = torch.tensor([b for _, b in params[i].logit_bias], dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, bias)
+        if guided:
+            vocab = logits.shape[-1]
+            bitmask = torch.empty((len(guided), bitmask_words(vocab)), dtype=torch.int32)
+            for r, i in enumerate(guided):
+                row = self._guided_row(request_ids[i], params[i])
+                row.sync(outputs[i])
+                row.fill(bitmask[r])
+            idx = torch.tensor(guided, dtype=torch.long, device=logits.device)
+            rows = logits[idx]
+            apply_bitmask(rows, bitmask)
+            logits[idx] = rows
+        return logits
 
     def _generator(self, request_id: str, params: SamplingParams, step: int) -> torch.Generator:
         if params.seed is None:
@@ -73,9 +135,35 @@ class Sampler:
         request_ids: Sequence[str],
         steps: Sequence[int],  # tokens generated so far, per row
     ) -> tuple[list[int], list[float]]:
-        """-> (token id per row, its log-probability under the unfiltered distribution)."""
+        """-> (token id per row, its log-probability under the unfiltered distribution).
+
+        For rows without a grammar (the grammar needs the output tokens: ``sample_rows``)."""
+        assert all(p.guided is None for p in params), "guided rows need their output tokens: use sample_rows"
+        rows = self._sample(logits, params, request_ids, steps, [()] * len(params))
+        return [r.token_id for r in rows], [r.logprob for r in rows]
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+        outputs: Sequence[Sequence[int]],  # tokens generated so far, per row
+    ) -> list[SampledRow]:
+        """-> one ``SampledRow`` per logits row (grammar, bias and top logprobs included)."""
+        return self._sample(logits, params, request_ids, [len(o) for o in outputs], outputs)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+        steps: Sequence[int],
+        outputs: Sequence[Sequence[int]],
+    ) -> list[SampledRow]:
         n = logits.shape[0]
-        assert len(params) == len(request_ids) == len(steps) == n, "one SamplingParams per logits row"
+        assert len(params) == len(request_ids) == len(steps) == len(outputs) == n, "one SamplingParams per row"
+        raw = logits
+        logits = self._constrain(logits, params, request_ids, outputs)
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if greedy_rows:
@@ -88,5 +176,15 @@ class Sampler:
             probs = torch.softmax(row, dim=-1)
             gen = self._generator(request_ids[i], p, steps[i])
             tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-        return tokens.tolist(), logprobs.tolist()
+        log_probs = torch.log_softmax(raw, dim=-1)  # [N, V]
+        chosen = log_probs.gather(1, tokens[:, None])[:, 0].tolist()
+        token_list = tokens.tolist()
+        tops: list[tuple[tuple[int, float], ...] | None] = [None] * n
+        k = max((p.logprobs or 0 for p in params), default=0)
+        if k:
+            values, ids = torch.topk(log_probs, k, dim=-1)
+            values_l, ids_l = values.tolist(), ids.tolist()
+            for i, p in enumerate(params):
+                if p.logprobs:
+                    tops[i] = tuple(zip(ids_l[i][: p.logprobs], values_l[i][: p.logprobs]))
+        return [SampledRow(t, lp, top) for t, lp, top in zip(token_list, chosen, tops)]

@@ -5,7 +5,7 @@ and a batch-size cap (``max_num_seqs``)::
 
     1. running requests, highest priority class first, then in admission order:
          each gets min(its uncomputed tokens, budget left) tokens (a decode is 1 token, a prefill
-         continues its next chunk); new blocks come from the pool; when none are free, or the
+         continues its next chunk); new blocks come from the cache manager; when none are free, or the
          tenant's KV quota would be exceeded, the lowest-priority, latest-admitted request is
          preempted by recompute (blocks freed, requeued at the front of its tenant's queue;
          its full blocks stay indexed, so its readmission usually hits them).
@@ -13,12 +13,16 @@ and a batch-size cap (``max_num_seqs``)::
          tenant  = highest priority class, then earliest TTFT deadline (arrival + ttft_target_s),
                    then least service received (Virtual Token Counter fairness: a tenant with
                    100 queued requests cannot starve one with a single request);
-         request = longest cached prefix within that tenant, then arrival order;
-         admitted only if its first chunk's blocks are free and fit the tenant's quota.
+         request = longest cached prefix within that tenant, then arrival order, skipping requests
+                   whose prefix is being restored from a lower tier or whose next prefix block a
+                   running request is computing (they would recompute what is about to be cached);
+         admitted only if the cache manager finds its first chunk's blocks (free, within quota).
     3. every request still waiting records why (``QueueReason``).
 
-Requests join and leave between steps (continuous batching). The scheduler owns no tensors; the
-result is an ``engine.batch.ScheduledBatch`` for the runner. No torch here.
+Blocks come only from the ``KVCacheManager`` (match, admit, grow, commit, free, poll_restores);
+the scheduler never touches the pool. Requests join and leave between steps (continuous
+batching). The scheduler owns no tensors; the result is an ``engine.batch.ScheduledBatch`` for the
+runner. No torch here.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.batch import ScheduledBatch, SequenceChunk
-from engine.block_pool import BlockPool
-from engine.prefix_index import EMPTY_MATCH, MatchResult
-from engine.request import QueueReason, Request, RequestStatus
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_types import MatchResult, QueueReason
+from engine.request import Request, RequestStatus
 
 # Times a waiting request may be passed over for requests with longer cached prefixes.
 MAX_BYPASS = 8
@@ -55,7 +59,7 @@ class SchedulerOutput:
 
 class Scheduler:
     """Args:
-    pool: the block pool (its ``enable_caching`` decides whether prefixes are ever matched).
+    cache: the KV cache manager (its ``enable_caching`` decides whether prefixes are ever matched).
     max_num_seqs: most running requests.
     max_num_batched_tokens: tokens per step (prefill chunks + decodes).
     clock: monotonic time source (tests pass a fake one).
@@ -63,13 +67,13 @@ class Scheduler:
 
     def __init__(
         self,
-        pool: BlockPool,
+        cache: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.pool = pool
-        self.block_size = pool.block_size
+        self.cache = cache
+        self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
@@ -78,8 +82,6 @@ class Scheduler:
         self.service: dict[bytes, float] = {}  # tokens served per tenant (VTC counters)
         self.num_preemptions = 0
         self._admit_seq = itertools.count(1)
-        # Waiting requests an outside agent holds back, and why (engine.tiers restoring a prefix).
-        self.held: dict[str, QueueReason] = {}
 
     # ------------------------------------------------------------------ queue membership
 
@@ -114,26 +116,15 @@ class Scheduler:
         self._free_blocks(request)
 
     def _free_blocks(self, request: Request) -> None:
-        if request.block_table:
-            self._retain(request)
-            self.pool.free(request.block_table)
+        if request.retention:  # explicit cache control: mark the spans before letting go
+            self.cache.retain(request.tenant, request.block_table, request.num_registered_blocks,
+                              request.retention)
+        self.cache.free(request.request_id, request.block_table)
         request.block_table = []
         request.num_registered_blocks = 0
 
-    def _retain(self, request: Request) -> None:
-        """Mark the indexed blocks inside the request's retention spans before it lets them go.
-
-        A tenant retains at most its HBM block quota, or a quarter of the pool without one."""
-        if not request.retention:
-            return
-        now = self.clock()
-        limit = request.tenant.kv_block_quota or max(1, self.pool.num_blocks // 4)
-        for span in request.retention:
-            n = min(span.tokens // self.pool.block_size, request.num_registered_blocks)
-            self.pool.retain(request.block_table[:n], now + span.seconds, limit)
-
     def block_tables(self) -> list[list[int]]:
-        """Every live request's block table (for ``BlockPool.check_integrity``)."""
+        """Every live request's block table (for ``KVCacheManager.check_integrity``)."""
         tables = [r.block_table for r in self.running]
         tables += [r.block_table for q in self.waiting.values() for r in q if r.block_table]
         return tables
@@ -147,6 +138,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput(ScheduledBatch(()), [], [])
         chunks: list[SequenceChunk] = []
+        self.cache.poll_restores((r for q in self.waiting.values() for r in q), idle=not self.running)
         now = self.clock()
 
         self.running.sort(key=lambda r: (-r.tenant.priority, r.admit_seq))
@@ -164,14 +156,19 @@ class Scheduler:
             i += 1
 
         over_quota: set[bytes] = set()
+        blocked: dict[str, QueueReason] = {}  # request id -> a reason of its own (restoring, computing)
         if out.preempted:
             stop_reason = QueueReason.NO_KV_BLOCKS  # admitting now would only preempt again
         else:
-            stop_reason = self._admit(budget, now, out, chunks, over_quota)
+            stop_reason = self._admit(budget, now, out, chunks, over_quota, blocked)
         for ns, queue in self.waiting.items():
             for req in queue:
-                req.queue_reason = QueueReason.TENANT_OVER_QUOTA if ns in over_quota else stop_reason
-                req.queue_reason = QueueReason(self.held.get(req.request_id, req.queue_reason))
+                if self.cache.is_restoring(req.request_id):
+                    req.queue_reason = QueueReason.RESTORING
+                elif req.request_id in blocked:
+                    req.queue_reason = blocked[req.request_id]
+                else:
+                    req.queue_reason = QueueReason.TENANT_OVER_QUOTA if ns in over_quota else stop_reason
         out.batch = ScheduledBatch(tuple(chunks))
         return out
 
@@ -180,19 +177,16 @@ class Scheduler:
 
         Returns False if ``req`` itself had to be preempted."""
         need = req.blocks_needed(context_len) - len(req.block_table)
-        quota = req.tenant.kv_block_quota
         while need > 0:
-            over_quota = quota is not None and self.pool.used_by(req.namespace) + need > quota
-            if not over_quota and need <= self.pool.num_free:
+            got = self.cache.grow(req.tenant, need)
+            if not isinstance(got, QueueReason):
+                req.block_table.extend(got)
                 break
+            over_quota = got is QueueReason.TENANT_OVER_QUOTA
             victim = self._pick_victim(pos, req.namespace if over_quota else None) or req
             self._preempt(victim, out)
             if victim is req:
                 return False
-        if need > 0:
-            new = self.pool.allocate(need, req.namespace)
-            assert new is not None
-            req.block_table.extend(new)
         return True
 
     def _pick_victim(self, after: int, namespace: bytes | None) -> Request | None:
@@ -215,46 +209,45 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(req)
 
-    def _match(self, req: Request) -> MatchResult:
-        if not self.pool.enable_caching:
-            return EMPTY_MATCH
-        return self.pool.index.match_hashes(req.block_hashes, req.num_tokens)
-
     def _admit(
-        self, budget: int, now: float, out: SchedulerOutput, chunks: list[SequenceChunk], over_quota: set[bytes]
+        self, budget: int, now: float, out: SchedulerOutput, chunks: list[SequenceChunk],
+        over_quota: set[bytes], blocked: dict[str, QueueReason],
     ) -> QueueReason:
         """Admit waiting requests; returns the reason the rest keep waiting. Tenants refused for
-        their KV quota are added to ``over_quota``."""
+        their KV quota are added to ``over_quota``; requests that wait for a reason of their own
+        (a restore, a prefix being computed) to ``blocked``."""
         while True:
             if budget <= 0:
                 return QueueReason.TOKEN_BUDGET
             if len(self.running) >= self.max_num_seqs:
                 return QueueReason.BATCH_FULL
             tenants = [ns for ns, q in self.waiting.items()
-                       if ns not in over_quota and any(r.request_id not in self.held for r in q)]
+                       if ns not in over_quota and any(r.request_id not in blocked for r in q)]
             if not tenants:
-                return QueueReason.NO_KV_BLOCKS  # only over-quota tenants (or none) remain
+                return QueueReason.NO_KV_BLOCKS  # only over-quota or blocked requests (or none) remain
             ns = min(tenants, key=lambda t: self._tenant_key(t))
             queue = self.waiting[ns]
-            match, req = self._pick_in_tenant(queue)
+            picked = self._pick_in_tenant(queue, blocked)
+            if picked is None:
+                continue  # every request of this tenant is blocked now
+            match, req = picked
             n = min(req.num_tokens - match.cached_tokens, budget)
             new_blocks = req.blocks_needed(match.cached_tokens + n) - match.num_blocks
-            revived = sum(1 for b in match.block_ids if self.pool.blocks[b].ref_cnt == 0)
-            quota = req.tenant.kv_block_quota
-            if quota is not None and self.pool.used_by(ns) + new_blocks + revived > quota:
+            table = self.cache.admit(req, match, new_blocks)
+            if table is QueueReason.TENANT_OVER_QUOTA:
                 over_quota.add(ns)
                 continue
-            if new_blocks + revived > self.pool.num_free:
+            if table is QueueReason.NO_KV_BLOCKS:
                 return QueueReason.NO_KV_BLOCKS
+            if isinstance(table, QueueReason):
+                blocked[req.request_id] = table
+                continue
             for r in queue:  # everyone queued ahead of req was passed over once more
                 if r is req:
                     break
                 r.num_bypassed += 1
-            self.pool.touch(match.block_ids, ns)
-            new = self.pool.allocate(new_blocks, ns)
-            assert new is not None
             queue.remove(req)
-            req.block_table = list(match.block_ids) + new
+            req.block_table = table
             req.num_registered_blocks = match.num_blocks
             req.num_computed_tokens = match.cached_tokens
             if req.num_cached_tokens is None:
@@ -269,14 +262,28 @@ class Scheduler:
             out.admitted.append(req)
             budget -= n
 
-    def _pick_in_tenant(self, queue: deque[Request]) -> tuple[MatchResult, Request]:
+    def _pick_in_tenant(
+        self, queue: deque[Request], blocked: dict[str, QueueReason]
+    ) -> tuple[MatchResult, Request] | None:
         """Longest cached prefix first (ties: queue order), except that a request passed over
-        ``MAX_BYPASS`` times goes first, so a cold request is not starved by a stream of hits."""
-        eligible = [r for r in queue if r.request_id not in self.held]  # held: a tier restore is under way
-        for r in eligible:
+        ``MAX_BYPASS`` times goes first, so a cold request is not starved by a stream of hits.
+        Requests whose prefix is being restored or computed are added to ``blocked`` and skipped."""
+        matches: list[tuple[MatchResult, Request]] = []
+        for r in queue:
+            if r.request_id in blocked:
+                continue
+            if self.cache.is_restoring(r.request_id):
+                blocked[r.request_id] = QueueReason.RESTORING
+                continue
+            m = self.cache.match(r)
+            if m.computing:
+                blocked[r.request_id] = QueueReason.PREFIX_COMPUTING
+                continue
             if r.num_bypassed >= MAX_BYPASS:
-                return self._match(r), r
-        matches = [(self._match(r), r) for r in eligible]
+                return m, r
+            matches.append((m, r))
+        if not matches:
+            return None
         return min(matches, key=lambda mr: -mr[0].cached_tokens)  # min is stable: queue order on ties
 
     def _tenant_key(self, ns: bytes) -> tuple[int, float, float]:
@@ -316,7 +323,9 @@ class Scheduler:
                 continue
             req.num_computed_tokens += n
             full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-            for i in range(req.num_registered_blocks, full):
-                parent = req.block_table[i - 1] if i > 0 else None
-                req.block_table[i] = self.pool.register(req.block_table[i], req.block_hashes[i], i, parent)
-            req.num_registered_blocks = max(req.num_registered_blocks, full)
+            start = req.num_registered_blocks
+            if full > start:
+                req.block_table[start:full] = self.cache.commit(
+                    req.request_id, req.block_table, req.block_hashes[start:full], start
+                )
+                req.num_registered_blocks = full

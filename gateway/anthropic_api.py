@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from engine.protocol import RequestOutput
 from gateway.errors import OpenAIError, invalid_request
-from gateway.formats import ChoiceText, finish_reason, sse
+from gateway.formats import ChoiceText, sse
 from gateway.ingress import scan
 from gateway.pipeline import Prepared
 from gateway.schemas import MAX_NAME_CHARS
@@ -282,7 +282,7 @@ class MessagesFormat:
         self.long_upto = long_upto
         self.reported_creation = reported_creation
         self.msg_id = "msg_" + uuid.uuid4().hex
-        self.acc = ChoiceText()
+        self.acc = ChoiceText(prep)  # choice 0: tool calls parsed (local engine) or streamed (provider)
         self.started = False
         self.text_open = False
         self.finish: str | None = None
@@ -296,10 +296,8 @@ class MessagesFormat:
         return "tool_use" if has_calls else _STOP_REASONS.get(self.finish or "stop", "end_turn")
 
     def _tool_blocks(self) -> list[dict[str, Any]]:
-        calls = self.acc.tools.get(0, {})
         blocks = []
-        for k in sorted(calls):
-            c = calls[k]
+        for c in self.acc.tool_calls(0):
             try:
                 args = json.loads(c["function"]["arguments"] or "{}")
             except json.JSONDecodeError:
@@ -331,16 +329,16 @@ class MessagesFormat:
             # The engine reports prompt and cached tokens with its first increment.
             events.append({"type": "message_start", "message": self._message(
                 [], None, self._usage(out.prompt_tokens, out.cached_tokens, 0))})
-        if out.new_text:
+        content = self.acc.add(0, out).content  # text outside <tool_call> tags
+        if content:
             if not self.text_open:
                 self.text_open = True
                 events += [{"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
                            {"type": "ping"}]
             events.append({"type": "content_block_delta", "index": 0,
-                           "delta": {"type": "text_delta", "text": out.new_text}})
-        self.acc.add(0, out)
+                           "delta": {"type": "text_delta", "text": content}})
         if out.finished:
-            self.finish = finish_reason(out)
+            self.finish = self.acc.finish.get(0)
         return events
 
     def frame(self, chunk: dict[str, Any]) -> bytes:

@@ -9,32 +9,52 @@ configured routes — and closes all of it on shutdown (flushing the usage ledge
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.protocol import EngineClient
 from gateway.anthropic_api import error_body as anthropic_error_body
+from gateway.deps import bearer_key
+from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy
 from gateway.errors import OpenAIError, install_error_handlers, render
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
-from gateway.routes import cache, completions, dashboard, internal, messages, models, ops, responses, usage
-from gateway.routing import Backend, Route, Router
+from gateway.routes import (
+    cache,
+    completions,
+    dashboard,
+    disagg,
+    internal,
+    messages,
+    models,
+    ops,
+    responses,
+    usage,
+)
+from gateway.routes.ops import FleetCollector
+from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
 from gateway.timeseries import TimeSeries
 from gateway.upstream import DirectOpenAIClient, ProviderClient
 
 log = logging.getLogger("prefixgate.gateway")
+
+# Routes whose refused bodies count against the rate limit (the ones that do the costly work).
+# Bodies refused by the schema here still take a rate-limit place (the doors run as chat requests).
+_CHARGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
 
 class BodySizeLimit:
@@ -92,19 +112,27 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
-def build_router(settings: GatewaySettings) -> Router:
+def build_router(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Router:
     routes = []
+    pd_metrics = None  # one set for every split route (docs/disaggregation.md)
     for rc in settings.routes:
         if rc.provider:
             client_cls = DirectOpenAIClient if rc.transport == "direct" else ProviderClient
             client = client_cls(
                 rc.provider, api_base=rc.api_base, api_key=rc.api_key, cache_salt=rc.sends_cache_salt,
                 tenant_prefix=rc.tenant_prefix, prompt_cache_key=rc.sends_prompt_cache_key,
+                tenant_api_keys=rc.tenant_api_keys, shared_api_key=rc.shared_api_key,
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
             )
-            backends = [Backend(f"{rc.transport}:{rc.provider}", "provider", client, rc.provider)]
+            backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]
+        elif rc.prefill_nodes:
+            pd_metrics = pd_metrics or DisaggMetrics(registry if registry is not None else CollectorRegistry())
+            policy = SplitPolicy(min_split_tokens=rc.split_min_tokens, max_prefill_queue=rc.max_prefill_queue)
+            backends = [Backend(f"node:{url}", BackendKind.NODE, DisaggEngineClient(url, rc.prefill_nodes, rc.node_token,
+                                                                          policy=policy, metrics=pd_metrics), "")
+                        for url in rc.nodes]
         else:
-            backends = [Backend(f"node:{url}", "node", RemoteEngineClient(url, rc.node_token), "")
+            backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
         routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len))
     return Router(routes, load_factor=settings.load_factor, prefix_bytes=settings.route_prefix_bytes)
@@ -113,16 +141,16 @@ def build_router(settings: GatewaySettings) -> Router:
 def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> EngineClient | None:
     if settings.model_dir is None:
         return None
-    from engine.config import EngineConfig
     from engine.launch import build_engine
 
-    config = EngineConfig(
-        model_dir=settings.model_dir, device=settings.device, num_kv_blocks=settings.kv_blocks,
-        dram_bytes=settings.dram_bytes, nvme_dir=settings.nvme_dir, nvme_bytes=settings.nvme_bytes,
-        enable_prefix_caching=settings.prefix_caching,
-        model_id=settings.model if settings.model and settings.model != str(settings.model_dir) else None,
-    )
-    return build_engine(config, registry=registry)
+    config = settings.engine_config()
+    disagg = None
+    if settings.role != "both":  # prefill/decode split (docs/disaggregation.md)
+        from engine.disagg.api import DisaggConfig, Role
+
+        disagg = DisaggConfig(Role(settings.role), settings.node_token or "", kv_host=settings.host,
+                              kv_port=settings.kv_port)
+    return build_engine(config, registry=registry, disagg=disagg)
 
 
 async def _call_optional(obj: Any, *names: str) -> None:
@@ -168,7 +196,9 @@ def create_app(
             if owned_engine is not None:
                 await _call_optional(owned_engine, "start")
         if app.state.tenancy is None and settings.home is not None:
-            owned_tenancy = app.state.tenancy = open_tenancy(settings.home, auth_cache_ttl_s=settings.auth_cache_ttl_s)
+            owned_tenancy = app.state.tenancy = open_tenancy(
+                settings.home, auth_cache_ttl_s=settings.auth_cache_ttl_s,
+                database_url=settings.database_url, redis_url=settings.redis_url)
         for client in app.state.router.all_clients():
             if isinstance(client, RemoteEngineClient):
                 try:
@@ -192,25 +222,39 @@ def create_app(
 
     app = FastAPI(title="PrefixGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
+    app.state.started_at = int(time.time())  # /v1/models "created"
     app.state.engine = engine
     app.state.tenancy = tenancy
     app.state.registry = registry
     app.state.metrics = GatewayMetrics(registry)
+    registry.register(FleetCollector(lambda: app.state.tenancy))  # prefixgate_redis_up and friends
     app.state.live_stats = LiveStats()
     app.state.timeseries = TimeSeries(registry, app.state.live_stats)  # the dashboard's charts
     app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)
-    app.state.router = build_router(settings)
+    app.state.router = build_router(settings, registry)
     app.state.tenant_threads = TenantThreads(
         workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
-    install_error_handlers(app, on_invalid_body=completions.record_invalid_body)
 
+    def _on_invalid_body(request: Request, error: OpenAIError) -> None:
+        """A body the schema refuses still takes a place in its tenant's rate limit (issue 16.9),
+        and gets its ledger row and outcome count like any refused request (issue 21)."""
+        tenancy_now = app.state.tenancy
+        key = bearer_key(request.headers.get("authorization"))
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's SDK sends x-api-key
+            key = (request.headers.get("x-api-key") or "").strip() or key
+        if tenancy_now is not None and key is not None and request.url.path in _CHARGED_PATHS:
+            with contextlib.suppress(TenancyError):  # unknown key, or already over its limit
+                tenancy_now.admit(tenancy_now.authenticate(key), estimated_tokens=0)
+        completions.record_invalid_body(request, error)
+
+    install_error_handlers(app, on_invalid_body=_on_invalid_body)
     app.state.error_shapes = {"/v1/messages": anthropic_error_body}  # Anthropic's SDK reads its own shape
 
     @app.exception_handler(TenancyError)
     async def _tenancy(request: Any, exc: TenancyError) -> Any:
         return render(request, tenancy_error(exc))
 
-    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, internal):
+    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, internal, disagg):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

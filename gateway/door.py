@@ -78,8 +78,11 @@ async def prepare_door(
         prep = await prepare("chat", chat, ctx, tenancy=tenancy, router=router, engine=engine, settings=settings,
                              threads=request.app.state.tenant_threads,
                              tracker=getattr(request.app.state, "miss_tracker", None))
-    except OpenAIError as err:
+    except OpenAIError as err:  # a refusal: its one row, and counted by outcome
         record_rejected(tenancy, ctx, chat.model, "chat", err, metrics, live)
+        raise
+    except Exception:  # a bug: the request still gets its one row (a 500), as on the chat route
+        record_rejected(tenancy, ctx, chat.model, "chat", OpenAIError(500, "internal error"), metrics, live)
         raise
     if retention is not None and prep.backend.kind == "local":
         prep.requests = [with_retention(r, retention(list(r.prompt_token_ids or ()))) for r in prep.requests]

@@ -112,6 +112,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     return f"Invalid value{where}: {msg}.", param, "invalid_value"
 
 
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    message, param, code = _validation_message(exc)
+    return OpenAIError(400, message, param=param, code=code)
+
+
 RejectedHook = Callable[[Request, OpenAIError], None]
 # A front door whose clients expect another error shape (Anthropic's on /v1/messages): the body for an error.
 ErrorShape = Callable[[OpenAIError], dict[str, Any]]
@@ -141,8 +146,7 @@ def install_error_handlers(app: FastAPI, on_invalid_body: RejectedHook | None = 
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param, code = _validation_message(exc)
-        error = OpenAIError(400, message, param=param, code=code)
+        error = validation_error(exc)
         if on_invalid_body is not None:
             try:
                 on_invalid_body(request, error)

@@ -9,6 +9,14 @@ Stream chunk sequence for one chat request (what the openai SDK parses)::
     [DONE]
 
 With ``include_usage`` every other chunk carries ``"usage": null``, as OpenAI sends it.
+
+Local-engine tool calls: when the request's tools are parsed (``Prepared.tool_parsing``), each
+choice's text goes through a ``gateway.tool_calls.ToolCallParser``: content deltas carry the
+text outside ``<tool_call>`` tags, ``delta.tool_calls`` the calls (name first, then arguments
+increments), and a choice that called a tool and stopped ends with ``finish_reason
+"tool_calls"``. Logprobs ride in the chunk of the tokens they score: chat
+``choices[].logprobs.content[]`` ({token, logprob, bytes, top_logprobs}), completions the legacy
+``{tokens, token_logprobs, top_logprobs, text_offset}``.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import json
 from collections import defaultdict
 from typing import Any, Protocol
 
-from engine.protocol import RequestOutput
+from engine.protocol import RequestOutput, TokenLogprob
 from gateway.errors import OpenAIError
 from gateway.pipeline import Prepared
+from gateway.tool_calls import ParsedDelta, ToolCallParser, merge_tool_deltas
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -29,27 +38,83 @@ def finish_reason(out: RequestOutput) -> str | None:
     return reason
 
 
-class ChoiceText:
-    """Accumulates each choice's text, tool calls and finish reason for a non-streamed response."""
+def _provider_tool_deltas(out: RequestOutput) -> list[dict[str, Any]]:
+    """Tool-call deltas an upstream provider streamed (gateway.upstream.ProviderOutput)."""
+    return list(getattr(out, "tool_call_deltas", ()) or ())
 
-    def __init__(self) -> None:
+
+def chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    """One ``choices[].logprobs.content[]`` entry."""
+    return {
+        "token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
+        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, b, v in lp.top],
+    }
+
+
+def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The completions ``logprobs`` object; ``offset``: characters of text before these tokens."""
+    offsets = []
+    for lp in entries:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in entries],
+        "token_logprobs": [lp.logprob for lp in entries],
+        "top_logprobs": [{t: v for t, _, v in lp.top} for lp in entries],
+        "text_offset": offsets,
+    }
+
+
+class _ChoiceState:
+    """Per choice: the tool-call parser (when tools are parsed) and what it has produced."""
+
+    def __init__(self, parse_tools: bool) -> None:
+        self.parser = ToolCallParser() if parse_tools else None
+
+    def split(self, out: RequestOutput) -> ParsedDelta:
+        """The output's text as content and tool-call deltas (flushing the parser at the end)."""
+        if self.parser is None:
+            return ParsedDelta(content=out.new_text, tool_calls=_provider_tool_deltas(out))
+        delta = self.parser.feed(out.new_text)
+        if out.finished:
+            tail = self.parser.finish()
+            delta.content += tail.content
+            delta.tool_calls += tail.tool_calls
+        return delta
+
+    def finish_reason(self, out: RequestOutput) -> str | None:
+        reason = finish_reason(out)
+        if reason == "stop" and self.parser is not None and self.parser.called:
+            return "tool_calls"
+        return reason
+
+
+class ChoiceText:
+    """Accumulates each choice's text, tool calls, logprobs and finish reason for a whole response."""
+
+    def __init__(self, prep: Prepared | None = None) -> None:
+        self._parse = bool(prep and prep.tool_parsing)
+        self._states: dict[int, _ChoiceState] = {}
         self.text: dict[int, list[str]] = defaultdict(list)
-        self.tools: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+        self.tool_deltas: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        self.logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         self.finish: dict[int, str | None] = {}
 
-    def add(self, i: int, out: RequestOutput) -> None:
-        if out.new_text:
-            self.text[i].append(out.new_text)
-        for delta in getattr(out, "tool_call_deltas", ()) or ():
-            call = self.tools[i].setdefault(
-                delta.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
-            )
-            call["id"] = delta.get("id") or call["id"]
-            fn = delta.get("function") or {}
-            call["function"]["name"] += fn.get("name") or ""
-            call["function"]["arguments"] += fn.get("arguments") or ""
+    def add(self, i: int, out: RequestOutput) -> ParsedDelta:
+        """Take one increment; returns what it added (content outside tool-call tags, call deltas),
+        which a door's own stream format sends on."""
+        state = self._states.setdefault(i, _ChoiceState(self._parse))
+        delta = state.split(out)
+        if delta.content:
+            self.text[i].append(delta.content)
+        self.tool_deltas[i] += delta.tool_calls
+        self.logprobs[i] += out.logprobs
         if out.finished:
-            self.finish[i] = finish_reason(out)
+            self.finish[i] = state.finish_reason(out)
+        return delta
+
+    def tool_calls(self, i: int) -> list[dict[str, Any]]:
+        return merge_tool_deltas(self.tool_deltas[i]) if self.tool_deltas.get(i) else []
 
 
 def sse(obj: Any, event: str | None = None) -> bytes:
@@ -115,6 +180,12 @@ class ChatFormat(_Format):
     def __init__(self, prep: Prepared) -> None:
         super().__init__(prep)
         self._started: set[int] = set()
+        self._states: dict[int, _ChoiceState] = {}
+
+    def _logprobs(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.prep.logprobs is None:
+            return None
+        return {"content": [chat_logprob(lp) for lp in entries], "refusal": None}
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
         result = []
@@ -122,26 +193,33 @@ class ChatFormat(_Format):
             self._started.add(i)
             result.append(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-        tool_deltas = list(getattr(out, "tool_call_deltas", ()) or ())
-        if out.new_text or tool_deltas:
+        state = self._states.setdefault(i, _ChoiceState(self.prep.tool_parsing))
+        parsed = state.split(out)
+        if parsed.content or parsed.tool_calls or out.logprobs:
             delta: dict[str, Any] = {}
-            if out.new_text:
-                delta["content"] = out.new_text
-            if tool_deltas:
-                delta["tool_calls"] = tool_deltas
-            result.append(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+            if parsed.content:
+                delta["content"] = parsed.content
+            if parsed.tool_calls:
+                delta["tool_calls"] = parsed.tool_calls
+            result.append(self._chunk([{"index": i, "delta": delta, "logprobs": self._logprobs(out.logprobs),
+                                        "finish_reason": None}]))
         if out.finished:
             result.append(self._chunk([{"index": i, "delta": {}, "logprobs": None,
-                                        "finish_reason": finish_reason(out)}]))
+                                        "finish_reason": state.finish_reason(out)}]))
         return result
 
     def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
         choices = []
         for i in range(len(self.prep.requests)):
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(acc.text[i]), "refusal": None}
-            if acc.tools.get(i):
-                message["tool_calls"] = [acc.tools[i][k] for k in sorted(acc.tools[i])]
-            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": acc.finish.get(i)})
+            calls = acc.tool_calls(i)
+            text = "".join(acc.text[i])
+            # OpenAI sends content null on a message that only calls tools
+            message: dict[str, Any] = {"role": "assistant", "content": None if calls and not text.strip() else text,
+                                       "refusal": None}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": i, "message": message, "logprobs": self._logprobs(acc.logprobs[i]),
+                            "finish_reason": acc.finish.get(i)})
         return {
             "id": self.prep.request_id, "object": "chat.completion", "created": self.prep.created,
             "model": self.prep.model, "system_fingerprint": None, "choices": choices, "usage": usage,
@@ -151,15 +229,28 @@ class ChatFormat(_Format):
 class CompletionFormat(_Format):
     chunk_object = "text_completion"
 
+    def __init__(self, prep: Prepared) -> None:
+        super().__init__(prep)
+        self._offsets: dict[int, int] = defaultdict(int)  # characters of logprob tokens sent per choice
+
+    def _logprobs(self, i: int, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.prep.logprobs is None:
+            return None
+        obj = legacy_logprobs(list(entries), self._offsets[i])
+        self._offsets[i] += sum(len(lp.token) for lp in entries)
+        return obj
+
     def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
-        if not out.new_text and not out.finished:
+        if not out.new_text and not out.finished and not out.logprobs:
             return []
         reason = finish_reason(out) if out.finished else None
-        return [self._chunk([{"index": i, "text": out.new_text, "logprobs": None, "finish_reason": reason}])]
+        return [self._chunk([{"index": i, "text": out.new_text, "logprobs": self._logprobs(i, out.logprobs),
+                              "finish_reason": reason}])]
 
     def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
         choices = [
-            {"index": i, "text": "".join(acc.text[i]), "logprobs": None, "finish_reason": acc.finish.get(i)}
+            {"index": i, "text": "".join(acc.text[i]), "logprobs": self._logprobs(i, acc.logprobs[i]),
+             "finish_reason": acc.finish.get(i)}
             for i in range(len(self.prep.requests))
         ]
         return {"id": self.prep.request_id, "object": "text_completion", "created": self.prep.created,

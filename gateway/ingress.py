@@ -46,42 +46,64 @@ def _where(path: tuple[str | int, ...]) -> str:
 
 
 def scan(value: Any, *, max_depth: int = MAX_DEPTH) -> BodyShape:
-    """Walk parsed JSON without recursion. Raises ``PydanticCustomError("body_limit")``."""
-    chars = 0
+    """Walk parsed JSON without recursion. Raises ``PydanticCustomError("body_limit")``.
+
+    Fast path: strings are collected, then searched for surrogates by the regex engine in one
+    ``map``; only a body that fails is walked again, for the path in the error message.
+    """
+    texts: list[str] = []
     deepest = 0
-    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(value, 0, ())]
+    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(value, 1, ())]
     while stack:
         item, depth, path = stack.pop()
         if isinstance(item, str):
-            chars += len(item)
-            if _SURROGATE.search(item):
-                raise body_limit(f"'{_where(path)}' holds a lone UTF-16 surrogate, which is not valid Unicode text",
-                                 _where(path))
+            texts.append(item)
             continue
-        if not isinstance(item, dict | list):
-            continue
-        depth += 1
         deepest = max(deepest, depth)
         if depth > max_depth:
             raise body_limit(f"the request is nested more than {max_depth} levels deep (at '{_where(path[:8])}...')",
                              _where(path[:1]) if path else None)
         if isinstance(item, dict):
             for key, child in item.items():
-                if isinstance(key, str):
-                    chars += len(key)
-                    if _SURROGATE.search(key):
-                        raise body_limit(f"a key under '{_where(path)}' holds a lone UTF-16 surrogate", _where(path))
-                stack.append((child, depth, (*path, key)))
-        else:
+                texts.append(key)
+                if isinstance(child, str):
+                    texts.append(child)
+                elif isinstance(child, dict | list):
+                    stack.append((child, depth + 1, (*path, key)))
+        elif isinstance(item, list):
             # token ids and numbers need no visit: skipping them keeps a 1M-id prompt at C speed
             if all(type(child) is int for child in item):
                 continue
             if len(item) > MAX_ITEMS:
                 raise body_limit(f"'{_where(path)}' has {len(item)} entries; at most {MAX_ITEMS} are accepted",
                                  _where(path))
-            stack.extend((child, depth, (*path, i)) for i, child in enumerate(item)
-                         if isinstance(child, str | dict | list))
-    return BodyShape(deepest, chars)
+            for i, child in enumerate(item):
+                if isinstance(child, str):
+                    texts.append(child)
+                elif isinstance(child, dict | list):
+                    stack.append((child, depth + 1, (*path, i)))
+    if any(map(_SURROGATE.search, texts)):
+        where = _where(_surrogate_path(value))
+        raise body_limit(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text", where)
+    return BodyShape(deepest, sum(map(len, texts)))
+
+
+def _surrogate_path(value: Any) -> tuple[str | int, ...]:
+    """Where the first lone surrogate is (slow path, for the error message only; depth already bounded)."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _SURROGATE.search(key):
+                    return path
+                stack.append((child, (*path, key)))
+        elif isinstance(item, list):
+            stack.extend((child, (*path, i)) for i, child in enumerate(item))
+    return ()
 
 
 # Below this a temperature is greedy decoding (as in vLLM): dividing logits by 1e-300 gave inf/nan

@@ -22,7 +22,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.protocol import GenerateRequest, RequestOutput, SamplingParams, StaticTenantScope
+from engine.protocol import (
+    GenerateRequest,
+    GuidedSpec,
+    RequestOutput,
+    SamplingParams,
+    StaticTenantScope,
+    TokenLogprob,
+)
 
 
 def request_to_wire(req: GenerateRequest) -> dict[str, Any]:
@@ -61,6 +68,10 @@ def request_from_wire(d: dict[str, Any]) -> GenerateRequest:
     for name in ("stop", "stop_token_ids"):
         if name in s:
             s[name] = tuple(s[name])
+    if "logit_bias" in s:
+        s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
+    if s.get("guided") is not None:
+        s["guided"] = GuidedSpec(**s["guided"])
     return GenerateRequest(
         request_id=str(d["request_id"]),
         tenant=scope,
@@ -81,4 +92,10 @@ def output_from_wire(d: dict[str, Any]) -> RequestOutput:
     d = dict(d)
     d["new_token_ids"] = tuple(d.get("new_token_ids") or ())
     d["token_times_s"] = tuple(d.get("token_times_s") or ())
+    d["logprobs"] = tuple(
+        TokenLogprob(token_id=int(lp["token_id"]), token=str(lp["token"]), token_bytes=tuple(lp["token_bytes"]),
+                     logprob=float(lp["logprob"]),
+                     top=tuple((str(t), tuple(b), float(v)) for t, b, v in lp.get("top") or ()))
+        for lp in d.get("logprobs") or ()
+    )
     return RequestOutput(**d)

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
 
@@ -27,6 +27,7 @@ from engine.protocol import (
     EngineClient,
     EngineError,
     GenerateRequest,
+    GuidedSpec,
     RequestOutput,
     Retention,
     SamplingParams,
@@ -46,7 +47,10 @@ from gateway.remote import NodeUnavailableError
 from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, now, usage_dict
 from gateway.settings import GatewaySettings
+from gateway.structured_output import guided_for_response_format
 from gateway.tenant_threads import TenantThreads
+from gateway.tool_calls import ToolPlan, plan_tools
+from gateway.upstream import UpstreamRequest
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -68,12 +72,15 @@ class Prepared:
     include_usage: bool
     canon_applied: tuple[str, ...]
     tenant: Any  # the scoped TenantContext
-    extra: dict[str, Any] = field(default_factory=dict)
     # Cache-miss explanation: the tracker's view before the run, and after it (set by Accounting.record).
     miss_tracker: MissTracker | None = None
     miss: Observation | None = None
     miss_record: MissRecord | None = None
     cached_tokens: int | None = None
+    # Local engine output features: parse tool calls out of the text; logprobs to report per token
+    # (None: no logprobs object; k: the sampled token plus k alternatives).
+    tool_parsing: bool = False
+    logprobs: int | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -116,32 +123,92 @@ def _message_dict(m: Any, *, local: bool) -> dict[str, Any]:
     return d
 
 
+# OpenAI request fields outside the schema models that the local engine cannot honour: each gets a
+# 400 naming it (with what to use instead), never a silent drop. Bookkeeping fields that change
+# nothing about the output (metadata, store, service_tier, prompt_cache_key...) are tolerated.
+_UNSUPPORTED_LOCAL_EXTRAS = {
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+    "audio": "this model outputs text only",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model does not reason in a separate channel",
+    "web_search_options": "web search is not available",
+    "min_p": "use top_p",
+    "repetition_penalty": "omit it",
+}
+
+
 def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Parameters the local engine cannot honour get a 400 naming them (never a silent drop)."""
-    if req.logprobs not in (None, False, 0):
-        raise invalid_request("logprobs are not supported by this model", param="logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise invalid_request(f"{name} is not supported by this model; omit it or send 0", param=name)
-    if isinstance(req, ChatCompletionRequest):
-        rf = req.response_format
-        if rf and rf.get("type") not in (None, "text"):
-            raise invalid_request(
-                f"response_format type {rf.get('type')!r} is not supported by this model", param="response_format"
-            )
-        tc = req.tool_choice
-        if tc not in (None, "auto", "none"):
-            raise invalid_request(
-                "tool_choice 'required' or a named function is not supported by this model; use 'auto' or 'none'",
-                param="tool_choice",
-            )
-    else:
+    extras = req.model_extra or {}
+    for name, hint in _UNSUPPORTED_LOCAL_EXTRAS.items():
+        if extras.get(name) is not None:
+            raise invalid_request(f"{name} is not supported by this model: {hint}", param=name)
+    modalities = extras.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise invalid_request("modalities: this model outputs text only; send [\"text\"] or omit it",
+                              param="modalities")
+    if isinstance(req, CompletionRequest):
         if req.echo:
             raise invalid_request("echo is not supported by this model", param="echo")
         if req.suffix:
             raise invalid_request("suffix is not supported by this model", param="suffix")
         if req.best_of not in (None, 1, req.n):
             raise invalid_request("best_of is not supported by this model", param="best_of")
+
+
+_MAX_LOGIT_BIAS = 1024  # entries; each is a tensor write per step
+
+
+@dataclass(frozen=True)
+class LocalFeatures:
+    """What a request asks of the local engine beyond plain sampling (all validated)."""
+
+    tools: ToolPlan
+    guided: GuidedSpec | None
+    logprobs: int | None
+    logit_bias: tuple[tuple[int, float], ...]
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    if not raw:
+        return ()
+    if len(raw) > _MAX_LOGIT_BIAS:
+        raise invalid_request(f"logit_bias accepts at most {_MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    out = []
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if token < 0:
+            raise invalid_request(f"logit_bias token id must be >= 0, got {token}", param="logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise invalid_request(f"logit_bias values must be in [-100, 100], got {bias}", param="logit_bias")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
+
+
+def local_features(req: ChatCompletionRequest | CompletionRequest) -> LocalFeatures:
+    """Tools, structured output, logprobs and logit_bias as the engine takes them. 400s name the field."""
+    bias = _logit_bias(req.logit_bias)
+    if isinstance(req, CompletionRequest):
+        return LocalFeatures(ToolPlan(tools=None, parse=False, guided=None), None, req.logprobs, bias)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    guided = guided_for_response_format(req.response_format)
+    if guided is not None and tools.guided is not None:
+        raise invalid_request(
+            "response_format json_object/json_schema cannot be combined with tool_choice 'required' or a "
+            "named function: the output is either a tool call or JSON content", param="response_format")
+    if guided is not None:  # JSON content is forced, so no tool call can appear in it
+        tools = ToolPlan(tools=tools.tools, parse=False, guided=None)
+    return LocalFeatures(tools, guided or tools.guided, logprobs, bias)
 
 
 def _charge_rejected(tenancy: TenancyPort, scoped: Any) -> None:
@@ -239,23 +306,26 @@ async def prepare(
     backend = router.resolve(req.model, engine, scoped.namespace, canon.body)
     stops = req.stop_list()
     extra: dict[str, Any] = {}
-    if backend.kind == "provider":
+    features: LocalFeatures | None = None
+    if backend.takes_openai_fields:
         extra = {k: body[k] for k in _PROVIDER_PASSTHROUGH if k in body}
     else:
         _reject_unsupported_local(req)
+        features = local_features(req)
 
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     inputs: list[dict[str, Any]]
     if isinstance(req, ChatCompletionRequest):
-        local = backend.kind != "provider"
-        inputs = [{"messages": [_message_dict(m, local=local) for m in req.messages], "tools": req.tools}]
+        local = not backend.takes_openai_fields
+        tools = features.tools.tools if features is not None else req.tools
+        inputs = [{"messages": [_message_dict(m, local=local) for m in req.messages], "tools": tools}]
     else:
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
     asked = req.effective_max_tokens()
-    max_len = router.max_model_len(backend) if backend.kind == "local" else None
+    max_len = router.max_model_len(backend) if backend.tokenizes_here else None
     prompt_counts: list[int] = []
-    if backend.kind == "local":
+    if backend.tokenizes_here:
         probe = SamplingParams(max_tokens=1)
         probes = [GenerateRequest(request_id=request_id, tenant=scoped, sampling=probe, model=backend.target_model,
                                   **inp) for inp in inputs]
@@ -288,13 +358,20 @@ async def prepare(
                     top_p=1.0 if req.top_p is None else req.top_p,
                     seed=None if req.seed is None else req.seed + i,  # n samples must differ
                     stop=stops,
+                    logit_bias=features.logit_bias if features else (),
+                    logprobs=features.logprobs if features else None,
+                    guided=features.guided if features else None,
                 )
             except ValueError as exc:
                 raise invalid_request(str(exc)) from None
-            requests.append(GenerateRequest(
-                request_id=f"{request_id}-{p}-{i}", tenant=scoped, sampling=sampling,
-                model=backend.target_model or None, **inp,
-            ))
+            rid = f"{request_id}-{p}-{i}"
+            model = backend.target_model or None
+            if backend.takes_openai_fields:  # the same generate() call, with what only a provider reads
+                requests.append(UpstreamRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model,
+                                                passthrough=extra, incremental=req.stream,
+                                                tenant_name=scoped.name, **inp))
+            else:
+                requests.append(GenerateRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model, **inp))
 
     keep_s = getattr(scoped, "cache_retention_s", None)  # the tenant's explicit cache control (#24.3)
     if keep_s and backend.kind == "local":
@@ -308,7 +385,8 @@ async def prepare(
     return Prepared(
         kind=kind, request_id=request_id, created=now(), model=req.model, backend=backend, requests=requests,
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
-        canon_applied=canon.applied, tenant=scoped, extra=extra, miss_tracker=tracker, miss=miss,
+        canon_applied=canon.applied, tenant=scoped, miss_tracker=tracker, miss=miss,
+        tool_parsing=bool(features and features.tools.parse), logprobs=features.logprobs if features else None,
     )
 
 
@@ -344,11 +422,7 @@ async def run_choices(prep: Prepared, router: Router) -> AsyncIterator[tuple[int
             used[i] = backend
             started = False
             try:
-                if backend.kind == "provider":
-                    stream = backend.client.stream(gr, prep.extra, incremental=prep.stream)
-                else:
-                    stream = backend.client.generate(gr)
-                async for out in stream:
+                async for out in backend.client.generate(gr):
                     started = True
                     await queue.put((i, out))
             except asyncio.CancelledError:
@@ -458,7 +532,7 @@ class Accounting:
         latency = time.perf_counter() - self.start
         # The ledger and the price use the model that did the work: for a provider route that is the
         # provider's model (priced from litellm's map), not the alias the client sent.
-        model = prep.backend.target_model if prep.backend.kind == "provider" else prep.model
+        model = prep.backend.target_model if prep.backend.takes_openai_fields else prep.model
         price = self.tenancy.price(model, prompt, cached, completion)
         cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)

@@ -17,6 +17,7 @@ from promptlint.canon import canonicalize as _canonicalize
 # The rest of the gateway (and its test fakes) take tenancy's types from here.
 from tenancy.service import (  # noqa: F401 - re-exported
     AuthenticationError,
+    FleetStatus,
     QuotaExceededError,
     TenancyError,
     TenancyService,
@@ -54,6 +55,13 @@ class TenancyPort(Protocol):
 
 
 @runtime_checkable
+class FleetStatusSource(Protocol):
+    """Which store and limits the tenancy uses (``TenancyService.fleet_status``; fakes may not have it)."""
+
+    def fleet_status(self) -> FleetStatus: ...
+
+
+@runtime_checkable
 class TenantDirectory(Protocol):
     """Listing tenants and keys (``TenancyService`` has it; test fakes may not): the panel's isolation table."""
 
@@ -62,9 +70,11 @@ class TenantDirectory(Protocol):
     def list_keys(self, name: str | None = None) -> list[Any]: ...
 
 
-def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0) -> Any:
-    """Open the real tenancy service under ``home``."""
-    return TenancyService.open(home, auth_cache_ttl_s=auth_cache_ttl_s)
+def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0, database_url: str | None = None,
+                 redis_url: str | None = None) -> Any:
+    """Open the real tenancy service under ``home`` (on ``database_url`` / ``redis_url`` when given)."""
+    return TenancyService.open(home, auth_cache_ttl_s=auth_cache_ttl_s, database_url=database_url,
+                               redis_url=redis_url)
 
 
 def quota_error(exc: Exception) -> OpenAIError:

@@ -140,7 +140,7 @@ def _client_gone() -> JSONResponse:
 
 
 async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: Any, request: Request) -> JSONResponse:
-    acc = ChoiceText()
+    acc = ChoiceText(prep)
 
     async def collect() -> None:
         async with aclosing(run_choices(prep, router)) as outputs:

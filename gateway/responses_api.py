@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from engine.protocol import RequestOutput
 from gateway.errors import OpenAIError, invalid_request
-from gateway.formats import ChoiceText, finish_reason, sse
+from gateway.formats import ChoiceText, sse
 from gateway.ingress import scan
 from gateway.pipeline import Prepared
 from gateway.schemas import MAX_NAME_CHARS, now
@@ -205,7 +205,7 @@ class ResponsesFormat:
         self.seq = 0
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.text: list[str] = []
-        self.calls = ChoiceText()  # tool-call accumulation (choice 0)
+        self.calls = ChoiceText(prep)  # choice 0: tool calls parsed (local engine) or streamed (provider)
         self.finish: str | None = None
         self.started = False
         self.msg_open = False
@@ -221,10 +221,9 @@ class ResponsesFormat:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     def _call_items(self) -> list[dict[str, Any]]:
-        calls = self.calls.tools.get(0, {})
         return [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"] or "call_" + uuid.uuid4().hex,
                  "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
-                for c in (calls[k] for k in sorted(calls))]
+                for c in self.calls.tool_calls(0)]
 
     def _output(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         text = "".join(self.text)
@@ -283,14 +282,14 @@ class ResponsesFormat:
             pending = self._response("in_progress", [], None)
             events += [self._event("response.created", response=pending),
                        self._event("response.in_progress", response=pending)]
-        if out.new_text:
+        content = self.calls.add(0, out).content  # text outside <tool_call> tags
+        if content:
             if not self.msg_open:
                 events += self._open_message()
-            self.text.append(out.new_text)
-            events.append(self._event("response.output_text.delta", **self._ids(), delta=out.new_text, logprobs=[]))
-        self.calls.add(0, out)
+            self.text.append(content)
+            events.append(self._event("response.output_text.delta", **self._ids(), delta=content, logprobs=[]))
         if out.finished:
-            self.finish = finish_reason(out)
+            self.finish = self.calls.finish.get(0)
         return events
 
     def frame(self, chunk: dict[str, Any]) -> bytes:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from engine.protocol import EngineClient, ModelCard
@@ -31,21 +32,38 @@ ROUTE_BLOCK_BYTES = 256
 DOWN_S = 10.0
 
 
+class BackendKind(StrEnum):
+    LOCAL = "local"  # the in-process engine
+    NODE = "node"  # another `prefixgate serve` over the node API
+    PROVIDER = "provider"  # an upstream API (litellm or direct HTTP)
+
+
 @dataclass
 class Backend:
-    """One concrete place to send a request.
+    """One concrete place to send a request; every kind is driven through ``client.generate``.
 
     label: bounded-cardinality name for metrics and the ledger ("local", "node:<url>", "litellm:<provider>").
-    kind: "local" | "node" | "provider".
     target_model: the model name the backend itself expects.
+    The properties say what differs between kinds, so callers ask for a behaviour, not a kind.
     """
 
     label: str
-    kind: str
+    kind: BackendKind
     client: EngineClient
     target_model: str
     inflight: int = 0
     down_until: float = 0.0  # time.monotonic() before which the node is skipped
+
+    @property
+    def tokenizes_here(self) -> bool:
+        """The model's tokenizer is in this process: the gateway tokenizes once and checks the context."""
+        return self.kind is BackendKind.LOCAL
+
+    @property
+    def takes_openai_fields(self) -> bool:
+        """The backend reads OpenAI fields the engine cannot honour (tool_choice, content parts...) and
+        is billed under its own model name (priced from litellm's map), not the client's alias."""
+        return self.kind is BackendKind.PROVIDER
 
     @property
     def up(self) -> bool:
@@ -111,7 +129,7 @@ class Router:
         if local is None:
             return None
         if self._local_backend is None or self._local_backend.client is not local:
-            self._local_backend = Backend("local", "local", local, "")
+            self._local_backend = Backend("local", BackendKind.LOCAL, local, "")
         return self._local_backend
 
     def resolve(self, model: str, local: EngineClient | None, namespace: bytes, body: dict[str, Any]) -> Backend:

@@ -1,8 +1,13 @@
 """OpenAI wire format: request models (validated, unknown fields tolerated) and response builders.
 
 Unknown top-level fields are kept (``extra="allow"``) because OpenAI tolerates new fields and
-upstream providers may understand them; fields we cannot honour on the local engine are rejected
-in ``gateway.pipeline`` with a 400 that names the parameter, never silently dropped.
+upstream providers may understand them. Every sampling and output field OpenAI defines is either
+honoured by the local engine (tools and ``tool_choice``, ``response_format``, ``logprobs`` /
+``top_logprobs``, ``logit_bias``; see docs/gateway.md) or rejected in
+``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter
+(``presence_penalty``, ``frequency_penalty``, ``echo``, ``suffix``, ``best_of``, and extra fields
+such as ``functions``, ``audio``, ``reasoning_effort``): never silently dropped. Extra fields that
+change nothing in the output (``metadata``, ``store``...) are accepted.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS)
-    logprobs: Any = None
+    logprobs: Any = None  # chat: bool; completions: int 0..5 (the subclasses narrow it)
+    logit_bias: dict[str, float] | None = None  # token id (as a string key) -> bias in [-100, 100]
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     _text_chars: int = PrivateAttr(0)
@@ -103,7 +109,10 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -111,6 +120,7 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

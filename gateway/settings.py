@@ -8,11 +8,19 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     max_body_bytes = "4MiB"
     node_token_env = "PREFIXGATE_NODE_TOKEN"   # enables POST /internal/v1/generate on this process
     metrics_token_env = "PREFIXGATE_METRICS_TOKEN"  # Prometheus scrapes /metrics with this bearer token
+    database_url = "postgresql://prefixgate@db:5432/prefixgate"  # shared state of a fleet (default: SQLite under --home)
+    redis_url = "redis://redis:6379/0"  # fleet-wide rpm/tpm limits, budgets and revocation (default: per process)
 
     [engine]                    # the in-process engine; omit `model` for a gateway-only process
-    model = "tiny"              # or a checkpoint directory
+    model = "smol"              # SmolLM2-135M-Instruct (the default), "tiny", or a checkpoint directory
     device = "cpu"
+    dtype = "auto"              # compute: auto (fp32 on CPU, bf16 on CUDA) / bf16 / fp16 / fp32
+    kv_dtype = "auto"           # KV cache: auto (= dtype) / bf16 / fp16 / fp32 / fp8 / int8
     kv_blocks = 512
+    block_size = 16             # tokens per KV block (8/16/32/64/128)
+    max_num_seqs = 64           # most requests in one running batch
+    max_num_batched_tokens = 2048
+    threads = 2                 # torch CPU threads (default: torch's choice)
     dram_bytes = "1GiB"
 
     [[routes]]                  # an upstream provider through litellm
@@ -41,7 +49,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.config import parse_size
+from engine.config import COMPUTE_DTYPES, DTYPE_ALIASES, KV_DTYPES, EngineConfig, parse_size
 
 
 def _size(value: Any) -> int:
@@ -67,9 +75,17 @@ class RouteConfig(BaseModel):
     cache_salt: bool | None = None
     tenant_prefix: bool = True
     prompt_cache_key: bool | None = None
+    # Per-tenant upstream accounts (separate caches at the provider): tenant name -> the environment
+    # variable with that tenant's own key. shared_api_key = false: tenants without one get a 403.
+    tenant_api_key_envs: dict[str, str] = Field(default_factory=dict)
+    shared_api_key: bool = True
     extra_body: dict[str, Any] = Field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     node_token_env: str | None = None
+    # Prefill/decode split (docs/disaggregation.md): `nodes` are decode nodes, fed by these prefill nodes.
+    prefill_nodes: tuple[str, ...] = ()
+    split_min_tokens: int = Field(256, ge=1)  # uncached prompt tokens below which a request stays colocated
+    max_prefill_queue: int = Field(8, ge=1)
     max_model_len: int | None = None  # advertised in /v1/models for providers; nodes report their own
     # "litellm" (any provider) or "direct": a keep-alive HTTP client straight to an OpenAI-compatible
     # api_base, skipping litellm's per-call work (the gateway's added latency in front of vLLM/SGLang).
@@ -79,6 +95,8 @@ class RouteConfig(BaseModel):
     def _one_target(self) -> RouteConfig:
         if bool(self.provider) == bool(self.nodes):
             raise ValueError(f"route {self.model!r}: give exactly one of `provider` or `nodes`")
+        if self.prefill_nodes and not self.nodes:
+            raise ValueError(f"route {self.model!r}: `prefill_nodes` needs `nodes` (the decode nodes they feed)")
         if self.transport == "direct" and not (
             self.provider and self.provider.startswith("openai/") and self.api_base
         ):
@@ -108,6 +126,11 @@ class RouteConfig(BaseModel):
         return self.hosted_openai if self.prompt_cache_key is None else self.prompt_cache_key
 
     @property
+    def tenant_api_keys(self) -> dict[str, str]:
+        """Tenant name -> its own upstream key (tenants whose variable is unset are left out)."""
+        return {name: os.environ[env] for name, env in self.tenant_api_key_envs.items() if os.environ.get(env)}
+
+    @property
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
@@ -124,14 +147,25 @@ class GatewaySettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     home: Path | None = None  # tenancy database and keys; None = tenancy injected (tests)
+    # A fleet: tenants, keys and the ledger in PostgreSQL (None = SQLite under home) and limits in Redis.
+    database_url: str | None = None
+    redis_url: str | None = None
     # Local engine: None = gateway-only (every model is routed elsewhere).
     model: str | None = None
     model_dir: Path | None = None  # resolved checkpoint directory (serve_cmd fills it from `model`)
     device: str = "cpu"
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
     kv_blocks: int | None = None
+    block_size: Literal[8, 16, 32, 64, 128] = 16
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=8)
+    threads: int | None = Field(None, ge=1)
     dram_bytes: int = 0
     nvme_dir: Path | None = None
     nvme_bytes: int = 0
+    role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode split role of the local engine
+    kv_port: int = Field(0, ge=0, le=65535)  # a decode engine's KV receiver port (0 = any free port)
     prefix_caching: bool = True  # False = every request computes its whole prompt (benchmark baseline)
     routes: tuple[RouteConfig, ...] = ()
     node_token: str | None = None  # shared secret for /internal/v1/* (None = node API disabled)
@@ -154,6 +188,38 @@ class GatewaySettings(BaseModel):
     route_prefix_bytes: int = Field(1024, ge=16)
     # Load guard: leave the rendezvous choice when it has more than factor * (least load + 1) in flight.
     load_factor: float = Field(2.0, ge=1.0)
+
+    def engine_config(self) -> EngineConfig:
+        """The in-process engine's configuration (every [engine] setting reaches the engine here).
+        Raises ValueError when there is no local model (``model_dir`` is None)."""
+        if self.model_dir is None:
+            raise ValueError("no local model: this gateway only routes")
+        return EngineConfig(
+            model_dir=self.model_dir, device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
+            block_size=self.block_size, num_kv_blocks=self.kv_blocks, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.threads,
+            dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
+            enable_prefix_caching=self.prefix_caching,
+            model_id=self.model if self.model and self.model != str(self.model_dir) else None,
+        )
+
+    @field_validator("dtype", "kv_dtype")
+    @classmethod
+    def _dtype(cls, v: str, info: Any) -> str:
+        v = DTYPE_ALIASES.get(v, v)
+        allowed = KV_DTYPES if info.field_name == "kv_dtype" else COMPUTE_DTYPES
+        if v not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)} (or bf16, fp16, fp32), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _role_needs_token(self) -> GatewaySettings:
+        if self.role != "both" and self.model_dir is None:
+            raise ValueError(f"role {self.role} needs a local engine (--model DIR or tiny)")
+        if self.role != "both" and not self.node_token:
+            raise ValueError(f"role {self.role} needs a node token (--node-token-env): the KV transfer key "
+                             "is derived from it and the split's node calls are authenticated with it")
+        return self
 
     @field_validator("dram_bytes", "nvme_bytes", "max_body_bytes", mode="before")
     @classmethod

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutput
@@ -32,6 +32,20 @@ class ProviderOutput(RequestOutput):
 
     tool_call_deltas: tuple[dict[str, Any], ...] = ()
     cache_creation_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class UpstreamRequest(GenerateRequest):
+    """A ``GenerateRequest`` with what only a provider can use, so that every backend is driven by the
+    same ``generate(request)`` call.
+
+    passthrough: OpenAI fields forwarded as they are (tool_choice, response_format, ...).
+    incremental: stream from the upstream (the client asked to stream); False makes one whole call.
+    """
+
+    passthrough: Mapping[str, Any] = field(default_factory=dict)
+    incremental: bool = True
+    tenant_name: str | None = None  # picks the tenant's own upstream key where the route has one
 
 
 @dataclass(frozen=True)
@@ -93,15 +107,33 @@ class ProviderClient:
         extra_body: dict[str, Any] | None = None,
         max_model_len: int | None = None,
         model_id: str | None = None,
+        tenant_api_keys: Mapping[str, str] | None = None,
+        shared_api_key: bool = True,
     ) -> None:
         self.provider = provider
         self.api_base = api_base
         self.api_key = api_key
+        # Per-tenant upstream accounts: each has its own prompt cache (and bill) at the provider.
+        self.tenant_api_keys = dict(tenant_api_keys or {})
+        self.shared_api_key = shared_api_key
         self.cache_salt = cache_salt
         self.tenant_prefix = tenant_prefix
         self.prompt_cache_key = prompt_cache_key
         self.extra_body = dict(extra_body or {})
         self._card = ModelCard(id=model_id or provider, max_model_len=max_model_len or 0, owned_by="upstream")
+
+    def _api_key(self, request: GenerateRequest) -> str | None:
+        """The tenant's own upstream key, else the route's shared one (if the route allows sharing)."""
+        name = request.tenant_name if isinstance(request, UpstreamRequest) else None
+        own = self.tenant_api_keys.get(name) if name is not None else None
+        if own is not None:
+            return own
+        if not self.shared_api_key:
+            err = ProviderError("this route serves only tenants with their own upstream account; "
+                                "ask the operator to add one for your tenant")
+            err.status, err.code = 403, "upstream_account_required"
+            raise err
+        return self.api_key
 
     def _params(self, request: GenerateRequest, extra: dict[str, Any]) -> dict[str, Any]:
         s = request.sampling
@@ -111,7 +143,7 @@ class ProviderClient:
             "temperature": s.temperature,
             "top_p": s.top_p,
             "api_base": self.api_base,
-            "api_key": self.api_key,
+            "api_key": self._api_key(request),
             **extra,
         }
         if s.seed is not None:
@@ -139,10 +171,14 @@ class ProviderClient:
         return scoped_prompt(request.prompt, request.tenant.namespace) if self.tenant_prefix else request.prompt
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        async for out in self.stream(request, {}):
+        """The ``EngineClient`` call; an ``UpstreamRequest`` adds pass-through fields and the stream choice."""
+        upstream = request if isinstance(request, UpstreamRequest) else None
+        extra = dict(upstream.passthrough) if upstream is not None else {}
+        incremental = upstream.incremental if upstream is not None else True
+        async for out in self._outputs(request, extra, incremental=incremental):
             yield out
 
-    async def stream(
+    async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
     ) -> AsyncIterator[RequestOutput]:
         """Outputs for ``request``. ``incremental=False`` (the client did not ask to stream) makes one
@@ -316,41 +352,43 @@ class DirectOpenAIClient(ProviderClient):
                                            timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
         return self._http
 
-    def _body(self, request: GenerateRequest, extra: dict[str, Any]) -> dict[str, Any]:
+    def _body(self, request: GenerateRequest, extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        """The JSON body and the per-request headers (the key, when it is not the pool's default)."""
         params = self._params(request, extra)
-        for name in ("api_base", "api_key"):
-            params.pop(name, None)
+        key = params.pop("api_key", None)
+        params.pop("api_base", None)
         params["model"] = self._upstream_model
         params.update(params.pop("extra_body", {}))  # the OpenAI SDK merges extra_body into the JSON body
-        return params
+        headers = {"Authorization": f"Bearer {key}"} if key and key != self.api_key else {}
+        return params, headers
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         try:
-            resp = await self._client().post(path, json=body)
+            resp = await self._client().post(path, json=body, headers=headers)
         except Exception as exc:
             raise _provider_error(exc) from exc
         if resp.status_code >= 400:
             raise _http_error(resp.status_code, resp.text)
         return resp.json()
 
-    async def stream(
+    async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
     ) -> AsyncIterator[RequestOutput]:
-        body = self._body(request, extra)
+        body, headers = self._body(request, extra)
         start = time.perf_counter()
         rid = request.request_id
         if request.messages is None or not incremental:
             if request.messages is None:
                 body["prompt"] = self._prompt(request)
-                data = await self._post("/completions", body)
+                data = await self._post("/completions", body, headers)
             else:
                 body["messages"] = self._messages(request)
-                data = await self._post("/chat/completions", body)
+                data = await self._post("/chat/completions", body, headers)
             yield _whole_output(rid, data, chat=request.messages is not None, start=start)
             return
         body.update(messages=self._messages(request), stream=True, stream_options={"include_usage": True})
         try:
-            async with self._client().stream("POST", "/chat/completions", json=body) as resp:
+            async with self._client().stream("POST", "/chat/completions", json=body, headers=headers) as resp:
                 if resp.status_code >= 400:
                     raise _http_error(resp.status_code, (await resp.aread()).decode("utf-8", "replace"))
                 async for out in _chunk_outputs(rid, _sse_chunks(resp), start):

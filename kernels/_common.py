@@ -103,3 +103,15 @@ def dot_dtype(q_dtype: torch.dtype, cache: torch.Tensor):
         return tl.float16
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q_dtype]
 
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a small fake machine so that tests exercise split-KV
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

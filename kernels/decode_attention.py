@@ -34,6 +34,7 @@ from kernels._common import (
     interpreting,
     kv_code,
     next_pow2,
+    num_sms,
     placeholder,
     scale_args,
 )
@@ -65,7 +66,11 @@ def _unpack_8bit_pairs(pairs, KV_QUANT: tl.constexpr):
     return even, odd
 
 
-@triton.jit
+# The block table's row stride is its width, which changes with the longest context in the batch:
+# left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
+# the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
+# prefill+decode step took 2.1 s instead of 0.4 s, a 129-block table after 128-block ones).
+@triton.jit(do_not_specialize=["stride_btb"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [NB, BS, Hkv, D] (strided)
@@ -230,18 +235,6 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     return min(s for s, c in cost.items() if c <= best * 1.05)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: a small fake machine so that tests exercise split-KV
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def paged_decode(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D], any block stride
@@ -268,7 +261,7 @@ def paged_decode(
     block_n = max(block_n, 16)
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, _num_sms(q.device), block_n)
+        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n)
     split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, split_tokens)
 

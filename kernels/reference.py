@@ -176,3 +176,61 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tenso
 def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
     """Unpack a staging buffer [N, *cache.shape[1:]] into the given blocks."""
     cache[block_ids.long()] = staging.to(cache.dtype)
+
+
+# ------------------------------------------------------------------ fused layer ops (decode/prefill)
+# Each mirrors the unfused torch code of engine/models/llama.py op for op (same roundings in the
+# compute dtype), so the fused GPU path computes the same function as the CPU path.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] -> weight * (x / rms(x)) [T, H]: normalise in fp32, scale in x's dtype (transformers)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` (in place, rounded to residual's dtype), then -> rms_norm(residual) [T, H]."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D] fp32 -> rotate-half RoPE in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], q | k | v columns (a merged projection's output)
+    cos: torch.Tensor,  # [T, D] float32
+    sin: torch.Tensor,  # [T, D] float32
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    num_q_heads: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RoPE on q and k, K/V written into their cache slots -> rotated q [T, Hq, D] (contiguous)."""
+    t = qkv.shape[0]
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    nq = num_q_heads * head_dim
+    q = qkv[:, :nq].reshape(t, num_q_heads, head_dim)
+    k = qkv[:, nq : nq + kv_heads * head_dim].reshape(t, kv_heads, head_dim)
+    v = qkv[:, nq + kv_heads * head_dim :].reshape(t, kv_heads, head_dim)
+    write_kv(_rotate(k, cos, sin), v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return _rotate(q, cos, sin).contiguous()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up columns) -> silu(gate) * up [T, I] in gate_up's dtype."""
+    inter = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] (``F.linear``)."""
+    return torch.nn.functional.linear(x, weight, bias)

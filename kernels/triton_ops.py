@@ -2,8 +2,8 @@
 
 The engine picks ``kernels.reference`` on CPU and this module on CUDA. Each launcher checks
 shapes, dtypes, devices and strides and fails with an AssertionError that says what was wrong;
-the kernels themselves live in ``decode_attention``, ``prefill_attention``, ``kv_write`` and
-``block_copy``. Conventions (cache layout, quantization scales) are those of ``kernels.reference``.
+the kernels themselves live in ``decode_attention``, ``prefill_attention``, ``kv_write``,
+``block_copy`` and, for the fused layer path, ``rmsnorm``, ``rotary`` and ``activation``. Conventions (cache layout, quantization scales) are those of ``kernels.reference``.
 
 Differences from the reference, all on inputs the reference would also mishandle:
   * ``copy_blocks``: a block that is both a source and a destination in one call races (the
@@ -15,13 +15,23 @@ from __future__ import annotations
 
 import torch
 
-from kernels import block_copy, decode_attention, kv_write, prefill_attention
-from kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache
+from kernels import (
+    activation,
+    block_copy,
+    decode_attention,
+    kv_write,
+    prefill_attention,
+    rmsnorm,
+    rotary,
+    skinny_gemm,
+)
+from kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache, num_sms
 from kernels.reference import FP8_DTYPE, dequantize, is_quantized, quantize  # noqa: F401  (re-exported)
 
 __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "paged_decode_attention", "paged_prefill_attention",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
+    "rms_norm", "add_rms_norm", "rotary_write_kv", "silu_mul", "linear",
 ]
 
 
@@ -166,3 +176,87 @@ def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.
     if staging.dtype != cache.dtype:
         staging = staging.to(cache.dtype)
     block_copy.copy_rows(staging, cache, None, block_ids, n)
+
+
+# ------------------------------------------------------------------ fused layer ops (decode/prefill)
+def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
+    assert x.dim() == 2, f"{name} must be [tokens, features], got {tuple(x.shape)}"
+    assert x.dtype in ATTN_DTYPES, f"{name} must be fp16/bf16/fp32, got {x.dtype}"
+    assert x.stride(1) == 1, f"{name}'s rows must be contiguous, got strides {x.stride()}"
+    if width is not None:
+        assert x.shape[1] == width, f"{name} must have {width} columns, got {x.shape[1]}"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] -> weight * (x / rms(x)) [T, H]: normalise in fp32, scale in x's dtype (transformers)."""
+    _check_rows("x", x)
+    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), f"weight must be [{x.shape[1]}] contiguous"
+    assert weight.device == x.device, f"weight is on {weight.device}, x on {x.device}"
+    return rmsnorm.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` (in place, rounded to residual's dtype), then -> rms_norm(residual) [T, H]."""
+    _check_rows("x", x)
+    _check_rows("residual", residual, x.shape[1])
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (
+        f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}"
+    )
+    assert residual.device == x.device and weight.device == x.device, "x, residual and weight must share a device"
+    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), f"weight must be [{x.shape[1]}] contiguous"
+    return rmsnorm.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], q | k | v columns (a merged projection's output)
+    cos: torch.Tensor,  # [T, D] float32
+    sin: torch.Tensor,  # [T, D] float32
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    num_q_heads: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RoPE on q and k, K/V written into their cache slots -> rotated q [T, Hq, D] (contiguous)."""
+    device = qkv.device
+    check_paged_cache("k_cache", k_cache, device)
+    check_paged_cache("v_cache", v_cache, device)
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype, "k_cache and v_cache must match"
+    _, _, kv_heads, head_dim = k_cache.shape
+    assert head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
+    _check_rows("qkv", qkv, (num_q_heads + 2 * kv_heads) * head_dim)
+    for name, t in (("cos", cos), ("sin", sin)):
+        assert t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}"
+        assert tuple(t.shape) == (qkv.shape[0], head_dim) and t.stride(1) == 1, (
+            f"{name} must be [{qkv.shape[0]}, {head_dim}] with contiguous rows, got {tuple(t.shape)}"
+        )
+        assert t.device == device, f"{name} is on {t.device}, expected {device}"
+    _check_int_vector("slot_mapping", slot_mapping, qkv.shape[0], device)
+    check_kv_scales(k_cache, k_scale, v_scale)
+    return rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up columns) -> silu(gate) * up [T, I] in gate_up's dtype."""
+    _check_rows("gate_up", gate_up)
+    assert gate_up.shape[1] % 2 == 0, f"gate_up must have an even number of columns, got {gate_up.shape[1]}"
+    return activation.silu_mul(gate_up)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N]: cuBLAS (``F.linear``), or the weight-streaming
+    kernel for 16-bit batches of at most ``skinny_gemm.ENGINE_MAX_ROWS`` rows (0 now: off)."""
+    _check_rows("x", x)
+    assert weight.dim() == 2 and weight.shape[1] == x.shape[1], (
+        f"weight must be [out, {x.shape[1]}], got {tuple(weight.shape)}"
+    )
+    assert weight.dtype == x.dtype and weight.device == x.device, "x and weight must share dtype and device"
+    assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous()), "bias must be [out] contiguous"
+    config = None
+    if x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1 and x.device.type == "cuda":
+        config = skinny_gemm.choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device),
+                                           max_rows=skinny_gemm.ENGINE_MAX_ROWS)
+    if config is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return skinny_gemm.skinny_linear(x, weight, bias, config)

@@ -76,6 +76,14 @@ def is_movable(doc: PromptDoc, e: Element) -> bool:
     return 0 < e.line <= len(lines) and bool(_MOVABLE.search(lines[e.line - 1]))
 
 
+def move_hint(doc: PromptDoc, e: Element) -> str:
+    """The hint that unlocks ``--fix`` for a template value it may not move yet ("" when none applies)."""
+    if doc.kind != "template" or is_movable(doc, e) or doc.path.suffix.lower() in (".json", ".yaml", ".yml"):
+        return ""
+    return (f"; or, if that line may go last, mark it `promptlint: movable` (in a comment your renderer strips, "
+            f"or front matter `movable: [{e.name or 'var'}]`) and --fix moves it")
+
+
 def finding(doc: PromptDoc, e: Element, code: str, severity: Severity, message: str, fixable: bool = False) -> Finding:
     return Finding(code, doc.display, e.line, e.column, message, severity, fixable)
 

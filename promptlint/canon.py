@@ -9,8 +9,9 @@ request so that its leading part is byte-stable:
     the request unchanged (still a new object).
 ``safe`` (meaning-preserving)
     tools sorted by name, tool and response schemas with recursively sorted keys, ``\\r\\n`` -> ``\\n``
-    and whitespace stripped at the edges of each message's text (never on a trailing assistant
-    message, which may be a deliberate prefill).
+    and whitespace stripped at the outer edges of each message's text (never on a trailing assistant
+    message, which may be a deliberate prefill). Text parts of one message concatenate, so only the
+    edges of the whole run are stripped: ``"What is the weather "`` + ``"in Paris?"`` keeps its space.
 ``reorder``
     ``safe`` plus: lines of system/developer messages that hold dynamic values (timestamps, dates,
     times, UUIDs, request ids, and ``key: value`` lines of the tenant's per-user variables) move into
@@ -303,10 +304,52 @@ def _canonical_schemas(body: dict, applied: list[str]) -> None:
             applied.append("response-schema-canonical")
 
 
-def _norm_text(text: str) -> str:
+def _norm_newlines(text: str) -> str:
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text.strip()
+    return text
+
+
+def _norm_text(text: str) -> str:
+    return _norm_newlines(text).strip()
+
+
+def _norm_parts(parts: list[Any]) -> bool:
+    """Normalize a content-part list as ONE text: the parts concatenate (that is what a model
+    reads), so only the edges of the whole run are stripped, never a part's inner edges
+    (``"What is the weather "`` + ``"in Paris?"`` keeps its space), and a ``\r\n`` split across
+    two parts becomes one newline. Returns whether anything changed."""
+    idx = [i for i, p in enumerate(parts)
+           if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+    if not idx:
+        return False
+    old = [parts[i]["text"] for i in idx]
+    new = []
+    for k, text in enumerate(old):
+        # a CR ending the previous adjacent text part and an LF opening this one are one newline
+        if k and idx[k - 1] == idx[k] - 1 and old[k - 1].endswith("\r") and text.startswith("\n"):
+            text = text[1:]
+        new.append(_norm_newlines(text))
+    # Only the message's outer edges: a run of text parts opening (closing) the list. Whitespace
+    # next to an image part stays, as does everything between parts.
+    k = 0 if idx[0] == 0 else len(new)
+    while k < len(new) and idx[k] == k:  # leading run of adjacent text parts
+        new[k] = new[k].lstrip()
+        if new[k]:
+            break
+        k += 1
+    k = len(new) - 1 if idx[-1] == len(parts) - 1 else -1
+    while k >= 0 and idx[k] == len(parts) - len(new) + k:  # trailing run
+        new[k] = new[k].rstrip()
+        if new[k]:
+            break
+        k -= 1
+    changed = False
+    for i, before, after in zip(idx, old, new, strict=True):
+        if after != before:
+            parts[i] = {**parts[i], "text": after}
+            changed = True
+    return changed
 
 
 def _normalize_whitespace(body: dict, applied: list[str]) -> None:
@@ -325,16 +368,7 @@ def _normalize_whitespace(body: dict, applied: list[str]) -> None:
                 msg["content"] = new
                 changed = True
         elif isinstance(content, list):
-            for part in content:
-                if (
-                    isinstance(part, dict)
-                    and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)
-                ):
-                    new = _norm_text(part["text"])
-                    if new != part["text"]:
-                        part["text"] = new
-                        changed = True
+            changed = _norm_parts(content) or changed
     if changed:
         applied.append("whitespace-normalized")
 

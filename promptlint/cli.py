@@ -13,6 +13,7 @@ error (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="requests per day per file: print the monthly money saved / left (litellm prices)")
     check.add_argument("--fix", action="store_true", help="apply safe fixes and list what changed")
     check.add_argument("--config", type=Path, default=None, help="a pyproject.toml to read [tool.promptlint] from")
+    check.add_argument("--select", default=None, metavar="CODES",
+                       help="comma-separated codes or prefixes to run (replaces the config's select); a selected "
+                       "info-level rule such as PC009 also fails the run")
+    check.add_argument("--ignore", default=None, metavar="CODES",
+                       help="comma-separated codes or prefixes to skip (added to the config's ignore)")
     check.add_argument("--output", "-o", type=Path, default=None, help="write the report to FILE")
     check.add_argument("--skip-non-prompts", action="store_true",
                        help="skip named .json/.yaml files that are not prompts instead of reporting PC000 "
@@ -59,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from promptlint.config import load_config
+    from promptlint.config import load_config, with_cli_codes
     from promptlint.fix import fix_file
     from promptlint.formats import render
     from promptlint.linter import lint
@@ -69,12 +75,12 @@ def _check(args: argparse.Namespace) -> int:
         raise UsageError("--fail-under must be between 0 and 100")
     if args.volume is not None and args.volume < 0:
         raise UsageError("--volume must be a non-negative number of requests per day")
-    config = load_config(args.config)
+    config = with_cli_codes(load_config(args.config), args.select, args.ignore)
     report = lint(args.paths, config, args.model, args.skip_non_prompts)
     if args.fix:
         fixed_any = False
         for r in report.files:
-            what = fix_file(r)
+            what = fix_file(r, args.paths)
             done = [w for w in what if not w.startswith("not fixed")]
             if done:
                 fixed_any = True
@@ -98,7 +104,8 @@ def _check(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     else:
         sys.stdout.write(text)
-    failed = bool(report.findings) or (fail_under is not None and report.score < fail_under)
+    failing = [f for f in report.findings if config.fails(f.code, f.severity)]
+    failed = bool(failing) or (fail_under is not None and report.score < fail_under)
     return 1 if failed else 0
 
 
@@ -132,7 +139,8 @@ def _rule(args: argparse.Namespace) -> int:
         code = by_name[args.code].code
     r = rules[code]
     fix = "sometimes (--fix)" if r.fixable else "no"
-    print(f"{r.doc}\n\nSeverity: {r.severity}. Fixable: {fix}.")
+    fails = "yes" if r.severity != "info" else "only when selected (--select or [tool.promptlint] select)"
+    print(f"{r.doc}\n\nSeverity: {r.severity}. Fails the run by default: {fails}. Fixable: {fix}.")
     return 0
 
 
@@ -140,9 +148,10 @@ def _rules(args: argparse.Namespace) -> int:
     from promptlint.rules import all_rules
 
     if args.format == "markdown":
-        print("| code | name | severity | fix | what it finds |\n|---|---|---|---|---|")
+        print("| code | name | severity | fails by default | fix | what it finds |\n|---|---|---|---|---|---|")
         for r in all_rules().values():
-            print(f"| {r.code} | `{r.name}` | {r.severity} | {'yes' if r.fixable else ''} | {r.summary} |")
+            fails = "yes" if r.severity != "info" else "when selected"
+            print(f"| {r.code} | `{r.name}` | {r.severity} | {fails} | {'yes' if r.fixable else ''} | {r.summary} |")
         return 0
     for r in all_rules().values():
         print(f"{r.code}  {r.name:<32} {r.severity:<8} {r.summary}")
@@ -156,12 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that left shows up here, not at interpreter exit
+        return code
     except UsageError as exc:
         print(f"promptlint: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `promptlint rules | head`: the reader left early, which is not an error
+        # Point stdout at /dev/null so the interpreter's flush at exit does not raise again (Python docs).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

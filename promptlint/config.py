@@ -16,7 +16,7 @@ Any unknown key, unknown code or wrong type is a usage error (exit 2), never sil
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,6 +42,15 @@ class Config:
     def enabled(self, code: str) -> bool:
         selected = not self.select or any(code.startswith(p) for p in self.select)
         return selected and not any(code.startswith(p) for p in self.ignore)
+
+    def fails(self, code: str, severity: str) -> bool:
+        """Whether a finding makes the run exit 1.
+
+        Like ruff's default rule set: errors and warnings fail; ``info`` findings (style the gateway's
+        ``safe`` canonicalization already neutralizes, such as PC009 whitespace, or advice such as
+        PC008) are reported but fail only when ``select`` names them (a code, or a prefix like "PC").
+        """
+        return severity != "info" or any(code.startswith(p) for p in self.select)
 
     def _relative(self, path: Path) -> str:
         try:
@@ -86,12 +95,13 @@ def find_pyproject(start: Path) -> Path | None:
 
 
 def _codes(value: object, key: str) -> tuple[str, ...]:
+    where = key if key.startswith("--") else f"[tool.promptlint] {key}"
     if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-        raise UsageError(f"[tool.promptlint] {key} must be a list of rule codes")
+        raise UsageError(f"{where} must be a list of rule codes")
     known = all_rules()
     for c in value:
         if not c.startswith("PC") or not any(k.startswith(c) for k in known):
-            raise UsageError(f"[tool.promptlint] {key}: unknown rule code {c!r} (see `promptlint rules`)")
+            raise UsageError(f"{where}: unknown rule code {c!r} (see `promptlint rules`)")
     return tuple(value)
 
 
@@ -140,3 +150,16 @@ def load_config(path: Path | None = None, start: Path | None = None) -> Config:
         exclude=tuple(exclude),
         root=path.parent,
     )
+
+
+def with_cli_codes(config: Config, select: str | None, ignore: str | None) -> Config:
+    """``--select`` replaces the config's select, ``--ignore`` adds to its ignore (ruff's behaviour)."""
+    def split(value: str, flag: str) -> tuple[str, ...]:
+        codes = [c.strip().upper() for c in value.split(",") if c.strip()]
+        return _codes(codes, flag)
+
+    if select is not None:
+        config = replace(config, select=split(select, "--select"))
+    if ignore is not None:
+        config = replace(config, ignore=config.ignore + split(ignore, "--ignore"))
+    return config

@@ -9,12 +9,20 @@
   move, in order, to the end of the template.
 
 Every fix is idempotent: a second run finds nothing to change.
+
+A fix writes only to a regular file inside the trees that were named on the command line, never
+through a symlink: ``prompts/x.txt -> /etc/...`` in a checked-out repository must not let
+``promptlint check --fix prompts/`` write outside ``prompts/`` (the open uses ``O_NOFOLLOW``, so the
+check cannot be raced by swapping in a link afterwards).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
@@ -26,15 +34,48 @@ _MOVE_CODES = {"PC001", "PC002", "PC003"}
 _YAML_COMMENT = re.compile(r"^\s*#|\s#", re.MULTILINE)
 
 
-def fix_file(result: FileResult) -> list[str]:
-    """Apply the safe fixes for one file's findings; return human-readable changes (empty: none)."""
+class _Refused(Exception):
+    """The file is not one --fix may write (a symlink, or outside the named trees)."""
+
+
+def fix_file(result: FileResult, roots: Sequence[Path] = (Path("."),)) -> list[str]:
+    """Apply the safe fixes for one file's findings; return human-readable changes (empty: none).
+
+    ``roots`` are the paths named on the command line: only files inside them are written.
+    """
     doc = result.doc
     fixable = [f for f in result.findings if f.fixable]
     if doc is None or not fixable or doc.kind == "source":
         return []  # source files are never rewritten: the fix is a code change
-    if doc.kind == "request":
-        return _fix_request(result)
-    return _fix_template(result, {f.line for f in fixable if f.code in _MOVE_CODES})
+    try:
+        if doc.kind == "request":
+            return _fix_request(result, roots)
+        return _fix_template(result, {f.line for f in fixable if f.code in _MOVE_CODES}, roots)
+    except _Refused as exc:
+        return [f"not fixed: {exc}"]
+
+
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    real = Path(os.path.realpath(path))
+    for root in roots:
+        top = Path(os.path.realpath(root))
+        if real == top or (root.is_dir() and real.is_relative_to(top)):
+            return True
+    return False
+
+
+def _write(path: Path, text: str, roots: Sequence[Path]) -> None:
+    """Write ``text`` over ``path`` if it is a regular file inside ``roots`` reached without symlinks."""
+    if path.is_symlink():
+        raise _Refused(f"{path} is a symlink; --fix never writes through one (fix its target directly)")
+    if not _inside(path, roots):
+        raise _Refused(f"{path} resolves outside the paths given on the command line")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise _Refused(f"cannot write {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 def _indent(raw: str) -> int:
@@ -42,7 +83,7 @@ def _indent(raw: str) -> int:
     return len(m.group(1)) if m else 2
 
 
-def _fix_request(result: FileResult) -> list[str]:
+def _fix_request(result: FileResult, roots: Sequence[Path]) -> list[str]:
     doc = result.doc
     assert doc is not None and doc.body is not None
     res = canonicalize(doc.body, "safe")
@@ -55,11 +96,11 @@ def _fix_request(result: FileResult) -> list[str]:
         if _YAML_COMMENT.search(doc.raw):
             return [f"not fixed ({', '.join(res.applied)}): YAML with comments would lose them; fix by hand"]
         text = yaml.safe_dump(res.body, sort_keys=False, allow_unicode=True, width=10_000)
-    doc.path.write_text(text, encoding="utf-8")
+    _write(doc.path, text, roots)
     return list(res.applied)
 
 
-def _fix_template(result: FileResult, lines_to_move: set[int]) -> list[str]:
+def _fix_template(result: FileResult, lines_to_move: set[int], roots: Sequence[Path]) -> list[str]:
     doc = result.doc
     assert doc is not None
     if not lines_to_move:
@@ -83,5 +124,5 @@ def _fix_template(result: FileResult, lines_to_move: set[int]) -> list[str]:
     if tail[-len(moved) :] == moved:
         return []
     new_body = rest + moved + [""]
-    doc.path.write_text("\n".join(head + new_body), encoding="utf-8")
+    _write(doc.path, "\n".join(head + new_body), roots)
     return [f"moved line {doc.body_line + i} to the end" for i in idx]

@@ -59,7 +59,11 @@ def _text(report: Report, savings: Savings | None, fail_under: float | None) -> 
     if fail_under is not None and report.score < fail_under:
         out.append(f"Score {report.score:.1f} is below --fail-under {fail_under:g}")
     if findings:
-        out.append(f"Found {len(findings)} finding(s)" + (f" ({fixable} fixable with --fix)." if fixable else "."))
+        info = sum(f.severity == "info" for f in findings)
+        notes = [f"{fixable} fixable with --fix"] if fixable else []
+        if info:
+            notes.append(f"{info} info-level, which fail the run only when selected")
+        out.append(f"Found {len(findings)} finding(s)" + (f" ({'; '.join(notes)})." if notes else "."))
     else:
         out.append("All checks passed!")
     return "\n".join(out) + "\n"

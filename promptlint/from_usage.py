@@ -19,6 +19,7 @@ that match no file are returned as unmatched, for the caller to mention.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from difflib import SequenceMatcher
@@ -31,6 +32,8 @@ from promptlint.model import Finding, PromptDoc
 from promptlint.rules import all_rules
 
 MIN_MATCH_CHARS = 8  # shorter shared text ("\n", "You ") says nothing about which template it was
+# The matcher is quadratic in the worst case: only the text just before the break locates it anyway.
+MAX_CONTEXT_CHARS = 2000
 _MARKER_END = ">\n"  # promptlint.explain.render wraps each part as "<role>\n...text...\n"
 
 
@@ -46,15 +49,23 @@ def load_misses(path: Path) -> list[dict[str, Any]]:
     Raises:
         UsageError: the file cannot be read, is not JSON, or holds no miss records list.
     """
+    if not path.is_file():  # a FIFO or a device would block or never end; a directory cannot be read
+        raise UsageError(f"cannot read --from-usage file {path}: not a regular file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read --from-usage file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--from-usage {path}: not UTF-8 text (byte {exc.start}); give a JSON report") from None
     try:
         data: Any = json.loads(text)
+    except RecursionError:
+        raise UsageError(f"--from-usage {path}: JSON nested too deeply to be a usage report") from None
     except json.JSONDecodeError:
         try:
             data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except RecursionError:
+            raise UsageError(f"--from-usage {path}: JSON nested too deeply to be a usage report") from None
         except json.JSONDecodeError as exc:
             raise UsageError(f"--from-usage {path}: not JSON or JSON lines ({exc.msg}, line {exc.lineno})") from None
     if isinstance(data, dict):
@@ -91,8 +102,8 @@ def attribute(report: Report, misses: list[dict[str, Any]]) -> Attribution:
     findings = []
     for (display, line, code), recs in sorted(groups.items()):
         rule = rules[code]
-        tokens = sum(int(r.get("tokens_lost") or 0) for r in recs)
-        usd = sum(float(r.get("usd_lost") or 0.0) for r in recs)
+        tokens = int(sum(_amount(r.get("tokens_lost")) for r in recs))
+        usd = sum(_amount(r.get("usd_lost")) for r in recs)
         details = ", ".join(sorted({str(r.get("detail") or "") for r in recs} - {""}))
         money = f", ${usd:,.4f}" if usd else ""
         findings.append(Finding(
@@ -102,6 +113,14 @@ def attribute(report: Report, misses: list[dict[str, Any]]) -> Attribution:
             rule.severity,
         ))
     return Attribution(findings, unmatched)
+
+
+def _amount(value: Any) -> float:
+    """A finite non-negative number from a record field; anything else (text, lists, NaN, 1e400) counts 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    number = float(value) if abs(value) < 1e300 else 0.0  # int(1e999-ish) would overflow float()
+    return number if math.isfinite(number) and number > 0 else 0.0
 
 
 def _match(docs: list[PromptDoc], rec: dict[str, Any]) -> tuple[PromptDoc, int] | None:
@@ -128,7 +147,8 @@ def _match(docs: list[PromptDoc], rec: dict[str, Any]) -> tuple[PromptDoc, int] 
 def _context_piece(context: str) -> str:
     """The text of the broken part before the break (drop render markers of earlier parts)."""
     cut = context.rfind(_MARKER_END)
-    return context[cut + len(_MARKER_END):] if cut >= 0 else context
+    piece = context[cut + len(_MARKER_END):] if cut >= 0 else context
+    return piece[-MAX_CONTEXT_CHARS:]
 
 
 def _find_in(doc: PromptDoc, piece: str) -> tuple[int, int] | None:

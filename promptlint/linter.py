@@ -90,6 +90,24 @@ def _keep(f: Finding, raw: str | None, path: Path, config: Config, cache: dict) 
     return True
 
 
+def declared_model(doc: PromptDoc) -> str | None:
+    """The model a file names for itself: a request's ``"model"``, or a template's front-matter ``model``."""
+    value = (doc.body or {}).get("model") if doc.kind == "request" else doc.meta.get("model")
+    return value.strip() if isinstance(value, str) and 0 < len(value.strip()) <= 200 else None
+
+
+def _context_for(doc: PromptDoc, default: LintContext, cli_model: str | None,
+                 contexts: dict[str, LintContext]) -> LintContext:
+    """A file that declares its model is measured against that model (tokenizer, cache minimum), so
+    PC007 names the model the request will really go to; ``--model`` on the command line still wins."""
+    model = declared_model(doc) if cli_model is None else None
+    if model is None:
+        return default
+    if model not in contexts:
+        contexts[model] = LintContext.for_model(model)
+    return contexts[model]
+
+
 def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_prompts: bool = False) -> Report:
     """Lint files and directories. Raises UsageError if a named path does not exist.
 
@@ -103,6 +121,7 @@ def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_p
         raise UsageError(f"no such file or directory: {exc}") from None
     rules = [r for r in all_rules().values() if config.enabled(r.code)]
     docs: list[PromptDoc] = []
+    contexts: dict[str, LintContext] = {ctx.model: ctx}
     for path, named in found:
         if not named and config.excluded(path):
             continue
@@ -113,9 +132,10 @@ def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_p
             results.append(FileResult(loaded.path, None, [loaded]))
             continue
         for doc in loaded if isinstance(loaded, list) else [loaded]:  # a .py file: one doc per SDK call
-            measure(doc, ctx)
+            doc_ctx = _context_for(doc, ctx, model, contexts)
+            measure(doc, doc_ctx)
             docs.append(doc)
-            findings = [f for r in rules if r.check is not None for f in r.check(doc, ctx)]
+            findings = [f for r in rules if r.check is not None for f in r.check(doc, doc_ctx)]
             results.append(FileResult(doc.display, doc, findings))
     by_path = {r.path: r for r in results}
     for r in rules:

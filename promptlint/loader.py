@@ -87,7 +87,7 @@ def discover(paths: list[Path]) -> Iterator[tuple[Path, bool]]:
     for root in paths:
         if not root.exists():
             raise FileNotFoundError(str(root))
-        if root.is_file():
+        if root.is_file() or not root.is_dir():  # a named FIFO or device: load() reports it, never reads it
             if root.absolute() not in seen:
                 seen.add(root.absolute())
                 yield root, True
@@ -106,7 +106,9 @@ def discover(paths: list[Path]) -> Iterator[tuple[Path, bool]]:
             for name in filenames:
                 p = d / name
                 ext = p.suffix.lower()
-                if (ext in TEMPLATE_EXTS or ext in REQUEST_EXTS or ext in SOURCE_EXTS) and not _ignored(
+                # is_file(): a FIFO would block the read forever, a device never end; skip both
+                # (and links to them). A link to a regular file is linted; --fix never writes through it.
+                if (ext in TEMPLATE_EXTS or ext in REQUEST_EXTS or ext in SOURCE_EXTS) and p.is_file() and not _ignored(
                     p.absolute(), False, specs
                 ):
                     found.append(p)
@@ -122,6 +124,9 @@ def load(path: Path, named: bool) -> PromptDoc | list[PromptDoc] | Finding | Non
     A Python file gives a list: one ``source`` doc per SDK call that sends a prompt (``source_scan``).
     """
     shown = display_path(path)
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file (a FIFO, socket or device)"
+        return Finding(INVALID, shown, 1, 1, f"cannot read file: {kind}, not read", "error")
     try:
         data = path.read_bytes()
     except OSError as exc:

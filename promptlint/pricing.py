@@ -66,7 +66,7 @@ def cost_map() -> dict:
     try:
         import litellm
     except ImportError:
-        raise UsageError("--volume needs litellm's price map; install litellm") from None
+        raise UsageError("--volume needs litellm's price map: pip install 'prefixgate[gateway]' (or litellm)") from None
     return litellm.model_cost
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from promptlint.model import DynClass, Element, PromptDoc
+from promptlint.order_hazards import find_order_hazards
 from promptlint.parse import LineIndex, classify_name, split_text
 
 SDK_MODULES = ("openai", "anthropic", "litellm")
@@ -80,6 +81,8 @@ def scan(path: Path, shown: str, raw: str) -> list[PromptDoc]:
     if not docs:
         raise NotSource("no openai / anthropic / litellm call that sends messages")
     docs.sort(key=lambda d: (d.body_line, d.display))
+    # File-wide, so on the first call's doc only: one finding per place, however many calls there are.
+    docs[0].meta["order_hazards"] = find_order_hazards(tree)
     return docs
 
 

@@ -34,6 +34,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tenancy.errors import KeyMaterialError
+from tenancy.fsutil import fsync_dir
 
 log = logging.getLogger("tenancy.crypto")
 
@@ -82,20 +83,7 @@ def write_secret_file(path: Path, raw: bytes) -> None:
         os.close(fd)
     os.chmod(tmp, 0o600)  # the umask may have narrowed it further, never widened; make it exact
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def read_secret_file(path: Path, *, what: str) -> bytes:
@@ -127,7 +115,7 @@ def load_or_create_secret(path: Path, *, what: str) -> tuple[bytes, bool]:
         return read_secret_file(path, what=what), False
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     message = f"created a new {what} at {path} (mode 0600); back it up: without it the data it protects is lost"
     if log.hasHandlers():  # the host app configured logging: go through it
         log.warning(message)

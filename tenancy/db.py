@@ -1,4 +1,4 @@
-"""The tenancy database: one SQLite file (WAL) opened through sqlite-utils, with numbered migrations.
+"""The embedded tenancy database (``tenancy.database.Database`` on SQLite): one SQLite file (WAL) opened through sqlite-utils, with numbered migrations.
 
 Every process (gateway replicas, the CLI, the ledger writer thread) opens its own connection; WAL
 lets readers run beside the single writer, and ``busy_timeout`` makes writers queue, not fail.
@@ -15,7 +15,15 @@ Tables (v1)::
     data_keys  owner PK ("tenant:<id>" | "group:<name>"), data key wrapped by the KEK
     meta       key PK, value   (kek_fingerprint)
     usage      request_id PK, one row per request (the ledger); kept after its tenant is deleted
-    responses  id PK, tenant_id -> tenants ON DELETE CASCADE, body (JSON sealed with the tenant's data key)  (v3)
+
+v3 adds ``usage_quarantine`` (rows the ledger writer could not store, with the reason and the row as
+ASCII JSON) and the tenant setting ``store_miss_context``.
+
+v4 adds ``responses`` (id PK, tenant_id -> tenants ON DELETE CASCADE, created_at, body: the stored
+Responses-API response, JSON sealed with the tenant's data key) and the tenant setting
+``cache_retention_s``.
+
+``tenancy.pg_store`` keeps the same numbered migrations for PostgreSQL.
 """
 
 from __future__ import annotations
@@ -24,12 +32,19 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import sqlite_utils
 
-DB_FILENAME = "prefixgate.db"
+from tenancy.database import DB_FILENAME, DatabaseUnavailableError, ErrorKind
+
+__all__ = ["DB_FILENAME", "MIGRATIONS", "SCHEMA_VERSION", "SqliteDatabase", "connect", "migrate"]
+
+# Errors that may go away by themselves: another process holds the write lock, the disk is full.
+_TRANSIENT_CODES = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_FULL,
+                              sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN})
 
 
 def _v1(db: sqlite_utils.Database) -> None:
@@ -98,6 +113,20 @@ def _v2(db: sqlite_utils.Database) -> None:
 
 
 def _v3(db: sqlite_utils.Database) -> None:
+    """Hardening (issue 16): rows the ledger refused are kept aside, and each tenant chooses whether
+    cache-miss explanations keep prompt text (off by default)."""
+    db.execute("""CREATE TABLE usage_quarantine (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        request_id TEXT,
+        tenant_id TEXT,
+        reason TEXT NOT NULL,
+        row_json TEXT NOT NULL,
+        created_at REAL NOT NULL
+    )""")
+    db.execute("ALTER TABLE tenants ADD COLUMN store_miss_context INTEGER NOT NULL DEFAULT 0")
+
+
+def _v4(db: sqlite_utils.Database) -> None:
     """Stored Responses-API responses (``previous_response_id``): one tenant's, deleted with it; and
     the tenant setting ``cache_retention_s``."""
     db.execute("""CREATE TABLE responses (
@@ -111,24 +140,25 @@ def _v3(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE tenants ADD COLUMN cache_retention_s REAL")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
-def connect(path: Path) -> sqlite_utils.Database:
+def connect(path: Path, *, busy_timeout_s: float = 10.0) -> sqlite_utils.Database:
     """Open (creating if needed) the database at ``path`` with tenancy's pragmas, migrated to the latest schema.
 
     The connection may be used from several threads (``check_same_thread=False``); callers serialise
-    access with their own lock.
+    access with their own lock. ``busy_timeout_s``: how long a statement waits for another
+    connection's write lock before "database is locked".
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         # Key hashes and wrapped data keys live here: owner-only, like the KEK. SQLite gives the
         # -wal and -shm files the same mode as the database file.
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    conn = sqlite3.connect(str(path), timeout=10.0, check_same_thread=False)
+    conn = sqlite3.connect(str(path), timeout=busy_timeout_s, check_same_thread=False)
     db = sqlite_utils.Database(conn, execute_plugins=False)
-    db.execute("PRAGMA busy_timeout = 10000")
+    db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
     db.enable_wal()
     # FULL: a commit is on disk when it returns. The ledger batches commits, so the fsync is cheap.
     db.execute("PRAGMA synchronous = FULL")
@@ -188,3 +218,82 @@ def write_transaction(db: sqlite_utils.Database) -> Iterator[sqlite_utils.Databa
 def checkpoint_truncate(db: sqlite_utils.Database) -> None:
     """Copy the WAL into the main file and truncate it, so no old page version (a shredded key) lingers there."""
     db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for an SQLite error worth retrying later (the row is fine, the database is not ready)."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _TRANSIENT_CODES  # extended codes carry the primary code in the low byte
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text or "disk is full" in text
+
+
+class SqliteDatabase:
+    """``tenancy.database.Database`` on one SQLite file (WAL): the embedded default."""
+
+    def __init__(self, db: sqlite_utils.Database) -> None:
+        self.raw = db
+
+    @classmethod
+    def open(cls, path: Path, *, busy_timeout_s: float = 10.0) -> SqliteDatabase:
+        try:
+            return cls(connect(path, busy_timeout_s=busy_timeout_s))
+        except sqlite3.OperationalError as exc:
+            if is_transient(exc):
+                raise  # locked by a migrating neighbour: the caller's retry policy decides
+            raise DatabaseUnavailableError(f"cannot open the SQLite database {path}: {exc}") from None
+        except OSError as exc:
+            raise DatabaseUnavailableError(f"cannot open the SQLite database {path}: {exc.strerror}") from None
+
+    @property
+    def broken(self) -> bool:
+        return False  # a file does not go away between statements; errors are per statement
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        return list(self.raw.query(sql, list(params)))
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        return self.raw.execute(sql, list(params)).rowcount
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        self.raw.conn.executemany(sql, rows)
+
+    def transaction(self, *, exclusive: bool = True) -> contextlib.AbstractContextManager[None]:
+        # SQLite has one writer anyway: IMMEDIATE takes its lock up front (see write_transaction).
+        return _as_none(write_transaction(self.raw))
+
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        self.raw.conn.execute("SAVEPOINT tenancy_sp")
+        try:
+            yield
+        except BaseException:
+            self.raw.conn.execute("ROLLBACK TO tenancy_sp")
+            self.raw.conn.execute("RELEASE tenancy_sp")
+            raise
+        self.raw.conn.execute("RELEASE tenancy_sp")
+
+    def classify(self, exc: BaseException) -> ErrorKind:
+        if is_transient(exc):
+            return ErrorKind.TRANSIENT
+        if isinstance(exc, sqlite3.Error | ValueError | TypeError | OverflowError | UnicodeError):
+            return ErrorKind.REFUSED
+        return ErrorKind.FATAL
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.IntegrityError)
+
+    def shred_freed_pages(self) -> None:
+        checkpoint_truncate(self.raw)
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+@contextlib.contextmanager
+def _as_none(cm: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    with cm:
+        yield

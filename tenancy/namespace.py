@@ -1,6 +1,8 @@
 """Cache namespaces: derived by the server, never taken from the client.
 
-``namespace = HMAC-SHA256(server secret, frame("prefixgate/ns/v1", kind, id...))`` where ``frame``
+``namespace = HMAC-SHA256(namespace key, frame("prefixgate/ns/v1", kind, id...))`` where the
+namespace key combines the server secret with a root key kept wrapped by the KEK
+(``TenancyService._load_namespace_key``: without the KEK no namespace can be derived), and ``frame``
 prefixes every part with its 4-byte big-endian length, so no two different part lists produce the
 same bytes (``("ab", "c")`` vs ``("a", "bc")``). The namespace seeds the engine's prefix hash chain,
 so two namespaces never share a cache entry in any tier.
@@ -30,7 +32,7 @@ GROUP_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 def frame(*parts: str | bytes) -> bytes:
     out = bytearray()
     for part in parts:
-        data = part.encode("utf-8") if isinstance(part, str) else part
+        data = part.encode("utf-8", "surrogatepass") if isinstance(part, str) else part
         out += len(data).to_bytes(4, "big") + data
     return bytes(out)
 

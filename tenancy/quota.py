@@ -2,8 +2,9 @@
 
 Rate limits are token buckets held in this process: a bucket of ``rpm`` (or ``tpm``) capacity
 refills continuously at ``rpm / 60`` per second, so a tenant may burst up to its per-minute number
-and then proceeds at the steady rate. With several gateway replicas each one enforces the full
-limit (documented in docs/tenancy.md); the budget, in contrast, is read from the shared ledger.
+and then proceeds at the steady rate. ``RateLimiter`` holds them in this process: with several
+gateway replicas each one enforces the full limit. ``tenancy.shared_limits.SharedLimits`` (with
+``--redis-url``) holds the same buckets in Redis, so a fleet enforces the limit once.
 
 A request is admitted only if every check passes, and only then does it consume from the buckets,
 so a request refused for tokens does not also eat a request slot.
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from tenancy.errors import QuotaExceededError
 from tenancy.types import Quotas
@@ -59,6 +61,37 @@ def period_bounds(period: str, now: datetime) -> tuple[datetime, datetime]:
     return start, end
 
 
+class Limiter(Protocol):
+    """Admission by rpm/tpm buckets: ``RateLimiter`` (this process) or ``SharedLimits`` (Redis)."""
+
+    def admit(self, tenant_id: str, quotas: Quotas, estimated_tokens: int) -> None:
+        """Consume one request and ``estimated_tokens``, or raise QuotaExceededError consuming nothing.
+
+        Raises ValueError for a negative ``estimated_tokens``.
+        """
+        ...
+
+
+def rate_error(quotas: Quotas, estimated_tokens: int, kind: str, wait: float | None) -> QuotaExceededError:
+    """The error for a refusal by the ``kind`` ("rpm" | "tpm") bucket (``wait`` None: never fits)."""
+    if kind == "rpm":
+        return QuotaExceededError("rate", f"Rate limit reached: {quotas.rpm} requests per minute. "
+                                          f"Retry in {_ceil(wait)} s.", retry_after_s=wait)
+    if wait is None:
+        return QuotaExceededError(
+            "tokens",
+            f"Request too large: about {estimated_tokens} tokens, but the limit is "
+            f"{quotas.tpm} tokens per minute. Reduce the prompt or max_tokens.",
+            retry_after_s=None,
+        )
+    return QuotaExceededError(
+        "tokens",
+        f"Rate limit reached: {quotas.tpm} tokens per minute "
+        f"(this request needs about {estimated_tokens}). Retry in {_ceil(wait)} s.",
+        retry_after_s=wait,
+    )
+
+
 class RateLimiter:
     """Per-tenant rpm/tpm buckets. Thread-safe. ``clock`` is injectable for tests (monotonic seconds)."""
 
@@ -85,28 +118,11 @@ class RateLimiter:
             if req is not None:
                 wait = req.wait_for(1)
                 if wait is None or wait > 0:
-                    raise QuotaExceededError(
-                        "rate",
-                        f"Rate limit reached: {quotas.rpm} requests per minute. "
-                        f"Retry in {_ceil(wait)} s.",
-                        retry_after_s=wait,
-                    )
+                    raise rate_error(quotas, estimated_tokens, "rpm", wait)
             if tok is not None:
                 wait = tok.wait_for(estimated_tokens)
-                if wait is None:
-                    raise QuotaExceededError(
-                        "tokens",
-                        f"Request too large: about {estimated_tokens} tokens, but the limit is "
-                        f"{quotas.tpm} tokens per minute. Reduce the prompt or max_tokens.",
-                        retry_after_s=None,
-                    )
-                if wait > 0:
-                    raise QuotaExceededError(
-                        "tokens",
-                        f"Rate limit reached: {quotas.tpm} tokens per minute "
-                        f"(this request needs about {estimated_tokens}). Retry in {_ceil(wait)} s.",
-                        retry_after_s=wait,
-                    )
+                if wait is None or wait > 0:
+                    raise rate_error(quotas, estimated_tokens, "tpm", wait)
             if req is not None:
                 req.level -= 1
             if tok is not None:

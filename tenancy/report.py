@@ -113,8 +113,15 @@ class _Acc:
         }
 
 
+_FIRST_TS = datetime(1, 1, 1, tzinfo=UTC).timestamp()
+_LAST_TS = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
+
+
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+    # Clamped to what datetime can show: a bound like 0001-01-01T00:00:00+14:00 is before year 1 in
+    # UTC, and one odd stored time must not make every report of its tenant fail.
+    clamped = min(max(ts, _FIRST_TS), _LAST_TS) if ts == ts else _FIRST_TS
+    return datetime.fromtimestamp(clamped, UTC).isoformat().replace("+00:00", "Z")
 
 
 def fetch_rows(db: Any, *, tenant_ids: list[str] | None, since: datetime | None, until: datetime) -> list[dict]:
@@ -267,12 +274,19 @@ CSV_FIELDS: tuple[str, ...] = (
 )
 
 
+def _csv_cell(value: Any) -> Any:
+    # A client names the model: "=HYPERLINK(...)" must stay text in a spreadsheet, not run as a formula.
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
 def render_csv(rep: dict[str, Any]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rep["rows"]:
-        w.writerow(r)
+        w.writerow({k: _csv_cell(v) for k, v in r.items()})
     return buf.getvalue()
 
 

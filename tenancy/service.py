@@ -10,8 +10,9 @@
                                                                           ▼
                                                                  usage table (ledger) ─► report
 
-State lives under ``home``: ``prefixgate.db`` (SQLite, WAL), ``kek.key`` (unless $PREFIXGATE_KEK) and
-``server.secret`` (both 0600, created on first run with a warning on stderr).
+State lives under ``home``: ``prefixgate.db`` (SQLite, WAL; or PostgreSQL with ``database_url``),
+``kek.key`` (unless $PREFIXGATE_KEK) and ``server.secret`` (both 0600, created on first run with a
+warning on stderr). With ``redis_url`` the rpm/tpm buckets, budgets and revocations are fleet-wide.
 
 Thread-safety: every method may be called from any thread. One connection, guarded by a lock,
 serves the request path (auth misses, budget refreshes, admin calls); the ledger writer has its
@@ -20,7 +21,10 @@ own connection.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import hmac
 import os
 import threading
 import time
@@ -28,21 +32,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tenancy import db as dbmod
 from tenancy import keys as keymod
 from tenancy import responses, store
 from tenancy.crypto import (
     KeyEncryptionKey,
     TenantCipher,
-    _fsync_dir,
     encode_key,
     kek_path,
     new_data_key,
     read_secret_file,
     write_secret_file,
 )
+from tenancy.database import DatabaseTarget, DatabaseUnavailableError, resolve_database
 from tenancy.errors import (
     AuthenticationError,
     ConflictError,
@@ -53,32 +56,44 @@ from tenancy.errors import (
     QuotaExceededError,
     TenancyError,
 )
-from tenancy.ledger import LedgerWriter
+from tenancy.fsutil import fsync_dir
+from tenancy.ledger import QUARANTINE_FILENAME, LedgerStats, LedgerWriter
+from tenancy.miss_privacy import apply_miss_policy
 from tenancy.namespace import metrics_label, namespace_for, parse_share_scope
 from tenancy.pricing import PriceBook
-from tenancy.quota import RateLimiter, check_budget, period_bounds
+from tenancy.quota import Limiter, RateLimiter, check_budget, period_bounds
 from tenancy.types import (
     CreatedKey,
     CreatedTenant,
+    FleetEvent,
     KeyInfo,
     Price,
     Quotas,
+    SharedLimitsStatus,
     TenantContext,
     TenantInfo,
     UsageRecord,
 )
 
+if TYPE_CHECKING:
+    from tenancy.shared_limits import SharedLimits
+
 # The gateway imports only this module: everything it needs is re-exported here.
 __all__ = [
     "AuthenticationError", "ConflictError", "CreatedKey", "CreatedTenant", "InvalidSettingError", "KeyInfo",
-    "KeyMaterialError", "NotFoundError", "PermissionDeniedError", "Price", "QuotaExceededError", "Quotas",
-    "RotationResult", "TenancyError", "TenancyService", "TenantCipher", "TenantContext", "TenantInfo",
+    "KeyMaterialError", "LedgerStats", "NotFoundError", "PermissionDeniedError", "Price", "QuotaExceededError", "Quotas",
+    "DatabaseUnavailableError", "FleetStatus", "RotationResult", "SharedLimitsStatus", "TenancyError", "TenancyService", "TenantCipher", "TenantContext", "TenantInfo",
     "UsageRecord",
 ]
 
 _KEK_FINGERPRINT = "kek_fingerprint"
+_SECRET_FINGERPRINT = "server_secret_fingerprint"
+NAMESPACE_KEY_OWNER = "system:namespace"  # data_keys owner of the namespace root key
 _RECENT_IDS = 50_000
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))  # request ids remembered to keep in-memory spend idempotent like the ledger
+# How long a request-path read (budget check, /v1/usage) waits for the ledger to commit this
+# process's queued rows before it answers from what is committed: a slow disk must not turn into 500s.
+_READ_FLUSH_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,19 @@ class RotationResult:
     data_keys: int
     kek_file: str | None  # where the new KEK was written, or None when the KEK came from the env
     new_kek_b64: str | None  # only when the KEK came from $PREFIXGATE_KEK: shown once, set it yourself
+
+
+@dataclass(frozen=True)
+class FleetStatus:
+    """``database``: "sqlite" or "postgresql". ``shared_limits``: None without ``--redis-url``."""
+
+    database: str
+    shared_limits: SharedLimitsStatus | None
+
+    @property
+    def degraded(self) -> bool:
+        """Serving, but with per-process limits because Redis does not answer."""
+        return self.shared_limits is not None and not self.shared_limits.connected
 
 
 @dataclass
@@ -114,33 +142,60 @@ class TenancyService:
         reference_model: str | None = None,
         ledger_batch_max: int = 256,
         ledger_max_delay_s: float = 0.05,
+        database_url: str | None = None,
+        redis_url: str | None = None,
     ) -> None:
-        """Prefer ``TenancyService.open(home)``."""
+        """Prefer ``TenancyService.open(home)``.
+
+        ``database_url``: None (the SQLite file under ``home``), ``sqlite:///PATH`` or
+        ``postgresql://...`` (shared by a fleet). ``redis_url``: fleet-wide rate limits, budgets and
+        revocation (see ``tenancy.shared_limits``). KEK and server secret stay under ``home``: every
+        gateway of a fleet needs the same two (copy ``kek.key`` and ``server.secret``, or set
+        $PREFIXGATE_KEK and copy ``server.secret``); a different one fails start-up with one line.
+        Raises DatabaseUnavailableError (one line) when the database cannot be reached.
+        """
         self.home = Path(home)
-        self.db_path = self.home / dbmod.DB_FILENAME
+        try:
+            self.database: DatabaseTarget = resolve_database(self.home, database_url)
+        except ValueError as exc:
+            raise DatabaseUnavailableError(str(exc)) from None
+        self.db_path = self.database.sqlite_path  # None on PostgreSQL
         self.auth_cache_ttl_s = auth_cache_ttl_s
         self._lock = threading.RLock()
-        self._db = dbmod.connect(self.db_path)
+        self._db = self.database.connect()
         try:
             self._secret = keymod.ServerSecret.load(self.home)
             self._pepper = self._secret.pepper
             self._kek = self._load_checked_kek()
+            self._check_server_secret()
+            self._namespace_key = self._load_namespace_key()
+            self._miss_family_key = hmac.new(self._namespace_key, b"prefixgate/miss-family/v1", hashlib.sha256).digest()
             self._prices = PriceBook(reference_model)
+            self._limiter: Limiter = RateLimiter()
+            self._shared: SharedLimits | None = None
+            if redis_url:  # an unreachable Redis is not fatal (local limits until it answers); a bad URL is
+                from tenancy.shared_limits import SharedLimits  # redis is the optional `fleet` extra
+
+                self._shared = SharedLimits(redis_url, fallback=self._limiter, on_change=self._on_fleet_change)
+                self._limiter = self._shared
         except BaseException:
             self._db.close()
             raise
-        self._limiter = RateLimiter()
         self._auth_cache: dict[bytes, tuple[TenantContext, float]] = {}
         self._ciphers: dict[str, TenantCipher] = {}
         self._spend: dict[str, _Spend] = {}
         self._recent_ids: OrderedDict[str, None] = OrderedDict()
+        self._clear_miss_data: dict[str, bool] = {}  # tenant id -> store_miss_context
         self._next_sweep = 0.0
-        self._ledger = LedgerWriter(self.db_path, batch_max=ledger_batch_max, max_delay_s=ledger_max_delay_s)
+        spill = None if self.database.sqlite_path is not None else self.home / QUARANTINE_FILENAME
+        self._ledger = LedgerWriter(self.database, spill_path=spill, batch_max=ledger_batch_max,
+                                    max_delay_s=ledger_max_delay_s)
         self._closed = False
 
     @classmethod
     def open(cls, home: Path, *, auth_cache_ttl_s: float = 5.0, **kwargs: Any) -> TenancyService:
-        """Open (creating on first run) the state under ``home``: db, KEK, server secret."""
+        """Open (creating on first run) the state under ``home``: db, KEK, server secret.
+        ``database_url`` / ``redis_url`` as in ``__init__``."""
         home = Path(home).expanduser()
         home.mkdir(parents=True, exist_ok=True)
         return cls(home, auth_cache_ttl_s=auth_cache_ttl_s, **kwargs)
@@ -168,7 +223,7 @@ class TenancyService:
         pending = self._pending_kek_path()
         with self._lock:
             if kek.source != "env" and pending.exists():
-                with dbmod.write_transaction(self._db):
+                with self._db.transaction():
                     return self._reconcile_kek(kek, pending)
             return self._reconcile_kek(kek, None)
 
@@ -197,7 +252,45 @@ class TenancyService:
             current = read_secret_file(kek_path(self.home), what="key-encryption key (KEK)")
             if KeyEncryptionKey(current, source="file").fingerprint != new.fingerprint:
                 raise
-        _fsync_dir(kek_path(self.home).parent)
+        fsync_dir(kek_path(self.home).parent)
+
+    def _check_server_secret(self) -> None:
+        """Refuse a server secret other than the one this database's key hashes were made with.
+
+        Without this, a second gateway started on a fresh ``--home`` against a shared database
+        would create its own secret and reject every API key as "incorrect".
+        """
+        mine = hmac.new(self._secret.raw, b"prefixgate/secret-fingerprint/v1", hashlib.sha256).hexdigest()[:16]
+        with self._lock:
+            store.set_meta_if_absent(self._db, _SECRET_FINGERPRINT, mine)
+            stored = store.get_meta(self._db, _SECRET_FINGERPRINT)
+        if stored != mine:
+            raise KeyMaterialError(
+                f"the server secret under {self.home} (fingerprint {mine}) is not the one this database's API "
+                f"keys were made with (fingerprint {stored}); copy {keymod.SECRET_FILENAME} from a gateway "
+                "that shares this database"
+            )
+
+    def _load_namespace_key(self) -> bytes:
+        """The key cache namespaces are derived with: the server secret combined with a random root
+        key kept wrapped by the KEK (created once, shared by every process on this database).
+
+        Why both: a namespace seeds the block hash chain, so whoever can derive one can test a
+        guessed prompt against anything keyed by it (the NVMe index). With the root key under the
+        KEK, a stolen ``--home`` without the KEK derives nothing. KEK rotation re-wraps the root key
+        like any data key, so namespaces (and the cache) survive it.
+        """
+        with self._lock:
+            wrapped = store.get_wrapped_key(self._db, NAMESPACE_KEY_OWNER)
+            if wrapped is None:
+                with self._db.transaction():
+                    kek = self._kek_for_wrapping()
+                    store.insert_wrapped_key_if_absent(self._db, NAMESPACE_KEY_OWNER,
+                                                       kek.wrap(new_data_key(), NAMESPACE_KEY_OWNER))
+                    wrapped = store.get_wrapped_key(self._db, NAMESPACE_KEY_OWNER)
+                assert wrapped is not None
+            root = self._kek.unwrap(wrapped, NAMESPACE_KEY_OWNER)
+        return hmac.new(self._secret.namespace_key, b"prefixgate/ns-key/v2\0" + root, hashlib.sha256).digest()
 
     def _kek_for_wrapping(self) -> KeyEncryptionKey:
         """The KEK to wrap a new data key with; call inside a write transaction.
@@ -234,7 +327,7 @@ class TenancyService:
             from_env = old.source == "env"
             new = KeyEncryptionKey.generate(source="env" if from_env else str(kek_path(self.home)))
             pending = self._pending_kek_path()
-            with dbmod.write_transaction(self._db):
+            with self._db.transaction():
                 stored = store.get_meta(self._db, _KEK_FINGERPRINT)
                 if stored != old.fingerprint:
                     raise KeyMaterialError(
@@ -247,7 +340,7 @@ class TenancyService:
                 store.set_meta(self._db, _KEK_FINGERPRINT, new.fingerprint)
             if not from_env:
                 self._install_pending_kek(pending, new)
-            dbmod.checkpoint_truncate(self._db)
+            self._db.shred_freed_pages()
             self._kek = new
             return RotationResult(
                 old.fingerprint, new.fingerprint, len(wrapped),
@@ -262,7 +355,7 @@ class TenancyService:
                 return cipher
             wrapped = store.get_wrapped_key(self._db, owner)
             if wrapped is None:
-                with dbmod.write_transaction(self._db):
+                with self._db.transaction():
                     kek = self._kek_for_wrapping()
                     store.insert_wrapped_key_if_absent(self._db, owner, kek.wrap(new_data_key(), owner))
                     wrapped = store.get_wrapped_key(self._db, owner)
@@ -309,9 +402,10 @@ class TenancyService:
         if row["revoked_at"] is not None:
             raise AuthenticationError(f"API key {keymod.visible_prefix(key_id)} has been revoked.")
         ctx = self._context(tenant, key_id)
-        if len(self._auth_cache) > 10_000:
-            self._auth_cache = {d: v for d, v in self._auth_cache.items() if v[1] > now}
-        self._auth_cache[digest] = (ctx, now + self.auth_cache_ttl_s)
+        with self._lock:  # a fleet invalidation (another thread) must not be overwritten by this fill
+            if len(self._auth_cache) > 10_000:
+                self._auth_cache = {d: v for d, v in self._auth_cache.items() if v[1] > now}
+            self._auth_cache[digest] = (ctx, now + self.auth_cache_ttl_s)
         return ctx
 
     def _sweep_ciphers(self, now: float) -> None:
@@ -324,11 +418,12 @@ class TenancyService:
             return
         self._next_sweep = now + self.auth_cache_ttl_s
         with self._lock:
-            stored = {r["owner"] for r in self._db.query("SELECT owner FROM data_keys")}
+            stored = store.data_key_owners(self._db)
             for owner in [o for o in self._ciphers if o not in stored]:
                 self._ciphers.pop(owner).destroy()
 
     def _context(self, t: TenantInfo, key_id: str) -> TenantContext:
+        self._clear_miss_data[t.tenant_id] = t.store_miss_context
         return TenantContext(
             tenant_id=t.tenant_id,
             name=t.name,
@@ -338,12 +433,14 @@ class TenancyService:
             canon_mode=t.canon_mode,
             per_user_vars=t.per_user_vars,
             namespace=namespace_for(
-                self._secret.namespace_key, tenant_id=t.tenant_id, share_scope=t.share_scope, key_id=key_id, user=None
+                self._namespace_key, tenant_id=t.tenant_id, share_scope=t.share_scope, key_id=key_id, user=None
             ),
             metrics_label=metrics_label(t.name),
             cipher=self._cipher(data_key_owner(t.tenant_id, t.share_scope)),
             priority=t.priority,
             kv_block_quota=t.quotas.kv_blocks_hbm,
+            kv_block_quota_dram=t.quotas.kv_blocks_dram,
+            kv_block_quota_nvme=t.quotas.kv_blocks_nvme,
             ttft_target_s=t.ttft_target_s,
             quotas=t.quotas,
             cache_retention_s=t.cache_retention_s,
@@ -357,7 +454,7 @@ class TenancyService:
         if parse_share_scope(ctx.share_scope)[0] != "user":
             return ctx
         ns = namespace_for(
-            self._secret.namespace_key, tenant_id=ctx.tenant_id, share_scope=ctx.share_scope, key_id=ctx.key_id,
+            self._namespace_key, tenant_id=ctx.tenant_id, share_scope=ctx.share_scope, key_id=ctx.key_id,
             user=user,
         )
         return dataclasses.replace(ctx, namespace=ns, user=user or None)
@@ -373,29 +470,45 @@ class TenancyService:
         self._limiter.admit(ctx.tenant_id, ctx.quotas, estimated_tokens)
 
     def _spent(self, tenant_id: str, period: str, now: datetime) -> float:
-        """USD spent this period: a ledger sum refreshed every TTL, plus what this process recorded since."""
+        """USD spent this period: a ledger sum refreshed every TTL plus what this process recorded since,
+        or, with Redis, the fleet-wide counter every gateway adds to (never below the ledger's sum)."""
+        local = self._local_spent(tenant_id, period, now)
+        if self._shared is None:
+            return local
+        return self._shared.spent(tenant_id, period, period_bounds(period, now)[0].timestamp(), floor=local)
+
+    def _local_spent(self, tenant_id: str, period: str, now: datetime) -> float:
         start = period_bounds(period, now)[0].timestamp()
         with self._lock:
             s = self._spend.get(tenant_id)
             mono = time.monotonic()
+            if s is not None and s.period_start == start and mono - s.loaded_at <= self.auth_cache_ttl_s:
+                return s.total_usd
+        # Our own queued rows must be in the sum. Outside the lock: other tenants' requests must not
+        # wait on this tenant's refresh, and a slow ledger only makes the sum a little stale.
+        self._flush_for_read()
+        with self._lock:
+            s = self._spend.get(tenant_id)
             if s is None or s.period_start != start or mono - s.loaded_at > self.auth_cache_ttl_s:
-                self._ledger.flush()  # our own queued rows must be in the sum
-                row = next(self._db.query(
-                    "SELECT COALESCE(SUM(cost_usd), 0) AS c FROM usage WHERE tenant_id = ? AND created_at >= ?",
-                    [tenant_id, start],
-                ))
-                s = self._spend[tenant_id] = _Spend(start, float(row["c"]), mono)
+                s = self._spend[tenant_id] = _Spend(start, store.spent_since(self._db, tenant_id, start), mono)
             return s.total_usd
 
     def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Price:
         return self._prices.price(model, prompt_tokens, cached_tokens, completion_tokens)
 
     def record_usage(self, rec: UsageRecord) -> None:
-        """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once."""
+        """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once.
+
+        The ledger writer makes every field storable (bounded text, valid UTF-8); here the miss
+        explanation loses its prompt text and clear family unless the tenant chose to keep them.
+        """
         p = self.price(rec.model, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)
         # Not dataclasses.asdict: it deep-copies every field (~70 us here), and this runs per request.
         row = {f: getattr(rec, f) for f in _RECORD_FIELDS}
         row.update(cost_usd=p.cost_usd, saved_usd=p.saved_usd, priced_as=p.priced_as)
+        if rec.miss_context is not None or rec.miss_family is not None:
+            apply_miss_policy(row, store_clear=self._stores_clear_miss_data(rec.tenant_id),
+                              key=self._miss_family_key)
         if rec.miss_tokens:  # what the re-prefilled tokens would have saved had they been cached
             row["miss_usd"] = self.price(rec.model, rec.miss_tokens, rec.miss_tokens, 0).saved_usd
         with self._lock:
@@ -407,17 +520,37 @@ class TenancyService:
             s = self._spend.get(rec.tenant_id)
             if s is not None and rec.created_at >= s.period_start:
                 s.total_usd += p.cost_usd
+        if self._shared is not None and p.cost_usd > 0:
+            self._shared.add_spend(rec.tenant_id, rec.created_at, p.cost_usd)
         self._ledger.submit(row)
 
+    def _stores_clear_miss_data(self, tenant_id: str) -> bool:
+        known = self._clear_miss_data.get(tenant_id)
+        if known is None:
+            info = self.get_tenant(tenant_id)
+            known = self._clear_miss_data[tenant_id] = bool(info is not None and info.store_miss_context)
+        return known
+
     def flush(self) -> None:
-        """Block until every recorded usage row is committed."""
+        """Block until every recorded usage row is committed (or quarantined, see ``tenancy.ledger``)."""
         self._ledger.flush()
+
+    def _flush_for_read(self) -> None:
+        # On a timeout, answer from what is committed; the writer keeps going and counts what it cannot store.
+        with contextlib.suppress(TimeoutError):
+            self._ledger.flush(timeout=_READ_FLUSH_S)
+
+    def ledger_stats(self) -> LedgerStats:
+        """Counters of the ledger writer: committed, quarantined, spilled, lost rows and retries."""
+        return self._ledger.stats()
 
     def close(self) -> None:
         """Commit queued usage rows and close the database. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._shared is not None:
+            self._shared.close()
         self._ledger.close()
         with self._lock:
             self._db.close()
@@ -444,7 +577,7 @@ class TenancyService:
         """Operator view (the CLI): the report over ``tenant_ids`` (None = all), after flushing the ledger."""
         from tenancy import report
 
-        self.flush()
+        self._flush_for_read()
         with self._lock:
             return report.build_report(self._db, tenant_ids=tenant_ids, since=since, until=until)
 
@@ -475,10 +608,11 @@ class TenancyService:
 
         ``settings``: share_scope ("tenant" | "user" | "group:NAME"), canon_mode ("off" | "safe" |
         "reorder"), per_user_vars, priority, ttft_target_s, rpm, tpm, budget_usd, budget_period,
-        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme, cache_retention_s.
+        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme, cache_retention_s, store_miss_context
+        (keep prompt text and clear family names of cache-miss explanations in the ledger; default False).
         """
         key_id, api_key = keymod.new_api_key()
-        with self._lock, dbmod.write_transaction(self._db):
+        with self._lock, self._db.transaction():
             tenant_id = store.insert_tenant(self._db, name, is_admin=admin, settings=settings)
             store.insert_key(self._db, tenant_id, key_id, keymod.hash_key(self._pepper, api_key))
             share_scope = settings.get("share_scope", "tenant")
@@ -511,6 +645,7 @@ class TenancyService:
         with self._lock:
             store.update_tenant(self._db, info.tenant_id, settings)
             self._forget_tenant(info.tenant_id)
+        self._publish(FleetEvent.UPDATED, info.tenant_id)
         return self._require(name)
 
     def delete_tenant(self, name: str) -> TenantInfo:
@@ -523,11 +658,12 @@ class TenancyService:
         with self._lock:
             store.delete_tenant(self._db, info.tenant_id, owner)
             # secure_delete zeroed the row in the new page version; truncating the WAL drops old ones.
-            dbmod.checkpoint_truncate(self._db)
+            self._db.shred_freed_pages()
             cipher = self._ciphers.pop(owner, None)
             if cipher is not None:
                 cipher.destroy()
             self._forget_tenant(info.tenant_id)
+        self._publish(FleetEvent.DELETED, info.tenant_id)
         return info
 
     def create_key(self, name: str) -> CreatedKey:
@@ -549,7 +685,39 @@ class TenancyService:
         with self._lock:
             tenant_id = store.revoke_key(self._db, key_id)
             self._forget_tenant(tenant_id)
+        self._publish(FleetEvent.REVOKED, tenant_id)
 
     def _forget_tenant(self, tenant_id: str) -> None:
-        self._auth_cache = {d: v for d, v in self._auth_cache.items() if v[0].tenant_id != tenant_id}
-        self._spend.pop(tenant_id, None)
+        with self._lock:
+            self._auth_cache = {d: v for d, v in self._auth_cache.items() if v[0].tenant_id != tenant_id}
+            self._spend.pop(tenant_id, None)
+            self._clear_miss_data.pop(tenant_id, None)
+
+    # -- fleet -----------------------------------------------------------------------------------
+
+    def _publish(self, event: FleetEvent, tenant_id: str) -> None:
+        """Tell the other gateways (Redis pub/sub) so they drop cached keys at once, not after their TTL."""
+        if self._shared is not None:
+            self._shared.publish(event, tenant_id)
+
+    def _on_fleet_change(self, event: FleetEvent, tenant_id: str | None) -> None:
+        """Another gateway revoked, deleted or changed ``tenant_id`` (None: messages may have been
+        missed while Redis was away, so forget every cached key)."""
+        if tenant_id is None:
+            with self._lock:
+                self._auth_cache = {}
+                self._spend.clear()
+                self._clear_miss_data.clear()
+                self._next_sweep = 0.0
+            return
+        self._forget_tenant(tenant_id)
+        if event is FleetEvent.DELETED:
+            with self._lock:
+                cipher = self._ciphers.pop(f"tenant:{tenant_id}", None)
+            if cipher is not None:
+                cipher.destroy()
+
+    def fleet_status(self) -> FleetStatus:
+        """Which database and which limits this process uses, and whether Redis answers (``/health``)."""
+        shared = self._shared.status() if self._shared is not None else None
+        return FleetStatus(database=self.database.kind, shared_limits=shared)

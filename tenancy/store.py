@@ -1,7 +1,8 @@
 """Tenant, API-key and data-key rows: validation and the SQL that reads and writes them.
 
 No caching and no crypto policy here (that is ``service``); each function takes the open
-``sqlite_utils.Database`` and runs in one transaction, so another process never sees half a change.
+``tenancy.database.Database`` (SQLite or PostgreSQL: the SQL here is what both accept) and runs in
+one transaction, so another process never sees half a change.
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ import json
 import math
 import re
 import secrets
-import sqlite3
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import sqlite_utils
-
-from tenancy.db import write_transaction
+from tenancy.database import Database
 from tenancy.errors import ConflictError, InvalidSettingError, NotFoundError
 from tenancy.namespace import parse_share_scope
 from tenancy.types import BUDGET_PERIODS, CANON_MODES, KeyInfo, Quotas, TenantInfo
@@ -30,8 +28,11 @@ SETTINGS: tuple[str, ...] = (
     "share_scope", "canon_mode", "per_user_vars", "priority", "ttft_target_s",
     "rpm", "tpm", "budget_usd", "budget_period", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme",
     "cache_retention_s",
+    "store_miss_context",
 )
 _POSITIVE_INT_OR_NONE = ("rpm", "tpm", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme")
+_INT_MAX = 2**63 - 1  # what an SQLite INTEGER holds: a larger limit would fail the write, not the check
+_MAX_PER_USER_VARS = 64
 
 
 def validate_name(name: str) -> str:
@@ -63,16 +64,24 @@ def validate_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
                 raise InvalidSettingError(f"budget period must be 'day' or 'month', got {value!r}")
         elif key == "per_user_vars":
             names = [value] if isinstance(value, str) else list(value or ())
+            if len(set(names)) > _MAX_PER_USER_VARS:
+                raise InvalidSettingError(f"at most {_MAX_PER_USER_VARS} per-user variables, got {len(set(names))}")
             for n in names:
                 if not isinstance(n, str) or not VAR_NAME_RE.match(n):
                     raise InvalidSettingError(f"per-user variable name {n!r} is not an identifier")
             value = json.dumps(sorted(set(names)))
+        elif key == "store_miss_context":
+            if not isinstance(value, bool):
+                raise InvalidSettingError(f"store_miss_context must be true or false, got {value!r}")
+            value = int(value)
         elif key == "priority":
             if isinstance(value, bool) or not isinstance(value, int) or not -100 <= value <= 100:
                 raise InvalidSettingError(f"priority must be an integer in [-100, 100], got {value!r}")
         elif key in _POSITIVE_INT_OR_NONE:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise InvalidSettingError(f"{key} must be a positive integer (or unset), got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= _INT_MAX):
+                raise InvalidSettingError(f"{key} must be a positive integer up to {_INT_MAX} (or unset), "
+                                          f"got {value!r}")
         elif key in ("budget_usd", "ttft_target_s", "cache_retention_s") and value is not None:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise InvalidSettingError(f"{key} must be a positive number (or unset), got {value!r}")
@@ -98,10 +107,11 @@ def tenant_from_row(row: Mapping[str, Any]) -> TenantInfo:
         ),
         created_at=row["created_at"],
         cache_retention_s=row["cache_retention_s"],
+        store_miss_context=bool(row["store_miss_context"]),
     )
 
 
-def insert_tenant(db: sqlite_utils.Database, name: str, *, is_admin: bool, settings: Mapping[str, Any]) -> str:
+def insert_tenant(db: Database, name: str, *, is_admin: bool, settings: Mapping[str, Any]) -> str:
     validate_name(name)
     values = validate_settings(settings)
     tenant_id = "t_" + secrets.token_hex(8)
@@ -110,57 +120,57 @@ def insert_tenant(db: sqlite_utils.Database, name: str, *, is_admin: bool, setti
         db.execute(
             f"INSERT INTO tenants ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", list(row.values())
         )
-    except sqlite3.IntegrityError:
-        raise ConflictError(f"a tenant named {name!r} already exists") from None
+    except Exception as exc:
+        if db.is_conflict(exc):
+            raise ConflictError(f"a tenant named {name!r} already exists") from None
+        raise
     return tenant_id
 
 
-def update_tenant(db: sqlite_utils.Database, tenant_id: str, settings: Mapping[str, Any]) -> None:
+def update_tenant(db: Database, tenant_id: str, settings: Mapping[str, Any]) -> None:
     values = validate_settings(settings)
     if not values:
         return
     sets = ", ".join(f"{k} = ?" for k in values)
-    cur = db.execute(f"UPDATE tenants SET {sets} WHERE id = ?", [*values.values(), tenant_id])
-    if cur.rowcount == 0:
+    if db.execute(f"UPDATE tenants SET {sets} WHERE id = ?", [*values.values(), tenant_id]) == 0:
         raise NotFoundError(f"no tenant with id {tenant_id!r}")
 
 
-def get_tenant(db: sqlite_utils.Database, *, tenant_id: str | None = None, name: str | None = None) -> TenantInfo | None:
+def get_tenant(db: Database, *, tenant_id: str | None = None, name: str | None = None) -> TenantInfo | None:
     col, val = ("id", tenant_id) if tenant_id is not None else ("name", name)
-    rows = list(db.query(f"SELECT * FROM tenants WHERE {col} = ?", [val]))
+    rows = (db.query(f"SELECT * FROM tenants WHERE {col} = ?", [val]))
     return tenant_from_row(rows[0]) if rows else None
 
 
-def list_tenants(db: sqlite_utils.Database) -> list[TenantInfo]:
+def list_tenants(db: Database) -> list[TenantInfo]:
     return [tenant_from_row(r) for r in db.query("SELECT * FROM tenants ORDER BY name")]
 
 
-def delete_tenant(db: sqlite_utils.Database, tenant_id: str, data_key_owner: str) -> None:
+def delete_tenant(db: Database, tenant_id: str, data_key_owner: str) -> None:
     """Delete the tenant, its keys (cascade) and its data key, in one transaction."""
-    with write_transaction(db):
+    with db.transaction():
         db.execute("DELETE FROM data_keys WHERE owner = ?", [data_key_owner])
-        cur = db.execute("DELETE FROM tenants WHERE id = ?", [tenant_id])
-        if cur.rowcount == 0:
+        if db.execute("DELETE FROM tenants WHERE id = ?", [tenant_id]) == 0:
             raise NotFoundError(f"no tenant with id {tenant_id!r}")
 
 
-def insert_key(db: sqlite_utils.Database, tenant_id: str, key_id: str, key_hash: bytes) -> None:
+def insert_key(db: Database, tenant_id: str, key_id: str, key_hash: bytes) -> None:
     db.execute(
         "INSERT INTO api_keys (key_id, tenant_id, key_hash, created_at) VALUES (?, ?, ?, ?)",
         [key_id, tenant_id, key_hash, time.time()],
     )
 
 
-def key_with_tenant(db: sqlite_utils.Database, key_id: str) -> tuple[dict[str, Any], TenantInfo] | None:
+def key_with_tenant(db: Database, key_id: str) -> tuple[dict[str, Any], TenantInfo] | None:
     """The key row and its tenant, or None."""
-    rows = list(db.query("SELECT * FROM api_keys WHERE key_id = ?", [key_id]))
+    rows = (db.query("SELECT * FROM api_keys WHERE key_id = ?", [key_id]))
     if not rows:
         return None
     tenant = get_tenant(db, tenant_id=rows[0]["tenant_id"])
     return (rows[0], tenant) if tenant is not None else None
 
 
-def list_keys(db: sqlite_utils.Database, tenant_id: str | None = None) -> list[KeyInfo]:
+def list_keys(db: Database, tenant_id: str | None = None) -> list[KeyInfo]:
     sql = (
         "SELECT k.key_id, k.tenant_id, t.name AS tenant_name, k.created_at, k.revoked_at "
         "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id"
@@ -176,45 +186,57 @@ def list_keys(db: sqlite_utils.Database, tenant_id: str | None = None) -> list[K
     ]
 
 
-def revoke_key(db: sqlite_utils.Database, key_id: str) -> str:
+def revoke_key(db: Database, key_id: str) -> str:
     """Mark the key revoked; returns its tenant id. Revoking twice keeps the first time."""
-    rows = list(db.query("SELECT tenant_id FROM api_keys WHERE key_id = ?", [key_id]))
+    rows = (db.query("SELECT tenant_id FROM api_keys WHERE key_id = ?", [key_id]))
     if not rows:
         raise NotFoundError(f"no API key with id {key_id!r} (see `prefixgate key list`)")
     db.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE key_id = ?", [time.time(), key_id])
     return rows[0]["tenant_id"]
 
 
-def get_wrapped_key(db: sqlite_utils.Database, owner: str) -> bytes | None:
-    rows = list(db.query("SELECT wrapped FROM data_keys WHERE owner = ?", [owner]))
+def get_wrapped_key(db: Database, owner: str) -> bytes | None:
+    rows = (db.query("SELECT wrapped FROM data_keys WHERE owner = ?", [owner]))
     return bytes(rows[0]["wrapped"]) if rows else None
 
 
-def insert_wrapped_key_if_absent(db: sqlite_utils.Database, owner: str, wrapped: bytes) -> None:
+def insert_wrapped_key_if_absent(db: Database, owner: str, wrapped: bytes) -> None:
     """Race-safe between processes: the first writer wins, later ones keep the stored key."""
     db.execute(
-        "INSERT OR IGNORE INTO data_keys (owner, wrapped, created_at) VALUES (?, ?, ?)", [owner, wrapped, time.time()]
+        "INSERT INTO data_keys (owner, wrapped, created_at) VALUES (?, ?, ?) ON CONFLICT (owner) DO NOTHING",
+        [owner, wrapped, time.time()],
     )
 
 
-def all_wrapped_keys(db: sqlite_utils.Database) -> list[tuple[str, bytes]]:
+def all_wrapped_keys(db: Database) -> list[tuple[str, bytes]]:
     return [(r["owner"], bytes(r["wrapped"])) for r in db.query("SELECT owner, wrapped FROM data_keys")]
 
 
-def set_wrapped_keys(db: sqlite_utils.Database, items: Iterable[tuple[str, bytes]]) -> None:
+def set_wrapped_keys(db: Database, items: Iterable[tuple[str, bytes]]) -> None:
     for owner, wrapped in items:
         db.execute("UPDATE data_keys SET wrapped = ? WHERE owner = ?", [wrapped, owner])
 
 
-def get_meta(db: sqlite_utils.Database, key: str) -> str | None:
-    rows = list(db.query("SELECT value FROM meta WHERE key = ?", [key]))
+def get_meta(db: Database, key: str) -> str | None:
+    rows = (db.query("SELECT value FROM meta WHERE key = ?", [key]))
     return rows[0]["value"] if rows else None
 
 
-def set_meta_if_absent(db: sqlite_utils.Database, key: str, value: str) -> None:
-    db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", [key, value])
+def set_meta_if_absent(db: Database, key: str, value: str) -> None:
+    db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING", [key, value])
 
 
-def set_meta(db: sqlite_utils.Database, key: str, value: str) -> None:
+def set_meta(db: Database, key: str, value: str) -> None:
     db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                [key, value])
+
+
+def data_key_owners(db: Database) -> set[str]:
+    return {r["owner"] for r in db.query("SELECT owner FROM data_keys")}
+
+
+def spent_since(db: Database, tenant_id: str, start: float) -> float:
+    """USD the ledger holds for ``tenant_id`` since ``start`` (epoch seconds)."""
+    rows = db.query("SELECT COALESCE(SUM(cost_usd), 0) AS c FROM usage WHERE tenant_id = ? AND created_at >= ?",
+                    [tenant_id, start])
+    return float(rows[0]["c"])

@@ -6,6 +6,7 @@ names), so ``engine/`` never imports tenancy and tenancy never imports ``engine/
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -42,7 +43,7 @@ class Quotas:
 class TenantContext:
     """An authenticated caller: who it is, how its prompts are cached, and its limits.
 
-    The last six fields before the quota fields are the engine's ``TenantScope``. ``namespace`` is
+    The eight fields before the quota fields are the engine's ``TenantScope``. ``namespace`` is
     derived by the server (HMAC of tenant id and share scope); ``scope_for`` returns a copy whose
     namespace is narrowed to one end user when ``share_scope == "user"``.
     """
@@ -61,6 +62,8 @@ class TenantContext:
     priority: int = 0
     kv_block_quota: int | None = None
     ttft_target_s: float | None = None
+    kv_block_quota_dram: int | None = None
+    kv_block_quota_nvme: int | None = None
     # -- quota numbers (admission happens in TenancyService.admit) --
     quotas: Quotas = field(default_factory=Quotas)
     cache_retention_s: float | None = None  # the tenant's default retention of its prompts' prefixes
@@ -105,6 +108,8 @@ class UsageRecord:
     # Cache-miss explanation details (gateway.miss_tracker): the rule's detail ("timestamp"), prompt
     # tokens re-prefilled because of the break, the prompt family, and up to 32 characters of prompt
     # text just before the break (what `promptlint check --from-usage` matches templates by).
+    # ``record_usage`` stores the context and the family in clear only for a tenant that set
+    # ``store_miss_context``; otherwise the context is dropped and the family's value keyed (HMAC).
     miss_detail: str | None = None
     miss_tokens: int | None = None
     miss_family: str | None = None
@@ -190,3 +195,25 @@ class TenantInfo:
     quotas: Quotas
     created_at: float
     cache_retention_s: float | None = None  # keep every prompt's prefix this long (explicit cache control)
+    # Keep the prompt text around a cache break (``miss_context``) and end-user family names in clear
+    # in the ledger. Off by default: the ledger then holds no prompt text (see SECURITY.md).
+    store_miss_context: bool = False
+
+
+class FleetEvent(enum.Enum):
+    """What another gateway (or the CLI) changed about a tenant."""
+
+    REVOKED = "revoked"
+    DELETED = "deleted"
+    UPDATED = "updated"
+
+
+@dataclass(frozen=True)
+class SharedLimitsStatus:
+    """``connected``: the last Redis call worked. ``fallbacks``: admissions decided by local limits
+    because Redis did not answer. ``last_error``: the latest Redis error, or None."""
+
+    url: str
+    connected: bool
+    fallbacks: int
+    last_error: str | None

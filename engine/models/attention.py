@@ -2,7 +2,8 @@
 
 ``select_ops`` returns a module with the reference op signatures (``write_kv``,
 ``paged_prefill_attention``, ``paged_decode_attention``, ``copy_blocks``, ``gather_blocks``,
-``scatter_blocks``): ``kernels.reference`` on CPU, ``kernels.triton_ops`` on CUDA when present.
+``scatter_blocks``): ``kernels.cpu_attention`` on CPU (the reference ops with PyTorch's fused SDPA for attention),
+``kernels.triton_ops`` on CUDA when present, else ``kernels.reference``.
 Swapping implementations is that one function.
 """
 
@@ -15,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ def select_ops(device: torch.device | str) -> ModuleType:
             return importlib.import_module("kernels.triton_ops")
         except ImportError as exc:  # the Triton launchers are not built yet / triton missing
             log.warning("kernels.triton_ops unavailable (%s); using the torch reference ops on CUDA", exc)
-    return reference
+        return reference
+    return cpu_attention
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,15 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's views into the block-major cache: k, v [NB, BS, Hkv, D]; int8 scales [NB, BS, Hkv]."""
+    """One layer's views into the block-major cache: k, v [NB, BS, Hkv, D]; int8 scales [NB, BS, Hkv]
+    or fp8 per-tensor scales [1]; ``k_bias`` [Hkv, D]: subtracted from keys before they are
+    stored (fp8; softmax-invariant, see engine/kv_calibration.py)."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -67,6 +72,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's whole context -> [T, Hq, D]."""
+    if cache.k_bias is not None:
+        k = k - cache.k_bias.to(k.dtype)  # every stored key shifts alike: scores move by q . bias per query
     ops.write_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     if meta.decode_only:
         return ops.paged_decode_attention(

@@ -7,10 +7,28 @@ config flags: Qwen2's q/k/v bias, tied or untied embeddings, the rope variant.
 One forward covers every sequence of a step: prefill chunks and decode tokens are packed along
 dim 0 (``input_ids [T]``, ``positions [T]``); the attention metadata says where each sequence's
 tokens and blocks are.
+
+Two forward paths compute the same function. The plain one (CPU, the transformers-shaped reference)
+runs each projection and elementwise op as its own torch call. The fused one (``fuse_projections``,
+taken on CUDA by the model runner) runs one GEMM for q|k|v and one for gate|up, over weights
+concatenated once at load, and three fused kernels from ``ops`` per layer step::
+
+    h = add_rms_norm(delta, residual)        residual += delta; h = norm(residual)   (in place)
+    qkv = linear(h, Wqkv);  q = rotary_write_kv(qkv)   RoPE on q and k, K/V into the cache
+    linear(attention(q, cache), Wo) -> delta;  h = add_rms_norm(delta, residual)
+    linear(silu_mul(linear(h, Wgate|up)), Wdown) -> delta
+
+``ops.linear`` is cuBLAS except for decode-sized 16-bit batches on the GPU, which stream the weights
+through ``kernels.skinny_gemm``.
+
+After fusion the original ``q_proj.weight`` etc. are views into the concatenated tensors, so the
+state dict, its names and its memory are unchanged (transformers can still share the tensors).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -20,6 +38,19 @@ from torch import nn
 from engine.models.attention import AttentionMetadata, LayerCache, paged_attention
 from engine.models.rope import RotaryEmbedding
 from engine.models.spec import ArchConfig
+
+
+def _concat_as_views(a: nn.Linear, b: nn.Linear, c: nn.Linear | None, name: str) -> torch.Tensor:
+    """Concatenate the ``name`` tensors of a, b (, c) along dim 0 and re-point each Linear's
+    parameter at its slice: one GEMM reads all of them, and no second copy stays in memory."""
+    linears = [m for m in (a, b, c) if m is not None]
+    merged = torch.cat([getattr(m, name).detach() for m in linears], dim=0)
+    at = 0
+    for m in linears:
+        n = getattr(m, name).shape[0]
+        setattr(m, name, nn.Parameter(merged[at : at + n], requires_grad=False))
+        at += n
+    return merged
 
 
 class RMSNorm(nn.Module):
@@ -46,6 +77,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=arch.o_bias)
         self.scale = self.head_dim**-0.5
+        self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, hidden] after fuse_projections
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """Concatenate q/k/v into one weight; the three Linear weights become views of it."""
+        self.qkv_weight = _concat_as_views(self.q_proj, self.k_proj, self.v_proj, "weight")
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _concat_as_views(self.q_proj, self.k_proj, self.v_proj, "bias")
+
+    def forward_fused(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
+        """x [T, hidden] normed; cos, sin [T, D] fp32 -> attention output projected [T, hidden]."""
+        assert self.qkv_weight is not None, "call fuse_projections() first"
+        t = x.shape[0]
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        q = ops.rotary_write_kv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
+                                cache.k_scale, cache.v_scale)  # [T, Hq, D]; K/V now in the cache
+        if meta.decode_only:
+            out = ops.paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
+                                             cache.k_scale, cache.v_scale)
+        else:
+            out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,
+                                              meta.seq_lens, self.scale, cache.k_scale, cache.v_scale)
+        return ops.linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         t = x.shape[0]
@@ -62,6 +116,18 @@ class MLP(nn.Module):
         super().__init__()
         h, i, b = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
         self.gate_proj, self.up_proj, self.down_proj = nn.Linear(h, i, bias=b), nn.Linear(h, i, bias=b), nn.Linear(i, h, bias=b)
+        self.gate_up_weight: torch.Tensor | None = None  # [2I, hidden] after fuse_projections
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        self.gate_up_weight = _concat_as_views(self.gate_proj, self.up_proj, None, "weight")
+        if self.gate_proj.bias is not None:
+            self.gate_up_bias = _concat_as_views(self.gate_proj, self.up_proj, None, "bias")
+
+    def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        assert self.gate_up_weight is not None, "call fuse_projections() first"
+        act = ops.silu_mul(ops.linear(x, self.gate_up_weight, self.gate_up_bias))  # [T, I]
+        return ops.linear(act, self.down_proj.weight, self.down_proj.bias)  # [T, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -97,6 +163,28 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBackbone(arch)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.fused = False  # set by fuse_projections: forward takes the fused-kernel path
+
+    def fuse_projections(self) -> None:
+        """Merge q|k|v and gate|up weights (views keep the state dict as it was) and switch
+        ``forward`` to the fused path. Idempotent; call after loading, on the compute device."""
+        if self.fused:
+            return
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+        self.fused = True
+
+    @contextmanager
+    def plain_path(self) -> Iterator[None]:
+        """Run forward on the plain (unfused) path inside the block, e.g. for fp8 calibration, whose
+        recording ops stand in for the KV ops of that path. The fused weights stay: the plain
+        parameters are views of them."""
+        was, self.fused = self.fused, False
+        try:
+            yield
+        finally:
+            self.fused = was
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
@@ -116,10 +204,28 @@ class LlamaForCausalLM(nn.Module):
         """-> final hidden states [T, hidden] (normed; feed the rows you need to ``compute_logits``)."""
         assert self.rotary is not None, "call init_rotary(device) after loading"
         cos, sin = self.rotary.cos_sin(positions)
+        if self.fused:
+            return self._forward_fused(input_ids, cos[:, 0], sin[:, 0], caches, meta, ops)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta, ops)
         return self.model.norm(x)
+
+    def _forward_fused(self, input_ids, cos, sin, caches: list[LayerCache], meta: AttentionMetadata,
+                       ops: ModuleType) -> torch.Tensor:
+        """The fused path (module docstring); cos, sin [T, D] fp32 -> final normed hidden [T, hidden]."""
+        eps = self.arch.rms_norm_eps
+        residual = self.model.embed_tokens(input_ids)  # [T, hidden], the running sum (updated in place)
+        delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to residual
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            w_in = layer.input_layernorm.weight
+            h = ops.rms_norm(residual, w_in, eps) if delta is None else ops.add_rms_norm(delta, residual, w_in, eps)
+            delta = layer.self_attn.forward_fused(h, cos, sin, cache, meta, ops)
+            h = ops.add_rms_norm(delta, residual, layer.post_attention_layernorm.weight, eps)
+            delta = layer.mlp.forward_fused(h, ops)
+        if delta is None:
+            return ops.rms_norm(residual, self.model.norm.weight, eps)
+        return ops.add_rms_norm(delta, residual, self.model.norm.weight, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

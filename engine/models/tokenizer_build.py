@@ -32,67 +32,13 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+from engine.models.chat_template import IM_END, IM_START, chatml_template
+
 # cl100k_base leaves 100261..100275 unused; GPT-4's chat format put ChatML's markers here.
 CHAT_SPECIAL_IDS = {IM_START: 100264, IM_END: 100265}
-
-# ChatML, extended with OpenAI-style tools: the tool schemas go into the system turn, assistant
-# tool calls are rendered as <tool_call> JSON, tool results as a "tool" turn. Message content may
-# be a string or a list of OpenAI content parts (text parts are concatenated).
-CHAT_TEMPLATE = """\
-{%- macro text(content) -%}
-{%- if content is none -%}
-{%- elif content is string -%}{{ content }}
-{%- elif content is iterable and content is not mapping -%}
-{%- for part in content -%}
-{%- if part.type == 'text' -%}
-{%- if part.text is not string -%}{{ raise_exception('a text content part needs a "text" string') }}{%- endif -%}
-{{ part.text }}
-{%- endif -%}
-{%- endfor -%}
-{%- else -%}{{ raise_exception('message content must be a string, a list of parts or null') }}
-{%- endif -%}
-{%- endmacro -%}
-{%- set first_is_system = messages | length > 0 and messages[0].role == 'system' -%}
-{%- if tools -%}
-<|im_start|>system
-{% if first_is_system %}{{ text(messages[0].content) }}
-
-{% endif %}# Tools
-
-You may call one or more functions. Their signatures are inside <tools></tools>:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-
-For each call, answer with a JSON object inside <tool_call></tool_call>:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif first_is_system -%}
-<|im_start|>system
-{{ text(messages[0].content) }}<|im_end|>
-{% endif -%}
-{%- for message in messages -%}
-{%- if message.role is not string -%}{{ raise_exception('every message needs a "role" string') }}{%- endif -%}
-{%- if not (loop.first and first_is_system) -%}
-<|im_start|>{{ message.role }}
-{{ text(message.content) }}
-{%- if message.tool_calls -%}
-{%- for call in message.tool_calls -%}
-{%- set fn = call.function if call.function is defined else call %}
-<tool_call>
-{"name": "{{ fn.name }}", "arguments": {% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}}
-</tool_call>
-{%- endfor -%}
-{%- endif -%}
-<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-<|im_start|>assistant
-{% endif -%}
-"""
+# ChatML with OpenAI-style tools (engine/models/chat_template.py); the tiny model has no default
+# system prompt.
+CHAT_TEMPLATE = chatml_template()
 
 
 @functools.cache

@@ -1,10 +1,20 @@
 """KV tiers below HBM: encrypted DRAM and NVMe spill with cost-aware, quota-fair eviction.
 
-The engine uses ``TierManager`` (see ``engine.tiers.manager`` for the call sequence); the tiers
-themselves implement the ``Tier`` Protocol of ``engine.tiers.base``.
+The engine's cache manager sees them through ``TierHook``, which implements the engine-side
+``engine.kv_types.LowerTier`` Protocol over a ``TierManager`` (see ``engine.tiers.manager``); the
+tiers themselves implement the ``Tier`` Protocol of ``engine.tiers.base``.
 """
 
-from engine.tiers.base import BlockLocation, SegmentMeta, Tier, TierError, TierStats, TierWriteError
+from engine.tiers.base import (
+    BlockLocation,
+    SegmentMeta,
+    SkipReason,
+    TenantCap,
+    Tier,
+    TierError,
+    TierStats,
+    TierWriteError,
+)
 from engine.tiers.codec import FORMAT_VERSION, segment_aad
 from engine.tiers.cost import CostModel, TierRates
 from engine.tiers.dram import DramTier
@@ -15,6 +25,6 @@ from engine.tiers.nvme import NvmeTier
 
 __all__ = [
     "FORMAT_VERSION", "BlockLocation", "CostModel", "DemoteReport", "DramTier", "InsecureNullCipher",
-    "NullCipher", "NvmeTier", "RestoreResult", "SegmentMeta", "TenantTierPolicy", "Tier", "TierError",
+    "NullCipher", "NvmeTier", "RestoreResult", "SegmentMeta", "SkipReason", "TenantCap", "TenantTierPolicy", "Tier", "TierError",
     "TierManager", "TierMatch", "TierRates", "TierHook", "TierStats", "TierWriteError", "build_tier_hook", "segment_aad",
 ]

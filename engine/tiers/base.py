@@ -11,16 +11,40 @@ block and a restore decrypts each segment it touches once.
     segments in a tier:   [ seg A: h0 h1 h2 ][ seg B: h3 h4 ]   (h5 still in HBM, or gone)
     blob of seg B:        cipher.encrypt(bytes(block h3) || bytes(block h4), aad(ns, model, h3 h4))
 
-This module imports nothing outside the standard library.
+This module imports only the standard library and ``engine.kv_types``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-BlockHash = bytes  # the engine's chained SHA-256 block hash (32 bytes)
+from engine.kv_types import BlockHash, TierName
+
+
+class SkipReason(enum.StrEnum):
+    """Why blocks were not written to a tier (the ``reason`` label of the skip metric)."""
+
+    NO_CIPHER = "no_cipher"  # the tenant has no data key: never written in clear
+    PRESENT = "present"  # already in the tier
+    COST = "cost"  # recomputing is cheaper than restoring from there
+    IO_ERROR = "io_error"
+    FULL = "full"
+    QUOTA = "quota"  # the tenant's cap (or the others' fair-share floors) leaves no room
+    TOO_LARGE = "too_large"  # larger than the tier or the tenant's cap
+
+
+@dataclass(frozen=True)
+class TenantCap:
+    """A tenant's limits in one tier (``None`` = none): bytes, and blocks (its block quota)."""
+
+    bytes: int | None = None
+    blocks: int | None = None
+
+
+TenantCapFn = Callable[[bytes], TenantCap]
 
 
 class TierError(Exception):
@@ -81,7 +105,7 @@ class PutResult:
     """What a ``put`` did.
 
     ``stored`` is False when the tier refused the segment (``reason`` says why: "too_large",
-    "quota", "full"). ``evicted`` lists the segments removed to make room, with their blobs when
+    "quota", "full"; the values of ``SkipReason``). ``evicted`` lists the segments removed to make room, with their blobs when
     the tier can hand them back for free (DRAM: so the manager can demote them to NVMe) or
     ``None`` (NVMe: they are gone).
     """
@@ -119,7 +143,7 @@ class Tier(Protocol):
         - ``used_bytes <= capacity_bytes`` at all times.
     """
 
-    name: str
+    name: TierName
     capacity_bytes: int
 
     def contains(self, namespace: bytes, block_hash: BlockHash) -> BlockLocation | None: ...

@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from engine.tiers.base import BlockHash
+from engine.kv_types import BlockHash
 
 FORMAT_VERSION = 1
 _MAGIC = b"PGKV"

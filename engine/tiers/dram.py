@@ -11,11 +11,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.tiers.base import BlockHash, BlockLocation, PutResult, SegmentMeta
+from engine.kv_types import BlockHash, TierName
+from engine.tiers.base import BlockLocation, PutResult, SegmentMeta, TenantCap, TenantCapFn
 from engine.tiers.indexed import IndexedTierQueries
 from engine.tiers.placement import ScoreFn, SegmentIndex, lru_score
-
-TenantCapFn = Callable[[bytes], "int | None"]
 
 
 def cuda_available() -> bool:
@@ -45,7 +44,7 @@ class _PinnedBlob:
 class DramTier(IndexedTierQueries):
     """``Tier`` in host memory. See ``engine.tiers.base.Tier`` for the contract."""
 
-    name = "dram"
+    name = TierName.DRAM
 
     def __init__(
         self,
@@ -53,7 +52,7 @@ class DramTier(IndexedTierQueries):
         *,
         pin_memory: bool | None = None,
         score: ScoreFn = lru_score,
-        tenant_cap: TenantCapFn = lambda ns: None,
+        tenant_cap: TenantCapFn = lambda ns: TenantCap(),
         floor_fraction: float = 1.0,
         clock: Callable[[], float] = time.time,
     ):
@@ -85,8 +84,9 @@ class DramTier(IndexedTierQueries):
         # Copy into pinned memory outside the lock: it is the slow part.
         stored: bytes | _PinnedBlob = _PinnedBlob(blob) if self.pin_memory else bytes(blob)
         with self._lock:
-            plan = self._index.plan_room(meta.namespace, meta.nbytes, self._tenant_cap(meta.namespace),
-                                         self._clock())
+            cap = self._tenant_cap(meta.namespace)
+            plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
+                                         need_blocks=meta.num_blocks, tenant_cap_blocks=cap.blocks)
             if isinstance(plan, str):
                 return PutResult(stored=False, reason=plan)
             evicted = [self._remove_locked(sid) for sid in plan]

@@ -1,43 +1,40 @@
-"""``TierHook``: joins the tiers to the engine's block pool, scheduler and model runner.
+"""``TierHook``: the DRAM / NVMe tiers as the cache manager's ``LowerTier`` (engine.kv_types).
 
-It implements the block pool's ``KVTierHook`` seam (``on_evict``, ``lookup``) and drives restores
-from the step loop with one call, ``before_schedule(scheduler)``, made at the top of every step::
+The cache manager (``engine.kv_cache_manager``) decides what to spill and restore and owns every
+HBM block; this adapter moves the bytes (``runner.export_blocks`` / ``import_blocks``) and hands
+them to the ``TierManager``::
 
-    step k    before_schedule: waiting request R matches 3 blocks in HBM, 5 more below HBM
-                -> hold R's 3 HBM blocks, allocate 5 fresh ones, restore(...) on the tier pool,
-                   scheduler.held[R] = "restoring"; R stays waiting, everybody else runs
-    step k+j  before_schedule: the restore's future is done
-                -> runner.import_blocks(5 fresh ids, plaintext); pool.register each under its hash
-                   (the chain continues from R's HBM blocks); R is released
-              schedule(): R's prefix match now finds 8 blocks in HBM: it is admitted with
-                   8 * block_size cached tokens, and the hook drops its own hold afterwards.
+    spill(tenant, block)      the pool is about to reuse block_id: copy its bytes out now; runs of
+                              consecutive victims of one chain (tails go first, so they arrive
+                              deepest first) become one segment at flush_spills()
+    lookup(ns, hashes)        how many leading hashes the tiers hold (in-memory maps only)
+    start_restore(id, ...)    read + decrypt on the tier manager's worker pool
+    finished_restores(t)      restores that are done: their plaintext is written into the HBM
+                              blocks the manager allocated, and the manager indexes them
 
-Eviction: ``on_evict`` copies the victim's bytes out at once (the pool reuses the block right
-after), and groups consecutive victims of one chain (tails are evicted before parents, so they
-arrive deepest first) into one run, handed to ``TierManager.demote`` at the next flush point.
+Each spill also applies the tenant's DRAM / NVMe block quotas (``TenantScope.kv_block_quota_dram``
+/ ``kv_block_quota_nvme``) to the tier manager, which keeps the tenant within them.
 
-Runs on the engine's step-loop thread only (the manager's pool does the slow work).
+Runs on the engine's step-loop thread only (the tier manager's pool does the slow work).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Protocol
 
 import torch
 
 from engine.config import EngineConfig
-from engine.prefix_index import max_cacheable_blocks
+from engine.kv_types import BlockHash, EvictedBlock, FinishedRestore
 from engine.protocol import TenantScope
-from engine.tiers.base import BlockHash
-from engine.tiers.manager import RestoreResult, TierManager, TierMatch
+from engine.tiers.base import SkipReason
+from engine.tiers.manager import RestoreResult, TierManager
 
 log = logging.getLogger(__name__)
-
-RESTORING = "restoring"  # the queue reason a held request shows (engine.request.QueueReason.RESTORING)
 
 
 class KVBlockIO(Protocol):
@@ -54,15 +51,6 @@ class KVBlockIO(Protocol):
         ...
 
 
-@dataclass
-class _Restore:
-    request: Any  # engine.request.Request
-    hbm_ids: list[int]  # the request's HBM prefix, held so the allocation cannot evict it
-    new_ids: list[int]  # fresh blocks the restored KV goes into
-    match: TierMatch
-    future: Any  # Future[RestoreResult]
-
-
 class TierHook:
     """See the module docstring. ``manager`` owns the tiers; ``runner`` moves bytes in and out of HBM."""
 
@@ -73,160 +61,90 @@ class TierHook:
         self.manager = manager
         self.runner = runner
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._tenants: dict[bytes, TenantScope] = {}
-        self._run: list[tuple[Any, torch.Tensor]] = []  # evicted (EvictedBlock, bytes [1, B]), deepest first
-        self._restoring: dict[str, _Restore] = {}
-        self._holding: dict[str, tuple[Any, list[int]]] = {}  # request id -> (request, block ids held)
-        self._checked: set[tuple[str, int]] = set()  # (request id, preemptions) already looked up
-        self.restored_blocks = 0
-        self.idle_wait_s = 0.05  # longest a step with nothing else to run blocks on a restore
+        # evicted blocks not yet handed down, deepest first: (tenant, block, bytes [1, B])
+        self._run: list[tuple[TenantScope, EvictedBlock, torch.Tensor]] = []
+        self._restoring: dict[str, tuple[list[int], Future[RestoreResult]]] = {}
+        self._quotas: dict[bytes, tuple[int | None, int | None]] = {}  # last block quotas applied
 
-    # ---- KVTierHook ----------------------------------------------------------------------------
-    def on_evict(self, block: Any) -> None:
-        """``block``: ``engine.block_pool.EvictedBlock`` (block_hash, namespace, depth, block_id)."""
-        tenant = self._tenants.get(block.namespace)
-        if tenant is None or tenant.cipher is None:  # cannot be spilled: skip the copy out of HBM too
-            self.manager.record_skip("unknown_tenant" if tenant is None else "no_cipher", 1)
+    # ---- spilling ------------------------------------------------------------------------------
+    def spill(self, tenant: TenantScope, block: EvictedBlock) -> None:
+        if tenant.cipher is None:  # cannot be spilled: skip the copy out of HBM too
+            self.manager.record_skip(SkipReason.NO_CIPHER, 1)
             return
+        self._apply_quotas(tenant)
         data = self.runner.export_blocks([block.block_id])  # [1, kv_bytes_per_block], a CPU copy
         if self._run:
-            last = self._run[-1][0]
+            last = self._run[-1][1]
             if (last.namespace != block.namespace or block.depth != last.depth - 1
                     or len(self._run) >= self.manager.max_segment_blocks):
-                self.flush_evictions()
-        self._run.append((block, data))
+                self.flush_spills()
+        self._run.append((tenant, block, data))
 
-    def lookup(self, namespace: bytes, block_hashes: Sequence[BlockHash]) -> int:
-        return self.manager.lookup(namespace, block_hashes).num_blocks
+    def _apply_quotas(self, tenant: TenantScope) -> None:
+        quotas = (tenant.kv_block_quota_dram, tenant.kv_block_quota_nvme)
+        if self._quotas.get(tenant.namespace) == quotas:
+            return
+        self._quotas[tenant.namespace] = quotas
+        policy = self.manager.tenant_policy(tenant.namespace)
+        self.manager.set_tenant_policy(tenant.namespace, dataclasses.replace(
+            policy, dram_blocks=quotas[0], nvme_blocks=quotas[1]))
 
-    def flush_evictions(self) -> None:
+    def flush_spills(self) -> None:
         """Hand the pending run of evicted blocks to the manager (encrypt + store off-thread)."""
         if not self._run:
             return
         run, self._run = self._run[::-1], []  # chain order: shallowest first
-        ns = run[0][0].namespace
-        tenant = self._tenants[ns]  # on_evict only queues blocks of known tenants
-        hashes = [bytes(b.block_hash) for b, _ in run]
-        data = torch.cat([d for _, d in run]) if len(run) > 1 else run[0][1]
-        self.manager.demote(tenant, hashes, data)
+        hashes = [b.block_hash for _, b, _ in run]
+        data = torch.cat([d for _, _, d in run]) if len(run) > 1 else run[0][2]
+        self.manager.demote(run[0][0], hashes, data)
 
-    # ---- restores, driven by the step loop -----------------------------------------------------
-    def before_schedule(self, scheduler: Any) -> None:
-        """Call at the top of every step, before ``scheduler.schedule()``."""
-        self.flush_evictions()
-        for req in scheduler.running:
-            self._tenants[req.namespace] = req.tenant
-        waiting: set[str] = set()
-        for queue in scheduler.waiting.values():
-            for req in queue:
-                self._tenants[req.namespace] = req.tenant
-                waiting.add(req.request_id)
-        self._checked = {k for k in self._checked if k[0] in waiting}  # forget admitted / finished ones
-        self._release_holds(scheduler, waiting)
-        self._finish_restores(scheduler)
-        if self.manager.enabled and scheduler.pool.enable_caching:
-            self._start_restores(scheduler)
-        self.flush_evictions()  # allocations for restores may have evicted blocks
-        if self._restoring and not scheduler.running and self._all_waiting_held(scheduler):
-            # Nothing else could run this step: wait for a restore instead of spinning empty steps
-            # (which would also compete with the decrypting worker for the GIL).
-            wait([r.future for r in self._restoring.values()], timeout=self.idle_wait_s,
-                 return_when=FIRST_COMPLETED)
-            self._finish_restores(scheduler)
+    # ---- restores ------------------------------------------------------------------------------
+    def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> int:
+        return self.manager.lookup(namespace, hashes).num_blocks
 
-    @staticmethod
-    def _all_waiting_held(scheduler: Any) -> bool:
-        return all(r.request_id in scheduler.held for q in scheduler.waiting.values() for r in q)
+    def start_restore(self, request_id: str, tenant: TenantScope, hashes: Sequence[BlockHash],
+                      block_ids: Sequence[int]) -> None:
+        match = self.manager.lookup(tenant.namespace, hashes)  # in-memory; at most len(hashes) blocks
+        self._restoring[request_id] = (list(block_ids), self.manager.restore(tenant, match))
 
-    def held_block_tables(self) -> list[list[int]]:
-        """Block references the hook holds (add them to ``BlockPool.check_integrity``'s tables)."""
-        tables = [r.hbm_ids + r.new_ids for r in self._restoring.values()]
-        return tables + [ids for _, ids in self._holding.values()]
+    def cancel_restore(self, request_id: str) -> None:
+        self._restoring.pop(request_id, None)  # the worker finishes; its bytes are never imported
 
-    def _start_restores(self, scheduler: Any) -> None:
-        pool = scheduler.pool
-        for queue in list(scheduler.waiting.values()):
-            for req in list(queue):
-                key = (req.request_id, req.num_preemptions)
-                if req.request_id in self._restoring or req.request_id in self._holding or key in self._checked:
-                    continue
-                self._checked.add(key)
-                hbm = pool.index.match_hashes(req.block_hashes, req.num_tokens)
-                limit = max_cacheable_blocks(req.num_tokens, pool.block_size)
-                match = self.manager.lookup(req.namespace, req.block_hashes[hbm.num_blocks:limit])
-                if match.num_blocks == 0:
-                    continue
-                revived = sum(1 for b in hbm.block_ids if pool.blocks[b].ref_cnt == 0)
-                quota = req.tenant.kv_block_quota
-                if quota is not None and pool.used_by(req.namespace) + revived + match.num_blocks > quota:
-                    continue
-                if revived + match.num_blocks > pool.num_free:
-                    self._checked.discard(key)  # no room now; try again next step
-                    continue
-                hbm_ids = list(hbm.block_ids)
-                pool.touch(hbm_ids, req.namespace)
-                new_ids = pool.allocate(match.num_blocks, req.namespace)
-                assert new_ids is not None  # num_free was checked and touch only took evictable ones
-                fut = self.manager.restore(req.tenant, match)
-                self._restoring[req.request_id] = _Restore(req, hbm_ids, new_ids, match, fut)
-                scheduler.held[req.request_id] = RESTORING
-
-    def _finish_restores(self, scheduler: Any) -> None:
-        pool = scheduler.pool
-        for rid, r in list(self._restoring.items()):
-            if r.request.is_finished:  # aborted while restoring: the bytes are not needed
-                del self._restoring[rid]
-                scheduler.held.pop(rid, None)
-                pool.free(r.hbm_ids + r.new_ids)
-                continue
-            if not r.future.done():
+    def finished_restores(self, timeout_s: float = 0.0) -> list[FinishedRestore]:
+        futures = [f for _, f in self._restoring.values()]
+        if timeout_s > 0 and futures and not any(f.done() for f in futures):
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        out = []
+        for rid, (block_ids, fut) in list(self._restoring.items()):
+            if not fut.done():
                 continue
             del self._restoring[rid]
-            scheduler.held.pop(rid, None)
             try:
-                res: RestoreResult = r.future.result()
+                n = self._import(block_ids, fut.result())
             except Exception:  # a tier failure is a miss: the request recomputes
                 log.exception("kv tier restore failed for %s", rid)
-                res = RestoreResult(0, b"", (), {}, 0.0)
-            n = res.num_blocks
-            kept = list(r.hbm_ids)
-            if n:
-                bb = self.manager.block_bytes
-                data = torch.frombuffer(bytearray(res.data), dtype=torch.uint8).view(n, bb)  # [n, bb]
-                if self.pin_memory:
-                    data = data.pin_memory()
-                self.runner.import_blocks(r.new_ids[:n], data)
-                parent = r.hbm_ids[-1] if r.hbm_ids else None
-                depth0 = len(r.hbm_ids)
-                for i in range(n):
-                    bid = pool.register(r.new_ids[i], res.hashes[i], depth0 + i, parent)
-                    kept.append(bid)  # bid != new id when the hash reappeared meanwhile: our ref moved
-                    parent = bid
-                self.restored_blocks += n
-            if r.new_ids[n:]:
-                pool.free(r.new_ids[n:])  # blocks whose restore failed: recomputed instead
-            if kept:
-                self._holding[rid] = (r.request, kept)
+                n = 0
+            out.append(FinishedRestore(rid, n))
+        return out
 
-    def _release_holds(self, scheduler: Any, waiting: set[str]) -> None:
-        """Drop the hook's references once the request has taken its own (admitted) or ended.
-        ``waiting``: ids of the requests now waiting."""
-        for rid, (req, ids) in list(self._holding.items()):
-            if req.is_finished or req.block_table or rid not in waiting:
-                del self._holding[rid]
-                scheduler.pool.free(ids)
+    def _import(self, block_ids: list[int], res: RestoreResult) -> int:
+        n = res.num_blocks
+        if n:
+            bb = self.manager.block_bytes
+            data = torch.frombuffer(bytearray(res.data), dtype=torch.uint8).view(n, bb)  # [n, bb]
+            if self.pin_memory:
+                data = data.pin_memory()
+            self.runner.import_blocks(block_ids[:n], data)
+        return n
 
     def blocks_of(self, namespace: bytes) -> dict[str, int]:
         return self.manager.blocks_of(namespace)
 
     def stats(self) -> dict[str, Any]:
-        out = self.manager.stats()
-        out["restoring"] = len(self._restoring)
-        out["restored_blocks"] = self.restored_blocks
-        return out
+        return self.manager.stats()
 
     def close(self) -> None:
-        self.flush_evictions()
+        self.flush_spills()
         self.manager.close()
 
 

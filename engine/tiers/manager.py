@@ -39,8 +39,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
+from engine.kv_types import BlockHash, TierName
 from engine.protocol import TenantScope
-from engine.tiers.base import BlockHash, BlockLocation, SegmentMeta, TierWriteError
+from engine.tiers.base import BlockLocation, SegmentMeta, SkipReason, TenantCap, TierWriteError
 from engine.tiers.codec import FORMAT_VERSION, segment_aad
 from engine.tiers.cost import CostModel, TierRates
 from engine.tiers.dram import DramTier
@@ -60,17 +61,24 @@ class TenantTierPolicy:
     ttl_s: spilled blocks are deleted this long after they left HBM (retention limit).
     dram_bytes / nvme_bytes: most bytes this tenant may hold in each tier (a hard cap, on top of
         the fair-share floor that protects every tenant from the others).
+    dram_blocks / nvme_blocks: most KV blocks it may hold in each tier (``TenantScope``'s
+        ``kv_block_quota_dram`` / ``kv_block_quota_nvme``); over it, its own oldest go first.
     """
 
     ttl_s: float | None = None
     dram_bytes: int | None = None
     nvme_bytes: int | None = None
+    dram_blocks: int | None = None
+    nvme_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ttl_s", "dram_bytes", "nvme_bytes"):
+        for name in ("ttl_s", "dram_bytes", "nvme_bytes", "dram_blocks", "nvme_blocks"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0")
+
+
+_DEFAULT_POLICY = TenantTierPolicy()
 
 
 @dataclass(frozen=True)
@@ -166,12 +174,12 @@ class TierManager:
         self.nvme: NvmeTier | None = None
         if dram_bytes > 0:
             self.dram = DramTier(dram_bytes, pin_memory=pin_memory, score=self.cost.score_fn("dram"),
-                                 tenant_cap=self._cap_fn("dram", dram_bytes), floor_fraction=floor_fraction,
+                                 tenant_cap=self._cap_fn(TierName.DRAM, dram_bytes), floor_fraction=floor_fraction,
                                  clock=clock)
         if nvme_bytes > 0:
             root = Path(nvme_dir) / f"kv-v{FORMAT_VERSION}" / _slug(model_id)
             self.nvme = NvmeTier(root, nvme_bytes, score=self.cost.score_fn("nvme"),
-                                 tenant_cap=self._cap_fn("nvme", nvme_bytes), floor_fraction=floor_fraction,
+                                 tenant_cap=self._cap_fn(TierName.NVME, nvme_bytes), floor_fraction=floor_fraction,
                                  clock=clock)
         for tier in self.tiers:
             self.metrics.capacity.labels(tier.name).set(tier.capacity_bytes)
@@ -207,15 +215,22 @@ class TierManager:
     def set_tenant_policy(self, namespace: bytes, policy: TenantTierPolicy) -> None:
         self._policies[namespace] = policy
 
-    def _cap_fn(self, tier: str, capacity: int) -> Callable[[bytes], int | None]:
+    def tenant_policy(self, namespace: bytes) -> TenantTierPolicy:
+        return self._policies.get(namespace, _DEFAULT_POLICY)
+
+    def _cap_fn(self, tier: TierName, capacity: int) -> Callable[[bytes], TenantCap]:
         share = int(capacity * self.max_tenant_fraction)
 
-        def cap(namespace: bytes) -> int | None:
-            p = self._policies.get(namespace)
-            explicit = None if p is None else (p.dram_bytes if tier == "dram" else p.nvme_bytes)
-            return share if explicit is None else min(share, explicit)
+        def cap(namespace: bytes) -> TenantCap:
+            p = self.tenant_policy(namespace)
+            explicit = p.dram_bytes if tier is TierName.DRAM else p.nvme_bytes
+            return TenantCap(share if explicit is None else min(share, explicit), self._block_cap(tier, namespace))
 
         return cap
+
+    def _block_cap(self, tier: TierName, namespace: bytes) -> int | None:
+        p = self.tenant_policy(namespace)
+        return p.dram_blocks if tier is TierName.DRAM else p.nvme_blocks
 
     def _ttl(self, namespace: bytes) -> float | None:
         p = self._policies.get(namespace)
@@ -270,14 +285,14 @@ class TierManager:
             return report
         cipher = tenant.cipher
         if cipher is None:
-            self._skip(report, first, "no_cipher", len(hashes))
+            self._skip(report, first, SkipReason.NO_CIPHER, len(hashes))
             return report
         ns = tenant.namespace
         # Blocks already in the first tier need no second copy; store the runs in between.
         i, n = 0, len(hashes)
         while i < n:
             if self.tiers[0].contains(ns, hashes[i]) is not None:
-                self._skip(report, first, "present", 1)
+                self._skip(report, first, SkipReason.PRESENT, 1)
                 i += 1
                 continue
             j = i
@@ -288,32 +303,49 @@ class TierManager:
         return report
 
     def _demote_run(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview,
-                    report: DemoteReport) -> None:
-        ns = tenant.namespace
+                     report: DemoteReport) -> None:
         approx = len(plain) + 28  # nonce + tag of AES-GCM; only used for the cost estimate
         targets = [t for t in self.tiers if self.cost.worth_keeping(t.name, len(hashes), approx)]
         if not targets:
-            self._skip(report, self.tiers[0].name, "cost", len(hashes))
+            self._skip(report, self.tiers[0].name, SkipReason.COST, len(hashes))
             return
+        bb = self.block_bytes
+        for tier in targets:
+            cap = self._block_cap(tier.name, tenant.namespace)
+            if cap is not None and cap < len(hashes):
+                # More blocks than the tenant may keep here: its leading ones (a match needs them
+                # first) stay in this tier, the rest go on to the next one.
+                if cap > 0:
+                    self._put(tier, self._seal(tenant, hashes[:cap], plain[:cap * bb]), report)
+                hashes, plain = hashes[cap:], plain[cap * bb:]
+                if tier is targets[-1]:  # no tier left for the rest
+                    self._skip(report, tier.name, SkipReason.QUOTA, len(hashes))
+                continue
+            if self._put(tier, self._seal(tenant, hashes, plain), report):
+                return
+
+    def _seal(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview) -> tuple[SegmentMeta, bytes]:
+        """Encrypt a run of blocks as one segment."""
+        ns = tenant.namespace
+        assert tenant.cipher is not None
         blob = tenant.cipher.encrypt(plain, segment_aad(ns, self.model_id, hashes, self.block_bytes))
         now = self._clock()
         ttl = self._ttl(ns)
         meta = SegmentMeta(uuid.uuid4().hex, ns, tenant.metrics_label, hashes, self.block_bytes, len(blob),
                            now, now, None if ttl is None else now + ttl)
-        for tier in targets:
-            if self._put(tier, meta, blob, report):
-                return
+        return meta, blob
 
-    def _put(self, tier: DramTier | NvmeTier, meta: SegmentMeta, blob: bytes, report: DemoteReport) -> bool:
+    def _put(self, tier: DramTier | NvmeTier, sealed: tuple[SegmentMeta, bytes], report: DemoteReport) -> bool:
         """Store one segment in ``tier``, cascading what it evicts downwards. True if stored."""
+        meta, blob = sealed
         try:
             res = tier.put(meta, blob)
         except TierWriteError as exc:
             log.warning("kv tier %s: demotion skipped: %s", tier.name, exc)
-            self._skip(report, tier.name, "io_error", meta.num_blocks)
+            self._skip(report, tier.name, SkipReason.IO_ERROR, meta.num_blocks)
             return False
         if not res.stored:
-            self._skip(report, tier.name, res.reason or "full", meta.num_blocks)
+            self._skip(report, tier.name, SkipReason(res.reason or SkipReason.FULL), meta.num_blocks)
             return False
         report.stored[tier.name] = report.stored.get(tier.name, 0) + meta.num_blocks
         self.metrics.demotions.labels(tier.name, meta.tenant_label).inc(meta.num_blocks)
@@ -331,19 +363,19 @@ class TierManager:
             return False
         if all(self.nvme.contains(meta.namespace, h) is not None for h in meta.hashes):
             return True  # already there from an earlier spill
-        if not self.cost.worth_keeping("nvme", meta.num_blocks, meta.nbytes):
-            self._skip(report, "nvme", "cost", meta.num_blocks)
+        if not self.cost.worth_keeping(TierName.NVME, meta.num_blocks, meta.nbytes):
+            self._skip(report, TierName.NVME, SkipReason.COST, meta.num_blocks)
             return False
         moved = SegmentMeta(uuid.uuid4().hex, meta.namespace, meta.tenant_label, meta.hashes, meta.block_bytes,
                             meta.nbytes, meta.created_s, meta.last_access_s, meta.expires_s, meta.hits)
-        return self._put(self.nvme, moved, blob, report)
+        return self._put(self.nvme, (moved, blob), report)
 
-    def record_skip(self, reason: str, blocks: int) -> None:
+    def record_skip(self, reason: SkipReason, blocks: int) -> None:
         """Count blocks the caller dropped before reaching ``demote`` (e.g. no known tenant)."""
         if self.tiers:
             self.metrics.skipped.labels(self.tiers[0].name, reason).inc(blocks)
 
-    def _skip(self, report: DemoteReport, tier: str, reason: str, blocks: int) -> None:
+    def _skip(self, report: DemoteReport, tier: str, reason: SkipReason, blocks: int) -> None:
         report.skipped[reason] = report.skipped.get(reason, 0) + blocks
         self.metrics.skipped.labels(tier, reason).inc(blocks)
 
@@ -382,7 +414,7 @@ class TierManager:
         """
         if match.namespace != tenant.namespace:
             raise ValueError("the match belongs to another namespace than the tenant")
-        for t in ("dram", "nvme"):
+        for t in (TierName.DRAM, TierName.NVME):
             if match.blocks_in(t):
                 self.metrics.hits.labels(t, tenant.metrics_label).inc(match.blocks_in(t))
         return self._pool.submit(self._restore, tenant, match)
@@ -402,7 +434,7 @@ class TierManager:
         bb, i, n = self.block_bytes, 0, match.num_blocks
         cipher = tenant.cipher
         while i < n and cipher is not None and match.tiers[i] != PENDING:
-            tier = self.dram if match.tiers[i] == "dram" else self.nvme
+            tier = self.dram if match.tiers[i] == TierName.DRAM else self.nvme
             sid, pos = match.locations[i].segment_id, match.locations[i].position
             j = i + 1  # the run of blocks this segment serves, positions consecutive
             while (j < n and match.tiers[j] == match.tiers[i] and match.locations[j].segment_id == sid

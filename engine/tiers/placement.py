@@ -5,8 +5,9 @@ thread-safe: the owning tier holds its lock around every call.
 
 Eviction rule for ``plan_room(tenant, need)``, in order:
 
-1. The segment must fit the tier and the tenant's own cap (``tenant_cap_bytes``); if the tenant
-   would exceed its cap, only its own segments are candidates until it fits.
+1. The segment must fit the tier and the tenant's own caps (``tenant_cap_bytes``, and
+   ``tenant_cap_blocks``: its ``kv_block_quota_dram`` / ``_nvme``); if the tenant would exceed a
+   cap, only its own segments are candidates (lowest score, i.e. oldest, first) until it fits.
 2. Fair-share floor: with ``n`` tenants holding data in the tier (the newcomer included), each is
    guaranteed ``floor = capacity * floor_fraction / n``. Another tenant's segment is a candidate
    only while that tenant holds more than its floor, so a tenant whose working set fits its
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.tiers.base import BlockHash, BlockLocation, SegmentMeta
+from engine.kv_types import BlockHash
+from engine.tiers.base import BlockLocation, SegmentMeta
 
 ScoreFn = Callable[[SegmentMeta, float], float]
 
@@ -46,6 +48,7 @@ class SegmentIndex:
         self._blocks: dict[tuple[bytes, BlockHash], BlockLocation] = {}
         self._live: dict[str, int] = {}  # segment id -> blocks of the map still pointing at it
         self.usage: dict[bytes, int] = {}  # namespace -> bytes held
+        self.block_usage: dict[bytes, int] = {}  # namespace -> blocks held (segment sizes)
         self._by_label: dict[str, int] = {}  # metrics label -> bytes held (kept for cheap stats)
         self.used_bytes = 0
 
@@ -77,6 +80,7 @@ class SegmentIndex:
         self.segments[meta.segment_id] = meta
         self._live[meta.segment_id] = 0
         self.usage[meta.namespace] = self.usage.get(meta.namespace, 0) + meta.nbytes
+        self.block_usage[meta.namespace] = self.block_usage.get(meta.namespace, 0) + meta.num_blocks
         self._by_label[meta.tenant_label] = self._by_label.get(meta.tenant_label, 0) + meta.nbytes
         self.used_bytes += meta.nbytes
         orphans = []
@@ -107,42 +111,52 @@ class SegmentIndex:
             self.usage[meta.namespace] = left
         else:
             del self.usage[meta.namespace]
+        left_blocks = self.block_usage[meta.namespace] - meta.num_blocks
+        if left_blocks:
+            self.block_usage[meta.namespace] = left_blocks
+        else:
+            del self.block_usage[meta.namespace]
         self._by_label[meta.tenant_label] -= meta.nbytes
         self.used_bytes -= meta.nbytes
         return meta
 
     # ---- the eviction rule ---------------------------------------------------------------------
     def plan_room(
-        self, namespace: bytes, need: int, tenant_cap_bytes: int | None, now_s: float
+        self, namespace: bytes, need: int, tenant_cap_bytes: int | None, now_s: float,
+        *, need_blocks: int = 0, tenant_cap_blocks: int | None = None,
     ) -> list[str] | str:
-        """Victims (segment ids, in eviction order) that make room for ``need`` more bytes of
-        ``namespace``, or the reason it cannot be placed: "too_large" or "quota".
+        """Victims (segment ids, in eviction order) that make room for ``need`` more bytes
+        (``need_blocks`` blocks) of ``namespace``, or the reason it cannot be placed: "too_large"
+        or "quota".
 
         Pure: evicts nothing itself.
         """
         cap = self.capacity_bytes if tenant_cap_bytes is None else min(tenant_cap_bytes, self.capacity_bytes)
-        if need > cap:
+        if need > cap or (tenant_cap_blocks is not None and need_blocks > tenant_cap_blocks):
             return "too_large"
         usage = dict(self.usage)
         tenants = set(usage) | {namespace}
         floor = self.capacity_bytes * self.floor_fraction / len(tenants)
         free = self.capacity_bytes - self.used_bytes
         own_over = usage.get(namespace, 0) + need - cap  # bytes of its own it must give up
-        if free >= need and own_over <= 0:
+        own_over_blocks = (0 if tenant_cap_blocks is None
+                           else self.block_usage.get(namespace, 0) + need_blocks - tenant_cap_blocks)
+        if free >= need and own_over <= 0 and own_over_blocks <= 0:
             return []
         ranked = sorted(self.segments.values(), key=lambda m: self.score(m, now_s))
         victims: list[str] = []
         # Pass 1: a tenant over its own cap makes room from its own segments only.
-        if own_over > 0:
+        if own_over > 0 or own_over_blocks > 0:
             for m in ranked:
-                if own_over <= 0:
+                if own_over <= 0 and own_over_blocks <= 0:
                     break
                 if m.namespace == namespace:
                     victims.append(m.segment_id)
                     own_over -= m.nbytes
+                    own_over_blocks -= m.num_blocks
                     free += m.nbytes
                     usage[namespace] -= m.nbytes
-            if own_over > 0:
+            if own_over > 0 or own_over_blocks > 0:
                 return "quota"
         # Pass 2: free bytes. One pass in score order is exact: eligibility only shrinks as
         # usages drop, so a segment skipped once stays ineligible.
@@ -168,6 +182,10 @@ class SegmentIndex:
         for m in self.segments.values():
             by_ns[m.namespace] = by_ns.get(m.namespace, 0) + m.nbytes
         assert by_ns == self.usage, (by_ns, self.usage)
+        blocks_ns: dict[bytes, int] = {}
+        for m in self.segments.values():
+            blocks_ns[m.namespace] = blocks_ns.get(m.namespace, 0) + m.num_blocks
+        assert blocks_ns == self.block_usage, (blocks_ns, self.block_usage)
         by_label: dict[str, int] = {}
         for m in self.segments.values():
             by_label[m.tenant_label] = by_label.get(m.tenant_label, 0) + m.nbytes

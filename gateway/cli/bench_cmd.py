@@ -1,14 +1,12 @@
-"""``prefixgate bench``: workload benchmarks (code in ``benchmarks/workloads.py``, next to this package).
+"""``prefixgate bench``: workload benchmarks (code in ``gateway.bench``, an installed package).
 
 The flags live here (they are the CLI contract; registering them imports nothing heavy); the run
-itself is ``benchmarks.workloads.run_bench``. ``benchmarks/`` is not an installed package, so it is
-located relative to this checkout, with a clear error where it is absent (an installed wheel).
+itself is ``gateway.bench.replay.run_bench``, imported only when the command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import shlex
 import sys
 from pathlib import Path
@@ -16,7 +14,6 @@ from typing import Any
 
 from gateway.cli.main import CLIError, resolve_home
 
-_ROOT = Path(__file__).resolve().parents[2]
 _WORKLOADS = ("system_prompts", "chat", "agents", "rag", "random")
 # flag -> TraceSizes field (defaults live in TraceSizes)
 _SIZE_FLAGS = {
@@ -55,7 +52,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
                    help="tenant API key for --url (repeat for several tenants)")
     p.add_argument("--model-name", default=None, help="model name to request with --url (default: the first listed)")
-    p.add_argument("--out-dir", default=None, help="where results go (default benchmarks/results)")
+    p.add_argument("--out-dir", default=None,
+                   help="where results go (default: benchmarks/results in a checkout, else ./prefixgate-bench)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -67,15 +65,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "gateways over loopback HTTP and report latency, hit rate and the cache's break-even.")
     add_bench_arguments(p)
     p.set_defaults(func=run_bench_cmd)
-
-
-def _load_workloads() -> Any:
-    if not (_ROOT / "benchmarks" / "workloads.py").exists():
-        raise CLIError(f"benchmarks/workloads.py not found next to this checkout ({_ROOT}); "
-                       "`prefixgate bench` runs from a source checkout of PrefixGate")
-    if str(_ROOT) not in sys.path:
-        sys.path.insert(0, str(_ROOT))
-    return importlib.import_module("benchmarks.workloads")
 
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
@@ -105,8 +94,11 @@ def _size(value: str | None, flag: str) -> str | None:
 
 
 def run_bench_cmd(args: argparse.Namespace) -> int:
-    wl = _load_workloads()
-    from benchmarks.workload_traces import TraceSizes
+    try:
+        from gateway.bench import replay as wl
+        from gateway.bench.traces import TraceSizes
+    except ModuleNotFoundError as exc:  # matplotlib/tqdm come with the [bench] extra
+        raise CLIError(f"prefixgate bench needs {exc.name!r}: pip install 'prefixgate[bench]'") from None
 
     try:
         sizes = TraceSizes(**{k: getattr(args, k) for k in _SIZE_FLAGS if getattr(args, k) is not None})
@@ -118,12 +110,14 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
             nvme_bytes=_size(args.nvme_bytes, "--nvme-bytes"), concurrency=args.concurrency, max_duration_s=args.max_duration,
             sample_interval_s=args.sample_interval, seed=args.seed, sizes=sizes, url=args.url,
             api_keys=tuple(args.api_keys), model_name=args.model_name,
-            out_dir=Path(args.out_dir) if args.out_dir else wl.RESULTS_DIR, plots=not args.no_plots,
+            out_dir=Path(args.out_dir) if args.out_dir else wl.default_results_dir(), plots=not args.no_plots,
             progress=not args.no_progress, command="prefixgate " + shlex.join(sys.argv[1:]),
         )
         doc = wl.run_bench(opts)
     except ValueError as exc:  # BenchError and TraceSizes validation
         raise CLIError(str(exc)) from None
+    except ModuleNotFoundError as exc:  # plots and progress are imported when first used
+        raise CLIError(f"prefixgate bench needs {exc.name!r}: pip install 'prefixgate[bench]'") from None
     print(doc["table"])
     print(f"\nwrote {doc['json_path']}" + "".join(f"\nwrote {p}" for p in doc["plots"]))
     return 0

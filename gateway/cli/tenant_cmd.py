@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,9 +23,11 @@ from tenancy.service import TenancyService, TenantInfo
 
 @contextmanager
 def open_service(args: argparse.Namespace) -> Iterator[TenancyService]:
-    """The service under --home, with tenancy errors turned into one-line CLI errors."""
+    """The service under --home (on --database-url / --redis-url when given), with tenancy errors
+    turned into one-line CLI errors. With Redis, a revocation or deletion reaches running gateways at once."""
     try:
-        with TenancyService.open(resolve_home(args.home)) as svc:
+        with TenancyService.open(resolve_home(args.home), database_url=getattr(args, "database_url", None),
+                                 redis_url=getattr(args, "redis_url", None)) as svc:
             yield svc
     except TenancyError as exc:
         raise CLIError(str(exc)) from None
@@ -44,16 +47,20 @@ def _tenant_dict(t: TenantInfo) -> dict[str, Any]:
     return d
 
 
+# SQLite stores a signed 64-bit INTEGER; a larger limit would fail deep in the store (OverflowError).
+MAX_LIMIT = 2**63 - 1
+
+
 def _limit(value: str) -> int | None:
-    """A positive integer, or none/unlimited to clear the limit."""
+    """A positive integer up to MAX_LIMIT, or none/unlimited to clear the limit."""
     if value.lower() in ("none", "unlimited", "off"):
         return None
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}")
+    if not 1 <= n <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_LIMIT} or 'none', got {value!r}")
     return n
 
 
@@ -97,12 +104,16 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-target", type=float, metavar="SECONDS", help="time-to-first-token target")
     p.add_argument("--cache-retention", type=_duration, metavar="5m|1h|24h|SECONDS",
                    help="keep every prompt's cached prefix this long (explicit cache control; 'none' clears it)")
+    p.add_argument("--store-miss-context", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the prompt text around each cache break and clear prompt-family names "
+                        "(end-user ids) in the ledger (default off: no prompt text, families keyed)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     pairs = {
         "share_scope": args.share_scope, "canon_mode": args.canon, "per_user_vars": args.per_user_vars,
         "priority": args.priority, "ttft_target_s": args.ttft_target,
+        "store_miss_context": args.store_miss_context,
     }
     settings = {k: v for k, v in pairs.items() if v is not None}
     retention = getattr(args, "cache_retention", None)
@@ -122,6 +133,7 @@ def _show_text(t: TenantInfo) -> str:
         f"user vars   {', '.join(t.per_user_vars) or '-'}",
         f"priority    {t.priority}   TTFT target {t.ttft_target_s if t.ttft_target_s is not None else '-'}",
         f"retention   {f'{t.cache_retention_s:g} s' if t.cache_retention_s else '-'}",
+        f"miss text   {'kept (--store-miss-context)' if t.store_miss_context else 'not stored'}",
         f"quotas      rpm={q.rpm or '-'} tpm={q.tpm or '-'} budget="
         f"{budget} "
         f"kv_blocks hbm={q.kv_blocks_hbm or '-'} dram={q.kv_blocks_dram or '-'} nvme={q.kv_blocks_nvme or '-'}",
@@ -168,15 +180,37 @@ def cmd_tenant_set(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if not settings:
         raise CLIError("nothing to change: give at least one of --share-scope, --canon, --per-user-var, "
-                       "--priority, --ttft-target, --cache-retention")
+                       "--priority, --ttft-target, --cache-retention, --store-miss-context")
     with open_service(args) as svc:
         t = svc.update_tenant(args.name, **settings)
     _emit(args, _tenant_dict(t), _show_text(t))
     return 0
 
 
+def _confirm_delete(name: str) -> None:
+    """Ask before crypto-shredding: the tenant's spilled KV becomes undecryptable, for good.
+
+    Without a terminal there is nobody to ask: refuse rather than guess, and name ``--yes``.
+    """
+    if not sys.stdin.isatty():
+        raise CLIError(f"deleting tenant {name!r} destroys its keys and data key for good; "
+                       "pass --yes to confirm (stdin is not a terminal, so there is nobody to ask)")
+    print(f"Delete tenant {name!r}? Its API keys stop working and its data key is destroyed, so its spilled "
+          "KV can never be decrypted (usage rows are kept).", file=sys.stderr)
+    try:
+        answer = input(f"Type the tenant name ({name}) to confirm: ")
+    except EOFError:
+        answer = ""
+    if answer.strip() != name:
+        raise CLIError(f"not deleted: the answer did not match {name!r}")
+
+
 def cmd_tenant_delete(args: argparse.Namespace) -> int:
     with open_service(args) as svc:
+        if svc.get_tenant_by_name(args.name) is None:
+            raise CLIError(f"no tenant named {args.name!r} (see `prefixgate tenant list`)")
+        if not args.yes:
+            _confirm_delete(args.name)
         t = svc.delete_tenant(args.name)
     _emit(args, {"deleted": True, "tenant_id": t.tenant_id, "name": t.name},
           f"deleted tenant {t.name} ({t.tenant_id}); its API keys are gone and its data key is destroyed, "
@@ -255,6 +289,12 @@ def sub_common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--home", default=argparse.SUPPRESS,
                    help="state directory (database, keys); default $PREFIXGATE_HOME or the user's data directory")
+    # A fleet's shared state: the same URLs the gateways run with (serve's --database-url / --redis-url).
+    p.add_argument("--database-url", default=os.environ.get("PREFIXGATE_DATABASE_URL") or None, metavar="URL",
+                   help="postgresql://... of a fleet (default $PREFIXGATE_DATABASE_URL, else SQLite under --home)")
+    p.add_argument("--redis-url", default=os.environ.get("PREFIXGATE_REDIS_URL") or None, metavar="URL",
+                   help="redis://... of a fleet: revocations reach running gateways at once "
+                        "(default $PREFIXGATE_REDIS_URL)")
     return p
 
 
@@ -286,6 +326,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = tsub.add_parser("delete", parents=parents,
                         help="delete a tenant, its keys and its data key (crypto-shreds its spilled KV)")
     p.add_argument("name")
+    p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation (scripts)")
     p.set_defaults(func=cmd_tenant_delete)
     quota = tsub.add_parser("quota", help="set a tenant's quotas")
     qsub = quota.add_subparsers(dest="quota_command", metavar="ACTION", required=True)

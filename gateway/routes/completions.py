@@ -59,8 +59,11 @@ async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any
         prep = await prepare(kind, body, ctx, tenancy=tenancy, router=router_, engine=engine, settings=settings,
                              threads=request.app.state.tenant_threads,
                              tracker=getattr(request.app.state, "miss_tracker", None))
-    except OpenAIError as err:
+    except OpenAIError as err:  # a refusal: its one row, and counted by outcome
         record_rejected(tenancy, ctx, body.model, kind, err, metrics, live)
+        raise
+    except Exception:  # a bug: the request still gets its one row (a 500)
+        record_rejected(tenancy, ctx, body.model, kind, OpenAIError(500, "internal error"), metrics, live)
         raise
     return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request)
 

@@ -1,5 +1,9 @@
 """``GET /health`` (liveness of the app and its engine) and ``GET /metrics`` (Prometheus text).
 
+``/health`` also says which store the tenancy state is in and, with ``--redis-url``, whether Redis
+answers: ``{"status": "degraded", "limits": "local", ...}`` (still HTTP 200: the gateway serves, with
+per-process limits) while it does not, ``"limits": "redis"`` again once it does.
+
 ``/metrics`` carries every tenant's requests, tokens, cost and latency, so it is not public by
 default: a scrape authenticates with ``Authorization: Bearer <metrics token>`` (the token is read
 from the environment variable ``--metrics-token-env`` names) or with an admin tenant's API key. A
@@ -10,24 +14,58 @@ tenant key gets a 403, no key a 401. ``metrics_public = true`` in ``[server]`` (
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.deps import EngineDep, SettingsDep, TenancyDep, bearer_key
 from gateway.errors import OpenAIError
-from gateway.ports import AuthenticationError, TenancyPort
+from gateway.ports import AuthenticationError, FleetStatusSource, TenancyPort
 
 router = APIRouter(tags=["ops"])
 
 
 @router.get("/health")
-async def health(engine: EngineDep) -> Any:
+async def health(request: Request, engine: EngineDep) -> Any:
     ok = True if engine is None else await engine.health()
-    return JSONResponse({"status": "ok" if ok else "unhealthy", "engine": engine is not None},
-                        status_code=200 if ok else 503)
+    body: dict[str, Any] = {"status": "ok" if ok else "unhealthy", "engine": engine is not None}
+    tenancy = request.app.state.tenancy
+    if isinstance(tenancy, FleetStatusSource):
+        fleet = tenancy.fleet_status()
+        body["database"] = fleet.database
+        shared = fleet.shared_limits
+        body["limits"] = "local" if shared is None or not shared.connected else "redis"
+        if shared is not None:
+            body["redis"] = {"connected": shared.connected, "fallback_admissions": shared.fallbacks,
+                             "last_error": shared.last_error}
+            if ok and fleet.degraded:
+                body["status"] = "degraded"
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+class FleetCollector:
+    """Prometheus view of ``fleet_status``: ``prefixgate_redis_up`` (1/0) and the admissions decided by
+    local limits while Redis was away. Nothing is exported without ``--redis-url``."""
+
+    def __init__(self, tenancy: Callable[[], object]) -> None:
+        self._tenancy = tenancy  # read at scrape time: the app's tenancy is opened in its lifespan
+
+    def collect(self) -> Iterator[Metric]:
+        tenancy = self._tenancy()
+        if not isinstance(tenancy, FleetStatusSource):
+            return
+        shared = tenancy.fleet_status().shared_limits
+        if shared is None:
+            return
+        yield GaugeMetricFamily("prefixgate_redis_up", "1 while Redis (fleet-wide limits) answers, else 0",
+                                value=1.0 if shared.connected else 0.0)
+        yield CounterMetricFamily("prefixgate_redis_fallback_admissions",
+                                  "Admissions decided by this gateway's local limits because Redis did not answer",
+                                  value=float(shared.fallbacks))
 
 
 def _authorize_scrape(tenancy: TenancyPort, token: str | None, key: str | None) -> None:

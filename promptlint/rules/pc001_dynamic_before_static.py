@@ -18,7 +18,7 @@ Fix:
     with ``promptlint: movable`` (in a comment your renderer strips) and ``--fix`` moves it.
 """
 
-from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, shown
+from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, move_hint, shown
 
 CODE = "PC001"
 NAME = "dynamic-before-static"
@@ -35,7 +35,7 @@ def check(doc, ctx):
             yield finding(
                 doc, e, CODE, SEVERITY,
                 f"{what} {shown(e)} comes before {doc.static_after[i]} tokens of static text that are "
-                f"re-prefilled on every request; move the static text ahead of it",
+                f"re-prefilled on every request; move the static text ahead of it" + move_hint(doc, e),
                 fixable=is_movable(doc, e),
             )
             return

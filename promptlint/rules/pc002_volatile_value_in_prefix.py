@@ -20,7 +20,7 @@ Fix:
     for lines marked ``promptlint: movable``.
 """
 
-from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, shown
+from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, move_hint, shown
 
 CODE = "PC002"
 NAME = "volatile-value-in-prefix"
@@ -36,6 +36,6 @@ def check(doc, ctx):
             yield finding(
                 doc, e, CODE, SEVERITY,
                 f"{kind} {shown(e)} changes on every request and precedes {doc.static_after[i]} static "
-                "tokens; move it after the static text",
+                "tokens; move it after the static text" + move_hint(doc, e),
                 fixable=is_movable(doc, e),
             )

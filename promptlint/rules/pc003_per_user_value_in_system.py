@@ -18,7 +18,7 @@ Fix:
     ``key: value`` lines of the variables a tenant marks as per-user.
 """
 
-from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, shown
+from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, move_hint, shown
 
 CODE = "PC003"
 NAME = "per-user-value-in-system"
@@ -34,6 +34,6 @@ def check(doc, ctx):
             yield finding(
                 doc, e, CODE, SEVERITY,
                 f"per-user value {shown(e)} {where} precedes {doc.static_after[i]} static tokens, so each "
-                "user gets a separate cache entry; pass user details after the shared text",
+                "user gets a separate cache entry; pass user details after the shared text" + move_hint(doc, e),
                 fixable=is_movable(doc, e),
             )

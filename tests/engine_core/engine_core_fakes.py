@@ -99,6 +99,12 @@ class FakeRunner:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
+    def check_grammar(self, spec) -> None:
+        raise ValueError("the fake runner has no grammar support")
+
+    def token_bytes(self, token_ids) -> list[bytes]:
+        return [bytes([t]) for t in token_ids]
+
 
 def scope(name: str = "t", **kw) -> StaticTenantScope:
     return StaticTenantScope(namespace=name.encode(), metrics_label=name, **kw)

@@ -88,13 +88,13 @@ def test_cancelling_the_stream_aborts_and_frees_blocks():
         await gen.aclose()  # the client went away
         for _ in range(50):  # let the engine thread process the abort
             runner.gate.release()
-            if eng.engine.pool.num_used == 0 and not eng.engine.requests:
+            if eng.engine.cache.num_used == 0 and not eng.engine.requests:
                 break
             await asyncio.sleep(0.02)
 
     try:
         asyncio.run(main())
-        assert eng.engine.pool.num_used == 0 and "c" in runner.released
+        assert eng.engine.cache.num_used == 0 and "c" in runner.released
     finally:
         runner.gate.release(100)
         eng.shutdown()
@@ -117,7 +117,7 @@ def test_abort_ends_the_stream_with_abort():
         runner.gate.release()
         outs = asyncio.run(main())
         assert outs[-1].finish_reason == "abort" and outs[-1].finished
-        assert eng.engine.pool.num_used == 0
+        assert eng.engine.cache.num_used == 0
     finally:
         runner.gate.release(100)
         eng.shutdown()

@@ -106,7 +106,7 @@ def test_engine_greedy_equals_transformers(base_engine, tokenizer, expected, lab
         assert cached["r1"] > 0 and cached["r2"] > 0  # served from r0's prefix blocks
     else:
         assert set(cached.values()) == {0}
-    assert engine.pool.num_used == 0
+    assert engine.cache.num_used == 0
 
 
 def test_prefix_hit_serves_same_tokens_as_cold_run(base_engine, tokenizer, expected):
@@ -146,7 +146,7 @@ def test_async_engine_streams_and_abort_frees_blocks(tiny_dir):
 def test_cli_generate_json(tiny_dir, capsys):
     from gateway.cli.main import main
 
-    assert main(["generate", "--model", str(tiny_dir), "--max-tokens", "5", "--json", "Hello there"]) == 0
+    assert main(["generate", "--model", str(tiny_dir), "--raw", "--max-tokens", "5", "--json", "Hello there"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "prompt_tokens", "cached_tokens"}
     assert 1 <= len(out["token_ids"]) <= 5 and out["prompt_tokens"] == 2 and out["cached_tokens"] == 0

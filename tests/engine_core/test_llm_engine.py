@@ -5,8 +5,9 @@ from engine_core_fakes import EOS, FakeRunner, reference_generate, scope
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.config import EngineConfig
+from engine.kv_types import CacheObserver, LowerTier
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
+from engine.metrics import CacheTimer, EngineMetrics
 from engine.protocol import GenerateRequest, InvalidRequestError, PromptTooLongError, SamplingParams
 
 BS = 8
@@ -58,7 +59,7 @@ def test_batched_chunked_outputs_equal_the_reference():
         assert res[rid]["outs"][-1].finish_reason == "length"
     assert any(len(b.chunks) > 1 for b in runner.batches)  # really batched
     assert max(b.num_tokens for b in runner.batches) <= 16  # chunked under the budget
-    assert engine.pool.num_used == 0 and sorted(runner.released) == sorted(prompts)
+    assert engine.cache.num_used == 0 and sorted(runner.released) == sorted(prompts)
 
 
 def test_prefix_hit_serves_the_same_tokens_and_reports_cached_tokens():
@@ -86,7 +87,7 @@ def test_prefix_caching_disabled_never_matches():
     p = prompt(2, 40)
     run_all_single(engine, "a", p)
     b = run_all_single(engine, "b", p)
-    assert b["outs"][-1].cached_tokens == 0 and len(engine.pool.index) == 0
+    assert b["outs"][-1].cached_tokens == 0 and engine.cache.num_indexed == 0
 
 
 def test_outputs_survive_forced_preemption_with_few_blocks():
@@ -143,11 +144,11 @@ def test_abort_frees_blocks_and_returns_a_final_output():
     engine.add_request(greq("a", prompt(6, 30), max_tokens=50))
     engine.step()
     engine.step()
-    assert engine.pool.num_used > 0
+    assert engine.cache.num_used > 0
     out = engine.abort("a")
     assert out.finished and out.finish_reason == "abort" and out.completion_tokens == 2
-    assert engine.pool.num_used == 0 and "a" in runner.released
-    assert engine.pool.num_evictable == 3  # its full prompt blocks stay indexed for reuse
+    assert engine.cache.num_used == 0 and "a" in runner.released
+    assert engine.cache.num_evictable == 3  # its full prompt blocks stay indexed for reuse
     assert engine.abort("a") is None and engine.abort("nope") is None
     engine.check_integrity()
 
@@ -161,15 +162,16 @@ def test_a_failing_request_does_not_take_the_others_down():
     assert res["bad"]["outs"][-1].finish_reason == "error"
     assert "injected failure" in res["bad"]["outs"][-1].error
     assert res["good"]["ids"] == reference_generate(prompt(7, 10), 8)
-    assert engine.pool.num_used == 0
+    assert engine.cache.num_used == 0
 
 
 def test_rejects_prompts_that_do_not_fit():
     engine, _ = make_engine(num_blocks=64, max_model_len=100)
     with pytest.raises(PromptTooLongError, match="maximum context length is 100"):
         engine.add_request(greq("long", prompt(1, 95), max_tokens=10))
-    small, _ = make_engine(num_blocks=4)
-    with pytest.raises(PromptTooLongError, match="KV blocks"):
+    small, _ = make_engine(num_blocks=4)  # 4 blocks x 8 tokens: the advertised context shrinks to fit
+    assert small.max_model_len == 32
+    with pytest.raises(PromptTooLongError, match="maximum context length is 32"):
         small.add_request(greq("big", prompt(1, 40)))
     with pytest.raises(PromptTooLongError, match="quota"):
         engine.add_request(greq("q", prompt(1, 40), tenant=scope("q", kv_block_quota=2)))
@@ -214,20 +216,48 @@ def test_fragmentation_counts_unused_slots_of_allocated_blocks():
     assert engine.fragmentation() == pytest.approx(5 / 16)
 
 
-def test_preemption_eviction_and_queue_metrics_and_tier_hook():
-    evicted = []
+class RecordingLowerTier:
+    """A ``LowerTier`` that keeps nothing: it records what the cache manager spills."""
 
-    class Hook:
-        def on_evict(self, block):
-            evicted.append(block)
+    def __init__(self) -> None:
+        self.spilled: list = []
+        self.flushes = 0
 
-        def lookup(self, namespace, hashes):
-            return 0
+    def spill(self, tenant, block) -> None:
+        self.spilled.append((tenant.namespace, block))
 
+    def flush_spills(self) -> None:
+        self.flushes += 1
+
+    def lookup(self, namespace, hashes) -> int:
+        return 0
+
+    def start_restore(self, request_id, tenant, hashes, block_ids) -> None:
+        raise AssertionError("lookup found nothing, so nothing is restored")
+
+    def finished_restores(self, timeout_s=0.0) -> list:
+        return []
+
+    def cancel_restore(self, request_id) -> None:
+        raise AssertionError("no restore was started")
+
+    def blocks_of(self, namespace) -> dict:
+        return {}
+
+    def stats(self) -> dict:
+        return {"spilled": len(self.spilled)}
+
+    def close(self) -> None:
+        pass
+
+
+def test_preemption_eviction_and_queue_metrics_and_lower_tier():
+    lower = RecordingLowerTier()
+    assert isinstance(lower, LowerTier) and isinstance(CacheTimer(), CacheObserver)
     registry = CollectorRegistry()
     runner = FakeRunner(num_kv_blocks=8, block_size=BS)
     config = EngineConfig(model_dir="fake", block_size=BS, max_num_batched_tokens=64, max_num_seqs=2)
-    engine = LLMEngine(config, runner, EngineMetrics(registry), tier_hook=Hook())
+    engine = LLMEngine(config, runner, EngineMetrics(registry), lower_tier=lower)
     ps = {f"r{i}": prompt(i, 20) for i in range(4)}
     for rid, p in ps.items():
         engine.add_request(greq(rid, p, max_tokens=20))
@@ -240,5 +270,8 @@ def test_preemption_eviction_and_queue_metrics_and_tier_hook():
     text = generate_latest(registry).decode()
     preemptions = engine.scheduler.num_preemptions
     assert preemptions > 0 and f"prefixgate_preemptions_total {float(preemptions)}" in text
+    evicted = [b for _, b in lower.spilled]
     assert evicted and f'prefixgate_kv_evictions_total{{tier="hbm"}} {float(len(evicted))}' in text
     assert {b.namespace for b in evicted} == {b"t"} and all(b.depth >= 0 for b in evicted)
+    assert {ns for ns, _ in lower.spilled} == {b"t"} and lower.flushes > 0  # the tenant came along
+    assert engine.stats()["kv_tiers"]["spilled"] == len(evicted)

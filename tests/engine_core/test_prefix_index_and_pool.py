@@ -5,8 +5,9 @@ from array import array
 
 import pytest
 
-from engine.block_pool import BlockPool, EvictedBlock, IntegrityError
+from engine.block_pool import BlockPool, IntegrityError
 from engine.eviction import Block, CostPolicy, FreeBlockQueue
+from engine.kv_types import EvictedBlock
 from engine.prefix_index import BlockHash, PrefixIndex, block_hashes, extend_block_hashes
 
 BS = 4
@@ -158,18 +159,14 @@ def test_two_namespaces_never_share_a_block():
     assert pool.indexed_by(b"tenant-a") == 2 and pool.indexed_by(b"tenant-b") == 2
 
 
-def test_tier_hook_sees_each_eviction_before_reuse():
+def test_on_evict_sees_each_eviction_before_reuse():
     seen: list[EvictedBlock] = []
 
-    class Hook:
-        def on_evict(self, block: EvictedBlock) -> None:
-            assert pool.blocks[block.block_id].block_hash == block.block_hash  # still intact
-            seen.append(block)
+    def on_evict(block: EvictedBlock) -> None:
+        assert pool.blocks[block.block_id].block_hash == block.block_hash  # still intact
+        seen.append(block)
 
-        def lookup(self, namespace, hashes):
-            return 0
-
-    pool = BlockPool(2, BS, "lru", tier_hook=Hook())
+    pool = BlockPool(2, BS, "lru", on_evict=on_evict)
     a = fill(pool, b"x", list(range(8)))
     pool.free(a)
     pool.allocate(1, b"y")

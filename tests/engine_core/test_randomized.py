@@ -143,7 +143,7 @@ def test_engine_random_workload_keeps_invariants_and_outputs(ops, policy, num_bl
             break
         run_step()
     assert not engine.has_unfinished(), "requests never finished (livelock)"
-    assert engine.pool.num_used == 0 and engine.pool.num_free == num_blocks
+    assert engine.cache.num_used == 0 and engine.cache.num_free == num_blocks
     for rid, (prompt, max_tokens) in prompts.items():
         expected = reference_generate(prompt, max_tokens)
         got = done.get(rid, [])

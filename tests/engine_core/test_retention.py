@@ -4,9 +4,14 @@ only go when nothing else can, stop being special at their deadline, and are bou
 from __future__ import annotations
 
 import pytest
+from engine_core_fakes import FakeRunner, make_request, scope
 
 from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.llm_engine import LLMEngine
 from engine.prefix_index import block_hashes
+from engine.protocol import GenerateRequest, Retention, SamplingParams
 
 BS = 4
 
@@ -87,3 +92,58 @@ def test_retention_extends_never_shortens():
     clock.t += 400
     assert pool.retained_by(b"a") == 2
     pool.free(table)
+
+
+# ---------------------------------------------------------------- through the cache manager and engine
+
+
+def test_manager_retain_keeps_a_span_bounded_by_a_quarter_of_the_pool():
+    clock = FakeClock()
+    cache = KVCacheManager(16, BS, eviction_policy="cost", clock=clock)
+    a = make_request("a", range(8 * BS), tenant=scope("a"), block_size=BS)
+    table = cache.admit(a, cache.match(a), 8)
+    assert isinstance(table, list)
+    table[:] = cache.commit("a", table, a.block_hashes[:8], 0)
+    # a span of 5 full blocks, but without an HBM quota a tenant retains at most 16 // 4 blocks
+    assert cache.retain(a.tenant, table, 8, (Retention(5 * BS + 2, 60.0),)) == 4
+    assert cache.cached_blocks(b"a") == {"hbm": 8, "retained": 4}
+    cache.free("a", table)
+    clock.t += 61
+    assert cache.retained_by(b"a") == 0
+    cache.check_integrity([])
+
+
+EBS = 8  # the engine's smallest block size
+
+
+def _run(engine: LLMEngine, request: GenerateRequest) -> int:
+    engine.add_request(request)
+    cached = None
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                cached = out.cached_tokens
+        engine.check_integrity()
+    assert cached is not None
+    return cached
+
+
+def test_engine_retention_outlives_a_flood_that_evicts_an_unmarked_prefix():
+    """The scheduler hands a request's retention spans to the cache manager when it lets the blocks go."""
+    runner = FakeRunner(num_kv_blocks=16, block_size=EBS)
+    config = EngineConfig(model_dir="fake", block_size=EBS, max_num_batched_tokens=256, max_num_seqs=4)
+    engine = LLMEngine(config, runner)
+    t = scope("t")
+    kept, plain = list(range(1, 25)), list(range(30, 54))  # 3 full blocks each
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    _run(engine, GenerateRequest("kept", t, greedy, prompt_token_ids=kept + [200],
+                                 retention=(Retention(len(kept), 3600.0),)))
+    _run(engine, GenerateRequest("plain", t, greedy, prompt_token_ids=plain + [201]))
+    assert engine.cached_blocks(b"t")["retained"] == 3
+    for k in range(12):  # other prompts, far more than the 16 blocks hold
+        _run(engine, GenerateRequest(f"flood{k}", t, greedy,
+                                     prompt_token_ids=[60 + k, *range(100, 124)]))
+    assert _run(engine, GenerateRequest("kept2", t, greedy, prompt_token_ids=kept + [202])) == len(kept)
+    assert _run(engine, GenerateRequest("plain2", t, greedy, prompt_token_ids=plain + [203])) == 0

@@ -2,15 +2,16 @@
 
 from engine_core_fakes import make_request, scope
 
-from engine.block_pool import BlockPool
-from engine.request import QueueReason, RequestStatus
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_types import QueueReason
+from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 
 BS = 4
 
 
 def sched(num_blocks=64, max_num_seqs=8, budget=64, policy="lru") -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, BS, policy), max_num_seqs, budget, clock=lambda: 100.0)
+    return Scheduler(KVCacheManager(num_blocks, BS, eviction_policy=policy), max_num_seqs, budget, clock=lambda: 100.0)
 
 
 def run_step(s: Scheduler, token: int = 7):
@@ -20,7 +21,7 @@ def run_step(s: Scheduler, token: int = 7):
     for req, chunk in zip(out.requests, out.batch.chunks):
         if chunk.sample:
             req.append_output_token(token, 100.0)
-    s.pool.check_integrity(s.block_tables())
+    s.cache.check_integrity(s.block_tables())
     return out
 
 
@@ -129,7 +130,7 @@ def test_tenant_quota_blocks_admission_and_records_the_reason():
     assert sorted(r.request_id for r in out.admitted) == ["c1", "free"]
     c2 = s.waiting[b"capped"][0]
     assert c2.queue_reason is QueueReason.TENANT_OVER_QUOTA
-    assert s.pool.used_by(b"capped") == 3
+    assert s.cache.used_by(b"capped") == 3
     assert s.queue_reasons() == {"tenant_over_quota": 1}
 
 

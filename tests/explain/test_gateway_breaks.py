@@ -52,8 +52,10 @@ def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("explain-home")
     ensure_tiny_model(home)
     svc = TenancyService.open(home)
-    try:  # canon off: the gateway must not repair what we want it to explain
-        keys = {n: svc.create_tenant(n, canon_mode="off").api_key for n in ("acme", "beta")}
+    try:  # canon off: the gateway must not repair what we want it to explain; acme keeps miss text
+        # (store_miss_context, off by default: tests/tenancy/test_tenancy_ledger_hardening.py)
+        keys = {n: svc.create_tenant(n, canon_mode="off", store_miss_context=n == "acme").api_key
+                for n in ("acme", "beta")}
         svc.flush()
     finally:
         svc.close()

@@ -45,7 +45,8 @@ def _serve(svc, tracker, ctx, body, request_id, cached):
 
 
 def test_breaks_reach_the_report_per_tenant_and_promptlint_finds_the_template_line(svc, tmp_path, capsys):
-    a = svc.authenticate(svc.create_tenant("acme", admin=True).api_key)
+    # acme opts in to keeping the text around a break (off by default): promptlint needs it to find the line
+    a = svc.authenticate(svc.create_tenant("acme", admin=True, store_miss_context=True).api_key)
     b = svc.authenticate(svc.create_tenant("globex").api_key)
     tracker = MissTracker()
     for i in range(4):

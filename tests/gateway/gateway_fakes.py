@@ -49,6 +49,7 @@ class FakeEngine:
         self.vocab: dict[str, int] = {}
         self.aborted: list[str] = []
         self.requests: list[GenerateRequest] = []
+        self.tokenized: list[GenerateRequest] = []  # what the gateway rendered through tokenize()
         self.active: set[str] = set()
 
     def _block_hashes(self, req: GenerateRequest, tokens: list[str]) -> list[bytes]:
@@ -110,6 +111,7 @@ class FakeEngine:
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         """Word -> id from a growing vocabulary: ids of the same words stay equal, so caching is unchanged."""
+        self.tokenized.append(request)
         return [int(t) if request.prompt_token_ids is not None else self.vocab.setdefault(t, len(self.vocab))
                 for t in render(request)]
 

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tenancy.service import TenancyService
+from tests.fleetutil import read_rows
 from tests.serverutil import serve_tiny, stop
 
 SYSTEM = ("You are the support assistant of ExampleCo. Answer briefly, politely and only about our products. "
@@ -151,10 +152,10 @@ def test_stored_responses_are_deleted_with_their_tenant(server, home, tenants):
     with TenancyService.open(home) as svc:
         ctx = svc.authenticate(tenants["gone"])
         assert svc.load_response(ctx, r.id)["response"]["id"] == r.id
-        sealed = next(svc._db.query("SELECT body FROM responses WHERE id = ?", [r.id]))["body"]
+        sealed = read_rows(svc, "SELECT body FROM responses WHERE id = ?", [r.id])[0]["body"]
         assert b"pelican" not in bytes(sealed)  # sealed with the tenant's data key, not stored in clear
         svc.delete_tenant("gone")
-        rows = list(svc._db.query("SELECT COUNT(*) AS n FROM responses WHERE tenant_id = ?", [ctx.tenant_id]))
+        rows = read_rows(svc, "SELECT COUNT(*) AS n FROM responses WHERE tenant_id = ?", [ctx.tenant_id])
     assert rows[0]["n"] == 0
 
 
@@ -270,8 +271,8 @@ def test_count_tokens_matches_the_prompt_the_engine_runs(server, tenants):
 def _error_rows(home, key: str) -> int:
     with TenancyService.open(home) as svc:
         tenant_id = svc.authenticate(key).tenant_id
-        return next(svc._db.query("SELECT COUNT(*) AS n FROM usage WHERE tenant_id = ? AND status = 'error'",
-                                  [tenant_id]))["n"]
+        return read_rows(svc, "SELECT COUNT(*) AS n FROM usage WHERE tenant_id = ? AND status = 'error'",
+                         [tenant_id])[0]["n"]
 
 
 def test_a_doors_own_refusals_get_ledger_rows(server, home, tenants):

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from gateway.anthropic_api import CacheUsage, MessagesRequest, chat_body, error_body
+from engine.protocol import RequestOutput
+from gateway.anthropic_api import CacheUsage, MessagesFormat, MessagesRequest, chat_body, error_body
 from gateway.errors import OpenAIError
-from gateway.responses_api import ResponsesRequest, input_messages
+from gateway.formats import ChoiceText
+from gateway.pipeline import Prepared
+from gateway.responses_api import ResponsesFormat, ResponsesRequest, input_messages
 from gateway.responses_api import chat_body as responses_chat_body
+from gateway.routing import Backend, BackendKind
 
 
 def test_responses_items_become_chat_messages():
@@ -70,3 +76,48 @@ def test_anthropic_error_shape():
     body = error_body(OpenAIError(429, "slow down", code="rate_limit_exceeded"))
     assert body == {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
     assert error_body(OpenAIError(503, "busy"))["error"]["type"] == "overloaded_error"
+
+
+def _tool_prep() -> Prepared:
+    """A local-engine request whose tools are parsed out of the model's text (gateway.tool_calls)."""
+    return Prepared(kind="chat", request_id="resp_x", created=0, model="tiny",
+                    backend=Backend("local", BackendKind.LOCAL, None, "tiny"),  # type: ignore[arg-type]
+                    requests=[], n=1, stream=True, include_usage=False, canon_applied=(), tenant=None,
+                    tool_parsing=True)
+
+
+_CALL_TEXT = ['Let me check. <tool_', 'call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']
+
+
+def _outputs() -> list[RequestOutput]:
+    return [RequestOutput("r", (1,), _CALL_TEXT[0], False, 10, 0, 1),
+            RequestOutput("r", (2,), _CALL_TEXT[1], True, 10, 0, 2, finish_reason="stop")]
+
+
+def test_responses_stream_parses_local_tool_calls_out_of_the_text():
+    stored: list[dict] = []
+    fmt = ResponsesFormat(_tool_prep(), ResponsesRequest(model="tiny", input="weather?"), stored.append)
+    events = [e for out in _outputs() for e in fmt.chunks(0, out)]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert "<tool" not in text and text.strip() == "Let me check."
+    fmt.tail({"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
+              "prompt_tokens_details": {"cached_tokens": 0}})
+    calls = [item for item in stored[0]["output"] if item["type"] == "function_call"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_messages_whole_and_stream_turn_local_tool_calls_into_tool_use_blocks():
+    usage = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 0}}
+    acc = ChoiceText(_tool_prep())
+    for out in _outputs():
+        acc.add(0, out)
+    whole = MessagesFormat(_tool_prep(), written_upto=0, long_upto=0).whole(acc, usage)
+    assert whole["stop_reason"] == "tool_use"
+    assert [b["type"] for b in whole["content"]] == ["text", "tool_use"]
+    assert whole["content"][1]["name"] == "get_weather" and whole["content"][1]["input"] == {"city": "Paris"}
+    fmt = MessagesFormat(_tool_prep(), written_upto=0, long_upto=0)
+    events = [e for out in _outputs() for e in fmt.chunks(0, out)]
+    streamed = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert "<tool" not in streamed
+    tail = b"".join(fmt.tail(usage)).decode()
+    assert '"tool_use"' in tail and "get_weather" in tail

@@ -10,7 +10,7 @@ from gateway_fakes import FakeEngine
 from engine.protocol import GenerateRequest, RequestOutput, SamplingParams, StaticTenantScope
 from gateway.cli.main import main
 from gateway.node_wire import output_from_wire, output_to_wire, request_from_wire, request_to_wire
-from gateway.routing import Backend, choose, rendezvous_order, routing_key
+from gateway.routing import Backend, BackendKind, choose, rendezvous_order, routing_key
 from gateway.settings import GatewaySettings, RouteConfig, read_config_file
 from gateway.upstream import normalize_usage
 
@@ -69,7 +69,7 @@ def test_serve_flag_errors_exit_2_with_one_line(tmp_path, capsys, flags, message
 
 
 def _backends(n):
-    return [Backend(f"node:http://10.0.0.{i}:8000", "node", FakeEngine(), "") for i in range(n)]
+    return [Backend(f"node:http://10.0.0.{i}:8000", BackendKind.NODE, FakeEngine(), "") for i in range(n)]
 
 
 def test_rendezvous_is_stable_and_moves_few_keys():

@@ -110,3 +110,34 @@ def test_node_api_bounds_temperature_like_the_public_api() -> None:
         r = client.post("/internal/v1/generate", json=body, headers={"Authorization": "Bearer node-secret"})
         assert r.status_code == 200, r.text
     assert engine.requests[-1].sampling.temperature == 0.0
+
+
+def test_per_tenant_upstream_accounts(monkeypatch) -> None:
+    """16.3's other option: each tenant on its own upstream account (own cache there); a route that
+    allows no shared key refuses, with a real 403, a tenant that has none."""
+    monkeypatch.setenv("PG_UP_ACME", "sk-up-acme")
+    monkeypatch.setenv("PG_UP_BETA", "sk-up-beta")
+    monkeypatch.setenv("PG_UP_SHARED", "sk-up-shared")
+    up_tenancy = FakeTenancy()
+    for name in ("acme", "beta", "shared"):
+        up_tenancy.keys[f"sk-up-{name}"] = up_tenancy.keys.pop(up_tenancy.add(f"up-{name}"))
+    with LoopbackServer(create_app(GatewaySettings(), engine=FakeEngine(), tenancy=up_tenancy)) as up:
+        for transport in ("direct", "litellm"):
+            tenancy = FakeTenancy()
+            a, b, c = tenancy.add("acme"), tenancy.add("beta"), tenancy.add("gamma")
+            route = RouteConfig(model="up", provider="openai/tiny", api_base=f"{up.url}/v1", transport=transport,
+                                api_key_env="PG_UP_SHARED", max_model_len=256, tenant_prefix=False, cache_salt=False,
+                                tenant_api_key_envs={"acme": "PG_UP_ACME", "beta": "PG_UP_BETA"},
+                                shared_api_key=False)
+            with TestClient(create_app(GatewaySettings(routes=(route,)), tenancy=tenancy)) as client:
+                prompt = f"{transport}-only words: {PROMPT}"  # shares no block with the other transport's
+                _cached(client, a, prompt)
+                assert _cached(client, a, prompt) > 0
+                assert _cached(client, b, prompt) == 0  # no marker, no salt: the accounts alone isolate
+                for stream in (False, True):
+                    r = client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {c}"},
+                                    json={"model": "up", "max_tokens": 2, "stream": stream,
+                                          "messages": [{"role": "user", "content": "hi"}]})
+                    assert r.status_code == 403 and r.json()["error"]["code"] == "upstream_account_required", r.text
+        upstream_rows = {row.tenant_id for row in up_tenancy.rows}
+        assert upstream_rows == {"t-up-acme", "t-up-beta"}, upstream_rows

@@ -28,3 +28,14 @@ def test_side_stream_export_import_round_trip(tmp_path):
     assert data.is_pinned() and data.shape == (2, runner.kv_bytes_per_block)
     runner.import_blocks([9, 10], data)
     assert torch.equal(runner.kv_cache[9], runner.kv_cache[3]) and torch.equal(runner.kv_cache[10], runner.kv_cache[5])
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_fused_triton_path_matches_plain_path(tmp_path, kv_dtype):
+    from tests.gpu_engine.test_fused_path import _logits_both_paths
+
+    runner = small_runner(tmp_path, "cuda", use_cuda_graphs=False, kv_dtype=kv_dtype)
+    assert runner.model.fused, "the CUDA runner fuses the projections"
+    (plain, plain_kv), (fused, fused_kv) = _logits_both_paths(runner, prefill_then_decode_batch)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_kv.float(), plain_kv.float(), rtol=1e-4, atol=1e-4)

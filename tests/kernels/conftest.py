@@ -19,6 +19,7 @@ import torch  # does not import triton
 if os.environ.get("PREFIXGATE_KERNELS_GPU") != "1" and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     for name in ("kernels.decode_attention", "kernels.prefill_attention", "kernels.kv_write",
-                 "kernels.block_copy", "kernels.triton_ops"):
+                 "kernels.block_copy", "kernels.rmsnorm", "kernels.rotary", "kernels.activation", "kernels.skinny_gemm",
+                 "kernels.triton_ops"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])

@@ -11,6 +11,7 @@ import torch
 from kernels import reference as ref
 from kernels import triton_ops
 from tests.kernels import test_decode_attention as decode
+from tests.kernels import test_fused_layer_ops as fused
 from tests.kernels import test_kv_write as kvw
 from tests.kernels import test_prefill_attention as prefill
 from tests.kernels.kernel_cases import gpu_ready
@@ -61,3 +62,36 @@ def test_block_ops_gpu(dtype):
     assert torch.equal(packed.view(torch.uint8), cache[:, 2, 1][ids].view(torch.uint8))
     triton_ops.scatter_blocks(cache, torch.tensor([7, 8], device="cuda"), cache[[1, 2]].clone())
     assert torch.equal(cache[7].view(torch.uint8), cache[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gpu(dtype, with_residual):
+    fused.run_norm_case(37, 4096, dtype, with_residual, seed=11, device="cuda")
+    fused.run_norm_case(3, 896, dtype, with_residual, seed=12, device="cuda")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, ref.FP8_DTYPE, torch.int8])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (28, 4, 128, 32), (14, 2, 64, 16)])
+def test_rotary_write_kv_gpu(kv_dtype, q_heads, kv_heads, head_dim, block_size):
+    fused.run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, torch.bfloat16, seed=q_heads,
+                          device="cuda", tokens=33)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_gpu(dtype):
+    fused.run_silu_case(33, 14336, dtype, seed=4, device="cuda")
+
+
+@pytest.mark.parametrize("m,n,k,split_k,bias", [(32, 6144, 4096, 4, False), (1, 4096, 14336, 7, True),
+                                                (8, 448, 512, 1, True)])
+def test_skinny_gemm_gpu(m, n, k, split_k, bias):
+    fused.run_skinny_case(m, n, k, torch.bfloat16, split_k, bias, seed=m + n, device="cuda", block_k=256)
+
+
+def test_linear_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    for m in (1, 17, 32, 33, 300):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+        assert fused.rel_err(triton_ops.linear(x, w), torch.nn.functional.linear(x.double(), w.double())) < 1e-2

@@ -81,7 +81,7 @@ def test_one_failing_request_fails_alone(gateway) -> None:
         assert status == 200, (i, body)
     _wait_idle(engine)
     engine.engine.check_integrity()
-    assert engine.engine.pool.num_used == 0
+    assert engine.engine.cache.num_used == 0
     # and the engine keeps serving
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": "after the fault", "max_tokens": 2},
                     headers=auth(keys["acme"]))
@@ -101,4 +101,4 @@ def test_failed_and_aborted_requests_free_their_blocks(gateway) -> None:
                     break  # hang up after the first chunks
     _wait_idle(engine)
     engine.engine.check_integrity()
-    assert engine.engine.pool.num_used == 0
+    assert engine.engine.cache.num_used == 0

@@ -46,7 +46,12 @@ def _cap(case, model: str | None) -> None:
                 case.body["max_tokens"] = MAX_TOKENS_CAP  # the server default (256) is slow on CPU
         for field in ("max_tokens", "max_completion_tokens", "n"):
             value = case.body.get(field)
-            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS_CAP:
+            # pydantic also takes 200.0 and "200" as 200: cap every spelling of a large number
+            try:
+                large = not isinstance(value, bool) and float(value) > MAX_TOKENS_CAP
+            except (TypeError, ValueError, OverflowError):
+                large = False
+            if large:
                 case.body[field] = MAX_TOKENS_CAP
 
 

@@ -92,6 +92,15 @@ def test_refused_requests_count_against_the_rate_limit(gateway) -> None:
             429, "rate_limit_exceeded")
 
 
+def test_bodies_the_schema_refuses_count_against_the_rate_limit(gateway) -> None:
+    """16.9: a 400 from the schema (here: nesting) also takes a request of the minute."""
+    client, _, app = gateway
+    key = app.state.tenancy.create_tenant(f"rpm-schema-{uuid.uuid4().hex[:8]}", rpm=2).api_key
+    for _ in range(2):
+        _expect(_post(client, key, _chat(extra_field=_deep(100))), 400)
+    _expect(_post(client, key, _chat()), 429, "rate_limit_exceeded")
+
+
 def test_stored_client_strings_are_bounded(gateway) -> None:
     """16.9: a 3 MB model name (or user, or prompt_cache_key) is a 400, never a stored ledger row."""
     client, keys, app = gateway
@@ -204,3 +213,17 @@ def test_canon_refuses_deep_bodies_with_a_value_error() -> None:
     ok = {"messages": [{"role": "user", "content": "x"}], "extra": _deep(MAX_DEPTH - 2)}
     assert json_depth(ok) == MAX_DEPTH
     assert canonicalize(ok, "reorder").body["extra"] == ok["extra"]
+
+
+def test_scan_counts_text_and_names_where_it_failed() -> None:
+    from pydantic_core import PydanticCustomError
+
+    from gateway.ingress import MAX_DEPTH, MAX_ITEMS, scan
+
+    shape = scan({"ab": [{"c": "déf"}, 1, 2.5, None], "ids": list(range(10_000))})
+    assert (shape.depth, shape.chars) == (3, len("ab") + len("c") + len("déf") + len("ids"))
+    for bad, where in (({"a": [{"b": "x\ud800"}]}, "a.0.b"), ({"k\udfff": 1}, "body"),
+                       ({"p": ["s"] * (MAX_ITEMS + 1)}, "p"), (_deep(MAX_DEPTH + 1), "a")):
+        with pytest.raises(PydanticCustomError) as info:
+            scan(bad)
+        assert info.value.context["param"] == where, (where, info.value.context)

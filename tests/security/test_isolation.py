@@ -54,7 +54,7 @@ def test_engine_same_prompt_two_namespaces_share_no_block(llm_engine) -> None:
     assert _run(llm_engine, b, prompt) == 0  # same tokens, other namespace: a miss
     hit_a, hit_b = _run(llm_engine, a, prompt), _run(llm_engine, b, prompt)
     assert hit_a > 0 and hit_a == hit_b  # each namespace now hits its own copy
-    pool = llm_engine.pool
+    pool = llm_engine.cache
     assert pool.indexed_by(b"ns-a") == pool.indexed_by(b"ns-b") == hit_a // llm_engine.block_size
     # one namespace's blocks are evictable without touching the other's index
     llm_engine.check_integrity()

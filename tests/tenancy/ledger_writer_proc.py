@@ -1,4 +1,4 @@
-"""A ledger-writing process for the crash test: ``python ledger_writer_proc.py HOME``.
+"""A ledger-writing process for the crash test: ``python ledger_writer_proc.py HOME [DATABASE_URL]``.
 
 Records rows ``r0, r1, ...`` forever through a TenancyService (batched writer thread). Every 200
 rows it flushes and prints ``committed N`` (rows r0..r{N-1} are on disk). Row i's values are a pure
@@ -26,7 +26,8 @@ def expected_row(i: int, tenant_id: str, key_id: str) -> dict:
 
 def main() -> None:
     home = Path(sys.argv[1])
-    svc = TenancyService.open(home, ledger_batch_max=64, ledger_max_delay_s=0.001)
+    url = sys.argv[2] if len(sys.argv) > 2 else None
+    svc = TenancyService.open(home, ledger_batch_max=64, ledger_max_delay_s=0.001, database_url=url)
     created = svc.create_tenant("crash")
     ctx = svc.authenticate(created.api_key)
     print(f"tenant {ctx.tenant_id} {ctx.key_id}", flush=True)

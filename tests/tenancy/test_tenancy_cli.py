@@ -120,10 +120,10 @@ def test_tenant_delete_and_kek_rotate(capsys, home: Path) -> None:
         blob = svc.authenticate(created["api_key"]).cipher.encrypt(b"kv", b"aad")
     code, out, _ = run(capsys, *h, "kek", "rotate", "--json")
     r = json.loads(out)
-    assert code == 0 and r["data_keys"] == 2 and r["old_fingerprint"] != r["new_fingerprint"]
+    assert code == 0 and r["data_keys"] == 3 and r["old_fingerprint"] != r["new_fingerprint"]  # two tenants + the namespace root key
     with TenancyService.open(home) as svc:
         assert svc.authenticate(created["api_key"]).cipher.decrypt(blob, b"aad") == b"kv"
-    code, out, _ = run(capsys, *h, "tenant", "delete", "acme", "--json")
+    code, out, _ = run(capsys, *h, "tenant", "delete", "acme", "--json", "--yes")
     assert code == 0 and json.loads(out)["deleted"] is True
     names = [t["name"] for t in json.loads(run(capsys, *h, "tenant", "list", "--json")[1])]
     assert names == ["beta"]

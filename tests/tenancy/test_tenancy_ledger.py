@@ -14,6 +14,7 @@ from pathlib import Path
 from ledger_writer_proc import expected_row
 
 from tenancy import db as dbmod
+from tenancy.database import resolve_database
 from tenancy.ledger import LedgerWriter
 from tenancy.service import TenancyService
 from tenancy.types import UsageRecord
@@ -76,7 +77,9 @@ def test_record_usage_returns_before_the_row_is_written(home: Path) -> None:
 
 def test_rows_carry_price_and_all_fields(home: Path) -> None:
     svc = TenancyService.open(home)
-    ctx = svc.authenticate(svc.create_tenant("a").api_key)
+    # store_miss_context: this tenant chose to keep miss text in clear (the default keeps none,
+    # tests/tenancy/test_tenancy_ledger_hardening.py)
+    ctx = svc.authenticate(svc.create_tenant("a", store_miss_context=True).api_key)
     rec = UsageRecord("r", ctx.tenant_id, ctx.key_id, "local-tiny", "local", 1000, 600, 50, 0.25, 1.5, "aborted",
                       1_750_000_000.0, miss_rule="PC003", miss_position=17, miss_detail="user_name",
                       miss_tokens=400, miss_family="user:u-1", miss_context="user_name: ")
@@ -95,10 +98,12 @@ def test_rows_carry_price_and_all_fields(home: Path) -> None:
     }
 
 
-def test_a_killed_writer_leaves_committed_rows_whole_and_no_partial_row(tmp_path: Path) -> None:
+def test_a_killed_writer_leaves_committed_rows_whole_and_no_partial_row(tmp_path: Path,
+                                                                        database_url: str | None) -> None:
+    """On either store: one transaction per batch, so a kill -9 keeps whole batches and nothing else."""
     home = tmp_path / "home"
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "ledger_writer_proc.py"), str(home)],
+        [sys.executable, str(HERE / "ledger_writer_proc.py"), str(home), *([database_url] if database_url else [])],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=HERE.parents[1],
     )
     try:
@@ -119,10 +124,13 @@ def test_a_killed_writer_leaves_committed_rows_whole_and_no_partial_row(tmp_path
             proc.wait(10)
     assert proc.returncode == -signal.SIGKILL
     assert committed >= target
-    conn = sqlite3.connect(home / "prefixgate.db")
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    conn.close()
-    rows = _rows(home)
+    if database_url is None:
+        conn = sqlite3.connect(home / "prefixgate.db")
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        conn.close()
+    db = resolve_database(home, database_url).connect()
+    rows = db.query("SELECT * FROM usage ORDER BY created_at")
+    db.close()
     by_id = {r["request_id"]: r for r in rows}
     assert len(by_id) == len(rows)
     for i in range(committed):  # everything reported committed survived
@@ -135,7 +143,7 @@ def test_a_killed_writer_leaves_committed_rows_whole_and_no_partial_row(tmp_path
     ids = sorted(int(k[1:]) for k in by_id)
     assert ids == list(range(len(ids)))  # batches commit in order: no holes
     # the database is usable afterwards
-    svc = TenancyService.open(home)
+    svc = TenancyService.open(home, database_url=database_url)
     try:
         assert svc.report()["totals"]["requests"] == len(rows)
     finally:

@@ -89,9 +89,9 @@ def test_budget_refuses_with_kind_budget_once_the_period_spend_reaches_it(svc: T
     svc.admit(other, estimated_tokens=10)
 
 
-def test_budget_spend_is_read_from_the_shared_ledger(home) -> None:
+def test_budget_spend_is_read_from_the_shared_ledger(home, open_service) -> None:
     """Spend recorded by another gateway process counts once this one refreshes (within the TTL)."""
-    g1, g2 = TenancyService.open(home, auth_cache_ttl_s=0.1), TenancyService.open(home, auth_cache_ttl_s=0.1)
+    g1, g2 = open_service(home, auth_cache_ttl_s=0.1), open_service(home, auth_cache_ttl_s=0.1)
     try:
         created = g1.create_tenant("a", budget_usd=0.001, budget_period="month")
         c1, c2 = g1.authenticate(created.api_key), g2.authenticate(created.api_key)

@@ -8,7 +8,6 @@ import json
 import random
 import re
 import shutil
-import sqlite3
 import statistics
 import subprocess
 import time
@@ -20,6 +19,7 @@ import pytest
 from tenancy import report
 from tenancy.service import TenancyService
 from tenancy.types import UsageRecord
+from tests.fleetutil import read_rows
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 
@@ -45,11 +45,7 @@ def filled(svc: TenancyService) -> TenancyService:
 
 
 def _ledger(svc: TenancyService) -> list[dict]:
-    conn = sqlite3.connect(svc.db_path)
-    conn.row_factory = sqlite3.Row
-    rows = [dict(r) for r in conn.execute("SELECT u.*, t.name FROM usage u JOIN tenants t ON t.id = u.tenant_id")]
-    conn.close()
-    return rows
+    return read_rows(svc, "SELECT u.*, t.name FROM usage u JOIN tenants t ON t.id = u.tenant_id")
 
 
 def test_report_figures_equal_the_sums_of_ledger_rows(filled: TenancyService) -> None:

@@ -45,6 +45,20 @@ def test_tenant_over_its_own_cap_evicts_only_its_own():
     assert idx.plan_room(b"A", 300, 250, now_s=10) == "too_large"
 
 
+def test_tenant_over_its_block_quota_gives_up_its_own_oldest_blocks():
+    """``kv_block_quota_dram`` / ``_nvme`` count blocks, not bytes: room in bytes is not enough."""
+    idx = SegmentIndex(10_000)
+    idx.add(seg("b0", b"B", 100, last=0))  # 2 blocks each
+    idx.add(seg("a0", b"A", 100, last=5))
+    idx.add(seg("a1", b"A", 100, last=6))
+    assert idx.plan_room(b"A", 50, None, now_s=10, need_blocks=1, tenant_cap_blocks=5) == []
+    assert idx.plan_room(b"A", 50, None, now_s=10, need_blocks=2, tenant_cap_blocks=5) == ["a0"]
+    assert idx.plan_room(b"A", 50, None, now_s=10, need_blocks=4, tenant_cap_blocks=4) == ["a0", "a1"]
+    assert idx.plan_room(b"A", 50, None, now_s=10, need_blocks=5, tenant_cap_blocks=4) == "too_large"
+    assert idx.block_usage == {b"A": 4, b"B": 2}
+    idx.check_integrity()
+
+
 def test_a_tenant_may_always_replace_its_own_entries():
     idx = SegmentIndex(400)
     for name in (b"B", b"C", b"D", b"E"):  # four tenants at exactly their floor (100)

@@ -37,7 +37,7 @@ def test_evicted_prefix_restored_gives_cold_run_tokens(tiny_model_dir, tmp_path,
     sizes = {"dram_bytes": 64 << 20} if where == "dram" else {"nvme_dir": tmp_path / "nvme", "nvme_bytes": 64 << 20}
     cfg = EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=24, max_model_len=1024, **sizes)
     engine = build_llm_engine(cfg, registry)
-    hook = engine.pool.tier_hook
+    hook = engine.lower_tier
     assert hook is not None and hook.manager.tiers[0].name == where
     a = tenant("a")
     rng = random.Random(7)
@@ -45,9 +45,9 @@ def test_evicted_prefix_restored_gives_cold_run_tokens(tiny_model_dir, tmp_path,
     cold, cached = generate(engine, "p1", a, p)
     assert cached == 0
     generate(engine, "q", a, [rng.randrange(1000, 90_000) for _ in range(340)], max_tokens=4)  # evicts p
-    hook.flush_evictions()
+    hook.flush_spills()
     hook.manager.drain()
-    assert metric(registry, "prefixgate_tier_demotions_total", tier=where, tenant="a") == engine.pool.num_evictions > 0
+    assert metric(registry, "prefixgate_tier_demotions_total", tier=where, tenant="a") == engine.cache.num_evictions > 0
     warm, cached = generate(engine, "p2", a, p)
     oracle = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     reference = hf_greedy(oracle, p, 8)
@@ -55,6 +55,6 @@ def test_evicted_prefix_restored_gives_cold_run_tokens(tiny_model_dir, tmp_path,
     assert_greedy_agrees(warm, reference)
     assert cached == 192  # all 12 blocks: whatever HBM lost came back from the tier
     restored = metric(registry, "prefixgate_tier_restores_total", tier=where, tenant="a")
-    assert restored >= 1 and hook.restored_blocks == restored
+    assert restored >= 1 and engine.cache.restored_blocks == restored
     assert engine.stats()["prompt_tokens_hit"] == 192
     hook.close()

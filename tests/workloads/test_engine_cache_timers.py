@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks.workloads import msum, parse_metrics
 from engine.config import EngineConfig
+from engine.kv_types import CachePhase
 from engine.llm_engine import LLMEngine
-from engine.metrics import CACHE_PHASES, EngineMetrics
+from engine.metrics import CACHE_PHASES, CacheTimer, EngineMetrics
 from engine.protocol import GenerateRequest, SamplingParams
+from gateway.bench.replay import msum, parse_metrics
 from tests.engine_core.engine_core_fakes import FakeRunner, scope
 
 BS = 8
@@ -70,28 +71,18 @@ def test_eviction_is_timed_when_the_pool_is_full():
                                            prompt_token_ids=list(range(first, first + 32))))
         while engine.has_unfinished():
             engine.step()
-    assert engine.pool.num_evictions > 0 and engine.cache_time_s["evict"] > 0
+    assert engine.cache.num_evictions > 0 and engine.cache_time_s["evict"] > 0
 
 
 def test_tier_time_excludes_the_pool_work_it_does_so_phases_sum_once():
-    """A tier hook's before_schedule looks up, evicts and registers through the pool, whose calls are
-    timed into their own phases: "tier" must not count those seconds again (the break-even sums all
-    phases). A fake clock makes the seconds exact."""
-    engine = LLMEngine(EngineConfig(model_dir="fake", block_size=BS), FakeRunner(num_kv_blocks=8, block_size=BS))
+    """The cache manager's tier work looks up, evicts and registers, which are timed into their own
+    phases: "tier" must not count those seconds again (the break-even sums all phases). A fake
+    clock makes the seconds exact."""
     now = [0.0]
-
-    def clock() -> float:
-        return now[0]
-
-    def lookup(*_: object) -> None:
-        now[0] += 3.0  # 3 s of prefix matching
-
-    match = engine._timed("match", lookup, clock)
-
-    def before_schedule() -> None:
-        match()
-        now[0] += 1.0  # 1 s of the hook's own work
-
-    engine._timed("tier", before_schedule, clock, exclusive_of=("match", "evict", "register"))()
-    assert engine.cache_time_s["match"] == 3.0
-    assert engine.cache_time_s["tier"] == 1.0
+    timer = CacheTimer(clock=lambda: now[0])
+    with timer.phase(CachePhase.TIER):
+        with timer.phase(CachePhase.MATCH):
+            now[0] += 3.0  # 3 s of prefix matching
+        now[0] += 1.0  # 1 s of the tier's own work
+    assert timer.seconds()[CachePhase.MATCH] == 3.0
+    assert timer.seconds()[CachePhase.TIER] == 1.0

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmarks.workload_traces import WORKLOADS, TraceSizes, build_trace
-from benchmarks.workloads import add_break_even, format_table, msum, parse_metrics
+from gateway.bench.replay import add_break_even, format_table, msum, parse_metrics
+from gateway.bench.traces import WORKLOADS, TraceSizes, build_trace
 from gateway.cli.main import main as cli_main
 
 SMALL = TraceSizes(tenants=2, requests=6, system_words=20, chat_sessions=2, chat_turns=3, agent_sessions=2,
@@ -115,7 +115,7 @@ def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
 
 
 def test_external_keys_are_shared_round_robin():
-    from benchmarks.workloads import GatewayConfig, Target
+    from gateway.bench.replay import GatewayConfig, Target
 
     target = Target(GatewayConfig("external", True, "as configured"), "http://127.0.0.1:1", "m",
                     {("*", 0): "k0", ("*", 1): "k1"})

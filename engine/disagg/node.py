@@ -1,0 +1,214 @@
+"""``DisaggEngine``: an ``EngineClient`` plus the two halves of a prefill/decode split.
+
+    prefill node                                         decode node
+    ------------                                         -----------
+    prefill_and_send(req, "host:port")
+      generate(req, max_tokens=1)   prompt computed,
+                                    full blocks indexed
+      engine thread: match + export_blocks  ─ staging ─► KVReceiver thread: check each chunk
+      transport.send (worker thread) ── chunks ────────►   engine thread, between steps:
+                                    ◄── ack ───────────     cache.import_chain (alloc, write, index)
+    HandoffReport (cached, prefill_s, transfer)          the gateway's generate(req) there now hits
+                                                         every transferred block
+
+Everything that touches the cache manager or the model runner runs on the engine thread
+(``AsyncEngine.call_in_engine_thread``); sockets run on their own threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.disagg.api import (
+    DisaggConfig,
+    HandoffReport,
+    LookupResult,
+    Role,
+    TransferReport,
+    TransferStatus,
+    derive_transfer_key,
+)
+from engine.disagg.metrics import TransferMetrics
+from engine.disagg.receiver import ImportOutcome, KVReceiver
+from engine.disagg.transport import KVTransport, OutgoingTransfer, choose_transport
+from engine.disagg.wire import Chunk, EngineLayout
+from engine.kv_types import BlockHash, QueueReason
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.protocol import GenerateRequest, InvalidRequestError, ModelCard, RequestOutput, StaticTenantScope
+from engine.request import Request
+
+
+def engine_layout(engine: LLMEngine, runner: ModelRunner) -> EngineLayout:
+    return EngineLayout(model=engine.config.resolved_model_id, dtype=str(runner.kv_dtype).removeprefix("torch."),
+                        block_size=runner.block_size, num_layers=runner.spec.num_layers,
+                        block_bytes=runner.kv_bytes_per_block)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedPrefix:
+    prefix: tuple[BlockHash, ...]  # blocks the receiver holds already: named, not sent
+    hashes: tuple[BlockHash, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    staging: torch.Tensor  # uint8 [n, block_bytes], CPU, contiguous
+
+
+def export_prefix(engine: LLMEngine, runner: ModelRunner, req: Request, skip_blocks: int = 0) -> ExportedPrefix:
+    """Engine thread: the prepared request's prompt blocks resident in HBM now, less the first
+    ``skip_blocks`` (the receiver holds them), gathered into one staging buffer (a copy: the
+    blocks may be reused by the next step)."""
+    match = engine.cache.match(req)
+    n, bs = match.num_blocks, runner.block_size
+    skip = min(max(0, skip_blocks), n)
+    ids = req.prompt_token_ids
+    tokens = tuple(tuple(ids[i * bs : (i + 1) * bs]) for i in range(skip, n))
+    # staging: [n - skip, kv_bytes_per_block] = per block [layers, 2, block_size, kv_heads, head_dim] (+ int8 scales)
+    return ExportedPrefix(match.block_hashes[:skip], match.block_hashes[skip:], tokens,
+                          runner.export_blocks(match.block_ids[skip:]))
+
+
+def import_chunk(engine: LLMEngine, runner: ModelRunner, chunk: Chunk, chain: tuple[BlockHash, ...]) -> ImportOutcome:
+    """Engine thread: index a verified chunk's blocks under their hashes (the tenant's own chain)."""
+    tenant = StaticTenantScope(namespace=chunk.namespace, metrics_label="remote", cipher=None)
+    bb = runner.kv_bytes_per_block
+    data = torch.frombuffer(chunk.payload, dtype=torch.uint8).view(chunk.num_blocks, bb) if chunk.payload else None
+
+    def write(block_ids: list[int], first: int) -> None:
+        assert data is not None
+        lo = first - chunk.first_block
+        runner.import_blocks(block_ids, data[lo : lo + len(block_ids)])
+
+    result = engine.cache.import_chain(tenant, chain, chunk.first_block, write)
+    resident = max(0, engine.cache.resident_prefix(chain) - chunk.first_block)
+    if isinstance(result, QueueReason):
+        return ImportOutcome(resident, 0, result.value)
+    return ImportOutcome(resident, result)
+
+
+class DisaggEngine:
+    """``EngineClient`` (delegating to an ``AsyncEngine``) + ``engine.disagg.api.KVHandoff``."""
+
+    def __init__(self, inner: AsyncEngine, runner: ModelRunner, config: DisaggConfig, metrics: TransferMetrics) -> None:
+        self.inner, self.runner, self.config, self.metrics = inner, runner, config, metrics
+        self.role = config.role
+        self.layout = engine_layout(inner.engine, runner)
+        self._key = derive_transfer_key(config.node_token) if config.node_token else b""
+        self._counts: dict[str, int] = {}
+        self.receiver: KVReceiver | None = None
+        if self.role is Role.DECODE:
+            self.receiver = KVReceiver(config.kv_host, config.kv_port, self._key, self.layout, self._import, metrics)
+
+    # ------------------------------------------------------------------ EngineClient
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        return self.inner.generate(request)
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def health(self) -> bool:
+        return await self.inner.health()
+
+    async def stats(self) -> dict[str, Any]:
+        out = await self.inner.stats()
+        out["disagg"] = {"role": self.role.value, "kv_receiver": self.receiver_address(), **self._counts}
+        return out
+
+    def models(self) -> list[ModelCard]:
+        return self.inner.models()
+
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        return self.inner.count_prompt_tokens(request)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        self.inner.shutdown(timeout)
+
+    # ------------------------------------------------------------------ KVHandoff
+
+    def receiver_address(self) -> str | None:
+        return self.receiver.address if self.receiver is not None else None
+
+    async def lookup(self, request: GenerateRequest) -> LookupResult:
+        req = await asyncio.to_thread(self.inner.engine.prepare, request)  # prepare is thread-safe
+
+        def match(engine: LLMEngine) -> LookupResult:
+            m = engine.cache.match(req)
+            return LookupResult(req.num_prompt_tokens, m.cached_tokens, len(engine.scheduler.running),
+                                engine.scheduler.num_waiting)
+
+        return await asyncio.wrap_future(self.inner.call_in_engine_thread(match))
+
+    async def prefill_and_send(self, request: GenerateRequest, address: str, skip_tokens: int = 0) -> HandoffReport:
+        if self.role is not Role.PREFILL:
+            raise InvalidRequestError(f"this engine's role is {self.role.value}; only a prefill engine sends KV")
+        t0 = time.perf_counter()
+        one = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=1, stop=()))
+        last: RequestOutput | None = None
+        async for out in self.inner.generate(one):
+            last = out
+        prefill_s = time.perf_counter() - t0
+        assert last is not None
+        if last.finish_reason == "error":
+            raise InvalidRequestError(f"prefill failed: {last.error}")
+        self.metrics.prefill_seconds.observe(prefill_s)
+        req = await asyncio.to_thread(self.inner.engine.prepare, request)  # tokenize off the engine thread
+        exported = await asyncio.wrap_future(
+            self.inner.call_in_engine_thread(
+                lambda e: export_prefix(e, self.runner, req, skip_tokens // self.runner.block_size)))
+        report = await asyncio.to_thread(self._send, request, exported, address)
+        self.metrics.observe_sent(report)
+        if report.status is not TransferStatus.IMPORTED:
+            self.metrics.failures.labels("send", report.status.value).inc()
+        self._count(f"sent_{report.status.value}")
+        return HandoffReport(last.prompt_tokens, last.cached_tokens, prefill_s, report)
+
+    def _send(self, request: GenerateRequest, exported: ExportedPrefix, address: str) -> TransferReport:
+        if not exported.hashes:
+            return TransferReport(TransferStatus.IMPORTED, reason="no full block to send")
+        transport: KVTransport = choose_transport(
+            address, self._key, self.layout, device=self.runner.device, same_host_gpu=False,
+            blocks_per_chunk=self.config.blocks_per_chunk)
+        staging = memoryview(exported.staging.numpy()).cast("B")
+        return transport.send(OutgoingTransfer(request.request_id, bytes(request.tenant.namespace),
+                                               exported.hashes, exported.tokens, staging, exported.prefix))
+
+    async def check_integrity(self) -> str:
+        """"" if the cache manager's invariants hold (no leaked or double-held block), else why not."""
+        def check(engine: LLMEngine) -> str:
+            try:
+                engine.check_integrity()
+            except Exception as exc:  # noqa: BLE001 - reported, not raised: this is a probe
+                return f"{type(exc).__name__}: {exc}"
+            return ""
+
+        return await asyncio.wrap_future(self.inner.call_in_engine_thread(check))
+
+    # ------------------------------------------------------------------ receiver side
+
+    def _import(self, chunk: Chunk, chain: tuple[BlockHash, ...]) -> Future[ImportOutcome]:
+        self._count("chunks_received")
+        return self.inner.call_in_engine_thread(lambda e: import_chunk(e, self.runner, chunk, chain))
+
+    def _count(self, key: str) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+
+def build_disagg_engine(config: Any, disagg: DisaggConfig, registry: Any = None) -> DisaggEngine:
+    """Load the model and start the engine thread (and, for a decode role, the KV receiver)."""
+    from engine.launch import build_llm_engine_for
+    from engine.metrics import EngineMetrics
+
+    runner = ModelRunner(config)
+    metrics = EngineMetrics(registry, model=config.resolved_model_id)
+    llm = build_llm_engine_for(config, runner, metrics)
+    return DisaggEngine(AsyncEngine(llm), runner, disagg, TransferMetrics(metrics.registry))

@@ -1,0 +1,168 @@
+"""``KVReceiver``: the decode engine's listener for KV transfers (a thread per connection).
+
+    prefill engine ── chunk frames ──► receiver thread: read, authenticate, check (wire.ChainChecker)
+                                          │ verified chunk
+                                          ▼
+                                       importer(chunk) -> Future   (runs on the engine thread,
+                                          │                         between two steps: allocate,
+                                          ▼                         write the bytes, index)
+                   ◄──── ack frame ─── after the last chunk's import (or at the first bad chunk)
+
+Receiving and checking overlap the engine's running steps; only the import (a memcpy into the
+blocks plus indexing) takes engine-thread time. A chunk that fails any check ends the transfer:
+the chunks before it stay imported (they are a verified prefix of the chain), the rest is a miss
+the decode engine recomputes. A peer that vanishes mid-transfer leaves exactly that state too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from engine.disagg.api import TransferStatus
+from engine.disagg.metrics import TransferMetrics
+from engine.disagg.transport import SocketSource, send_all
+from engine.disagg.wire import (
+    ChainChecker,
+    Chunk,
+    EngineLayout,
+    FrameKind,
+    WireError,
+    encode_frame,
+    read_frame,
+)
+from engine.kv_types import BlockHash
+
+log = logging.getLogger(__name__)
+MAX_BLOCKS_PER_CHUNK = 256  # the most blocks one chunk may carry (DisaggConfig.blocks_per_chunk <= this)
+
+
+@dataclass(frozen=True)
+class ImportOutcome:
+    """What importing one chunk did: ``resident`` of its blocks are now indexed (``imported`` of
+    them newly); ``refused`` says why the rest could not be (out of blocks, tenant quota), else ""."""
+
+    resident: int
+    imported: int
+    refused: str = ""
+
+
+# importer(chunk, chain): chain = every verified hash of the transfer from block 0 through this chunk
+Importer = Callable[[Chunk, tuple[BlockHash, ...]], "Future[ImportOutcome]"]
+
+
+class KVReceiver:
+    """Listens on ``host:port`` (0 = any free port; see ``address``) until ``close``."""
+
+    def __init__(self, host: str, port: int, key: bytes, layout: EngineLayout, importer: Importer,
+                 metrics: TransferMetrics, *, max_blocks_per_chunk: int = MAX_BLOCKS_PER_CHUNK,
+                 max_connections: int = 16, io_timeout_s: float = 60.0) -> None:
+        self.key, self.layout, self.importer, self.metrics = key, layout, importer, metrics
+        # A frame's payload is read before its MAC can be checked: bound what an unauthenticated
+        # peer can make this process allocate (one chunk per connection, few connections).
+        self.max_chunk_bytes = max_blocks_per_chunk * layout.block_bytes
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.io_timeout_s = io_timeout_s
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._closing = False
+        self._thread = threading.Thread(target=self._accept_loop, name="prefixgate-kv-receiver", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept (Linux)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self._thread.join(5)
+
+    def _accept_loop(self) -> None:
+        while not self._closing:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                self.metrics.failures.labels("receive", "too_many_connections").inc()
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="prefixgate-kv-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(self.io_timeout_s)
+            status, reason, imported = self._receive(conn)
+            self.metrics.transfers.labels("receive", status.value).inc()
+            if status is TransferStatus.FAILED:
+                return  # the peer is gone: nobody to answer
+            ack = {"status": status.value, "blocks_imported": imported, "reason": reason}
+            with contextlib.suppress(OSError):
+                send_all(conn, encode_frame(self.key, FrameKind.ACK, ack))
+                if status is TransferStatus.REJECTED:
+                    # the sender may still be writing chunks: read them away until it closes, so
+                    # that closing here sends no reset that would destroy the ack in its buffer
+                    conn.shutdown(socket.SHUT_WR)
+                    while conn.recv(1 << 20):
+                        pass
+
+    def _receive(self, conn: socket.socket) -> tuple[TransferStatus, str, int]:
+        checker = ChainChecker(self.layout)
+        source = SocketSource(conn)
+        pending: list[Future[ImportOutcome]] = []
+        bad: WireError | None = None
+        try:
+            while True:
+                kind, header, payload = read_frame(source, self.key, self.max_chunk_bytes)
+                if kind is not FrameKind.CHUNK:
+                    raise WireError("bad_frame", "expected a chunk")
+                chunk = checker.check(header, payload)
+                self.metrics.bytes.labels("receive").inc(len(payload))
+                pending.append(self.importer(chunk, tuple(checker.chain)))
+                if chunk.last:
+                    break
+        except WireError as exc:
+            bad = exc
+            self.metrics.failures.labels("receive", exc.reason).inc()
+            log.warning("KV transfer chunk rejected (%s); the rest is recomputed", exc)
+        except (EOFError, OSError) as exc:
+            self.metrics.failures.labels("receive", "peer_gone").inc()
+            log.warning("KV transfer broken (%r); what arrived verified stays, the rest is recomputed", exc)
+            _wait(pending)
+            return TransferStatus.FAILED, "peer_gone", 0
+        outcomes = _wait(pending)
+        imported = sum(o.imported for o in outcomes)
+        self.metrics.blocks.labels("receive").inc(imported)
+        refused = next((o.refused for o in outcomes if o.refused), "")
+        if bad is not None:
+            return TransferStatus.REJECTED, bad.reason, imported
+        if refused:
+            partial = any(o.resident for o in outcomes)
+            return (TransferStatus.PARTIAL if partial else TransferStatus.REFUSED), refused, imported
+        return TransferStatus.IMPORTED, "", imported
+
+
+def _wait(pending: list[Future[ImportOutcome]]) -> list[ImportOutcome]:
+    out = []
+    for f in pending:
+        try:
+            out.append(f.result(timeout=120))
+        except Exception as exc:  # noqa: BLE001 - an import that failed is a miss, never data
+            log.warning("KV import failed: %r", exc)
+            out.append(ImportOutcome(0, 0, "import_error"))
+    return out

@@ -1,0 +1,195 @@
+"""Grammar-constrained decoding with llguidance: compile a ``GuidedSpec``, mask logits per step.
+
+    admission (worker thread)            every step (engine thread, per guided row only)
+    -------------------------            ------------------------------------------------
+    GrammarCompiler.check(spec)          GuidedRow.sync(output_token_ids)   catch up / roll back
+      spec -> Lark grammar text          GuidedRow.fill(bitmask row)        allowed tokens, 1 bit each
+      validate under LLParserLimits      apply_bitmask(logits, bitmask)     disallowed -> -inf
+      build a prototype matcher          (sampled token is consumed at the next sync)
+      within a wall-clock bound
+      -> ValueError (a 400) or cached    first step: GrammarCompiler.matcher = prototype.deep_copy()
+
+Building a matcher is the expensive part (0.1-0.5 s for a schema with thousands of
+alternatives, measured here), so it happens at admission, off the engine thread; the engine
+thread only copies the prototype (~70 us).
+
+Why llguidance (not xgrammar): it is one abi3 wheel with no dependencies, so it installs beside
+any torch (the CPU 2.13 wheel here, 2.11 on the GPU host); xgrammar 0.2.8 requires torch,
+triton and apache-tvm-ffi from PyPI and would pull a second torch into a CPU venv. llguidance
+computes a 100k-token mask in ~0.2 ms on this CPU, bounds its own work with lexer "fuel" and
+size limits, and handles the JSON-schema subset that OpenAI's strict mode allows.
+
+The mask is computed on the CPU into an int32 bitmask (32 tokens a word) and unpacked on the
+logits' device with plain tensor ops, so the same code serves CPU and GPU logits.
+
+The matcher advances lazily: at each step it consumes the output tokens it has not seen yet
+(the token sampled last step, once the engine appended it), and rolls back when a step is
+re-run after a failed batch. A request's matcher therefore always agrees with its output.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import torch
+
+from engine.protocol import GuidedSpec
+
+# Work bounds for one grammar: the schema's size, the compiled grammar's size, lexer fuel at
+# start and per token (llguidance stops a step that runs out and reports an error), and the
+# wall-clock time a compile may take before the request is refused.
+MAX_SCHEMA_BYTES = 64 * 1024
+_LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+               max_lexer_states=100_000)
+COMPILE_TIMEOUT_S = 5.0
+_CACHE_SIZE = 256  # prototype matchers kept (one per distinct spec)
+
+# Compact JSON (no free whitespace): otherwise a weak model can fill max_tokens with blanks.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+def _limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**_LIMITS)
+
+
+def lark_grammar(spec: GuidedSpec) -> str:
+    """The Lark grammar text for ``spec`` (llguidance dialect: ``%json`` embeds a JSON schema)."""
+    schema = json.loads(spec.json_schema)
+    if isinstance(schema, dict):
+        schema = {"x-guidance": _JSON_OPTIONS, **schema}
+    body = f"%json {json.dumps(schema)}"
+    pieces = " ".join(x for x in (json.dumps(spec.prefix) if spec.prefix else "", "value",
+                                   json.dumps(spec.suffix) if spec.suffix else "") if x)
+    start = f"start: item+\nitem: {pieces}" if spec.repeat else f"start: {pieces}"
+    return f"{start}\nvalue: {body}\n"
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer. Thread-safe.
+
+    Building llguidance's view of the vocabulary takes 1-5 s for a 100k vocabulary and holds the
+    GIL for most of it: the serving engine builds it at start (``AsyncEngine`` ->
+    ``LLMEngine.warm_up``); elsewhere (tests, benchmarks) it happens on first use.
+    """
+
+    def __init__(self, hf_tokenizer: object, vocab_size: int, eos_token_id: int | None) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._eos = eos_token_id
+        self._lock = threading.Lock()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self._cache_lock = threading.Lock()
+        self._prototypes: OrderedDict[GuidedSpec, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self._eos)  # type: ignore[arg-type]
+            return self._tokenizer
+
+    def warm_up(self) -> None:
+        """Build the vocabulary table now (it holds the GIL while it is built: do it before serving)."""
+        _ = self.tokenizer
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Each token's exact bytes (special tokens as their text)."""
+        tok = self.tokenizer
+        return [tok.decode_bytes([t]) for t in token_ids]
+
+    def check(self, spec: GuidedSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        """Raise ValueError (with the reason) unless ``spec`` compiles within the bounds."""
+        if len(spec.json_schema.encode()) > MAX_SCHEMA_BYTES:
+            raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
+        self.warm_up()  # outside the timed part: the bound is the grammar's, not the vocabulary's
+        future = self._pool.submit(self._prototype, spec)
+        try:
+            future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(f"the grammar did not compile within {timeout_s:g} s; simplify the schema") from None
+
+    def _prototype(self, spec: GuidedSpec) -> llguidance.LLMatcher:
+        """The cached, validated matcher in its start state (built on a miss)."""
+        with self._cache_lock:
+            proto = self._prototypes.get(spec)
+            if proto is not None:
+                self._prototypes.move_to_end(spec)
+                return proto
+        tokenizer = self.tokenizer
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec))
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise ValueError(f"invalid schema: {exc}") from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=_limits())
+        if is_error:
+            raise ValueError(f"the schema cannot be enforced: {messages[0]}")
+        proto = llguidance.LLMatcher(tokenizer, grammar, limits=_limits(), log_level=0)
+        if proto.is_error():
+            raise ValueError(f"the schema cannot be enforced: {proto.get_error()}")
+        with self._cache_lock:
+            self._prototypes[spec] = proto
+            while len(self._prototypes) > _CACHE_SIZE:
+                self._prototypes.popitem(last=False)
+        return proto
+
+    def matcher(self, spec: GuidedSpec) -> GuidedRow:
+        """A fresh matcher for one request: a copy of the prototype ``check`` built (rebuilt here
+        only if the cache dropped it since)."""
+        return GuidedRow(self._prototype(spec).deep_copy())
+
+
+class GuidedRow:
+    """One request's grammar state. Not thread-safe: the sampler's thread only."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+        self._consumed: list[int] = []
+
+    def sync(self, output_token_ids: Sequence[int]) -> None:
+        """Bring the matcher to exactly ``output_token_ids`` (consume new ones, roll back a re-run)."""
+        done = self._consumed
+        common = 0
+        limit = min(len(done), len(output_token_ids))
+        while common < limit and done[common] == output_token_ids[common]:
+            common += 1
+        if common < len(done):
+            self._matcher.rollback(len(done) - common)
+            del done[common:]
+        for t in output_token_ids[common:]:
+            # a token the mask forbade (cannot happen unless the caller ignores the mask): the
+            # matcher enters its error state and from then on allows only EOS
+            self._matcher.consume_token(int(t))
+            done.append(int(t))
+
+    def fill(self, bitmask_row: torch.Tensor) -> None:
+        """Write the allowed-token bits of the next step into ``bitmask_row`` (int32, CPU, contiguous)."""
+        assert bitmask_row.dtype == torch.int32 and bitmask_row.is_contiguous() and bitmask_row.device.type == "cpu"
+        self._matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.numel() * 4)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [R, V] float (any device), bitmask [R, ceil(V/32)] int32 (CPU): disallowed -> -inf."""
+    rows, vocab = logits.shape
+    assert bitmask.shape == (rows, bitmask_words(vocab)), f"bitmask {tuple(bitmask.shape)} for logits {(rows, vocab)}"
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)
+    # bit j of word w allows token 32*w + j
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab].bool()
+    logits.masked_fill_(~allowed, float("-inf"))

@@ -1,0 +1,1 @@
+"""``prefixgate bench``: replay multi-tenant traces against gateways (``replay``; traces in ``traces``)."""

@@ -1,0 +1,146 @@
+"""``x @ w.T`` for the few-row activations of a decode step: a weight-streaming GEMM.
+
+A decode step multiplies M <= 32 rows by every weight matrix once, so each GEMM is a pass over its
+weight bytes (qkv 48 MiB, o 32 MiB, gate|up 224 MiB, down 112 MiB per Llama-8B layer). cuBLAS runs
+these at 41-79% of copy bandwidth on the H200 (session 2, run 2: o 41%, qkv 50%, down 64%, gate|up
+78%); the weight read is what the hardware bounds, so the kernel is built around it (an experiment:
+not yet faster than cuBLAS in the engine, see ``ENGINE_MAX_ROWS``)::
+
+    grid = (N / BLOCK_N, SPLIT_K)        program (n, s): out columns [n*BN, (n+1)*BN), K range s of SPLIT_K
+    for each BLOCK_K slice of its range:  w tile [BN, BK] (streamed once, pipelined) . x tile [M, BK]
+    SPLIT_K == 1: bf16 out (+ bias);  > 1: fp32 partials [S, M, N], then a reduce kernel sums them
+
+The rows are padded to 16 (the tensor-core minimum): at M <= 32 the arithmetic is free. SPLIT_K
+gives a small matrix enough programs to keep every SM streaming (``choose_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import interpreting, next_pow2
+
+MAX_ROWS = 32  # above this cuBLAS's tiles amortise the weight read well enough
+# Rows up to which ``kernels.triton_ops.linear`` (the engine's fused path) takes this kernel: 0, off.
+# Measured on the H200 inside the engine's CUDA graphs (session 2, run 3): the 8B decode step's GPU
+# time at batch 32 rose from 7.68 ms (cuBLAS) to 8.97 ms, at batch 1 from 4.87 to 5.45 ms, with the
+# untuned 64 x 256 tiles. benchmarks/kernels.py keeps measuring it (decode_gemms, graph replays) so
+# that tiles can be tuned before it is switched on.
+ENGINE_MAX_ROWS = 0
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K] (rows contiguous)
+    bias_ptr,  # [N] or placeholder
+    out_ptr,  # [M, N]
+    part_ptr,  # [SPLIT_K, M, N] fp32 (SPLIT_K > 1)
+    M, N, K_SPLIT,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_TY: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    k_lo = pid_k * K_SPLIT
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0).to(DOT_TY)
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(DOT_TY)
+        acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _split_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                         SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m) * N + rn, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int, max_rows: int = MAX_ROWS) -> SkinnyConfig | None:
+    """Tiles for an [m, k] x [n, k]^T product, or None where the kernel does not apply (too many
+    rows, K not a multiple of the K tile). Shapes only, so it is CUDA-graph safe.
+
+    64-column tiles of 256-wide K slices (32 KiB of bf16 per stage); SPLIT_K is the smallest divisor
+    of the K slices that gives at least two programs per SM, at most 8."""
+    block_n, block_k = 64, 256
+    if m > max_rows or k % block_k:
+        return None
+    return SkinnyConfig(block_n, block_k, split_for(n, k, block_n, block_k, num_sms))
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, max_split: int = 8) -> int:
+    """The smallest SPLIT_K dividing the K slices with >= 2 programs per SM (else the largest <= max_split)."""
+    tiles, slices = triton.cdiv(n, block_n), k // block_k
+    split = 1
+    for s in range(1, max_split + 1):
+        if slices % s == 0:
+            split = s
+            if tiles * s >= 2 * num_sms:
+                break
+    return split
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype. Inputs are checked by ``kernels.triton_ops``."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    split = config.split_k
+    assert k % (config.block_k * split) == 0, f"K={k} must split into {split} x {config.block_k}-wide slices"
+    dot_ty = tl.float32 if interpreting() or x.dtype == torch.float32 else (
+        tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    _skinny_kernel[(triton.cdiv(n, config.block_n), split)](
+        x, weight, b, out, part, m, n, k // split, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=split, DOT_TY=dot_ty, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        _split_reduce_kernel[(m, triton.cdiv(n, 1024))](part, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
+                                                         SPLIT_K=split, BLOCK=1024, num_warps=4)
+    return out

@@ -1,0 +1,30 @@
+"""`serve --role` and split routes: bad combinations are one line and exit code 2 / a clear error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.settings import GatewaySettings, RouteConfig
+from tests.serverutil import REPO
+
+
+def test_role_without_node_token_exits_2_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gateway.cli.main", "serve", "--home", str(tmp_path), "--model", "none",
+                        "--role", "decode"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "role decode needs a local engine" in lines[0]
+
+
+def test_settings_validation(tmp_path):
+    with pytest.raises(ValidationError, match="needs a node token"):
+        GatewaySettings(role="prefill", model="tiny", model_dir=tmp_path)
+    assert GatewaySettings(role="decode", model="tiny", model_dir=tmp_path, node_token="t").kv_port == 0
+    with pytest.raises(ValidationError, match="prefill_nodes` needs `nodes`"):
+        RouteConfig(model="m", provider="openai/x", prefill_nodes=("http://p",))

@@ -1,0 +1,303 @@
+"""Two real engine processes on loopback (tiny model): a prefill node and a decode node.
+
+Driven through the gateway's own split client (``DisaggEngineClient``, real HTTP and real KV
+sockets). Pinned: greedy output of a split request equals a single engine's; cached tokens are the
+tokens no engine computed; a chunk corrupted in flight is rejected and recomputed; a prefill node
+killed mid-transfer leaves no leaked block on the decode node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from engine.launch import ensure_tiny_model
+from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope
+from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, Placement, SplitPolicy
+from gateway.node_wire import request_to_wire
+from tests.serverutil import serve_tiny, stop
+
+TOKEN = "pd-test-node-token"
+ENV = {"PD_NODE_TOKEN": TOKEN}
+HEADERS = {"authorization": f"Bearer {TOKEN}"}
+PROMPT = [int(t) for t in range(1000, 1000 + 150)]  # 150 tokens = 9 full blocks of 16 + 6
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    homes = [tmp_path_factory.mktemp(n) for n in ("prefill", "decode")]
+    ensure_tiny_model(homes[0])
+    shutil.copytree(homes[0] / "models", homes[1] / "models")
+    procs = []
+    with ThreadPoolExecutor(2) as pool:  # the two model loads overlap
+        futures = [pool.submit(serve_tiny, home, "--role", role, "--node-token-env", "PD_NODE_TOKEN", env=ENV)
+                   for home, role in zip(homes, ("prefill", "decode"))]
+        started = [f.result() for f in futures if f.exception() is None]
+        procs = [proc for _, proc in started]
+    try:
+        if len(started) != 2:
+            raise RuntimeError(f"a node did not start: {[f.exception() for f in futures]}")
+        (prefill_url, _), (decode_url, _) = started
+        yield prefill_url, decode_url, procs
+    finally:
+        for p in procs:
+            stop(p)
+
+
+def req(rid: str, ns: bytes, prompt=PROMPT, max_tokens: int = 12) -> GenerateRequest:
+    return GenerateRequest(rid, StaticTenantScope(namespace=ns), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                                ignore_eos=True),
+                           prompt_token_ids=prompt)
+
+
+async def collect(client, gr: GenerateRequest) -> tuple[list[int], int]:
+    ids, cached = [], 0
+    async for out in client.generate(gr):
+        ids += out.new_token_ids
+        cached = out.cached_tokens
+    return ids, cached
+
+
+def split_client(prefill_url: str, decode_url: str, min_tokens: int = 32) -> DisaggEngineClient:
+    return DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=min_tokens),
+                              metrics=DisaggMetrics(CollectorRegistry()))
+
+
+def integrity(url: str) -> dict:
+    r = httpx.get(f"{url}/internal/v1/kv/integrity", headers=HEADERS, timeout=30, trust_env=False)
+    r.raise_for_status()
+    return r.json()
+
+
+def lookup(url: str, gr: GenerateRequest) -> int:
+    r = httpx.post(f"{url}/internal/v1/kv/lookup", json=request_to_wire(gr), headers=HEADERS, timeout=30,
+                   trust_env=False)
+    r.raise_for_status()
+    return r.json()["cached_tokens"]
+
+
+def test_split_output_equals_single_engine_and_cached_tokens_are_true(nodes):
+    prefill_url, decode_url, _ = nodes
+    from gateway.remote import RemoteEngineClient
+
+    async def run():
+        client = split_client(prefill_url, decode_url)
+        single = RemoteEngineClient(prefill_url, TOKEN)  # a single engine: tenant B, nothing cached
+        try:
+            split_ids, split_cached = await collect(client, req("s1", b"tenant-a"))
+            assert client.last_placement == (Placement.SPLIT, "long_uncached_prompt")
+            ref_ids, ref_cached = await collect(single, req("r1", b"tenant-b"))
+            again_ids, again_cached = await collect(client, req("s2", b"tenant-a"))
+            return split_ids, split_cached, ref_ids, ref_cached, again_ids, again_cached, client.last_placement
+        finally:
+            await client.aclose()
+            await single.aclose()
+
+    split_ids, split_cached, ref_ids, ref_cached, again_ids, again_cached, placement = asyncio.run(run())
+    assert split_ids == ref_ids and len(split_ids) == 12
+    assert split_cached == 0 == ref_cached  # the prefill node computed every token: nothing was free
+    # the transferred blocks are the tenant's cache on the decode node now: colocated, 9 blocks hit
+    assert placement == (Placement.COLOCATED, "cached_on_decode")
+    assert again_ids == ref_ids and again_cached == 144
+    assert integrity(decode_url)["ok"] and integrity(decode_url)["kv_blocks_used"] == 0
+    assert integrity(prefill_url)["ok"]
+
+
+def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes, tmp_path, monkeypatch):
+    """The real gateway (real tenancy, config with prefill_nodes) in front of the two nodes."""
+    import sys
+
+    import openai
+
+    from gateway.app import create_app
+    from gateway.ports import open_tenancy
+    from gateway.settings import GatewaySettings, RouteConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+    from gateway_fakes import LoopbackServer
+
+    prefill_url, decode_url, _ = nodes
+    monkeypatch.setenv("PD_NODE_TOKEN", TOKEN)
+    svc = open_tenancy(tmp_path)
+    key, other = svc.create_tenant("acme").api_key, svc.create_tenant("beta").api_key
+    svc.flush()
+    svc.close()
+    route = RouteConfig(model="tiny", nodes=(decode_url,), prefill_nodes=(prefill_url,),
+                        node_token_env="PD_NODE_TOKEN", split_min_tokens=32)
+    messages = [{"role": "system", "content": "You are a careful assistant for the acme store. " * 6},
+                {"role": "user", "content": "What do you sell?"}]
+    single = RouteConfig(model="tiny-single", nodes=(prefill_url,), node_token_env="PD_NODE_TOKEN")  # one engine
+    settings = GatewaySettings(home=tmp_path, routes=(route, single), metrics_token="pd-metrics")
+    with LoopbackServer(create_app(settings)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+        second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+        # the same canonical request, another tenant (nothing cached), one engine doing everything
+        ref = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=other, max_retries=0).chat.completions.create(
+            model="tiny-single", messages=messages, max_tokens=10, temperature=0)
+        metrics = httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer pd-metrics"}, trust_env=False).text
+
+    assert first.choices[0].message.content == ref.choices[0].message.content == second.choices[0].message.content
+    assert ref.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # the prefill node computed the prompt
+    prompt = first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16  # moved blocks: a hit
+    assert 'prefixgate_pd_decisions_total{placement="split",reason="long_uncached_prompt"} 1.0' in metrics
+    assert 'prefixgate_pd_decisions_total{placement="colocated",reason="cached_on_decode"} 1.0' in metrics
+
+
+def test_blocks_the_decode_node_holds_are_named_not_sent(nodes):
+    prefill_url, decode_url, _ = nodes
+    head = [int(t) for t in range(7000, 7000 + 144)]  # 9 blocks
+    prompt = head + [int(t) for t in range(8000, 8000 + 150)]  # 294 tokens: 18 full cacheable blocks
+    from gateway.remote import RemoteEngineClient
+
+    async def warm_decode_then_single():
+        decode, single = RemoteEngineClient(decode_url, TOKEN), RemoteEngineClient(prefill_url, TOKEN)
+        try:
+            await collect(decode, req("h1", b"tenant-h", head + [5], max_tokens=1))  # the decode node holds `head`
+            return await collect(single, req("h-ref", b"tenant-h-ref", prompt))
+        finally:
+            await decode.aclose()
+            await single.aclose()
+
+    ref_ids, _ = asyncio.run(warm_decode_then_single())
+    gr = req("h2", b"tenant-h", prompt)
+    assert lookup(decode_url, gr) == 144
+    r = httpx.post(f"{prefill_url}/internal/v1/kv/prefill", headers=HEADERS, timeout=120, trust_env=False,
+                   json={"request": request_to_wire(gr), "address": receiver_of(decode_url), "skip_tokens": 144})
+    transfer = r.json()["transfer"]
+    assert transfer["status"] == "imported" and transfer["blocks_sent"] == 9 == transfer["blocks_imported"]
+    assert lookup(decode_url, gr) == 288
+
+    async def decode_it():
+        decode = RemoteEngineClient(decode_url, TOKEN)
+        try:
+            return await collect(decode, gr)
+        finally:
+            await decode.aclose()
+
+    ids, cached = asyncio.run(decode_it())
+    assert ids == ref_ids and cached == 288
+    assert integrity(decode_url)["ok"]
+
+
+class CorruptingProxy:
+    """TCP relay prefill -> decode receiver that flips one byte at ``flip_at`` (or, with
+    ``stall_at``, stops forwarding there so that the sender can be killed mid-transfer)."""
+
+    def __init__(self, target: str, flip_at: int | None = None, stall_at: int | None = None) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.flip_at, self.stall_at = flip_at, stall_at
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stalled = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        src, _ = self.listener.accept()
+        dst = socket.create_connection(self.target)
+        threading.Thread(target=self._pipe, args=(dst, src, None, None), daemon=True).start()
+        self._pipe(src, dst, self.flip_at, self.stall_at)
+
+    def _pipe(self, a: socket.socket, b: socket.socket, flip_at, stall_at) -> None:
+        seen = 0
+        try:
+            while data := a.recv(65536):
+                buf = bytearray(data)
+                if flip_at is not None and seen <= flip_at < seen + len(buf):
+                    buf[flip_at - seen] ^= 0xFF
+                if stall_at is not None and seen + len(buf) > stall_at:
+                    b.sendall(buf[: stall_at - seen])
+                    self.stalled.set()
+                    a.recv(1 << 20)  # wait for the sender to die (EOF or reset)
+                    break
+                b.sendall(buf)
+                seen += len(buf)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+def receiver_of(decode_url: str) -> str:
+    r = httpx.get(f"{decode_url}/internal/v1/kv/receiver", headers=HEADERS, timeout=10, trust_env=False)
+    return r.json()["address"]
+
+
+def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
+    prefill_url, decode_url, _ = nodes
+    prompt = [int(t) for t in range(3000, 3000 + 150)]
+    gr = req("c1", b"tenant-c", prompt)
+    # tiny model chunks of 16 blocks: the whole 9-block prompt is one chunk; flip a byte deep in its payload
+    proxy = CorruptingProxy(receiver_of(decode_url), flip_at=200_000)
+    r = httpx.post(f"{prefill_url}/internal/v1/kv/prefill", headers=HEADERS, timeout=120, trust_env=False,
+                   json={"request": request_to_wire(gr), "address": proxy.address})
+    assert r.status_code == 200, r.text
+    transfer = r.json()["transfer"]
+    assert transfer["status"] == "rejected" and transfer["reason"] == "bad_mac"
+    assert transfer["blocks_imported"] == 0
+    assert lookup(decode_url, gr) == 0  # a miss, never data
+
+    from gateway.remote import RemoteEngineClient
+
+    async def run():
+        decode, single = RemoteEngineClient(decode_url, TOKEN), RemoteEngineClient(prefill_url, TOKEN)
+        try:
+            return await collect(decode, gr), await collect(single, req("c2", b"tenant-d", prompt))
+        finally:
+            await decode.aclose()
+            await single.aclose()
+
+    (ids, cached), (ref_ids, _) = asyncio.run(run())
+    assert ids == ref_ids and cached == 0  # recomputed on the decode node, same greedy tokens
+    assert integrity(decode_url)["ok"]
+
+
+def test_prefill_killed_mid_transfer_leaks_nothing(nodes, tmp_path):  # last: it kills the module's prefill node
+    prefill_url, decode_url, procs = nodes
+    prompt = [int(t) for t in range(5000, 5000 + 600)]  # 37 blocks: 3 chunks, the stall is in the second
+    gr = req("k1", b"tenant-k", prompt)
+    stats = httpx.get(f"{decode_url}/internal/v1/stats", headers=HEADERS, timeout=10, trust_env=False).json()
+    block_bytes = int(stats["kv_bytes_per_token"] * stats["block_size"])
+    proxy = CorruptingProxy(receiver_of(decode_url), stall_at=int(16 * block_bytes * 1.5))  # mid chunk 2
+    done = threading.Event()
+
+    def call():
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{prefill_url}/internal/v1/kv/prefill", headers=HEADERS, timeout=120, trust_env=False,
+                       json={"request": request_to_wire(gr), "address": proxy.address})
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    assert proxy.stalled.wait(120)
+    procs[0].kill()  # the prefill process dies with a chunk half sent
+    procs[0].wait()
+    assert done.wait(30)
+
+    async def run():
+        client = split_client(prefill_url, decode_url)  # the dead prefill node: falls back to recompute
+        try:
+            return await collect(client, req("k2", b"tenant-k", prompt))
+        finally:
+            await client.aclose()
+
+    ids, cached = asyncio.run(run())
+    assert len(ids) == 12
+    check = integrity(decode_url)
+    assert check["ok"], check["error"]
+    assert check["kv_blocks_used"] == 0
+    # the first, verified chunk (16 blocks) stayed: a true hit for the fallback request
+    assert cached == 256

@@ -1,0 +1,125 @@
+"""The chunk format's checks: every mismatch is a named rejection, never data (no engine needed)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from engine.disagg.api import derive_transfer_key
+from engine.disagg.wire import (
+    ChainChecker,
+    Chunk,
+    EngineLayout,
+    FrameKind,
+    WireError,
+    encode_chunk,
+    read_frame,
+)
+from engine.prefix_index import block_hashes
+
+LAYOUT = EngineLayout(model="tiny", dtype="float32", block_size=4, num_layers=2, block_bytes=8)
+KEY = derive_transfer_key("node-token")
+NS = b"tenant-a"
+TOKENS = list(range(100, 116))  # 4 blocks of 4
+HASHES = tuple(block_hashes(NS, TOKENS, 4))
+
+
+class Source:
+    def __init__(self, data: bytes) -> None:
+        self.f = io.BytesIO(data)
+
+    def read_exactly(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if len(b) < n:
+            raise EOFError
+        return b
+
+    def read_into(self, buf: bytearray) -> None:
+        buf[:] = self.read_exactly(len(buf))
+
+
+def chunk(seq: int, first: int, n: int, **over) -> Chunk:
+    fields = dict(transfer_id="t1", seq=seq, last=False, namespace=NS, first_block=first,
+                  hashes=HASHES[first:first + n],
+                  tokens=tuple(tuple(TOKENS[i * 4:(i + 1) * 4]) for i in range(first, first + n)),
+                  layers=(0, 2), payload=bytes(range(first * 8, (first + n) * 8)))
+    fields.update(over)
+    return Chunk(**fields)
+
+
+def frame(c: Chunk, layout: EngineLayout = LAYOUT, key: bytes = KEY) -> bytes:
+    return b"".join(bytes(p) for p in encode_chunk(key, layout, c))
+
+
+def receive(data: bytes, checker: ChainChecker, key: bytes = KEY) -> Chunk:
+    kind, header, payload = read_frame(Source(data), key, max_payload=1 << 20)
+    assert kind is FrameKind.CHUNK
+    return checker.check(header, payload)
+
+
+def test_round_trip_two_chunks_rebuilds_the_chain():
+    checker = ChainChecker(LAYOUT)
+    a = receive(frame(chunk(0, 0, 2)), checker)
+    b = receive(frame(chunk(1, 2, 2, last=True)), checker)
+    assert a.hashes == HASHES[:2] and b.last and bytes(b.payload) == bytes(range(16, 32))
+    assert tuple(checker.chain) == HASHES
+
+
+def test_flipped_payload_byte_fails_the_mac():
+    data = bytearray(frame(chunk(0, 0, 2)))
+    data[-40] ^= 1  # inside the payload
+    with pytest.raises(WireError) as err:
+        receive(bytes(data), ChainChecker(LAYOUT))
+    assert err.value.reason == "bad_mac"
+
+
+def test_wrong_key_fails_the_mac():
+    with pytest.raises(WireError) as err:
+        receive(frame(chunk(0, 0, 1), key=derive_transfer_key("other")), ChainChecker(LAYOUT))
+    assert err.value.reason == "bad_mac"
+
+
+@pytest.mark.parametrize(("over", "sender", "reason"), [
+    ({}, EngineLayout("tiny", "bfloat16", 4, 2, 8), "dtype"),
+    ({}, EngineLayout("other-model", "float32", 4, 2, 8), "model"),
+    ({}, EngineLayout("tiny", "float32", 4, 2, 4), "block_bytes"),
+    ({"layers": (0, 1)}, LAYOUT, "layers"),
+    ({"hashes": HASHES[1:3]}, LAYOUT, "hash_chain"),  # hashes that are not these tokens' chain
+    ({"namespace": b"tenant-b"}, LAYOUT, "hash_chain"),  # another tenant's namespace: other hashes
+    ({"payload": b"\0" * 9}, LAYOUT, "size"),
+])
+def test_header_mismatches_are_named_rejections(over, sender, reason):
+    # the sender signs what it claims (a valid MAC); the receiver's own layout or chain disagrees
+    data = frame(chunk(0, 0, 2, **over), layout=sender)
+    with pytest.raises(WireError) as err:
+        receive(data, ChainChecker(LAYOUT))
+    assert err.value.reason == reason
+
+
+def test_out_of_order_chunk_is_rejected():
+    checker = ChainChecker(LAYOUT)
+    receive(frame(chunk(0, 0, 1)), checker)
+    with pytest.raises(WireError) as err:
+        receive(frame(chunk(1, 2, 1)), checker)  # skipped block 1
+    assert err.value.reason == "out_of_order"
+
+
+def test_truncated_frame_is_eof():
+    with pytest.raises(EOFError):
+        receive(frame(chunk(0, 0, 2))[:-5], ChainChecker(LAYOUT))
+
+
+def test_a_transfer_may_start_after_blocks_the_receiver_holds():
+    checker = ChainChecker(LAYOUT)
+    c = receive(frame(chunk(0, 2, 2, last=True, prefix=HASHES[:2])), checker)
+    assert c.first_block == 2 and c.prefix == HASHES[:2] and tuple(checker.chain) == HASHES
+
+
+def test_prefix_hashes_must_match_the_first_block():
+    with pytest.raises(WireError) as err:
+        receive(frame(chunk(0, 2, 2, prefix=HASHES[:1])), ChainChecker(LAYOUT))
+    assert err.value.reason == "bad_header"
+    with pytest.raises(WireError) as err:  # claimed prefix that is not these tokens' parent: chain breaks
+        receive(frame(chunk(0, 2, 2, prefix=(HASHES[1], HASHES[0]))), ChainChecker(LAYOUT))
+    assert err.value.reason == "hash_chain"

@@ -1,0 +1,218 @@
+"""Sampling features on the real tiny model: grammar-constrained decoding (llguidance), logit_bias,
+logprobs / top logprobs, and their validation. Greedy and seeded, so every run is identical.
+
+The random-weight tiny model emits noise on its own: whatever it produces under a grammar must
+still parse and validate, which is what these tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.guided import apply_bitmask, bitmask_words
+from engine.launch import build_llm_engine
+from engine.llm_engine import LLMEngine
+from engine.protocol import (
+    GenerateRequest,
+    GuidedSpec,
+    InvalidRequestError,
+    SamplingParams,
+    StaticTenantScope,
+)
+from engine.sampling import Sampler
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "rain": {"type": "boolean"},
+        "temp": {"type": "integer", "minimum": -50, "maximum": 50},
+    },
+    "required": ["city", "rain", "temp"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return build_llm_engine(EngineConfig(model_dir=tiny_model_dir, block_size=16, num_kv_blocks=128))
+
+
+def run(engine: LLMEngine, *requests: GenerateRequest) -> dict[str, dict]:
+    """Run to completion: per request id the text, token ids, finish reason and logprob entries."""
+    for r in requests:
+        engine.add_request(r)
+    done: dict[str, dict] = {r.request_id: {"text": "", "ids": [], "logprobs": [], "finish": None} for r in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            d = done[out.request_id]
+            d["text"] += out.new_text
+            d["ids"] += out.new_token_ids
+            d["logprobs"] += out.logprobs
+            if out.finished:
+                d["finish"] = out.finish_reason
+    engine.check_integrity()
+    return done
+
+
+def req(rid: str, prompt: str = "Give me the weather:", **sampling) -> GenerateRequest:
+    sampling.setdefault("temperature", 0.0)
+    return GenerateRequest(request_id=rid, tenant=StaticTenantScope(), prompt=prompt,
+                           sampling=SamplingParams(**sampling))
+
+
+def test_json_schema_output_parses_and_validates_batched_with_free_requests(engine):
+    spec = GuidedSpec(json_schema=json.dumps(SCHEMA))
+    free_alone = run(engine, req("free0", max_tokens=8))["free0"]
+    out = run(engine,
+              req("g0", guided=spec, max_tokens=96),
+              req("free1", max_tokens=8),
+              req("g1", "Another prompt, seeded", guided=spec, max_tokens=96, temperature=1.0, seed=7))
+    for rid in ("g0", "g1"):
+        assert out[rid]["finish"] == "stop", out[rid]
+        jsonschema.validate(json.loads(out[rid]["text"]), SCHEMA)
+    # the unguided request in the same batch is unaffected by its neighbours' masks
+    assert out["free1"]["ids"] == free_alone["ids"]
+
+
+def test_json_object_and_wrapped_value(engine):
+    spec = GuidedSpec(json_schema=json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                              "required": ["ok"], "additionalProperties": False}),
+                      prefix="<tool_call>\n", suffix="\n</tool_call>")
+    text = run(engine, req("w", guided=spec, max_tokens=64))["w"]["text"]
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+    assert json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) in ({"ok": True}, {"ok": False})
+
+
+def test_invalid_or_oversized_schema_is_refused_at_admission(engine):
+    bad = GuidedSpec(json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "no-such-type"}}}))
+    with pytest.raises(InvalidRequestError, match="schema"):
+        engine.add_request(req("bad", guided=bad))
+    huge = GuidedSpec(json_schema=json.dumps({"enum": ["x" * 1000] * 100}))
+    with pytest.raises(InvalidRequestError, match="larger than"):
+        engine.add_request(req("huge", guided=huge))
+    assert not engine.has_unfinished()
+
+
+def test_logit_bias_plus_100_makes_greedy_emit_the_token(engine):
+    target = engine.runner.tokenizer.encode(" banana")[0]
+    out = run(engine, req("b", max_tokens=4, logit_bias=((target, 100.0),)))["b"]
+    assert out["ids"] == [target] * 4
+    plain = run(engine, req("p", max_tokens=4))["p"]
+    assert plain["ids"] != out["ids"]
+    # -100 on the unbiased greedy token removes it from the first step
+    banned = run(engine, req("n", max_tokens=1, logit_bias=((plain["ids"][0], -100.0),)))["n"]
+    assert banned["ids"][0] != plain["ids"][0]
+
+
+def test_logit_bias_validation():
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias=((5, 101.0),))
+    with pytest.raises(ValueError, match=">= 0"):
+        SamplingParams(logit_bias=((-1, 1.0),))
+
+
+def test_logit_bias_token_outside_vocabulary_is_refused(engine):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.add_request(req("v", logit_bias=((engine.vocab_size, 1.0),)))
+
+
+def test_logprobs_and_top_logprobs(engine):
+    out = run(engine, req("l", max_tokens=5, logprobs=3))["l"]
+    entries = out["logprobs"]
+    assert len(entries) == len(out["ids"]) == 5
+    assert "".join(e.token for e in entries) == out["text"]
+    for e, tid in zip(entries, out["ids"]):
+        assert e.token_id == tid and e.logprob <= 0.0 and len(e.top) == 3
+        values = [lp for _, _, lp in e.top]
+        assert values == sorted(values, reverse=True)
+        # greedy: the chosen token is the most likely one
+        assert math.isclose(e.logprob, values[0], abs_tol=1e-4)
+        assert bytes(e.token_bytes).decode("utf-8", "replace") == e.token
+    none = run(engine, req("n0", max_tokens=2))["n0"]
+    assert none["logprobs"] == []
+
+
+def test_apply_bitmask_masks_exactly_the_cleared_bits():
+    vocab = 70
+    logits = torch.zeros(2, vocab)
+    mask = torch.full((2, bitmask_words(vocab)), -1, dtype=torch.int32)
+    mask[0, 0] = 0b101  # row 0, word 0: only tokens 0 and 2 allowed of the first 32
+    mask[1, 2] = 0  # row 1: tokens 64..69 disallowed
+    apply_bitmask(logits, mask)
+    allowed0 = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed0 == [0, 2, *range(32, vocab)]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == list(range(64))
+
+
+def test_sampler_without_grammar_pays_nothing_and_keeps_the_old_contract():
+    sampler = Sampler("cpu", seed=0)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    tokens, lps = sampler.sample(logits, [SamplingParams(temperature=0.0)] * 3, ["a", "b", "c"], [0, 0, 0])
+    assert tokens == logits.argmax(-1).tolist()
+    assert lps == pytest.approx(torch.log_softmax(logits, -1).max(-1).values.tolist(), abs=1e-6)
+    with pytest.raises(RuntimeError, match="no grammar compiler"):
+        sampler.sample_rows(logits[:1], [SamplingParams(guided=GuidedSpec(json_schema="{}"))], ["g"], [()])
+
+
+def _many_alternatives(n: int) -> dict:
+    """A schema whose matcher takes ~0.1-0.5 s to build on this CPU (thousands of alternatives)."""
+    obj = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{1,{i + 1}}}"}
+                                            for i in range(60)}, "required": [f"k{i}" for i in range(60)]}
+    return {"anyOf": [obj] * n}
+
+
+def test_a_compile_over_the_time_bound_is_refused_and_others_still_run(engine):
+    slow = GuidedSpec(json_schema=json.dumps(_many_alternatives(15)))
+    with pytest.raises(ValueError, match="did not compile within"):
+        engine.runner.grammars.check(slow, timeout_s=0.001)
+    # the engine keeps serving while that compile finishes in its worker thread
+    out = run(engine, req("after", max_tokens=3))["after"]
+    assert len(out["ids"]) == 3
+
+
+def test_guided_row_follows_rollback_and_catch_up(engine):
+    grammars = engine.runner.grammars
+    spec = GuidedSpec(json_schema=json.dumps(SCHEMA))
+    grammars.check(spec)
+    row = grammars.matcher(spec)
+    words = bitmask_words(engine.vocab_size)
+    start = torch.empty(words, dtype=torch.int32)
+    row.fill(start)
+    prefix = engine.runner.tokenizer.encode('{"city":"Oslo"')
+    row.sync(prefix)
+    mid = torch.empty(words, dtype=torch.int32)
+    row.fill(mid)
+    assert not torch.equal(start, mid)
+    row.sync(prefix[:0])  # a re-run from the start: back to the first state
+    again = torch.empty(words, dtype=torch.int32)
+    row.fill(again)
+    assert torch.equal(start, again)
+    row.sync(prefix)  # and forward again
+    row.fill(again)
+    assert torch.equal(mid, again)
+    # a fresh matcher is independent of this one (a copy of the cached prototype)
+    fresh = torch.empty(words, dtype=torch.int32)
+    grammars.matcher(spec).fill(fresh)
+    assert torch.equal(fresh, start)
+
+
+def test_guided_output_validates_across_preemption_and_recompute(engine):
+    small = LLMEngine(EngineConfig(model_dir=engine.config.model_dir, block_size=16), engine.runner, num_blocks=6)
+    spec = GuidedSpec(json_schema=json.dumps(SCHEMA))
+    # prompts of 14 tokens: all four fit at first, and their outputs then outgrow the 6 blocks
+    prompts = [[1000 + 97 * i + j for j in range(14)] for i in range(4)]
+    reqs = [GenerateRequest(request_id=f"p{i}", tenant=StaticTenantScope(), prompt_token_ids=p,
+                            sampling=SamplingParams(temperature=0.0, guided=spec, max_tokens=64))
+            for i, p in enumerate(prompts)]
+    out = run(small, *reqs)
+    assert small.scheduler.num_preemptions > 0, "the pool must be small enough to force preemption"
+    for r in reqs:
+        assert out[r.request_id]["finish"] == "stop"
+        jsonschema.validate(json.loads(out[r.request_id]["text"]), SCHEMA)

@@ -1,0 +1,56 @@
+"""Engine settings reach the engine: `[engine]` keys of a config file and the serve/generate flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.cli.main import build_parser, main
+from gateway.cli.serve_cmd import build_settings
+from gateway.settings import GatewaySettings, read_config_file
+
+
+def test_config_file_engine_keys_are_accepted_and_passed_to_the_engine(tmp_path, tiny_model_dir):
+    cfg = tmp_path / "pg.toml"
+    cfg.write_text(
+        "[engine]\n"
+        f'model = "{tiny_model_dir}"\n'
+        'dtype = "bf16"\nkv_dtype = "int8"\nblock_size = 32\n'
+        "max_num_batched_tokens = 512\nmax_num_seqs = 8\nthreads = 1\n"
+    )
+    args = build_parser().parse_args(["serve", "--config", str(cfg)])
+    engine = build_settings(args, tmp_path).engine_config()
+    assert (engine.dtype, engine.kv_dtype, engine.block_size) == ("bfloat16", "int8", 32)
+    assert (engine.max_num_batched_tokens, engine.max_num_seqs, engine.num_threads) == (512, 8, 1)
+    assert engine.model_dir == tiny_model_dir
+
+
+def test_flags_override_the_config_file(tmp_path, tiny_model_dir):
+    cfg = tmp_path / "pg.yaml"
+    cfg.write_text(f"engine:\n  model: {tiny_model_dir}\n  kv_dtype: int8\n  threads: 4\n")
+    args = build_parser().parse_args(["serve", "--config", str(cfg), "--kv-dtype", "fp8", "--threads", "2",
+                                      "--dtype", "fp32"])
+    engine = build_settings(args, tmp_path).engine_config()
+    assert (engine.kv_dtype, engine.num_threads, engine.dtype) == ("fp8", 2, "float32")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-dtype", "fp4"], "--kv-dtype must be one of"),
+    (["--dtype", "int8"], "--dtype must be one of"),
+    (["--threads", "0"], "--threads must be >= 1"),
+])
+def test_bad_engine_flags_exit_2_with_one_line(tmp_path, capsys, flags, message):
+    assert main(["serve", "--home", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert main(["generate", "--home", str(tmp_path), *flags, "hi"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_engine_keys_in_a_config_file_are_named(tmp_path):
+    cfg = tmp_path / "pg.toml"
+    cfg.write_text('[engine]\nkv_dtype = "fp4"\n')
+    with pytest.raises(ValueError, match="kv_dtype"):
+        GatewaySettings(**read_config_file(cfg))
+    cfg.write_text("[engine]\nblock_size = 12\n")
+    with pytest.raises(ValueError, match="block_size"):
+        GatewaySettings(**read_config_file(cfg))

@@ -1,0 +1,163 @@
+"""The fused layer kernels (add + RMSNorm, RoPE + KV write, SiLU x up) against kernels.reference.
+
+Fresh random inputs per case; the interpreter runs fp16/fp32 (its fp32 -> bf16 cast rounds unlike
+torch's), tests/kernels/test_gpu.py runs the same cases in bf16 on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels import triton_ops
+from tests.kernels.kernel_cases import INTERPRET, make_kv_cache
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all(), "non-finite output"
+    return float((got - want).norm() / want.norm().clamp(min=1e-12))
+
+
+def tol(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+def run_norm_case(tokens, hidden, dtype, with_residual, seed, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, hidden, generator=gen) * 2).to(device=device, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device=device, dtype=dtype)
+    if not with_residual:
+        got = triton_ops.rms_norm(x, weight, 1e-5)
+        want = ref.rms_norm(x, weight, 1e-5)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert rel_err(got, want) < tol(dtype)
+        return
+    residual = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
+    res_want = residual.clone()
+    got = triton_ops.add_rms_norm(x, residual, weight, 1e-5)
+    want = ref.add_rms_norm(x, res_want, weight, 1e-5)
+    # the sum is one rounding of the same two values in both: equal up to the cast's tie rule
+    assert rel_err(residual, res_want) < tol(dtype) / 4
+    assert rel_err(got, want) < tol(dtype)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(5, 512), (3, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(tokens, hidden, dtype, with_residual):
+    run_norm_case(tokens, hidden, dtype, with_residual, seed=tokens * hidden + with_residual)
+
+
+def run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, dtype, seed, device="cpu", tokens=7):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 6
+    k_cache, v_cache, ks, vs = make_kv_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype, device, gen)
+    qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(device=device, dtype=dtype)
+    pos = torch.randint(0, 5000, (tokens,), generator=gen).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(torch.int64)
+    slots[1] = -1
+    slots = slots.to(device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_s = [s.clone() if s is not None else None for s in (ks, vs)]
+    q_want = ref.rotary_write_kv(qkv, cos, sin, want_k, want_v, slots, q_heads, want_s[0], want_s[1])
+    q_got = triton_ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, ks, vs)
+    assert q_got.shape == (tokens, q_heads, head_dim) and q_got.is_contiguous()
+    assert rel_err(q_got, q_want) < tol(dtype)
+    # The rotated k may differ from torch's by one ulp of the compute dtype (bf16 on the GPU), which
+    # can move its quantized value by a step (two for int8, whose per-head scale can move too).
+    for got, want, s_got, s_want in ((k_cache, want_k, ks, want_s[0]), (v_cache, want_v, vs, want_s[1])):
+        if kv_dtype == torch.int8:
+            assert (got.int() - want.int()).abs().max() <= 2
+            assert (got != want).float().mean() < 0.05
+            torch.testing.assert_close(s_got, s_want, rtol=tol(dtype), atol=0)
+        elif kv_dtype == ref.FP8_DTYPE:
+            # x*cos + rot(x)*sin cancels for some elements: there one bf16 ulp of the products is many
+            # e4m3 steps of the small result, so the check is on the whole tensor and on the share of
+            # differing bytes, not per element
+            assert rel_err(got.float(), want.float()) < 2e-2
+            assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.05
+        else:
+            assert rel_err(got, want) < tol(dtype)
+        untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+        untouched[slots[slots >= 0].cpu()] = False
+        flat_got = got.reshape(num_blocks * block_size, -1)[untouched.to(device)]
+        flat_want = want.reshape(num_blocks * block_size, -1)[untouched.to(device)]
+        assert torch.equal(flat_got.view(torch.uint8), flat_want.view(torch.uint8)), "a slot outside the mapping changed"
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(8, 2, 64, 16), (7, 1, 32, 32), (6, 3, 16, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_write_kv_matches_reference(q_heads, kv_heads, head_dim, block_size, dtype):
+    run_rotary_case(q_heads, kv_heads, head_dim, block_size, dtype, dtype, seed=q_heads * head_dim)
+
+
+@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8])
+def test_rotary_write_kv_quantized_cache(kv_dtype):
+    run_rotary_case(8, 2, 64, 16, kv_dtype, torch.float16, seed=5)
+
+
+def run_silu_case(tokens, inter, dtype, seed, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(tokens, 2 * inter, generator=gen) * 3).to(device=device, dtype=dtype)
+    got = triton_ops.silu_mul(gate_up)
+    want = ref.silu_mul(gate_up)
+    assert got.shape == (tokens, inter) and got.dtype == dtype
+    assert rel_err(got, want) < tol(dtype)
+
+
+@pytest.mark.parametrize("tokens,inter", [(3, 1024), (2, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_matches_reference(tokens, inter, dtype):
+    run_silu_case(tokens, inter, dtype, seed=tokens + inter)
+
+
+def test_fused_ops_reject_bad_shapes():
+    x = torch.randn(4, 64)
+    with pytest.raises(AssertionError, match="weight must be"):
+        triton_ops.rms_norm(x, torch.ones(32), 1e-5)
+    with pytest.raises(AssertionError, match="residual"):
+        triton_ops.add_rms_norm(x, torch.randn(4, 64, dtype=torch.float16), torch.ones(64), 1e-5)
+    with pytest.raises(AssertionError, match="even number"):
+        triton_ops.silu_mul(torch.randn(2, 7))
+    kc, vc, _, _ = make_kv_cache(2, 16, 2, 16, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError, match="qkv must have"):
+        triton_ops.rotary_write_kv(torch.randn(3, 10), torch.randn(3, 16), torch.randn(3, 16), kc, vc,
+                                   torch.zeros(3, dtype=torch.int64), 4)
+
+
+def run_skinny_case(m, n, k, dtype, split_k, bias, seed, device="cpu", block_k=64):
+    from kernels import skinny_gemm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+    cfg = skinny_gemm.SkinnyConfig(block_n=32, block_k=block_k, split_k=split_k, num_stages=2)
+    got = skinny_gemm.skinny_linear(x, w, b, cfg)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double() if b is not None else None)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert rel_err(got, want) < tol(dtype)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (5, 70, 128), (32, 64, 512)])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_skinny_gemm_matches_linear(m, n, k, split_k):
+    run_skinny_case(m, n, k, torch.float32, split_k, bias=(m == 5), seed=m * n + split_k)
+
+
+def test_skinny_gemm_config_rules():
+    from kernels import skinny_gemm
+
+    assert skinny_gemm.choose_config(64, 4096, 4096, 132) is None  # too many rows: cuBLAS
+    assert skinny_gemm.choose_config(8, 4096, 4000, 132) is None  # K not a multiple of the K tile
+    c = skinny_gemm.choose_config(32, 4096, 14336, 132)
+    assert c is not None and (14336 // c.block_k) % c.split_k == 0
+    assert triton_ops.linear(torch.randn(3, 40), torch.randn(8, 40)).shape == (3, 8)  # CPU: F.linear
