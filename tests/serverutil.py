@@ -79,3 +79,14 @@ def stop(proc: subprocess.Popen, timeout: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The lines of a CLI's stderr that are not notices.
+
+    A command may first say that it created the home or a secret (``prefixgate: created home
+    directory ...``, ``prefixgate: warning: created a new ...``); "one line, exit 2" is about what
+    remains: the error itself.
+    """
+    notices = ("prefixgate: warning:", "prefixgate: created home directory")
+    return [line for line in stderr.strip().splitlines() if line and not line.startswith(notices)]

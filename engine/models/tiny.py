@@ -20,14 +20,12 @@ decode step is dominated by the embedding-sized LM head matmul.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from engine.models.atomic_dir import atomic_directory
 from engine.models.tokenizer_build import IM_END, build_tokenizer
 
 BUILDER_VERSION = 1
@@ -133,10 +131,7 @@ def build_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     cl100k_base file locally (``TIKTOKEN_CACHE_DIR``); touches no network otherwise.
     """
     out_dir = Path(out_dir).expanduser().resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(out_dir) as tmp:
         tokenizer = build_tokenizer(ENCODING, TINY_DIMS["vocab_size"])
         eos_ids = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
         pad_id = tokenizer.pad_token_id
@@ -157,16 +152,6 @@ def build_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
         save_file(tiny_state_dict(seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / MARKER, {"builder_version": BUILDER_VERSION, "seed": seed, "encoding": ENCODING})
 
-        trash = None
-        if out_dir.exists():
-            trash = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out_dir, trash)
-        os.rename(tmp, out_dir)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

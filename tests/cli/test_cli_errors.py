@@ -14,7 +14,7 @@ import pytest
 
 from gateway.cli.main import main
 from tenancy.service import TenancyService
-from tests.serverutil import REPO, free_port
+from tests.serverutil import REPO, error_lines, free_port
 
 SURROGATE = "\udced\udca0\udc80"  # what Python makes of the shell bytes ed a0 80 (a lone UTF-16 surrogate)
 
@@ -109,7 +109,7 @@ def test_a_server_that_cannot_start_says_why_in_one_line(tmp_path, tiny_model_di
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and "could not start" in res.stderr
-    assert res.stderr.strip().count("\n") == 0, res.stderr
+    assert len(error_lines(res.stderr)) == 1, res.stderr
 
 
 @pytest.mark.parametrize("argv", [

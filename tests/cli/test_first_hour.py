@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serverutil import REPO, free_port, stop
+from tests.serverutil import REPO, error_lines, free_port, stop
 
 README = REPO / "README.md"
 CLI = [sys.executable, "-m", "gateway.cli.main"]
@@ -155,7 +155,8 @@ def test_an_unsupported_checkpoint_is_one_line_and_exit_2(tmp_path):
     res = subprocess.run([*CLI, "serve", "--home", str(tmp_path / "h"), "--port", str(free_port()), "--model",
                           str(ckpt)], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
-    assert res.stderr.count("\n") == 2 and "unsupported model_type 'gpt2'" in res.stderr  # home line + error
+    errors = error_lines(res.stderr)
+    assert len(errors) == 1 and "unsupported model_type 'gpt2'" in errors[0], res.stderr
     assert "Traceback" not in res.stderr
 
 

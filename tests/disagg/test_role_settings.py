@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.settings import GatewaySettings, RouteConfig
-from tests.serverutil import REPO
+from tests.serverutil import REPO, error_lines
 
 
 def test_role_without_node_token_exits_2_with_one_line(tmp_path):
@@ -18,7 +18,7 @@ def test_role_without_node_token_exits_2_with_one_line(tmp_path):
                         "--role", "decode"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
+    lines = error_lines(r.stderr)
     assert len(lines) == 1 and "role decode needs a local engine" in lines[0]
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.fleet.fleet_harness import AUTH_TTL_S, Fleet, ask, start_fleet
 from tests.fleetutil import PostgresServer, RedisServer, Unavailable
-from tests.serverutil import REPO, scrape
+from tests.serverutil import REPO, error_lines, scrape
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_an_unreachable_database_url_fails_serve_with_one_line_and_exit_2(tmp_pa
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
+    lines = error_lines(done.stderr)
     assert len(lines) == 1 and lines[0].startswith("prefixgate: error: cannot connect to PostgreSQL at "), lines
 
 

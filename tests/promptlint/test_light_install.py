@@ -36,7 +36,7 @@ def test_extras_add_the_rest_and_dev_pulls_everything():
     names = {k: {_name(r) for r in v} for k, v in extras.items()}
     assert {"torch", "triton", "transformers", "safetensors"} <= names["engine"]
     assert {"litellm", "fastapi", "uvicorn", "cryptography", "sqlite-utils"} <= names["gateway"]
-    assert extras["all"] == ["prefixgate[gateway,engine,bench,fleet]"]  # fleet: PostgreSQL + Redis clients
+    assert extras["all"] == ["prefixgate[gateway,engine,bench,fleet]"]
     assert "prefixgate[all]" in extras["dev"]
 
 
