@@ -34,6 +34,7 @@ from engine.protocol import (
     InvalidRequestError,
     ModelCard,
     RequestOutput,
+    TenantScope,
 )
 from engine.request import Request
 
@@ -125,6 +126,10 @@ class AsyncEngine:
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         return self.engine.tokenize(request)
+
+    def cache_usage(self, tenant: TenantScope) -> dict[str, int]:
+        bs = self.engine.block_size
+        return {tier: n * bs for tier, n in self.engine.cached_blocks(tenant.namespace).items()}
 
     def call_in_engine_thread(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the engine thread between two steps (KV imports and exports of the

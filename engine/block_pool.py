@@ -25,6 +25,7 @@ No torch here (import-linter contract ``engine-core-torch-free``).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
@@ -65,6 +66,7 @@ class BlockPool:
         enable_caching: bool = True,
         on_evict: Callable[[EvictedBlock], None] | None = None,
         observer: CacheObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
@@ -73,8 +75,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self._on_evict = on_evict
         self._observer = observer
+        self.clock = clock
         self.policy: EvictionPolicy = (
-            make_policy(eviction_policy, block_size) if isinstance(eviction_policy, str) else eviction_policy
+            make_policy(eviction_policy, block_size, clock) if isinstance(eviction_policy, str) else eviction_policy
         )
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.index = PrefixIndex(block_size)
@@ -83,6 +86,8 @@ class BlockPool:
             self._uncached.append(block)
         self._used_by_ns: Counter[bytes] = Counter()
         self._indexed_by_ns: Counter[bytes] = Counter()
+        # Retained blocks per namespace (block id -> deadline), to bound what one tenant may keep.
+        self._retained_by_ns: dict[bytes, dict[int, float]] = {}
         self.num_evictions = 0
 
     # ------------------------------------------------------------------ counts
@@ -155,6 +160,9 @@ class BlockPool:
             parent.num_children -= 1
             if parent.num_children == 0 and parent.ref_cnt == 0:
                 self.policy.leaf_exposed(parent)
+        if block.retain_until:
+            self._retained_by_ns.get(block.namespace, {}).pop(block.block_id, None)
+            block.retain_until = 0.0
         block.block_hash = None
         block.parent = None
         block.depth = -1
@@ -172,6 +180,39 @@ class BlockPool:
                 self._used_by_ns[namespace] += 1
             block.ref_cnt += 1
             block.uses += 1
+
+    def retain(self, block_ids: Sequence[int], until: float, limit: int) -> int:
+        """Keep the indexed blocks ``block_ids`` (one chain, head first) from eviction until ``until``
+        (``clock`` time) while other victims exist; returns how many are retained now.
+
+        Call while the caller still holds the blocks. A namespace retains at most ``limit`` blocks
+        at once (expired retentions do not count): past it, the chain's tail is not retained, so
+        one tenant's retention cannot push every other tenant's cache out of HBM."""
+        if not block_ids:
+            return 0
+        now = self.clock()
+        namespace = self.blocks[block_ids[0]].namespace
+        if namespace is None:
+            return 0
+        held = self._retained_by_ns.setdefault(namespace, {})
+        for block_id in [b for b, deadline in held.items() if deadline <= now]:
+            del held[block_id]
+        n = 0
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None or block.namespace != namespace:
+                break  # past the indexed prefix of the chain
+            if block_id not in held and len(held) >= limit:
+                break
+            block.retain_until = max(block.retain_until, until)
+            held[block_id] = block.retain_until
+            n += 1
+        return n
+
+    def retained_by(self, namespace: bytes) -> int:
+        """Blocks of ``namespace`` whose retention has not ended."""
+        now = self.clock()
+        return sum(1 for deadline in self._retained_by_ns.get(namespace, {}).values() if deadline > now)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block. Freed in reverse so that, among blocks released

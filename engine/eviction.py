@@ -18,13 +18,20 @@ Two policies (``EngineConfig.eviction_policy``):
   recomputing block ``d`` attends over ``d * block_size`` earlier tokens. So a shallow block used
   once goes before a deep block used often, while an old block is not kept forever.
 
+Retention (explicit cache control: a ``cache_control`` ttl, ``prompt_cache_retention``, a warm-up):
+a block whose ``retain_until`` lies in the future is passed over while any unretained leaf is
+evictable. Only when nothing else is left does a retained block go (the one whose retention ends
+first), so retention never makes an allocation fail; the tier hook then keeps its bytes in a lower
+tier (demoted, not dropped). The pool bounds how many blocks one tenant may retain.
+
 Policies are told of state changes by the pool; they never read scheduler or request state.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from engine.config import EvictionPolicyName
@@ -40,7 +47,7 @@ class Block:
 
     __slots__ = (
         "block_id", "ref_cnt", "block_hash", "namespace", "depth", "parent", "num_children",
-        "uses", "priority", "version", "prev_free", "next_free",
+        "uses", "priority", "version", "retain_until", "prev_free", "next_free",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -54,6 +61,7 @@ class Block:
         self.uses = 0  # requests that held this block while it was indexed
         self.priority = 0.0  # cost policy: H at the last release
         self.version = 0  # cost policy: bumps invalidate stale heap entries
+        self.retain_until = 0.0  # explicit cache control: not a victim before this (monotonic) time
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -150,8 +158,9 @@ class LRUPolicy:
 
     name = "lru"
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self._queue = FreeBlockQueue()
+        self._now = now
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -166,11 +175,18 @@ class LRUPolicy:
         pass  # it kept its place in the queue
 
     def pop_victim(self) -> Block | None:
+        now = self._now()
+        retained = None  # the first retained leaf: the victim only if no other leaf is left
         for block in self._queue:
             if block.num_children == 0:
+                if block.retain_until > now:
+                    retained = retained or block
+                    continue
                 self._queue.remove(block)
                 return block
-        return None
+        if retained is not None:
+            self._queue.remove(retained)
+        return retained
 
     def blocks(self) -> list[Block]:
         return self._queue.check()
@@ -189,11 +205,16 @@ class CostPolicy:
 
     name = "cost"
 
-    def __init__(self, block_size: int, attn_span_tokens: float = 4096.0) -> None:
+    def __init__(self, block_size: int, attn_span_tokens: float = 4096.0,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.attn_span_tokens = attn_span_tokens
         self.clock = 0.0
+        self._now = now
         self._heap: list[tuple[float, int, int, Block]] = []
+        # Retained leaves, ordered by when their retention ends (not by H): they rejoin the main
+        # heap once it has, and are taken from here, nearest deadline first, only as a last resort.
+        self._retained: list[tuple[float, int, int, Block]] = []
         self._count = 0
         self._seq = 0  # tie-break: earlier release first
 
@@ -214,14 +235,26 @@ class CostPolicy:
 
     def _heappush(self, block: Block) -> None:
         self._seq += 1
+        if block.retain_until > self._now():
+            heapq.heappush(self._retained, (block.retain_until, self._seq, block.version, block))
+            self._retained = self._compacted(self._retained)
+            return
         heapq.heappush(self._heap, (block.priority, self._seq, block.version, block))
-        if len(self._heap) > 4 * max(self._count, 64):
+        self._heap = self._compacted(self._heap)
+
+    def _compacted(self, heap: list[tuple[float, int, int, Block]]) -> list[tuple[float, int, int, Block]]:
+        if len(heap) > 4 * max(self._count, 64):
             # Entries go stale on every hit (discard) and are dropped only when popped, i.e. only
             # under eviction pressure; without it the heap would grow by one entry per release.
             # Rebuilding from the live entries is O(heap), amortised O(1) per push.
-            self._heap = [e for e in self._heap if e[2] == e[3].version and e[3].ref_cnt == 0
-                          and e[3].num_children == 0]
-            heapq.heapify(self._heap)
+            heap = [e for e in heap if self._live(e)]
+            heapq.heapify(heap)
+        return heap
+
+    @staticmethod
+    def _live(entry: tuple[float, int, int, Block]) -> bool:
+        block = entry[3]
+        return entry[2] == block.version and block.ref_cnt == 0 and block.num_children == 0
 
     def discard(self, block: Block) -> None:
         block.version += 1  # its heap entry, if any, is now stale
@@ -231,20 +264,30 @@ class CostPolicy:
         self._heappush(block)
 
     def pop_victim(self) -> Block | None:
-        while self._heap:
-            priority, _, version, block = heapq.heappop(self._heap)
-            if version != block.version or block.ref_cnt != 0 or block.num_children != 0:
-                continue  # stale: revived by a hit, or re-pushed since
-            block.version += 1
-            self._count -= 1
-            self.clock = max(self.clock, priority)
-            return block
+        now = self._now()
+        while self._retained and self._retained[0][0] <= now:  # retention over: an ordinary leaf again
+            entry = heapq.heappop(self._retained)
+            if self._live(entry):
+                self._seq += 1
+                heapq.heappush(self._heap, (entry[3].priority, self._seq, entry[3].version, entry[3]))
+        for heap in (self._heap, self._retained):
+            while heap:
+                entry = heapq.heappop(heap)
+                if not self._live(entry):
+                    continue  # stale: revived by a hit, or re-pushed since
+                block = entry[3]
+                block.version += 1
+                self._count -= 1
+                self.clock = max(self.clock, block.priority)
+                return block
         return None
 
 
-def make_policy(name: EvictionPolicyName, block_size: int) -> EvictionPolicy:
+def make_policy(name: EvictionPolicyName, block_size: int,
+                now: Callable[[], float] = time.monotonic) -> EvictionPolicy:
+    """``now``: the monotonic clock that retention deadlines are compared with (tests pass a fake one)."""
     if name == "lru":
-        return LRUPolicy()
+        return LRUPolicy(now)
     if name == "cost":
-        return CostPolicy(block_size)
+        return CostPolicy(block_size, now=now)
     raise ValueError(f"unknown eviction policy {name!r}: expected 'cost' or 'lru'")

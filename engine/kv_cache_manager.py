@@ -12,6 +12,8 @@ of the block pool, and the only one that talks to the lower tiers (``LowerTier``
     admit(req, match, n)         ──►  block table (matched + n new)  |  QueueReason
     grow(tenant, n)              ──►  n new blocks                   |  QueueReason
     commit(req id, table, ...)   ──►  index newly full blocks (may swap in a resident duplicate)
+    retain(tenant, table, n, spans) ► keep the indexed blocks inside explicit retention spans
+                                      (cache_control ttl, prompt_cache_retention) from eviction
     free(req id, table)          ──►  drop the request's references, in-flight marks, restore
 
 Admission arithmetic (per-tenant HBM quota, free blocks, evictable blocks a hit revives) lives in
@@ -25,6 +27,7 @@ Torch-free (import-linter contract ``engine-core-torch-free``); single-threaded 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -45,7 +48,7 @@ from engine.kv_types import (
     QueueReason,
 )
 from engine.prefix_index import max_cacheable_blocks
-from engine.protocol import TenantScope
+from engine.protocol import Retention, TenantScope
 
 _UNOBSERVED = nullcontext()
 # Longest a step with nothing else to run waits for a restore (instead of spinning empty steps,
@@ -67,6 +70,7 @@ class KVCacheManager:
     enable_caching: False = nothing is indexed or matched (every prompt is computed).
     lower: the tiers below HBM (None = evicted KV is dropped).
     observer: times the phases of cache work (None = untimed).
+    clock: the monotonic clock retention deadlines are kept in (tests pass a fake one).
     """
 
     def __init__(
@@ -78,11 +82,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         lower: LowerTier | None = None,
         observer: CacheObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lower = lower if enable_caching else None
         self._observer = observer
+        self._clock = clock
         self._pool = BlockPool(num_blocks, block_size, eviction_policy, enable_caching,
-                               on_evict=self._spill if self._lower is not None else None, observer=observer)
+                               on_evict=self._spill if self._lower is not None else None, observer=observer,
+                               clock=clock)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._tenants: dict[bytes, TenantScope] = {}  # who owns a namespace's blocks (for spills)
@@ -125,6 +132,17 @@ class KVCacheManager:
 
     def indexed_by(self, namespace: bytes) -> int:
         return self._pool.indexed_by(namespace)
+
+    def retained_by(self, namespace: bytes) -> int:
+        """HBM blocks of ``namespace`` whose explicit retention has not ended."""
+        return self._pool.retained_by(namespace)
+
+    def cached_blocks(self, namespace: bytes) -> dict[str, int]:
+        """Blocks cached for ``namespace`` per tier (``hbm`` plus any lower tier) and ``retained``.
+
+        Reads counters only; safe from another thread (a count may be one step old)."""
+        lower = self._lower.blocks_of(namespace) if self._lower is not None else {}
+        return {"hbm": self._pool.indexed_by(namespace), **lower, "retained": self._pool.retained_by(namespace)}
 
     def is_restoring(self, request_id: str) -> bool:
         return request_id in self._restoring
@@ -192,6 +210,25 @@ class KVCacheManager:
                 out.append(parent)
         self._unmark(request_id, len(hashes))
         return out
+
+    def retain(self, tenant: TenantScope, block_table: Sequence[int], num_indexed: int,
+               spans: Sequence[Retention]) -> int:
+        """Keep the indexed blocks inside each span (its first ``tokens // block_size`` blocks, at
+        most ``num_indexed``) from eviction for ``span.seconds`` while other victims exist. Call
+        before ``free``, while the request still holds ``block_table``. Returns the most blocks
+        one span retained.
+
+        A tenant retains at most its HBM block quota, or a quarter of the pool without one, so one
+        tenant's retention cannot push every other tenant's cache out of HBM."""
+        if not spans or not block_table:
+            return 0
+        now = self._clock()
+        limit = tenant.kv_block_quota or max(1, self._pool.num_blocks // 4)
+        kept = 0
+        for span in spans:
+            n = min(span.tokens // self.block_size, num_indexed, len(block_table))
+            kept = max(kept, self._pool.retain(block_table[:n], now + span.seconds, limit))
+        return kept
 
     def free(self, request_id: str, block_table: Sequence[int]) -> None:
         """The request finished, was aborted or preempted: drop its references, its in-flight

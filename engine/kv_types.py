@@ -132,7 +132,7 @@ class CacheObserver(Protocol):
 class LowerTier(Protocol):
     """The KV tiers below HBM, as the cache manager uses them; ``engine.tiers.TierHook`` implements it.
 
-    Contract (all calls come from the step-loop thread):
+    Contract (all calls but ``blocks_of`` come from the step-loop thread):
         - ``spill`` is called before ``block.block_id`` is reused: copy its bytes out now (the
           manager hands the block out right after); store them, encrypted with ``tenant.cipher``,
           under ``(namespace, block_hash)``, in batches at ``flush_spills``. It must not call back
@@ -147,6 +147,9 @@ class LowerTier(Protocol):
         - What the tiers keep of a tenant stays within its DRAM / NVMe block quotas
           (``TenantScope.kv_block_quota_dram`` / ``kv_block_quota_nvme``): over one, its own
           oldest blocks in that tier go first.
+        - ``blocks_of`` counts the blocks held for a namespace per tier (``{"dram": n, "nvme": m}``
+          for the enabled ones); called from any thread (a tenant's ``GET /v1/cache``), so it only
+          reads counters under the tiers' own locks.
     """
 
     def spill(self, tenant: TenantScope, block: EvictedBlock) -> None: ...
@@ -162,6 +165,8 @@ class LowerTier(Protocol):
     def finished_restores(self, timeout_s: float = 0.0) -> list[FinishedRestore]: ...
 
     def cancel_restore(self, request_id: str) -> None: ...
+
+    def blocks_of(self, namespace: bytes) -> dict[str, int]: ...
 
     def stats(self) -> dict[str, Any]: ...
 

@@ -104,6 +104,7 @@ class LLMEngine:
             enable_caching=config.enable_prefix_caching,
             lower=lower_tier,
             observer=self.cache_timer,
+            clock=clock,
         )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, clock)
         spec_len = int(runner.spec.max_model_len)
@@ -180,6 +181,7 @@ class LLMEngine:
             block_size=self.block_size,
             eos_token_ids=self.eos_token_ids,
             arrival_time=self.clock(),
+            retention=tuple(request.retention),
         )
         self.cache_timer.add(CachePhase.HASH, time.thread_time() - t0)
         ctx = ids[-_DETOK_CONTEXT:]
@@ -477,6 +479,12 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.scheduler.block_tables())
+
+    def cached_blocks(self, namespace: bytes) -> dict[str, int]:
+        """Blocks cached for ``namespace`` per tier (``hbm`` plus any lower tier) and how many are retained.
+
+        Reads counters only; safe from another thread (a count may be one step old)."""
+        return self.cache.cached_blocks(namespace)
 
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (what ``AsyncEngine.stats`` returns)."""

@@ -160,6 +160,22 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Retention:
+    """Keep the prompt's first ``tokens`` tokens cached for ``seconds`` (explicit cache control).
+
+    The full blocks inside that prefix are not evicted from the tiers while the deadline holds:
+    under HBM pressure they are demoted to a lower tier rather than dropped (within the tenant's
+    quotas). From Anthropic ``cache_control`` ttl, OpenAI ``prompt_cache_retention``, or a warm-up."""
+
+    tokens: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or not self.seconds > 0:
+            raise ValueError(f"retention needs tokens >= 0 and seconds > 0, got {self.tokens}, {self.seconds}")
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One generation. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids`` is set.
 
@@ -176,6 +192,7 @@ class GenerateRequest:
     prompt: str | None = None
     prompt_token_ids: Sequence[int] | None = None
     model: str | None = None
+    retention: tuple[Retention, ...] = ()  # explicit cache control; () = the default eviction policy
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.messages, self.prompt, self.prompt_token_ids))
@@ -293,3 +310,14 @@ class EngineClient(Protocol):
         tokenizer in this process (remote node, upstream provider) raises ``NotImplementedError``.
         """
         ...
+
+
+@runtime_checkable
+class CacheInspector(Protocol):
+    """An engine that can say what it holds for one tenant (the in-process engine does).
+
+    ``cache_usage`` returns prompt tokens cached per tier (``"hbm"``, and ``"dram"``/``"nvme"``
+    where enabled) and ``"retained"``: tokens of HBM blocks under explicit retention. Cheap; never raises.
+    """
+
+    def cache_usage(self, tenant: TenantScope) -> dict[str, int]: ...

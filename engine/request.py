@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from engine.kv_types import BlockHash, QueueReason
 from engine.prefix_index import extend_block_hashes
-from engine.protocol import FinishReason, SamplingParams, TenantScope
+from engine.protocol import FinishReason, Retention, SamplingParams, TenantScope
 
 if TYPE_CHECKING:
     from engine.protocol import TokenLogprob
@@ -58,6 +58,7 @@ class Request:
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    retention: tuple[Retention, ...] = ()  # prompt prefixes to keep cached (GenerateRequest.retention)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

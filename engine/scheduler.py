@@ -116,6 +116,9 @@ class Scheduler:
         self._free_blocks(request)
 
     def _free_blocks(self, request: Request) -> None:
+        if request.retention:  # explicit cache control: mark the spans before letting go
+            self.cache.retain(request.tenant, request.block_table, request.num_registered_blocks,
+                              request.retention)
         self.cache.free(request.request_id, request.block_table)
         request.block_table = []
         request.num_registered_blocks = 0

@@ -23,14 +23,26 @@ from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.protocol import EngineClient
+from gateway.anthropic_api import error_body as anthropic_error_body
 from gateway.deps import bearer_key
 from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy
-from gateway.errors import OpenAIError, install_error_handlers
+from gateway.errors import OpenAIError, install_error_handlers, render
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
-from gateway.routes import completions, dashboard, disagg, internal, models, ops, usage
+from gateway.routes import (
+    cache,
+    completions,
+    dashboard,
+    disagg,
+    internal,
+    messages,
+    models,
+    ops,
+    responses,
+    usage,
+)
 from gateway.routes.ops import FleetCollector
 from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.settings import GatewaySettings
@@ -41,7 +53,8 @@ from gateway.upstream import DirectOpenAIClient, ProviderClient
 log = logging.getLogger("prefixgate.gateway")
 
 # Routes whose refused bodies count against the rate limit (the ones that do the costly work).
-_CHARGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Bodies refused by the schema here still take a rate-limit place (the doors run as chat requests).
+_CHARGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
 
 class BodySizeLimit:
@@ -227,18 +240,21 @@ def create_app(
         and gets its ledger row and outcome count like any refused request (issue 21)."""
         tenancy_now = app.state.tenancy
         key = bearer_key(request.headers.get("authorization"))
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's SDK sends x-api-key
+            key = (request.headers.get("x-api-key") or "").strip() or key
         if tenancy_now is not None and key is not None and request.url.path in _CHARGED_PATHS:
             with contextlib.suppress(TenancyError):  # unknown key, or already over its limit
                 tenancy_now.admit(tenancy_now.authenticate(key), estimated_tokens=0)
         completions.record_invalid_body(request, error)
 
     install_error_handlers(app, on_invalid_body=_on_invalid_body)
+    app.state.error_shapes = {"/v1/messages": anthropic_error_body}  # Anthropic's SDK reads its own shape
 
     @app.exception_handler(TenancyError)
-    async def _tenancy(_: Any, exc: TenancyError) -> Any:
-        return tenancy_error(exc).response()
+    async def _tenancy(request: Any, exc: TenancyError) -> Any:
+        return render(request, tenancy_error(exc))
 
-    for module in (completions, models, usage, ops, dashboard, internal, disagg):
+    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, internal, disagg):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

@@ -118,6 +118,18 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 RejectedHook = Callable[[Request, OpenAIError], None]
+# A front door whose clients expect another error shape (Anthropic's on /v1/messages): the body for an error.
+ErrorShape = Callable[[OpenAIError], dict[str, Any]]
+
+
+def render(request: Request, error: OpenAIError) -> JSONResponse:
+    """``error`` as the response the caller's API expects: the OpenAI envelope unless the path
+    belongs to a door registered in ``app.state.error_shapes`` (path prefix -> body)."""
+    shapes: dict[str, ErrorShape] = getattr(request.app.state, "error_shapes", {})
+    for prefix, shape in shapes.items():
+        if request.url.path.startswith(prefix):
+            return JSONResponse(shape(error), status_code=error.status, headers=error.headers)
+    return error.response()
 
 
 def install_error_handlers(app: FastAPI, on_invalid_body: RejectedHook | None = None) -> None:
@@ -129,8 +141,8 @@ def install_error_handlers(app: FastAPI, on_invalid_body: RejectedHook | None = 
     """
 
     @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        return render(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -140,21 +152,22 @@ def install_error_handlers(app: FastAPI, on_invalid_body: RejectedHook | None = 
                 on_invalid_body(request, error)
             except Exception:  # noqa: BLE001 - counting must never change the client's answer
                 log.exception("could not record a refused request")
-        return error.response()
+        return render(request, error)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"Unknown URL. {message}" if message != "Not Found" else "Unknown URL."
-        return OpenAIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})).response()
+        return render(request, OpenAIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
 
     @app.exception_handler(EngineError)
-    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
-        return from_engine_error(exc).response()
+    async def _engine(request: Request, exc: EngineError) -> JSONResponse:
+        return render(request, from_engine_error(exc))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return OpenAIError(500, "The server had an error while processing your request.", code="internal_error").response()
+        return render(request, OpenAIError(500, "The server had an error while processing your request.",
+                                           code="internal_error"))

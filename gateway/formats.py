@@ -21,10 +21,12 @@ increments), and a choice that called a tool and stopped ends with ``finish_reas
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from typing import Any
+from typing import Any, Protocol
 
 from engine.protocol import RequestOutput, TokenLogprob
+from gateway.errors import OpenAIError
 from gateway.pipeline import Prepared
 from gateway.tool_calls import ParsedDelta, ToolCallParser, merge_tool_deltas
 
@@ -98,7 +100,9 @@ class ChoiceText:
         self.logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         self.finish: dict[int, str | None] = {}
 
-    def add(self, i: int, out: RequestOutput) -> None:
+    def add(self, i: int, out: RequestOutput) -> ParsedDelta:
+        """Take one increment; returns what it added (content outside tool-call tags, call deltas),
+        which a door's own stream format sends on."""
         state = self._states.setdefault(i, _ChoiceState(self._parse))
         delta = state.split(out)
         if delta.content:
@@ -107,9 +111,34 @@ class ChoiceText:
         self.logprobs[i] += out.logprobs
         if out.finished:
             self.finish[i] = state.finish_reason(out)
+        return delta
 
     def tool_calls(self, i: int) -> list[dict[str, Any]]:
         return merge_tool_deltas(self.tool_deltas[i]) if self.tool_deltas.get(i) else []
+
+
+def sse(obj: Any, event: str | None = None) -> bytes:
+    """One server-sent event: ``data:`` JSON, with an ``event:`` line where the API names its events."""
+    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
+
+
+class WireFormat(Protocol):
+    """How one API shapes a response: the whole body, and the stream as SSE frames.
+
+    ``chunks`` turns one engine increment into zero or more events; ``frame`` encodes one;
+    ``tail`` gives the frames after the last increment (usage, terminator) and ``error_frames``
+    the in-band error once the status line has gone out."""
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]: ...
+
+    def frame(self, chunk: dict[str, Any]) -> bytes: ...
+
+    def tail(self, usage: dict[str, Any]) -> list[bytes]: ...
+
+    def error_frames(self, error: OpenAIError) -> list[bytes]: ...
+
+    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class _Format:
@@ -119,6 +148,16 @@ class _Format:
 
     def __init__(self, prep: Prepared) -> None:
         self.prep = prep
+
+    def frame(self, chunk: dict[str, Any]) -> bytes:
+        return sse(chunk)
+
+    def tail(self, usage: dict[str, Any]) -> list[bytes]:
+        frames = [sse(self.usage_chunk(usage))] if self.prep.include_usage else []
+        return [*frames, b"data: [DONE]\n\n"]
+
+    def error_frames(self, error: OpenAIError) -> list[bytes]:
+        return [sse(error.body()), b"data: [DONE]\n\n"]
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
 
@@ -29,6 +29,7 @@ from engine.protocol import (
     GenerateRequest,
     GuidedSpec,
     RequestOutput,
+    Retention,
     SamplingParams,
 )
 from gateway.errors import OpenAIError, invalid_request
@@ -371,6 +372,11 @@ async def prepare(
                                                 tenant_name=scoped.name, **inp))
             else:
                 requests.append(GenerateRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model, **inp))
+
+    keep_s = getattr(scoped, "cache_retention_s", None)  # the tenant's explicit cache control (#24.3)
+    if keep_s and backend.kind == "local":
+        requests = [replace(r, retention=(Retention(len(r.prompt_token_ids or ()), keep_s),))
+                    for r in requests]
 
     miss = None
     if tracker is not None and kind == "chat":

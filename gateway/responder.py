@@ -8,7 +8,6 @@ status ok / error / aborted (``Accounting.record``).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -17,13 +16,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.protocol import EngineError
-from gateway.formats import ChatFormat, ChoiceText, CompletionFormat
+from gateway.formats import ChatFormat, ChoiceText, CompletionFormat, WireFormat
 from gateway.pipeline import Accounting, Prepared, engine_failure, run_choices
 from gateway.routing import Router
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 class OutputError(EngineError):
@@ -39,8 +34,12 @@ def _check(out: Any) -> None:
         raise exc
 
 
-async def respond(prep: Prepared, router: Router, acct: Accounting, request: Request) -> Any:
-    fmt = ChatFormat(prep) if prep.kind == "chat" else CompletionFormat(prep)
+async def respond(prep: Prepared, router: Router, acct: Accounting, request: Request,
+                  fmt: WireFormat | None = None) -> Any:
+    """``fmt`` shapes the body (default: the chat or completions format of ``prep.kind``); the
+    Responses and Messages doors pass their own."""
+    if fmt is None:
+        fmt = ChatFormat(prep) if prep.kind == "chat" else CompletionFormat(prep)
     if prep.stream:
         return await _stream_response(prep, router, acct, fmt, request)
     return await _whole(prep, router, acct, fmt, request)
@@ -109,20 +108,20 @@ async def _stream(prep: Prepared, acct: Accounting, fmt: Any, outputs: AsyncIter
             if first is not None:
                 acct.observe(*first)
                 for chunk in fmt.chunks(*first):
-                    yield _sse(chunk)
+                    yield fmt.frame(chunk)
             async for i, out in outputs:
                 _check(out)
                 acct.observe(i, out)
                 for chunk in fmt.chunks(i, out):
-                    yield _sse(chunk)
-        if prep.include_usage:
-            yield _sse(fmt.usage_chunk(acct.usage_dict()))
+                    yield fmt.frame(chunk)
+        tail = fmt.tail(acct.usage_dict())
         status = "ok"
-        yield b"data: [DONE]\n\n"
+        for frame in tail:
+            yield frame
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, as OpenAI does
         status = "error"
-        yield _sse(engine_failure(exc).body())
-        yield b"data: [DONE]\n\n"
+        for frame in fmt.error_frames(engine_failure(exc)):
+            yield frame
     finally:
         acct.record(status)
 

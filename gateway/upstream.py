@@ -27,9 +27,11 @@ from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutp
 
 @dataclass(frozen=True)
 class ProviderOutput(RequestOutput):
-    """A ``RequestOutput`` that may also carry streamed tool-call deltas (OpenAI chunk shape)."""
+    """A ``RequestOutput`` that may also carry streamed tool-call deltas (OpenAI chunk shape) and
+    the prompt tokens the provider wrote to its cache (Anthropic's cache_creation_input_tokens)."""
 
     tool_call_deltas: tuple[dict[str, Any], ...] = ()
+    cache_creation_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ def _whole_output(rid: str, resp: Any, *, chat: bool, start: float) -> ProviderO
     return ProviderOutput(
         rid, (), text or "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
         finish_reason=_finish(_get(choice, "finish_reason")), ttft_s=time.perf_counter() - start,
-        tool_call_deltas=calls,
+        tool_call_deltas=calls, cache_creation_tokens=u.cache_creation_tokens,
     )
 
 
@@ -317,7 +319,7 @@ async def _chunk_outputs(rid: str, chunks: AsyncIterator[Any], start: float) -> 
                                      tool_call_deltas=tuple(_as_dict(t) for t in tools))
     u = normalize_usage(usage) if usage is not None else NormalizedUsage(0, 0, seen)
     yield ProviderOutput(rid, (), "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens or seen,
-                         finish_reason=_finish(finish), ttft_s=ttft)
+                         finish_reason=_finish(finish), ttft_s=ttft, cache_creation_tokens=u.cache_creation_tokens)
 
 
 async def _sse_chunks(resp: Any) -> AsyncIterator[dict[str, Any]]:

@@ -21,6 +21,7 @@ from typing import Any
 import pathspec
 import yaml
 
+from promptlint.cache_control import marked_positions
 from promptlint.model import DynClass, Element, Finding, PromptDoc
 from promptlint.parse import LineIndex, split_text
 
@@ -309,20 +310,20 @@ def _locate(raw: str, text: str, cursor: int, ext: str) -> tuple[int, int]:
     return raw.count("\n", 0, pos) + 1, pos
 
 
-def _text_blocks(content: Any, where: str) -> list[tuple[str, bool]]:
-    """(text, has cache_control) blocks of a message content / system value."""
+def _text_blocks(content: Any, where: str) -> list[tuple[str, int | None]]:
+    """(text, block index) of a message content / system value; the index is None for plain-string
+    content (the key ``promptlint.cache_control`` gives a mark on it)."""
     if content is None:
         return []
     if isinstance(content, str):
-        return [(content, False)]
+        return [(content, None)]
     if isinstance(content, list):
-        out = []
+        out: list[tuple[str, int | None]] = []
         for i, part in enumerate(content):
             if isinstance(part, str):
-                out.append((part, False))
+                out.append((part, i))
             elif isinstance(part, dict):
-                text = part.get("text") if isinstance(part.get("text"), str) else ""
-                out.append((text, "cache_control" in part))
+                out.append((part.get("text") if isinstance(part.get("text"), str) else "", i))
             else:
                 raise _Invalid(f"{where}[{i}] must be a string or an object")
         return out
@@ -341,6 +342,7 @@ def _request_doc(path: Path, shown: str, raw: str, body: dict[str, Any], ext: st
     if tools is not None and not isinstance(tools, list):
         raise _Invalid("'tools' must be a list")
     classes, _ = _var_classes(meta)
+    marks = marked_positions(body)  # the gateway's own parser: the same breakpoints, found the same way
     elements: list[Element] = []
     cursor = 0
     # The provider renders tools (and a response schema) ahead of the system prompt.
@@ -349,15 +351,13 @@ def _request_doc(path: Path, shown: str, raw: str, body: dict[str, Any], ext: st
         pos = raw.find(key)
         line = raw.count("\n", 0, pos) + 1 if pos >= 0 else 1
         elements.append(Element(json.dumps(tools, ensure_ascii=False), "tools", line, 1, is_tools=True,
-                                name="tools", breakpoint=any(isinstance(t, dict) and "cache_control" in t for t in tools)))
+                                name="tools", breakpoint=any(("tools", None, k) in marks for k in range(len(tools)))))
     blocks: list[tuple[str, str, str, bool]] = []  # (role, text, where, cache_control)
-    for text, cc in _text_blocks(body.get("system"), "system"):
-        blocks.append(("system", text, "system", cc))
+    for text, j in _text_blocks(body.get("system"), "system"):
+        blocks.append(("system", text, "system", j is not None and ("system", None, j) in marks))
     for i, m in enumerate(messages):
-        parts = _text_blocks(m.get("content"), f"messages[{i}].content")
-        for j, (text, cc) in enumerate(parts):
-            last_part = j == len(parts) - 1
-            blocks.append((m["role"], text, f"messages[{i}]", cc or (last_part and "cache_control" in m)))
+        for text, j in _text_blocks(m.get("content"), f"messages[{i}].content"):
+            blocks.append((m["role"], text, f"messages[{i}]", ("messages", i, j) in marks))
     lines = []
     for _, text, _, _ in blocks:
         line, cursor = _locate(raw, text, cursor, ext)

@@ -18,6 +18,12 @@ Tables (v1)::
 
 v3 adds ``usage_quarantine`` (rows the ledger writer could not store, with the reason and the row as
 ASCII JSON) and the tenant setting ``store_miss_context``.
+
+v4 adds ``responses`` (id PK, tenant_id -> tenants ON DELETE CASCADE, created_at, body: the stored
+Responses-API response, JSON sealed with the tenant's data key) and the tenant setting
+``cache_retention_s``.
+
+``tenancy.pg_store`` keeps the same numbered migrations for PostgreSQL.
 """
 
 from __future__ import annotations
@@ -120,7 +126,21 @@ def _v3(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE tenants ADD COLUMN store_miss_context INTEGER NOT NULL DEFAULT 0")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]
+def _v4(db: sqlite_utils.Database) -> None:
+    """Stored Responses-API responses (``previous_response_id``): one tenant's, deleted with it; and
+    the tenant setting ``cache_retention_s``."""
+    db.execute("""CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        body BLOB NOT NULL
+    )""")
+    db.execute("CREATE INDEX responses_tenant ON responses(tenant_id)")
+    # Explicit cache control as a tenant setting: every prompt's prefix is retained this many seconds.
+    db.execute("ALTER TABLE tenants ADD COLUMN cache_retention_s REAL")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

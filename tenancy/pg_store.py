@@ -97,7 +97,17 @@ _V3 = [
     )""",
     "ALTER TABLE tenants ADD COLUMN store_miss_context INTEGER NOT NULL DEFAULT 0",
 ]
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3]
+_V4 = [  # stored Responses-API responses (sealed with the tenant's data key); cache_retention_s
+    """CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        created_at DOUBLE PRECISION NOT NULL,
+        body BYTEA NOT NULL
+    )""",
+    "CREATE INDEX responses_tenant ON responses(tenant_id)",
+    "ALTER TABLE tenants ADD COLUMN cache_retention_s DOUBLE PRECISION",
+]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

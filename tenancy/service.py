@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tenancy import keys as keymod
-from tenancy import store
+from tenancy import responses, store
 from tenancy.crypto import (
     KeyEncryptionKey,
     TenantCipher,
@@ -443,6 +443,7 @@ class TenancyService:
             kv_block_quota_nvme=t.quotas.kv_blocks_nvme,
             ttft_target_s=t.ttft_target_s,
             quotas=t.quotas,
+            cache_retention_s=t.cache_retention_s,
         )
 
     def scope_for(self, ctx: TenantContext, user: str | None = None) -> TenantContext:
@@ -580,6 +581,26 @@ class TenancyService:
         with self._lock:
             return report.build_report(self._db, tenant_ids=tenant_ids, since=since, until=until)
 
+    # -- stored responses (the Responses API) -------------------------------------------------
+
+    def save_response(self, ctx: TenantContext, response_id: str, body: dict[str, Any]) -> None:
+        """Keep ``body`` (the response and the conversation behind it) for ``ctx``'s tenant."""
+        with self._lock:
+            responses.save(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id, body)
+
+    def load_response(self, ctx: TenantContext, response_id: str) -> dict[str, Any] | None:
+        """The stored body, or None when this tenant has no response with that id (another tenant's included)."""
+        with self._lock:
+            return responses.load(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id)
+
+    def _response_cipher(self, ctx: TenantContext) -> TenantCipher:
+        """The tenant's own data key (not a share group's): its stored responses die with it."""
+        return self._cipher(f"tenant:{ctx.tenant_id}")
+
+    def delete_response(self, ctx: TenantContext, response_id: str) -> bool:
+        with self._lock:
+            return responses.delete(self._db, ctx.tenant_id, response_id)
+
     # -- administration ------------------------------------------------------------------------
 
     def create_tenant(self, name: str, *, admin: bool = False, **settings: Any) -> CreatedTenant:
@@ -587,8 +608,8 @@ class TenancyService:
 
         ``settings``: share_scope ("tenant" | "user" | "group:NAME"), canon_mode ("off" | "safe" |
         "reorder"), per_user_vars, priority, ttft_target_s, rpm, tpm, budget_usd, budget_period,
-        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme, store_miss_context (keep prompt text
-        and clear family names of cache-miss explanations in the ledger; default False).
+        kv_blocks (= kv_blocks_hbm), kv_blocks_dram, kv_blocks_nvme, cache_retention_s, store_miss_context
+        (keep prompt text and clear family names of cache-miss explanations in the ledger; default False).
         """
         key_id, api_key = keymod.new_api_key()
         with self._lock, self._db.transaction():

@@ -27,6 +27,7 @@ VAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 SETTINGS: tuple[str, ...] = (
     "share_scope", "canon_mode", "per_user_vars", "priority", "ttft_target_s",
     "rpm", "tpm", "budget_usd", "budget_period", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme",
+    "cache_retention_s",
     "store_miss_context",
 )
 _POSITIVE_INT_OR_NONE = ("rpm", "tpm", "kv_blocks_hbm", "kv_blocks_dram", "kv_blocks_nvme")
@@ -81,7 +82,7 @@ def validate_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
                                       or not 1 <= value <= _INT_MAX):
                 raise InvalidSettingError(f"{key} must be a positive integer up to {_INT_MAX} (or unset), "
                                           f"got {value!r}")
-        elif key in ("budget_usd", "ttft_target_s") and value is not None:
+        elif key in ("budget_usd", "ttft_target_s", "cache_retention_s") and value is not None:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise InvalidSettingError(f"{key} must be a positive number (or unset), got {value!r}")
             value = float(value)
@@ -105,6 +106,7 @@ def tenant_from_row(row: Mapping[str, Any]) -> TenantInfo:
             kv_blocks_nvme=row["kv_blocks_nvme"],
         ),
         created_at=row["created_at"],
+        cache_retention_s=row["cache_retention_s"],
         store_miss_context=bool(row["store_miss_context"]),
     )
 

@@ -66,6 +66,7 @@ class TenantContext:
     kv_block_quota_nvme: int | None = None
     # -- quota numbers (admission happens in TenancyService.admit) --
     quotas: Quotas = field(default_factory=Quotas)
+    cache_retention_s: float | None = None  # the tenant's default retention of its prompts' prefixes
     user: str | None = None  # the end user this context was scoped to, if any
 
     @property
@@ -193,6 +194,7 @@ class TenantInfo:
     ttft_target_s: float | None
     quotas: Quotas
     created_at: float
+    cache_retention_s: float | None = None  # keep every prompt's prefix this long (explicit cache control)
     # Keep the prompt text around a cache break (``miss_context``) and end-user family names in clear
     # in the ledger. Off by default: the ledger then holds no prompt text (see SECURITY.md).
     store_miss_context: bool = False

@@ -18,7 +18,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 INSTALL_HINT = "apt-get install -y postgresql redis-server"
 
@@ -158,11 +160,11 @@ class RedisServer:
 
 # -- helpers for tests that run on either store ----------------------------------------------------
 
-def read_rows(svc: object, sql: str) -> list[dict]:
+def read_rows(svc: object, sql: str, params: Sequence[Any] = ()) -> list[dict]:
     """Rows of ``sql`` read through a TenancyService's own store (SQLite or PostgreSQL), on a new connection."""
     db = svc.database.connect()  # type: ignore[attr-defined]
     try:
-        return db.query(sql)
+        return db.query(sql, params)
     finally:
         db.close()
 

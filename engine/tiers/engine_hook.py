@@ -137,6 +137,9 @@ class TierHook:
             self.runner.import_blocks(block_ids[:n], data)
         return n
 
+    def blocks_of(self, namespace: bytes) -> dict[str, int]:
+        return self.manager.blocks_of(namespace)
+
     def stats(self) -> dict[str, Any]:
         return self.manager.stats()
 

@@ -28,6 +28,11 @@ class IndexedTierQueries:
         with self._lock:
             return self._index.of_namespace(namespace)
 
+    def blocks_of(self, namespace: bytes) -> int:
+        """KV blocks this tier holds for ``namespace`` (a tenant's "what do I have cached")."""
+        with self._lock:
+            return sum(len(self._index.segments[sid].hashes) for sid in self._index.of_namespace(namespace))
+
     @property
     def used_bytes(self) -> int:
         return self._index.used_bytes

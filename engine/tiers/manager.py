@@ -204,6 +204,10 @@ class TierManager:
     def tiers(self) -> list[DramTier | NvmeTier]:
         return [t for t in (self.dram, self.nvme) if t is not None]
 
+    def blocks_of(self, namespace: bytes) -> dict[str, int]:
+        """Blocks held for ``namespace``, per lower tier (``{"dram": n, "nvme": m}`` for the enabled ones)."""
+        return {t.name: t.blocks_of(namespace) for t in self.tiers}
+
     @property
     def enabled(self) -> bool:
         return bool(self.tiers)

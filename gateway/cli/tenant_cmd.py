@@ -64,6 +64,23 @@ def _limit(value: str) -> int | None:
     return n
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(value: str) -> float | str:
+    """``5m``, ``1h``, ``24h``, plain seconds, or ``none`` (kept as the string, to clear the setting)."""
+    if value.lower() in ("none", "off"):
+        return "none"
+    unit = _DURATION_UNITS.get(value[-1:].lower())
+    try:
+        x = float(value[:-1]) * unit if unit else float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a duration like 5m, 1h, 24h or seconds, got {value!r}") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive duration, got {value!r}")
+    return x
+
+
 def _money(value: str) -> float | None:
     if value.lower() in ("none", "unlimited", "off"):
         return None
@@ -85,6 +102,8 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
                    help="template variable that differs per end user (repeatable)")
     p.add_argument("--priority", type=int, help="scheduling priority in [-100, 100] (default 0)")
     p.add_argument("--ttft-target", type=float, metavar="SECONDS", help="time-to-first-token target")
+    p.add_argument("--cache-retention", type=_duration, metavar="5m|1h|24h|SECONDS",
+                   help="keep every prompt's cached prefix this long (explicit cache control; 'none' clears it)")
     p.add_argument("--store-miss-context", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the prompt text around each cache break and clear prompt-family names "
                         "(end-user ids) in the ledger (default off: no prompt text, families keyed)")
@@ -96,7 +115,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "priority": args.priority, "ttft_target_s": args.ttft_target,
         "store_miss_context": args.store_miss_context,
     }
-    return {k: v for k, v in pairs.items() if v is not None}
+    settings = {k: v for k, v in pairs.items() if v is not None}
+    retention = getattr(args, "cache_retention", None)
+    if retention is not None:
+        settings["cache_retention_s"] = None if retention == "none" else retention
+    return settings
 
 
 def _show_text(t: TenantInfo) -> str:
@@ -109,6 +132,7 @@ def _show_text(t: TenantInfo) -> str:
         f"canon mode  {t.canon_mode}",
         f"user vars   {', '.join(t.per_user_vars) or '-'}",
         f"priority    {t.priority}   TTFT target {t.ttft_target_s if t.ttft_target_s is not None else '-'}",
+        f"retention   {f'{t.cache_retention_s:g} s' if t.cache_retention_s else '-'}",
         f"miss text   {'kept (--store-miss-context)' if t.store_miss_context else 'not stored'}",
         f"quotas      rpm={q.rpm or '-'} tpm={q.tpm or '-'} budget="
         f"{budget} "
@@ -156,7 +180,7 @@ def cmd_tenant_set(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if not settings:
         raise CLIError("nothing to change: give at least one of --share-scope, --canon, --per-user-var, "
-                       "--priority, --ttft-target, --store-miss-context")
+                       "--priority, --ttft-target, --cache-retention, --store-miss-context")
     with open_service(args) as svc:
         t = svc.update_tenant(args.name, **settings)
     _emit(args, _tenant_dict(t), _show_text(t))

@@ -19,7 +19,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 router = APIRouter(prefix="/v1", tags=["completions"])
 
 
-def _record_rejected(tenancy: Any, ctx: Any, model: str, kind: str, err: OpenAIError, metrics: GatewayMetrics,
+def record_rejected(tenancy: Any, ctx: Any, model: str, kind: str, err: OpenAIError, metrics: GatewayMetrics,
                      live: LiveStats) -> None:
     """A request refused after authentication still gets its one ledger row (status error), and is
     counted by outcome (4xx, 429 by kind) in ``/metrics`` and on the dashboard like any other."""
@@ -34,7 +34,9 @@ def _record_rejected(tenancy: Any, ctx: Any, model: str, kind: str, err: OpenAIE
     ))
 
 
-_KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# The Responses and Messages doors run as chat requests (gateway.door).
+_KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat",
+                 "/v1/messages": "chat"}
 
 
 def record_invalid_body(request: Request, err: OpenAIError) -> None:
@@ -48,7 +50,7 @@ def record_invalid_body(request: Request, err: OpenAIError) -> None:
     tenancy = state.tenancy
     if tenancy is None:
         return
-    _record_rejected(tenancy, ctx, "unknown", kind, err, state.metrics, state.live_stats)
+    record_rejected(tenancy, ctx, "unknown", kind, err, state.metrics, state.live_stats)
 
 
 async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any, router_: Any, engine: Any,
@@ -58,10 +60,10 @@ async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any
                              threads=request.app.state.tenant_threads,
                              tracker=getattr(request.app.state, "miss_tracker", None))
     except OpenAIError as err:  # a refusal: its one row, and counted by outcome
-        _record_rejected(tenancy, ctx, body.model, kind, err, metrics, live)
+        record_rejected(tenancy, ctx, body.model, kind, err, metrics, live)
         raise
     except Exception:  # a bug: the request still gets its one row (a 500)
-        _record_rejected(tenancy, ctx, body.model, kind, OpenAIError(500, "internal error"), metrics, live)
+        record_rejected(tenancy, ctx, body.model, kind, OpenAIError(500, "internal error"), metrics, live)
         raise
     return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request)
 

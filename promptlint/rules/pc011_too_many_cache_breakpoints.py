@@ -17,13 +17,13 @@ Fix:
 """
 
 from promptlint.analysis import finding
+from promptlint.cache_control import MAX_BREAKPOINTS
 
 CODE = "PC011"
 NAME = "too-many-cache-breakpoints"
 SEVERITY = "error"
 SUMMARY = "more than four cache_control breakpoints"
 FIXABLE = False
-MAX_BREAKPOINTS = 4
 
 
 def check(doc, ctx):

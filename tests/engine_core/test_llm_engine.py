@@ -241,6 +241,9 @@ class RecordingLowerTier:
     def cancel_restore(self, request_id) -> None:
         raise AssertionError("no restore was started")
 
+    def blocks_of(self, namespace) -> dict:
+        return {}
+
     def stats(self) -> dict:
         return {"spilled": len(self.spilled)}
 

@@ -48,6 +48,15 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def assert_anthropic_error(body: Any, status: int) -> dict[str, Any]:
+    """Anthropic's error shape (``/v1/messages``): {"type": "error", "error": {"type": str, "message": str}}."""
+    assert isinstance(body, dict) and body.get("type") == "error", f"HTTP {status}: not Anthropic's shape: {body!r}"
+    err = body.get("error")
+    assert isinstance(err, dict) and isinstance(err.get("type"), str) and err["type"], body
+    assert isinstance(err.get("message"), str) and err["message"], body
+    return err
+
+
 def assert_openai_error(body: Any, status: int) -> dict[str, Any]:
     """The OpenAI error envelope: {"error": {"message": str, "type": str, "param", "code"}}."""
     assert isinstance(body, dict) and set(body) == {"error"}, f"HTTP {status}: not the OpenAI shape: {body!r}"

@@ -1,6 +1,7 @@
 """Schemathesis against the gateway's own OpenAPI schema: every route, with and without a valid key.
 
-Property: no input makes the server answer 5xx, and every 4xx body is the OpenAI error envelope.
+Property: no input makes the server answer 5xx, and every 4xx body is the error shape its API's
+clients expect: the OpenAI envelope, or Anthropic's on ``/v1/messages``.
 Bounded (``MAX_EXAMPLES`` per route and auth mode) so it runs in well under a minute on 2 cores;
 ``PG_FUZZ_EXAMPLES`` raises it for a longer run.
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from urllib.parse import urlsplit
 
 import pytest
 from hypothesis import HealthCheck, settings
-from security_helpers import assert_openai_error, auth
+from security_helpers import assert_anthropic_error, assert_openai_error, auth
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -32,7 +34,8 @@ def _check(response) -> None:
     status = response.status_code
     assert status < 500, f"{status}: {response.text[:500]}"
     if status >= 400:
-        assert_openai_error(response.json(), status)
+        anthropic_door = urlsplit(str(response.request.url)).path.startswith("/v1/messages")
+        (assert_anthropic_error if anthropic_door else assert_openai_error)(response.json(), status)
 
 
 def _cap(case, model: str | None) -> None:

@@ -1,0 +1,89 @@
+"""What the non-chat front doors (``/v1/responses``, ``/v1/messages``) share: entering the chat pipeline.
+
+A door translates its body to a chat completions body, validates it as one (``chat_request``),
+and prepares it through ``pipeline.prepare`` (``prepare_door``): the same admission, size limits,
+canonicalization, routing, tokenization and refused-request accounting as ``/v1/chat/completions``.
+Explicit cache control (a retention span per prompt) is attached to the prepared engine requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from engine.protocol import GenerateRequest, Retention
+from gateway.errors import OpenAIError, invalid_request
+from gateway.metrics import GatewayMetrics, LiveStats
+from gateway.pipeline import Prepared, prepare
+from gateway.ports import QuotaExceededError, TenancyPort
+from gateway.routes.completions import record_rejected
+from gateway.routing import Router
+from gateway.schemas import ChatCompletionRequest
+from gateway.settings import GatewaySettings
+
+# prompt tokens -> the retention spans for that prompt (the door knows where its breakpoints fall)
+RetentionPlan = Callable[[list[int]], tuple[Retention, ...]]
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """Validate a translated body; a field that fails is the client's (400), never a 500."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        ctx = first.get("ctx") or {}
+        message = ctx.get("message") if first.get("type") == "body_limit" else first.get("msg")
+        raise invalid_request(f"Invalid value at '{param}': {message}.", param=param) from None
+
+
+@contextlib.contextmanager
+def refusals_counted(tenancy: TenancyPort, ctx: Any, model: str, metrics: GatewayMetrics,
+                     live: LiveStats) -> Iterator[None]:
+    """A door's own 400s (translation, cache_control) are refused requests like the pipeline's: they
+    take their place in the rate limit (issue 16.9) and get their ledger row and counts."""
+    try:
+        yield
+    except OpenAIError as err:
+        with contextlib.suppress(QuotaExceededError):  # already over: the refusal stands as it is
+            tenancy.admit(tenancy.scope_for(ctx, None), estimated_tokens=0)
+        record_rejected(tenancy, ctx, model, "chat", err, metrics, live)
+        raise
+
+
+def whole_prompt_for(seconds: float | None) -> RetentionPlan | None:
+    """A plan that keeps the whole prompt for ``seconds`` (OpenAI ``prompt_cache_retention``)."""
+    if seconds is None:
+        return None
+    return lambda ids: (Retention(len(ids), seconds),)
+
+
+def with_retention(request: GenerateRequest, spans: tuple[Retention, ...]) -> GenerateRequest:
+    """``request`` keeping ``spans`` as well as what it already keeps (the tenant's default retention)."""
+    return dataclasses.replace(request, retention=(*spans, *request.retention))
+
+
+async def prepare_door(
+    chat: ChatCompletionRequest, request: Request, ctx: Any, *, tenancy: TenancyPort, router: Router,
+    engine: Any, settings: GatewaySettings, metrics: GatewayMetrics, live: LiveStats,
+    retention: RetentionPlan | None = None,
+) -> Prepared:
+    """``pipeline.prepare`` for a door's chat request; a refusal gets its ledger row and counts."""
+    try:
+        prep = await prepare("chat", chat, ctx, tenancy=tenancy, router=router, engine=engine, settings=settings,
+                             threads=request.app.state.tenant_threads,
+                             tracker=getattr(request.app.state, "miss_tracker", None))
+    except OpenAIError as err:  # a refusal: its one row, and counted by outcome
+        record_rejected(tenancy, ctx, chat.model, "chat", err, metrics, live)
+        raise
+    except Exception:  # a bug: the request still gets its one row (a 500), as on the chat route
+        record_rejected(tenancy, ctx, chat.model, "chat", OpenAIError(500, "internal error"), metrics, live)
+        raise
+    if retention is not None and prep.backend.kind == "local":
+        prep.requests = [with_retention(r, retention(list(r.prompt_token_ids or ()))) for r in prep.requests]
+    return prep

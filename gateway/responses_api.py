@@ -1,0 +1,336 @@
+"""The OpenAI Responses API (``POST /v1/responses``) as a translation to and from chat.
+
+A Responses request becomes one chat request (``to_chat``) that runs through the same pipeline,
+cache and ledger as ``/v1/chat/completions``; ``ResponsesFormat`` shapes the result back::
+
+    instructions                      -> system message (never carried over from a previous response)
+    previous response's conversation  -> the messages before this input (stored per tenant)
+    input "text" | message items      -> user / system / developer / assistant messages
+    function_call items               -> an assistant message with tool_calls
+    function_call_output items        -> tool messages
+    tools [{"type": "function", ...}] -> chat tools
+
+Stream events, in the order the openai SDK's accumulator expects::
+
+    response.created, response.in_progress,
+    response.output_item.added (message), response.content_part.added,
+    response.output_text.delta ..., response.output_text.done, response.content_part.done,
+    response.output_item.done, [function_call items: added, arguments.delta, arguments.done, done],
+    response.completed | response.incomplete
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from engine.protocol import RequestOutput
+from gateway.errors import OpenAIError, invalid_request
+from gateway.formats import ChoiceText, sse
+from gateway.ingress import scan
+from gateway.pipeline import Prepared
+from gateway.schemas import MAX_NAME_CHARS, now
+
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+_ROLES = ("user", "system", "developer", "assistant")
+# Responses content part -> chat content part (text for the local engine; images for providers)
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    """The body of ``POST /v1/responses``. Unknown fields are tolerated, as OpenAI does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt_cache_retention: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    _text_chars: int = PrivateAttr(0)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _bounded(cls, data: Any, handler: Any) -> Any:
+        shape = scan(data) if isinstance(data, dict) else None
+        model = handler(data)
+        if shape is not None:
+            model._text_chars = shape.chars
+        return model
+
+
+def _chat_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid_request(f"{where} must be a string or a list of content parts", param=where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind == "refusal":
+            parts.append({"type": "text", "text": str(part.get("refusal", ""))})
+        else:
+            raise invalid_request(
+                f"Invalid value: {kind!r}. Supported content part types are: 'input_text', 'output_text', "
+                "'input_image'.", param=f"{where}[{j}].type")
+    return parts
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's ``input`` as chat messages. Raises ``OpenAIError`` (400) naming the bad item."""
+    if req.input is None:
+        return []
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise invalid_request(
+                    f"Invalid value: {role!r}. Supported values are: {', '.join(map(repr, _ROLES))}.",
+                    param=f"{where}.role")
+            messages.append({"role": role, "content": _chat_content(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id") or item.get("id") or ""), "type": "function",
+                    "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
+        else:
+            raise invalid_request(
+                f"Invalid value: {kind!r}. Supported values are: {', '.join(map(repr, ITEM_TYPES))}.",
+                param=f"{where}.type")
+    return messages
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools (flat) -> chat tools (nested under ``function``)."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise invalid_request(f"tool type {tool.get('type')!r} is not supported by this gateway; "
+                                  "send function tools", param=f"tools[{i}].type")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_body(req: ResponsesRequest, history: list[dict[str, Any]], conversation: list[dict[str, Any]]) -> dict:
+    """The chat completions body this request runs as. ``history`` is the stored conversation of
+    ``previous_response_id``; ``conversation`` = history + this input (what gets stored)."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+    if not messages:
+        raise invalid_request("input must not be empty", param="input")
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
+    for name, value in (("tools", chat_tools(req.tools)), ("tool_choice", req.tool_choice),
+                        ("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
+                        ("top_p", req.top_p), ("user", req.user), ("prompt_cache_key", req.prompt_cache_key),
+                        ("parallel_tool_calls", req.parallel_tool_calls)):
+        if value is not None:
+            body[name] = value
+    if req.stream:
+        body["stream"] = True
+    return body
+
+
+def new_response_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
+def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """Chat ``usage`` -> Responses ``usage`` (input/output tokens, cached tokens in the details)."""
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+def conversation_after(conversation: list[dict[str, Any]], output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages a follow-up with ``previous_response_id`` continues from."""
+    calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
+             for o in output if o["type"] == "function_call"]
+    text = "".join(p["text"] for o in output if o["type"] == "message" for p in o["content"])
+    turn: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        turn["tool_calls"] = calls
+    return [*conversation, turn]
+
+
+Completed = Callable[[dict[str, Any]], None]
+
+
+class ResponsesFormat:
+    """Engine increments of one choice -> a Responses object, or its stream of typed events.
+
+    ``on_complete(response)`` runs once with the finished response object (to store it)."""
+
+    def __init__(self, prep: Prepared, req: ResponsesRequest, on_complete: Completed) -> None:
+        self.prep = prep
+        self.req = req
+        self.on_complete = on_complete
+        self.created_at = now()
+        self.seq = 0
+        self.msg_id = "msg_" + uuid.uuid4().hex
+        self.text: list[str] = []
+        self.calls = ChoiceText(prep)  # choice 0: tool calls parsed (local engine) or streamed (provider)
+        self.finish: str | None = None
+        self.started = False
+        self.msg_open = False
+
+    # -- the response object ------------------------------------------------------------------
+
+    def _message_item(self, status: Literal["in_progress", "completed"], text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [self._text_part(text)]
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def _text_part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _call_items(self) -> list[dict[str, Any]]:
+        return [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"] or "call_" + uuid.uuid4().hex,
+                 "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
+                for c in self.calls.tool_calls(0)]
+
+    def _output(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        text = "".join(self.text)
+        items = [self._message_item("completed", text)] if text or not calls else []
+        return [*items, *calls]
+
+    def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        r = self.req
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.prep.request_id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.prep.model, "output": output, "usage": usage, "error": None,
+            "incomplete_details": incomplete, "instructions": r.instructions,
+            "previous_response_id": r.previous_response_id, "max_output_tokens": r.max_output_tokens,
+            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "top_p": 1.0 if r.top_p is None else r.top_p, "tools": r.tools or [],
+            "tool_choice": r.tool_choice or "auto",
+            "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
+            "store": r.store, "metadata": r.metadata or {}, "text": {"format": {"type": "text"}},
+            "truncation": "disabled", "prompt_cache_key": r.prompt_cache_key, "user": r.user,
+        }
+
+    def _status(self) -> str:
+        return "incomplete" if self.finish == "length" else "completed"
+
+    def _finished(self, usage: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
+        response = self._response(self._status(), self._output(calls), responses_usage(usage))
+        self.on_complete(response)
+        return response
+
+    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
+        self.text = acc.text.get(0, [])
+        self.calls = acc
+        self.finish = acc.finish.get(0)
+        return self._finished(usage, self._call_items())
+
+    # -- the stream -------------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def _ids(self) -> dict[str, Any]:
+        return {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self.msg_open = True
+        return [self._event("response.output_item.added", output_index=0, item=self._message_item("in_progress", None)),
+                self._event("response.content_part.added", **self._ids(), part=self._text_part(""))]
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if not self.started:
+            self.started = True
+            pending = self._response("in_progress", [], None)
+            events += [self._event("response.created", response=pending),
+                       self._event("response.in_progress", response=pending)]
+        content = self.calls.add(0, out).content  # text outside <tool_call> tags
+        if content:
+            if not self.msg_open:
+                events += self._open_message()
+            self.text.append(content)
+            events.append(self._event("response.output_text.delta", **self._ids(), delta=content, logprobs=[]))
+        if out.finished:
+            self.finish = self.calls.finish.get(0)
+        return events
+
+    def frame(self, chunk: dict[str, Any]) -> bytes:
+        return sse(chunk, chunk["type"])
+
+    def tail(self, usage: dict[str, Any]) -> list[bytes]:
+        events: list[dict[str, Any]] = []
+        calls = self._call_items()
+        if not self.msg_open and not calls:
+            events += self._open_message()  # an empty answer is still one (empty) message
+        if self.msg_open:
+            text = "".join(self.text)
+            events += [self._event("response.output_text.done", **self._ids(), text=text, logprobs=[]),
+                       self._event("response.content_part.done", **self._ids(), part=self._text_part(text)),
+                       self._event("response.output_item.done", output_index=0,
+                                   item=self._message_item("completed", text))]
+        base = 1 if self.msg_open else 0
+        for k, call in enumerate(calls):
+            index = base + k
+            events += [
+                self._event("response.output_item.added", output_index=index,
+                            item={**call, "arguments": "", "status": "in_progress"}),
+                self._event("response.function_call_arguments.delta", item_id=call["id"], output_index=index,
+                            delta=call["arguments"]),
+                self._event("response.function_call_arguments.done", item_id=call["id"], output_index=index,
+                            name=call["name"], arguments=call["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=call),
+            ]
+        response = self._finished(usage, calls)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        events.append(self._event(kind, response=response))
+        return [self.frame(e) for e in events]
+
+    def error_frames(self, error: OpenAIError) -> list[bytes]:
+        failed = self._response("failed", [], None)
+        failed["error"] = {"code": error.code or "server_error", "message": error.message}
+        events = [self._event("error", code=error.code, message=error.message, param=error.param),
+                  self._event("response.failed", response=failed)]
+        return [self.frame(e) for e in events]
+
+
+def not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                       code="response_not_found")

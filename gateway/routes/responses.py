@@ -1,0 +1,103 @@
+"""``POST /v1/responses``, ``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}`` (the Responses API).
+
+The request is translated to chat (``gateway.responses_api``) and runs through the chat pipeline:
+same admission, canonicalization, tenant-isolated cache and ledger row. Stored responses live in
+the tenancy database keyed on (id, tenant): another tenant's id is simply not found.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from fastapi import APIRouter, Request
+
+from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
+from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
+from gateway.errors import OpenAIError, invalid_request
+from gateway.pipeline import Accounting
+from gateway.responder import respond
+from gateway.responses_api import (
+    ResponsesFormat,
+    ResponsesRequest,
+    chat_body,
+    conversation_after,
+    input_messages,
+    new_response_id,
+    not_found,
+)
+from promptlint.cache_control import CacheControlError, retention_seconds
+
+router = APIRouter(prefix="/v1", tags=["responses"])
+
+
+@runtime_checkable
+class ResponseStore(Protocol):
+    """Stored responses, per tenant (``tenancy.service.TenancyService`` implements it)."""
+
+    def save_response(self, ctx: Any, response_id: str, body: dict[str, Any]) -> None: ...
+
+    def load_response(self, ctx: Any, response_id: str) -> dict[str, Any] | None: ...
+
+    def delete_response(self, ctx: Any, response_id: str) -> bool: ...
+
+
+def _store(tenancy: Any) -> ResponseStore:
+    if not isinstance(tenancy, ResponseStore):
+        raise OpenAIError(501, "this server's tenancy backend cannot store responses", code="not_implemented")
+    return tenancy
+
+
+@router.post("/responses")
+async def create_response(
+    body: ResponsesRequest, request: Request, ctx: TenantDep, tenancy: TenancyDep, router_: RouterDep,
+    engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
+) -> Any:
+    store = _store(tenancy)
+    threads = request.app.state.tenant_threads
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        stored = await threads.run(ctx.tenant_id, store.load_response, ctx, body.previous_response_id)
+        if stored is None:
+            raise OpenAIError(400, f"Previous response with id '{body.previous_response_id}' not found.",
+                              param="previous_response_id", code="previous_response_not_found")
+        history = stored["conversation"]
+    with refusals_counted(tenancy, ctx, body.model, metrics, live):
+        try:
+            retention = retention_seconds(body.prompt_cache_retention)
+        except CacheControlError as exc:
+            raise invalid_request(str(exc), param=exc.param) from None
+        conversation = history + input_messages(body)
+        chat = chat_request(chat_body(body, history, conversation))
+    prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_, engine=engine,
+                              settings=settings, metrics=metrics, live=live,
+                              retention=whole_prompt_for(retention))
+    prep.request_id = new_response_id()
+
+    def keep(response: dict[str, Any]) -> None:
+        # One indexed INSERT, on the loop: a follow-up sent the moment the client has the response
+        # must find it (a background write would race it).
+        if body.store:
+            store.save_response(ctx, response["id"], {
+                "response": response, "conversation": conversation_after(conversation, response["output"])})
+
+    fmt = ResponsesFormat(prep, body, keep)
+    return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request, fmt)
+
+
+@router.get("/responses/{response_id}")
+async def get_response(response_id: str, request: Request, ctx: TenantDep, tenancy: TenancyDep) -> Any:
+    stored = await request.app.state.tenant_threads.run(ctx.tenant_id, _store(tenancy).load_response, ctx,
+                                                        response_id)
+    if stored is None:
+        raise not_found(response_id)
+    return stored["response"]
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, ctx: TenantDep, tenancy: TenancyDep) -> Any:
+    deleted = await request.app.state.tenant_threads.run(ctx.tenant_id, _store(tenancy).delete_response, ctx,
+                                                         response_id)
+    if not deleted:
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+

@@ -1,0 +1,51 @@
+"""Stored Responses-API responses: the SQL behind ``previous_response_id``, GET and DELETE.
+
+Every read and delete is keyed on (response id, tenant id) together, so a tenant that learns
+another's response id still finds nothing. Rows cascade with their tenant (``ON DELETE CASCADE``).
+The body (prompts and answers) is sealed with the tenant's data key, bound to (tenant, id): the
+database file alone does not reveal it, and shredding the tenant's key makes any copy unreadable.
+
+The SQL is what SQLite and PostgreSQL both accept (``tenancy.database.Database``), so the store
+works on either; the table is migration v4 of both.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Protocol
+
+from tenancy.database import Database
+
+
+class Sealer(Protocol):
+    """The tenant's AEAD (``tenancy.crypto.TenantCipher``): decrypt returns None on a bad tag."""
+
+    def encrypt(self, plaintext: bytes, aad: bytes) -> bytes: ...
+
+    def decrypt(self, blob: bytes, aad: bytes) -> bytes | None: ...
+
+
+def _aad(tenant_id: str, response_id: str) -> bytes:
+    return b"prefixgate.response.v1\0" + tenant_id.encode() + b"\0" + response_id.encode()
+
+
+def save(db: Database, cipher: Sealer, tenant_id: str, response_id: str, body: dict[str, Any]) -> None:
+    sealed = cipher.encrypt(json.dumps(body, separators=(",", ":")).encode(), _aad(tenant_id, response_id))
+    # Ids are random; the WHERE still keeps a colliding id from ever overwriting another tenant's row.
+    db.execute("INSERT INTO responses (id, tenant_id, created_at, body) VALUES (?, ?, ?, ?) "
+               "ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, body = excluded.body "
+               "WHERE responses.tenant_id = excluded.tenant_id",
+               [response_id, tenant_id, time.time(), sealed])
+
+
+def load(db: Database, cipher: Sealer, tenant_id: str, response_id: str) -> dict[str, Any] | None:
+    rows = db.query("SELECT body FROM responses WHERE id = ? AND tenant_id = ?", [response_id, tenant_id])
+    if not rows:
+        return None
+    plain = cipher.decrypt(bytes(rows[0]["body"]), _aad(tenant_id, response_id))
+    return json.loads(plain) if plain is not None else None  # a failed tag is "not found", never served
+
+
+def delete(db: Database, tenant_id: str, response_id: str) -> bool:
+    return db.execute("DELETE FROM responses WHERE id = ? AND tenant_id = ?", [response_id, tenant_id]) > 0

@@ -1,0 +1,137 @@
+"""Explicit cache control in the local engine, through a real `prefixgate serve` with a small KV cache:
+a 1h breakpoint (Anthropic SDK) and prompt_cache_retention="24h" (openai SDK) keep their prefix
+through a flood that evicts an unmarked one; a tenant warms a prefix and sees what it holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tenancy.service import TenancyService
+from tests.serverutil import REPO, serve_tiny, stop
+
+KV_BLOCKS = 48  # x 16 tokens: a few prompts fill it; each tenant may retain a quarter (12 blocks)
+MARKED = "Return policy of ExampleCo: thirty days, receipt required, refunds to the card used. " * 2
+UNMARKED = "Shipping policy of ExampleCo: two to five days, free above fifty euros, tracked. " * 2
+KEPT = "Opening hours of ExampleCo: nine to six on weekdays, ten to four on Saturdays. " * 2
+RETAINED = "Warranty terms of ExampleCo: two years on parts, one year on labour, proof needed. " * 2
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("pg-retention")
+
+
+@pytest.fixture(scope="module")
+def keys(home):
+    with TenancyService.open(home) as svc:
+        made = {name: svc.create_tenant(name).api_key for name in ("acme", "oai", "flood", "warm")}
+        made["keeper"] = svc.create_tenant("keeper", cache_retention_s=3600).api_key  # the tenant setting
+        svc.flush()
+    return made
+
+
+@pytest.fixture(scope="module")
+def server(home, keys):
+    url, proc = serve_tiny(home, "--kv-blocks", str(KV_BLOCKS), timeout=300)
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+def _flood(url: str, key: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+    for k in range(8):  # ~20 blocks each: the whole cache several times over
+        text = " ".join(f"item{k}x{j}" for j in range(120))
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=1)
+
+
+def test_retained_prefixes_survive_a_flood_that_evicts_an_unmarked_one(server, keys):
+    claude = anthropic.Anthropic(base_url=server, api_key=keys["acme"], max_retries=0, timeout=120)
+    oai = openai.OpenAI(base_url=f"{server}/v1", api_key=keys["oai"], max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "Can I return shoes?"}]
+    marked = [{"type": "text", "text": MARKED, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+
+    def ask_marked():
+        return claude.messages.create(model="tiny", max_tokens=1, system=marked, messages=question).usage
+
+    def ask_unmarked():
+        return claude.messages.create(model="tiny", max_tokens=1, system=UNMARKED, messages=question).usage
+
+    keeper = openai.OpenAI(base_url=f"{server}/v1", api_key=keys["keeper"], max_retries=0, timeout=120)
+
+    def ask_kept():  # plain chat completions: the tenant's cache_retention_s setting keeps the prefix
+        return keeper.chat.completions.create(model="tiny", max_tokens=1, messages=[
+            {"role": "system", "content": KEPT}, {"role": "user", "content": "Open on Saturday?"}]).usage
+
+    def ask_retained():
+        return oai.responses.create(model="tiny", instructions=RETAINED, input="Is the battery covered?",
+                                    max_output_tokens=1, prompt_cache_retention="24h").usage
+
+    first = ask_marked()
+    assert first.cache_creation_input_tokens > 0 and first.cache_creation.ephemeral_1h_input_tokens > 0
+    ask_unmarked()
+    ask_retained()
+    ask_kept()
+    # before the flood all three are cached
+    assert ask_unmarked().cache_read_input_tokens > 0
+    _flood(server, keys["flood"])
+    after = ask_marked()
+    assert after.cache_read_input_tokens >= first.cache_creation_input_tokens
+    assert ask_unmarked().cache_read_input_tokens == 0
+    assert ask_retained().input_tokens_details.cached_tokens > 0
+    assert ask_kept().prompt_tokens_details.cached_tokens > 0
+
+
+def test_warm_then_show_then_hit(server, keys):
+    headers = {"Authorization": f"Bearer {keys['warm']}"}
+    messages = [{"role": "system", "content": "Catalogue of ExampleCo: chairs, tables, lamps and rugs. " * 3},
+                {"role": "user", "content": "List the lamps."}]
+    before = httpx.get(f"{server}/v1/cache", headers=headers, trust_env=False, timeout=60).json()
+    assert before["object"] == "cache" and before["tenant"] == "warm"
+    warmed = httpx.post(f"{server}/v1/cache/warm", headers=headers, trust_env=False, timeout=120,
+                        json={"model": "tiny", "messages": messages, "ttl": "1h"}).json()
+    assert warmed["object"] == "cache.warm" and warmed["written_tokens"] >= 16 and warmed["cached_tokens"] == 0
+    shown = httpx.get(f"{server}/v1/cache", headers=headers, trust_env=False, timeout=60).json()
+    assert shown["tokens"]["hbm"] >= before["tokens"]["hbm"] + warmed["written_tokens"]
+    assert shown["retained_tokens"] >= warmed["written_tokens"]
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=keys["warm"], max_retries=0, timeout=120)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert r.usage.prompt_tokens_details.cached_tokens >= warmed["written_tokens"]
+    other = httpx.get(f"{server}/v1/cache", headers={"Authorization": f"Bearer {keys['flood']}"},
+                      trust_env=False, timeout=60).json()
+    assert other["tenant"] == "flood" and other["retained_tokens"] == 0
+    bad = httpx.post(f"{server}/v1/cache/warm", headers=headers, trust_env=False, timeout=60,
+                     json={"model": "tiny", "messages": messages, "ttl": "forever"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttl"
+
+
+def test_cli_cache_warm_and_show(server, keys, tmp_path):
+    body = tmp_path / "prompt.json"
+    body.write_text(json.dumps({"model": "tiny", "messages": [
+        {"role": "system", "content": "Store hours of ExampleCo: nine to five, closed on Sundays. " * 3},
+        {"role": "user", "content": "Open on Sunday?"}]}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFIXGATE_API_KEY": keys["warm"]}
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gateway.cli.main", "cache", *argv], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+
+    warm = cli("warm", "--url", server, "--ttl", "5m", str(body))
+    assert warm.returncode == 0, warm.stderr
+    assert json.loads(warm.stdout)["written_tokens"] >= 16
+    show = cli("show", "--url", server, "--json")
+    assert show.returncode == 0 and json.loads(show.stdout)["retained_tokens"] >= 16
+    missing = cli("warm", "--url", server, str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "cannot read" in missing.stderr
+    wrong = subprocess.run([sys.executable, "-m", "gateway.cli.main", "cache", "show", "--url", server,
+                            "--key", "pg-wrong"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "HTTP 401" in wrong.stderr

@@ -1,0 +1,35 @@
+"""Stored Responses-API responses on both stores (SQLite and PostgreSQL): keyed on (id, tenant),
+sealed with the tenant's data key, gone with the tenant; and the tenant's cache_retention_s."""
+
+from __future__ import annotations
+
+from tenancy.service import TenancyService
+from tests.fleetutil import read_rows
+
+
+def test_a_response_is_its_tenants_only_sealed_and_deleted_with_it(svc: TenancyService) -> None:
+    a = svc.authenticate(svc.create_tenant("a").api_key)
+    b = svc.authenticate(svc.create_tenant("b").api_key)
+    body = {"response": {"id": "resp_1", "output_text": "the secret answer"}, "messages": []}
+    svc.save_response(a, "resp_1", body)
+    assert svc.load_response(a, "resp_1") == body
+    assert svc.load_response(b, "resp_1") is None  # another tenant that learns the id finds nothing
+    assert svc.delete_response(b, "resp_1") is False
+    svc.save_response(b, "resp_1", {"response": {"id": "resp_1"}})  # a colliding id never overwrites a's row
+    assert svc.load_response(a, "resp_1") == body
+    rows = read_rows(svc, "SELECT tenant_id, body FROM responses")
+    assert len(rows) == 1 and b"secret" not in bytes(rows[0]["body"])
+    body2 = {**body, "messages": [{"role": "user", "content": "again"}]}
+    svc.save_response(a, "resp_1", body2)  # the same tenant re-saving replaces its own row
+    assert svc.load_response(a, "resp_1") == body2
+    assert svc.delete_response(a, "resp_1") is True and svc.load_response(a, "resp_1") is None
+    svc.save_response(a, "resp_2", body)
+    svc.delete_tenant("a")
+    assert read_rows(svc, "SELECT id FROM responses") == []
+
+
+def test_cache_retention_setting_round_trips(svc: TenancyService) -> None:
+    key = svc.create_tenant("acme", cache_retention_s=3600).api_key
+    assert svc.authenticate(key).cache_retention_s == 3600.0
+    svc.update_tenant("acme", cache_retention_s=None)
+    assert svc.get_tenant_by_name("acme").cache_retention_s is None
