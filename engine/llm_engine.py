@@ -474,6 +474,7 @@ class LLMEngine:
             running=len(self.scheduler.running),
             queue_reasons=dict(self.scheduler.queue_reasons()),
         )
+        self.metrics.observe_tenant_blocks(self.cache.blocks_by_tenant())
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.scheduler.block_tables())
@@ -508,6 +509,7 @@ class LLMEngine:
             "decode_tokens": self.decode_tokens,
             "execute_time_s": round(self.execute_time_s, 6),
             "kv_tiers": self.cache.tier_stats(),
+            "kv_blocks_by_tenant": {t.value: per for t, per in self.cache.blocks_by_tenant().items()},
             "tenants": {
                 label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}
                 for label, q in self._queried.items()
