@@ -11,7 +11,8 @@ the display label, which two tenants may share) and no engine-wide series.
      "totals": {...}, "tenants": [LiveStats row],          # since this process started (= /metrics)
      "series": TimeSeries.series(window) | null,           # admin only
      "ledger": {"since", "totals", "models": [...], "breaks": [...]},   # the ledger, for the window
-     "cache": {"most_computed": [...], "cache_seconds", "prefill_seconds_saved", "pays"} ,
+     "cache": {"most_computed": [...], "computed_prefixes": [{"tenant", "hash", "count", "error"}],
+               "cache_seconds", "prefill_seconds_saved", "pays"},
      "isolation": [{"tenant", "share_scope", "spill_encrypted", "quotas", "kv_blocks_used",
                     "last_key_created_at"}]}
 
@@ -31,7 +32,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 
-from gateway.deps import LiveStatsDep, TenancyDep, TenantDep
+from gateway.deps import EngineDep, LiveStatsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import LiveStats
 from gateway.ports import TenantDirectory, tenant_metrics_label
@@ -95,6 +96,21 @@ def _cache_pays(request: Request) -> dict[str, Any]:
             "pays": None if saved is None else saved > c["cache_manage_seconds"]}
 
 
+def _computed_prefixes(engine_stats: dict[str, Any], only_label: str | None, top: int = 10) -> list[dict[str, Any]]:
+    """The engine's most recomputed prefixes (``stats()["computed_prefixes"]``: per tenant label, a
+    block-hash prefix with its count), most first; only ``only_label``'s when given.
+
+    Named by hash alone: the gateway knows a request's template family but the engine's hashes are
+    of token blocks it never sees, so the two cannot be joined here (the family list is separate).
+    """
+    rows = [{"tenant": label, "hash": e["hash"], "count": e["count"], "error": e["error"]}
+            for label, entries in (engine_stats.get("computed_prefixes") or {}).items()
+            if only_label is None or label == only_label
+            for e in entries]
+    rows.sort(key=lambda r: (-r["count"], r["tenant"], r["hash"]))
+    return rows[:top]
+
+
 def _isolation_row(name: str, share_scope: str, encrypted: bool | None, quotas: Any,
                    last_key: float | None, used: dict[str, int]) -> dict[str, Any]:
     return {
@@ -131,7 +147,7 @@ def _isolation(ctx: Any, tenancy: Any, live: LiveStats, registry: Any) -> list[d
 
 @router.get("/dashboard/data")
 async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, tenancy: TenancyDep,
-                         window: str = "5m") -> dict[str, Any]:
+                         engine: EngineDep, window: str = "5m") -> dict[str, Any]:
     if window not in WINDOWS:
         raise invalid_request(f"window must be one of {', '.join(WINDOWS)}, got {window!r}", param="window")
     admin = bool(ctx.is_admin)
@@ -143,6 +159,7 @@ async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, t
     # The report flushes the ledger and reads SQLite: off the event loop.
     report = await anyio.to_thread.run_sync(lambda: tenancy.usage(ctx, since=since))
     series: TimeSeries = request.app.state.timeseries
+    engine_stats = await engine.stats() if engine is not None else {}
     return {
         "generated_at": time.time(),
         "scope": "all" if admin else "own",
@@ -159,6 +176,8 @@ async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, t
         "tenants": tenants,
         "series": series.series(window) if admin else None,
         "ledger": {"since": since.isoformat(), **_ledger_view(report)},
-        "cache": {"most_computed": live.most_computed(only), **(_cache_pays(request) if admin else {})},
+        "cache": {"most_computed": live.most_computed(only),
+                  "computed_prefixes": _computed_prefixes(engine_stats, None if admin else ctx.metrics_label),
+                  **(_cache_pays(request) if admin else {})},
         "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy, live, request.app.state.registry)),
     }

@@ -172,6 +172,9 @@
     fillTable("breaks", data.ledger.breaks, (b) => [cell(b.tenant), cell(b.rule, "text"), cell(fmtInt(b.requests)),
                                                      cell(fmtInt(b.tokens_lost)), cell(fmtUsd(b.usd_lost))],
               "No explained cache breaks in this window.", 5);
+    fillTable("prefixes", c.computed_prefixes || [], (r) => [
+      cell(r.tenant), cell(r.hash, "text"), cell(fmtInt(r.count) + (r.error ? " (±" + fmtInt(r.error) + ")" : "")),
+    ], "Nothing recomputed yet.", 3);
     const q = (v) => (v === null || v === undefined ? "∞" : fmtInt(v));
     // "used / quota" blocks per tier: use is what the tier's block quota counts, right now
     const useQuota = (r, tier) => fmtInt(r.kv_blocks_used[tier]) + " / " + q(r.quotas["kv_blocks_" + tier]);

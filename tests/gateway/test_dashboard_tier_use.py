@@ -6,6 +6,7 @@ tenant's DRAM use stays within its quota.
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -24,7 +25,7 @@ def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("tier-use-home")
     with TenancyService.open(home) as svc:
         keys = {"acme": svc.create_tenant("acme", kv_blocks_dram=5).api_key,
-                "ops": svc.create_tenant("ops", admin=True).api_key}
+                "beta": svc.create_tenant("beta").api_key, "ops": svc.create_tenant("ops", admin=True).api_key}
         svc.flush()
     url, proc = serve_tiny(home, "--kv-blocks", "24", "--dram-bytes", "32MiB", timeout=300)
     try:
@@ -55,3 +56,24 @@ def test_current_use_per_tier_is_the_engine_gauge(served):
     own = httpx.get(f"{url}/dashboard/data", headers={"Authorization": f"Bearer {keys['acme']}"},
                     trust_env=False, timeout=30).json()
     assert [r["kv_blocks_used"] for r in own["isolation"]] == [used]
+
+
+def test_prefixes_computed_most_are_engine_block_hashes_never_text(served):
+    url, keys = served
+    acme = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["acme"], max_retries=0, timeout=60)
+    for _ in range(2):
+        acme.chat.completions.create(model="tiny", max_tokens=1, messages=[
+            {"role": "system", "content": "Recomputed. " + SYSTEM}, {"role": "user", "content": "hi"}])
+    data = httpx.get(f"{url}/dashboard/data", headers={"Authorization": f"Bearer {keys['ops']}"},
+                     trust_env=False, timeout=30).json()
+    rows = data["cache"]["computed_prefixes"]
+    assert rows and {r["tenant"] for r in rows} == {"acme"}
+    assert all(re.fullmatch(r"[0-9a-f]{12}", r["hash"]) and r["count"] >= 1 for r in rows)
+    assert [r["count"] for r in rows] == sorted((r["count"] for r in rows), reverse=True)
+    assert "ExampleCo" not in str(rows)
+    own = httpx.get(f"{url}/dashboard/data", headers={"Authorization": f"Bearer {keys['acme']}"},
+                    trust_env=False, timeout=30).json()
+    assert own["cache"]["computed_prefixes"] == rows
+    other = httpx.get(f"{url}/dashboard/data", headers={"Authorization": f"Bearer {keys['beta']}"},
+                      trust_env=False, timeout=30).json()
+    assert other["cache"]["computed_prefixes"] == []  # another tenant's hashes are not shown
