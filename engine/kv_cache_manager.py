@@ -46,6 +46,7 @@ from engine.kv_types import (
     LowerTier,
     MatchResult,
     QueueReason,
+    TierName,
 )
 from engine.prefix_index import max_cacheable_blocks
 from engine.protocol import Retention, TenantScope
@@ -143,6 +144,19 @@ class KVCacheManager:
         Reads counters only; safe from another thread (a count may be one step old)."""
         lower = self._lower.blocks_of(namespace) if self._lower is not None else {}
         return {"hbm": self._pool.indexed_by(namespace), **lower, "retained": self._pool.retained_by(namespace)}
+
+    def blocks_by_tenant(self) -> dict[TierName, dict[str, int]]:
+        """Blocks each tenant (``metrics_label``; namespaces sharing a label are summed) holds per
+        tier: HBM blocks in use (what ``kv_block_quota`` counts), and the lower tiers' blocks."""
+        hbm: dict[str, int] = {}
+        for namespace, tenant in self._tenants.items():
+            n = self._pool.used_by(namespace)
+            if n:
+                hbm[tenant.metrics_label] = hbm.get(tenant.metrics_label, 0) + n
+        out = {TierName.HBM: hbm}
+        if self._lower is not None:
+            out.update(self._lower.blocks_by_tenant())
+        return out
 
     def is_restoring(self, request_id: str) -> bool:
         return request_id in self._restoring

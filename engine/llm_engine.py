@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from engine.batch import ScheduledBatch, StepResult
+from engine.computed_prefixes import ComputedPrefixes
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_types import CachePhase, LowerTier
@@ -117,6 +118,7 @@ class LLMEngine:
         self.num_steps = 0
         self._queried: Counter[str] = Counter()  # prompt tokens looked up, per metrics label
         self._hit: Counter[str] = Counter()  # of which served from cache
+        self.computed_prefixes = ComputedPrefixes()  # the prefixes prefill recomputes most, per label
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self._published: dict[str, float] = {}  # totals already added to the Prometheus counters
         self.prefill_tokens = 0
@@ -258,6 +260,8 @@ class LLMEngine:
                     self._queried[label] += req.num_prompt_tokens
                     self._hit[label] += req.num_cached_tokens or 0
                     self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
+                    self.computed_prefixes.observe(label, req.block_hashes, req.num_prompt_tokens,
+                                                   req.num_cached_tokens or 0, self.block_size)
             t0 = time.perf_counter()
             results, infos = self._execute(step)
             self._account_execute(step, time.perf_counter() - t0)
@@ -476,6 +480,7 @@ class LLMEngine:
             running=len(self.scheduler.running),
             queue_reasons=dict(self.scheduler.queue_reasons()),
         )
+        self.metrics.observe_tenant_blocks(self.cache.blocks_by_tenant())
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.scheduler.block_tables())
@@ -516,10 +521,14 @@ class LLMEngine:
             "decode_tokens": self.decode_tokens,
             "execute_time_s": round(self.execute_time_s, 6),
             "kv_tiers": self.cache.tier_stats(),
+            "kv_blocks_by_tenant": {t.value: per for t, per in self.cache.blocks_by_tenant().items()},
             "tenants": {
                 label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}
                 for label, q in self._queried.items()
             },
+            # per tenant label: the leading computed block hash (hex prefix) of the requests that
+            # computed most often the same prefix (engine.computed_prefixes)
+            "computed_prefixes": self.computed_prefixes.top(),
         }
 
 

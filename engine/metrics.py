@@ -9,6 +9,10 @@ Reading the numbers:
     fragmentation  = unused token slots in allocated blocks / allocated slots (0 = no waste; a
                      sequence wastes at most block_size-1 slots in its last block)
     queue reasons  = how many waiting requests are blocked by each reason right now
+    tenant blocks  = prefixgate_kv_tenant_blocks{tenant,tier}: blocks a tenant holds in a tier now,
+                     what its block quota of that tier counts (HBM: blocks its requests reference;
+                     DRAM/NVMe: blocks of its stored segments). Series of a tenant that holds
+                     nothing read 0, so the label set stays the tenants seen (bounded by tenancy)
     cache cost     = prefixgate_cache_manage_seconds_total{phase}: engine-thread time spent hashing
                      blocks, matching prefixes, evicting (tier spill included), indexing full
                      blocks and running the tier hook (restores); compare it with the prefill time
@@ -25,7 +29,7 @@ from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.kv_types import CachePhase, QueueReason
+from engine.kv_types import CachePhase, QueueReason, TierName
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -62,6 +66,11 @@ class EngineMetrics:
             "prefixgate_waiting_requests", "Waiting requests by queue reason", ["reason"], registry=r
         )
         self.running = Gauge("prefixgate_running_requests", "Requests in the running batch", registry=r)
+        self.tenant_blocks = Gauge(
+            "prefixgate_kv_tenant_blocks", "KV blocks a tenant holds in a tier (what its block quota counts)",
+            ["tenant", "tier"], registry=r,
+        )
+        self._tenant_blocks_seen: set[tuple[str, str]] = set()
         self.ttft = Histogram(
             "prefixgate_ttft_seconds", "Time to first token", ["tenant"], buckets=_TTFT_BUCKETS, registry=r
         )
@@ -121,6 +130,16 @@ class EngineMetrics:
         self._preemptions_seen = num_preemptions
         for reason in QueueReason:
             self.queue_reason.labels(reason.value).set(queue_reasons.get(reason.value, 0))
+
+
+    def observe_tenant_blocks(self, blocks: dict[TierName, dict[str, int]]) -> None:
+        """Set each (tenant, tier) series; a series seen before and absent now drops to 0."""
+        now = {(label, tier.value): n for tier, per in blocks.items() for label, n in per.items()}
+        for key in self._tenant_blocks_seen - now.keys():
+            self.tenant_blocks.labels(*key).set(0)
+        for key, n in now.items():
+            self.tenant_blocks.labels(*key).set(n)
+        self._tenant_blocks_seen |= now.keys()
 
 
 class CacheTimer:

@@ -23,6 +23,7 @@ from tenancy.service import (  # noqa: F401 - re-exported
     TenancyService,
     UsageRecord,
 )
+from tenancy.service import metrics_label as tenant_metrics_label  # noqa: F401 - the label a tenant's name gets
 
 
 class TenantCtx(Protocol):

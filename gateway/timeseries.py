@@ -73,6 +73,16 @@ def _sum(samples: Samples, name: str, **match: str) -> float:
     return sum(v for labels, v in samples.get(name, ()) if all(labels.get(k) == want for k, want in match.items()))
 
 
+def tenant_blocks(registry: CollectorRegistry) -> dict[str, dict[str, int]]:
+    """Blocks each tenant (metrics label) holds per tier now: ``{label: {"hbm"|"dram"|"nvme": n}}``,
+    from the engine's ``prefixgate_kv_tenant_blocks`` gauge (summed over engines sharing the registry)."""
+    out: dict[str, dict[str, int]] = {}
+    for labels, v in read_registry(registry).get("prefixgate_kv_tenant_blocks", ()):
+        per = out.setdefault(labels["tenant"], {})
+        per[labels["tier"]] = per.get(labels["tier"], 0) + int(v)
+    return out
+
+
 def _label_values(samples: Samples, name: str, label: str) -> set[str]:
     return {labels[label] for labels, _ in samples.get(name, ()) if label in labels}
 

@@ -123,6 +123,7 @@ class TierStats:
     num_segments: int
     num_blocks: int
     bytes_by_tenant: dict[str, int]
+    blocks_by_tenant: dict[str, int] = field(default_factory=dict)  # metrics label -> blocks (its block quota counts these)
 
 
 @runtime_checkable

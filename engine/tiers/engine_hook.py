@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_types import BlockHash, EvictedBlock, FinishedRestore
+from engine.kv_types import BlockHash, EvictedBlock, FinishedRestore, TierName
 from engine.protocol import TenantScope
 from engine.tiers.base import SkipReason
 from engine.tiers.manager import RestoreResult, TierManager
@@ -142,6 +142,9 @@ class TierHook:
 
     def stats(self) -> dict[str, Any]:
         return self.manager.stats()
+
+    def blocks_by_tenant(self) -> dict[TierName, dict[str, int]]:
+        return self.manager.blocks_by_tenant()
 
     def close(self) -> None:
         self.flush_spills()

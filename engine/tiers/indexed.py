@@ -41,4 +41,4 @@ class IndexedTierQueries:
         with self._lock:
             return TierStats(self.name, self.capacity_bytes, self._index.used_bytes,
                              len(self._index.segments), self._index.num_blocks(),
-                             self._index.bytes_by_label())
+                             self._index.bytes_by_label(), self._index.blocks_by_label())

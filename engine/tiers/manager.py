@@ -494,6 +494,10 @@ class TierManager:
         return dropped
 
     # ---- introspection -------------------------------------------------------------------------
+    def blocks_by_tenant(self) -> dict[TierName, dict[str, int]]:
+        """Blocks each tenant (metrics label) holds in each tier: what its DRAM / NVMe block quota counts."""
+        return {TierName(tier.name): tier.stats().blocks_by_tenant for tier in self.tiers}
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for tier in self.tiers:

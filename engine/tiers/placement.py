@@ -50,6 +50,7 @@ class SegmentIndex:
         self.usage: dict[bytes, int] = {}  # namespace -> bytes held
         self.block_usage: dict[bytes, int] = {}  # namespace -> blocks held (segment sizes)
         self._by_label: dict[str, int] = {}  # metrics label -> bytes held (kept for cheap stats)
+        self._blocks_by_label: dict[str, int] = {}  # metrics label -> blocks held (the panel's use per tier)
         self.used_bytes = 0
 
     # ---- queries -------------------------------------------------------------------------------
@@ -71,6 +72,9 @@ class SegmentIndex:
     def bytes_by_label(self) -> dict[str, int]:
         return {label: n for label, n in self._by_label.items() if n}
 
+    def blocks_by_label(self) -> dict[str, int]:
+        return {label: n for label, n in self._blocks_by_label.items() if n}
+
     # ---- mutation ------------------------------------------------------------------------------
     def add(self, meta: SegmentMeta) -> list[str]:
         """Insert ``meta``; its blocks now point at it (newest wins). Returns the ids of older
@@ -82,6 +86,7 @@ class SegmentIndex:
         self.usage[meta.namespace] = self.usage.get(meta.namespace, 0) + meta.nbytes
         self.block_usage[meta.namespace] = self.block_usage.get(meta.namespace, 0) + meta.num_blocks
         self._by_label[meta.tenant_label] = self._by_label.get(meta.tenant_label, 0) + meta.nbytes
+        self._blocks_by_label[meta.tenant_label] = self._blocks_by_label.get(meta.tenant_label, 0) + meta.num_blocks
         self.used_bytes += meta.nbytes
         orphans = []
         for pos, h in enumerate(meta.hashes):
@@ -117,6 +122,7 @@ class SegmentIndex:
         else:
             del self.block_usage[meta.namespace]
         self._by_label[meta.tenant_label] -= meta.nbytes
+        self._blocks_by_label[meta.tenant_label] -= meta.num_blocks
         self.used_bytes -= meta.nbytes
         return meta
 
@@ -178,6 +184,7 @@ class SegmentIndex:
         """Raise AssertionError if the bookkeeping disagrees with itself (tests call it)."""
         assert self.used_bytes == sum(m.nbytes for m in self.segments.values())
         assert self.used_bytes <= self.capacity_bytes, (self.used_bytes, self.capacity_bytes)
+        assert sum(self._blocks_by_label.values()) == sum(m.num_blocks for m in self.segments.values())
         by_ns: dict[bytes, int] = {}
         for m in self.segments.values():
             by_ns[m.namespace] = by_ns.get(m.namespace, 0) + m.nbytes

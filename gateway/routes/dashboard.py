@@ -11,8 +11,14 @@ the display label, which two tenants may share) and no engine-wide series.
      "totals": {...}, "tenants": [LiveStats row],          # since this process started (= /metrics)
      "series": TimeSeries.series(window) | null,           # admin only
      "ledger": {"since", "totals", "models": [...], "breaks": [...]},   # the ledger, for the window
-     "cache": {"most_computed": [...], "cache_seconds", "prefill_seconds_saved", "pays"} ,
-     "isolation": [{"tenant", "share_scope", "spill_encrypted", "quotas", "last_key_created_at"}]}
+     "cache": {"most_computed": [...], "computed_prefixes": [{"tenant", "hash", "count", "error"}],
+               "cache_seconds", "prefill_seconds_saved", "pays"},
+     "isolation": [{"tenant", "share_scope", "spill_encrypted", "quotas", "kv_blocks_used",
+                    "last_key_created_at"}]}
+
+``kv_blocks_used`` = ``{"hbm", "dram", "nvme"}``: the blocks the tenant holds in each tier now, read
+from the engine's ``prefixgate_kv_tenant_blocks`` gauge by the tenant's metrics label (so two tenants
+whose names share the first 32 characters share the figure, as they share the label).
 """
 
 from __future__ import annotations
@@ -26,11 +32,11 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 
-from gateway.deps import LiveStatsDep, TenancyDep, TenantDep
+from gateway.deps import EngineDep, LiveStatsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import LiveStats
-from gateway.ports import TenantDirectory
-from gateway.timeseries import WINDOWS, TimeSeries, frame_from_registry
+from gateway.ports import TenantDirectory, tenant_metrics_label
+from gateway.timeseries import WINDOWS, TimeSeries, frame_from_registry, tenant_blocks
 
 router = APIRouter(tags=["dashboard"])
 
@@ -90,18 +96,34 @@ def _cache_pays(request: Request) -> dict[str, Any]:
             "pays": None if saved is None else saved > c["cache_manage_seconds"]}
 
 
+def _computed_prefixes(engine_stats: dict[str, Any], only_label: str | None, top: int = 10) -> list[dict[str, Any]]:
+    """The engine's most recomputed prefixes (``stats()["computed_prefixes"]``: per tenant label, a
+    block-hash prefix with its count), most first; only ``only_label``'s when given.
+
+    Named by hash alone: the gateway knows a request's template family but the engine's hashes are
+    of token blocks it never sees, so the two cannot be joined here (the family list is separate).
+    """
+    rows = [{"tenant": label, "hash": e["hash"], "count": e["count"], "error": e["error"]}
+            for label, entries in (engine_stats.get("computed_prefixes") or {}).items()
+            if only_label is None or label == only_label
+            for e in entries]
+    rows.sort(key=lambda r: (-r["count"], r["tenant"], r["hash"]))
+    return rows[:top]
+
+
 def _isolation_row(name: str, share_scope: str, encrypted: bool | None, quotas: Any,
-                   last_key: float | None) -> dict[str, Any]:
+                   last_key: float | None, used: dict[str, int]) -> dict[str, Any]:
     return {
         "tenant": name, "share_scope": share_scope, "spill_encrypted": encrypted,
         "quotas": {"rpm": quotas.rpm, "tpm": quotas.tpm, "budget_usd": quotas.budget_usd,
                    "kv_blocks_hbm": quotas.kv_blocks_hbm, "kv_blocks_dram": quotas.kv_blocks_dram,
                    "kv_blocks_nvme": quotas.kv_blocks_nvme},
+        "kv_blocks_used": {tier: used.get(tier, 0) for tier in ("hbm", "dram", "nvme")},
         "last_key_created_at": last_key,
     }
 
 
-def _isolation(ctx: Any, tenancy: Any, live: LiveStats) -> list[dict[str, Any]]:
+def _isolation(ctx: Any, tenancy: Any, live: LiveStats, registry: Any) -> list[dict[str, Any]]:
     """Share scope, spill encryption, quotas and the newest API key of each visible tenant.
 
     Encryption is a property of an authenticated context (its cipher): known for the caller and
@@ -113,16 +135,19 @@ def _isolation(ctx: Any, tenancy: Any, live: LiveStats) -> list[dict[str, Any]]:
     for k in tenancy.list_keys(None if ctx.is_admin else ctx.name):
         if k.revoked_at is None:
             keys[k.tenant_id] = max(keys.get(k.tenant_id, 0.0), k.created_at)
+    used = tenant_blocks(registry)
     if not ctx.is_admin:
-        return [_isolation_row(ctx.name, ctx.share_scope, ctx.cipher is not None, ctx.quotas, keys.get(ctx.tenant_id))]
+        return [_isolation_row(ctx.name, ctx.share_scope, ctx.cipher is not None, ctx.quotas, keys.get(ctx.tenant_id),
+                               used.get(ctx.metrics_label, {}))]
     seen = {**live.spill_encrypted(), ctx.tenant_id: ctx.cipher is not None}
-    return [_isolation_row(t.name, t.share_scope, seen.get(t.tenant_id), t.quotas, keys.get(t.tenant_id))
+    return [_isolation_row(t.name, t.share_scope, seen.get(t.tenant_id), t.quotas, keys.get(t.tenant_id),
+                           used.get(tenant_metrics_label(t.name), {}))
             for t in tenancy.list_tenants()]
 
 
 @router.get("/dashboard/data")
 async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, tenancy: TenancyDep,
-                         window: str = "5m") -> dict[str, Any]:
+                         engine: EngineDep, window: str = "5m") -> dict[str, Any]:
     if window not in WINDOWS:
         raise invalid_request(f"window must be one of {', '.join(WINDOWS)}, got {window!r}", param="window")
     admin = bool(ctx.is_admin)
@@ -134,6 +159,7 @@ async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, t
     # The report flushes the ledger and reads SQLite: off the event loop.
     report = await anyio.to_thread.run_sync(lambda: tenancy.usage(ctx, since=since))
     series: TimeSeries = request.app.state.timeseries
+    engine_stats = await engine.stats() if engine is not None else {}
     return {
         "generated_at": time.time(),
         "scope": "all" if admin else "own",
@@ -150,6 +176,8 @@ async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, t
         "tenants": tenants,
         "series": series.series(window) if admin else None,
         "ledger": {"since": since.isoformat(), **_ledger_view(report)},
-        "cache": {"most_computed": live.most_computed(only), **(_cache_pays(request) if admin else {})},
-        "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy, live)),
+        "cache": {"most_computed": live.most_computed(only),
+                  "computed_prefixes": _computed_prefixes(engine_stats, None if admin else ctx.metrics_label),
+                  **(_cache_pays(request) if admin else {})},
+        "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy, live, request.app.state.registry)),
     }

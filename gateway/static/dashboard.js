@@ -172,11 +172,16 @@
     fillTable("breaks", data.ledger.breaks, (b) => [cell(b.tenant), cell(b.rule, "text"), cell(fmtInt(b.requests)),
                                                      cell(fmtInt(b.tokens_lost)), cell(fmtUsd(b.usd_lost))],
               "No explained cache breaks in this window.", 5);
+    fillTable("prefixes", c.computed_prefixes || [], (r) => [
+      cell(r.tenant), cell(r.hash, "text"), cell(fmtInt(r.count) + (r.error ? " (±" + fmtInt(r.error) + ")" : "")),
+    ], "Nothing recomputed yet.", 3);
     const q = (v) => (v === null || v === undefined ? "∞" : fmtInt(v));
+    // "used / quota" blocks per tier: use is what the tier's block quota counts, right now
+    const useQuota = (r, tier) => fmtInt(r.kv_blocks_used[tier]) + " / " + q(r.quotas["kv_blocks_" + tier]);
     fillTable("isolation", data.isolation, (r) => [
       cell(r.tenant), cell(r.share_scope, "text"), cell(r.spill_encrypted === null ? "–" : r.spill_encrypted ? "yes" : "NO", "text"),
       cell(q(r.quotas.rpm)), cell(q(r.quotas.tpm)), cell(r.quotas.budget_usd === null ? "∞" : fmtUsd(r.quotas.budget_usd)),
-      cell(q(r.quotas.kv_blocks_hbm)), cell(q(r.quotas.kv_blocks_dram)), cell(q(r.quotas.kv_blocks_nvme)),
+      cell(useQuota(r, "hbm")), cell(useQuota(r, "dram")), cell(useQuota(r, "nvme")),
       cell(fmtTime(r.last_key_created_at), "text"),
     ], "–", 10);
 

@@ -247,6 +247,9 @@ class RecordingLowerTier:
     def stats(self) -> dict:
         return {"spilled": len(self.spilled)}
 
+    def blocks_by_tenant(self) -> dict:
+        return {}
+
     def close(self) -> None:
         pass
 

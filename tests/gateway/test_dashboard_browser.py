@@ -109,6 +109,11 @@ def test_panel_in_chromium_shows_live_charts_and_the_ledgers_numbers(loaded_serv
     assert acme[1] == f"{ledger['acme']['requests']:,}" and acme[4] == f"{ledger['acme']['prompt_tokens']:,}", acme
     assert acme[5] == f"{ledger['acme']['cached_tokens']:,}", acme
     assert "Prompt family (most computed)" in dom and "prefix:tiny:" in dom and "ExampleCo" not in dom
+    # the engine's most recomputed prefixes by block hash, and each tier's "used / quota"
+    prefixes = re.search(r'<tbody id="prefixes">(.*?)</tbody>', dom, re.S).group(1)
+    assert re.search(r">[0-9a-f]{12}<", prefixes), prefixes
+    isolation = re.search(r'<tbody id="isolation">(.*?)</tbody>', dom, re.S).group(1)
+    assert re.search(r">\d[\d,]* / ∞<", isolation), isolation
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for name, size in (("panel-1400x900.png", "1400,900"), ("panel-phone-390x844.png", "390,844"),

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_types import LowerTier
+from engine.kv_types import LowerTier, TierName
 from engine.llm_engine import LLMEngine
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.tiers import TierHook, TierManager
@@ -253,3 +253,41 @@ def test_quotas_set_in_tenancy_reach_the_tiers(tmp_path, registry):
         hook.close()
     finally:
         svc.close()
+
+
+def test_use_per_tenant_and_tier_is_published_as_a_gauge(tmp_path, registry):
+    """The panel's "used / quota": blocks a tenant holds in each tier are what its block quota of
+    that tier counts, per metrics label, and ``prefixgate_kv_tenant_blocks`` says the same after
+    the engine publishes its state; a tenant that holds nothing anymore reads 0, not a stale value."""
+    engine, hook = build(tmp_path, registry, dram_bytes=1 << 20, nvme_bytes=1 << 20)
+    capped = dataclasses.replace(tenant("capped"), kv_block_quota_dram=2, kv_block_quota_nvme=3)
+    rng = random.Random(8)
+    p = [rng.randrange(1000, 40_000) for _ in range(100)]  # 6 cacheable full blocks
+    run(engine, "p1", capped, p)
+    run(engine, "q1", capped, [rng.randrange(1000, 40_000) for _ in range(170)])  # p's blocks spill
+    hook.manager.drain()
+    # demotions finish on the tiers' workers after the last step: the gauge catches up at the next
+    # publish (an empty step here; any step or abort in a serving engine)
+    engine.step()
+    gauge = engine.metrics.registry
+    used = engine.cache.blocks_by_tenant()
+    assert used[TierName.DRAM] == {"capped": 2} and used[TierName.NVME] == {"capped": 3}
+    assert used[TierName.HBM] == {}  # nothing runs: no block is referenced
+    for tier, n in (("hbm", 0), ("dram", 2), ("nvme", 3)):
+        assert metric(gauge, "prefixgate_kv_tenant_blocks", tenant="capped", tier=tier) == n
+    assert engine.stats()["kv_blocks_by_tenant"] == {"hbm": {}, "dram": {"capped": 2}, "nvme": {"capped": 3}}
+    # while a request runs, its referenced HBM blocks count for its tenant
+    engine.add_request(GenerateRequest(request_id="r", tenant=capped, prompt_token_ids=p,
+                                       sampling=SamplingParams(max_tokens=4, temperature=0.0)))
+    engine.step()
+    assert metric(gauge, "prefixgate_kv_tenant_blocks", tenant="capped", tier="hbm") == engine.cache.used_by(
+        capped.namespace) > 0
+    while engine.has_unfinished():
+        engine.step()
+    hook.manager.drain()
+    hook.manager.delete_tenant(capped.namespace)
+    engine.step()
+    assert engine.cache.blocks_by_tenant()[TierName.DRAM] == {}
+    assert metric(gauge, "prefixgate_kv_tenant_blocks", tenant="capped", tier="dram") == 0
+    assert metric(gauge, "prefixgate_kv_tenant_blocks", tenant="capped", tier="hbm") == 0
+    hook.close()
