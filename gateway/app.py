@@ -43,7 +43,7 @@ from gateway.routes import (
     responses,
     usage,
 )
-from gateway.routes.ops import FleetCollector
+from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
@@ -228,6 +228,7 @@ def create_app(
     app.state.registry = registry
     app.state.metrics = GatewayMetrics(registry)
     registry.register(FleetCollector(lambda: app.state.tenancy))  # prefixgate_redis_up and friends
+    registry.register(LedgerCollector(lambda: app.state.tenancy))  # rows committed / quarantined / lost
     app.state.live_stats = LiveStats()
     app.state.timeseries = TimeSeries(registry, app.state.live_stats)  # the dashboard's charts
     app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)

@@ -62,6 +62,25 @@ class FleetStatusSource(Protocol):
     def fleet_status(self) -> FleetStatus: ...
 
 
+class LedgerCounts(Protocol):
+    """What the usage-ledger writer counts since it started (``tenancy.ledger.LedgerStats``)."""
+
+    committed: int
+    quarantined: int
+    spilled: int
+    replayed: int
+    lost: int
+    retries: int
+    queued: int
+
+
+@runtime_checkable
+class LedgerStatsSource(Protocol):
+    """The ledger writer's counters (``TenancyService.ledger_stats``; fakes may not have it)."""
+
+    def ledger_stats(self) -> LedgerCounts: ...
+
+
 @runtime_checkable
 class TenantDirectory(Protocol):
     """Listing tenants and keys (``TenancyService`` has it; test fakes may not): the panel's isolation table."""

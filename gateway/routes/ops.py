@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gateway.deps import EngineDep, SettingsDep, TenancyDep, bearer_key
 from gateway.errors import OpenAIError
-from gateway.ports import AuthenticationError, FleetStatusSource, TenancyPort
+from gateway.ports import AuthenticationError, FleetStatusSource, LedgerStatsSource, TenancyPort
 
 router = APIRouter(tags=["ops"])
 
@@ -66,6 +66,36 @@ class FleetCollector:
         yield CounterMetricFamily("prefixgate_redis_fallback_admissions",
                                   "Admissions decided by this gateway's local limits because Redis did not answer",
                                   value=float(shared.fallbacks))
+
+
+class LedgerCollector:
+    """Prometheus view of the usage ledger's writer (issue 16.1: a row the database refuses is
+    quarantined and counted, never a stop for the rows behind it): rows by outcome, retries of
+    transient errors, rows still queued. An alert on ``quarantined``/``lost`` rising is the operator's
+    signal that client data or the database needs a look."""
+
+    def __init__(self, tenancy: Callable[[], object]) -> None:
+        self._tenancy = tenancy  # read at scrape time: the app's tenancy is opened in its lifespan
+
+    def collect(self) -> Iterator[Metric]:
+        tenancy = self._tenancy()
+        if not isinstance(tenancy, LedgerStatsSource):
+            return
+        stats = tenancy.ledger_stats()
+        rows = CounterMetricFamily(
+            "prefixgate_ledger_rows",
+            "Usage rows by what became of them: committed; quarantined (refused by the database, kept in "
+            "usage_quarantine); spilled (to the quarantine file while the database was unavailable); "
+            "replayed (from that file); lost (kept nowhere, logged)",
+            labels=["outcome"])
+        for outcome, value in (("committed", stats.committed), ("quarantined", stats.quarantined),
+                               ("spilled", stats.spilled), ("replayed", stats.replayed), ("lost", stats.lost)):
+            rows.add_metric([outcome], float(value))
+        yield rows
+        yield CounterMetricFamily("prefixgate_ledger_retries", "Transient database errors the ledger retried",
+                                  value=float(stats.retries))
+        yield GaugeMetricFamily("prefixgate_ledger_queued_rows", "Usage rows waiting for the ledger writer",
+                                value=float(stats.queued))
 
 
 def _authorize_scrape(tenancy: TenancyPort, token: str | None, key: str | None) -> None:
