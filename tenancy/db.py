@@ -159,6 +159,24 @@ def connect(path: Path, *, busy_timeout_s: float = 10.0) -> sqlite_utils.Databas
     conn = sqlite3.connect(str(path), timeout=busy_timeout_s, check_same_thread=False)
     db = sqlite_utils.Database(conn, execute_plugins=False)
     db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+    deadline = time.monotonic() + busy_timeout_s
+    delay = 0.01
+    while True:
+        try:
+            _prepare(db)
+            return db
+        except sqlite3.OperationalError as exc:
+            # Processes opening one fresh file together: switching it to WAL, or a schema read that
+            # races a writer before WAL is in force, can fail with "database is locked" at once,
+            # without waiting (SQLite's deadlock avoidance skips the busy handler). Every step of
+            # _prepare is idempotent, so it is redone until the busy timeout has passed.
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, 0.2)
+
+
+def _prepare(db: sqlite_utils.Database) -> None:
     db.enable_wal()
     # FULL: a commit is on disk when it returns. The ledger batches commits, so the fsync is cheap.
     db.execute("PRAGMA synchronous = FULL")
@@ -166,7 +184,6 @@ def connect(path: Path, *, busy_timeout_s: float = 10.0) -> sqlite_utils.Databas
     db.execute("PRAGMA secure_delete = ON")
     db.execute("PRAGMA foreign_keys = ON")
     migrate(db)
-    return db
 
 
 def current_version(db: sqlite_utils.Database) -> int:
