@@ -29,12 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field
 
 from engine.protocol import RequestOutput
 from gateway.errors import OpenAIError, invalid_request
 from gateway.formats import ChoiceText, sse
-from gateway.ingress import scan
+from gateway.ingress import ScannedBody
 from gateway.pipeline import Prepared
 from gateway.schemas import MAX_NAME_CHARS
 from promptlint.cache_control import Breakpoint
@@ -54,7 +54,7 @@ def error_body(err: OpenAIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(ScannedBody):
     """The body of ``POST /v1/messages``. Unknown fields are tolerated."""
 
     model_config = ConfigDict(extra="allow")
@@ -71,17 +71,6 @@ class MessagesRequest(BaseModel):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    _text_chars: int = PrivateAttr(0)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _bounded(cls, data: Any, handler: Any) -> Any:
-        shape = scan(data) if isinstance(data, dict) else None
-        model = handler(data)
-        if shape is not None:
-            model._text_chars = shape.chars
-        return model
-
 
 class CountTokensRequest(MessagesRequest):
     """The body of ``POST /v1/messages/count_tokens``: a Messages request without ``max_tokens``."""

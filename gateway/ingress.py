@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 # Deeper than any real JSON schema a tool declares (OpenAI documents 5 levels for strict schemas),
@@ -114,3 +115,24 @@ GREEDY_BELOW = 1e-5
 def effective_temperature(temperature: float) -> float:
     """The temperature to sample with: ``temperature``, or 0 (greedy) where it is too small to divide by."""
     return 0.0 if temperature < GREEDY_BELOW else temperature
+
+
+class ScannedBody(BaseModel):
+    """A request body whose raw JSON is scanned (``scan``: depth, text validity, size) before any
+    field is built from it; every front door's request model derives from it."""
+
+    _text_chars: int = PrivateAttr(0)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _bounded(cls, data: Any, handler: Any) -> Any:
+        shape = scan(data) if isinstance(data, dict) else None
+        model = handler(data)
+        if shape is not None:
+            model._text_chars = shape.chars
+        return model
+
+    @property
+    def text_chars(self) -> int:
+        """Characters in every string of the body as received."""
+        return self._text_chars

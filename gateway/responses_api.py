@@ -26,12 +26,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field
 
 from engine.protocol import RequestOutput
 from gateway.errors import OpenAIError, invalid_request
 from gateway.formats import ChoiceText, sse
-from gateway.ingress import scan
+from gateway.ingress import ScannedBody
 from gateway.pipeline import Prepared
 from gateway.schemas import MAX_NAME_CHARS, now
 
@@ -41,7 +41,7 @@ _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ScannedBody):
     """The body of ``POST /v1/responses``. Unknown fields are tolerated, as OpenAI does."""
 
     model_config = ConfigDict(extra="allow")
@@ -62,17 +62,6 @@ class ResponsesRequest(BaseModel):
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
-    _text_chars: int = PrivateAttr(0)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _bounded(cls, data: Any, handler: Any) -> Any:
-        shape = scan(data) if isinstance(data, dict) else None
-        model = handler(data)
-        if shape is not None:
-            model._text_chars = shape.chars
-        return model
-
 
 def _chat_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     if isinstance(content, str):

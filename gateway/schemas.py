@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.ingress import body_limit, scan
+from gateway.ingress import ScannedBody, body_limit
 
 # Strings that are stored per request (ledger rows, miss families) or echoed: bounded at ingress so
 # that a rejected request cannot store megabytes (issue 16.9). OpenAI caps `user` at 256 too.
@@ -30,7 +30,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(ScannedBody):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
@@ -48,18 +48,6 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string key) -> bias in [-100, 100]
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    _text_chars: int = PrivateAttr(0)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _bounded(cls, data: Any, handler: Any) -> Any:
-        """Depth, text validity and size of the raw body first, before any field is built from it."""
-        shape = scan(data) if isinstance(data, dict) else None
-        model = handler(data)
-        if shape is not None:
-            model._text_chars = shape.chars
-        return model
-
     @field_validator("stop")
     @classmethod
     def _short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -70,10 +58,6 @@ class _Common(BaseModel):
             raise body_limit(f"each stop sequence may have at most {MAX_STOP_CHARS} characters", "stop")
         return stop
 
-    @property
-    def text_chars(self) -> int:
-        """Characters in every string of the body as received (``ingress.scan``)."""
-        return self._text_chars
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
