@@ -4,7 +4,7 @@
                             [--device cpu|cuda] [--gpus 1|2] [--model DIR] [--out FILE]
 
 Starts two real engine processes (``prefixgate serve --role prefill`` and ``--role decode``,
-tiny model on CPU by default) and drives them with the gateway's split client
+SmolLM2-135M-Instruct on CPU by default) and drives them with the gateway's split client
 (``gateway.disagg_client.DisaggEngineClient``), in one run:
 
 1. Transfer bandwidth: long prompts prefilled on the prefill node and sent to the decode node's
@@ -52,7 +52,7 @@ from prometheus_client import CollectorRegistry
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.launch import ensure_tiny_model  # noqa: E402
+from engine.launch import ensure_smol_model, ensure_tiny_model  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
 from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy  # noqa: E402
 from gateway.node_wire import request_to_wire  # noqa: E402
@@ -175,7 +175,7 @@ def transport_only_bw(nbytes: int, block_bytes: int, repeats: int = 5) -> float:
 
 def gen_request(rid: str, ns: bytes, n_tokens: int, max_tokens: int, seed: int) -> GenerateRequest:
     rng = random.Random(seed)
-    prompt = [rng.randrange(1000, 50000) for _ in range(n_tokens)]
+    prompt = [rng.randrange(1000, 30000) for _ in range(n_tokens)]  # inside every served vocabulary (SmolLM2: 49,152)
     return GenerateRequest(rid, StaticTenantScope(namespace=ns),
                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                            prompt_token_ids=prompt)
@@ -198,7 +198,8 @@ async def transfer_phase(prefill_url: str, receiver: str, n_tokens: int, repeats
             gr = gen_request(f"bw{i}", f"bw-{i}".encode(), n_tokens, 1, seed=100 + i)
             r = await http.post(f"{prefill_url}/internal/v1/kv/prefill",
                                 json={"request": request_to_wire(gr), "address": receiver})
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"prefill node answered {r.status_code}: {r.text[:500]}")
             d = r.json()
             out.append({"prefill_s": d["prefill_s"], **d["transfer"]})
     return out
@@ -288,7 +289,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu", help="cpu or cuda (GPU variant: not run by the CPU CI)")
     p.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="with --device cuda: nodes share GPU 0 or get one each")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
+    p.add_argument("--model", default="smol",
+                   help="'smol' (SmolLM2-135M-Instruct, the default served model), 'tiny', or a checkpoint directory")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.smoke:
@@ -297,9 +299,10 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     homes = [tmp / "prefill", tmp / "decode"]
-    ensure_tiny_model(homes[0])
-    shutil.copytree(homes[0] / "models", homes[1] / "models")
-    extra = ["--device", args.device] + (["--model", args.model] if args.model else [])
+    model_dir = {"smol": ensure_smol_model, "tiny": ensure_tiny_model}.get(args.model, lambda _h: Path(args.model))(homes[0])
+    if (homes[0] / "models").is_dir():
+        shutil.copytree(homes[0] / "models", homes[1] / "models")
+    extra = ["--device", args.device, "--model", str(model_dir)]
     env = [dict(ENV), dict(ENV)]
     if args.device.startswith("cuda") and args.gpus == 2:
         env[0]["CUDA_VISIBLE_DEVICES"], env[1]["CUDA_VISIBLE_DEVICES"] = "0", "1"
@@ -322,7 +325,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "commit": git_commit(), "device": args.device, "gpus": args.gpus,
-        "model": args.model or "tiny", "args": vars(args), "prediction": PREDICTION, **figures,
+        "model": args.model, "args": vars(args), "prediction": PREDICTION, **figures,
     }
     t, m = figures["transfer"], figures["mixed"]
     mb = 1e6
