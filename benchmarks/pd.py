@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -70,6 +71,18 @@ PREDICTION = {
                         "but by less than on a GPU: both processes share the same 2 CPU cores",
     "long_ttft": "split higher than colocated: lookup + prefill round trip + transfer + import + the decode node's "
                  "tail prefill, and the prefill competes for the same cores",
+    "host_shm_vs_socket_transport": "1.2-2x the socket transport alone: no kernel socket copy, but a copy into "
+                                    "the file and two digest passes in torch (int64 temporaries)",
+}
+# Written before the first GPU run (H200, 8B-shaped random bf16 model, two engine processes on GPU 0):
+PREDICTION_GPU = {
+    "cuda_ipc_vs_device_copy": "0.1-0.3x on one GPU: gather, landing copy and scatter are three copies, two "
+                               "digest passes read the bytes with int64 temporaries, and each chunk waits for a "
+                               "frame round trip and an engine-thread hop; on two GPUs 0.5-0.8x of the peer copy "
+                               "(the NVLink copy dominates the on-device passes)",
+    "decoder_tpot_p99": "split lower than colocated, but less than the prefill step's share: without MPS the two "
+                        "processes' kernels time-slice the one GPU, so a long prefill still delays decode steps",
+    "long_ttft": "split higher: lookup + prefill round trip + transfer + import + the decode node's first step",
 }
 
 
@@ -173,9 +186,10 @@ def transport_only_bw(nbytes: int, block_bytes: int, repeats: int = 5) -> float:
 
 # ----------------------------------------------------------------------------- requests
 
-def gen_request(rid: str, ns: bytes, n_tokens: int, max_tokens: int, seed: int) -> GenerateRequest:
+def gen_request(rid: str, ns: bytes, n_tokens: int, max_tokens: int, seed: int, hi: int = 30000) -> GenerateRequest:
+    """``hi``: above the largest token id drawn; 30,000 fits every served vocabulary (SmolLM2: 49,152)."""
     rng = random.Random(seed)
-    prompt = [rng.randrange(1000, 30000) for _ in range(n_tokens)]  # inside every served vocabulary (SmolLM2: 49,152)
+    prompt = [rng.randrange(min(1000, hi // 2), hi) for _ in range(n_tokens)]
     return GenerateRequest(rid, StaticTenantScope(namespace=ns),
                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                            prompt_token_ids=prompt)
@@ -216,7 +230,7 @@ async def mixed_phase(client: DisaggEngineClient, tag: str, args: argparse.Names
         while not stop_at.is_set():
             i = next(counter)
             gr = gen_request(f"{tag}-d{d}-{i}", f"{tag}-dec-{d}".encode(), args.short_tokens, args.decode_tokens,
-                             seed=i)
+                             seed=i, hi=args.token_hi)
             ttft, times = await stream_times(client, gr)
             dec_ttft.append(ttft)
             tpot.extend(b - a for a, b in zip(times, times[1:]))
@@ -225,7 +239,7 @@ async def mixed_phase(client: DisaggEngineClient, tag: str, args: argparse.Names
         await asyncio.sleep(args.warmup_s)
         pending = []
         for j in range(args.long_arrivals):
-            gr = gen_request(f"{tag}-L{j}", f"{tag}-long-{j}".encode(), args.long_tokens, 8, seed=10_000 + j)
+            gr = gen_request(f"{tag}-L{j}", f"{tag}-long-{j}".encode(), args.long_tokens, 8, seed=10_000 + j, hi=args.token_hi)
             pending.append(asyncio.create_task(stream_times(client, gr)))
             await asyncio.sleep(args.interval_s)
         for ttft, _ in await asyncio.gather(*pending):
@@ -253,7 +267,8 @@ async def run(args: argparse.Namespace, prefill_url: str, decode_url: str) -> di
     bw = [t["bytes_sent"] / t["seconds"] for t in transfers if t["seconds"] > 0]
     block_bytes = nbytes // max(1, max(t["blocks_sent"] for t in transfers))
     baselines = {"memcpy": memcpy_bw(nbytes), "socket": socket_bw(nbytes), "hmac_sha256": hmac_bw(nbytes),
-                 "transport_noop_import": transport_only_bw(nbytes, block_bytes)}
+                 "transport_noop_import": transport_only_bw(nbytes, block_bytes),
+                 "host_shm_noop_import": host_shm_only_bw(nbytes, block_bytes)}
 
     def client(min_split: int) -> DisaggEngineClient:
         return DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=min_split),
@@ -275,6 +290,85 @@ async def run(args: argparse.Namespace, prefill_url: str, decode_url: str) -> di
     }
 
 
+def host_shm_only_bw(nbytes: int, block_bytes: int, repeats: int = 5) -> float:
+    """The /dev/shm shared-buffer transport (same frames and checks, bytes mapped instead of sent,
+    keyed digest on both sides) into a receiver whose importer does nothing."""
+    from concurrent.futures import Future
+
+    import torch
+
+    from engine.disagg.api import derive_transfer_key
+    from engine.disagg.metrics import TransferMetrics
+    from engine.disagg.receiver import ImportOutcome, KVReceiver
+    from engine.disagg.shared_transport import HostShmTransport, landing_for
+    from engine.disagg.transport import OutgoingTransfer
+    from engine.disagg.wire import EngineLayout
+    from engine.prefix_index import block_hashes
+
+    bs, n = 16, max(1, nbytes // block_bytes)
+    layout, key = EngineLayout("bench", "float32", bs, 4, block_bytes), derive_transfer_key("bench")
+    tokens = list(range(n * bs))
+
+    def importer(chunk, chain):  # noqa: ANN001, ANN202 - the receiver's callback shape
+        f: Future = Future()
+        f.set_result(ImportOutcome(chunk.num_blocks, chunk.num_blocks))
+        return f
+
+    rx = KVReceiver("127.0.0.1", 0, key, layout, importer, TransferMetrics(CollectorRegistry()),
+                    landing=landing_for(key, "cpu"))
+    t = OutgoingTransfer("bw", b"bench", tuple(block_hashes(b"bench", tokens, bs)),
+                         tuple(tuple(tokens[i * bs:(i + 1) * bs]) for i in range(n)),
+                         torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8))
+    try:
+        best = min(HostShmTransport(rx.address, key, layout).send(t).seconds for _ in range(repeats))
+    finally:
+        rx.close()
+    return n * block_bytes / best
+
+
+async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], authkeys: tuple[bytes, bytes],
+                           devices: tuple[str, str]) -> dict:
+    """Transfer bandwidth and the mixed workload against two ``pd_node.py`` processes."""
+    from pd_engine_nodes import NodeClient, PairClient, device_copy_bw
+
+    loop = asyncio.get_running_loop()
+    prefill, decode = (NodeClient(p, k, loop) for p, k in zip(ports, authkeys))
+    try:
+        receiver = await decode.call("address")
+        transfers = []
+        for i in range(args.repeats):
+            gr = gen_request(f"bw{i}", f"bw-{i}".encode(), args.long_tokens, 1, seed=100 + i, hi=args.token_hi)
+            rep = await prefill.call("prefill", gr, receiver, 0)
+            transfers.append({"prefill_s": rep.prefill_s, **dataclasses.asdict(rep.transfer),
+                              "status": rep.transfer.status.value})
+        nbytes = max(t["bytes_sent"] for t in transfers)
+        bw = [t["bytes_sent"] / t["seconds"] for t in transfers if t["seconds"] > 0 and t["status"] == "imported"]
+        if devices[0].startswith("cuda"):
+            baselines = {"device_copy_same_gpu": device_copy_bw(nbytes, devices[1], devices[1])}
+            if devices[0] != devices[1]:
+                baselines["peer_copy"] = device_copy_bw(nbytes, devices[0], devices[1])
+            ref = baselines.get("peer_copy", baselines["device_copy_same_gpu"])
+        else:
+            baselines = {"memcpy": memcpy_bw(nbytes)}
+            ref = baselines["memcpy"]
+        split = PairClient(decode, prefill, receiver, SplitPolicy(min_split_tokens=args.split_min_tokens))
+        mixed = {"colocated": await mixed_phase(PairClient(decode, prefill, receiver, None), "co", args),
+                 "split": await mixed_phase(split, "sp", args)}
+        mixed["split"]["handoffs"] = len(split.handoffs)
+        mixed["split"]["handoff_status"] = sorted({h.transfer.status.value for h in split.handoffs})
+        leaks = {"prefill": await prefill.call("integrity"), "decode": await decode.call("integrity")}
+    finally:
+        prefill.close()
+        decode.close()
+    med = statistics.median(bw) if bw else 0.0
+    return {
+        "transfer": {"bytes": nbytes, "runs": transfers, "bandwidth_bytes_per_s_median": med,
+                     "transport": "cuda_ipc" if devices[0].startswith("cuda") else "socket",
+                     "baselines_bytes_per_s": baselines, "ratio_vs_copy": med / ref},
+        "mixed": mixed, "integrity": leaks,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds: 2 decoders, 2 short long-prompt arrivals")
@@ -291,49 +385,92 @@ def main() -> int:
     p.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="with --device cuda: nodes share GPU 0 or get one each")
     p.add_argument("--model", default="smol",
                    help="'smol' (SmolLM2-135M-Instruct, the default served model), 'tiny', or a checkpoint directory")
+    p.add_argument("--nodes", choices=("serve", "engine"), default=None,
+                   help="serve: two `prefixgate serve` processes (HTTP, a checkpoint); engine: two "
+                        "benchmarks/pd_node.py processes with a random-weight model (default with --device cuda)")
+    p.add_argument("--shape", choices=("8b", "small"), default="8b", help="--nodes engine: the model's shape")
+    p.add_argument("--kv-blocks", type=int, default=8192, help="--nodes engine: KV blocks per node")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="--nodes engine: the step's token budget")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.nodes = args.nodes or ("engine" if args.device.startswith("cuda") else "serve")
+    args.token_hi = 4096 if args.nodes == "engine" and args.shape == "small" else 30000
     if args.smoke:
         args.decoders, args.long_arrivals, args.long_tokens = 2, 2, 320
         args.decode_tokens, args.interval_s, args.warmup_s, args.repeats = 12, 0.5, 0.5, 2
 
+    if args.nodes == "engine":
+        return main_engine_nodes(args)
     tmp = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     homes = [tmp / "prefill", tmp / "decode"]
     model_dir = {"smol": ensure_smol_model, "tiny": ensure_tiny_model}.get(args.model, lambda _h: Path(args.model))(homes[0])
     if (homes[0] / "models").is_dir():
         shutil.copytree(homes[0] / "models", homes[1] / "models")
-    extra = ["--device", args.device, "--model", str(model_dir)]
+    extra = ["--model", str(model_dir)]
     env = [dict(ENV), dict(ENV)]
+    devs = [args.device, args.device]
     if args.device.startswith("cuda") and args.gpus == 2:
-        env[0]["CUDA_VISIBLE_DEVICES"], env[1]["CUDA_VISIBLE_DEVICES"] = "0", "1"
+        devs = ["cuda:0", "cuda:1"]  # both processes see both GPUs: a CUDA IPC handle names GPU 0 for GPU 1
     procs = []
     load_before = os.getloadavg()
     try:
         prefill_url, pp = serve_tiny(homes[0], "--role", "prefill", "--node-token-env", "PD_BENCH_TOKEN", *extra,
-                                     env=env[0])
+                                     "--device", devs[0], env=env[0])
         procs.append(pp)
         decode_url, dp = serve_tiny(homes[1], "--role", "decode", "--node-token-env", "PD_BENCH_TOKEN", *extra,
-                                    env=env[1])
+                                    "--device", devs[1], env=env[1])
         procs.append(dp)
         figures = asyncio.run(run(args, prefill_url, decode_url))
     finally:
         for proc in procs:
             stop(proc)
         shutil.rmtree(tmp, ignore_errors=True)
+    return report(args, figures, load_before)
+
+
+def main_engine_nodes(args: argparse.Namespace) -> int:
+    from pd_engine_nodes import node_env, start_node
+
+    gpu = args.device.startswith("cuda")
+    devices = ("cuda:0", "cuda:1" if args.gpus == 2 else "cuda:0") if gpu else ("cpu", "cpu")
+    load_before = os.getloadavg()
+    procs, ports, keys = [], [], []
+    try:
+        for role, dev in zip(("prefill", "decode"), devices):
+            env, key = node_env(TOKEN)
+            proc, port = start_node(role, dev, args, env)
+            procs.append(proc)
+            ports.append(port)
+            keys.append(key)
+        figures = asyncio.run(run_engine_nodes(args, (ports[0], ports[1]), (keys[0], keys[1]), devices))
+    finally:
+        for proc in procs:
+            stop(proc)
+    figures["devices"] = {"prefill": devices[0], "decode": devices[1]}
+    if gpu:
+        import torch
+
+        figures["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return report(args, figures, load_before)
+
+
+def report(args: argparse.Namespace, figures: dict, load_before: tuple[float, float, float]) -> int:
     result = {
         "command": " ".join(["python", "benchmarks/pd.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "commit": git_commit(), "device": args.device, "gpus": args.gpus,
-        "model": args.model, "args": vars(args), "prediction": PREDICTION, **figures,
+        "model": args.model if args.nodes == "serve" else f"random {args.shape}-shaped", "args": vars(args), "prediction": PREDICTION_GPU if args.device.startswith("cuda") else PREDICTION,
+        **figures,
     }
     t, m = figures["transfer"], figures["mixed"]
     mb = 1e6
-    print(f"transfer of {t['bytes'] / mb:.2f} MB: {t['bandwidth_bytes_per_s_median'] / mb:.0f} MB/s "
-          f"(socket copy {t['baselines_bytes_per_s']['socket'] / mb:.0f} MB/s = {t['ratio_vs_socket']:.2f}x, "
-          f"memcpy {t['baselines_bytes_per_s']['memcpy'] / mb:.0f} MB/s, "
-          f"HMAC-SHA256 {t['baselines_bytes_per_s']['hmac_sha256'] / mb:.0f} MB/s, "
-          f"the transport alone into a no-op importer {t['baselines_bytes_per_s']['transport_noop_import'] / mb:.0f} MB/s)")
+    if "ratio_vs_copy" in t:
+        base = ", ".join(f"{k} {v / mb:,.0f} MB/s" for k, v in t["baselines_bytes_per_s"].items())
+        print(f"transfer of {t['bytes'] / mb:.2f} MB through {t['transport']}: "
+              f"{t['bandwidth_bytes_per_s_median'] / mb:,.0f} MB/s = {t['ratio_vs_copy']:.2f}x of the copy ({base})")
+    else:
+        print_socket_transfer(t)
     keys = ["decoder_tpot_p50_s", "decoder_tpot_p99_s", "decoder_ttft_p50_s", "decoder_ttft_p99_s",
             "long_ttft_p50_s", "long_ttft_p99_s", "decoder_tokens", "wall_s"]
     print(f"{'measure':<22}{'colocated':>12}{'split':>12}{'split/colocated':>17}")
@@ -341,12 +478,26 @@ def main() -> int:
         a, b = m["colocated"][k], m["split"][k]
         ratio = f"{b / a:.2f}x" if a and b else "-"
         print(f"{k:<22}{a!s:>12}{b!s:>12}{ratio:>17}")
-    name = "pd_cpu_smoke.json" if args.smoke else f"pd_{args.device.split(':')[0]}.json"
+    if args.smoke:
+        name = f"pd_{args.device.split(':')[0]}_smoke.json"
+    else:
+        name = f"pd_{args.device.split(':')[0]}{'_' + args.shape if args.nodes == 'engine' else ''}" \
+               f"{'_2gpu' if args.gpus == 2 and args.device.startswith('cuda') else ''}.json"
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def print_socket_transfer(t: dict) -> None:
+    mb = 1e6
+    print(f"transfer of {t['bytes'] / mb:.2f} MB: {t['bandwidth_bytes_per_s_median'] / mb:.0f} MB/s "
+          f"(socket copy {t['baselines_bytes_per_s']['socket'] / mb:.0f} MB/s = {t['ratio_vs_socket']:.2f}x, "
+          f"memcpy {t['baselines_bytes_per_s']['memcpy'] / mb:.0f} MB/s, "
+          f"HMAC-SHA256 {t['baselines_bytes_per_s']['hmac_sha256'] / mb:.0f} MB/s, "
+          f"the transport alone into a no-op importer {t['baselines_bytes_per_s']['transport_noop_import'] / mb:.0f} MB/s, "
+          f"the /dev/shm transport alone {t['baselines_bytes_per_s']['host_shm_noop_import'] / mb:.0f} MB/s)")
 
 
 if __name__ == "__main__":
