@@ -87,11 +87,13 @@ PREDICTION_GPU = {
 
 
 def git_commit() -> str:
+    """The checkout's commit; PREFIXGATE_COMMIT where the tree was copied without .git (GPU machines)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True).stdout.strip()
     except OSError:
-        return "unknown"
+        sha = ""
+    return sha or os.environ.get("PREFIXGATE_COMMIT", "unknown")
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -429,7 +431,7 @@ def main() -> int:
 
 
 def main_engine_nodes(args: argparse.Namespace) -> int:
-    from pd_engine_nodes import node_env, start_node
+    from pd_engine_nodes import node_env, start_node, wait_ready
 
     gpu = args.device.startswith("cuda")
     devices = ("cuda:0", "cuda:1" if args.gpus == 2 else "cuda:0") if gpu else ("cpu", "cpu")
@@ -438,10 +440,9 @@ def main_engine_nodes(args: argparse.Namespace) -> int:
     try:
         for role, dev in zip(("prefill", "decode"), devices):
             env, key = node_env(TOKEN)
-            proc, port = start_node(role, dev, args, env)
-            procs.append(proc)
-            ports.append(port)
+            procs.append(start_node(role, dev, args, env))
             keys.append(key)
+        ports = [wait_ready(proc, role) for proc, role in zip(procs, ("prefill", "decode"))]
         figures = asyncio.run(run_engine_nodes(args, (ports[0], ports[1]), (keys[0], keys[1]), devices))
     finally:
         for proc in procs:

@@ -114,13 +114,18 @@ class PairClient:
             yield out
 
 
-def start_node(role: str, device: str, args: Any, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+def start_node(role: str, device: str, args: Any, env: dict[str, str]) -> subprocess.Popen:
+    """Spawn a node (both start in parallel: model build and CUDA graph capture); see ``wait_ready``."""
     cmd = [sys.executable, str(REPO / "benchmarks" / "pd_node.py"), "--role", role, "--device", device,
            "--shape", args.shape, "--kv-blocks", str(args.kv_blocks),
            "--max-model-len", str(args.long_tokens + args.decode_tokens + 64),
            "--max-batched-tokens", str(args.max_batched_tokens)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
                             stdout=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, role: str) -> int:
+    """-> the node's port once it printed READY."""
     assert proc.stdout is not None
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -128,7 +133,9 @@ def start_node(role: str, device: str, args: Any, env: dict[str, str]) -> tuple[
         if not line:
             raise RuntimeError(f"{role} node exited ({proc.wait()}) before READY")
         if line.startswith("READY "):
-            return proc, int(line.split()[1])
+            # keep reading what it prints later: a full pipe would block the node
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            return int(line.split()[1])
     proc.kill()
     raise RuntimeError(f"{role} node not ready in time")
 
