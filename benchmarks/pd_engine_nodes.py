@@ -120,7 +120,7 @@ def start_node(role: str, device: str, args: Any, env: dict[str, str]) -> subpro
            "--shape", args.shape, "--kv-blocks", str(args.kv_blocks),
            "--max-model-len", str(args.long_tokens + args.decode_tokens + 64),
            "--max-batched-tokens", str(args.max_batched_tokens)]
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env},
                             stdout=subprocess.PIPE, text=True)
 
 

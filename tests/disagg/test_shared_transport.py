@@ -183,7 +183,7 @@ print(json.dumps({"status": r.status.value, "reason": r.reason, "blocks": r.bloc
 
 
 def send_from_another_process(address: str, device: str, corrupt: bool) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", SENDER, address, device, "1" if corrupt else "0"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
