@@ -17,7 +17,7 @@ TEST_RC=${PIPESTATUS[0]}
 G=${PD_GPUS:-1}
 NAME=pd_cuda_8b$([ "$G" = 2 ] && echo _2gpu)
 "$PY" benchmarks/pd.py --device cuda --gpus "$G" --shape 8b --decoders 16 --short-tokens 256 --decode-tokens 128 \
-  --long-arrivals 8 --long-tokens 8192 --interval-s 0.5 --warmup-s 1 --repeats 5 --kv-blocks 8192 \
+  --long-arrivals 8 --long-tokens 8192 --interval-s 0.5 --warmup-s 1 --repeats 5 --kv-blocks 8192 --split-min-tokens 1024 \
   --out "$RES/$NAME.json" ${PD_ARGS:-} 2>&1 | tee "$RES/${NAME}.log"
 BENCH_RC=${PIPESTATUS[0]}
 echo "pd: pytest rc $TEST_RC, pd.py rc $BENCH_RC"

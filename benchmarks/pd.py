@@ -87,13 +87,14 @@ PREDICTION_GPU = {
 
 
 def git_commit() -> str:
-    """The checkout's commit; PREFIXGATE_COMMIT where the tree was copied without .git (GPU machines)."""
+    """PREFIXGATE_COMMIT where the tree was copied without its own .git (GPU machines), else git's."""
+    if os.environ.get("PREFIXGATE_COMMIT"):
+        return os.environ["PREFIXGATE_COMMIT"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
     except OSError:
-        sha = ""
-    return sha or os.environ.get("PREFIXGATE_COMMIT", "unknown")
+        return "unknown"
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -331,7 +332,7 @@ def host_shm_only_bw(nbytes: int, block_bytes: int, repeats: int = 5) -> float:
 async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], authkeys: tuple[bytes, bytes],
                            devices: tuple[str, str]) -> dict:
     """Transfer bandwidth and the mixed workload against two ``pd_node.py`` processes."""
-    from pd_engine_nodes import NodeClient, PairClient, device_copy_bw
+    from pd_engine_nodes import NodeClient, PairClient, device_copy_bw, digest_bw
 
     loop = asyncio.get_running_loop()
     prefill, decode = (NodeClient(p, k, loop) for p, k in zip(ports, authkeys))
@@ -346,7 +347,8 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
         nbytes = max(t["bytes_sent"] for t in transfers)
         bw = [t["bytes_sent"] / t["seconds"] for t in transfers if t["seconds"] > 0 and t["status"] == "imported"]
         if devices[0].startswith("cuda"):
-            baselines = {"device_copy_same_gpu": device_copy_bw(nbytes, devices[1], devices[1])}
+            baselines = {"device_copy_same_gpu": device_copy_bw(nbytes, devices[1], devices[1]),
+                         "keyed_digest": digest_bw(nbytes, devices[1])}
             if devices[0] != devices[1]:
                 baselines["peer_copy"] = device_copy_bw(nbytes, devices[0], devices[1])
             ref = baselines.get("peer_copy", baselines["device_copy_same_gpu"])

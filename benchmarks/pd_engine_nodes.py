@@ -162,3 +162,19 @@ def device_copy_bw(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:
         torch.cuda.synchronize(dst)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
+
+
+def digest_bw(nbytes: int, device: str, repeats: int = 5) -> float:
+    """The transfer's keyed checksum alone over ``nbytes`` on ``device`` (it runs once on each side)."""
+    import torch
+
+    from engine.disagg.shared_transport import keyed_digest
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    keyed_digest(b"k", a)  # warm-up (multipliers built)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        keyed_digest(b"k", a)  # ends in a sync (.item())
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best

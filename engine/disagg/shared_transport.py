@@ -66,7 +66,11 @@ HOST_SHM = "host_shm"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "prefixgate-kv-"
 
-_DIGEST_COLUMNS = 1024
+_DIGEST_COLUMNS = 512
+_ROW_BYTES = 8 * _DIGEST_COLUMNS
+# Shared chunks cost a frame round trip and an engine-thread hop each but move no bytes through
+# the socket: fewer, larger ones (the socket's 16-block chunks bound its receive buffer instead).
+SHARED_MIN_BLOCKS_PER_CHUNK = 64
 _mults: dict[tuple[bytes, str], torch.Tensor] = {}
 
 
@@ -75,30 +79,60 @@ def _column_mults(key: bytes, device: torch.device) -> torch.Tensor:
     if cache_key not in _mults:
         seed = int.from_bytes(hmac.new(key, b"prefixgate kv digest v1", hashlib.sha256).digest()[:8], "big") >> 1
         g = torch.Generator().manual_seed(seed)
-        # odd multipliers: a change d != 0 of one 32-bit word changes the sum by d * odd * odd != 0 mod 2^64
+        # odd multipliers: a change d != 0 of one 64-bit word changes the sum by d * odd * odd != 0 mod 2^64
         m = torch.randint(-(2**62), 2**62, (_DIGEST_COLUMNS,), generator=g, dtype=torch.int64) | 1
         _mults[cache_key] = m.to(device)
     return _mults[cache_key]
 
 
-def keyed_digest(key: bytes, data: torch.Tensor) -> str:
-    """A keyed checksum of uint8 ``data`` (any device), computed where the data is.
+def keyed_digests(key: bytes, data: torch.Tensor, nbytes: int) -> list[str]:
+    """Keyed checksums of the consecutive ``nbytes`` pieces of uint8 ``data`` (any device; the last
+    piece may be shorter), computed where the data is, with one device-to-host sync for all.
 
-    Words w_ij (32-bit, rows of 1,024) -> sum_i r_i * sum_j m_j * w_ij mod 2^64 with odd key-derived
+    Words w_ij (64-bit, rows of 512) -> sum_i r_i * sum_j m_j * w_ij mod 2^64 with odd key-derived
     m_j and odd row weights r_i: every change of a single word is caught, and integer sums are exact
     in any order, so the sender's GPU and the receiver's agree bit for bit."""
     flat = data.reshape(-1)
     if flat.dtype != torch.uint8:
-        raise ValueError(f"keyed_digest takes uint8 bytes, got {flat.dtype}")
+        raise ValueError(f"keyed digests take uint8 bytes, got {flat.dtype}")
     n = flat.numel()
-    pad = (-n) % (4 * _DIGEST_COLUMNS)
-    if pad:
+    if nbytes % _ROW_BYTES or n == 0:  # odd sizes: one piece at a time, zero padded
+        pieces = [flat[i:i + nbytes] for i in range(0, n, nbytes)] or [flat]
+        return [_one_digest(key, p) for p in pieces]
+    rows_per_piece = nbytes // _ROW_BYTES
+    full = n // nbytes
+    sums = []
+    if full:
+        words = flat[: full * nbytes].view(torch.int64).view(full, rows_per_piece, _DIGEST_COLUMNS)
+        row = (words * _column_mults(key, flat.device)).sum(dim=2)  # [pieces, rows]
+        weights = torch.arange(rows_per_piece, dtype=torch.int64, device=flat.device) * 2 + 1
+        sums.append((row * weights).sum(dim=1))
+    out = [_finish(int(v), nbytes) for v in (torch.cat(sums).tolist() if sums else [])]
+    if n % nbytes:
+        out.append(_one_digest(key, flat[full * nbytes:]))
+    return out
+
+
+def keyed_digest(key: bytes, data: torch.Tensor) -> str:
+    """``keyed_digests`` of ``data`` as one piece."""
+    return _one_digest(key, data.reshape(-1))
+
+
+def _one_digest(key: bytes, flat: torch.Tensor) -> str:
+    if flat.dtype != torch.uint8:
+        raise ValueError(f"keyed digests take uint8 bytes, got {flat.dtype}")
+    n = flat.numel()
+    pad = (-n) % _ROW_BYTES
+    if pad or flat.storage_offset() % 8:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    words = flat.view(torch.int32).view(-1, _DIGEST_COLUMNS).to(torch.int64)  # [rows, 1024]
-    rows = (words * _column_mults(key, flat.device)).sum(dim=1)
-    weights = torch.arange(rows.numel(), dtype=torch.int64, device=flat.device) * 2 + 1
-    total = int((rows * weights).sum().item()) + n  # the length too: zero padding is not data
-    return f"{total & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+    words = flat.view(torch.int64).view(-1, _DIGEST_COLUMNS)
+    row = (words * _column_mults(key, flat.device)).sum(dim=1)
+    weights = torch.arange(row.numel(), dtype=torch.int64, device=flat.device) * 2 + 1
+    return _finish(int((row * weights).sum().item()), n)
+
+
+def _finish(total: int, n: int) -> str:
+    return f"{(total + n) & 0xFFFF_FFFF_FFFF_FFFF:016x}"  # the length too: zero padding is not data
 
 
 # ----------------------------------------------------------------------------- sender side
@@ -205,7 +239,7 @@ class SharedBufferTransport:
         self.host, self.port = parse_address(address)
         self.key, self.layout, self.share = key, layout, share
         self.staging_device = device
-        self.blocks_per_chunk = blocks_per_chunk
+        self.blocks_per_chunk = max(blocks_per_chunk, SHARED_MIN_BLOCKS_PER_CHUNK)
         self.timeout_s = timeout_s
 
     def send(self, transfer: OutgoingTransfer) -> TransferReport:
@@ -217,13 +251,14 @@ class SharedBufferTransport:
         shared: SharedStaging | None = None
         try:
             shared = self.share(staging)
+            ranges = split_blocks(transfer.num_blocks, self.blocks_per_chunk)
+            digests = keyed_digests(self.key, shared.data, self.blocks_per_chunk * bb)  # one sync for all chunks
             with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                ranges = split_blocks(transfer.num_blocks, self.blocks_per_chunk)
                 skip = len(transfer.prefix)
                 for seq, r in enumerate(ranges):
                     lo, n = r.start * bb, len(r) * bb
-                    ref = SharedRef(shared.kind, shared.handle(), lo, n, keyed_digest(self.key, shared.data[lo:lo + n]))
+                    ref = SharedRef(shared.kind, shared.handle(), lo, n, digests[seq])
                     chunk = Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace,
                                   skip + r.start, transfer.hashes[r.start:r.stop], transfer.tokens[r.start:r.stop],
                                   (0, self.layout.num_layers), b"", transfer.prefix if seq == 0 else (), ref)

@@ -19,12 +19,14 @@ from engine.disagg.api import TransferStatus, derive_transfer_key
 from engine.disagg.metrics import TransferMetrics
 from engine.disagg.receiver import ImportOutcome, KVReceiver
 from engine.disagg.shared_transport import (
+    SHARED_MIN_BLOCKS_PER_CHUNK,
     SHM_DIR,
     SHM_PREFIX,
     HostShmStaging,
     HostShmTransport,
     SharedBufferTransport,
     keyed_digest,
+    keyed_digests,
     landing_for,
     open_shared,
 )
@@ -80,18 +82,25 @@ def test_keyed_digest_catches_any_flipped_byte_and_depends_on_the_key():
     assert keyed_digest(KEY, data[:-4]) != keyed_digest(KEY, torch.cat([data[:-4], data.new_zeros(4)]))
 
 
+@pytest.mark.parametrize("piece", [BB, 2 * BB, 1000])
+def test_batched_digests_equal_one_digest_per_piece(piece):
+    data = blocks(5).reshape(-1)
+    pieces = [data[i:i + piece] for i in range(0, data.numel(), piece)]
+    assert keyed_digests(KEY, data, piece) == [keyed_digest(KEY, p.clone()) for p in pieces]
+
+
 def test_host_shm_transfer_delivers_the_bytes_and_removes_its_file():
     before = staging_files()
-    staging = blocks(20)
+    staging = blocks(70)
     rx, got = receiver()
     try:
         report = HostShmTransport(rx.address, KEY, LAYOUT).send(transfer(staging))
     finally:
         rx.close()
-    assert report.status is TransferStatus.IMPORTED and report.blocks_sent == 20, report
-    assert report.bytes_sent == 20 * BB
-    assert [g.numel() for g in got] == [16 * BB, 4 * BB]
-    assert torch.equal(torch.cat(got).view(20, BB), staging)
+    assert report.status is TransferStatus.IMPORTED and report.blocks_sent == 70, report
+    assert report.bytes_sent == 70 * BB
+    assert [g.numel() for g in got] == [SHARED_MIN_BLOCKS_PER_CHUNK * BB, (70 - SHARED_MIN_BLOCKS_PER_CHUNK) * BB]
+    assert torch.equal(torch.cat(got).view(70, BB), staging)
     assert staging_files() == before
 
 
