@@ -1,7 +1,8 @@
 """Prefill/decode split on loopback: transfer bandwidth, and a mixed workload split vs colocated.
 
     python benchmarks/pd.py [--smoke] [--decoders 4] [--long-arrivals 6] [--long-tokens 1536]
-                            [--device cpu|cuda] [--gpus 1|2] [--model DIR] [--out FILE]
+                            [--device cpu|cuda] [--gpus 1|2] [--model smol|tiny|DIR] [--out FILE]
+                            [--nodes serve|engine] [--shape 8b|small] [--kv-blocks N] [--split-min-tokens N]
 
 Starts two real engine processes (``prefixgate serve --role prefill`` and ``--role decode``,
 SmolLM2-135M-Instruct on CPU by default) and drives them with the gateway's split client
@@ -10,7 +11,8 @@ SmolLM2-135M-Instruct on CPU by default) and drives them with the gateway's spli
 1. Transfer bandwidth: long prompts prefilled on the prefill node and sent to the decode node's
    receiver (``POST /internal/v1/kv/prefill``: bytes on the wire / seconds from connect to ack,
    MAC'd chunks of 16 blocks), against, measured in this same run on the same byte count:
-   a memcpy, a plain loopback TCP copy between two threads, and HMAC-SHA256 over the bytes.
+   a memcpy, a plain loopback TCP copy between two threads, HMAC-SHA256 over the bytes, the
+   socket transport alone and the /dev/shm shared-buffer transport alone (no-op importers).
 2. Mixed workload: ``--decoders`` clients each looping short requests (steady decoders) while
    ``--long-arrivals`` long-prompt requests arrive at a fixed interval. Once colocated (every
    request on the decode node), once split (long prompts prefilled on the prefill node, their
@@ -18,9 +20,15 @@ SmolLM2-135M-Instruct on CPU by default) and drives them with the gateway's spli
    so neither phase hits the other's cache. Reported: the decoders' TPOT p50/p99 (gaps between
    streamed tokens at the client), TTFT p50/p99 of the long requests and of the decoders.
 
-GPU variant (flags present, not run in the session that wrote this): ``--device cuda`` runs both
-nodes on GPU 0 (``--gpus 1``) or the prefill node on GPU 0 and the decode node on GPU 1
-(``--gpus 2``, via CUDA_VISIBLE_DEVICES); pass ``--model`` for a real checkpoint.
+``--nodes engine`` (the default with ``--device cuda``) starts two ``benchmarks/pd_node.py``
+processes instead: the same ``DisaggEngine`` roles with a random-weight model (``--shape 8b``: the
+Llama-3.1-8B shape in bf16, built on the GPU as in benchmarks/engine_gpu.py), driven over a local
+connection with the gateway's ``SplitPolicy`` (no checkpoint, no gateway packages: what the GPU
+machines have). ``--device cuda --gpus 1`` puts both on GPU 0 and the KV moves through CUDA IPC;
+``--gpus 2`` puts the prefill node on GPU 0 and the decode node on GPU 1 (peer copies; both
+processes see both GPUs). Transfer baselines there: a device-to-device copy of the same bytes
+(and the peer copy GPU 0 -> 1 with two GPUs) and the transfer's keyed digest alone.
+``bash benchmarks/gpu_pd.sh`` is the one-call GPU run (``PD_GPUS=2`` for two GPUs).
 
 Prints a table and writes JSON (command, machine, commit, load average, figures) under
 ``benchmarks/results/``.
