@@ -1,6 +1,6 @@
 """Prefill/decode split on loopback: transfer bandwidth, and a mixed workload split vs colocated.
 
-    python benchmarks/pd.py [--smoke] [--decoders 4] [--long-arrivals 6] [--long-tokens 1536]
+    python benchmarks/pd.py [--smoke] [--decoders 4] [--long-arrivals 4] [--long-tokens 1024]
                             [--device cpu|cuda] [--gpus 1|2] [--model smol|tiny|DIR] [--out FILE]
                             [--nodes serve|engine] [--shape 8b|small] [--kv-blocks N] [--split-min-tokens N]
 
@@ -385,14 +385,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds: 2 decoders, 2 short long-prompt arrivals")
     p.add_argument("--decoders", type=int, default=4)
-    p.add_argument("--long-arrivals", type=int, default=6)
-    p.add_argument("--long-tokens", type=int, default=1536)
+    p.add_argument("--long-arrivals", type=int, default=4)
+    p.add_argument("--long-tokens", type=int, default=1024)
     p.add_argument("--short-tokens", type=int, default=48)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--interval-s", type=float, default=2.0)
+    p.add_argument("--interval-s", type=float, default=4.0)
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--split-min-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu or cuda (GPU variant: not run by the CPU CI)")
     p.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="with --device cuda: nodes share GPU 0 or get one each")
     p.add_argument("--model", default="smol",
