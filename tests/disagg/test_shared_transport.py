@@ -1,6 +1,7 @@
 """Shared-buffer transfers: the bytes stay in the sender's buffer (a /dev/shm file on CPU, a CUDA
 IPC handle on GPU), the MAC'd frames name them, the receiver copies them and checks their keyed
-digest. A real ``KVReceiver`` on loopback with the real landing; the importer records what it got."""
+digest. A real ``KVReceiver`` on loopback with the real landing; the importer records what it got
+(or, in the last test, writes real model runner blocks)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from engine.batch import ScheduledBatch, SequenceChunk
+from engine.config import EngineConfig
 from engine.disagg.api import TransferStatus, derive_transfer_key
 from engine.disagg.metrics import TransferMetrics
 from engine.disagg.receiver import ImportOutcome, KVReceiver
@@ -32,7 +35,9 @@ from engine.disagg.shared_transport import (
 )
 from engine.disagg.transport import OutgoingTransfer
 from engine.disagg.wire import ChainChecker, EngineLayout, WireError
+from engine.model_runner import ModelRunner
 from engine.prefix_index import block_hashes
+from engine.protocol import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 BS, BB = 4, 4096
@@ -217,3 +222,36 @@ def test_cuda_ipc_moves_device_bytes_between_processes_and_catches_corruption(se
     assert good == {"status": "imported", "reason": "", "blocks": 20}
     assert torch.equal(torch.cat(got[:n_good]).view(20, BB), blocks(20))
     assert bad["status"] == "rejected" and bad["reason"] == "bad_digest" and len(got) == n_good
+
+
+def test_runner_blocks_round_trip_through_a_shared_buffer_into_another_runner(tiny_model_dir):
+    """Real KV: runner A computes a prompt's blocks, ships them (device staging, /dev/shm), runner B
+    imports them; B's blocks then hold A's bytes exactly."""
+    a, b = (ModelRunner(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=16, block_size=8)) for _ in range(2))
+    a.forward(ScheduledBatch([SequenceChunk("p", list(range(3000, 3040)), 0, [0, 1, 2, 3, 4], True,
+                                            SamplingParams(max_tokens=1, temperature=0))]))
+    staging = a.export_blocks_device([1, 2, 3])
+    assert torch.equal(staging, a.export_blocks([1, 2, 3]))
+    layout = EngineLayout("tiny", str(a.kv_dtype), 8, a.spec.num_layers, a.kv_bytes_per_block)
+    landed: list[int] = []
+
+    def importer(chunk, chain) -> Future:
+        dst = [9, 10, 11][:chunk.num_blocks]
+        b.import_blocks(dst, chunk.payload.view(chunk.num_blocks, layout.block_bytes))
+        landed.extend(dst)
+        f: Future = Future()
+        f.set_result(ImportOutcome(chunk.num_blocks, chunk.num_blocks))
+        return f
+
+    rx = KVReceiver("127.0.0.1", 0, KEY, layout, importer, TransferMetrics(CollectorRegistry()),
+                    landing=landing_for(KEY, "cpu"))
+    tokens = list(range(3 * 8))
+    t = OutgoingTransfer("r", b"t", tuple(block_hashes(b"t", tokens, 8)),
+                         tuple(tuple(tokens[i * 8:(i + 1) * 8]) for i in range(3)), staging)
+    try:
+        report = HostShmTransport(rx.address, KEY, layout).send(t)
+    finally:
+        rx.close()
+    assert report.status is TransferStatus.IMPORTED and landed == [9, 10, 11]
+    assert torch.equal(b.export_blocks([9, 10, 11]), a.export_blocks([1, 2, 3]))
+    assert not torch.equal(b.export_blocks([9]), b.export_blocks([5]))  # the import wrote real KV
