@@ -3,7 +3,7 @@
 # Triton) and of the GPU engine path (CUDA graphs, side-stream transfers), benchmarks/kernels.py, then
 # benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
 # root on a CUDA machine:
-#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 to skip one;
+#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 / SKIP_PD_BENCH=1 to skip one;
 #   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...")
 # Results: benchmarks/results/kernels_h200.json, engine_gpu_h200.json (or $OUT/ when the device tool sets OUT).
 set -uo pipefail
@@ -83,4 +83,11 @@ if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
   sed -n '/^figure /,$p' "$RES/engine_gpu.log"
 fi
 echo "engine_gpu.py: rc $ENGINE_RC (JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
-exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 ))
+
+# Prefill/decode split (issue #22; PD_GPUS=2 for issue #23's two-GPU run): CUDA IPC tests + benchmarks/pd.py
+PD_RC=0
+if [ "${SKIP_PD_BENCH:-0}" != 1 ]; then
+  bash benchmarks/gpu_pd.sh
+  PD_RC=$?
+fi
+exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 || PD_RC != 0 ))

@@ -331,6 +331,20 @@ class ModelRunner:
         stream.synchronize()
         return host
 
+    def export_blocks_device(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """-> contiguous uint8 [len(block_ids), kv_bytes_per_block] on this runner's device, complete
+        on return: a copy another process can map (CUDA IPC) while the next steps reuse the blocks."""
+        ids = self._ids(block_ids)
+        n = len(ids)
+        stream = self._transfer_stream
+        if stream is None:
+            return self._gather_packed(ids, n).contiguous().clone()
+        stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        with torch.cuda.stream(stream):
+            packed = self._gather_packed(ids, n).contiguous()
+        stream.synchronize()
+        return packed
+
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         data = self.ops.gather_blocks(self.kv_cache, ids).view(torch.uint8).reshape(n, -1)
         if self.kv_scales is not None:
