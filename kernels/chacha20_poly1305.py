@@ -295,9 +295,11 @@ def limbs_value(sums: Sequence[int]) -> int:
 class SealedSpan:
     """One sealed message inside a device word buffer.
 
-    ``ct_word`` is the word offset of its ciphertext (``nbytes`` long) in the source buffer,
-    ``out_word`` where its plaintext goes in the destination buffer; ``tag`` and ``aad`` stay on
-    the host (the tag is read from the host copy of the blob, so no device read-back of it).
+    ``ct_word`` is the word offset of its ciphertext (``nbytes`` long) in the source buffer. The
+    tag covers all of it; only bytes ``plain_from .. plain_from + plain_bytes`` (``plain_bytes``
+    None = to the end; ``plain_from`` a multiple of 64) are decrypted, to word ``out_word`` of the
+    destination. ``tag`` and ``aad`` stay on the host (the tag is read from the host copy of the
+    blob, so nothing of it is read back from the device).
     """
 
     nonce: bytes
@@ -306,25 +308,46 @@ class SealedSpan:
     tag: bytes
     aad: bytes
     out_word: int
+    plain_from: int = 0
+    plain_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        end = self.nbytes if self.plain_bytes is None else self.plain_from + self.plain_bytes
+        if self.plain_from % 64 or not 0 <= self.plain_from <= end <= self.nbytes:
+            raise ValueError("plain_from must be a multiple of 64 and the range inside the ciphertext")
+
+
+def launch_span(key: bytes, src: torch.Tensor, span: SealedSpan, dst: torch.Tensor, *,
+                blocks_per_lane: int = _POLY_BLOCKS_PER_LANE) -> tuple[torch.Tensor, int, int]:
+    """Queue one span's two kernels on the current stream (no host sync).
+
+    Returns (limb sums [5] on the device, r, s) for ``check_tags``. ``key`` is the 32-byte
+    ChaCha20-Poly1305 key: it goes into a small device tensor per launch and is never logged.
+    """
+    if len(key) != 32:
+        raise ValueError("ChaCha20-Poly1305 needs a 32-byte key")
+    r, s = poly1305_key(key, span.nonce)
+    sums = poly1305_lane_sums(src, span.ct_word, span.nbytes, r, blocks_per_lane=blocks_per_lane)
+    n = span.nbytes - span.plain_from if span.plain_bytes is None else span.plain_bytes
+    chacha20_xor(src, span.ct_word + span.plain_from // 4, n, key, span.nonce, 1 + span.plain_from // 64,
+                 dst, span.out_word)
+    return sums, r, s
+
+
+def check_tags(spans: Sequence[SealedSpan], launched: Sequence[tuple[torch.Tensor, int, int]]) -> list[bool]:
+    """One device-to-host read of every span's limb sums; True where the tag matches. A False span's
+    plaintext in the destination is garbage the caller must drop."""
+    if not spans:
+        return []
+    host = torch.stack([sums for sums, _, _ in launched]).cpu().tolist()
+    return [hmac.compare_digest(combine_tag(r, s, span.aad, span.nbytes, limbs_value(limb)), span.tag)
+            for span, (_, r, s), limb in zip(spans, launched, host, strict=True)]
 
 
 def open_sealed(key: bytes, src: torch.Tensor, spans: Sequence[SealedSpan], dst: torch.Tensor, *,
                 blocks_per_lane: int = _POLY_BLOCKS_PER_LANE) -> list[bool]:
     """Decrypt every span into ``dst`` and check its tag; one host sync for all of them.
-
-    Returns one flag per span: False = the tag did not match, and that span's plaintext in ``dst``
-    is garbage the caller must drop. ``key`` is the 32-byte ChaCha20-Poly1305 key: it goes into a
-    small device tensor per launch and is never logged.
-    """
+    Returns one flag per span (see ``check_tags``)."""
     if len(key) != 32:
         raise ValueError("ChaCha20-Poly1305 needs a 32-byte key")
-    keys = [poly1305_key(key, s.nonce) for s in spans]
-    sums = []
-    for s, (r, _) in zip(spans, keys, strict=True):
-        sums.append(poly1305_lane_sums(src, s.ct_word, s.nbytes, r, blocks_per_lane=blocks_per_lane))
-        chacha20_xor(src, s.ct_word, s.nbytes, key, s.nonce, 1, dst, s.out_word)
-    host = torch.stack(sums).cpu().tolist() if sums else []
-    out = []
-    for s, (r, k_s), limb in zip(spans, keys, host, strict=True):
-        out.append(hmac.compare_digest(combine_tag(r, k_s, s.aad, s.nbytes, limbs_value(limb)), s.tag))
-    return out
+    return check_tags(spans, [launch_span(key, src, s, dst, blocks_per_lane=blocks_per_lane) for s in spans])

@@ -175,3 +175,19 @@ def test_gpu_vectors(case):
 def test_gpu_random_large():
     # up to 2 MiB + change: many programs, lanes at their cap, odd tails
     random_cases("cuda", [0, 1, 17, 65, 4099, 1 << 20, (2 << 20) + 4 * 16 + 5, 64 * 2 * 1024 * 16 + 1], seed=5)
+
+
+@interp_only
+def test_part_of_a_span_decrypted_whole_tag_checked():
+    """A restore that needs blocks 2-3 of a 5-block segment: only their bytes are decrypted (counter
+    from 1 + 128/64), the tag still covers everything."""
+    rng = random.Random(2)
+    key, nonce, aad, plain = rng.randbytes(32), rng.randbytes(12), b"aad", rng.randbytes(5 * 64)
+    sealed = ChaCha20Poly1305(key).encrypt(nonce, plain, aad)
+    src = as_words(sealed[:-16], "cpu")
+    dst = torch.zeros(64, dtype=torch.int32)
+    span = gpu_aead.SealedSpan(nonce, 4, len(plain), sealed[-16:], aad, 0, plain_from=128, plain_bytes=128)
+    assert gpu_aead.open_sealed(key, src, [span], dst) == [True]
+    assert dst.numpy().tobytes()[:128] == plain[128:256] and not dst[32:].any()
+    with pytest.raises(ValueError):
+        gpu_aead.SealedSpan(nonce, 4, len(plain), sealed[-16:], aad, 0, plain_from=100)
