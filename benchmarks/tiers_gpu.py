@@ -54,7 +54,7 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.models.random_init import LLAMA31_8B_SHAPE, build_random_model, llama_config_dict  # noqa: E402
 from engine.models.spec import parse_checkpoint_config  # noqa: E402
 from engine.protocol import BlockCipher, GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
-from engine.tiers import InsecureNullCipher, TierManager  # noqa: E402
+from engine.tiers import InsecureNullCipher, TierManager, TierRates  # noqa: E402
 from engine.tiers.gpu_opener import DeviceAeadOpener, PinnedHostOpener  # noqa: E402
 from engine.tiers.opener import OpenedRuns, SealedRun, SegmentOpener  # noqa: E402
 from kernels import chacha20_poly1305 as gpu_aead  # noqa: E402
@@ -241,8 +241,10 @@ def sec_restore(dev: torch.device, runner: ModelRunner, tier: str, mode: str, nu
     room = 2 * total + (64 << 20)
     nvme_dir = nvme_root / f"{tier}-{mode}"
     sizes = {"dram_bytes": room} if tier == "dram" else {"nvme_dir": nvme_dir, "nvme_bytes": room}
+    # min_gain=0: store whatever is demoted. At its default rates the cost model drops 64 MiB NVMe
+    # segments (recomputing 512 tokens is cheaper than reading them back): the first run stored none.
     m = TierManager(model_id="bench-8b", block_size=16, block_bytes=bb, max_segment_blocks=seg_blocks,
-                    max_workers=8, pin_memory=dev.type == "cuda", opener=opener,
+                    max_workers=8, pin_memory=dev.type == "cuda", opener=opener, rates=TierRates(min_gain=0.0),
                     device_seal=mode in ("gpu_chacha", "cpu_chacha"), **sizes)
     try:
         who = StaticTenantScope(namespace=b"bench-" + mode.encode(), metrics_label=mode, cipher=cipher)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.chacha20_poly1305_ref import P1305, combine_tag, poly1305_key
+from kernels.chacha20_poly1305_ref import P1305, aad_term, finish_tag, poly1305_key
 
 CHACHA_LANES = 128  # 64-byte blocks per program
 POLY_LANES = 128  # lanes per program of the tag kernel
@@ -242,6 +242,16 @@ def _limbs(x: int) -> list[int]:
     return [(x >> (26 * i)) & 0x3FFFFFF for i in range(5)]
 
 
+def _small_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A few launch parameters on ``device`` without a host sync: a plain ``torch.tensor(...,
+    device=cuda)`` waits for the current stream to drain, which would stall the next launch behind
+    every copy and kernel queued before it."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _check_words(t: torch.Tensor, what: str) -> None:
     if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"{what} must be a contiguous 1-D int32 tensor (a byte buffer viewed as words)")
@@ -258,8 +268,7 @@ def chacha20_xor(src: torch.Tensor, src_off: int, nbytes: int, key: bytes, nonce
         raise ValueError("ciphertext range runs past a buffer")
     if nbytes == 0:
         return
-    params = torch.tensor(struct.unpack("<8i", key) + struct.unpack("<3i", nonce), dtype=torch.int32,
-                          device=src.device)
+    params = _small_tensor(list(struct.unpack("<8i", key) + struct.unpack("<3i", nonce)), torch.int32, src.device)
     grid = (triton.cdiv(-(-nbytes // 64), CHACHA_LANES),)
     _chacha20_xor_kernel[grid](src, dst, params, src_off, dst_off, nbytes, counter, LANES=CHACHA_LANES)
 
@@ -279,7 +288,7 @@ def poly1305_lane_sums(src: torch.Tensor, src_off: int, nbytes: int, r: int, *,
     while lanes < _MAX_POLY_LANES and lanes * blocks_per_lane < c:
         lanes *= 2
     k = -(-c // lanes)
-    limbs = torch.tensor(_limbs(r) + _limbs(pow(r, lanes, P1305)), dtype=torch.int64, device=src.device)
+    limbs = _small_tensor(_limbs(r) + _limbs(pow(r, lanes, P1305)), torch.int64, src.device)
     programs = lanes // POLY_LANES
     out = torch.empty(programs, 5, dtype=torch.int64, device=src.device)
     _poly1305_kernel[(programs,)](src, limbs, out, src_off, nbytes, c, lanes * k - c, k, lanes.bit_length(),
@@ -317,13 +326,21 @@ class SealedSpan:
             raise ValueError("plain_from must be a multiple of 64 and the range inside the ciphertext")
 
 
-def launch_span(key: bytes, src: torch.Tensor, span: SealedSpan, dst: torch.Tensor, *,
-                blocks_per_lane: int = _POLY_BLOCKS_PER_LANE) -> tuple[torch.Tensor, int, int]:
-    """Queue one span's two kernels on the current stream (no host sync).
+@dataclass(frozen=True)
+class LaunchedSpan:
+    """A span whose kernels are queued: its limb sums (on the device) and the host's share of the tag."""
 
-    Returns (limb sums [5] on the device, r, s) for ``check_tags``. ``key`` is the 32-byte
-    ChaCha20-Poly1305 key: it goes into a small device tensor per launch and is never logged.
-    """
+    sums: torch.Tensor  # int64 [5]
+    r: int
+    s: int
+    aad_part: int  # Poly(aad) * r^(c+1) mod p, computed while the kernels run
+
+
+def launch_span(key: bytes, src: torch.Tensor, span: SealedSpan, dst: torch.Tensor, *,
+                blocks_per_lane: int = _POLY_BLOCKS_PER_LANE) -> LaunchedSpan:
+    """Queue one span's two kernels on the current stream (no host sync), then compute the AAD's
+    share of the tag on the host while they run. ``key`` is the 32-byte ChaCha20-Poly1305 key: it
+    goes into a small device tensor per launch and is never logged."""
     if len(key) != 32:
         raise ValueError("ChaCha20-Poly1305 needs a 32-byte key")
     r, s = poly1305_key(key, span.nonce)
@@ -331,17 +348,18 @@ def launch_span(key: bytes, src: torch.Tensor, span: SealedSpan, dst: torch.Tens
     n = span.nbytes - span.plain_from if span.plain_bytes is None else span.plain_bytes
     chacha20_xor(src, span.ct_word + span.plain_from // 4, n, key, span.nonce, 1 + span.plain_from // 64,
                  dst, span.out_word)
-    return sums, r, s
+    return LaunchedSpan(sums, r, s, aad_term(r, span.aad, span.nbytes))
 
 
-def check_tags(spans: Sequence[SealedSpan], launched: Sequence[tuple[torch.Tensor, int, int]]) -> list[bool]:
+def check_tags(spans: Sequence[SealedSpan], launched: Sequence[LaunchedSpan]) -> list[bool]:
     """One device-to-host read of every span's limb sums; True where the tag matches. A False span's
     plaintext in the destination is garbage the caller must drop."""
     if not spans:
         return []
-    host = torch.stack([sums for sums, _, _ in launched]).cpu().tolist()
-    return [hmac.compare_digest(combine_tag(r, s, span.aad, span.nbytes, limbs_value(limb)), span.tag)
-            for span, (_, r, s), limb in zip(spans, launched, host, strict=True)]
+    host = torch.stack([x.sums for x in launched]).cpu().tolist()
+    return [hmac.compare_digest(finish_tag(x.r, x.s, len(span.aad), span.nbytes, x.aad_part, limbs_value(limb)),
+                                span.tag)
+            for span, x, limb in zip(spans, launched, host, strict=True)]
 
 
 def open_sealed(key: bytes, src: torch.Tensor, spans: Sequence[SealedSpan], dst: torch.Tensor, *,

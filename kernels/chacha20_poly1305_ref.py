@@ -87,15 +87,25 @@ def lengths_block(aad_len: int, ct_len: int) -> int:
     return int.from_bytes(struct.pack("<QQ", aad_len, ct_len), "little") | (1 << 128)
 
 
-def combine_tag(r: int, s: int, aad: bytes, ct_len: int, ct_poly: int) -> bytes:
-    """The AEAD tag, given ``ct_poly`` = the ciphertext's own Poly1305 sum
+def aad_term(r: int, aad: bytes, ct_len: int) -> int:
+    """``Poly(aad) * r^(c+1) mod p``: the AAD's share of the accumulator, known before the
+    ciphertext's sum (the GPU path computes it while the kernels run)."""
+    return poly1305_blocks(r, aad) * pow(r, -(-ct_len // 16) + 1, P1305) % P1305
+
+
+def finish_tag(r: int, s: int, aad_len: int, ct_len: int, aad_part: int, ct_poly: int) -> bytes:
+    """The AEAD tag from ``aad_term`` and the ciphertext's own Poly1305 sum ``ct_poly``
     (``sum_i c_i r^(c-i)``, 0-based ``i`` over its ``c`` padded blocks: what the kernel reduces)::
 
         acc = Poly(aad) * r^(c+1) + ct_poly * r + lengths * r      (mod p)
     """
-    c = -(-ct_len // 16)
-    acc = (poly1305_blocks(r, aad) * pow(r, c + 1, P1305) + (ct_poly + lengths_block(len(aad), ct_len)) * r) % P1305
+    acc = (aad_part + (ct_poly + lengths_block(aad_len, ct_len)) * r) % P1305
     return ((acc + s) & ((1 << 128) - 1)).to_bytes(16, "little")
+
+
+def combine_tag(r: int, s: int, aad: bytes, ct_len: int, ct_poly: int) -> bytes:
+    """``finish_tag`` with the AAD's share computed here."""
+    return finish_tag(r, s, len(aad), ct_len, aad_term(r, aad, ct_len), ct_poly)
 
 
 def _pad16(n: int) -> bytes:

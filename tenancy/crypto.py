@@ -235,20 +235,40 @@ class TenantCipher:
 
     def decrypt(self, blob: bytes | memoryview, aad: bytes) -> bytes | None:
         """The plaintext, or None for any bad blob (truncated, tampered, wrong key or aad, destroyed key)."""
-        blob = bytes(blob)
-        if len(blob) < 1 + NONCE_BYTES + TAG_BYTES:
+        opened = self._parse(blob)
+        if opened is None:
             return None
+        aead, nonce, sealed = opened
         try:
-            if blob[0] == BLOB_VERSION:
-                aead = self._aead
-                return None if aead is None else aead.decrypt(blob[1 : 1 + NONCE_BYTES], blob[1 + NONCE_BYTES :],
-                                                              bytes(aad))
-            if blob[0] == DEVICE_BLOB_VERSION and len(blob) >= _DEVICE_HEADER + TAG_BYTES and blob[1:4] == b"\0\0\0":
-                chacha = self._chacha
-                return None if chacha is None else chacha.decrypt(blob[4:_DEVICE_HEADER], blob[_DEVICE_HEADER:],
-                                                                  bytes(aad))
+            return aead.decrypt(nonce, sealed, bytes(aad))
         except (InvalidTag, ValueError, OverflowError):
             return None
+
+    def decrypt_into(self, blob: bytes | memoryview, aad: bytes, out: memoryview) -> bool:
+        """Decrypt straight into ``out`` (exactly the plaintext's length: e.g. a pinned staging
+        buffer, so no plaintext copy is allocated). False for any bad blob; ``out`` then holds
+        garbage the caller must not use."""
+        opened = self._parse(blob)
+        if opened is None:
+            return False
+        aead, nonce, sealed = opened
+        try:
+            aead.decrypt_into(nonce, sealed, bytes(aad), out)
+        except (InvalidTag, ValueError, OverflowError):
+            return False
+        return True
+
+    def _parse(self, blob: bytes | memoryview) -> tuple[AESGCM | ChaCha20Poly1305, bytes, memoryview] | None:
+        """(AEAD, nonce, ciphertext + tag as a zero-copy view) of a well-formed blob under a live key."""
+        view = memoryview(blob).cast("B")
+        if len(view) < 1 + NONCE_BYTES + TAG_BYTES:
+            return None
+        if view[0] == BLOB_VERSION:
+            aes = self._aead
+            return None if aes is None else (aes, bytes(view[1 : 1 + NONCE_BYTES]), view[1 + NONCE_BYTES :])
+        if view[0] == DEVICE_BLOB_VERSION and len(view) >= _DEVICE_HEADER + TAG_BYTES and bytes(view[1:4]) == b"\0\0\0":
+            chacha = self._chacha
+            return None if chacha is None else (chacha, bytes(view[4:_DEVICE_HEADER]), view[_DEVICE_HEADER:])
         return None
 
     def destroy(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine.protocol import BlockCipher
 
@@ -44,6 +44,17 @@ class OpenedRuns:
 
     ok: int
     data: bytes | torch.Tensor
+
+
+@runtime_checkable
+class DecryptsInto(Protocol):
+    """A ``BlockCipher`` that can also decrypt straight into a caller's buffer (tenancy's
+    ``TenantCipher``): the pinned-memory path then allocates no plaintext per segment.
+
+    ``decrypt_into(blob, aad, out)`` writes the whole plaintext into ``out`` (exactly its length)
+    and returns True, or returns False for any bad blob, leaving garbage in ``out``."""
+
+    def decrypt_into(self, blob: bytes | memoryview, aad: bytes, out: memoryview) -> bool: ...
 
 
 class SegmentOpener(Protocol):

@@ -138,3 +138,28 @@ def test_tiny_engine_restores_through_the_kernels(tiny_model_dir, registry):
     assert cached == 96 and opener.opened_on_device >= 1 and opener.opened_on_host == 0
     assert warm[:4] == cold[:4]  # same prefix KV bytes; later tokens may differ only at an fp32 near-tie
     hook.close()
+
+
+@pytest.mark.parametrize("device_blob", [False, True])
+def test_pinned_host_opener_decrypts_whole_segments_in_place(device_blob):
+    """Whole segments go through ``decrypt_into`` (no plaintext allocated), into the reused staging
+    buffer; a bad one stops the result there, and the buffer serves the next restore."""
+    from engine.tiers.opener import DecryptsInto, SealedRun
+
+    c = TenantCipher(new_data_key(), owner="t")
+    assert isinstance(c, DecryptsInto)
+    seal = c.encrypt_for_device if device_blob else c.encrypt
+    rng = random.Random(5)
+    plains = [rng.randbytes(2 * 256) for _ in range(4)]
+    runs = [SealedRun(seal(p, b"s%d" % i), b"s%d" % i, 2, 0, 2) for i, p in enumerate(plains)]
+    opener = PinnedHostOpener(DEVICE, threads=4)
+    assert host(opener.open_runs(c, runs, 256).data) == b"".join(plains)
+    bad = bytearray(runs[1].blob)
+    bad[-1] ^= 1
+    got = opener.open_runs(c, [runs[0], SealedRun(bytes(bad), b"s1", 2, 0, 2), runs[2]], 256)
+    assert got.ok == 1 and host(got.data) == plains[0]
+    assert host(opener.open_runs(c, runs[2:], 256).data) == b"".join(plains[2:])
+    out = bytearray(512)
+    assert c.decrypt_into(runs[3].blob, b"s3", memoryview(out)) and bytes(out) == plains[3]
+    assert not c.decrypt_into(runs[3].blob, b"other aad", memoryview(out))
+    opener.close()
