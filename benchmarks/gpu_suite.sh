@@ -90,4 +90,20 @@ if [ "${SKIP_PD_BENCH:-0}" != 1 ]; then
   bash benchmarks/gpu_pd.sh
   PD_RC=$?
 fi
-exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 || PD_RC != 0 ))
+
+# ---- KV tiers on the GPU (issue #19 item 5; docs/gpu.md "KV tiers on the GPU"): the ChaCha20-Poly1305
+# kernels' GPU tests (compiled, against `cryptography`), the tier path through them, then the 2 GiB restore
+# benchmark (DRAM / NVMe x plain / GPU-decrypt / CPU-decrypt vs recompute). Needs `cryptography` (carry its
+# wheels). SKIP_TIERS=1 skips it; TIERS_ARGS="--trials 3 --nvme-dir DIR" passes arguments.
+TIERS_RC=0
+if [ "${SKIP_TIERS:-0}" != 1 ]; then
+  "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py -q -p no:cacheprovider \
+    -o addopts="" 2>&1 | tee "$RES/tiers_gpu_pytest.log"
+  TIERS_RC=${PIPESTATUS[0]}
+  "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_h200.json}" ${TIERS_ARGS:-} 2>&1 \
+    | tee "$RES/tiers_gpu.log"
+  TIERS_RC=$(( TIERS_RC != 0 || PIPESTATUS[0] != 0 ))
+  echo "tiers: pytest $(tail -n 1 "$RES/tiers_gpu_pytest.log")"
+  sed -n '/^link:/,$p' "$RES/tiers_gpu.log"
+fi
+exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 || PD_RC != 0 || TIERS_RC != 0 ))
