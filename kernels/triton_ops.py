@@ -217,6 +217,7 @@ def rotary_write_kv(
     num_q_heads: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,  # [Hkv, D], subtracted from the rotated keys (fp8 calibration)
 ) -> torch.Tensor:
     """RoPE on q and k, K/V written into their cache slots -> rotated q [T, Hq, D] (contiguous)."""
     device = qkv.device
@@ -234,7 +235,15 @@ def rotary_write_kv(
         assert t.device == device, f"{name} is on {t.device}, expected {device}"
     _check_int_vector("slot_mapping", slot_mapping, qkv.shape[0], device)
     check_kv_scales(k_cache, k_scale, v_scale)
-    return rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale)
+    if k_bias is not None:
+        assert tuple(k_bias.shape) == (kv_heads, head_dim) and k_bias.is_contiguous(), (
+            f"k_bias must be [{kv_heads}, {head_dim}] contiguous, got {tuple(k_bias.shape)}"
+        )
+        assert k_bias.dtype in ATTN_DTYPES and k_bias.device == device, (
+            f"k_bias must be a float tensor on {device}, got {k_bias.dtype} on {k_bias.device}"
+        )
+    return rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale,
+                                  k_bias)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,9 @@ def test_rms_norm_gpu(dtype, with_residual):
 def test_rotary_write_kv_gpu(kv_dtype, q_heads, kv_heads, head_dim, block_size):
     fused.run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, torch.bfloat16, seed=q_heads,
                           device="cuda", tokens=33)
+    if kv_dtype == ref.FP8_DTYPE:  # the fp8 calibration's key bias, subtracted in the kernel
+        fused.run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, torch.bfloat16, seed=q_heads + 1,
+                              device="cuda", tokens=33, with_bias=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
