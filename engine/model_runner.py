@@ -241,6 +241,7 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             decode_only=all(c.num_tokens == 1 for c in chunks),
+            context_lens=tuple(seq_lens),
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return input_ids, torch.tensor(positions, dtype=torch.int64, device=dev), meta

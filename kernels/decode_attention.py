@@ -21,6 +21,8 @@ dot runs on the raw (upcast) cache values: fp8 -> one per-tensor scale; int8 -> 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -215,8 +217,46 @@ def _reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Tile shape of the split kernel: tokens per tile, pipeline depth (Triton ``num_stages``), warps."""
+
+    block_n: int
+    num_stages: int
+    num_warps: int = 4
+
+
+# Bytes of K + V one program should have in flight to keep HBM busy at full batch: what bf16,
+# head dim 128 has with 64-token tiles and Triton's two-stage pipeline (one tile being copied while
+# one is computed): 2 x 64 x 128 x 2 B = 32 KiB, which ran at 98-100% of copy bandwidth on the H200.
+_INFLIGHT_BYTES = 32 * 1024
+# Triton 3.6's pipeliner puts the block-table load in the first stage and the K/V copies after it:
+# num_stages = 2 keeps one K/V tile buffer, 5 keeps a ring of two (read from the compiled TTGIR of
+# this kernel for sm_90: memdesc<1x64x128> at 2-4 stages, <2x64x128> at 5-6, <3x...> at 7).
+_STAGES_FOR_RING = {1: 2, 2: 5}
+
+
+def choose_tiles(head_dim: int, kv_itemsize: int) -> DecodeTiles:
+    """Tiles that keep ``_INFLIGHT_BYTES`` of K/V per program in flight whatever the element size.
+
+    Why: an 8-bit cache (fp8/int8) or head dim 64 halves the bytes of a 64-token tile, so with the
+    bf16 tiles each program had half the memory requests outstanding, and at ~4 programs per SM
+    (registers) HBM was latency-bound: fp8 decode ran at 71% of copy bandwidth where bf16 ran at
+    98%, head dim 64 bf16 at 80% (H200, session 2). Deepening the cp.async ring to two tiles
+    restores the bytes in flight without more registers (fp8: 118 instead of 86 per thread, still 4
+    programs per SM; a 128-token tile instead needed 153 and fit only 3). Head dim 64 with an 8-bit
+    cache (8 KiB tiles) also doubles the tile to 128 tokens (96 registers).
+    """
+    if head_dim > 128:  # registers: the [BLOCK_N, D] tiles of a 256-wide head
+        return DecodeTiles(block_n=32, num_stages=2)
+    tile_bytes = 2 * 64 * head_dim * kv_itemsize  # K + V of one 64-token tile
+    block_n = 64 if tile_bytes >= _INFLIGHT_BYTES // 2 else 128
+    ring = max(1, min(2, _INFLIGHT_BYTES // (2 * block_n * head_dim * kv_itemsize)))
+    return DecodeTiles(block_n=block_n, num_stages=_STAGES_FOR_RING[ring])
+
+
 def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
-                      programs_per_sm: int = 4) -> int:
+                      programs_per_sm: int = 4, context_lens: Sequence[int] | None = None) -> int:
     """Split count that wastes the least of the last wave of (sequence, kv head, split) programs.
 
     A wave is ``programs_per_sm * num_sms`` programs running at once (about 4 per SM for the default
@@ -226,13 +266,52 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     waves) and 0.49 ms at 4 or 8. Uses the block table's capacity, not the live lengths, so the
     launch never reads device values (no host sync; CUDA-graph safe); splits past a sequence's end
     exit at once.
+
+    ``context_lens`` (a host-side hint: each sequence's context, as the scheduler knows it) switches
+    to ``_splits_for_lengths``, which models a batch of unequal lengths; without it every sequence is
+    taken to fill the table, which is exact for uniform batches and what a CUDA graph must assume.
     """
-    programs = max(1, num_seqs * kv_heads)
-    wave = max(1, programs_per_sm * num_sms)
     cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
+    wave = max(1, programs_per_sm * num_sms)
+    if context_lens is not None and len(context_lens) > 0:
+        return _splits_for_lengths(context_lens, kv_heads, max_context, wave, block_n, cap)
+    programs = max(1, num_seqs * kv_heads)
     cost = {s: math.ceil(programs * s / wave) / s for s in range(1, cap + 1)}
     best = min(cost.values())
     return min(s for s, c in cost.items() if c <= best * 1.05)
+
+
+# One program's fixed cost (prologue, q load, the partial write and its share of the reduce) in
+# tokens of KV streaming: fitted to the H200's uniform 64 x 4096 batch, where 2 splits (twice the
+# programs, half the tokens each) ran 2% slower than 1 (session 2, run 4).
+_PROGRAM_OVERHEAD_TOKENS = 128
+
+
+def _splits_for_lengths(lens: Sequence[int], kv_heads: int, max_context: int, wave: int, block_n: int,
+                        cap: int) -> int:
+    """Split count for a batch of known, unequal context lengths.
+
+    With splits of ``S`` tokens a sequence of ``n`` tokens runs ``ceil(n / S)`` programs per KV head
+    (the rest exit at once). Programs are short next to the whole launch, so the GPU's block
+    scheduler packs them like a list schedule: the launch takes about
+    ``max(total work / wave, longest program)``, work counted in tokens plus a fixed cost per
+    program. Candidate split counts are powers of two (a fresh compile per value of the constexpr;
+    eager launches would otherwise compile one variant per batch). Measured on the H200 (run 4),
+    32 sequences of 100-8,000 tokens: 0.181 ms at the width-only choice (2), 0.137-0.141 at 4-32.
+    """
+    total = sum(int(n) for n in lens)
+    longest = max(int(n) for n in lens)
+    costs: dict[int, float] = {}
+    s = 1
+    while s <= cap:
+        split = math.ceil(math.ceil(max_context / s) / block_n) * block_n  # tokens per split, as paged_decode cuts them
+        programs = kv_heads * sum(math.ceil(int(n) / split) for n in lens)
+        work = kv_heads * total + programs * _PROGRAM_OVERHEAD_TOKENS
+        costs[s] = max(work / wave, min(split, longest) + _PROGRAM_OVERHEAD_TOKENS)
+        s *= 2
+    best = min(costs.values())
+    # the fewest splits within 3% of the best: fewer partials to merge, fewer variants compiled
+    return min(k for k, c in costs.items() if c <= best * 1.03)
 
 
 def paged_decode(
@@ -247,21 +326,27 @@ def paged_decode(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     v_pairs: bool | None = None,
+    context_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``."""
+    """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``.
+
+    Tiles default to ``choose_tiles``, the split count to ``choose_num_splits`` (``context_lens``:
+    optional host-side lengths of the sequences, for batches of unequal length)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
     code = kv_code(k_cache)
-    if block_n is None:  # H200 sweeps (runs 2-3): 64-token tiles were fastest for bf16 and for fp8 (pairs path)
-        block_n = 64 if head_dim <= 128 else 32
-    block_n = max(block_n, 16)
+    tiles = choose_tiles(head_dim, k_cache.element_size())
+    block_n = max(block_n if block_n is not None else tiles.block_n, 16)
+    num_stages = num_stages if num_stages is not None else tiles.num_stages
+    num_warps = num_warps if num_warps is not None else tiles.num_warps
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n)
+        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n,
+                                       context_lens=context_lens)
     split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, split_tokens)
 

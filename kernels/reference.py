@@ -15,6 +15,8 @@ Quantized caches:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -121,6 +123,8 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,  # host-side copy of seq_lens: a launch hint, unused here
 ) -> torch.Tensor:
     """One query token per sequence over its whole cached context -> [B, Hq, D]."""
     out = torch.empty_like(q)

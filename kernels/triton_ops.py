@@ -13,6 +13,8 @@ Differences from the reference, all on inputs the reference would also mishandle
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels import (
@@ -75,14 +77,23 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence over its whole cached context -> [B, Hq, D] (q's dtype)."""
+    """One query token per sequence over its whole cached context -> [B, Hq, D] (q's dtype).
+
+    ``context_lens``: the same lengths as ``seq_lens``, on the host (optional): with them the split
+    count fits a batch of unequal lengths (``decode_attention.choose_num_splits``) with no device
+    read. Leave it out in a CUDA graph (the launch must not depend on the batch)."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
     assert block_tables.shape[0] == q.shape[0], f"block_tables has {block_tables.shape[0]} rows, q has {q.shape[0]} seqs"
     _check_int_vector("seq_lens", seq_lens, q.shape[0], q.device)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    if context_lens is not None:
+        assert len(context_lens) == q.shape[0], f"context_lens has {len(context_lens)} entries, q has {q.shape[0]} seqs"
+    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                         context_lens=context_lens)
 
 
 def paged_prefill_attention(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from kernels import reference, triton_ops
 
@@ -29,3 +30,43 @@ def test_split_choice_fills_the_last_wave():
     assert choose_num_splits(256, 8, 2048, num_sms=132, block_n=64) == 1  # already 3.9 waves
     assert choose_num_splits(1, 8, 100, num_sms=132, block_n=64) == 1  # too short to split
     assert 60 <= choose_num_splits(1, 8, 131072, num_sms=132, block_n=64) <= 66
+
+
+def test_uniform_batches_split_as_before_with_a_length_hint():
+    """The length-aware model agrees with the width-only one where every sequence fills the table
+    (uniform batches must not lose), on the H200's shapes (132 SMs)."""
+    from kernels.decode_attention import choose_num_splits
+
+    for batch, kv_heads, context in [(64, 8, 4096), (256, 8, 2048), (16, 8, 32768), (2, 8, 65536), (2, 8, 131072),
+                                     (32, 8, 4096), (32, 4, 4096), (32, 32, 2048), (1, 8, 100)]:
+        plain = choose_num_splits(batch, kv_heads, context, num_sms=132, block_n=64)
+        hinted = choose_num_splits(batch, kv_heads, context, num_sms=132, block_n=64, context_lens=[context] * batch)
+        assert hinted == plain, (batch, kv_heads, context)
+    # one long sequence: the hint's power-of-two candidates land next to the width-only 63
+    assert choose_num_splits(1, 8, 131072, num_sms=132, block_n=64, context_lens=[131072]) == 64
+
+
+def test_a_mixed_batch_splits_for_its_real_lengths():
+    """32 sequences of 100-8,000 tokens (benchmarks/kernels.py MIXED_LENS): the width alone gives 2
+    splits (0.181 ms on the H200, session 2), the measured best were 4-32 (0.137-0.141 ms)."""
+    from kernels.decode_attention import choose_num_splits
+
+    lens = torch.randint(100, 8001, (32,), generator=torch.Generator().manual_seed(7)).tolist()
+    assert choose_num_splits(32, 8, 8000, num_sms=132, block_n=64) == 2
+    assert choose_num_splits(32, 8, 8000, num_sms=132, block_n=64, context_lens=lens) in (4, 8, 16)
+    # a batch of short sequences in a wide table: few splits, whatever the width says
+    assert choose_num_splits(32, 8, 8000, num_sms=132, block_n=64, context_lens=[200] * 31 + [8000]) >= 4
+    assert choose_num_splits(64, 8, 8000, num_sms=132, block_n=64, context_lens=[300] * 64) == 1
+
+
+def test_tiles_keep_the_same_bytes_in_flight():
+    """choose_tiles: bf16 head dim 128 keeps session 2's measured tiles; halved tiles (8-bit cache or
+    head dim 64) get a two-tile ring; 8-bit head dim 64 doubles the tile too."""
+    from kernels.decode_attention import choose_tiles
+
+    assert (choose_tiles(128, 2).block_n, choose_tiles(128, 2).num_stages) == (64, 2)
+    assert (choose_tiles(128, 1).block_n, choose_tiles(128, 1).num_stages) == (64, 5)
+    assert (choose_tiles(64, 2).block_n, choose_tiles(64, 2).num_stages) == (64, 5)
+    assert (choose_tiles(64, 1).block_n, choose_tiles(64, 1).num_stages) == (128, 5)
+    assert (choose_tiles(128, 4).block_n, choose_tiles(128, 4).num_stages) == (64, 2)  # fp32: bytes enough
+    assert choose_tiles(256, 2).block_n == 32

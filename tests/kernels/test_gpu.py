@@ -30,6 +30,15 @@ def test_decode_gpu(kv_dtype, head_dim, group, block_size, num_splits, q_dtype=t
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_gpu_length_hint(kv_dtype, head_dim):
+    """Host-side lengths pick the split count (choose_num_splits' length model) on compiled kernels."""
+    lens = [9000, 3, 40, 1700, 17, 900, 5000, 2]
+    decode.run_case(head_dim, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim + 5,
+                    device="cuda", length_hint=True)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
 def test_prefill_gpu(kv_dtype, head_dim, group, block_size, q_dtype=torch.bfloat16):
     prefill.run_case(head_dim, group, block_size, cached=[0, 21, 700, 5, 1000], new=[300, 7, 1, 0, 513],
