@@ -59,8 +59,9 @@ DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also trie
 # 8-bit KV (bn, warps, stages, v_pairs): the session-2 default (64, 4, 2), its 128-token tile, and the
 # deeper cp.async rings of kernels.decode_attention.choose_tiles (stages 5-6: two tiles, 7: three).
 # Session 2 also timed (64, 4, 2, False): 1.5-1.9x slower than the pairs path, dropped.
-QUANT_TILES = [(64, 4, 2, True), (128, 4, 2, True), (64, 4, 5, True), (64, 4, 7, True), (128, 4, 5, True),
-               (64, 8, 5, True)]
+# Session 3 run 1 also timed (128, 4, 2), (64, 4, 7), (64, 8, 5): none better than (64, 4, 5) or
+# (128, 4, 5) on any shape (kernels_h200_s3run1.json), dropped.
+QUANT_TILES = [(64, 4, 2, True), (64, 4, 5, True), (128, 4, 5, True)]
 PREV_TILES = (64, 4, 2)  # the launcher's tiles before choose_tiles (session 2), timed beside its choice
 PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages)
     (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3),
@@ -186,10 +187,9 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
     row["bf16_pct_copy"] = row["bf16_TBps"] / ceil["copy_TBps"]
     tiles = decode_attention.choose_tiles(head_dim, kv.element_size())
     row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     row["num_splits"] = decode_attention.choose_num_splits(
-        batch, kv_heads, tables.shape[1] * block_size, torch.cuda.get_device_properties(0).multi_processor_count,
-        tiles.block_n,
-    )
+        batch, kv_heads, tables.shape[1] * block_size, sms, tiles.block_n, programs_per_sm=tiles.programs_per_sm)
     prev_tiles_ms(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, tiles)
     if not quick and full_sweeps:
         variants = {}
@@ -233,7 +233,11 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
         qtiles = decode_attention.choose_tiles(head_dim, kq.element_size())
-        row[f"{name}_tiles"] = {"block_n": qtiles.block_n, "num_stages": qtiles.num_stages}
+        row[f"{name}_tiles"] = {"block_n": qtiles.block_n, "num_stages": qtiles.num_stages,
+                                "programs_per_sm": qtiles.programs_per_sm,
+                                "num_splits": decode_attention.choose_num_splits(
+                                    batch, kv_heads, tables.shape[1] * block_size, sms, qtiles.block_n,
+                                    programs_per_sm=qtiles.programs_per_sm)}
         prev_tiles_ms(row, name, q, kq, vq, tables, lens, scale, ks, vs, qtiles)
         if not quick:
             tiles = {}
@@ -475,6 +479,7 @@ def main() -> int:
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
+    ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -510,7 +515,8 @@ def main() -> int:
             print(f"class {shape} done ({time.time() - t0:.0f}s)", flush=True)
         result["mixed"] = mixed_case(gen, ceil)
         result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
-        result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
+        if not args.skip_gemms:
+            result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
     if not args.skip_prefill:
         result["prefill"] = prefill_case(gen, ceil, args.quick, args.full_sweeps)
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)

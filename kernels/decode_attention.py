@@ -219,40 +219,41 @@ def _reduce_kernel(
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Tile shape of the split kernel: tokens per tile, pipeline depth (Triton ``num_stages``), warps."""
+    """Tile shape of the split kernel: tokens per tile, pipeline depth (Triton ``num_stages``), warps,
+    and how many such programs an SM holds at once (registers and shared memory of the sm_90
+    compile), which sets the wave that ``choose_num_splits`` fills."""
 
     block_n: int
     num_stages: int
     num_warps: int = 4
+    programs_per_sm: int = 4
 
 
-# Bytes of K + V one program should have in flight to keep HBM busy at full batch: what bf16,
-# head dim 128 has with 64-token tiles and Triton's two-stage pipeline (one tile being copied while
-# one is computed): 2 x 64 x 128 x 2 B = 32 KiB, which ran at 98-100% of copy bandwidth on the H200.
-_INFLIGHT_BYTES = 32 * 1024
 # Triton 3.6's pipeliner puts the block-table load in the first stage and the K/V copies after it:
-# num_stages = 2 keeps one K/V tile buffer, 5 keeps a ring of two (read from the compiled TTGIR of
-# this kernel for sm_90: memdesc<1x64x128> at 2-4 stages, <2x64x128> at 5-6, <3x...> at 7).
-_STAGES_FOR_RING = {1: 2, 2: 5}
-
-
+# num_stages = 2 keeps one K/V tile buffer per program, 5 a ring of two (read from the compiled
+# TTGIR of this kernel for sm_90: memdesc<1x64x128> at 2-4 stages, <2x64x128> at 5-6).
 def choose_tiles(head_dim: int, kv_itemsize: int) -> DecodeTiles:
-    """Tiles that keep ``_INFLIGHT_BYTES`` of K/V per program in flight whatever the element size.
+    """Tiles per (head dim, cache element size), from H200 measurements (session 3, run 1) and the
+    sm_90 compile's resources (``ptxas -v`` registers, Triton's shared memory):
 
-    Why: an 8-bit cache (fp8/int8) or head dim 64 halves the bytes of a 64-token tile, so with the
-    bf16 tiles each program had half the memory requests outstanding, and at ~4 programs per SM
-    (registers) HBM was latency-bound: fp8 decode ran at 71% of copy bandwidth where bf16 ran at
-    98%, head dim 64 bf16 at 80% (H200, session 2). Deepening the cp.async ring to two tiles
-    restores the bytes in flight without more registers (fp8: 118 instead of 86 per thread, still 4
-    programs per SM; a 128-token tile instead needed 153 and fit only 3). Head dim 64 with an 8-bit
-    cache (8 KiB tiles) also doubles the tile to 128 tokens (96 registers).
+    * bf16/fp16 head dim 128: 64-token tiles, 2 stages (106 registers, 39 KB: 4 programs per SM):
+      98-100% of copy bandwidth at full batch.
+    * 8-bit (fp8/int8) head dim 128: 128-token tiles, a two-tile ring (150-160 registers, 75 KB:
+      3 programs per SM). At full waves it streams at copy speed (256 x 2K: 0.304 ms, 6 waves of 3
+      per SM); session 2's 64-token tiles ran at 71% of copy whatever the pipeline depth (0.175-0.179
+      ms at 64 x 4K with 2, 5 or 7 stages); the 128-token tile lost there only to the last wave,
+      which the split rule now fills at 3 programs per SM.
+    * head dim 64: a two-tile ring (bf16: 64 tokens, 79 registers, 37 KB: 6 per SM; 7% faster than
+      2 stages at 64 x 4K), and 128-token tiles for 8-bit caches (96-106 registers, 42 KB: 4 per SM;
+      7% faster for fp8, 25% for int8).
     """
     if head_dim > 128:  # registers: the [BLOCK_N, D] tiles of a 256-wide head
         return DecodeTiles(block_n=32, num_stages=2)
-    tile_bytes = 2 * 64 * head_dim * kv_itemsize  # K + V of one 64-token tile
-    block_n = 64 if tile_bytes >= _INFLIGHT_BYTES // 2 else 128
-    ring = max(1, min(2, _INFLIGHT_BYTES // (2 * block_n * head_dim * kv_itemsize)))
-    return DecodeTiles(block_n=block_n, num_stages=_STAGES_FOR_RING[ring])
+    if kv_itemsize == 1:
+        return DecodeTiles(block_n=128, num_stages=5, programs_per_sm=3 if head_dim > 64 else 4)
+    if head_dim <= 64 and kv_itemsize == 2:
+        return DecodeTiles(block_n=64, num_stages=5, programs_per_sm=6)
+    return DecodeTiles(block_n=64, num_stages=2)
 
 
 def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
@@ -340,12 +341,14 @@ def paged_decode(
     group = q_heads // kv_heads
     code = kv_code(k_cache)
     tiles = choose_tiles(head_dim, k_cache.element_size())
+    overridden = (block_n, num_stages, num_warps) != (None, None, None)
     block_n = max(block_n if block_n is not None else tiles.block_n, 16)
     num_stages = num_stages if num_stages is not None else tiles.num_stages
     num_warps = num_warps if num_warps is not None else tiles.num_warps
     max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
+    if num_splits is None:  # tile overrides (tuning) keep the 4-per-SM wave of session 2's tiles
         num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n,
+                                       programs_per_sm=4 if overridden else tiles.programs_per_sm,
                                        context_lens=context_lens)
     split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, split_tokens)

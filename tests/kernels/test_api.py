@@ -59,14 +59,21 @@ def test_a_mixed_batch_splits_for_its_real_lengths():
     assert choose_num_splits(64, 8, 8000, num_sms=132, block_n=64, context_lens=[300] * 64) == 1
 
 
-def test_tiles_keep_the_same_bytes_in_flight():
-    """choose_tiles: bf16 head dim 128 keeps session 2's measured tiles; halved tiles (8-bit cache or
-    head dim 64) get a two-tile ring; 8-bit head dim 64 doubles the tile too."""
-    from kernels.decode_attention import choose_tiles
+def test_tiles_per_head_dim_and_cache_width():
+    """choose_tiles: bf16 head dim 128 keeps session 2's measured tiles; 8-bit caches stream
+    128-token tiles through a two-tile ring at 3 programs per SM (head dim 128); head dim 64 gets the
+    ring too. The split rule fills the wave those tiles give."""
+    from kernels.decode_attention import choose_num_splits, choose_tiles
 
-    assert (choose_tiles(128, 2).block_n, choose_tiles(128, 2).num_stages) == (64, 2)
-    assert (choose_tiles(128, 1).block_n, choose_tiles(128, 1).num_stages) == (64, 5)
-    assert (choose_tiles(64, 2).block_n, choose_tiles(64, 2).num_stages) == (64, 5)
-    assert (choose_tiles(64, 1).block_n, choose_tiles(64, 1).num_stages) == (128, 5)
-    assert (choose_tiles(128, 4).block_n, choose_tiles(128, 4).num_stages) == (64, 2)  # fp32: bytes enough
+    def key(t):
+        return (t.block_n, t.num_stages, t.programs_per_sm)
+
+    assert key(choose_tiles(128, 2)) == (64, 2, 4)
+    assert key(choose_tiles(128, 1)) == (128, 5, 3)
+    assert key(choose_tiles(64, 2)) == (64, 5, 6)
+    assert key(choose_tiles(64, 1)) == (128, 5, 4)
+    assert key(choose_tiles(128, 4)) == (64, 2, 4)  # fp32
     assert choose_tiles(256, 2).block_n == 32
+    # 64 x 4096, 8 KV heads, fp8: 512 programs a split on 396 slots: 3 splits make 4 nearly full waves
+    fp8 = choose_tiles(128, 1)
+    assert choose_num_splits(64, 8, 4096, num_sms=132, block_n=fp8.block_n, programs_per_sm=fp8.programs_per_sm) == 3
