@@ -185,7 +185,7 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
     # The same call timed again at the end of the case: the spread between the two is the noise floor.
     row["bf16_TBps"] = kv_bytes / (ms * 1e-3) / 1e12
     row["bf16_pct_copy"] = row["bf16_TBps"] / ceil["copy_TBps"]
-    tiles = decode_attention.choose_tiles(head_dim, kv.element_size())
+    tiles = decode_attention.choose_tiles(head_dim, kv.dtype)
     row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     row["num_splits"] = decode_attention.choose_num_splits(
@@ -232,7 +232,19 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
-        qtiles = decode_attention.choose_tiles(head_dim, kq.element_size())
+        if head_dim == 128:  # the 8-bit candidate tiles with a split count fitted to their occupancy
+            cand = decode_attention.FP8_CANDIDATE
+            c_splits = decode_attention.choose_num_splits(batch, kv_heads, tables.shape[1] * block_size, sms,
+                                                          cand.block_n, programs_per_sm=cand.programs_per_sm)
+
+            def run_cand(kq=kq, vq=vq, ks=ks, vs=vs, cand=cand, c_splits=c_splits):
+                return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, num_splits=c_splits,
+                                                     block_n=cand.block_n, num_warps=cand.num_warps,
+                                                     num_stages=cand.num_stages)
+            want_q = ref.paged_decode_attention(q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs)
+            row[f"{name}_candidate"] = {"splits": c_splits, "rel_err": rel_err(run_cand()[:n_check], want_q),
+                                        "ms": bench(run_cand), "graph_ms": bench_graph(run_cand)}
+        qtiles = decode_attention.choose_tiles(head_dim, kq.dtype)
         row[f"{name}_tiles"] = {"block_n": qtiles.block_n, "num_stages": qtiles.num_stages,
                                 "programs_per_sm": qtiles.programs_per_sm,
                                 "num_splits": decode_attention.choose_num_splits(
@@ -304,7 +316,7 @@ def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size
     split_ms = {s: bench(lambda s=s: decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, None,
                                                                    None, num_splits=s)) for s in (2, 4, 8, 16, 32)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bn = decode_attention.choose_tiles(head_dim, kv.element_size()).block_n
+    bn = decode_attention.choose_tiles(head_dim, kv.dtype).block_n
     row_splits = {"chosen": decode_attention.choose_num_splits(batch, kv_heads, per_seq * block_size, sms, bn,
                                                                context_lens=lens_l),
                   "chosen_without_hint": decode_attention.choose_num_splits(batch, kv_heads, per_seq * block_size,
@@ -497,12 +509,22 @@ def main() -> int:
         "ceilings": ceil,
         "decode": [],
     }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        # after every case, so that a run cut off by a time limit keeps what it measured (session 3
+        # run 2 lost every figure to a timeout before the final write)
+        result["wall_s"] = time.time() - t0
+        out.write_text(json.dumps(result, indent=2))
+
     picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
     for shape in picked:
         result["decode"].append(decode_case(shape, gen, ceil, args.quick, args.full_sweeps))
+        save()
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
     if not args.skip_classes:
         result["classes"] = []
@@ -512,8 +534,10 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001  (one shape failing must not lose the others)
                 result["classes"].append({"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context",
                                                              "block_size"], shape)), "error": f"{type(e).__name__}: {e}"})
+            save()
             print(f"class {shape} done ({time.time() - t0:.0f}s)", flush=True)
         result["mixed"] = mixed_case(gen, ceil)
+        save()
         result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
         if not args.skip_gemms:
             result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
@@ -521,10 +545,7 @@ def main() -> int:
         result["prefill"] = prefill_case(gen, ceil, args.quick, args.full_sweeps)
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
         result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512)
-    result["wall_s"] = time.time() - t0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    save()
     print_table(result)
     print(f"wrote {out}")
     return 0

@@ -41,6 +41,7 @@ from kernels._common import (
     scale_args,
 )
 from kernels._dot import exact_dot
+from kernels.reference import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
 
@@ -232,28 +233,36 @@ class DecodeTiles:
 # Triton 3.6's pipeliner puts the block-table load in the first stage and the K/V copies after it:
 # num_stages = 2 keeps one K/V tile buffer per program, 5 a ring of two (read from the compiled
 # TTGIR of this kernel for sm_90: memdesc<1x64x128> at 2-4 stages, <2x64x128> at 5-6).
-def choose_tiles(head_dim: int, kv_itemsize: int) -> DecodeTiles:
-    """Tiles per (head dim, cache element size), from H200 measurements (session 3, run 1) and the
-    sm_90 compile's resources (``ptxas -v`` registers, Triton's shared memory):
+def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
+    """Tiles per (head dim, cache dtype), each measured on the H200 against session 2's 64-token,
+    2-stage tiles (session 3, run 1: benchmarks/results/kernels_h200_s3run1.json, 14 shapes):
 
-    * bf16/fp16 head dim 128: 64-token tiles, 2 stages (106 registers, 39 KB: 4 programs per SM):
-      98-100% of copy bandwidth at full batch.
-    * 8-bit (fp8/int8) head dim 128: 128-token tiles, a two-tile ring (150-160 registers, 75 KB:
-      3 programs per SM). At full waves it streams at copy speed (256 x 2K: 0.304 ms, 6 waves of 3
-      per SM); session 2's 64-token tiles ran at 71% of copy whatever the pipeline depth (0.175-0.179
-      ms at 64 x 4K with 2, 5 or 7 stages); the 128-token tile lost there only to the last wave,
-      which the split rule now fills at 3 programs per SM.
-    * head dim 64: a two-tile ring (bf16: 64 tokens, 79 registers, 37 KB: 6 per SM; 7% faster than
-      2 stages at 64 x 4K), and 128-token tiles for 8-bit caches (96-106 registers, 42 KB: 4 per SM;
-      7% faster for fp8, 25% for int8).
+    * head dim 128, bf16/fp16/fp32 and int8: 64-token tiles, 2 stages (bf16: 106 registers, 39 KB,
+      4 programs per SM, 98-100% of copy). int8 with a two-tile ring was 22-28% slower.
+    * head dim 128, fp8: 64-token tiles through a two-tile ring (118 registers, 23 KB): 1-6% faster
+      than 2 stages on every one of the 14 shapes (64 x 4K 0.177 against 0.179 ms).
+    * head dim 64: the ring too (bf16 64 x 4K 0.148 against 0.159 ms: 85% of copy instead of 80%),
+      with 128-token tiles for 8-bit caches (fp8 0.121 against 0.130 ms, int8 0.142 against 0.189;
+      96-106 registers, 42 KB).
+
+    A candidate for 8-bit head dim 128, measured where whole waves hide its occupancy (256 x 2K fp8:
+    0.304 ms against 0.350, 1.66x bf16) but not yet with a split count fitted to it:
+    ``FP8_CANDIDATE`` (benchmarks/kernels.py times it beside the launcher).
     """
     if head_dim > 128:  # registers: the [BLOCK_N, D] tiles of a 256-wide head
         return DecodeTiles(block_n=32, num_stages=2)
-    if kv_itemsize == 1:
-        return DecodeTiles(block_n=128, num_stages=5, programs_per_sm=3 if head_dim > 64 else 4)
-    if head_dim <= 64 and kv_itemsize == 2:
-        return DecodeTiles(block_n=64, num_stages=5, programs_per_sm=6)
-    return DecodeTiles(block_n=64, num_stages=2)
+    eight_bit = kv_dtype in (FP8_DTYPE, torch.int8)
+    if head_dim <= 64:
+        return DecodeTiles(block_n=128 if eight_bit else 64, num_stages=5)
+    return DecodeTiles(block_n=64, num_stages=5 if kv_dtype == FP8_DTYPE else 2)
+
+
+# 128-token tiles through a two-tile ring for an 8-bit, head-dim-128 cache: 150 registers (int8
+# 160) and 75 KB of shared memory, so 3 programs per SM; streams at copy speed on full waves
+# (256 x 2K: 6 waves of 3 per SM in 0.304 ms), and lost at 64 x 4K (0.197 ms) only to a second,
+# mostly empty wave (512 programs on 396 slots). Filling the waves (splits for 3 per SM: 3 at
+# 64 x 4K) predicts ~0.14 ms there (1.8x bf16); not measured yet, so not the default.
+FP8_CANDIDATE = DecodeTiles(block_n=128, num_stages=5, programs_per_sm=3)
 
 
 def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
@@ -340,7 +349,7 @@ def paged_decode(
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
     code = kv_code(k_cache)
-    tiles = choose_tiles(head_dim, k_cache.element_size())
+    tiles = choose_tiles(head_dim, k_cache.dtype)
     overridden = (block_n, num_stages, num_warps) != (None, None, None)
     block_n = max(block_n if block_n is not None else tiles.block_n, 16)
     num_stages = num_stages if num_stages is not None else tiles.num_stages

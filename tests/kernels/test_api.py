@@ -60,20 +60,20 @@ def test_a_mixed_batch_splits_for_its_real_lengths():
 
 
 def test_tiles_per_head_dim_and_cache_width():
-    """choose_tiles: bf16 head dim 128 keeps session 2's measured tiles; 8-bit caches stream
-    128-token tiles through a two-tile ring at 3 programs per SM (head dim 128); head dim 64 gets the
-    ring too. The split rule fills the wave those tiles give."""
-    from kernels.decode_attention import choose_num_splits, choose_tiles
+    """choose_tiles: what session 3's run 1 measured best per (head dim, cache dtype)."""
+    from kernels.decode_attention import FP8_CANDIDATE, choose_num_splits, choose_tiles
 
     def key(t):
         return (t.block_n, t.num_stages, t.programs_per_sm)
 
-    assert key(choose_tiles(128, 2)) == (64, 2, 4)
-    assert key(choose_tiles(128, 1)) == (128, 5, 3)
-    assert key(choose_tiles(64, 2)) == (64, 5, 6)
-    assert key(choose_tiles(64, 1)) == (128, 5, 4)
-    assert key(choose_tiles(128, 4)) == (64, 2, 4)  # fp32
-    assert choose_tiles(256, 2).block_n == 32
-    # 64 x 4096, 8 KV heads, fp8: 512 programs a split on 396 slots: 3 splits make 4 nearly full waves
-    fp8 = choose_tiles(128, 1)
-    assert choose_num_splits(64, 8, 4096, num_sms=132, block_n=fp8.block_n, programs_per_sm=fp8.programs_per_sm) == 3
+    assert key(choose_tiles(128, torch.bfloat16)) == (64, 2, 4)
+    assert key(choose_tiles(128, torch.float32)) == (64, 2, 4)
+    assert key(choose_tiles(128, reference.FP8_DTYPE)) == (64, 5, 4)  # two-tile ring
+    assert key(choose_tiles(128, torch.int8)) == (64, 2, 4)  # the ring made int8 slower
+    assert key(choose_tiles(64, torch.bfloat16)) == (64, 5, 4)
+    assert key(choose_tiles(64, reference.FP8_DTYPE)) == (128, 5, 4)
+    assert key(choose_tiles(64, torch.int8)) == (128, 5, 4)
+    assert choose_tiles(256, torch.bfloat16).block_n == 32
+    # the fp8 candidate's split rule: 512 programs a split on 3 x 132 slots -> 3 splits, four nearly full waves
+    assert choose_num_splits(64, 8, 4096, num_sms=132, block_n=FP8_CANDIDATE.block_n,
+                             programs_per_sm=FP8_CANDIDATE.programs_per_sm) == 3
