@@ -62,7 +62,14 @@ for d in r.get("classes", []):
           f"{d['gather_sdpa_ms']/best:>10.2f}{best/fp8:>7.2f}   (best of eager/graph)")
 m = r.get("mixed")
 if m:
-    print(f"mixed {m['shape']['lens']} x{m['shape']['batch']}: {100*m['bf16_pct_copy']:.0f}% of copy")
+    sp = m["splits"]
+    print(f"mixed {m['shape']['lens']} x{m['shape']['batch']}: {100*m['bf16_pct_copy']:.0f}% of copy "
+          f"(splits {sp['chosen']} from the length hint, {sp.get('chosen_without_hint')} without: "
+          f"{sp.get('no_hint_ms', float('nan')):.3f} ms vs {m['bf16_ms']:.3f} eager)")
+prev = [(",".join(str(v) for v in d["shape"].values()), d["fp8_ms"], d["fp8_prev_tiles_ms"])
+        for d in r["decode"] + r.get("classes", []) if "fp8_prev_tiles_ms" in d]
+if prev:
+    print("fp8 launcher tiles vs session-2 tiles (eager ms): " + "  ".join(f"{s} {a:.3f}/{b:.3f}" for s, a, b in prev))
 for f in r.get("fused_ops", []):
     print(f"fused ops, {f['tokens']} rows: " + ", ".join(f"{k} {v['speedup']:.1f}x" for k, v in f.items()
                                                         if isinstance(v, dict)))
