@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
+from engine.protocol import EngineClient
 from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_error
 from gateway.pipeline import Accounting, prepare
-from gateway.ports import UsageRecord
+from gateway.ports import TenancyPort, TenantCtx, UsageRecord
 from gateway.responder import respond
+from gateway.routing import Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.settings import GatewaySettings
 
 router = APIRouter(prefix="/v1", tags=["completions"])
 
 
-def record_rejected(tenancy: Any, ctx: Any, model: str, kind: str, err: OpenAIError, metrics: GatewayMetrics,
+def record_rejected(tenancy: TenancyPort, ctx: TenantCtx, model: str, kind: str, err: OpenAIError, metrics: GatewayMetrics,
                      live: LiveStats) -> None:
     """A request refused after authentication still gets its one ledger row (status error), and is
     counted by outcome (4xx, 429 by kind) in ``/metrics`` and on the dashboard like any other."""
@@ -53,8 +55,9 @@ def record_invalid_body(request: Request, err: OpenAIError) -> None:
     record_rejected(tenancy, ctx, "unknown", kind, err, state.metrics, state.live_stats)
 
 
-async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any, router_: Any, engine: Any,
-                  settings: Any, metrics: Any, live: Any) -> Any:
+async def _handle(kind: str, body: ChatCompletionRequest | CompletionRequest, request: Request, ctx: TenantCtx,
+                  tenancy: TenancyPort, router_: Router, engine: EngineClient | None, settings: GatewaySettings,
+                  metrics: GatewayMetrics, live: LiveStats) -> Response:
     try:
         prep = await prepare(kind, body, ctx, tenancy=tenancy, router=router_, engine=engine, settings=settings,
                              threads=request.app.state.tenant_threads,
@@ -72,7 +75,7 @@ async def _handle(kind: str, body: Any, request: Request, ctx: Any, tenancy: Any
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, ctx: TenantDep, tenancy: TenancyDep, router_: RouterDep,
     engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
-) -> Any:
+) -> Response:
     return await _handle("chat", body, request, ctx, tenancy, router_, engine, settings, metrics, live)
 
 
@@ -80,5 +83,5 @@ async def chat_completions(
 async def completions(
     body: CompletionRequest, request: Request, ctx: TenantDep, tenancy: TenancyDep, router_: RouterDep,
     engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
-) -> Any:
+) -> Response:
     return await _handle("completion", body, request, ctx, tenancy, router_, engine, settings, metrics, live)
