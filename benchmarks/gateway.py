@@ -342,10 +342,44 @@ def run_profile(args: argparse.Namespace) -> int:
         results = asyncio.run(_profile(app, key, args.requests, cProfile, pstats, io, args.pstats))
     finally:
         stop_all(procs)
-    print(f"hops of one request: {results['hops']}")
+    print("Python frame entries (calls and coroutine resumptions) for one request, by where the code lives:")
+    areas = list(next(iter(results["hops"].values())))
+    print(f"{'':<26}" + "".join(f"{a[:9]:>10}" for a in areas))
+    for label, counts in results["hops"].items():
+        print(f"{label:<26}" + "".join(f"{counts[a]:>10}" for a in areas))
+    print("CPU ms per request (this process, min of 5 runs):",
+          {k: round(v, 3) for k, v in results["cpu_ms_per_request_min_of_5"].items()})
     print(results["top"])
     write_result("profile", args, results)
     return 0
+
+
+# Where the other calls of a request are made (by the path of the function's file); the rest: "other".
+_AREAS = ("fastapi", "starlette", "pydantic", "httpx", "httpcore", "anyio", "asyncio", "prometheus_client",
+          "tenancy", "engine", "other")
+
+
+def _count_calls(ours: tuple[str, ...]):  # noqa: ANN202 - (profile function, its counts)
+    counts = {"all": 0, "gateway+promptlint": 0} | {area: 0 for area in _AREAS}
+
+    def count(frame, event, _arg) -> None:  # noqa: ANN001 - sys.setprofile's shape
+        if event == "call":  # a call, or a coroutine resuming
+            counts["all"] += 1
+            name = frame.f_code.co_filename
+            if name.startswith(ours):
+                counts["gateway+promptlint"] += 1
+            else:
+                counts[next((a for a in _AREAS if f"/{a}/" in name), "other")] += 1
+
+    return count, counts
+
+
+async def _null_app(scope, receive, send) -> None:  # noqa: ANN001 - raw ASGI
+    """The client's own share of the calls: the same client, transport and answer, no gateway."""
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b'{"choices": []}'})
 
 
 async def _profile(app, key: str, n: int, cProfile, pstats, io, dump: str | None) -> dict:  # noqa: ANN001
@@ -353,31 +387,44 @@ async def _profile(app, key: str, n: int, cProfile, pstats, io, dump: str | None
     headers = {"Authorization": f"Bearer {key}"}
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=60) as client, \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=_null_app), base_url="http://null") as null:
 
-            async def one(body: dict) -> None:
-                r = await client.post("/v1/chat/completions", json=body, headers=headers)
+            async def one(body: dict, via: httpx.AsyncClient = client) -> None:
+                r = await via.post("/v1/chat/completions", json=body, headers=headers)
                 r.raise_for_status()
 
             for _ in range(50):  # warm: connections, caches, lazy imports
                 await one(BODY)
                 await one(STREAM_BODY)
-            hops = {}
-            for label, body in (("non-stream", BODY), ("stream", STREAM_BODY)):
-                counts = {"all": 0, "gateway+promptlint": 0}
-
-                def count(frame, event, _arg, counts=counts) -> None:  # noqa: ANN001 - sys.setprofile's shape
-                    if event == "call":
-                        counts["all"] += 1
-                        if frame.f_code.co_filename.startswith(ours):
-                            counts["gateway+promptlint"] += 1
-
+                await one(BODY, null)
+            hops: dict[str, dict[str, int]] = {}
+            for label, body, via in (("client only", BODY, null), ("non-stream", BODY, client),
+                                     ("stream", STREAM_BODY, client)):
+                count, counts = _count_calls(ours)
                 sys.setprofile(count)
                 try:
-                    await one(body)
+                    await one(body, via)
                 finally:
                     sys.setprofile(None)
                 hops[label] = counts
+            # CPU time of this process per request (the upstream runs in its own process): less noisy
+            # than wall time on a shared machine; the null app's share is the client's own.
+            cpu = {}
+            for label, body, via in (("client only", BODY, null), ("non-stream", BODY, client),
+                                     ("stream", STREAM_BODY, client)):
+                runs = []
+                for _ in range(5):
+                    c0 = time.process_time()
+                    for _ in range(max(1, n // 10)):
+                        await one(body, via)
+                    runs.append(1000 * (time.process_time() - c0) / max(1, n // 10))
+                cpu[label] = min(runs)
+            cpu["non-stream minus client"] = cpu["non-stream"] - cpu["client only"]
+            cpu["stream minus client"] = cpu["stream"] - cpu["client only"]
+            base = hops["client only"]
+            for label in ("non-stream", "stream"):  # the gateway's own: minus what the client does anyway
+                hops[f"{label} minus client"] = {k: v - base[k] for k, v in hops[label].items()}
             prof = cProfile.Profile()
             t0 = time.perf_counter()
             prof.enable()
@@ -392,7 +439,7 @@ async def _profile(app, key: str, n: int, cProfile, pstats, io, dump: str | None
     stats.sort_stats("tottime").print_stats(25)
     text = out.getvalue()
     top = text[text.index("ncalls"):] if "ncalls" in text else text
-    return {"hops": hops, "requests": n, "seconds_under_profile": elapsed,
+    return {"hops": hops, "cpu_ms_per_request_min_of_5": cpu, "requests": n, "seconds_under_profile": elapsed,
             "top": "\n".join(line.replace(str(REPO) + "/", "") for line in top.splitlines()[:27])}
 
 

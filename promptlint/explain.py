@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -134,7 +134,7 @@ def _message_text(msg: Any) -> str:
     return text
 
 
-def render(body: dict[str, Any]) -> Rendered:
+def render(body: Mapping[str, Any]) -> Rendered:
     """Render ``body`` as ``tools``, ``system`` and each message, in provider order (see module doc).
 
     Tools are JSON in the order and key order given: that order is what a provider tokenizes.

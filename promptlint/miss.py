@@ -121,7 +121,9 @@ class PromptFacts:
 
     body: JsonBody
     rendered: Rendered
+    text: str  # rendered.text
     token_ids: array | None
+    prompt_tokens: int  # exact with token ids, else estimated from the text
     block_size: int
     seen_at: float
     reachable_chars: int  # characters before its own input (its last user/tool message)
@@ -131,19 +133,12 @@ class PromptFacts:
     def of(cls, body: JsonBody, *, token_ids: Sequence[int] | None, block_size: int, seen_at: float) -> PromptFacts:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
-        rendered = render(dict(body))
+        rendered = render(body)
+        text = rendered.text
         ids = array("q", token_ids) if token_ids is not None else None
-        facts = cls(body, rendered, ids, block_size, seen_at, _reachable(rendered))
-        return replace(facts, marks=tuple(_marked_prefixes(facts)))
-
-    @property
-    def text(self) -> str:
-        return self.rendered.text
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The prompt's length in tokens: exact with token ids, else estimated from its text."""
-        return len(self.token_ids) if self.token_ids is not None else -(-len(self.text) // CHARS_PER_TOKEN)
+        tokens = len(ids) if ids is not None else -(-len(text) // CHARS_PER_TOKEN)
+        return cls(body, rendered, text, ids, tokens, block_size, seen_at, _reachable(rendered),
+                   _marked_prefixes(body, rendered, tokens))
 
     @property
     def size(self) -> int:
@@ -152,9 +147,7 @@ class PromptFacts:
 
     def tokens_at(self, char: int) -> int:
         """A character offset of the rendering -> tokens, in proportion to the prompt's token count."""
-        if not self.text:
-            return 0
-        return round(self.prompt_tokens * min(max(char, 0), len(self.text)) / len(self.text))
+        return _tokens_at(char, len(self.text), self.prompt_tokens)
 
     @property
     def reachable_tokens(self) -> int:
@@ -278,15 +271,21 @@ def _reachable(rendered: Rendered) -> int:
     return len(rendered.text)
 
 
-def _marked_prefixes(facts: PromptFacts) -> list[MarkedPrefix]:
-    """Each valid breakpoint of ``facts.body`` with the end of its prefix in the rendering.
+def _tokens_at(char: int, chars: int, tokens: int) -> int:
+    return round(tokens * min(max(char, 0), chars) / chars) if chars else 0
+
+
+def _marked_prefixes(body: JsonBody, rendered: Rendered, tokens: int) -> tuple[MarkedPrefix, ...]:
+    """Each valid breakpoint of ``body`` with the end of its prefix in the rendering.
 
     A request with invalid marks has no breakpoints here: the doors refuse it before it runs."""
     try:
-        breakpoints = parse_breakpoints(facts.body)
+        breakpoints = parse_breakpoints(body)
     except CacheControlError:
-        return []
-    by_where = {s.where: s for s in facts.rendered.segments}
+        return ()
+    if not breakpoints:
+        return ()
+    by_where = {s.where: s for s in rendered.segments}
     out = []
     for bp in breakpoints:
         where = "tools" if bp.section == "tools" else "system" if bp.section == "system" else f"messages[{bp.message}]"
@@ -294,12 +293,12 @@ def _marked_prefixes(facts: PromptFacts) -> list[MarkedPrefix]:
         if seg is None:
             continue
         end = seg.end
-        content = _content_of(facts.body, bp)
+        content = _content_of(body, bp)
         if isinstance(content, list) and bp.block is not None:  # the mark ends after its own block
             head = len(f"<{seg.role}>\n")
             end = seg.start + head + len(content_text(content[: bp.block + 1]))
-        out.append(MarkedPrefix(bp, end, facts.tokens_at(end)))
-    return out
+        out.append(MarkedPrefix(bp, end, _tokens_at(end, len(rendered.text), tokens)))
+    return tuple(out)
 
 
 def _content_of(body: JsonBody, bp: Breakpoint) -> Any:
