@@ -231,7 +231,8 @@ def create_app(
     registry.register(LedgerCollector(lambda: app.state.tenancy))  # rows committed / quarantined / lost
     app.state.live_stats = LiveStats()
     app.state.timeseries = TimeSeries(registry, app.state.live_stats)  # the dashboard's charts
-    app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)
+    # Cache-miss explanations (bounded memory, per tenant), on the local engine's block grid.
+    app.state.miss_tracker = MissTracker(block_size=settings.block_size)
     app.state.router = build_router(settings, registry)
     app.state.tenant_threads = TenantThreads(
         workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
