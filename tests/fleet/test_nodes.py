@@ -28,6 +28,9 @@ MESSAGES = [{"role": "system", "content": "You answer about ExampleCo's products
             {"role": "user", "content": "What are your opening hours?"}]
 
 
+NODE_PROCS: list = []  # the nodes' processes, for signals
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     started = []
@@ -35,6 +38,7 @@ def nodes(tmp_path_factory):
         for i in range(2):
             home = tmp_path_factory.mktemp(f"node{i}")
             started.append(serve_tiny(home, "--node-token-env", TOKEN_ENV, env={TOKEN_ENV: TOKEN}))
+        NODE_PROCS[:] = [proc for _, proc in started]
         yield [url for url, _ in started]
     finally:
         for _, proc in started:
@@ -183,3 +187,33 @@ def test_draining_a_node_finishes_its_stream_and_sends_new_requests_elsewhere(ga
     _until(lambda: any(n["draining"] for n in _health(url)["nodes"] if n["url"] == first), "/health says draining")
     httpx.post(f"{first}/internal/v1/drain", json={"draining": False}, headers=NODE, timeout=10, trust_env=False)
     assert httpx.get(f"{first}/health", timeout=10, trust_env=False).status_code == 200
+
+
+def _running(url: str) -> int:
+    stats = httpx.get(f"{url}/internal/v1/stats", headers=NODE, timeout=10, trust_env=False).json()
+    return stats["running"] + stats["waiting"]
+
+
+def test_a_gateway_gone_mid_stream_aborts_the_request_on_the_node(nodes) -> None:
+    body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 400, "ignore_eos": True, "cache_salt": SALT_B,
+            "stream": True}
+    with httpx.stream("POST", f"{nodes[1]}/v1/completions", json=body, headers=NODE, timeout=60,
+                      trust_env=False) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(4))
+        assert _running(nodes[1]) == 1
+    _until(lambda: _running(nodes[1]) == 0, "the node aborted the request of the closed stream", timeout=30)
+
+
+def test_sigusr1_drains_a_node(nodes) -> None:
+    import signal
+
+    NODE_PROCS[1].send_signal(signal.SIGUSR1)
+    try:
+        _until(lambda: httpx.get(f"{nodes[1]}/health", timeout=10, trust_env=False).status_code == 503,
+               "SIGUSR1 drains the node")
+        assert _health(nodes[1])["status"] == "draining"
+    finally:
+        r = httpx.post(f"{nodes[1]}/internal/v1/drain", json={"draining": False}, headers=NODE, timeout=10,
+                       trust_env=False)
+        assert r.json() == {"draining": False, "inflight": 0}

