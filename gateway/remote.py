@@ -101,8 +101,9 @@ class NodeState:
     cached_tokens_reported: bool | None = None
 
 
-def request_body(request: GenerateRequest, model: str | None) -> tuple[str, dict[str, Any]]:
-    """The OpenAI-compatible path and JSON body for ``request``.
+def request_body(request: GenerateRequest, model: str | None, *, priority: bool = False) -> tuple[str, dict[str, Any]]:
+    """The OpenAI-compatible path and JSON body for ``request``. ``priority``: send the tenant's
+    priority (a PrefixGate node; vLLM refuses it unless started with priority scheduling).
 
     Raises ``InvalidRequestError`` for what this API cannot carry (logprobs objects, grammars)."""
     s = request.sampling
@@ -129,7 +130,7 @@ def request_body(request: GenerateRequest, model: str | None) -> tuple[str, dict
         body["ignore_eos"] = True
     if s.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
-    if request.tenant.priority:
+    if priority and request.tenant.priority:
         body["priority"] = request.tenant.priority
     if request.messages is not None:
         body["messages"] = list(request.messages)
@@ -176,7 +177,8 @@ class RemoteEngineClient:
         return self._models[0].id if self._models else None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        path, body = request_body(request, self._served_model(request))
+        prefixgate = any(c.owned_by == "prefixgate" for c in self._models)
+        path, body = request_body(request, self._served_model(request), priority=prefixgate)
         start = time.perf_counter()
         try:
             async with self._http.stream("POST", path, json=body) as resp:

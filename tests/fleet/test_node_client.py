@@ -80,7 +80,7 @@ def test_node_client_sends_no_authorization_and_sees_cached_tokens_unreported(ke
         try:
             await client.refresh_models()
             assert client.state.cached_tokens_reported is None
-            req = GenerateRequest(request_id="r", tenant=StaticTenantScope(namespace=b"\x01\x02"),
+            req = GenerateRequest(request_id="r", tenant=StaticTenantScope(namespace=b"\x01\x02", priority=3),
                                   sampling=SamplingParams(max_tokens=1), prompt_token_ids=[1, 2, 3])
             return [o async for o in client.generate(req)]
         finally:
@@ -90,6 +90,7 @@ def test_node_client_sends_no_authorization_and_sees_cached_tokens_unreported(ke
     path, auth, body = server.calls[-1]
     assert path == "/v1/completions" and auth is None  # keyless: no header at all
     assert body["prompt"] == [1, 2, 3] and body["cache_salt"] == "0102" and body["model"] == "served"
+    assert "priority" not in body  # vLLM refuses it unless started with priority scheduling
     assert outs[0].new_token_ids == (42,) and outs[-1].finished and outs[-1].prompt_tokens == 7
     assert outs[-1].cached_tokens == 0
 

@@ -11,6 +11,7 @@ test skips and says so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -52,10 +53,10 @@ def _vllm_env(cache: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def vllm_node(tmp_path_factory):
+@contextlib.contextmanager
+def _vllm_server(tmp: Path, *flags: str):
+    """``vllm serve`` of the tiny checkpoint on a free port, keyless, with ``flags``; yields its URL."""
     python = _vllm_python()
-    tmp = tmp_path_factory.mktemp("vllm")
     model = ensure_tiny_model(tmp / "home")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -64,8 +65,8 @@ def vllm_node(tmp_path_factory):
         proc = subprocess.Popen(
             [python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
-             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "1024",
-             "--dtype", "float32", "--enforce-eager"],
+             "--enable-prefix-caching", "--max-model-len", "1024", "--dtype", "float32", "--enforce-eager",
+             *flags],
             cwd=tmp, env=_vllm_env(tmp / "cache"), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900  # vLLM CPU starts in minutes on a loaded 2-core machine
     try:
@@ -86,11 +87,23 @@ def vllm_node(tmp_path_factory):
         stop(proc, timeout=30)
 
 
+@pytest.fixture(scope="module")
+def vllm_node(tmp_path_factory):
+    with _vllm_server(tmp_path_factory.mktemp("vllm"), "--enable-prompt-tokens-details") as url:
+        yield url
+
+
+def _tenants(home: Path, *names: str) -> dict[str, str]:
+    svc = TenancyService.open(home)
+    try:
+        return {name: svc.create_tenant(name).api_key for name in names}
+    finally:
+        svc.close()
+
+
 def test_vllm_node_keeps_tenants_apart_by_cache_salt_and_its_hits_reach_the_ledger(vllm_node, tmp_path) -> None:
     home = tmp_path / "gw"
-    svc = TenancyService.open(home)
-    keys = {name: svc.create_tenant(name).api_key for name in ("acme", "beta")}
-    svc.close()
+    keys = _tenants(home, "acme", "beta")
     route = RouteConfig(model="tiny", nodes=(vllm_node,), price="unpriced")  # no node_token_env: keyless
     with LoopbackServer(create_app(GatewaySettings(home=home, routes=(route,)))) as gw:
         def cached(tenant: str) -> int:
@@ -112,3 +125,36 @@ def test_vllm_node_keeps_tenants_apart_by_cache_salt_and_its_hits_reach_the_ledg
     assert rows["acme"]["requests"] == 2 and rows["acme"]["cached_tokens"] >= 96
     assert rows["beta"]["cached_tokens"] == 0
     assert rows["acme"]["priced_as"] == "unpriced" and rows["acme"]["cost_usd"] is None
+
+
+def test_a_litellm_route_to_a_keyless_vllm_works_whole_and_streamed(vllm_node, tmp_path, monkeypatch) -> None:
+    """The issue's finding: this route failed every request with 502 "Missing credentials" (streams:
+    200 and an in-band error) when vLLM was started without --api-key."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    home = tmp_path / "gw"
+    key = _tenants(home, "acme")["acme"]
+    route = RouteConfig(model="tiny-up", provider="openai/tiny", api_base=f"{vllm_node}/v1", max_model_len=1024)
+    with LoopbackServer(create_app(GatewaySettings(home=home, routes=(route,)))) as gw:
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=300)
+        r = client.completions.create(model="tiny-up", prompt=PROMPT, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens == len(PROMPT) and r.usage.completion_tokens == 2
+        messages = [{"role": "user", "content": "hello there"}]
+        whole = client.chat.completions.create(model="tiny-up", messages=messages, max_tokens=3, temperature=0)
+        assert whole.usage.completion_tokens == 3
+        chunks = list(client.chat.completions.create(model="tiny-up", messages=messages, max_tokens=3,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+def test_a_vllm_node_without_prompt_tokens_details_is_flagged(tmp_path_factory, tmp_path) -> None:
+    home = tmp_path / "gw"
+    key = _tenants(home, "acme")["acme"]
+    with _vllm_server(tmp_path_factory.mktemp("vllm-plain")) as url:
+        route = RouteConfig(model="tiny", nodes=(url,))
+        with LoopbackServer(create_app(GatewaySettings(home=home, routes=(route,)))) as gw:
+            client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=300)
+            for _ in range(2):  # the second is a hit vLLM does not report
+                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0)
+            (node,) = httpx.get(f"{gw.url}/health", timeout=10, trust_env=False).json()["nodes"]
+    assert node["cached_tokens"] == "unreported"
