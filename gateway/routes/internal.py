@@ -246,22 +246,26 @@ def build_node_app(state: Any) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def chunks() -> AsyncIterator[bytes]:
-                async for out in outputs():
-                    if out.new_text or out.new_token_ids or out.finished:
-                        yield _sse(shape.delta(out.new_text, out.new_token_ids,
-                                               (out.finish_reason or "stop") if out.finished else None))
-                    if out.finished and include_usage:
-                        yield _sse(shape.usage_chunk(out))
+                # aclosing: a gateway gone mid-stream closes this generator, and that must reach the
+                # engine's stream now (its abort), not whenever the inner generator is collected.
+                async with contextlib.aclosing(outputs()) as outs:
+                    async for out in outs:
+                        if out.new_text or out.new_token_ids or out.finished:
+                            yield _sse(shape.delta(out.new_text, out.new_token_ids,
+                                                   (out.finish_reason or "stop") if out.finished else None))
+                        if out.finished and include_usage:
+                            yield _sse(shape.usage_chunk(out))
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
         text: list[str] = []
         ids: list[int] = []
         last = first
-        async for out in outputs():
-            text.append(out.new_text)
-            ids.extend(out.new_token_ids)
-            last = out
+        async with contextlib.aclosing(outputs()) as outs:
+            async for out in outs:
+                text.append(out.new_text)
+                ids.extend(out.new_token_ids)
+                last = out
         return JSONResponse(shape.whole("".join(text), ids, last))
 
     def model_name(body: _NodeBody) -> str | None:
