@@ -61,10 +61,10 @@ from prometheus_client import CollectorRegistry
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine.disagg.request_wire import request_to_wire  # noqa: E402
 from engine.launch import ensure_smol_model, ensure_tiny_model  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
 from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy  # noqa: E402
-from gateway.node_wire import request_to_wire  # noqa: E402
 from tests.serverutil import serve_tiny, stop  # noqa: E402
 
 TOKEN = "pd-bench-node-token"

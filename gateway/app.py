@@ -29,6 +29,7 @@ from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy
 from gateway.errors import OpenAIError, install_error_handlers, render
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
+from gateway.node_health import probe_forever
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
 from gateway.routes import (
@@ -36,13 +37,13 @@ from gateway.routes import (
     completions,
     dashboard,
     disagg,
-    internal,
     messages,
     models,
     ops,
     responses,
     usage,
 )
+from gateway.routes.internal import NodeApiMiddleware, NodeDrain, install_drain_signal
 from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.settings import GatewaySettings
@@ -123,6 +124,7 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
                 tenant_prefix=rc.tenant_prefix, prompt_cache_key=rc.sends_prompt_cache_key,
                 tenant_api_keys=rc.tenant_api_keys, shared_api_key=rc.shared_api_key,
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
+                keyless=rc.transport == "litellm" and rc.self_hosted and not rc.api_key,
             )
             backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]
         elif rc.prefill_nodes:
@@ -134,7 +136,7 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
         else:
             backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
-        routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len))
+        routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len, extra={"price": rc.price}))
     return Router(routes, load_factor=settings.load_factor, prefix_bytes=settings.route_prefix_bytes)
 
 
@@ -206,10 +208,13 @@ def create_app(
                 except Exception as exc:  # noqa: BLE001 - a node may start later; routing still works
                     log.warning("engine node %s: cannot list models yet: %r", client.base_url, exc)
         sampler = asyncio.create_task(_sample_forever(app.state.timeseries))
+        prober = asyncio.create_task(probe_forever(app.state.router, settings.node_probe_interval_s))
+        install_drain_signal(app.state)
         try:
             yield
         finally:
             sampler.cancel()
+            prober.cancel()
             for client in app.state.router.all_clients():  # nodes' and direct upstreams' HTTP pools
                 await _call_optional(client, "aclose")
             if owned_engine is not None:
@@ -256,7 +261,9 @@ def create_app(
     async def _tenancy(request: Any, exc: TenancyError) -> Any:
         return render(request, tenancy_error(exc))
 
-    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, internal, disagg):
+    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, disagg):
         app.include_router(module.router)
+    app.state.node_drain = NodeDrain()
+    app.add_middleware(NodeApiMiddleware, state=app.state)  # node calls: the OpenAI API, node token (docs/nodes.md)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

@@ -82,6 +82,8 @@ class Prepared:
     # (None: no logprobs object; k: the sampled token plus k alternatives).
     tool_parsing: bool = False
     logprobs: int | None = None
+    # The route's price (RouteConfig.price): a cost-map name, "unpriced", or None (the model's own).
+    price_as: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -389,6 +391,7 @@ async def prepare(
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
         canon_applied=canon.applied, tenant=scoped, miss_tracker=tracker, miss=miss,
         tool_parsing=bool(features and features.tools.parse), logprobs=features.logprobs if features else None,
+        price_as=_route_price(router, req.model),
     )
 
 
@@ -401,6 +404,13 @@ def _with_canonical_fields(req: ChatCompletionRequest, canonical: dict[str, Any]
         if name in canonical:
             update[name] = canonical[name]
     return req.model_copy(update=update)
+
+
+def _route_price(router: Router, model: str) -> str | None:
+    """The configured route's ``price`` ("unpriced", a cost-map name), None for the model's own."""
+    route = router.routes.get(model)
+    price = route.extra.get("price") if route is not None else None
+    return price if isinstance(price, str) else None
 
 
 def _tokenize_all(engine: EngineClient, requests: list[GenerateRequest]) -> list[list[int]]:
@@ -546,7 +556,7 @@ class Accounting:
         # The ledger and the price use the model that did the work: for a provider route that is the
         # provider's model (priced from litellm's map), not the alias the client sent.
         model = prep.backend.target_model if prep.backend.takes_openai_fields else prep.model
-        price = self.tenancy.price(model, prompt, cached, completion)
+        price = self.tenancy.price(prep.price_as or model, prompt, cached, completion)
         cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)
         t = prep.tenant
@@ -557,7 +567,7 @@ class Accounting:
             request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
             ttft_s=self.ttft, latency_s=latency, status=status, created_at=self.arrived_at,
-            **usage_fields(prep.miss_record),
+            price_as=prep.price_as, **usage_fields(prep.miss_record),
         ))
         label, backend = t.metrics_label, prep.backend.label
         if prep.miss_record is not None:
