@@ -146,7 +146,9 @@ class BlockPool:
                 raise IntegrityError("eviction policy found no evictable leaf although blocks were free")
             assert victim.block_hash is not None and victim.namespace is not None
             if self._on_evict is not None:
-                self._on_evict(EvictedBlock(BlockHash(victim.block_hash), victim.namespace, victim.depth, victim.block_id))
+                left = max(0.0, victim.retain_until - self.clock()) if victim.retain_until else 0.0
+                self._on_evict(EvictedBlock(BlockHash(victim.block_hash), victim.namespace, victim.depth,
+                                            victim.block_id, retained_for_s=left))
             self._unindex(victim)
             self.num_evictions += 1
             return victim

@@ -6,8 +6,10 @@
       spec -> Lark grammar text          GuidedRow.fill(bitmask row)        allowed tokens, 1 bit each
       validate under LLParserLimits      apply_bitmask(logits, bitmask)     disallowed -> -inf
       build a prototype matcher          (sampled token is consumed at the next sync)
-      within a wall-clock bound
-      -> ValueError (a 400) or cached    first step: GrammarCompiler.matcher = prototype.deep_copy()
+      within a wall-clock bound          first step: GrammarCompiler.matcher = prototype.deep_copy()
+      -> ValueError (a 400)
+      the compile (or its refusal) is
+      cached per spec: done once
 
 Building a matcher is the expensive part (0.1-0.5 s for a schema with thousands of
 alternatives, measured here), so it happens at admission, off the engine thread; the engine
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -48,7 +51,7 @@ MAX_SCHEMA_BYTES = 64 * 1024
 _LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                max_lexer_states=100_000)
 COMPILE_TIMEOUT_S = 5.0
-_CACHE_SIZE = 256  # prototype matchers kept (one per distinct spec)
+_CACHE_SIZE = 256  # compiles kept (one per distinct spec): prototype matchers and refusals
 
 # Compact JSON (no free whitespace): otherwise a weak model can fill max_tokens with blanks.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -86,7 +89,9 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._cache_lock = threading.Lock()
-        self._prototypes: OrderedDict[GuidedSpec, llguidance.LLMatcher] = OrderedDict()
+        # spec -> its compile (a future: running, a prototype matcher, or the ValueError refusing it)
+        self._prototypes: OrderedDict[GuidedSpec, concurrent.futures.Future[llguidance.LLMatcher]] = OrderedDict()
+        self.compiles = 0  # grammars built so far (each distinct spec once while it stays cached)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -106,23 +111,36 @@ class GrammarCompiler:
         return [tok.decode_bytes([t]) for t in token_ids]
 
     def check(self, spec: GuidedSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
-        """Raise ValueError (with the reason) unless ``spec`` compiles within the bounds."""
+        """Raise ValueError (with the reason) unless ``spec`` compiles within the bounds.
+
+        Each distinct spec is compiled once: its compile (running, done, or refused) is shared by
+        every request that names it, so a burst of requests with one schema, or a refused schema
+        sent again, costs one compile, and ``matcher`` later copies that compile's prototype."""
         if len(spec.json_schema.encode()) > MAX_SCHEMA_BYTES:
             raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
         self.warm_up()  # outside the timed part: the bound is the grammar's, not the vocabulary's
-        future = self._pool.submit(self._prototype, spec)
         try:
-            future.result(timeout=timeout_s)
+            self._compile(spec).result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             raise ValueError(f"the grammar did not compile within {timeout_s:g} s; simplify the schema") from None
 
-    def _prototype(self, spec: GuidedSpec) -> llguidance.LLMatcher:
-        """The cached, validated matcher in its start state (built on a miss)."""
+    def _compile(self, spec: GuidedSpec) -> concurrent.futures.Future[llguidance.LLMatcher]:
+        """The compile of ``spec``: the one already started (or finished, or refused), else a new one."""
         with self._cache_lock:
-            proto = self._prototypes.get(spec)
-            if proto is not None:
+            fut = self._prototypes.get(spec)
+            if fut is not None:
                 self._prototypes.move_to_end(spec)
-                return proto
+                return fut
+            fut = self._pool.submit(self._build, spec)
+            self._prototypes[spec] = fut
+            while len(self._prototypes) > _CACHE_SIZE:
+                self._prototypes.popitem(last=False)  # a running compile finishes; only its entry goes
+            return fut
+
+    def _build(self, spec: GuidedSpec) -> llguidance.LLMatcher:
+        """A validated matcher in its start state; ValueError (a one-line reason) if it cannot be."""
+        with self._cache_lock:
+            self.compiles += 1
         tokenizer = self.tokenizer
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec))
@@ -130,20 +148,32 @@ class GrammarCompiler:
             raise ValueError(f"invalid schema: {exc}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=_limits())
         if is_error:
-            raise ValueError(f"the schema cannot be enforced: {messages[0]}")
+            raise ValueError(f"the JSON schema cannot be enforced while decoding: {_reason(messages[0])}")
         proto = llguidance.LLMatcher(tokenizer, grammar, limits=_limits(), log_level=0)
         if proto.is_error():
-            raise ValueError(f"the schema cannot be enforced: {proto.get_error()}")
-        with self._cache_lock:
-            self._prototypes[spec] = proto
-            while len(self._prototypes) > _CACHE_SIZE:
-                self._prototypes.popitem(last=False)
+            raise ValueError(f"the JSON schema cannot be enforced while decoding: {_reason(proto.get_error())}")
         return proto
 
     def matcher(self, spec: GuidedSpec) -> GuidedRow:
         """A fresh matcher for one request: a copy of the prototype ``check`` built (rebuilt here
         only if the cache dropped it since)."""
-        return GuidedRow(self._prototype(spec).deep_copy())
+        return GuidedRow(self._compile(spec).result().deep_copy())
+
+
+_WHERE = re.compile(r"^at \d+\(\d+\): ")
+_GRAMMAR_LINE = re.compile(r"^\s*\d+ \| ")
+
+
+def _reason(message: str) -> str:
+    """llguidance's error as one line: without its position prefix and the listing of our own
+    grammar text (which names internal options, not anything the client wrote)."""
+    lines = []
+    for line in message.splitlines():
+        if _GRAMMAR_LINE.match(line):
+            break
+        lines.append(line.strip())
+    text = _WHERE.sub("", " ".join(x for x in lines if x))
+    return re.sub(r"\s+", " ", text)[:500] or "refused by the grammar compiler"
 
 
 class GuidedRow:

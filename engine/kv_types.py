@@ -87,6 +87,9 @@ class EvictedBlock:
     namespace: bytes
     depth: int  # chain position: the block holds tokens depth*bs .. (depth+1)*bs-1
     block_id: int
+    # seconds left of its explicit retention (cache_control ttl & co) when it left HBM; 0 = none.
+    # A duration, not a deadline: HBM keeps monotonic time, the tiers wall-clock time.
+    retained_for_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,8 @@ class LowerTier(Protocol):
         - ``spill`` is called before ``block.block_id`` is reused: copy its bytes out now (the
           manager hands the block out right after); store them, encrypted with ``tenant.cipher``,
           under ``(namespace, block_hash)``, in batches at ``flush_spills``. It must not call back
-          into the manager.
+          into the manager. A block with ``retained_for_s > 0`` stays retained below HBM for that
+          long: evicted there only after unretained blocks, within the tenant's tier quotas.
         - ``lookup`` returns how many leading ``hashes`` (the chain right after the HBM match) the
           tiers hold. In-memory only: no I/O, no crypto.
         - ``start_restore`` begins reading and decrypting ``hashes`` into the HBM blocks

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
@@ -51,7 +51,7 @@ from gateway.settings import GatewaySettings
 from gateway.structured_output import guided_for_response_format
 from gateway.tenant_threads import TenantThreads
 from gateway.tool_calls import ToolPlan, plan_tools
-from gateway.upstream import UpstreamRequest
+from gateway.upstream import ProviderOutput, UpstreamRequest
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -505,6 +505,15 @@ class Accounting:
         self.completion_seen: dict[int, int] = {}
         self.recorded = False
         self.settled = False
+        # Prompt tokens written to a prompt cache, from (prompt, cached): what a provider reported,
+        # unless a door knows better for the local engine (/v1/messages' breakpoints).
+        self.cache_writes: Callable[[int, int], int] = self.provider_cache_writes
+
+    def provider_cache_writes(self, prompt: int, cached: int) -> int:
+        """Anthropic's cache_creation_input_tokens through a provider route (once per prompt)."""
+        written = sum(out.cache_creation_tokens for i, out in self.last.items()
+                      if i % self.prep.n == 0 and isinstance(out, ProviderOutput))
+        return max(0, min(written, prompt - cached))
 
     def observe(self, i: int, out: RequestOutput) -> None:
         if self.ttft is None and (out.new_text or out.new_token_ids or out.finished):
@@ -556,7 +565,8 @@ class Accounting:
         # The ledger and the price use the model that did the work: for a provider route that is the
         # provider's model (priced from litellm's map), not the alias the client sent.
         model = prep.backend.target_model if prep.backend.takes_openai_fields else prep.model
-        price = self.tenancy.price(prep.price_as or model, prompt, cached, completion)
+        written = max(0, min(self.cache_writes(prompt, cached), prompt - cached))
+        price = self.tenancy.price(prep.price_as or model, prompt, cached, completion, written)
         cost = float(getattr(price, "cost_usd", 0.0) or 0.0)
         saved = float(getattr(price, "saved_usd", 0.0) or 0.0)
         t = prep.tenant
@@ -567,7 +577,7 @@ class Accounting:
             request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
             ttft_s=self.ttft, latency_s=latency, status=status, created_at=self.arrived_at,
-            price_as=prep.price_as, **usage_fields(prep.miss_record),
+            price_as=prep.price_as, cache_creation_tokens=written, **usage_fields(prep.miss_record),
         ))
         label, backend = t.metrics_label, prep.backend.label
         if prep.miss_record is not None:

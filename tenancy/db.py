@@ -140,7 +140,14 @@ def _v4(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE tenants ADD COLUMN cache_retention_s REAL")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3, _v4]
+def _v5(db: sqlite_utils.Database) -> None:
+    """Prompt tokens a request wrote to a prompt cache (Anthropic's ``cache_creation_input_tokens``,
+    from a provider or the local engine), priced at the provider's cache-write rate. Rows written
+    before it count 0."""
+    db.execute("ALTER TABLE usage ADD COLUMN cache_creation_tokens INTEGER NOT NULL DEFAULT 0")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3, _v4, _v5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

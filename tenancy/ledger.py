@@ -51,7 +51,7 @@ USAGE_COLUMNS: tuple[str, ...] = (
     "request_id", "tenant_id", "key_id", "model", "backend", "prompt_tokens", "cached_tokens",
     "completion_tokens", "ttft_s", "latency_s", "status", "created_at", "cost_usd", "saved_usd",
     "priced_as", "miss_rule", "miss_position", "miss_detail", "miss_tokens", "miss_family", "miss_context",
-    "miss_usd",
+    "miss_usd", "cache_creation_tokens",
 )
 QUARANTINE_FILENAME = "ledger-quarantine.jsonl"
 

@@ -2,7 +2,7 @@
 
 Every gateway, CLI and ledger writer opens its own connection (autocommit outside transactions).
 Migrations mirror ``tenancy.db``'s versions one for one (v1 base tables, v2 miss columns, v3
-quarantine), with PostgreSQL types: BYTEA for key material, DOUBLE PRECISION for times and money,
+quarantine, v4 responses, v5 cache-creation tokens), with PostgreSQL types: BYTEA for key material, DOUBLE PRECISION for times and money,
 BIGINT for limits and token counts. Each runs in one transaction holding an advisory lock together
 with its ``schema_version`` row, so gateways starting at once apply it exactly once.
 
@@ -107,7 +107,10 @@ _V4 = [  # stored Responses-API responses (sealed with the tenant's data key); c
     "CREATE INDEX responses_tenant ON responses(tenant_id)",
     "ALTER TABLE tenants ADD COLUMN cache_retention_s DOUBLE PRECISION",
 ]
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4]
+_V5 = [  # prompt tokens written to a prompt cache (tenancy.db._v5)
+    "ALTER TABLE usage ADD COLUMN cache_creation_tokens BIGINT NOT NULL DEFAULT 0",
+]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

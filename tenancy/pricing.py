@@ -12,8 +12,13 @@ token) gets cost and saving 0 and ``priced_as = "unpriced"``: reports show its t
 
 ::
 
-    cost  = (prompt - cached) * input + cached * cache_read + completion * output
+    cost  = (prompt - cached - written) * input + cached * cache_read + written * cache_write
+            + completion * output
     saved = cached * (input - cache_read)        # what caching saved against no caching
+
+``written`` are the prompt tokens the request wrote to a prompt cache (Anthropic's
+``cache_creation_input_tokens``); ``cache_write`` is the map's ``cache_creation_input_token_cost``
+where it has one (Anthropic: 1.25x input), else the input price (OpenAI charges nothing extra).
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ class ModelRates:
     input: float
     cache_read: float
     output: float
+    cache_write: float | None = None  # None: written tokens cost the input price
+
+    @property
+    def cache_write_or_input(self) -> float:
+        return self.input if self.cache_write is None else self.cache_write
 
 
 @functools.cache
@@ -65,7 +75,8 @@ def _rates(entry: dict[str, Any]) -> ModelRates | None:
     cache = entry.get("cache_read_input_token_cost")
     # No published cache-read price: cached tokens are billed as input, and caching saves nothing.
     cache_read = float(cache) if isinstance(cache, int | float) else float(inp)
-    return ModelRates(float(inp), cache_read, float(out))
+    write = entry.get("cache_creation_input_token_cost")
+    return ModelRates(float(inp), cache_read, float(out), float(write) if isinstance(write, int | float) else None)
 
 
 class PriceBook:
@@ -96,15 +107,18 @@ class PriceBook:
         """(priced_as, rates)."""
         return self._lookup(model) or self._reference
 
-    def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Price:
-        if min(prompt_tokens, cached_tokens, completion_tokens) < 0:
+    def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+              cache_creation_tokens: int = 0) -> Price:
+        if min(prompt_tokens, cached_tokens, completion_tokens, cache_creation_tokens) < 0:
             raise ValueError("token counts must be >= 0")
-        if cached_tokens > prompt_tokens:
-            raise ValueError(f"cached_tokens ({cached_tokens}) > prompt_tokens ({prompt_tokens})")
+        if cached_tokens + cache_creation_tokens > prompt_tokens:
+            raise ValueError(f"cached_tokens ({cached_tokens}) + cache_creation_tokens ({cache_creation_tokens}) "
+                             f"> prompt_tokens ({prompt_tokens})")
         if model == UNPRICED:
             return Price(cost_usd=0.0, saved_usd=0.0, priced_as=UNPRICED)
         priced_as, r = self.rates_for(model)
-        uncached = prompt_tokens - cached_tokens
-        cost = uncached * r.input + cached_tokens * r.cache_read + completion_tokens * r.output
+        uncached = prompt_tokens - cached_tokens - cache_creation_tokens
+        cost = (uncached * r.input + cached_tokens * r.cache_read + cache_creation_tokens * r.cache_write_or_input
+                + completion_tokens * r.output)
         saved = cached_tokens * (r.input - r.cache_read)
         return Price(cost_usd=cost, saved_usd=saved, priced_as=priced_as)

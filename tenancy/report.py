@@ -22,6 +22,7 @@ JSON shape (``schema: "prefixgate.report/v1"``; fields are only ever added, neve
 
     Row = {"tenant_id", "tenant", "model", "requests", "ok", "errors", "aborted",
            "prompt_tokens", "cached_tokens", "completion_tokens",
+           "cache_creation_tokens",  # prompt tokens written to a prompt cache (priced as cache writes)
            "hit_rate",           # cached_tokens / prompt_tokens (0 when no prompt tokens)
            "request_hit_rate",   # share of requests with cached_tokens > 0
            "cost_usd", "saved_usd", "ttft_p50_s", "ttft_p95_s",   # p50/p95: null when no TTFT
@@ -80,11 +81,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 class _Acc:
     __slots__ = ("requests", "ok", "errors", "aborted", "prompt", "cached", "completion", "hit_requests",
-                 "cost", "saved", "ttfts", "priced_as", "priced")
+                 "cost", "saved", "ttfts", "priced_as", "priced", "written")
 
     def __init__(self) -> None:
         self.requests = self.ok = self.errors = self.aborted = 0
-        self.prompt = self.cached = self.completion = self.hit_requests = 0
+        self.prompt = self.cached = self.completion = self.hit_requests = self.written = 0
         self.cost = self.saved = 0.0
         self.ttfts: list[float] = []
         self.priced_as: set[str] = set()
@@ -98,6 +99,7 @@ class _Acc:
         self.prompt += r["prompt_tokens"]
         self.cached += r["cached_tokens"]
         self.completion += r["completion_tokens"]
+        self.written += r.get("cache_creation_tokens") or 0
         self.hit_requests += r["cached_tokens"] > 0
         self.cost += r["cost_usd"]
         self.saved += r["saved_usd"]
@@ -110,6 +112,7 @@ class _Acc:
         return {
             "requests": self.requests, "ok": self.ok, "errors": self.errors, "aborted": self.aborted,
             "prompt_tokens": self.prompt, "cached_tokens": self.cached, "completion_tokens": self.completion,
+            "cache_creation_tokens": self.written,
             "hit_rate": self.cached / self.prompt if self.prompt else 0.0,
             "request_hit_rate": self.hit_requests / self.requests if self.requests else 0.0,
             # Only unpriced rows (a self-hosted route priced "unpriced"): tokens, and no money (null).
@@ -219,7 +222,7 @@ def build_report(
 
 _COLUMNS: tuple[tuple[str, str], ...] = (
     ("tenant", "tenant"), ("model", "model"), ("requests", "requests"), ("prompt_tokens", "prompt tok"),
-    ("cached_tokens", "cached (reused) tok"), ("hit_rate", "hit rate"), ("cost_usd", "cost $"),
+    ("cached_tokens", "cached (reused) tok"), ("cache_creation_tokens", "cache write tok"), ("hit_rate", "hit rate"), ("cost_usd", "cost $"),
     ("saved_usd", "saved $"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p95_s", "TTFT p95 s"), ("priced_as", "priced as"),
 )
 
@@ -275,7 +278,7 @@ def _breaks_table(breaks: list[dict[str, Any]], top: int = 10) -> list[str]:
 CSV_FIELDS: tuple[str, ...] = (
     "tenant_id", "tenant", "model", "requests", "ok", "errors", "aborted", "prompt_tokens", "cached_tokens",
     "completion_tokens", "hit_rate", "request_hit_rate", "cost_usd", "saved_usd", "ttft_p50_s", "ttft_p95_s",
-    "priced_as",
+    "priced_as", "cache_creation_tokens",  # appended: existing columns keep their positions
 )
 
 

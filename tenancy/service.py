@@ -493,8 +493,9 @@ class TenancyService:
                 s = self._spend[tenant_id] = _Spend(start, store.spent_since(self._db, tenant_id, start), mono)
             return s.total_usd
 
-    def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Price:
-        return self._prices.price(model, prompt_tokens, cached_tokens, completion_tokens)
+    def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+              cache_creation_tokens: int = 0) -> Price:
+        return self._prices.price(model, prompt_tokens, cached_tokens, completion_tokens, cache_creation_tokens)
 
     def record_usage(self, rec: UsageRecord) -> None:
         """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once.
@@ -503,7 +504,8 @@ class TenancyService:
         explanation loses its prompt text and clear family unless the tenant chose to keep them.
         """
         priced = rec.price_as or rec.model
-        p = self.price(priced, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)
+        p = self.price(priced, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens,
+                       rec.cache_creation_tokens)
         # Not dataclasses.asdict: it deep-copies every field (~70 us here), and this runs per request.
         row = {f: getattr(rec, f) for f in _RECORD_FIELDS}
         row.update(cost_usd=p.cost_usd, saved_usd=p.saved_usd, priced_as=p.priced_as)

@@ -35,7 +35,7 @@ TEXT_LIMITS: dict[str, int] = {
 }
 # Columns that must hold a number (NOT NULL in the schema): a non-finite or missing value becomes 0.
 REQUIRED_NUMBERS: tuple[str, ...] = ("prompt_tokens", "cached_tokens", "completion_tokens", "created_at",
-                                     "cost_usd", "saved_usd")
+                                     "cost_usd", "saved_usd", "cache_creation_tokens")
 OPTIONAL_NUMBERS: tuple[str, ...] = ("ttft_s", "latency_s", "miss_position", "miss_tokens", "miss_usd")
 REQUIRED_TEXT: tuple[str, ...] = ("tenant_id", "key_id", "model", "backend", "status", "priced_as")
 _INT_MAX = 2**63 - 1

@@ -117,16 +117,25 @@ class UsageRecord:
     # The cost-map entry to price the row at instead of ``model`` (a route's ``price``), or
     # ``UNPRICED``: tokens only, cost and saving 0 and the row marked ``priced_as = "unpriced"``.
     price_as: str | None = None
+    # Prompt tokens this request wrote to a prompt cache: Anthropic's cache_creation_input_tokens
+    # through a provider route, or the local engine's blocks up to a cache_control breakpoint. Part
+    # of prompt_tokens and disjoint from cached_tokens; priced at the cache-write rate.
+    cache_creation_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id must be non-empty")
-        for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+        for name in ("prompt_tokens", "cached_tokens", "completion_tokens", "cache_creation_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.cached_tokens > self.prompt_tokens:
             raise ValueError(
                 f"cached_tokens ({self.cached_tokens}) cannot exceed prompt_tokens ({self.prompt_tokens})"
+            )
+        if self.cached_tokens + self.cache_creation_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens ({self.cached_tokens}) + cache_creation_tokens ({self.cache_creation_tokens}) "
+                f"cannot exceed prompt_tokens ({self.prompt_tokens})"
             )
         if self.miss_tokens is not None and self.miss_tokens < 0:
             raise ValueError(f"miss_tokens must be >= 0, got {self.miss_tokens}")

@@ -71,6 +71,10 @@ class SegmentMeta:
         created_s / last_access_s: wall-clock seconds (``time.time``), so TTLs survive restarts.
         expires_s: wall-clock deadline after which the segment must be deleted; None = never.
         hits: how many restores read this segment.
+        retain_until_s: wall-clock end of an explicit retention (cache_control ttl,
+            prompt_cache_retention, a tenant setting) the blocks carried when they left HBM, or
+            extended later; None = none. Until then the tier evicts the segment only after every
+            unretained candidate (``engine.tiers.placement``). It never outlives ``expires_s``.
     """
 
     segment_id: str
@@ -83,6 +87,7 @@ class SegmentMeta:
     last_access_s: float
     expires_s: float | None = None
     hits: int = 0
+    retain_until_s: float | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -90,6 +95,10 @@ class SegmentMeta:
 
     def expired(self, now_s: float) -> bool:
         return self.expires_s is not None and now_s >= self.expires_s
+
+    def retained(self, now_s: float) -> bool:
+        """Under a live retention: evicted only after the tier's unretained candidates."""
+        return self.retain_until_s is not None and now_s < self.retain_until_s
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,10 @@ class Tier(Protocol):
           pointing at it is deleted.
         - ``get`` returns the segment's metadata and blob, or None if it is gone; it counts a hit.
         - ``evict`` removes one segment and returns its blob if the tier holds it in memory.
+        - ``retain`` extends the retention of the segments holding ``hashes`` to ``until_s``
+          (never shortens it) and returns how many of those blocks it found.
+        - Eviction order: segments under a live retention (``SegmentMeta.retained``) go only after
+          every unretained candidate, inside the same per-tenant caps and floors.
         - ``used_bytes <= capacity_bytes`` at all times.
     """
 
@@ -158,5 +171,7 @@ class Tier(Protocol):
     def expired_segments(self, now_s: float) -> list[str]: ...
 
     def segments_of(self, namespace: bytes) -> list[str]: ...
+
+    def retain(self, namespace: bytes, hashes: Sequence[BlockHash], until_s: float) -> int: ...
 
     def stats(self) -> TierStats: ...

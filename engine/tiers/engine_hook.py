@@ -6,7 +6,8 @@ them to the ``TierManager``::
 
     spill(tenant, block)      the pool is about to reuse block_id: copy its bytes out now; runs of
                               consecutive victims of one chain (tails go first, so they arrive
-                              deepest first) become one segment at flush_spills()
+                              deepest first) become one segment at flush_spills(), split where
+                              the retention status changes (a retained run stays retained below)
     lookup(ns, hashes)        how many leading hashes the tiers hold (in-memory maps only)
     start_restore(id, ...)    read + decrypt on the tier manager's worker pool
     finished_restores(t)      restores that are done: their plaintext is written into the HBM
@@ -75,7 +76,9 @@ class TierHook:
         data = self.runner.export_blocks([block.block_id])  # [1, kv_bytes_per_block], a CPU copy
         if self._run:
             last = self._run[-1][1]
+            # one segment = one chain run with one retention status (its deadline is the run's)
             if (last.namespace != block.namespace or block.depth != last.depth - 1
+                    or (last.retained_for_s > 0) != (block.retained_for_s > 0)
                     or len(self._run) >= self.manager.max_segment_blocks):
                 self.flush_spills()
         self._run.append((tenant, block, data))
@@ -96,7 +99,8 @@ class TierHook:
         run, self._run = self._run[::-1], []  # chain order: shallowest first
         hashes = [b.block_hash for _, b, _ in run]
         data = torch.cat([d for _, _, d in run]) if len(run) > 1 else run[0][2]
-        self.manager.demote(run[0][0], hashes, data)
+        # the shortest retention left in the run, so no block is retained past its own deadline
+        self.manager.demote(run[0][0], hashes, data, retain_for_s=min(b.retained_for_s for _, b, _ in run))
 
     # ---- restores ------------------------------------------------------------------------------
     def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> int:

@@ -7,7 +7,9 @@ both tiers inherit these so the answers cannot drift apart.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
+from engine.kv_types import BlockHash
 from engine.tiers.base import TierStats
 from engine.tiers.placement import SegmentIndex
 
@@ -27,6 +29,16 @@ class IndexedTierQueries:
     def segments_of(self, namespace: bytes) -> list[str]:
         with self._lock:
             return self._index.of_namespace(namespace)
+
+    def retain(self, namespace: bytes, hashes: Sequence[BlockHash], until_s: float) -> int:
+        """Extend the retention of the segments holding ``hashes``; returns the blocks found."""
+        with self._lock:
+            found, moved = self._index.retain(namespace, hashes, until_s)
+            self._retention_moved(moved)
+            return found
+
+    def _retention_moved(self, segment_ids: list[str]) -> None:
+        """Hook for a tier that persists its index (NVMe); called under the lock."""
 
     def blocks_of(self, namespace: bytes) -> int:
         """KV blocks this tier holds for ``namespace`` (a tenant's "what do I have cached")."""

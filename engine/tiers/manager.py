@@ -25,6 +25,7 @@ block is encrypted once when it leaves HBM and decrypted once when it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -250,7 +251,8 @@ class TierManager:
         return self.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s
 
     # ---- demotion ------------------------------------------------------------------------------
-    def demote(self, tenant: TenantScope, hashes: Sequence[BlockHash], data: Any) -> Future[DemoteReport]:
+    def demote(self, tenant: TenantScope, hashes: Sequence[BlockHash], data: Any,
+               retain_for_s: float = 0.0) -> Future[DemoteReport]:
         """Spill a run of consecutive blocks of one hash chain; returns at once.
 
         Args:
@@ -259,13 +261,18 @@ class TierManager:
             data: the run's plaintext KV, ``len(hashes) * block_bytes`` bytes: ``bytes``, a
                 ``memoryview`` or a CPU uint8 tensor ``[N, block_bytes]`` (the runner's export).
                 It must not be written to afterwards: the worker reads it later.
+            retain_for_s: seconds left of the run's explicit retention in HBM (0 = none). The
+                tiers then evict it only after unretained segments until that time, it is kept
+                even where the cost model would drop it, and copies of these blocks already in a
+                tier are retained as long.
         """
         view = _as_bytes_view(data)
         if len(view) != len(hashes) * self.block_bytes:
             raise ValueError(f"data has {len(view)} bytes, expected {len(hashes)} x {self.block_bytes}")
         hashes = tuple(hashes)
         with self._pending_lock:  # held across submit so _done cannot run before registration
-            fut = self._pool.submit(self._demote, tenant, hashes, view, data)
+            until = self._clock() + retain_for_s if retain_for_s > 0 else None
+            fut = self._pool.submit(self._demote, tenant, hashes, view, data, until)
             self._pending.add(fut)
             for h in hashes:
                 self._inflight[(tenant.namespace, h)] = fut
@@ -289,17 +296,28 @@ class TierManager:
             fut.exception(timeout=timeout)
 
     def _demote(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], view: memoryview,
-                keepalive: Any) -> DemoteReport:
+                keepalive: Any, retain_until_s: float | None = None) -> DemoteReport:
         del keepalive  # held by the closure only so the exporter's buffer outlives the view
         self._maybe_sweep()
         report = DemoteReport()
+        try:
+            self._demote_runs(tenant, hashes, view, retain_until_s, report)
+        finally:
+            if retain_until_s is not None and tenant.cipher is not None:
+                # copies stored by an earlier spill (skipped as present, or cascaded) keep them too
+                for tier in self.tiers:
+                    tier.retain(tenant.namespace, hashes, retain_until_s)
+        return report
+
+    def _demote_runs(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], view: memoryview,
+                     retain_until_s: float | None, report: DemoteReport) -> None:
         first = self.tiers[0].name if self.tiers else None
         if first is None:
-            return report
+            return
         cipher = tenant.cipher
         if cipher is None:
             self._skip(report, first, SkipReason.NO_CIPHER, len(hashes))
-            return report
+            return
         ns = tenant.namespace
         # Blocks already in the first tier need no second copy; store the runs in between.
         i, n = 0, len(hashes)
@@ -311,14 +329,16 @@ class TierManager:
             j = i
             while j < n and j - i < self.max_segment_blocks and self.tiers[0].contains(ns, hashes[j]) is None:
                 j += 1
-            self._demote_run(tenant, hashes[i:j], view[i * self.block_bytes:j * self.block_bytes], report)
+            self._demote_run(tenant, hashes[i:j], view[i * self.block_bytes:j * self.block_bytes],
+                             retain_until_s, report)
             i = j
-        return report
 
     def _demote_run(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview,
-                     report: DemoteReport) -> None:
+                     retain_until_s: float | None, report: DemoteReport) -> None:
         approx = len(plain) + 28  # nonce + tag of AES-GCM; only used for the cost estimate
-        targets = [t for t in self.tiers if self.cost.worth_keeping(t.name, len(hashes), approx)]
+        # A retained run is kept wherever it fits: the client asked for these blocks to stay cached.
+        targets = [t for t in self.tiers
+                   if retain_until_s is not None or self.cost.worth_keeping(t.name, len(hashes), approx)]
         if not targets:
             self._skip(report, self.tiers[0].name, SkipReason.COST, len(hashes))
             return
@@ -329,15 +349,16 @@ class TierManager:
                 # More blocks than the tenant may keep here: its leading ones (a match needs them
                 # first) stay in this tier, the rest go on to the next one.
                 if cap > 0:
-                    self._put(tier, self._seal(tenant, hashes[:cap], plain[:cap * bb]), report)
+                    self._put(tier, self._seal(tenant, hashes[:cap], plain[:cap * bb], retain_until_s), report)
                 hashes, plain = hashes[cap:], plain[cap * bb:]
                 if tier is targets[-1]:  # no tier left for the rest
                     self._skip(report, tier.name, SkipReason.QUOTA, len(hashes))
                 continue
-            if self._put(tier, self._seal(tenant, hashes, plain), report):
+            if self._put(tier, self._seal(tenant, hashes, plain, retain_until_s), report):
                 return
 
-    def _seal(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview) -> tuple[SegmentMeta, bytes]:
+    def _seal(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview,
+              retain_until_s: float | None = None) -> tuple[SegmentMeta, bytes]:
         """Encrypt a run of blocks as one segment."""
         ns = tenant.namespace
         cipher = tenant.cipher
@@ -350,7 +371,7 @@ class TierManager:
         now = self._clock()
         ttl = self._ttl(ns)
         meta = SegmentMeta(uuid.uuid4().hex, ns, tenant.metrics_label, hashes, self.block_bytes, len(blob),
-                           now, now, None if ttl is None else now + ttl)
+                           now, now, None if ttl is None else now + ttl, retain_until_s=retain_until_s)
         return meta, blob
 
     def _put(self, tier: DramTier | NvmeTier, sealed: tuple[SegmentMeta, bytes], report: DemoteReport) -> bool:
@@ -381,11 +402,10 @@ class TierManager:
             return False
         if all(self.nvme.contains(meta.namespace, h) is not None for h in meta.hashes):
             return True  # already there from an earlier spill
-        if not self.cost.worth_keeping(TierName.NVME, meta.num_blocks, meta.nbytes):
+        if not meta.retained(self._clock()) and not self.cost.worth_keeping(TierName.NVME, meta.num_blocks, meta.nbytes):
             self._skip(report, TierName.NVME, SkipReason.COST, meta.num_blocks)
             return False
-        moved = SegmentMeta(uuid.uuid4().hex, meta.namespace, meta.tenant_label, meta.hashes, meta.block_bytes,
-                            meta.nbytes, meta.created_s, meta.last_access_s, meta.expires_s, meta.hits)
+        moved = dataclasses.replace(meta, segment_id=uuid.uuid4().hex)
         return self._put(self.nvme, (moved, blob), report)
 
     def record_skip(self, reason: SkipReason, blocks: int) -> None:

@@ -35,7 +35,7 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from engine.kv_types import BlockHash, TierName
@@ -53,7 +53,8 @@ from engine.tiers.placement import ScoreFn, SegmentIndex, lru_score
 
 log = logging.getLogger("engine.tiers.nvme")
 
-INDEX_VERSION = 2  # PRAGMA user_version; 0/1 = the old index with raw namespaces and hashes
+INDEX_VERSION = 3  # PRAGMA user_version; 0/1 = the old index with raw namespaces and hashes
+_ADDED_IN = {3: "ALTER TABLE segments ADD COLUMN retain_until_s REAL"}  # v2 -> v3 keeps every row
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS segments (
     id            TEXT PRIMARY KEY,
@@ -66,7 +67,8 @@ CREATE TABLE IF NOT EXISTS segments (
     created_s     REAL NOT NULL,
     last_access_s REAL NOT NULL,
     expires_s     REAL,
-    hits          INTEGER NOT NULL DEFAULT 0
+    hits          INTEGER NOT NULL DEFAULT 0,
+    retain_until_s REAL                -- explicit retention (SegmentMeta.retain_until_s)
 );
 CREATE INDEX IF NOT EXISTS segments_by_tag ON segments(ns_tag);
 """
@@ -185,7 +187,7 @@ class NvmeTier(IndexedTierQueries):
         try:
             rows = self._db.execute(
                 "SELECT id, ns_tag, tenant_label, hash_len, sealed, block_bytes, nbytes, created_s,"
-                " last_access_s, expires_s, hits FROM segments ORDER BY created_s").fetchall()
+                " last_access_s, expires_s, hits, retain_until_s FROM segments ORDER BY created_s").fetchall()
         except sqlite3.DatabaseError as exc:  # damage past the header: found only when read
             self._db.close()
             (self.root / "index.sqlite").replace(self.root / f"index.sqlite.damaged-{int(time.time())}")
@@ -210,7 +212,7 @@ class NvmeTier(IndexedTierQueries):
         # Capacity may have shrunk since the last run: shed the lowest-valued segments.
         if self._index.used_bytes > self.capacity_bytes:
             now = self._clock()
-            for meta in sorted(self._index.segments.values(), key=lambda m: self._index.score(m, now)):
+            for meta in self._index.eviction_order(now):
                 if self._index.used_bytes <= self.capacity_bytes:
                     break
                 self._remove_locked(meta.segment_id)
@@ -220,19 +222,20 @@ class NvmeTier(IndexedTierQueries):
 
     def _sealed_meta(self, row: tuple) -> SegmentMeta | None:
         """The in-memory stand-in of a recovered row, or None when the row cannot be right."""
-        sid, tag, label, hlen, sealed, bb, nbytes, created, last, expires, hits = row
+        sid, tag, label, hlen, sealed, bb, nbytes, created, last, expires, hits, retain = row
         try:
             if not (isinstance(sid, str) and _SEGMENT_ID.fullmatch(sid) and isinstance(tag, bytes)
                     and isinstance(sealed, bytes) and isinstance(hlen, int) and 0 < hlen <= 64
                     and sealed and len(sealed) % hlen == 0 and isinstance(label, str)
                     and isinstance(bb, int) and bb > 0 and isinstance(nbytes, int) and nbytes > 0
-                    and isinstance(hits, int)):
+                    and isinstance(hits, int) and (retain is None or isinstance(retain, int | float))):
                 return None
             if self._path(sid).stat().st_size != nbytes:
                 return None
             masked = tuple(sealed[i:i + hlen] for i in range(0, len(sealed), hlen))
             return SegmentMeta(sid, _SEALED_PREFIX + tag, label, masked, bb, nbytes, float(created),
-                               float(last), None if expires is None else float(expires), hits)
+                               float(last), None if expires is None else float(expires), hits,
+                               None if retain is None else float(retain))
         except (OSError, TypeError, ValueError):
             return None
 
@@ -282,7 +285,8 @@ class NvmeTier(IndexedTierQueries):
                 self._forget_locked(sid)
                 continue
             meta = SegmentMeta(sid, namespace, masked.tenant_label, hashes, masked.block_bytes, masked.nbytes,
-                               masked.created_s, masked.last_access_s, masked.expires_s, masked.hits)
+                               masked.created_s, masked.last_access_s, masked.expires_s, masked.hits,
+                               masked.retain_until_s)
             for orphan in self._index.add(meta):
                 self._remove_locked(orphan)
 
@@ -355,11 +359,11 @@ class NvmeTier(IndexedTierQueries):
             hlen = len(meta.hashes[0])
             try:
                 self._db.execute(
-                    "INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (meta.segment_id, self._sealer.tag(meta.namespace), meta.tenant_label, hlen,
                      self._sealer.seal(meta.namespace, meta.segment_id, meta.hashes),
                      meta.block_bytes, meta.nbytes, meta.created_s, meta.last_access_s, meta.expires_s,
-                     meta.hits))
+                     meta.hits, meta.retain_until_s))
             except sqlite3.Error as exc:  # the index went bad under us: this segment is not kept
                 path.unlink(missing_ok=True)
                 raise TierWriteError(f"cannot index {path.name}: {exc}") from exc
@@ -370,6 +374,16 @@ class NvmeTier(IndexedTierQueries):
     def evict(self, segment_id: str) -> tuple[SegmentMeta, bytes | None] | None:
         with self._lock:
             return self._remove_locked(segment_id)
+
+    def retain(self, namespace: bytes, hashes: Sequence[BlockHash], until_s: float) -> int:
+        with self._lock:  # recovered segments of this tenant become findable first
+            self._unseal_locked(namespace)
+        return super().retain(namespace, hashes, until_s)
+
+    def _retention_moved(self, segment_ids: list[str]) -> None:
+        for sid in segment_ids:  # a restart on the same directory keeps the retention
+            self._persist("UPDATE segments SET retain_until_s = ? WHERE id = ?",
+                          (self._index.segments[sid].retain_until_s, sid))
 
     def _remove_locked(self, segment_id: str) -> tuple[SegmentMeta, None] | None:
         meta = self._index.remove(segment_id)
@@ -427,6 +441,11 @@ def _connect_index(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=NORMAL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
         tables = db.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
+        if tables and 2 <= version < INDEX_VERSION:  # same sealing, fewer columns: add them
+            for v in range(version + 1, INDEX_VERSION + 1):
+                db.execute(_ADDED_IN[v])
+            db.execute(f"PRAGMA user_version = {INDEX_VERSION}")
+            version = INDEX_VERSION
         if tables and version != INDEX_VERSION:
             raise _OldIndex(f"index version {version}, this tier writes {INDEX_VERSION}")
         db.executescript(_SCHEMA)

@@ -12,15 +12,20 @@ Eviction rule for ``plan_room(tenant, need)``, in order:
    guaranteed ``floor = capacity * floor_fraction / n``. Another tenant's segment is a candidate
    only while that tenant holds more than its floor, so a tenant whose working set fits its
    share is never pushed out by someone else's flood. The putting tenant may always evict its own.
-3. Among candidates, the lowest ``score`` goes first (the manager's score weighs recompute cost
-   against restore cost, reuse and idleness; see ``engine.tiers.cost``).
+3. Among candidates, unretained segments go before retained ones (``SegmentMeta.retained``: an
+   explicit retention the blocks carried out of HBM, still live), and within each group the lowest
+   ``score`` goes first (the manager's score weighs recompute cost against restore cost, reuse and
+   idleness; see ``engine.tiers.cost``). Retention changes the order only: a retained segment still
+   counts against its tenant's caps and floor, so a tenant over its own cap gives up its retained
+   segments too (after its unretained ones), and a tenant cannot keep more than its quota by
+   marking everything retained. Once the retention ends the segment is ranked by score alone.
 
 If no set of candidates frees enough bytes, the put is refused ("quota") and nothing is evicted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from engine.kv_types import BlockHash
 from engine.tiers.base import BlockLocation, SegmentMeta
@@ -75,6 +80,10 @@ class SegmentIndex:
     def blocks_by_label(self) -> dict[str, int]:
         return {label: n for label, n in self._blocks_by_label.items() if n}
 
+    def eviction_order(self, now_s: float) -> list[SegmentMeta]:
+        """Every segment, first to evict first: unretained before retained, then by ``score``."""
+        return sorted(self.segments.values(), key=lambda m: (m.retained(now_s), self.score(m, now_s)))
+
     # ---- mutation ------------------------------------------------------------------------------
     def add(self, meta: SegmentMeta) -> list[str]:
         """Insert ``meta``; its blocks now point at it (newest wins). Returns the ids of older
@@ -100,6 +109,21 @@ class SegmentIndex:
                 self._live[meta.segment_id] += 1
             self._blocks[key] = BlockLocation(meta.segment_id, pos)
         return orphans
+
+    def retain(self, namespace: bytes, hashes: Sequence[BlockHash], until_s: float) -> tuple[int, list[str]]:
+        """Extend the retention of the segments holding ``hashes`` of ``namespace`` to ``until_s``
+        (never shortened). Returns (blocks found, ids of the segments whose deadline moved)."""
+        found, moved = 0, []
+        for h in hashes:
+            loc = self._blocks.get((namespace, h))
+            if loc is None:
+                continue
+            found += 1
+            meta = self.segments[loc.segment_id]
+            if meta.retain_until_s is None or meta.retain_until_s < until_s:
+                meta.retain_until_s = until_s
+                moved.append(meta.segment_id)
+        return found, moved
 
     def remove(self, segment_id: str) -> SegmentMeta | None:
         meta = self.segments.pop(segment_id, None)
@@ -149,7 +173,7 @@ class SegmentIndex:
                            else self.block_usage.get(namespace, 0) + need_blocks - tenant_cap_blocks)
         if free >= need and own_over <= 0 and own_over_blocks <= 0:
             return []
-        ranked = sorted(self.segments.values(), key=lambda m: self.score(m, now_s))
+        ranked = self.eviction_order(now_s)
         victims: list[str] = []
         # Pass 1: a tenant over its own cap makes room from its own segments only.
         if own_over > 0 or own_over_blocks > 0:

@@ -76,7 +76,10 @@ async def warm(body: WarmRequest, request: Request, ctx: TenantDep, tenancy: Ten
     if prep.backend.kind != "local":
         raise invalid_request(f"model {body.model!r} is not served by the local engine; only its cache can be warmed",
                               param="model")
+    block = int((await engine.stats()).get("block_size") or 16) if engine is not None else 16
     acct = Accounting(prep, tenancy, metrics, live)
+    # the full blocks of the prompt this run wrote: the ledger's cache_creation_tokens too
+    acct.cache_writes = lambda prompt, cached: max(0, prompt // block * block - cached)
     try:
         async with aclosing(run_choices(prep, router_)) as outputs:
             async for i, out in outputs:
@@ -86,7 +89,6 @@ async def warm(body: WarmRequest, request: Request, ctx: TenantDep, tenancy: Ten
         raise engine_failure(exc) from None
     acct.record("ok")
     prompt, cached, _ = acct.usage()
-    block = int((await engine.stats()).get("block_size") or 16) if engine is not None else 16
     return {"object": "cache.warm", "model": body.model, "prompt_tokens": prompt, "cached_tokens": cached,
-            "written_tokens": max(0, prompt // block * block - cached), "ttl": body.ttl,
+            "written_tokens": acct.cache_writes(prompt, cached), "ttl": body.ttl,
             "retained_until": int(time.time() + seconds)}

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Header, Request
 
 from engine.protocol import EngineClient, GenerateRequest, Retention, SamplingParams
 from gateway.anthropic_api import (
+    CacheUsage,
     CountTokensRequest,
     MessagesFormat,
     MessagesRequest,
@@ -152,5 +153,8 @@ async def create_message(
         return last.cache_creation_tokens if isinstance(last, ProviderOutput) else 0
 
     fmt = MessagesFormat(prep, written_upto=written_upto, long_upto=long_upto, reported_creation=provider_writes)
+    # the ledger's cache_creation_tokens: the same count the client sees in its usage
+    acct.cache_writes = lambda prompt, cached: CacheUsage.of(
+        prompt, cached, written_upto, long_upto, provider_writes()).cache_creation
     prep.request_id = fmt.msg_id
     return await respond(prep, router_, acct, request, fmt)

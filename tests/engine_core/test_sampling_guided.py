@@ -216,3 +216,40 @@ def test_guided_output_validates_across_preemption_and_recompute(engine):
     for r in reqs:
         assert out[r.request_id]["finish"] == "stop"
         jsonschema.validate(json.loads(out[r.request_id]["text"]), SCHEMA)
+
+
+UNENFORCEABLE = {  # valid JSON Schema that llguidance refuses to compile (OpenAI's strict mode refuses them too)
+    "not": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+    "if/then": {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+    "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    "look-around": {"type": "string", "pattern": "^(?=a)a+$"},
+}
+
+
+@pytest.mark.parametrize("feature", sorted(UNENFORCEABLE))
+def test_an_unenforceable_schema_is_refused_at_admission_in_one_line_and_compiled_once(engine, feature):
+    spec = GuidedSpec(json_schema=json.dumps(UNENFORCEABLE[feature]))
+    grammars = engine.runner.grammars
+    before = grammars.compiles
+    for rid in ("first", "again"):  # the refusal is cached: the second request costs no compile
+        with pytest.raises(InvalidRequestError, match="cannot be enforced") as info:
+            engine.add_request(req(f"{feature}-{rid}", guided=spec))
+        message = str(info.value)
+        assert "\n" not in message and "x-guidance" not in message and "%json" not in message
+    assert grammars.compiles == before + 1
+    assert not engine.has_unfinished()
+
+
+def test_one_schema_is_compiled_once_for_concurrent_admissions(engine):
+    import concurrent.futures
+
+    spec = GuidedSpec(json_schema=json.dumps({**SCHEMA, "title": "concurrent"}))
+    grammars = engine.runner.grammars
+    before = grammars.compiles
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: grammars.check(spec), range(8)))
+    assert grammars.compiles == before + 1
+    out = run(engine, req("uses-it", guided=spec, max_tokens=48))["uses-it"]  # the engine copies that compile
+    assert grammars.compiles == before + 1
+    if out["finish"] == "stop":
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)

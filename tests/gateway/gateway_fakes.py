@@ -168,7 +168,8 @@ class FakeTenancy:
             raise self.quota_error
         self.admitted.append(estimated_tokens)
 
-    def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> FakePrice:
+    def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+              cache_creation_tokens: int = 0) -> FakePrice:
         return FakePrice(cost_usd=1e-6 * (prompt_tokens - cached_tokens + completion_tokens),
                          saved_usd=1e-6 * cached_tokens)
 

@@ -254,3 +254,30 @@ def test_without_tools_the_same_text_is_plain_content(scripted):
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=50)
     assert r.choices[0].message.content == SCRIPT and r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason == "stop"
+
+
+NOT_ENFORCEABLE = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_a_schema_the_grammar_engine_refuses_is_a_400_before_the_stream_starts(client, stream, where):
+    """Valid JSON Schema that llguidance cannot enforce (``not``): refused when the grammar is
+    compiled at admission, so a stream gets the 400 as its status line, never an error event
+    after a 200 (the SDK raises from ``create`` itself, before any chunk is read)."""
+    kw: dict = (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": NOT_ENFORCEABLE}})
+                if where == "response_format" else
+                dict(tools=[{"type": "function", "function": {"name": "f", "parameters": NOT_ENFORCEABLE}}],
+                     tool_choice="required"))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=stream, **kw)
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert isinstance(body, dict) and body["type"] == "invalid_request_error"
+    assert "cannot be enforced" in body["message"] and '"not"' in body["message"]
+    assert "\n" not in body["message"] and "x-guidance" not in body["message"]  # one line, no grammar dump
+    # the same schema again: refused again (from the cached refusal), and the server keeps serving
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=stream, **kw)
+    ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"

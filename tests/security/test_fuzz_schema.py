@@ -42,9 +42,12 @@ def _cap(case, model: str | None) -> None:
     if isinstance(case.body, dict):
         if model is not None:
             case.body["model"] = model
-            if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
-                case.body["max_tokens"] = MAX_TOKENS_CAP  # the server default (256) is slow on CPU
-        for field in ("max_tokens", "max_completion_tokens", "n"):
+            # the server default (256) is slow on CPU; /v1/responses spells it max_output_tokens
+            # (and ignores max_tokens: uncapped, one such body took over the 10 s read timeout)
+            limit = "max_output_tokens" if case.path == "/v1/responses" else "max_tokens"
+            if limit not in case.body and "max_completion_tokens" not in case.body:
+                case.body[limit] = MAX_TOKENS_CAP
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
             value = case.body.get(field)
             # pydantic also takes 200.0 and "200" as 200: cap every spelling of a large number
             try:

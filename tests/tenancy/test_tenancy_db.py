@@ -62,6 +62,6 @@ def test_ledger_rows_reject_partial_or_invalid_values(tmp_path: Path) -> None:
         db.execute("INSERT INTO usage (request_id, tenant_id) VALUES ('r', 't')")
     with pytest.raises(sqlite3.IntegrityError):
         db.execute(
-            "INSERT INTO usage VALUES ('r','t','k','m','b',1,0,1,NULL,NULL,'weird',0,0,0,'m',NULL,NULL,NULL,NULL,NULL,NULL,NULL)"  # + v2's five miss columns
+            "INSERT INTO usage VALUES ('r','t','k','m','b',1,0,1,NULL,NULL,'weird',0,0,0,'m',NULL,NULL,NULL,NULL,NULL,NULL,NULL,0)"  # + v2's five miss columns, v5's writes
         )
     db.close()

@@ -95,6 +95,7 @@ def test_rows_carry_price_and_all_fields(home: Path) -> None:
         "miss_detail": "user_name", "miss_tokens": 400, "miss_family": "user:u-1", "miss_context": "user_name: ",
         # the 400 re-prefilled tokens priced as if they had been cache reads
         "miss_usd": TenancyService.open(home).price("local-tiny", 400, 400, 0).saved_usd,
+        "cache_creation_tokens": 0,
     }
 
 
