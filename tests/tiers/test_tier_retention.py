@@ -163,6 +163,10 @@ def test_retention_below_hbm_ends_at_its_deadline(tmp_path, registry):
     chain_of = [bytes([i]) * 32 for i in range(4)]
     manager.demote(a, chain_of[:1], b"\0" * 64, retain_for_s=60.0)
     for h in chain_of[1:3]:
+        # One at a time, a second apart: the demotion pool has several workers, so two demotions in
+        # flight together land in either order, and "the oldest unretained" must be chain_of[1].
+        manager.drain()
+        now[0] += 1
         manager.demote(a, [h], b"\1" * 64)
     manager.drain()
     manager.demote(a, chain_of[3:], b"\2" * 64)  # full: the oldest unretained goes
