@@ -27,6 +27,8 @@ from gateway.anthropic_api import error_body as anthropic_error_body
 from gateway.deps import bearer_key
 from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy
 from gateway.errors import OpenAIError, install_error_handlers, render
+from gateway.fleet_index import FleetIndex
+from gateway.kv_event_subscriber import EventSource, KVEventSubscriber
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
@@ -45,6 +47,7 @@ from gateway.routes import (
 )
 from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
+from gateway.routing_policy import RoutingPolicy
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
 from gateway.timeseries import TimeSeries
@@ -114,6 +117,7 @@ class BodySizeLimit:
 
 def build_router(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Router:
     routes = []
+    sources: list[EventSource] = []  # the nodes' KV event streams (routing_policy = kv_aware)
     pd_metrics = None  # one set for every split route (docs/disaggregation.md)
     for rc in settings.routes:
         if rc.provider:
@@ -135,7 +139,12 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
             backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
         routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len))
-    return Router(routes, load_factor=settings.load_factor, prefix_bytes=settings.route_prefix_bytes)
+        sources += [EventSource(f"node:{url}", ep) for url, ep in zip(rc.nodes, rc.kv_events, strict=True)]
+    index = FleetIndex(settings.fleet_index_max_blocks, settings.fleet_index_ttl_s)
+    return Router(routes, policy=RoutingPolicy(settings.routing_policy), load_factor=settings.load_factor,
+                  epsilon=settings.route_epsilon, prefix_bytes=settings.route_prefix_bytes,
+                  prefix_tokens=settings.route_prefix_tokens, block_size=settings.route_block_size,
+                  index=index, events=KVEventSubscriber(index, sources) if sources else None)
 
 
 def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> EngineClient | None:
@@ -205,11 +214,13 @@ def create_app(
                     await client.refresh_models()
                 except Exception as exc:  # noqa: BLE001 - a node may start later; routing still works
                     log.warning("engine node %s: cannot list models yet: %r", client.base_url, exc)
+        app.state.router.start_events()
         sampler = asyncio.create_task(_sample_forever(app.state.timeseries))
         try:
             yield
         finally:
             sampler.cancel()
+            app.state.router.stop_events()
             for client in app.state.router.all_clients():  # nodes' and direct upstreams' HTTP pools
                 await _call_optional(client, "aclose")
             if owned_engine is not None:
