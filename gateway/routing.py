@@ -37,7 +37,7 @@ from gateway.kv_event_subscriber import KVEventSubscriber
 from gateway.routing_policy import (
     RoutingPolicy,
     kv_aware_choice,
-    least_loaded_choice,
+    least_loaded_rotating,
     prefix_hash_choice,
     rendezvous_order,  # noqa: F401 - re-exported: callers and tests name it from gateway.routing
     round_robin_choice,
@@ -205,11 +205,11 @@ class Router:
             node, held = kv_aware_choice(rk.key, rk.chain, nodes, self.index, self.epsilon)
             self.routed_prefix_blocks += held
             return node
-        if self.policy is RoutingPolicy.LEAST_LOADED:
-            return least_loaded_choice(rk.key, nodes)
-        if self.policy is RoutingPolicy.ROUND_ROBIN:
+        if self.policy in (RoutingPolicy.LEAST_LOADED, RoutingPolicy.ROUND_ROBIN):
             turn = self._turn.get(model, 0)
             self._turn[model] = turn + 1
+            if self.policy is RoutingPolicy.LEAST_LOADED:
+                return least_loaded_rotating(turn, nodes)
             return round_robin_choice(turn, nodes)
         return prefix_hash_choice(rk.key, nodes, self.load_factor)
 

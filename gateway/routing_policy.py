@@ -4,7 +4,7 @@
                   node once it has more than load_factor x (least + 1) in flight (stateless)
     kv_aware      the node the fleet index says holds the longest prefix of the request's block
                   chain, among the nodes within the load bound; else the least-loaded one
-    least_loaded  the fewest requests in flight
+    least_loaded  the fewest requests in flight (ties rotate: a baseline that knows no prefix)
     round_robin   the next node, whatever it holds or carries
 
 Load bound (consistent hashing with bounded loads): with ``m`` requests in flight on ``n`` nodes,
@@ -71,8 +71,17 @@ def within_load_bound(nodes: Sequence[N], epsilon: float) -> list[N]:
 
 
 def least_loaded_choice(key: bytes, nodes: Sequence[N]) -> N:
+    """The least-loaded node, ties by rendezvous order on ``key`` (a cold prefix stays together)."""
     least = min(b.inflight for b in nodes)
     return next(b for b in rendezvous_order(key, nodes) if b.inflight == least)
+
+
+def least_loaded_rotating(turn: int, nodes: Sequence[N]) -> N:
+    """The least-loaded node, ties in turn (policy ``least_loaded``: blind to prefixes, as a
+    baseline must be; idle nodes tie all the time at low load)."""
+    least = min(b.inflight for b in nodes)
+    tied = [b for b in nodes if b.inflight == least]
+    return tied[turn % len(tied)]
 
 
 def kv_aware_choice(key: bytes, chain: Sequence[ExternalBlockHash], nodes: Sequence[N], index: FleetIndex,

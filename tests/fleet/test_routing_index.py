@@ -161,6 +161,8 @@ def test_router_policies_on_a_pool():
     ll = Router([Route("m", backends)], policy=RoutingPolicy.LEAST_LOADED)
     backends[0].inflight, backends[1].inflight = 3, 1
     assert ll.resolve("m", None, b"t", body) is backends[2]
+    backends[0].inflight = backends[2].inflight = 1  # all tied: they rotate, whatever the prompt
+    assert len({ll.resolve("m", None, b"t", body).label for _ in range(3)}) == 3
     backends[0].inflight = backends[1].inflight = 0
     kv = Router([Route("m", backends)], policy=RoutingPolicy.KV_AWARE)
     chain = kv.route_key(b"t", body).chain
