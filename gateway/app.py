@@ -139,7 +139,8 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
             backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
         routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len))
-        sources += [EventSource(f"node:{url}", ep) for url, ep in zip(rc.nodes, rc.kv_events, strict=True)]
+        if rc.kv_events:  # RouteConfig checked: one endpoint per node
+            sources += [EventSource(f"node:{url}", ep) for url, ep in zip(rc.nodes, rc.kv_events, strict=True)]
     index = FleetIndex(settings.fleet_index_max_blocks, settings.fleet_index_ttl_s)
     return Router(routes, policy=RoutingPolicy(settings.routing_policy), load_factor=settings.load_factor,
                   epsilon=settings.route_epsilon, prefix_bytes=settings.route_prefix_bytes,

@@ -200,3 +200,19 @@ def test_undecodable_payloads_are_refused_and_unknown_event_kinds_skipped():
             decode_batch(bad)
     newer = msgpack.packb([1.0, [["BlockStored", [b"h"], None, [], 16, None, "hbm", "extra"], ["Future", 1]]])
     assert decode_batch(newer).events == (BlockStored((b"h",), None, (), 16, None, "hbm"),)
+
+
+def test_route_config_wants_one_event_endpoint_per_node_and_routes_without_events_have_no_subscriber():
+    from pydantic import ValidationError
+
+    from gateway.app import build_router
+    from gateway.settings import GatewaySettings, RouteConfig
+
+    with pytest.raises(ValidationError, match="one endpoint per node"):
+        RouteConfig(model="m", nodes=("http://a", "http://b"), kv_events=("tcp://a:1",))
+    plain = build_router(GatewaySettings(routes=(RouteConfig(model="m", nodes=("http://a", "http://b")),)))
+    assert plain.events is None and plain.policy is RoutingPolicy.PREFIX_HASH
+    fed = build_router(GatewaySettings(routing_policy="kv_aware", routes=(
+        RouteConfig(model="m", nodes=("http://a", "http://b"), kv_events=("tcp://a:1", "tcp://b:1")),)))
+    assert fed.policy is RoutingPolicy.KV_AWARE
+    assert [s.node for s in fed.events.sources] == ["node:http://a", "node:http://b"]
