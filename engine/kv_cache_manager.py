@@ -16,6 +16,9 @@ of the block pool, and the only one that talks to the lower tiers (``LowerTier``
                                       (cache_control ttl, prompt_cache_retention) from eviction
     free(req id, table)          ──►  drop the request's references, in-flight marks, restore
 
+Every block the index gains (commit, a finished restore, an import) or loses (eviction) is told
+to the ``BlockEventObserver`` if one is given (``engine.kv_events`` publishes it to a fleet's router).
+
 Admission arithmetic (per-tenant HBM quota, free blocks, evictable blocks a hit revives) lives in
 ``_fits`` only. A prefix in flight: ``admit`` marks the prompt blocks a request will compute
 (``_computing``); ``commit`` and ``free`` unmark them. A later request of the same namespace whose
