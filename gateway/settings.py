@@ -40,6 +40,7 @@ Secrets never live in the file: routes name the environment variable that holds 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tomllib
 from pathlib import Path
@@ -236,6 +237,19 @@ class GatewaySettings(BaseModel):
         if self.role != "both" and not self.node_token:
             raise ValueError(f"role {self.role} needs a node token (--node-token-env): the KV transfer key "
                              "is derived from it and the split's node calls are authenticated with it")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_events_need_their_libraries(self) -> GatewaySettings:
+        endpoints = [self.kv_events_endpoint] if self.kv_events_endpoint else []
+        endpoints += [e for r in self.routes for e in r.kv_events]
+        bad = [e for e in endpoints if not e.startswith(("tcp://", "ipc://"))]
+        if bad:
+            raise ValueError(f"KV event endpoints are ZMQ addresses (tcp://HOST:PORT or ipc://PATH), got {bad[0]!r}")
+        missing = [m for m in ("zmq", "msgpack") if endpoints and importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"KV events need pyzmq and msgpack ({', '.join(missing)} not installed): "
+                             "pip install 'prefixgate[fleet]'")
         return self
 
     @field_validator("dram_bytes", "nvme_bytes", "max_body_bytes", mode="before")

@@ -212,7 +212,18 @@ def test_route_config_wants_one_event_endpoint_per_node_and_routes_without_event
         RouteConfig(model="m", nodes=("http://a", "http://b"), kv_events=("tcp://a:1",))
     plain = build_router(GatewaySettings(routes=(RouteConfig(model="m", nodes=("http://a", "http://b")),)))
     assert plain.events is None and plain.policy is RoutingPolicy.PREFIX_HASH
+    pytest.importorskip("zmq", reason="pip install 'prefixgate[fleet]' (pyzmq)")
+    pytest.importorskip("msgpack", reason="pip install 'prefixgate[fleet]' (msgpack)")
     fed = build_router(GatewaySettings(routing_policy="kv_aware", routes=(
         RouteConfig(model="m", nodes=("http://a", "http://b"), kv_events=("tcp://a:1", "tcp://b:1")),)))
     assert fed.policy is RoutingPolicy.KV_AWARE
     assert [s.node for s in fed.events.sources] == ["node:http://a", "node:http://b"]
+
+
+def test_kv_event_endpoints_must_be_zmq_addresses():
+    from pydantic import ValidationError
+
+    from gateway.settings import GatewaySettings
+
+    with pytest.raises(ValidationError, match="ZMQ addresses"):
+        GatewaySettings(kv_events_endpoint="http://127.0.0.1:5557")
