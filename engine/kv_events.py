@@ -1,16 +1,19 @@
 """KV cache events: which blocks an engine stored and evicted, published for a fleet's router.
 
-The wire is vLLM's (``--kv-events-config``), so one subscriber in the gateway serves PrefixGate
+The wire is vLLM's (``--kv-events-config``; checked against vLLM 0.32's own decoder), so one subscriber in the gateway serves PrefixGate
 nodes and vLLM servers alike::
 
     engine step loop ──BlockEventObserver──► KVEventPublisher (queue) ──thread──► ZMQ PUB socket
                                                                                   │ tcp://host:port
     gateway  KVEventSubscriber (SUB, one per node) ◄──────────────────────────────┘
     frames:  [topic, seq (8-byte big-endian, +1 per batch), msgpack(KVEventBatch)]
-    KVEventBatch = [ts, [event, ...]]                        (msgspec array_like layout)
-    event        = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-                 | ["BlockRemoved", block_hashes, medium]
-                 | ["AllBlocksCleared"]
+    KVEventBatch = [ts, [event, ...], data_parallel_rank]     (vLLM 0.32: an array)
+    event        = {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+                    "block_size", "lora_id", "medium", "lora_name"}       (a map, tagged by "type")
+                 | {"type": "BlockRemoved", "block_hashes", "medium"}
+                 | {"type": "AllBlocksCleared"}
+    Older vLLM releases sent each event as a tagged array (["BlockStored", hashes, ...]); the
+    decoder reads both, and ignores fields and event kinds it does not know (newer engines add some).
 
 What a PrefixGate node puts in the fields, and why:
     - ``block_hashes`` are the engine's own chained SHA-256 hashes (``engine.prefix_index``),
@@ -51,6 +54,7 @@ class BlockStored:
     block_size: int = 16
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,22 +82,21 @@ class KVEventDecodeError(ValueError):
     """A payload that is not a KV event batch in the schema above."""
 
 
-def _event_to_wire(ev: KVEvent) -> list[Any]:
+def _event_to_wire(ev: KVEvent) -> dict[str, Any]:
     if isinstance(ev, BlockStored):
-        return ["BlockStored", list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids), ev.block_size,
-                ev.lora_id, ev.medium]
+        return {"type": "BlockStored", "block_hashes": list(ev.block_hashes), "parent_block_hash": ev.parent_block_hash,
+                "token_ids": list(ev.token_ids), "block_size": ev.block_size, "lora_id": ev.lora_id,
+                "medium": ev.medium, "lora_name": ev.lora_name}
     if isinstance(ev, BlockRemoved):
-        return ["BlockRemoved", list(ev.block_hashes), ev.medium]
-    return ["AllBlocksCleared"]
+        return {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes), "medium": ev.medium}
+    return {"type": "AllBlocksCleared"}
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     """msgpack bytes of ``batch`` in vLLM's layout (a default ``data_parallel_rank`` is omitted)."""
     import msgpack
 
-    wire: list[Any] = [batch.ts, [_event_to_wire(e) for e in batch.events]]
-    if batch.data_parallel_rank is not None:
-        wire.append(batch.data_parallel_rank)
+    wire = [batch.ts, [_event_to_wire(e) for e in batch.events], batch.data_parallel_rank]
     return msgpack.packb(wire, use_bin_type=True)
 
 
@@ -103,24 +106,41 @@ def _hashes(value: Any) -> tuple[ExternalBlockHash, ...]:
     return tuple(value)
 
 
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _event_fields(item: Any) -> tuple[str, dict[str, Any]]:
+    """An event's tag and fields, from the map form (vLLM 0.32) or the tagged array (older)."""
+    if isinstance(item, dict) and isinstance(item.get("type"), str):
+        return item["type"], item
+    if isinstance(item, list) and item and isinstance(item[0], str):
+        names = _FIELDS.get(item[0], ())
+        return item[0], dict(zip(names, item[1:], strict=False))
+    raise KVEventDecodeError(f"an event must be a map with a 'type' or a tagged array, got {type(item).__name__}")
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _event_from_wire(item: Any) -> KVEvent | None:
-    """One event; None for a tag this reader does not know (a newer engine's event kind)."""
-    if not isinstance(item, list) or not item or not isinstance(item[0], str):
-        raise KVEventDecodeError(f"an event must be a tagged array, got {type(item).__name__}")
-    tag, fields = item[0], item[1:]
-    # Fields past the ones read here (a newer engine's additions) are ignored.
+    """One event; None for a kind this reader does not know (a newer engine's event)."""
+    tag, f = _event_fields(item)
     if tag == "BlockStored":
-        if len(fields) < 4:
-            raise KVEventDecodeError("BlockStored needs block_hashes, parent_block_hash, token_ids, block_size")
-        parent = fields[1]
-        medium = fields[5] if len(fields) > 5 else None
-        return BlockStored(_hashes(fields[0]), parent, tuple(fields[2] or ()), int(fields[3]),
-                           fields[4] if len(fields) > 4 else None, medium if isinstance(medium, str) else None)
+        if "block_hashes" not in f or not isinstance(f.get("block_size"), int):
+            raise KVEventDecodeError("BlockStored needs block_hashes and an integer block_size")
+        lora = f.get("lora_id")
+        return BlockStored(_hashes(f["block_hashes"]), f.get("parent_block_hash"), tuple(f.get("token_ids") or ()),
+                           f["block_size"], lora if isinstance(lora, int) else None, _text(f.get("medium")),
+                           _text(f.get("lora_name")))
     if tag == "BlockRemoved":
-        if not fields:
+        if "block_hashes" not in f:
             raise KVEventDecodeError("BlockRemoved needs block_hashes")
-        medium = fields[1] if len(fields) > 1 else None
-        return BlockRemoved(_hashes(fields[0]), medium if isinstance(medium, str) else None)
+        return BlockRemoved(_hashes(f["block_hashes"]), _text(f.get("medium")))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
@@ -201,9 +221,9 @@ class KVEventPublisher:
             last = self._pending.events[-1] if self._pending.events else None
             if isinstance(last, BlockStored):
                 self._pending.events[-1] = BlockStored(last.block_hashes + tuple(hashes), last.parent_block_hash,
-                                                       (), self.block_size, None, MEDIUM_HBM)
+                                                       (), self.block_size, medium=MEDIUM_HBM)
             else:
-                self._pending.events.append(BlockStored(tuple(hashes), parent, (), self.block_size, None, MEDIUM_HBM))
+                self._pending.events.append(BlockStored(tuple(hashes), parent, (), self.block_size, medium=MEDIUM_HBM))
         self._wake.set()
 
     def blocks_removed(self, hashes: Sequence[BlockHash]) -> None:

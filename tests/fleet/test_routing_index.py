@@ -188,18 +188,23 @@ def test_event_batches_round_trip_in_vllms_layout(batch):
     payload = encode_batch(batch)
     assert decode_batch(payload) == batch
     wire = msgpack.unpackb(payload)
-    assert wire[1][0][0] == "BlockStored" and len(wire[1][0]) == 7  # tag + 6 positional fields, as vLLM's
+    assert wire[1][0]["type"] == "BlockStored" and "lora_name" in wire[1][0]  # vLLM 0.32's tagged map
 
 
 def test_undecodable_payloads_are_refused_and_unknown_event_kinds_skipped():
     msgpack = pytest.importorskip("msgpack", reason="pip install 'prefixgate[fleet]' (msgpack)")
     from engine.kv_events import KVEventDecodeError, decode_batch
 
-    for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, [["BlockStored", "x", None, [], 16]]])):
+    for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, [["BlockStored", "x", None, [], 16]]]),
+                msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [b"h"]}]]), msgpack.packb([1.0, [7]])):
         with pytest.raises(KVEventDecodeError):
             decode_batch(bad)
-    newer = msgpack.packb([1.0, [["BlockStored", [b"h"], None, [], 16, None, "hbm", "extra"], ["Future", 1]]])
-    assert decode_batch(newer).events == (BlockStored((b"h",), None, (), 16, None, "hbm"),)
+    # older vLLM: tagged arrays; newer fields and unknown kinds are ignored
+    older = msgpack.packb([1.0, [["BlockStored", [b"h"], None, [], 16, None, "GPU"], ["Future", 1]]])
+    assert decode_batch(older).events == (BlockStored((b"h",), None, (), 16, None, "GPU"),)
+    newer = msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [3], "medium": "CPU", "locality": "LOCAL"},
+                                 {"type": "Future"}], None])
+    assert decode_batch(newer).events == (BlockRemoved((3,), "CPU"),)
 
 
 def test_route_config_wants_one_event_endpoint_per_node_and_routes_without_events_have_no_subscriber():
