@@ -66,7 +66,9 @@ class IdTokenizer:
     chat_template = None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [int(t) for t in text.split()]
+        # Prompts here are id lists; other text (the fp8 calibration text, engine/kv_calibration.py)
+        # becomes its UTF-8 bytes: ids below 256, valid in any vocabulary.
+        return [i for t in text.split() for i in ([int(t)] if t.isdigit() else list(t.encode()))]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(f" {int(i)}" for i in ids)

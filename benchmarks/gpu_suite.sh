@@ -3,7 +3,7 @@
 # Triton) and of the GPU engine path (CUDA graphs, side-stream transfers), benchmarks/kernels.py, then
 # benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
 # root on a CUDA machine:
-#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 to skip one;
+#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 / SKIP_PD_BENCH=1 to skip one;
 #   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...")
 # Results: benchmarks/results/kernels_h200.json, engine_gpu_h200.json (or $OUT/ when the device tool sets OUT).
 set -uo pipefail
@@ -62,7 +62,14 @@ for d in r.get("classes", []):
           f"{d['gather_sdpa_ms']/best:>10.2f}{best/fp8:>7.2f}   (best of eager/graph)")
 m = r.get("mixed")
 if m:
-    print(f"mixed {m['shape']['lens']} x{m['shape']['batch']}: {100*m['bf16_pct_copy']:.0f}% of copy")
+    sp = m["splits"]
+    print(f"mixed {m['shape']['lens']} x{m['shape']['batch']}: {100*m['bf16_pct_copy']:.0f}% of copy "
+          f"(splits {sp['chosen']} from the length hint, {sp.get('chosen_without_hint')} without: "
+          f"{sp.get('no_hint_ms', float('nan')):.3f} ms vs {m['bf16_ms']:.3f} eager)")
+prev = [(",".join(str(v) for v in d["shape"].values()), d["fp8_ms"], d["fp8_prev_tiles_ms"])
+        for d in r["decode"] + r.get("classes", []) if "fp8_prev_tiles_ms" in d]
+if prev:
+    print("fp8 launcher tiles vs session-2 tiles (eager ms): " + "  ".join(f"{s} {a:.3f}/{b:.3f}" for s, a, b in prev))
 for f in r.get("fused_ops", []):
     print(f"fused ops, {f['tokens']} rows: " + ", ".join(f"{k} {v['speedup']:.1f}x" for k, v in f.items()
                                                         if isinstance(v, dict)))
@@ -83,4 +90,27 @@ if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
   sed -n '/^figure /,$p' "$RES/engine_gpu.log"
 fi
 echo "engine_gpu.py: rc $ENGINE_RC (JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
-exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 ))
+
+# Prefill/decode split (issue #22; PD_GPUS=2 for issue #23's two-GPU run): CUDA IPC tests + benchmarks/pd.py
+PD_RC=0
+if [ "${SKIP_PD_BENCH:-0}" != 1 ]; then
+  bash benchmarks/gpu_pd.sh
+  PD_RC=$?
+fi
+
+# ---- KV tiers on the GPU (issue #19 item 5; docs/gpu.md "KV tiers on the GPU"): the ChaCha20-Poly1305
+# kernels' GPU tests (compiled, against `cryptography`), the tier path through them, then the 2 GiB restore
+# benchmark (DRAM / NVMe x plain / GPU-decrypt / CPU-decrypt vs recompute). Needs `cryptography` (carry its
+# wheels). SKIP_TIERS=1 skips it; TIERS_ARGS="--trials 3 --nvme-dir DIR" passes arguments.
+TIERS_RC=0
+if [ "${SKIP_TIERS:-0}" != 1 ]; then
+  "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py -q -p no:cacheprovider \
+    -o addopts="" 2>&1 | tee "$RES/tiers_gpu_pytest.log"
+  TIERS_RC=${PIPESTATUS[0]}
+  "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_h200.json}" ${TIERS_ARGS:-} 2>&1 \
+    | tee "$RES/tiers_gpu.log"
+  TIERS_RC=$(( TIERS_RC != 0 || PIPESTATUS[0] != 0 ))
+  echo "tiers: pytest $(tail -n 1 "$RES/tiers_gpu_pytest.log")"
+  sed -n '/^link:/,$p' "$RES/tiers_gpu.log"
+fi
+exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 || PD_RC != 0 || TIERS_RC != 0 ))

@@ -54,9 +54,15 @@ DECODE_CLASSES = [
     (2, 32, 8, 128, 131072, 16),
 ]
 MIXED_LENS = (32, 100, 8000)  # batch of 32, lengths uniform in [100, 8000]
-DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # swept with each DECODE_TILES entry (bf16)
+DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # swept with each DECODE_TILES entry (bf16; --full-sweeps)
 DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also tried (32, 4, 3): slower
-QUANT_TILES = [(64, 4, 2, True), (128, 4, 2, True), (64, 4, 2, False)]  # 8-bit KV (bn, warps, stages, v_pairs)
+# 8-bit KV (bn, warps, stages, v_pairs): the session-2 default (64, 4, 2), its 128-token tile, and the
+# deeper cp.async rings of kernels.decode_attention.choose_tiles (stages 5-6: two tiles, 7: three).
+# Session 2 also timed (64, 4, 2, False): 1.5-1.9x slower than the pairs path, dropped.
+# Session 3 run 1 also timed (128, 4, 2), (64, 4, 7), (64, 8, 5): none better than (64, 4, 5) or
+# (128, 4, 5) on any shape (kernels_h200_s3run1.json), dropped.
+QUANT_TILES = [(64, 4, 2, True), (64, 4, 5, True), (128, 4, 5, True)]
+PREV_TILES = (64, 4, 2)  # the launcher's tiles before choose_tiles (session 2), timed beside its choice
 PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages)
     (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3),
 ]
@@ -152,7 +158,7 @@ def sdpa_contiguous_ms(q4, batch, kv_heads, context, head_dim, scale, gen) -> fl
     return bench(lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale))
 
 
-def decode_case(shape, gen, ceil: dict, quick: bool) -> dict:
+def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) -> dict:
     batch, q_heads, kv_heads, head_dim, context, block_size = shape
     scale = 1 / math.sqrt(head_dim)
     kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
@@ -179,10 +185,13 @@ def decode_case(shape, gen, ceil: dict, quick: bool) -> dict:
     # The same call timed again at the end of the case: the spread between the two is the noise floor.
     row["bf16_TBps"] = kv_bytes / (ms * 1e-3) / 1e12
     row["bf16_pct_copy"] = row["bf16_TBps"] / ceil["copy_TBps"]
+    tiles = decode_attention.choose_tiles(head_dim, kv.dtype)
+    row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     row["num_splits"] = decode_attention.choose_num_splits(
-        batch, kv_heads, tables.shape[1] * block_size, torch.cuda.get_device_properties(0).multi_processor_count, 64
-    )
-    if not quick:
+        batch, kv_heads, tables.shape[1] * block_size, sms, tiles.block_n, programs_per_sm=tiles.programs_per_sm)
+    prev_tiles_ms(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, tiles)
+    if not quick and full_sweeps:
         variants = {}
         cap = max(1, context // 256)
         for bn, nw, ns in DECODE_TILES:
@@ -223,6 +232,25 @@ def decode_case(shape, gen, ceil: dict, quick: bool) -> dict:
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
+        if head_dim == 128:  # the 8-bit candidate tiles with a split count fitted to their occupancy
+            cand = decode_attention.FP8_CANDIDATE
+            c_splits = decode_attention.choose_num_splits(batch, kv_heads, tables.shape[1] * block_size, sms,
+                                                          cand.block_n, programs_per_sm=cand.programs_per_sm)
+
+            def run_cand(kq=kq, vq=vq, ks=ks, vs=vs, cand=cand, c_splits=c_splits):
+                return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, num_splits=c_splits,
+                                                     block_n=cand.block_n, num_warps=cand.num_warps,
+                                                     num_stages=cand.num_stages)
+            want_q = ref.paged_decode_attention(q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs)
+            row[f"{name}_candidate"] = {"splits": c_splits, "rel_err": rel_err(run_cand()[:n_check], want_q),
+                                        "ms": bench(run_cand), "graph_ms": bench_graph(run_cand)}
+        qtiles = decode_attention.choose_tiles(head_dim, kq.dtype)
+        row[f"{name}_tiles"] = {"block_n": qtiles.block_n, "num_stages": qtiles.num_stages,
+                                "programs_per_sm": qtiles.programs_per_sm,
+                                "num_splits": decode_attention.choose_num_splits(
+                                    batch, kv_heads, tables.shape[1] * block_size, sms, qtiles.block_n,
+                                    programs_per_sm=qtiles.programs_per_sm)}
+        prev_tiles_ms(row, name, q, kq, vq, tables, lens, scale, ks, vs, qtiles)
         if not quick:
             tiles = {}
             for bn, nw, ns, vp in QUANT_TILES:
@@ -242,8 +270,24 @@ def decode_case(shape, gen, ceil: dict, quick: bool) -> dict:
     return row
 
 
+def prev_tiles_ms(row: dict, name: str, q, kc, vc, tables, lens, scale, ks, vs, tiles) -> None:
+    """Time the session-2 tiles (PREV_TILES) where choose_tiles now picks others: the evidence that
+    a shape class did not lose. Split count: the launcher's for those tiles, as before."""
+    bn, nw, ns = PREV_TILES
+    if (tiles.block_n, tiles.num_warps, tiles.num_stages) == (bn, nw, ns):
+        return
+    def run():
+        return decode_attention.paged_decode(q, kc, vc, tables, lens, scale, ks, vs, block_n=bn, num_warps=nw,
+                                             num_stages=ns)
+    run()
+    row[f"{name}_prev_tiles_ms"] = bench(run)
+    row[f"{name}_prev_tiles_graph_ms"] = bench_graph(run)
+
+
 def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
-    """One batch of very different lengths (MIXED_LENS): the split count is chosen for the longest."""
+    """One batch of very different lengths (MIXED_LENS). The launcher gets the lengths as a host-side
+    hint (``context_lens``, as the engine's eager steps pass them) and fits its split count to them;
+    without the hint it must assume every sequence fills the table (timed too: ``no_hint``)."""
     batch, lo, hi = MIXED_LENS
     lens_l = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(7)).tolist()
     per_seq = -(-hi // block_size)
@@ -255,19 +299,29 @@ def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size
     k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
     q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = 1 / math.sqrt(head_dim)
-    out = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    def launch(hint=True):
+        return triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                                 context_lens=lens_l if hint else None)
+
+    out = launch()
     want = ref.paged_decode_attention(q[:4], k_cache, v_cache, tables[:4], lens[:4], scale)
     kv_bytes = 2 * sum(lens_l) * kv_heads * head_dim * kv.element_size()
-    ms = bench(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
-    graph_ms = bench_graph(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+    ms = bench(launch)
+    graph_ms = bench_graph(launch)
     best = min(x for x in (ms, graph_ms) if x is not None)
+    no_hint_ms = bench(lambda: launch(False))
+    no_hint_graph_ms = bench_graph(lambda: launch(False))
     # diagnostic only (the figure above is the launcher's own choice): what other split counts give
     # on this batch, where the split count is chosen for the longest sequence
     split_ms = {s: bench(lambda s=s: decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, None,
                                                                    None, num_splits=s)) for s in (2, 4, 8, 16, 32)}
-    row_splits = {"chosen": decode_attention.choose_num_splits(
-        batch, kv_heads, per_seq * block_size, torch.cuda.get_device_properties(0).multi_processor_count, 64),
-        "ms_by_splits": split_ms}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bn = decode_attention.choose_tiles(head_dim, kv.dtype).block_n
+    row_splits = {"chosen": decode_attention.choose_num_splits(batch, kv_heads, per_seq * block_size, sms, bn,
+                                                               context_lens=lens_l),
+                  "chosen_without_hint": decode_attention.choose_num_splits(batch, kv_heads, per_seq * block_size,
+                                                                            sms, bn),
+                  "ms_by_splits": split_ms, "no_hint_ms": no_hint_ms, "no_hint_graph_ms": no_hint_graph_ms}
     row = {"splits": row_splits, "shape": {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
                      "lens": f"{lo}-{hi}", "block_size": block_size},
            "total_tokens": sum(lens_l), "rel_err": rel_err(out[:4], want), "bf16_ms": ms, "bf16_graph_ms": graph_ms,
@@ -315,7 +369,7 @@ GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "lm_head": (128256, 4096)}  # Llama-3.1-8B's decode GEMMs (out, in), merged as the engine runs them
 
 
-def decode_gemm_case(gen, ceil: dict) -> dict:
+def decode_gemm_case(gen, ceil: dict, full_sweeps: bool = False) -> dict:
     """cuBLAS (F.linear, bf16) and kernels.skinny_gemm on the decode step's weight shapes at M = 1..128
     rows, timed as CUDA-graph replays (as the engine runs them: a small GEMM is shorter than a Triton
     launch from Python, so eager timings measure the host): the weight bytes each reads over its time,
@@ -336,7 +390,7 @@ def decode_gemm_case(gen, ceil: dict) -> dict:
                 row["ours_ms"] = bench_graph(lambda x=x, w=w, c=cfg: skinny_gemm.skinny_linear(x, w, None, c)) or float("nan")
                 row["ours_pct_copy"] = wbytes / (row["ours_ms"] * 1e-3) / 1e12 / ceil["copy_TBps"]
                 row["ours_config"] = str(cfg)
-                if m in SKINNY_SWEEP_ROWS:
+                if full_sweeps and m in SKINNY_SWEEP_ROWS:
                     sweep = {}
                     for bn, bk, nw, ns, auto_split in SKINNY_VARIANTS:
                         split = skinny_gemm.split_for(n, k, bn, bk, sms) if auto_split else 1
@@ -361,7 +415,7 @@ SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatic
 ]
 
 
-def prefill_case(gen, ceil: dict, quick: bool, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
+def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
                  head_dim=128, block_size=16) -> dict:
     context = cached + new
     scale = 1 / math.sqrt(head_dim)
@@ -381,7 +435,7 @@ def prefill_case(gen, ceil: dict, quick: bool, batch=4, cached=8192, new=512, q_
     row["ms"] = ms
     row["TFLOPs"] = flops / (ms * 1e-3) / 1e12
     row["pct_matmul"] = row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
-    if not quick:
+    if not quick and full_sweeps:
         variants = {}
         for bm, bn, nw, ns in PREFILL_VARIANTS:
             def run(bm=bm, bn=bn, nw=nw, ns=ns):
@@ -430,10 +484,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     ap.add_argument("--quick", action="store_true", help="skip the tile-size variants")
+    ap.add_argument("--full-sweeps", action="store_true",
+                    help="also the bf16 split sweep, the skinny-GEMM tile sweep and the prefill tile variants "
+                         "(session 2's diagnostics; ~60 s more)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into DECODE_SHAPES (default: all)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
+    ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -451,12 +509,22 @@ def main() -> int:
         "ceilings": ceil,
         "decode": [],
     }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        # after every case, so that a run cut off by a time limit keeps what it measured (session 3
+        # run 2 lost every figure to a timeout before the final write)
+        result["wall_s"] = time.time() - t0
+        out.write_text(json.dumps(result, indent=2))
+
     picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
-        result["decode_gemms"] = decode_gemm_case(gen, ceil)
+        result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
     for shape in picked:
-        result["decode"].append(decode_case(shape, gen, ceil, args.quick))
+        result["decode"].append(decode_case(shape, gen, ceil, args.quick, args.full_sweeps))
+        save()
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
     if not args.skip_classes:
         result["classes"] = []
@@ -466,18 +534,18 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001  (one shape failing must not lose the others)
                 result["classes"].append({"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context",
                                                              "block_size"], shape)), "error": f"{type(e).__name__}: {e}"})
+            save()
             print(f"class {shape} done ({time.time() - t0:.0f}s)", flush=True)
         result["mixed"] = mixed_case(gen, ceil)
+        save()
         result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
-        result["decode_gemms"] = decode_gemm_case(gen, ceil)
+        if not args.skip_gemms:
+            result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
     if not args.skip_prefill:
-        result["prefill"] = prefill_case(gen, ceil, args.quick)
+        result["prefill"] = prefill_case(gen, ceil, args.quick, args.full_sweeps)
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
-        result["prefill_hit"] = prefill_case(gen, ceil, args.quick, batch=1, cached=7680, new=512)
-    result["wall_s"] = time.time() - t0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+        result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512)
+    save()
     print_table(result)
     print(f"wrote {out}")
     return 0
@@ -496,12 +564,16 @@ def print_table(r: dict) -> None:
               f"{d['sdpa_contig_ms']:>8.3f}{d['gather_sdpa_ms']:>10.3f}{d['fp8_ms']:>8.3f}{d['fp8_speedup_vs_bf16']:>7.2f}"
               f"{d['int8_ms']:>8.3f}{d['int8_speedup_vs_bf16']:>7.2f}"
               f"   {d['bf16_rel_err']:.1e}/{d['fp8_rel_err']:.1e}/{d['int8_rel_err']:.1e}")
+    print("fp8 vs bf16, launcher's tiles / session-2 tiles (64, 4 warps, 2 stages), eager: " + "  ".join(
+        f"{d['shape']['batch']}x{d['shape']['context']}: {d['fp8_speedup_vs_bf16']:.2f}/"
+        f"{d['bf16_ms'] / d['fp8_prev_tiles_ms'] if 'fp8_prev_tiles_ms' in d else float('nan'):.2f}"
+        for d in r["decode"]))
     print("CUDA-graph replay (ms): " + "  ".join(
         f"{d['shape']['batch']}x{d['shape']['context']}: bf16 {_ms(d.get('bf16_graph_ms'))} fp8 {_ms(d.get('fp8_graph_ms'))}"
         f" int8 {_ms(d.get('int8_graph_ms'))}" for d in r["decode"]))
     if r.get("classes"):
         print(f"{'shape class B,Hq,Hkv,D,ctx,BS':<30}{'splits':>7}{'eager ms':>9}{'graph ms':>9}{'%copy':>7}"
-              f"{'vs sdpa':>8}{'fp8 x':>7}")
+              f"{'vs sdpa':>8}{'fp8 x':>7}{'prev tiles bf16/fp8 ms':>24}")
         for d in r["classes"]:
             s = ",".join(str(v) for v in d["shape"].values())
             if "error" in d:
@@ -509,13 +581,17 @@ def print_table(r: dict) -> None:
                 continue
             best = min(x for x in (d["bf16_ms"], d.get("bf16_graph_ms")) if x is not None)
             fp8_best = min(x for x in (d["fp8_ms"], d.get("fp8_graph_ms")) if x is not None)
+            prev = "/".join(_ms(_best(d, f"{k}_prev_tiles_ms", f"{k}_prev_tiles_graph_ms")) for k in ("bf16", "fp8"))
             print(f"{s:<30}{d['num_splits']:>7}{d['bf16_ms']:>9.3f}{_ms(d.get('bf16_graph_ms')):>9}"
                   f"{100 * d['bf16_pct_copy'] * d['bf16_ms'] / best:>6.0f}%{d['sdpa_contig_ms'] / best:>8.2f}"
-                  f"{best / fp8_best:>7.2f}")
+                  f"{best / fp8_best:>7.2f}{prev:>24}")
     m = r.get("mixed")
     if m:
+        sp = m["splits"]
         print(f"mixed lengths {m['shape']['lens']} x {m['shape']['batch']}: {m['bf16_ms']:.3f} ms eager, "
-              f"{_ms(m.get('bf16_graph_ms'))} graph, {100 * m['bf16_pct_copy']:.0f}% of copy, err {m['rel_err']:.1e}")
+              f"{_ms(m.get('bf16_graph_ms'))} graph, {100 * m['bf16_pct_copy']:.0f}% of copy, err {m['rel_err']:.1e}; "
+              f"splits {sp['chosen']} with the length hint, {sp.get('chosen_without_hint')} without "
+              f"({_ms(sp.get('no_hint_ms'))} eager, {_ms(sp.get('no_hint_graph_ms'))} graph)")
     for f in r.get("fused_ops", []):
         print(f"fused ops at {f['tokens']} rows: " + "  ".join(
             f"{k} {v['fused_ms']:.3f} ms ({v['speedup']:.1f}x torch, {100 * v['fused_pct_copy']:.0f}% copy, "
@@ -542,6 +618,11 @@ def print_table(r: dict) -> None:
 
 def _ms(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
+
+
+def _best(d: dict, *keys: str) -> float | None:
+    vals = [d[k] for k in keys if d.get(k) is not None]
+    return min(vals) if vals else None
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """Prefill/decode split on loopback: transfer bandwidth, and a mixed workload split vs colocated.
 
-    python benchmarks/pd.py [--smoke] [--decoders 4] [--long-arrivals 6] [--long-tokens 1536]
-                            [--device cpu|cuda] [--gpus 1|2] [--model DIR] [--out FILE]
+    python benchmarks/pd.py [--smoke] [--decoders 4] [--long-arrivals 4] [--long-tokens 1024]
+                            [--device cpu|cuda] [--gpus 1|2] [--model smol|tiny|DIR] [--out FILE]
+                            [--nodes serve|engine] [--shape 8b|small] [--kv-blocks N] [--split-min-tokens N]
 
 Starts two real engine processes (``prefixgate serve --role prefill`` and ``--role decode``,
-tiny model on CPU by default) and drives them with the gateway's split client
+SmolLM2-135M-Instruct on CPU by default) and drives them with the gateway's split client
 (``gateway.disagg_client.DisaggEngineClient``), in one run:
 
 1. Transfer bandwidth: long prompts prefilled on the prefill node and sent to the decode node's
    receiver (``POST /internal/v1/kv/prefill``: bytes on the wire / seconds from connect to ack,
    MAC'd chunks of 16 blocks), against, measured in this same run on the same byte count:
-   a memcpy, a plain loopback TCP copy between two threads, and HMAC-SHA256 over the bytes.
+   a memcpy, a plain loopback TCP copy between two threads, HMAC-SHA256 over the bytes, the
+   socket transport alone and the /dev/shm shared-buffer transport alone (no-op importers).
 2. Mixed workload: ``--decoders`` clients each looping short requests (steady decoders) while
    ``--long-arrivals`` long-prompt requests arrive at a fixed interval. Once colocated (every
    request on the decode node), once split (long prompts prefilled on the prefill node, their
@@ -18,9 +20,15 @@ tiny model on CPU by default) and drives them with the gateway's split client
    so neither phase hits the other's cache. Reported: the decoders' TPOT p50/p99 (gaps between
    streamed tokens at the client), TTFT p50/p99 of the long requests and of the decoders.
 
-GPU variant (flags present, not run in the session that wrote this): ``--device cuda`` runs both
-nodes on GPU 0 (``--gpus 1``) or the prefill node on GPU 0 and the decode node on GPU 1
-(``--gpus 2``, via CUDA_VISIBLE_DEVICES); pass ``--model`` for a real checkpoint.
+``--nodes engine`` (the default with ``--device cuda``) starts two ``benchmarks/pd_node.py``
+processes instead: the same ``DisaggEngine`` roles with a random-weight model (``--shape 8b``: the
+Llama-3.1-8B shape in bf16, built on the GPU as in benchmarks/engine_gpu.py), driven over a local
+connection with the gateway's ``SplitPolicy`` (no checkpoint, no gateway packages: what the GPU
+machines have). ``--device cuda --gpus 1`` puts both on GPU 0 and the KV moves through CUDA IPC;
+``--gpus 2`` puts the prefill node on GPU 0 and the decode node on GPU 1 (peer copies; both
+processes see both GPUs). Transfer baselines there: a device-to-device copy of the same bytes
+(and the peer copy GPU 0 -> 1 with two GPUs) and the transfer's keyed digest alone.
+``bash benchmarks/gpu_pd.sh`` is the one-call GPU run (``PD_GPUS=2`` for two GPUs).
 
 Prints a table and writes JSON (command, machine, commit, load average, figures) under
 ``benchmarks/results/``.
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -52,10 +61,10 @@ from prometheus_client import CollectorRegistry
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.launch import ensure_tiny_model  # noqa: E402
+from engine.disagg.request_wire import request_to_wire  # noqa: E402
+from engine.launch import ensure_smol_model, ensure_tiny_model  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
 from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy  # noqa: E402
-from gateway.node_wire import request_to_wire  # noqa: E402
 from tests.serverutil import serve_tiny, stop  # noqa: E402
 
 TOKEN = "pd-bench-node-token"
@@ -70,13 +79,28 @@ PREDICTION = {
                         "but by less than on a GPU: both processes share the same 2 CPU cores",
     "long_ttft": "split higher than colocated: lookup + prefill round trip + transfer + import + the decode node's "
                  "tail prefill, and the prefill competes for the same cores",
+    "host_shm_vs_socket_transport": "1.2-2x the socket transport alone: no kernel socket copy, but a copy into "
+                                    "the file and two digest passes in torch (int64 temporaries)",
+}
+# Written before the first GPU run (H200, 8B-shaped random bf16 model, two engine processes on GPU 0):
+PREDICTION_GPU = {
+    "cuda_ipc_vs_device_copy": "0.1-0.3x on one GPU: gather, landing copy and scatter are three copies, two "
+                               "digest passes read the bytes with int64 temporaries, and each chunk waits for a "
+                               "frame round trip and an engine-thread hop; on two GPUs 0.5-0.8x of the peer copy "
+                               "(the NVLink copy dominates the on-device passes)",
+    "decoder_tpot_p99": "split lower than colocated, but less than the prefill step's share: without MPS the two "
+                        "processes' kernels time-slice the one GPU, so a long prefill still delays decode steps",
+    "long_ttft": "split higher: lookup + prefill round trip + transfer + import + the decode node's first step",
 }
 
 
 def git_commit() -> str:
+    """PREFIXGATE_COMMIT where the tree was copied without its own .git (GPU machines), else git's."""
+    if os.environ.get("PREFIXGATE_COMMIT"):
+        return os.environ["PREFIXGATE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip()
+                              text=True).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
 
@@ -173,9 +197,10 @@ def transport_only_bw(nbytes: int, block_bytes: int, repeats: int = 5) -> float:
 
 # ----------------------------------------------------------------------------- requests
 
-def gen_request(rid: str, ns: bytes, n_tokens: int, max_tokens: int, seed: int) -> GenerateRequest:
+def gen_request(rid: str, ns: bytes, n_tokens: int, max_tokens: int, seed: int, hi: int = 30000) -> GenerateRequest:
+    """``hi``: above the largest token id drawn; 30,000 fits every served vocabulary (SmolLM2: 49,152)."""
     rng = random.Random(seed)
-    prompt = [rng.randrange(1000, 50000) for _ in range(n_tokens)]
+    prompt = [rng.randrange(min(1000, hi // 2), hi) for _ in range(n_tokens)]
     return GenerateRequest(rid, StaticTenantScope(namespace=ns),
                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                            prompt_token_ids=prompt)
@@ -198,7 +223,8 @@ async def transfer_phase(prefill_url: str, receiver: str, n_tokens: int, repeats
             gr = gen_request(f"bw{i}", f"bw-{i}".encode(), n_tokens, 1, seed=100 + i)
             r = await http.post(f"{prefill_url}/internal/v1/kv/prefill",
                                 json={"request": request_to_wire(gr), "address": receiver})
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"prefill node answered {r.status_code}: {r.text[:500]}")
             d = r.json()
             out.append({"prefill_s": d["prefill_s"], **d["transfer"]})
     return out
@@ -215,7 +241,7 @@ async def mixed_phase(client: DisaggEngineClient, tag: str, args: argparse.Names
         while not stop_at.is_set():
             i = next(counter)
             gr = gen_request(f"{tag}-d{d}-{i}", f"{tag}-dec-{d}".encode(), args.short_tokens, args.decode_tokens,
-                             seed=i)
+                             seed=i, hi=args.token_hi)
             ttft, times = await stream_times(client, gr)
             dec_ttft.append(ttft)
             tpot.extend(b - a for a, b in zip(times, times[1:]))
@@ -224,7 +250,7 @@ async def mixed_phase(client: DisaggEngineClient, tag: str, args: argparse.Names
         await asyncio.sleep(args.warmup_s)
         pending = []
         for j in range(args.long_arrivals):
-            gr = gen_request(f"{tag}-L{j}", f"{tag}-long-{j}".encode(), args.long_tokens, 8, seed=10_000 + j)
+            gr = gen_request(f"{tag}-L{j}", f"{tag}-long-{j}".encode(), args.long_tokens, 8, seed=10_000 + j, hi=args.token_hi)
             pending.append(asyncio.create_task(stream_times(client, gr)))
             await asyncio.sleep(args.interval_s)
         for ttft, _ in await asyncio.gather(*pending):
@@ -252,7 +278,8 @@ async def run(args: argparse.Namespace, prefill_url: str, decode_url: str) -> di
     bw = [t["bytes_sent"] / t["seconds"] for t in transfers if t["seconds"] > 0]
     block_bytes = nbytes // max(1, max(t["blocks_sent"] for t in transfers))
     baselines = {"memcpy": memcpy_bw(nbytes), "socket": socket_bw(nbytes), "hmac_sha256": hmac_bw(nbytes),
-                 "transport_noop_import": transport_only_bw(nbytes, block_bytes)}
+                 "transport_noop_import": transport_only_bw(nbytes, block_bytes),
+                 "host_shm_noop_import": host_shm_only_bw(nbytes, block_bytes)}
 
     def client(min_split: int) -> DisaggEngineClient:
         return DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=min_split),
@@ -274,63 +301,187 @@ async def run(args: argparse.Namespace, prefill_url: str, decode_url: str) -> di
     }
 
 
+def host_shm_only_bw(nbytes: int, block_bytes: int, repeats: int = 5) -> float:
+    """The /dev/shm shared-buffer transport (same frames and checks, bytes mapped instead of sent,
+    keyed digest on both sides) into a receiver whose importer does nothing."""
+    from concurrent.futures import Future
+
+    import torch
+
+    from engine.disagg.api import derive_transfer_key
+    from engine.disagg.metrics import TransferMetrics
+    from engine.disagg.receiver import ImportOutcome, KVReceiver
+    from engine.disagg.shared_transport import HostShmTransport, landing_for
+    from engine.disagg.transport import OutgoingTransfer
+    from engine.disagg.wire import EngineLayout
+    from engine.prefix_index import block_hashes
+
+    bs, n = 16, max(1, nbytes // block_bytes)
+    layout, key = EngineLayout("bench", "float32", bs, 4, block_bytes), derive_transfer_key("bench")
+    tokens = list(range(n * bs))
+
+    def importer(chunk, chain):  # noqa: ANN001, ANN202 - the receiver's callback shape
+        f: Future = Future()
+        f.set_result(ImportOutcome(chunk.num_blocks, chunk.num_blocks))
+        return f
+
+    rx = KVReceiver("127.0.0.1", 0, key, layout, importer, TransferMetrics(CollectorRegistry()),
+                    landing=landing_for(key, "cpu"))
+    t = OutgoingTransfer("bw", b"bench", tuple(block_hashes(b"bench", tokens, bs)),
+                         tuple(tuple(tokens[i * bs:(i + 1) * bs]) for i in range(n)),
+                         torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8))
+    try:
+        best = min(HostShmTransport(rx.address, key, layout).send(t).seconds for _ in range(repeats))
+    finally:
+        rx.close()
+    return n * block_bytes / best
+
+
+async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], authkeys: tuple[bytes, bytes],
+                           devices: tuple[str, str]) -> dict:
+    """Transfer bandwidth and the mixed workload against two ``pd_node.py`` processes."""
+    from pd_engine_nodes import NodeClient, PairClient, device_copy_bw, digest_bw
+
+    loop = asyncio.get_running_loop()
+    prefill, decode = (NodeClient(p, k, loop) for p, k in zip(ports, authkeys))
+    try:
+        receiver = await decode.call("address")
+        transfers = []
+        for i in range(args.repeats):
+            gr = gen_request(f"bw{i}", f"bw-{i}".encode(), args.long_tokens, 1, seed=100 + i, hi=args.token_hi)
+            rep = await prefill.call("prefill", gr, receiver, 0)
+            transfers.append({"prefill_s": rep.prefill_s, **dataclasses.asdict(rep.transfer),
+                              "status": rep.transfer.status.value})
+        nbytes = max(t["bytes_sent"] for t in transfers)
+        bw = [t["bytes_sent"] / t["seconds"] for t in transfers if t["seconds"] > 0 and t["status"] == "imported"]
+        if devices[0].startswith("cuda"):
+            baselines = {"device_copy_same_gpu": device_copy_bw(nbytes, devices[1], devices[1]),
+                         "keyed_digest": digest_bw(nbytes, devices[1])}
+            if devices[0] != devices[1]:
+                baselines["peer_copy"] = device_copy_bw(nbytes, devices[0], devices[1])
+            ref = baselines.get("peer_copy", baselines["device_copy_same_gpu"])
+        else:
+            baselines = {"memcpy": memcpy_bw(nbytes)}
+            ref = baselines["memcpy"]
+        split = PairClient(decode, prefill, receiver, SplitPolicy(min_split_tokens=args.split_min_tokens))
+        mixed = {"colocated": await mixed_phase(PairClient(decode, prefill, receiver, None), "co", args),
+                 "split": await mixed_phase(split, "sp", args)}
+        mixed["split"]["handoffs"] = len(split.handoffs)
+        mixed["split"]["handoff_status"] = sorted({h.transfer.status.value for h in split.handoffs})
+        leaks = {"prefill": await prefill.call("integrity"), "decode": await decode.call("integrity")}
+    finally:
+        prefill.close()
+        decode.close()
+    med = statistics.median(bw) if bw else 0.0
+    return {
+        "transfer": {"bytes": nbytes, "runs": transfers, "bandwidth_bytes_per_s_median": med,
+                     "transport": "cuda_ipc" if devices[0].startswith("cuda") else "socket",
+                     "baselines_bytes_per_s": baselines, "ratio_vs_copy": med / ref},
+        "mixed": mixed, "integrity": leaks,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds: 2 decoders, 2 short long-prompt arrivals")
     p.add_argument("--decoders", type=int, default=4)
-    p.add_argument("--long-arrivals", type=int, default=6)
-    p.add_argument("--long-tokens", type=int, default=1536)
+    p.add_argument("--long-arrivals", type=int, default=4)
+    p.add_argument("--long-tokens", type=int, default=1024)
     p.add_argument("--short-tokens", type=int, default=48)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--interval-s", type=float, default=2.0)
+    p.add_argument("--interval-s", type=float, default=4.0)
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--split-min-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu or cuda (GPU variant: not run by the CPU CI)")
     p.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="with --device cuda: nodes share GPU 0 or get one each")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
+    p.add_argument("--model", default="smol",
+                   help="'smol' (SmolLM2-135M-Instruct, the default served model), 'tiny', or a checkpoint directory")
+    p.add_argument("--nodes", choices=("serve", "engine"), default=None,
+                   help="serve: two `prefixgate serve` processes (HTTP, a checkpoint); engine: two "
+                        "benchmarks/pd_node.py processes with a random-weight model (default with --device cuda)")
+    p.add_argument("--shape", choices=("8b", "small"), default="8b", help="--nodes engine: the model's shape")
+    p.add_argument("--kv-blocks", type=int, default=8192, help="--nodes engine: KV blocks per node")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="--nodes engine: the step's token budget")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.nodes = args.nodes or ("engine" if args.device.startswith("cuda") else "serve")
+    args.token_hi = 4096 if args.nodes == "engine" and args.shape == "small" else 30000
     if args.smoke:
         args.decoders, args.long_arrivals, args.long_tokens = 2, 2, 320
         args.decode_tokens, args.interval_s, args.warmup_s, args.repeats = 12, 0.5, 0.5, 2
 
+    if args.nodes == "engine":
+        return main_engine_nodes(args)
     tmp = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     homes = [tmp / "prefill", tmp / "decode"]
-    ensure_tiny_model(homes[0])
-    shutil.copytree(homes[0] / "models", homes[1] / "models")
-    extra = ["--device", args.device] + (["--model", args.model] if args.model else [])
+    model_dir = {"smol": ensure_smol_model, "tiny": ensure_tiny_model}.get(args.model, lambda _h: Path(args.model))(homes[0])
+    if (homes[0] / "models").is_dir():
+        shutil.copytree(homes[0] / "models", homes[1] / "models")
+    extra = ["--model", str(model_dir)]
     env = [dict(ENV), dict(ENV)]
+    devs = [args.device, args.device]
     if args.device.startswith("cuda") and args.gpus == 2:
-        env[0]["CUDA_VISIBLE_DEVICES"], env[1]["CUDA_VISIBLE_DEVICES"] = "0", "1"
+        devs = ["cuda:0", "cuda:1"]  # both processes see both GPUs: a CUDA IPC handle names GPU 0 for GPU 1
     procs = []
     load_before = os.getloadavg()
     try:
         prefill_url, pp = serve_tiny(homes[0], "--role", "prefill", "--node-token-env", "PD_BENCH_TOKEN", *extra,
-                                     env=env[0])
+                                     "--device", devs[0], env=env[0])
         procs.append(pp)
         decode_url, dp = serve_tiny(homes[1], "--role", "decode", "--node-token-env", "PD_BENCH_TOKEN", *extra,
-                                    env=env[1])
+                                    "--device", devs[1], env=env[1])
         procs.append(dp)
         figures = asyncio.run(run(args, prefill_url, decode_url))
     finally:
         for proc in procs:
             stop(proc)
         shutil.rmtree(tmp, ignore_errors=True)
+    return report(args, figures, load_before)
+
+
+def main_engine_nodes(args: argparse.Namespace) -> int:
+    from pd_engine_nodes import node_env, start_node, wait_ready
+
+    gpu = args.device.startswith("cuda")
+    devices = ("cuda:0", "cuda:1" if args.gpus == 2 else "cuda:0") if gpu else ("cpu", "cpu")
+    load_before = os.getloadavg()
+    procs, ports, keys = [], [], []
+    try:
+        for role, dev in zip(("prefill", "decode"), devices):
+            env, key = node_env(TOKEN)
+            procs.append(start_node(role, dev, args, env))
+            keys.append(key)
+        ports = [wait_ready(proc, role) for proc, role in zip(procs, ("prefill", "decode"))]
+        figures = asyncio.run(run_engine_nodes(args, (ports[0], ports[1]), (keys[0], keys[1]), devices))
+    finally:
+        for proc in procs:
+            stop(proc)
+    figures["devices"] = {"prefill": devices[0], "decode": devices[1]}
+    if gpu:
+        import torch
+
+        figures["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return report(args, figures, load_before)
+
+
+def report(args: argparse.Namespace, figures: dict, load_before: tuple[float, float, float]) -> int:
     result = {
         "command": " ".join(["python", "benchmarks/pd.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "commit": git_commit(), "device": args.device, "gpus": args.gpus,
-        "model": args.model or "tiny", "args": vars(args), "prediction": PREDICTION, **figures,
+        "model": args.model if args.nodes == "serve" else f"random {args.shape}-shaped", "args": vars(args), "prediction": PREDICTION_GPU if args.device.startswith("cuda") else PREDICTION,
+        **figures,
     }
     t, m = figures["transfer"], figures["mixed"]
     mb = 1e6
-    print(f"transfer of {t['bytes'] / mb:.2f} MB: {t['bandwidth_bytes_per_s_median'] / mb:.0f} MB/s "
-          f"(socket copy {t['baselines_bytes_per_s']['socket'] / mb:.0f} MB/s = {t['ratio_vs_socket']:.2f}x, "
-          f"memcpy {t['baselines_bytes_per_s']['memcpy'] / mb:.0f} MB/s, "
-          f"HMAC-SHA256 {t['baselines_bytes_per_s']['hmac_sha256'] / mb:.0f} MB/s, "
-          f"the transport alone into a no-op importer {t['baselines_bytes_per_s']['transport_noop_import'] / mb:.0f} MB/s)")
+    if "ratio_vs_copy" in t:
+        base = ", ".join(f"{k} {v / mb:,.0f} MB/s" for k, v in t["baselines_bytes_per_s"].items())
+        print(f"transfer of {t['bytes'] / mb:.2f} MB through {t['transport']}: "
+              f"{t['bandwidth_bytes_per_s_median'] / mb:,.0f} MB/s = {t['ratio_vs_copy']:.2f}x of the copy ({base})")
+    else:
+        print_socket_transfer(t)
     keys = ["decoder_tpot_p50_s", "decoder_tpot_p99_s", "decoder_ttft_p50_s", "decoder_ttft_p99_s",
             "long_ttft_p50_s", "long_ttft_p99_s", "decoder_tokens", "wall_s"]
     print(f"{'measure':<22}{'colocated':>12}{'split':>12}{'split/colocated':>17}")
@@ -338,12 +489,26 @@ def main() -> int:
         a, b = m["colocated"][k], m["split"][k]
         ratio = f"{b / a:.2f}x" if a and b else "-"
         print(f"{k:<22}{a!s:>12}{b!s:>12}{ratio:>17}")
-    name = "pd_cpu_smoke.json" if args.smoke else f"pd_{args.device.split(':')[0]}.json"
+    if args.smoke:
+        name = f"pd_{args.device.split(':')[0]}_smoke.json"
+    else:
+        name = f"pd_{args.device.split(':')[0]}{'_' + args.shape if args.nodes == 'engine' else ''}" \
+               f"{'_2gpu' if args.gpus == 2 and args.device.startswith('cuda') else ''}.json"
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def print_socket_transfer(t: dict) -> None:
+    mb = 1e6
+    print(f"transfer of {t['bytes'] / mb:.2f} MB: {t['bandwidth_bytes_per_s_median'] / mb:.0f} MB/s "
+          f"(socket copy {t['baselines_bytes_per_s']['socket'] / mb:.0f} MB/s = {t['ratio_vs_socket']:.2f}x, "
+          f"memcpy {t['baselines_bytes_per_s']['memcpy'] / mb:.0f} MB/s, "
+          f"HMAC-SHA256 {t['baselines_bytes_per_s']['hmac_sha256'] / mb:.0f} MB/s, "
+          f"the transport alone into a no-op importer {t['baselines_bytes_per_s']['transport_noop_import'] / mb:.0f} MB/s, "
+          f"the /dev/shm transport alone {t['baselines_bytes_per_s']['host_shm_noop_import'] / mb:.0f} MB/s)")
 
 
 if __name__ == "__main__":

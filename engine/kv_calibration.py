@@ -24,8 +24,10 @@ same checkpoint computes the same scales (exported fp8 blocks stay valid across 
 
 The scales live in one float32 tensor ``[num_layers, 2 (k|v), 1]`` and the bias in one
 ``[num_layers, num_kv_heads, head_dim]`` tensor owned by the runner; each layer's ``LayerCache``
-holds views of them. The kernels' per-tensor scale interface is unchanged: the bias is subtracted
-before ``write_kv`` (engine/models/attention.py), so no kernel knows about it.
+holds views of them. The kernels' per-tensor scale interface is unchanged: the plain path
+subtracts the bias before ``write_kv`` (engine/models/attention.py); the fused GPU path passes it
+to ``rotary_write_kv``, which subtracts it after RoPE (kernels/rotary.py). No attention kernel
+reads it (softmax cancels the shift).
 """
 
 from __future__ import annotations
@@ -109,8 +111,8 @@ def calibrate_fp8(
     """Run ``run_prefill(recorder)`` (one forward of the calibration tokens with ``recorder`` as the
     KV ops). Returns (scales [num_layers, 2, 1], key bias [num_layers, Hkv, D]), float32 on CPU.
 
-    ``centre_keys=False`` (a path whose KV write cannot subtract the bias: the fused GPU RoPE+KV-write
-    kernel) gives a zero bias and scales for the raw keys, so nothing is clipped there."""
+    ``centre_keys=False`` gives a zero bias and scales for the raw keys: fp8 without the bias, a
+    baseline to compare against."""
     recorder = AmaxRecorder(centre_keys)
     run_prefill(recorder)
     if len(recorder.k_amax) != num_layers:

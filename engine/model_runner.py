@@ -130,12 +130,12 @@ class ModelRunner:
             self.fp8_key_bias = torch.zeros((arch.num_layers, arch.num_kv_heads, arch.head_dim),
                                             dtype=self.dtype, device=torch_device)
         self.layer_caches = [self._layer_cache(layer) for layer in range(arch.num_layers)]
-        # The GPU path fuses RoPE into its KV write, which does not subtract the fp8 key bias: there
-        # the scales cover the raw keys (engine/kv_calibration.py). Calibration itself runs the plain
-        # path (its recording ops stand in for the KV ops), so it comes before fusing.
+        # Calibration runs the plain path (its recording ops stand in for the KV ops), so it comes
+        # before fusing. Both paths store centred keys: the fused RoPE+KV-write kernel subtracts the
+        # same bias (kernels/rotary.py), so CPU and GPU nodes write interchangeable fp8 blocks.
         fused = torch_device.type == "cuda"
         if self.fp8_scales is not None:
-            self.set_fp8_calibration(*self.calibrate_fp8(centre_keys=not fused))
+            self.set_fp8_calibration(*self.calibrate_fp8())
         if fused:
             # merged q|k|v and gate|up GEMMs and the fused norm / RoPE+KV-write / SiLU kernels
             # (engine/models/llama.py); before any graph capture, which records the path.
@@ -241,6 +241,7 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             decode_only=all(c.num_tokens == 1 for c in chunks),
+            context_lens=tuple(seq_lens),
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return input_ids, torch.tensor(positions, dtype=torch.int64, device=dev), meta
@@ -330,6 +331,20 @@ class ModelRunner:
             host.copy_(packed, non_blocking=True)
         stream.synchronize()
         return host
+
+    def export_blocks_device(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """-> contiguous uint8 [len(block_ids), kv_bytes_per_block] on this runner's device, complete
+        on return: a copy another process can map (CUDA IPC) while the next steps reuse the blocks."""
+        ids = self._ids(block_ids)
+        n = len(ids)
+        stream = self._transfer_stream
+        if stream is None:
+            return self._gather_packed(ids, n).contiguous().clone()
+        stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        with torch.cuda.stream(stream):
+            packed = self._gather_packed(ids, n).contiguous()
+        stream.synchronize()
+        return packed
 
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         data = self.ops.gather_blocks(self.kv_cache, ids).view(torch.uint8).reshape(n, -1)

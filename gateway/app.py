@@ -31,6 +31,7 @@ from gateway.fleet_index import FleetIndex
 from gateway.kv_event_subscriber import EventSource, KVEventSubscriber
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
+from gateway.node_health import probe_forever
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.remote import RemoteEngineClient
 from gateway.routes import (
@@ -38,13 +39,13 @@ from gateway.routes import (
     completions,
     dashboard,
     disagg,
-    internal,
     messages,
     models,
     ops,
     responses,
     usage,
 )
+from gateway.routes.internal import NodeApiMiddleware, NodeDrain, install_drain_signal
 from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.routing_policy import RoutingPolicy
@@ -127,6 +128,7 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
                 tenant_prefix=rc.tenant_prefix, prompt_cache_key=rc.sends_prompt_cache_key,
                 tenant_api_keys=rc.tenant_api_keys, shared_api_key=rc.shared_api_key,
                 extra_body=rc.extra_body, max_model_len=rc.max_model_len, model_id=rc.model,
+                keyless=rc.transport == "litellm" and rc.self_hosted and not rc.api_key,
             )
             backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]
         elif rc.prefill_nodes:
@@ -138,7 +140,7 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
         else:
             backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
-        routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len))
+        routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len, extra={"price": rc.price}))
         if rc.kv_events:  # RouteConfig checked: one endpoint per node
             sources += [EventSource(f"node:{url}", ep) for url, ep in zip(rc.nodes, rc.kv_events, strict=True)]
     index = FleetIndex(settings.fleet_index_max_blocks, settings.fleet_index_ttl_s)
@@ -217,10 +219,13 @@ def create_app(
                     log.warning("engine node %s: cannot list models yet: %r", client.base_url, exc)
         app.state.router.start_events()
         sampler = asyncio.create_task(_sample_forever(app.state.timeseries))
+        prober = asyncio.create_task(probe_forever(app.state.router, settings.node_probe_interval_s))
+        install_drain_signal(app.state)
         try:
             yield
         finally:
             sampler.cancel()
+            prober.cancel()
             app.state.router.stop_events()
             for client in app.state.router.all_clients():  # nodes' and direct upstreams' HTTP pools
                 await _call_optional(client, "aclose")
@@ -243,7 +248,8 @@ def create_app(
     registry.register(LedgerCollector(lambda: app.state.tenancy))  # rows committed / quarantined / lost
     app.state.live_stats = LiveStats()
     app.state.timeseries = TimeSeries(registry, app.state.live_stats)  # the dashboard's charts
-    app.state.miss_tracker = MissTracker()  # cache-miss explanations (bounded memory, per tenant)
+    # Cache-miss explanations (bounded memory, per tenant), on the local engine's block grid.
+    app.state.miss_tracker = MissTracker(block_size=settings.block_size)
     app.state.router = build_router(settings, registry)
     app.state.tenant_threads = TenantThreads(
         workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
@@ -267,7 +273,9 @@ def create_app(
     async def _tenancy(request: Any, exc: TenancyError) -> Any:
         return render(request, tenancy_error(exc))
 
-    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, internal, disagg):
+    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, disagg):
         app.include_router(module.router)
+    app.state.node_drain = NodeDrain()
+    app.add_middleware(NodeApiMiddleware, state=app.state)  # node calls: the OpenAI API, node token (docs/nodes.md)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

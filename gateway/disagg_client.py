@@ -27,8 +27,8 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from engine.disagg.api import LookupResult
+from engine.disagg.request_wire import request_to_wire
 from engine.protocol import EngineError, GenerateRequest, RequestOutput
-from gateway.node_wire import request_to_wire
 from gateway.remote import NodeUnavailableError, RemoteEngineClient, _error_from_response
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

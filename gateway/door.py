@@ -16,11 +16,11 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from engine.protocol import GenerateRequest, Retention
+from engine.protocol import EngineClient, GenerateRequest, Retention
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.pipeline import Prepared, prepare
-from gateway.ports import QuotaExceededError, TenancyPort
+from gateway.ports import QuotaExceededError, TenancyPort, TenantCtx
 from gateway.routes.completions import record_rejected
 from gateway.routing import Router
 from gateway.schemas import ChatCompletionRequest
@@ -43,7 +43,7 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
 
 
 @contextlib.contextmanager
-def refusals_counted(tenancy: TenancyPort, ctx: Any, model: str, metrics: GatewayMetrics,
+def refusals_counted(tenancy: TenancyPort, ctx: TenantCtx, model: str, metrics: GatewayMetrics,
                      live: LiveStats) -> Iterator[None]:
     """A door's own 400s (translation, cache_control) are refused requests like the pipeline's: they
     take their place in the rate limit (issue 16.9) and get their ledger row and counts."""
@@ -69,8 +69,8 @@ def with_retention(request: GenerateRequest, spans: tuple[Retention, ...]) -> Ge
 
 
 async def prepare_door(
-    chat: ChatCompletionRequest, request: Request, ctx: Any, *, tenancy: TenancyPort, router: Router,
-    engine: Any, settings: GatewaySettings, metrics: GatewayMetrics, live: LiveStats,
+    chat: ChatCompletionRequest, request: Request, ctx: TenantCtx, *, tenancy: TenancyPort, router: Router,
+    engine: EngineClient | None, settings: GatewaySettings, metrics: GatewayMetrics, live: LiveStats,
     retention: RetentionPlan | None = None,
 ) -> Prepared:
     """``pipeline.prepare`` for a door's chat request; a refusal gets its ledger row and counts."""
@@ -84,6 +84,6 @@ async def prepare_door(
     except Exception:  # a bug: the request still gets its one row (a 500), as on the chat route
         record_rejected(tenancy, ctx, chat.model, "chat", OpenAIError(500, "internal error"), metrics, live)
         raise
-    if retention is not None and prep.backend.kind == "local":
+    if retention is not None and prep.backend.tokenizes_here:
         prep.requests = [with_retention(r, retention(list(r.prompt_token_ids or ()))) for r in prep.requests]
     return prep

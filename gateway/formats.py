@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from engine.protocol import RequestOutput, TokenLogprob
 from gateway.errors import OpenAIError
 from gateway.pipeline import Prepared
+from gateway.schemas import Usage
 from gateway.tool_calls import ParsedDelta, ToolCallParser, merge_tool_deltas
 
 
@@ -134,11 +135,11 @@ class WireFormat(Protocol):
 
     def frame(self, chunk: dict[str, Any]) -> bytes: ...
 
-    def tail(self, usage: dict[str, Any]) -> list[bytes]: ...
+    def tail(self, usage: Usage) -> list[bytes]: ...
 
     def error_frames(self, error: OpenAIError) -> list[bytes]: ...
 
-    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]: ...
+    def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]: ...
 
 
 class _Format:
@@ -152,7 +153,7 @@ class _Format:
     def frame(self, chunk: dict[str, Any]) -> bytes:
         return sse(chunk)
 
-    def tail(self, usage: dict[str, Any]) -> list[bytes]:
+    def tail(self, usage: Usage) -> list[bytes]:
         frames = [sse(self.usage_chunk(usage))] if self.prep.include_usage else []
         return [*frames, b"data: [DONE]\n\n"]
 
@@ -168,7 +169,7 @@ class _Format:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         chunk = self._chunk([])
         chunk["usage"] = usage
         return chunk
@@ -208,7 +209,7 @@ class ChatFormat(_Format):
                                         "finish_reason": state.finish_reason(out)}]))
         return result
 
-    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]:
         choices = []
         for i in range(len(self.prep.requests)):
             calls = acc.tool_calls(i)
@@ -247,7 +248,7 @@ class CompletionFormat(_Format):
         return [self._chunk([{"index": i, "text": out.new_text, "logprobs": self._logprobs(i, out.logprobs),
                               "finish_reason": reason}])]
 
-    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]:
         choices = [
             {"index": i, "text": "".join(acc.text[i]), "logprobs": self._logprobs(i, acc.logprobs[i]),
              "finish_reason": acc.finish.get(i)}

@@ -1,94 +1,59 @@
 """Which recent request a new one should have shared its prefix with, and why it did not.
 
-Per tenant and per prompt family the tracker keeps the last few requests: their rendered prompt
-and their canonical body. A new request is compared with the family's request that shares the most
-leading blocks of ``BLOCK_CHARS`` characters (the near-hit); ``promptlint.explain`` then classifies
-the first divergence into a rule code. Memory is bounded::
+The gateway only records; the prompt analysis is ``promptlint.miss``'s. Per tenant and per prompt
+family (``promptlint.miss.family_key``) the tracker keeps the last few requests as
+``PromptFacts``: the canonical body, the prompt's token ids when the gateway tokenized it for the
+local engine, and when it was seen. A new request's near-hit is the family member that shares the
+most leading full cache blocks of ``block_size`` tokens -- the engine's own block size, so "shared"
+means what the prefix index would serve -- and ``promptlint.miss.explain_miss`` says why they part
+(a rule code, the block where the cache stops, cache_control breakpoints). Memory is bounded::
 
-    OrderedDict (tenant, family) -> deque[Entry] (<= requests_per_family), least recently used first
-    a tenant holds <= families_per_tenant families; all entries together hold <= max_chars characters
-    of rendered prompt (each entry keeps its body and its rendered text: ~2x that in memory)
+    OrderedDict (tenant, family) -> deque[PromptFacts] (<= requests_per_family), least recently used first
+    a tenant holds <= families_per_tenant families; all entries together hold <= max_chars units
+    (one per character of rendered prompt and one per token id)
 
 and the least recently used family goes first when either bound is hit. Tenants are isolated by
 construction: every lookup is keyed by tenant id, so a request is only ever compared with its own
 tenant's requests, and ``recent_breaks(tenant)`` returns only that tenant's records.
 
-Family = the request's ``prompt_cache_key``, else its ``user``, else the model with the tool names
-and the system prompt's first 200 characters, dynamic values masked (so a timestamp on line 1 does
-not make every request a family of its own). A request whose family has no history is compared with
-the tenant's latest request for the same model, and only a classified break (not ``other``) is kept
-from that comparison: an unrelated prompt is no near-hit.
+A request whose family has no history is compared with the tenant's latest request for the same
+model, and only a classified break (not ``other``) is kept from that comparison.
 
-Thread-safe (one lock); the work per request is one render, a C-speed common-prefix compare with each of
-the (at most ``requests_per_family``) candidates and, when there is one, one ``explain`` call.
+Thread-safe (one lock); the work per request is one render, a C-speed common-prefix compare with
+each of the (at most ``requests_per_family``) candidates and one ``explain_miss`` call.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from promptlint.canon import find_dynamic_spans
-from promptlint.explain import UNEXPLAINED, Break, Segment, content_text, explain, first_divergence, render
+from prometheus_client import CollectorRegistry, Counter
 
-BLOCK_CHARS = 256  # granularity of the engine cache: a near-hit is measured in blocks of this many characters
-_FAMILY_LEAD = 200
+from promptlint.explain import Break
+from promptlint.miss import JsonBody, PromptFacts, explain_miss, family_key, near_hit
 
-
-def shared_blocks(a: str, b: str, block_chars: int = BLOCK_CHARS) -> int:
-    """How many leading full blocks of ``block_chars`` characters two rendered prompts share.
-
-    What chained block hashes (the engine's prefix index) would say, without hashing: equal i-th
-    hashes mean equal text up to the end of block i, i.e. a common prefix of at least (i+1) blocks.
-    """
-    return first_divergence(a, b) // block_chars
-
-
-def family_key(body: dict[str, Any]) -> str:
-    """The prompt family a request belongs to (see the module docstring)."""
-    for key in ("prompt_cache_key", "user"):
-        if isinstance(body.get(key), str) and body[key]:
-            return f"{key}:{body[key]}"
-    system = ""
-    for msg in body.get("messages") or []:
-        if isinstance(msg, dict) and msg.get("role") in ("system", "developer"):
-            system = content_text(msg.get("content"))
-            break
-    lead = system[:_FAMILY_LEAD]
-    for span in reversed(find_dynamic_spans(lead)):
-        lead = lead[: span.start] + f"<{span.kind}>" + lead[span.end :]
-    tools = sorted(str((t.get("function") or t).get("name")) for t in body.get("tools") or [] if isinstance(t, dict))
-    digest = hashlib.sha256(json.dumps([lead, tools], ensure_ascii=False).encode()).hexdigest()[:16]
-    return f"prefix:{body.get('model', '')}:{digest}"
-
-
-@dataclass
-class _Entry:
-    body: dict[str, Any]
-    text: str  # rendered (promptlint.explain.render) text
-    model: str
-    reachable: int  # characters before its own input (see _reachable)
+DEFAULT_BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size); the app passes its own
 
 
 @dataclass(frozen=True)
 class Observation:
     """What the tracker learned of one request before it ran. ``brk`` is None when nothing broke.
 
-    ``reachable_chars``: how much of the rendered prompt the near-hit could have served had nothing
-    broken (the near-hit's prompt up to its own input); ``text_chars``: this prompt's rendered length.
+    ``reachable_tokens``: how much of the prompt the near-hit could have served had nothing broken
+    (its full blocks before its own input); ``prompt_tokens``: this prompt's length as recorded.
     """
 
     tenant: str
     family: str
     brk: Break | None
-    reachable_chars: int = 0
+    reachable_tokens: int = 0
+    prompt_tokens: int = 0
     text_chars: int = 0
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def tokens(self, chars: int, prompt_tokens: int) -> int:
         """Characters of this prompt -> tokens, in proportion to its real token count."""
@@ -107,7 +72,7 @@ class MissRecord:
     detail: str
     message: str
     where: str
-    position: int  # token position of the break (estimated from characters when no tokenizer)
+    position: int  # token position where the cache stops serving: a block boundary
     char_position: int
     context: str
     cached_tokens: int
@@ -126,62 +91,67 @@ class MissTracker:
         requests_per_family: int = 4,
         max_chars: int = 32 * 1024 * 1024,
         records_per_tenant: int = 100,
-        block_chars: int = BLOCK_CHARS,
-        count_tokens: Callable[[str], int] | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if min(families_per_tenant, requests_per_family, max_chars, records_per_tenant, block_chars) < 1:
+        if min(families_per_tenant, requests_per_family, max_chars, records_per_tenant, block_size) < 1:
             raise ValueError("MissTracker bounds must be >= 1")
         self.families_per_tenant = families_per_tenant
         self.requests_per_family = requests_per_family
         self.max_chars = max_chars
-        self.block_chars = block_chars
+        self.block_size = block_size
         self.records_per_tenant = records_per_tenant
-        self._count = count_tokens
+        self._clock = clock
         self._lock = threading.Lock()
-        self._families: OrderedDict[tuple[str, str], deque[_Entry]] = OrderedDict()
+        self._families: OrderedDict[tuple[str, str], deque[PromptFacts]] = OrderedDict()
         self._per_tenant: dict[str, int] = {}
-        self._latest: dict[tuple[str, str], _Entry] = {}  # (tenant, model) -> latest entry
+        self._latest: dict[tuple[str, str], PromptFacts] = {}  # (tenant, model) -> latest entry
         self._records: dict[str, deque[MissRecord]] = {}
         self._chars = 0
 
     # -- the request path -----------------------------------------------------------------------------
 
-    def observe(self, tenant: str, body: dict[str, Any], *, per_user_vars: tuple[str, ...] = ()) -> Observation:
-        """Compare ``body`` (the canonical request as sent to the backend) with its family, then remember it."""
+    def observe(self, tenant: str, body: JsonBody, *, token_ids: Sequence[int] | None = None,
+                per_user_vars: tuple[str, ...] = ()) -> Observation:
+        """Compare ``body`` (the canonical request as sent to the backend; ``token_ids`` its prompt
+        when tokenized here) with its family, then remember it."""
         family = family_key(body)
-        rendered = render(body)
-        entry = _Entry(body, rendered.text, str(body.get("model", "")), _reachable(rendered.segments, len(rendered.text)))
+        now = self._clock()
+        facts = PromptFacts.of(body, token_ids=token_ids, block_size=self.block_size, seen_at=now)
+        model = str(body.get("model", ""))
         with self._lock:
             history = list(self._families.get((tenant, family), ()))
-            fallback = self._latest.get((tenant, entry.model)) if not history else None
-            self._remember(tenant, family, entry)
-        candidates = history or ([fallback] if fallback is not None else [])
-        if not candidates:
-            return Observation(tenant, family, None, 0, len(rendered.text))
-        near = max(candidates, key=lambda e: (shared_blocks(e.text, entry.text, self.block_chars), -len(e.text)))
-        brk = explain(near.body, body, per_user_vars=per_user_vars, count_tokens=self._count)
-        if brk is not None and not history and brk.rule == UNEXPLAINED:
-            brk = None  # another family's request that merely came last: no near-hit to explain against
-        return Observation(tenant, family, brk, near.reachable, len(rendered.text))
+            fallback = self._latest.get((tenant, model)) if not history else None
+            self._remember(tenant, family, model, facts)
+        near = near_hit(history or ([fallback] if fallback is not None else []), facts)
+        if near is None:
+            return Observation(tenant, family, None, 0, facts.prompt_tokens, len(facts.text), self.block_size)
+        brk = explain_miss(near, facts, per_user_vars=per_user_vars, now=now, same_family=bool(history))
+        return Observation(tenant, family, brk, near.reachable_tokens, facts.prompt_tokens, len(facts.text),
+                           self.block_size)
 
     def settle(self, obs: Observation, *, request_id: str, prompt_tokens: int, cached_tokens: int) -> MissRecord | None:
         """After the request ran: a record when a break cost tokens the near-hit had cached, else None.
 
-        ``tokens_lost`` = the near-hit's reachable prefix (in this prompt's tokens) minus what was served
-        from cache. A break that cost nothing (another request had already cached the new prefix) is
-        not recorded.
+        ``tokens_lost`` = the near-hit's reachable full blocks (at most this prompt's length) minus
+        what was served from cache. A break that cost nothing (another request had already cached
+        the new prefix) is not recorded.
         """
         if obs.brk is None:
             return None
-        reachable = obs.tokens(obs.reachable_chars, prompt_tokens)
-        lost = max(0, reachable - cached_tokens)
+        brk = obs.brk
+        reachable = obs.reachable_tokens
+        position = brk.token_position if brk.token_position is not None else obs.tokens(brk.position, prompt_tokens)
+        if obs.prompt_tokens and obs.prompt_tokens != prompt_tokens:
+            # Estimated from text (no token ids here): onto the real count, still on block boundaries.
+            scale, bs = prompt_tokens / obs.prompt_tokens, obs.block_size
+            reachable, position = int(reachable * scale) // bs * bs, int(position * scale) // bs * bs
+        lost = max(0, min(reachable, prompt_tokens) - cached_tokens)
         if lost == 0:
             return None
-        brk = obs.brk
-        position = brk.token_position if brk.token_position is not None else obs.tokens(brk.position, prompt_tokens)
         rec = MissRecord(
             request_id=request_id, tenant=obs.tenant, family=obs.family, rule=brk.rule, name=brk.name,
-            detail=brk.detail, message=brk.message, where=brk.where, position=position,
+            detail=brk.detail, message=brk.message, where=brk.where, position=min(position, prompt_tokens),
             char_position=brk.position, context=brk.context, cached_tokens=cached_tokens,
             prompt_tokens=prompt_tokens, tokens_lost=lost,
         )
@@ -199,6 +169,7 @@ class MissTracker:
 
     @property
     def stored_chars(self) -> int:
+        """Memory units held (characters of rendered prompt plus token ids), at most ``max_chars``."""
         return self._chars
 
     @property
@@ -208,7 +179,7 @@ class MissTracker:
     def families_of(self, tenant: str) -> int:
         return self._per_tenant.get(tenant, 0)
 
-    def _remember(self, tenant: str, family: str, entry: _Entry) -> None:
+    def _remember(self, tenant: str, family: str, model: str, entry: PromptFacts) -> None:
         key = (tenant, family)
         q = self._families.get(key)
         if q is None:
@@ -218,10 +189,10 @@ class MissTracker:
                 self._evict(next(k for k in self._families if k[0] == tenant))
         self._families.move_to_end(key)
         q.append(entry)
-        self._chars += len(entry.text)
+        self._chars += entry.size
         if len(q) > self.requests_per_family:
-            self._chars -= len(q.popleft().text)
-        self._latest[(tenant, entry.model)] = entry
+            self._chars -= q.popleft().size
+        self._latest[(tenant, model)] = entry
         while self._chars > self.max_chars and len(self._families) > 1:
             self._evict(next(iter(self._families)))
         if self._chars > self.max_chars:  # one request bigger than the whole budget: keep nothing of it
@@ -229,7 +200,7 @@ class MissTracker:
 
     def _evict(self, key: tuple[str, str]) -> None:
         q = self._families.pop(key)
-        self._chars -= sum(len(e.text) for e in q)
+        self._chars -= sum(e.size for e in q)
         tenant = key[0]
         self._per_tenant[tenant] -= 1
         if not self._per_tenant[tenant]:
@@ -241,14 +212,6 @@ class MissTracker:
             for k, e in list(self._latest.items()):
                 if k[0] == tenant and any(e is x for x in q):
                     del self._latest[k]
-
-
-def _reachable(segments: tuple[Segment, ...], length: int) -> int:
-    """Characters of a prompt before its own input (its last user/tool message): what the next request
-    of the family can reuse."""
-    if segments and segments[-1].role in ("user", "tool", "function"):
-        return segments[-1].start
-    return length
 
 
 def header_value(cached_tokens: int | None, record: MissRecord | None = None, brk: Break | None = None) -> str:
@@ -265,10 +228,8 @@ def header_value(cached_tokens: int | None, record: MissRecord | None = None, br
     return "; ".join(parts) or "none"
 
 
-def break_counter(registry: Any) -> Any:
+def break_counter(registry: CollectorRegistry) -> Counter:
     """``prefixgate_cache_breaks_total{tenant,rule}`` in ``registry`` (tenant = the bounded metrics label)."""
-    from prometheus_client import Counter
-
     return Counter(
         "prefixgate_cache_breaks_total",
         "Requests that lost cached prefix tokens to a prompt change, by the promptlint rule that explains it",
@@ -277,7 +238,7 @@ def break_counter(registry: Any) -> Any:
     )
 
 
-def usage_fields(record: MissRecord | None) -> dict[str, Any]:
+def usage_fields(record: MissRecord | None) -> dict[str, str | int | None]:
     """The ``UsageRecord`` miss fields for ``record`` (all None when the request broke nothing).
 
     The context (prompt text before the break) goes to the ledger in clear, so it is kept only where it

@@ -34,9 +34,11 @@ class TenantCtx(Protocol):
     key_id: str
     is_admin: bool
     canon_mode: str
-    per_user_vars: Any
+    per_user_vars: tuple[str, ...]
     namespace: bytes
     metrics_label: str
+    cipher: object | None  # the tenant's BlockCipher (None: its KV never leaves HBM)
+    cache_retention_s: float | None  # the tenant's default retention of its prompts' prefixes
 
 
 class TenancyPort(Protocol):

@@ -1,14 +1,34 @@
-"""``RemoteEngineClient``: an ``EngineClient`` for an engine node reached over the internal node API.
+"""``RemoteEngineClient``: one ``EngineClient`` for every engine node, PrefixGate or vLLM.
 
-See ``gateway.node_wire`` for the wire format. Closing the ``generate`` iterator (client gone)
-closes the HTTP stream, which the node sees as a disconnect and aborts the request there.
+A node is any server that speaks the OpenAI-compatible API that vLLM speaks::
+
+    POST /v1/completions        {"model", "prompt": [token ids] | "text", "cache_salt": <namespace hex>,
+                                 "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                                 "stop_token_ids", "ignore_eos", "logit_bias", "priority",
+                                 "stream": true, "stream_options": {"include_usage": true},
+                                 "return_token_ids": true}
+    POST /v1/chat/completions   the same with "messages" (and "tools") instead of "prompt"
+    GET  /v1/models             {"data": [{"id", "max_model_len"}]}
+    GET  /health                200 = serving; 503 = unhealthy or draining (PrefixGate nodes)
+
+The tenant reaches the node only as ``cache_salt`` (its server-derived namespace, hex): vLLM folds
+it into its block hashes, a PrefixGate node uses it as the namespace itself, so two tenants'
+identical prompts never share KV on either. A prompt the gateway has tokenized travels as token
+ids, so the node computes exactly the tokens the router hashed. Every call streams; closing the
+``generate`` iterator (client gone) closes the HTTP stream, which both servers treat as an abort.
+
+Usage: ``prompt_tokens_details.cached_tokens`` when the node reports it. vLLM reports it only when
+started with ``--enable-prompt-tokens-details``; a node whose usage lacks the field is marked
+``cached_tokens_reported = False`` (shown in ``/health``), and its hits count as 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -17,93 +37,230 @@ from engine.protocol import (
     EngineError,
     EngineOverloadedError,
     GenerateRequest,
+    InvalidRequestError,
     ModelCard,
     PromptTooLongError,
     RequestOutput,
 )
-from gateway.node_wire import output_from_wire, request_to_wire
 
 _BY_CODE: dict[str, type[EngineError]] = {
     PromptTooLongError.code: PromptTooLongError,
     EngineOverloadedError.code: EngineOverloadedError,
 }
+HEALTH_TIMEOUT_S = 2.0
 
 
 class NodeUnavailableError(EngineError):
+    """The node could not take the request (unreachable, draining): another node may."""
+
     status = 503
     code = "node_unavailable"
 
 
+class NodeDrainingError(NodeUnavailableError):
+    code = "node_draining"
+
+
 def _error_from_response(status: int, body: bytes) -> EngineError:
+    """A node's HTTP error (OpenAI error JSON, or anything else) as the matching ``EngineError``."""
     try:
         err = json.loads(body)["error"]
         message, code = str(err.get("message")), err.get("code")
     except (ValueError, KeyError, TypeError, AttributeError):
         message, code = body.decode(errors="replace")[:200] or f"node returned HTTP {status}", None
+    if code == NodeDrainingError.code:
+        return NodeDrainingError(message)
     cls = _BY_CODE.get(code or "")
+    if cls is None and status == 400 and "maximum context length" in message:  # vLLM's wording
+        cls = PromptTooLongError
     if cls is not None:
         return cls(message)
     exc = EngineError(message)
     exc.status = status if status >= 400 else 502
-    exc.code = code or "node_error"
+    exc.code = code if isinstance(code, str) and code else "node_error"
     return exc
 
 
+def _stream_error(base_url: str, err: Any) -> EngineError:
+    message = err.get("message") if isinstance(err, Mapping) else err
+    exc = EngineError(f"engine node {base_url} failed mid-stream: {message}")
+    exc.status, exc.code = 502, "node_error"
+    return exc
+
+
+@dataclass
+class NodeState:
+    """What the gateway knows about one node (read by ``/health`` and by the router)."""
+
+    healthy: bool = True  # the last probe answered 200 (True until a probe says otherwise)
+    draining: bool = False  # the node said it takes no new requests
+    last_probe_at: float | None = None
+    last_error: str | None = None
+    # None = no finished request seen yet; False = the node's usage has no prompt_tokens_details
+    # (vLLM without --enable-prompt-tokens-details): its cache hits are not known, recorded as 0.
+    cached_tokens_reported: bool | None = None
+
+
+def request_body(request: GenerateRequest, model: str | None, *, priority: bool = False) -> tuple[str, dict[str, Any]]:
+    """The OpenAI-compatible path and JSON body for ``request``. ``priority``: send the tenant's
+    priority (a PrefixGate node; vLLM refuses it unless started with priority scheduling).
+
+    Raises ``InvalidRequestError`` for what this API cannot carry (logprobs objects, grammars)."""
+    s = request.sampling
+    if s.guided is not None:
+        raise InvalidRequestError("response_format / guided output is not supported on engine-node routes")
+    if s.logprobs is not None:
+        raise InvalidRequestError("logprobs are not supported on engine-node routes")
+    body: dict[str, Any] = {
+        "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+        "cache_salt": bytes(request.tenant.namespace).hex(),
+        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+    }
+    if model:
+        body["model"] = model
+    if s.top_k:
+        body["top_k"] = s.top_k
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.ignore_eos:
+        body["ignore_eos"] = True
+    if s.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    if priority and request.tenant.priority:
+        body["priority"] = request.tenant.priority
+    if request.messages is not None:
+        body["messages"] = list(request.messages)
+        if request.tools:
+            body["tools"] = list(request.tools)
+        return "/v1/chat/completions", body
+    body["prompt"] = list(request.prompt_token_ids) if request.prompt_token_ids is not None else request.prompt
+    return "/v1/completions", body
+
+
+def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, Mapping) or details.get("cached_tokens") is None:
+        return None
+    return int(details["cached_tokens"])
+
+
 class RemoteEngineClient:
-    """Talks to one node at ``base_url`` with the shared ``token``."""
+    """Talks to one node at ``base_url``; ``token`` (None = a keyless node) goes as a Bearer token."""
 
     def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
+        # No key, no header: a vLLM started without --api-key must not see "Authorization: Bearer None".
         self._headers = {"authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout,
+                                       trust_env=False)
         self._models: list[ModelCard] = []
+        self.state = NodeState()
 
     async def refresh_models(self) -> list[ModelCard]:
         """Fetch the node's model cards (``models()`` returns the last fetched list)."""
-        resp = await self._http.get("/internal/v1/models")
+        resp = await self._http.get("/v1/models")
         resp.raise_for_status()
-        self._models = [ModelCard(**c) for c in resp.json()["models"]]
+        self._models = [ModelCard(id=str(c["id"]), max_model_len=int(c.get("max_model_len") or 0),
+                                  owned_by=str(c.get("owned_by") or "node"))
+                        for c in resp.json()["data"]]
         return self._models
 
+    def _served_model(self, request: GenerateRequest) -> str | None:
+        """The name to send: the request's, else the node's first model (vLLM requires one)."""
+        if request.model:
+            return request.model
+        return self._models[0].id if self._models else None
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        prefixgate = any(c.owned_by == "prefixgate" for c in self._models)
+        path, body = request_body(request, self._served_model(request), priority=prefixgate)
+        start = time.perf_counter()
         try:
-            async with self._http.stream("POST", "/internal/v1/generate", json=request_to_wire(request)) as resp:
+            async with self._http.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
-                    raise _error_from_response(resp.status_code, await resp.aread())
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        yield output_from_wire(json.loads(line))
+                    err = _error_from_response(resp.status_code, await resp.aread())
+                    if isinstance(err, NodeDrainingError):
+                        self.state.draining = True
+                    raise err
+                async for out in self._outputs(request.request_id, resp, start):
+                    yield out
         except httpx.TransportError as exc:
             raise NodeUnavailableError(f"engine node {self.base_url} unreachable: {exc!r}") from exc
 
+    async def _outputs(self, rid: str, resp: httpx.Response, start: float) -> AsyncIterator[RequestOutput]:
+        """Server-sent chunks -> one output per text delta, then a final one with the usage."""
+        ttft: float | None = None
+        finish: Any = None
+        usage: Mapping[str, Any] | None = None
+        seen = 0
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:  # vLLM reports a failure after the 200 inside the stream
+                raise _stream_error(self.base_url, chunk["error"])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta")
+                text = (delta.get("content") if isinstance(delta, Mapping) else choice.get("text")) or ""
+                ids = tuple(int(t) for t in choice.get("token_ids") or ())
+                finish = choice.get("finish_reason") or finish
+                if text or ids:
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    seen += max(len(ids), 1)
+                    yield RequestOutput(rid, ids, text, False, 0, 0, seen, ttft_s=ttft)
+        usage = usage or {}
+        cached = _cached_tokens(usage)
+        self.state.cached_tokens_reported = cached is not None
+        prompt = int(usage.get("prompt_tokens") or 0)
+        completion = int(usage.get("completion_tokens") or seen)
+        reason = finish if finish in ("stop", "length", "tool_calls", "abort") else "stop"
+        yield RequestOutput(rid, (), "", True, prompt, min(cached or 0, prompt), completion,
+                            finish_reason=reason, ttft_s=ttft)
+
     async def abort(self, request_id: str) -> None:
-        # Best effort and idempotent: a closed stream aborts the request on the node anyway.
-        with contextlib.suppress(httpx.HTTPError):
-            await self._http.post("/internal/v1/abort", json={"request_id": request_id})
+        return None  # the closed stream is the abort: both vLLM and PrefixGate nodes stop on disconnect
+
+    async def probe(self) -> bool:
+        """``GET /health``: updates ``state`` (healthy, draining) and returns whether to send work here."""
+        self.state.last_probe_at = time.time()
+        try:
+            resp = await self._http.get("/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            self.state.healthy, self.state.last_error = False, repr(exc)
+            return False
+        draining = False
+        if resp.status_code == 503:
+            try:
+                draining = resp.json().get("status") == "draining"
+            except ValueError:
+                draining = False
+        self.state.draining = draining
+        self.state.healthy = resp.status_code == 200
+        self.state.last_error = None if self.state.healthy else f"HTTP {resp.status_code}"
+        if self.state.healthy and not self._models:
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError, TypeError):
+                await self.refresh_models()
+        return self.state.healthy
 
     async def health(self) -> bool:
-        try:
-            resp = await self._http.get("/internal/v1/health", timeout=2.0)
-            return resp.status_code == 200
-        except httpx.HTTPError:
-            return False
+        return await self.probe()
 
     async def stats(self) -> dict[str, Any]:
-        resp = await self._http.get("/internal/v1/stats")
-        resp.raise_for_status()
-        return resp.json()
+        s = self.state
+        return {"base_url": self.base_url, "healthy": s.healthy, "draining": s.draining,
+                "cached_tokens_reported": s.cached_tokens_reported, "last_error": s.last_error}
 
     def models(self) -> list[ModelCard]:
         return list(self._models)
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        """Blocking round trip to the node's tokenizer (not used on the gateway's hot path)."""
-        with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=10.0) as http:
-            resp = http.post("/internal/v1/count", json=request_to_wire(request))
-        if resp.status_code != 200:
-            raise _error_from_response(resp.status_code, resp.content)
-        return int(resp.json()["prompt_tokens"])
+        raise NotImplementedError("an engine node counts its own prompt tokens (usage.prompt_tokens)")
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         raise NotImplementedError("an engine node tokenizes its own requests")

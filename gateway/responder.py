@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.protocol import EngineError
+from engine.protocol import EngineError, RequestOutput
 from gateway.formats import ChatFormat, ChoiceText, CompletionFormat, WireFormat
 from gateway.pipeline import Accounting, Prepared, engine_failure, run_choices
 from gateway.routing import Router
@@ -25,7 +24,7 @@ class OutputError(EngineError):
     """A request the engine finished with ``finish_reason="error"``."""
 
 
-def _check(out: Any) -> None:
+def _check(out: RequestOutput) -> None:
     if out.finish_reason == "error" or out.error:
         raise OutputError(out.error or "the engine failed while generating")
     if out.finish_reason == "abort":  # only the engine aborts on its own (e.g. shutting down)
@@ -35,7 +34,7 @@ def _check(out: Any) -> None:
 
 
 async def respond(prep: Prepared, router: Router, acct: Accounting, request: Request,
-                  fmt: WireFormat | None = None) -> Any:
+                  fmt: WireFormat | None = None) -> Response:
     """``fmt`` shapes the body (default: the chat or completions format of ``prep.kind``); the
     Responses and Messages doors pass their own."""
     if fmt is None:
@@ -49,7 +48,10 @@ class _Disconnected(Exception):
     """The client went away before the first output."""
 
 
-async def _first_or_disconnect(outputs: AsyncIterator[tuple[int, Any]], request: Request) -> tuple[int, Any] | None:
+Indexed = tuple[int, RequestOutput]  # (choice index, one engine increment of it)
+
+
+async def _first_or_disconnect(outputs: AsyncIterator[Indexed], request: Request) -> Indexed | None:
     """The first output (None if the stream is empty), raising ``_Disconnected`` if the client leaves first."""
     first = asyncio.ensure_future(anext(outputs, None))
     gone = asyncio.create_task(_wait_disconnect(request))
@@ -65,8 +67,8 @@ async def _first_or_disconnect(outputs: AsyncIterator[tuple[int, Any]], request:
             await asyncio.gather(first, return_exceptions=True)
 
 
-async def _stream_response(prep: Prepared, router: Router, acct: Accounting, fmt: Any,
-                           request: Request) -> Any:
+async def _stream_response(prep: Prepared, router: Router, acct: Accounting, fmt: WireFormat,
+                           request: Request) -> Response:
     """An SSE response whose status line waits for the first output or the error (issue 17).
 
     A backend that fails before its first token (rate-limited upstream, engine overloaded,
@@ -98,8 +100,8 @@ async def _stream_response(prep: Prepared, router: Router, acct: Accounting, fmt
         raise
 
 
-async def _stream(prep: Prepared, acct: Accounting, fmt: Any, outputs: AsyncIterator[tuple[int, Any]],
-                  first: tuple[int, Any] | None) -> AsyncIterator[bytes]:
+async def _stream(prep: Prepared, acct: Accounting, fmt: WireFormat, outputs: AsyncIterator[Indexed],
+                  first: Indexed | None) -> AsyncIterator[bytes]:
     status = "aborted"  # if the client leaves, the generator is cancelled before status changes
     try:
         # aclosing: leaving early (disconnect, error) must close run_choices now, which aborts the
@@ -139,7 +141,7 @@ def _client_gone() -> JSONResponse:
                                    "param": None, "code": "client_closed_request"}}, status_code=499)
 
 
-async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: Any, request: Request) -> JSONResponse:
+async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireFormat, request: Request) -> JSONResponse:
     acc = ChoiceText(prep)
 
     async def collect() -> None:

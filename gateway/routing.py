@@ -255,11 +255,16 @@ class Router:
     def failover(self, model: str, failed: Backend) -> Backend | None:
         """Mark ``failed`` down (its fleet-index entries dropped: it may come back empty) and return
         the least-loaded other node of ``model``'s pool, if any."""
-        failed.down_until = time.monotonic() + DOWN_S
-        self.index.drop_node(failed.label)
+        self.mark_down(failed, DOWN_S)
         route = self.routes.get(model)
         others = [b for b in (route.backends if route else []) if b is not failed and b.up]
         return min(others, key=lambda b: b.inflight) if others else None
+
+    def mark_down(self, backend: Backend, seconds: float) -> None:
+        """Skip ``backend`` for ``seconds`` and forget what the fleet index says it holds: a node
+        that failed or went unhealthy may come back with an empty cache."""
+        backend.down_until = time.monotonic() + seconds
+        self.index.drop_node(backend.label)
 
     def max_model_len(self, backend: Backend) -> int | None:
         for card in backend.client.models():

@@ -13,7 +13,7 @@ change nothing in the output (``metadata``, ``store``...) are accepted.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -124,7 +124,26 @@ class CompletionRequest(_Common):
         return list(p)  # type: ignore[arg-type]
 
 
-def usage_dict(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict[str, Any]:
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class CompletionTokensDetails(TypedDict):
+    reasoning_tokens: int
+
+
+class Usage(TypedDict):
+    """OpenAI's ``usage`` object: what every response shape (chat, completions, Responses, Messages)
+    derives its own usage from."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+def usage_dict(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Usage:
     """``usage`` with ``prompt_tokens_details.cached_tokens`` always present (0 when none)."""
     return {
         "prompt_tokens": prompt_tokens,

@@ -6,7 +6,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     host = "127.0.0.1"
     port = 8000
     max_body_bytes = "4MiB"
-    node_token_env = "PREFIXGATE_NODE_TOKEN"   # enables POST /internal/v1/generate on this process
+    node_token_env = "PREFIXGATE_NODE_TOKEN"   # makes this process an engine node (docs/nodes.md)
     metrics_token_env = "PREFIXGATE_METRICS_TOKEN"  # Prometheus scrapes /metrics with this bearer token
     database_url = "postgresql://prefixgate@db:5432/prefixgate"  # shared state of a fleet (default: SQLite under --home)
     redis_url = "redis://redis:6379/0"  # fleet-wide rpm/tpm limits, budgets and revocation (default: per process)
@@ -30,10 +30,11 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     api_key_env = "OPENAI_API_KEY"
     # cache_salt / tenant_prefix / prompt_cache_key: tenant isolation upstream (docs/gateway.md)
 
-    [[routes]]                  # remote engine nodes (other `prefixgate serve` processes)
+    [[routes]]                  # engine nodes: `prefixgate serve` nodes or vLLM servers (docs/nodes.md)
     model = "tiny"
     nodes = ["http://10.0.0.2:8000", "http://10.0.0.3:8000"]
-    node_token_env = "PREFIXGATE_NODE_TOKEN"
+    node_token_env = "PREFIXGATE_NODE_TOKEN"   # omit for a keyless node (vLLM without --api-key)
+    price = "unpriced"          # tokens, no money; or a litellm cost-map model to price as
 
 Secrets never live in the file: routes name the environment variable that holds them.
 """
@@ -91,6 +92,11 @@ class RouteConfig(BaseModel):
     # "litellm" (any provider) or "direct": a keep-alive HTTP client straight to an OpenAI-compatible
     # api_base, skipping litellm's per-call work (the gateway's added latency in front of vLLM/SGLang).
     transport: Literal["litellm", "direct"] = "litellm"
+    # What the ledger prices this route's requests at: None = the provider's own model (a node or a
+    # model missing from litellm's map: the reference model, PREFIXGATE_REFERENCE_MODEL);
+    # "unpriced" = tokens only, no cost and no saving (a self-hosted engine that costs nothing per
+    # token); any other string = that litellm cost-map entry ("gpt-4o", "deepseek/deepseek-chat").
+    price: str | None = Field(None, min_length=1)
     # The nodes' KV event endpoints (ZMQ, vLLM's schema), in the order of `nodes`; they feed the
     # fleet index that routing_policy = "kv_aware" asks (docs/fleet.md). Empty = none published.
     kv_events: tuple[str, ...] = ()
@@ -174,7 +180,8 @@ class GatewaySettings(BaseModel):
     kv_port: int = Field(0, ge=0, le=65535)  # a decode engine's KV receiver port (0 = any free port)
     prefix_caching: bool = True  # False = every request computes its whole prompt (benchmark baseline)
     routes: tuple[RouteConfig, ...] = ()
-    node_token: str | None = None  # shared secret for /internal/v1/* (None = node API disabled)
+    node_token: str | None = None  # shared secret of the engine-node API (None = this is no node)
+    node_probe_interval_s: float = Field(2.0, gt=0.0)  # GET /health of every engine node this often
     # /metrics: a bearer token for Prometheus (None = admin keys only), or no auth at all (opt-in)
     metrics_token: str | None = None
     metrics_public: bool = False

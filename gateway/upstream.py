@@ -24,6 +24,8 @@ from typing import Any
 
 from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutput
 
+KEYLESS_PLACEHOLDER = "EMPTY"
+
 
 @dataclass(frozen=True)
 class ProviderOutput(RequestOutput):
@@ -109,10 +111,15 @@ class ProviderClient:
         model_id: str | None = None,
         tenant_api_keys: Mapping[str, str] | None = None,
         shared_api_key: bool = True,
+        keyless: bool = False,
     ) -> None:
         self.provider = provider
         self.api_base = api_base
         self.api_key = api_key
+        # A self-hosted upstream started without a key (vLLM without --api-key): litellm's OpenAI
+        # client refuses to send a request without one ("Missing credentials"), so it gets vLLM's
+        # documented placeholder, which such a server ignores. The direct transport sends no header.
+        self.keyless = keyless
         # Per-tenant upstream accounts: each has its own prompt cache (and bill) at the provider.
         self.tenant_api_keys = dict(tenant_api_keys or {})
         self.shared_api_key = shared_api_key
@@ -143,7 +150,7 @@ class ProviderClient:
             "temperature": s.temperature,
             "top_p": s.top_p,
             "api_base": self.api_base,
-            "api_key": self._api_key(request),
+            "api_key": self._api_key(request) or (KEYLESS_PLACEHOLDER if self.keyless else None),
             **extra,
         }
         if s.seed is not None:

@@ -21,6 +21,8 @@ dot runs on the raw (upcast) cache values: fp8 -> one per-tensor scale; int8 -> 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,6 +41,7 @@ from kernels._common import (
     scale_args,
 )
 from kernels._dot import exact_dot
+from kernels.reference import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
 
@@ -215,8 +218,55 @@ def _reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Tile shape of the split kernel: tokens per tile, pipeline depth (Triton ``num_stages``), warps,
+    and how many such programs an SM holds at once (registers and shared memory of the sm_90
+    compile), which sets the wave that ``choose_num_splits`` fills."""
+
+    block_n: int
+    num_stages: int
+    num_warps: int = 4
+    programs_per_sm: int = 4
+
+
+# Triton 3.6's pipeliner puts the block-table load in the first stage and the K/V copies after it:
+# num_stages = 2 keeps one K/V tile buffer per program, 5 a ring of two (read from the compiled
+# TTGIR of this kernel for sm_90: memdesc<1x64x128> at 2-4 stages, <2x64x128> at 5-6).
+def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
+    """Tiles per (head dim, cache dtype), each measured on the H200 against session 2's 64-token,
+    2-stage tiles (session 3, run 1: benchmarks/results/kernels_h200_s3run1.json, 14 shapes):
+
+    * head dim 128, bf16/fp16/fp32 and int8: 64-token tiles, 2 stages (bf16: 106 registers, 39 KB,
+      4 programs per SM, 98-100% of copy). int8 with a two-tile ring was 22-28% slower.
+    * head dim 128, fp8: 64-token tiles through a two-tile ring (118 registers, 23 KB): 1-6% faster
+      than 2 stages on every one of the 14 shapes (64 x 4K 0.177 against 0.179 ms).
+    * head dim 64: the ring too (bf16 64 x 4K 0.148 against 0.159 ms: 85% of copy instead of 80%),
+      with 128-token tiles for 8-bit caches (fp8 0.121 against 0.130 ms, int8 0.142 against 0.189;
+      96-106 registers, 42 KB).
+
+    A candidate for 8-bit head dim 128, measured where whole waves hide its occupancy (256 x 2K fp8:
+    0.304 ms against 0.350, 1.66x bf16) but not yet with a split count fitted to it:
+    ``FP8_CANDIDATE`` (benchmarks/kernels.py times it beside the launcher).
+    """
+    if head_dim > 128:  # registers: the [BLOCK_N, D] tiles of a 256-wide head
+        return DecodeTiles(block_n=32, num_stages=2)
+    eight_bit = kv_dtype in (FP8_DTYPE, torch.int8)
+    if head_dim <= 64:
+        return DecodeTiles(block_n=128 if eight_bit else 64, num_stages=5)
+    return DecodeTiles(block_n=64, num_stages=5 if kv_dtype == FP8_DTYPE else 2)
+
+
+# 128-token tiles through a two-tile ring for an 8-bit, head-dim-128 cache: 150 registers (int8
+# 160) and 75 KB of shared memory, so 3 programs per SM; streams at copy speed on full waves
+# (256 x 2K: 6 waves of 3 per SM in 0.304 ms), and lost at 64 x 4K (0.197 ms) only to a second,
+# mostly empty wave (512 programs on 396 slots). Filling the waves (splits for 3 per SM: 3 at
+# 64 x 4K) predicts ~0.14 ms there (1.8x bf16); not measured yet, so not the default.
+FP8_CANDIDATE = DecodeTiles(block_n=128, num_stages=5, programs_per_sm=3)
+
+
 def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
-                      programs_per_sm: int = 4) -> int:
+                      programs_per_sm: int = 4, context_lens: Sequence[int] | None = None) -> int:
     """Split count that wastes the least of the last wave of (sequence, kv head, split) programs.
 
     A wave is ``programs_per_sm * num_sms`` programs running at once (about 4 per SM for the default
@@ -226,13 +276,52 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     waves) and 0.49 ms at 4 or 8. Uses the block table's capacity, not the live lengths, so the
     launch never reads device values (no host sync; CUDA-graph safe); splits past a sequence's end
     exit at once.
+
+    ``context_lens`` (a host-side hint: each sequence's context, as the scheduler knows it) switches
+    to ``_splits_for_lengths``, which models a batch of unequal lengths; without it every sequence is
+    taken to fill the table, which is exact for uniform batches and what a CUDA graph must assume.
     """
-    programs = max(1, num_seqs * kv_heads)
-    wave = max(1, programs_per_sm * num_sms)
     cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
+    wave = max(1, programs_per_sm * num_sms)
+    if context_lens is not None and len(context_lens) > 0:
+        return _splits_for_lengths(context_lens, kv_heads, max_context, wave, block_n, cap)
+    programs = max(1, num_seqs * kv_heads)
     cost = {s: math.ceil(programs * s / wave) / s for s in range(1, cap + 1)}
     best = min(cost.values())
     return min(s for s, c in cost.items() if c <= best * 1.05)
+
+
+# One program's fixed cost (prologue, q load, the partial write and its share of the reduce) in
+# tokens of KV streaming: fitted to the H200's uniform 64 x 4096 batch, where 2 splits (twice the
+# programs, half the tokens each) ran 2% slower than 1 (session 2, run 4).
+_PROGRAM_OVERHEAD_TOKENS = 128
+
+
+def _splits_for_lengths(lens: Sequence[int], kv_heads: int, max_context: int, wave: int, block_n: int,
+                        cap: int) -> int:
+    """Split count for a batch of known, unequal context lengths.
+
+    With splits of ``S`` tokens a sequence of ``n`` tokens runs ``ceil(n / S)`` programs per KV head
+    (the rest exit at once). Programs are short next to the whole launch, so the GPU's block
+    scheduler packs them like a list schedule: the launch takes about
+    ``max(total work / wave, longest program)``, work counted in tokens plus a fixed cost per
+    program. Candidate split counts are powers of two (a fresh compile per value of the constexpr;
+    eager launches would otherwise compile one variant per batch). Measured on the H200 (run 4),
+    32 sequences of 100-8,000 tokens: 0.181 ms at the width-only choice (2), 0.137-0.141 at 4-32.
+    """
+    total = sum(int(n) for n in lens)
+    longest = max(int(n) for n in lens)
+    costs: dict[int, float] = {}
+    s = 1
+    while s <= cap:
+        split = math.ceil(math.ceil(max_context / s) / block_n) * block_n  # tokens per split, as paged_decode cuts them
+        programs = kv_heads * sum(math.ceil(int(n) / split) for n in lens)
+        work = kv_heads * total + programs * _PROGRAM_OVERHEAD_TOKENS
+        costs[s] = max(work / wave, min(split, longest) + _PROGRAM_OVERHEAD_TOKENS)
+        s *= 2
+    best = min(costs.values())
+    # the fewest splits within 3% of the best: fewer partials to merge, fewer variants compiled
+    return min(k for k, c in costs.items() if c <= best * 1.03)
 
 
 def paged_decode(
@@ -247,21 +336,29 @@ def paged_decode(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     v_pairs: bool | None = None,
+    context_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``."""
+    """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``.
+
+    Tiles default to ``choose_tiles``, the split count to ``choose_num_splits`` (``context_lens``:
+    optional host-side lengths of the sequences, for batches of unequal length)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
     code = kv_code(k_cache)
-    if block_n is None:  # H200 sweeps (runs 2-3): 64-token tiles were fastest for bf16 and for fp8 (pairs path)
-        block_n = 64 if head_dim <= 128 else 32
-    block_n = max(block_n, 16)
+    tiles = choose_tiles(head_dim, k_cache.dtype)
+    overridden = (block_n, num_stages, num_warps) != (None, None, None)
+    block_n = max(block_n if block_n is not None else tiles.block_n, 16)
+    num_stages = num_stages if num_stages is not None else tiles.num_stages
+    num_warps = num_warps if num_warps is not None else tiles.num_warps
     max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n)
+    if num_splits is None:  # tile overrides (tuning) keep the 4-per-SM wave of session 2's tiles
+        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n,
+                                       programs_per_sm=4 if overridden else tiles.programs_per_sm,
+                                       context_lens=context_lens)
     split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, split_tokens)
 

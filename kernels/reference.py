@@ -15,6 +15,8 @@ Quantized caches:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -121,6 +123,8 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,  # host-side copy of seq_lens: a launch hint, unused here
 ) -> torch.Tensor:
     """One query token per sequence over its whole cached context -> [B, Hq, D]."""
     out = torch.empty_like(q)
@@ -213,15 +217,22 @@ def rotary_write_kv(
     num_q_heads: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,  # [Hkv, D]: subtracted from the rotated keys before the write (fp8)
 ) -> torch.Tensor:
-    """RoPE on q and k, K/V written into their cache slots -> rotated q [T, Hq, D] (contiguous)."""
+    """RoPE on q and k, K/V written into their cache slots -> rotated q [T, Hq, D] (contiguous).
+
+    ``k_bias`` is the fp8 calibration's per-channel key mean (engine/kv_calibration.py), subtracted
+    as engine/models/attention.py's plain path does: ``rope(k) - bias`` rounded to k's dtype."""
     t = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     nq = num_q_heads * head_dim
     q = qkv[:, :nq].reshape(t, num_q_heads, head_dim)
     k = qkv[:, nq : nq + kv_heads * head_dim].reshape(t, kv_heads, head_dim)
     v = qkv[:, nq + kv_heads * head_dim :].reshape(t, kv_heads, head_dim)
-    write_kv(_rotate(k, cos, sin), v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    k = _rotate(k, cos, sin)
+    if k_bias is not None:
+        k = k - k_bias.to(k.dtype)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return _rotate(q, cos, sin).contiguous()
 
 

@@ -5,7 +5,7 @@ cat / neg / mul / add, two casts, the write_kv scatter)::
 
     qkv[t] = [ q: Hq x D | k: Hkv x D | v: Hkv x D ]
     q_out[t]            = rope(q)                      -> [T, Hq, D] (contiguous, for attention)
-    k_cache[slot(t)]    = quantize(rope(k))            (slot -1: padding, nothing written)
+    k_cache[slot(t)]    = quantize(rope(k) - k_bias)   (slot -1: padding, nothing written)
     v_cache[slot(t)]    = quantize(v)
 
 Rotate-half RoPE, as ``kernels.reference.rotary_write_kv``: ``x * cos + rotate_half(x) * sin``
@@ -13,6 +13,12 @@ with each product and the sum rounded to x's dtype. ``rotate_half(x)[d]`` is ``-
 d < D/2 and ``x[d - D/2]`` above, so each head is loaded twice (the second read hits L1/L2) instead
 of being split into halves: the whole [heads, D] tile then goes through ``kv_write``'s quantizing
 store unchanged (int8 takes its per-head scale over all D).
+
+``k_bias`` [Hkv, D] (optional) is the fp8 calibration's per-channel key mean
+(engine/kv_calibration.py): the cache stores ``rope(k) - k_bias``, rounded to the compute dtype
+before quantizing, exactly as the plain path's ``k - bias`` in torch. Nothing on the read side
+changes: every stored key of a head is shifted by the same vector, so each query's scores move by
+one constant ``q . k_bias``, which softmax cancels.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import interpreting, kv_code, next_pow2, scale_args
+from kernels._common import interpreting, kv_code, next_pow2, placeholder, scale_args
 from kernels.kv_write import _quantize_store
 
 
@@ -50,6 +56,7 @@ def _rotary_write_kv_kernel(
     slot_mapping_ptr,  # [T] int64
     k_scale_ptr,
     v_scale_ptr,
+    k_bias_ptr,  # [Hkv, D] contiguous (read when HAS_K_BIAS)
     stride_t, stride_ct, stride_st,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
@@ -62,6 +69,7 @@ def _rotary_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_QUANT: tl.constexpr,
     SOFT_FP8: tl.constexpr,
+    HAS_K_BIAS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
@@ -83,6 +91,9 @@ def _rotary_write_kv_kernel(
         kh = tl.arange(0, KV_PAD)
         kv_mask = (kh < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
         k = _rope_tile(row + Q_HEADS * HEAD_DIM, kh, d, kv_mask, cos, sin, HEAD_DIM)
+        if HAS_K_BIAS:  # torch's ``k - bias.to(k.dtype)``: the bias rounded to k's dtype, one rounding of the difference
+            bias = tl.load(k_bias_ptr + kh[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+            k = (k.to(tl.float32) - bias.to(dt).to(tl.float32)).to(dt)
         v = tl.load(row + (Q_HEADS + KV_HEADS) * HEAD_DIM + kh[:, None] * HEAD_DIM + d[None, :], mask=kv_mask,
                     other=0.0)
         _quantize_store(k, k_cache_ptr, k_scale_ptr, block, slot, kh, d, kv_mask,
@@ -101,6 +112,7 @@ def rotary_write_kv(
     num_q_heads: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    k_bias: torch.Tensor | None = None,  # [Hkv, D] contiguous
 ) -> torch.Tensor:
     """Launch the fused kernel -> rotated q [T, Hq, D]. Inputs are checked by ``kernels.triton_ops``."""
     tokens = qkv.shape[0]
@@ -109,14 +121,15 @@ def rotary_write_kv(
     if tokens == 0:
         return q_out
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
+    bias = k_bias if k_bias is not None else placeholder(qkv.device, qkv.dtype)
     _rotary_write_kv_kernel[(tokens,)](
-        qkv, cos, sin, q_out, k_cache, v_cache, slot_mapping, ks, vs,
+        qkv, cos, sin, q_out, k_cache, v_cache, slot_mapping, ks, vs, bias,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *sc_strides,
         Q_HEADS=num_q_heads, Q_PAD=next_pow2(num_q_heads), KV_HEADS=kv_heads, KV_PAD=next_pow2(kv_heads),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, KV_QUANT=kv_code(k_cache), SOFT_FP8=interpreting(),
-        num_warps=4,
+        HAS_K_BIAS=k_bias is not None, num_warps=4,
     )
     return q_out

@@ -13,6 +13,8 @@ Differences from the reference, all on inputs the reference would also mishandle
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels import (
@@ -75,14 +77,23 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence over its whole cached context -> [B, Hq, D] (q's dtype)."""
+    """One query token per sequence over its whole cached context -> [B, Hq, D] (q's dtype).
+
+    ``context_lens``: the same lengths as ``seq_lens``, on the host (optional): with them the split
+    count fits a batch of unequal lengths (``decode_attention.choose_num_splits``) with no device
+    read. Leave it out in a CUDA graph (the launch must not depend on the batch)."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
     assert block_tables.shape[0] == q.shape[0], f"block_tables has {block_tables.shape[0]} rows, q has {q.shape[0]} seqs"
     _check_int_vector("seq_lens", seq_lens, q.shape[0], q.device)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    if context_lens is not None:
+        assert len(context_lens) == q.shape[0], f"context_lens has {len(context_lens)} entries, q has {q.shape[0]} seqs"
+    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                         context_lens=context_lens)
 
 
 def paged_prefill_attention(
@@ -217,6 +228,7 @@ def rotary_write_kv(
     num_q_heads: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,  # [Hkv, D], subtracted from the rotated keys (fp8 calibration)
 ) -> torch.Tensor:
     """RoPE on q and k, K/V written into their cache slots -> rotated q [T, Hq, D] (contiguous)."""
     device = qkv.device
@@ -234,7 +246,15 @@ def rotary_write_kv(
         assert t.device == device, f"{name} is on {t.device}, expected {device}"
     _check_int_vector("slot_mapping", slot_mapping, qkv.shape[0], device)
     check_kv_scales(k_cache, k_scale, v_scale)
-    return rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale)
+    if k_bias is not None:
+        assert tuple(k_bias.shape) == (kv_heads, head_dim) and k_bias.is_contiguous(), (
+            f"k_bias must be [{kv_heads}, {head_dim}] contiguous, got {tuple(k_bias.shape)}"
+        )
+        assert k_bias.dtype in ATTN_DTYPES and k_bias.device == device, (
+            f"k_bias must be a float tensor on {device}, got {k_bias.dtype} on {k_bias.device}"
+        )
+    return rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale,
+                                  k_bias)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

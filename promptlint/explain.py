@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ RULE_NAMES = {
     "PC004": "unstable-tool-order",
     "PC007": "prefix-below-minimum",
     "PC009": "unstable-whitespace",
+    "PC010": "cache-breakpoint-after-dynamic",
     "PC012": "history-edited",
     UNEXPLAINED: "prefix-changed",
 }
@@ -133,7 +134,7 @@ def _message_text(msg: Any) -> str:
     return text
 
 
-def render(body: dict[str, Any]) -> Rendered:
+def render(body: Mapping[str, Any]) -> Rendered:
     """Render ``body`` as ``tools``, ``system`` and each message, in provider order (see module doc).
 
     Tools are JSON in the order and key order given: that order is what a provider tokenizes.
@@ -187,6 +188,7 @@ def explain(
     per_user_vars: Sequence[str] = (),
     min_prefix_tokens: int = 0,
     count_tokens: Callable[[str], int] | None = None,
+    rendered: tuple[Rendered, Rendered] | None = None,
 ) -> Break | None:
     """Classify why ``current`` shares less of its prefix with ``previous`` than it could.
 
@@ -197,12 +199,13 @@ def explain(
         min_prefix_tokens: the smallest prefix the cache serves (a provider's 1,024, an engine's
             block size); with ``count_tokens``, a shared prefix below it is reported as PC007.
         count_tokens: text -> token count; fills ``Break.token_position``.
+        rendered: ``(render(previous), render(current))`` when the caller has them already.
 
     Returns:
         A :class:`Break`, or ``None`` when ``current`` keeps all of ``previous`` up to its input
         (an appended conversation, a new question) and the shared prefix is long enough.
     """
-    prev_r, cur_r = render(previous), render(current)
+    prev_r, cur_r = rendered if rendered is not None else (render(previous), render(current))
     pos = first_divergence(prev_r.text, cur_r.text)
     seg_prev = prev_r.segment_at(pos)
     seg_cur = cur_r.segment_at(pos)

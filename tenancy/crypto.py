@@ -14,6 +14,9 @@ never change.
 Blob formats (both start with a version byte so the format can evolve)::
 
     KV blob:          0x01 | nonce (12) | AES-256-GCM(data key, nonce, plaintext, aad) + tag (16)
+    KV blob (GPU):    0x02 | 00 00 00 | nonce (12) | ChaCha20-Poly1305(device key, nonce, plaintext, aad) + tag (16)
+                      device key = HMAC-SHA256(data key, "prefixgate/kv-chacha20-poly1305/v1"); the
+                      three zero bytes put the ciphertext at byte 16, so a GPU reads it as aligned words
     wrapped data key: 0x01 | nonce (12) | AES-256-GCM(KEK, nonce, data key, b"prefixgate/dek/v1\\0" + owner) + tag
 """
 
@@ -31,7 +34,7 @@ import threading
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from tenancy.errors import KeyMaterialError
 from tenancy.fsutil import fsync_dir
@@ -42,6 +45,9 @@ KEY_BYTES = 32
 NONCE_BYTES = 12
 TAG_BYTES = 16
 BLOB_VERSION = 0x01
+DEVICE_BLOB_VERSION = 0x02  # ChaCha20-Poly1305, opened on the engine's GPU (engine.tiers.device_aead)
+_DEVICE_HEADER = 16  # version byte, 3 zero bytes, nonce
+_DEVICE_KEY_LABEL = b"prefixgate/kv-chacha20-poly1305/v1"
 _DEK_AAD = b"prefixgate/dek/v1\x00"
 KEK_ENV = "PREFIXGATE_KEK"
 KEK_FILE_ENV = "PREFIXGATE_KEK_FILE"
@@ -179,15 +185,24 @@ def new_data_key() -> bytes:
 
 
 class TenantCipher:
-    """AES-256-GCM under one tenant's (or share group's) data key; the engine's ``BlockCipher``.
+    """The engine's ``BlockCipher`` under one tenant's (or share group's) data key.
 
-    Thread-safe: ``AESGCM`` keeps no per-call state (each call builds its own cipher context), and
-    the nonce comes from ``secrets`` (a CSPRNG), so concurrent calls share nothing mutable except the
-    key reference, which ``destroy`` swaps under a lock.
+    ``encrypt`` seals with AES-256-GCM (blob version 0x01); ``encrypt_for_device`` with
+    ChaCha20-Poly1305 under a key derived from the same data key (version 0x02), for KV that the
+    engine's GPU decrypts (``engine.tiers.device_aead``); ``decrypt`` opens both, so the CPU stays
+    the fallback and the oracle of the GPU path. Two keys rather than one: one key should serve one
+    algorithm only. Deleting the data key shreds both.
+
+    Thread-safe: the AEAD objects keep no per-call state (each call builds its own cipher context),
+    and the nonce comes from ``secrets`` (a CSPRNG), so concurrent calls share nothing mutable except
+    the key references, which ``destroy`` swaps under a lock.
     """
 
     def __init__(self, data_key: bytes, *, owner: str) -> None:
         self._aead: AESGCM | None = AESGCM(data_key)
+        device_key = hmac.new(data_key, _DEVICE_KEY_LABEL, hashlib.sha256).digest()
+        self._device_key: bytes | None = device_key
+        self._chacha: ChaCha20Poly1305 | None = ChaCha20Poly1305(device_key)
         self._lock = threading.Lock()
         self.owner = owner
 
@@ -204,23 +219,64 @@ class TenantCipher:
         nonce = secrets.token_bytes(NONCE_BYTES)
         return bytes([BLOB_VERSION]) + nonce + aead.encrypt(nonce, bytes(plaintext), bytes(aad))
 
+    def encrypt_for_device(self, plaintext: bytes | memoryview, aad: bytes) -> bytes:
+        """blob = 0x02 | 3 zero bytes | fresh 96-bit nonce | ChaCha20-Poly1305 ciphertext + tag.
+        After ``destroy``: a blob of that shape under a one-time key (as ``encrypt``)."""
+        chacha = self._chacha
+        if chacha is None:
+            chacha = ChaCha20Poly1305(ChaCha20Poly1305.generate_key())
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        return bytes([DEVICE_BLOB_VERSION, 0, 0, 0]) + nonce + chacha.encrypt(nonce, bytes(plaintext), bytes(aad))
+
+    def device_key(self) -> bytes | None:
+        """The 32-byte ChaCha20-Poly1305 key of ``encrypt_for_device`` blobs, for the engine's own GPU
+        to open them (it goes into device memory only; never log it); None once destroyed."""
+        return self._device_key
+
     def decrypt(self, blob: bytes | memoryview, aad: bytes) -> bytes | None:
         """The plaintext, or None for any bad blob (truncated, tampered, wrong key or aad, destroyed key)."""
-        aead = self._aead
-        if aead is None:
+        opened = self._parse(blob)
+        if opened is None:
             return None
-        blob = bytes(blob)
-        if len(blob) < 1 + NONCE_BYTES + TAG_BYTES or blob[0] != BLOB_VERSION:
-            return None
+        aead, nonce, sealed = opened
         try:
-            return aead.decrypt(blob[1 : 1 + NONCE_BYTES], blob[1 + NONCE_BYTES :], bytes(aad))
+            return aead.decrypt(nonce, sealed, bytes(aad))
         except (InvalidTag, ValueError, OverflowError):
             return None
+
+    def decrypt_into(self, blob: bytes | memoryview, aad: bytes, out: memoryview) -> bool:
+        """Decrypt straight into ``out`` (exactly the plaintext's length: e.g. a pinned staging
+        buffer, so no plaintext copy is allocated). False for any bad blob; ``out`` then holds
+        garbage the caller must not use."""
+        opened = self._parse(blob)
+        if opened is None:
+            return False
+        aead, nonce, sealed = opened
+        try:
+            aead.decrypt_into(nonce, sealed, bytes(aad), out)
+        except (InvalidTag, ValueError, OverflowError):
+            return False
+        return True
+
+    def _parse(self, blob: bytes | memoryview) -> tuple[AESGCM | ChaCha20Poly1305, bytes, memoryview] | None:
+        """(AEAD, nonce, ciphertext + tag as a zero-copy view) of a well-formed blob under a live key."""
+        view = memoryview(blob).cast("B")
+        if len(view) < 1 + NONCE_BYTES + TAG_BYTES:
+            return None
+        if view[0] == BLOB_VERSION:
+            aes = self._aead
+            return None if aes is None else (aes, bytes(view[1 : 1 + NONCE_BYTES]), view[1 + NONCE_BYTES :])
+        if view[0] == DEVICE_BLOB_VERSION and len(view) >= _DEVICE_HEADER + TAG_BYTES and bytes(view[1:4]) == b"\0\0\0":
+            chacha = self._chacha
+            return None if chacha is None else (chacha, bytes(view[4:_DEVICE_HEADER]), view[_DEVICE_HEADER:])
+        return None
 
     def destroy(self) -> None:
         """Forget the key in this process (the stored copy is shredded by the service)."""
         with self._lock:
             self._aead = None
+            self._chacha = None
+            self._device_key = None
 
     @property
     def destroyed(self) -> bool:

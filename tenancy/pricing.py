@@ -7,7 +7,8 @@ is the same data litellm itself falls back to with ``LITELLM_LOCAL_MODEL_COST_MA
 
 A model missing from the map (a local checkpoint, ``tiny``) is priced as a reference model
 (default ``gpt-4o-mini``), so "saved" still answers: what would these cached tokens have cost at a
-typical hosted price?
+typical hosted price? A route priced ``UNPRICED`` (a self-hosted engine that costs nothing per
+token) gets cost and saving 0 and ``priced_as = "unpriced"``: reports show its tokens, no money.
 
 ::
 
@@ -28,6 +29,7 @@ from typing import Any
 from tenancy.types import Price
 
 DEFAULT_REFERENCE_MODEL = "gpt-4o-mini"
+UNPRICED = "unpriced"
 REFERENCE_MODEL_ENV = "PREFIXGATE_REFERENCE_MODEL"
 _COST_MAP_FILE = "model_prices_and_context_window_backup.json"
 
@@ -99,6 +101,8 @@ class PriceBook:
             raise ValueError("token counts must be >= 0")
         if cached_tokens > prompt_tokens:
             raise ValueError(f"cached_tokens ({cached_tokens}) > prompt_tokens ({prompt_tokens})")
+        if model == UNPRICED:
+            return Price(cost_usd=0.0, saved_usd=0.0, priced_as=UNPRICED)
         priced_as, r = self.rates_for(model)
         uncached = prompt_tokens - cached_tokens
         cost = uncached * r.input + cached_tokens * r.cache_read + completion_tokens * r.output

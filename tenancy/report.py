@@ -45,6 +45,8 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from tenancy.pricing import UNPRICED
+
 SCHEMA = "prefixgate.report/v1"
 _SINCE_RE = re.compile(r"^(\d+)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -78,7 +80,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 class _Acc:
     __slots__ = ("requests", "ok", "errors", "aborted", "prompt", "cached", "completion", "hit_requests",
-                 "cost", "saved", "ttfts", "priced_as")
+                 "cost", "saved", "ttfts", "priced_as", "priced")
 
     def __init__(self) -> None:
         self.requests = self.ok = self.errors = self.aborted = 0
@@ -86,6 +88,7 @@ class _Acc:
         self.cost = self.saved = 0.0
         self.ttfts: list[float] = []
         self.priced_as: set[str] = set()
+        self.priced = 0  # rows with a price (not "unpriced"): none -> the group has no cost at all
 
     def add(self, r: dict[str, Any]) -> None:
         self.requests += 1
@@ -101,6 +104,7 @@ class _Acc:
         if r["ttft_s"] is not None:
             self.ttfts.append(r["ttft_s"])
         self.priced_as.add(r["priced_as"])
+        self.priced += r["priced_as"] != UNPRICED
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -108,7 +112,8 @@ class _Acc:
             "prompt_tokens": self.prompt, "cached_tokens": self.cached, "completion_tokens": self.completion,
             "hit_rate": self.cached / self.prompt if self.prompt else 0.0,
             "request_hit_rate": self.hit_requests / self.requests if self.requests else 0.0,
-            "cost_usd": self.cost, "saved_usd": self.saved,
+            # Only unpriced rows (a self-hosted route priced "unpriced"): tokens, and no money (null).
+            "cost_usd": self.cost if self.priced else None, "saved_usd": self.saved if self.priced else None,
             "ttft_p50_s": percentile(self.ttfts, 50), "ttft_p95_s": percentile(self.ttfts, 95),
         }
 
@@ -346,7 +351,7 @@ def _svg_cost_saved(rep: dict[str, Any]) -> str:
     tenants = rep["tenants"]
     if not tenants:
         return "<p class=empty>No requests in this period.</p>"
-    top = max(max(t["cost_usd"], t["saved_usd"]) for t in tenants) or 1.0
+    top = max(max(t["cost_usd"] or 0.0, t["saved_usd"] or 0.0) for t in tenants) or 1.0
     pw, ph = _W - _PAD_L - _PAD_R, _H - _PAD_T - _PAD_B
     group = pw / len(tenants)
     bar = min(40.0, group / 3)
@@ -359,6 +364,8 @@ def _svg_cost_saved(rep: dict[str, Any]) -> str:
     for i, t in enumerate(tenants):
         gx = _PAD_L + i * group + group / 2
         for j, (key, color) in enumerate((("cost_usd", "#d62728"), ("saved_usd", "#2ca02c"))):
+            if t[key] is None:  # an unpriced tenant: tokens only, no bar
+                continue
             h = t[key] / top * ph
             x = gx - bar + j * bar
             parts.append(f'<rect x="{x:.1f}" y="{_PAD_T + ph - h:.1f}" width="{bar:.1f}" height="{h:.1f}" '

@@ -90,7 +90,7 @@ _KEK_FINGERPRINT = "kek_fingerprint"
 _SECRET_FINGERPRINT = "server_secret_fingerprint"
 NAMESPACE_KEY_OWNER = "system:namespace"  # data_keys owner of the namespace root key
 _RECENT_IDS = 50_000
-_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))  # request ids remembered to keep in-memory spend idempotent like the ledger
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord) if f.name != "price_as")  # price_as: not a column  # request ids remembered to keep in-memory spend idempotent like the ledger
 # How long a request-path read (budget check, /v1/usage) waits for the ledger to commit this
 # process's queued rows before it answers from what is committed: a slow disk must not turn into 500s.
 _READ_FLUSH_S = 2.0
@@ -502,7 +502,8 @@ class TenancyService:
         The ledger writer makes every field storable (bounded text, valid UTF-8); here the miss
         explanation loses its prompt text and clear family unless the tenant chose to keep them.
         """
-        p = self.price(rec.model, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)
+        priced = rec.price_as or rec.model
+        p = self.price(priced, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)
         # Not dataclasses.asdict: it deep-copies every field (~70 us here), and this runs per request.
         row = {f: getattr(rec, f) for f in _RECORD_FIELDS}
         row.update(cost_usd=p.cost_usd, saved_usd=p.saved_usd, priced_as=p.priced_as)
@@ -510,7 +511,7 @@ class TenancyService:
             apply_miss_policy(row, store_clear=self._stores_clear_miss_data(rec.tenant_id),
                               key=self._miss_family_key)
         if rec.miss_tokens:  # what the re-prefilled tokens would have saved had they been cached
-            row["miss_usd"] = self.price(rec.model, rec.miss_tokens, rec.miss_tokens, 0).saved_usd
+            row["miss_usd"] = self.price(priced, rec.miss_tokens, rec.miss_tokens, 0).saved_usd
         with self._lock:
             if rec.request_id in self._recent_ids:
                 return

@@ -114,6 +114,9 @@ class UsageRecord:
     miss_tokens: int | None = None
     miss_family: str | None = None
     miss_context: str | None = None
+    # The cost-map entry to price the row at instead of ``model`` (a route's ``price``), or
+    # ``UNPRICED``: tokens only, cost and saving 0 and the row marked ``priced_as = "unpriced"``.
+    price_as: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -38,7 +38,8 @@ from engine.disagg.api import (
 )
 from engine.disagg.metrics import TransferMetrics
 from engine.disagg.receiver import ImportOutcome, KVReceiver
-from engine.disagg.transport import KVTransport, OutgoingTransfer, choose_transport
+from engine.disagg.shared_transport import landing_for
+from engine.disagg.transport import CUDA_IPC, KVTransport, OutgoingTransfer, advertise, choose_transport
 from engine.disagg.wire import Chunk, EngineLayout
 from engine.kv_types import BlockHash, QueueReason
 from engine.llm_engine import LLMEngine
@@ -58,28 +59,33 @@ class ExportedPrefix:
     prefix: tuple[BlockHash, ...]  # blocks the receiver holds already: named, not sent
     hashes: tuple[BlockHash, ...]
     tokens: tuple[tuple[int, ...], ...]
-    staging: torch.Tensor  # uint8 [n, block_bytes], CPU, contiguous
+    staging: torch.Tensor  # uint8 [n, block_bytes], contiguous, CPU (or the runner's device)
 
 
-def export_prefix(engine: LLMEngine, runner: ModelRunner, req: Request, skip_blocks: int = 0) -> ExportedPrefix:
+def export_prefix(engine: LLMEngine, runner: ModelRunner, req: Request, skip_blocks: int = 0,
+                  on_device: bool = False) -> ExportedPrefix:
     """Engine thread: the prepared request's prompt blocks resident in HBM now, less the first
     ``skip_blocks`` (the receiver holds them), gathered into one staging buffer (a copy: the
-    blocks may be reused by the next step)."""
+    blocks may be reused by the next step): in host memory, or ``on_device`` for CUDA IPC."""
     match = engine.cache.match(req)
     n, bs = match.num_blocks, runner.block_size
     skip = min(max(0, skip_blocks), n)
     ids = req.prompt_token_ids
     tokens = tuple(tuple(ids[i * bs : (i + 1) * bs]) for i in range(skip, n))
     # staging: [n - skip, kv_bytes_per_block] = per block [layers, 2, block_size, kv_heads, head_dim] (+ int8 scales)
+    export = runner.export_blocks_device if on_device else runner.export_blocks
     return ExportedPrefix(match.block_hashes[:skip], match.block_hashes[skip:], tokens,
-                          runner.export_blocks(match.block_ids[skip:]))
+                          export(match.block_ids[skip:]))
 
 
 def import_chunk(engine: LLMEngine, runner: ModelRunner, chunk: Chunk, chain: tuple[BlockHash, ...]) -> ImportOutcome:
     """Engine thread: index a verified chunk's blocks under their hashes (the tenant's own chain)."""
     tenant = StaticTenantScope(namespace=chunk.namespace, metrics_label="remote", cipher=None)
     bb = runner.kv_bytes_per_block
-    data = torch.frombuffer(chunk.payload, dtype=torch.uint8).view(chunk.num_blocks, bb) if chunk.payload else None
+    if isinstance(chunk.payload, torch.Tensor):  # landed from a shared buffer, on this engine's device
+        data: torch.Tensor | None = chunk.payload.view(chunk.num_blocks, bb)
+    else:
+        data = torch.frombuffer(chunk.payload, dtype=torch.uint8).view(chunk.num_blocks, bb) if chunk.payload else None
 
     def write(block_ids: list[int], first: int) -> None:
         assert data is not None
@@ -104,7 +110,8 @@ class DisaggEngine:
         self._counts: dict[str, int] = {}
         self.receiver: KVReceiver | None = None
         if self.role is Role.DECODE:
-            self.receiver = KVReceiver(config.kv_host, config.kv_port, self._key, self.layout, self._import, metrics)
+            self.receiver = KVReceiver(config.kv_host, config.kv_port, self._key, self.layout, self._import, metrics,
+                                       landing=landing_for(self._key, str(runner.device)))
 
     # ------------------------------------------------------------------ EngineClient
 
@@ -136,7 +143,12 @@ class DisaggEngine:
     # ------------------------------------------------------------------ KVHandoff
 
     def receiver_address(self) -> str | None:
-        return self.receiver.address if self.receiver is not None else None
+        """host:port, advertising CUDA IPC from this host when this engine is on a GPU (a prefill
+        engine on the same host then sends device to device; any other sender ignores it)."""
+        if self.receiver is None:
+            return None
+        on_gpu = str(self.runner.device).startswith("cuda")
+        return advertise(self.receiver.address, (CUDA_IPC,) if on_gpu else ())
 
     async def lookup(self, request: GenerateRequest) -> LookupResult:
         req = await asyncio.to_thread(self.inner.engine.prepare, request)  # prepare is thread-safe
@@ -162,23 +174,24 @@ class DisaggEngine:
             raise InvalidRequestError(f"prefill failed: {last.error}")
         self.metrics.prefill_seconds.observe(prefill_s)
         req = await asyncio.to_thread(self.inner.engine.prepare, request)  # tokenize off the engine thread
+        transport = choose_transport(address, self._key, self.layout, device=str(self.runner.device),
+                                     blocks_per_chunk=self.config.blocks_per_chunk)
+        on_device = transport.staging_device != "cpu"
         exported = await asyncio.wrap_future(
             self.inner.call_in_engine_thread(
-                lambda e: export_prefix(e, self.runner, req, skip_tokens // self.runner.block_size)))
-        report = await asyncio.to_thread(self._send, request, exported, address)
+                lambda e: export_prefix(e, self.runner, req, skip_tokens // self.runner.block_size, on_device)))
+        report = await asyncio.to_thread(self._send, request, exported, transport)
         self.metrics.observe_sent(report)
         if report.status is not TransferStatus.IMPORTED:
             self.metrics.failures.labels("send", report.status.value).inc()
         self._count(f"sent_{report.status.value}")
         return HandoffReport(last.prompt_tokens, last.cached_tokens, prefill_s, report)
 
-    def _send(self, request: GenerateRequest, exported: ExportedPrefix, address: str) -> TransferReport:
+    def _send(self, request: GenerateRequest, exported: ExportedPrefix, transport: KVTransport) -> TransferReport:
         if not exported.hashes:
             return TransferReport(TransferStatus.IMPORTED, reason="no full block to send")
-        transport: KVTransport = choose_transport(
-            address, self._key, self.layout, device=self.runner.device, same_host_gpu=False,
-            blocks_per_chunk=self.config.blocks_per_chunk)
-        staging = memoryview(exported.staging.numpy()).cast("B")
+        staging: memoryview | torch.Tensor = (memoryview(exported.staging.numpy()).cast("B")
+                                              if transport.staging_device == "cpu" else exported.staging)
         return transport.send(OutgoingTransfer(request.request_id, bytes(request.tenant.namespace),
                                                exported.hashes, exported.tokens, staging, exported.prefix))
 

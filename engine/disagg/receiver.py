@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.disagg.api import TransferStatus
 from engine.disagg.metrics import TransferMetrics
@@ -52,6 +53,20 @@ class ImportOutcome:
     refused: str = ""
 
 
+class SharedLanding(Protocol):
+    """One connection's way to the bytes of shared chunks (``Chunk.shared``: they stay in the
+    sender's buffer). ``engine.disagg.shared_transport.TensorLanding`` is the implementation."""
+
+    def land(self, chunk: Chunk) -> Chunk:
+        """The chunk with its bytes copied into this engine's memory as ``payload``, after checking
+        their keyed digest; raises ``WireError`` (a miss) if the buffer cannot be opened or differs."""
+        ...
+
+    def close(self) -> None:
+        """After the last import of the connection: drop every mapping of the sender's buffers."""
+        ...
+
+
 # importer(chunk, chain): chain = every verified hash of the transfer from block 0 through this chunk
 Importer = Callable[[Chunk, tuple[BlockHash, ...]], "Future[ImportOutcome]"]
 
@@ -61,8 +76,10 @@ class KVReceiver:
 
     def __init__(self, host: str, port: int, key: bytes, layout: EngineLayout, importer: Importer,
                  metrics: TransferMetrics, *, max_blocks_per_chunk: int = MAX_BLOCKS_PER_CHUNK,
-                 max_connections: int = 16, io_timeout_s: float = 60.0) -> None:
+                 max_connections: int = 16, io_timeout_s: float = 60.0,
+                 landing: Callable[[], SharedLanding] | None = None) -> None:
         self.key, self.layout, self.importer, self.metrics = key, layout, importer, metrics
+        self.landing = landing  # None: shared chunks are refused (socket bytes only)
         # A frame's payload is read before its MAC can be checked: bound what an unauthenticated
         # peer can make this process allocate (one chunk per connection, few connections).
         self.max_chunk_bytes = max_blocks_per_chunk * layout.block_bytes
@@ -126,13 +143,19 @@ class KVReceiver:
         source = SocketSource(conn)
         pending: list[Future[ImportOutcome]] = []
         bad: WireError | None = None
+        landing: SharedLanding | None = None
         try:
             while True:
                 kind, header, payload = read_frame(source, self.key, self.max_chunk_bytes)
                 if kind is not FrameKind.CHUNK:
                     raise WireError("bad_frame", "expected a chunk")
                 chunk = checker.check(header, payload)
-                self.metrics.bytes.labels("receive").inc(len(payload))
+                if chunk.shared is not None:
+                    if self.landing is None:
+                        raise WireError("shared_unsupported", "this receiver takes the bytes over the socket only")
+                    landing = landing or self.landing()
+                    chunk = landing.land(chunk)
+                self.metrics.bytes.labels("receive").inc(chunk.shared.nbytes if chunk.shared else len(payload))
                 pending.append(self.importer(chunk, tuple(checker.chain)))
                 if chunk.last:
                     break
@@ -143,9 +166,9 @@ class KVReceiver:
         except (EOFError, OSError) as exc:
             self.metrics.failures.labels("receive", "peer_gone").inc()
             log.warning("KV transfer broken (%r); what arrived verified stays, the rest is recomputed", exc)
-            _wait(pending)
+            _wait(pending, landing)
             return TransferStatus.FAILED, "peer_gone", 0
-        outcomes = _wait(pending)
+        outcomes = _wait(pending, landing)
         imported = sum(o.imported for o in outcomes)
         self.metrics.blocks.labels("receive").inc(imported)
         refused = next((o.refused for o in outcomes if o.refused), "")
@@ -157,7 +180,7 @@ class KVReceiver:
         return TransferStatus.IMPORTED, "", imported
 
 
-def _wait(pending: list[Future[ImportOutcome]]) -> list[ImportOutcome]:
+def _wait(pending: list[Future[ImportOutcome]], landing: SharedLanding | None) -> list[ImportOutcome]:
     out = []
     for f in pending:
         try:
@@ -165,4 +188,9 @@ def _wait(pending: list[Future[ImportOutcome]]) -> list[ImportOutcome]:
         except Exception as exc:  # noqa: BLE001 - an import that failed is a miss, never data
             log.warning("KV import failed: %r", exc)
             out.append(ImportOutcome(0, 0, "import_error"))
+    if landing is not None:
+        try:
+            landing.close()
+        except Exception as exc:  # noqa: BLE001 - the imports are done; a failed unmap loses nothing
+            log.warning("closing a shared KV buffer failed: %r", exc)
     return out

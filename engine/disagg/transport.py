@@ -4,28 +4,33 @@
     ------------------------------   --------------------   --------------------------------------
     across hosts, or CPU engines     SocketTransport        blocks gathered into one contiguous
                                                             staging buffer, sent in MAC'd chunks
-    one host, GPU to GPU             CudaIpcTransport       the staging buffer stays in device
-                                                            memory; chunks carry its CUDA IPC handle
+    one host, GPU engines            CudaIpcTransport       the staging buffer stays in device
+    (one GPU, or two: GPU 0 -> 1)                           memory; chunks carry its CUDA IPC handle
                                                             and the receiver copies device to device
+    one host, CPU engines (opt-in)   HostShmTransport       staging in a /dev/shm file, same frames
 
-``choose_transport`` picks by where the two engines are. Both speak the frame format of
-``engine.disagg.wire`` over a TCP control connection, so the receiver checks the same header,
-hashes and MAC whichever way the bytes came. CI exercises the socket transport; the CUDA IPC one
-is GPU-only (its chunk layout is checked on CPU).
+``choose_transport`` picks by where the two engines are (the receiver's advertised address says
+what it can open and on which host it runs). All speak the frame format of ``engine.disagg.wire``
+over a TCP control connection, so the receiver checks the same header, hashes and MAC whichever
+way the bytes came. The two shared-buffer transports live in ``engine.disagg.shared_transport``
+(torch); CI runs the socket and /dev/shm ones, the CUDA IPC one runs on GPU machines.
 """
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from engine.disagg.api import TransferReport, TransferStatus
 from engine.disagg.wire import (
     Chunk,
     EngineLayout,
+    SizedBuffer,
     WireError,
     encode_chunk,
     read_frame,
@@ -41,7 +46,8 @@ class OutgoingTransfer:
     """One request's full prompt blocks ``len(prefix) ..``, ready to send.
 
     ``staging`` holds the blocks back to back (``len(hashes) * layout.block_bytes`` bytes, the
-    model runner's export layout); ``tokens[i]`` are block i's token ids (the receiver recomputes
+    model runner's export layout: a CPU memoryview for the socket, a torch tensor
+    [n, block_bytes] on ``KVTransport.staging_device`` for a shared-buffer transport); ``tokens[i]`` are block i's token ids (the receiver recomputes
     the hash chain from them). ``prefix``: hashes of the leading blocks the receiver already holds
     (not sent)."""
 
@@ -49,7 +55,7 @@ class OutgoingTransfer:
     namespace: bytes
     hashes: tuple[BlockHash, ...]
     tokens: tuple[tuple[int, ...], ...]
-    staging: memoryview
+    staging: memoryview | SizedBuffer
     prefix: tuple[BlockHash, ...] = ()
 
     @property
@@ -62,7 +68,10 @@ class KVTransport(Protocol):
 
     Contract: ``send`` sends every chunk in chain order, then waits for the receiver's ack and
     returns what the receiver did. It never raises for a network or peer failure: those are a
-    ``TransferReport`` with ``TransferStatus.FAILED`` (the decode engine then recomputes)."""
+    ``TransferReport`` with ``TransferStatus.FAILED`` (the decode engine then recomputes).
+    ``staging_device``: where the exporter must put the staging bytes ("cpu": host memory)."""
+
+    staging_device: str
 
     def send(self, transfer: OutgoingTransfer) -> TransferReport: ...
 
@@ -87,7 +96,46 @@ class SocketSource:
             got += k
 
 
+CUDA_IPC = "cuda_ipc"
+
+
+@dataclass(frozen=True)
+class ReceiverAddress:
+    """A decode engine's advertised receiver: ``host:port[;shared=kind,..;host=id]``. The optional
+    part says which shared-buffer transfers it can open and on which host it runs, so a sender on
+    the same host (same ``host_identity``) may skip the socket for the bytes."""
+
+    host: str
+    port: int
+    shared: tuple[str, ...] = ()
+    host_id: str = ""
+
+
+def host_identity() -> str:
+    """Equal for every process of one running host (boot id and host name), different elsewhere."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return hashlib.sha256(f"{boot}|{socket.gethostname()}".encode()).hexdigest()[:16]
+
+
+def advertise(address: str, shared: tuple[str, ...]) -> str:
+    """``host:port`` plus what this receiver can open (nothing added when ``shared`` is empty)."""
+    return f"{address};shared={','.join(shared)};host={host_identity()}" if shared else address
+
+
+def parse_receiver(address: str) -> ReceiverAddress:
+    base, *extras = address.split(";")
+    host, port = parse_address(base)
+    fields = dict(e.partition("=")[::2] for e in extras)
+    shared = tuple(k for k in fields.get("shared", "").split(",") if k)
+    return ReceiverAddress(host, port, shared, fields.get("host", ""))
+
+
 def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (an advertised address's extra fields are ignored)."""
+    address = address.split(";", 1)[0]
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"KV receiver address must be host:port, got {address!r}")
@@ -97,6 +145,7 @@ def parse_address(address: str) -> tuple[str, int]:
 def chunks_of(transfer: OutgoingTransfer, layout: EngineLayout, blocks_per_chunk: int) -> list[Chunk]:
     """The transfer cut into chunks of at most ``blocks_per_chunk`` blocks (views, no copy)."""
     bb = layout.block_bytes
+    assert isinstance(transfer.staging, memoryview), "the socket sends host bytes"
     if transfer.staging.nbytes != transfer.num_blocks * bb:
         raise ValueError(f"staging holds {transfer.staging.nbytes} bytes, expected {transfer.num_blocks} x {bb}")
     ranges = split_blocks(transfer.num_blocks, blocks_per_chunk)
@@ -118,6 +167,7 @@ class SocketTransport:
         self.key, self.layout = key, layout
         self.blocks_per_chunk = blocks_per_chunk
         self.timeout_s = timeout_s
+        self.staging_device = "cpu"
 
     def send(self, transfer: OutgoingTransfer) -> TransferReport:
         t0 = time.perf_counter()
@@ -134,7 +184,7 @@ class SocketTransport:
         except (OSError, EOFError, WireError) as exc:
             return TransferReport(TransferStatus.FAILED, sent_blocks, 0, sent_bytes, time.perf_counter() - t0,
                                   f"{type(exc).__name__}: {exc}")
-        return _report_from_ack(ack, sent_blocks, sent_bytes, time.perf_counter() - t0)
+        return report_from_ack(ack, sent_blocks, sent_bytes, time.perf_counter() - t0)
 
 
 def send_all(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
@@ -149,7 +199,7 @@ def send_all(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
             views[0] = views[0][n:]
 
 
-def _report_from_ack(ack: dict[str, Any], blocks: int, nbytes: int, seconds: float) -> TransferReport:
+def report_from_ack(ack: dict[str, Any], blocks: int, nbytes: int, seconds: float) -> TransferReport:
     try:
         status = TransferStatus(ack["status"])
         imported = int(ack.get("blocks_imported", 0))
@@ -158,44 +208,13 @@ def _report_from_ack(ack: dict[str, Any], blocks: int, nbytes: int, seconds: flo
     return TransferReport(status, blocks, imported, nbytes, seconds, str(ack.get("reason", "")))
 
 
-class CudaIpcTransport:
-    """One host, GPU engines in different processes: the staging buffer stays in device memory.
-
-    Design (GPU-only; the device-side copy is not built yet, see docs/disaggregation.md): the
-    sender gathers the blocks into one contiguous device staging tensor and shares it once per
-    transfer through a CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``); each
-    chunk frame carries the usual header (hashes, tokens, layers, dtype, MAC'd) plus the chunk's
-    byte range of that tensor instead of the bytes; the receiver opens the handle and copies
-    device to device into its blocks, then acks, after which the sender may free the staging
-    tensor. Between two GPUs of a host the same frames drive ``torch.distributed`` NCCL
-    ``send``/``recv`` of each range instead (NVLink multicast left off).
-
-    What runs today: the chunk byte ranges (``chunk_ranges``, checked on CPU). ``send`` raises
-    ``NotImplementedError`` rather than silently moving the bytes through the host.
-    """
-
-    def __init__(self, address: str, key: bytes, layout: EngineLayout, device: str, *,
-                 blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK) -> None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("CudaIpcTransport needs CUDA; use SocketTransport on CPU")
-        self.control = SocketTransport(address, key, layout, blocks_per_chunk=blocks_per_chunk)
-        self.device = torch.device(device)
-
-    @staticmethod
-    def chunk_ranges(num_blocks: int, block_bytes: int, blocks_per_chunk: int) -> list[tuple[int, int]]:
-        """(byte offset, byte length) of each chunk inside the device staging tensor."""
-        return [(r.start * block_bytes, len(r) * block_bytes) for r in split_blocks(num_blocks, blocks_per_chunk)]
-
-    def send(self, transfer: OutgoingTransfer) -> TransferReport:  # pragma: no cover - GPU only
-        raise NotImplementedError("the CUDA IPC device-to-device copy is issue #23's; use SocketTransport")
-
-
 def choose_transport(address: str, key: bytes, layout: EngineLayout, *, device: str,
-                     same_host_gpu: bool, blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK) -> KVTransport:
-    """Socket unless both engines are GPU engines on this host (then CUDA IPC). Nothing passes
-    ``same_host_gpu=True`` yet: the device path is not built (see ``CudaIpcTransport``)."""
-    if same_host_gpu and device.startswith("cuda"):
+                     blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK) -> KVTransport:
+    """CUDA IPC when this engine is a GPU engine and the receiver advertises CUDA IPC from this same
+    host (``advertise``); else the socket."""
+    target = parse_receiver(address)
+    if device.startswith("cuda") and CUDA_IPC in target.shared and target.host_id == host_identity():
+        from engine.disagg.shared_transport import CudaIpcTransport
+
         return CudaIpcTransport(address, key, layout, device, blocks_per_chunk=blocks_per_chunk)
     return SocketTransport(address, key, layout, blocks_per_chunk=blocks_per_chunk)

@@ -11,6 +11,10 @@ One transfer = a stream of chunk frames on one connection, then one ack frame ba
                     "dtype", "block_bytes", "prefix_hashes" [hex] (seq 0 only)}
     chunk payload = the chunk's blocks back to back, one block = ``block_bytes`` bytes
                     (the model runner's export layout: all layers' K and V of the block)
+    shared chunk  = the same header plus "shared": {"kind", "handle", "offset", "nbytes", "digest"}
+                    and an empty payload: the bytes stay in a buffer the sender shares (a CUDA IPC
+                    handle, a host shared-memory file); "digest" is a keyed checksum of them that
+                    the receiver recomputes on what it copied (engine.disagg.shared_transport)
     ack header   = {"transfer_id", "status", "blocks_imported", "reason"}
 
 The receiver checks, in this order: magic and version, sizes against its limits, the MAC (in
@@ -69,6 +73,29 @@ class EngineLayout:
     block_bytes: int
 
 
+class SizedBuffer(Protocol):
+    """Bytes a chunk carries that are not a Python buffer (a device tensor landed by the receiver)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class SharedRef:
+    """Where a shared chunk's bytes are: ``nbytes`` at ``offset`` of the buffer ``handle`` names
+    (``kind`` says how to open it); ``digest``: the sender's keyed checksum of those bytes."""
+
+    kind: str
+    handle: dict[str, Any]
+    offset: int
+    nbytes: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "handle": self.handle, "offset": self.offset, "nbytes": self.nbytes,
+                "digest": self.digest}
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Consecutive full blocks ``first_block ..`` of one request's prompt chain."""
@@ -81,8 +108,9 @@ class Chunk:
     hashes: tuple[BlockHash, ...]
     tokens: tuple[tuple[int, ...], ...]
     layers: tuple[int, int]
-    payload: bytes | bytearray | memoryview
+    payload: bytes | bytearray | memoryview | SizedBuffer
     prefix: tuple[BlockHash, ...] = ()  # seq 0 only: hashes of blocks 0..first_block-1 (held by the receiver)
+    shared: SharedRef | None = None  # the bytes stay in the sender's shared buffer (payload empty until landed)
 
     @property
     def num_blocks(self) -> int:
@@ -109,6 +137,10 @@ def encode_chunk(key: bytes, layout: EngineLayout, chunk: Chunk) -> list[bytes |
         "layers": list(chunk.layers), "dtype": layout.dtype, "block_bytes": layout.block_bytes,
         "prefix_hashes": [h.hex() for h in chunk.prefix],
     }
+    if chunk.shared is not None:
+        header["shared"] = chunk.shared.to_json()
+        return encode_frame(key, FrameKind.CHUNK, header)
+    assert isinstance(chunk.payload, (bytes, bytearray, memoryview))
     return encode_frame(key, FrameKind.CHUNK, header, chunk.payload)
 
 
@@ -175,6 +207,7 @@ class ChainChecker:
             model, dtype, block_bytes = str(header["model"]), str(header["dtype"]), int(header["block_bytes"])
             last = bool(header["last"])
             prefix = tuple(BlockHash(bytes.fromhex(h)) for h in header.get("prefix_hashes") or ())
+            shared = _shared_ref(header["shared"]) if "shared" in header else None
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError("bad_header", repr(exc)) from None
         if model != lay.model:
@@ -196,8 +229,11 @@ class ChainChecker:
             raise WireError("mixed_transfer")
         if seq != self.next_seq or first != self.next_block:
             raise WireError("out_of_order", f"seq {seq} block {first}, expected {self.next_seq} / {self.next_block}")
-        if not hashes or len(tokens) != len(hashes) or len(payload) != len(hashes) * block_bytes:
-            raise WireError("size", f"{len(hashes)} hashes, {len(tokens)} token blocks, {len(payload)} bytes")
+        nbytes = len(payload) if shared is None else shared.nbytes
+        if shared is not None and (len(payload) or shared.offset < 0):
+            raise WireError("size", f"a shared chunk with {len(payload)} payload bytes at offset {shared.offset}")
+        if not hashes or len(tokens) != len(hashes) or nbytes != len(hashes) * block_bytes:
+            raise WireError("size", f"{len(hashes)} hashes, {len(tokens)} token blocks, {nbytes} bytes")
         parent = self.chain[-1] if self.chain else namespace
         for h, toks in zip(hashes, tokens):
             if len(toks) != lay.block_size:
@@ -208,7 +244,13 @@ class ChainChecker:
         self.chain.extend(hashes)
         self.next_seq += 1
         self.next_block += len(hashes)
-        return Chunk(transfer_id, seq, last, namespace, first, hashes, tokens, (lo, hi), payload, prefix)
+        return Chunk(transfer_id, seq, last, namespace, first, hashes, tokens, (lo, hi), payload, prefix, shared)
+
+
+def _shared_ref(d: dict[str, Any]) -> SharedRef:
+    if not isinstance(d, dict) or not isinstance(d["handle"], dict):
+        raise TypeError("shared must be an object with a handle object")
+    return SharedRef(str(d["kind"]), d["handle"], int(d["offset"]), int(d["nbytes"]), str(d["digest"]))
 
 
 def split_blocks(n: int, blocks_per_chunk: int) -> Sequence[range]:

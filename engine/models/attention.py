@@ -40,6 +40,9 @@ class AttentionMetadata:
     cu_seqlens_q  [B + 1] int32, offsets of each sequence's new tokens in the packed tensors
     seq_lens      [B] int32, context length after this step (cached + new)
     decode_only   every sequence contributes exactly one new token
+    context_lens  the same lengths on the host, when known (eager steps): a hint with which the GPU
+                  decode kernel splits a batch of unequal lengths; None in a CUDA graph, whose
+                  launch is fixed at capture
     """
 
     slot_mapping: torch.Tensor
@@ -47,6 +50,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
     decode_only: bool
+    context_lens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -92,10 +92,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         q = ops.rotary_write_kv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
-                                cache.k_scale, cache.v_scale)  # [T, Hq, D]; K/V now in the cache
+                                cache.k_scale, cache.v_scale, cache.k_bias)  # [T, Hq, D]; K/V now in the cache
         if meta.decode_only:
             out = ops.paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
-                                             cache.k_scale, cache.v_scale)
+                                             cache.k_scale, cache.v_scale, context_lens=meta.context_lens)
         else:
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,
                                               meta.seq_lens, self.scale, cache.k_scale, cache.v_scale)

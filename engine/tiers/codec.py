@@ -1,7 +1,8 @@
 """What a tier blob is bound to: the associated data (AAD) of a segment's encryption.
 
-The cipher (the tenant's AES-256-GCM data key, implemented in tenancy) makes the blob
-``nonce || ciphertext || tag`` with a fresh 96-bit nonce per segment. The AAD is not stored; the
+The cipher (the tenant's data key, implemented in tenancy: AES-256-GCM, or ChaCha20-Poly1305 for
+blobs the GPU opens, ``engine.tiers.device_aead``) makes a blob holding a fresh 96-bit nonce, the
+ciphertext and the tag. The AAD is not stored; the
 reader rebuilds it from what it expects, so a blob moved under another tenant's namespace, another
 model, other block hashes, another block geometry or another format version fails its tag and is
 a miss, never served::

@@ -131,9 +131,12 @@ class TierHook:
         n = res.num_blocks
         if n:
             bb = self.manager.block_bytes
-            data = torch.frombuffer(bytearray(res.data), dtype=torch.uint8).view(n, bb)  # [n, bb]
-            if self.pin_memory:
-                data = data.pin_memory()
+            if isinstance(res.data, torch.Tensor):  # a GPU opener's output, already on the device
+                data = res.data
+            else:
+                data = torch.frombuffer(bytearray(res.data), dtype=torch.uint8).view(n, bb)  # [n, bb]
+                if self.pin_memory:
+                    data = data.pin_memory()
             self.runner.import_blocks(block_ids[:n], data)
         return n
 
@@ -157,6 +160,12 @@ def build_tier_hook(config: EngineConfig, runner: KVBlockIO, registry: Any = Non
     if not config.enable_prefix_caching or (config.dram_bytes <= 0 and
                                             (config.nvme_dir is None or config.nvme_bytes <= 0)):
         return None
+    if config.device.startswith("cuda") and torch.cuda.is_available() and "opener" not in kwargs:
+        # KV sealed with ChaCha20-Poly1305 where the tenant's cipher can, opened in HBM on restore;
+        # other blobs (AES-GCM) are decrypted on CPU threads into pinned memory (engine.tiers.gpu_opener)
+        from engine.tiers.gpu_opener import DeviceAeadOpener
+
+        kwargs.update(opener=DeviceAeadOpener(config.device), device_seal=True)
     manager = TierManager.from_config(config, runner.kv_bytes_per_block, registry=registry, **kwargs)
     return TierHook(manager, runner)
 

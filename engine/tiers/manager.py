@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -44,9 +44,14 @@ from engine.protocol import TenantScope
 from engine.tiers.base import BlockLocation, SegmentMeta, SkipReason, TenantCap, TierWriteError
 from engine.tiers.codec import FORMAT_VERSION, segment_aad
 from engine.tiers.cost import CostModel, TierRates
+from engine.tiers.device_aead import DeviceSealingCipher
 from engine.tiers.dram import DramTier
 from engine.tiers.metrics import TierMetrics
 from engine.tiers.nvme import NvmeTier
+from engine.tiers.opener import HostOpener, SealedRun, SegmentOpener
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +110,12 @@ class TierMatch:
 @dataclass(frozen=True)
 class RestoreResult:
     """``data`` holds the plaintext of the first ``num_blocks`` blocks of the match, in chain order
-    (``num_blocks * block_bytes`` bytes). Fewer than asked when a segment failed authentication or
-    vanished meanwhile: the caller recomputes the rest."""
+    (``num_blocks * block_bytes`` bytes): ``bytes`` from the CPU opener, a uint8 device tensor
+    ``[num_blocks, block_bytes]`` from the GPU ones. Fewer than asked when a segment failed
+    authentication or vanished meanwhile: the caller recomputes the rest."""
 
     num_blocks: int
-    data: bytes
+    data: bytes | torch.Tensor
     hashes: tuple[BlockHash, ...]
     blocks_by_tier: dict[str, int]
     seconds: float
@@ -153,7 +159,12 @@ class TierManager:
         pin_memory: bool | None = None,
         clock: Callable[[], float] = time.time,
         sweep_interval_s: float = 1.0,
+        opener: SegmentOpener | None = None,
+        device_seal: bool = False,
     ):
+        """``opener`` turns a restore's sealed segments into plaintext (default ``HostOpener``: CPU,
+        ``bytes``); ``device_seal`` seals with ChaCha20-Poly1305 (``encrypt_for_device``) where the
+        tenant's cipher can, so that a ``DeviceAeadOpener`` opens them on the GPU."""
         if block_bytes <= 0 or block_size <= 0 or max_segment_blocks <= 0:
             raise ValueError("block_size, block_bytes and max_segment_blocks must be > 0")
         if not 0.0 < max_tenant_fraction <= 1.0:
@@ -192,6 +203,8 @@ class TierManager:
         self._pending_lock = threading.Lock()
         self._sweep_interval_s = sweep_interval_s
         self._last_sweep_s = 0.0
+        self.opener: SegmentOpener = opener if opener is not None else HostOpener()
+        self.device_seal = device_seal
 
     @classmethod
     def from_config(cls, config: EngineConfig, block_bytes: int, **kwargs: Any) -> TierManager:
@@ -327,8 +340,13 @@ class TierManager:
     def _seal(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview) -> tuple[SegmentMeta, bytes]:
         """Encrypt a run of blocks as one segment."""
         ns = tenant.namespace
-        assert tenant.cipher is not None
-        blob = tenant.cipher.encrypt(plain, segment_aad(ns, self.model_id, hashes, self.block_bytes))
+        cipher = tenant.cipher
+        assert cipher is not None
+        aad = segment_aad(ns, self.model_id, hashes, self.block_bytes)
+        if self.device_seal and isinstance(cipher, DeviceSealingCipher):
+            blob = cipher.encrypt_for_device(plain, aad)  # opened in HBM on restore
+        else:
+            blob = cipher.encrypt(plain, aad)
         now = self._clock()
         ttl = self._ttl(ns)
         meta = SegmentMeta(uuid.uuid4().hex, ns, tenant.metrics_label, hashes, self.block_bytes, len(blob),
@@ -429,10 +447,13 @@ class TierManager:
             for fut in futs - {None}:
                 fut.exception()
             match = self.lookup(match.namespace, match.hashes)
-        pieces: list[bytes] = []
-        by_tier: dict[str, int] = {}
+        # Read every segment the match touches first, then open them in one call (the GPU opener
+        # batches and pipelines them); a segment gone since the lookup ends the restore there.
         bb, i, n = self.block_bytes, 0, match.num_blocks
         cipher = tenant.cipher
+        s0 = time.perf_counter()
+        runs: list[SealedRun] = []
+        sources: list[tuple[DramTier | NvmeTier, SegmentMeta, int]] = []  # (tier, meta, blob bytes) per run
         while i < n and cipher is not None and match.tiers[i] != PENDING:
             tier = self.dram if match.tiers[i] == TierName.DRAM else self.nvme
             sid, pos = match.locations[i].segment_id, match.locations[i].position
@@ -440,26 +461,35 @@ class TierManager:
             while (j < n and match.tiers[j] == match.tiers[i] and match.locations[j].segment_id == sid
                    and match.locations[j].position == pos + (j - i)):
                 j += 1
-            s0 = time.perf_counter()
             got = tier.get(sid) if tier is not None else None
-            if got is None or got[0].namespace != tenant.namespace:
+            if tier is None or got is None or got[0].namespace != tenant.namespace:
                 break  # evicted or expired since the lookup: recompute from here
             meta, blob = got
-            plain = cipher.decrypt(blob, segment_aad(meta.namespace, self.model_id, meta.hashes, meta.block_bytes))
-            if plain is None or len(plain) != meta.num_blocks * bb:
-                self.metrics.auth_failures.labels(tier.name, tenant.metrics_label).inc()
-                if tier.evict(sid) is not None:
-                    self.metrics.drops.labels(tier.name, "auth_failure").inc(meta.num_blocks)
-                    self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
-                log.warning("kv tier %s: segment %s failed authentication; dropped", tier.name, sid)
-                break
-            self.metrics.restore_seconds.labels(tier.name).observe(time.perf_counter() - s0)
-            self.metrics.restores.labels(tier.name, tenant.metrics_label).inc(j - i)
-            self.metrics.restore_bytes.labels(tier.name, tenant.metrics_label).inc(len(blob))
-            pieces.append(plain[pos * bb:(pos + j - i) * bb])
-            by_tier[tier.name] = by_tier.get(tier.name, 0) + (j - i)
+            runs.append(SealedRun(blob, segment_aad(meta.namespace, self.model_id, meta.hashes, meta.block_bytes),
+                                  meta.num_blocks, pos, j - i))
+            sources.append((tier, meta, len(blob)))
             i = j
-        return RestoreResult(i, b"".join(pieces), match.hashes[:i], by_tier, time.perf_counter() - t0)
+        if not runs:
+            return RestoreResult(0, b"", (), {}, time.perf_counter() - t0)
+        assert cipher is not None
+        opened = self.opener.open_runs(cipher, runs, bb)
+        per_run_s = (time.perf_counter() - s0) / len(runs)  # read + open, spread over the segments
+        by_tier: dict[str, int] = {}
+        restored = 0
+        for (tier, _, nbytes), run in zip(sources[:opened.ok], runs, strict=False):
+            self.metrics.restore_seconds.labels(tier.name).observe(per_run_s)
+            self.metrics.restores.labels(tier.name, tenant.metrics_label).inc(run.count)
+            self.metrics.restore_bytes.labels(tier.name, tenant.metrics_label).inc(nbytes)
+            by_tier[tier.name] = by_tier.get(tier.name, 0) + run.count
+            restored += run.count
+        if opened.ok < len(runs):
+            tier, meta, _ = sources[opened.ok]
+            self.metrics.auth_failures.labels(tier.name, tenant.metrics_label).inc()
+            if tier.evict(meta.segment_id) is not None:
+                self.metrics.drops.labels(tier.name, "auth_failure").inc(meta.num_blocks)
+                self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
+            log.warning("kv tier %s: segment %s failed authentication; dropped", tier.name, meta.segment_id)
+        return RestoreResult(restored, opened.data, match.hashes[:restored], by_tier, time.perf_counter() - t0)
 
     # ---- retention -----------------------------------------------------------------------------
     def _maybe_sweep(self) -> None:
@@ -512,6 +542,7 @@ class TierManager:
     def close(self) -> None:
         """Finish in-flight work, then release the pool and the NVMe index."""
         self._pool.shutdown(wait=True)
+        self.opener.close()
         if self.nvme is not None:
             self.nvme.close()
 

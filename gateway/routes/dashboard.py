@@ -63,8 +63,9 @@ async def dashboard_asset(name: str) -> Response:
     return Response(body, media_type=_ASSETS[name], headers={"cache-control": "no-cache"})
 
 
-def _per_million(usd: float, tokens: int) -> float | None:
-    return usd * 1e6 / tokens if tokens else None
+def _per_million(usd: float | None, tokens: int) -> float | None:
+    # usd None: an unpriced route's rows (tokens, no money)
+    return usd * 1e6 / tokens if tokens and usd is not None else None
 
 
 def _ledger_view(report: dict[str, Any]) -> dict[str, Any]:

@@ -16,9 +16,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from engine.disagg.api import KVHandoff
+from engine.disagg.request_wire import request_from_wire
 from engine.protocol import EngineClient, EngineError
 from gateway.errors import OpenAIError, from_engine_error
-from gateway.node_wire import request_from_wire
 from gateway.routes.internal import require_node
 
 router = APIRouter(prefix="/internal/v1/kv", tags=["internal"])

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gateway.deps import EngineDep, SettingsDep, TenancyDep, bearer_key
 from gateway.errors import OpenAIError
+from gateway.node_health import node_status
 from gateway.ports import AuthenticationError, FleetStatusSource, LedgerStatsSource, TenancyPort
 
 router = APIRouter(tags=["ops"])
@@ -44,6 +45,9 @@ async def health(request: Request, engine: EngineDep) -> Any:
                              "last_error": shared.last_error}
             if ok and fleet.degraded:
                 body["status"] = "degraded"
+    nodes = node_status(request.app.state.router)
+    if nodes:  # engine nodes behind this gateway: in rotation or not, and whether they report cache hits
+        body["nodes"] = nodes
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

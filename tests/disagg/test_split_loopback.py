@@ -20,10 +20,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engine.disagg.request_wire import request_to_wire
 from engine.launch import ensure_tiny_model
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope
 from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, Placement, SplitPolicy
-from gateway.node_wire import request_to_wire
 from tests.serverutil import serve_tiny, stop
 
 TOKEN = "pd-test-node-token"

@@ -37,8 +37,12 @@ POLICY = " ".join(f"Rule {i}: answer from the handbook and cite the section." fo
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} for the customer",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
          for n in ("get_invoice", "open_ticket", "search_orders")]
+# Two turns after the one the test edits: the cache is a grid of 16-token blocks, and an edit in
+# the last partial block before the question would cost no cached block at all.
 HISTORY = [{"role": "user", "content": "My parcel is late."},
-           {"role": "assistant", "content": "Sorry, it ships tomorrow."}]
+           {"role": "assistant", "content": "Sorry, it ships tomorrow."},
+           {"role": "user", "content": "Which carrier takes it, and will I get a tracking number by e-mail?"},
+           {"role": "assistant", "content": "The carrier is DHL; the tracking number follows by e-mail tonight."}]
 
 
 def _request(ts="2026-11-29T10:00:00Z", tools=TOOLS, history=HISTORY, question="Can you expedite it?"):
@@ -86,7 +90,7 @@ def test_each_break_is_explained_counted_recorded_and_kept_per_tenant(served):
     header, _ = _send(url, keys["acme"], _request(ts="2026-11-29T10:05:00Z", tools=[TOOLS[2], TOOLS[0], TOOLS[1]]))
     assert (header["break"], header["detail"]) == ("PC004", "tools-reordered")
 
-    edited = [HISTORY[0], {"role": "assistant", "content": "Sorry, it shipped today."}]
+    edited = [HISTORY[0], {"role": "assistant", "content": "Sorry, it shipped today."}, *HISTORY[2:]]
     header, _ = _send(url, keys["acme"], _request(ts="2026-11-29T10:05:00Z", tools=[TOOLS[2], TOOLS[0], TOOLS[1]],
                                                   history=edited))
     assert (header["break"], header["detail"]) == ("PC012", "edited")

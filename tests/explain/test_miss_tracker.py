@@ -7,14 +7,9 @@ import copy
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.miss_tracker import (
-    MissTracker,
-    break_counter,
-    family_key,
-    header_value,
-    shared_blocks,
-)
+from gateway.miss_tracker import MissTracker, break_counter, header_value
 from promptlint.explain import render
+from promptlint.miss import CHARS_PER_TOKEN, PromptFacts, family_key
 
 POLICY = "\n".join(f"Rule {i}: answer from the handbook, cite the section, stay polite and brief." for i in range(40))
 
@@ -35,7 +30,7 @@ def _body(ts="2026-11-29T10:00:00Z", tools=TOOLS, history=(), question="Where is
 
 def _run(tracker, tenant, body, request_id, cached=0, prompt_tokens=None):
     obs = tracker.observe(tenant, body)
-    prompt_tokens = prompt_tokens or len(render(body).text) // 4
+    prompt_tokens = prompt_tokens or obs.prompt_tokens  # what a provider would count, near enough
     return obs, tracker.settle(obs, request_id=request_id, prompt_tokens=prompt_tokens, cached_tokens=cached)
 
 
@@ -52,9 +47,11 @@ def test_timestamp_then_shuffled_tools_then_edited_history_each_attributed():
     assert (rec.rule, rec.detail, rec.where) == ("PC002", "timestamp", "messages[0]")
     text = render(cur).text
     assert rec.char_position == text.index("2026-11-29T10:05") + len("2026-11-29T10:0")
-    prompt_tokens = len(text) // 4
-    assert rec.position == round(prompt_tokens * rec.char_position / len(text))
-    assert rec.tokens_lost == obs.tokens(obs.reachable_chars, prompt_tokens) - 10 > 0
+    # No token ids (as on a provider route): the text stands in for tokens, and the break's position
+    # is the block boundary where the cache stops: the full 16-token blocks before the timestamp.
+    block_chars = 16 * CHARS_PER_TOKEN
+    assert rec.position == rec.char_position // block_chars * 16
+    assert rec.tokens_lost == obs.reachable_tokens - 10 > 0 and obs.reachable_tokens % 16 == 0
 
     # 2. same time, tools in another order (a dict-built registry)
     cur = _body(ts="2026-11-29T10:05:00Z", tools=[TOOLS[1], TOOLS[2], TOOLS[0]], history=hist)
@@ -104,7 +101,7 @@ def test_memory_stays_bounded_with_many_tenants():
                 _run(t, f"tenant-{tenant}", body, f"{tenant}-{fam}-{i}")
     assert t.stored_chars <= 200_000
     # The accounting is exact: recount what is stored.
-    assert t.stored_chars == sum(len(e.text) for q in t._families.values() for e in q)
+    assert t.stored_chars == sum(e.size for q in t._families.values() for e in q)
     assert all(len(q) <= 2 for q in t._families.values())
     assert max(t.families_of(f"tenant-{i}") for i in range(120)) <= 3
     assert t.family_count * 2 * len(render(_body()).text) >= t.stored_chars
@@ -141,12 +138,21 @@ def test_unrelated_prompt_of_a_new_family_is_not_a_break():
     assert t.observe("acme", b).brk.rule == "PC003"
 
 
-def test_shared_blocks_counts_full_blocks_of_the_common_prefix():
-    a = "x" * 1000
-    b = "x" * 550 + "y" + "x" * 449
-    assert shared_blocks(a, a, 100) == 10 and shared_blocks(a, b, 100) == 5
-    assert shared_blocks(a[600:], b[600:], 100) == 4  # after the break the blocks agree again
-    assert shared_blocks(a[:599], a, 100) == 5  # a partial last block is not shared
+def test_shared_blocks_counts_full_cache_blocks_of_the_common_token_prefix():
+    body = _body()
+    a = list(range(1000))
+    b = a[:550] + [-1] + a[551:]
+
+    def facts(ids, bs=100):
+        return PromptFacts.of(body, token_ids=ids, block_size=bs, seen_at=0.0)
+
+    assert facts(a).shared_blocks(facts(a)) == 10 and facts(a).shared_blocks(facts(b)) == 5
+    assert facts(a[600:]).shared_blocks(facts(b[600:])) == 4  # after the break the blocks agree again
+    assert facts(a[:599]).shared_blocks(facts(a)) == 5  # a partial last block is not shared
+    assert facts(a, 16).shared_blocks(facts(b, 16)) == 550 // 16
+    # no token ids on one side: the rendered text at CHARS_PER_TOKEN characters a token
+    text_only = PromptFacts.of(body, token_ids=None, block_size=16, seen_at=0.0)
+    assert text_only.shared_blocks(text_only) == len(render(body).text) // (16 * CHARS_PER_TOKEN)
 
 
 def test_header_and_counter():

@@ -232,3 +232,13 @@ def test_kv_event_endpoints_must_be_zmq_addresses():
 
     with pytest.raises(ValidationError, match="ZMQ addresses"):
         GatewaySettings(kv_events_endpoint="http://127.0.0.1:5557")
+
+
+def test_a_node_marked_down_by_the_health_probe_loses_its_index_entries():
+    backends = _pool(2)
+    router = Router([Route("m", backends)], policy=RoutingPolicy.KV_AWARE)
+    router.index.stored(backends[0].label, [b"a", b"b"])
+    router.index.stored(backends[1].label, [b"a"])
+    router.mark_down(backends[0], 4.0)
+    assert not backends[0].up and router.index.blocks_of(backends[0].label) == 0
+    assert router.index.blocks_of(backends[1].label) == 1

@@ -131,6 +131,7 @@ class FakeCtx:
     priority: int = 0
     kv_block_quota: int | None = None
     ttft_target_s: float | None = None
+    cache_retention_s: float | None = None
 
 
 @dataclass

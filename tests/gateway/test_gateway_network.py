@@ -94,24 +94,25 @@ def test_remote_nodes_cache_aware_routing(node_pool):
 def test_node_api_requires_token_and_maps_engine_errors(node_pool):
     engines, servers = node_pool
     url = servers[0].url
-    body = {"request_id": "r1", "model": None, "tenant": {"namespace": "ab", "metrics_label": "x"},
-            "sampling": {"max_tokens": 2}, "prompt": "a b c"}
-    assert httpx.post(f"{url}/internal/v1/generate", json=body).status_code == 401
-    bad = httpx.post(f"{url}/internal/v1/generate", json=body, headers={"Authorization": "Bearer wrong"})
-    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_node_token"
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "ab"}
+    # without the node token the public API answers (this node has no tenancy: 503, never the engine)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert r.status_code in (401, 503) and r.json()["error"]["code"] != "invalid_node_request"
+    assert not engines[0].requests
     h = {"Authorization": "Bearer node-secret"}
-    ok = httpx.post(f"{url}/internal/v1/generate", json=body, headers=h)
-    lines = [json.loads(x) for x in ok.text.splitlines()]
-    assert lines[-1]["finished"] and lines[-1]["completion_tokens"] == 2
-    too_long = httpx.post(f"{url}/internal/v1/generate", headers=h,
-                          json={**body, "sampling": {"max_tokens": 255}})
+    ok = httpx.post(f"{url}/v1/completions", json=body, headers=h)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 2 and "cached_tokens" in ok.json()["usage"]["prompt_tokens_details"]
+    assert engines[0].requests[-1].tenant.namespace == b"\xab" and engines[0].requests[-1].prompt_token_ids == [5, 6, 7]
+    too_long = httpx.post(f"{url}/v1/completions", headers=h, json={**body, "max_tokens": 255})
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
-    malformed = httpx.post(f"{url}/internal/v1/generate", headers=h, json={"request_id": "x"})
-    assert malformed.status_code == 400
-    # a process without a node token exposes no node API
+    malformed = httpx.post(f"{url}/v1/completions", headers=h, json={"prompt": []})
+    assert malformed.status_code == 400 and malformed.json()["error"]["code"] == "invalid_node_request"
+    # a process without a node token has no node API: the same call is a tenant call there
     plain = create_app(GatewaySettings(), engine=FakeEngine())
     with TestClient(plain) as c:
-        assert c.post("/internal/v1/generate", json=body, headers=h).status_code == 404
+        assert c.post("/internal/v1/drain", headers=h).status_code == 404
 
 
 class BodyRecorder:

@@ -86,28 +86,24 @@ def test_marker_leads_the_prompt_and_differs_per_namespace() -> None:
     assert parts[0]["content"][0]["text"].startswith("[cache-scope ") and parts[0]["content"][1]["text"] == "Be brief."
 
 
-def test_node_abort_with_a_malformed_body_is_a_400() -> None:
-    """16.11: ``/internal/v1/abort`` with ``[1]`` or ``{`` was a 500."""
+def test_node_calls_with_a_malformed_body_are_400s() -> None:
+    """16.11 (a malformed node body was a 500), on the OpenAI-compatible node API."""
     app = create_app(GatewaySettings(node_token="node-secret"), engine=FakeEngine())
     h = {"Authorization": "Bearer node-secret", "Content-Type": "application/json"}
     with TestClient(app) as client:
-        for raw in (b"[1]", b"{", b"null", b'{"request_id": 5}', b"\xff"):
-            r = client.post("/internal/v1/abort", content=raw, headers=h)
-            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_node_request", (raw, r.text)
-        assert client.post("/internal/v1/abort", json={"request_id": "x"}, headers=h).json() == {"ok": True}
-        for raw in (b"[1]", b"{", b'{"tenant": [1]}'):
-            r = client.post("/internal/v1/generate", content=raw, headers=h)
-            assert r.status_code == 400, (raw, r.text)
+        for path in ("/v1/completions", "/v1/chat/completions", "/internal/v1/drain"):
+            for raw in (b"[1]", b"{", b"null", b'{"prompt": {"a": 1}, "messages": 5, "draining": 3}', b"\xff"):
+                r = client.post(path, content=raw, headers=h)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_node_request", (path, raw, r.text)
 
 
 def test_node_api_bounds_temperature_like_the_public_api() -> None:
     """A variant of 16.11 through the node API: a denormal temperature reaches the engine as greedy."""
     engine = FakeEngine()
     app = create_app(GatewaySettings(node_token="node-secret"), engine=engine)
-    body = {"request_id": "r1", "tenant": {"namespace": "00" * 32}, "prompt": "a b c",
-            "sampling": {"max_tokens": 1, "temperature": 1e-300}}
+    body = {"prompt": "a b c", "cache_salt": "00" * 32, "max_tokens": 1, "temperature": 1e-300}
     with TestClient(app) as client:
-        r = client.post("/internal/v1/generate", json=body, headers={"Authorization": "Bearer node-secret"})
+        r = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer node-secret"})
         assert r.status_code == 200, r.text
     assert engine.requests[-1].sampling.temperature == 0.0
 

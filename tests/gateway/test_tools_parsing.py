@@ -156,28 +156,18 @@ def test_local_features_logprobs_and_logit_bias():
         assert err.value.status == 400 and err.value.param == param
 
 
-def test_node_wire_carries_grammar_bias_logprobs_both_ways():
-    """A remote engine node gets the same sampling (grammar, bias, logprobs) and sends logprobs back."""
+def test_split_request_wire_carries_grammar_bias_and_logprobs():
+    """The split topology's prefill node gets the same sampling (grammar, bias, logprobs)."""
     import json as _json
 
-    from engine.protocol import (
-        GenerateRequest,
-        GuidedSpec,
-        RequestOutput,
-        SamplingParams,
-        StaticTenantScope,
-        TokenLogprob,
-    )
-    from gateway.node_wire import output_from_wire, output_to_wire, request_from_wire, request_to_wire
+    from engine.disagg.request_wire import request_from_wire, request_to_wire
+    from engine.protocol import GenerateRequest, GuidedSpec, SamplingParams, StaticTenantScope
 
     sampling = SamplingParams(logit_bias=((3, -100.0), (7, 5.0)), logprobs=2,
                               guided=GuidedSpec(json_schema='{"type": "object"}', prefix="<a>", suffix="</a>", repeat=True))
     req = GenerateRequest(request_id="r", tenant=StaticTenantScope(namespace=b"ns"), sampling=sampling, prompt="x")
     back = request_from_wire(_json.loads(_json.dumps(request_to_wire(req))))
     assert back.sampling == sampling
-    out = RequestOutput("r", (5,), "hi", True, 3, 0, 1, finish_reason="stop", logprobs=(
-        TokenLogprob(5, "hi", (104, 105), -0.5, top=(("hi", (104, 105), -0.5), ("ho", (104, 111), -1.5))),))
-    assert output_from_wire(_json.loads(_json.dumps(output_to_wire(out)))) == out
 
 
 @pytest.mark.parametrize("field", ["functions", "function_call", "audio", "prediction", "reasoning_effort",

@@ -38,4 +38,12 @@ def test_fused_triton_path_matches_plain_path(tmp_path, kv_dtype):
     assert runner.model.fused, "the CUDA runner fuses the projections"
     (plain, plain_kv), (fused, fused_kv) = _logits_both_paths(runner, prefill_then_decode_batch)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fused_kv.float(), plain_kv.float(), rtol=1e-4, atol=1e-4)
+    if kv_dtype != "fp8":
+        torch.testing.assert_close(fused_kv.float(), plain_kv.float(), rtol=1e-4, atol=1e-4)
+        return
+    # fp8 (centred keys on both paths): the fused kernel's RoPE may differ from torch's by one ulp of
+    # the compute dtype (kernels/rotary.py), which can carry a key across an e4m3 rounding boundary:
+    # seen on the H200, 2 of 262,144 values one step apart. Allow that, nothing more.
+    differ = (fused_kv.view(torch.uint8) != plain_kv.view(torch.uint8)).float().mean().item()
+    assert differ < 1e-3, f"{differ:.2%} of the fp8 cache differs"
+    torch.testing.assert_close(fused_kv.float(), plain_kv.float(), rtol=0.13, atol=2.0**-9)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from kernels import reference, triton_ops
 
@@ -29,3 +30,50 @@ def test_split_choice_fills_the_last_wave():
     assert choose_num_splits(256, 8, 2048, num_sms=132, block_n=64) == 1  # already 3.9 waves
     assert choose_num_splits(1, 8, 100, num_sms=132, block_n=64) == 1  # too short to split
     assert 60 <= choose_num_splits(1, 8, 131072, num_sms=132, block_n=64) <= 66
+
+
+def test_uniform_batches_split_as_before_with_a_length_hint():
+    """The length-aware model agrees with the width-only one where every sequence fills the table
+    (uniform batches must not lose), on the H200's shapes (132 SMs)."""
+    from kernels.decode_attention import choose_num_splits
+
+    for batch, kv_heads, context in [(64, 8, 4096), (256, 8, 2048), (16, 8, 32768), (2, 8, 65536), (2, 8, 131072),
+                                     (32, 8, 4096), (32, 4, 4096), (32, 32, 2048), (1, 8, 100)]:
+        plain = choose_num_splits(batch, kv_heads, context, num_sms=132, block_n=64)
+        hinted = choose_num_splits(batch, kv_heads, context, num_sms=132, block_n=64, context_lens=[context] * batch)
+        assert hinted == plain, (batch, kv_heads, context)
+    # one long sequence: the hint's power-of-two candidates land next to the width-only 63
+    assert choose_num_splits(1, 8, 131072, num_sms=132, block_n=64, context_lens=[131072]) == 64
+
+
+def test_a_mixed_batch_splits_for_its_real_lengths():
+    """32 sequences of 100-8,000 tokens (benchmarks/kernels.py MIXED_LENS): the width alone gives 2
+    splits (0.181 ms on the H200, session 2), the measured best were 4-32 (0.137-0.141 ms)."""
+    from kernels.decode_attention import choose_num_splits
+
+    lens = torch.randint(100, 8001, (32,), generator=torch.Generator().manual_seed(7)).tolist()
+    assert choose_num_splits(32, 8, 8000, num_sms=132, block_n=64) == 2
+    assert choose_num_splits(32, 8, 8000, num_sms=132, block_n=64, context_lens=lens) in (4, 8, 16)
+    # a batch of short sequences in a wide table: few splits, whatever the width says
+    assert choose_num_splits(32, 8, 8000, num_sms=132, block_n=64, context_lens=[200] * 31 + [8000]) >= 4
+    assert choose_num_splits(64, 8, 8000, num_sms=132, block_n=64, context_lens=[300] * 64) == 1
+
+
+def test_tiles_per_head_dim_and_cache_width():
+    """choose_tiles: what session 3's run 1 measured best per (head dim, cache dtype)."""
+    from kernels.decode_attention import FP8_CANDIDATE, choose_num_splits, choose_tiles
+
+    def key(t):
+        return (t.block_n, t.num_stages, t.programs_per_sm)
+
+    assert key(choose_tiles(128, torch.bfloat16)) == (64, 2, 4)
+    assert key(choose_tiles(128, torch.float32)) == (64, 2, 4)
+    assert key(choose_tiles(128, reference.FP8_DTYPE)) == (64, 5, 4)  # two-tile ring
+    assert key(choose_tiles(128, torch.int8)) == (64, 2, 4)  # the ring made int8 slower
+    assert key(choose_tiles(64, torch.bfloat16)) == (64, 5, 4)
+    assert key(choose_tiles(64, reference.FP8_DTYPE)) == (128, 5, 4)
+    assert key(choose_tiles(64, torch.int8)) == (128, 5, 4)
+    assert choose_tiles(256, torch.bfloat16).block_n == 32
+    # the fp8 candidate's split rule: 512 programs a split on 3 x 132 slots -> 3 splits, four nearly full waves
+    assert choose_num_splits(64, 8, 4096, num_sms=132, block_n=FP8_CANDIDATE.block_n,
+                             programs_per_sm=FP8_CANDIDATE.programs_per_sm) == 3

@@ -18,7 +18,7 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, ref.FP8_D
 
 
 def run_case(head_dim, group, block_size, seq_lens, kv_dtype, q_dtype=torch.float16, num_splits=None,
-             kv_heads=2, seed=0, device="cpu"):
+             kv_heads=2, seed=0, device="cpu", length_hint=False):
     gen = torch.Generator().manual_seed(seed)
     q_heads = kv_heads * group
     num_blocks = sum((n + block_size - 1) // block_size for n in seq_lens) + 3
@@ -30,7 +30,8 @@ def run_case(head_dim, group, block_size, seq_lens, kv_dtype, q_dtype=torch.floa
     scale = 1 / math.sqrt(head_dim)
     want = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs)
     if num_splits is None:
-        got = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs)
+        got = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs,
+                                                context_lens=list(seq_lens) if length_hint else None)
     else:
         got = decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, ks, vs, num_splits=num_splits)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -64,6 +65,15 @@ def test_decode_bf16_queries_upcast_in_interpreter():
 def test_decode_quantized_kv(kv_dtype, head_dim, group, block_size):
     run_case(head_dim, group, block_size, [45, 17, 1], kv_dtype, num_splits=2 if block_size == 16 else None,
              seed=11 + head_dim)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE])
+def test_decode_with_a_length_hint(kv_dtype):
+    """The host-side lengths pick the split count (several here: one long sequence among short ones,
+    on the interpreter's 4-SM machine); the result is the reference's."""
+    lens = [1100, 3, 40, 17, 900]
+    assert decode_attention.choose_num_splits(len(lens), 2, 1104, 4, 64, context_lens=lens) > 1
+    run_case(64, 4, 16, lens, kv_dtype, length_hint=True, seed=31)
 
 
 def test_decode_checks_inputs():

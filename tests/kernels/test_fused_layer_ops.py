@@ -52,7 +52,8 @@ def test_rms_norm_matches_reference(tokens, hidden, dtype, with_residual):
     run_norm_case(tokens, hidden, dtype, with_residual, seed=tokens * hidden + with_residual)
 
 
-def run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, dtype, seed, device="cpu", tokens=7):
+def run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, dtype, seed, device="cpu", tokens=7,
+                    with_bias=False):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 6
     k_cache, v_cache, ks, vs = make_kv_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype, device, gen)
@@ -67,8 +68,11 @@ def run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, dtype, se
     slots = slots.to(device)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want_s = [s.clone() if s is not None else None for s in (ks, vs)]
-    q_want = ref.rotary_write_kv(qkv, cos, sin, want_k, want_v, slots, q_heads, want_s[0], want_s[1])
-    q_got = triton_ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, ks, vs)
+    # a key bias as large as the keys (real models' channel means are, engine/kv_calibration.py): a
+    # kernel that ignored it would be off by ~100%
+    bias = (torch.randn(kv_heads, head_dim, generator=gen) * 2).to(device=device, dtype=dtype) if with_bias else None
+    q_want = ref.rotary_write_kv(qkv, cos, sin, want_k, want_v, slots, q_heads, want_s[0], want_s[1], bias)
+    q_got = triton_ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, ks, vs, bias)
     assert q_got.shape == (tokens, q_heads, head_dim) and q_got.is_contiguous()
     assert rel_err(q_got, q_want) < tol(dtype)
     # The rotated k may differ from torch's by one ulp of the compute dtype (bf16 on the GPU), which
@@ -102,6 +106,22 @@ def test_rotary_write_kv_matches_reference(q_heads, kv_heads, head_dim, block_si
 @pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8])
 def test_rotary_write_kv_quantized_cache(kv_dtype):
     run_rotary_case(8, 2, 64, 16, kv_dtype, torch.float16, seed=5)
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", [(ref.FP8_DTYPE, torch.float16), (torch.float32, torch.float32),
+                                            (torch.float16, torch.float16)])
+@pytest.mark.parametrize("seed", [21, 22])
+def test_rotary_write_kv_subtracts_the_key_bias(kv_dtype, dtype, seed):
+    """The fp8 calibration's key bias, subtracted after RoPE as the plain path does (fresh inputs per seed)."""
+    run_rotary_case(8, 2, 64, 16, kv_dtype, dtype, seed=seed, with_bias=True)
+    run_rotary_case(6, 3, 32, 32, kv_dtype, dtype, seed=seed + 100, with_bias=True)
+
+
+def test_rotary_write_kv_rejects_a_bad_key_bias():
+    kc, vc, _, _ = make_kv_cache(2, 16, 2, 16, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError, match="k_bias must be"):
+        triton_ops.rotary_write_kv(torch.randn(3, 6 * 16), torch.randn(3, 16), torch.randn(3, 16), kc, vc,
+                                   torch.zeros(3, dtype=torch.int64), 2, k_bias=torch.zeros(16))
 
 
 def run_silu_case(tokens, inter, dtype, seed, device="cpu"):

@@ -30,6 +30,15 @@ def test_decode_gpu(kv_dtype, head_dim, group, block_size, num_splits, q_dtype=t
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_gpu_length_hint(kv_dtype, head_dim):
+    """Host-side lengths pick the split count (choose_num_splits' length model) on compiled kernels."""
+    lens = [9000, 3, 40, 1700, 17, 900, 5000, 2]
+    decode.run_case(head_dim, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim + 5,
+                    device="cuda", length_hint=True)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
 def test_prefill_gpu(kv_dtype, head_dim, group, block_size, q_dtype=torch.bfloat16):
     prefill.run_case(head_dim, group, block_size, cached=[0, 21, 700, 5, 1000], new=[300, 7, 1, 0, 513],
@@ -76,6 +85,9 @@ def test_rms_norm_gpu(dtype, with_residual):
 def test_rotary_write_kv_gpu(kv_dtype, q_heads, kv_heads, head_dim, block_size):
     fused.run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, torch.bfloat16, seed=q_heads,
                           device="cuda", tokens=33)
+    if kv_dtype == ref.FP8_DTYPE:  # the fp8 calibration's key bias, subtracted in the kernel
+        fused.run_rotary_case(q_heads, kv_heads, head_dim, block_size, kv_dtype, torch.bfloat16, seed=q_heads + 1,
+                              device="cuda", tokens=33, with_bias=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,20 +1,9 @@
-"""The internal node API's wire format: ``GenerateRequest`` and ``RequestOutput`` as JSON.
+"""A ``GenerateRequest`` as JSON, for the split topology's KV calls (``/internal/v1/kv/*``).
 
-A gateway talks to a remote engine node (another ``prefixgate serve``) with::
-
-    POST /internal/v1/generate        Authorization: Bearer <shared node token>
-    {"request_id", "model", "tenant": {"namespace": hex, "metrics_label", "priority",
-     "kv_block_quota", "ttft_target_s"}, "sampling": {...SamplingParams},
-     "messages" | "prompt" | "prompt_token_ids", "tools"}
-    -> 200, application/x-ndjson: one RequestOutput object per line, the last with "finished": true
-    -> 4xx/5xx before streaming: {"error": {"message", "code"}} (engine errors keep their code)
-
-    POST /internal/v1/abort {"request_id"}      GET /internal/v1/health|stats|models
-    POST /internal/v1/count {request as above}  -> {"prompt_tokens": n}
-
-The tenant arrives only as its server-derived namespace: the node never sees keys or tenant
-ids. Its ``cipher`` is None on the node, so a remote node drops evicted blocks of remote
-tenants instead of spilling them (it holds no tenant data key).
+The prefill/decode split needs the whole request on the prefill node (sampling, tenant scope,
+guided grammar) to compute exactly the blocks the decode node will look up; generation itself goes
+through the OpenAI-compatible node API (``gateway.remote``). The tenant travels only as its
+server-derived namespace (hex): the node never sees keys or tenant ids, and holds no data key.
 """
 
 from __future__ import annotations
@@ -25,10 +14,8 @@ from typing import Any
 from engine.protocol import (
     GenerateRequest,
     GuidedSpec,
-    RequestOutput,
     SamplingParams,
     StaticTenantScope,
-    TokenLogprob,
 )
 
 
@@ -82,20 +69,3 @@ def request_from_wire(d: dict[str, Any]) -> GenerateRequest:
         prompt_token_ids=d.get("prompt_token_ids"),
         model=d.get("model"),
     )
-
-
-def output_to_wire(out: RequestOutput) -> dict[str, Any]:
-    return dataclasses.asdict(out)
-
-
-def output_from_wire(d: dict[str, Any]) -> RequestOutput:
-    d = dict(d)
-    d["new_token_ids"] = tuple(d.get("new_token_ids") or ())
-    d["token_times_s"] = tuple(d.get("token_times_s") or ())
-    d["logprobs"] = tuple(
-        TokenLogprob(token_id=int(lp["token_id"]), token=str(lp["token"]), token_bytes=tuple(lp["token_bytes"]),
-                     logprob=float(lp["logprob"]),
-                     top=tuple((str(t), tuple(b), float(v)) for t, b, v in lp.get("top") or ()))
-        for lp in d.get("logprobs") or ()
-    )
-    return RequestOutput(**d)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prefill/decode split on a GPU machine (docs/disaggregation.md), in one call: the `-m gpu` tests of
+# the shared-buffer transport (CUDA IPC between two processes; GPU 0 -> GPU 1 where two are visible),
+# then benchmarks/pd.py on the 8B-shaped model: two engine processes (benchmarks/pd_node.py) sharing
+# GPU 0, or GPU 0 -> GPU 1 with PD_GPUS=2 on a two-GPU machine (issue #23). Run from the repository root:
+#   bash benchmarks/gpu_pd.sh            (PD_ARGS="..." adds pd.py flags; results in $OUT or benchmarks/results)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1
+# NVLink multicast stays off on shared multi-GPU hosts
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+RES=${OUT:-benchmarks/results}
+mkdir -p "$RES"
+"$PY" -m pytest tests/disagg/test_shared_transport.py tests/disagg/test_transport_choice.py -m gpu -q \
+  -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/pd_gpu_pytest.log"
+TEST_RC=${PIPESTATUS[0]}
+G=${PD_GPUS:-1}
+NAME=pd_cuda_8b$([ "$G" = 2 ] && echo _2gpu)
+"$PY" benchmarks/pd.py --device cuda --gpus "$G" --shape 8b --decoders 16 --short-tokens 256 --decode-tokens 128 \
+  --long-arrivals 8 --long-tokens 8192 --interval-s 0.5 --warmup-s 1 --repeats 5 --kv-blocks 8192 --split-min-tokens 1024 \
+  --out "$RES/$NAME.json" ${PD_ARGS:-} 2>&1 | tee "$RES/${NAME}.log"
+BENCH_RC=${PIPESTATUS[0]}
+echo "pd: pytest rc $TEST_RC, pd.py rc $BENCH_RC"
+exit $(( TEST_RC != 0 || BENCH_RC != 0 ))

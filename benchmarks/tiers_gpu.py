@@ -1,0 +1,403 @@
+"""Restore a 16K-token prefix of the 8B-shaped model's KV (2 GiB) from DRAM / NVMe vs recomputing it.
+
+One run, on one GPU, measures side by side (docs/gpu.md, "KV tiers on the GPU", has the
+predictions written before the first run and the results):
+
+    ceilings    pinned and pageable host-to-device copy of 2 GiB (the link)
+    kernel      ChaCha20-Poly1305 opened by the Triton kernels on device-resident ciphertext (32 x 64 MiB),
+                checked byte for byte against the plaintext `cryptography` sealed
+    recompute   the engine's TTFT of a fresh 16,384-token prompt (the 8B-shaped random bf16 model, one step)
+    restore     TierManager.restore + runner.import_blocks of the same 1,024 blocks, until they are in
+                the KV pool, for each tier (DRAM pinned, NVMe files with the page cache dropped) and mode:
+                  plain       no encryption (InsecureNullCipher): the stored blobs copied to HBM
+                  gpu_chacha  ChaCha20-Poly1305 blobs: ciphertext over the link, opened in HBM (DeviceAeadOpener)
+                  cpu_chacha  the same blobs decrypted by `cryptography` on 8 CPU threads into pinned
+                              buffers, copies pipelined (PinnedHostOpener: the fallback and oracle)
+                  cpu_aes     AES-256-GCM blobs (tenancy's default), the same CPU path
+                every restored tensor is compared with the original KV bytes
+
+    python benchmarks/tiers_gpu.py [--out FILE] [--trials 5] [--nvme-dir DIR]
+    python benchmarks/tiers_gpu.py --smoke            # CPU, tiny shapes, kernels in Triton's interpreter
+
+Writes ``benchmarks/results/tiers_gpu_h200.json`` (or ``--out``) with command, machine and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import torch  # noqa: E402
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.models.random_init import LLAMA31_8B_SHAPE, build_random_model, llama_config_dict  # noqa: E402
+from engine.models.spec import parse_checkpoint_config  # noqa: E402
+from engine.protocol import BlockCipher, GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
+from engine.tiers import InsecureNullCipher, TierManager, TierRates  # noqa: E402
+from engine.tiers.gpu_opener import DeviceAeadOpener, PinnedHostOpener  # noqa: E402
+from engine.tiers.opener import OpenedRuns, SealedRun, SegmentOpener  # noqa: E402
+from kernels import chacha20_poly1305 as gpu_aead  # noqa: E402
+from tenancy.crypto import TenantCipher, new_data_key  # noqa: E402
+
+SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "rms_norm_eps": 1e-5,
+               "rope_theta": 10000.0, "max_position_embeddings": 4096}
+MODES = ("plain", "gpu_chacha", "cpu_chacha", "cpu_aes")
+
+
+class IdTokenizer:
+    """Random-weight models have no vocabulary: token ids are the text."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+
+class PlainCopyOpener:
+    """No encryption (the blobs are the plaintext: ``InsecureNullCipher``): each stored segment's
+    wanted blocks copied to the device on a side stream. The floor every encrypted mode is measured
+    against. Benchmark only."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def open_runs(self, cipher: BlockCipher, runs: Sequence[SealedRun], block_bytes: int) -> OpenedRuns:
+        row = 0
+        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+            out = torch.empty(sum(r.count for r in runs), block_bytes, dtype=torch.uint8, device=self.device)
+            for r in runs:
+                src = torch.frombuffer(r.blob, dtype=torch.uint8)[r.first * block_bytes:(r.first + r.count) * block_bytes]
+                out[row:row + r.count].copy_(src.view(r.count, block_bytes), non_blocking=True)
+                row += r.count
+        if self._stream is not None:
+            self._stream.synchronize()
+        return OpenedRuns(len(runs), out)
+
+    def close(self) -> None:
+        pass
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+        return (sha or "unknown") + ("-dirty" if dirty.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def timed(fn: Callable[[], Any], dev: torch.device) -> float:
+    sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+# ---- sections ----------------------------------------------------------------------------------------
+def sec_ceilings(dev: torch.device, nbytes: int, trials: int) -> dict:
+    if dev.type != "cuda":
+        return {"skipped": "no CUDA"}
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pinned.fill_(1)
+    pageable.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    out = {}
+    for name, src in (("pinned", pinned), ("pageable", pageable)):
+        dst.copy_(src, non_blocking=True)
+        ts = [timed(lambda s=src: dst.copy_(s, non_blocking=True), dev) for _ in range(trials)]
+        out[f"h2d_{name}_ms"] = 1e3 * statistics.median(ts)
+        out[f"h2d_{name}_GBps"] = nbytes / statistics.median(ts) / 1e9
+    return out
+
+
+def sec_kernel(dev: torch.device, seg_bytes: int, segments: int, trials: int) -> dict:
+    """Device-resident ciphertext: what the kernels alone cost (no link)."""
+    key = new_data_key()
+    aead = ChaCha20Poly1305(key)
+    plain = torch.randint(0, 256, (seg_bytes,), dtype=torch.uint8).numpy().tobytes()
+    raw, spans = bytearray(), []
+    for i in range(segments):
+        nonce, aad = os.urandom(12), b"aad-%d" % i
+        sealed = aead.encrypt(nonce, plain, aad)
+        off = len(raw) + 16
+        raw += bytes(16) + sealed[:-16] + bytes(-(len(sealed) - 16) % 64)
+        spans.append(gpu_aead.SealedSpan(nonce, off // 4, seg_bytes, sealed[-16:], aad, i * seg_bytes // 4))
+    src = torch.frombuffer(raw, dtype=torch.uint8).to(dev).view(torch.int32)
+    dst = torch.empty(segments * seg_bytes // 4, dtype=torch.int32, device=dev)
+    ok = gpu_aead.open_sealed(key, src, spans, dst)  # compile + check
+    expect = torch.frombuffer(bytearray(plain), dtype=torch.uint8).to(dev)
+    equal = all(torch.equal(dst.view(torch.uint8)[i * seg_bytes:(i + 1) * seg_bytes], expect) for i in range(segments))
+    ts = [timed(lambda: gpu_aead.open_sealed(key, src, spans, dst), dev) for _ in range(trials)]
+    total = segments * seg_bytes
+    # the kernels without the host's per-segment work (Poly1305 key, AAD, tag): device time only
+    r = [gpu_aead.poly1305_key(key, s.nonce)[0] for s in spans]
+
+    def kernels_only() -> None:
+        for s, rr in zip(spans, r, strict=True):
+            gpu_aead.poly1305_lane_sums(src, s.ct_word, s.nbytes, rr)
+            gpu_aead.chacha20_xor(src, s.ct_word, s.nbytes, key, s.nonce, 1, dst, s.out_word)
+
+    tk = [timed(kernels_only, dev) for _ in range(trials)]
+    return {"segments": segments, "segment_bytes": seg_bytes, "tags_ok": all(ok), "plaintext_equal": equal,
+            "open_ms": 1e3 * statistics.median(ts), "open_GBps": total / statistics.median(ts) / 1e9,
+            "kernels_ms": 1e3 * statistics.median(tk), "kernels_GBps": total / statistics.median(tk) / 1e9}
+
+
+def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int) -> ModelRunner:
+    cfg = llama_config_dict(**shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+        arch = parse_checkpoint_config(Path(tmp), prefix + 256)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = build_random_model(arch, dev, dtype, seed=0)
+    config = EngineConfig(model_dir=Path("random-8b"), device=str(dev), num_kv_blocks=blocks, max_num_seqs=4,
+                          max_num_batched_tokens=prefix + 256, max_model_len=prefix + 256, use_cuda_graphs=False)
+    return ModelRunner(config, arch=arch, tokenizer=IdTokenizer(), model=model)
+
+
+def sec_recompute(dev: torch.device, runner: ModelRunner, prefix: int, trials: int) -> dict:
+    """TTFT of a fresh prompt of ``prefix`` tokens: what a restore saves (one prefill step)."""
+    config, vocab = runner.config, runner.arch.vocab_size
+    g = torch.Generator().manual_seed(5)
+
+    def ttft(n: int) -> float:
+        engine = LLMEngine(config, runner)
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        engine.add_request(GenerateRequest("r", StaticTenantScope(), SamplingParams(max_tokens=1, temperature=0.0),
+                                           prompt_token_ids=ids))
+        sync(dev)
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        sync(dev)
+        return time.perf_counter() - t0
+
+    ttft(min(prefix, 2048))
+    ttft(prefix)  # first use of the full shape
+    ts = [ttft(prefix) for _ in range(trials)]
+    return {"tokens": prefix, "ttft_ms": 1e3 * statistics.median(ts), "ttft_all_ms": [1e3 * t for t in ts]}
+
+
+def drop_page_cache_of(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def sec_restore(dev: torch.device, runner: ModelRunner, tier: str, mode: str, num_blocks: int, seg_blocks: int,
+                trials: int, data: torch.Tensor, nvme_root: Path) -> dict:
+    bb = runner.kv_bytes_per_block
+    cipher: BlockCipher = InsecureNullCipher() if mode == "plain" else TenantCipher(new_data_key(), owner="bench")
+    opener: SegmentOpener = {"plain": lambda: PlainCopyOpener(dev), "gpu_chacha": lambda: DeviceAeadOpener(dev),
+                             "cpu_chacha": lambda: PinnedHostOpener(dev), "cpu_aes": lambda: PinnedHostOpener(dev)}[mode]()
+    total = num_blocks * bb
+    room = 2 * total + (64 << 20)
+    nvme_dir = nvme_root / f"{tier}-{mode}"
+    sizes = {"dram_bytes": room} if tier == "dram" else {"nvme_dir": nvme_dir, "nvme_bytes": room}
+    # min_gain=0: store whatever is demoted. At its default rates the cost model drops 64 MiB NVMe
+    # segments (recomputing 512 tokens is cheaper than reading them back): the first run stored none.
+    m = TierManager(model_id="bench-8b", block_size=16, block_bytes=bb, max_segment_blocks=seg_blocks,
+                    max_workers=8, pin_memory=dev.type == "cuda", opener=opener, rates=TierRates(min_gain=0.0),
+                    device_seal=mode in ("gpu_chacha", "cpu_chacha"), **sizes)
+    try:
+        who = StaticTenantScope(namespace=b"bench-" + mode.encode(), metrics_label=mode, cipher=cipher)
+        hashes = [os.urandom(32) for _ in range(num_blocks)]
+        t0 = time.perf_counter()
+        futs = [m.demote(who, hashes[i:i + seg_blocks], data[i:i + seg_blocks]) for i in range(0, num_blocks, seg_blocks)]
+        stored = sum(sum(f.result().stored.values()) for f in futs)
+        m.drain()
+        demote_s = time.perf_counter() - t0
+        if stored != num_blocks:
+            return {"error": f"only {stored} of {num_blocks} blocks stored"}
+        ids = list(range(num_blocks))
+        expect = data.to(dev)
+        times, equal = [], True
+        for trial in range(trials + 1):  # the first one warms up (kernels compiled, pools started)
+            if tier == "nvme":
+                drop_page_cache_of(nvme_dir)
+            match = m.lookup(who.namespace, hashes)
+            sync(dev)
+            t0 = time.perf_counter()
+            res = m.restore(who, match).result()
+            got = res.data if isinstance(res.data, torch.Tensor) else \
+                torch.frombuffer(bytearray(res.data), dtype=torch.uint8).view(-1, bb)
+            runner.import_blocks(ids[:res.num_blocks], got)
+            sync(dev)
+            if trial:
+                times.append(time.perf_counter() - t0)
+            equal = equal and res.num_blocks == num_blocks and torch.equal(got.to(dev), expect)
+        back = runner.export_blocks(ids[:8])  # what landed in the KV pool
+        equal = equal and torch.equal(back, data[:8])
+        med = statistics.median(times)
+        return {"tier": tier, "mode": mode, "blocks": num_blocks, "bytes": total, "restore_ms": 1e3 * med,
+                "restore_all_ms": [1e3 * t for t in times], "GBps": total / med / 1e9, "plaintext_equal": equal,
+                "demote_s": demote_s, "stored_bytes": m.stats()[tier]["used_bytes"]}
+    finally:
+        m.close()
+        del m
+        gc.collect()
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def table(r: dict) -> str:
+    s = r["sections"]
+    lines = []
+    c = s.get("ceilings", {})
+    if "h2d_pinned_GBps" in c:
+        lines.append(f"link: pinned H2D {c['h2d_pinned_GBps']:.1f} GB/s ({c['h2d_pinned_ms']:.1f} ms for 2 GiB), "
+                     f"pageable {c['h2d_pageable_GBps']:.1f} GB/s")
+    k = s.get("kernel", {})
+    if "open_GBps" in k:
+        lines.append(f"kernels on device-resident ciphertext: open {k['open_GBps']:.0f} GB/s, kernels only "
+                     f"{k['kernels_GBps']:.0f} GB/s; tags ok {k['tags_ok']}, plaintext equal {k['plaintext_equal']}")
+    rec = s.get("recompute", {}).get("ttft_ms")
+    if rec:
+        lines.append(f"recompute: TTFT of {s['recompute']['tokens']} tokens {rec:.1f} ms")
+    lines.append(f"{'tier':<6}{'mode':<12}{'restore ms':>11}{'GB/s':>7}{'vs recompute':>14}{'vs plain':>10}"
+                 f"{'equal':>7}{'demote s':>10}")
+    rows = s.get("restore", [])
+    plain = {x["tier"]: x["restore_ms"] for x in rows if x.get("mode") == "plain" and "restore_ms" in x}
+    for x in rows:
+        if "restore_ms" not in x:
+            lines.append(f"{x.get('tier', '?'):<6}{x.get('mode', '?'):<12}ERROR {x.get('error', '')[:70]}")
+            continue
+        vs_rec = f"{rec / x['restore_ms']:.1f}x" if rec else "-"
+        vs_plain = f"+{100 * (x['restore_ms'] / plain[x['tier']] - 1):.0f}%" if x["tier"] in plain else "-"
+        lines.append(f"{x['tier']:<6}{x['mode']:<12}{x['restore_ms']:>11.1f}{x['GBps']:>7.1f}{vs_rec:>14}"
+                     f"{vs_plain:>10}{str(x['plaintext_equal']):>7}{x['demote_s']:>10.2f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=None, help="default: cuda when available (the full run), else cpu")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tiers_gpu_h200.json)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the flow")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--nvme-dir", default=None, help="directory on the disk to test (default: a temp dir)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--nvme-modes", default="plain,gpu_chacha,cpu_aes")
+    ap.add_argument("--nvme-trials", type=int, default=3, help="(each reads 2 GiB from the disk)")
+    ap.add_argument("--sections", default="ceilings,kernel,recompute,restore")
+    args = ap.parse_args()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
+    shape, prefix, seg_blocks = (SMOKE_SHAPE, 128, 4) if args.smoke else (LLAMA31_8B_SHAPE, 16384, 32)
+    trials = min(args.trials, 2) if args.smoke else args.trials
+    num_blocks = prefix // 16
+    out_path = Path(args.out or Path(__file__).resolve().parent / "results" /
+                    ("tiers_gpu_smoke.json" if args.smoke else "tiers_gpu_h200.json"))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    result: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": os.environ.get("PREFIXGATE_COMMIT") or git_commit(),
+        "machine": {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+                    "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "triton": triton.__version__, "python": platform.python_version(),
+                    "interpreter": os.environ.get("TRITON_INTERPRET") == "1"},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "shape": {"prefix_tokens": prefix, "blocks": num_blocks, "segment_blocks": seg_blocks},
+        "sections": {},
+    }
+    t_start = time.perf_counter()
+    wanted = args.sections.split(",")
+
+    def save() -> None:
+        result["elapsed_s"] = time.perf_counter() - t_start
+        out_path.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+
+    def section(name: str, fn: Callable[..., Any], *a: Any) -> Any:
+        print(f"== {name} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            r = fn(*a)
+        except Exception as exc:  # one run must yield every figure it can
+            traceback.print_exc()
+            r = {"error": f"{type(exc).__name__}: {exc}"}
+        if isinstance(r, dict):
+            r["section_s"] = time.perf_counter() - t0
+        print(f"   {name}: {r if not isinstance(r, list) else len(r)}", flush=True)
+        save()
+        return r
+
+    runner = make_runner(dev, shape, prefix, num_blocks + 64)
+    bb = runner.kv_bytes_per_block
+    result["shape"].update(block_bytes=bb, kv_bytes=num_blocks * bb)
+    if "ceilings" in wanted:
+        result["sections"]["ceilings"] = section("ceilings", sec_ceilings, dev, num_blocks * bb, trials)
+    if "kernel" in wanted:
+        result["sections"]["kernel"] = section("kernel", sec_kernel, dev, seg_blocks * bb, num_blocks // seg_blocks,
+                                               trials)
+    if "recompute" in wanted:
+        result["sections"]["recompute"] = section("recompute", sec_recompute, dev, runner, prefix, trials)
+    if "restore" in wanted:
+        g = torch.Generator(device=dev).manual_seed(1)
+        data = torch.randint(0, 256, (num_blocks, bb), dtype=torch.uint8, device=dev, generator=g).cpu()
+        if dev.type == "cuda":
+            data = data.pin_memory()
+        rows: list[dict] = []
+        result["sections"]["restore"] = rows
+        with tempfile.TemporaryDirectory(dir=args.nvme_dir) as tmp:
+            for tier, modes in (("dram", args.modes), ("nvme", args.nvme_modes)):
+                for mode in modes.split(","):
+                    n = trials if tier == "dram" else min(trials, args.nvme_trials)
+                    rows.append(section(f"restore {tier} {mode}", sec_restore, dev, runner, tier, mode, num_blocks,
+                                        seg_blocks, n, data, Path(tmp)))
+                    save()
+    result["table"] = table(result)
+    save()
+    print(result["table"], flush=True)
+    print(f"JSON: {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""The seam for KV that the engine's GPU decrypts: a cipher that also seals with ChaCha20-Poly1305.
+
+Tenancy's ``TenantCipher`` implements ``DeviceSealingCipher`` structurally (the engine never
+imports tenancy). Its device blobs have this layout, which ``engine.tiers.gpu_opener`` parses::
+
+    byte 0       0x02 (DEVICE_BLOB_VERSION)
+    bytes 1-3    zero (rejected otherwise): the ciphertext starts at byte 16, a word boundary
+    bytes 4-15   96-bit nonce, fresh per segment
+    16 .. -16    ChaCha20 ciphertext (counter from 1, RFC 8439)
+    last 16      Poly1305 tag over (aad, ciphertext)
+
+Why ChaCha20-Poly1305 here and AES-256-GCM elsewhere: both are standard AEADs; AES-GCM is what the
+CPU does fastest (AES-NI + carry-less multiply), ChaCha20 is add/rotate/xor and Poly1305 integer
+multiply-add, which a GPU runs at memory speed with no special instructions, so the ciphertext can
+cross the host link and be opened in HBM.
+
+This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+DEVICE_BLOB_VERSION = 0x02
+DEVICE_HEADER_BYTES = 16
+TAG_BYTES = 16
+KEY_BYTES = 32
+
+
+@runtime_checkable
+class DeviceSealingCipher(Protocol):
+    """A ``BlockCipher`` (``engine.protocol``) that can also seal for decryption on the GPU.
+
+    Contract:
+        - ``encrypt_for_device`` returns a blob in the layout above, fresh nonce per call.
+        - ``decrypt`` (the ``BlockCipher`` method) opens those blobs too: the CPU fallback.
+        - ``device_key`` is the 32-byte ChaCha20-Poly1305 key of those blobs, or None once the
+          tenant's key is destroyed. It may only go to this engine's own device; never log it.
+    """
+
+    def encrypt(self, plaintext: bytes | memoryview, aad: bytes) -> bytes: ...
+
+    def decrypt(self, blob: bytes | memoryview, aad: bytes) -> bytes | None: ...
+
+    def encrypt_for_device(self, plaintext: bytes | memoryview, aad: bytes) -> bytes: ...
+
+    def device_key(self) -> bytes | None: ...
+
+
+@dataclass(frozen=True)
+class DeviceBlobParts:
+    nonce: bytes
+    ct_len: int
+    tag: bytes
+
+
+def device_blob_parts(blob: bytes | memoryview) -> DeviceBlobParts | None:
+    """Nonce, ciphertext length and tag of a device blob; None if it is not one (or is malformed)."""
+    if len(blob) < DEVICE_HEADER_BYTES + TAG_BYTES or blob[0] != DEVICE_BLOB_VERSION or bytes(blob[1:4]) != b"\0\0\0":
+        return None
+    return DeviceBlobParts(bytes(blob[4:DEVICE_HEADER_BYTES]), len(blob) - DEVICE_HEADER_BYTES - TAG_BYTES,
+                           bytes(blob[len(blob) - TAG_BYTES:]))

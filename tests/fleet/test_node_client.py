@@ -1,0 +1,158 @@
+"""The node client and route options against a keyless self-hosted server (issue 20.3).
+
+The server here is a small real HTTP server in vLLM's shape as vLLM answers when started without
+`--api-key` and without `--enable-prompt-tokens-details`: it records the headers it is sent and
+reports usage with no `prompt_tokens_details`. (vLLM itself is in tests/slow/test_vllm_node.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope
+from gateway.app import create_app
+from gateway.remote import RemoteEngineClient
+from gateway.settings import GatewaySettings, RouteConfig
+from tenancy.pricing import UNPRICED, PriceBook
+from tenancy.report import aggregate, render_table
+from tenancy.service import TenancyService
+from tests.gateway.gateway_fakes import LoopbackServer
+
+
+class KeylessServer:
+    """vLLM without --api-key / --enable-prompt-tokens-details: no auth, usage without details."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str | None, dict]] = []  # (path, Authorization header, body)
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self._completion, methods=["POST"]),
+            Route("/v1/chat/completions", self._completion, methods=["POST"]),
+            Route("/v1/models", self._models),
+            Route("/health", lambda _: JSONResponse({})),
+        ])
+
+    async def _models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "served", "max_model_len": 512}]})
+
+    async def _completion(self, request: Request):
+        body = await request.json()
+        self.calls.append((request.url.path, request.headers.get("authorization"), body))
+        chat = request.url.path.endswith("chat/completions")
+        usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
+        choice = {"index": 0, "finish_reason": "stop"}
+        if not body.get("stream"):
+            choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
+            return JSONResponse({"id": "x", "object": "chat.completion" if chat else "text_completion",
+                                 "created": 1, "model": body.get("model"), "choices": [choice], "usage": usage})
+
+        def chunk(payload: dict) -> str:
+            return f"data: {json.dumps({'id': 'x', 'created': 1, 'model': body.get('model'), **payload})}\n\n"
+
+        async def events():
+            delta = {"delta": {"content": "ok"}} if chat else {"text": "ok", "token_ids": [42]}
+            yield chunk({"choices": [{"index": 0, "finish_reason": "stop", **delta}]})
+            yield chunk({"choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture
+def keyless():
+    server = KeylessServer()
+    with LoopbackServer(server.app) as srv:
+        yield server, srv.url
+
+
+def test_node_client_sends_no_authorization_and_sees_cached_tokens_unreported(keyless) -> None:
+    server, url = keyless
+
+    async def run() -> list:
+        client = RemoteEngineClient(url, None)
+        try:
+            await client.refresh_models()
+            assert client.state.cached_tokens_reported is None
+            req = GenerateRequest(request_id="r", tenant=StaticTenantScope(namespace=b"\x01\x02", priority=3),
+                                  sampling=SamplingParams(max_tokens=1), prompt_token_ids=[1, 2, 3])
+            return [o async for o in client.generate(req)]
+        finally:
+            await client.aclose()
+
+    outs = asyncio.run(run())
+    path, auth, body = server.calls[-1]
+    assert path == "/v1/completions" and auth is None  # keyless: no header at all
+    assert body["prompt"] == [1, 2, 3] and body["cache_salt"] == "0102" and body["model"] == "served"
+    assert "priority" not in body  # vLLM refuses it unless started with priority scheduling
+    assert outs[0].new_token_ids == (42,) and outs[-1].finished and outs[-1].prompt_tokens == 7
+    assert outs[-1].cached_tokens == 0
+
+
+def test_a_gateway_says_when_a_node_does_not_report_cached_tokens(keyless, tmp_path) -> None:
+    server, url = keyless
+    home = tmp_path / "gw"
+    svc = TenancyService.open(home)
+    key = svc.create_tenant("acme").api_key
+    svc.close()
+    route = RouteConfig(model="m", nodes=(url,))
+    import httpx
+    import openai
+
+    with LoopbackServer(create_app(GatewaySettings(home=home, routes=(route,)))) as gw:
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        (node,) = httpx.get(f"{gw.url}/health", trust_env=False).json()["nodes"]
+    assert node["cached_tokens"] == "unreported" and node["url"] == url
+    assert server.calls[-1][0] == "/v1/chat/completions" and server.calls[-1][1] is None
+
+
+@pytest.mark.parametrize("transport", ["litellm", "direct"])
+def test_a_keyless_self_hosted_provider_route_works(keyless, tmp_path, transport, monkeypatch) -> None:
+    """The issue's case: a litellm route to a vLLM started without --api-key failed with 502
+    'Missing credentials' (streams: 200 and an in-band error)."""
+    import openai
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    server, url = keyless
+    home = tmp_path / "gw"
+    svc = TenancyService.open(home)
+    key = svc.create_tenant("acme").api_key
+    svc.close()
+    route = RouteConfig(model="m", provider="openai/served", api_base=f"{url}/v1", transport=transport,
+                        max_model_len=512)
+    with LoopbackServer(create_app(GatewaySettings(home=home, routes=(route,)))) as gw:
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+        whole = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        assert whole.choices[0].message.content == "ok"
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1, stream=True) if c.choices)
+        assert streamed == "ok"
+    auths = {auth for _, auth, _ in server.calls}
+    # direct sends nothing; litellm's OpenAI client will not send a request without a key, so it
+    # sends vLLM's documented placeholder, which a server without --api-key ignores
+    assert auths == ({None} if transport == "direct" else {"Bearer EMPTY"})
+
+
+def test_unpriced_is_tokens_and_no_money() -> None:
+    book = PriceBook()
+    p = book.price(UNPRICED, 100, 60, 10)
+    assert (p.cost_usd, p.saved_usd, p.priced_as) == (0.0, 0.0, "unpriced")
+    assert book.price("gpt-4o", 100, 60, 10).cost_usd > 0  # a priced route is unchanged
+    now = datetime.now(UTC)
+    row = {"tenant": "acme", "tenant_id": "t1", "status": "ok", "prompt_tokens": 100, "cached_tokens": 60,
+           "completion_tokens": 10, "ttft_s": 0.1, "created_at": now.timestamp()}
+    rows = [{**row, "model": "self", "cost_usd": 0.0, "saved_usd": 0.0, "priced_as": "unpriced"},
+            {**row, "model": "gpt-4o", "cost_usd": 0.5, "saved_usd": 0.25, "priced_as": "gpt-4o"}]
+    rep = aggregate(rows, tenant_ids=None, since=None, until=now + timedelta(seconds=1))
+    by_model = {r["model"]: r for r in rep["rows"]}
+    assert by_model["self"]["cost_usd"] is None and by_model["self"]["prompt_tokens"] == 100
+    assert by_model["gpt-4o"]["cost_usd"] == 0.5 and rep["totals"]["cost_usd"] == 0.5
+    line = next(x for x in render_table(rep).splitlines() if x.lstrip().startswith("acme") and "self" in x)
+    assert " - " in line and "unpriced" in line
