@@ -37,6 +37,9 @@ class EngineConfig:
     max_waiting: most queued requests before generate() raises EngineOverloadedError.
     seed: seeds the model's random weights where a test builds one, and default sampling.
     num_threads: torch intra-op threads for CPU compute (process-wide); None = torch's default.
+    kv_events_endpoint: publish the HBM index's stored/removed blocks on this ZMQ endpoint
+        (``tcp://host:port``, vLLM's KV event schema; ``engine.kv_events``) for a fleet's router;
+        None = not published.
     dtype / kv_dtype also accept the short names bf16, fp16, fp32 (normalized here).
     """
 
@@ -60,6 +63,7 @@ class EngineConfig:
     nvme_bytes: int = 0
     model_id: str | None = None
     num_threads: int | None = None
+    kv_events_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

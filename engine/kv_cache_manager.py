@@ -16,6 +16,9 @@ of the block pool, and the only one that talks to the lower tiers (``LowerTier``
                                       (cache_control ttl, prompt_cache_retention) from eviction
     free(req id, table)          ──►  drop the request's references, in-flight marks, restore
 
+Every block the index gains (commit, a finished restore, an import) or loses (eviction) is told
+to the ``BlockEventObserver`` if one is given (``engine.kv_events`` publishes it to a fleet's router).
+
 Admission arithmetic (per-tenant HBM quota, free blocks, evictable blocks a hit revives) lives in
 ``_fits`` only. A prefix in flight: ``admit`` marks the prompt blocks a request will compute
 (``_computing``); ``commit`` and ``free`` unmark them. A later request of the same namespace whose
@@ -38,6 +41,7 @@ from engine.block_pool import BlockPool, IntegrityError
 from engine.config import EvictionPolicyName
 from engine.kv_types import (
     EMPTY_MATCH,
+    BlockEventObserver,
     BlockHash,
     CacheObserver,
     CachePhase,
@@ -71,6 +75,7 @@ class KVCacheManager:
     enable_caching: False = nothing is indexed or matched (every prompt is computed).
     lower: the tiers below HBM (None = evicted KV is dropped).
     observer: times the phases of cache work (None = untimed).
+    events: told of every block the HBM index gains or loses (None = nobody; ``engine.kv_events``).
     clock: the monotonic clock retention deadlines are kept in (tests pass a fake one).
     """
 
@@ -83,13 +88,16 @@ class KVCacheManager:
         enable_caching: bool = True,
         lower: LowerTier | None = None,
         observer: CacheObserver | None = None,
+        events: BlockEventObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lower = lower if enable_caching else None
         self._observer = observer
+        self._events = events if enable_caching else None
         self._clock = clock
+        watching = self._lower is not None or self._events is not None
         self._pool = BlockPool(num_blocks, block_size, eviction_policy, enable_caching,
-                               on_evict=self._spill if self._lower is not None else None, observer=observer,
+                               on_evict=self._evicted if watching else None, observer=observer,
                                clock=clock)
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -223,6 +231,8 @@ class KVCacheManager:
                 parent = self._pool.register(block_table[start + i], h, start + i, parent)
                 out.append(parent)
         self._unmark(request_id, len(hashes))
+        # a returned id that differs from the table's names a block another request stored first
+        self._stored([h for i, h in enumerate(hashes) if out[i] == block_table[start + i]])
         return out
 
     def retain(self, tenant: TenantScope, block_table: Sequence[int], num_indexed: int,
@@ -303,6 +313,7 @@ class KVCacheManager:
                 for i, h in enumerate(todo):
                     parent = self._pool.register(new[i], h, have + i, parent)
                     kept.append(parent)
+            self._stored([h for i, h in enumerate(todo) if kept[i] == new[i]])
         finally:
             # drop the references taken here: the blocks stay indexed (evictable) or, where
             # write failed before registering, go back to the free queue unindexed
@@ -385,17 +396,25 @@ class KVCacheManager:
                 for i in range(n):
                     parent = self._pool.register(r.new_ids[i], r.hashes[i], len(r.hbm_ids) + i, parent)
                     kept.append(parent)  # differs from new_ids[i] if the hash reappeared meanwhile
+            self._stored([r.hashes[i] for i in range(n) if kept[len(r.hbm_ids) + i] == r.new_ids[i]])
             self.restored_blocks += n
             if r.new_ids[n:]:
                 self._pool.free(r.new_ids[n:])  # blocks whose restore failed: recomputed instead
             if kept:
                 self._holding[done.request_id] = kept
 
-    def _spill(self, block: EvictedBlock) -> None:
-        assert self._lower is not None
-        tenant = self._tenants.get(block.namespace)
-        if tenant is not None:
-            self._lower.spill(tenant, block)
+    def _evicted(self, block: EvictedBlock) -> None:
+        """The pool is about to reuse an indexed block: spill its bytes, then say it is gone."""
+        if self._lower is not None:
+            tenant = self._tenants.get(block.namespace)
+            if tenant is not None:
+                self._lower.spill(tenant, block)
+        if self._events is not None:
+            self._events.blocks_removed((block.block_hash,))
+
+    def _stored(self, hashes: Sequence[BlockHash]) -> None:
+        if self._events is not None and hashes:
+            self._events.blocks_stored(hashes, None)
 
     def tier_stats(self) -> dict[str, Any] | None:
         if self._lower is None:
@@ -408,6 +427,8 @@ class KVCacheManager:
     def close(self) -> None:
         if self._lower is not None:
             self._lower.close()
+        if self._events is not None:
+            self._events.close()
 
     # ------------------------------------------------------------------ internals
 

@@ -132,6 +132,23 @@ class CacheObserver(Protocol):
 
 
 @runtime_checkable
+class BlockEventObserver(Protocol):
+    """Told which blocks the HBM prefix index gains and loses, so that a router elsewhere can know
+    where a prefix lives (``engine.kv_events.KVEventPublisher`` publishes them to the gateway).
+
+    Contract: called from the step-loop thread only, after the index changed; an implementation
+    must not block it (queue and return) and must not call back into the manager. A hash already
+    names its whole prefix (chained), so ``parent`` is informative only (None where unknown).
+    """
+
+    def blocks_stored(self, hashes: Sequence[BlockHash], parent: BlockHash | None) -> None: ...
+
+    def blocks_removed(self, hashes: Sequence[BlockHash]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
 class LowerTier(Protocol):
     """The KV tiers below HBM, as the cache manager uses them; ``engine.tiers.TierHook`` implements it.
 

@@ -46,7 +46,12 @@ def build_llm_engine_for(
         from engine.tiers import build_tier_hook
 
         lower_tier = build_tier_hook(config, runner, metrics.registry)
-    return LLMEngine(config, runner, metrics, lower_tier=lower_tier)
+    kv_events = None
+    if config.kv_events_endpoint:  # a fleet's router learns where prefixes live (docs/fleet.md)
+        from engine.kv_events import KVEventPublisher
+
+        kv_events = KVEventPublisher(config.kv_events_endpoint, runner.block_size).start()
+    return LLMEngine(config, runner, metrics, lower_tier=lower_tier, kv_events=kv_events)
 
 
 def build_engine(

@@ -24,7 +24,7 @@ from engine.batch import ScheduledBatch, StepResult
 from engine.computed_prefixes import ComputedPrefixes
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_types import CachePhase, LowerTier
+from engine.kv_types import BlockEventObserver, CachePhase, LowerTier
 from engine.metrics import CacheTimer, EngineMetrics
 from engine.protocol import (
     FinishReason,
@@ -80,6 +80,7 @@ class LLMEngine:
         lower_tier: LowerTier | None = None,
         clock: Callable[[], float] = time.monotonic,
         num_blocks: int | None = None,
+        kv_events: BlockEventObserver | None = None,
     ) -> None:
         """``num_blocks`` uses only the first N of the runner's KV blocks (tests and benchmarks
         share one loaded runner between engines of different cache sizes); default all."""
@@ -105,6 +106,7 @@ class LLMEngine:
             enable_caching=config.enable_prefix_caching,
             lower=lower_tier,
             observer=self.cache_timer,
+            events=kv_events,
             clock=clock,
         )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, clock)

@@ -27,6 +27,8 @@ from gateway.anthropic_api import error_body as anthropic_error_body
 from gateway.deps import bearer_key
 from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy
 from gateway.errors import OpenAIError, install_error_handlers, render
+from gateway.fleet_index import FleetIndex
+from gateway.kv_event_subscriber import EventSource, KVEventSubscriber
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.node_health import probe_forever
@@ -46,6 +48,7 @@ from gateway.routes import (
 from gateway.routes.internal import NodeApiMiddleware, NodeDrain, install_drain_signal
 from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
+from gateway.routing_policy import RoutingPolicy
 from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
 from gateway.timeseries import TimeSeries
@@ -115,6 +118,7 @@ class BodySizeLimit:
 
 def build_router(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Router:
     routes = []
+    sources: list[EventSource] = []  # the nodes' KV event streams (routing_policy = kv_aware)
     pd_metrics = None  # one set for every split route (docs/disaggregation.md)
     for rc in settings.routes:
         if rc.provider:
@@ -137,7 +141,13 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
             backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
                         for url in rc.nodes]
         routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len, extra={"price": rc.price}))
-    return Router(routes, load_factor=settings.load_factor, prefix_bytes=settings.route_prefix_bytes)
+        if rc.kv_events:  # RouteConfig checked: one endpoint per node
+            sources += [EventSource(f"node:{url}", ep) for url, ep in zip(rc.nodes, rc.kv_events, strict=True)]
+    index = FleetIndex(settings.fleet_index_max_blocks, settings.fleet_index_ttl_s)
+    return Router(routes, policy=RoutingPolicy(settings.routing_policy), load_factor=settings.load_factor,
+                  epsilon=settings.route_epsilon, prefix_bytes=settings.route_prefix_bytes,
+                  prefix_tokens=settings.route_prefix_tokens, block_size=settings.route_block_size,
+                  index=index, events=KVEventSubscriber(index, sources) if sources else None)
 
 
 def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> EngineClient | None:
@@ -207,6 +217,7 @@ def create_app(
                     await client.refresh_models()
                 except Exception as exc:  # noqa: BLE001 - a node may start later; routing still works
                     log.warning("engine node %s: cannot list models yet: %r", client.base_url, exc)
+        app.state.router.start_events()
         sampler = asyncio.create_task(_sample_forever(app.state.timeseries))
         prober = asyncio.create_task(probe_forever(app.state.router, settings.node_probe_interval_s))
         install_drain_signal(app.state)
@@ -215,6 +226,7 @@ def create_app(
         finally:
             sampler.cancel()
             prober.cancel()
+            app.state.router.stop_events()
             for client in app.state.router.all_clients():  # nodes' and direct upstreams' HTTP pools
                 await _call_optional(client, "aclose")
             if owned_engine is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from gateway.remote import RemoteEngineClient
@@ -33,7 +32,7 @@ async def probe_once(router: Router, interval_s: float) -> None:
             backend.down_until = 0.0
         else:
             # Out of rotation until the probe after next says otherwise.
-            backend.down_until = time.monotonic() + 2 * interval_s
+            router.mark_down(backend, 2 * interval_s)  # its fleet-index entries go too
             if isinstance(ok, BaseException):
                 log.warning("engine node %s: probe failed: %r", client.base_url, ok)
 

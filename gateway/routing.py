@@ -2,16 +2,20 @@
 
 Every backend is an ``EngineClient``; the router only chooses one. For a pool of engine nodes the
 choice is cache-aware: requests that share a tenant namespace and a prompt prefix should land on
-the node that already holds that prefix's KV blocks. Rendezvous (highest-random-weight) hashing
-gives that with no shared state, and adding or removing a node only moves the keys it owned::
+the node that already holds that prefix's KV blocks::
 
-    key   = chain(namespace; first full 256-byte blocks of the canonical prompt, up to prefix_bytes)
-            h_0 = SHA-256(namespace), h_i = SHA-256(h_{i-1} || block_i)      (like the engine's index)
-    node  = argmax_n SHA-256(key || n.url)
-    guard: if inflight(node) > load_factor * (min_inflight + 1): take the least-loaded node instead
-    down:  a node that refused a connection is skipped for DOWN_S seconds (all down: try them all)
-
-The guard trades a cache miss for not piling work on one hot node.
+    token ids known (a token-id prompt, or ``token_ids=`` from a gateway that tokenized):
+        chain = the engine's own block hashes (engine.block_hashing): h_0 = SHA-256(namespace ||
+                tokens 0..15), h_i = SHA-256(h_{i-1} || block i), full blocks only
+        key   = the chain's hash at route_prefix_tokens (the shared-prefix span), for rendezvous
+    else (text the gateway does not tokenize for this pool):
+        key   = chain(namespace; first full 256-byte blocks of the canonical prompt, up to prefix_bytes)
+        chain = () (the fleet index cannot be asked)
+    node  = the route's policy (gateway.routing_policy): prefix_hash (default, stateless),
+            kv_aware (the fleet index fed by the nodes' KV events, within a load bound),
+            least_loaded or round_robin
+    down:  a node that refused a connection is skipped for DOWN_S seconds and its index entries
+           are dropped (all down: try them all)
 """
 
 from __future__ import annotations
@@ -25,8 +29,19 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from engine.block_hashing import DEFAULT_BLOCK_SIZE, BlockHash, prefix_block_hashes
 from engine.protocol import EngineClient, ModelCard
 from gateway.errors import OpenAIError
+from gateway.fleet_index import FleetIndex
+from gateway.kv_event_subscriber import KVEventSubscriber
+from gateway.routing_policy import (
+    RoutingPolicy,
+    kv_aware_choice,
+    least_loaded_rotating,
+    prefix_hash_choice,
+    rendezvous_order,  # noqa: F401 - re-exported: callers and tests name it from gateway.routing
+    round_robin_choice,
+)
 
 ROUTE_BLOCK_BYTES = 256
 DOWN_S = 10.0
@@ -101,29 +116,69 @@ def routing_key(namespace: bytes, prompt: bytes, prefix_bytes: int) -> bytes:
     return h
 
 
-def rendezvous_order(key: bytes, backends: Sequence[Backend]) -> list[Backend]:
-    """Backends by descending rendezvous weight for ``key`` (stable across processes)."""
-    return sorted(backends, key=lambda b: hashlib.sha256(key + b.label.encode()).digest(), reverse=True)
+def prompt_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """A token-id prompt's ids (the first prompt of a batch), else None (text, or chat)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            return prompt if all(isinstance(t, int) for t in prompt) else None
+        if isinstance(first, list) and first and all(isinstance(t, int) for t in first):
+            return first
+    return None
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What a policy routes on: a rendezvous key and, when the tokens are known, the block chain."""
+
+    key: bytes
+    chain: tuple[BlockHash, ...] = ()
 
 
 def choose(key: bytes, backends: Sequence[Backend], load_factor: float) -> Backend:
-    """Rendezvous choice among nodes that are up, with the load guard of the module docstring."""
-    order = rendezvous_order(key, [b for b in backends if b.up] or backends)
-    best = order[0]
-    least = min(b.inflight for b in order)
-    if best.inflight > load_factor * (least + 1):
-        return next(b for b in order if b.inflight == least)
-    return best
+    """Rendezvous choice among nodes that are up, with the in-flight guard (policy ``prefix_hash``)."""
+    return prefix_hash_choice(key, [b for b in backends if b.up] or backends, load_factor)
 
 
 class Router:
-    """Resolves a client's ``model`` to a backend. The local engine is passed per call (injectable)."""
+    """Resolves a client's ``model`` to a backend. The local engine is passed per call (injectable).
 
-    def __init__(self, routes: Sequence[Route], *, load_factor: float = 2.0, prefix_bytes: int = 1024) -> None:
+    Args:
+        policy: how a node pool is chosen from (``gateway.routing_policy``).
+        load_factor: ``prefix_hash``'s in-flight guard; epsilon: ``kv_aware``'s load bound.
+        prefix_bytes / prefix_tokens: the shared-prefix span the rendezvous key covers (text / tokens).
+        block_size: the nodes' KV block size (the chain must be cut where theirs is).
+        index: the fleet index ``kv_aware`` asks; events: the subscriber that feeds it (its
+            thread runs between ``start_events`` and ``stop_events``).
+    """
+
+    def __init__(self, routes: Sequence[Route], *, policy: RoutingPolicy = RoutingPolicy.PREFIX_HASH,
+                 load_factor: float = 2.0, epsilon: float = 0.25, prefix_bytes: int = 1024,
+                 prefix_tokens: int = 256, block_size: int = DEFAULT_BLOCK_SIZE, max_route_blocks: int = 512,
+                 index: FleetIndex | None = None, events: KVEventSubscriber | None = None) -> None:
         self.routes = {r.model: r for r in routes}
+        self.policy = policy
         self.load_factor = load_factor
+        self.epsilon = epsilon
         self.prefix_bytes = prefix_bytes
+        self.prefix_blocks = max(1, prefix_tokens // block_size)
+        self.block_size = block_size
+        self.max_route_blocks = max_route_blocks
+        self.index = index if index is not None else FleetIndex()
+        self.events = events
+        self._turn: dict[str, int] = {}
         self._local_backend: Backend | None = None
+        self.routed_prefix_blocks = 0  # kv_aware: index-predicted prefix blocks of the chosen nodes
+        self.routed_requests = 0
+
+    def start_events(self) -> None:
+        if self.events is not None:
+            self.events.start()
+
+    def stop_events(self) -> None:
+        if self.events is not None:
+            self.events.stop()
 
     def local_backend(self, local: EngineClient | None) -> Backend | None:
         if local is None:
@@ -132,18 +187,45 @@ class Router:
             self._local_backend = Backend("local", BackendKind.LOCAL, local, "")
         return self._local_backend
 
-    def resolve(self, model: str, local: EngineClient | None, namespace: bytes, body: dict[str, Any]) -> Backend:
+    def route_key(self, namespace: bytes, body: dict[str, Any], token_ids: Sequence[int] | None = None) -> RouteKey:
+        """The request's rendezvous key and block chain (module docstring)."""
+        ids = token_ids if token_ids is not None else prompt_token_ids(body)
+        if ids is None:
+            return RouteKey(routing_key(namespace, prompt_route_bytes(body), self.prefix_bytes))
+        chain = tuple(prefix_block_hashes(namespace, ids, self.block_size, self.max_route_blocks))
+        if not chain:  # shorter than a block: the whole prompt is the key
+            return RouteKey(hashlib.sha256(namespace + json.dumps(list(ids)).encode()).digest())
+        return RouteKey(chain[min(len(chain), self.prefix_blocks) - 1], chain)
+
+    def pick(self, model: str, backends: Sequence[Backend], rk: RouteKey) -> Backend:
+        """One node of a pool by the router's policy (nodes that are down are skipped)."""
+        nodes = [b for b in backends if b.up] or list(backends)
+        self.routed_requests += 1
+        if self.policy is RoutingPolicy.KV_AWARE:
+            node, held = kv_aware_choice(rk.key, rk.chain, nodes, self.index, self.epsilon)
+            self.routed_prefix_blocks += held
+            return node
+        if self.policy in (RoutingPolicy.LEAST_LOADED, RoutingPolicy.ROUND_ROBIN):
+            turn = self._turn.get(model, 0)
+            self._turn[model] = turn + 1
+            if self.policy is RoutingPolicy.LEAST_LOADED:
+                return least_loaded_rotating(turn, nodes)
+            return round_robin_choice(turn, nodes)
+        return prefix_hash_choice(rk.key, nodes, self.load_factor)
+
+    def resolve(self, model: str, local: EngineClient | None, namespace: bytes, body: dict[str, Any],
+                token_ids: Sequence[int] | None = None) -> Backend:
         """Pick the backend for ``model``. Raises a 404 ``model_not_found`` for unknown models.
 
         Configured routes win over the local engine, so a config file can move a local model name
-        onto a node pool.
+        onto a node pool. ``token_ids``: the prompt's ids where the gateway tokenized it (a
+        token-id prompt in ``body`` is read without them).
         """
         route = self.routes.get(model)
         if route is not None:
             if len(route.backends) == 1:
                 return route.backends[0]
-            key = routing_key(namespace, prompt_route_bytes(body), self.prefix_bytes)
-            return choose(key, route.backends, self.load_factor)
+            return self.pick(model, route.backends, self.route_key(namespace, body, token_ids))
         backend = self.local_backend(local)
         if backend is not None:
             for card in local.models():
@@ -171,11 +253,18 @@ class Router:
         return list(cards.values())
 
     def failover(self, model: str, failed: Backend) -> Backend | None:
-        """Mark ``failed`` down and return the least-loaded other node of ``model``'s pool, if any."""
-        failed.down_until = time.monotonic() + DOWN_S
+        """Mark ``failed`` down (its fleet-index entries dropped: it may come back empty) and return
+        the least-loaded other node of ``model``'s pool, if any."""
+        self.mark_down(failed, DOWN_S)
         route = self.routes.get(model)
         others = [b for b in (route.backends if route else []) if b is not failed and b.up]
         return min(others, key=lambda b: b.inflight) if others else None
+
+    def mark_down(self, backend: Backend, seconds: float) -> None:
+        """Skip ``backend`` for ``seconds`` and forget what the fleet index says it holds: a node
+        that failed or went unhealthy may come back with an empty cache."""
+        backend.down_until = time.monotonic() + seconds
+        self.index.drop_node(backend.label)
 
     def max_model_len(self, backend: Backend) -> int | None:
         for card in backend.client.models():

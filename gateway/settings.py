@@ -41,6 +41,7 @@ Secrets never live in the file: routes name the environment variable that holds 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tomllib
 from pathlib import Path
@@ -96,9 +97,14 @@ class RouteConfig(BaseModel):
     # "unpriced" = tokens only, no cost and no saving (a self-hosted engine that costs nothing per
     # token); any other string = that litellm cost-map entry ("gpt-4o", "deepseek/deepseek-chat").
     price: str | None = Field(None, min_length=1)
+    # The nodes' KV event endpoints (ZMQ, vLLM's schema), in the order of `nodes`; they feed the
+    # fleet index that routing_policy = "kv_aware" asks (docs/fleet.md). Empty = none published.
+    kv_events: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _one_target(self) -> RouteConfig:
+        if self.kv_events and len(self.kv_events) != len(self.nodes):
+            raise ValueError(f"route {self.model!r}: `kv_events` needs one endpoint per node, in the order of `nodes`")
         if bool(self.provider) == bool(self.nodes):
             raise ValueError(f"route {self.model!r}: give exactly one of `provider` or `nodes`")
         if self.prefill_nodes and not self.nodes:
@@ -195,6 +201,18 @@ class GatewaySettings(BaseModel):
     route_prefix_bytes: int = Field(1024, ge=16)
     # Load guard: leave the rendezvous choice when it has more than factor * (least load + 1) in flight.
     load_factor: float = Field(2.0, ge=1.0)
+    # How a node pool is chosen from (gateway/routing_policy.py): prefix_hash (stateless rendezvous),
+    # kv_aware (the fleet index fed by the nodes' KV events, within a (1 + epsilon) x mean load
+    # bound), least_loaded, round_robin.
+    routing_policy: Literal["prefix_hash", "kv_aware", "least_loaded", "round_robin"] = "prefix_hash"
+    route_epsilon: float = Field(0.25, ge=0.0)
+    route_prefix_tokens: int = Field(256, ge=1)  # token-id prompts: the span the rendezvous key covers
+    route_block_size: Literal[8, 16, 32, 64, 128] = 16  # the nodes' KV block size
+    fleet_index_max_blocks: int = Field(1_000_000, ge=1)  # bounded memory (~150 B a block)
+    fleet_index_ttl_s: float = Field(900.0, gt=0)  # an entry not re-stored for this long is gone
+    # Local engine as a fleet node: publish its stored/removed KV blocks here (ZMQ, e.g.
+    # tcp://127.0.0.1:5557); None = not published.
+    kv_events_endpoint: str | None = None
 
     def engine_config(self) -> EngineConfig:
         """The in-process engine's configuration (every [engine] setting reaches the engine here).
@@ -206,7 +224,7 @@ class GatewaySettings(BaseModel):
             block_size=self.block_size, num_kv_blocks=self.kv_blocks, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.threads,
             dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
-            enable_prefix_caching=self.prefix_caching,
+            enable_prefix_caching=self.prefix_caching, kv_events_endpoint=self.kv_events_endpoint,
             model_id=self.model if self.model and self.model != str(self.model_dir) else None,
         )
 
@@ -226,6 +244,19 @@ class GatewaySettings(BaseModel):
         if self.role != "both" and not self.node_token:
             raise ValueError(f"role {self.role} needs a node token (--node-token-env): the KV transfer key "
                              "is derived from it and the split's node calls are authenticated with it")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_events_need_their_libraries(self) -> GatewaySettings:
+        endpoints = [self.kv_events_endpoint] if self.kv_events_endpoint else []
+        endpoints += [e for r in self.routes for e in r.kv_events]
+        bad = [e for e in endpoints if not e.startswith(("tcp://", "ipc://"))]
+        if bad:
+            raise ValueError(f"KV event endpoints are ZMQ addresses (tcp://HOST:PORT or ipc://PATH), got {bad[0]!r}")
+        missing = [m for m in ("zmq", "msgpack") if endpoints and importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"KV events need pyzmq and msgpack ({', '.join(missing)} not installed): "
+                             "pip install 'prefixgate[fleet]'")
         return self
 
     @field_validator("dram_bytes", "nvme_bytes", "max_body_bytes", mode="before")
