@@ -15,6 +15,20 @@ the bytes read for a 9/3-head model. Grouping the query heads by KV head instead
 once (measured 3x faster than either at batch 1, context 2048, on one core):
 
     q [Hq, D] -> [Hkv, G, D];  k, v [n, Hkv, D];  scores [Hkv, G, n] = einsum("hgd,nhd->hgn")
+
+Decode batches (why batched): a per-sequence loop costs ~10 small torch calls per sequence and
+layer (a 256-sequence decode step: 10,000 calls of host time for a few MFLOP each). Sequences of
+similar length run as one group instead: one gather of every group member's blocks, padded to the
+longest, keys past each sequence's end masked out::
+
+    ids [B, nb] = block_tables[group, :nb];  k, v = cache[ids, heads] -> [B, Hkv, nb * BS, D]
+    scores [B, Hkv, G, L] = q [B, Hkv, G, D] @ k^T;  position >= seq_len -> -inf
+
+A group's padding is bounded (``_PAD_SLACK``), so a short sequence never pays for a long one.
+Decode tokens inside a mixed prefill step (one new token, ``tq == 1``) take the same path.
+
+Math dtype: scores and outputs are computed in the query's dtype with float32 softmax, as
+transformers' eager attention does (bf16 models: bf16 GEMMs; fp32 models: fp32 throughout).
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import copy_blocks, gather_blocks, gather_context, scatter_blocks, write_kv
+from kernels.reference import copy_blocks, dequantize, gather_blocks, gather_context, scatter_blocks, write_kv
 
 __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "write_kv",
@@ -45,6 +59,89 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw)
     return F.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
 
 
+# A decode group's padded length may exceed its shortest member's by this factor plus one block.
+_PAD_SLACK = 1.25
+# Most gathered K (or V) elements per decode group (bounds the gather buffer: 32M bf16 = 64 MB).
+_GROUP_ELEMS = 32 * 1024 * 1024
+
+
+def _length_groups(lens: list[int], block_size: int, row_elems: int) -> list[list[int]]:
+    """Indices of ``lens`` grouped so that each group's longest is at most _PAD_SLACK x its
+    shortest + one block, and its padded gather stays under _GROUP_ELEMS."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            g = groups[-1]
+            shortest = lens[g[0]]
+            if lens[i] <= shortest * _PAD_SLACK + block_size and (len(g) + 1) * lens[i] * row_elems <= _GROUP_ELEMS:
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _decode_group(
+    q: torch.Tensor,  # [B, Hq, D], one query token per sequence of the group
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,  # [B, max_blocks]
+    lens: torch.Tensor,  # [B] int64
+    max_len: int,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """One query token per sequence over its first lens[b] cached tokens -> [B, Hq, D]."""
+    bsz, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    nb = -(-max_len // bs)
+    length = nb * bs
+    # Index blocks and kv heads together, so the one copy lands as [B, Hkv, nb, BS, D]: a view
+    # [B, Hkv, L, D] that matmul reads as is (einsum over [B, L, Hkv, D] would permute-copy it again).
+    ids = tables[:, :nb].long()[:, None, :]  # [B, 1, nb]
+    heads = torch.arange(hkv, device=q.device)[None, :, None]  # [1, Hkv, 1]
+
+    def gather(cache: torch.Tensor, scale_t: torch.Tensor | None) -> torch.Tensor:
+        x = cache.permute(0, 2, 1, 3)[ids, heads]  # [B, Hkv, nb, BS, D]
+        s = None
+        if scale_t is not None:  # int8: per (block, slot, head) [NB, BS, Hkv] -> [B, Hkv, nb, BS]
+            s = scale_t.permute(0, 2, 1)[ids, heads] if cache.dtype == torch.int8 else scale_t
+        return dequantize(x, s, q.dtype).view(bsz, hkv, length, d)
+
+    k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)  # [B, Hkv, L, D]
+    qg = q.view(bsz, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+    past_end = torch.arange(length, device=q.device).unsqueeze(0) >= lens.unsqueeze(1)  # [B, L]
+    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(bsz, hq, d)  # [B, Hkv, G, D] -> [B, Hq, D]
+
+
+def _decode_rows(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    lens: list[int],
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    out: torch.Tensor,  # [B, Hq, D] written
+) -> None:
+    row_elems = k_cache.shape[2] * k_cache.shape[3]
+    for group in _length_groups(lens, k_cache.shape[1], row_elems):
+        n = max(lens[i] for i in group)
+        if len(group) == 1:
+            i = group[0]
+            out[i] = _decode_group(q[i : i + 1], k_cache, v_cache, block_tables[i : i + 1],
+                                   torch.tensor([lens[i]]), n, scale, k_scale, v_scale)[0]
+            continue
+        idx = torch.tensor(group, dtype=torch.long, device=q.device)
+        lens_t = torch.tensor([lens[i] for i in group], dtype=torch.long, device=q.device)
+        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], lens_t, n, scale, k_scale, v_scale)
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,
@@ -56,15 +153,8 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its whole cached context -> [B, Hq, D]."""
-    bsz, hq, d = q.shape
-    hkv = k_cache.shape[2]
     out = torch.empty_like(q)
-    qg = q.float().view(bsz, hkv, hq // hkv, d)  # [B, Hkv, G, D]
-    for b, n in enumerate(seq_lens.tolist()):
-        k = gather_context(k_cache, block_tables[b], n, k_scale, torch.float32)  # [n, Hkv, D]
-        v = gather_context(v_cache, block_tables[b], n, v_scale, torch.float32)
-        probs = torch.softmax(torch.einsum("hgd,nhd->hgn", qg[b], k) * scale, dim=-1)  # [Hkv, G, n]
-        out[b] = torch.einsum("hgn,nhd->hgd", probs, v).reshape(hq, d).to(q.dtype)
+    _decode_rows(q, k_cache, v_cache, block_tables, seq_lens.tolist(), scale, k_scale, v_scale, out)
     return out
 
 
@@ -83,9 +173,16 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    single = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]  # decode tokens of a mixed step
+    if single:
+        rows = torch.tensor([cu[b] for b in single], dtype=torch.long, device=q.device)
+        got = torch.empty((len(single), *q.shape[1:]), dtype=q.dtype, device=q.device)
+        _decode_rows(q[rows], k_cache, v_cache, block_tables[torch.tensor(single, device=q.device)],
+                     [lens[b] for b in single], scale, k_scale, v_scale, got)
+        out[rows] = got
     for b in range(block_tables.shape[0]):
         lo, hi = cu[b], cu[b + 1]
-        if hi == lo:
+        if hi - lo <= 1:
             continue
         n, tq = lens[b], hi - lo
         k = gather_context(k_cache, block_tables[b], n, k_scale, q.dtype).transpose(0, 1).unsqueeze(0)  # [1,Hkv,n,D]
@@ -93,8 +190,6 @@ def paged_prefill_attention(
         qb = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
         if tq == n:
             o = _sdpa(qb, k, v, scale, is_causal=True)
-        elif tq == 1:
-            o = _sdpa(qb, k, v, scale)
         else:
             q_pos = torch.arange(n - tq, n, device=q.device).unsqueeze(1)
             mask = torch.arange(n, device=q.device).unsqueeze(0) <= q_pos  # [Tq, n]
