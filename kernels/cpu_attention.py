@@ -81,6 +81,43 @@ def _length_groups(lens: list[int], block_size: int, row_elems: int) -> list[lis
     return groups
 
 
+def _gather(cache: torch.Tensor, scale_t: torch.Tensor | None, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``ids`` [B, nb] of one layer's cache -> [B, Hkv, nb * BS, D] in ``dtype``.
+
+    Blocks and kv heads are indexed together, so the one copy lands as [B, Hkv, nb, BS, D]: a
+    view [B, Hkv, L, D] that matmul reads as is (einsum over [B, L, Hkv, D] would copy again)."""
+    bsz, nb = ids.shape
+    bs, hkv, d = cache.shape[1:]
+    rows, heads = ids.long()[:, None, :], torch.arange(hkv, device=cache.device)[None, :, None]
+    x = cache.permute(0, 2, 1, 3)[rows, heads]  # [B, Hkv, nb, BS, D]
+    s = None
+    if scale_t is not None:  # int8: per (block, slot, head) [NB, BS, Hkv] -> [B, Hkv, nb, BS]
+        s = scale_t.permute(0, 2, 1)[rows, heads] if cache.dtype == torch.int8 else scale_t
+    return dequantize(x, s, dtype).view(bsz, hkv, nb * bs, d)
+
+
+def _partial(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalized softmax attention: scores [..., L] float32, v [..., L, D] -> (sum_l e_l v_l
+    [..., D] float32, max score m [..., 1], sum_l e_l [..., 1]) with e_l = exp(score_l - m)."""
+    m = scores.amax(-1, keepdim=True)
+    e = torch.exp(scores - m)
+    return torch.matmul(e.to(v.dtype), v).float(), m, e.sum(-1, keepdim=True)
+
+
+def _shared_blocks(tables: torch.Tensor, min_len: int, block_size: int) -> int:
+    """Leading block-table columns that every row holds alike (a shared cached prefix), capped so
+    that each sequence keeps at least its newest token outside them."""
+    cols = (min_len - 1) // block_size
+    if tables.shape[0] < 2 or cols == 0:
+        return 0
+    same = (tables[:, :cols] == tables[:1, :cols]).all(dim=0)  # [cols]
+    return int(same.int().cumprod(0).sum())
+
+
+# Shared prefixes shorter than this many blocks are not worth a separate pass.
+_MIN_SHARED_BLOCKS = 4
+
+
 def _decode_group(
     q: torch.Tensor,  # [B, Hq, D], one query token per sequence of the group
     k_cache: torch.Tensor,
@@ -88,34 +125,47 @@ def _decode_group(
     tables: torch.Tensor,  # [B, max_blocks]
     lens: torch.Tensor,  # [B] int64
     max_len: int,
+    min_len: int,
     scale: float,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One query token per sequence over its first lens[b] cached tokens -> [B, Hq, D]."""
+    """One query token per sequence over its first lens[b] cached tokens -> [B, Hq, D].
+
+    Blocks that every sequence of the group shares (tenants' common prompt prefixes, held once
+    in the cache) are read once for all of them, as one GEMM of all the group's query rows,
+    instead of once per sequence; the rest per sequence; the two halves merge by their softmax
+    maxima and sums (the log-sum-exp merge of cascade attention)::
+
+        shared keys  [Hkv, P, D]  <- q rows [Hkv, B*G, D]         (o_p, m_p, s_p)
+        own keys     [B, Hkv, L - P, D] <- q [B, Hkv, G, D]       (o_s, m_s, s_s)
+        out = (o_p e^(m_p - m) + o_s e^(m_s - m)) / (s_p e^(m_p - m) + s_s e^(m_s - m)),  m = max(m_p, m_s)
+    """
     bsz, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
     nb = -(-max_len // bs)
-    length = nb * bs
-    # Index blocks and kv heads together, so the one copy lands as [B, Hkv, nb, BS, D]: a view
-    # [B, Hkv, L, D] that matmul reads as is (einsum over [B, L, Hkv, D] would permute-copy it again).
-    ids = tables[:, :nb].long()[:, None, :]  # [B, 1, nb]
-    heads = torch.arange(hkv, device=q.device)[None, :, None]  # [1, Hkv, 1]
-
-    def gather(cache: torch.Tensor, scale_t: torch.Tensor | None) -> torch.Tensor:
-        x = cache.permute(0, 2, 1, 3)[ids, heads]  # [B, Hkv, nb, BS, D]
-        s = None
-        if scale_t is not None:  # int8: per (block, slot, head) [NB, BS, Hkv] -> [B, Hkv, nb, BS]
-            s = scale_t.permute(0, 2, 1)[ids, heads] if cache.dtype == torch.int8 else scale_t
-        return dequantize(x, s, q.dtype).view(bsz, hkv, length, d)
-
-    k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)  # [B, Hkv, L, D]
-    qg = q.view(bsz, hkv, hq // hkv, d)  # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-    past_end = torch.arange(length, device=q.device).unsqueeze(0) >= lens.unsqueeze(1)  # [B, L]
+    qg = q.view(bsz, hkv, g, d)  # [B, Hkv, G, D]
+    shared = _shared_blocks(tables, min_len, bs)
+    if shared < _MIN_SHARED_BLOCKS:
+        shared = 0
+    own = tables[:, shared:nb]  # [B, nb - shared]
+    k, v = _gather(k_cache, k_scale, own, q.dtype), _gather(v_cache, v_scale, own, q.dtype)  # [B, Hkv, L', D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L']
+    past_end = torch.arange(k.shape[2], device=q.device).unsqueeze(0) >= (lens - shared * bs).unsqueeze(1)
     scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).reshape(bsz, hq, d)  # [B, Hkv, G, D] -> [B, Hq, D]
+    if not shared:
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).reshape(bsz, hq, d)  # [B, Hkv, G, D] -> [B, Hq, D]
+    o_s, m_s, s_s = _partial(scores, v)  # [B, Hkv, G, D], [B, Hkv, G, 1] x 2
+    pre = tables[:1, :shared]
+    kp, vp = _gather(k_cache, k_scale, pre, q.dtype)[0], _gather(v_cache, v_scale, pre, q.dtype)[0]  # [Hkv, P, D]
+    rows = qg.permute(1, 0, 2, 3).reshape(hkv, bsz * g, d)  # [Hkv, B*G, D]
+    o_p, m_p, s_p = _partial(torch.matmul(rows, kp.transpose(-1, -2)).float() * scale, vp)
+    o_p, m_p, s_p = (t.view(hkv, bsz, g, -1).permute(1, 0, 2, 3) for t in (o_p, m_p, s_p))  # [B, Hkv, G, .]
+    m = torch.maximum(m_p, m_s)
+    a, b = torch.exp(m_p - m), torch.exp(m_s - m)
+    return ((o_p * a + o_s * b) / (s_p * a + s_s * b)).to(q.dtype).reshape(bsz, hq, d)
 
 
 def _decode_rows(
@@ -130,16 +180,22 @@ def _decode_rows(
     out: torch.Tensor,  # [B, Hq, D] written
 ) -> None:
     row_elems = k_cache.shape[2] * k_cache.shape[3]
-    for group in _length_groups(lens, k_cache.shape[1], row_elems):
-        n = max(lens[i] for i in group)
-        if len(group) == 1:
-            i = group[0]
-            out[i] = _decode_group(q[i : i + 1], k_cache, v_cache, block_tables[i : i + 1],
-                                   torch.tensor([lens[i]]), n, scale, k_scale, v_scale)[0]
-            continue
+    # Sequences that start in the same block share at least that prefix block (a block is only
+    # ever shared as part of a common prefix): grouping by it first lets _decode_group read a
+    # tenant's shared prompt blocks once for all its sequences.
+    by_first: dict[int, list[int]] = {}
+    for i, first in enumerate(block_tables[:, 0].tolist()):
+        by_first.setdefault(first, []).append(i)
+    groups = []
+    for members in by_first.values():
+        sub = _length_groups([lens[i] for i in members], k_cache.shape[1], row_elems)
+        groups += [[members[j] for j in g] for g in sub]
+    for group in groups:
+        longest, shortest = max(lens[i] for i in group), min(lens[i] for i in group)
         idx = torch.tensor(group, dtype=torch.long, device=q.device)
         lens_t = torch.tensor([lens[i] for i in group], dtype=torch.long, device=q.device)
-        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], lens_t, n, scale, k_scale, v_scale)
+        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], lens_t, longest, shortest, scale,
+                                 k_scale, v_scale)
 
 
 def paged_decode_attention(

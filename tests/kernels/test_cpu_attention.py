@@ -96,3 +96,19 @@ def test_mixed_step_decode_tokens_match_reference():
     want = ref.paged_prefill_attention(q, k, v, tables, cu, lens, 0.25)
     got = cpu_attention.paged_prefill_attention(q, k, v, tables, cu, lens, 0.25)
     assert rel_err(got, want) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_decode_of_sequences_sharing_prefix_blocks_matches_reference(kv_dtype):
+    """Sequences whose block tables start with the same blocks (one tenant's cached prompt prefix)
+    read those blocks once for all (the cascade split in kernels.cpu_attention._decode_group);
+    each row still equals the reference's, whatever the tails' lengths."""
+    lens = [53, 49, 60, 57, 51, 55]
+    k, v, ks, vs, tables, q_dtype, hq, d, gen = _case(kv_dtype, lens)
+    tables[1:, :6] = tables[0, :6]  # 6 shared blocks of 8 tokens = 48 positions
+    assert cpu_attention._shared_blocks(tables, min(lens), 8) == 6
+    q = torch.randn(len(lens), hq, d, generator=gen).to(q_dtype)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    want = ref.paged_decode_attention(q, k, v, tables, seq, 0.25, ks, vs)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, seq, 0.25, ks, vs)
+    assert rel_err(got, want) < TOL[kv_dtype]
