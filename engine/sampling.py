@@ -57,7 +57,7 @@ class SampledRow:
     as (token id, logprob) pairs, most likely first."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None where the request asked for no logprobs (sample_rows)
     top: tuple[tuple[int, float], ...] | None = None
 
 
@@ -139,8 +139,8 @@ class Sampler:
 
         For rows without a grammar (the grammar needs the output tokens: ``sample_rows``)."""
         assert all(p.guided is None for p in params), "guided rows need their output tokens: use sample_rows"
-        rows = self._sample(logits, params, request_ids, steps, [()] * len(params))
-        return [r.token_id for r in rows], [r.logprob for r in rows]
+        rows = self._sample(logits, params, request_ids, steps, [()] * len(params), all_logprobs=True)
+        return [r.token_id for r in rows], [float(r.logprob) for r in rows]  # type: ignore[arg-type]
 
     def sample_rows(
         self,
@@ -149,7 +149,8 @@ class Sampler:
         request_ids: Sequence[str],
         outputs: Sequence[Sequence[int]],  # tokens generated so far, per row
     ) -> list[SampledRow]:
-        """-> one ``SampledRow`` per logits row (grammar, bias and top logprobs included)."""
+        """-> one ``SampledRow`` per logits row (grammar, bias and top logprobs included); the
+        sampled token's logprob only for rows whose params set ``logprobs`` (else None)."""
         return self._sample(logits, params, request_ids, [len(o) for o in outputs], outputs)
 
     def _sample(
@@ -159,7 +160,10 @@ class Sampler:
         request_ids: Sequence[str],
         steps: Sequence[int],
         outputs: Sequence[Sequence[int]],
+        all_logprobs: bool = False,
     ) -> list[SampledRow]:
+        """``all_logprobs``: the sampled token's logprob for every row; else only for rows whose
+        params ask for logprobs (the others get None)."""
         n = logits.shape[0]
         assert len(params) == len(request_ids) == len(steps) == len(outputs) == n, "one SamplingParams per row"
         raw = logits
@@ -176,15 +180,24 @@ class Sampler:
             probs = torch.softmax(row, dim=-1)
             gen = self._generator(request_ids[i], p, steps[i])
             tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
-        log_probs = torch.log_softmax(raw, dim=-1)  # [N, V]
-        chosen = log_probs.gather(1, tokens[:, None])[:, 0].tolist()
         token_list = tokens.tolist()
+        chosen: list[float | None] = [None] * n
         tops: list[tuple[tuple[int, float], ...] | None] = [None] * n
-        k = max((p.logprobs or 0 for p in params), default=0)
-        if k:
-            values, ids = torch.topk(log_probs, k, dim=-1)
-            values_l, ids_l = values.tolist(), ids.tolist()
-            for i, p in enumerate(params):
-                if p.logprobs:
-                    tops[i] = tuple(zip(ids_l[i][: p.logprobs], values_l[i][: p.logprobs]))
+        # The log-softmax over the vocabulary costs as much as the sampling itself (a 256 x 100k
+        # decode step: ~20 ms): only for the rows whose caller reads it.
+        scored = list(range(n)) if all_logprobs else [i for i, p in enumerate(params) if p.logprobs is not None]
+        if scored:
+            idx = torch.tensor(scored, dtype=torch.long, device=raw.device)
+            log_probs = torch.log_softmax(raw[idx], dim=-1)  # [len(scored), V]
+            picked = log_probs.gather(1, tokens[idx][:, None])[:, 0].tolist()
+            for i, lp in zip(scored, picked):
+                chosen[i] = lp
+            k = max((params[i].logprobs or 0 for i in scored), default=0)
+            if k:
+                values, ids = torch.topk(log_probs, k, dim=-1)
+                values_l, ids_l = values.tolist(), ids.tolist()
+                for r, i in enumerate(scored):
+                    want = params[i].logprobs
+                    if want:
+                        tops[i] = tuple(zip(ids_l[r][:want], values_l[r][:want]))
         return [SampledRow(t, lp, top) for t, lp, top in zip(token_list, chosen, tops)]

@@ -61,6 +61,19 @@ def test_greedy_returns_argmax_and_logprobs():
     assert all(math.isclose(a, b, abs_tol=1e-6) for a, b in zip(logprobs, expected, strict=True))
 
 
+def test_sample_rows_scores_only_the_rows_that_ask_for_logprobs():
+    """The runner's path (sample_rows) skips the vocabulary-wide log-softmax for rows without
+    ``logprobs``: their logprob is None; the asking row's equals the full log-softmax's."""
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0)]
+    rows = Sampler("cpu").sample_rows(logits, params, ["a", "b", "c"], [(), (), ()])
+    assert [r.token_id for r in rows] == logits.argmax(-1).tolist()
+    assert rows[0].logprob is None and rows[2].logprob is None and rows[0].top is None
+    full = torch.log_softmax(logits[1], -1)
+    assert math.isclose(rows[1].logprob, float(full.max()), abs_tol=1e-6)
+    assert [t for t, _ in rows[1].top] == torch.topk(full, 2).indices.tolist()
+
+
 def test_seed_reproducible_and_independent_of_batch_partners():
     logits = torch.randn(50, 1000, generator=torch.Generator().manual_seed(2))
     seeded = SamplingParams(temperature=1.0, seed=1234)

@@ -65,3 +65,50 @@ def test_decode_ignores_keys_past_each_sequence_end():
     alone = cpu_attention.paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], 0.25)
     batched = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.25)
     torch.testing.assert_close(batched[:1], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_batch_of_many_lengths_in_several_groups_matches_reference():
+    """40 sequences whose lengths span 1..300 tokens fall into several padded groups
+    (kernels.cpu_attention._length_groups); every row still equals the reference's."""
+    lens = [1 + (i * 37) % 300 for i in range(40)]
+    groups = cpu_attention._length_groups(lens, 8, 2 * 16)
+    assert 1 < len(groups) < len(lens) and sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:  # a group pads its members to its longest: bounded by the slack
+        assert max(lens[i] for i in g) <= min(lens[i] for i in g) * cpu_attention._PAD_SLACK + 8
+    for kv_dtype in (torch.float32, torch.int8):
+        k, v, ks, vs, tables, q_dtype, hq, d, gen = _case(kv_dtype, lens)
+        q = torch.randn(len(lens), hq, d, generator=gen).to(q_dtype)
+        seq = torch.tensor(lens, dtype=torch.int32)
+        want = ref.paged_decode_attention(q, k, v, tables, seq, 0.25, ks, vs)
+        got = cpu_attention.paged_decode_attention(q, k, v, tables, seq, 0.25, ks, vs)
+        assert rel_err(got, want) < TOL[kv_dtype]
+
+
+def test_mixed_step_decode_tokens_match_reference():
+    """A prefill step that also carries decode tokens (chunks of one new token) routes those
+    through the batched decode path; the packed output equals the reference's row for row."""
+    cached, new = [30, 0, 12, 50, 7], [1, 20, 1, 1, 9]
+    seq_lens = [c + n for c, n in zip(cached, new)]
+    k, v, ks, vs, tables, q_dtype, hq, d, gen = _case(torch.float32, seq_lens)
+    q = torch.randn(sum(new), hq, d, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = ref.paged_prefill_attention(q, k, v, tables, cu, lens, 0.25)
+    got = cpu_attention.paged_prefill_attention(q, k, v, tables, cu, lens, 0.25)
+    assert rel_err(got, want) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_decode_of_sequences_sharing_prefix_blocks_matches_reference(kv_dtype):
+    """Sequences whose block tables start with the same blocks (one tenant's cached prompt prefix)
+    read those blocks once for all (the cascade split in kernels.cpu_attention._decode_group);
+    each row still equals the reference's, whatever the tails' lengths."""
+    lens = [53, 49, 60, 57, 51, 55]
+    k, v, ks, vs, tables, q_dtype, hq, d, gen = _case(kv_dtype, lens)
+    tables[1:, :6] = tables[0, :6]  # 6 shared blocks of 8 tokens = 48 positions
+    assert cpu_attention._shared_blocks(tables, min(lens), 8) == 6
+    q = torch.randn(len(lens), hq, d, generator=gen).to(q_dtype)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    want = ref.paged_decode_attention(q, k, v, tables, seq, 0.25, ks, vs)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, seq, 0.25, ks, vs)
+    assert rel_err(got, want) < TOL[kv_dtype]
