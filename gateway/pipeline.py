@@ -84,6 +84,8 @@ class Prepared:
     logprobs: int | None = None
     # The route's price (RouteConfig.price): a cost-map name, "unpriced", or None (the model's own).
     price_as: str | None = None
+    # The engine's KV block size: a retained prompt writes (and is later read back in) full blocks.
+    block_size: int = 16
 
     @property
     def headers(self) -> dict[str, str]:
@@ -391,7 +393,7 @@ async def prepare(
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
         canon_applied=canon.applied, tenant=scoped, miss_tracker=tracker, miss=miss,
         tool_parsing=bool(features and features.tools.parse), logprobs=features.logprobs if features else None,
-        price_as=_route_price(router, req.model),
+        price_as=_route_price(router, req.model), block_size=settings.block_size,
     )
 
 
@@ -506,13 +508,31 @@ class Accounting:
         self.recorded = False
         self.settled = False
         # Prompt tokens written to a prompt cache, from (prompt, cached): what a provider reported,
-        # unless a door knows better for the local engine (/v1/messages' breakpoints).
-        self.cache_writes: Callable[[int, int], int] = self.provider_cache_writes
+        # else what the local engine wrote under an explicit retention, unless a door knows better
+        # (/v1/messages' breakpoints).
+        self.cache_writes: Callable[[int, int], int] = self.default_cache_writes
 
-    def provider_cache_writes(self, prompt: int, cached: int) -> int:
-        """Anthropic's cache_creation_input_tokens through a provider route (once per prompt)."""
-        written = sum(out.cache_creation_tokens for i, out in self.last.items()
-                      if i % self.prep.n == 0 and isinstance(out, ProviderOutput))
+    def default_cache_writes(self, prompt: int, cached: int) -> int:
+        """Anthropic's cache_creation_input_tokens through a provider route (once per prompt); for
+        the local engine, the full blocks of a prompt under explicit retention (OpenAI's
+        ``prompt_cache_retention``, the tenant's setting) that it did not read from the cache."""
+        if any(isinstance(out, ProviderOutput) for out in self.last.values()):
+            written = sum(out.cache_creation_tokens for i, out in self.last.items()
+                          if i % self.prep.n == 0 and isinstance(out, ProviderOutput))
+            return max(0, min(written, prompt - cached))
+        return self.retained_writes(prompt, cached)
+
+    def retained_writes(self, prompt: int, cached: int) -> int:
+        """Summed over prompts (choice 0 of each): the retained span's full blocks, minus the prompt's
+        cached tokens. Without a retention the engine caches too, but nobody asked for a write."""
+        block = max(1, self.prep.block_size)
+        written = 0
+        for i, out in self.last.items():
+            if i % self.prep.n or i >= len(self.prep.requests):
+                continue
+            keep = max((r.tokens for r in self.prep.requests[i].retention), default=0)
+            upto = min(keep, out.prompt_tokens) // block * block
+            written += max(0, upto - out.cached_tokens)
         return max(0, min(written, prompt - cached))
 
     def observe(self, i: int, out: RequestOutput) -> None:

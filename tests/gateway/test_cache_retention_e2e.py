@@ -32,7 +32,7 @@ def home(tmp_path_factory):
 @pytest.fixture(scope="module")
 def keys(home):
     with TenancyService.open(home) as svc:
-        made = {name: svc.create_tenant(name).api_key for name in ("acme", "oai", "flood", "warm")}
+        made = {name: svc.create_tenant(name).api_key for name in ("acme", "oai", "flood", "warm", "writer", "plain")}
         made["keeper"] = svc.create_tenant("keeper", cache_retention_s=3600).api_key  # the tenant setting
         svc.flush()
     return made
@@ -89,6 +89,38 @@ def test_retained_prefixes_survive_a_flood_that_evicts_an_unmarked_one(server, k
     assert ask_unmarked().cache_read_input_tokens == 0
     assert ask_retained().input_tokens_details.cached_tokens > 0
     assert ask_kept().prompt_tokens_details.cached_tokens > 0
+
+
+def _written(url: str, key: str) -> int:
+    """The tenant's ledger total of cache-creation tokens (/v1/usage flushes the ledger first)."""
+    r = httpx.get(f"{url}/v1/usage", headers={"Authorization": f"Bearer {key}"}, trust_env=False, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["totals"]["cache_creation_tokens"]
+
+
+def test_retained_prompts_count_their_cache_writes_in_the_ledger(server, keys):
+    """prompt_cache_retention (Responses) writes the prompt's full blocks: cache-creation tokens in
+    the ledger on the first call, at most the one block the engine recomputes on the second; a
+    request with no retention writes nothing anyone asked for."""
+    oai = openai.OpenAI(base_url=f"{server}/v1", api_key=keys["writer"], max_retries=0, timeout=120)
+    instructions = "Delivery terms of ExampleCo: parcels by courier, signature on arrival, no PO boxes. " * 2
+
+    def ask():
+        return oai.responses.create(model="tiny", instructions=instructions, input="Do you deliver to PO boxes?",
+                                    max_output_tokens=1, prompt_cache_retention="24h").usage
+
+    first = ask()
+    w1 = _written(server, keys["writer"])
+    assert first.input_tokens_details.cached_tokens == 0
+    assert w1 > 0 and w1 % 16 == 0 and w1 <= first.input_tokens  # full blocks of the tiny engine (16 tokens)
+    second = ask()
+    w2 = _written(server, keys["writer"])
+    assert second.input_tokens_details.cached_tokens >= w1 - 16
+    assert 0 <= w2 - w1 <= 16
+    plain = openai.OpenAI(base_url=f"{server}/v1", api_key=keys["plain"], max_retries=0, timeout=120)
+    plain.chat.completions.create(model="tiny", max_tokens=1, messages=[
+        {"role": "system", "content": instructions}, {"role": "user", "content": "PO boxes?"}])
+    assert _written(server, keys["plain"]) == 0
 
 
 def test_warm_then_show_then_hit(server, keys):
