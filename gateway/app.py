@@ -138,7 +138,13 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
                                                                           policy=policy, metrics=pd_metrics), "")
                         for url in rc.nodes]
         else:
-            backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token), "")
+            tokenizer = None
+            if rc.tokenizer:  # one per pool, shared by its clients (RouteConfig checked the directory)
+                from engine.prompt_tokenizer import PromptTokenizer
+
+                tokenizer = PromptTokenizer.from_dir(rc.tokenizer)
+            backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token, tokenizer=tokenizer),
+                                "", tokenizer_here=tokenizer is not None)
                         for url in rc.nodes]
         routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len, extra={"price": rc.price}))
         if rc.kv_events:  # RouteConfig checked: one endpoint per node

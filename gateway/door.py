@@ -84,6 +84,6 @@ async def prepare_door(
     except Exception:  # a bug: the request still gets its one row (a 500), as on the chat route
         record_rejected(tenancy, ctx, chat.model, "chat", OpenAIError(500, "internal error"), metrics, live)
         raise
-    if retention is not None and prep.backend.tokenizes_here:
+    if retention is not None and prep.backend.honours_retention:
         prep.requests = [with_retention(r, retention(list(r.prompt_token_ids or ()))) for r in prep.requests]
     return prep

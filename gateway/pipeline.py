@@ -340,9 +340,12 @@ async def prepare(
                 if ids is not None and len(ids) >= max_len:
                     raise _context_error(max_len, len(ids), asked or 0, kind)
         # Tokenized once: the engine gets the ids and skips its own tokenization (issue 17).
-        token_ids = await _tokenize(threads, scoped.tenant_id, engine, probes, kind)
+        token_ids = await _tokenize(threads, scoped.tenant_id, backend.client, probes, kind)
         prompt_counts = [len(ids) for ids in token_ids]
         inputs = [{"prompt_token_ids": ids} for ids in token_ids]
+        if backend.tokenizer_here and token_ids:
+            # A node pool tokenized here: pick its node on the block chain the nodes will cache.
+            backend = router.resolve(req.model, engine, scoped.namespace, canon.body, token_ids=token_ids[0])
     longest = max(prompt_counts, default=0)
     if max_len:
         room = max_len - longest
@@ -379,7 +382,7 @@ async def prepare(
                 requests.append(GenerateRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model, **inp))
 
     keep_s = scoped.cache_retention_s  # the tenant's explicit cache control (#24.3)
-    if keep_s and backend.tokenizes_here:
+    if keep_s and backend.honours_retention:
         requests = [replace(r, retention=(Retention(len(r.prompt_token_ids or ()), keep_s),))
                     for r in requests]
 

@@ -29,7 +29,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -42,6 +42,9 @@ from engine.protocol import (
     PromptTooLongError,
     RequestOutput,
 )
+
+if TYPE_CHECKING:  # transformers is the engine extra's; a gateway-only install never loads it
+    from engine.prompt_tokenizer import PromptTokenizer
 
 _BY_CODE: dict[str, type[EngineError]] = {
     PromptTooLongError.code: PromptTooLongError,
@@ -151,8 +154,12 @@ def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
 class RemoteEngineClient:
     """Talks to one node at ``base_url``; ``token`` (None = a keyless node) goes as a Bearer token."""
 
-    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 600.0,
+                 tokenizer: PromptTokenizer | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        # The pool's tokenizer in this process (RouteConfig.tokenizer): the gateway renders prompts
+        # and sends ids; None = the node tokenizes (chat goes as messages).
+        self.tokenizer = tokenizer
         # No key, no header: a vLLM started without --api-key must not see "Authorization: Bearer None".
         self._headers = {"authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
@@ -260,10 +267,12 @@ class RemoteEngineClient:
         return list(self._models)
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        raise NotImplementedError("an engine node counts its own prompt tokens (usage.prompt_tokens)")
+        return len(self.tokenize(request))
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
-        raise NotImplementedError("an engine node tokenizes its own requests")
+        if self.tokenizer is None:
+            raise NotImplementedError("this node pool has no tokenizer in the gateway (RouteConfig.tokenizer)")
+        return self.tokenizer.tokenize(request)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -68,10 +68,18 @@ class Backend:
     target_model: str
     inflight: int = 0
     down_until: float = 0.0  # time.monotonic() before which the node is skipped
+    tokenizer_here: bool = False  # a node pool whose tokenizer the gateway loaded (RouteConfig.tokenizer)
 
     @property
     def tokenizes_here(self) -> bool:
-        """The model's tokenizer is in this process: the gateway tokenizes once and checks the context."""
+        """The model's tokenizer is in this process: the gateway tokenizes once and checks the context
+        (the local engine; a node pool with ``tokenizer``, whose nodes then get token ids)."""
+        return self.kind is BackendKind.LOCAL or self.tokenizer_here
+
+    @property
+    def honours_retention(self) -> bool:
+        """Explicit cache control (``GenerateRequest.retention``) reaches the cache: the local engine;
+        the node API has no field for it."""
         return self.kind is BackendKind.LOCAL
 
     @property
@@ -224,6 +232,11 @@ class Router:
         route = self.routes.get(model)
         if route is not None:
             if len(route.backends) == 1:
+                return route.backends[0]
+            if token_ids is None and route.backends[0].tokenizer_here and prompt_token_ids(body) is None:
+                # A pool whose prompts the gateway tokenizes: this is only the pool's representative
+                # (kind, tokenizer, context); the caller tokenizes with it and resolves again with
+                # ``token_ids``, so the pick sees the block chain the nodes will cache.
                 return route.backends[0]
             return self.pick(model, route.backends, self.route_key(namespace, body, token_ids))
         backend = self.local_backend(local)

@@ -100,9 +100,23 @@ class RouteConfig(BaseModel):
     # The nodes' KV event endpoints (ZMQ, vLLM's schema), in the order of `nodes`; they feed the
     # fleet index that routing_policy = "kv_aware" asks (docs/fleet.md). Empty = none published.
     kv_events: tuple[str, ...] = ()
+    # The nodes' checkpoint (or tokenizer) directory, readable here: the gateway then renders chat
+    # and text prompts itself and sends every node token ids, so that nodes see the tokens the
+    # router hashed (kv_aware routing for chat, not only for token-id prompts), and checks the
+    # context length before a node is asked. None = nodes tokenize (chat goes as messages).
+    tokenizer: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _one_target(self) -> RouteConfig:
+        if self.tokenizer:
+            if not self.nodes:
+                raise ValueError(f"route {self.model!r}: `tokenizer` is for node pools (`nodes`)")
+            tok_dir = Path(self.tokenizer).expanduser()
+            if not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                raise ValueError(f"route {self.model!r}: no tokenizer at {tok_dir} "
+                                 "(a checkpoint directory with tokenizer.json or tokenizer_config.json)")
+            if importlib.util.find_spec("transformers") is None:
+                raise ValueError(f"route {self.model!r}: `tokenizer` needs transformers: pip install 'prefixgate[engine]'")
         if self.kv_events and len(self.kv_events) != len(self.nodes):
             raise ValueError(f"route {self.model!r}: `kv_events` needs one endpoint per node, in the order of `nodes`")
         if bool(self.provider) == bool(self.nodes):

@@ -242,3 +242,23 @@ def test_a_node_marked_down_by_the_health_probe_loses_its_index_entries():
     router.mark_down(backends[0], 4.0)
     assert not backends[0].up and router.index.blocks_of(backends[0].label) == 0
     assert router.index.blocks_of(backends[1].label) == 1
+
+
+def test_a_pool_tokenizer_must_be_a_tokenizer_directory_of_a_node_pool(tmp_path, tiny_model_dir):
+    from pydantic import ValidationError
+
+    from gateway.app import build_router
+    from gateway.settings import GatewaySettings, RouteConfig
+
+    with pytest.raises(ValidationError, match="no tokenizer at"):
+        RouteConfig(model="m", nodes=("http://127.0.0.1:1",), tokenizer=str(tmp_path))
+    with pytest.raises(ValidationError, match="is for node pools"):
+        RouteConfig(model="m", provider="openai/gpt-4o-mini", tokenizer=str(tiny_model_dir))
+    route = RouteConfig(model="m", nodes=("http://127.0.0.1:1", "http://127.0.0.1:2"), tokenizer=str(tiny_model_dir))
+    router = build_router(GatewaySettings(routes=(route,)))
+    pool = router.routes["m"].backends
+    assert all(b.tokenizes_here and not b.honours_retention for b in pool)
+    # the pool's representative until the ids are known; then a pick on their chain
+    assert router.resolve("m", None, b"ns", {"messages": [{"role": "user", "content": "hi"}]}) is pool[0]
+    picked = router.resolve("m", None, b"ns", {"messages": []}, token_ids=list(range(40)))
+    assert picked in pool

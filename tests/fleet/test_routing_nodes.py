@@ -92,3 +92,47 @@ def test_a_request_goes_to_the_node_that_holds_its_prefix_and_tenants_stay_apart
             assert cached == 0
         assert served == 4 and router.routed_prefix_blocks >= 4 * 6
         assert all(s.gaps == 0 and s.bad_payloads == 0 for s in router.events.stats.values())
+
+
+def test_a_pool_with_a_tokenizer_routes_chat_on_the_nodes_block_chain(kv_nodes, tmp_path, monkeypatch,
+                                                                        tiny_model_dir):
+    """RouteConfig.tokenizer: the gateway renders chat itself and sends token ids, so kv_aware sees
+    the chain the node caches -- a chat that shares its system block(s) with an earlier one and
+    parts from it inside the 256-token rendezvous span still lands on the node holding them. The
+    ids are the ones the node renders itself (same prompt_tokens as asking the node directly)."""
+    from engine.prompt_tokenizer import PromptTokenizer
+    from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope
+
+    monkeypatch.setenv(TOKEN_ENV, "node-secret")
+    home = tmp_path / "gw"
+    admin = TenancyService.open(home)
+    key = admin.create_tenant("acme").api_key
+    namespace = admin.authenticate(key).namespace
+    admin.close()
+    route = RouteConfig(model="tiny", nodes=tuple(u for u, _ in kv_nodes), kv_events=tuple(e for _, e in kv_nodes),
+                        node_token_env=TOKEN_ENV, tokenizer=str(tiny_model_dir))
+    settings = GatewaySettings(home=home, routes=(route,), routing_policy="kv_aware", route_prefix_tokens=256)
+    tokenizer = PromptTokenizer.from_dir(tiny_model_dir)
+    scope = StaticTenantScope(namespace=namespace, metrics_label="acme")
+    labels = [f"node:{u}" for u, _ in kv_nodes]
+    app = create_app(settings)
+    with LoopbackServer(app) as gw:
+        router = app.state.router
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+        node = openai.OpenAI(base_url=f"{kv_nodes[0][0]}/v1", api_key="node-secret", max_retries=0)
+        for family in range(3):
+            # no trailing whitespace: the gateway's safe canonicalization trims it for tenants, and the
+            # node's own path (asked with the node token) does not canonicalize
+            system = (f"Family {family} support desk. Answer briefly and politely, in English. " * 3).strip()
+            asks = [" ".join(f"w{family}q{k}x{j}" for j in range(60)) for k in range(2)]
+            first, second = ([{"role": "system", "content": system}, {"role": "user", "content": a}] for a in asks)
+            r1 = client.chat.completions.create(model="tiny", messages=first, max_tokens=1, temperature=0)
+            direct = node.chat.completions.create(model="tiny", messages=first, max_tokens=1, temperature=0)
+            assert r1.usage.prompt_tokens == direct.usage.prompt_tokens  # the ids the node renders itself
+            ids = tokenizer.tokenize(GenerateRequest(request_id="probe", tenant=scope, messages=first,
+                                                     sampling=SamplingParams(max_tokens=1)))
+            chain = prefix_block_hashes(namespace, ids, 16)
+            assert wait_for(lambda c=chain: max(router.index.prefix_lengths(c, labels).values()) == len(c)), \
+                "the chat's blocks never reached the index under the chain the gateway computed"
+            r2 = client.chat.completions.create(model="tiny", messages=second, max_tokens=1, temperature=0)
+            assert r2.usage.prompt_tokens_details.cached_tokens >= 16, f"family {family}: not routed to the holder"
