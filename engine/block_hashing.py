@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from engine.kv_types import BlockHash
 from engine.prefix_index import block_hashes, max_cacheable_blocks
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "BlockHash", "prefix_block_hashes"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "BlockHash", "chain_from", "prefix_block_hashes"]
 
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 
@@ -28,3 +28,9 @@ def prefix_block_hashes(namespace: bytes, token_ids: Sequence[int], block_size: 
     if max_blocks is not None:
         n = min(n, max_blocks)
     return block_hashes(namespace, token_ids[: n * block_size], block_size)
+
+
+def chain_from(parent: bytes, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The hashes of the full blocks of ``token_ids`` chained on ``parent`` (the previous block's hash,
+    or the namespace for a prompt's first block): what the engine's index calls those blocks."""
+    return block_hashes(parent, token_ids, block_size)

@@ -55,6 +55,9 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    # vLLM 0.32: per block, the extra keys its hash covered (LoRA name, multimodal ids, the
+    # request's cache_salt string on the first block, ...); None where none (PrefixGate nodes).
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ def _event_to_wire(ev: KVEvent) -> dict[str, Any]:
     if isinstance(ev, BlockStored):
         return {"type": "BlockStored", "block_hashes": list(ev.block_hashes), "parent_block_hash": ev.parent_block_hash,
                 "token_ids": list(ev.token_ids), "block_size": ev.block_size, "lora_id": ev.lora_id,
-                "medium": ev.medium, "lora_name": ev.lora_name}
+                "medium": ev.medium, "lora_name": ev.lora_name,
+                "extra_keys": None if ev.extra_keys is None else [None if k is None else list(k) for k in ev.extra_keys]}
     if isinstance(ev, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes), "medium": ev.medium}
     return {"type": "AllBlocksCleared"}
@@ -107,7 +111,8 @@ def _hashes(value: Any) -> tuple[ExternalBlockHash, ...]:
 
 
 _FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                    "extra_keys"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -127,6 +132,13 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _extra_keys(value: Any) -> tuple[tuple[Any, ...] | None, ...] | None:
+    """vLLM's per-block extra keys (lists on the wire), or None when absent or malformed."""
+    if not isinstance(value, list):
+        return None
+    return tuple(tuple(k) if isinstance(k, list | tuple) else None for k in value)
+
+
 def _event_from_wire(item: Any) -> KVEvent | None:
     """One event; None for a kind this reader does not know (a newer engine's event)."""
     tag, f = _event_fields(item)
@@ -136,7 +148,7 @@ def _event_from_wire(item: Any) -> KVEvent | None:
         lora = f.get("lora_id")
         return BlockStored(_hashes(f["block_hashes"]), f.get("parent_block_hash"), tuple(f.get("token_ids") or ()),
                            f["block_size"], lora if isinstance(lora, int) else None, _text(f.get("medium")),
-                           _text(f.get("lora_name")))
+                           _text(f.get("lora_name")), _extra_keys(f.get("extra_keys")))
     if tag == "BlockRemoved":
         if "block_hashes" not in f:
             raise KVEventDecodeError("BlockRemoved needs block_hashes")

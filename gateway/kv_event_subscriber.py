@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventDecodeError, decode_batch
 from gateway.fleet_index import FleetIndex
+from gateway.kv_event_translation import EventTranslator
 
 log = logging.getLogger("prefixgate.kv_events")
 
@@ -68,6 +69,8 @@ class KVEventSubscriber:
         self._connected = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats = {s.node: SourceStats() for s in self.sources}
+        # vLLM's hashes -> the router's (PrefixGate nodes' pass through): one map per node
+        self.translators = {s.node: EventTranslator() for s in self.sources}
 
     def start(self) -> None:
         """Connect to every source and start reading (returns once the sockets are connected)."""
@@ -87,9 +90,11 @@ class KVEventSubscriber:
     def apply(self, node: str, seq: int, payload: bytes) -> None:
         """Apply one message of ``node`` to the index (the thread calls this; tests may too)."""
         stats = self.stats[node]
+        translator = self.translators[node]
         if stats.last_seq is not None and seq != stats.last_seq + 1:
             stats.gaps += 1
             self.index.drop_node(node)
+            translator.clear()
             log.warning("kv events from %s: sequence %d after %d; its index entries were dropped",
                         node, seq, stats.last_seq)
         stats.last_seq = seq
@@ -103,11 +108,12 @@ class KVEventSubscriber:
         stats.events += len(batch.events)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self.index.stored(node, ev.block_hashes)
+                self.index.stored(node, translator.stored(ev))
             elif isinstance(ev, BlockRemoved):
-                self.index.removed(node, ev.block_hashes)
+                self.index.removed(node, translator.removed(ev))
             elif isinstance(ev, AllBlocksCleared):
                 self.index.drop_node(node)
+                translator.clear()
 
     def _run(self) -> None:
         import zmq

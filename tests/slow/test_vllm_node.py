@@ -12,6 +12,7 @@ test skips and says so.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -88,8 +89,15 @@ def _vllm_server(tmp: Path, *flags: str):
 
 
 @pytest.fixture(scope="module")
-def vllm_node(tmp_path_factory):
-    with _vllm_server(tmp_path_factory.mktemp("vllm"), "--enable-prompt-tokens-details") as url:
+def vllm_events_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def vllm_node(tmp_path_factory, vllm_events_endpoint):
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": vllm_events_endpoint})
+    with _vllm_server(tmp_path_factory.mktemp("vllm"), "--enable-prompt-tokens-details",
+                      "--kv-events-config", events) as url:
         yield url
 
 
@@ -158,3 +166,38 @@ def test_a_vllm_node_without_prompt_tokens_details_is_flagged(tmp_path_factory, 
                 client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0)
             (node,) = httpx.get(f"{gw.url}/health", timeout=10, trust_env=False).json()["nodes"]
     assert node["cached_tokens"] == "unreported"
+
+
+def test_a_vllm_nodes_kv_events_reach_the_index_under_the_routers_own_chain(vllm_node, vllm_events_endpoint,
+                                                                             tmp_path) -> None:
+    """vLLM publishes its own block hashes; the gateway translates them (token ids + the cache_salt
+    in the first block's extra keys) into the chain it computes for the tenant's request, so a
+    vLLM node attracts the prefixes it holds like a PrefixGate node (gateway/kv_event_translation.py)."""
+    pytest.importorskip("zmq", reason="pip install 'prefixgate[fleet]' (pyzmq)")
+    from engine.block_hashing import prefix_block_hashes
+
+    home = tmp_path / "gw"
+    svc = TenancyService.open(home)
+    try:
+        key = svc.create_tenant("acme").api_key
+        namespace = svc.authenticate(key).namespace
+    finally:
+        svc.close()
+    route = RouteConfig(model="tiny", nodes=(vllm_node,), kv_events=(vllm_events_endpoint,), price="unpriced")
+    settings = GatewaySettings(home=home, routes=(route,), routing_policy="kv_aware", route_block_size=32)
+    app = create_app(settings)
+    with LoopbackServer(app) as gw:
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=300)
+        prompt = list(range(300, 300 + 160))  # not PROMPT: blocks this test alone makes vLLM store
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        router = app.state.router
+        chain = prefix_block_hashes(namespace, prompt, 32)
+        label = f"node:{vllm_node}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and router.index.prefix_lengths(chain, [label])[label] < len(chain):
+            time.sleep(0.2)
+        assert router.index.prefix_lengths(chain, [label])[label] == len(chain), (
+            f"vLLM's events did not land under the router's chain: {router.events.stats[label]}, "
+            f"untranslatable runs {router.events.translators[label].untranslatable}")
+        other = prefix_block_hashes(b"another tenant", prompt, 32)
+        assert router.index.prefix_lengths(other, [label])[label] == 0
