@@ -89,8 +89,10 @@ def _vllm_server(tmp: Path, *flags: str):
 
 
 @pytest.fixture(scope="module")
-def vllm_events_endpoint() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
+def vllm_events_endpoint(tmp_path_factory) -> str:
+    # vLLM's publisher binds only wildcard tcp (tcp://*:PORT) and ipc endpoints and *connects* to any
+    # other (tcp://127.0.0.1:PORT would leave both ends connecting): ipc keeps it on this host.
+    return f"ipc://{tmp_path_factory.mktemp('kv-events')}/vllm.sock"
 
 
 @pytest.fixture(scope="module")
