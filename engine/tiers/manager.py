@@ -193,6 +193,10 @@ class TierManager:
             self.nvme = NvmeTier(root, nvme_bytes, score=self.cost.score_fn("nvme"),
                                  tenant_cap=self._cap_fn(TierName.NVME, nvme_bytes), floor_fraction=floor_fraction,
                                  clock=clock)
+        if self.nvme is not None:  # start-up's findings: a counted miss each, never a failed start
+            d = self.nvme.damage
+            for kind, n in (("index_reset", d.index_reset), ("bad_rows", d.bad_rows), ("junk_entries", d.junk_entries)):
+                self.metrics.nvme_damage.labels(kind).inc(n)
         for tier in self.tiers:
             self.metrics.capacity.labels(tier.name).set(tier.capacity_bytes)
             self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)

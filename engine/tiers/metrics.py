@@ -19,6 +19,10 @@ the fixed words below.
                                                                  tenant_deleted
     prefixgate_tier_auth_failures_total{tier,tenant}     counter segments whose tag failed (tampered,
                                                                  truncated, another tenant's or key's)
+    prefixgate_tier_nvme_damage_total{kind}              counter what the NVMe tier's start-up found
+                                                                 wrong below the engine and set aside:
+                                                                 index_reset (index.sqlite moved aside),
+                                                                 bad_rows, junk_entries (each a miss)
 """
 
 from __future__ import annotations
@@ -52,3 +56,5 @@ class TierMetrics:
                              registry=registry)
         self.auth_failures = Counter(_P + "auth_failures", "Segments whose authentication tag failed",
                                      ["tier", "tenant"], registry=registry)
+        self.nvme_damage = Counter(_P + "nvme_damage", "Damage the NVMe tier's start-up found and set aside",
+                                   ["kind"], registry=registry)

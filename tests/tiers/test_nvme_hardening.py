@@ -175,3 +175,23 @@ def test_a_segment_file_replaced_by_a_directory_while_serving_is_a_miss(tmp_path
     assert t.contains(ns, hs[0]) is None and t.contains(ns, hs[4]) is not None
     assert not path.exists()
     t.check_integrity()
+
+
+def test_what_start_up_set_aside_is_a_metric(make_manager, registry) -> None:
+    from prometheus_client import CollectorRegistry
+
+    first = make_manager(nvme_bytes=1 << 20)
+    spill(first, tenant("acme"), chain(b"ns-acme", 2), kv_bytes(2))
+    first.close()
+    root = first.nvme.root
+    (root / "segments" / "stray-file").write_bytes(b"x")
+    (root / "segments" / "zz" / "junkdir").mkdir(parents=True)
+    fresh = CollectorRegistry()
+    second = make_manager(nvme_bytes=1 << 20, registry=fresh)
+
+    def damage(kind: str) -> float | None:
+        return fresh.get_sample_value("prefixgate_tier_nvme_damage_total", {"kind": kind})
+
+    assert damage("junk_entries") == 2 and damage("index_reset") == 0 and damage("bad_rows") == 0
+    assert registry.get_sample_value("prefixgate_tier_nvme_damage_total", {"kind": "junk_entries"}) == 0
+    second.close()
