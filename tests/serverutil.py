@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,16 @@ def scrape(url: str, timeout: float = 30.0) -> str:
                   trust_env=False)
     r.raise_for_status()
     return r.text
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass; returns its last value (the caller asserts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return bool(cond())
 
 
 def free_port() -> int:

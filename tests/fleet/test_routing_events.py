@@ -15,15 +15,7 @@ from engine.kv_events import KVEventBatch, KVEventPublisher, encode_batch  # noq
 from gateway.fleet_index import FleetIndex  # noqa: E402
 from gateway.kv_event_subscriber import EventSource, KVEventSubscriber  # noqa: E402
 from tests.engine_core.engine_core_fakes import make_request, scope  # noqa: E402
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+from tests.serverutil import wait_for  # noqa: E402
 
 
 def _publisher() -> KVEventPublisher:

@@ -4,7 +4,6 @@ publish their KV events, a gateway (real tenancy, real uvicorn) subscribes and r
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import openai
@@ -18,7 +17,7 @@ from gateway.app import create_app  # noqa: E402
 from gateway.settings import GatewaySettings, RouteConfig  # noqa: E402
 from tenancy.service import TenancyService  # noqa: E402
 from tests.gateway.gateway_fakes import LoopbackServer  # noqa: E402
-from tests.serverutil import REPO, free_port, serve_tiny, stop  # noqa: E402
+from tests.serverutil import REPO, free_port, serve_tiny, stop, wait_for  # noqa: E402
 
 TOKEN_ENV = "PG_ROUTING_NODE_TOKEN"
 
@@ -45,15 +44,6 @@ def kv_nodes(tmp_path_factory):
     finally:
         for proc in procs:
             stop(proc)
-
-
-def wait_for(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def test_a_request_goes_to_the_node_that_holds_its_prefix_and_tenants_stay_apart(kv_nodes, tmp_path, monkeypatch):

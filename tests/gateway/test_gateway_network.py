@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -12,18 +11,10 @@ from gateway_fakes import FakeEngine, FakeTenancy, LoopbackServer
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, RouteConfig
+from tests.serverutil import wait_for
 
 CHAT = {"model": "tiny", "messages": [{"role": "system", "content": "be brief and exact " * 4},
                                       {"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-def wait_for(cond, timeout=5.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_client_disconnect_aborts_engine_request_and_records_aborted():

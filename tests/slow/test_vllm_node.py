@@ -27,7 +27,7 @@ from gateway.app import create_app
 from gateway.settings import GatewaySettings, RouteConfig
 from tenancy.service import TenancyService
 from tests.gateway.gateway_fakes import LoopbackServer
-from tests.serverutil import free_port, stop
+from tests.serverutil import free_port, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -195,10 +195,7 @@ def test_a_vllm_nodes_kv_events_reach_the_index_under_the_routers_own_chain(vllm
         router = app.state.router
         chain = prefix_block_hashes(namespace, prompt, 32)
         label = f"node:{vllm_node}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and router.index.prefix_lengths(chain, [label])[label] < len(chain):
-            time.sleep(0.2)
-        assert router.index.prefix_lengths(chain, [label])[label] == len(chain), (
+        assert wait_for(lambda: router.index.prefix_lengths(chain, [label])[label] == len(chain), 30), (
             f"vLLM's events did not land under the router's chain: {router.events.stats[label]}, "
             f"untranslatable runs {router.events.translators[label].untranslatable}")
         other = prefix_block_hashes(b"another tenant", prompt, 32)
