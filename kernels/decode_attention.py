@@ -20,6 +20,7 @@ dot runs on the raw (upcast) cache values: fp8 -> one per-tensor scale; int8 -> 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -284,7 +285,9 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
     wave = max(1, programs_per_sm * num_sms)
     if context_lens is not None and len(context_lens) > 0:
-        return _splits_for_lengths(context_lens, kv_heads, max_context, wave, block_n, cap)
+        # every layer of a step asks with the same lengths: computed once per step, not once per layer
+        lens = context_lens if isinstance(context_lens, tuple) else tuple(context_lens)
+        return _splits_for_lengths(lens, kv_heads, max_context, wave, block_n, cap)
     programs = max(1, num_seqs * kv_heads)
     cost = {s: math.ceil(programs * s / wave) / s for s in range(1, cap + 1)}
     best = min(cost.values())
@@ -297,7 +300,8 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
 _PROGRAM_OVERHEAD_TOKENS = 128
 
 
-def _splits_for_lengths(lens: Sequence[int], kv_heads: int, max_context: int, wave: int, block_n: int,
+@functools.lru_cache(maxsize=16)
+def _splits_for_lengths(lens: tuple[int, ...], kv_heads: int, max_context: int, wave: int, block_n: int,
                         cap: int) -> int:
     """Split count for a batch of known, unequal context lengths.
 
