@@ -255,7 +255,9 @@ def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
     eight_bit = kv_dtype in (FP8_DTYPE, torch.int8)
     if head_dim <= 64:
         return DecodeTiles(block_n=128 if eight_bit else 64, num_stages=5)
-    return DecodeTiles(block_n=64, num_stages=5 if kv_dtype == FP8_DTYPE else 2)
+    if kv_dtype == FP8_DTYPE:
+        return FP8_CANDIDATE
+    return DecodeTiles(block_n=64, num_stages=2)
 
 
 # 128-token tiles through a two-tile ring for an 8-bit, head-dim-128 cache: 150 registers (int8
