@@ -530,6 +530,8 @@ def main() -> int:
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help="only the ceilings and the prefill cases")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
+    ap.add_argument("--classes", default=None, help="comma-separated indices into DECODE_CLASSES: only those "
+                                                    "classes (no mixed batch, fused ops or GEMMs)")
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     args = ap.parse_args()
@@ -568,7 +570,11 @@ def main() -> int:
         result["decode"].append(decode_case(shape, gen, ceil, args.quick, args.full_sweeps))
         save()
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
-    if not args.skip_classes:
+    if args.classes is not None and not args.skip_classes:
+        result["classes"] = [decode_case(DECODE_CLASSES[int(i)], gen, ceil, quick=True)
+                             for i in args.classes.split(",") if i]
+        save()
+    elif not args.skip_classes:
         result["classes"] = []
         for shape in DECODE_CLASSES:
             try:

@@ -33,53 +33,65 @@ import triton
 import triton.language as tl
 
 from kernels._common import dot_dtype, kv_code, next_pow2, num_sms, placeholder, scale_args
-from kernels._dot import exact_dot
+from kernels._dot import exact_dot, exact_dot_acc
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, k_tensor_scale, v_tensor_scale,
-    kv_head, q_pos, lo, hi, seq_len, qk_scale,
+    acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr,
+    kv_head, q_pos, lo, hi, seq_len, score_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_QUANT: tl.constexpr, DOT_TY: tl.constexpr, ROWS_MAY_BE_EMPTY: tl.constexpr,
 ):
+    """Online softmax over keys [lo, hi). ``score_scale`` = softmax scale * log2(e) (* the fp8 key
+    scale): applied to the row max and inside one FMA with the max subtraction, not as a separate
+    pass over the scores. Unmasked tiles (every key visible to every row, all < seq_len) load and
+    compute without predicates."""
     d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
-        tok_ok = toks < seq_len
-        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
         slot = toks % BLOCK_SIZE
-        k = tl.load(
-            k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-            mask=tok_ok[:, None], other=0.0,
-        )  # [BLOCK_N, D]
-        v = tl.load(
-            v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-            mask=tok_ok[:, None], other=0.0,
-        )
+        if MASKED:
+            tok_ok = toks < seq_len
+            page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + toks // BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        v_ptrs = v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [BLOCK_M, BLOCK_N] fp32
-        if KV_QUANT == 1:
-            s = s * k_tensor_scale
         if KV_QUANT == 2:
             sc_off = page * stride_sb + slot * stride_ss + kv_head * stride_sh
-            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        s = s * qk_scale
+            if MASKED:
+                s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+            else:
+                s = s * tl.load(k_scale_ptr + sc_off)[None, :]
         if MASKED:
             s = tl.where((toks[None, :] <= q_pos[:, None]) & tok_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * score_scale)
         if ROWS_MAY_BE_EMPTY:  # a row with no visible key yet: -inf - -inf would be NaN
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_base = m_new
         alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(s - m_base[:, None])
+        p = tl.exp2(s * score_scale - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_QUANT == 2:
-            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
+            if MASKED:
+                p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+            else:
+                p = p * tl.load(v_scale_ptr + sc_off)[None, :]
+        # scale the accumulator, then let the MMA accumulate into it: one [BLOCK_M, D] fp32 tile
+        # live instead of two (the product and the running sum)
+        acc = exact_dot_acc(p.to(DOT_TY), v.to(DOT_TY), acc * alpha[:, None], DOT_TY)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -139,10 +151,10 @@ def _prefill_kernel(
     q = tl.load(q_ptr + (q_lo + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_TY)  # [BLOCK_M, D]
 
-    k_tensor_scale = 1.0
+    score_scale = qk_scale
     v_tensor_scale = 1.0
     if KV_QUANT == 1:
-        k_tensor_scale = tl.load(k_scale_ptr)
+        score_scale = qk_scale * tl.load(k_scale_ptr)
         v_tensor_scale = tl.load(v_scale_ptr)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -158,14 +170,14 @@ def _prefill_kernel(
         lo = split * split_keys
         hi = tl.minimum(lo + split_keys, kv_end)
     acc, m_i, l_i = _attend_tile(
-        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, k_tensor_scale, v_tensor_scale,
-        kv_head, q_pos, lo, tl.minimum(hi, full_end), seq_len, qk_scale,
+        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr,
+        kv_head, q_pos, lo, tl.minimum(hi, full_end), seq_len, score_scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
         False, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, False,
     )
     acc, m_i, l_i = _attend_tile(
-        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, k_tensor_scale, v_tensor_scale,
-        kv_head, q_pos, tl.maximum(lo, full_end), hi, seq_len, qk_scale,
+        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr,
+        kv_head, q_pos, tl.maximum(lo, full_end), hi, seq_len, score_scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
         True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, NUM_SPLITS > 1,
     )
