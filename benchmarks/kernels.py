@@ -445,8 +445,11 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
     row["TFLOPs"] = flops / (ms * 1e-3) / 1e12
     row["pct_matmul"] = row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    row["num_splits"] = prefill_attention.choose_prefill_splits(
-        math.ceil(batch * new / 128) + batch - 1, q_heads, context, sms)
+    tiles = prefill_attention.choose_prefill_tiles(batch * new, True)
+    row["tiles"] = {"block_m": tiles.block_m, "block_n": tiles.block_n, "num_warps": tiles.num_warps,
+                    "programs_per_sm": tiles.programs_per_sm}
+    row["num_splits"] = prefill_attention.splits_for_launch(batch * new, batch, q_heads, context, sms, tiles.block_m,
+                                                            tiles.programs_per_sm)
     row["no_hint_ms"] = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
     if sweep_splits:
         split_ms = {}

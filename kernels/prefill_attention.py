@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -230,9 +231,34 @@ def _merge_kernel(
              mask=h_ok[:, None])
 
 
-# Programs of the 128 x 128 GPU tiles an H200 SM runs at once (registers: 8 warps x ~255; shared
-# memory: the q tile and two-three K/V stages), so one wave is one program per SM.
-GPU_PROGRAMS_PER_SM = 1
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Query rows and keys per tile, warps, and how many such programs an SM holds at once (the wave
+    that ``choose_prefill_splits`` fills)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+
+
+def choose_prefill_tiles(num_tokens: int, on_gpu: bool) -> PrefillTiles:
+    """GPU tiles from the H200 sweeps:
+
+    * 128 x 128, 8 warps (one program per SM: ~255 registers a thread): fastest at 4 x (8,192 + 512)
+      (session 1 run 1) and at the 1 x (7,680 + 512) hit (0.194 ms against 0.205 for 64 x 64, session 4 run 1).
+    * a step of at most 64 new tokens: 64 x 64, 4 warps (two programs per SM): half of a 128-row tile
+      would be padding. 1 x (8,128 + 64): 0.048 ms at 8 splits against 0.071 for 128 x 128 at its best
+      (4 splits) and 0.194 unsplit (session 4 run 1).
+    The interpreter gets small tiles (its cost is per element, and the tests want several tiles).
+    """
+    if not on_gpu:
+        return PrefillTiles(block_m=16, block_n=16, num_warps=4, programs_per_sm=1)
+    if num_tokens <= 64:
+        return PrefillTiles(block_m=64, block_n=64, num_warps=4, programs_per_sm=2)
+    return PrefillTiles(block_m=128, block_n=128, num_warps=8, programs_per_sm=1)
+
+
 # One program's fixed cost in keys of streaming: its prologue (q load), the partial's write and its
 # share of the merge (the merge reads NUM_SPLITS fp32 rows per output row).
 _SPLIT_OVERHEAD_KEYS = 256
@@ -241,13 +267,14 @@ _MIN_SPLIT_KEYS = 1024
 
 
 def choose_prefill_splits(q_tiles: int, q_heads: int, max_context: int, num_sms: int,
-                          programs_per_sm: int = GPU_PROGRAMS_PER_SM) -> int:
+                          programs_per_sm: int = 1) -> int:
     """KV splits for a prefill launch of ``q_tiles`` query tiles per head (summed over sequences).
 
     A launch runs ``ceil(programs / wave)`` waves of ``~max_context / splits + overhead`` keys each;
     pick the power of two that minimises that. A grid that fills the GPU stays at one split (the
     1 x (7,680 + 512) prefix hit: 4 tiles x 32 heads = 128 programs on 132 SMs), a short suffix over
-    a long prefix splits (1 x (8,128 + 64): 32 programs, 4 splits of ~2K keys fill 128 SMs).
+    a long prefix splits (1 x (8,128 + 64) on 64-row tiles, two per SM: 32 programs, 8 splits of 1K
+    keys fill 256 of 264 slots).
     """
     programs = max(1, q_tiles * q_heads)
     wave = max(1, num_sms * programs_per_sm)
@@ -259,6 +286,14 @@ def choose_prefill_splits(q_tiles: int, q_heads: int, max_context: int, num_sms:
             best, best_cost = s, cost
         s *= 2
     return best
+
+
+def splits_for_launch(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, num_sms: int,
+                      block_m: int, programs_per_sm: int) -> int:
+    """``choose_prefill_splits`` for a packed step: one sequence's chunk is all ``num_tokens``; with
+    more sequences each has at least one query tile and together at most T / block_m + B - 1."""
+    q_tiles = -(-num_tokens // block_m) + (num_seqs - 1)
+    return choose_prefill_splits(q_tiles, q_heads, max_context, num_sms, programs_per_sm)
 
 
 def paged_prefill(
@@ -297,23 +332,17 @@ def paged_prefill(
     if max_q_len is None:
         max_q_len = num_tokens
     on_gpu = q.device.type == "cuda"
-    # GPU tiles from the H200 sweeps: 128x128, 8 warps, 3 stages was fastest at 4 x (8192 + 512) (run 1)
-    # and at 1 x (7680 + 512) as well (0.195 ms against 0.213 for 64x64 tiles, session 2 run 2).
-    if block_m is None:
-        block_m = 128 if on_gpu else 16
-    if block_n is None:
-        block_n = 128 if on_gpu else 16
+    tiles = choose_prefill_tiles(num_tokens, on_gpu)
+    overridden = (block_m, block_n, num_warps) != (None, None, None)
+    block_m = block_m if block_m is not None else tiles.block_m
+    block_n = block_n if block_n is not None else tiles.block_n
     if num_warps is None:
-        num_warps = 8 if block_m >= 128 else 4
+        num_warps = tiles.num_warps if not overridden else (8 if block_m >= 128 else 4)
     if num_splits is None:
         num_splits = 1
         if context_lens is not None and len(context_lens) == num_seqs:
-            # query tiles that really run: one sequence's chunk is all T tokens; with more, each
-            # sequence has at least one tile and together at most T / block_m + B
-            q_tiles = triton.cdiv(num_tokens, block_m) + (num_seqs - 1)
-            programs_per_sm = GPU_PROGRAMS_PER_SM if on_gpu else 1
-            num_splits = choose_prefill_splits(q_tiles, q_heads, max(int(n) for n in context_lens),
-                                               num_sms(q.device), programs_per_sm)
+            num_splits = splits_for_launch(num_tokens, num_seqs, q_heads, max(int(n) for n in context_lens),
+                                           num_sms(q.device), block_m, 1 if overridden else tiles.programs_per_sm)
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)

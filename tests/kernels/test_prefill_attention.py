@@ -104,3 +104,12 @@ def test_prefill_split_choice():
     assert prefill_attention.choose_prefill_splits(1, 32, 8192, h200) == 4
     # 8 kv-head-sized grids over 64K: as many splits as fill the wave, capped at 16
     assert prefill_attention.choose_prefill_splits(1, 8, 65536, h200) == 16
+    # 64-row tiles (two programs per SM) for a step of at most 64 tokens: 8 splits of 1K keys
+    assert prefill_attention.choose_prefill_splits(1, 32, 8192, h200, programs_per_sm=2) == 8
+
+
+def test_prefill_tiles():
+    tiles = prefill_attention.choose_prefill_tiles
+    assert (tiles(512, True).block_m, tiles(512, True).programs_per_sm) == (128, 1)
+    assert (tiles(65, True).block_m, tiles(64, True).block_m, tiles(64, True).programs_per_sm) == (128, 64, 2)
+    assert tiles(4096, False).block_m == 16
