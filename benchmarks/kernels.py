@@ -68,8 +68,9 @@ PREVIOUS_FP8_TILES = decode_attention.DecodeTiles(block_n=64, num_stages=5, num_
 # Prefix-hit launches swept over the split count (session 4): (label, block_m, block_n, warps, stages)
 PREFILL_SPLIT_TILES = [("m128", 128, 128, 8, 3), ("m64", 64, 64, 4, 3)]
 PREFILL_SPLITS = (1, 2, 4, 8)
-PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3),
+PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages); session 4 added the deeper rings
+    (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5),
+    (128, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4),
 ]
 
 
