@@ -595,6 +595,7 @@ def main() -> int:
             result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
     if not args.skip_prefill:
         result["prefill"] = prefill_case(gen, ceil, args.quick, args.full_sweeps)
+        save()
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
         result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512,
                                              sweep_splits=not args.quick, quantized=True)
