@@ -528,7 +528,8 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     ap.add_argument("--quick", action="store_true", help="skip the tile-size variants")
     ap.add_argument("--full-sweeps", action="store_true",
-                    help="also the bf16 split sweep, the skinny-GEMM tile sweep and the prefill tile variants "
+                    help="also the bf16 split sweep, the skinny-GEMM tile sweep, the prefill tile variants and "
+                         "the prefill split counts at the prefix-hit shapes "
                          "(session 2's diagnostics; ~60 s more)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into DECODE_SHAPES (default: all)")
     ap.add_argument("--skip-prefill", action="store_true")
@@ -598,11 +599,11 @@ def main() -> int:
         save()
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
         result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512,
-                                             sweep_splits=not args.quick, quantized=True)
+                                             sweep_splits=args.full_sweeps, quantized=True)
         save()
         # a short suffix over a long prefix (a chat turn after a cached system prompt): 32 programs unsplit
         result["prefill_hit_short"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=8128,
-                                                   new=64, sweep_splits=not args.quick, quantized=True)
+                                                   new=64, sweep_splits=args.full_sweeps, quantized=True)
         save()
         # the issue's hit shape with block size 32 and GQA 1 / head dim 64 (the launcher's choice only)
         result["prefill_hit_classes"] = [
