@@ -423,18 +423,21 @@ def sec_prefix(dev, args, config, runner) -> dict:
     total, cached_len = args.prefix_total, args.prefix_cached
     g = random.Random(5)
     vocab = runner.spec.vocab_size
+    timed = TimedRunner(runner)
 
-    def prompt(head):
-        return head + [g.randrange(vocab) for _ in range(total - len(head))]
+    def prompt(head, length=total):
+        return head + [g.randrange(vocab) for _ in range(length - len(head))]
 
-    engine = make_engine(config, runner)
+    engine = make_engine(config, timed)
     run_requests(engine, [GenerateRequest("pw", StaticTenantScope(b"warm"), greedy(1), prompt_token_ids=prompt([]))])
     head = [g.randrange(vocab) for _ in range(cached_len)]
     cold = run_requests(engine, [GenerateRequest("p0", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head))])
-    hits = []
+    hits, runner_ms = [], []
     for i in range(3):
+        timed.steps.clear()
         hits.append(run_requests(engine, [GenerateRequest(f"p{i + 1}", StaticTenantScope(), greedy(1),
                                                           prompt_token_ids=prompt(head))]))
+        runner_ms.append(1e3 * sum(st[0] for st in timed.steps))
     colds = [cold]
     for i in range(2):  # two more cold prompts (fresh heads) for the spread
         h = [g.randrange(vocab) for _ in range(cached_len)]
@@ -443,8 +446,68 @@ def sec_prefix(dev, args, config, runner) -> dict:
     cold_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in colds)
     hit_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in hits)
     hit_cached = [next(iter(r["cached"].values())) for r in hits]
-    return {"prompt_tokens": total, "cached_tokens": hit_cached, "cold_ttft_ms": cold_ms, "hit_ttft_ms": hit_ms,
-            "speedup": cold_ms[len(cold_ms) // 2] / hit_ms[len(hit_ms) // 2]}
+    out: dict[str, Any] = {"prompt_tokens": total, "cached_tokens": hit_cached, "cold_ttft_ms": cold_ms,
+                           "hit_ttft_ms": hit_ms, "speedup": cold_ms[len(cold_ms) // 2] / hit_ms[len(hit_ms) // 2],
+                           "hit_runner_execute_ms": runner_ms}
+    out["hit_profile"] = profile_hit(dev, engine, timed, lambda: prompt(head), "pprof")
+    # a short suffix over a longer cached prefix (a chat turn after a cached system prompt): the grid
+    # of the hit's attention is 32 programs unsplit, so this is where split-KV prefill shows
+    short_cached = total - 4 * runner.block_size
+    head2 = [g.randrange(vocab) for _ in range(short_cached)]
+    run_requests(engine, [GenerateRequest("s0", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head2))])
+    # one untimed hit first: a step of <= 64 tokens compiles its own tile and split variants (run 2
+    # timed that compile as one of its three hits: 1,790 ms)
+    run_requests(engine, [GenerateRequest("sw", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head2))])
+    short = [run_requests(engine, [GenerateRequest(f"s{i + 1}", StaticTenantScope(), greedy(1),
+                                                   prompt_token_ids=prompt(head2))]) for i in range(3)]
+    short_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in short)
+    out["short_suffix"] = {"cached_tokens": [next(iter(r["cached"].values())) for r in short],
+                           "hit_ttft_ms": short_ms, "speedup": cold_ms[len(cold_ms) // 2] / short_ms[len(short_ms) // 2]}
+    return out
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if "_prefill_kernel" in n or "_merge_kernel" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")):
+        return "gemm"
+    return "other"
+
+
+def profile_hit(dev, engine, timed, make_prompt, rid: str) -> dict:
+    """One more prefix hit under torch.profiler: device time by kernel class (attention, GEMM, other),
+    the runner's wall time (it ends in the sampler's host sync) and the engine's time around it."""
+    if not dev.startswith("cuda"):
+        return {"skipped": "CPU"}
+    from torch.profiler import ProfilerActivity, profile
+
+    timed.steps.clear()
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        res = run_requests(engine, [GenerateRequest(rid, StaticTenantScope(), greedy(1),
+                                                    prompt_token_ids=make_prompt())])
+        sync(dev)
+    by_cat: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    launches: dict[str, int] = {"attention": 0, "gemm": 0, "other": 0}
+    top = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or 0
+        # operators and driver/runtime calls are not kernels (run 2 counted cuLaunchKernelEx, 0.37 ms, as one)
+        if dev_us <= 0 or e.key.startswith(("aten::", "cuda", "cuLaunch", "cuModule", "cuMem", "cuStream", "cuEvent")):
+            continue
+        cat = _kernel_category(e.key)
+        by_cat[cat] += dev_us / 1e3
+        launches[cat] += e.count
+        top.append({"kernel": e.key[:90], "calls": e.count, "device_ms": dev_us / 1e3, "class": cat})
+    top.sort(key=lambda r: -r["device_ms"])
+    runner_ms = 1e3 * sum(st[0] for st in timed.steps)
+    ttft_ms = 1e3 * res["ttft"][rid]
+    busy = sum(by_cat.values())
+    return {"ttft_ms_profiled": ttft_ms, "runner_execute_ms": runner_ms, "engine_outside_runner_ms": ttft_ms - runner_ms,
+            "device_ms_by_class": by_cat, "kernel_launches_by_class": launches, "device_busy_ms": busy,
+            "gpu_idle_in_runner_ms": max(0.0, runner_ms - busy), "top_kernels": top[:15],
+            "note": "profiled run: the profiler adds host overhead per launch; device times are the kernels' own"}
 
 
 def sec_capacity(dev, args, config, arch, model, runner_bf16) -> dict:
@@ -558,6 +621,14 @@ def table(r: dict) -> str:
     rows.append(("prefix: cold TTFT (ms)", get("prefix", "cold_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("prefix: cached TTFT (ms)", get("prefix", "hit_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("prefix: speedup", get("prefix", "speedup", fmt="{:.1f}x"), ">= 12x"))
+    hp = s.get("prefix", {}).get("hit_profile", {})
+    if "device_ms_by_class" in hp:
+        c = hp["device_ms_by_class"]
+        rows.append(("prefix hit: attn / GEMM / other GPU ms", f"{c['attention']:.1f} / {c['gemm']:.1f} / "
+                     f"{c['other']:.1f}", ""))
+        rows.append(("prefix hit: runner / outside runner ms", f"{hp['runner_execute_ms']:.1f} / "
+                     f"{hp['engine_outside_runner_ms']:.1f}", "(profiled)"))
+    rows.append(("prefix: 64-token suffix hit TTFT (ms)", get("prefix", "short_suffix", "hit_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("capacity: bf16 / fp8 peak seqs", f"{get('capacity', 'bf16', 'peak_running')} / "
                  f"{get('capacity', 'fp8', 'peak_running')}", "2x"))
     rows.append(("capacity: fp8 token agreement", get("capacity", "agreement", "token_agreement", fmt="{:.2f}"), ""))

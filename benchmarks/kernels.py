@@ -63,8 +63,14 @@ DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also trie
 # (128, 4, 5) on any shape (kernels_h200_s3run1.json), dropped.
 QUANT_TILES = [(64, 4, 2, True), (64, 4, 5, True), (128, 4, 5, True)]
 PREV_TILES = (64, 4, 2)  # the launcher's tiles before choose_tiles (session 2), timed beside its choice
-PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3),
+# fp8 head dim 128 before session 4 made FP8_CANDIDATE the choice (timed beside it: `fp8_previous`)
+PREVIOUS_FP8_TILES = decode_attention.DecodeTiles(block_n=64, num_stages=5, num_warps=4, programs_per_sm=4)
+# Prefix-hit launches swept over the split count (session 4): (label, block_m, block_n, warps, stages)
+PREFILL_SPLIT_TILES = [("m128", 128, 128, 8, 3), ("m64", 64, 64, 4, 3)]
+PREFILL_SPLITS = (1, 2, 4, 8)
+PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages); session 4 added the deeper rings
+    (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5),
+    (128, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4),
 ]
 
 
@@ -232,8 +238,10 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
-        if head_dim == 128:  # the 8-bit candidate tiles with a split count fitted to their occupancy
-            cand = decode_attention.FP8_CANDIDATE
+        if head_dim == 128:
+            # fp8: the tiles the launcher chose before session 4 (64-token ring, 4 per SM), beside its
+            # choice now (FP8_CANDIDATE); int8: the candidate beside the launcher's 64-token tiles
+            cand = PREVIOUS_FP8_TILES if name == "fp8" else decode_attention.FP8_CANDIDATE
             c_splits = decode_attention.choose_num_splits(batch, kv_heads, tables.shape[1] * block_size, sms,
                                                           cand.block_n, programs_per_sm=cand.programs_per_sm)
 
@@ -242,7 +250,7 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
                                                      block_n=cand.block_n, num_warps=cand.num_warps,
                                                      num_stages=cand.num_stages)
             want_q = ref.paged_decode_attention(q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs)
-            row[f"{name}_candidate"] = {"splits": c_splits, "rel_err": rel_err(run_cand()[:n_check], want_q),
+            row[f"{name}_previous" if name == "fp8" else f"{name}_candidate"] = {"splits": c_splits, "rel_err": rel_err(run_cand()[:n_check], want_q),
                                         "ms": bench(run_cand), "graph_ms": bench_graph(run_cand)}
         qtiles = decode_attention.choose_tiles(head_dim, kq.dtype)
         row[f"{name}_tiles"] = {"block_n": qtiles.block_n, "num_stages": qtiles.num_stages,
@@ -416,7 +424,7 @@ SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatic
 
 
 def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
-                 head_dim=128, block_size=16) -> dict:
+                 head_dim=128, block_size=16, sweep_splits: bool = False, quantized: bool = False) -> dict:
     context = cached + new
     scale = 1 / math.sqrt(head_dim)
     kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
@@ -428,13 +436,48 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
     flops = 4 * pairs * q_heads * head_dim
     row: dict = {"shape": {"batch": batch, "cached": cached, "new": new, "q_heads": q_heads, "kv_heads": kv_heads,
                            "head_dim": head_dim, "block_size": block_size}, "flops": flops}
-    out = triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+    hint = [context] * batch  # the engine's eager steps pass the lengths (AttentionMetadata.context_lens)
+    out = triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, context_lens=hint)
     want = ref.paged_prefill_attention(q[:new], k_cache, v_cache, tables[:1], cu[:2], lens[:1], scale)
     row["rel_err"] = rel_err(out[:new], want)
-    ms = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
+    ms = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale,
+                                                          context_lens=hint))
     row["ms"] = ms
     row["TFLOPs"] = flops / (ms * 1e-3) / 1e12
     row["pct_matmul"] = row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = prefill_attention.choose_prefill_tiles(batch * new, True)
+    row["tiles"] = {"block_m": tiles.block_m, "block_n": tiles.block_n, "num_warps": tiles.num_warps,
+                    "programs_per_sm": tiles.programs_per_sm}
+    row["num_splits"] = prefill_attention.splits_for_launch(batch * new, batch, q_heads, context, sms, tiles.block_m,
+                                                            tiles.programs_per_sm)
+    row["no_hint_ms"] = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
+    if sweep_splits:
+        split_ms = {}
+        for label, bm, bn, nw, ns in PREFILL_SPLIT_TILES:
+            for sp in PREFILL_SPLITS:
+                def run_s(bm=bm, bn=bn, nw=nw, ns=ns, sp=sp):
+                    return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
+                                                           max_q_len=new, block_m=bm, block_n=bn, num_warps=nw,
+                                                           num_stages=ns, num_splits=sp)
+                try:
+                    err = rel_err(run_s()[:new], want)
+                    t = bench(run_s)
+                    split_ms[f"{label}_splits{sp}"] = {"ms": t, "TFLOPs": flops / (t * 1e-3) / 1e12, "rel_err": err}
+                except Exception as e:  # noqa: BLE001  (record, keep going)
+                    split_ms[f"{label}_splits{sp}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        row["split_sweep"] = split_ms
+    if quantized:  # the same launch on fp8 / int8 caches, against the reference on those caches
+        for qname, dtype in (("fp8", ref.FP8_DTYPE), ("int8", torch.int8)):
+            qkv, ks, vs = quantize_cache(kv, dtype)
+            kq, vq = qkv[:, 0, 0], qkv[:, 0, 1]
+            outq = triton_ops.paged_prefill_attention(q, kq, vq, tables, cu, lens, scale, ks, vs, context_lens=hint)
+            wantq = ref.paged_prefill_attention(q[:new], kq, vq, tables[:1], cu[:2], lens[:1], scale, ks, vs)
+            row[f"{qname}_rel_err"] = rel_err(outq[:new], wantq)
+            row[f"{qname}_vs_bf16_rel_err"] = rel_err(outq, out)
+            row[f"{qname}_ms"] = bench(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_prefill_attention(
+                q, kq, vq, tables, cu, lens, scale, ks, vs, context_lens=hint))
+            del qkv, kq, vq
     if not quick and full_sweeps:
         variants = {}
         for bm, bn, nw, ns in PREFILL_VARIANTS:
@@ -485,11 +528,15 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     ap.add_argument("--quick", action="store_true", help="skip the tile-size variants")
     ap.add_argument("--full-sweeps", action="store_true",
-                    help="also the bf16 split sweep, the skinny-GEMM tile sweep and the prefill tile variants "
+                    help="also the bf16 split sweep, the skinny-GEMM tile sweep, the prefill tile variants and "
+                         "the prefill split counts at the prefix-hit shapes "
                          "(session 2's diagnostics; ~60 s more)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into DECODE_SHAPES (default: all)")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true", help="only the ceilings and the prefill cases")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
+    ap.add_argument("--classes", default=None, help="comma-separated indices into DECODE_CLASSES: only those "
+                                                    "classes (no mixed batch, fused ops or GEMMs)")
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     args = ap.parse_args()
@@ -518,7 +565,9 @@ def main() -> int:
         result["wall_s"] = time.time() - t0
         out.write_text(json.dumps(result, indent=2))
 
-    picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",")]
+    picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",") if i]
+    if args.prefill_only:
+        picked, args.skip_classes, args.skip_prefill = [], True, False
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
@@ -526,7 +575,11 @@ def main() -> int:
         result["decode"].append(decode_case(shape, gen, ceil, args.quick, args.full_sweeps))
         save()
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
-    if not args.skip_classes:
+    if args.classes is not None and not args.skip_classes:
+        result["classes"] = [decode_case(DECODE_CLASSES[int(i)], gen, ceil, quick=True)
+                             for i in args.classes.split(",") if i]
+        save()
+    elif not args.skip_classes:
         result["classes"] = []
         for shape in DECODE_CLASSES:
             try:
@@ -543,8 +596,21 @@ def main() -> int:
             result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
     if not args.skip_prefill:
         result["prefill"] = prefill_case(gen, ceil, args.quick, args.full_sweeps)
+        save()
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
-        result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512)
+        result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512,
+                                             sweep_splits=args.full_sweeps, quantized=True)
+        save()
+        # a short suffix over a long prefix (a chat turn after a cached system prompt): 32 programs unsplit
+        result["prefill_hit_short"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=8128,
+                                                   new=64, sweep_splits=args.full_sweeps, quantized=True)
+        save()
+        # the issue's hit shape with block size 32 and GQA 1 / head dim 64 (the launcher's choice only)
+        result["prefill_hit_classes"] = [
+            prefill_case(gen, ceil, True, batch=1, cached=7680, new=512, block_size=32),
+            prefill_case(gen, ceil, True, batch=1, cached=8128, new=64, q_heads=32, kv_heads=32),
+            prefill_case(gen, ceil, True, batch=1, cached=8128, new=64, q_heads=32, kv_heads=8, head_dim=64),
+        ]
     save()
     print_table(result)
     print(f"wrote {out}")
@@ -603,14 +669,26 @@ def print_table(r: dict) -> None:
         for k, v in g.items():
             if "ours_sweep_pct_copy" in v:
                 print(f"  {k} sweep: " + " ".join(f"{a}:{b}" for a, b in v["ours_sweep_pct_copy"].items()))
+    for key in ("prefill_hit", "prefill_hit_short"):
+        h = r.get(key)
+        if not h:
+            continue
+        sh = h["shape"]
+        v = {**h.get("variants", {}), **h.get("split_sweep", {})}
+        print(f"prefill 1x({sh['cached']} cached + {sh['new']} new): ours {h['ms']:.3f} ms ({h['num_splits']} splits; "
+              f"{h['no_hint_ms']:.3f} without the hint) = {h['TFLOPs']:.0f} TFLOP/s, gather+SDPA "
+              f"{h['gather_sdpa_ms']:.3f} ms; fp8 {_ms(h.get('fp8_ms'))} int8 {_ms(h.get('int8_ms'))} ms, err bf16/fp8/int8 "
+              f"{h['rel_err']:.1e}/{h.get('fp8_rel_err', float('nan')):.1e}/{h.get('int8_rel_err', float('nan')):.1e}")
+        if v:
+            print("   " + ", ".join(f"{k} {x['ms']:.3f}" for k, x in v.items() if "ms" in x))
+    for h in r.get("prefill_hit_classes", []):
+        sh = h["shape"]
+        print(f"prefill 1x({sh['cached']}+{sh['new']}) Hq{sh['q_heads']}/Hkv{sh['kv_heads']} D{sh['head_dim']} "
+              f"BS{sh['block_size']}: {h['ms']:.3f} ms ({h['num_splits']} splits; {h['no_hint_ms']:.3f} without), "
+              f"gather+SDPA {h['gather_sdpa_ms']:.3f}, err {h['rel_err']:.1e}")
     p = r.get("prefill")
     if p is None:
         return
-    h = r.get("prefill_hit")
-    if h:
-        v = h.get("variants", {})
-        print(f"prefill 1x(7680 cached + 512 new): ours {h['ms']:.3f} ms = {h['TFLOPs']:.0f} TFLOP/s, gather+SDPA "
-              f"{h['gather_sdpa_ms']:.3f} ms; tiles " + ", ".join(f"{k} {x['ms']:.3f}" for k, x in v.items() if "ms" in x))
     print(f"prefill 4x(8192 cached + 512 new): ours {p['ms']:.3f} ms = {p['TFLOPs']:.0f} TFLOP/s "
           f"({100 * p['pct_matmul']:.0f}% of matmul), gather+SDPA {p['gather_sdpa_ms']:.3f} ms "
           f"[{p.get('gather_sdpa_form')}], x{p['vs_gather_sdpa']:.2f}, err {p['rel_err']:.1e}")

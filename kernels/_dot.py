@@ -16,3 +16,12 @@ def exact_dot(a, b, DOT_TY: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def exact_dot_acc(a, b, acc, DOT_TY: tl.constexpr):
+    """``acc + a @ b`` with the MMA accumulating into ``acc`` (fp32), IEEE for fp32 operands as above."""
+    if tl.float32 == DOT_TY:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)

@@ -9,60 +9,90 @@ at position p sees keys 0..p (cached prefix fully, the new tokens causally)::
     loop 1: [0, prefix + m_start) rounded down to BLOCK_N   no mask needed
     loop 2: the rest up to min(seq_len, prefix + m_end)      causal + length mask
 
-grid = (q_heads, ceil(max_q_len / BLOCK_M), num_seqs); q heads vary fastest so the ``group``
-heads that read one KV head run side by side and share its tiles through L2.
+grid = (q_heads, ceil(max_q_len / BLOCK_M), num_seqs * NUM_SPLITS); q heads vary fastest so the
+``group`` heads that read one KV head run side by side and share its tiles through L2.
+
+Split-KV (``NUM_SPLITS > 1``, for grids that leave most of the GPU idle: a short suffix over a long
+cached prefix is a few query tiles per head)::
+
+    tile's keys [0, kv_end)   |<- split 0 ->|<- split 1 ->|<- ... ->|   each BLOCK_N-aligned
+    program (h, m, b, s)      attends its split only, writes o_s = acc / l and lse_s = m + log2 l
+    _merge_kernel             o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)   (flash-decoding)
+
+A split may hold no key a row can see (all masked): its m stays -inf, so the update guards the
+exponent base and the partial is (0, lse = -inf), which the merge weights by zero.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_dtype, kv_code, scale_args
-from kernels._dot import exact_dot
+from kernels._common import dot_dtype, kv_code, next_pow2, num_sms, placeholder, scale_args
+from kernels._dot import exact_dot, exact_dot_acc
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, k_tensor_scale, v_tensor_scale,
-    kv_head, q_pos, lo, hi, seq_len, qk_scale,
+    acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr,
+    kv_head, q_pos, lo, hi, seq_len, score_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_QUANT: tl.constexpr, DOT_TY: tl.constexpr,
+    KV_QUANT: tl.constexpr, DOT_TY: tl.constexpr, ROWS_MAY_BE_EMPTY: tl.constexpr,
 ):
+    """Online softmax over keys [lo, hi). ``score_scale`` = softmax scale * log2(e) (* the fp8 key
+    scale): applied to the row max and inside one FMA with the max subtraction, not as a separate
+    pass over the scores. Unmasked tiles (every key visible to every row, all < seq_len) load and
+    compute without predicates."""
     d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
-        tok_ok = toks < seq_len
-        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
         slot = toks % BLOCK_SIZE
-        k = tl.load(
-            k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-            mask=tok_ok[:, None], other=0.0,
-        )  # [BLOCK_N, D]
-        v = tl.load(
-            v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-            mask=tok_ok[:, None], other=0.0,
-        )
+        if MASKED:
+            tok_ok = toks < seq_len
+            page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + toks // BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        v_ptrs = v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [BLOCK_M, BLOCK_N] fp32
-        if KV_QUANT == 1:
-            s = s * k_tensor_scale
         if KV_QUANT == 2:
             sc_off = page * stride_sb + slot * stride_ss + kv_head * stride_sh
-            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        s = s * qk_scale
+            if MASKED:
+                s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+            else:
+                s = s * tl.load(k_scale_ptr + sc_off)[None, :]
         if MASKED:
             s = tl.where((toks[None, :] <= q_pos[:, None]) & tok_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1) * score_scale)
+        if ROWS_MAY_BE_EMPTY:  # a row with no visible key yet: -inf - -inf would be NaN
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_base = m_new
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s * score_scale - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_QUANT == 2:
-            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
+            if MASKED:
+                p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+            else:
+                p = p * tl.load(v_scale_ptr + sc_off)[None, :]
+        # scale the accumulator, then let the MMA accumulate into it: one [BLOCK_M, D] fp32 tile
+        # live instead of two (the product and the running sum)
+        acc = exact_dot_acc(p.to(DOT_TY), v.to(DOT_TY), acc * alpha[:, None], DOT_TY)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -71,7 +101,8 @@ def _attend_tile(
 # left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
 # the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
 # prefill+decode step took 2.1 s instead of 0.4 s, a 129-block table after 128-block ones).
-@triton.jit(do_not_specialize=["stride_btb"])
+# ``num_tokens`` (the step's token count, used only to index the split partials) likewise.
+@triton.jit(do_not_specialize=["stride_btb", "num_tokens"])
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [NB, BS, Hkv, D] (strided)
@@ -81,8 +112,11 @@ def _prefill_kernel(
     seq_lens_ptr,  # [B] int32
     k_scale_ptr,
     v_scale_ptr,
-    out_ptr,  # [T, Hq, D]
+    out_ptr,  # [T, Hq, D]                       (written when NUM_SPLITS == 1)
+    part_out_ptr,  # [NUM_SPLITS, T, Hq, D] fp32     (written when NUM_SPLITS > 1)
+    part_lse_ptr,  # [NUM_SPLITS, T, Hq] fp32, log2 domain
     qk_scale,
+    num_tokens,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -96,10 +130,12 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     KV_QUANT: tl.constexpr,
     DOT_TY: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     h = tl.program_id(0)
     m_tile = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     q_lo = tl.load(cu_seqlens_ptr + b)
     q_len = tl.load(cu_seqlens_ptr + b + 1) - q_lo
     m_start = m_tile * BLOCK_M
@@ -116,10 +152,10 @@ def _prefill_kernel(
     q = tl.load(q_ptr + (q_lo + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_TY)  # [BLOCK_M, D]
 
-    k_tensor_scale = 1.0
+    score_scale = qk_scale
     v_tensor_scale = 1.0
     if KV_QUANT == 1:
-        k_tensor_scale = tl.load(k_scale_ptr)
+        score_scale = qk_scale * tl.load(k_scale_ptr)
         v_tensor_scale = tl.load(v_scale_ptr)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -128,21 +164,136 @@ def _prefill_kernel(
     bt_row = block_tables_ptr + b * stride_btb
     full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N  # keys every row of the tile sees
     kv_end = tl.minimum(seq_len, prefix + m_start + BLOCK_M)
+    lo = 0
+    hi = kv_end
+    if NUM_SPLITS > 1:
+        split_keys = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * split_keys
+        hi = tl.minimum(lo + split_keys, kv_end)
     acc, m_i, l_i = _attend_tile(
-        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, k_tensor_scale, v_tensor_scale,
-        kv_head, q_pos, 0, full_end, seq_len, qk_scale,
+        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr,
+        kv_head, q_pos, lo, tl.minimum(hi, full_end), seq_len, score_scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-        False, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY,
+        False, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, False,
     )
     acc, m_i, l_i = _attend_tile(
-        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, k_tensor_scale, v_tensor_scale,
-        kv_head, q_pos, full_end, kv_end, seq_len, qk_scale,
+        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr,
+        kv_head, q_pos, tl.maximum(lo, full_end), hi, seq_len, score_scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-        True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY,
+        True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, NUM_SPLITS > 1,
     )
-    acc = acc * v_tensor_scale / l_i[:, None]
-    o_ptrs = out_ptr + (q_lo + rows)[:, None] * stride_ot + h * stride_oh + d[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS == 1:
+        acc = acc * v_tensor_scale / l_i[:, None]
+        o_ptrs = out_ptr + (q_lo + rows)[:, None] * stride_ot + h * stride_oh + d[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        seen = l_i > 0.0
+        o_part = acc * (v_tensor_scale / tl.where(seen, l_i, 1.0))[:, None]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        # partials are [NUM_SPLITS, T, Hq, (D)] contiguous; Hq = the grid's first dimension
+        lse_idx = (split * num_tokens + q_lo + rows) * tl.num_programs(0) + h  # [BLOCK_M]
+        tl.store(part_out_ptr + lse_idx.to(tl.int64)[:, None] * HEAD_DIM + d[None, :], o_part, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + lse_idx, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _merge_kernel(
+    part_out_ptr,  # [NUM_SPLITS, T, Hq, D] fp32
+    part_lse_ptr,  # [NUM_SPLITS, T, Hq] fp32
+    out_ptr,  # [T, Hq, D]
+    num_tokens,
+    q_heads,
+    stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One token, all its heads: o = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max_s lse_s)."""
+    t = tl.program_id(0)
+    hs = tl.arange(0, HEADS_PAD)
+    h_ok = hs < q_heads
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full([HEADS_PAD], float("-inf"), tl.float32)
+    for sp in tl.static_range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + (sp * num_tokens + t) * q_heads + hs, mask=h_ok, other=float("-inf"))
+        m = tl.maximum(m, lse)
+    m = tl.where(m == float("-inf"), 0.0, m)  # padded heads (every real row sees at least key 0)
+    w_sum = tl.zeros([HEADS_PAD], tl.float32)
+    acc = tl.zeros([HEADS_PAD, HEAD_DIM], tl.float32)
+    for sp in tl.static_range(NUM_SPLITS):
+        idx = (sp * num_tokens + t) * q_heads + hs
+        w = tl.exp2(tl.load(part_lse_ptr + idx, mask=h_ok, other=float("-inf")) - m)  # 0 for an empty split
+        o = tl.load(part_out_ptr + idx.to(tl.int64)[:, None] * HEAD_DIM + d[None, :], mask=h_ok[:, None], other=0.0)
+        acc += o * w[:, None]
+        w_sum += w
+    acc = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    tl.store(out_ptr + t * stride_ot + hs[:, None] * stride_oh + d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None])
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Query rows and keys per tile, warps, and how many such programs an SM holds at once (the wave
+    that ``choose_prefill_splits`` fills)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+
+
+def choose_prefill_tiles(num_tokens: int, on_gpu: bool) -> PrefillTiles:
+    """GPU tiles from the H200 sweeps:
+
+    * 128 x 128, 8 warps (one program per SM: ~255 registers a thread): fastest at 4 x (8,192 + 512)
+      (session 1 run 1) and at the 1 x (7,680 + 512) hit (0.194 ms against 0.205 for 64 x 64, session 4 run 1).
+    * a step of at most 64 new tokens: 64 x 64, 4 warps (two programs per SM): half of a 128-row tile
+      would be padding. 1 x (8,128 + 64): 0.048 ms at 8 splits against 0.071 for 128 x 128 at its best
+      (4 splits) and 0.194 unsplit (session 4 run 1).
+    The interpreter gets small tiles (its cost is per element, and the tests want several tiles).
+    """
+    if not on_gpu:
+        return PrefillTiles(block_m=16, block_n=16, num_warps=4, programs_per_sm=1)
+    if num_tokens <= 64:
+        return PrefillTiles(block_m=64, block_n=64, num_warps=4, programs_per_sm=2)
+    return PrefillTiles(block_m=128, block_n=128, num_warps=8, programs_per_sm=1)
+
+
+# One program's fixed cost in keys of streaming: its prologue (q load), the partial's write and its
+# share of the merge (the merge reads NUM_SPLITS fp32 rows per output row).
+_SPLIT_OVERHEAD_KEYS = 256
+# Each split streams at least this many keys: below it the partials cost more than the split saves.
+_MIN_SPLIT_KEYS = 1024
+
+
+def choose_prefill_splits(q_tiles: int, q_heads: int, max_context: int, num_sms: int,
+                          programs_per_sm: int = 1) -> int:
+    """KV splits for a prefill launch of ``q_tiles`` query tiles per head (summed over sequences).
+
+    A launch runs ``ceil(programs / wave)`` waves of ``~max_context / splits + overhead`` keys each;
+    pick the power of two that minimises that. A grid that fills the GPU stays at one split (the
+    1 x (7,680 + 512) prefix hit: 4 tiles x 32 heads = 128 programs on 132 SMs), a short suffix over
+    a long prefix splits (1 x (8,128 + 64) on 64-row tiles, two per SM: 32 programs, 8 splits of 1K
+    keys fill 256 of 264 slots).
+    """
+    programs = max(1, q_tiles * q_heads)
+    wave = max(1, num_sms * programs_per_sm)
+    best, best_cost = 1, None
+    s = 1
+    while s <= 16 and (s == 1 or max_context / s >= _MIN_SPLIT_KEYS):
+        cost = math.ceil(programs * s / wave) * (max_context / s + _SPLIT_OVERHEAD_KEYS)
+        if best_cost is None or cost < best_cost * 0.97:  # fewer splits unless clearly better
+            best, best_cost = s, cost
+        s *= 2
+    return best
+
+
+def splits_for_launch(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, num_sms: int,
+                      block_m: int, programs_per_sm: int) -> int:
+    """``choose_prefill_splits`` for a packed step: one sequence's chunk is all ``num_tokens``; with
+    more sequences each has at least one query tile and together at most T / block_m + B - 1."""
+    q_tiles = -(-num_tokens // block_m) + (num_seqs - 1)
+    return choose_prefill_splits(q_tiles, q_heads, max_context, num_sms, programs_per_sm)
 
 
 def paged_prefill(
@@ -161,11 +312,16 @@ def paged_prefill(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
+    num_splits: int | None = None,
+    context_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Launch the ragged prefill kernel. Inputs are checked by ``kernels.triton_ops``.
+    """Launch the ragged prefill kernel (+ the split merge). Inputs are checked by ``kernels.triton_ops``.
 
     ``max_q_len`` sizes the grid; when None the bound ``T`` is used: reading the real maximum off
     the device costs a host sync (~0.1 ms, measured) while surplus tiles exit after two loads.
+    ``context_lens`` (host ints, each sequence's context after this chunk, as the scheduler knows
+    it) lets ``choose_prefill_splits`` split a launch that would leave the GPU idle; without it,
+    or with ``num_splits`` given, no guess is made (one split unless told).
     """
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -176,20 +332,29 @@ def paged_prefill(
     if max_q_len is None:
         max_q_len = num_tokens
     on_gpu = q.device.type == "cuda"
-    # GPU tiles from the H200 sweeps: 128x128, 8 warps, 3 stages was fastest at 4 x (8192 + 512) (run 1)
-    # and at 1 x (7680 + 512) as well (0.195 ms against 0.213 for 64x64 tiles, session 2 run 2).
-    if block_m is None:
-        block_m = 128 if on_gpu else 16
-    if block_n is None:
-        block_n = 128 if on_gpu else 16
+    tiles = choose_prefill_tiles(num_tokens, on_gpu)
+    overridden = (block_m, block_n, num_warps) != (None, None, None)
+    block_m = block_m if block_m is not None else tiles.block_m
+    block_n = block_n if block_n is not None else tiles.block_n
     if num_warps is None:
-        num_warps = 8 if block_m >= 128 else 4
+        num_warps = tiles.num_warps if not overridden else (8 if block_m >= 128 else 4)
+    if num_splits is None:
+        num_splits = 1
+        if context_lens is not None and len(context_lens) == num_seqs:
+            num_splits = splits_for_launch(num_tokens, num_seqs, q_heads, max(int(n) for n in context_lens),
+                                           num_sms(q.device), block_m, 1 if overridden else tiles.programs_per_sm)
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
-    grid = (q_heads, triton.cdiv(max_q_len, block_m), num_seqs)
+    if num_splits > 1:
+        part_out = torch.empty(num_splits, num_tokens, q_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = placeholder(q.device, torch.float32)
+    grid = (q_heads, triton.cdiv(max_q_len, block_m), num_seqs * num_splits)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ks, vs, out,
-        scale * LOG2E,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ks, vs, out, part_out, part_lse,
+        scale * LOG2E, num_tokens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -197,7 +362,12 @@ def paged_prefill(
         *sc_strides,
         out.stride(0), out.stride(1),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache),
+        BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), NUM_SPLITS=num_splits,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if num_splits > 1:
+        _merge_kernel[(num_tokens,)](
+            part_out, part_lse, out, num_tokens, q_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEADS_PAD=next_pow2(q_heads), HEAD_DIM=head_dim, num_warps=4,
+        )
     return out

@@ -146,6 +146,8 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,  # host-side copy of seq_lens: a launch hint, unused here
 ) -> torch.Tensor:
     """New tokens attend causally among themselves and fully to their cached prefix.
 

@@ -106,17 +106,23 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """New tokens attend causally among themselves and fully to their cached prefix -> [T, Hq, D].
 
-    The new tokens' K/V must already be in the cache (write_kv first).
+    The new tokens' K/V must already be in the cache (write_kv first). ``context_lens``: the same
+    lengths as ``seq_lens`` on the host (optional): with them a launch that would leave the GPU
+    idle (a short suffix over a long prefix) splits the keys (``prefill_attention.choose_prefill_splits``).
     """
     _check_attention_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
     num_seqs = block_tables.shape[0]
     _check_int_vector("cu_seqlens_q", cu_seqlens_q, num_seqs + 1, q.device)
     _check_int_vector("seq_lens", seq_lens, num_seqs, q.device)
+    if context_lens is not None:
+        assert len(context_lens) == num_seqs, f"context_lens has {len(context_lens)} entries, expected {num_seqs}"
     return prefill_attention.paged_prefill(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale, context_lens=context_lens
     )
 
 

@@ -98,7 +98,8 @@ class Attention(nn.Module):
                                              cache.k_scale, cache.v_scale, context_lens=meta.context_lens)
         else:
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,
-                                              meta.seq_lens, self.scale, cache.k_scale, cache.v_scale)
+                                              meta.seq_lens, self.scale, cache.k_scale, cache.v_scale,
+                                              context_lens=meta.context_lens)
         return ops.linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:

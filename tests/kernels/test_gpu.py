@@ -107,3 +107,17 @@ def test_linear_gpu():
     for m in (1, 17, 32, 33, 300):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
         assert fused.rel_err(triton_ops.linear(x, w), torch.nn.functional.linear(x.double(), w.double())) < 1e-2
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
+def test_prefill_gpu_split_kv(kv_dtype, head_dim, group, block_size):
+    """Split-KV prefill on the compiled kernel (GPU tiles): a forced split count over fresh prompts,
+    a long prefix, a one-token chunk and an empty sequence; then the launcher's own choice from the
+    length hint for a short suffix over a long prefix (it splits there)."""
+    prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
+                     kv_dtype=kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim * group + 7, device="cuda",
+                     num_splits=3)
+    prefill.run_case(head_dim, group, block_size, cached=[8100], new=[40], kv_dtype=kv_dtype,
+                     q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim * group + 8, device="cuda",
+                     context_lens=[8140])

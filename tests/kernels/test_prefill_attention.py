@@ -73,3 +73,43 @@ def test_prefill_checks_inputs():
     with pytest.raises(AssertionError, match="q head_dim"):
         triton_ops.paged_prefill_attention(q[..., :32], k, v, tables, torch.tensor([0, 5], dtype=torch.int32),
                                            torch.tensor([5], dtype=torch.int32), 0.1)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE, torch.int8])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 32), (64, 8, 16)])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_prefill_split_kv_matches_reference(kv_dtype, head_dim, group, block_size, num_splits):
+    # Key tiles narrower than query tiles, so the splits cut through cached keys, through the causal
+    # diagonal (rows that see no key of a split: the NaN guard) and past the end (empty splits): a fresh
+    # prompt, a long prefix, a one-token chunk, an empty sequence.
+    run_case(head_dim, group, block_size, cached=[0, 150, 40, 5], new=[37, 9, 1, 0], kv_dtype=kv_dtype,
+             block_m=32, block_n=16, num_splits=num_splits, seed=num_splits * 100 + head_dim + group + block_size)
+
+
+def test_prefill_length_hint_splits_a_grid_that_leaves_the_gpu_idle():
+    # One query tile of one head against 4,100 keys: the interpreter's 4 fake SMs would run 1 program.
+    assert prefill_attention.choose_prefill_splits(1, 1, 4100, 4) == 4
+    run_case(64, 1, 16, cached=[4090], new=[10], kv_heads=1, block_m=16, block_n=16, seed=31,
+             context_lens=[4100])
+
+
+def test_prefill_split_choice():
+    h200 = 132
+    # the prefix hit, 1 x (7,680 + 512): 4 tiles x 32 heads = 128 programs fill 132 SMs
+    assert prefill_attention.choose_prefill_splits(4, 32, 8192, h200) == 1
+    # a full grid (4 x (8,192 + 512)) and a short context never split
+    assert prefill_attention.choose_prefill_splits(16, 32, 8704, h200) == 1
+    assert prefill_attention.choose_prefill_splits(1, 32, 1500, h200) == 1
+    # a 64-token suffix over 8K cached: 32 programs -> 4 splits of ~2K keys (128 programs)
+    assert prefill_attention.choose_prefill_splits(1, 32, 8192, h200) == 4
+    # 8 kv-head-sized grids over 64K: as many splits as fill the wave, capped at 16
+    assert prefill_attention.choose_prefill_splits(1, 8, 65536, h200) == 16
+    # 64-row tiles (two programs per SM) for a step of at most 64 tokens: 8 splits of 1K keys
+    assert prefill_attention.choose_prefill_splits(1, 32, 8192, h200, programs_per_sm=2) == 8
+
+
+def test_prefill_tiles():
+    tiles = prefill_attention.choose_prefill_tiles
+    assert (tiles(512, True).block_m, tiles(512, True).programs_per_sm) == (128, 1)
+    assert (tiles(65, True).block_m, tiles(64, True).block_m, tiles(64, True).programs_per_sm) == (128, 64, 2)
+    assert tiles(4096, False).block_m == 16
