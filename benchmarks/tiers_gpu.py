@@ -199,7 +199,8 @@ def sec_kernel(dev: torch.device, seg_bytes: int, segments: int, trials: int) ->
             "kernels_ms": 1e3 * statistics.median(tk), "kernels_GBps": total / statistics.median(tk) / 1e9}
 
 
-def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int, max_num_seqs: int = 4) -> ModelRunner:
+def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int, max_num_seqs: int = 4,
+                graphs: bool = False) -> ModelRunner:
     cfg = llama_config_dict(**shape)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
@@ -207,7 +208,7 @@ def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int, max_nu
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(arch, dev, dtype, seed=0)
     config = EngineConfig(model_dir=Path("random-8b"), device=str(dev), num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=prefix + 256, max_model_len=prefix + 256, use_cuda_graphs=False)
+                          max_num_batched_tokens=prefix + 256, max_model_len=prefix + 256, use_cuda_graphs=graphs)
     return ModelRunner(config, arch=arch, tokenizer=IdTokenizer(), model=model)
 
 
@@ -341,10 +342,13 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
     vocab = runner.arch.vocab_size
     config = dataclasses.replace(runner.config, max_num_seqs=seqs)
     out: dict[str, Any] = {"seqs": seqs, "prompt_tokens": prompt, "decode_tokens": decode, "pool_blocks": pool,
-                           "block_bytes": runner.kv_bytes_per_block, "runs": []}
+                           "block_bytes": runner.kv_bytes_per_block,
+                           "cuda_graphs": runner.decode_graphs is not None, "runs": []}
+    t_section = time.perf_counter()
 
     def run(mode: str, steps: int) -> dict:
         g = torch.Generator().manual_seed(11)
+        t_run = time.perf_counter()
         hook = _tier_hook(dev, runner, mode, dram_bytes, seg_blocks)
         engine = LLMEngine(config, runner, lower_tier=hook, num_blocks=pool)
         who = _tenant(mode)
@@ -381,22 +385,44 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                 hook.manager.drain()
             drain_s = time.perf_counter() - t0
             tier = hook.stats() if hook is not None else {}
-            return {"mode": mode, "steps": len(times), "p50_ms": 1e3 * _percentile(times, 0.5),
+            return {"mode": mode, "at_s": t_run - t_section, "steps": len(times), "p50_ms": 1e3 * _percentile(times, 0.5),
                     "p99_ms": 1e3 * _percentile(times, 0.99), "mean_ms": 1e3 * statistics.fmean(times),
                     "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,
                     "drain_after_s": drain_s, "dram_used_bytes": tier.get("dram", {}).get("used_bytes"),
-                    "sealed_on_device": getattr(hook.manager.sealer, "sealed", 0) if hook else 0}
+                    "sealed_on_device": getattr(hook.manager.sealer, "sealed", 0) if hook else 0,
+                    "step_ms": [round(1e3 * t, 3) for t in times]}
         finally:
             if hook is not None:
                 hook.close()
             del engine
             gc.collect()
 
-    run("off", min(decode, 16))  # warm-up: first use of these shapes
+    run("off", decode)  # warm-up: every shape of the measured runs once (kernels compiled, tuned)
     for mode in modes:
         r = run(mode, decode)
-        print(f"   stepload {mode}: {r}", flush=True)
+        print(f"   stepload {mode}: " + str({k: v for k, v in r.items() if k != "step_ms"}), flush=True)
         out["runs"].append(r)
+    out["summary"] = stepload_summary(out["runs"])
+    return out
+
+
+def stepload_summary(runs: Sequence[dict]) -> dict:
+    """Per mode: medians over its repetitions of p50 / p99, and of each repetition's p99 over the
+    ``off`` run nearest to it in time (the host's speed drifts between runs: session 3's first run
+    saw ``off`` at p50 16 ms, then 28 ms four runs later)."""
+    offs = [r for r in runs if r["mode"] == "off"]
+    out: dict[str, dict] = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+        ratios = []
+        for r in mine:
+            if mode != "off" and offs:
+                near = min(offs, key=lambda o: abs(o["at_s"] - r["at_s"]))
+                ratios.append(r["p99_ms"] / near["p99_ms"])
+        out[mode] = {"runs": len(mine), "p50_ms": statistics.median(r["p50_ms"] for r in mine),
+                     "p99_ms": statistics.median(r["p99_ms"] for r in mine),
+                     "p99_vs_nearest_off": statistics.median(ratios) if ratios else None,
+                     "p99_vs_nearest_off_all": ratios}
     return out
 
 
@@ -499,7 +525,8 @@ def table(r: dict) -> str:
                      f"{vs_plain:>10}{str(x['plaintext_equal']):>7}{x['demote_s']:>10.2f}")
     sl = s.get("stepload", {})
     if sl.get("runs"):
-        lines.append(f"stepload: {sl['seqs']} seqs decoding, pool {sl['pool_blocks']} blocks evicting to DRAM")
+        lines.append(f"stepload: {sl['seqs']} seqs decoding, pool {sl['pool_blocks']} blocks evicting to DRAM, "
+                     f"CUDA graphs {sl.get('cuda_graphs', False)}")
         base = next((x for x in sl["runs"] if x["mode"] == "off"), None)
         lines.append(f"{'mode':<10}{'p50 ms':>8}{'p99 ms':>8}{'p99 vs off':>11}{'steps':>7}{'evicting':>9}"
                      f"{'blocks':>8}{'drain s':>8}")
@@ -507,6 +534,10 @@ def table(r: dict) -> str:
             vs = f"{100 * (x['p99_ms'] / base['p99_ms'] - 1):+.1f}%" if base else "-"
             lines.append(f"{x['mode']:<10}{x['p50_ms']:>8.2f}{x['p99_ms']:>8.2f}{vs:>11}{x['steps']:>7}"
                          f"{x['steps_evicting']:>9}{x['blocks_evicted']:>8}{x['drain_after_s']:>8.2f}")
+        for mode, m in sl.get("summary", {}).items():
+            vs = f"{100 * (m['p99_vs_nearest_off'] - 1):+.1f}%" if m["p99_vs_nearest_off"] else "-"
+            lines.append(f"  {mode}: median of {m['runs']} runs p50 {m['p50_ms']:.2f} ms, p99 {m['p99_ms']:.2f} ms, "
+                         f"p99 vs the nearest off run {vs}")
     et = s.get("engine_ttft", {})
     if "dram_restore_ttft_ms" in et:
         lines.append(f"engine TTFT {et['prefix_tokens']}+{et['suffix_tokens']} tokens: recompute "
@@ -529,6 +560,8 @@ def main() -> int:
     ap.add_argument("--sections", default="ceilings,kernel,recompute,restore,stepload,engine_ttft")
     ap.add_argument("--stepload-modes", default="off,gpu_seal,cpu_seal,off")
     ap.add_argument("--stepload-decode", type=int, default=256, help="decode tokens per sequence")
+    ap.add_argument("--stepload-graphs", action="store_true",
+                    help="stepload on a second runner with CUDA graphs (the engine's GPU default)")
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     shape, prefix, seg_blocks = (SMOKE_SHAPE, 128, 4) if args.smoke else (LLAMA31_8B_SHAPE, 16384, 32)
@@ -585,8 +618,11 @@ def main() -> int:
     if "stepload" in wanted:
         sl = dict(seqs=4, prompt=20, decode=24, pool=40, filler=64) if args.smoke else \
             dict(seqs=32, prompt=64, decode=args.stepload_decode, pool=768, filler=2048)
+        sl_runner = runner
+        if args.stepload_graphs and dev.type == "cuda":
+            sl_runner = make_runner(dev, shape, 2048, 768 + 8, max_num_seqs=32, graphs=True)
         result["sections"]["stepload"] = section("stepload", lambda: sec_stepload(
-            dev, runner, **sl, dram_bytes=4 << 30 if not args.smoke else 16 << 20, seg_blocks=seg_blocks,
+            dev, sl_runner, **sl, dram_bytes=4 << 30 if not args.smoke else 16 << 20, seg_blocks=seg_blocks,
             modes=args.stepload_modes.split(",")))
     if "engine_ttft" in wanted:
         result["sections"]["engine_ttft"] = section("engine_ttft", lambda: sec_engine_ttft(
