@@ -138,6 +138,11 @@ class TierHook:
         self._backlog.append((fut, data.numel()))
         self._backlog_bytes += data.numel()
 
+    @property
+    def device_backlog(self) -> tuple[int, int]:
+        """(runs, bytes) of device-resident spills handed to the manager, not yet known to be sealed."""
+        return len(self._backlog), self._backlog_bytes
+
     def _wait_backlog(self, adding: int) -> None:
         """Forget finished device demotions; wait for the oldest while the backlog would pass its cap."""
         while self._backlog and (self._backlog[0][0].done()

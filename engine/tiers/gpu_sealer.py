@@ -66,7 +66,8 @@ class DeviceSealer:
         host = blob.numpy()
         host[:DEVICE_HEADER_BYTES] = memoryview(bytes([DEVICE_BLOB_VERSION, 0, 0, 0]) + nonce)
         host[DEVICE_HEADER_BYTES + nbytes:] = memoryview(gpu_aead.seal_tag(launched, sums.tolist()))
-        self.sealed += 1
+        with self._lock:
+            self.sealed += 1
         return PinnedBlob.adopt(blob)
 
 

@@ -160,6 +160,46 @@ def test_tiny_engine_spills_through_the_device_sealer(tiny_model_dir, registry):
     hook.close()
 
 
+def test_step_loop_with_device_spills_and_a_zero_backlog(tmp_path, registry):
+    """The real block pool, scheduler and step loop (the token-id runner double): every flush of a
+    device-resident run waits for the one before it (backlog cap 0), and the evicted prefix comes
+    back sealed-on-device and opened-on-device with the same output."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tiers import TierHook, TierManager
+    from tests.tiers.kv_runner_double import TokenKVRunner, reference_generate
+    from tests.tiers.test_engine_hook import run
+
+    cfg = EngineConfig(model_dir=tmp_path / "double", block_size=16, num_kv_blocks=12, dram_bytes=1 << 20,
+                       eviction_policy="lru")
+    runner = TokenKVRunner(12, 16)
+    sealer, opener = DeviceSealer("cpu"), DeviceAeadOpener("cpu")
+    manager = TierManager.from_config(cfg, runner.kv_bytes_per_block, registry=registry, pin_memory=False,
+                                      opener=opener, device_seal=True, sealer=sealer)
+    backlog: list[tuple[int, int]] = []
+
+    class WatchedHook(TierHook):
+        def flush_spills(self) -> None:
+            super().flush_spills()
+            backlog.append(self.device_backlog)
+
+    hook = WatchedHook(manager, runner, pin_memory=False, device_spill=True, device_backlog_bytes=0)
+    engine = LLMEngine(cfg, runner, lower_tier=hook)
+    a = acme()
+    rng = random.Random(0)
+    p = [rng.randrange(1000, 40_000) for _ in range(100)]  # 6 cacheable full blocks
+    cold, _, _ = run(engine, "p1", a, p)
+    run(engine, "q", a, [rng.randrange(1000, 40_000) for _ in range(170)])  # pushes p's tail out of HBM
+    hook.manager.drain()
+    assert runner.gathered >= 5 and runner.exported == 0 and sealer.sealed >= 1
+    # the cap: never more in flight than the run just handed over
+    assert max(runs for runs, _ in backlog) == 1 and max(b for _, b in backlog) <= 6 * runner.kv_bytes_per_block
+    warm, cached, _ = run(engine, "p2", a, p)
+    assert warm == cold == reference_generate(p, 4) and cached == 96
+    assert opener.opened_on_device >= 1 and opener.opened_on_host == 0
+    hook.close()
+
+
 def test_device_spill_needs_a_sealer(make_manager):
     from engine.tiers.engine_hook import TierHook
 
