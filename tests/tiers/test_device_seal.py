@@ -219,3 +219,22 @@ class _Runner:
 
     def gather_blocks_async(self, block_ids):
         raise AssertionError
+
+
+def test_runner_gathers_on_device_what_it_exports(tiny_model_dir):
+    """``gather_blocks_async`` (no host sync) holds the same bytes as ``export_blocks`` (host copy),
+    and stays a copy when the blocks are overwritten afterwards."""
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=8, max_model_len=128, device=DEVICE,
+                                      dtype="fp32"))
+    rng = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (3, runner.kv_bytes_per_block), dtype=torch.uint8, generator=rng)
+    runner.import_blocks([5, 1, 6], data)
+    got = runner.gather_blocks_async([6, 5])
+    assert got.device.type == torch.device(DEVICE).type and got.dtype == torch.uint8 and got.is_contiguous()
+    runner.import_blocks([5, 6], torch.zeros(2, runner.kv_bytes_per_block, dtype=torch.uint8))  # reuse the blocks
+    assert torch.equal(got.cpu(), data[[2, 0]]) and torch.equal(runner.export_blocks([1]), data[[1]])
+    with pytest.raises(IndexError):
+        runner.gather_blocks_async([8])
