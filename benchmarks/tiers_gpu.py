@@ -321,7 +321,8 @@ def _tier_hook(dev: torch.device, runner: ModelRunner, mode: str, dram_bytes: in
     gpu = mode == "gpu_seal"
     m = TierManager(model_id="bench-8b", block_size=16, block_bytes=runner.kv_bytes_per_block, dram_bytes=dram_bytes,
                     max_segment_blocks=seg_blocks, pin_memory=dev.type == "cuda", opener=DeviceAeadOpener(dev),
-                    rates=TierRates(min_gain=0.0), device_seal=True, sealer=DeviceSealer(dev) if gpu else None)
+                    rates=TierRates(min_gain=0.0), device_seal=True, sealer=DeviceSealer(dev) if gpu else None,
+                    max_workers=2 if dev.type == "cuda" else 1)  # --smoke: Triton's interpreter is not thread-safe
     return TierHook(m, runner, device_spill=gpu)
 
 

@@ -143,7 +143,8 @@ def test_tiny_engine_spills_through_the_device_sealer(tiny_model_dir, registry):
                        device=DEVICE, dtype="fp32")
     runner = ModelRunner(cfg)
     opener, sealer = DeviceAeadOpener(DEVICE), DeviceSealer(DEVICE)
-    hook = build_tier_hook(cfg, runner, registry, opener=opener, device_seal=True, sealer=sealer)
+    workers = {"max_workers": 1} if DEVICE == "cpu" else {}  # Triton's interpreter is not thread-safe
+    hook = build_tier_hook(cfg, runner, registry, opener=opener, device_seal=True, sealer=sealer, **workers)
     assert hook is not None and hook.device_spill
     engine = build_llm_engine_for(cfg, runner, EngineMetrics(registry), lower_tier=hook)
     a = acme()
@@ -173,9 +174,10 @@ def test_step_loop_with_device_spills_and_a_zero_backlog(tmp_path, registry):
     cfg = EngineConfig(model_dir=tmp_path / "double", block_size=16, num_kv_blocks=12, dram_bytes=1 << 20,
                        eviction_policy="lru")
     runner = TokenKVRunner(12, 16)
-    sealer, opener = DeviceSealer("cpu"), DeviceAeadOpener("cpu")
+    sealer, opener = DeviceSealer("cpu"), DeviceAeadOpener("cpu")  # the CPU runner double
+    # one worker: Triton's interpreter is not thread-safe, and a seal may overlap a restore here
     manager = TierManager.from_config(cfg, runner.kv_bytes_per_block, registry=registry, pin_memory=False,
-                                      opener=opener, device_seal=True, sealer=sealer)
+                                      opener=opener, device_seal=True, sealer=sealer, max_workers=1)
     backlog: list[tuple[int, int]] = []
 
     class WatchedHook(TierHook):
