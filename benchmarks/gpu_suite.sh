@@ -104,7 +104,7 @@ fi
 # wheels). SKIP_TIERS=1 skips it; TIERS_ARGS="--trials 3 --nvme-dir DIR" passes arguments.
 TIERS_RC=0
 if [ "${SKIP_TIERS:-0}" != 1 ]; then
-  "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py -q -p no:cacheprovider \
+  "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py tests/tiers/test_device_seal.py -q -p no:cacheprovider \
     -o addopts="" 2>&1 | tee "$RES/tiers_gpu_pytest.log"
   TIERS_RC=${PIPESTATUS[0]}
   "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_h200.json}" ${TIERS_ARGS:-} 2>&1 \

@@ -14,7 +14,16 @@ predictions written before the first run and the results):
                   cpu_chacha  the same blobs decrypted by `cryptography` on 8 CPU threads into pinned
                               buffers, copies pipelined (PinnedHostOpener: the fallback and oracle)
                   cpu_aes     AES-256-GCM blobs (tenancy's default), the same CPU path
-                every restored tensor is compared with the original KV bytes
+                every restored tensor is compared with the original KV bytes; ``demote_s`` is the time to
+                spill the 2 GiB into the tier (gpu_chacha: sealed in HBM from device memory by
+                DeviceSealer; cpu_chacha / cpu_aes: `cryptography` on the tier's worker threads)
+    stepload    decode step time p50 / p99 of 32 sequences whose KV pool evicts cached blocks to DRAM on
+                (nearly) every step, against the same workload with tiers off, in one run: modes off,
+                gpu_seal (the CUDA default: device gather, sealed in HBM), cpu_seal (host export +
+                `cryptography`: the fallback), off again (the run-to-run noise)
+    engine_ttft the engine's TTFT (scheduler, restore, import, prefill of the 15-token suffix) of a request
+                whose 16,384-token prefix is restored from DRAM, against the same-sized prompt recomputed
+                and the prefix hit in HBM, in the same engine
 
     python benchmarks/tiers_gpu.py [--out FILE] [--trials 5] [--nvme-dir DIR]
     python benchmarks/tiers_gpu.py --smoke            # CPU, tiny shapes, kernels in Triton's interpreter
@@ -25,6 +34,7 @@ Writes ``benchmarks/results/tiers_gpu_h200.json`` (or ``--out``) with command, m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -55,7 +65,10 @@ from engine.models.random_init import LLAMA31_8B_SHAPE, build_random_model, llam
 from engine.models.spec import parse_checkpoint_config  # noqa: E402
 from engine.protocol import BlockCipher, GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
 from engine.tiers import InsecureNullCipher, TierManager, TierRates  # noqa: E402
+from engine.tiers.device_kv import DeviceKV  # noqa: E402
+from engine.tiers.engine_hook import TierHook  # noqa: E402
 from engine.tiers.gpu_opener import DeviceAeadOpener, PinnedHostOpener  # noqa: E402
+from engine.tiers.gpu_sealer import DeviceSealer  # noqa: E402
 from engine.tiers.opener import OpenedRuns, SealedRun, SegmentOpener  # noqa: E402
 from kernels import chacha20_poly1305 as gpu_aead  # noqa: E402
 from tenancy.crypto import TenantCipher, new_data_key  # noqa: E402
@@ -186,15 +199,16 @@ def sec_kernel(dev: torch.device, seg_bytes: int, segments: int, trials: int) ->
             "kernels_ms": 1e3 * statistics.median(tk), "kernels_GBps": total / statistics.median(tk) / 1e9}
 
 
-def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int) -> ModelRunner:
+def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int, max_num_seqs: int = 4,
+                graphs: bool = False) -> ModelRunner:
     cfg = llama_config_dict(**shape)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
         arch = parse_checkpoint_config(Path(tmp), prefix + 256)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(arch, dev, dtype, seed=0)
-    config = EngineConfig(model_dir=Path("random-8b"), device=str(dev), num_kv_blocks=blocks, max_num_seqs=4,
-                          max_num_batched_tokens=prefix + 256, max_model_len=prefix + 256, use_cuda_graphs=False)
+    config = EngineConfig(model_dir=Path("random-8b"), device=str(dev), num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=prefix + 256, max_model_len=prefix + 256, use_cuda_graphs=graphs)
     return ModelRunner(config, arch=arch, tokenizer=IdTokenizer(), model=model)
 
 
@@ -243,17 +257,24 @@ def sec_restore(dev: torch.device, runner: ModelRunner, tier: str, mode: str, nu
     sizes = {"dram_bytes": room} if tier == "dram" else {"nvme_dir": nvme_dir, "nvme_bytes": room}
     # min_gain=0: store whatever is demoted. At its default rates the cost model drops 64 MiB NVMe
     # segments (recomputing 512 tokens is cheaper than reading them back): the first run stored none.
+    sealer = DeviceSealer(dev) if mode == "gpu_chacha" else None
     m = TierManager(model_id="bench-8b", block_size=16, block_bytes=bb, max_segment_blocks=seg_blocks,
                     max_workers=8, pin_memory=dev.type == "cuda", opener=opener, rates=TierRates(min_gain=0.0),
-                    device_seal=mode in ("gpu_chacha", "cpu_chacha"), **sizes)
+                    device_seal=mode in ("gpu_chacha", "cpu_chacha"), sealer=sealer, **sizes)
     try:
         who = StaticTenantScope(namespace=b"bench-" + mode.encode(), metrics_label=mode, cipher=cipher)
         hashes = [os.urandom(32) for _ in range(num_blocks)]
+        # gpu_chacha spills from device memory (what the engine's CUDA spill path hands over)
+        src = data.to(dev) if sealer is not None else data
+        sync(dev)
         t0 = time.perf_counter()
-        futs = [m.demote(who, hashes[i:i + seg_blocks], data[i:i + seg_blocks]) for i in range(0, num_blocks, seg_blocks)]
+        futs = [m.demote(who, hashes[i:i + seg_blocks],
+                         DeviceKV(src[i:i + seg_blocks]) if sealer is not None else src[i:i + seg_blocks])
+                for i in range(0, num_blocks, seg_blocks)]
         stored = sum(sum(f.result().stored.values()) for f in futs)
         m.drain()
         demote_s = time.perf_counter() - t0
+        del src
         if stored != num_blocks:
             return {"error": f"only {stored} of {num_blocks} blocks stored"}
         ids = list(range(num_blocks))
@@ -278,10 +299,201 @@ def sec_restore(dev: torch.device, runner: ModelRunner, tier: str, mode: str, nu
         med = statistics.median(times)
         return {"tier": tier, "mode": mode, "blocks": num_blocks, "bytes": total, "restore_ms": 1e3 * med,
                 "restore_all_ms": [1e3 * t for t in times], "GBps": total / med / 1e9, "plaintext_equal": equal,
-                "demote_s": demote_s, "stored_bytes": m.stats()[tier]["used_bytes"]}
+                "demote_s": demote_s, "demote_GBps": total / demote_s / 1e9, "sealed_on_device": bool(sealer and sealer.sealed),
+                "stored_bytes": m.stats()[tier]["used_bytes"]}
     finally:
         m.close()
         del m
+        gc.collect()
+
+
+def _tenant(name: str) -> StaticTenantScope:
+    return StaticTenantScope(namespace=b"bench-" + name.encode(), metrics_label=name,
+                             cipher=TenantCipher(new_data_key(), owner=name))
+
+
+def _tier_hook(dev: torch.device, runner: ModelRunner, mode: str, dram_bytes: int, seg_blocks: int) -> TierHook | None:
+    """The engine's tier hook in one of the benchmark's modes (None: tiers off). gpu_seal is what
+    ``build_tier_hook`` builds on a CUDA host; cpu_seal is the fallback path (host export,
+    `cryptography` on the workers), both opened on the device on restore."""
+    if mode == "off":
+        return None
+    gpu = mode == "gpu_seal"
+    m = TierManager(model_id="bench-8b", block_size=16, block_bytes=runner.kv_bytes_per_block, dram_bytes=dram_bytes,
+                    max_segment_blocks=seg_blocks, pin_memory=dev.type == "cuda", opener=DeviceAeadOpener(dev),
+                    rates=TierRates(min_gain=0.0), device_seal=True, sealer=DeviceSealer(dev) if gpu else None,
+                    max_workers=2 if dev.type == "cuda" else 1)  # --smoke: Triton's interpreter is not thread-safe
+    return TierHook(m, runner, device_spill=gpu)
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, max(0, round(q * (len(ys) - 1))))]
+
+
+def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: int, decode: int, pool: int,
+                 filler: int, dram_bytes: int, seg_blocks: int, modes: Sequence[str]) -> dict:
+    """Per-step wall time of ``seqs`` sequences decoding ``decode`` tokens while the pool evicts.
+
+    The pool (``pool`` blocks) is first filled with cached blocks of finished ``filler``-token
+    prompts; then every block a decoding sequence grows into evicts one of them (spilled to DRAM
+    when tiers are on). Prompt lengths are staggered (``prompt + i % 16``) so the sequences cross
+    block boundaries on different steps: ~seqs/16 evictions on every step, not a burst every 16th. A step is timed from its start
+    to its outputs (the engine reads the sampled tokens back, so the device work is included)."""
+    vocab = runner.arch.vocab_size
+    config = dataclasses.replace(runner.config, max_num_seqs=seqs)
+    out: dict[str, Any] = {"seqs": seqs, "prompt_tokens": prompt, "decode_tokens": decode, "pool_blocks": pool,
+                           "block_bytes": runner.kv_bytes_per_block,
+                           "cuda_graphs": runner.decode_graphs is not None, "runs": []}
+    t_section = time.perf_counter()
+
+    def run(mode: str, steps: int) -> dict:
+        g = torch.Generator().manual_seed(11)
+        t_run = time.perf_counter()
+        hook = _tier_hook(dev, runner, mode, dram_bytes, seg_blocks)
+        engine = LLMEngine(config, runner, lower_tier=hook, num_blocks=pool)
+        who = _tenant(mode)
+        try:
+            for i in range(-(-pool * 16 // filler) + 1):  # fill the pool with cached, evictable blocks
+                engine.add_request(GenerateRequest(f"f{i}", who, SamplingParams(max_tokens=1, temperature=0.0),
+                                                   prompt_token_ids=torch.randint(0, vocab, (filler,), generator=g).tolist()))
+                while engine.has_unfinished():
+                    engine.step()
+            if hook is not None:
+                hook.flush_spills()
+                hook.manager.drain()
+            evicted0 = engine.cache.num_evictions
+            for i in range(seqs):
+                engine.add_request(GenerateRequest(f"d{i}", who, SamplingParams(max_tokens=steps, temperature=0.0,
+                                                                                ignore_eos=True),
+                                                   prompt_token_ids=torch.randint(0, vocab, (prompt + i % 16,),
+                                                                                  generator=g).tolist()))
+            times, evicting, n = [], [], 0
+            while engine.has_unfinished():
+                e0 = engine.cache.num_evictions
+                sync(dev)
+                t0 = time.perf_counter()
+                outs = engine.step()
+                dt = time.perf_counter() - t0
+                n += 1
+                if n > 2 and len(outs) == seqs:  # every sequence decoding (after the prefill steps)
+                    times.append(dt)
+                    evicting.append(engine.cache.num_evictions > e0)
+            spilled = engine.cache.num_evictions - evicted0
+            t0 = time.perf_counter()
+            if hook is not None:
+                hook.flush_spills()
+                hook.manager.drain()
+            drain_s = time.perf_counter() - t0
+            tier = hook.stats() if hook is not None else {}
+            return {"mode": mode, "at_s": t_run - t_section, "steps": len(times), "p50_ms": 1e3 * _percentile(times, 0.5),
+                    "p99_ms": 1e3 * _percentile(times, 0.99), "mean_ms": 1e3 * statistics.fmean(times),
+                    "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,
+                    "drain_after_s": drain_s, "dram_used_bytes": tier.get("dram", {}).get("used_bytes"),
+                    "sealed_on_device": getattr(hook.manager.sealer, "sealed", 0) if hook else 0,
+                    "step_ms": [round(1e3 * t, 3) for t in times]}
+        finally:
+            if hook is not None:
+                hook.close()
+            del engine
+            gc.collect()
+
+    run("off", decode)  # warm-up: every shape of the measured runs once (kernels compiled, tuned)
+    for mode in modes:
+        r = run(mode, decode)
+        print(f"   stepload {mode}: " + str({k: v for k, v in r.items() if k != "step_ms"}), flush=True)
+        out["runs"].append(r)
+    out["summary"] = stepload_summary(out["runs"])
+    return out
+
+
+def stepload_summary(runs: Sequence[dict]) -> dict:
+    """Per mode: medians over its repetitions of p50 / p99, and of each repetition's p99 over the
+    ``off`` run nearest to it in time (the host's speed drifts between runs: session 3's first run
+    saw ``off`` at p50 16 ms, then 28 ms four runs later)."""
+    offs = [r for r in runs if r["mode"] == "off"]
+    out: dict[str, dict] = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+        ratios = []
+        for r in mine:
+            if mode != "off" and offs:
+                near = min(offs, key=lambda o: abs(o["at_s"] - r["at_s"]))
+                ratios.append(r["p99_ms"] / near["p99_ms"])
+        out[mode] = {"runs": len(mine), "p50_ms": statistics.median(r["p50_ms"] for r in mine),
+                     "p99_ms": statistics.median(r["p99_ms"] for r in mine),
+                     "p99_vs_nearest_off": statistics.median(ratios) if ratios else None,
+                     "p99_vs_nearest_off_all": ratios}
+    return out
+
+
+def sec_engine_ttft(dev: torch.device, runner: ModelRunner, *, prefix: int, suffix: int, trials: int, pool: int,
+                    dram_bytes: int, seg_blocks: int) -> dict:
+    """TTFT through the engine of ``prefix + suffix`` tokens: recomputed (a fresh prompt each trial),
+    prefix hit in HBM, prefix restored from DRAM (evicted to DRAM before each trial). One engine with
+    the CUDA tier path (gpu_seal)."""
+    vocab = runner.arch.vocab_size
+    g = torch.Generator().manual_seed(21)
+    hook = _tier_hook(dev, runner, "gpu_seal", dram_bytes, seg_blocks)
+    assert hook is not None
+    engine = LLMEngine(runner.config, runner, lower_tier=hook, num_blocks=pool)
+    who = _tenant("ttft")
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    def evict_all() -> None:
+        engine.cache.evict_all_cached()
+        hook.flush_spills()
+        hook.manager.drain()
+
+    def ttft(rid: str, prompt: list[int]) -> tuple[float, int, int]:
+        sync(dev)
+        t0 = time.perf_counter()
+        engine.add_request(GenerateRequest(rid, who, SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=prompt))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        sync(dev)
+        dt = time.perf_counter() - t0
+        return dt, outs[-1].cached_tokens, outs[-1].new_token_ids[0] if outs[-1].new_token_ids else -1
+
+    try:
+        ttft("warm", ids(min(prefix, 2048) + suffix))
+        rec = []
+        for i in range(trials + 1):  # fresh prompts: nothing cached anywhere
+            evict_all()
+            t, cached, _ = ttft(f"rec{i}", ids(prefix + suffix))
+            if i:
+                rec.append(t)
+            assert cached == 0, cached
+        shared = ids(prefix)
+        tail = ids(suffix)  # under one block: the suffix itself is never cached
+        evict_all()
+        _, _, first_cold = ttft("cold", shared + tail)
+        hbm, hbm_cached, first_hbm = [], 0, -1
+        for i in range(trials):
+            t, hbm_cached, first_hbm = ttft(f"hbm{i}", shared + tail)
+            hbm.append(t)
+        dram, dram_cached, first_dram = [], 0, -1
+        for i in range(trials + 1):
+            evict_all()
+            t, dram_cached, first_dram = ttft(f"dram{i}", shared + tail)
+            if i:
+                dram.append(t)
+        med = {k: statistics.median(v) for k, v in (("recompute", rec), ("hbm", hbm), ("dram", dram))}
+        return {"prefix_tokens": prefix, "suffix_tokens": suffix, "trials": trials,
+                "recompute_ttft_ms": 1e3 * med["recompute"], "hbm_hit_ttft_ms": 1e3 * med["hbm"],
+                "dram_restore_ttft_ms": 1e3 * med["dram"], "dram_vs_recompute": med["recompute"] / med["dram"],
+                "hbm_vs_recompute": med["recompute"] / med["hbm"],
+                "all_ms": {k: [1e3 * t for t in v] for k, v in (("recompute", rec), ("hbm", hbm), ("dram", dram))},
+                "cached_tokens": {"hbm": hbm_cached, "dram": dram_cached},
+                "first_token_same": {"hbm_vs_cold": first_hbm == first_cold, "dram_vs_cold": first_dram == first_cold},
+                "opened_on_device": getattr(hook.manager.opener, "opened_on_device", None),
+                "sealed_on_device": getattr(hook.manager.sealer, "sealed", None)}
+    finally:
+        hook.close()
+        engine.requests.clear()
         gc.collect()
 
 
@@ -312,6 +524,27 @@ def table(r: dict) -> str:
         vs_plain = f"+{100 * (x['restore_ms'] / plain[x['tier']] - 1):.0f}%" if x["tier"] in plain else "-"
         lines.append(f"{x['tier']:<6}{x['mode']:<12}{x['restore_ms']:>11.1f}{x['GBps']:>7.1f}{vs_rec:>14}"
                      f"{vs_plain:>10}{str(x['plaintext_equal']):>7}{x['demote_s']:>10.2f}")
+    sl = s.get("stepload", {})
+    if sl.get("runs"):
+        lines.append(f"stepload: {sl['seqs']} seqs decoding, pool {sl['pool_blocks']} blocks evicting to DRAM, "
+                     f"CUDA graphs {sl.get('cuda_graphs', False)}")
+        base = next((x for x in sl["runs"] if x["mode"] == "off"), None)
+        lines.append(f"{'mode':<10}{'p50 ms':>8}{'p99 ms':>8}{'p99 vs off':>11}{'steps':>7}{'evicting':>9}"
+                     f"{'blocks':>8}{'drain s':>8}")
+        for x in sl["runs"]:
+            vs = f"{100 * (x['p99_ms'] / base['p99_ms'] - 1):+.1f}%" if base else "-"
+            lines.append(f"{x['mode']:<10}{x['p50_ms']:>8.2f}{x['p99_ms']:>8.2f}{vs:>11}{x['steps']:>7}"
+                         f"{x['steps_evicting']:>9}{x['blocks_evicted']:>8}{x['drain_after_s']:>8.2f}")
+        for mode, m in sl.get("summary", {}).items():
+            vs = f"{100 * (m['p99_vs_nearest_off'] - 1):+.1f}%" if m["p99_vs_nearest_off"] else "-"
+            lines.append(f"  {mode}: median of {m['runs']} runs p50 {m['p50_ms']:.2f} ms, p99 {m['p99_ms']:.2f} ms, "
+                         f"p99 vs the nearest off run {vs}")
+    et = s.get("engine_ttft", {})
+    if "dram_restore_ttft_ms" in et:
+        lines.append(f"engine TTFT {et['prefix_tokens']}+{et['suffix_tokens']} tokens: recompute "
+                     f"{et['recompute_ttft_ms']:.1f} ms, DRAM restore {et['dram_restore_ttft_ms']:.1f} ms "
+                     f"({et['dram_vs_recompute']:.1f}x), HBM hit {et['hbm_hit_ttft_ms']:.1f} ms "
+                     f"({et['hbm_vs_recompute']:.1f}x); cached {et['cached_tokens']}")
     return "\n".join(lines)
 
 
@@ -325,7 +558,11 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--nvme-modes", default="plain,gpu_chacha,cpu_aes")
     ap.add_argument("--nvme-trials", type=int, default=3, help="(each reads 2 GiB from the disk)")
-    ap.add_argument("--sections", default="ceilings,kernel,recompute,restore")
+    ap.add_argument("--sections", default="ceilings,kernel,recompute,restore,stepload,engine_ttft")
+    ap.add_argument("--stepload-modes", default="off,gpu_seal,cpu_seal,off")
+    ap.add_argument("--stepload-decode", type=int, default=256, help="decode tokens per sequence")
+    ap.add_argument("--stepload-graphs", action="store_true",
+                    help="stepload on a second runner with CUDA graphs (the engine's GPU default)")
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     shape, prefix, seg_blocks = (SMOKE_SHAPE, 128, 4) if args.smoke else (LLAMA31_8B_SHAPE, 16384, 32)
@@ -368,7 +605,7 @@ def main() -> int:
         save()
         return r
 
-    runner = make_runner(dev, shape, prefix, num_blocks + 64)
+    runner = make_runner(dev, shape, prefix, num_blocks + 64, max_num_seqs=4 if args.smoke else 32)
     bb = runner.kv_bytes_per_block
     result["shape"].update(block_bytes=bb, kv_bytes=num_blocks * bb)
     if "ceilings" in wanted:
@@ -378,6 +615,20 @@ def main() -> int:
                                                trials)
     if "recompute" in wanted:
         result["sections"]["recompute"] = section("recompute", sec_recompute, dev, runner, prefix, trials)
+    # the engine-level sections before the restore rows: NVMe's (disk-bound) come last
+    if "stepload" in wanted:
+        sl = dict(seqs=4, prompt=20, decode=24, pool=40, filler=64) if args.smoke else \
+            dict(seqs=32, prompt=64, decode=args.stepload_decode, pool=768, filler=2048)
+        sl_runner = runner
+        if args.stepload_graphs and dev.type == "cuda":
+            sl_runner = make_runner(dev, shape, 2048, 768 + 8, max_num_seqs=32, graphs=True)
+        result["sections"]["stepload"] = section("stepload", lambda: sec_stepload(
+            dev, sl_runner, **sl, dram_bytes=4 << 30 if not args.smoke else 16 << 20, seg_blocks=seg_blocks,
+            modes=args.stepload_modes.split(",")))
+    if "engine_ttft" in wanted:
+        result["sections"]["engine_ttft"] = section("engine_ttft", lambda: sec_engine_ttft(
+            dev, runner, prefix=prefix, suffix=15, trials=trials, pool=num_blocks + 8,
+            dram_bytes=6 << 30 if not args.smoke else 16 << 20, seg_blocks=seg_blocks))
     if "restore" in wanted:
         g = torch.Generator(device=dev).manual_seed(1)
         data = torch.randint(0, 256, (num_blocks, bb), dtype=torch.uint8, device=dev, generator=g).cpu()

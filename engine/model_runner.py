@@ -346,6 +346,18 @@ class ModelRunner:
         stream.synchronize()
         return packed
 
+    def gather_blocks_async(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """-> contiguous uint8 [len(block_ids), kv_bytes_per_block] on this runner's device, queued on
+        the current stream with no host sync: complete before anything queued on that stream after
+        it (the next step may reuse the blocks); a reader on another stream waits for an event
+        recorded after this call. The spill path that seals KV on the GPU (engine.tiers.gpu_sealer)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_kv_blocks):
+            raise IndexError(f"block ids must be in [0, {self.num_kv_blocks}), got {list(block_ids)}")
+        if self.kv_cache.device.type == "cuda":  # a pageable H2D copy would wait for the stream to drain
+            ids = ids.pin_memory().to(self.kv_cache.device, non_blocking=True)
+        return self._gather_packed(ids, len(ids))
+
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         data = self.ops.gather_blocks(self.kv_cache, ids).view(torch.uint8).reshape(n, -1)
         if self.kv_scales is not None:

@@ -1,7 +1,13 @@
-"""ChaCha20-Poly1305 (RFC 8439) decryption on the GPU: keystream XOR and tag sum as Triton kernels.
+"""ChaCha20-Poly1305 (RFC 8439) on the GPU: keystream XOR and tag sum as Triton kernels.
 
-A sealed KV segment crosses the host link as ciphertext and is opened in HBM. Two kernels read
-the ciphertext once each; the host adds the few small parts and compares the tag::
+A sealed KV segment crosses the host link as ciphertext and is opened in HBM; a spilled one is
+sealed in HBM and crosses the link as ciphertext. The keystream XOR is its own inverse, and the
+tag is always over the ciphertext, so both directions use the same two kernels:
+
+    open:  Poly1305(ciphertext), ChaCha20 XOR ciphertext -> plaintext      (``open_sealed``)
+    seal:  ChaCha20 XOR plaintext -> ciphertext, then Poly1305(ciphertext) (``launch_seal``)
+
+Two kernels read the ciphertext once each; the host adds the few small parts of the tag::
 
     ciphertext words (int32, 4-aligned)  ──► _chacha20_xor_kernel  ──► plaintext words
           one lane = one 64-byte block: counter = 1 + lane, 20 rounds, XOR a [lanes, 16] word tile
@@ -369,3 +375,36 @@ def open_sealed(key: bytes, src: torch.Tensor, spans: Sequence[SealedSpan], dst:
     if len(key) != 32:
         raise ValueError("ChaCha20-Poly1305 needs a 32-byte key")
     return check_tags(spans, [launch_span(key, src, s, dst, blocks_per_lane=blocks_per_lane) for s in spans])
+
+
+@dataclass(frozen=True)
+class LaunchedSeal:
+    """A seal whose kernels are queued: the tag is ``seal_tag(this)`` once the stream has run them."""
+
+    sums: torch.Tensor  # int64 [5] on the device
+    r: int
+    s: int
+    aad_part: int
+    aad_len: int
+    nbytes: int
+
+
+def launch_seal(key: bytes, nonce: bytes, src: torch.Tensor, src_off: int, nbytes: int, aad: bytes,
+                dst: torch.Tensor, dst_off: int, *, blocks_per_lane: int = _POLY_BLOCKS_PER_LANE) -> LaunchedSeal:
+    """Queue the encryption of ``nbytes`` plaintext words from ``src[src_off:]`` into ``dst[dst_off:]``
+    (the same buffer and offset encrypts in place: each word is read before it is written, by the
+    same lane) and the tag's kernel over that ciphertext, on the current stream; no host sync.
+    ``nonce`` must be fresh for every call under ``key`` (12 random bytes from a CSPRNG)."""
+    if len(key) != 32 or len(nonce) != 12:
+        raise ValueError("ChaCha20-Poly1305 needs a 32-byte key and a 12-byte nonce")
+    r, s = poly1305_key(key, nonce)
+    chacha20_xor(src, src_off, nbytes, key, nonce, 1, dst, dst_off)
+    sums = poly1305_lane_sums(dst, dst_off, nbytes, r, blocks_per_lane=blocks_per_lane)
+    return LaunchedSeal(sums, r, s, aad_term(r, aad, nbytes), len(aad), nbytes)
+
+
+def seal_tag(launched: LaunchedSeal, sums: Sequence[int] | None = None) -> bytes:
+    """The 16-byte tag of a launched seal. Reads its limb sums from the device (a sync on their
+    stream) unless the caller already read them (``sums``, e.g. several seals in one read)."""
+    limb = launched.sums.cpu().tolist() if sums is None else sums
+    return finish_tag(launched.r, launched.s, launched.aad_len, launched.nbytes, launched.aad_part, limbs_value(limb))

@@ -14,13 +14,16 @@ CPU does fastest (AES-NI + carry-less multiply), ChaCha20 is add/rotate/xor and 
 multiply-add, which a GPU runs at memory speed with no special instructions, so the ciphertext can
 cross the host link and be opened in HBM.
 
-This module imports only the standard library.
+This module imports only the standard library (and the DRAM tier's blob type, for type checks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from engine.tiers.dram import PinnedBlob
 
 DEVICE_BLOB_VERSION = 0x02
 DEVICE_HEADER_BYTES = 16
@@ -61,3 +64,28 @@ def device_blob_parts(blob: bytes | memoryview) -> DeviceBlobParts | None:
         return None
     return DeviceBlobParts(bytes(blob[4:DEVICE_HEADER_BYTES]), len(blob) - DEVICE_HEADER_BYTES - TAG_BYTES,
                            bytes(blob[len(blob) - TAG_BYTES:]))
+
+
+@runtime_checkable
+class DevicePlaintext(Protocol):
+    """A run's plaintext KV that still lives in device memory (a spill that never went through the
+    host in clear): ``num_blocks`` rows of the tier's block bytes (``engine.tiers.gpu_sealer.DeviceKV``)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def rows(self, first: int, stop: int) -> DevicePlaintext:
+        """Blocks ``first .. stop - 1`` (a view; no copy)."""
+        ...
+
+    def to_host(self) -> memoryview:
+        """The plaintext in host memory (waits for the device): for a cipher the GPU cannot seal with."""
+        ...
+
+
+class SegmentSealer(Protocol):
+    """Seals ``DevicePlaintext`` on its device with ChaCha20-Poly1305 under ``key`` (a
+    ``DeviceSealingCipher``'s ``device_key``) into a blob of the layout above, in host memory.
+    Called from the tier manager's worker threads; the nonce is fresh (CSPRNG) per call."""
+
+    def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes) -> PinnedBlob: ...

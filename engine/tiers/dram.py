@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from engine.kv_types import BlockHash, TierName
 from engine.tiers.base import BlockLocation, PutResult, SegmentMeta, TenantCap, TenantCapFn
@@ -25,17 +26,32 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-class _PinnedBlob:
-    """A blob copied into page-locked memory; ``view()`` is a zero-copy memoryview of it."""
+class PinnedBlob:
+    """A blob in a host uint8 tensor (page-locked on a CUDA host); ``view()`` is a zero-copy
+    memoryview of it. ``copy_of`` copies bytes in; ``adopt`` takes a tensor a GPU sealer has just
+    filled by DMA (``engine.tiers.gpu_sealer``), so a spill is written into host memory once."""
 
     __slots__ = ("_t",)
 
-    def __init__(self, blob: bytes):
+    def __init__(self, tensor: Any):
+        self._t = tensor  # [nbytes] uint8, CPU
+
+    @classmethod
+    def copy_of(cls, blob: bytes | memoryview) -> PinnedBlob:
         import torch
 
-        # t: [len(blob)] uint8, page-locked
-        self._t = torch.empty(len(blob), dtype=torch.uint8, pin_memory=True)
-        self._t.numpy()[:] = memoryview(blob)
+        t = torch.empty(len(blob), dtype=torch.uint8, pin_memory=True)
+        t.numpy()[:] = memoryview(blob)
+        return cls(t)
+
+    @classmethod
+    def adopt(cls, tensor: Any) -> PinnedBlob:
+        if tensor.dtype.itemsize != 1 or tensor.dim() != 1 or tensor.device.type != "cpu":
+            raise ValueError("a blob is a 1-D uint8 CPU tensor")
+        return cls(tensor)
+
+    def __len__(self) -> int:
+        return int(self._t.numel())
 
     def view(self) -> memoryview:
         return memoryview(self._t.numpy()).toreadonly()
@@ -59,7 +75,7 @@ class DramTier(IndexedTierQueries):
         self.capacity_bytes = capacity_bytes
         self.pin_memory = cuda_available() if pin_memory is None else pin_memory
         self._index = SegmentIndex(capacity_bytes, floor_fraction=floor_fraction, score=score)
-        self._blobs: dict[str, bytes | _PinnedBlob] = {}
+        self._blobs: dict[str, bytes | PinnedBlob] = {}
         self._tenant_cap = tenant_cap
         self._clock = clock
         self._lock = threading.Lock()
@@ -76,13 +92,19 @@ class DramTier(IndexedTierQueries):
             meta.hits += 1
             meta.last_access_s = self._clock()
             blob = self._blobs[segment_id]
-            return meta, (blob.view() if isinstance(blob, _PinnedBlob) else blob)
+            return meta, (blob.view() if isinstance(blob, PinnedBlob) else blob)
 
-    def put(self, meta: SegmentMeta, blob: bytes) -> PutResult:
+    def put(self, meta: SegmentMeta, blob: bytes | memoryview | PinnedBlob) -> PutResult:
+        """A ``PinnedBlob`` is kept as it is (no copy); other blobs are copied, into pinned memory
+        on a CUDA host."""
         if len(blob) != meta.nbytes:
             raise ValueError(f"blob has {len(blob)} bytes, meta says {meta.nbytes}")
         # Copy into pinned memory outside the lock: it is the slow part.
-        stored: bytes | _PinnedBlob = _PinnedBlob(blob) if self.pin_memory else bytes(blob)
+        stored: bytes | PinnedBlob
+        if isinstance(blob, PinnedBlob):
+            stored = blob
+        else:
+            stored = PinnedBlob.copy_of(blob) if self.pin_memory else bytes(blob)
         with self._lock:
             cap = self._tenant_cap(meta.namespace)
             plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
@@ -96,16 +118,18 @@ class DramTier(IndexedTierQueries):
             evicted += [self._remove_locked(sid) for sid in orphans]
             return PutResult(stored=True, evicted=tuple(e for e in evicted if e is not None))
 
-    def evict(self, segment_id: str) -> tuple[SegmentMeta, bytes | None] | None:
+    def evict(self, segment_id: str) -> tuple[SegmentMeta, bytes | memoryview | None] | None:
         with self._lock:
             return self._remove_locked(segment_id)
 
-    def _remove_locked(self, segment_id: str) -> tuple[SegmentMeta, bytes | None] | None:
+    def _remove_locked(self, segment_id: str) -> tuple[SegmentMeta, bytes | memoryview | None] | None:
         meta = self._index.remove(segment_id)
         if meta is None:
             return None
         blob = self._blobs.pop(segment_id)
-        return meta, (bytes(blob.view()) if isinstance(blob, _PinnedBlob) else blob)
+        # a view keeps the pinned buffer alive for the cascade to NVMe; no copy of a segment that is
+        # most often simply dropped (every put into a full DRAM tier evicts one)
+        return meta, (blob.view() if isinstance(blob, PinnedBlob) else blob)
 
     def check_integrity(self) -> None:
         with self._lock:

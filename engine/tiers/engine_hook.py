@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +34,7 @@ from engine.config import EngineConfig
 from engine.kv_types import BlockHash, EvictedBlock, FinishedRestore, TierName
 from engine.protocol import TenantScope
 from engine.tiers.base import SkipReason
+from engine.tiers.device_kv import DeviceKV
 from engine.tiers.manager import RestoreResult, TierManager
 
 log = logging.getLogger(__name__)
@@ -52,15 +54,34 @@ class KVBlockIO(Protocol):
         ...
 
 
+@runtime_checkable
+class GathersOnDevice(Protocol):
+    """A runner that can copy blocks within device memory without a host sync (``ModelRunner``)."""
+
+    def gather_blocks_async(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """uint8 [len(block_ids), kv_bytes_per_block] on the device, queued on the current stream."""
+        ...
+
+
 class TierHook:
     """See the module docstring. ``manager`` owns the tiers; ``runner`` moves bytes in and out of HBM."""
 
-    def __init__(self, manager: TierManager, runner: KVBlockIO, *, pin_memory: bool | None = None):
+    def __init__(self, manager: TierManager, runner: KVBlockIO, *, pin_memory: bool | None = None,
+                 device_spill: bool = False, device_backlog_bytes: int = 1 << 30):
+        """``device_spill``: evicted blocks stay in device memory (``runner.gather_blocks_async``: no
+        host sync on the step loop) and the manager's ``sealer`` seals them there. At most
+        ``device_backlog_bytes`` of them wait for their seal; past that a flush waits for the oldest."""
         if runner.kv_bytes_per_block != manager.block_bytes:
             raise ValueError(f"runner has {runner.kv_bytes_per_block} bytes per block, the tier manager "
                              f"{manager.block_bytes}")
+        if device_spill and (manager.sealer is None or not isinstance(runner, GathersOnDevice)):
+            raise ValueError("device_spill needs a tier manager with a sealer and a runner that gathers on device")
         self.manager = manager
         self.runner = runner
+        self.device_spill = device_spill
+        self.device_backlog_bytes = device_backlog_bytes
+        self._backlog: deque[tuple[Future, int]] = deque()  # device-resident demotions, oldest first
+        self._backlog_bytes = 0
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         # evicted blocks not yet handed down, deepest first: (tenant, block, bytes [1, B])
         self._run: list[tuple[TenantScope, EvictedBlock, torch.Tensor]] = []
@@ -73,7 +94,11 @@ class TierHook:
             self.manager.record_skip(SkipReason.NO_CIPHER, 1)
             return
         self._apply_quotas(tenant)
-        data = self.runner.export_blocks([block.block_id])  # [1, kv_bytes_per_block], a CPU copy
+        if self.device_spill:
+            assert isinstance(self.runner, GathersOnDevice)
+            data = self.runner.gather_blocks_async([block.block_id])  # [1, B] in HBM; ordered before reuse
+        else:
+            data = self.runner.export_blocks([block.block_id])  # [1, kv_bytes_per_block], a CPU copy
         if self._run:
             last = self._run[-1][1]
             # one segment = one chain run with one retention status (its deadline is the run's)
@@ -100,7 +125,31 @@ class TierHook:
         hashes = [b.block_hash for _, b, _ in run]
         data = torch.cat([d for _, _, d in run]) if len(run) > 1 else run[0][2]
         # the shortest retention left in the run, so no block is retained past its own deadline
-        self.manager.demote(run[0][0], hashes, data, retain_for_s=min(b.retained_for_s for _, b, _ in run))
+        retain = min(b.retained_for_s for _, b, _ in run)
+        if not self.device_spill:
+            self.manager.demote(run[0][0], hashes, data, retain_for_s=retain)
+            return
+        ready = None
+        if data.device.type == "cuda":  # the sealer's stream waits for this point of the step loop's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(data.device))
+        self._wait_backlog(data.numel())
+        fut = self.manager.demote(run[0][0], hashes, DeviceKV(data, ready), retain_for_s=retain)
+        self._backlog.append((fut, data.numel()))
+        self._backlog_bytes += data.numel()
+
+    @property
+    def device_backlog(self) -> tuple[int, int]:
+        """(runs, bytes) of device-resident spills handed to the manager, not yet known to be sealed."""
+        return len(self._backlog), self._backlog_bytes
+
+    def _wait_backlog(self, adding: int) -> None:
+        """Forget finished device demotions; wait for the oldest while the backlog would pass its cap."""
+        while self._backlog and (self._backlog[0][0].done()
+                                 or self._backlog_bytes + adding > self.device_backlog_bytes):
+            fut, n = self._backlog.popleft()
+            fut.exception()  # waits if needed; a failure was logged by the manager
+            self._backlog_bytes -= n
 
     # ---- restores ------------------------------------------------------------------------------
     def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> int:
@@ -165,11 +214,14 @@ def build_tier_hook(config: EngineConfig, runner: KVBlockIO, registry: Any = Non
                                             (config.nvme_dir is None or config.nvme_bytes <= 0)):
         return None
     if config.device.startswith("cuda") and torch.cuda.is_available() and "opener" not in kwargs:
-        # KV sealed with ChaCha20-Poly1305 where the tenant's cipher can, opened in HBM on restore;
-        # other blobs (AES-GCM) are decrypted on CPU threads into pinned memory (engine.tiers.gpu_opener)
+        # KV sealed in HBM with ChaCha20-Poly1305 where the tenant's cipher can (engine.tiers.gpu_sealer),
+        # opened in HBM on restore; other blobs (AES-GCM) are decrypted on CPU threads into pinned
+        # memory (engine.tiers.gpu_opener)
         from engine.tiers.gpu_opener import DeviceAeadOpener
+        from engine.tiers.gpu_sealer import DeviceSealer
 
-        kwargs.update(opener=DeviceAeadOpener(config.device), device_seal=True)
+        kwargs.update(opener=DeviceAeadOpener(config.device), device_seal=True, sealer=DeviceSealer(config.device))
     manager = TierManager.from_config(config, runner.kv_bytes_per_block, registry=registry, **kwargs)
-    return TierHook(manager, runner)
+    device_spill = manager.sealer is not None and isinstance(runner, GathersOnDevice)
+    return TierHook(manager, runner, device_spill=device_spill)
 

@@ -45,8 +45,8 @@ from engine.protocol import TenantScope
 from engine.tiers.base import BlockLocation, SegmentMeta, SkipReason, TenantCap, TierWriteError
 from engine.tiers.codec import FORMAT_VERSION, segment_aad
 from engine.tiers.cost import CostModel, TierRates
-from engine.tiers.device_aead import DeviceSealingCipher
-from engine.tiers.dram import DramTier
+from engine.tiers.device_aead import DevicePlaintext, DeviceSealingCipher, SegmentSealer
+from engine.tiers.dram import DramTier, PinnedBlob
 from engine.tiers.metrics import TierMetrics
 from engine.tiers.nvme import NvmeTier
 from engine.tiers.opener import HostOpener, SealedRun, SegmentOpener
@@ -162,10 +162,13 @@ class TierManager:
         sweep_interval_s: float = 1.0,
         opener: SegmentOpener | None = None,
         device_seal: bool = False,
+        sealer: SegmentSealer | None = None,
     ):
         """``opener`` turns a restore's sealed segments into plaintext (default ``HostOpener``: CPU,
         ``bytes``); ``device_seal`` seals with ChaCha20-Poly1305 (``encrypt_for_device``) where the
-        tenant's cipher can, so that a ``DeviceAeadOpener`` opens them on the GPU."""
+        tenant's cipher can, so that a ``DeviceAeadOpener`` opens them on the GPU; ``sealer`` seals
+        plaintext that ``demote`` gets still in device memory (``DevicePlaintext``) on the device,
+        with the same AEAD and blob layout (``engine.tiers.gpu_sealer.DeviceSealer``)."""
         if block_bytes <= 0 or block_size <= 0 or max_segment_blocks <= 0:
             raise ValueError("block_size, block_bytes and max_segment_blocks must be > 0")
         if not 0.0 < max_tenant_fraction <= 1.0:
@@ -210,6 +213,7 @@ class TierManager:
         self._last_sweep_s = 0.0
         self.opener: SegmentOpener = opener if opener is not None else HostOpener()
         self.device_seal = device_seal
+        self.sealer = sealer
 
     @classmethod
     def from_config(cls, config: EngineConfig, block_bytes: int, **kwargs: Any) -> TierManager:
@@ -263,16 +267,24 @@ class TierManager:
             tenant: the blocks' owner; its ``cipher`` encrypts them (``None``: they are dropped).
             hashes: the run's block hashes, in chain order.
             data: the run's plaintext KV, ``len(hashes) * block_bytes`` bytes: ``bytes``, a
-                ``memoryview`` or a CPU uint8 tensor ``[N, block_bytes]`` (the runner's export).
+                ``memoryview``, a CPU uint8 tensor ``[N, block_bytes]`` (the runner's export), or
+                ``DevicePlaintext`` (still in HBM: sealed there by ``sealer``, or copied to the
+                host on the worker for a cipher the device cannot seal with).
                 It must not be written to afterwards: the worker reads it later.
             retain_for_s: seconds left of the run's explicit retention in HBM (0 = none). The
                 tiers then evict it only after unretained segments until that time, it is kept
                 even where the cost model would drop it, and copies of these blocks already in a
                 tier are retained as long.
         """
-        view = _as_bytes_view(data)
-        if len(view) != len(hashes) * self.block_bytes:
-            raise ValueError(f"data has {len(view)} bytes, expected {len(hashes)} x {self.block_bytes}")
+        view: _Plain
+        if isinstance(data, DevicePlaintext):
+            view = data
+            if data.num_blocks != len(hashes):
+                raise ValueError(f"data has {data.num_blocks} blocks, expected {len(hashes)}")
+        else:
+            view = _as_bytes_view(data)
+            if len(view) != len(hashes) * self.block_bytes:
+                raise ValueError(f"data has {len(view)} bytes, expected {len(hashes)} x {self.block_bytes}")
         hashes = tuple(hashes)
         with self._pending_lock:  # held across submit so _done cannot run before registration
             until = self._clock() + retain_for_s if retain_for_s > 0 else None
@@ -299,7 +311,7 @@ class TierManager:
         for fut in pending:
             fut.exception(timeout=timeout)
 
-    def _demote(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], view: memoryview,
+    def _demote(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], view: _Plain,
                 keepalive: Any, retain_until_s: float | None = None) -> DemoteReport:
         del keepalive  # held by the closure only so the exporter's buffer outlives the view
         self._maybe_sweep()
@@ -313,7 +325,7 @@ class TierManager:
                     tier.retain(tenant.namespace, hashes, retain_until_s)
         return report
 
-    def _demote_runs(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], view: memoryview,
+    def _demote_runs(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], view: _Plain,
                      retain_until_s: float | None, report: DemoteReport) -> None:
         first = self.tiers[0].name if self.tiers else None
         if first is None:
@@ -333,56 +345,71 @@ class TierManager:
             j = i
             while j < n and j - i < self.max_segment_blocks and self.tiers[0].contains(ns, hashes[j]) is None:
                 j += 1
-            self._demote_run(tenant, hashes[i:j], view[i * self.block_bytes:j * self.block_bytes],
-                             retain_until_s, report)
+            self._demote_run(tenant, hashes[i:j], self._rows(view, i, j), retain_until_s, report)
             i = j
 
-    def _demote_run(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview,
+    def _rows(self, plain: _Plain, first: int, stop: int) -> _Plain:
+        """Blocks ``first .. stop - 1`` of a run's plaintext (a view)."""
+        if isinstance(plain, memoryview):
+            return plain[first * self.block_bytes:stop * self.block_bytes]
+        return plain.rows(first, stop)
+
+    def _demote_run(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: _Plain,
                      retain_until_s: float | None, report: DemoteReport) -> None:
-        approx = len(plain) + 28  # nonce + tag of AES-GCM; only used for the cost estimate
+        approx = len(hashes) * self.block_bytes + 28  # nonce + tag of AES-GCM; only used for the cost estimate
         # A retained run is kept wherever it fits: the client asked for these blocks to stay cached.
         targets = [t for t in self.tiers
                    if retain_until_s is not None or self.cost.worth_keeping(t.name, len(hashes), approx)]
         if not targets:
             self._skip(report, self.tiers[0].name, SkipReason.COST, len(hashes))
             return
-        bb = self.block_bytes
         for tier in targets:
             cap = self._block_cap(tier.name, tenant.namespace)
             if cap is not None and cap < len(hashes):
                 # More blocks than the tenant may keep here: its leading ones (a match needs them
                 # first) stay in this tier, the rest go on to the next one.
                 if cap > 0:
-                    self._put(tier, self._seal(tenant, hashes[:cap], plain[:cap * bb], retain_until_s), report)
-                hashes, plain = hashes[cap:], plain[cap * bb:]
+                    self._put(tier, self._seal(tenant, hashes[:cap], self._rows(plain, 0, cap), retain_until_s),
+                              report)
+                hashes, plain = hashes[cap:], self._rows(plain, cap, len(hashes))
                 if tier is targets[-1]:  # no tier left for the rest
                     self._skip(report, tier.name, SkipReason.QUOTA, len(hashes))
                 continue
             if self._put(tier, self._seal(tenant, hashes, plain, retain_until_s), report):
                 return
 
-    def _seal(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: memoryview,
-              retain_until_s: float | None = None) -> tuple[SegmentMeta, bytes]:
+    def _seal(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], plain: _Plain,
+              retain_until_s: float | None = None) -> tuple[SegmentMeta, bytes | PinnedBlob]:
         """Encrypt a run of blocks as one segment."""
         ns = tenant.namespace
         cipher = tenant.cipher
         assert cipher is not None
         aad = segment_aad(ns, self.model_id, hashes, self.block_bytes)
-        if self.device_seal and isinstance(cipher, DeviceSealingCipher):
-            blob = cipher.encrypt_for_device(plain, aad)  # opened in HBM on restore
+        blob: bytes | PinnedBlob
+        device_key = cipher.device_key() if self.device_seal and isinstance(cipher, DeviceSealingCipher) else None
+        if isinstance(plain, DevicePlaintext) and device_key is not None and self.sealer is not None:
+            blob = self.sealer.seal(device_key, plain, aad)  # sealed in HBM; ciphertext over the link
         else:
-            blob = cipher.encrypt(plain, aad)
+            # host plaintext, or device plaintext under a cipher the GPU cannot seal with (AES-GCM
+            # only, or a destroyed key: encrypt_for_device then seals under a one-time key)
+            host = plain.to_host() if isinstance(plain, DevicePlaintext) else plain
+            if self.device_seal and isinstance(cipher, DeviceSealingCipher):
+                blob = cipher.encrypt_for_device(host, aad)  # opened in HBM on restore
+            else:
+                blob = cipher.encrypt(host, aad)
         now = self._clock()
         ttl = self._ttl(ns)
         meta = SegmentMeta(uuid.uuid4().hex, ns, tenant.metrics_label, hashes, self.block_bytes, len(blob),
                            now, now, None if ttl is None else now + ttl, retain_until_s=retain_until_s)
         return meta, blob
 
-    def _put(self, tier: DramTier | NvmeTier, sealed: tuple[SegmentMeta, bytes], report: DemoteReport) -> bool:
+    def _put(self, tier: DramTier | NvmeTier, sealed: tuple[SegmentMeta, bytes | PinnedBlob],
+             report: DemoteReport) -> bool:
         """Store one segment in ``tier``, cascading what it evicts downwards. True if stored."""
         meta, blob = sealed
         try:
-            res = tier.put(meta, blob)
+            # DRAM keeps a device sealer's pinned buffer as it is; NVMe writes its bytes
+            res = tier.put(meta, blob.view() if isinstance(blob, PinnedBlob) and tier is not self.dram else blob)
         except TierWriteError as exc:
             log.warning("kv tier %s: demotion skipped: %s", tier.name, exc)
             self._skip(report, tier.name, SkipReason.IO_ERROR, meta.num_blocks)
@@ -399,7 +426,7 @@ class TierManager:
         self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
         return True
 
-    def _cascade(self, src: DramTier | NvmeTier, meta: SegmentMeta, blob: bytes | None,
+    def _cascade(self, src: DramTier | NvmeTier, meta: SegmentMeta, blob: bytes | memoryview | None,
                  report: DemoteReport) -> bool:
         """Move a segment DRAM evicted down to NVMe, if worth it. True if it now lives there."""
         if src is not self.dram or blob is None or self.nvme is None or meta.expired(self._clock()):
@@ -578,3 +605,6 @@ def _as_bytes_view(data: Any) -> memoryview:
             raise ValueError("demote() needs a CPU buffer; export the blocks to host memory first")
         data = data.contiguous().numpy() if hasattr(data, "contiguous") else data.numpy()
     return memoryview(data).cast("B").toreadonly()
+
+
+_Plain = memoryview | DevicePlaintext  # a run's plaintext on its way down: host bytes, or still in HBM

@@ -191,3 +191,55 @@ def test_part_of_a_span_decrypted_whole_tag_checked():
     assert dst.numpy().tobytes()[:128] == plain[128:256] and not dst[32:].any()
     with pytest.raises(ValueError):
         gpu_aead.SealedSpan(nonce, 4, len(plain), sealed[-16:], aad, 0, plain_from=100)
+
+
+# ---- sealing (the spill direction): the same kernels, against `cryptography` ----------------------
+def seal_with_kernels(key: bytes, nonce: bytes, plain: bytes, aad: bytes, device: str, *, in_place: bool,
+                      blocks_per_lane: int = 128) -> bytes:
+    """ciphertext || tag as `cryptography`'s ``encrypt`` returns it, sealed by the kernels."""
+    src = as_words(plain, device)
+    dst = src if in_place else torch.full_like(src, -1)
+    launched = gpu_aead.launch_seal(key, nonce, src, 4, len(plain), aad, dst, 4, blocks_per_lane=blocks_per_lane)
+    return dst.cpu().numpy().tobytes()[16:16 + len(plain)] + gpu_aead.seal_tag(launched)
+
+
+def seal_cases(device: str, lengths: list[int], seed: int, blocks_per_lane: int = 128):
+    rng = random.Random(seed)
+    for i, n in enumerate(lengths):
+        key, nonce = rng.randbytes(32), rng.randbytes(12)
+        aad, plain = rng.randbytes(rng.choice([0, 1, 12, 16, 17, 300])), rng.randbytes(n)
+        expect = ChaCha20Poly1305(key).encrypt(nonce, plain, aad)
+        got = seal_with_kernels(key, nonce, plain, aad, device, in_place=bool(i % 2), blocks_per_lane=blocks_per_lane)
+        assert got == expect, n
+        assert ChaCha20Poly1305(key).decrypt(nonce, got, aad) == plain
+
+
+def seal_vector_case(device: str):
+    v = RFC_AEAD
+    got = seal_with_kernels(v["key"], v["nonce"], SUNSCREEN, v["aad"], device, in_place=True)
+    assert got[:16].hex() == v["ct_head"] and got[-16:].hex() == v["tag"]
+    assert got == ref.seal(v["key"], v["nonce"], SUNSCREEN, v["aad"])
+
+
+@interp_only
+def test_seal_rfc8439_2_8_2():
+    seal_vector_case("cpu")
+
+
+@interp_only
+def test_seal_random_against_cryptography():
+    seal_cases("cpu", [0, 1, 3, 16, 17, 64, 65, 129, 1000, 4096], seed=13)
+    seal_cases("cpu", [16 * 1024 + 16 * 4 + 3], seed=14, blocks_per_lane=2)  # many lanes, front padding
+
+
+def test_seal_rejects_bad_arguments():
+    src = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(ValueError):
+        gpu_aead.launch_seal(bytes(32), bytes(11), src, 0, 16, b"", src, 0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_seal_vectors_and_random_large():
+    seal_vector_case("cuda")
+    seal_cases("cuda", [0, 1, 17, 65, 4099, 1 << 20, (2 << 20) + 4 * 16 + 5, 64 * 2 * 1024 * 16 + 1], seed=15)

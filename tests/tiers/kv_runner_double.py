@@ -3,7 +3,8 @@
 It writes each computed token's id where a real runner writes K/V and predicts the next token
 from the context it *reads back from the blocks*, so a restored block with the wrong bytes, a
 block restored into the wrong place or a slot never written changes the output or raises. Its
-``export_blocks`` / ``import_blocks`` move raw bytes exactly like the real runner's.
+``export_blocks`` / ``gather_blocks_async`` / ``import_blocks`` move raw bytes exactly like the real
+runner's.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class TokenKVRunner:
         self.spec = Spec()
         self.tokenizer = ByteTokenizer()
         self.kv = torch.full((num_kv_blocks, block_size), EMPTY, dtype=torch.int32)  # [blocks, slots]
-        self.exported = self.imported = 0
+        self.exported = self.imported = self.gathered = 0
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         bs, out = self.block_size, []
@@ -76,6 +77,11 @@ class TokenKVRunner:
     def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         self.exported += len(block_ids)
         # [N, block_size] int32 -> [N, kv_bytes_per_block] uint8, a copy
+        return self.kv[list(block_ids)].contiguous().view(torch.uint8).clone()
+
+    def gather_blocks_async(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The device-spill export (``engine.tiers.engine_hook.GathersOnDevice``): a copy, here on the CPU."""
+        self.gathered += len(block_ids)
         return self.kv[list(block_ids)].contiguous().view(torch.uint8).clone()
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:

@@ -1,0 +1,79 @@
+"""Spills on a CUDA host: KV sealed in HBM with ChaCha20-Poly1305, only ciphertext crosses the link.
+
+The step loop queues a gather of the evicted blocks on its own stream (no host sync: the kernels
+of later steps that reuse the blocks are queued after it), and records an event::
+
+    compute stream:  ... step n ... gather(victims) ─ev─ step n+1 (may overwrite the victims) ...
+    sealer stream:                       wait ev: ChaCha20 XOR → ct (HBM) ─ Poly1305(ct) ─ D2H ct → pinned
+    tier worker:                                  wait for the D2H, finish the tag on the host, store
+
+so what the step loop pays for a spill is a few kernel launches; encryption and the copy run on
+the GPU's other engines and a worker thread waits for them. The ciphertext lands straight in the
+pinned buffer the DRAM tier keeps (``PinnedBlob.adopt``): written into host memory once, by DMA.
+The blob is the same as ``TenantCipher.encrypt_for_device`` makes (``engine.tiers.device_aead``),
+so the restore path, and the CPU (``cryptography``) as its oracle, open it unchanged.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import torch
+
+from engine.tiers.device_aead import DEVICE_BLOB_VERSION, DEVICE_HEADER_BYTES, TAG_BYTES, DevicePlaintext
+from engine.tiers.device_kv import DeviceKV
+from engine.tiers.dram import PinnedBlob
+from kernels import chacha20_poly1305 as gpu_aead
+
+
+class DeviceSealer:
+    """``SegmentSealer`` on one device. Seals take turns on one side stream (they share the link);
+    the lock is held only while queueing, the wait for the device is outside it."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pin = self.device.type == "cuda"
+        self._lock = threading.Lock()
+        self.sealed = 0  # segments, for tests and the benchmark
+
+    def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes) -> PinnedBlob:
+        if not isinstance(plain, DeviceKV):
+            raise TypeError("DeviceSealer seals DeviceKV")
+        data = plain.data
+        nbytes = data.numel()
+        if nbytes % 4 or not data.is_contiguous():
+            raise ValueError("device plaintext must be contiguous whole words")
+        nonce = secrets.token_bytes(12)
+        blob = torch.empty(DEVICE_HEADER_BYTES + nbytes + TAG_BYTES, dtype=torch.uint8, pin_memory=self._pin)
+        sums = torch.empty(5, dtype=torch.int64, pin_memory=self._pin)
+        with self._lock:
+            ctx = torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
+            with ctx:
+                if self._stream is not None and plain.ready is not None:
+                    self._stream.wait_event(plain.ready)
+                # [nbytes // 4] int32 on the device: not in place, a failed put may seal the run again
+                ct = torch.empty(nbytes // 4, dtype=torch.int32, device=self.device)
+                launched = gpu_aead.launch_seal(key, nonce, data.view(-1).view(torch.int32), 0, nbytes, aad, ct, 0)
+                blob[DEVICE_HEADER_BYTES:DEVICE_HEADER_BYTES + nbytes].copy_(ct.view(torch.uint8), non_blocking=self._pin)
+                sums.copy_(launched.sums, non_blocking=self._pin)
+                done = torch.cuda.Event() if self._stream is not None else None
+                if done is not None:
+                    done.record(self._stream)
+        if done is not None:
+            done.synchronize()  # this worker thread waits; the step loop does not
+        host = blob.numpy()
+        host[:DEVICE_HEADER_BYTES] = memoryview(bytes([DEVICE_BLOB_VERSION, 0, 0, 0]) + nonce)
+        host[DEVICE_HEADER_BYTES + nbytes:] = memoryview(gpu_aead.seal_tag(launched, sums.tolist()))
+        with self._lock:
+            self.sealed += 1
+        return PinnedBlob.adopt(blob)
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
