@@ -38,6 +38,7 @@ from types import ModuleType
 import torch
 
 from engine.batch import SequenceChunk
+from engine.host_to_device import to_device
 from engine.models.attention import AttentionMetadata, LayerCache
 
 PADDING_SLOT = -1  # write_kv skips slot -1: padded rows never touch the cache
@@ -237,7 +238,7 @@ class DecodeGraphs:
             tokens = feed.tokens
             picks = feed.src_rows
             if tokens.shape[0] > self._fed_tokens.shape[0]:  # a larger eager step before: keep the fed rows only
-                tokens = tokens[torch.tensor(picks, dtype=torch.long).to(tokens.device, non_blocking=True)]
+                tokens = tokens[to_device(picks, torch.long, tokens.device)]
                 picks = list(range(len(picks)))
             self._fed_tokens[: tokens.shape[0]].copy_(tokens)  # device to device, queued before the replay
             for dst, s in zip(feed.dst_rows, picks):

@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, TokenFeed, graph_batch_sizes
 from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
 from engine.guided import GrammarCompiler
+from engine.host_to_device import tensor_to_device, to_device
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
 from engine.models.chat_render import render_chat_ids
 from engine.models.llama import LlamaForCausalLM
@@ -247,15 +248,15 @@ class ModelRunner:
         tables = torch.tensor(rows, dtype=torch.int32).reshape(len(chunks), max_blocks)  # [B, max_blocks]
         dev = self.kv_cache.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            block_tables=tensor_to_device(tables, dev),
+            cu_seqlens_q=to_device(cu, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
             decode_only=all(c.num_tokens == 1 for c in chunks),
             context_lens=tuple(seq_lens),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        return input_ids, torch.tensor(positions, dtype=torch.int64, device=dev), meta
+        input_ids = to_device(ids, torch.int64, dev)
+        return input_ids, to_device(positions, torch.int64, dev), meta
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, all_logits: bool = False, feed: TokenFeed | None = None) -> torch.Tensor:
@@ -270,15 +271,15 @@ class ModelRunner:
         if graphs is not None and not all_logits and batch.is_decode_only and len(batch.chunks) <= graphs.sizes[-1]:
             logits = graphs.run(batch.chunks, feed)  # [B, V], a view of the graph's output
             rows = [i for i, c in enumerate(batch.chunks) if c.sample]
-            return logits if len(rows) == len(batch.chunks) else logits[rows]
+            return logits if len(rows) == len(batch.chunks) else logits[to_device(rows, torch.long, logits.device)]
         input_ids, positions, meta = self._prepare(batch.chunks)
         if feed is not None:
             starts, at = [], 0
             for c in batch.chunks:
                 starts.append(at)
                 at += c.num_tokens
-            dst = torch.tensor([starts[i] for i in feed.dst_rows], dtype=torch.long).to(input_ids.device, non_blocking=True)
-            src = torch.tensor(list(feed.src_rows), dtype=torch.long).to(input_ids.device, non_blocking=True)
+            dst = to_device([starts[i] for i in feed.dst_rows], torch.long, input_ids.device)
+            src = to_device(list(feed.src_rows), torch.long, input_ids.device)
             input_ids[dst] = feed.tokens[src]
         hidden = self.model(input_ids, positions, self.layer_caches, meta, self.ops)  # [T, hidden]
         if not all_logits:
@@ -289,7 +290,7 @@ class ModelRunner:
                 end += c.num_tokens
                 if c.sample:
                     last.append(end - 1)
-            hidden = hidden[torch.tensor(last, dtype=torch.long, device=hidden.device)]
+            hidden = hidden[to_device(last, torch.long, hidden.device)]
         return self.model.compute_logits(hidden)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
@@ -346,8 +347,8 @@ class ModelRunner:
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         if not copies:
             return
-        src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=self.kv_cache.device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=self.kv_cache.device)
+        src = to_device([c.src for c in copies], torch.int64, self.kv_cache.device)
+        dst = to_device([c.dst for c in copies], torch.int64, self.kv_cache.device)
         self.ops.copy_blocks(self.kv_cache, src, dst)
         if self.kv_scales is not None:
             self.ops.copy_blocks(self.kv_scales, src, dst)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.guided import GrammarCompiler, GuidedRow, apply_bitmask, bitmask_words
+from engine.host_to_device import to_device
 from engine.protocol import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the 63-bit seed space
@@ -103,8 +104,8 @@ class Sampler:
             return logits
         logits = logits.clone()
         for i in biased:
-            ids = torch.tensor([t for t, _ in params[i].logit_bias], dtype=torch.long, device=logits.device)
-            bias = torch.tensor([b for _, b in params[i].logit_bias], dtype=logits.dtype, device=logits.device)
+            ids = to_device([t for t, _ in params[i].logit_bias], torch.long, logits.device)
+            bias = to_device([b for _, b in params[i].logit_bias], logits.dtype, logits.device)
             logits[i].index_add_(0, ids, bias)
         if guided:
             vocab = logits.shape[-1]
@@ -113,7 +114,7 @@ class Sampler:
                 row = self._guided_row(request_ids[i], params[i])
                 row.sync(outputs[i])
                 row.fill(bitmask[r])
-            idx = torch.tensor(guided, dtype=torch.long, device=logits.device)
+            idx = to_device(guided, torch.long, logits.device)
             rows = logits[idx]
             apply_bitmask(rows, bitmask)
             logits[idx] = rows
@@ -189,7 +190,7 @@ class Sampler:
         else:
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             if greedy_rows:
-                idx = torch.tensor(greedy_rows, device=logits.device)
+                idx = to_device(greedy_rows, torch.long, logits.device)
                 tokens[idx] = logits[idx].argmax(dim=-1)
             for i, p in enumerate(params):
                 if p.greedy:
@@ -204,7 +205,7 @@ class Sampler:
         picked = top_values = top_ids = None
         wants: list[int] = []
         if scored:
-            idx = torch.tensor(scored, dtype=torch.long, device=raw.device)
+            idx = to_device(scored, torch.long, raw.device)
             log_probs = torch.log_softmax(raw[idx], dim=-1)  # [len(scored), V]
             picked = log_probs.gather(1, tokens[idx][:, None])[:, 0]
             wants = [params[i].logprobs or 0 for i in scored]
