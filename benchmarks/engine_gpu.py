@@ -102,7 +102,7 @@ class TimedRunner:
 
     def launch(self, batch: ScheduledBatch, feed=(), after=None):
         t0 = time.perf_counter()
-        handle = self.runner.launch(batch, feed, after)
+        handle = self.runner.launch(batch, feed, after[0] if after is not None else None)
         self.launch_host_s.append(time.perf_counter() - t0)
         return handle, t0
 
@@ -302,7 +302,7 @@ def sec_decode(dev, args, cfg, model, hf, runner, config, bw) -> dict:
     out["engine_sync"] = {"wall_s": res_sync["wall_s"], "decode_steps": len(dec_sync),
                           "decode_step_ms": 1e3 * sum(s[0] for s in dec_sync) / max(1, len(dec_sync))}
     del base
-    engine = make_engine(replace(config, enable_prefix_caching=False), timed)
+    engine = make_engine(replace(config, enable_prefix_caching=False, overlap_steps=True), timed)
     timed.steps.clear()
     timed.launch_host_s.clear()
     sync(dev)

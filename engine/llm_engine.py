@@ -87,8 +87,11 @@ class Runner(Protocol):
 
 
 @runtime_checkable
-class OverlapRunner(Runner, Protocol):
-    """A runner that can queue a step and hand over its tokens later (``ModelRunner``)."""
+class OverlapRunner(Protocol):
+    """A runner that can also queue a step and hand over its tokens later (``ModelRunner``).
+
+    Methods only: a runtime isinstance check looks members up statically, so a wrapper that
+    forwards attributes through ``__getattr__`` (benchmarks' timers) still qualifies."""
 
     def launch(self, batch: ScheduledBatch, feed: Sequence[tuple[int, int]] = (), after: Any = None) -> Any:
         """Queue ``batch``; ``feed`` pairs (chunk index, chunk index in ``after``) say which

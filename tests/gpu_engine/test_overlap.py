@@ -76,7 +76,7 @@ def check_overlap_equals_sync(runner) -> None:
     # stop c0 on a token and c1 on a token's text, each first seen mid-stream: the lag must not
     # let the next token out
     def first_new(ids):
-        return next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+        return next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
 
     i0, i1 = first_new(sync["c0"][0]), first_new(sync["c1"][0])
     stop_token = sync["c0"][0][i0]
