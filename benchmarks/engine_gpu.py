@@ -75,20 +75,43 @@ class IdTokenizer:
 
 
 class TimedRunner:
-    """Wraps a ModelRunner: wall time of every execute (it ends in the sampling sync) and its shape."""
+    """Wraps a ModelRunner: the wall time of every step and its shape. A synchronous step (execute)
+    is timed from call to return (it ends in the sampling sync); an overlapped one (launch ...
+    collect, engine/llm_engine.py) from the previous collect's return (or its own launch, after an
+    idle gap) to its collect's return: the step period the engine loop sees."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.steps: list[tuple[float, int, bool, int]] = []  # (seconds, chunks, decode-only, context tokens)
+        self._last_collect = 0.0
+        self.launch_host_s: list[float] = []  # host time inside launch (fill, replay, sampling launches)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
+    def _record(self, seconds: float, batch_chunks) -> None:
+        ctx = sum(c.context_len for c in batch_chunks)
+        decode_only = all(c.num_tokens == 1 and c.start_pos > 0 for c in batch_chunks)
+        self.steps.append((seconds, len(batch_chunks), decode_only, ctx))
+
     def execute(self, batch: ScheduledBatch):
         t0 = time.perf_counter()
         out = self.runner.execute(batch)
-        ctx = sum(c.context_len for c in batch.chunks)
-        self.steps.append((time.perf_counter() - t0, len(batch.chunks), batch.is_decode_only, ctx))
+        self._record(time.perf_counter() - t0, batch.chunks)
+        return out
+
+    def launch(self, batch: ScheduledBatch, feed=(), after=None):
+        t0 = time.perf_counter()
+        handle = self.runner.launch(batch, feed, after[0] if after is not None else None)
+        self.launch_host_s.append(time.perf_counter() - t0)
+        return handle, t0
+
+    def collect(self, launched):
+        handle, t0 = launched
+        out = self.runner.collect(handle)
+        done = time.perf_counter()
+        self._record(done - max(t0, self._last_collect), handle.chunks)
+        self._last_collect = done
         return out
 
 
@@ -221,7 +244,7 @@ def sec_correctness(dev: str, args) -> dict:
         "model": "random fp32, hidden 512, 4 layers, 8/2 heads, vocab 4096",
         "prompt_lens": [len(p) for p in prompts], "new_tokens": n_new,
         "cached_tokens": [res["cached"].get(f"c{i}", 0) for i in range(3)] + [res2["cached"][f"c{i}"] for i in range(3, 6)],
-        "equal": equal, "all_equal": all(equal),
+        "equal": equal, "all_equal": all(equal), "overlap_steps": engine.overlap_steps,
         "graph_decode_steps": graphs.num_runs if graphs else 0,
         "first_mismatch": next(({"i": i, "ours": a, "hf": b} for i, (a, b, e) in enumerate(zip(ours, refs, equal))
                                 if not e), None),
@@ -269,11 +292,24 @@ def sec_decode(dev, args, cfg, model, hf, runner, config, bw) -> dict:
     warm = make_engine(replace(config, enable_prefix_caching=False), timed)
     run_requests(warm, [GenerateRequest(f"w{i}", StaticTenantScope(), greedy(4), prompt_token_ids=prompts[i].tolist())
                         for i in range(min(4, b))])
-    engine = make_engine(replace(config, enable_prefix_caching=False), timed)
+    # baseline in the same run: synchronous steps (the host reads each step's tokens before scheduling the next)
+    base = make_engine(replace(config, enable_prefix_caching=False, overlap_steps=False), timed)
     timed.steps.clear()
+    sync(dev)
+    res_sync = run_requests(base, [GenerateRequest(f"s{i}", StaticTenantScope(), greedy(new),
+                                                   prompt_token_ids=prompts[i].tolist()) for i in range(b)])
+    dec_sync = [s for s in timed.steps if s[2] and s[1] == b]
+    out["engine_sync"] = {"wall_s": res_sync["wall_s"], "decode_steps": len(dec_sync),
+                          "decode_step_ms": 1e3 * sum(s[0] for s in dec_sync) / max(1, len(dec_sync))}
+    del base
+    engine = make_engine(replace(config, enable_prefix_caching=False, overlap_steps=True), timed)
+    timed.steps.clear()
+    timed.launch_host_s.clear()
     sync(dev)
     res = run_requests(engine, [GenerateRequest(f"d{i}", StaticTenantScope(), greedy(new),
                                                 prompt_token_ids=prompts[i].tolist()) for i in range(b)])
+    out["engine_sync"]["same_tokens_as_overlapped"] = all(
+        res_sync["tokens"][f"s{i}"] == res["tokens"][f"d{i}"] for i in range(b))
     dec = [s for s in timed.steps if s[2] and s[1] == b]
     step_s = sum(s[0] for s in dec) / max(1, len(dec))
     mean_ctx = sum(s[3] for s in dec) / max(1, len(dec))
@@ -288,6 +324,9 @@ def sec_decode(dev, args, cfg, model, hf, runner, config, bw) -> dict:
         "floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s if dec else None,
         "weight_bytes_read": w_read, "kv_bytes_read_mean": kv_read,
         "graph_decode_steps": runner.decode_graphs.num_runs if runner.decode_graphs else 0,
+        "overlap_steps": engine.overlap_steps,
+        "launch_host_ms_mean": 1e3 * sum(timed.launch_host_s) / max(1, len(timed.launch_host_s)),
+        "decode_step_vs_sync": (1e3 * step_s) / out["engine_sync"]["decode_step_ms"] if dec else None,
         # every non-decode step: where the prefill time goes (seconds, chunks, context tokens)
         "prefill_steps": [{"s": t, "chunks": n, "context_tokens": c} for t, n, d, c in timed.steps if not d],
     }
@@ -333,7 +372,7 @@ def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
     ctx, steps, bs = args.sweep_ctx, args.sweep_steps, runner.block_size
     w_read = weight_read_bytes(model)
     kv_per_token = runner.kv_bytes_per_block / bs
-    nblk = -(-(ctx + steps + 4) // bs)
+    nblk = -(-(ctx + 2 * steps + 8) // bs)  # the pipelined pass runs past the synchronous one
     rows = []
     for b in args.sweep_batches:
         if b * nblk > runner.num_kv_blocks:
@@ -352,6 +391,7 @@ def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
             rep = runner.decode_graphs.last_replay_ms() if runner.decode_graphs else None
             if rep is not None:
                 device_ms.append(rep)
+        pipe = pipelined_sweep(dev, runner, tables, ctx, steps)
         for i in range(b):
             runner.release(f"sweep{i}")
         mean_ctx = ctx + (steps - 1) / 2 + 1
@@ -363,9 +403,54 @@ def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
             dev_ms = sum(device_ms) / len(device_ms)
             row.update({"replay_device_ms": dev_ms, "replay_over_floor": dev_ms * 1e-3 / floor_s,
                         "gpu_idle_share": max(0.0, 1 - dev_ms * 1e-3 / step_s)})
+        row["overlapped"] = {**pipe, "step_over_floor": pipe["step_ms"] * 1e-3 / floor_s,
+                             "vs_sync": pipe["step_ms"] / row["step_ms"]}
+        if "replay_device_ms" in pipe:
+            row["overlapped"]["replay_over_floor"] = pipe["replay_device_ms"] * 1e-3 / floor_s
         rows.append(row)
         print(f"   sweep batch {b}: {row}", flush=True)
     return {"context": ctx, "rows": rows}
+
+
+def pipelined_sweep(dev, runner, tables, ctx: int, steps: int) -> dict:
+    """The same decode steps as the engine's overlapped loop runs them: step n+1 is launched with its
+    tokens fed on the device from step n's picks, then step n is collected (the only wait). ->
+    wall per step, host time per launch, GPU time per replay and the GPU's idle share."""
+    b = len(tables)
+    graphs = runner.decode_graphs
+    vocab = runner.spec.vocab_size
+    feed = [(i, i) for i in range(b)]
+
+    def batch(st: int) -> ScheduledBatch:
+        return ScheduledBatch(tuple(SequenceChunk(f"sweep{i}", [-1] if st else [(31 * i) % vocab], ctx + steps + 4 + st,
+                                                  tables[i], True, greedy(1)) for i in range(b)))
+
+    # positions past the synchronous sweep's (its K/V stays as it was); two warm-up launches
+    prev = runner.launch(batch(0))
+    cur = runner.launch(batch(1), feed, prev)
+    runner.collect(prev)
+    sync(dev)
+    if graphs is not None:
+        graphs.replay_log = []
+    launch_s: list[float] = []
+    t0 = time.perf_counter()
+    for st in range(2, steps + 2):
+        tl = time.perf_counter()
+        nxt = runner.launch(batch(st), feed, cur)
+        launch_s.append(time.perf_counter() - tl)
+        runner.collect(cur)
+        cur = nxt
+    runner.collect(cur)
+    wall = time.perf_counter() - t0
+    out = {"step_ms": 1e3 * wall / steps, "launch_host_ms": 1e3 * sum(launch_s) / len(launch_s)}
+    if graphs is not None and graphs.replay_log:
+        log, graphs.replay_log = graphs.replay_log, None
+        log[-1][1].synchronize()
+        dev_ms = [a.elapsed_time(z) for a, z in log[-steps:]]
+        out["replay_device_ms"] = sum(dev_ms) / len(dev_ms)
+        # the last collect waits for one more step than the loop counts: compare per step
+        out["gpu_idle_share"] = max(0.0, 1 - out["replay_device_ms"] / out["step_ms"])
+    return out
 
 
 def sec_long_prefill(dev, args, shape) -> dict:
@@ -605,6 +690,8 @@ def table(r: dict) -> str:
     rows.append(("decode: mean step (ms)", get("decode", "engine", "decode_step_ms", fmt="{:.2f}"), ""))
     rows.append(("decode: floor (ms)", get("decode", "engine", "floor_ms", fmt="{:.2f}"), ""))
     rows.append(("decode: step / floor", get("decode", "engine", "step_over_floor", fmt="{:.2f}x"), "<= 1.2x"))
+    rows.append(("decode: overlapped step / synchronous step", get("decode", "engine", "decode_step_vs_sync",
+                                                                 fmt="{:.2f}x"), ""))
     rows.append(("prefill: engine/HF generate (32x2048)", get("decode", "engine_vs_hf", "prefill_vs_hf_generate",
                                                              fmt="{:.2f}x"), ">= 0.95x"))
     rows.append(("prefill: engine/HF forward (32x2048)", get("decode", "engine_vs_hf", "prefill_vs_hf_forward",
@@ -618,6 +705,12 @@ def table(r: dict) -> str:
                 rows.append((f"decode sweep b={row['batch']}: GPU ms, idle share",
                              f"{row['replay_device_ms']:.2f} ({row['replay_over_floor']:.2f}x), "
                              f"{100 * row['gpu_idle_share']:.0f}%", "idle <= 5%"))
+            ov = row.get("overlapped")
+            if ov:
+                idle = f", idle {100 * ov['gpu_idle_share']:.0f}%" if "gpu_idle_share" in ov else ""
+                rows.append((f"  overlapped b={row['batch']}: step ms / floor, vs sync",
+                             f"{ov['step_ms']:.2f} = {ov['step_over_floor']:.2f}x, {ov['vs_sync']:.2f}x{idle}",
+                             "<= 1.2x, idle <= 5%"))
     rows.append(("prefix: cold TTFT (ms)", get("prefix", "cold_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("prefix: cached TTFT (ms)", get("prefix", "hit_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("prefix: speedup", get("prefix", "speedup", fmt="{:.1f}x"), ">= 12x"))

@@ -37,6 +37,8 @@ class EngineConfig:
     max_waiting: most queued requests before generate() raises EngineOverloadedError.
     seed: seeds the model's random weights where a test builds one, and default sampling.
     num_threads: torch intra-op threads for CPU compute (process-wide); None = torch's default.
+    overlap_steps: schedule and launch step n+1 while the device runs step n (the host reads
+        step n's tokens one step behind; engine/llm_engine.py); None = on for a CUDA device.
     kv_events_endpoint: publish the HBM index's stored/removed blocks on this ZMQ endpoint
         (``tcp://host:port``, vLLM's KV event schema; ``engine.kv_events``) for a fleet's router;
         None = not published.
@@ -64,6 +66,7 @@ class EngineConfig:
     model_id: str | None = None
     num_threads: int | None = None
     kv_events_endpoint: str | None = None
+    overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -16,7 +16,13 @@ Static buffers (``N`` = the largest captured size, ``W`` = max blocks per sequen
 
     input_ids    [N] int64        positions [N] int64       slot_mapping [N] int64 (-1 = padding)
     block_tables [N, W] int32     seq_lens  [N] int32       cu_seqlens_q [N + 1] int32 (= arange)
+    feed_src     [N] int64        row i's input token is fed_tokens[feed_src[i]] (>= 0) instead of input_ids[i]
+    fed_tokens   [N] int64        the previous step's sampled tokens, copied on the device (overlapped steps)
     logits       [n, V] float32 per captured size (graph outputs share one memory pool)
+
+Overlapped steps (engine/llm_engine.py) schedule step n+1 before step n's tokens reach the host:
+those rows' inputs are picked on the device inside the graph (``torch.where`` over ``feed_src``), so
+the host never waits for a token to launch the next step.
 
 Inputs are staged in pinned host memory and copied with ``non_blocking=True``; the only host
 synchronisation of a step is the caller reading the sampled tokens. On a CPU device (tests) the same
@@ -26,14 +32,27 @@ padded static-buffer path runs eagerly, so the padding logic is checked without 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from engine.batch import SequenceChunk
+from engine.host_to_device import to_device
 from engine.models.attention import AttentionMetadata, LayerCache
 
 PADDING_SLOT = -1  # write_kv skips slot -1: padded rows never touch the cache
+
+
+@dataclass(frozen=True)
+class TokenFeed:
+    """Inputs that come from the previous step's sampled tokens, still on the device.
+
+    Row ``dst_rows[k]`` of this step takes ``tokens[src_rows[k]]`` as its input token."""
+
+    tokens: torch.Tensor  # [S] int64, the previous step's picks (device)
+    dst_rows: Sequence[int]
+    src_rows: Sequence[int]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -91,10 +110,11 @@ class DecodeGraphs:
         self._host = {
             "input_ids": host((n,), torch.int64), "positions": host((n,), torch.int64),
             "slot_mapping": host((n,), torch.int64), "block_tables": host((n, w), torch.int32),
-            "seq_lens": host((n,), torch.int32),
+            "seq_lens": host((n,), torch.int32), "feed_src": host((n,), torch.int64),
         }
         self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
         self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)  # one new token per sequence
+        self._fed_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self._copied: torch.cuda.Event | None = None
         # What each host block-table row holds: (request id, blocks written, its last block id), or None.
         # A decode step usually changes no row (a sequence gains a block every block_size steps), so
@@ -106,6 +126,9 @@ class DecodeGraphs:
         self.num_runs = 0  # decode steps served (tests and benchmarks check the graph path was taken)
         # device-side bracket of the last replay: how long the GPU itself ran the step (benchmarks)
         self._replay_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        # when a list: every replay appends its own (start, end) event pair (a pipelined benchmark
+        # reads them after the run; last_replay_ms would only see the newest)
+        self.replay_log: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         self._reset_padding(n)
 
     # ----------------------------------------------------------------------------- capture
@@ -118,7 +141,9 @@ class DecodeGraphs:
             seq_lens=d["seq_lens"][:n],
             decode_only=True,
         )
-        hidden = self.model(d["input_ids"][:n], d["positions"][:n], self.layer_caches, meta, self.ops)  # [n, H]
+        src = d["feed_src"][:n]
+        ids = torch.where(src >= 0, self._fed_tokens.gather(0, src.clamp(min=0)), d["input_ids"][:n])
+        hidden = self.model(ids, d["positions"][:n], self.layer_caches, meta, self.ops)  # [n, H]
         return self.model.compute_logits(hidden)  # [n, V] float32
 
     @torch.inference_mode()
@@ -155,6 +180,7 @@ class DecodeGraphs:
         h["slot_mapping"][lo:hi] = PADDING_SLOT
         h["block_tables"][lo:hi, 0] = 0
         h["seq_lens"][lo:hi] = 1
+        h["feed_src"][lo:hi] = -1
         self._row_owner[lo:hi] = [None] * (hi - lo)
 
     def _reset_padding(self, n: int) -> None:
@@ -170,8 +196,10 @@ class DecodeGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def fill(self, chunks: Sequence[SequenceChunk]) -> int:
-        """Write a decode batch into the static inputs; -> the padded size it runs at.
+    def fill(self, chunks: Sequence[SequenceChunk], feed: TokenFeed | None = None) -> int:
+        """Write a decode batch into the static inputs; -> the padded size it runs at. ``feed``: rows
+        whose input token is the previous step's sampled token on the device (their token_ids hold
+        a placeholder).
 
         Raises ValueError when the batch is not decode-only, too large, or too long for the tables."""
         b = len(chunks)
@@ -205,6 +233,17 @@ class DecodeGraphs:
         h["positions"][:b] = torch.tensor(pos, dtype=torch.int64)
         h["slot_mapping"][:b] = torch.tensor(slots, dtype=torch.int64)
         h["seq_lens"][:b] = torch.tensor(lens, dtype=torch.int32)
+        src = [-1] * b
+        if feed is not None:
+            tokens = feed.tokens
+            picks = feed.src_rows
+            if tokens.shape[0] > self._fed_tokens.shape[0]:  # a larger eager step before: keep the fed rows only
+                tokens = tokens[to_device(picks, torch.long, tokens.device)]
+                picks = list(range(len(picks)))
+            self._fed_tokens[: tokens.shape[0]].copy_(tokens)  # device to device, queued before the replay
+            for dst, s in zip(feed.dst_rows, picks):
+                src[dst] = s
+        h["feed_src"][:b] = torch.tensor(src, dtype=torch.int64)
         self._dev_copy(size)
         return size
 
@@ -231,12 +270,15 @@ class DecodeGraphs:
         owner[i] = (request_id, n_blocks, last)
 
     @torch.inference_mode()
-    def run(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+    def run(self, chunks: Sequence[SequenceChunk], feed: TokenFeed | None = None) -> torch.Tensor:
         """One decode step for ``chunks`` (K/V written) -> logits [len(chunks), V] float32."""
-        size = self.fill(chunks)
+        size = self.fill(chunks, feed)
         self.num_runs += 1
         if self.captured:
-            if self._replay_events is None:
+            if self.replay_log is not None:
+                self._replay_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                self.replay_log.append(self._replay_events)
+            elif self._replay_events is None:
                 self._replay_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             start, end = self._replay_events
             start.record()

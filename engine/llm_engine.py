@@ -1,12 +1,29 @@
-"""``LLMEngine``: the synchronous step loop (tokenize -> schedule -> run -> sample -> stop -> free).
+"""``LLMEngine``: the step loop (tokenize -> schedule -> run -> sample -> stop -> free).
 
-One ``step()``::
+One synchronous ``step()``::
 
     scheduler.schedule()          -> ScheduledBatch (chunks of prefill + decodes, block tables)
     runner.execute(batch)         -> one sampled token per chunk with sample=True
     scheduler.commit(step)        -> computed-token counts advance, newly full blocks get indexed
     per sampled token             -> append, detokenize incrementally, check stop conditions
     finished requests             -> blocks freed (full ones stay indexed for reuse)
+
+Overlapped steps (``EngineConfig.overlap_steps``; on by default for a CUDA runner): the host
+schedules and launches step n+1 while the device still runs step n, as vLLM's async scheduling
+and SGLang's overlap scheduler do. One ``step()`` call then::
+
+    each request sampled in step n gets a placeholder for its pending token (Request.add_placeholder)
+    scheduler.schedule()          -> step n+1; a placeholder's chunk reads step n's pick on the device
+    runner.launch(n+1, feed)      -> queued; scheduler.commit(n+1)
+    runner.collect(n)             -> the only wait: step n's tokens (the device is on n+1 by then)
+    per sampled token of n        -> replaces the placeholder, then as above (stop checks, outputs)
+
+A request that stops at step n's token (EOS, stop token or string) has one extra position computed
+in step n+1, whose pick is dropped: nothing after the stopping token ever reaches a client, and no
+block holding it is indexed (the KV at that position is the real stopping token's, so even that
+would be correct). A request whose step-n token reaches max_tokens or the context limit gets no
+placeholder. A step with a grammar-constrained row is collected before the next is scheduled (its
+mask needs the tokens on the host).
 
 Thread-safety: none. ``AsyncEngine`` drives one ``LLMEngine`` from a single thread; only
 ``prepare()`` (tokenization and validation) may be called from other threads.
@@ -18,7 +35,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from dataclasses import replace as dc_replace
+from typing import Any, Protocol, runtime_checkable
 
 from engine.batch import ScheduledBatch, StepResult
 from engine.computed_prefixes import ComputedPrefixes
@@ -35,7 +54,7 @@ from engine.protocol import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.request import DetokenizerState, Request, RequestStatus
+from engine.request import PLACEHOLDER_TOKEN, DetokenizerState, Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 
 # Trailing prompt tokens kept as detokenization context (leading-space and merge rules).
@@ -65,6 +84,31 @@ class Runner(Protocol):
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Each token's exact bytes (for logprobs)."""
         ...
+
+
+@runtime_checkable
+class OverlapRunner(Protocol):
+    """A runner that can also queue a step and hand over its tokens later (``ModelRunner``).
+
+    Methods only: a runtime isinstance check looks members up statically, so a wrapper that
+    forwards attributes through ``__getattr__`` (benchmarks' timers) still qualifies."""
+
+    def launch(self, batch: ScheduledBatch, feed: Sequence[tuple[int, int]] = (), after: Any = None) -> Any:
+        """Queue ``batch``; ``feed`` pairs (chunk index, chunk index in ``after``) say which
+        one-token chunks take the token ``after`` sampled for that chunk. -> an opaque handle."""
+        ...
+
+    def collect(self, handle: Any) -> StepResult: ...
+
+
+@dataclass
+class _Launched:
+    """A step on the device whose tokens the host has not read yet."""
+
+    step: SchedulerOutput
+    handle: Any  # the runner's LaunchedStep
+    needs_host_tokens: bool  # a grammar row: schedule the next step only after collecting this one
+    launched_at: float  # perf_counter
 
 
 # One chunk's sampled token as the runner reported it: (raw logprob, top alternatives or None).
@@ -127,6 +171,14 @@ class LLMEngine:
         self.prefill_time_s = 0.0
         self.decode_tokens = 0
         self.execute_time_s = 0.0
+        overlap = config.overlap_steps
+        if overlap is None:
+            overlap = isinstance(runner, OverlapRunner) and config.device.startswith("cuda")
+        if overlap and not isinstance(runner, OverlapRunner):
+            raise ValueError("overlap_steps needs a runner with launch() and collect()")
+        self.overlap_steps = bool(overlap)
+        self._launched: _Launched | None = None
+        self._last_collect = 0.0  # perf_counter of the last collect: overlapped steps' device-time split
 
     @property
     def cache_time_s(self) -> dict[CachePhase, float]:
@@ -229,6 +281,7 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every request with finish_reason "error" (after an unexpected engine failure)."""
+        self._launched = None  # its requests all end here; its tokens are never read
         outputs = []
         for req in list(self.requests.values()):
             req.error = error
@@ -251,47 +304,151 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        if not step.is_empty:
-            self.num_steps += 1
-            now = self.clock()
-            for req in step.admitted:
-                if req.num_preemptions == 0:  # count each request's lookup once, not per readmission
-                    label = req.tenant.metrics_label
-                    self._queried[label] += req.num_prompt_tokens
-                    self._hit[label] += req.num_cached_tokens or 0
-                    self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
-                    self.computed_prefixes.observe(label, req.block_hashes, req.num_prompt_tokens,
-                                                   req.num_cached_tokens or 0, self.block_size)
-            t0 = time.perf_counter()
-            results, infos = self._execute(step)
-            self._account_execute(step, time.perf_counter() - t0)
-            failed: list[Request] = []
-            for req, result in zip(step.requests, results):
-                if isinstance(result, BaseException):
-                    # before commit: a failed chunk's blocks may hold garbage and must never be indexed
-                    req.error = f"{type(result).__name__}: {result}"
-                    self._finish(req, "error")
-                    failed.append(req)
-            self.scheduler.commit(step)
-            now = self.clock()
-            for req, chunk, result, info in zip(step.requests, step.batch.chunks, results, infos):
-                if req.is_finished and req not in failed:
-                    continue
-                if chunk.sample and not req.is_finished:
-                    try:
-                        self._append_token(req, result, now, info)  # type: ignore[arg-type]
-                    except Exception as exc:  # a bad token or detokenizer failure fails only this request
-                        req.error = f"{type(exc).__name__}: {exc}"
-                        self._finish(req, "error")
-                elif not req.is_finished:
-                    continue
-                out = self._output(req)
-                if out is not None:
-                    outputs.append(out)
+        if self.overlap_steps:
+            outputs = self._step_overlapped()
+        else:
+            step = self.scheduler.schedule()
+            outputs = self._run_sync(step) if not step.is_empty else []
         self._publish_state()
         return outputs
+
+    def _observe_admissions(self, step: SchedulerOutput) -> None:
+        self.num_steps += 1
+        for req in step.admitted:
+            if req.num_preemptions == 0:  # count each request's lookup once, not per readmission
+                label = req.tenant.metrics_label
+                self._queried[label] += req.num_prompt_tokens
+                self._hit[label] += req.num_cached_tokens or 0
+                self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
+                self.computed_prefixes.observe(label, req.block_hashes, req.num_prompt_tokens,
+                                               req.num_cached_tokens or 0, self.block_size)
+
+    def _run_sync(self, step: SchedulerOutput) -> list[RequestOutput]:
+        """Run one scheduled step to its tokens (execute, commit, append, outputs)."""
+        self._observe_admissions(step)
+        t0 = time.perf_counter()
+        results, infos = self._execute(step)
+        self._account_execute(step, time.perf_counter() - t0)
+        failed: list[Request] = []
+        for req, result in zip(step.requests, results):
+            if isinstance(result, BaseException):
+                # before commit: a failed chunk's blocks may hold garbage and must never be indexed
+                req.error = f"{type(result).__name__}: {result}"
+                self._finish(req, "error")
+                failed.append(req)
+        self.scheduler.commit(step)
+        return self._take_tokens(step, results, infos, failed)
+
+    def _take_tokens(self, step: SchedulerOutput, results: Sequence[int | None | BaseException],
+                     infos: Sequence[_TokenInfo | None], failed: Sequence[Request]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        now = self.clock()
+        for req, chunk, result, info in zip(step.requests, step.batch.chunks, results, infos):
+            if req.is_finished and req not in failed:
+                continue
+            if chunk.sample and not req.is_finished:
+                try:
+                    self._append_token(req, result, now, info)  # type: ignore[arg-type]
+                except Exception as exc:  # a bad token or detokenizer failure fails only this request
+                    req.error = f"{type(exc).__name__}: {exc}"
+                    self._finish(req, "error")
+            elif not req.is_finished:
+                continue
+            out = self._output(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ overlapped steps
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        prev, self._launched = self._launched, None
+        outputs: list[RequestOutput] = []
+        if prev is not None:
+            if not prev.needs_host_tokens:
+                self._add_placeholders(prev.step)
+                nxt = self.scheduler.schedule()
+                if not nxt.is_empty:
+                    try:
+                        self._launched = self._launch(nxt, prev)
+                    except Exception:
+                        # placeholders stand in its chunks: read the tokens first, then run it alone
+                        outputs = self._collect(prev)
+                        return outputs + self._run_sync(self._with_known_tokens(nxt))
+            outputs = self._collect(prev)
+        if self._launched is None and self.requests:
+            step = self.scheduler.schedule()
+            if not step.is_empty:
+                try:
+                    self._launched = self._launch(step, None)
+                except Exception:
+                    outputs += self._run_sync(step)  # per-chunk retries find the failing request
+        return outputs
+
+    def _add_placeholders(self, step: SchedulerOutput) -> None:
+        """A placeholder for every pending token that the next step may compute (not for one that
+        ends its request by length: that request's next position is never needed)."""
+        for req, chunk in zip(step.requests, step.batch.chunks):
+            if not chunk.sample or req.status is not RequestStatus.RUNNING or req.has_placeholder:
+                continue
+            if len(req.output_token_ids) + 1 >= req.sampling.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+                continue
+            req.add_placeholder()
+
+    def _launch(self, step: SchedulerOutput, prev: _Launched | None) -> _Launched:
+        runner = self.runner
+        assert isinstance(runner, OverlapRunner)
+        feed: list[tuple[int, int]] = []
+        if prev is not None:
+            prev_chunk = {id(req): j for j, req in enumerate(prev.step.requests)}
+            for i, req in enumerate(step.requests):
+                if req.has_placeholder:  # its chunk is the placeholder alone (it was fully computed before)
+                    feed.append((i, prev_chunk[id(req)]))
+        t0 = time.perf_counter()
+        handle = runner.launch(step.batch, feed, prev.handle if prev is not None else None)
+        self._observe_admissions(step)  # after the launch: a failed one is run again by _run_sync
+        self.scheduler.commit(step)  # the device writes the K/V in stream order before anything reads it
+        guided = any(c.sample and c.sampling.guided is not None for c in step.batch.chunks)
+        return _Launched(step, handle, guided, t0)
+
+    def _collect(self, launched: _Launched) -> list[RequestOutput]:
+        step = launched.step
+        runner = self.runner
+        assert isinstance(runner, OverlapRunner)
+        results: list[int | None | BaseException]
+        try:
+            result = runner.collect(launched.handle)
+            results = list(result.sampled_token_ids)
+            infos = _token_infos(result, len(results))
+        except Exception as exc:  # the device failed after the launch: every request of the step fails
+            results, infos = [exc] * len(step.requests), [None] * len(step.requests)
+        done = time.perf_counter()
+        # wall time since the previous collect, or since the launch after an idle gap (steps overlap:
+        # launch-to-collect would count the time a step waits behind the previous one twice)
+        self._account_execute(step, done - max(self._last_collect, launched.launched_at))
+        self._last_collect = done
+        failed: list[Request] = []
+        for req, res in zip(step.requests, results):
+            if isinstance(res, BaseException) and not req.is_finished:
+                req.error = f"{type(res).__name__}: {res}"
+                self._finish(req, "error")
+                failed.append(req)
+        return self._take_tokens(step, results, infos, failed)
+
+    def _with_known_tokens(self, step: SchedulerOutput) -> SchedulerOutput:
+        """``step`` with its placeholders' tokens read from the requests (after their collect), and
+        without the requests that finished meanwhile."""
+        keep = [i for i, req in enumerate(step.requests) if not req.is_finished]
+        chunks = []
+        for i in keep:
+            req, chunk = step.requests[i], step.batch.chunks[i]
+            if chunk.token_ids and chunk.token_ids[0] == PLACEHOLDER_TOKEN:
+                token = req.output_token_ids[chunk.start_pos - req.num_prompt_tokens]
+                chunk = dc_replace(chunk, token_ids=(token,), output_token_ids=tuple(req.output_token_ids))
+            chunks.append(chunk)
+        return SchedulerOutput(ScheduledBatch(tuple(chunks), step.batch.block_copies),
+                               [step.requests[i] for i in keep], [step.num_tokens[i] for i in keep],
+                               step.preempted, step.admitted)
 
     def _execute(self, step: SchedulerOutput) -> tuple[list[int | None | BaseException], list[_TokenInfo | None]]:
         """Run the batch; if it raises, run each chunk alone so only the failing requests fail.
@@ -402,6 +559,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.is_finished:
             return
+        req.drop_placeholder()  # a token still on the device for a finished request is never read
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         self.scheduler.remove(req)

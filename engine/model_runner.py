@@ -20,23 +20,25 @@ stream so that tier transfers overlap the compute stream. CPU behaviour is uncha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.batch import BlockCopy, ScheduledBatch, SequenceChunk, StepResult
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.cuda_graphs import DecodeGraphs, TokenFeed, graph_batch_sizes
 from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
 from engine.guided import GrammarCompiler
+from engine.host_to_device import tensor_to_device, to_device
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
 from engine.models.chat_render import render_chat_ids
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model
 from engine.models.spec import ArchConfig, ModelSpec, parse_checkpoint_config, read_special_ids
 from engine.protocol import GuidedSpec, SamplingParams
-from engine.sampling import Sampler
+from engine.sampling import PendingRows, Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -50,6 +52,16 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto/float32/bfloat16/float16, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``): its chunks, its picks on their way to
+    the host, and which pick row each sampled chunk has (chunk index -> row)."""
+
+    chunks: Sequence[SequenceChunk]
+    pending: PendingRows | None
+    sampled_row: Mapping[int, int]
 
 
 class ModelRunner:
@@ -236,30 +248,39 @@ class ModelRunner:
         tables = torch.tensor(rows, dtype=torch.int32).reshape(len(chunks), max_blocks)  # [B, max_blocks]
         dev = self.kv_cache.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            block_tables=tensor_to_device(tables, dev),
+            cu_seqlens_q=to_device(cu, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
             decode_only=all(c.num_tokens == 1 for c in chunks),
             context_lens=tuple(seq_lens),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        return input_ids, torch.tensor(positions, dtype=torch.int64, device=dev), meta
+        input_ids = to_device(ids, torch.int64, dev)
+        return input_ids, to_device(positions, torch.int64, dev), meta
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, batch: ScheduledBatch, all_logits: bool = False, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one packed forward (writing K/V) and return logits float32:
         [num sampled chunks, V] (last position of each chunk with sample=True), or [T, V] with all_logits.
 
         A decode-only batch on CUDA returns a view of a CUDA graph's output, valid until the next
-        forward: copy it to keep it. ``all_logits=True`` always runs eagerly."""
+        forward: copy it to keep it. ``all_logits=True`` always runs eagerly. ``feed``: one-token
+        chunks whose token is a previous step's pick still on the device (engine.cuda_graphs.TokenFeed)."""
         self.copy_blocks(batch.block_copies)
         graphs = self.decode_graphs
         if graphs is not None and not all_logits and batch.is_decode_only and len(batch.chunks) <= graphs.sizes[-1]:
-            logits = graphs.run(batch.chunks)  # [B, V], a view of the graph's output
+            logits = graphs.run(batch.chunks, feed)  # [B, V], a view of the graph's output
             rows = [i for i, c in enumerate(batch.chunks) if c.sample]
-            return logits if len(rows) == len(batch.chunks) else logits[rows]
+            return logits if len(rows) == len(batch.chunks) else logits[to_device(rows, torch.long, logits.device)]
         input_ids, positions, meta = self._prepare(batch.chunks)
+        if feed is not None:
+            starts, at = [], 0
+            for c in batch.chunks:
+                starts.append(at)
+                at += c.num_tokens
+            dst = to_device([starts[i] for i in feed.dst_rows], torch.long, input_ids.device)
+            src = to_device(list(feed.src_rows), torch.long, input_ids.device)
+            input_ids[dst] = feed.tokens[src]
         hidden = self.model(input_ids, positions, self.layer_caches, meta, self.ops)  # [T, hidden]
         if not all_logits:
             # each sampled chunk's last row, from host-side token counts: indexing meta.cu_seqlens_q
@@ -269,20 +290,43 @@ class ModelRunner:
                 end += c.num_tokens
                 if c.sample:
                     last.append(end - 1)
-            hidden = hidden[torch.tensor(last, dtype=torch.long, device=hidden.device)]
+            hidden = hidden[to_device(last, torch.long, hidden.device)]
         return self.model.compute_logits(hidden)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: ScheduledBatch, feed: Sequence[tuple[int, int]] = (),
+               after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step (forward and sampling) on the device without waiting for its tokens.
+
+        ``feed``: (chunk index in ``batch``, chunk index in ``after``) pairs: that chunk's one token
+        is what ``after`` sampled for the other chunk (the engine's placeholder): it is read on the
+        device, so the host can launch this step before ``after``'s tokens reach it. On a CPU the
+        work runs here; ``collect`` only converts."""
         if not batch.chunks:
             self.copy_blocks(batch.block_copies)
-            return StepResult(sampled_token_ids=[], logprobs=[])
-        logits = self.forward(batch)  # [S, V]
+            return LaunchedStep(batch.chunks, None, {})
+        token_feed = None
+        if feed:
+            if after is None or after.pending is None:
+                raise ValueError("a token feed needs the launched step it reads from")
+            token_feed = TokenFeed(after.pending.tokens, [i for i, _ in feed], [after.sampled_row[j] for _, j in feed])
+        logits = self.forward(batch, feed=token_feed)  # [S, V]
         sampled = [c for c in batch.chunks if c.sample]
-        rows = iter(self.sampler.sample_rows(
+        pending = self.sampler.sample_rows_async(
             logits, [c.sampling for c in sampled], [c.request_id for c in sampled],
             [c.output_token_ids for c in sampled],
-        ) if sampled else ())
-        picks = [next(rows) if c.sample else None for c in batch.chunks]
+        ) if sampled else None
+        rows = [i for i, c in enumerate(batch.chunks) if c.sample]
+        return LaunchedStep(batch.chunks, pending, {chunk: row for row, chunk in enumerate(rows)})
+
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's picks -> its StepResult (what ``execute`` returns)."""
+        if not step.chunks:
+            return StepResult(sampled_token_ids=[], logprobs=[])
+        rows = iter(step.pending.rows() if step.pending is not None else ())
+        picks = [next(rows) if c.sample else None for c in step.chunks]
         return StepResult(
             sampled_token_ids=[p.token_id if p else None for p in picks],
             logprobs=[p.logprob if p else None for p in picks],
@@ -303,8 +347,8 @@ class ModelRunner:
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         if not copies:
             return
-        src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=self.kv_cache.device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=self.kv_cache.device)
+        src = to_device([c.src for c in copies], torch.int64, self.kv_cache.device)
+        dst = to_device([c.dst for c in copies], torch.int64, self.kv_cache.device)
         self.ops.copy_blocks(self.kv_cache, src, dst)
         if self.kv_scales is not None:
             self.ops.copy_blocks(self.kv_scales, src, dst)

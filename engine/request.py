@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from engine.protocol import TokenLogprob
 
 
+# The not-yet-known newest token of an overlapped step (never a vocabulary id: a runner fed it
+# without the device-side token would fail on the embedding lookup instead of computing garbage).
+PLACEHOLDER_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -126,11 +131,34 @@ class Request:
             )
 
     def append_output_token(self, token_id: int, now: float) -> None:
-        self.output_token_ids.append(token_id)
+        if self.has_placeholder:
+            self.output_token_ids[-1] = token_id  # the token the device sampled for the placeholder
+        else:
+            self.output_token_ids.append(token_id)
         self.token_times.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
         self.update_block_hashes()
+
+    # ------------------------------------------------------------------ overlapped steps
+    # With overlapped steps (engine/llm_engine.py) the next step is scheduled while the device still
+    # computes this step's token: the request then holds a placeholder for it, its newest output
+    # token, which the step's sampled token replaces (append_output_token) before anything reads
+    # the outputs. The placeholder is never hashed (update_block_hashes runs only on real tokens).
+
+    @property
+    def has_placeholder(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER_TOKEN
+
+    def add_placeholder(self) -> None:
+        if self.has_placeholder:
+            raise RuntimeError(f"{self.request_id} already waits for a token")
+        self.output_token_ids.append(PLACEHOLDER_TOKEN)
+
+    def drop_placeholder(self) -> None:
+        """Forget a token that will not be read (the request finished before its step was collected)."""
+        if self.has_placeholder:
+            self.output_token_ids.pop()
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks the table must hold for ``num_tokens`` tokens of context."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.guided import GrammarCompiler, GuidedRow, apply_bitmask, bitmask_words
+from engine.host_to_device import to_device
 from engine.protocol import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the 63-bit seed space
@@ -103,8 +104,8 @@ class Sampler:
             return logits
         logits = logits.clone()
         for i in biased:
-            ids = torch.tensor([t for t, _ in params[i].logit_bias], dtype=torch.long, device=logits.device)
-            bias = torch.tensor([b for _, b in params[i].logit_bias], dtype=logits.dtype, device=logits.device)
+            ids = to_device([t for t, _ in params[i].logit_bias], torch.long, logits.device)
+            bias = to_device([b for _, b in params[i].logit_bias], logits.dtype, logits.device)
             logits[i].index_add_(0, ids, bias)
         if guided:
             vocab = logits.shape[-1]
@@ -113,7 +114,7 @@ class Sampler:
                 row = self._guided_row(request_ids[i], params[i])
                 row.sync(outputs[i])
                 row.fill(bitmask[r])
-            idx = torch.tensor(guided, dtype=torch.long, device=logits.device)
+            idx = to_device(guided, torch.long, logits.device)
             rows = logits[idx]
             apply_bitmask(rows, bitmask)
             logits[idx] = rows
@@ -139,7 +140,7 @@ class Sampler:
 
         For rows without a grammar (the grammar needs the output tokens: ``sample_rows``)."""
         assert all(p.guided is None for p in params), "guided rows need their output tokens: use sample_rows"
-        rows = self._sample(logits, params, request_ids, steps, [()] * len(params), all_logprobs=True)
+        rows = self._sample(logits, params, request_ids, steps, [()] * len(params), all_logprobs=True).rows()
         return [r.token_id for r in rows], [float(r.logprob) for r in rows]  # type: ignore[arg-type]
 
     def sample_rows(
@@ -151,6 +152,19 @@ class Sampler:
     ) -> list[SampledRow]:
         """-> one ``SampledRow`` per logits row (grammar, bias and top logprobs included); the
         sampled token's logprob only for rows whose params set ``logprobs`` (else None)."""
+        return self.sample_rows_async(logits, params, request_ids, outputs).rows()
+
+    def sample_rows_async(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+        outputs: Sequence[Sequence[int]],  # tokens generated so far, per row
+    ) -> PendingRows:
+        """``sample_rows`` without the host sync: the picks stay on the device (``tokens``, which a
+        next step may read as its input) and travel to the host behind the step; ``rows()`` waits
+        for them. Everything that reads ``logits`` is queued here, so the caller may overwrite them
+        (the next graph replay) right after."""
         return self._sample(logits, params, request_ids, [len(o) for o in outputs], outputs)
 
     def _sample(
@@ -161,43 +175,78 @@ class Sampler:
         steps: Sequence[int],
         outputs: Sequence[Sequence[int]],
         all_logprobs: bool = False,
-    ) -> list[SampledRow]:
+    ) -> PendingRows:
         """``all_logprobs``: the sampled token's logprob for every row; else only for rows whose
         params ask for logprobs (the others get None)."""
         n = logits.shape[0]
         assert len(params) == len(request_ids) == len(steps) == len(outputs) == n, "one SamplingParams per row"
         raw = logits
         logits = self._constrain(logits, params, request_ids, outputs)
-        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        if greedy_rows:
-            idx = torch.tensor(greedy_rows, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
-        for i, p in enumerate(params):
-            if p.greedy:
-                continue
-            row = filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(row, dim=-1)
-            gen = self._generator(request_ids[i], p, steps[i])
-            tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
-        token_list = tokens.tolist()
-        chosen: list[float | None] = [None] * n
-        tops: list[tuple[tuple[int, float], ...] | None] = [None] * n
+        if len(greedy_rows) == n:
+            # the common case: one argmax, no index tensors (each is a pageable H2D copy and two
+            # kernels of host time per step)
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+            if greedy_rows:
+                idx = to_device(greedy_rows, torch.long, logits.device)
+                tokens[idx] = logits[idx].argmax(dim=-1)
+            for i, p in enumerate(params):
+                if p.greedy:
+                    continue
+                row = filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+                probs = torch.softmax(row, dim=-1)
+                gen = self._generator(request_ids[i], p, steps[i])
+                tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
         # The log-softmax over the vocabulary costs as much as the sampling itself (a 256 x 100k
         # decode step: ~20 ms): only for the rows whose caller reads it.
         scored = list(range(n)) if all_logprobs else [i for i, p in enumerate(params) if p.logprobs is not None]
+        picked = top_values = top_ids = None
+        wants: list[int] = []
         if scored:
-            idx = torch.tensor(scored, dtype=torch.long, device=raw.device)
+            idx = to_device(scored, torch.long, raw.device)
             log_probs = torch.log_softmax(raw[idx], dim=-1)  # [len(scored), V]
-            picked = log_probs.gather(1, tokens[idx][:, None])[:, 0].tolist()
-            for i, lp in zip(scored, picked):
-                chosen[i] = lp
-            k = max((params[i].logprobs or 0 for i in scored), default=0)
+            picked = log_probs.gather(1, tokens[idx][:, None])[:, 0]
+            wants = [params[i].logprobs or 0 for i in scored]
+            k = max(wants, default=0)
             if k:
-                values, ids = torch.topk(log_probs, k, dim=-1)
-                values_l, ids_l = values.tolist(), ids.tolist()
-                for r, i in enumerate(scored):
-                    want = params[i].logprobs
-                    if want:
-                        tops[i] = tuple(zip(ids_l[r][:want], values_l[r][:want]))
+                top_values, top_ids = torch.topk(log_probs, k, dim=-1)
+        return PendingRows(tokens, scored, wants, picked, top_values, top_ids)
+
+
+class PendingRows:
+    """One step's picks on their way to the host: ``tokens`` [N] int64 on the device now, the
+    lists after ``rows()`` (which waits only for this step's copies, not for work queued later)."""
+
+    def __init__(self, tokens: torch.Tensor, scored: list[int], wants: list[int],
+                 picked: torch.Tensor | None, top_values: torch.Tensor | None, top_ids: torch.Tensor | None) -> None:
+        self.tokens = tokens
+        self._scored, self._wants = scored, wants
+        on_gpu = tokens.device.type == "cuda"
+        # non_blocking D2H lands in pinned memory; the event marks when it is there. A blocking
+        # .tolist() later would wait for everything queued on the stream by then (the next step).
+        self._host = [None if t is None else t.to("cpu", non_blocking=on_gpu) for t in (tokens, picked, top_values, top_ids)]
+        self._ready: torch.cuda.Event | None = None
+        if on_gpu:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def rows(self) -> list[SampledRow]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, picked, top_values, top_ids = self._host
+        assert tokens is not None
+        token_list = tokens.tolist()
+        n = len(token_list)
+        chosen: list[float | None] = [None] * n
+        tops: list[tuple[tuple[int, float], ...] | None] = [None] * n
+        if picked is not None:
+            for i, lp in zip(self._scored, picked.tolist()):
+                chosen[i] = lp
+        if top_values is not None and top_ids is not None:
+            values_l, ids_l = top_values.tolist(), top_ids.tolist()
+            for r, (i, want) in enumerate(zip(self._scored, self._wants)):
+                if want:
+                    tops[i] = tuple(zip(ids_l[r][:want], values_l[r][:want]))
         return [SampledRow(t, lp, top) for t, lp, top in zip(token_list, chosen, tops)]

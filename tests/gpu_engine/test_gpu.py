@@ -47,3 +47,13 @@ def test_fused_triton_path_matches_plain_path(tmp_path, kv_dtype):
     differ = (fused_kv.view(torch.uint8) != plain_kv.view(torch.uint8)).float().mean().item()
     assert differ < 1e-3, f"{differ:.2%} of the fp8 cache differs"
     torch.testing.assert_close(fused_kv.float(), plain_kv.float(), rtol=0.13, atol=2.0**-9)
+
+
+def test_overlapped_steps_emit_what_synchronous_steps_emit_gpu(tmp_path):
+    """Overlapped steps through the CUDA graphs (placeholders fed inside the graph) against
+    synchronous steps: same tokens, texts and finish reasons, stop token and stop string included."""
+    from tests.gpu_engine.test_overlap import check_overlap_equals_sync
+
+    runner = small_runner(tmp_path, "cuda")
+    check_overlap_equals_sync(runner)
+    assert runner.decode_graphs is not None and runner.decode_graphs.num_runs > 20
