@@ -4,7 +4,8 @@
 # benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
 # root on a CUDA machine:
 #   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 / SKIP_PD_BENCH=1 to skip one;
-#   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...")
+#   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...";
+#   GPU_TESTS="<pytest paths and -k>" to run part of the GPU tests)
 # Results: benchmarks/results/kernels_h200.json, engine_gpu_h200.json (or $OUT/ when the device tool sets OUT).
 set -uo pipefail
 export PREFIXGATE_KERNELS_GPU=1   # compiled Triton: tests/kernels/conftest.py leaves the interpreter off
@@ -19,7 +20,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 # TIKTOKEN_CACHE_DIR pointing at a copy of litellm/litellm_core_utils/tokenizers).
 MODEL_TESTS=""
 if [ -n "${TIKTOKEN_CACHE_DIR:-}" ] || "$PY" -c "import litellm" 2>/dev/null; then MODEL_TESTS="tests/engine_model"; fi
-"$PY" -m pytest tests/kernels tests/gpu_engine $MODEL_TESTS -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
+# GPU_TESTS narrows the selection for a short call (pytest arguments, e.g. "tests/gpu_engine -k overlap").
+"$PY" -m pytest ${GPU_TESTS:-tests/kernels tests/gpu_engine $MODEL_TESTS} -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
 TEST_RC=${PIPESTATUS[0]}
 
 BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
