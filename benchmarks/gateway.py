@@ -13,7 +13,9 @@ ledger, routing, JSON), not model time. At concurrency 1, interleaved over --rou
 round sends --latency-requests to every target in turn, so load from other processes hits all
 targets alike): p50/p99 of whole non-stream requests, and for streams the time to the first body
 byte (TTFB) and to the end. Then each target's saturated rate: --concurrency closed-loop clients
-for --seconds. Added = target minus the upstream alone, measured in the same run.
+for --seconds, once per round, interleaved (the median is reported). Added = target minus the
+upstream alone, measured in the same run. ``--base-tree DIR`` adds the gateway of another checkout
+(the base commit) as one more target, so that before/after is one run too.
 
 ``profile`` -- the gateway in this process (httpx's ASGI transport; the mock upstream over loopback
 HTTP in its own process, reached through the direct transport): the request's hops, i.e. Python
@@ -272,15 +274,20 @@ def run_overhead(args: argparse.Namespace) -> int:
         key = bench_tenant(home)
         auth = {"Authorization": f"Bearer {key}"}
         targets = [Target("upstream", f"{up}/v1/chat/completions", {})]
-        for transport in ("direct", "litellm"):
+        gateways = [("prefixgate-direct", REPO, "direct")]
+        if args.base_tree:  # the same gateway from another checkout (the base commit), side by side
+            gateways.append(("base-direct", Path(args.base_tree).resolve(), "direct"))
+        if not args.no_litellm_transport:
+            gateways.append(("prefixgate-litellm", REPO, "litellm"))
+        for name, tree, transport in gateways:
             port = free_port()
-            (tmp / f"gw-{transport}.toml").write_text(route_toml(up, transport))
+            (tmp / f"{name}.toml").write_text(route_toml(up, transport))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli.main", "serve", "--model", "none", "--home", str(home),
-                 "--port", str(port), "--config", str(tmp / f"gw-{transport}.toml"), "--log-level", "warning"],
-                cwd=REPO, env={**env, "BENCH_UP_KEY": "sk-up"}))
+                 "--port", str(port), "--config", str(tmp / f"{name}.toml"), "--log-level", "warning"],
+                cwd=tree, env={**env, "PYTHONPATH": str(tree), "BENCH_UP_KEY": "sk-up"}))
             wait_up(f"http://127.0.0.1:{port}", procs[-1])
-            targets.append(Target(f"prefixgate-{transport}", f"http://127.0.0.1:{port}/v1/chat/completions", auth))
+            targets.append(Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", auth))
         if args.litellm_cmd:
             lp = free_port()
             (tmp / "litellm.yaml").write_text(
@@ -295,8 +302,13 @@ def run_overhead(args: argparse.Namespace) -> int:
             targets.append(Target("litellm-proxy", f"http://127.0.0.1:{lp}/v1/chat/completions",
                                   {"Authorization": f"Bearer {master}"}))
         results = asyncio.run(latency_rounds(targets, args.rounds, args.latency_requests))
-        for t in targets:
-            results[t.name]["rate_rps"] = asyncio.run(saturated_rate(t, args.concurrency, args.seconds))
+        rates: dict[str, list[float]] = {t.name: [] for t in targets}
+        for _ in range(args.rounds):  # interleaved too: the median of one run per round
+            for t in targets:
+                rates[t.name].append(asyncio.run(saturated_rate(t, args.concurrency, args.seconds)))
+        for name, runs in rates.items():
+            results[name]["rate_rps"] = statistics.median(runs)
+            results[name]["rate_rps_runs"] = runs
     finally:
         stop_all(procs)
 
@@ -514,6 +526,9 @@ def main() -> int:
     o.add_argument("--seconds", type=float, default=5.0)
     o.add_argument("--concurrency", type=int, default=16)
     o.add_argument("--litellm-cmd", default=None, help="path of a `litellm` proxy executable (litellm[proxy])")
+    o.add_argument("--base-tree", default=None,
+                   help="a checkout of the base commit: its gateway (direct transport) runs as one more target")
+    o.add_argument("--no-litellm-transport", action="store_true", help="leave out transport = \"litellm\"")
     o.set_defaults(func=run_overhead)
     pr = sub.add_parser("profile", help="hops of one request and cProfile's top entries (gateway in-process)")
     pr.add_argument("--requests", type=int, default=2000)

@@ -45,6 +45,7 @@ from gateway.routes import (
     responses,
     usage,
 )
+from gateway.routes.completions_asgi import CompletionRoutes
 from gateway.routes.internal import NodeApiMiddleware, NodeDrain, install_drain_signal
 from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
@@ -282,6 +283,8 @@ def create_app(
     for module in (completions, responses, messages, cache, models, usage, ops, dashboard, disagg):
         app.include_router(module.router)
     app.state.node_drain = NodeDrain()
+    # The completion routes' fast path, inside the node API and the body limit (docs/gateway.md).
+    app.add_middleware(CompletionRoutes, state=app.state, overrides=app.dependency_overrides)
     app.add_middleware(NodeApiMiddleware, state=app.state)  # node calls: the OpenAI API, node token (docs/nodes.md)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

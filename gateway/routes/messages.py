@@ -157,4 +157,4 @@ async def create_message(
     acct.cache_writes = lambda prompt, cached: CacheUsage.of(
         prompt, cached, written_upto, long_upto, provider_writes()).cache_creation
     prep.request_id = fmt.msg_id
-    return await respond(prep, router_, acct, request, fmt)
+    return await respond(prep, router_, acct, request.receive, fmt)

@@ -81,7 +81,7 @@ async def create_response(
                 "response": response, "conversation": conversation_after(conversation, response["output"])})
 
     fmt = ResponsesFormat(prep, body, keep)
-    return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request, fmt)
+    return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request.receive, fmt)
 
 
 @router.get("/responses/{response_id}")
