@@ -19,8 +19,9 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.protocol import EngineClient
 from gateway.anthropic_api import error_body as anthropic_error_body
@@ -107,7 +108,7 @@ class BodySizeLimit:
                 break
         replayed = False
 
-        async def replay() -> Any:
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -277,7 +278,7 @@ def create_app(
     app.state.error_shapes = {"/v1/messages": anthropic_error_body}  # Anthropic's SDK reads its own shape
 
     @app.exception_handler(TenancyError)
-    async def _tenancy(request: Any, exc: TenancyError) -> Any:
+    async def _tenancy(request: Request, exc: TenancyError) -> JSONResponse:
         return render(request, tenancy_error(exc))
 
     for module in (completions, responses, messages, cache, models, usage, ops, dashboard, disagg):

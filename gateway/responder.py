@@ -181,7 +181,7 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireForm
     acc = ChoiceText(prep)
 
     async def collect() -> None:
-        async with aclosing(run_choices(prep, router)) as outputs:
+        async with aclosing(run_choices(prep, router, one_task=True)) as outputs:  # all in this task
             async for i, out in outputs:
                 _check(out)
                 acct.observe(i, out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -16,7 +15,7 @@ from gateway.deps import EngineDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_error
 from gateway.miss_tracker import MissTracker
-from gateway.pipeline import Accounting, prepare
+from gateway.pipeline import Accounting, new_request_id, prepare
 from gateway.ports import TenancyPort, TenantCtx, UsageRecord
 from gateway.responder import respond
 from gateway.routing import Router
@@ -36,7 +35,7 @@ def record_rejected(tenancy: TenancyPort, ctx: TenantCtx, model: str, kind: str,
     live.add(RequestSample(tenant_id=ctx.tenant_id, tenant=ctx.name, outcome=outcome,
                            spill_encrypted=ctx.cipher is not None))
     tenancy.record_usage(UsageRecord(
-        request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex, tenant_id=ctx.tenant_id,
+        request_id=new_request_id(kind), tenant_id=ctx.tenant_id,
         key_id=ctx.key_id, model=model, backend="none", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
         ttft_s=None, latency_s=0.0, status="error", created_at=time.time(),
     ))

@@ -95,7 +95,7 @@ class CompletionRoutes:
                 content_type = value
         try:
             data = json.loads(body) if body and _is_json(content_type) else None
-        except ValueError:  # not JSON (or not UTF-8): FastAPI's own 400 says what is wrong
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep: FastAPI's own 400 says so
             data = None
         if data is None:
             await self.app(scope, replaying(body, receive), send)

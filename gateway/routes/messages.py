@@ -38,7 +38,7 @@ from gateway.deps import (
 from gateway.door import chat_request, prepare_door, refusals_counted, with_retention
 from gateway.errors import OpenAIError, invalid_request
 from gateway.pipeline import Accounting, Prepared
-from gateway.ports import AuthenticationError
+from gateway.ports import AuthenticationError, TenantCtx
 from gateway.responder import respond
 from gateway.upstream import ProviderOutput
 from promptlint.cache_control import Breakpoint, CacheControlError, parse_breakpoints
@@ -50,7 +50,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 async def anthropic_tenant(request: Request, tenancy: TenancyDep,
                            x_api_key: Annotated[str | None, Header()] = None,
-                           authorization: Annotated[str | None, Header()] = None) -> Any:
+                           authorization: Annotated[str | None, Header()] = None) -> TenantCtx:
     """``x-api-key`` (or a bearer key) -> the tenant; missing or wrong -> 401 ``authentication_error``."""
     key = (x_api_key or "").strip() or bearer_key(authorization)
     try:
@@ -63,7 +63,7 @@ async def anthropic_tenant(request: Request, tenancy: TenancyDep,
     return ctx
 
 
-AnthropicTenantDep = Annotated[Any, Depends(anthropic_tenant)]
+AnthropicTenantDep = Annotated[TenantCtx, Depends(anthropic_tenant)]
 
 
 def _local(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, Setting
 from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request
 from gateway.pipeline import Accounting
+from gateway.ports import TenancyPort, TenantCtx
 from gateway.responder import respond
 from gateway.responses_api import (
     ResponsesFormat,
@@ -34,14 +35,14 @@ router = APIRouter(prefix="/v1", tags=["responses"])
 class ResponseStore(Protocol):
     """Stored responses, per tenant (``tenancy.service.TenancyService`` implements it)."""
 
-    def save_response(self, ctx: Any, response_id: str, body: dict[str, Any]) -> None: ...
+    def save_response(self, ctx: TenantCtx, response_id: str, body: dict[str, Any]) -> None: ...
 
-    def load_response(self, ctx: Any, response_id: str) -> dict[str, Any] | None: ...
+    def load_response(self, ctx: TenantCtx, response_id: str) -> dict[str, Any] | None: ...
 
-    def delete_response(self, ctx: Any, response_id: str) -> bool: ...
+    def delete_response(self, ctx: TenantCtx, response_id: str) -> bool: ...
 
 
-def _store(tenancy: Any) -> ResponseStore:
+def _store(tenancy: TenancyPort) -> ResponseStore:
     if not isinstance(tenancy, ResponseStore):
         raise OpenAIError(501, "this server's tenancy backend cannot store responses", code="not_implemented")
     return tenancy
