@@ -274,18 +274,22 @@ def run_overhead(args: argparse.Namespace) -> int:
         key = bench_tenant(home)
         auth = {"Authorization": f"Bearer {key}"}
         targets = [Target("upstream", f"{up}/v1/chat/completions", {})]
-        gateways = [("prefixgate-direct", REPO, "direct")]
+        # (name, checkout, transport, PYTHONPATH)
+        gateways = [("prefixgate-direct", REPO, "direct", str(REPO))]
+        if args.extra_path:  # packages this venv lacks (uvloop, httptools: uvicorn picks them up)
+            gateways.append(("prefixgate-direct+extra", REPO, "direct", f"{REPO}{os.pathsep}{args.extra_path}"))
         if args.base_tree:  # the same gateway from another checkout (the base commit), side by side
-            gateways.append(("base-direct", Path(args.base_tree).resolve(), "direct"))
+            base = Path(args.base_tree).resolve()
+            gateways.append(("base-direct", base, "direct", str(base)))
         if not args.no_litellm_transport:
-            gateways.append(("prefixgate-litellm", REPO, "litellm"))
-        for name, tree, transport in gateways:
+            gateways.append(("prefixgate-litellm", REPO, "litellm", str(REPO)))
+        for name, tree, transport, path in gateways:
             port = free_port()
             (tmp / f"{name}.toml").write_text(route_toml(up, transport))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli.main", "serve", "--model", "none", "--home", str(home),
                  "--port", str(port), "--config", str(tmp / f"{name}.toml"), "--log-level", "warning"],
-                cwd=tree, env={**env, "PYTHONPATH": str(tree), "BENCH_UP_KEY": "sk-up"}))
+                cwd=tree, env={**env, "PYTHONPATH": path, "BENCH_UP_KEY": "sk-up"}))
             wait_up(f"http://127.0.0.1:{port}", procs[-1])
             targets.append(Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", auth))
         if args.litellm_cmd:
@@ -528,6 +532,8 @@ def main() -> int:
     o.add_argument("--litellm-cmd", default=None, help="path of a `litellm` proxy executable (litellm[proxy])")
     o.add_argument("--base-tree", default=None,
                    help="a checkout of the base commit: its gateway (direct transport) runs as one more target")
+    o.add_argument("--extra-path", default=None,
+                   help="a directory of extra packages (pip install --target): one more direct target with it")
     o.add_argument("--no-litellm-transport", action="store_true", help="leave out transport = \"litellm\"")
     o.set_defaults(func=run_overhead)
     pr = sub.add_parser("profile", help="hops of one request and cProfile's top entries (gateway in-process)")

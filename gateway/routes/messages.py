@@ -11,6 +11,7 @@ where that breakpoint falls in the prompt the engine really runs.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -36,7 +37,7 @@ from gateway.deps import (
     bearer_key,
 )
 from gateway.door import chat_request, prepare_door, refusals_counted, with_retention
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting, Prepared
 from gateway.ports import AuthenticationError, TenantCtx
 from gateway.responder import respond
@@ -157,4 +158,4 @@ async def create_message(
     acct.cache_writes = lambda prompt, cached: CacheUsage.of(
         prompt, cached, written_upto, long_upto, provider_writes()).cache_creation
     prep.request_id = fmt.msg_id
-    return await respond(prep, router_, acct, request.receive, fmt)
+    return await respond(prep, router_, acct, request.receive, fmt, render_error=partial(render, request))

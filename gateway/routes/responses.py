@@ -7,13 +7,14 @@ the tenancy database keyed on (id, tenant): another tenant's id is simply not fo
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Request
 
 from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
 from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting
 from gateway.ports import TenancyPort, TenantCtx
 from gateway.responder import respond
@@ -82,7 +83,8 @@ async def create_response(
                 "response": response, "conversation": conversation_after(conversation, response["output"])})
 
     fmt = ResponsesFormat(prep, body, keep)
-    return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request.receive, fmt)
+    return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request.receive, fmt,
+                         render_error=partial(render, request))
 
 
 @router.get("/responses/{response_id}")
