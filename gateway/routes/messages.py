@@ -28,11 +28,6 @@ from gateway.anthropic_api import (
     prefix_body,
 )
 from gateway.deps import (
-    EngineDep,
-    LiveStatsDep,
-    MetricsDep,
-    RouterDep,
-    SettingsDep,
     TenancyDep,
     bearer_key,
 )
@@ -41,6 +36,7 @@ from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting, Prepared
 from gateway.ports import AuthenticationError, TenantCtx
 from gateway.responder import respond
+from gateway.routes.completions import PartsDep
 from gateway.upstream import ProviderOutput
 from promptlint.cache_control import Breakpoint, CacheControlError, parse_breakpoints
 
@@ -103,18 +99,16 @@ def _breakpoint_tokens(engine: EngineClient, prep: Prepared, body: MessagesReque
 
 @router.post("/messages/count_tokens")
 async def count_tokens(
-    body: CountTokensRequest, request: Request, ctx: AnthropicTenantDep, tenancy: TenancyDep, router_: RouterDep,
-    engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
-) -> Any:
+    body: CountTokensRequest, ctx: AnthropicTenantDep, parts: PartsDep) -> Any:
     """The prompt's tokens as the local engine counts them (admitted like a request, not run, no ledger row)."""
+    tenancy, metrics, live = parts.tenancy, parts.metrics, parts.live
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
         try:
             parse_breakpoints(body.model_dump())
         except CacheControlError as exc:
             raise invalid_request(str(exc), param=exc.param) from None
         chat = chat_request(chat_body(body))
-    prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_,
-                              engine=engine, settings=settings, metrics=metrics, live=live)
+    prep = await prepare_door(chat, ctx, parts)
     if prep.backend.kind != "local":
         raise invalid_request(f"model {body.model!r} is not served by the local engine; its tokens cannot be "
                               "counted here", param="model")
@@ -123,21 +117,18 @@ async def count_tokens(
 
 @router.post("/messages")
 async def create_message(
-    body: MessagesRequest, request: Request, ctx: AnthropicTenantDep,
-    tenancy: TenancyDep, router_: RouterDep, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep,
-    live: LiveStatsDep,
-) -> Any:
+    body: MessagesRequest, request: Request, ctx: AnthropicTenantDep, parts: PartsDep) -> Any:
+    tenancy, router_, engine, metrics, live = parts.tenancy, parts.router, parts.engine, parts.metrics, parts.live
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
         try:
             breakpoints = parse_breakpoints(body.model_dump())
         except CacheControlError as exc:
             raise invalid_request(str(exc), param=exc.param) from None
         chat = chat_request(chat_body(body))
-    prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_, engine=engine,
-                              settings=settings, metrics=metrics, live=live)
+    prep = await prepare_door(chat, ctx, parts)
     written_upto = long_upto = 0
     if breakpoints and prep.backend.kind == "local" and engine is not None:
-        threads = request.app.state.tenant_threads
+        threads = parts.threads
         full = list(prep.requests[0].prompt_token_ids or ())
         block = int((await engine.stats()).get("block_size") or DEFAULT_BLOCK_SIZE)
         spans = []

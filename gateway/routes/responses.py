@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Request
 
-from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
+from gateway.deps import TenancyDep, TenantDep
 from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting
@@ -27,6 +27,7 @@ from gateway.responses_api import (
     new_response_id,
     not_found,
 )
+from gateway.routes.completions import PartsDep
 from promptlint.cache_control import CacheControlError, retention_seconds
 
 router = APIRouter(prefix="/v1", tags=["responses"])
@@ -51,11 +52,9 @@ def _store(tenancy: TenancyPort) -> ResponseStore:
 
 @router.post("/responses")
 async def create_response(
-    body: ResponsesRequest, request: Request, ctx: TenantDep, tenancy: TenancyDep, router_: RouterDep,
-    engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
-) -> Any:
+    body: ResponsesRequest, request: Request, ctx: TenantDep, parts: PartsDep) -> Any:
+    tenancy, router_, metrics, live, threads = parts.tenancy, parts.router, parts.metrics, parts.live, parts.threads
     store = _store(tenancy)
-    threads = request.app.state.tenant_threads
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = await threads.run(ctx.tenant_id, store.load_response, ctx, body.previous_response_id)
@@ -70,9 +69,7 @@ async def create_response(
             raise invalid_request(str(exc), param=exc.param) from None
         conversation = history + input_messages(body)
         chat = chat_request(chat_body(body, history, conversation))
-    prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_, engine=engine,
-                              settings=settings, metrics=metrics, live=live,
-                              retention=whole_prompt_for(retention))
+    prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(retention))
     prep.request_id = new_response_id()
 
     def keep(response: dict[str, Any]) -> None:
