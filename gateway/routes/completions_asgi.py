@@ -64,11 +64,12 @@ async def read_body(receive: Receive) -> bytes | None:
 
 
 def _is_json(content_type: bytes | None) -> bool:
-    """What FastAPI parses as JSON: no content type, or a ``*/json`` / ``*/*+json`` one."""
+    """What FastAPI parses as JSON: no content type, ``application/json`` or ``application/*+json``
+    (anything else it hands to the schema as bytes, which refuses them)."""
     if content_type is None:
         return True
-    media = content_type.split(b";", 1)[0].strip().lower()
-    return media.endswith((b"/json", b"+json"))
+    maintype, _, subtype = content_type.split(b";", 1)[0].strip().lower().partition(b"/")
+    return maintype == b"application" and (subtype == b"json" or subtype.endswith(b"+json"))
 
 
 class CompletionRoutes:
@@ -88,10 +89,10 @@ class CompletionRoutes:
         if body is None:  # the client went away before its body arrived
             return
         authorization = content_type = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
+        for name, value in scope["headers"]:  # the first of each, as Starlette's Headers.get
+            if name == b"authorization" and authorization is None:
                 authorization = value.decode("latin-1")
-            elif name == b"content-type":
+            elif name == b"content-type" and content_type is None:
                 content_type = value
         try:
             data = json.loads(body) if body and _is_json(content_type) else None

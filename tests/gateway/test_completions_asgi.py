@@ -57,8 +57,10 @@ def test_valid_bodies_are_served_without_fastapi(served):
     (b'{"model": "tiny",', "application/json", "invalid_json", "could not parse the JSON body"),
     # refused by the schema: authenticated first, so the refusal gets its ledger row
     (b'{"model": "tiny", "messages": "hi"}', "application/json", "invalid_value", "messages"),
-    # not sent as JSON
+    # not sent as JSON (text/json included: FastAPI parses application/json and application/*+json only)
     (b"model=tiny", "application/x-www-form-urlencoded", "invalid_json", "Content-Type: application/json"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}', "text/json", "invalid_json",
+     "Content-Type: application/json"),
 ])
 def test_bodies_it_does_not_take_reach_fastapi_with_the_body_intact(served, content, content_type, code, says):
     _, client, solves, tenancy = served
