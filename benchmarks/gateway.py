@@ -13,7 +13,12 @@ ledger, routing, JSON), not model time. At concurrency 1, interleaved over --rou
 round sends --latency-requests to every target in turn, so load from other processes hits all
 targets alike): p50/p99 of whole non-stream requests, and for streams the time to the first body
 byte (TTFB) and to the end. Then each target's saturated rate: --concurrency closed-loop clients
-for --seconds. Added = target minus the upstream alone, measured in the same run.
+for --seconds, once per round, interleaved (the median is reported). Added = target minus the
+upstream alone, measured in the same run. The CPU time each server process spent per request
+(from /proc, over the concurrency-1 phase) is reported too: another process's load delays a
+request but adds little to its CPU time, so on a shared machine it is the steadier figure.
+``--base-tree DIR`` adds the gateway of another checkout
+(the base commit) as one more target, so that before/after is one run too.
 
 ``profile`` -- the gateway in this process (httpx's ASGI transport; the mock upstream over loopback
 HTTP in its own process, reached through the direct transport): the request's hops, i.e. Python
@@ -129,6 +134,13 @@ class Target:
     name: str
     url: str  # .../v1/chat/completions
     headers: dict[str, str]
+    pid: int  # the server process: its CPU time per request is counted too
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc; 10 ms ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def whole(client: httpx.AsyncClient, t: Target) -> float:
@@ -161,6 +173,9 @@ def _p(values: list[float], q: int) -> float:
 async def latency_rounds(targets: list[Target], rounds: int, n: int) -> dict[str, dict[str, float]]:
     """Concurrency 1, interleaved: each round measures every target in turn."""
     samples = {t.name: {"whole": [], "ttfb": [], "stream": []} for t in targets}
+    # CPU seconds the server process spent on the measured requests (less noisy than wall time on a
+    # shared machine: another process's load delays a request but does not add to its CPU time)
+    cpu = {t.name: {"whole": 0.0, "stream": 0.0} for t in targets}
     async with httpx.AsyncClient(timeout=60) as client:
         for t in targets:  # warm up connections and every server's code paths
             for _ in range(30):
@@ -169,15 +184,21 @@ async def latency_rounds(targets: list[Target], rounds: int, n: int) -> dict[str
         for _ in range(rounds):
             for t in targets:
                 s = samples[t.name]
+                c0 = cpu_seconds(t.pid)
                 for _ in range(n):
                     s["whole"].append(await whole(client, t))
+                c1 = cpu_seconds(t.pid)
                 for _ in range(n):
                     first, total = await streamed(client, t)
                     s["ttfb"].append(first)
                     s["stream"].append(total)
+                cpu[t.name]["whole"] += c1 - c0
+                cpu[t.name]["stream"] += cpu_seconds(t.pid) - c1
     return {name: {"p50_ms": 1000 * statistics.median(s["whole"]), "p99_ms": _p(s["whole"], 99),
                    "ttfb_p50_ms": 1000 * statistics.median(s["ttfb"]), "ttfb_p99_ms": _p(s["ttfb"], 99),
-                   "stream_p50_ms": 1000 * statistics.median(s["stream"]), "requests": len(s["whole"])}
+                   "stream_p50_ms": 1000 * statistics.median(s["stream"]), "requests": len(s["whole"]),
+                   "cpu_ms_per_request": 1000 * cpu[name]["whole"] / len(s["whole"]),
+                   "cpu_ms_per_stream": 1000 * cpu[name]["stream"] / len(s["stream"])}
             for name, s in samples.items()}
 
 
@@ -271,16 +292,25 @@ def run_overhead(args: argparse.Namespace) -> int:
         home = tmp / "home"
         key = bench_tenant(home)
         auth = {"Authorization": f"Bearer {key}"}
-        targets = [Target("upstream", f"{up}/v1/chat/completions", {})]
-        for transport in ("direct", "litellm"):
+        targets = [Target("upstream", f"{up}/v1/chat/completions", {}, procs[0].pid)]
+        # (name, checkout, transport, PYTHONPATH)
+        gateways = [("prefixgate-direct", REPO, "direct", str(REPO))]
+        if args.extra_path:  # packages this venv lacks (uvloop, httptools: uvicorn picks them up)
+            gateways.append(("prefixgate-direct+extra", REPO, "direct", f"{REPO}{os.pathsep}{args.extra_path}"))
+        if args.base_tree:  # the same gateway from another checkout (the base commit), side by side
+            base = Path(args.base_tree).resolve()
+            gateways.append(("base-direct", base, "direct", str(base)))
+        if not args.no_litellm_transport:
+            gateways.append(("prefixgate-litellm", REPO, "litellm", str(REPO)))
+        for name, tree, transport, path in gateways:
             port = free_port()
-            (tmp / f"gw-{transport}.toml").write_text(route_toml(up, transport))
+            (tmp / f"{name}.toml").write_text(route_toml(up, transport))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli.main", "serve", "--model", "none", "--home", str(home),
-                 "--port", str(port), "--config", str(tmp / f"gw-{transport}.toml"), "--log-level", "warning"],
-                cwd=REPO, env={**env, "BENCH_UP_KEY": "sk-up"}))
+                 "--port", str(port), "--config", str(tmp / f"{name}.toml"), "--log-level", "warning"],
+                cwd=tree, env={**env, "PYTHONPATH": path, "BENCH_UP_KEY": "sk-up"}))
             wait_up(f"http://127.0.0.1:{port}", procs[-1])
-            targets.append(Target(f"prefixgate-{transport}", f"http://127.0.0.1:{port}/v1/chat/completions", auth))
+            targets.append(Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", auth, procs[-1].pid))
         if args.litellm_cmd:
             lp = free_port()
             (tmp / "litellm.yaml").write_text(
@@ -293,16 +323,22 @@ def run_overhead(args: argparse.Namespace) -> int:
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             wait_up(f"http://127.0.0.1:{lp}", procs[-1], path="/health/liveliness", timeout=300)
             targets.append(Target("litellm-proxy", f"http://127.0.0.1:{lp}/v1/chat/completions",
-                                  {"Authorization": f"Bearer {master}"}))
+                                  {"Authorization": f"Bearer {master}"}, procs[-1].pid))
         results = asyncio.run(latency_rounds(targets, args.rounds, args.latency_requests))
-        for t in targets:
-            results[t.name]["rate_rps"] = asyncio.run(saturated_rate(t, args.concurrency, args.seconds))
+        rates: dict[str, list[float]] = {t.name: [] for t in targets}
+        for _ in range(args.rounds):  # interleaved too: the median of one run per round
+            for t in targets:
+                rates[t.name].append(asyncio.run(saturated_rate(t, args.concurrency, args.seconds)))
+        for name, runs in rates.items():
+            results[name]["rate_rps"] = statistics.median(runs)
+            results[name]["rate_rps_runs"] = runs
     finally:
         stop_all(procs)
 
     base = results["upstream"]
     proxy_rate = results.get("litellm-proxy", {}).get("rate_rps")
-    cols = ("p50", "p99", "+p50", "+p99", "TTFB p50", "+TTFB", "stream p50", "+stream", "req/s", "x proxy")
+    cols = ("p50", "p99", "+p50", "+p99", "TTFB p50", "+TTFB", "stream p50", "+stream", "req/s", "x proxy",
+            "cpu ms", "cpu/strm")
     print(f"{'target (ms)':<20}" + "".join(f"{c:>11}" for c in cols))
     for name, r in results.items():
         r["added_p50_ms"] = r["p50_ms"] - base["p50_ms"]
@@ -313,7 +349,8 @@ def run_overhead(args: argparse.Namespace) -> int:
         ratio = f"{r['rate_vs_litellm_proxy']:.1f}" if proxy_rate else "-"
         print(f"{name:<20}" + "".join(f"{v:>11.2f}" for v in (
             r["p50_ms"], r["p99_ms"], r["added_p50_ms"], r["added_p99_ms"], r["ttfb_p50_ms"], r["added_ttfb_p50_ms"],
-            r["stream_p50_ms"], r["added_stream_p50_ms"], r["rate_rps"])) + f"{ratio:>11}")
+            r["stream_p50_ms"], r["added_stream_p50_ms"], r["rate_rps"])) + f"{ratio:>11}"
+              + f"{r['cpu_ms_per_request']:>11.3f}{r['cpu_ms_per_stream']:>11.3f}")
     write_result("overhead", args, results)
     return 0
 
@@ -514,6 +551,11 @@ def main() -> int:
     o.add_argument("--seconds", type=float, default=5.0)
     o.add_argument("--concurrency", type=int, default=16)
     o.add_argument("--litellm-cmd", default=None, help="path of a `litellm` proxy executable (litellm[proxy])")
+    o.add_argument("--base-tree", default=None,
+                   help="a checkout of the base commit: its gateway (direct transport) runs as one more target")
+    o.add_argument("--extra-path", default=None,
+                   help="a directory of extra packages (pip install --target): one more direct target with it")
+    o.add_argument("--no-litellm-transport", action="store_true", help="leave out transport = \"litellm\"")
     o.set_defaults(func=run_overhead)
     pr = sub.add_parser("profile", help="hops of one request and cProfile's top entries (gateway in-process)")
     pr.add_argument("--requests", type=int, default=2000)

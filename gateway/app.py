@@ -19,8 +19,9 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.protocol import EngineClient
 from gateway.anthropic_api import error_body as anthropic_error_body
@@ -45,6 +46,7 @@ from gateway.routes import (
     responses,
     usage,
 )
+from gateway.routes.completions_asgi import CompletionRoutes
 from gateway.routes.internal import NodeApiMiddleware, NodeDrain, install_drain_signal
 from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
@@ -106,7 +108,7 @@ class BodySizeLimit:
                 break
         replayed = False
 
-        async def replay() -> Any:
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -276,12 +278,14 @@ def create_app(
     app.state.error_shapes = {"/v1/messages": anthropic_error_body}  # Anthropic's SDK reads its own shape
 
     @app.exception_handler(TenancyError)
-    async def _tenancy(request: Any, exc: TenancyError) -> Any:
+    async def _tenancy(request: Request, exc: TenancyError) -> JSONResponse:
         return render(request, tenancy_error(exc))
 
     for module in (completions, responses, messages, cache, models, usage, ops, dashboard, disagg):
         app.include_router(module.router)
     app.state.node_drain = NodeDrain()
+    # The completion routes' fast path, inside the node API and the body limit (docs/gateway.md).
+    app.add_middleware(CompletionRoutes, state=app.state, overrides=app.dependency_overrides)
     app.add_middleware(NodeApiMiddleware, state=app.state)  # node calls: the OpenAI API, node token (docs/nodes.md)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

@@ -9,14 +9,14 @@ Tests replace any of them with ``app.dependency_overrides[get_engine] = lambda: 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
 from engine.protocol import EngineClient
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics, LiveStats
-from gateway.ports import AuthenticationError, TenancyPort
+from gateway.ports import AuthenticationError, TenancyPort, TenantCtx
 from gateway.routing import Router
 from gateway.settings import GatewaySettings
 
@@ -64,20 +64,15 @@ def bearer_key(authorization: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-async def get_tenant(request: Request, tenancy: TenancyDep,
-                     authorization: Annotated[str | None, Header()] = None) -> Any:
-    """Bearer key -> ``TenantContext``. Missing or bad key -> 401 in the OpenAI shape.
-
-    The context is also left on ``request.state.tenant``: a body that then fails validation is
-    refused after authentication, and the error handler counts it for this tenant.
-    """
+def authenticate_bearer(tenancy: TenancyPort, authorization: str | None, metrics: GatewayMetrics) -> TenantCtx:
+    """``Authorization: Bearer <key>`` -> the tenant's context. Missing or bad key -> 401 in the OpenAI
+    shape (counted in ``prefixgate_unauthenticated_total``). Shared by the FastAPI dependency below
+    and the raw-ASGI completion routes (``gateway.routes.completions_asgi``)."""
     key = bearer_key(authorization)
     try:
-        ctx = tenancy.authenticate(key)
-        request.state.tenant = ctx
-        return ctx
+        return tenancy.authenticate(key)
     except AuthenticationError as exc:
-        request.app.state.metrics.unauthenticated.inc()
+        metrics.unauthenticated.inc()
         if key is None:
             message = (
                 "You didn't provide an API key. You need to provide your API key in an Authorization header "
@@ -88,4 +83,16 @@ async def get_tenant(request: Request, tenancy: TenancyDep,
         raise OpenAIError(401, message, code="invalid_api_key", type="authentication_error") from None
 
 
-TenantDep = Annotated[Any, Depends(get_tenant)]
+async def get_tenant(request: Request, tenancy: TenancyDep,
+                     authorization: Annotated[str | None, Header()] = None) -> TenantCtx:
+    """Bearer key -> ``TenantContext`` (``authenticate_bearer``).
+
+    The context is also left on ``request.state.tenant``: a body that then fails validation is
+    refused after authentication, and the error handler counts it for this tenant.
+    """
+    ctx = authenticate_bearer(tenancy, authorization, request.app.state.metrics)
+    request.state.tenant = ctx
+    return ctx
+
+
+TenantDep = Annotated[TenantCtx, Depends(get_tenant)]

@@ -13,18 +13,15 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fastapi import Request
 from pydantic import ValidationError
 
-from engine.protocol import EngineClient, GenerateRequest, Retention
+from engine.protocol import GenerateRequest, Retention
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.pipeline import Prepared, prepare
 from gateway.ports import QuotaExceededError, TenancyPort, TenantCtx
-from gateway.routes.completions import record_rejected
-from gateway.routing import Router
+from gateway.routes.completions import Parts, record_rejected
 from gateway.schemas import ChatCompletionRequest
-from gateway.settings import GatewaySettings
 
 # prompt tokens -> the retention spans for that prompt (the door knows where its breakpoints fall)
 RetentionPlan = Callable[[list[int]], tuple[Retention, ...]]
@@ -68,16 +65,13 @@ def with_retention(request: GenerateRequest, spans: tuple[Retention, ...]) -> Ge
     return dataclasses.replace(request, retention=(*spans, *request.retention))
 
 
-async def prepare_door(
-    chat: ChatCompletionRequest, request: Request, ctx: TenantCtx, *, tenancy: TenancyPort, router: Router,
-    engine: EngineClient | None, settings: GatewaySettings, metrics: GatewayMetrics, live: LiveStats,
-    retention: RetentionPlan | None = None,
-) -> Prepared:
+async def prepare_door(chat: ChatCompletionRequest, ctx: TenantCtx, parts: Parts,
+                       retention: RetentionPlan | None = None) -> Prepared:
     """``pipeline.prepare`` for a door's chat request; a refusal gets its ledger row and counts."""
+    tenancy, metrics, live = parts.tenancy, parts.metrics, parts.live
     try:
-        prep = await prepare("chat", chat, ctx, tenancy=tenancy, router=router, engine=engine, settings=settings,
-                             threads=request.app.state.tenant_threads,
-                             tracker=getattr(request.app.state, "miss_tracker", None))
+        prep = await prepare("chat", chat, ctx, tenancy=tenancy, router=parts.router, engine=parts.engine,
+                             settings=parts.settings, threads=parts.threads, tracker=parts.tracker)
     except OpenAIError as err:  # a refusal: its one row, and counted by outcome
         record_rejected(tenancy, ctx, chat.model, "chat", err, metrics, live)
         raise

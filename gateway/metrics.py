@@ -110,8 +110,37 @@ class GatewayMetrics:
             registry=registry,
         )
 
+        self._series: dict[tuple[str, str], RequestSeries] = {}
+
     def count(self, label: str, backend: str, status: str, outcome: Outcome) -> None:
         self.requests.labels(label, backend, status, outcome.value).inc()
+
+    def series(self, label: str, backend: str) -> RequestSeries:
+        """The per-request series of one tenant label and backend, looked up once: ``labels()``
+        validates, joins and locks on every call, eight times per request. Bounded like the
+        labels themselves (tenant labels are bounded; backends are the configured ones)."""
+        found = self._series.get((label, backend))
+        if found is None:
+            found = self._series[(label, backend)] = RequestSeries(
+                prompt_tokens=self.prompt_tokens.labels(label, backend),
+                cached_tokens=self.cached_tokens.labels(label, backend),
+                completion_tokens=self.completion_tokens.labels(label, backend),
+                cost_usd=self.cost_usd.labels(label), saved_usd=self.saved_usd.labels(label),
+                latency=self.latency.labels(label, backend), ttft=self.ttft.labels(label, backend))
+        return found
+
+
+@dataclass(frozen=True)
+class RequestSeries:
+    """The labelled children ``Accounting`` adds one request to (``GatewayMetrics.series``)."""
+
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    completion_tokens: Counter
+    cost_usd: Counter
+    saved_usd: Counter
+    latency: Histogram
+    ttft: Histogram
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ codes against small Protocols and tests can inject fakes. The ledger row is tena
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,21 +42,28 @@ class TenantCtx(Protocol):
     cache_retention_s: float | None  # the tenant's default retention of its prompts' prefixes
 
 
+class PriceQuote(Protocol):
+    """What a request cost and what its cache hits saved (``tenancy.service.Price``)."""
+
+    cost_usd: float
+    saved_usd: float
+
+
 class TenancyPort(Protocol):
     """The subset of ``tenancy.service.TenancyService`` the gateway calls (see its docs for contracts)."""
 
-    def authenticate(self, api_key: str | None) -> Any: ...
+    def authenticate(self, api_key: str | None) -> TenantCtx: ...
 
-    def scope_for(self, ctx: Any, user: str | None) -> Any: ...
+    def scope_for(self, ctx: TenantCtx, user: str | None) -> TenantCtx: ...
 
-    def admit(self, ctx: Any, *, estimated_tokens: int) -> None: ...
+    def admit(self, ctx: TenantCtx, *, estimated_tokens: int) -> None: ...
 
     def price(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-              cache_creation_tokens: int = 0) -> Any: ...
+              cache_creation_tokens: int = 0) -> PriceQuote: ...
 
-    def record_usage(self, record: Any) -> None: ...
+    def record_usage(self, record: UsageRecord) -> None: ...
 
-    def usage(self, ctx: Any, since: Any = None) -> dict: ...
+    def usage(self, ctx: TenantCtx, since: datetime | None = None) -> dict: ...
 
 
 @runtime_checkable
@@ -94,7 +102,7 @@ class TenantDirectory(Protocol):
 
 
 def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0, database_url: str | None = None,
-                 redis_url: str | None = None) -> Any:
+                 redis_url: str | None = None) -> TenancyService:
     """Open the real tenancy service under ``home`` (on ``database_url`` / ``redis_url`` when given)."""
     return TenancyService.open(home, auth_cache_ttl_s=auth_cache_ttl_s, database_url=database_url,
                                redis_url=redis_url)

@@ -8,13 +8,14 @@ status ok / error / aborted (``Accounting.record``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from engine.protocol import EngineError, RequestOutput
+from gateway.errors import OpenAIError
 from gateway.formats import ChatFormat, ChoiceText, CompletionFormat, WireFormat
 from gateway.pipeline import Accounting, Prepared, engine_failure, run_choices
 from gateway.routing import Router
@@ -33,105 +34,113 @@ def _check(out: RequestOutput) -> None:
         raise exc
 
 
-async def respond(prep: Prepared, router: Router, acct: Accounting, request: Request,
-                  fmt: WireFormat | None = None) -> Response:
-    """``fmt`` shapes the body (default: the chat or completions format of ``prep.kind``); the
-    Responses and Messages doors pass their own."""
+async def respond(prep: Prepared, router: Router, acct: Accounting, receive: Receive,
+                  fmt: WireFormat | None = None, render_error: ErrorRenderer = OpenAIError.response) -> Response:
+    """``receive`` is the request's ASGI receive (its body already read: only a disconnect is left
+    to come). ``fmt`` shapes the body (default: the chat or completions format of ``prep.kind``);
+    the Responses and Messages doors pass their own, and ``render_error`` (a stream's error before
+    its first token is answered by the response itself, in the shape the door's clients read)."""
     if fmt is None:
         fmt = ChatFormat(prep) if prep.kind == "chat" else CompletionFormat(prep)
     if prep.stream:
-        return await _stream_response(prep, router, acct, fmt, request)
-    return await _whole(prep, router, acct, fmt, request)
-
-
-class _Disconnected(Exception):
-    """The client went away before the first output."""
+        return EventStream(prep, router, acct, fmt, render_error)
+    return await _whole(prep, router, acct, fmt, receive)
 
 
 Indexed = tuple[int, RequestOutput]  # (choice index, one engine increment of it)
+ErrorRenderer = Callable[[OpenAIError], Response]
 
 
-async def _first_or_disconnect(outputs: AsyncIterator[Indexed], request: Request) -> Indexed | None:
-    """The first output (None if the stream is empty), raising ``_Disconnected`` if the client leaves first."""
-    first = asyncio.ensure_future(anext(outputs, None))
-    gone = asyncio.create_task(_wait_disconnect(request))
-    try:
-        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not first.done():
-            raise _Disconnected
-        return first.result()
-    finally:
-        gone.cancel()
-        if not first.done():
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
+class EventStream(Response):
+    """A server-sent-events answer whose status line waits for the first output or the error (issue 17).
 
+    A backend that fails before its first token (rate-limited upstream, engine overloaded, prompt
+    too long for a node) answers with its real HTTP status, so SDK retries work; only an error
+    after the first token goes in-band, as OpenAI does.
 
-async def _stream_response(prep: Prepared, router: Router, acct: Accounting, fmt: WireFormat,
-                           request: Request) -> Response:
-    """An SSE response whose status line waits for the first output or the error (issue 17).
-
-    A backend that fails before its first token (rate-limited upstream, engine overloaded,
-    prompt too long for a node) answers with its real HTTP status, so SDK retries work; only an
-    error after the first token goes in-band, as OpenAI does.
+    One task runs the choices and sends (so one choice needs no pump task: ``run_choices``'
+    ``one_task``), a second waits for the client to go away and then cancels the first, which
+    closes ``run_choices`` (aborting the engine requests) before the ledger row says aborted.
+    Starlette's ``StreamingResponse`` would add an anyio task group, ~60 Python calls a stream.
     """
-    outputs = run_choices(prep, router)
-    try:
-        first = await _first_or_disconnect(outputs, request)
-        if first is not None:
-            _check(first[1])
-    except _Disconnected:
-        await outputs.aclose()
-        acct.record("aborted")
-        return _client_gone()
-    except BaseException as exc:
-        await outputs.aclose()
-        acct.record("error")
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        raise engine_failure(exc) from None
-    try:
-        headers = {**prep.headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
-        return StreamingResponse(_stream(prep, acct, fmt, outputs, first), media_type="text/event-stream",
-                                 headers=headers)
-    except BaseException:
-        await outputs.aclose()
-        acct.record("error")
-        raise
 
+    media_type = "text/event-stream"
 
-async def _stream(prep: Prepared, acct: Accounting, fmt: WireFormat, outputs: AsyncIterator[Indexed],
-                  first: Indexed | None) -> AsyncIterator[bytes]:
-    status = "aborted"  # if the client leaves, the generator is cancelled before status changes
-    try:
-        # aclosing: leaving early (disconnect, error) must close run_choices now, which aborts the
-        # engine requests, before the ledger row is written below.
-        async with aclosing(outputs):
+    def __init__(self, prep: Prepared, router: Router, acct: Accounting, fmt: WireFormat,
+                 render_error: ErrorRenderer) -> None:
+        self.prep, self.router, self.acct, self.fmt, self.render_error = prep, router, acct, fmt, render_error
+        self.status_code = 200
+        self.background = None
+        self.started = False  # the status line is out
+        self.init_headers({})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.create_task(self._run(scope, receive, send))
+        gone = asyncio.create_task(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():  # the client left: its row says aborted (written by _run)
+            if not self.started:
+                await _client_gone()(scope, receive, send)
+            return
+        work.result()  # a failure while sending is the server's, as it was under Starlette
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
+        prep, acct = self.prep, self.acct
+        status = "aborted"  # if the client leaves, this task is cancelled before status changes
+        refusal: OpenAIError | None = None
+        try:
+            # aclosing: leaving early (disconnect, error) must close run_choices now, which aborts the
+            # engine requests, before the ledger row is written below.
+            async with aclosing(run_choices(prep, self.router, one_task=True)) as outputs:
+                try:
+                    first = await anext(outputs, None)
+                    if first is not None:
+                        _check(first[1])
+                except Exception as exc:  # noqa: BLE001 - nothing sent yet: a real status line
+                    refusal, status = engine_failure(exc), "error"
+                if refusal is None:
+                    status = await self._events(send, outputs, first)
+        finally:
+            acct.record(status)
+        if refusal is not None:
+            await self.render_error(refusal)(scope, receive, send)
+
+    async def _events(self, send: Send, outputs: AsyncIterator[Indexed], first: Indexed | None) -> str:
+        """Send the status line and every event; the ledger status the stream ended with."""
+        prep, acct, fmt = self.prep, self.acct, self.fmt
+        self.init_headers({**prep.headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        self.started = True
+        status = "ok"
+        try:
             if first is not None:
                 acct.observe(*first)
                 for chunk in fmt.chunks(*first):
-                    yield fmt.frame(chunk)
+                    await send({"type": "http.response.body", "body": fmt.frame(chunk), "more_body": True})
             async for i, out in outputs:
                 _check(out)
                 acct.observe(i, out)
                 for chunk in fmt.chunks(i, out):
-                    yield fmt.frame(chunk)
-        tail = fmt.tail(acct.usage_dict())
-        status = "ok"
+                    await send({"type": "http.response.body", "body": fmt.frame(chunk), "more_body": True})
+            tail = fmt.tail(acct.usage_dict())
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, as OpenAI does
+            status, tail = "error", fmt.error_frames(engine_failure(exc))
         for frame in tail:
-            yield frame
-    except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, as OpenAI does
-        status = "error"
-        for frame in fmt.error_frames(engine_failure(exc)):
-            yield frame
-    finally:
-        acct.record(status)
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return status
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     """Return when the client goes away (the body is already read, so only disconnect is left)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -141,18 +150,18 @@ def _client_gone() -> JSONResponse:
                                    "param": None, "code": "client_closed_request"}}, status_code=499)
 
 
-async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireFormat, request: Request) -> JSONResponse:
+async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireFormat, receive: Receive) -> JSONResponse:
     acc = ChoiceText(prep)
 
     async def collect() -> None:
-        async with aclosing(run_choices(prep, router)) as outputs:
+        async with aclosing(run_choices(prep, router, one_task=True)) as outputs:  # all in this task
             async for i, out in outputs:
                 _check(out)
                 acct.observe(i, out)
                 acc.add(i, out)
 
     work = asyncio.create_task(collect())
-    gone = asyncio.create_task(_wait_disconnect(request))
+    gone = asyncio.create_task(_wait_disconnect(receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # client disconnected: cancelling the work aborts the engine requests

@@ -18,11 +18,16 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutput
+
+if TYPE_CHECKING:
+    import aiohttp
 
 KEYLESS_PLACEHOLDER = "EMPTY"
 
@@ -329,34 +334,49 @@ async def _chunk_outputs(rid: str, chunks: AsyncIterator[Any], start: float) -> 
                          finish_reason=_finish(finish), ttft_s=ttft, cache_creation_tokens=u.cache_creation_tokens)
 
 
-async def _sse_chunks(resp: Any) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of an OpenAI server-sent-events stream (an httpx streaming response)."""
-    async for line in resp.aiter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[6:])
+async def _sse_chunks(body: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI server-sent-events stream, from its body in pieces of any size.
+
+    Lines are split here rather than by the client's ``readline``: aiohttp's has a length limit
+    (a long tool-call delta is one line), and an event may end in ``\n`` or ``\r\n``."""
+    pending = b""
+    async for piece in body:
+        pending += piece
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                yield json.loads(line[6:])
+    if pending.startswith(b"data: ") and not pending.startswith(b"data: [DONE]"):
+        yield json.loads(pending[6:])
 
 
 class DirectOpenAIClient(ProviderClient):
-    """An OpenAI-compatible upstream (vLLM, SGLang, another PrefixGate) over one keep-alive HTTP client.
+    """An OpenAI-compatible upstream (vLLM, SGLang, another PrefixGate) over one keep-alive HTTP pool.
 
     Same outputs and error mapping as ``ProviderClient``, without litellm on the request path: litellm
     rebuilds its client and parses provider quirks on every call, which was most of the gateway's added
     latency in front of a loopback upstream. ``provider`` is ``openai/<upstream model name>``.
+
+    The pool is aiohttp's (its HTTP parser is compiled): httpx + httpcore + h11 made ~800 Python
+    calls per upstream request, most of the CPU the direct transport added (benchmarks/gateway.py
+    profile, docs/gateway.md).
     """
 
     def __init__(self, provider: str, **kwargs: Any) -> None:
         super().__init__(provider, **kwargs)
         self._upstream_model = provider.split("/", 1)[1]
-        self._http: Any = None  # httpx.AsyncClient, made in the serving event loop on first use
+        self._base = str(self.api_base).rstrip("/")
+        self._default_headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._http: aiohttp.ClientSession | None = None  # made in the serving event loop on first use
 
-    def _client(self) -> Any:
+    def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
-            import httpx
+            import aiohttp  # ~0.1 s to import: only when a direct route serves its first request
 
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-            self._http = httpx.AsyncClient(base_url=str(self.api_base).rstrip("/"), headers=headers,
-                                           timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
+            self._http = aiohttp.ClientSession(
+                headers=self._default_headers, proxy=env_proxy_for(self._base),
+                connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60),
+                timeout=aiohttp.ClientTimeout(total=600.0, connect=10.0))
         return self._http
 
     def _body(self, request: GenerateRequest, extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -366,17 +386,21 @@ class DirectOpenAIClient(ProviderClient):
         params.pop("api_base", None)
         params["model"] = self._upstream_model
         params.update(params.pop("extra_body", {}))  # the OpenAI SDK merges extra_body into the JSON body
-        headers = {"Authorization": f"Bearer {key}"} if key and key != self.api_key else {}
+        headers = {"Content-Type": "application/json"}
+        if key and key != self.api_key:
+            headers["Authorization"] = f"Bearer {key}"
         return params, headers
 
     async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         try:
-            resp = await self._client().post(path, json=body, headers=headers)
+            async with self._session().post(self._base + path, data=json.dumps(body).encode(),
+                                            headers=headers) as resp:
+                data = await resp.read()
         except Exception as exc:
             raise _provider_error(exc) from exc
-        if resp.status_code >= 400:
-            raise _http_error(resp.status_code, resp.text)
-        return resp.json()
+        if resp.status >= 400:
+            raise _http_error(resp.status, data.decode("utf-8", "replace"))
+        return json.loads(data)
 
     async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
@@ -395,10 +419,11 @@ class DirectOpenAIClient(ProviderClient):
             return
         body.update(messages=self._messages(request), stream=True, stream_options={"include_usage": True})
         try:
-            async with self._client().stream("POST", "/chat/completions", json=body, headers=headers) as resp:
-                if resp.status_code >= 400:
-                    raise _http_error(resp.status_code, (await resp.aread()).decode("utf-8", "replace"))
-                async for out in _chunk_outputs(rid, _sse_chunks(resp), start):
+            async with self._session().post(self._base + "/chat/completions", data=json.dumps(body).encode(),
+                                            headers=headers) as resp:
+                if resp.status >= 400:
+                    raise _http_error(resp.status, (await resp.read()).decode("utf-8", "replace"))
+                async for out in _chunk_outputs(rid, _sse_chunks(resp.content.iter_any()), start):
                     yield out
         except EngineError:
             raise
@@ -411,8 +436,18 @@ class DirectOpenAIClient(ProviderClient):
     async def aclose(self) -> None:
         """Close the keep-alive pool (the app's lifespan calls this at shutdown)."""
         if self._http is not None:
-            await self._http.aclose()
+            await self._http.close()
             self._http = None
+
+
+def env_proxy_for(url: str) -> str | None:
+    """The proxy that ``HTTP(S)_PROXY`` / ``NO_PROXY`` name for ``url`` (as httpx and the OpenAI SDK
+    honour them), read once per upstream: aiohttp's ``trust_env`` reads them and ``~/.netrc`` again
+    on every request, +0.4 ms each on loopback."""
+    parts = urlsplit(url)
+    if parts.hostname and urllib.request.proxy_bypass(parts.hostname):
+        return None
+    return urllib.request.getproxies().get(parts.scheme)
 
 
 def _http_error(status: int, text: str) -> EngineError:

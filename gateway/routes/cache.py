@@ -19,10 +19,11 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.protocol import CacheInspector
-from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
+from gateway.deps import EngineDep, TenancyDep, TenantDep
 from gateway.door import chat_request, prepare_door, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request
 from gateway.pipeline import Accounting, engine_failure, run_choices
+from gateway.routes.completions import PartsDep
 from gateway.schemas import MAX_NAME_CHARS
 from promptlint.cache_control import RETENTION_SECONDS, TTL_SECONDS
 
@@ -60,8 +61,8 @@ async def cache_usage(request: Request, ctx: TenantDep, tenancy: TenancyDep, eng
 
 
 @router.post("/cache/warm")
-async def warm(body: WarmRequest, request: Request, ctx: TenantDep, tenancy: TenancyDep, router_: RouterDep,
-               engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep) -> Any:
+async def warm(body: WarmRequest, ctx: TenantDep, parts: PartsDep) -> Any:
+    tenancy, router_, engine, metrics, live = parts.tenancy, parts.router, parts.engine, parts.metrics, parts.live
     _inspector(engine)
     chat_body: dict[str, Any] = {"model": body.model, "messages": body.messages, "max_tokens": 1,
                                  "temperature": 0}
@@ -70,9 +71,7 @@ async def warm(body: WarmRequest, request: Request, ctx: TenantDep, tenancy: Ten
     if body.user:
         chat_body["user"] = body.user
     seconds = WARM_TTLS[body.ttl]
-    prep = await prepare_door(chat_request(chat_body), request, ctx, tenancy=tenancy, router=router_,
-                              engine=engine, settings=settings, metrics=metrics, live=live,
-                              retention=whole_prompt_for(seconds))
+    prep = await prepare_door(chat_request(chat_body), ctx, parts, retention=whole_prompt_for(seconds))
     if prep.backend.kind != "local":
         raise invalid_request(f"model {body.model!r} is not served by the local engine; only its cache can be warmed",
                               param="model")

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
+from starlette.datastructures import State
+from starlette.types import Receive
 
 from engine.protocol import EngineClient
 from gateway.deps import EngineDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_error
-from gateway.pipeline import Accounting, prepare
+from gateway.miss_tracker import MissTracker
+from gateway.pipeline import Accounting, new_request_id, prepare
 from gateway.ports import TenancyPort, TenantCtx, UsageRecord
 from gateway.responder import respond
 from gateway.routing import Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
+from gateway.tenant_threads import TenantThreads
 
 router = APIRouter(prefix="/v1", tags=["completions"])
 
@@ -32,7 +35,7 @@ def record_rejected(tenancy: TenancyPort, ctx: TenantCtx, model: str, kind: str,
     live.add(RequestSample(tenant_id=ctx.tenant_id, tenant=ctx.name, outcome=outcome,
                            spill_encrypted=ctx.cipher is not None))
     tenancy.record_usage(UsageRecord(
-        request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex, tenant_id=ctx.tenant_id,
+        request_id=new_request_id(kind), tenant_id=ctx.tenant_id,
         key_id=ctx.key_id, model=model, backend="none", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
         ttft_s=None, latency_s=0.0, status="error", created_at=time.time(),
     ))
@@ -69,37 +72,48 @@ class Parts:
     settings: GatewaySettings
     metrics: GatewayMetrics
     live: LiveStats
+    threads: TenantThreads
+    tracker: MissTracker | None
+
+    @classmethod
+    def of(cls, state: State, tenancy: TenancyPort, engine: EngineClient | None) -> Parts:
+        return cls(tenancy, engine, state.router, state.settings, state.metrics, state.live_stats,
+                   state.tenant_threads, state.miss_tracker)
 
 
 async def get_parts(request: Request, tenancy: TenancyDep, engine: EngineDep) -> Parts:
-    state = request.app.state
-    return Parts(tenancy, engine, state.router, state.settings, state.metrics, state.live_stats)
+    return Parts.of(request.app.state, tenancy, engine)
 
 
 PartsDep = Annotated[Parts, Depends(get_parts)]
 
 
-async def _handle(kind: str, body: ChatCompletionRequest | CompletionRequest, request: Request, ctx: TenantCtx,
-                  parts: Parts) -> Response:
+async def handle(kind: str, body: ChatCompletionRequest | CompletionRequest, ctx: TenantCtx, parts: Parts,
+                 receive: Receive) -> Response:
+    """One completion request, authenticated and validated: prepared, run and answered. ``receive``
+    is the request's ASGI receive (its body read), watched for a disconnect."""
     tenancy, metrics, live = parts.tenancy, parts.metrics, parts.live
     try:
         prep = await prepare(kind, body, ctx, tenancy=tenancy, router=parts.router, engine=parts.engine,
-                             settings=parts.settings, threads=request.app.state.tenant_threads,
-                             tracker=getattr(request.app.state, "miss_tracker", None))
+                             settings=parts.settings, threads=parts.threads, tracker=parts.tracker)
     except OpenAIError as err:  # a refusal: its one row, and counted by outcome
         record_rejected(tenancy, ctx, body.model, kind, err, metrics, live)
         raise
     except Exception:  # a bug: the request still gets its one row (a 500)
         record_rejected(tenancy, ctx, body.model, kind, OpenAIError(500, "internal error"), metrics, live)
         raise
-    return await respond(prep, parts.router, Accounting(prep, tenancy, metrics, live), request)
+    return await respond(prep, parts.router, Accounting(prep, tenancy, metrics, live), receive)
 
 
+# These two routes are also served by ``gateway.routes.completions_asgi`` in front of FastAPI (the
+# same ``handle``); FastAPI's routes answer what that fast path hands on: bodies it does not parse
+# or validate (their errors and refused-request accounting stay FastAPI's), and apps whose tests
+# override dependencies.
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: TenantDep, parts: PartsDep) -> Response:
-    return await _handle("chat", body, request, ctx, parts)
+    return await handle("chat", body, ctx, parts, request.receive)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: TenantDep, parts: PartsDep) -> Response:
-    return await _handle("completion", body, request, ctx, parts)
+    return await handle("completion", body, ctx, parts, request.receive)

@@ -28,7 +28,7 @@ import json
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -36,6 +36,8 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.datastructures import State
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.protocol import (
     EngineClient,
@@ -183,7 +185,7 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-def build_node_app(state: Any) -> FastAPI:
+def build_node_app(state: State) -> FastAPI:
     """The node API as an app of its own, over the main app's ``state`` (settings, engine, drain)."""
     node = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -317,26 +319,23 @@ def build_node_app(state: Any) -> FastAPI:
     return node
 
 
-def _token_of(scope: dict[str, Any]) -> str | None:
+def _token_of(scope: Scope) -> str | None:
     for name, value in scope.get("headers") or ():
         if name == b"authorization":
             return bearer_key(value.decode("latin-1"))
     return None
 
 
-ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
-
-
 class NodeApiMiddleware:
     """Sends node calls (node token + node path) to the node app, and answers ``/health`` while
     draining; everything else reaches the public API untouched."""
 
-    def __init__(self, app: ASGIApp, state: Any) -> None:
+    def __init__(self, app: ASGIApp, state: State) -> None:
         self.app = app
         self.state = state
         self.node = build_node_app(state)
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         token = self.state.settings.node_token
         if scope["type"] == "http" and token:
             path = scope["path"]
@@ -351,7 +350,7 @@ class NodeApiMiddleware:
         await self.app(scope, receive, send)
 
 
-def install_drain_signal(state: Any) -> None:
+def install_drain_signal(state: State) -> None:
     """SIGUSR1 starts draining (systemd ``ExecReload``, a Kubernetes preStop hook): no new node
     calls, in-flight ones finish. Only where the loop can take signal handlers (main thread, POSIX)."""
     import asyncio
@@ -362,5 +361,5 @@ def install_drain_signal(state: Any) -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _start_draining, state)
 
 
-def _start_draining(state: Any) -> None:
+def _start_draining(state: State) -> None:
     state.node_drain.draining = True

@@ -11,6 +11,7 @@ where that breakpoint falls in the prompt the engine really runs.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -27,19 +28,15 @@ from gateway.anthropic_api import (
     prefix_body,
 )
 from gateway.deps import (
-    EngineDep,
-    LiveStatsDep,
-    MetricsDep,
-    RouterDep,
-    SettingsDep,
     TenancyDep,
     bearer_key,
 )
 from gateway.door import chat_request, prepare_door, refusals_counted, with_retention
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting, Prepared
-from gateway.ports import AuthenticationError
+from gateway.ports import AuthenticationError, TenantCtx
 from gateway.responder import respond
+from gateway.routes.completions import PartsDep
 from gateway.upstream import ProviderOutput
 from promptlint.cache_control import Breakpoint, CacheControlError, parse_breakpoints
 
@@ -50,7 +47,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 async def anthropic_tenant(request: Request, tenancy: TenancyDep,
                            x_api_key: Annotated[str | None, Header()] = None,
-                           authorization: Annotated[str | None, Header()] = None) -> Any:
+                           authorization: Annotated[str | None, Header()] = None) -> TenantCtx:
     """``x-api-key`` (or a bearer key) -> the tenant; missing or wrong -> 401 ``authentication_error``."""
     key = (x_api_key or "").strip() or bearer_key(authorization)
     try:
@@ -63,7 +60,7 @@ async def anthropic_tenant(request: Request, tenancy: TenancyDep,
     return ctx
 
 
-AnthropicTenantDep = Annotated[Any, Depends(anthropic_tenant)]
+AnthropicTenantDep = Annotated[TenantCtx, Depends(anthropic_tenant)]
 
 
 def _local(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -102,18 +99,16 @@ def _breakpoint_tokens(engine: EngineClient, prep: Prepared, body: MessagesReque
 
 @router.post("/messages/count_tokens")
 async def count_tokens(
-    body: CountTokensRequest, request: Request, ctx: AnthropicTenantDep, tenancy: TenancyDep, router_: RouterDep,
-    engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
-) -> Any:
+    body: CountTokensRequest, ctx: AnthropicTenantDep, parts: PartsDep) -> Any:
     """The prompt's tokens as the local engine counts them (admitted like a request, not run, no ledger row)."""
+    tenancy, metrics, live = parts.tenancy, parts.metrics, parts.live
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
         try:
             parse_breakpoints(body.model_dump())
         except CacheControlError as exc:
             raise invalid_request(str(exc), param=exc.param) from None
         chat = chat_request(chat_body(body))
-    prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_,
-                              engine=engine, settings=settings, metrics=metrics, live=live)
+    prep = await prepare_door(chat, ctx, parts)
     if prep.backend.kind != "local":
         raise invalid_request(f"model {body.model!r} is not served by the local engine; its tokens cannot be "
                               "counted here", param="model")
@@ -122,21 +117,18 @@ async def count_tokens(
 
 @router.post("/messages")
 async def create_message(
-    body: MessagesRequest, request: Request, ctx: AnthropicTenantDep,
-    tenancy: TenancyDep, router_: RouterDep, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep,
-    live: LiveStatsDep,
-) -> Any:
+    body: MessagesRequest, request: Request, ctx: AnthropicTenantDep, parts: PartsDep) -> Any:
+    tenancy, router_, engine, metrics, live = parts.tenancy, parts.router, parts.engine, parts.metrics, parts.live
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
         try:
             breakpoints = parse_breakpoints(body.model_dump())
         except CacheControlError as exc:
             raise invalid_request(str(exc), param=exc.param) from None
         chat = chat_request(chat_body(body))
-    prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_, engine=engine,
-                              settings=settings, metrics=metrics, live=live)
+    prep = await prepare_door(chat, ctx, parts)
     written_upto = long_upto = 0
     if breakpoints and prep.backend.kind == "local" and engine is not None:
-        threads = request.app.state.tenant_threads
+        threads = parts.threads
         full = list(prep.requests[0].prompt_token_ids or ())
         block = int((await engine.stats()).get("block_size") or DEFAULT_BLOCK_SIZE)
         spans = []
@@ -157,4 +149,4 @@ async def create_message(
     acct.cache_writes = lambda prompt, cached: CacheUsage.of(
         prompt, cached, written_upto, long_upto, provider_writes()).cache_creation
     prep.request_id = fmt.msg_id
-    return await respond(prep, router_, acct, request, fmt)
+    return await respond(prep, router_, acct, request.receive, fmt, render_error=partial(render, request))

@@ -7,14 +7,16 @@ the tenancy database keyed on (id, tenant): another tenant's id is simply not fo
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Request
 
-from gateway.deps import EngineDep, LiveStatsDep, MetricsDep, RouterDep, SettingsDep, TenancyDep, TenantDep
+from gateway.deps import TenancyDep, TenantDep
 from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting
+from gateway.ports import TenancyPort, TenantCtx
 from gateway.responder import respond
 from gateway.responses_api import (
     ResponsesFormat,
@@ -25,6 +27,7 @@ from gateway.responses_api import (
     new_response_id,
     not_found,
 )
+from gateway.routes.completions import PartsDep
 from promptlint.cache_control import CacheControlError, retention_seconds
 
 router = APIRouter(prefix="/v1", tags=["responses"])
@@ -34,14 +37,14 @@ router = APIRouter(prefix="/v1", tags=["responses"])
 class ResponseStore(Protocol):
     """Stored responses, per tenant (``tenancy.service.TenancyService`` implements it)."""
 
-    def save_response(self, ctx: Any, response_id: str, body: dict[str, Any]) -> None: ...
+    def save_response(self, ctx: TenantCtx, response_id: str, body: dict[str, Any]) -> None: ...
 
-    def load_response(self, ctx: Any, response_id: str) -> dict[str, Any] | None: ...
+    def load_response(self, ctx: TenantCtx, response_id: str) -> dict[str, Any] | None: ...
 
-    def delete_response(self, ctx: Any, response_id: str) -> bool: ...
+    def delete_response(self, ctx: TenantCtx, response_id: str) -> bool: ...
 
 
-def _store(tenancy: Any) -> ResponseStore:
+def _store(tenancy: TenancyPort) -> ResponseStore:
     if not isinstance(tenancy, ResponseStore):
         raise OpenAIError(501, "this server's tenancy backend cannot store responses", code="not_implemented")
     return tenancy
@@ -49,11 +52,9 @@ def _store(tenancy: Any) -> ResponseStore:
 
 @router.post("/responses")
 async def create_response(
-    body: ResponsesRequest, request: Request, ctx: TenantDep, tenancy: TenancyDep, router_: RouterDep,
-    engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, live: LiveStatsDep,
-) -> Any:
+    body: ResponsesRequest, request: Request, ctx: TenantDep, parts: PartsDep) -> Any:
+    tenancy, router_, metrics, live, threads = parts.tenancy, parts.router, parts.metrics, parts.live, parts.threads
     store = _store(tenancy)
-    threads = request.app.state.tenant_threads
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = await threads.run(ctx.tenant_id, store.load_response, ctx, body.previous_response_id)
@@ -68,9 +69,7 @@ async def create_response(
             raise invalid_request(str(exc), param=exc.param) from None
         conversation = history + input_messages(body)
         chat = chat_request(chat_body(body, history, conversation))
-    prep = await prepare_door(chat, request, ctx, tenancy=tenancy, router=router_, engine=engine,
-                              settings=settings, metrics=metrics, live=live,
-                              retention=whole_prompt_for(retention))
+    prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(retention))
     prep.request_id = new_response_id()
 
     def keep(response: dict[str, Any]) -> None:
@@ -81,7 +80,8 @@ async def create_response(
                 "response": response, "conversation": conversation_after(conversation, response["output"])})
 
     fmt = ResponsesFormat(prep, body, keep)
-    return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request, fmt)
+    return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request.receive, fmt,
+                         render_error=partial(render, request))
 
 
 @router.get("/responses/{response_id}")

@@ -1,4 +1,7 @@
-"""Gateway HTTP API with a fake engine and fake tenancy injected through dependency_overrides."""
+"""Gateway HTTP API with a fake engine and fake tenancy, injected two ways: through ``create_app``
+(the completion routes then take their raw-ASGI fast path, ``gateway.routes.completions_asgi``) and
+through FastAPI's ``dependency_overrides`` (they then go through FastAPI's routes). Every test runs
+on both, so the two paths answer alike."""
 
 from __future__ import annotations
 
@@ -14,13 +17,17 @@ from gateway.ports import QuotaExceededError
 from gateway.settings import GatewaySettings
 
 
-@pytest.fixture
-def parts():
+@pytest.fixture(params=["injected", "overridden"])
+def parts(request):
     engine, tenancy = FakeEngine(), FakeTenancy()
     keys = {"a": tenancy.add("acme"), "b": tenancy.add("beta"), "admin": tenancy.add("ops", admin=True)}
-    app = create_app(GatewaySettings(max_body_bytes=64 * 1024, max_n=4))
-    app.dependency_overrides[get_engine] = lambda: engine
-    app.dependency_overrides[get_tenancy] = lambda: tenancy
+    settings = GatewaySettings(max_body_bytes=64 * 1024, max_n=4)
+    if request.param == "injected":
+        app = create_app(settings, engine=engine, tenancy=tenancy)
+    else:
+        app = create_app(settings)
+        app.dependency_overrides[get_engine] = lambda: engine
+        app.dependency_overrides[get_tenancy] = lambda: tenancy
     with TestClient(app) as client:
         yield client, engine, tenancy, keys
 

@@ -204,3 +204,55 @@ def test_direct_transport_needs_an_openai_compatible_base():
         RouteConfig(model="m", provider="anthropic/claude-x", transport="direct")
     with pytest.raises(ValueError, match="direct"):
         RouteConfig(model="m", provider="openai/x", transport="direct")
+
+
+class FixedUpstream:
+    """A raw-ASGI OpenAI-compatible upstream: keeps each request body, answers one fixed completion."""
+
+    ANSWER = json.dumps({"id": "chatcmpl-up", "object": "chat.completion", "created": 1, "model": "m",
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "{}"},
+                                      "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}).encode()
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        if body:
+            self.bodies.append(json.loads(body))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": self.ANSWER if body else b"{}"})
+
+
+@pytest.mark.parametrize("transport", ["direct", "litellm"])
+def test_a_provider_gets_the_canonical_response_format(monkeypatch, transport):
+    """The pass-through fields come from the canonicalized body: canon's key-sorted response_format
+    schema is what the provider sees (it used to get the body as the client sent it)."""
+    monkeypatch.setenv("PG_TEST_UPSTREAM_KEY", "sk-upstream")
+    upstream = FixedUpstream()
+    with LoopbackServer(upstream) as up:
+        tenancy = FakeTenancy()
+        key = tenancy.add("acme", canon_mode="safe")
+        route = RouteConfig(model="up", provider="openai/m", api_base=f"{up.url}/v1",
+                            api_key_env="PG_TEST_UPSTREAM_KEY", transport=transport)
+        schema = {"schema": {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "string"}}},
+                  "name": "out"}
+        body = {**CHAT, "model": "up", "tool_choice": "none",
+                "response_format": {"type": "json_schema", "json_schema": schema}}
+        with TestClient(create_app(GatewaySettings(routes=(route,)), tenancy=tenancy)) as client:
+            r = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        assert "response-schema-canonical" in r.headers["x-prefixgate-canonical"]
+        sent = upstream.bodies[-1]
+        if transport == "direct":  # litellm drops a tool_choice that comes without tools
+            assert sent["tool_choice"] == "none"
+        got = sent["response_format"]["json_schema"]
+        assert list(got) == ["name", "schema"] and list(got["schema"]["properties"]) == ["a", "b"]

@@ -140,3 +140,37 @@ def test_serve_settings_from_flags_and_file(tmp_path):
     assert s.port == 9200  # a flag beats the file
     assert s.dram_bytes == 1024**3 and s.kv_blocks == 64 and s.model is None and s.home == tmp_path
     assert s.nvme_bytes == 2 * 1024**3 and s.nvme_dir == tmp_path / "nvme"
+
+
+def test_sse_chunks_are_split_on_lines_whatever_the_pieces():
+    """The direct transport splits the upstream's event stream itself: an event cut across pieces,
+    CRLF line ends, a last event without its blank line and [DONE] all come out right."""
+    import asyncio
+
+    from gateway.upstream import _sse_chunks
+
+    stream = (b'data: {"a": 1}\r\n\r\n: keep-alive\n\ndata: {"b": "x\\ny"}\n\n'
+              b'data: {"c": [1, 2]}\n\ndata: [DONE]\n\ndata: {"late": true}')
+
+    async def collect(size: int) -> list[dict]:
+        async def pieces():
+            for i in range(0, len(stream), size):
+                yield stream[i:i + size]
+
+        return [chunk async for chunk in _sse_chunks(pieces())]
+
+    expected = [{"a": 1}, {"b": "x\ny"}, {"c": [1, 2]}, {"late": True}]
+    for size in (1, 3, 7, len(stream)):
+        assert asyncio.run(collect(size)) == expected
+
+
+def test_env_proxy_is_read_for_the_upstream_once(monkeypatch):
+    from gateway.upstream import env_proxy_for
+
+    for name in ("HTTPS_PROXY", "https_proxy", "http_proxy", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.internal:3128")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    assert env_proxy_for("http://api.example.com/v1") == "http://proxy.internal:3128"
+    assert env_proxy_for("http://127.0.0.1:8000/v1") is None
+    assert env_proxy_for("https://api.example.com/v1") is None  # no HTTPS_PROXY set
