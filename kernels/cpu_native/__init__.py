@@ -81,6 +81,27 @@ class NativeKernel:
         if rc != 0:
             raise RuntimeError(f"native paged attention failed (code {rc}: 1 = out of memory, 2 = shape)")
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, in] bf16 @ weight [out, in]^T bf16 (+ bias [out] bf16) -> [M, out] in ``out_dtype``
+        (bfloat16 or float32, accumulated in float32). For decode-sized M: one pass over the weights."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if weight.shape[1] != k or k % 32 != 0:
+            raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: in must match and be a multiple of 32")
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+            raise ValueError("x, weight and bias must be bfloat16")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+        x, weight = x.contiguous(), weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        out = torch.empty(m, n, dtype=out_dtype)
+        rc = self.lib.pg_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), m, k, n,
+                                out.data_ptr(), int(out_dtype == torch.float32), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native linear failed (code {rc})")
+        return out
+
 
 def cache_dir() -> Path:
     env = os.environ.get("PREFIXGATE_NATIVE_CACHE")
@@ -126,6 +147,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.pg_shape_supported.argtypes = [i32, i32]
     lib.pg_paged_attention.restype = i32
     lib.pg_paged_attention.argtypes = [p, p, p, i64, i32, i32, i32, i32, p, i64, p, p, i32, i32, ctypes.c_float, p, i32]
+    lib.pg_linear.restype = i32
+    lib.pg_linear.argtypes = [p, p, p, i32, i32, i32, p, i32, i32]
     return lib
 
 

@@ -153,6 +153,36 @@ KERNEL void attend_rows(const uint16_t* q, int64_t q_stride, const uint32_t* kp,
     }
 }
 
+
+// y[m, o] = x[m, :] . w[o, :] (+ bias[o]) for decode-sized m: one pass over the weights, each row
+// of w read once for all m rows of x (oneDNN's bf16 GEMM at m = 1 reads an LM head at a few GB/s).
+KERNEL void linear_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, int m, int in, int o_lo,
+                        int o_hi, float* out32, uint16_t* out16, int out_cols) {
+    const int nv = in / 32;
+    for (int o = o_lo; o < o_hi; ++o) {
+        const uint16_t* wr = w + (int64_t)o * in;
+        const float b = bias ? _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128((int)bias[o] << 16))) : 0.0f;
+        for (int r = 0; r < m; ++r) {
+            const uint16_t* xr = x + (int64_t)r * in;
+            __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+            int c = 0;
+            for (; c + 1 < nv; c += 2) {
+                acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(xr + c * 32), (__m512bh)_mm512_loadu_si512(wr + c * 32));
+                acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(xr + c * 32 + 32), (__m512bh)_mm512_loadu_si512(wr + c * 32 + 32));
+            }
+            if (c < nv)
+                acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(xr + c * 32), (__m512bh)_mm512_loadu_si512(wr + c * 32));
+            const float y = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + b;
+            if (out32) {
+                out32[(int64_t)r * out_cols + o] = y;
+            } else {
+                const __m128bh yb = _mm_cvtneps_pbh(_mm_set1_ps(y));
+                out16[(int64_t)r * out_cols + o] = (uint16_t)_mm_extract_epi16((__m128i)yb, 0);
+            }
+        }
+    }
+}
+
 template <int D, int G>
 int run(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, int64_t block_stride, int bs, int hkv,
         const int32_t* tables, int64_t table_stride, const int32_t* cu_q, const int32_t* seq_lens, int nseq,
@@ -246,6 +276,23 @@ int pg_paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_
     if (!f) return 2;
     return f(q, k_cache, v_cache, block_stride, block_size, num_kv_heads, block_tables, table_stride, cu_q,
              seq_lens, num_seqs, min_tq, scale, out, num_threads < 1 ? 1 : num_threads);
+}
+
+// out [m, o] = x [m, in] @ w [o, in]^T (+ bias [o]); in a multiple of 32; out float32 when
+// out_is_f32, else bf16. All contiguous. Returns 0, or 2 when `in` is not a multiple of 32.
+int pg_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bias, int m, int in, int out_features,
+              void* out, int out_is_f32, int num_threads) {
+    if (in % 32 != 0) return 2;
+    float* out32 = out_is_f32 ? (float*)out : nullptr;
+    uint16_t* out16 = out_is_f32 ? nullptr : (uint16_t*)out;
+    const int chunk = 256;
+    const int nchunks = (out_features + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (nchunks > 1 && num_threads > 1)
+    for (int ci = 0; ci < nchunks; ++ci) {
+        const int lo = ci * chunk, hi = lo + chunk < out_features ? lo + chunk : out_features;
+        linear_rows(x, w, bias, m, in, lo, hi, out32, out16, out_features);
+    }
+    return 0;
 }
 
 }  // extern "C"

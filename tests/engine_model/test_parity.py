@@ -110,8 +110,9 @@ def test_copied_and_exported_blocks_serve_the_same_prefix(tiny_model_dir, runner
 
 
 def test_bf16_logits_match_transformers_bf16(tiny_model_dir, runner_cache):
-    """bf16 on CPU takes the native attention kernel where it builds (kernels/cpu_native): a whole
-    prompt and a chunk over its cached prefix, packed in one forward with a decode token, against
+    """bf16 on CPU takes the native kernels where they build (kernels/cpu_native: attention of
+    prefill chunks, GEMV of decode-sized steps): a whole prompt and a chunk over its cached
+    prefix, packed in one forward with a decode token, then a decode step alone, against
     transformers' own bf16 forward of each prompt. bf16 rounding on both sides, in other orders:
     relative logit error observed 0-1.3e-2 (SDPA path: 1e-2)."""
     from transformers import AutoModelForCausalLM
@@ -134,3 +135,8 @@ def test_bf16_logits_match_transformers_bf16(tiny_model_dir, runner_cache):
         assert float((got - want).norm() / want.norm()) < 3e-2
     clear = want_long.topk(2).values.diff().abs().squeeze(-1) > 0.1  # no near tie: the same argmax
     assert clear.any() and torch.equal(ours[:54].argmax(-1)[clear], want_long.argmax(-1)[clear])
+    # a one-row decode step: every projection and the LM head take the native GEMV
+    decode = runner.forward(ScheduledBatch([SequenceChunk("b", [9], 41, t_short, True, GREEDY)]))  # [1, V]
+    with torch.no_grad():
+        want = oracle(torch.tensor([short + [7, 9]])).logits[0, -1:].float()
+    assert float((decode - want).norm() / want.norm()) < 3e-2

@@ -1,4 +1,5 @@
-"""The native CPU attention kernel (kernels/cpu_native) against the plain reference oracle.
+"""The native CPU kernels (kernels/cpu_native): paged attention against the plain reference
+oracle, the decode-sized GEMV against float32 torch.
 
 Fresh random inputs per case; ragged batches over fragmented block tables of a strided
 (block-major, several layers) cache; cached prefixes and chunk lengths around the kernel's
@@ -113,3 +114,28 @@ def test_bad_layouts_are_refused():
         KERNEL.attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, tables, cu, lens, 0.2, out, min_tq=2)
     with pytest.raises(ValueError, match="bfloat16"):
         KERNEL.attention(q.float(), k, v, tables, cu, lens, 0.2, out, min_tq=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,inp,out", [(1, 256, 100352), (3, 768, 256), (4, 32, 17), (2, 96, 513)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_linear_matches_float32(rows, inp, out, with_bias):
+    gen = torch.Generator().manual_seed(rows * inp + out)
+    x = torch.randn(rows, inp, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(out, inp, generator=gen) / math.sqrt(inp)).to(torch.bfloat16)
+    b = torch.randn(out, generator=gen).to(torch.bfloat16) if with_bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    got32 = KERNEL.linear(x, w, b, torch.float32)
+    got16 = KERNEL.linear(x, w, b)
+    assert got32.dtype == torch.float32 and got16.dtype == torch.bfloat16 and got32.shape == want.shape
+    assert rel_err(got32, want) < 1e-5  # float32 accumulation of exact bf16 products
+    assert rel_err(got16.float(), want) < 1e-2
+
+
+@needs_kernel
+def test_native_linear_refuses_what_it_cannot_run():
+    x = torch.zeros(1, 48, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        KERNEL.linear(x, torch.zeros(8, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        KERNEL.linear(torch.zeros(1, 32), torch.zeros(8, 32))
