@@ -81,36 +81,49 @@ void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table, int64
     }
 }
 
+// Scores of the G query rows against NB consecutive 16-key blocks from block b0: each query pair
+// broadcast feeds NB key loads (one block at a time re-broadcast every pair per 16 keys).
+template <int D, int G, int NB>
+KERNEL inline void score_blocks(const uint16_t* q, int64_t q_stride, const uint32_t* kp, int b0, int m,
+                                __m512 vscale, float* s, int nk_cap, __m512* mx) {
+    constexpr int P = D / 2;
+    __m512 acc[NB][G];
+    for (int x = 0; x < NB; ++x)
+        for (int r = 0; r < G; ++r) acc[x][r] = _mm512_setzero_ps();
+    const uint32_t* kb = kp + (int64_t)b0 * P * 16;
+    for (int p = 0; p < P; ++p) {
+        __m512bh kv[NB];
+        for (int x = 0; x < NB; ++x) kv[x] = (__m512bh)_mm512_loadu_si512(kb + x * P * 16 + p * 16);
+        for (int r = 0; r < G; ++r) {
+            const __m512bh qq = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(q + r * q_stride + 2 * p));
+            for (int x = 0; x < NB; ++x) acc[x][r] = _mm512_dpbf16_ps(acc[x][r], qq, kv[x]);
+        }
+    }
+    for (int x = 0; x < NB; ++x) {
+        const int b = b0 + x;
+        const int left = m - b * 16;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < G; ++r) {
+            const __m512 y = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(acc[x][r], vscale));
+            _mm512_storeu_ps(s + (int64_t)r * nk_cap + b * 16, y);
+            mx[r] = _mm512_max_ps(mx[r], y);
+        }
+    }
+}
+
 // The G query rows q[r] (r < G, D bf16 each, `q_stride` apart) over keys 0 .. m-1 -> out rows.
 // s: scratch float [G][nk], pr: scratch bf16 [G][nk + 2].
 template <int D, int G>
 KERNEL void attend_rows(const uint16_t* q, int64_t q_stride, const uint32_t* kp, const uint32_t* vp, int m,
                         float scale, float* s, uint16_t* pr, int nk_cap, uint16_t* out, int64_t out_stride) {
-    constexpr int P = D / 2;
     const int nblk = (m + 15) / 16;
     // scores: S[r][j] = scale * q_r . k_j
     __m512 mx[G];
     for (int r = 0; r < G; ++r) mx[r] = _mm512_set1_ps(-INFINITY);
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int b = 0; b < nblk; ++b) {
-        __m512 acc[G];
-        for (int r = 0; r < G; ++r) acc[r] = _mm512_setzero_ps();
-        const uint32_t* kb = kp + (int64_t)b * P * 16;
-        for (int p = 0; p < P; ++p) {
-            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + p * 16);
-            for (int r = 0; r < G; ++r) {
-                const __m512bh qq = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(q + r * q_stride + 2 * p));
-                acc[r] = _mm512_dpbf16_ps(acc[r], qq, kv);
-            }
-        }
-        const int left = m - b * 16;
-        const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        for (int r = 0; r < G; ++r) {
-            __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(acc[r], vscale));
-            _mm512_storeu_ps(s + (int64_t)r * nk_cap + b * 16, x);
-            mx[r] = _mm512_max_ps(mx[r], x);
-        }
-    }
+    int b = 0;
+    for (; b + 1 < nblk; b += 2) score_blocks<D, G, 2>(q, q_stride, kp, b, m, vscale, s, nk_cap, mx);
+    if (b < nblk) score_blocks<D, G, 1>(q, q_stride, kp, b, m, vscale, s, nk_cap, mx);
     // softmax numerators e^(S - max) rounded to bf16, and their float sums
     float inv[G];
     for (int r = 0; r < G; ++r) {
