@@ -1,4 +1,12 @@
-"""CPU paged attention (the CPU engine path): SDPA for prefill, grouped-query einsum for decode.
+"""CPU paged attention (the CPU engine path): a native kernel or SDPA for prefill, grouped-query
+matmuls for decode.
+
+Prefill chunks of bf16 models over a bf16 cache go to the native AVX-512 BF16 kernel
+(``kernels.cpu_native``: 4x SDPA's speed at head dim 32, 213 vs 53 GFLOP/s on one Zen 5 core for
+a 1,600-token causal prompt) where it builds and the CPU has the instructions; everything else
+(fp32, quantized caches, other head dims, no compiler) takes SDPA as below. In decode steps
+the same kernel runs every sequence that shares no block with another (one call for all of them:
+batch-1 decode 6.0 -> 4.6 ms of CPU per token); sequences sharing a prefix keep the cascade below.
 
 Same signatures and cache layout as ``kernels.reference`` (whose plain einsum-softmax ``_attend``
 stays the test oracle); the block moves and ``write_kv`` are the reference ones.
@@ -36,6 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from kernels.reference import copy_blocks, dequantize, gather_blocks, gather_context, scatter_blocks, write_kv
 
 __all__ = [
@@ -169,6 +178,17 @@ def _decode_group(
     return ((o_p * a + o_s * b) / (s_p * a + s_s * b)).to(q.dtype).reshape(bsz, hq, d)
 
 
+def _native_kernel(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> cpu_native.NativeKernel | None:
+    """The native kernel when it runs this call: bf16 queries and an unquantized bf16 cache on CPU,
+    a compiled (head dim, group) instance, and a machine where it built and loaded."""
+    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or k_scale is not None or q.device.type != "cpu":
+        return None
+    kernel = cpu_native.load()
+    if kernel is None or not kernel.supports(q.shape[-1], q.shape[1] // k_cache.shape[2]):
+        return None
+    return kernel
+
+
 def _decode_rows(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,
@@ -187,6 +207,21 @@ def _decode_rows(
     by_first: dict[int, list[int]] = {}
     for i, first in enumerate(block_tables[:, 0].tolist()):
         by_first.setdefault(first, []).append(i)
+    native = _native_kernel(q, k_cache, k_scale)
+    if native is not None:
+        # Sequences that share no block with another run natively, all in one call (no gather
+        # copy, no per-group torch calls); groups sharing a prefix keep the cascade below, which
+        # reads the shared blocks once for the whole group.
+        alone = [m[0] for m in by_first.values() if len(m) == 1]
+        if alone:
+            idx = torch.tensor(alone, dtype=torch.long, device=q.device)
+            got = torch.empty((len(alone), *q.shape[1:]), dtype=q.dtype, device=q.device)
+            native.attention(q.index_select(0, idx).contiguous(), k_cache, v_cache,
+                             block_tables.index_select(0, idx).to(torch.int32).contiguous(),
+                             torch.arange(len(alone) + 1, dtype=torch.int32),
+                             torch.tensor([lens[i] for i in alone], dtype=torch.int32), scale, got, min_tq=1)
+            out[idx] = got
+            by_first = {f: m for f, m in by_first.items() if len(m) > 1}
     groups = []
     for members in by_first.values():
         sub = _length_groups([lens[i] for i in members], k_cache.shape[1], row_elems)
@@ -227,9 +262,15 @@ def paged_prefill_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New tokens attend causally among themselves and fully to their cached prefix (K/V written first)."""
+    native = _native_kernel(q, k_cache, k_scale)
+    if native is not None:
+        q = q.contiguous()
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    if native is not None:  # every sequence of two or more new tokens, in one call
+        native.attention(q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+                         cu_seqlens_q.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), scale, out, min_tq=2)
     single = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]  # decode tokens of a mixed step
     if single:
         rows = torch.tensor([cu[b] for b in single], dtype=torch.long, device=q.device)
@@ -239,7 +280,7 @@ def paged_prefill_attention(
         out[rows] = got
     for b in range(block_tables.shape[0]):
         lo, hi = cu[b], cu[b + 1]
-        if hi - lo <= 1:
+        if hi - lo <= 1 or native is not None:
             continue
         n, tq = lens[b], hi - lo
         k = gather_context(k_cache, block_tables[b], n, k_scale, q.dtype).transpose(0, 1).unsqueeze(0)  # [1,Hkv,n,D]

@@ -2,7 +2,8 @@
 
 ``select_ops`` returns a module with the reference op signatures (``write_kv``,
 ``paged_prefill_attention``, ``paged_decode_attention``, ``copy_blocks``, ``gather_blocks``,
-``scatter_blocks``): ``kernels.cpu_attention`` on CPU (the reference ops with PyTorch's fused SDPA for attention),
+``scatter_blocks``): ``kernels.cpu_attention`` on CPU (the reference ops, with a native AVX-512 BF16 kernel or
+PyTorch's fused SDPA for prefill attention),
 ``kernels.triton_ops`` on CUDA when present, else ``kernels.reference``.
 Swapping implementations is that one function.
 """
