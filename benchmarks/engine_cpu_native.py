@@ -20,13 +20,14 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
 
 # Written before the first run.
 PREDICTION = {
@@ -35,15 +36,6 @@ PREDICTION = {
     "projection_gemv_4_rows": "1.5-2.5x faster",
 }
 
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def best_pair(a, b, repeats: int) -> tuple[float, float]:

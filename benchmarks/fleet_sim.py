@@ -36,7 +36,6 @@ import heapq
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -49,6 +48,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
+
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK_TOKENS = 16
 
@@ -384,15 +387,6 @@ def chart(results: list[RunResult], path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
