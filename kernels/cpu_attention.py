@@ -205,8 +205,14 @@ def _decode_rows(
     # ever shared as part of a common prefix): grouping by it first lets _decode_group read a
     # tenant's shared prompt blocks once for all its sequences.
     by_first: dict[int, list[int]] = {}
+    padding = []
     for i, first in enumerate(block_tables[:, 0].tolist()):
-        by_first.setdefault(first, []).append(i)
+        if lens[i] == 0:  # a padding row of a fixed-size batch (a captured graph's unused slots)
+            padding.append(i)
+        else:
+            by_first.setdefault(first, []).append(i)
+    if padding:  # attends to no key: zeros (nothing reads them; an empty softmax has no value)
+        out[torch.tensor(padding, dtype=torch.long, device=q.device)] = 0
     native = _native_kernel(q, k_cache, k_scale)
     if native is not None:
         # Sequences that share no block with another run natively, all in one call (no gather

@@ -67,6 +67,22 @@ def test_decode_ignores_keys_past_each_sequence_end():
     torch.testing.assert_close(batched[:1], alone, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_padding_rows_of_length_zero_are_zero_and_leave_the_others_alone(kv_dtype):
+    """A fixed-size batch (a captured graph's unused slots) carries rows of context length 0 whose
+    block tables point at block 0 like any row: they attend to nothing, the real rows are exact."""
+    k, v, ks, vs, tables, q_dtype, hq, d, gen = _case(kv_dtype, [9, 33, 5])
+    pad = torch.zeros(2, tables.shape[1], dtype=tables.dtype)
+    tables = torch.cat([tables[:1], pad[:1], tables[1:], pad[1:]])  # [real, pad, real, real, pad]
+    lens = torch.tensor([9, 0, 33, 5, 0], dtype=torch.int32)
+    q = torch.randn(5, hq, d, generator=gen).to(q_dtype)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.25)
+    real = torch.tensor([0, 2, 3])
+    want = ref.paged_decode_attention(q[real], k, v, tables[real], lens[real], 0.25)
+    assert rel_err(got[real], want) < TOL[kv_dtype]
+    assert torch.equal(got[torch.tensor([1, 4])], torch.zeros(2, hq, d, dtype=q_dtype))
+
+
 def test_decode_batch_of_many_lengths_in_several_groups_matches_reference():
     """40 sequences whose lengths span 1..300 tokens fall into several padded groups
     (kernels.cpu_attention._length_groups); every row still equals the reference's."""
