@@ -21,7 +21,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.protocol import EngineClient
 from gateway.anthropic_api import error_body as anthropic_error_body
@@ -46,7 +46,7 @@ from gateway.routes import (
     responses,
     usage,
 )
-from gateway.routes.completions_asgi import CompletionRoutes
+from gateway.routes.completions_asgi import CompletionRoutes, replaying
 from gateway.routes.internal import NodeApiMiddleware, NodeDrain, install_drain_signal
 from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
@@ -106,16 +106,7 @@ class BodySizeLimit:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(b"".join(chunks), receive), send)
 
 
 def build_router(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Router:
