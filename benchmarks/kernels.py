@@ -415,6 +415,48 @@ def decode_gemm_case(gen, ceil: dict, full_sweeps: bool = False) -> dict:
     return out
 
 
+def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
+    """The decode step's GEMMs as the model runs them: q|k|v, o, gate|up, down for each of ``layers``
+    layers, each with its own weights (nothing stays in L2 from one to the next), one CUDA graph,
+    at M = 1 / 8 / 32 rows; the weight bytes over the replay's time as a share of copy bandwidth.
+    A single GEMM's graph (``decode_gemm_case``) pays its ramp-up and tail alone; here they overlap
+    as in a real step. Each BLAS back end torch offers is measured in the same run (cuBLAS, cuBLASLt),
+    checked against the first on the same inputs."""
+    shapes = [GEMM_SHAPES[k] for k in ("qkv", "o", "gate_up", "down")]
+    weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for n, k in shapes]
+               for _ in range(layers)]
+    wbytes = sum(w.numel() * 2 for ws in weights for w in ws)
+    out: dict = {"layers": layers, "weight_GB": wbytes / 1e9}
+    default = torch.backends.cuda.preferred_blas_library()
+    for m in (1, 8, 32):
+        xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _, k in shapes}
+
+        def chain(xs=xs) -> torch.Tensor:
+            acc = None
+            for ws in weights:
+                for w in ws:
+                    y = F.linear(xs[w.shape[1]], w)
+                    acc = y[:, :1] if acc is None else acc + y[:, :1]  # keeps every GEMM live
+            return acc
+
+        row: dict = {}
+        ref = None
+        for lib in ("cublas", "cublaslt"):
+            try:
+                torch.backends.cuda.preferred_blas_library(lib)
+                got = chain()
+                ms = bench_graph(chain) or float("nan")
+                err = 0.0 if ref is None else rel_err(got, ref)
+                ref = got if ref is None else ref
+                row[lib] = {"ms": ms, "pct_copy": wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"], "rel_err_vs_first": err}
+            except Exception as e:  # noqa: BLE001  (a back end missing from this build: recorded)
+                row[lib] = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                torch.backends.cuda.preferred_blas_library(default)
+        out[f"m{m}"] = row
+    return out
+
+
 SKINNY_SWEEP_ROWS = (1, 32)
 SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatically)
     (64, 256, 4, 4, True), (32, 256, 4, 4, True), (128, 256, 4, 4, True), (64, 128, 4, 4, True),
@@ -571,6 +613,8 @@ def main() -> int:
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
+        result["decode_gemm_chain"] = decode_gemm_chain_case(gen, ceil)
+        save()
     for shape in picked:
         result["decode"].append(decode_case(shape, gen, ceil, args.quick, args.full_sweeps))
         save()
@@ -662,6 +706,11 @@ def print_table(r: dict) -> None:
         print(f"fused ops at {f['tokens']} rows: " + "  ".join(
             f"{k} {v['fused_ms']:.3f} ms ({v['speedup']:.1f}x torch, {100 * v['fused_pct_copy']:.0f}% copy, "
             f"err {v['rel_err']:.0e})" for k, v in f.items() if isinstance(v, dict)))
+    ch = r.get("decode_gemm_chain")
+    if ch:
+        print(f"decode GEMM chain ({ch['layers']} layers, {ch['weight_GB']:.1f} GB, one graph), % of copy: " + "  ".join(
+            f"m{m} " + "/".join(f"{lib} {100 * v['pct_copy']:.0f}" if "pct_copy" in v else f"{lib} error"
+                                for lib, v in ch[f"m{m}"].items()) for m in (1, 8, 32)))
     g = r.get("decode_gemms")
     if g:
         print("decode GEMMs, % of copy, cuBLAS / ours: " + "  ".join(

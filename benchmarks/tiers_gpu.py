@@ -386,11 +386,14 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                 hook.manager.drain()
             drain_s = time.perf_counter() - t0
             tier = hook.stats() if hook is not None else {}
+            arena = hook.manager.dram.arena_stats() if hook is not None and hook.manager.dram is not None else None
             return {"mode": mode, "at_s": t_run - t_section, "steps": len(times), "p50_ms": 1e3 * _percentile(times, 0.5),
                     "p99_ms": 1e3 * _percentile(times, 0.99), "mean_ms": 1e3 * statistics.fmean(times),
                     "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,
                     "drain_after_s": drain_s, "dram_used_bytes": tier.get("dram", {}).get("used_bytes"),
                     "sealed_on_device": getattr(hook.manager.sealer, "sealed", 0) if hook else 0,
+                    # the DRAM tier's page-locked arena: blobs that found no extent went to pageable memory
+                    "arena": dataclasses.asdict(arena) if arena is not None else None,
                     "step_ms": [round(1e3 * t, 3) for t in times]}
         finally:
             if hook is not None:
@@ -530,11 +533,13 @@ def table(r: dict) -> str:
                      f"CUDA graphs {sl.get('cuda_graphs', False)}")
         base = next((x for x in sl["runs"] if x["mode"] == "off"), None)
         lines.append(f"{'mode':<10}{'p50 ms':>8}{'p99 ms':>8}{'p99 vs off':>11}{'steps':>7}{'evicting':>9}"
-                     f"{'blocks':>8}{'drain s':>8}")
+                     f"{'blocks':>8}{'drain s':>8}  arena (pinned, fallbacks)")
         for x in sl["runs"]:
             vs = f"{100 * (x['p99_ms'] / base['p99_ms'] - 1):+.1f}%" if base else "-"
+            a = x.get("arena")
             lines.append(f"{x['mode']:<10}{x['p50_ms']:>8.2f}{x['p99_ms']:>8.2f}{vs:>11}{x['steps']:>7}"
-                         f"{x['steps_evicting']:>9}{x['blocks_evicted']:>8}{x['drain_after_s']:>8.2f}")
+                         f"{x['steps_evicting']:>9}{x['blocks_evicted']:>8}{x['drain_after_s']:>8.2f}"
+                         + (f"  {a['pinned']}, {a['fallbacks']}/{a['allocations']}" if a else ""))
         for mode, m in sl.get("summary", {}).items():
             vs = f"{100 * (m['p99_vs_nearest_off'] - 1):+.1f}%" if m["p99_vs_nearest_off"] else "-"
             lines.append(f"  {mode}: median of {m['runs']} runs p50 {m['p50_ms']:.2f} ms, p99 {m['p99_ms']:.2f} ms, "

@@ -19,10 +19,13 @@ This module imports only the standard library (and the DRAM tier's blob type, fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from engine.tiers.dram import PinnedBlob
 
 DEVICE_BLOB_VERSION = 0x02
@@ -88,4 +91,8 @@ class SegmentSealer(Protocol):
     ``DeviceSealingCipher``'s ``device_key``) into a blob of the layout above, in host memory.
     Called from the tier manager's worker threads; the nonce is fresh (CSPRNG) per call."""
 
-    def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes) -> PinnedBlob: ...
+    def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes,
+             host_buffer: Callable[[int], np.ndarray] | None = None) -> PinnedBlob:
+        """``host_buffer(n)``: where the blob lands (the DRAM tier's page-locked arena); a fresh
+        page-locked allocation when None."""
+        ...

@@ -1,8 +1,10 @@
 """The warm tier: encrypted segments held in host memory, bounded in bytes.
 
-On a host with CUDA the blobs live in page-locked (pinned) buffers, so the driver can DMA them
-without a bounce copy and the allocator does not pin and unpin per transfer; elsewhere they are
-plain ``bytes``. Either way ``get`` hands back a read-only buffer the cipher decrypts in place.
+On a host with CUDA the blobs live in page-locked (pinned) host memory, so the driver can DMA them
+without a bounce copy: extents of one arena the tier pins once when it is made
+(``engine.tiers.pinned_arena``), never a page-locked allocation per blob in the step loop's way.
+Elsewhere they are plain ``bytes``. Either way ``get`` hands back a read-only buffer the cipher
+decrypts in place.
 """
 
 from __future__ import annotations
@@ -10,12 +12,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.kv_types import BlockHash, TierName
 from engine.tiers.base import BlockLocation, PutResult, SegmentMeta, TenantCap, TenantCapFn
 from engine.tiers.indexed import IndexedTierQueries
 from engine.tiers.placement import ScoreFn, SegmentIndex, lru_score
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from engine.tiers.pinned_arena import ArenaStats, PinnedArena
+
+# Arena room beyond the tier's capacity, by default: a blob is copied (or sealed) into the arena
+# before the put that stores it evicts, extents are aligned, and a dropped segment keeps its extent
+# while a restore or a cascade to NVMe still reads it. The tier manager sizes it from its workers.
+DEFAULT_ARENA_SLACK = 1 / 16
 
 
 def cuda_available() -> bool:
@@ -27,34 +39,33 @@ def cuda_available() -> bool:
 
 
 class PinnedBlob:
-    """A blob in a host uint8 tensor (page-locked on a CUDA host); ``view()`` is a zero-copy
-    memoryview of it. ``copy_of`` copies bytes in; ``adopt`` takes a tensor a GPU sealer has just
-    filled by DMA (``engine.tiers.gpu_sealer``), so a spill is written into host memory once."""
+    """A blob in a host uint8 array (an extent of the tier's page-locked arena on a CUDA host);
+    ``view()`` is a zero-copy memoryview of it. ``copy_of`` copies bytes in; ``adopt`` takes an array
+    a GPU sealer has just filled by DMA (``engine.tiers.gpu_sealer``), so a spill is written into
+    host memory once."""
 
-    __slots__ = ("_t",)
+    __slots__ = ("_a",)
 
-    def __init__(self, tensor: Any):
-        self._t = tensor  # [nbytes] uint8, CPU
-
-    @classmethod
-    def copy_of(cls, blob: bytes | memoryview) -> PinnedBlob:
-        import torch
-
-        t = torch.empty(len(blob), dtype=torch.uint8, pin_memory=True)
-        t.numpy()[:] = memoryview(blob)
-        return cls(t)
+    def __init__(self, array: np.ndarray):
+        self._a = array  # [nbytes] uint8
 
     @classmethod
-    def adopt(cls, tensor: Any) -> PinnedBlob:
-        if tensor.dtype.itemsize != 1 or tensor.dim() != 1 or tensor.device.type != "cpu":
-            raise ValueError("a blob is a 1-D uint8 CPU tensor")
-        return cls(tensor)
+    def copy_of(cls, blob: bytes | memoryview, alloc: Callable[[int], np.ndarray]) -> PinnedBlob:
+        a = alloc(len(blob))
+        a[:] = memoryview(blob)
+        return cls(a)
+
+    @classmethod
+    def adopt(cls, array: np.ndarray) -> PinnedBlob:
+        if array.itemsize != 1 or array.ndim != 1:
+            raise ValueError("a blob is a 1-D byte array")
+        return cls(array)
 
     def __len__(self) -> int:
-        return int(self._t.numel())
+        return int(self._a.size)
 
     def view(self) -> memoryview:
-        return memoryview(self._t.numpy()).toreadonly()
+        return memoryview(self._a).toreadonly()
 
 
 class DramTier(IndexedTierQueries):
@@ -71,9 +82,18 @@ class DramTier(IndexedTierQueries):
         tenant_cap: TenantCapFn = lambda ns: TenantCap(),
         floor_fraction: float = 1.0,
         clock: Callable[[], float] = time.time,
+        arena_slack_bytes: int | None = None,
     ):
+        """``arena_slack_bytes``: page-locked room beyond ``capacity_bytes`` (where the tier pins)
+        for blobs in flight: at least the segments being sealed or copied in at once."""
         self.capacity_bytes = capacity_bytes
         self.pin_memory = cuda_available() if pin_memory is None else pin_memory
+        self._arena: PinnedArena | None = None
+        if self.pin_memory:
+            from engine.tiers.pinned_arena import PinnedArena
+
+            slack = int(capacity_bytes * DEFAULT_ARENA_SLACK) if arena_slack_bytes is None else arena_slack_bytes
+            self._arena = PinnedArena(capacity_bytes + slack, pin=True)
         self._index = SegmentIndex(capacity_bytes, floor_fraction=floor_fraction, score=score)
         self._blobs: dict[str, bytes | PinnedBlob] = {}
         self._tenant_cap = tenant_cap
@@ -94,6 +114,19 @@ class DramTier(IndexedTierQueries):
             blob = self._blobs[segment_id]
             return meta, (blob.view() if isinstance(blob, PinnedBlob) else blob)
 
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 array for a blob bound for this tier (a GPU sealer's D2H target):
+        page-locked from the arena where the tier pins, plain host memory otherwise."""
+        if self._arena is not None:
+            return self._arena.allocate(nbytes)
+        import numpy as np
+
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def arena_stats(self) -> ArenaStats | None:
+        """The page-locked arena's use (None where the tier keeps plain ``bytes``)."""
+        return self._arena.stats() if self._arena is not None else None
+
     def put(self, meta: SegmentMeta, blob: bytes | memoryview | PinnedBlob) -> PutResult:
         """A ``PinnedBlob`` is kept as it is (no copy); other blobs are copied, into pinned memory
         on a CUDA host."""
@@ -104,7 +137,7 @@ class DramTier(IndexedTierQueries):
         if isinstance(blob, PinnedBlob):
             stored = blob
         else:
-            stored = PinnedBlob.copy_of(blob) if self.pin_memory else bytes(blob)
+            stored = PinnedBlob.copy_of(blob, self.host_buffer) if self.pin_memory else bytes(blob)
         with self._lock:
             cap = self._tenant_cap(meta.namespace)
             plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),

@@ -9,7 +9,9 @@ of later steps that reuse the blocks are queued after it), and records an event:
 
 so what the step loop pays for a spill is a few kernel launches; encryption and the copy run on
 the GPU's other engines and a worker thread waits for them. The ciphertext lands straight in the
-pinned buffer the DRAM tier keeps (``PinnedBlob.adopt``): written into host memory once, by DMA.
+pinned buffer the DRAM tier keeps (``PinnedBlob.adopt`` of an extent of its page-locked arena,
+``DramTier.host_buffer``): written into host memory once, by DMA, with no page-locked allocation
+on the way (that would stall the step loop's CUDA calls: ``engine.tiers.pinned_arena``).
 The blob is the same as ``TenantCipher.encrypt_for_device`` makes (``engine.tiers.device_aead``),
 so the restore path, and the CPU (``cryptography``) as its oracle, open it unchanged.
 """
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.tiers.device_aead import DEVICE_BLOB_VERSION, DEVICE_HEADER_BYTES, TAG_BYTES, DevicePlaintext
@@ -38,7 +42,8 @@ class DeviceSealer:
         self._lock = threading.Lock()
         self.sealed = 0  # segments, for tests and the benchmark
 
-    def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes) -> PinnedBlob:
+    def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes,
+             host_buffer: Callable[[int], np.ndarray] | None = None) -> PinnedBlob:
         if not isinstance(plain, DeviceKV):
             raise TypeError("DeviceSealer seals DeviceKV")
         data = plain.data
@@ -46,7 +51,10 @@ class DeviceSealer:
         if nbytes % 4 or not data.is_contiguous():
             raise ValueError("device plaintext must be contiguous whole words")
         nonce = secrets.token_bytes(12)
-        blob = torch.empty(DEVICE_HEADER_BYTES + nbytes + TAG_BYTES, dtype=torch.uint8, pin_memory=self._pin)
+        size = DEVICE_HEADER_BYTES + nbytes + TAG_BYTES
+        host = host_buffer(size) if host_buffer is not None else torch.empty(size, dtype=torch.uint8,
+                                                                             pin_memory=self._pin).numpy()
+        blob = torch.from_numpy(host)  # the D2H target; pinned where ``host`` is page-locked
         sums = torch.empty(5, dtype=torch.int64, pin_memory=self._pin)
         with self._lock:
             ctx = torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
@@ -63,12 +71,11 @@ class DeviceSealer:
                     done.record(self._stream)
         if done is not None:
             done.synchronize()  # this worker thread waits; the step loop does not
-        host = blob.numpy()
         host[:DEVICE_HEADER_BYTES] = memoryview(bytes([DEVICE_BLOB_VERSION, 0, 0, 0]) + nonce)
         host[DEVICE_HEADER_BYTES + nbytes:] = memoryview(gpu_aead.seal_tag(launched, sums.tolist()))
         with self._lock:
             self.sealed += 1
-        return PinnedBlob.adopt(blob)
+        return PinnedBlob.adopt(host)
 
 
 class _NoStream:

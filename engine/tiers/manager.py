@@ -188,9 +188,11 @@ class TierManager:
         self.dram: DramTier | None = None
         self.nvme: NvmeTier | None = None
         if dram_bytes > 0:
+            # page-locked room for the segments in flight: one per worker sealing, one being stored
+            in_flight = (max_workers + 1) * max_segment_blocks * block_bytes
             self.dram = DramTier(dram_bytes, pin_memory=pin_memory, score=self.cost.score_fn("dram"),
                                  tenant_cap=self._cap_fn(TierName.DRAM, dram_bytes), floor_fraction=floor_fraction,
-                                 clock=clock)
+                                 clock=clock, arena_slack_bytes=max(in_flight, dram_bytes // 16))
         if nvme_bytes > 0:
             root = Path(nvme_dir) / f"kv-v{FORMAT_VERSION}" / _slug(model_id)
             self.nvme = NvmeTier(root, nvme_bytes, score=self.cost.score_fn("nvme"),
@@ -388,7 +390,8 @@ class TierManager:
         blob: bytes | PinnedBlob
         device_key = cipher.device_key() if self.device_seal and isinstance(cipher, DeviceSealingCipher) else None
         if isinstance(plain, DevicePlaintext) and device_key is not None and self.sealer is not None:
-            blob = self.sealer.seal(device_key, plain, aad)  # sealed in HBM; ciphertext over the link
+            # sealed in HBM; the ciphertext crosses the link into the DRAM tier's page-locked arena
+            blob = self.sealer.seal(device_key, plain, aad, self.dram.host_buffer if self.dram is not None else None)
         else:
             # host plaintext, or device plaintext under a cipher the GPU cannot seal with (AES-GCM
             # only, or a destroyed key: encrypt_for_device then seals under a one-time key)

@@ -49,8 +49,11 @@ class Spec:
 
 
 class TokenKVRunner:
-    def __init__(self, num_kv_blocks: int, block_size: int):
+    def __init__(self, num_kv_blocks: int, block_size: int, spill_device: str = "cpu"):
+        """``spill_device``: where ``gather_blocks_async`` puts its copy (the device sealer's input);
+        "cuda" on a GPU host, where the compiled kernels cannot read CPU tensors."""
         self.num_kv_blocks = num_kv_blocks
+        self.spill_device = spill_device
         self.block_size = block_size
         self.kv_bytes_per_block = block_size * 4
         self.spec = Spec()
@@ -80,14 +83,14 @@ class TokenKVRunner:
         return self.kv[list(block_ids)].contiguous().view(torch.uint8).clone()
 
     def gather_blocks_async(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """The device-spill export (``engine.tiers.engine_hook.GathersOnDevice``): a copy, here on the CPU."""
+        """The device-spill export (``engine.tiers.engine_hook.GathersOnDevice``): a copy on ``spill_device``."""
         self.gathered += len(block_ids)
-        return self.kv[list(block_ids)].contiguous().view(torch.uint8).clone()
+        return self.kv[list(block_ids)].contiguous().view(torch.uint8).to(self.spill_device, copy=True)
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         assert data.dtype == torch.uint8 and data.shape == (len(block_ids), self.kv_bytes_per_block)
         self.imported += len(block_ids)
-        self.kv[list(block_ids)] = data.contiguous().view(torch.int32)
+        self.kv[list(block_ids)] = data.to("cpu").contiguous().view(torch.int32)
 
     def render_prompt(self, messages, tools=None) -> list[int]:
         return self.tokenizer.encode("".join(m["content"] for m in messages))

@@ -173,8 +173,8 @@ def test_step_loop_with_device_spills_and_a_zero_backlog(tmp_path, registry):
 
     cfg = EngineConfig(model_dir=tmp_path / "double", block_size=16, num_kv_blocks=12, dram_bytes=1 << 20,
                        eviction_policy="lru")
-    runner = TokenKVRunner(12, 16)
-    sealer, opener = DeviceSealer("cpu"), DeviceAeadOpener("cpu")  # the CPU runner double
+    runner = TokenKVRunner(12, 16, spill_device=DEVICE)  # its spills in device memory (compiled kernels on CUDA)
+    sealer, opener = DeviceSealer(DEVICE), DeviceAeadOpener(DEVICE)
     # one worker: Triton's interpreter is not thread-safe, and a seal may overlap a restore here
     manager = TierManager.from_config(cfg, runner.kv_bytes_per_block, registry=registry, pin_memory=False,
                                       opener=opener, device_seal=True, sealer=sealer, max_workers=1)
