@@ -22,7 +22,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -46,18 +47,6 @@ PREDICTION = {
 
 PROMPT_LEN, CACHED_LEN, SUFFIX_LEN = 2048, 1920, 128
 N_REQ, REQ_PROMPT, REQ_NEW = 16, 128, 64
-
-
-def git_commit() -> str:
-    """HEAD, with "-dirty" if tracked files differ from it (taken at start, before any code runs)."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

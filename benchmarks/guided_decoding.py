@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,18 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
+
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12}, "rain": {"type": "boolean"},
     "temp": {"type": "integer", "minimum": -50, "maximum": 50}},
     "required": ["city", "rain", "temp"], "additionalProperties": False}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("PREFIXGATE_COMMIT", "unknown")
 
 
 def sampler_bench(runner, device: str, rows: int, iters: int) -> list[dict]:

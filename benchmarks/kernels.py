@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
 from kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
@@ -103,18 +102,6 @@ def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("nan")
     return float((out - want).norm() / want.norm().clamp(min=1e-12))
-
-
-def git_commit() -> str:
-    if os.environ.get("PREFIXGATE_COMMIT"):
-        return os.environ["PREFIXGATE_COMMIT"]
-    marker = Path(__file__).resolve().parents[1] / "COMMIT"
-    if marker.exists():
-        return marker.read_text().strip()
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def ceilings() -> dict:

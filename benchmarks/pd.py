@@ -48,7 +48,6 @@ import random
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -61,6 +60,7 @@ from prometheus_client import CollectorRegistry
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
 from engine.disagg.request_wire import request_to_wire  # noqa: E402
 from engine.launch import ensure_smol_model, ensure_tiny_model  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
@@ -92,17 +92,6 @@ PREDICTION_GPU = {
                         "processes' kernels time-slice the one GPU, so a long prefill still delays decode steps",
     "long_ttft": "split higher: lookup + prefill round trip + transfer + import + the decode node's first step",
 }
-
-
-def git_commit() -> str:
-    """PREFIXGATE_COMMIT where the tree was copied without its own .git (GPU machines), else git's."""
-    if os.environ.get("PREFIXGATE_COMMIT"):
-        return os.environ["PREFIXGATE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def pct(xs: list[float], q: float) -> float | None:

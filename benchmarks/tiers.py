@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ import torch  # noqa: E402
 from cryptography.exceptions import InvalidTag  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 
+from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
 from engine.config import EngineConfig  # noqa: E402
 from engine.launch import build_llm_engine  # noqa: E402
 from engine.models.tiny import ensure_tiny_checkpoint  # noqa: E402
@@ -160,14 +160,6 @@ def drop_page_cache_of(root: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:

@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
+
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
@@ -128,16 +129,6 @@ class _nothing:
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
-        return (sha or "unknown") + ("-dirty" if dirty.strip() else "")
-    except OSError:
-        return "unknown"
 
 
 def timed(fn: Callable[[], Any], dev: torch.device) -> float:

@@ -43,6 +43,14 @@ def tenant(name: str, cipher=...) -> StaticTenantScope:
                              cipher=AesGcmCipher() if cipher is ... else cipher)
 
 
+def acme(cipher=None) -> StaticTenantScope:
+    """Tenant "acme" with tenancy's real ``TenantCipher`` (it also seals for the GPU) unless given one."""
+    from tenancy.crypto import TenantCipher, new_data_key
+
+    return StaticTenantScope(namespace=b"ns-acme", metrics_label="acme",
+                             cipher=cipher or TenantCipher(new_data_key(), owner="acme"))
+
+
 def chain(namespace: bytes, num_blocks: int, seed: int = 0) -> list[bytes]:
     """h_i = SHA-256(h_{i-1} || tokens of block i), h_{-1} = namespace (the engine's rule)."""
     rng = random.Random(seed)

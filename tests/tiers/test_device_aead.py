@@ -20,15 +20,10 @@ from engine.protocol import StaticTenantScope  # noqa: E402
 from engine.tiers.device_aead import DEVICE_BLOB_VERSION, DeviceSealingCipher, device_blob_parts  # noqa: E402
 from engine.tiers.gpu_opener import DeviceAeadOpener, PinnedHostOpener  # noqa: E402
 from tenancy.crypto import TenantCipher, new_data_key  # noqa: E402
-from tests.tiers.conftest import AesGcmCipher, chain, kv_bytes, metric  # noqa: E402
+from tests.tiers.conftest import AesGcmCipher, acme, chain, kv_bytes, metric  # noqa: E402
 from tests.tiers.test_manager import restore_all, spill  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def acme(cipher=None) -> StaticTenantScope:
-    return StaticTenantScope(namespace=b"ns-acme", metrics_label="acme",
-                             cipher=cipher or TenantCipher(new_data_key(), owner="acme"))
 
 
 def host(data) -> bytes:

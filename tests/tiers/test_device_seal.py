@@ -26,15 +26,10 @@ from engine.tiers.dram import PinnedBlob  # noqa: E402
 from engine.tiers.gpu_opener import DeviceAeadOpener  # noqa: E402
 from engine.tiers.gpu_sealer import DeviceSealer  # noqa: E402
 from tenancy.crypto import TenantCipher, new_data_key  # noqa: E402
-from tests.tiers.conftest import BLOCK_BYTES, AesGcmCipher, chain, kv_bytes  # noqa: E402
+from tests.tiers.conftest import BLOCK_BYTES, AesGcmCipher, acme, chain, kv_bytes  # noqa: E402
 from tests.tiers.test_manager import restore_all, spill  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def acme(cipher=None) -> StaticTenantScope:
-    return StaticTenantScope(namespace=b"ns-acme", metrics_label="acme",
-                             cipher=cipher or TenantCipher(new_data_key(), owner="acme"))
 
 
 def on_device(data: bytes, block_bytes: int = BLOCK_BYTES) -> DeviceKV:
