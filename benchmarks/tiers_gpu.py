@@ -341,7 +341,13 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
     def run(mode: str, steps: int) -> dict:
         g = torch.Generator().manual_seed(11)
         t_run = time.perf_counter()
-        hook = _tier_hook(dev, runner, mode, dram_bytes, seg_blocks)
+        # "<mode>_si": the same with a 0.2 ms GIL switch interval (default 5 ms): how much of a spill's
+        # cost is the step loop waiting for the GIL that a tier worker's Python holds
+        base_mode, short_switch = (mode[:-3], True) if mode.endswith("_si") else (mode, False)
+        switch0 = sys.getswitchinterval()
+        if short_switch:
+            sys.setswitchinterval(2e-4)
+        hook = _tier_hook(dev, runner, base_mode, dram_bytes, seg_blocks)
         engine = LLMEngine(config, runner, lower_tier=hook, num_blocks=pool)
         who = _tenant(mode)
         try:
@@ -359,16 +365,17 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                                                                                 ignore_eos=True),
                                                    prompt_token_ids=torch.randint(0, vocab, (prompt + i % 16,),
                                                                                   generator=g).tolist()))
-            times, evicting, n = [], [], 0
+            times, cpu, evicting, n = [], [], [], 0
             while engine.has_unfinished():
                 e0 = engine.cache.num_evictions
                 sync(dev)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 outs = engine.step()
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 n += 1
                 if n > 2 and len(outs) == seqs:  # every sequence decoding (after the prefill steps)
                     times.append(dt)
+                    cpu.append(dc)
                     evicting.append(engine.cache.num_evictions > e0)
             spilled = engine.cache.num_evictions - evicted0
             t0 = time.perf_counter()
@@ -380,6 +387,10 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
             arena = hook.manager.dram.arena_stats() if hook is not None and hook.manager.dram is not None else None
             return {"mode": mode, "at_s": t_run - t_section, "steps": len(times), "p50_ms": 1e3 * _percentile(times, 0.5),
                     "p99_ms": 1e3 * _percentile(times, 0.99), "mean_ms": 1e3 * statistics.fmean(times),
+                    # the step loop thread's own CPU time per step: wall minus this is waiting (GPU, GIL, backlog)
+                    "cpu_p50_ms": 1e3 * _percentile(cpu, 0.5), "switch_interval_s": sys.getswitchinterval(),
+                    "backlog_waits": hook.backlog_waits if hook else 0,
+                    "backlog_wait_s": hook.backlog_wait_s if hook else 0.0,
                     "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,
                     "drain_after_s": drain_s, "dram_used_bytes": tier.get("dram", {}).get("used_bytes"),
                     "sealed_on_device": getattr(hook.manager.sealer, "sealed", 0) if hook else 0,
@@ -387,6 +398,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     "arena": dataclasses.asdict(arena) if arena is not None else None,
                     "step_ms": [round(1e3 * t, 3) for t in times]}
         finally:
+            sys.setswitchinterval(switch0)
             if hook is not None:
                 hook.close()
             del engine
@@ -524,12 +536,14 @@ def table(r: dict) -> str:
                      f"CUDA graphs {sl.get('cuda_graphs', False)}")
         base = next((x for x in sl["runs"] if x["mode"] == "off"), None)
         lines.append(f"{'mode':<10}{'p50 ms':>8}{'p99 ms':>8}{'p99 vs off':>11}{'steps':>7}{'evicting':>9}"
-                     f"{'blocks':>8}{'drain s':>8}  arena (pinned, fallbacks)")
+                     f"{'blocks':>8}{'drain s':>8}{'cpu p50':>8}{'waits':>6}{'wait s':>7}  arena (pinned, fallbacks)")
         for x in sl["runs"]:
             vs = f"{100 * (x['p99_ms'] / base['p99_ms'] - 1):+.1f}%" if base else "-"
             a = x.get("arena")
             lines.append(f"{x['mode']:<10}{x['p50_ms']:>8.2f}{x['p99_ms']:>8.2f}{vs:>11}{x['steps']:>7}"
                          f"{x['steps_evicting']:>9}{x['blocks_evicted']:>8}{x['drain_after_s']:>8.2f}"
+                         f"{x.get('cpu_p50_ms', float('nan')):>8.2f}{x.get('backlog_waits', 0):>6}"
+                         f"{x.get('backlog_wait_s', 0.0):>7.2f}"
                          + (f"  {a['pinned']}, {a['fallbacks']}/{a['allocations']}" if a else ""))
         for mode, m in sl.get("summary", {}).items():
             vs = f"{100 * (m['p99_vs_nearest_off'] - 1):+.1f}%" if m["p99_vs_nearest_off"] else "-"

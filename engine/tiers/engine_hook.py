@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -82,6 +83,9 @@ class TierHook:
         self.device_backlog_bytes = device_backlog_bytes
         self._backlog: deque[tuple[Future, int]] = deque()  # device-resident demotions, oldest first
         self._backlog_bytes = 0
+        # the step loop's time blocked on the backlog cap: spills arriving faster than they are sealed
+        self.backlog_waits = 0
+        self.backlog_wait_s = 0.0
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         # evicted blocks not yet handed down, deepest first: (tenant, block, bytes [1, B])
         self._run: list[tuple[TenantScope, EvictedBlock, torch.Tensor]] = []
@@ -148,7 +152,11 @@ class TierHook:
         while self._backlog and (self._backlog[0][0].done()
                                  or self._backlog_bytes + adding > self.device_backlog_bytes):
             fut, n = self._backlog.popleft()
-            fut.exception()  # waits if needed; a failure was logged by the manager
+            if not fut.done():
+                self.backlog_waits += 1
+                t0 = time.perf_counter()
+                fut.exception()  # waits; a failure was logged by the manager
+                self.backlog_wait_s += time.perf_counter() - t0
             self._backlog_bytes -= n
 
     # ---- restores ------------------------------------------------------------------------------
