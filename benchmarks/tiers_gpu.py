@@ -34,11 +34,13 @@ Writes ``benchmarks/results/tiers_gpu_h200.json`` (or ``--out``) with command, m
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import gc
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import tempfile
@@ -323,7 +325,7 @@ def _percentile(xs: Sequence[float], q: float) -> float:
 
 
 def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: int, decode: int, pool: int,
-                 filler: int, dram_bytes: int, seg_blocks: int, modes: Sequence[str]) -> dict:
+                 filler: int, dram_bytes: int, seg_blocks: int, modes: Sequence[str], profile: bool = False) -> dict:
     """Per-step wall time of ``seqs`` sequences decoding ``decode`` tokens while the pool evicts.
 
     The pool (``pool`` blocks) is first filled with cached blocks of finished ``filler``-token
@@ -366,6 +368,9 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                                                    prompt_token_ids=torch.randint(0, vocab, (prompt + i % 16,),
                                                                                   generator=g).tolist()))
             times, cpu, evicting, n = [], [], [], 0
+            prof = cProfile.Profile() if profile else None  # the step loop's thread only
+            if prof is not None:
+                prof.enable()
             while engine.has_unfinished():
                 e0 = engine.cache.num_evictions
                 sync(dev)
@@ -377,6 +382,8 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     times.append(dt)
                     cpu.append(dc)
                     evicting.append(engine.cache.num_evictions > e0)
+            if prof is not None:
+                prof.disable()
             spilled = engine.cache.num_evictions - evicted0
             t0 = time.perf_counter()
             if hook is not None:
@@ -396,7 +403,8 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     "sealed_on_device": getattr(hook.manager.sealer, "sealed", 0) if hook else 0,
                     # the DRAM tier's page-locked arena: blobs that found no extent went to pageable memory
                     "arena": dataclasses.asdict(arena) if arena is not None else None,
-                    "step_ms": [round(1e3 * t, 3) for t in times]}
+                    "step_ms": [round(1e3 * t, 3) for t in times],
+                    "profile_top": _profile_top(prof, n) if prof is not None else None}
         finally:
             sys.setswitchinterval(switch0)
             if hook is not None:
@@ -407,10 +415,21 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
     run("off", decode)  # warm-up: every shape of the measured runs once (kernels compiled, tuned)
     for mode in modes:
         r = run(mode, decode)
-        print(f"   stepload {mode}: " + str({k: v for k, v in r.items() if k != "step_ms"}), flush=True)
+        print(f"   stepload {mode}: " + str({k: v for k, v in r.items() if k not in ("step_ms", "profile_top")}),
+              flush=True)
+        for line in r.get("profile_top") or []:
+            print(f"     {line}", flush=True)
         out["runs"].append(r)
     out["summary"] = stepload_summary(out["runs"])
     return out
+
+
+def _profile_top(prof: cProfile.Profile, steps: int, n: int = 18) -> list[str]:
+    """The step loop's functions by own time, per step of the loop (its prefill steps included)."""
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:n]  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    return [f"{1e6 * tt / steps:8.1f} us/step own, {1e6 * ct / steps:8.1f} cum, {nc / steps:6.1f} calls: "
+            f"{Path(f).name}:{line} {name}" for (f, line, name), (_cc, nc, tt, ct, _c) in rows]
 
 
 def stepload_summary(runs: Sequence[dict]) -> dict:
@@ -571,6 +590,8 @@ def main() -> int:
     ap.add_argument("--sections", default="ceilings,kernel,recompute,restore,stepload,engine_ttft")
     ap.add_argument("--stepload-modes", default="off,gpu_seal,cpu_seal,off")
     ap.add_argument("--stepload-decode", type=int, default=256, help="decode tokens per sequence")
+    ap.add_argument("--stepload-profile", action="store_true",
+                    help="cProfile the step loop's thread in each stepload run (top entries per step in the JSON)")
     ap.add_argument("--stepload-graphs", action="store_true",
                     help="stepload on a second runner with CUDA graphs (the engine's GPU default)")
     args = ap.parse_args()
@@ -634,7 +655,7 @@ def main() -> int:
             sl_runner = make_runner(dev, shape, 2048, 768 + 8, max_num_seqs=32, graphs=True)
         result["sections"]["stepload"] = section("stepload", lambda: sec_stepload(
             dev, sl_runner, **sl, dram_bytes=4 << 30 if not args.smoke else 16 << 20, seg_blocks=seg_blocks,
-            modes=args.stepload_modes.split(",")))
+            modes=args.stepload_modes.split(","), profile=args.stepload_profile))
     if "engine_ttft" in wanted:
         result["sections"]["engine_ttft"] = section("engine_ttft", lambda: sec_engine_ttft(
             dev, runner, prefix=prefix, suffix=15, trials=trials, pool=num_blocks + 8,
