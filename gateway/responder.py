@@ -114,20 +114,26 @@ class EventStream(Response):
         try:
             if first is not None:
                 acct.observe(*first)
-                for chunk in fmt.chunks(*first):
-                    await send({"type": "http.response.body", "body": fmt.frame(chunk), "more_body": True})
+                await _send_events(send, fmt, *first)
             async for i, out in outputs:
                 _check(out)
                 acct.observe(i, out)
-                for chunk in fmt.chunks(i, out):
-                    await send({"type": "http.response.body", "body": fmt.frame(chunk), "more_body": True})
+                await _send_events(send, fmt, i, out)
             tail = fmt.tail(acct.usage_dict())
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, as OpenAI does
             status, tail = "error", fmt.error_frames(engine_failure(exc))
-        for frame in tail:
-            await send({"type": "http.response.body", "body": frame, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # The tail (usage, [DONE]) ends the body in the same message: one write, not one per frame.
+        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
         return status
+
+
+async def _send_events(send: Send, fmt: WireFormat, i: int, out: RequestOutput) -> None:
+    """The events of one engine increment of choice ``i`` (a chat stream's first has two: the role,
+    then the text) in one body message: each message is a write to the socket. Nothing is held
+    back for a later increment, so no event goes out later than it did one message apiece."""
+    chunks = fmt.chunks(i, out)
+    if chunks:
+        await send({"type": "http.response.body", "body": b"".join(map(fmt.frame, chunks)), "more_body": True})
 
 
 async def _wait_disconnect(receive: Receive) -> None:
