@@ -12,6 +12,8 @@ import threading
 import httpx
 import pytest
 from gateway_fakes import FakeTenancy, LoopbackServer
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from gateway.app import create_app
 from gateway.responder import ClientWatch
@@ -97,12 +99,6 @@ class SlowUpstream:
         self.seen = threading.Event()
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - raw ASGI
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                while (await receive())["type"] != "lifespan.shutdown":
-                    await send({"type": "lifespan.startup.complete"})
-                await send({"type": "lifespan.shutdown.complete"})
-            return
         while (await receive()).get("more_body"):
             pass
         self.seen.set()
@@ -127,7 +123,7 @@ def gateway(monkeypatch):
     upstream = SlowUpstream()
     tenancy = FakeTenancy()
     key = tenancy.add("acme")
-    with LoopbackServer(upstream) as up:
+    with LoopbackServer(Starlette(routes=[Mount("/", app=upstream)])) as up:  # Starlette: the lifespan
         route = RouteConfig(model="up", provider="openai/x", api_base=f"{up.url}/v1",
                             api_key_env="PG_TEST_UPSTREAM_KEY", transport="direct")
         with LoopbackServer(create_app(GatewaySettings(routes=(route,)), tenancy=tenancy)) as gw:
