@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from types import TracebackType
 
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -58,8 +59,8 @@ class EventStream(Response):
     too long for a node) answers with its real HTTP status, so SDK retries work; only an error
     after the first token goes in-band, as OpenAI does.
 
-    One task runs the choices and sends (so one choice needs no pump task: ``run_choices``'
-    ``one_task``), a second waits for the client to go away and then cancels the first, which
+    The request's own task runs the choices and sends (so one choice needs no pump task:
+    ``run_choices``' ``one_task``); a ``ClientWatch`` cancels it when the client goes away, which
     closes ``run_choices`` (aborting the engine requests) before the ledger row says aborted.
     Starlette's ``StreamingResponse`` would add an anyio task group, ~60 Python calls a stream.
     """
@@ -75,20 +76,12 @@ class EventStream(Response):
         self.init_headers({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.create_task(self._run(scope, receive, send))
-        gone = asyncio.create_task(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-        if work.cancelled():  # the client left: its row says aborted (written by _run)
-            if not self.started:
-                await _client_gone()(scope, receive, send)
-            return
-        work.result()  # a failure while sending is the server's, as it was under Starlette
+        with ClientWatch(receive) as watch:
+            await self._run(scope, receive, send)
+        # A failure while sending is the server's, as it was under Starlette: ClientWatch lets it
+        # through; a client that left before the status line gets its 499 (the row says aborted).
+        if watch.left and not self.started:
+            await _client_gone()(scope, receive, send)
 
     async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
         prep, acct = self.prep, self.acct
@@ -121,20 +114,26 @@ class EventStream(Response):
         try:
             if first is not None:
                 acct.observe(*first)
-                for chunk in fmt.chunks(*first):
-                    await send({"type": "http.response.body", "body": fmt.frame(chunk), "more_body": True})
+                await _send_events(send, fmt, *first)
             async for i, out in outputs:
                 _check(out)
                 acct.observe(i, out)
-                for chunk in fmt.chunks(i, out):
-                    await send({"type": "http.response.body", "body": fmt.frame(chunk), "more_body": True})
+                await _send_events(send, fmt, i, out)
             tail = fmt.tail(acct.usage_dict())
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, as OpenAI does
             status, tail = "error", fmt.error_frames(engine_failure(exc))
-        for frame in tail:
-            await send({"type": "http.response.body", "body": frame, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # The tail (usage, [DONE]) ends the body in the same message: one write, not one per frame.
+        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
         return status
+
+
+async def _send_events(send: Send, fmt: WireFormat, i: int, out: RequestOutput) -> None:
+    """The events of one engine increment of choice ``i`` (a chat stream's first has two: the role,
+    then the text) in one body message: each message is a write to the socket. Nothing is held
+    back for a later increment, so no event goes out later than it did one message apiece."""
+    chunks = fmt.chunks(i, out)
+    if chunks:
+        await send({"type": "http.response.body", "body": b"".join(map(fmt.frame, chunks)), "more_body": True})
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -145,6 +144,50 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
+class ClientWatch:
+    """Cancels the current task if the client disconnects while the ``with`` block runs.
+
+    The work stays in the request's own task and one watcher task waits on ``receive``: running
+    the work in a task of its own as well cost a second task and an ``asyncio.wait`` per request
+    (issue 17). The cancellation is the watch's own: ``__exit__`` takes it back (``uncancel``) and
+    swallows the ``CancelledError`` it caused, unless the task was also cancelled from elsewhere
+    (server shutdown), which goes on. ``gone``: the client left during the block; ``left``: and
+    the block ended by that cancellation.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._active = False
+        self.gone = False
+        self.left = False
+
+    def __enter__(self) -> ClientWatch:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("ClientWatch needs a running task")
+        self._task = task
+        self._watcher = asyncio.create_task(_wait_disconnect(self._receive))
+        self._watcher.add_done_callback(self._on_watcher_done)
+        self._active = True
+        return self
+
+    def _on_watcher_done(self, watcher: asyncio.Task[None]) -> None:
+        # The flag, not remove_done_callback: a watcher that finished just before the block ended
+        # may already have this call scheduled, and a late cancel would hit the response's send.
+        if self._active and not watcher.cancelled():
+            self.gone = True
+            self._task.cancel()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        self._active = False
+        self._watcher.cancel()
+        if not self.gone or self._task.uncancel() > 0:
+            return False
+        self.left = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        return self.left
+
+
 def _client_gone() -> JSONResponse:
     return JSONResponse({"error": {"message": "client disconnected", "type": "server_error",
                                    "param": None, "code": "client_closed_request"}}, status_code=499)
@@ -152,31 +195,22 @@ def _client_gone() -> JSONResponse:
 
 async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireFormat, receive: Receive) -> JSONResponse:
     acc = ChoiceText(prep)
-
-    async def collect() -> None:
-        async with aclosing(run_choices(prep, router, one_task=True)) as outputs:  # all in this task
-            async for i, out in outputs:
-                _check(out)
-                acct.observe(i, out)
-                acc.add(i, out)
-
-    work = asyncio.create_task(collect())
-    gone = asyncio.create_task(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # client disconnected: cancelling the work aborts the engine requests
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            acct.record("aborted")
-            return _client_gone()
-        exc = work.exception()
-        if exc is not None:
-            acct.record("error")
-            raise engine_failure(exc)
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
+    failure: Exception | None = None
+    with ClientWatch(receive) as watch:
+        try:
+            async with aclosing(run_choices(prep, router, one_task=True)) as outputs:  # all in this task
+                async for i, out in outputs:
+                    _check(out)
+                    acct.observe(i, out)
+                    acc.add(i, out)
+        except Exception as exc:  # noqa: BLE001 - answered below, unless the client has left
+            failure = exc
+    if watch.gone:  # the client disconnected: leaving run_choices aborted the engine requests
+        acct.record("aborted")
+        return _client_gone()
+    if failure is not None:
+        acct.record("error")
+        raise engine_failure(failure)
     # Build the whole response before the row says "ok": a response that cannot be rendered is an error.
     try:
         usage = acct.usage_dict()

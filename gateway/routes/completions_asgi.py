@@ -17,7 +17,6 @@ whose tests override dependencies (``app.dependency_overrides``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 
 from pydantic import ValidationError
@@ -72,6 +71,23 @@ def _is_json(content_type: bytes | None) -> bool:
     return maintype == b"application" and (subtype == b"json" or subtype.endswith(b"+json"))
 
 
+def _validated(schema: type[ChatCompletionRequest] | type[CompletionRequest], body: bytes
+               ) -> ChatCompletionRequest | CompletionRequest | None:
+    """``body`` parsed and validated in one pass of pydantic's JSON parser (not ``json.loads`` and
+    then the model), or None for FastAPI to answer.
+
+    Whatever this parser refuses but ``json.loads`` would take (a UTF-8 BOM, UTF-16, a lone
+    surrogate escape, which the scan refuses anyway) goes to FastAPI too, which parses it with
+    ``json.loads`` and validates it as before: the answer is the same, only slower.
+    """
+    if not body:
+        return None
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError:  # jiter's own depth limit included
+        return None
+
+
 class CompletionRoutes:
     """ASGI middleware: serves the completion routes itself, hands everything else to ``app``."""
 
@@ -94,14 +110,11 @@ class CompletionRoutes:
                 authorization = value.decode("latin-1")
             elif name == b"content-type" and content_type is None:
                 content_type = value
-        try:
-            data = json.loads(body) if body and _is_json(content_type) else None
-        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep: FastAPI's own 400 says so
-            data = None
-        if data is None:
+        kind, schema = route
+        request = _validated(schema, body) if _is_json(content_type) else None
+        if request is None:  # FastAPI answers it: its 400, and the refused-request accounting
             await self.app(scope, replaying(body, receive), send)
             return
-        kind, schema = route
         response = None
         try:
             tenancy = self.state.tenancy
@@ -109,11 +122,6 @@ class CompletionRoutes:
                 raise OpenAIError(503, "tenancy is not configured on this server (start it with --home)",
                                   code="no_tenancy")
             ctx = authenticate_bearer(tenancy, authorization, self.state.metrics)
-            try:
-                request = schema.model_validate(data)
-            except ValidationError:
-                await self.app(scope, replaying(body, receive), send)
-                return
             response = await handle(kind, request, ctx, Parts.of(self.state, tenancy, self.state.engine), receive)
         except OpenAIError as err:
             response = err.response()

@@ -78,3 +78,21 @@ def test_dependency_overrides_send_the_routes_to_fastapi(served):
     app.dependency_overrides[get_engine] = lambda: other
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert solves and other.requests
+
+
+def test_json_that_only_json_loads_takes_is_answered_as_before(served):
+    """The fast path parses with pydantic's JSON parser; a body only ``json.loads`` takes goes to
+    FastAPI and gets the answer it always had: served (a UTF-8 BOM), or the scan's 400 naming the
+    lone surrogate."""
+    _, client, solves, tenancy = served
+    bom = b"\xef\xbb\xbf" + b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    r = client.post("/v1/chat/completions", content=bom, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert solves and [row.status for row in tenancy.rows] == ["ok"]
+    lone = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}'
+    r = client.post("/v1/chat/completions", content=lone, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    # a refused body with a bad key: the key is refused first, as on FastAPI's own routes
+    r = client.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": "hi"}',
+                    headers={"content-type": "application/json", "Authorization": "Bearer sk-wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
