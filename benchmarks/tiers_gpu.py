@@ -367,7 +367,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                                                                                 ignore_eos=True),
                                                    prompt_token_ids=torch.randint(0, vocab, (prompt + i % 16,),
                                                                                   generator=g).tolist()))
-            times, cpu, evicting, n = [], [], [], 0
+            times, cpu, replay, evicting, n = [], [], [], [], 0
             prof = cProfile.Profile() if profile else None  # the step loop's thread only
             if prof is not None:
                 prof.enable()
@@ -381,6 +381,10 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                 if n > 2 and len(outs) == seqs:  # every sequence decoding (after the prefill steps)
                     times.append(dt)
                     cpu.append(dc)
+                    # the graph replay's own GPU time: does sealing slow the device, or the host?
+                    ms = runner.decode_graphs.last_replay_ms() if runner.decode_graphs is not None else None
+                    if ms is not None:
+                        replay.append(ms)
                     evicting.append(engine.cache.num_evictions > e0)
             if prof is not None:
                 prof.disable()
@@ -396,6 +400,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     "p99_ms": 1e3 * _percentile(times, 0.99), "mean_ms": 1e3 * statistics.fmean(times),
                     # the step loop thread's own CPU time per step: wall minus this is waiting (GPU, GIL, backlog)
                     "cpu_p50_ms": 1e3 * _percentile(cpu, 0.5), "switch_interval_s": sys.getswitchinterval(),
+                    "replay_p50_ms": _percentile(replay, 0.5) if replay else None,
                     "backlog_waits": hook.backlog_waits if hook else 0,
                     "backlog_wait_s": hook.backlog_wait_s if hook else 0.0,
                     "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,
@@ -555,13 +560,15 @@ def table(r: dict) -> str:
                      f"CUDA graphs {sl.get('cuda_graphs', False)}")
         base = next((x for x in sl["runs"] if x["mode"] == "off"), None)
         lines.append(f"{'mode':<10}{'p50 ms':>8}{'p99 ms':>8}{'p99 vs off':>11}{'steps':>7}{'evicting':>9}"
-                     f"{'blocks':>8}{'drain s':>8}{'cpu p50':>8}{'waits':>6}{'wait s':>7}  arena (pinned, fallbacks)")
+                     f"{'blocks':>8}{'drain s':>8}{'cpu p50':>8}{'gpu p50':>8}{'waits':>6}{'wait s':>7}"
+                     "  arena (pinned, fallbacks)")
         for x in sl["runs"]:
             vs = f"{100 * (x['p99_ms'] / base['p99_ms'] - 1):+.1f}%" if base else "-"
             a = x.get("arena")
             lines.append(f"{x['mode']:<10}{x['p50_ms']:>8.2f}{x['p99_ms']:>8.2f}{vs:>11}{x['steps']:>7}"
                          f"{x['steps_evicting']:>9}{x['blocks_evicted']:>8}{x['drain_after_s']:>8.2f}"
-                         f"{x.get('cpu_p50_ms', float('nan')):>8.2f}{x.get('backlog_waits', 0):>6}"
+                         f"{x.get('cpu_p50_ms', float('nan')):>8.2f}{x.get('replay_p50_ms') or float('nan'):>8.2f}"
+                         f"{x.get('backlog_waits', 0):>6}"
                          f"{x.get('backlog_wait_s', 0.0):>7.2f}"
                          + (f"  {a['pinned']}, {a['fallbacks']}/{a['allocations']}" if a else ""))
         for mode, m in sl.get("summary", {}).items():
@@ -591,7 +598,8 @@ def main() -> int:
     ap.add_argument("--stepload-modes", default="off,gpu_seal,cpu_seal,off")
     ap.add_argument("--stepload-decode", type=int, default=256, help="decode tokens per sequence")
     ap.add_argument("--stepload-profile", action="store_true",
-                    help="cProfile the step loop's thread in each stepload run (top entries per step in the JSON)")
+                    help="cProfile each stepload run (top entries per step in the JSON; on Python 3.12+ "
+                         "cProfile sees every thread, the tier workers too)")
     ap.add_argument("--stepload-graphs", action="store_true",
                     help="stepload on a second runner with CUDA graphs (the engine's GPU default)")
     args = ap.parse_args()
