@@ -241,3 +241,24 @@ def test_packed_chain_equals_the_block_by_block_reference(block_size):
         got: list[BlockHash] = list(ref[:resume])  # blocks hashed before, as a request keeps them
         assert extend_block_hashes(b"tenant-ns", toks, block_size, got) == len(ref) - resume
         assert got == ref
+
+
+def test_free_and_touch_keep_per_namespace_use_exact_when_they_fail_midway():
+    """free and touch update the namespace's use once per call: a call that raises half-way must
+    still count exactly the blocks it changed (check_integrity compares with the refcounts)."""
+    pool = BlockPool(8, BS)
+    a = pool.allocate(3, b"a")
+    b = pool.allocate(1, b"b")
+    assert a is not None and b is not None
+    parent = None
+    for i, h in enumerate(block_hashes(b"a", list(range(3 * BS)), BS)):
+        parent = pool.register(a[i], h, i, parent)
+    pool.free(a)
+    with pytest.raises(ValueError):
+        pool.touch([a[0], a[1], b[0]], b"a")  # b[0] is not an indexed block of namespace a
+    assert pool.used_by(b"a") == 2
+    pool.check_integrity([[a[0], a[1]], b])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([a[2], a[0], a[1]])  # freed in reverse: a[1], a[0], then a[2] is not held
+    assert pool.used_by(b"a") == 0 and pool.used_by(b"b") == 1
+    pool.check_integrity([b])
