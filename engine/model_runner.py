@@ -20,6 +20,7 @@ stream so that tier transfers overlap the compute stream. CPU behaviour is uncha
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -64,52 +65,38 @@ class LaunchedStep:
     sampled_row: Mapping[int, int]
 
 
-# A chunk at least this long gets its positions and slots from tensor ops (a fixed ~17 us on a
-# 2-core Xeon: 512 tokens 114 -> 17 us, 8,192 tokens 1,430 -> 30 us); shorter ones (decodes) from
-# the Python loop, ~0.2 us per token.
-TENSOR_SLOTS_FROM_TOKENS = 64
+# A chunk at least this long gets its slots block by block (one range per block) instead of token
+# by token (~0.2 us per token on a 2-core Xeon). Plain Python, no tensor ops: right after a forward
+# a dozen small torch ops cost ~150 us on that CPU (cold caches), more than the loop they replace.
+BLOCKWISE_SLOTS_FROM_TOKENS = 32
 
 
-def positions_and_slots(chunks: Sequence[SequenceChunk], tables: torch.Tensor,
-                        block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed batch's positions [T] and cache slots [T] (int64, on the host): chunk ``b``'s
-    token at position ``p`` goes to slot ``tables[b, p // block_size] * block_size + p % block_size``.
-    ``tables`` [B, max_blocks] is the chunks' block tables, padded."""
-    pos_parts: list[torch.Tensor] = []
-    slot_parts: list[torch.Tensor] = []
-    positions: list[int] = []  # short chunks', not yet in a tensor
-    slots: list[int] = []
-
-    def flush() -> None:
-        if positions:
-            pos_parts.append(host_tensor(positions, torch.int64))
-            slot_parts.append(host_tensor(slots, torch.int64))
-            positions.clear()
-            slots.clear()
-
-    for b, c in enumerate(chunks):
-        if c.num_tokens >= TENSOR_SLOTS_FROM_TOKENS:
-            flush()
-            pos_parts.append(torch.arange(c.start_pos, c.context_len, dtype=torch.int64))
-            slot_parts.append(_chunk_slots(tables[b], c.start_pos, c.num_tokens, block_size))
+def positions_and_slots(chunks: Sequence[SequenceChunk], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed batch's positions [T] and cache slots [T] (int64, on the host): a chunk's token at
+    position ``p`` goes to slot ``block_table[p // block_size] * block_size + p % block_size``."""
+    positions = array("q")
+    slots = array("q")
+    for c in chunks:
+        start, end, table = c.start_pos, c.context_len, c.block_table
+        positions.extend(range(start, end))
+        if c.num_tokens >= BLOCKWISE_SLOTS_FROM_TOKENS:
+            slots.extend(_blockwise_slots(table, start, end, block_size))
             continue
-        table = c.block_table
-        for p in range(c.start_pos, c.context_len):
-            positions.append(p)
+        for p in range(start, end):
             slots.append(table[p // block_size] * block_size + p % block_size)
-    flush()
-    if len(pos_parts) == 1:
-        return pos_parts[0], slot_parts[0]
-    return torch.cat(pos_parts), torch.cat(slot_parts)
+    return torch.frombuffer(positions, dtype=torch.int64), torch.frombuffer(slots, dtype=torch.int64)
 
 
-def _chunk_slots(table: torch.Tensor, start: int, n: int, block_size: int) -> torch.Tensor:
-    """Slots of positions ``start .. start+n-1`` from one sequence's block table [max_blocks]: every
-    slot of the blocks they span, in order, cut to the first position's offset and ``n``."""
+def _blockwise_slots(table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Slots of positions ``start .. end-1`` (end > start): every slot of the blocks they span, in
+    order, cut to the first position's offset and the count."""
     first = start // block_size
-    blocks = table[first : (start + n - 1) // block_size + 1].to(torch.int64)
-    every = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
-    return every[start - first * block_size : start - first * block_size + n]
+    every: list[int] = []
+    for block in table[first : (end - 1) // block_size + 1]:
+        base = block * block_size
+        every.extend(range(base, base + block_size))
+    offset = start - first * block_size
+    return every[offset : offset + end - start]
 
 
 class ModelRunner:
@@ -289,7 +276,7 @@ class ModelRunner:
             flat.extend(c.block_table[:n])
             flat.extend([0] * (max_blocks - n))
         tables = host_tensor(flat, torch.int32).reshape(len(chunks), max_blocks)  # [B, max_blocks]
-        positions, slots = positions_and_slots(chunks, tables, bs)
+        positions, slots = positions_and_slots(chunks, bs)
         dev = self.kv_cache.device
         meta = AttentionMetadata(
             slot_mapping=tensor_to_device(slots, dev),

@@ -10,7 +10,7 @@ import torch
 
 from engine.batch import SequenceChunk
 from engine.host_to_device import host_tensor, to_device
-from engine.model_runner import TENSOR_SLOTS_FROM_TOKENS, positions_and_slots
+from engine.model_runner import BLOCKWISE_SLOTS_FROM_TOKENS, positions_and_slots
 from engine.protocol import SamplingParams
 
 
@@ -24,14 +24,8 @@ def reference(chunks: list[SequenceChunk], bs: int) -> tuple[list[int], list[int
     return positions, slots
 
 
-def padded_tables(chunks: list[SequenceChunk], bs: int) -> torch.Tensor:
-    width = max(-(-c.context_len // bs) for c in chunks)
-    rows = [list(c.block_table[: -(-c.context_len // bs)]) for c in chunks]
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-
-
 def random_chunk(rng: random.Random, bs: int, i: int) -> SequenceChunk:
-    n = rng.choice([1, 2, TENSOR_SLOTS_FROM_TOKENS - 1, TENSOR_SLOTS_FROM_TOKENS, rng.randrange(1, 700)])
+    n = rng.choice([1, 2, BLOCKWISE_SLOTS_FROM_TOKENS - 1, BLOCKWISE_SLOTS_FROM_TOKENS, rng.randrange(1, 700)])
     start = rng.choice([0, rng.randrange(0, 3000), rng.randrange(0, 200) * bs])
     blocks = -(-(start + n) // bs) + rng.randrange(0, 3)  # a table may hold more blocks than needed
     table = rng.sample(range(20_000), blocks)
@@ -43,7 +37,7 @@ def test_positions_and_slots_equal_the_per_token_loop(bs):
     rng = random.Random(bs)
     for trial in range(60):
         chunks = [random_chunk(rng, bs, i) for i in range(rng.randrange(1, 6))]
-        positions, slots = positions_and_slots(chunks, padded_tables(chunks, bs), bs)
+        positions, slots = positions_and_slots(chunks, bs)
         want_pos, want_slots = reference(chunks, bs)
         assert positions.dtype == slots.dtype == torch.int64
         assert positions.tolist() == want_pos, trial
@@ -54,7 +48,7 @@ def test_the_prefix_hits_chunk_one_long_chunk_after_7680_cached_tokens():
     rng = random.Random(1)
     table = rng.sample(range(6144), 513)
     chunk = SequenceChunk("hit", [1] * 512, 7680, table, True, SamplingParams())
-    positions, slots = positions_and_slots([chunk], padded_tables([chunk], 16), 16)
+    positions, slots = positions_and_slots([chunk], 16)
     assert (positions.tolist(), slots.tolist()) == reference([chunk], 16)
 
 
