@@ -10,15 +10,31 @@ the copy has run).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
 
+# array typecodes of the integer dtypes whose host tensors are packed by ``array`` (asserted sizes)
+_INT_CODES = {torch.int64: "q", torch.int32: "i"}
+assert all(array(code).itemsize == dtype.itemsize for dtype, code in _INT_CODES.items())
+
+
+def host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on the host. Ints go through ``array`` and
+    ``torch.frombuffer`` (which shares the array's memory): 512 ids in 9 us instead of 31 us, one in
+    0.7 instead of 2.6 (2-core Xeon); values ``array`` refuses (floats) take ``torch.tensor``."""
+    code = _INT_CODES.get(dtype)
+    if code is not None and len(values):
+        try:
+            return torch.frombuffer(array(code, values), dtype=dtype)
+        except (TypeError, OverflowError):  # torch.tensor converts floats, or raises its own error
+            pass
+    return torch.tensor(values, dtype=dtype)
+
 
 def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    return tensor_to_device(host_tensor(values, dtype), device)
 
 
 def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -278,3 +278,17 @@ def test_preemption_eviction_and_queue_metrics_and_lower_tier():
     assert {b.namespace for b in evicted} == {b"t"} and all(b.depth >= 0 for b in evicted)
     assert {ns for ns, _ in lower.spilled} == {b"t"} and lower.flushes > 0  # the tenant came along
     assert engine.stats()["kv_tiers"]["spilled"] == len(evicted)
+
+
+def test_int_list_converts_like_int_for_every_input_kind():
+    """The C fast path (array('q')) must give exactly [int(t) for t in values], falling back for
+    values it cannot take (strings, floats, ints past int64)."""
+    import numpy as np
+
+    from engine.llm_engine import _int_list
+
+    for values in ([1, 2, 3], (True, 0, 5), np.array([4, 5], dtype=np.int64), ["7", 8.0, 9],
+                   [2**70, 1], [np.int32(3), 4], [], [-1, 2**63 - 1]):
+        got = _int_list(values)
+        assert got == [int(t) for t in values]
+        assert all(type(t) is int for t in got)

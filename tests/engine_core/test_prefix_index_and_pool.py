@@ -220,3 +220,45 @@ def test_cost_policy_heap_stays_bounded_under_hits_without_evictions():
     assert len(policy._heap) <= 4 * max(len(policy), 64)
     pool.check_integrity([])
     assert pool.allocate(4, b"other") is not None and pool.num_evictions == 2  # still evicts both
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_packed_chain_equals_the_block_by_block_reference(block_size):
+    """extend_block_hashes packs all new blocks at once and hashes slices of the bytes: each hash
+    must equal hash_block's (the per-block definition) for every resume point and tail length."""
+    import random
+
+    from engine.prefix_index import hash_block
+
+    rng = random.Random(block_size)
+    toks = [rng.randrange(-(2**63), 2**63) if i % 7 == 0 else rng.randrange(200_000) for i in range(5 * block_size + 3)]
+    ref: list[bytes] = []
+    parent = b"tenant-ns"
+    for i in range(len(toks) // block_size):
+        parent = hash_block(parent, toks[i * block_size : (i + 1) * block_size])
+        ref.append(parent)
+    for resume in range(len(ref) + 1):
+        got: list[BlockHash] = list(ref[:resume])  # blocks hashed before, as a request keeps them
+        assert extend_block_hashes(b"tenant-ns", toks, block_size, got) == len(ref) - resume
+        assert got == ref
+
+
+def test_free_and_touch_keep_per_namespace_use_exact_when_they_fail_midway():
+    """free and touch update the namespace's use once per call: a call that raises half-way must
+    still count exactly the blocks it changed (check_integrity compares with the refcounts)."""
+    pool = BlockPool(8, BS)
+    a = pool.allocate(3, b"a")
+    b = pool.allocate(1, b"b")
+    assert a is not None and b is not None
+    parent = None
+    for i, h in enumerate(block_hashes(b"a", list(range(3 * BS)), BS)):
+        parent = pool.register(a[i], h, i, parent)
+    pool.free(a)
+    with pytest.raises(ValueError):
+        pool.touch([a[0], a[1], b[0]], b"a")  # b[0] is not an indexed block of namespace a
+    assert pool.used_by(b"a") == 2
+    pool.check_integrity([[a[0], a[1]], b])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([a[2], a[0], a[1]])  # freed in reverse: a[1], a[0], then a[2] is not held
+    assert pool.used_by(b"a") == 0 and pool.used_by(b"b") == 1
+    pool.check_integrity([b])
