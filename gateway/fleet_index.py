@@ -107,7 +107,9 @@ class FleetIndex:
                 holders = self._entries.get(h)
                 if not holders:
                     break
-                alive = {n for n in alive if holders.get(n, -1.0) >= oldest}
+                # membership first: a default stamp compared with ``oldest`` would count a node that
+                # holds nothing as alive while the clock is younger than the TTL (a host just booted)
+                alive = {n for n in alive if n in holders and holders[n] >= oldest}
                 if not alive:
                     break
                 for n in alive:

@@ -95,6 +95,15 @@ def test_index_longest_prefix_per_node_and_removals():
     assert idx.blocks_of("n1") == 2 and idx.blocks_of("n2") == 2
 
 
+def test_a_node_holding_nothing_matches_nothing_on_a_freshly_booted_host():
+    """time.monotonic() counts from boot: within the TTL of it, the cut-off is below any default
+    stamp, and a node with no entry was once counted as holding every block another node held."""
+    idx = FleetIndex(ttl_s=900.0, clock=lambda: 12.0)  # 12 s after boot
+    a = [b"h%d" % i for i in range(4)]
+    idx.stored("n1", a)
+    assert idx.prefix_lengths(a, ["n1", "n2"]) == {"n1": 4, "n2": 0}
+
+
 def test_index_is_bounded_oldest_stored_first():
     idx = FleetIndex(max_blocks=3)
     idx.stored("n1", [b"a", b"b", b"c"])
