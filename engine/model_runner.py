@@ -426,12 +426,27 @@ class ModelRunner:
         the current stream with no host sync: complete before anything queued on that stream after
         it (the next step may reuse the blocks); a reader on another stream waits for an event
         recorded after this call. The spill path that seals KV on the GPU (engine.tiers.gpu_sealer)."""
-        ids = torch.tensor(list(block_ids), dtype=torch.int64)
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_kv_blocks):
-            raise IndexError(f"block ids must be in [0, {self.num_kv_blocks}), got {list(block_ids)}")
+        wanted = list(block_ids)
+        if wanted and (min(wanted) < 0 or max(wanted) >= self.num_kv_blocks):
+            raise IndexError(f"block ids must be in [0, {self.num_kv_blocks}), got {wanted}")
+        first, n = (wanted[0], len(wanted)) if wanted else (0, 0)
+        if wanted == list(range(first, first + n)):
+            # consecutive ids (every spill of one evicted block): a slice copy, one device memcpy
+            # queued from the host, instead of an index tensor's pinned upload plus a kernel launch
+            # (the step loop pays this per evicted block: issue 19, session 5)
+            return self._slice_packed(first, n)
+        ids = torch.tensor(wanted, dtype=torch.int64)
         if self.kv_cache.device.type == "cuda":  # a pageable H2D copy would wait for the stream to drain
             ids = ids.pin_memory().to(self.kv_cache.device, non_blocking=True)
-        return self._gather_packed(ids, len(ids))
+        return self._gather_packed(ids, n)
+
+    def _slice_packed(self, first: int, n: int) -> torch.Tensor:
+        """Blocks ``first .. first + n - 1`` copied, as ``_gather_packed`` lays them out."""
+        data = self.kv_cache[first:first + n].clone().view(torch.uint8).reshape(n, -1)
+        if self.kv_scales is not None:
+            scales = self.kv_scales[first:first + n].clone().view(torch.uint8).reshape(n, -1)
+            data = torch.cat([data, scales], dim=1)
+        return data
 
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         data = self.ops.gather_blocks(self.kv_cache, ids).view(torch.uint8).reshape(n, -1)

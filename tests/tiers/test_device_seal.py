@@ -233,5 +233,12 @@ def test_runner_gathers_on_device_what_it_exports(tiny_model_dir):
     assert got.device.type == torch.device(DEVICE).type and got.dtype == torch.uint8 and got.is_contiguous()
     runner.import_blocks([5, 6], torch.zeros(2, runner.kv_bytes_per_block, dtype=torch.uint8))  # reuse the blocks
     assert torch.equal(got.cpu(), data[[2, 0]]) and torch.equal(runner.export_blocks([1]), data[[1]])
+    runner.import_blocks([2, 3, 4], data)
+    run = runner.gather_blocks_async([2, 3, 4])  # consecutive: the slice copy, laid out as the gather
+    one = runner.gather_blocks_async([3])
+    runner.import_blocks([2, 3, 4], torch.zeros(3, runner.kv_bytes_per_block, dtype=torch.uint8))
+    assert torch.equal(run.cpu(), data) and torch.equal(one.cpu(), data[[1]]) and one.is_contiguous()
     with pytest.raises(IndexError):
         runner.gather_blocks_async([8])
+    with pytest.raises(IndexError):
+        runner.gather_blocks_async([7, 8])
