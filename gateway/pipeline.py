@@ -652,11 +652,18 @@ class Accounting:
         outcome = outcome_of_status(status)
         self.metrics.count(label, backend, status, outcome)
         series = self.metrics.series(label, backend)
-        series.prompt_tokens.inc(prompt)
-        series.cached_tokens.inc(cached)
-        series.completion_tokens.inc(completion)
-        series.cost_usd.inc(cost)
-        series.saved_usd.inc(saved)
+        # A zero adds nothing (the children exist: series() made them), and each inc is four Python
+        # calls; no hits, no cost and no saving are common (a miss, an unpriced model).
+        if prompt:
+            series.prompt_tokens.inc(prompt)
+        if cached:
+            series.cached_tokens.inc(cached)
+        if completion:
+            series.completion_tokens.inc(completion)
+        if cost:
+            series.cost_usd.inc(cost)
+        if saved:
+            series.saved_usd.inc(saved)
         series.latency.observe(latency)
         if self.ttft is not None:
             series.ttft.observe(self.ttft)

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from gateway.errors import OpenAIError
 from promptlint.canon import CanonResult
-from promptlint.canon import canonicalize as _canonicalize
+from promptlint.canon import canonicalize_owned as _canonicalize
 
 # The rest of the gateway (and its test fakes) take tenancy's types from here.
 from tenancy.service import (  # noqa: F401 - re-exported
@@ -137,7 +137,10 @@ def tenancy_error(exc: Exception) -> OpenAIError:
 
 
 def canonicalize(body: dict[str, Any], mode: str, per_user_vars: Any = ()) -> CanonResult:
-    """``promptlint.canon.canonicalize`` for a tenant's mode ("off" returns the body unchanged)."""
+    """``promptlint.canon.canonicalize`` for a tenant's mode ("off" returns the body unchanged).
+
+    ``body`` is the caller's to give away (the request's own ``model_dump``, scanned at ingress):
+    canonicalized in place, not copied (``canonicalize_owned``)."""
     if mode == "off":
         return CanonResult(body, ())
     return _canonicalize(body, mode, per_user_vars=tuple(per_user_vars or ()))

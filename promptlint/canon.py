@@ -193,16 +193,25 @@ def canonicalize(body: dict, mode: CanonMode, per_user_vars: Sequence[str] = ())
     depth = json_depth(body)
     if depth > MAX_DEPTH:  # the transforms below recurse; past ~1000 frames that is a RecursionError
         raise CanonDepthError(f"request body is nested {depth} levels deep; canonicalization accepts {MAX_DEPTH}")
-    out = _copy_json(body)
+    return canonicalize_owned(_copy_json(body), mode, per_user_vars)
+
+
+def canonicalize_owned(body: dict, mode: CanonMode, per_user_vars: Sequence[str] = ()) -> CanonResult:
+    """``canonicalize`` for a caller that hands ``body`` over: it is rewritten in place and becomes
+    the result's body. For the gateway, whose body is its own fresh ``model_dump`` of a request the
+    ingress scan held to 64 levels of nesting (far below ``MAX_DEPTH``): the deep copy and the depth
+    walk that protect a caller's body cost ~20 Python calls of every request (issue 17)."""
+    if mode not in CANON_MODES:
+        raise ValueError(f"unknown canonicalization mode {mode!r}; expected one of {', '.join(CANON_MODES)}")
     if mode == "off":
-        return CanonResult(out, ())
+        return CanonResult(body, ())
     applied: list[str] = []
-    _sort_tools(out, applied)
-    _canonical_schemas(out, applied)
-    _normalize_whitespace(out, applied)
+    _sort_tools(body, applied)
+    _canonical_schemas(body, applied)
+    _normalize_whitespace(body, applied)
     if mode == "reorder":
-        _move_dynamic(out, per_user_vars, applied)
-    return CanonResult(out, tuple(applied))
+        _move_dynamic(body, per_user_vars, applied)
+    return CanonResult(body, tuple(applied))
 
 
 # Nesting that the recursive transforms below accept: two Python frames per level at most, far from

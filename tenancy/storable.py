@@ -84,17 +84,28 @@ def storable_number(value: object, *, required: bool) -> int | float | None:
 
 
 def storable_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``row`` with every known column made storable (unknown keys are dropped)."""
+    """A copy of ``row`` with every known column made storable (unknown keys are dropped).
+
+    This runs on the event loop for every request, so the common values (a short printable str, an
+    int in range, a finite float) are taken as they are without a call each: ``isprintable`` is
+    False for every character ``_UNSTORABLE`` replaces (controls, surrogates), so such a text needs
+    no substitution."""
     out: dict[str, Any] = {}
     for column, limit in TEXT_LIMITS.items():
         value = row.get(column)
         if column == "request_id":
             out[column] = storable_request_id("" if value is None else value)
+        elif type(value) is str and len(value) <= limit and value.isprintable():
+            out[column] = value
         else:
             text = storable_text(value, limit, multiline=column in _MULTILINE)
             out[column] = "" if text is None and column in REQUIRED_TEXT else text
-    for column in REQUIRED_NUMBERS:
-        out[column] = storable_number(row.get(column), required=True)
-    for column in OPTIONAL_NUMBERS:
-        out[column] = storable_number(row.get(column), required=False)
+    for columns, required in ((REQUIRED_NUMBERS, True), (OPTIONAL_NUMBERS, False)):
+        for column in columns:
+            value = row.get(column)
+            kind = type(value)
+            if (kind is int and -_INT_MAX <= value <= _INT_MAX) or (kind is float and math.isfinite(value)):
+                out[column] = value
+            else:
+                out[column] = storable_number(value, required=required)
     return out

@@ -178,6 +178,8 @@ def test_panel_numbers_equal_the_ledger_and_metrics(panel):
         assert row["cost_usd"] == pytest.approx(metric(scrape, "prefixgate_gateway_cost_usd_total", tenant=label),
                                                 abs=1e-9)
         assert row["saved_usd"] == pytest.approx(ours["saved_usd"], abs=1e-9)
+        assert row["saved_usd"] == pytest.approx(metric(scrape, "prefixgate_gateway_saved_usd_total", tenant=label),
+                                                 abs=1e-9)
         assert row["ttft_p95_s"] == pytest.approx(ours["ttft_p95_s"])
     # the panel's per-model unit cost is the ledger's cost over its tokens
     for m in panel_data["ledger"]["models"]:

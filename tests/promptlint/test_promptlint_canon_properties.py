@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptlint.canon import CONTEXT_HEADER, canonicalize
+from promptlint.canon import CONTEXT_HEADER, canonicalize, canonicalize_owned
 
 _names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12)
 _json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=8))
@@ -45,6 +45,18 @@ def test_every_mode_is_idempotent_and_never_mutates(body, mode):
     twice = canonicalize(once.body, mode, per_user_vars=["user_name"])
     assert json.dumps(twice.body) == json.dumps(once.body)
     assert twice.applied == ()
+
+
+@settings(max_examples=100, deadline=None)
+@given(_body, st.sampled_from(["off", "safe", "reorder"]), st.sampled_from([(), ("user_name",)]))
+def test_the_owned_variant_gives_what_canonicalize_gives(body, mode, per_user):
+    """The gateway's in-place canonicalization (issue 17) is the same transform as the copying one."""
+    expected = canonicalize(body, mode, per_user)
+    owned = copy.deepcopy(body)
+    got = canonicalize_owned(owned, mode, per_user)
+    assert got == expected
+    assert json.dumps(got.body) == json.dumps(expected.body)  # key order too: it is what a cache matches
+    assert got.body is owned
 
 
 @settings(max_examples=100, deadline=None)

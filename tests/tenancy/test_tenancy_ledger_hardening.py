@@ -15,7 +15,15 @@ from tenancy import db as dbmod
 from tenancy.ledger import QUARANTINE_FILENAME, LedgerWriter, RetryPolicy, append_spill_file
 from tenancy.miss_privacy import keyed_family
 from tenancy.service import TenancyService
-from tenancy.storable import TEXT_LIMITS, storable_row
+from tenancy.storable import (
+    OPTIONAL_NUMBERS,
+    REQUIRED_NUMBERS,
+    REQUIRED_TEXT,
+    TEXT_LIMITS,
+    storable_number,
+    storable_row,
+    storable_text,
+)
 from tenancy.types import UsageRecord
 from tests.fleetutil import read_rows
 
@@ -286,3 +294,26 @@ def test_client_text_cannot_drive_a_terminal_or_a_spreadsheet(svc: TenancyServic
     assert "\x1b" not in table and "\x9b" not in table and "\nTOTAL  999" not in table
     assert "'=HYPERLINK" in render_csv(rep)
     assert storable_row({"miss_context": "a\nb\tc"})["miss_context"] == "a\nb\tc"
+
+
+def test_the_fast_path_of_storable_row_keeps_exactly_what_the_cleaners_keep() -> None:
+    """``storable_row`` takes common values as they are (issue 17); every value, common or not,
+    comes out as ``storable_text`` / ``storable_number`` make it."""
+    class Text(str):
+        pass
+
+    limit = TEXT_LIMITS["model"]
+    texts = ["m", "", "имя ✓", "a\x1fb", "a\x7fb", "a\x85b", "a\x9fb", "a\ud800b", "a\x00b", "a\tb", "a\nb",
+             "x" * limit, "x" * (limit + 1), "\x85" * limit, Text("t\x1b"), None, 7]
+    numbers = [0, 5, -5, 2**63 - 1, 2**63, -(2**63), True, 1.5, float("nan"), float("inf"), None, "3"]
+    for text in texts:
+        for column in ("model", "miss_context", "priced_as"):
+            expected = storable_text(text, TEXT_LIMITS[column], multiline=column == "miss_context")
+            if expected is None and column in REQUIRED_TEXT:
+                expected = ""
+            assert storable_row({column: text})[column] == expected, (column, text)
+    for number in numbers:
+        for column in (*REQUIRED_NUMBERS[:1], *OPTIONAL_NUMBERS[:1]):
+            got = storable_row({column: number})[column]
+            expected = storable_number(number, required=column in REQUIRED_NUMBERS)
+            assert got == expected and type(got) is type(expected), (column, number)
