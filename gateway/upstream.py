@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutput
+from gateway.http1 import Http1Client
 
 if TYPE_CHECKING:
     import aiohttp
@@ -357,9 +358,9 @@ class DirectOpenAIClient(ProviderClient):
     rebuilds its client and parses provider quirks on every call, which was most of the gateway's added
     latency in front of a loopback upstream. ``provider`` is ``openai/<upstream model name>``.
 
-    The pool is aiohttp's (its HTTP parser is compiled): httpx + httpcore + h11 made ~800 Python
-    calls per upstream request, most of the CPU the direct transport added (benchmarks/gateway.py
-    profile, docs/gateway.md).
+    The pool is ``gateway.http1`` (httptools' compiled parser under ~20 Python frames a request): httpx +
+    httpcore + h11 made ~800 Python calls per upstream request, aiohttp's layers ~145 (benchmarks/gateway.py
+    profile, docs/gateway.md). aiohttp stays for an upstream behind an ``HTTP(S)_PROXY``.
     """
 
     def __init__(self, provider: str, **kwargs: Any) -> None:
@@ -367,14 +368,18 @@ class DirectOpenAIClient(ProviderClient):
         self._upstream_model = provider.split("/", 1)[1]
         self._base = str(self.api_base).rstrip("/")
         self._default_headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._proxy = env_proxy_for(self._base)
         self._http: aiohttp.ClientSession | None = None  # made in the serving event loop on first use
+        # aiohttp where a proxy applies (or the URL is not http(s), to fail as before: on first use)
+        direct = self._proxy is None and self._base.startswith(("http://", "https://"))
+        self._h1 = Http1Client(self._base, self._default_headers) if direct else None
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             import aiohttp  # ~0.1 s to import: only when a direct route serves its first request
 
             self._http = aiohttp.ClientSession(
-                headers=self._default_headers, proxy=env_proxy_for(self._base),
+                headers=self._default_headers, proxy=self._proxy,
                 connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60),
                 timeout=aiohttp.ClientTimeout(total=600.0, connect=10.0))
         return self._http
@@ -392,14 +397,18 @@ class DirectOpenAIClient(ProviderClient):
         return params, headers
 
     async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        payload = json.dumps(body).encode()
         try:
-            async with self._session().post(self._base + path, data=json.dumps(body).encode(),
-                                            headers=headers) as resp:
-                data = await resp.read()
+            if self._h1 is not None:
+                resp = await self._h1.post(path, payload, headers)
+                status, data = resp.status, await resp.read()  # read releases the connection
+            else:
+                async with self._session().post(self._base + path, data=payload, headers=headers) as aresp:
+                    status, data = aresp.status, await aresp.read()
         except Exception as exc:
             raise _provider_error(exc) from exc
-        if resp.status >= 400:
-            raise _http_error(resp.status, data.decode("utf-8", "replace"))
+        if status >= 400:
+            raise _http_error(status, data.decode("utf-8", "replace"))
         return json.loads(data)
 
     async def _outputs(
@@ -418,6 +427,10 @@ class DirectOpenAIClient(ProviderClient):
             yield _whole_output(rid, data, chat=request.messages is not None, start=start)
             return
         body.update(messages=self._messages(request), stream=True, stream_options={"include_usage": True})
+        if self._h1 is not None:
+            async for out in _h1_stream(self._h1, rid, json.dumps(body).encode(), headers, start):
+                yield out
+            return
         try:
             async with self._session().post(self._base + "/chat/completions", data=json.dumps(body).encode(),
                                             headers=headers) as resp:
@@ -438,6 +451,28 @@ class DirectOpenAIClient(ProviderClient):
         if self._http is not None:
             await self._http.close()
             self._http = None
+        if self._h1 is not None:  # a fresh pool: an app served again (tests) runs in another event loop
+            await self._h1.aclose()
+            self._h1 = Http1Client(self._base, self._default_headers)
+
+
+async def _h1_stream(
+    h1: Http1Client, rid: str, payload: bytes, headers: dict[str, str], start: float
+) -> AsyncIterator[ProviderOutput]:
+    """A streamed chat completion over the direct pool, errors mapped as ``ProviderClient`` maps them."""
+    try:
+        resp = await h1.post("/chat/completions", payload, headers)
+        try:
+            if resp.status >= 400:
+                raise _http_error(resp.status, (await resp.read()).decode("utf-8", "replace"))
+            async for out in _chunk_outputs(rid, _sse_chunks(resp.pieces()), start):
+                yield out
+        finally:  # a stream left early (client gone, cancelled) closes the connection, never pools it
+            resp.release()
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise _provider_error(exc) from exc
 
 
 def env_proxy_for(url: str) -> str | None:
