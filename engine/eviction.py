@@ -227,10 +227,7 @@ class CostPolicy:
         return self.block_size * (1.0 + mean_context / self.attn_span_tokens)
 
     def push(self, block: Block) -> None:
-        # recompute_cost inlined: a finished request pushes every block of its table
-        bs = self.block_size
-        cost = bs * (1.0 + (block.depth + 0.5) * bs / self.attn_span_tokens)
-        block.priority = self.clock + max(block.uses, 1) * cost
+        block.priority = self.clock + max(block.uses, 1) * self.recompute_cost(block.depth)
         block.version += 1
         self._count += 1
         if block.num_children == 0:

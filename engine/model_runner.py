@@ -99,6 +99,12 @@ def _blockwise_slots(table: Sequence[int], start: int, end: int, block_size: int
     return every[offset : offset + end - start]
 
 
+def _packed_rows(data: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``n`` blocks' KV (and their per-token scales) as uint8 rows of ``kv_bytes_per_block``."""
+    rows = data.view(torch.uint8).reshape(n, -1)
+    return rows if scales is None else torch.cat([rows, scales.view(torch.uint8).reshape(n, -1)], dim=1)
+
+
 class ModelRunner:
     """See the contract in engine/batch.py and the module docstring. Not thread-safe: one caller."""
 
@@ -442,18 +448,14 @@ class ModelRunner:
 
     def _slice_packed(self, first: int, n: int) -> torch.Tensor:
         """Blocks ``first .. first + n - 1`` copied, as ``_gather_packed`` lays them out."""
-        data = self.kv_cache[first:first + n].clone().view(torch.uint8).reshape(n, -1)
-        if self.kv_scales is not None:
-            scales = self.kv_scales[first:first + n].clone().view(torch.uint8).reshape(n, -1)
-            data = torch.cat([data, scales], dim=1)
-        return data
+        rows = slice(first, first + n)
+        scales = self.kv_scales[rows] if self.kv_scales is not None else None
+        # with scales the cat makes the copy; without, the slice is cloned (the blocks get reused)
+        return _packed_rows(self.kv_cache[rows] if scales is not None else self.kv_cache[rows].clone(), scales, n)
 
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
-        data = self.ops.gather_blocks(self.kv_cache, ids).view(torch.uint8).reshape(n, -1)
-        if self.kv_scales is not None:
-            scales = self.ops.gather_blocks(self.kv_scales, ids).view(torch.uint8).reshape(n, -1)
-            data = torch.cat([data, scales], dim=1)
-        return data
+        scales = self.ops.gather_blocks(self.kv_scales, ids) if self.kv_scales is not None else None
+        return _packed_rows(self.ops.gather_blocks(self.kv_cache, ids), scales, n)
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Inverse of ``export_blocks``: data uint8 [len(block_ids), kv_bytes_per_block] (any device)."""

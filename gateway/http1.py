@@ -276,10 +276,13 @@ class Http1Client:
                 await conn.headers_ready()
             except ConnectionError:
                 conn.close()
-                # The server closed a reused connection without a byte of answer: it had not answered,
-                # and a request on a connection it closed while idle (its keep-alive timeout racing our
-                # write) was never read, so it goes once more on a fresh connection, as aiohttp and
-                # browsers do. Any other loss (a byte received, a fresh connection) is the caller's error.
+                # The server closed a reused connection without a byte of answer. POST is not idempotent:
+                # RFC 9112 (9.3.1.1) lets a client retry it only where the request was likely never
+                # applied, and a server closing an idle kept-alive connection (its timeout racing our
+                # write) has not read it. A server that read it and then closed without answering looks
+                # the same from here; that duplicate risk exists anyway, since the gateway would answer
+                # 502 and the OpenAI SDKs retry a 502. (aiohttp retries only idempotent methods.) Any
+                # other loss (a byte received, a fresh connection) is the caller's error.
                 if reused and attempt == 1 and not conn.got_bytes:
                     continue
                 raise

@@ -64,6 +64,9 @@ def test_quantized_kv_cache_tracks_full_precision(kv_dtype, atol, tiny_model_dir
     dst = alloc.take(2)
     quant.import_blocks(dst, data)
     assert torch.equal(quant.export_blocks(dst), data)
+    # the device-spill copy lays the scales out the same way: one block (the slice copy) and a run
+    assert torch.equal(quant.gather_blocks_async([dst[1]]).cpu(), data[1:])
+    assert torch.equal(quant.gather_blocks_async(dst).cpu(), data)
     with pytest.raises(ValueError, match="expected uint8"):
         quant.import_blocks(dst, data[:, :-1])
 
