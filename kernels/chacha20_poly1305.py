@@ -43,12 +43,31 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.chacha20_poly1305_ref import P1305, aad_term, finish_tag, poly1305_key
+from kernels import chacha20_poly1305_ref as ref
+from kernels.chacha20_poly1305_ref import P1305, R_CLAMP, aad_term, finish_tag
+
+try:  # a compiled ChaCha20 for the one-time key; the project depends on it, a bare device host may not
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+except ImportError:  # pragma: no cover - exercised where cryptography is absent
+    Cipher = algorithms = None
 
 CHACHA_LANES = 128  # 64-byte blocks per program
 POLY_LANES = 128  # lanes per program of the tag kernel
 _MAX_POLY_LANES = 1 << 16
 _POLY_BLOCKS_PER_LANE = 128  # target K: enough work per lane that the r^(N-j) powers stay cheap
+
+
+def poly1305_key(key: bytes, nonce: bytes) -> tuple[int, int]:
+    """(r clamped, s) of the one-time Poly1305 key: the first 32 bytes of ChaCha20 block 0 (RFC 8439
+    2.6). Every seal and every opened span needs one, on the host, on a tier worker that holds the
+    GIL: the reference's pure-Python block costs ~100 us, `cryptography`'s ChaCha20 ~8 us (its
+    16-byte nonce is the 32-bit little-endian block counter, here 0, then the 96-bit nonce)."""
+    if Cipher is None:
+        return ref.poly1305_key(key, nonce)
+    if len(key) != 32 or len(nonce) != 12:
+        raise ValueError("ChaCha20 needs a 32-byte key and a 12-byte nonce")
+    block = Cipher(algorithms.ChaCha20(key, bytes(4) + nonce), mode=None).encryptor().update(bytes(32))
+    return int.from_bytes(block[:16], "little") & R_CLAMP, int.from_bytes(block[16:], "little")
 
 
 @triton.jit

@@ -59,6 +59,22 @@ def test_reference_poly1305_rfc8439_2_5_2():
     assert ((acc + int.from_bytes(key[16:], "little")) % (1 << 128)).to_bytes(16, "little").hex() == expect
 
 
+def test_one_time_key_rfc8439_2_6_2_and_random():
+    """The host's one-time Poly1305 key (compiled ChaCha20) equals RFC 8439's 2.6.2 vector and the
+    pure-Python block on random keys and nonces; a wrong counter or nonce layout differs at once."""
+    key = bytes(range(0x80, 0xA0))
+    r, s = gpu_aead.poly1305_key(key, bytes.fromhex("000000000001020304050607"))
+    otk = "8ad5a08b905f81cc815040274ab29471a833b637e3fd0da508dbb8e2fdd1a646"
+    assert (r, s) == (int.from_bytes(bytes.fromhex(otk[:32]), "little") & ref.R_CLAMP,
+                      int.from_bytes(bytes.fromhex(otk[32:]), "little"))
+    rng = random.Random(os.urandom(8))
+    for _ in range(50):
+        key, nonce = rng.randbytes(32), rng.randbytes(12)
+        assert gpu_aead.poly1305_key(key, nonce) == ref.poly1305_key(key, nonce)
+    with pytest.raises(ValueError):
+        gpu_aead.poly1305_key(key, nonce[:8])
+
+
 RFC_AEAD = dict(key=bytes(range(0x80, 0xA0)), nonce=bytes.fromhex("070000004041424344454647"),
                 aad=bytes.fromhex("50515253c0c1c2c3c4c5c6c7"),
                 ct_head="d31a8d34648e60db7b86afbc53ef7ec2", tag="1ae10b594f09e26a7e902ecbd0600691")
