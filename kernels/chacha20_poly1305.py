@@ -95,11 +95,20 @@ def _word_mask(widx, nbytes):
     return ((tl.full(widx.shape, 1, tl.uint64) << (valid * 8)) - 1).to(tl.uint32)
 
 
-@triton.jit
+# The key and nonce words (and the Poly1305 limbs below) are scalar arguments, not a device tensor:
+# a tensor per launch cost a pinned host allocation and an upload on the tier worker, which holds the
+# GIL the step loop needs. They change on every launch, so they must not be specialised (a word
+# equal to 1 or divisible by 16 would compile another variant); as signed 32-bit values their type
+# never changes either.
+_KEY_WORDS = ("key0", "key1", "key2", "key3", "key4", "key5", "key6", "key7", "nonce0", "nonce1", "nonce2")
+
+
+@triton.jit(do_not_specialize=_KEY_WORDS)
 def _chacha20_xor_kernel(
     src_ptr,  # int32 words; the ciphertext starts at word src_off
     dst_ptr,  # int32 words; plaintext written from word dst_off
-    params_ptr,  # int32 [11]: key words 0-7, nonce words 8-10
+    key0, key1, key2, key3, key4, key5, key6, key7,  # key words (int32, little-endian)
+    nonce0, nonce1, nonce2,  # nonce words
     src_off,
     dst_off,
     nbytes,
@@ -109,17 +118,17 @@ def _chacha20_xor_kernel(
     pid = tl.program_id(0)
     blk = pid.to(tl.int64) * LANES + tl.arange(0, LANES)  # [LANES] 64-byte block index
     zero = tl.zeros([LANES], dtype=tl.uint32)
-    k0 = tl.load(params_ptr + 0).to(tl.uint32, bitcast=True) + zero
-    k1 = tl.load(params_ptr + 1).to(tl.uint32, bitcast=True) + zero
-    k2 = tl.load(params_ptr + 2).to(tl.uint32, bitcast=True) + zero
-    k3 = tl.load(params_ptr + 3).to(tl.uint32, bitcast=True) + zero
-    k4 = tl.load(params_ptr + 4).to(tl.uint32, bitcast=True) + zero
-    k5 = tl.load(params_ptr + 5).to(tl.uint32, bitcast=True) + zero
-    k6 = tl.load(params_ptr + 6).to(tl.uint32, bitcast=True) + zero
-    k7 = tl.load(params_ptr + 7).to(tl.uint32, bitcast=True) + zero
-    n0 = tl.load(params_ptr + 8).to(tl.uint32, bitcast=True) + zero
-    n1 = tl.load(params_ptr + 9).to(tl.uint32, bitcast=True) + zero
-    n2 = tl.load(params_ptr + 10).to(tl.uint32, bitcast=True) + zero
+    k0 = key0.to(tl.uint32, bitcast=True) + zero
+    k1 = key1.to(tl.uint32, bitcast=True) + zero
+    k2 = key2.to(tl.uint32, bitcast=True) + zero
+    k3 = key3.to(tl.uint32, bitcast=True) + zero
+    k4 = key4.to(tl.uint32, bitcast=True) + zero
+    k5 = key5.to(tl.uint32, bitcast=True) + zero
+    k6 = key6.to(tl.uint32, bitcast=True) + zero
+    k7 = key7.to(tl.uint32, bitcast=True) + zero
+    n0 = nonce0.to(tl.uint32, bitcast=True) + zero
+    n1 = nonce1.to(tl.uint32, bitcast=True) + zero
+    n2 = nonce2.to(tl.uint32, bitcast=True) + zero
     ctr = (blk + counter0).to(tl.uint32)
     i0 = zero + 0x61707865
     i1 = zero + 0x3320646E
@@ -191,10 +200,14 @@ def _mulmod(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
     return h0, h1, h2, h3, h4
 
 
-@triton.jit
+_LIMBS = ("r0", "r1", "r2", "r3", "r4", "q0", "q1", "q2", "q3", "q4")
+
+
+@triton.jit(do_not_specialize=_LIMBS)
 def _poly1305_kernel(
     src_ptr,  # int32 words; the ciphertext starts at word src_off
-    limbs_ptr,  # int64 [10]: r limbs 0-4, R = r^N limbs 5-9 (fully reduced, 26-bit)
+    r0, r1, r2, r3, r4,  # limbs of r (fully reduced, 26-bit each: int32 scalars)
+    q0, q1, q2, q3, q4,  # limbs of R = r^N
     out_ptr,  # int64 [num_programs, 5]: per-program limb sums
     src_off,
     nbytes,
@@ -209,16 +222,16 @@ def _poly1305_kernel(
     n_lanes = tl.num_programs(0).to(tl.int64) * LANES
     lane = pid.to(tl.int64) * LANES + tl.arange(0, LANES)  # [LANES]
     zero = tl.zeros([LANES], dtype=tl.uint64)
-    r0 = tl.load(limbs_ptr + 0).to(tl.uint64) + zero
-    r1 = tl.load(limbs_ptr + 1).to(tl.uint64) + zero
-    r2 = tl.load(limbs_ptr + 2).to(tl.uint64) + zero
-    r3 = tl.load(limbs_ptr + 3).to(tl.uint64) + zero
-    r4 = tl.load(limbs_ptr + 4).to(tl.uint64) + zero
-    q0 = tl.load(limbs_ptr + 5).to(tl.uint64) + zero
-    q1 = tl.load(limbs_ptr + 6).to(tl.uint64) + zero
-    q2 = tl.load(limbs_ptr + 7).to(tl.uint64) + zero
-    q3 = tl.load(limbs_ptr + 8).to(tl.uint64) + zero
-    q4 = tl.load(limbs_ptr + 9).to(tl.uint64) + zero
+    r0 = r0.to(tl.uint64) + zero
+    r1 = r1.to(tl.uint64) + zero
+    r2 = r2.to(tl.uint64) + zero
+    r3 = r3.to(tl.uint64) + zero
+    r4 = r4.to(tl.uint64) + zero
+    q0 = q0.to(tl.uint64) + zero
+    q1 = q1.to(tl.uint64) + zero
+    q2 = q2.to(tl.uint64) + zero
+    q3 = q3.to(tl.uint64) + zero
+    q4 = q4.to(tl.uint64) + zero
     a0, a1, a2, a3, a4 = zero, zero, zero, zero, zero
     w4 = tl.arange(0, 4)[None, :]  # [1, 4]
     for kk in range(blocks_per_lane):
@@ -267,16 +280,6 @@ def _limbs(x: int) -> list[int]:
     return [(x >> (26 * i)) & 0x3FFFFFF for i in range(5)]
 
 
-def _small_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A few launch parameters on ``device`` without a host sync: a plain ``torch.tensor(...,
-    device=cuda)`` waits for the current stream to drain, which would stall the next launch behind
-    every copy and kernel queued before it."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _check_words(t: torch.Tensor, what: str) -> None:
     if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"{what} must be a contiguous 1-D int32 tensor (a byte buffer viewed as words)")
@@ -293,9 +296,9 @@ def chacha20_xor(src: torch.Tensor, src_off: int, nbytes: int, key: bytes, nonce
         raise ValueError("ciphertext range runs past a buffer")
     if nbytes == 0:
         return
-    params = _small_tensor(list(struct.unpack("<8i", key) + struct.unpack("<3i", nonce)), torch.int32, src.device)
     grid = (triton.cdiv(-(-nbytes // 64), CHACHA_LANES),)
-    _chacha20_xor_kernel[grid](src, dst, params, src_off, dst_off, nbytes, counter, LANES=CHACHA_LANES)
+    _chacha20_xor_kernel[grid](src, dst, *struct.unpack("<8i", key), *struct.unpack("<3i", nonce), src_off, dst_off,
+                               nbytes, counter, LANES=CHACHA_LANES)
 
 
 def poly1305_lane_sums(src: torch.Tensor, src_off: int, nbytes: int, r: int, *,
@@ -313,11 +316,10 @@ def poly1305_lane_sums(src: torch.Tensor, src_off: int, nbytes: int, r: int, *,
     while lanes < _MAX_POLY_LANES and lanes * blocks_per_lane < c:
         lanes *= 2
     k = -(-c // lanes)
-    limbs = _small_tensor(_limbs(r) + _limbs(pow(r, lanes, P1305)), torch.int64, src.device)
     programs = lanes // POLY_LANES
     out = torch.empty(programs, 5, dtype=torch.int64, device=src.device)
-    _poly1305_kernel[(programs,)](src, limbs, out, src_off, nbytes, c, lanes * k - c, k, lanes.bit_length(),
-                                  LANES=POLY_LANES)
+    _poly1305_kernel[(programs,)](src, *_limbs(r), *_limbs(pow(r, lanes, P1305)), out, src_off, nbytes, c,
+                                  lanes * k - c, k, lanes.bit_length(), LANES=POLY_LANES)
     return out.sum(dim=0)
 
 

@@ -40,7 +40,18 @@ class DeviceSealer:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pin = self.device.type == "cuda"
         self._lock = threading.Lock()
+        self._local = threading.local()  # per worker thread: the host landing of a seal's limb sums
         self.sealed = 0  # segments, for tests and the benchmark
+
+    def _sums_buffer(self) -> torch.Tensor:
+        """The calling thread's page-locked int64 [5] for a seal's limb sums. A thread seals one
+        segment at a time and reads the sums before its next seal, so one buffer per thread is
+        enough; a fresh pinned tensor per seal cost the worker a trip through the caching host
+        allocator (and its events) while holding the GIL the step loop needs."""
+        buf = getattr(self._local, "sums", None)
+        if buf is None:
+            buf = self._local.sums = torch.empty(5, dtype=torch.int64, pin_memory=self._pin)
+        return buf
 
     def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes,
              host_buffer: Callable[[int], np.ndarray] | None = None) -> PinnedBlob:
@@ -55,7 +66,7 @@ class DeviceSealer:
         host = host_buffer(size) if host_buffer is not None else torch.empty(size, dtype=torch.uint8,
                                                                              pin_memory=self._pin).numpy()
         blob = torch.from_numpy(host)  # the D2H target; pinned where ``host`` is page-locked
-        sums = torch.empty(5, dtype=torch.int64, pin_memory=self._pin)
+        sums = self._sums_buffer()
         with self._lock:
             ctx = torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
             with ctx:
