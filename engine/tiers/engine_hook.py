@@ -135,7 +135,7 @@ class TierHook:
             return
         ready = None
         if data.device.type == "cuda":  # the sealer's stream waits for this point of the step loop's stream
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # a worker's host wait on it sleeps (gpu_sealer)
             ready.record(torch.cuda.current_stream(data.device))
         self._wait_backlog(data.numel())
         fut = self.manager.demote(run[0][0], hashes, DeviceKV(data, ready), retain_for_s=retain)

@@ -77,7 +77,9 @@ class DeviceSealer:
                 launched = gpu_aead.launch_seal(key, nonce, data.view(-1).view(torch.int32), 0, nbytes, aad, ct, 0)
                 blob[DEVICE_HEADER_BYTES:DEVICE_HEADER_BYTES + nbytes].copy_(ct.view(torch.uint8), non_blocking=self._pin)
                 sums.copy_(launched.sums, non_blocking=self._pin)
-                done = torch.cuda.Event() if self._stream is not None else None
+                # blocking: the worker sleeps in the wait below; a spinning wait polls the driver
+                # for the whole seal and slows the step loop's own CUDA calls on the same context
+                done = torch.cuda.Event(blocking=True) if self._stream is not None else None
                 if done is not None:
                     done.record(self._stream)
         if done is not None:
