@@ -336,6 +336,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ lower tiers
 
+    def flush_spills(self) -> None:
+        """Hand every pending spill to the lower tier now (the engine has gone idle: a run kept
+        for more of its chain would otherwise wait for the next step, which may be far off)."""
+        if self._lower is not None:
+            with self._phase(CachePhase.TIER):
+                self._lower.flush_spills()
+
     def poll_restores(self, waiting: Iterable[CacheRequest], idle: bool) -> None:
         """Call once per step before admitting: hand spills down, index finished restores, and
         start restores for waiting requests whose prefix continues below HBM.
@@ -345,8 +352,10 @@ class KVCacheManager:
         if self._lower is None:
             return
         waiting = list(waiting)
+        # with no request waiting, no lookup needs this step's spills: a run may keep growing
+        due_only = not waiting
         with self._phase(CachePhase.TIER):
-            self._lower.flush_spills()
+            self._lower.flush_spills(due_only=due_only)
             for req in waiting:
                 self._tenants[req.tenant.namespace] = req.tenant
             ids = {r.request_id for r in waiting}
@@ -354,7 +363,7 @@ class KVCacheManager:
             self._finish_restores(0.0)
             for req in waiting:
                 self._maybe_start_restore(req)
-            self._lower.flush_spills()  # allocations for restores may have evicted blocks
+            self._lower.flush_spills(due_only=due_only)  # allocations for restores may have evicted blocks
             if self._restoring and idle and all(r.request_id in self._restoring for r in waiting):
                 self._finish_restores(IDLE_RESTORE_WAIT_S)
 

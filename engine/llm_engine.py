@@ -311,6 +311,8 @@ class LLMEngine:
             step = self.scheduler.schedule()
             outputs = self._run_sync(step) if not step.is_empty else []
         self._publish_state()
+        if not self.requests:
+            self.cache.flush_spills()  # idle now: spills kept for more of their chain go down
         return outputs
 
     def _observe_admissions(self, step: SchedulerOutput) -> None:

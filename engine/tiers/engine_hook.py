@@ -7,7 +7,9 @@ them to the ``TierManager``::
     spill(tenant, block)      the pool is about to reuse block_id: copy its bytes out now; runs of
                               consecutive victims of one chain (tails go first, so they arrive
                               deepest first) become one segment at flush_spills(), split where
-                              the retention status changes (a retained run stays retained below)
+                              the retention status changes (a retained run stays retained below);
+                              while no request waits, a run keeps growing across steps (up to a
+                              segment's blocks or ``spill_linger_s``): fewer, larger seals
     lookup(ns, hashes)        how many leading hashes the tiers hold (in-memory maps only)
     start_restore(id, ...)    read + decrypt on the tier manager's worker pool
     finished_restores(t)      restores that are done: their plaintext is written into the HBM
@@ -25,7 +27,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,6 +41,12 @@ from engine.tiers.device_kv import DeviceKV
 from engine.tiers.manager import RestoreResult, TierManager
 
 log = logging.getLogger(__name__)
+
+# How long a run of evicted blocks may wait for more of its chain before it is sealed, when no
+# request is waiting: a few decode steps of an 8B model (5-7 ms each on the H200). The blocks are
+# already copied out of the pool; only lookups in that window miss them, and a waiting request
+# (the only one that looks up) flushes everything first.
+DEFAULT_SPILL_LINGER_S = 0.05
 
 
 class KVBlockIO(Protocol):
@@ -68,10 +76,13 @@ class TierHook:
     """See the module docstring. ``manager`` owns the tiers; ``runner`` moves bytes in and out of HBM."""
 
     def __init__(self, manager: TierManager, runner: KVBlockIO, *, pin_memory: bool | None = None,
-                 device_spill: bool = False, device_backlog_bytes: int = 1 << 30):
+                 device_spill: bool = False, device_backlog_bytes: int = 1 << 30,
+                 spill_linger_s: float = DEFAULT_SPILL_LINGER_S, clock: Callable[[], float] = time.monotonic):
         """``device_spill``: evicted blocks stay in device memory (``runner.gather_blocks_async``: no
         host sync on the step loop) and the manager's ``sealer`` seals them there. At most
-        ``device_backlog_bytes`` of them wait for their seal; past that a flush waits for the oldest."""
+        ``device_backlog_bytes`` of them wait for their seal; past that a flush waits for the oldest.
+        ``spill_linger_s``: how long a run may wait for more blocks of its chain at a
+        ``flush_spills(due_only=True)`` (0: every flush hands it down)."""
         if runner.kv_bytes_per_block != manager.block_bytes:
             raise ValueError(f"runner has {runner.kv_bytes_per_block} bytes per block, the tier manager "
                              f"{manager.block_bytes}")
@@ -87,6 +98,9 @@ class TierHook:
         self.backlog_waits = 0
         self.backlog_wait_s = 0.0
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.spill_linger_s = spill_linger_s
+        self._clock = clock
+        self._run_since = 0.0  # when the pending run's first block was spilled
         # evicted blocks not yet handed down, deepest first: (tenant, block, bytes [1, B])
         self._run: list[tuple[TenantScope, EvictedBlock, torch.Tensor]] = []
         self._restoring: dict[str, tuple[list[int], Future[RestoreResult]]] = {}
@@ -110,6 +124,8 @@ class TierHook:
                     or (last.retained_for_s > 0) != (block.retained_for_s > 0)
                     or len(self._run) >= self.manager.max_segment_blocks):
                 self.flush_spills()
+        if not self._run:
+            self._run_since = self._clock()
         self._run.append((tenant, block, data))
 
     def _apply_quotas(self, tenant: TenantScope) -> None:
@@ -121,9 +137,18 @@ class TierHook:
         self.manager.set_tenant_policy(tenant.namespace, dataclasses.replace(
             policy, dram_blocks=quotas[0], nvme_blocks=quotas[1]))
 
-    def flush_spills(self) -> None:
-        """Hand the pending run of evicted blocks to the manager (encrypt + store off-thread)."""
+    def flush_spills(self, *, due_only: bool = False) -> None:
+        """Hand the pending run of evicted blocks to the manager (encrypt + store off-thread).
+
+        ``due_only`` (nothing is about to look the tiers up) keeps a run that may still grow: under
+        steady eviction a chain loses a block or two per step, and a seal per step costs the step
+        loop a launch-and-submit and a tier worker's Python (which holds the GIL the step loop needs)
+        for each; a run of a segment's blocks pays that once. Bounded by the segment size (``spill``
+        hands a full run down) and by ``spill_linger_s``."""
         if not self._run:
+            return
+        if (due_only and len(self._run) < self.manager.max_segment_blocks
+                and self._clock() - self._run_since < self.spill_linger_s):
             return
         run, self._run = self._run[::-1], []  # chain order: shallowest first
         hashes = [b.block_hash for _, b, _ in run]

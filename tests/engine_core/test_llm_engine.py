@@ -226,7 +226,7 @@ class RecordingLowerTier:
     def spill(self, tenant, block) -> None:
         self.spilled.append((tenant.namespace, block))
 
-    def flush_spills(self) -> None:
+    def flush_spills(self, *, due_only: bool = False) -> None:
         self.flushes += 1
 
     def lookup(self, namespace, hashes) -> int:

@@ -291,3 +291,46 @@ def test_use_per_tenant_and_tier_is_published_as_a_gauge(tmp_path, registry):
     assert metric(gauge, "prefixgate_kv_tenant_blocks", tenant="capped", tier="dram") == 0
     assert metric(gauge, "prefixgate_kv_tenant_blocks", tenant="capped", tier="hbm") == 0
     hook.close()
+
+
+def test_a_spilled_run_lingers_for_its_chain_only_while_nothing_waits(tmp_path, registry):
+    """``flush_spills(due_only=True)`` (no request waiting) keeps a run that may still grow, so a
+    chain evicted a block per step becomes one segment; it is handed down once it is as old as
+    ``spill_linger_s`` or as long as a segment, and at once by a plain flush (a request waits)."""
+    from engine.kv_types import BlockHash, EvictedBlock
+
+    cfg = EngineConfig(model_dir=tmp_path / "double", block_size=BS, num_kv_blocks=64, dram_bytes=1 << 20)
+    runner = TokenKVRunner(64, BS)
+    manager = TierManager.from_config(cfg, runner.kv_bytes_per_block, registry=registry, pin_memory=False,
+                                      max_segment_blocks=4)
+    now = [100.0]
+    hook = TierHook(manager, runner, pin_memory=False, spill_linger_s=0.05, clock=lambda: now[0])
+    a = tenant("a")
+
+    def evict(depth: int) -> None:  # one step's eviction: the chain's deepest block left goes
+        hook.spill(a, EvictedBlock(BlockHash(bytes([depth]) * 32), a.namespace, depth, block_id=depth))
+
+    def segments() -> int:
+        manager.drain()
+        return manager.stats()["dram"]["segments"]
+
+    for depth in (9, 8, 7):  # three steps, 10 ms apart, nobody waiting
+        evict(depth)
+        hook.flush_spills(due_only=True)
+        now[0] += 0.01
+    assert segments() == 0
+    now[0] += 0.03  # the run's first block is now 50 ms old
+    hook.flush_spills(due_only=True)
+    assert segments() == 1 and manager.stats()["dram"]["blocks"] == 3
+
+    for depth in (6, 5, 4, 3):  # a segment's worth, in one step: handed down without waiting
+        evict(depth)
+    hook.flush_spills(due_only=True)
+    assert segments() == 2
+
+    evict(2)
+    hook.flush_spills(due_only=True)
+    assert segments() == 2
+    hook.flush_spills()  # a request waits: everything goes down now
+    assert segments() == 3 and manager.stats()["dram"]["blocks"] == 8
+    hook.close()
