@@ -311,14 +311,24 @@ def _tier_hook(dev: torch.device, runner: ModelRunner, mode: str, dram_bytes: in
     `cryptography` on the workers), both opened on the device on restore."""
     if mode == "off":
         return None
-    gpu = mode.startswith("gpu_seal")
-    # "gpu_seal_wide": the seal kernels on a full grid (the sealer's default caps it, gpu_sealer)
-    sealer = DeviceSealer(dev, max_programs=None) if mode == "gpu_seal_wide" else DeviceSealer(dev)
+    gpu = mode == "gpu_seal"
     m = TierManager(model_id="bench-8b", block_size=16, block_bytes=runner.kv_bytes_per_block, dram_bytes=dram_bytes,
                     max_segment_blocks=seg_blocks, pin_memory=dev.type == "cuda", opener=DeviceAeadOpener(dev),
-                    rates=TierRates(min_gain=0.0), device_seal=True, sealer=sealer if gpu else None,
+                    rates=TierRates(min_gain=0.0), device_seal=True, sealer=DeviceSealer(dev) if gpu else None,
                     max_workers=2 if dev.type == "cuda" else 1)  # --smoke: Triton's interpreter is not thread-safe
     return TierHook(m, runner, device_spill=gpu)
+
+
+def _timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
+    """``fn`` adding its wall and thread-CPU seconds to ``acc[0]`` / ``acc[1]`` (per-step counters)."""
+    def wrapped(*a: Any, **k: Any) -> Any:
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[0] += time.perf_counter() - w0
+            acc[1] += time.thread_time() - c0
+    return wrapped
 
 
 def _percentile(xs: Sequence[float], q: float) -> float:
@@ -375,6 +385,12 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                                                    prompt_token_ids=torch.randint(0, vocab, (prompt + i % 16,),
                                                                                   generator=g).tolist()))
             times, cpu, replay, evicting, n = [], [], [], [], 0
+            # the hook's own calls on the step loop (spill copies, flushes): wall and thread CPU per step
+            hook_s = [0.0, 0.0]
+            hook_wall, hook_cpu = [], []
+            if hook is not None:
+                for name in ("spill", "flush_spills"):
+                    setattr(hook, name, _timed(getattr(hook, name), hook_s))
             prof = cProfile.Profile() if profile else None  # the step loop's thread only
             if prof is not None:
                 prof.enable()
@@ -383,6 +399,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
             while engine.has_unfinished():
                 e0 = engine.cache.num_evictions
                 c0 = time.thread_time()
+                hook_s[0] = hook_s[1] = 0.0
                 outs = engine.step()
                 now = time.perf_counter()
                 dt, dc, t_prev = now - t_prev, time.thread_time() - c0, now
@@ -390,6 +407,8 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                 if n > 2 and len(outs) == seqs:  # every sequence decoding (after the prefill steps)
                     times.append(dt)
                     cpu.append(dc)
+                    hook_wall.append(hook_s[0])
+                    hook_cpu.append(hook_s[1])
                     # the graph replay's own GPU time: does sealing slow the device, or the host?
                     ms = runner.decode_graphs.last_replay_ms() if runner.decode_graphs is not None else None
                     if ms is not None:
@@ -413,6 +432,9 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     "replay_p99_ms": _percentile(replay, 0.99) if replay else None,
                     # per step, beside step_ms: does a slow step have a slow replay (the GPU) or not (the host)
                     "replay_ms": [round(t, 3) for t in replay],
+                    "cpu_ms": [round(1e3 * t, 3) for t in cpu],
+                    "hook_ms": [round(1e3 * t, 3) for t in hook_wall],
+                    "hook_cpu_ms": [round(1e3 * t, 3) for t in hook_cpu],
                     "backlog_waits": hook.backlog_waits if hook else 0,
                     "backlog_wait_s": hook.backlog_wait_s if hook else 0.0,
                     "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,

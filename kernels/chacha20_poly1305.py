@@ -113,10 +113,10 @@ def _chacha20_xor_kernel(
     dst_off,
     nbytes,
     counter0,
-    iters,  # tiles of LANES blocks per program: a capped grid strides over the message
     LANES: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    blk = pid.to(tl.int64) * LANES + tl.arange(0, LANES)  # [LANES] 64-byte block index
     zero = tl.zeros([LANES], dtype=tl.uint32)
     k0 = key0.to(tl.uint32, bitcast=True) + zero
     k1 = key1.to(tl.uint32, bitcast=True) + zero
@@ -129,50 +129,47 @@ def _chacha20_xor_kernel(
     n0 = nonce0.to(tl.uint32, bitcast=True) + zero
     n1 = nonce1.to(tl.uint32, bitcast=True) + zero
     n2 = nonce2.to(tl.uint32, bitcast=True) + zero
+    ctr = (blk + counter0).to(tl.uint32)
     i0 = zero + 0x61707865
     i1 = zero + 0x3320646E
     i2 = zero + 0x79622D32
     i3 = zero + 0x6B206574
-    nprog = tl.num_programs(0)
-    for it in range(iters):
-        blk = (pid + it * nprog).to(tl.int64) * LANES + tl.arange(0, LANES)  # [LANES] 64-byte block index
-        ctr = (blk + counter0).to(tl.uint32)
-        x0, x1, x2, x3 = i0, i1, i2, i3
-        x4, x5, x6, x7 = k0, k1, k2, k3
-        x8, x9, x10, x11 = k4, k5, k6, k7
-        x12, x13, x14, x15 = ctr, n0, n1, n2
-        for _ in range(10):
-            x0, x4, x8, x12 = _qr(x0, x4, x8, x12)
-            x1, x5, x9, x13 = _qr(x1, x5, x9, x13)
-            x2, x6, x10, x14 = _qr(x2, x6, x10, x14)
-            x3, x7, x11, x15 = _qr(x3, x7, x11, x15)
-            x0, x5, x10, x15 = _qr(x0, x5, x10, x15)
-            x1, x6, x11, x12 = _qr(x1, x6, x11, x12)
-            x2, x7, x8, x13 = _qr(x2, x7, x8, x13)
-            x3, x4, x9, x14 = _qr(x3, x4, x9, x14)
-        # Stack the 16 keystream words into a [LANES, 16] tile, word w at column w: each tl.join adds
-        # a last axis of 2, so joining (w, w + 8), then (.., +4), (.., +2), (.., +1) builds the axes
-        # (bit 3, bit 2, bit 1, bit 0) of the word index, and a row-major reshape is [LANES, 16].
-        j0 = tl.join(x0 + i0, x8 + k4)
-        j1 = tl.join(x1 + i1, x9 + k5)
-        j2 = tl.join(x2 + i2, x10 + k6)
-        j3 = tl.join(x3 + i3, x11 + k7)
-        j4 = tl.join(x4 + k0, x12 + ctr)
-        j5 = tl.join(x5 + k1, x13 + n0)
-        j6 = tl.join(x6 + k2, x14 + n1)
-        j7 = tl.join(x7 + k3, x15 + n2)
-        j0 = tl.join(j0, j4)
-        j1 = tl.join(j1, j5)
-        j2 = tl.join(j2, j6)
-        j3 = tl.join(j3, j7)
-        j0 = tl.join(j0, j2)
-        j1 = tl.join(j1, j3)
-        ks = tl.reshape(tl.join(j0, j1), [LANES, 16])  # [LANES, 16] uint32
-        widx = blk[:, None] * 16 + tl.arange(0, 16)[None, :]  # [LANES, 16] word index in the message
-        inside = widx * 4 < nbytes
-        c = tl.load(src_ptr + src_off + widx, mask=inside, other=0).to(tl.uint32, bitcast=True)
-        p = (c ^ ks) & _word_mask(widx, nbytes)
-        tl.store(dst_ptr + dst_off + widx, p.to(tl.int32, bitcast=True), mask=inside)
+    x0, x1, x2, x3 = i0, i1, i2, i3
+    x4, x5, x6, x7 = k0, k1, k2, k3
+    x8, x9, x10, x11 = k4, k5, k6, k7
+    x12, x13, x14, x15 = ctr, n0, n1, n2
+    for _ in range(10):
+        x0, x4, x8, x12 = _qr(x0, x4, x8, x12)
+        x1, x5, x9, x13 = _qr(x1, x5, x9, x13)
+        x2, x6, x10, x14 = _qr(x2, x6, x10, x14)
+        x3, x7, x11, x15 = _qr(x3, x7, x11, x15)
+        x0, x5, x10, x15 = _qr(x0, x5, x10, x15)
+        x1, x6, x11, x12 = _qr(x1, x6, x11, x12)
+        x2, x7, x8, x13 = _qr(x2, x7, x8, x13)
+        x3, x4, x9, x14 = _qr(x3, x4, x9, x14)
+    # Stack the 16 keystream words into a [LANES, 16] tile, word w at column w: each tl.join adds
+    # a last axis of 2, so joining (w, w + 8), then (.., +4), (.., +2), (.., +1) builds the axes
+    # (bit 3, bit 2, bit 1, bit 0) of the word index, and a row-major reshape is [LANES, 16].
+    j0 = tl.join(x0 + i0, x8 + k4)
+    j1 = tl.join(x1 + i1, x9 + k5)
+    j2 = tl.join(x2 + i2, x10 + k6)
+    j3 = tl.join(x3 + i3, x11 + k7)
+    j4 = tl.join(x4 + k0, x12 + ctr)
+    j5 = tl.join(x5 + k1, x13 + n0)
+    j6 = tl.join(x6 + k2, x14 + n1)
+    j7 = tl.join(x7 + k3, x15 + n2)
+    j0 = tl.join(j0, j4)
+    j1 = tl.join(j1, j5)
+    j2 = tl.join(j2, j6)
+    j3 = tl.join(j3, j7)
+    j0 = tl.join(j0, j2)
+    j1 = tl.join(j1, j3)
+    ks = tl.reshape(tl.join(j0, j1), [LANES, 16])  # [LANES, 16] uint32
+    widx = blk[:, None] * 16 + tl.arange(0, 16)[None, :]  # [LANES, 16] word index in the message
+    inside = widx * 4 < nbytes
+    c = tl.load(src_ptr + src_off + widx, mask=inside, other=0).to(tl.uint32, bitcast=True)
+    p = (c ^ ks) & _word_mask(widx, nbytes)
+    tl.store(dst_ptr + dst_off + widx, p.to(tl.int32, bitcast=True), mask=inside)
 
 
 @triton.jit
@@ -289,10 +286,9 @@ def _check_words(t: torch.Tensor, what: str) -> None:
 
 
 def chacha20_xor(src: torch.Tensor, src_off: int, nbytes: int, key: bytes, nonce: bytes, counter: int,
-                 dst: torch.Tensor, dst_off: int = 0, *, max_programs: int | None = None) -> None:
+                 dst: torch.Tensor, dst_off: int = 0) -> None:
     """dst words [dst_off, ...) = ChaCha20(key, nonce, counter) XOR src words [src_off, ...), ``nbytes``
-    long. Offsets are in 4-byte words; bytes of the last word past ``nbytes`` are written as 0.
-    ``max_programs`` caps the grid (each program then strides over several tiles): see ``launch_seal``."""
+    long. Offsets are in 4-byte words; bytes of the last word past ``nbytes`` are written as 0."""
     _check_words(src, "src")
     _check_words(dst, "dst")
     nwords = -(-nbytes // 4)
@@ -300,10 +296,9 @@ def chacha20_xor(src: torch.Tensor, src_off: int, nbytes: int, key: bytes, nonce
         raise ValueError("ciphertext range runs past a buffer")
     if nbytes == 0:
         return
-    tiles = triton.cdiv(-(-nbytes // 64), CHACHA_LANES)
-    programs = tiles if max_programs is None else max(1, min(tiles, max_programs))
-    _chacha20_xor_kernel[(programs,)](src, dst, *struct.unpack("<8i", key), *struct.unpack("<3i", nonce), src_off,
-                                      dst_off, nbytes, counter, triton.cdiv(tiles, programs), LANES=CHACHA_LANES)
+    grid = (triton.cdiv(-(-nbytes // 64), CHACHA_LANES),)
+    _chacha20_xor_kernel[grid](src, dst, *struct.unpack("<8i", key), *struct.unpack("<3i", nonce), src_off, dst_off,
+                               nbytes, counter, LANES=CHACHA_LANES)
 
 
 def poly1305_lane_sums(src: torch.Tensor, src_off: int, nbytes: int, r: int, *,
@@ -416,22 +411,15 @@ class LaunchedSeal:
 
 
 def launch_seal(key: bytes, nonce: bytes, src: torch.Tensor, src_off: int, nbytes: int, aad: bytes,
-                dst: torch.Tensor, dst_off: int, *, blocks_per_lane: int = _POLY_BLOCKS_PER_LANE,
-                max_programs: int | None = None) -> LaunchedSeal:
+                dst: torch.Tensor, dst_off: int, *, blocks_per_lane: int = _POLY_BLOCKS_PER_LANE) -> LaunchedSeal:
     """Queue the encryption of ``nbytes`` plaintext words from ``src[src_off:]`` into ``dst[dst_off:]``
     (the same buffer and offset encrypts in place: each word is read before it is written, by the
     same lane) and the tag's kernel over that ciphertext, on the current stream; no host sync.
-    ``nonce`` must be fresh for every call under ``key`` (12 random bytes from a CSPRNG).
-
-    ``max_programs`` caps each kernel's grid: a seal that runs beside the engine's steps (a spill)
-    need not go faster than the link its ciphertext crosses next, and a full grid of short programs
-    takes SMs from the step's kernels while it drains. ``None``: as many programs as the size gives."""
+    ``nonce`` must be fresh for every call under ``key`` (12 random bytes from a CSPRNG)."""
     if len(key) != 32 or len(nonce) != 12:
         raise ValueError("ChaCha20-Poly1305 needs a 32-byte key and a 12-byte nonce")
     r, s = poly1305_key(key, nonce)
-    chacha20_xor(src, src_off, nbytes, key, nonce, 1, dst, dst_off, max_programs=max_programs)
-    if max_programs is not None:  # fewer, longer lanes: at most max_programs programs of POLY_LANES
-        blocks_per_lane = max(blocks_per_lane, triton.cdiv(triton.cdiv(nbytes, 16), max(1, max_programs) * POLY_LANES))
+    chacha20_xor(src, src_off, nbytes, key, nonce, 1, dst, dst_off)
     sums = poly1305_lane_sums(dst, dst_off, nbytes, r, blocks_per_lane=blocks_per_lane)
     return LaunchedSeal(sums, r, s, aad_term(r, aad, nbytes), len(aad), nbytes)
 

@@ -30,22 +30,13 @@ from engine.tiers.device_kv import DeviceKV
 from engine.tiers.dram import PinnedBlob
 from kernels import chacha20_poly1305 as gpu_aead
 
-# Programs per seal kernel (of the H200's 132 SMs). A spill's seal runs beside the engine's decode
-# steps: with a full grid, thousands of short ChaCha20 programs take SMs from the step's kernels
-# while they drain. 32 programs still encrypt faster than the ~55 GB/s link the ciphertext crosses
-# next (about 90 GB/s: the open kernels' 360 GB/s on all SMs, scaled).
-SPILL_SEAL_PROGRAMS = 32
-
 
 class DeviceSealer:
     """``SegmentSealer`` on one device. Seals take turns on one side stream (they share the link);
     the lock is held only while queueing, the wait for the device is outside it."""
 
-    def __init__(self, device: torch.device | str, *, max_programs: int | None = SPILL_SEAL_PROGRAMS):
-        """``max_programs``: the grid cap of each seal kernel (``kernels.chacha20_poly1305.launch_seal``);
-        None for the full grid."""
+    def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self.max_programs = max_programs
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pin = self.device.type == "cuda"
         self._lock = threading.Lock()
@@ -83,8 +74,7 @@ class DeviceSealer:
                     self._stream.wait_event(plain.ready)
                 # [nbytes // 4] int32 on the device: not in place, a failed put may seal the run again
                 ct = torch.empty(nbytes // 4, dtype=torch.int32, device=self.device)
-                launched = gpu_aead.launch_seal(key, nonce, data.view(-1).view(torch.int32), 0, nbytes, aad, ct, 0,
-                                                max_programs=self.max_programs)
+                launched = gpu_aead.launch_seal(key, nonce, data.view(-1).view(torch.int32), 0, nbytes, aad, ct, 0)
                 blob[DEVICE_HEADER_BYTES:DEVICE_HEADER_BYTES + nbytes].copy_(ct.view(torch.uint8), non_blocking=self._pin)
                 sums.copy_(launched.sums, non_blocking=self._pin)
                 # blocking: the worker sleeps in the wait below; a spinning wait polls the driver

@@ -234,6 +234,7 @@ def test_quotas_set_in_tenancy_reach_the_tiers(tmp_path, registry):
     """The path of ``tenant quota set X --kv-blocks-dram 2 --kv-blocks-nvme 2``: the quota stored by
     tenancy arrives on the authenticated context (a ``TenantScope`` with its real AES-GCM cipher)
     and the tiers keep no more than 2 blocks of X each."""
+    pytest.importorskip("sqlite_utils", reason="tenancy's store (a GPU host may carry only the engine's packages)")
     from tenancy.service import TenancyService
 
     svc = TenancyService.open(tmp_path / "home")
