@@ -427,31 +427,47 @@ class ModelRunner:
         stream.synchronize()
         return packed
 
+    @property
+    def kv_device(self) -> torch.device:
+        return self.kv_cache.device
+
     def gather_blocks_async(self, block_ids: Sequence[int]) -> torch.Tensor:
         """-> contiguous uint8 [len(block_ids), kv_bytes_per_block] on this runner's device, queued on
         the current stream with no host sync: complete before anything queued on that stream after
         it (the next step may reuse the blocks); a reader on another stream waits for an event
-        recorded after this call. The spill path that seals KV on the GPU (engine.tiers.gpu_sealer)."""
+        recorded after this call."""
+        out = torch.empty(len(block_ids), self.kv_bytes_per_block, dtype=torch.uint8, device=self.kv_cache.device)
+        self.gather_blocks_into(block_ids, out)
+        return out
+
+    def gather_blocks_into(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """``gather_blocks_async`` into ``out`` (uint8 [len(block_ids), kv_bytes_per_block] on this
+        runner's device, e.g. rows of a reused staging buffer): the spill path that seals KV on the
+        GPU (engine.tiers.gpu_sealer) writes evicted blocks there without allocating."""
         wanted = list(block_ids)
+        n = len(wanted)
         if wanted and (min(wanted) < 0 or max(wanted) >= self.num_kv_blocks):
             raise IndexError(f"block ids must be in [0, {self.num_kv_blocks}), got {wanted}")
-        first, n = (wanted[0], len(wanted)) if wanted else (0, 0)
+        if out.dtype != torch.uint8 or tuple(out.shape) != (n, self.kv_bytes_per_block) \
+                or out.device != self.kv_cache.device:
+            raise ValueError(f"out must be uint8 [{n}, {self.kv_bytes_per_block}] on {self.kv_cache.device}")
+        if n == 0:
+            return
+        first = wanted[0]
         if wanted == list(range(first, first + n)):
-            # consecutive ids (every spill of one evicted block): a slice copy, one device memcpy
-            # queued from the host, instead of an index tensor's pinned upload plus a kernel launch
-            # (the step loop pays this per evicted block: issue 19, session 5)
-            return self._slice_packed(first, n)
+            # consecutive ids (every spill of one evicted block): slice copies, one device memcpy
+            # each queued from the host, instead of an index tensor's pinned upload plus a kernel
+            # launch (the step loop pays this per evicted block: issue 19, session 5)
+            rows = slice(first, first + n)
+            kv = self._cache_block_bytes
+            out[:, :kv].copy_(self.kv_cache[rows].view(torch.uint8).reshape(n, -1))
+            if self.kv_scales is not None:
+                out[:, kv:].copy_(self.kv_scales[rows].view(torch.uint8).reshape(n, -1))
+            return
         ids = torch.tensor(wanted, dtype=torch.int64)
         if self.kv_cache.device.type == "cuda":  # a pageable H2D copy would wait for the stream to drain
             ids = ids.pin_memory().to(self.kv_cache.device, non_blocking=True)
-        return self._gather_packed(ids, n)
-
-    def _slice_packed(self, first: int, n: int) -> torch.Tensor:
-        """Blocks ``first .. first + n - 1`` copied, as ``_gather_packed`` lays them out."""
-        rows = slice(first, first + n)
-        scales = self.kv_scales[rows] if self.kv_scales is not None else None
-        # with scales the cat makes the copy; without, the slice is cloned (the blocks get reused)
-        return _packed_rows(self.kv_cache[rows] if scales is not None else self.kv_cache[rows].clone(), scales, n)
+        out.copy_(self._gather_packed(ids, n))
 
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         scales = self.ops.gather_blocks(self.kv_scales, ids) if self.kv_scales is not None else None

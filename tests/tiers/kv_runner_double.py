@@ -87,6 +87,15 @@ class TokenKVRunner:
         self.gathered += len(block_ids)
         return self.kv[list(block_ids)].contiguous().view(torch.uint8).to(self.spill_device, copy=True)
 
+    @property
+    def kv_device(self) -> torch.device:
+        return torch.device(self.spill_device)
+
+    def gather_blocks_into(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """``gather_blocks_async`` into the rows of ``out`` (a staging buffer on ``spill_device``)."""
+        assert out.dtype == torch.uint8 and out.shape == (len(block_ids), self.kv_bytes_per_block)
+        out.copy_(self.gather_blocks_async(block_ids))
+
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         assert data.dtype == torch.uint8 and data.shape == (len(block_ids), self.kv_bytes_per_block)
         self.imported += len(block_ids)

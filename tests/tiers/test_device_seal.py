@@ -195,6 +195,8 @@ def test_step_loop_with_device_spills_and_a_zero_backlog(tmp_path, registry):
     warm, cached, _ = run(engine, "p2", a, p)
     assert warm == cold == reference_generate(p, 4) and cached == 96
     assert opener.opened_on_device >= 1 and opener.opened_on_host == 0
+    # every run was staged in the one buffer a zero backlog allows, reused after each seal
+    assert len(backlog) >= 2 and hook.staging_buffers == 1
     hook.close()
 
 
@@ -215,7 +217,9 @@ class _Runner:
     def import_blocks(self, block_ids, data):
         raise AssertionError
 
-    def gather_blocks_async(self, block_ids):
+    kv_device = torch.device("cpu")
+
+    def gather_blocks_into(self, block_ids, out):
         raise AssertionError
 
 
@@ -243,3 +247,11 @@ def test_runner_gathers_on_device_what_it_exports(tiny_model_dir):
         runner.gather_blocks_async([8])
     with pytest.raises(IndexError):
         runner.gather_blocks_async([7, 8])
+    rows = torch.full((4, runner.kv_bytes_per_block), 7, dtype=torch.uint8, device=DEVICE)
+    runner.import_blocks([2, 3, 4], data)
+    runner.gather_blocks_into([3, 4], rows[2:])  # into the last rows of a staging buffer
+    runner.gather_blocks_into([6], rows[1:2])  # a single block, not adjacent to the others
+    assert torch.equal(rows[2:].cpu(), data[1:]) and torch.equal(rows[1].cpu(), data[2].new_zeros(data.shape[1]))
+    assert set(rows[0].cpu().tolist()) == {7}  # rows not asked for are left alone
+    with pytest.raises(ValueError):
+        runner.gather_blocks_into([3], rows[:2])
