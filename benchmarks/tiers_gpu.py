@@ -386,11 +386,13 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                                                                                   generator=g).tolist()))
             times, cpu, replay, evicting, n = [], [], [], [], 0
             # the hook's own calls on the step loop (spill copies, flushes): wall and thread CPU per step
-            hook_s = [0.0, 0.0]
-            hook_wall, hook_cpu = [], []
+            hook_s, demote_s = [0.0, 0.0], [0.0, 0.0]
+            hook_wall, hook_cpu, demote_wall, demote_cpu = [], [], [], []
             if hook is not None:
                 for name in ("spill", "flush_spills"):
                     setattr(hook, name, _timed(getattr(hook, name), hook_s))
+                # of which the hand-off to the tier manager (its submit to the worker pool)
+                hook.manager.demote = _timed(hook.manager.demote, demote_s)
             prof = cProfile.Profile() if profile else None  # the step loop's thread only
             if prof is not None:
                 prof.enable()
@@ -399,7 +401,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
             while engine.has_unfinished():
                 e0 = engine.cache.num_evictions
                 c0 = time.thread_time()
-                hook_s[0] = hook_s[1] = 0.0
+                hook_s[0] = hook_s[1] = demote_s[0] = demote_s[1] = 0.0
                 outs = engine.step()
                 now = time.perf_counter()
                 dt, dc, t_prev = now - t_prev, time.thread_time() - c0, now
@@ -409,6 +411,8 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     cpu.append(dc)
                     hook_wall.append(hook_s[0])
                     hook_cpu.append(hook_s[1])
+                    demote_wall.append(demote_s[0])
+                    demote_cpu.append(demote_s[1])
                     # the graph replay's own GPU time: does sealing slow the device, or the host?
                     ms = runner.decode_graphs.last_replay_ms() if runner.decode_graphs is not None else None
                     if ms is not None:
@@ -435,6 +439,8 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     "cpu_ms": [round(1e3 * t, 3) for t in cpu],
                     "hook_ms": [round(1e3 * t, 3) for t in hook_wall],
                     "hook_cpu_ms": [round(1e3 * t, 3) for t in hook_cpu],
+                    "demote_ms": [round(1e3 * t, 3) for t in demote_wall],
+                    "demote_cpu_ms": [round(1e3 * t, 3) for t in demote_cpu],
                     "backlog_waits": hook.backlog_waits if hook else 0,
                     "backlog_wait_s": hook.backlog_wait_s if hook else 0.0,
                     "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,
