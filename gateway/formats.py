@@ -21,7 +21,6 @@ increments), and a choice that called a tool and stopped ends with ``finish_reas
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from typing import Any, Protocol
 
@@ -30,6 +29,7 @@ from gateway.errors import OpenAIError
 from gateway.pipeline import Prepared
 from gateway.schemas import Usage
 from gateway.tool_calls import ParsedDelta, ToolCallParser, merge_tool_deltas
+from gateway.wire_json import ascii_json
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -120,7 +120,7 @@ class ChoiceText:
 
 def sse(obj: Any, event: str | None = None) -> bytes:
     """One server-sent event: ``data:`` JSON, with an ``event:`` line where the API names its events."""
-    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    data = b"data: " + ascii_json(obj) + b"\n\n"
     return data if event is None else b"event: " + event.encode() + b"\n" + data
 
 

@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fastapi.responses import JSONResponse
 from gateway_fakes import FakeTenancy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.app import create_app
+from gateway.formats import sse
 from gateway.pipeline import Prepared, prepare, provider_message
 from gateway.ports import canonicalize
+from gateway.responder import WholeResponse
 from gateway.routes.completions import Parts
-from gateway.schemas import ChatCompletionRequest, ChatMessage
+from gateway.schemas import ChatCompletionRequest, ChatMessage, usage_dict
 from gateway.settings import GatewaySettings, RouteConfig
+from gateway.wire_json import ascii_json, is_plain, utf8_json
 
 # Messages with everything a provider must get exactly as before: fields and extras set to None
 # (dropped), None inside nested values (kept), content parts, tool calls, trailing whitespace (which
@@ -75,3 +83,58 @@ def test_provider_message_drops_top_level_none_only() -> None:
     assert provider_message(message) == ChatMessage.model_validate(message).model_dump(exclude_none=True)
     assert provider_message(message) == {"role": "user", "content": "hi", "x": {"y": None}, "parts": [None]}
 
+
+# -- JSON bytes: wire_json against the stdlib encoders it replaces ------------------------------------
+
+_text = st.text(alphabet=st.one_of(st.characters(codec=None, min_codepoint=0, max_codepoint=0x2FF),
+                                   st.sampled_from(["\x7f", "\u2028", "\ufeff", "\U0001F600", "\ud800", "\udfff"])))
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80), _text,
+                    st.floats(allow_nan=True, allow_infinity=True))
+_json_like = st.recursive(
+    _scalar,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner),
+                            st.dictionaries(st.one_of(_text, st.integers(), st.booleans()), inner, max_size=4)),
+    max_leaves=12)
+
+
+def _outcome(encode: Callable[[object], bytes], value: object) -> bytes | type[BaseException]:
+    try:
+        return encode(value)
+    except (ValueError, TypeError) as exc:  # UnicodeEncodeError and allow_nan's ValueError included
+        return type(exc)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_json_like)
+def test_utf8_json_is_json_response_render(value: object) -> None:
+    render = JSONResponse(None).render
+    assert _outcome(utf8_json, value) == _outcome(render, value)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_json_like)
+def test_ascii_json_is_json_dumps(value: object) -> None:
+    assert _outcome(ascii_json, value) == _outcome(lambda v: json.dumps(v, separators=(",", ":")).encode(), value)
+
+
+@pytest.mark.parametrize(("value", "plain"), [
+    ({"content": "caf\u00e9 \x7f \u2028 \U0001F600 \\ \" </script>", "n": 2**70, "ok": True, "none": None}, True),
+    ({"lone": "\ud800"}, True),  # plain, but to_json refuses it: the stdlib answers (its error, its escape)
+    ([], True), ({"logprob": 1e-05}, False), ({"nan": float("nan")}, False), ({1: "int key"}, False),
+    (("a", "tuple"), False),
+])
+def test_plain_and_fallback_values_encode_as_before(value: object, plain: bool) -> None:
+    stdlib_utf8 = _outcome(JSONResponse(None).render, value)
+    assert _outcome(utf8_json, value) == stdlib_utf8
+    assert _outcome(ascii_json, value) == _outcome(lambda v: json.dumps(v, separators=(",", ":")).encode(), value)
+    assert is_plain(value) == plain
+
+
+def test_whole_response_and_sse_frame_bytes() -> None:
+    body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m", "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "h\u00e9\x7f", "refusal": None},
+                         "logprobs": None, "finish_reason": "stop"}], "usage": usage_dict(3, 1, 2)}
+    fast, slow = WholeResponse(body, headers={"x-a": "b"}), JSONResponse(body, headers={"x-a": "b"})
+    assert fast.body == slow.body and fast.raw_headers == slow.raw_headers
+    assert sse(body) == b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    assert sse(body, "done").startswith(b"event: done\ndata: {")
