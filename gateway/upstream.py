@@ -15,6 +15,7 @@ Upstream responses carry text (and tool calls), not our token ids, so outputs ha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -257,6 +258,13 @@ def scope_marker(namespace: bytes) -> str:
 
 
 def _marker_line(namespace: bytes) -> str:
+    return _scope_line(bytes(namespace))
+
+
+@functools.lru_cache(maxsize=4096)
+def _scope_line(namespace: bytes) -> str:
+    """Cached: a scope sends many requests, and the digest was hashed again for each one (issue #17).
+    Bounded; a scope that drops out is hashed again, which is only slower."""
     return f"[cache-scope {scope_marker(namespace)}]"
 
 

@@ -26,6 +26,7 @@ from gateway.responder import WholeResponse
 from gateway.routes.completions import Parts
 from gateway.schemas import ChatCompletionRequest, ChatMessage, usage_dict
 from gateway.settings import GatewaySettings, RouteConfig
+from gateway.upstream import scope_marker, scoped_messages, scoped_prompt
 from gateway.wire_json import ascii_json, is_plain, utf8_json
 
 # Messages with everything a provider must get exactly as before: fields and extras set to None
@@ -138,3 +139,14 @@ def test_whole_response_and_sse_frame_bytes() -> None:
     assert fast.body == slow.body and fast.raw_headers == slow.raw_headers
     assert sse(body) == b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
     assert sse(body, "done").startswith(b"event: done\ndata: {")
+
+
+# -- the per-scope marker ---------------------------------------------------------------------------------
+
+
+def test_scope_marker_line_is_cached_per_namespace_and_still_differs() -> None:
+    a, b = b"a" * 32, bytearray(b"b" * 32)  # a bytearray namespace (unhashable) works as before
+    first = scoped_messages([{"role": "user", "content": "hi"}], a)[0]["content"]
+    assert first == f"[cache-scope {scope_marker(a)}]"
+    assert scoped_messages([{"role": "user", "content": "hi"}], a)[0]["content"] == first
+    assert scoped_prompt("p", b) == f"[cache-scope {scope_marker(bytes(b))}]\np" != scoped_prompt("p", a)
