@@ -17,9 +17,20 @@ from fastapi.responses import JSONResponse
 from gateway_fakes import FakeTenancy
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic_core import PydanticCustomError
 
 from gateway.app import create_app
 from gateway.formats import sse
+from gateway.ingress import (
+    _SURROGATE,
+    MAX_DEPTH,
+    MAX_ITEMS,
+    BodyShape,
+    _surrogate_path,
+    _where,
+    body_limit,
+    scan,
+)
 from gateway.pipeline import Prepared, prepare, provider_message
 from gateway.ports import canonicalize
 from gateway.responder import WholeResponse
@@ -150,3 +161,74 @@ def test_scope_marker_line_is_cached_per_namespace_and_still_differs() -> None:
     assert first == f"[cache-scope {scope_marker(a)}]"
     assert scoped_messages([{"role": "user", "content": "hi"}], a)[0]["content"] == first
     assert scoped_prompt("p", b) == f"[cache-scope {scope_marker(bytes(b))}]\np" != scoped_prompt("p", a)
+
+
+# -- the ingress scan: the same shape and the same errors as the walk it replaced ----------------------
+
+def _scan_before(value: object, *, max_depth: int = MAX_DEPTH) -> BodyShape:
+    """gateway.ingress.scan as it was at af5c657 (the oracle)."""
+    texts: list[str] = []
+    deepest = 0
+    stack: list[tuple[object, int, tuple[str | int, ...]]] = [(value, 1, ())]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            texts.append(item)
+            continue
+        deepest = max(deepest, depth)
+        if depth > max_depth:
+            raise body_limit(f"the request is nested more than {max_depth} levels deep (at '{_where(path[:8])}...')",
+                             _where(path[:1]) if path else None)
+        if isinstance(item, dict):
+            for key, child in item.items():
+                texts.append(key)
+                if isinstance(child, str):
+                    texts.append(child)
+                elif isinstance(child, dict | list):
+                    stack.append((child, depth + 1, (*path, key)))
+        elif isinstance(item, list):
+            # token ids and numbers need no visit: skipping them keeps a 1M-id prompt at C speed
+            if all(type(child) is int for child in item):
+                continue
+            if len(item) > MAX_ITEMS:
+                raise body_limit(f"'{_where(path)}' has {len(item)} entries; at most {MAX_ITEMS} are accepted",
+                                 _where(path))
+            for i, child in enumerate(item):
+                if isinstance(child, str):
+                    texts.append(child)
+                elif isinstance(child, dict | list):
+                    stack.append((child, depth + 1, (*path, i)))
+    if any(map(_SURROGATE.search, texts)):
+        where = _where(_surrogate_path(value))
+        raise body_limit(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text", where)
+    return BodyShape(deepest, sum(map(len, texts)))
+
+
+def _scan_outcome(scanner: Callable[..., BodyShape], value: object, max_depth: int) -> object:
+    try:
+        return scanner(value, max_depth=max_depth)
+    except PydanticCustomError as exc:
+        return ("body_limit", exc.message(), exc.context)
+
+
+_bodies = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), _text),
+    lambda inner: st.one_of(st.lists(inner, max_size=6), st.lists(st.integers(), max_size=6),
+                            st.dictionaries(_text, inner, max_size=5)),
+    max_leaves=40)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_bodies, st.integers(min_value=1, max_value=6))
+def test_scan_matches_the_walk_it_replaced(value: object, max_depth: int) -> None:
+    assert _scan_outcome(scan, value, max_depth) == _scan_outcome(_scan_before, value, max_depth)
+
+
+@pytest.mark.parametrize("value", [
+    {"a": [[[[[[{"b": 1}]]]]]]}, [[[[[[[[[[1]]]]]]]]]], {"messages": [{"content": [{"x": {"y": {"z": {"w": {}}}}}]}]},
+    {"prompt": ["a"] * (MAX_ITEMS + 1)}, {"prompt": [[1, 2], ["x"] * (MAX_ITEMS + 1)]}, {"ids": [], "k": [1, "a"]},
+])
+@pytest.mark.parametrize("max_depth", [2, 4, MAX_DEPTH])
+def test_scan_errors_name_the_same_place(value: object, max_depth: int) -> None:
+    assert _scan_outcome(scan, value, max_depth) == _scan_outcome(_scan_before, value, max_depth)
+
