@@ -104,7 +104,7 @@ class ChoiceText:
     def add(self, i: int, out: RequestOutput) -> ParsedDelta:
         """Take one increment; returns what it added (content outside tool-call tags, call deltas),
         which a door's own stream format sends on."""
-        state = self._states.setdefault(i, _ChoiceState(self._parse))
+        state = self._states.get(i) or self._states.setdefault(i, _ChoiceState(self._parse))
         delta = state.split(out)
         if delta.content:
             self.text[i].append(delta.content)
@@ -194,7 +194,7 @@ class ChatFormat(_Format):
             self._started.add(i)
             result.append(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-        state = self._states.setdefault(i, _ChoiceState(self.prep.tool_parsing))
+        state = self._states.get(i) or self._states.setdefault(i, _ChoiceState(self.prep.tool_parsing))
         parsed = state.split(out)
         if parsed.content or parsed.tool_calls or out.logprobs:
             delta: dict[str, Any] = {}

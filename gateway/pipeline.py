@@ -236,7 +236,7 @@ def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:
 
 
 def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings,
-                prompts: int) -> None:
+                prompts: int, text_chars: int) -> None:
     """The work a request asks for, bounded before any of it is done (issue 16.2)."""
     param = "messages" if kind == "chat" else "prompt"
     if req.n > settings.max_n:
@@ -246,9 +246,9 @@ def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, setti
     if prompts * req.n > settings.max_choices:
         raise invalid_request(
             f"prompts x n must be at most {settings.max_choices}, got {prompts} x {req.n}", param="n")
-    if req.text_chars > settings.max_prompt_chars:
+    if text_chars > settings.max_prompt_chars:
         raise invalid_request(
-            f"the request holds {req.text_chars} characters of text; the limit is {settings.max_prompt_chars}",
+            f"the request holds {text_chars} characters of text; the limit is {settings.max_prompt_chars}",
             param=param, code="request_too_large")
 
 
@@ -292,8 +292,9 @@ async def prepare(
     scoped = tenancy.scope_for(ctx, req.user)
     prompts = req.prompts() if isinstance(req, CompletionRequest) else []
     max_tokens_asked = req.effective_max_tokens()
+    text_chars = req.text_chars  # read once: a pydantic private attribute is a Python-level __getattr__
     try:
-        _check_size(kind, req, settings, len(prompts) or 1)
+        _check_size(kind, req, settings, len(prompts) or 1, text_chars)
         if isinstance(req, CompletionRequest) and not prompts:
             raise invalid_request("prompt must not be empty", param="prompt")
     except OpenAIError:
@@ -302,7 +303,7 @@ async def prepare(
     choices = (len(prompts) or 1) * req.n
     # Admission before any costly work, on an estimate (~4 characters a token, as for providers);
     # the ledger row records the real counts.
-    estimated = req.text_chars // 4 + (max_tokens_asked or settings.default_max_tokens) * choices
+    estimated = text_chars // 4 + (max_tokens_asked or settings.default_max_tokens) * choices
     try:
         tenancy.admit(scoped, estimated_tokens=estimated)
     except QuotaExceededError as exc:
@@ -313,7 +314,7 @@ async def prepare(
     # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
     mode = scoped.canon_mode if kind == "chat" else "off"
     per_user_vars = scoped.per_user_vars
-    if mode != "off" and req.text_chars > _INLINE_CANON_CHARS:  # reorder's regexes are linear in the text
+    if mode != "off" and text_chars > _INLINE_CANON_CHARS:  # reorder's regexes are linear in the text
         canon = await threads.run(scoped.tenant_id, canonicalize, body, mode, per_user_vars)
     else:
         canon = canonicalize(body, mode, per_user_vars)
@@ -645,18 +646,19 @@ class Accounting:
         # provider's model (priced from litellm's map), not the alias the client sent.
         model = prep.backend.target_model if prep.backend.takes_openai_fields else prep.model
         written = max(0, min(self.cache_writes(prompt, cached), prompt - cached))
-        price = self.tenancy.price(prep.price_as or model, prompt, cached, completion, written)
-        cost, saved = float(price.cost_usd or 0.0), float(price.saved_usd or 0.0)
         t = prep.tenant
         prep.cached_tokens = cached
         if status == "ok":
             self.settle()
-        self.tenancy.record_usage(UsageRecord(
+        # record_usage prices the row and returns that price: the metrics' cost and saving are the
+        # ledger's own, priced once (it was priced here and again inside record_usage).
+        price = self.tenancy.record_usage(UsageRecord(
             request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
             ttft_s=self.ttft, latency_s=latency, status=status, created_at=self.arrived_at,
             price_as=prep.price_as, cache_creation_tokens=written, **usage_fields(prep.miss_record),
         ))
+        cost, saved = float(price.cost_usd or 0.0), float(price.saved_usd or 0.0)
         label, backend = t.metrics_label, prep.backend.label
         if prep.miss_record is not None:
             self.metrics.cache_breaks.labels(label, prep.miss_record.rule).inc()

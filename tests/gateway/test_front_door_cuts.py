@@ -9,16 +9,20 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.responses import JSONResponse
-from gateway_fakes import FakeTenancy
+from fastapi.testclient import TestClient
+from gateway_fakes import FakeEngine, FakeTenancy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic_core import PydanticCustomError
 
+from gateway import metrics
 from gateway.app import create_app
 from gateway.formats import sse
 from gateway.ingress import (
@@ -39,6 +43,7 @@ from gateway.schemas import ChatCompletionRequest, ChatMessage, usage_dict
 from gateway.settings import GatewaySettings, RouteConfig
 from gateway.upstream import scope_marker, scoped_messages, scoped_prompt
 from gateway.wire_json import ascii_json, is_plain, utf8_json
+from tenancy.service import TenancyService, UsageRecord
 
 # Messages with everything a provider must get exactly as before: fields and extras set to None
 # (dropped), None inside nested values (kept), content parts, tool calls, trailing whitespace (which
@@ -232,3 +237,66 @@ def test_scan_matches_the_walk_it_replaced(value: object, max_depth: int) -> Non
 def test_scan_errors_name_the_same_place(value: object, max_depth: int) -> None:
     assert _scan_outcome(scan, value, max_depth) == _scan_outcome(_scan_before, value, max_depth)
 
+
+# -- accounting: one price per request, one TenantTotals per tenant ------------------------------------
+
+
+class _CountingTenancy(FakeTenancy):
+    """FakeTenancy that counts price() calls (its record_usage prices the row, as tenancy's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.priced = 0
+
+    def price(self, *args: Any, **kwargs: Any) -> Any:
+        self.priced += 1
+        return super().price(*args, **kwargs)
+
+
+def test_a_request_is_priced_once_and_the_metrics_take_the_ledger_price() -> None:
+    tenancy = _CountingTenancy()
+    key = tenancy.add("acme")
+    app = create_app(GatewaySettings(), engine=FakeEngine(), tenancy=tenancy)
+    with TestClient(app) as client:
+        for _ in range(3):
+            r = client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                            json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "a b c"}]})
+            assert r.status_code == 200, r.text
+        row = app.state.live_stats.snapshot()[0]
+    assert tenancy.priced == 3  # record_usage's own pricing only: Accounting no longer prices again
+    ledger = sum(tenancy.price(r.price_as or r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                               r.cache_creation_tokens).cost_usd for r in tenancy.rows)
+    assert row["requests"] == 3 and row["cost_usd"] == round(ledger, 8) > 0
+
+
+def test_record_usage_returns_the_price_it_stored(tmp_path: Path) -> None:
+    svc = TenancyService.open(tmp_path / "home")
+    try:
+        ctx = svc.authenticate(svc.create_tenant("acme").api_key)
+        rec = UsageRecord(request_id="r-1", tenant_id=ctx.tenant_id, key_id=ctx.key_id, model="gpt-4o-mini",
+                          backend="b", prompt_tokens=1000, cached_tokens=400, completion_tokens=50, ttft_s=None,
+                          latency_s=0.1, status="ok", created_at=time.time(), cache_creation_tokens=100)
+        expected = svc.price("gpt-4o-mini", 1000, 400, 50, 100)
+        assert svc.record_usage(rec) == expected
+        assert svc.record_usage(rec) == expected  # a repeated id: not stored again, the same price
+        svc.flush()
+        assert svc.report()["totals"]["requests"] == 1
+    finally:
+        svc.close()
+
+
+def test_live_stats_build_one_tenant_totals_per_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+
+    class _Counted(metrics.TenantTotals):
+        def __init__(self, name: str) -> None:
+            built.append(name)
+            super().__init__(name=name)
+
+    monkeypatch.setattr(metrics, "TenantTotals", _Counted)
+    live = metrics.LiveStats()
+    for tenant, prompt in (("a", 10), ("a", 5), ("b", 7), ("a", 1)):
+        live.add(metrics.RequestSample(tenant_id=f"t-{tenant}", tenant=tenant, outcome=metrics.Outcome.OK,
+                                       prompt=prompt, ttft=0.1, latency=0.2))
+    assert built == ["a", "b"]
+    assert {r["tenant"]: (r["requests"], r["prompt_tokens"]) for r in live.snapshot()} == {"a": (3, 16), "b": (1, 7)}
