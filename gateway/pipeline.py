@@ -453,8 +453,8 @@ def _context_error(max_len: int, prompt: int, asked: int, kind: str) -> OpenAIEr
     )
 
 
-async def run_choices(prep: Prepared, router: Router, *, one_task: bool = False
-                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+def run_choices(prep: Prepared, router: Router, *, one_task: bool = False
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run every choice concurrently and yield ``(choice_index, output)`` as they arrive.
 
     An ``EngineError`` from any choice propagates. However the consumer stops (finished, error,
@@ -464,11 +464,17 @@ async def run_choices(prep: Prepared, router: Router, *, one_task: bool = False
     ``one_task``: the consumer iterates this generator from one task only; then a single choice
     runs in that task (``_run_one``) instead of in a pump task feeding a queue. A backend's
     generator may hold anyio cancel scopes (httpx), which must be left in the task that entered them.
+
+    Returns the async generator that does the work (``_run_one`` or ``_run_all``) rather than being
+    one that re-yields it: a generator layer costs Python calls per output and per request (issue #17).
     """
     if one_task and len(prep.requests) == 1:
-        async for item in _run_one(prep, router):
-            yield item
-        return
+        return _run_one(prep, router)
+    return _run_all(prep, router)
+
+
+async def _run_all(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``run_choices`` for any number of choices: one pump task each, merged through a queue."""
     used: dict[int, Backend] = {}  # the backend each choice ended on (after any failover)
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
     finished: set[int] = set()

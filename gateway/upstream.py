@@ -184,13 +184,15 @@ class ProviderClient:
             return list(request.prompt_token_ids or ())
         return scoped_prompt(request.prompt, request.tenant.namespace) if self.tenant_prefix else request.prompt
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """The ``EngineClient`` call; an ``UpstreamRequest`` adds pass-through fields and the stream choice."""
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The ``EngineClient`` call; an ``UpstreamRequest`` adds pass-through fields and the stream choice.
+
+        Returns ``_outputs``' async generator itself (nothing runs before the first output is asked
+        for) rather than re-yielding it: one generator layer less per request and per output."""
         upstream = request if isinstance(request, UpstreamRequest) else None
         extra = dict(upstream.passthrough) if upstream is not None else {}
         incremental = upstream.incremental if upstream is not None else True
-        async for out in self._outputs(request, extra, incremental=incremental):
-            yield out
+        return self._outputs(request, extra, incremental=incremental)
 
     async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True

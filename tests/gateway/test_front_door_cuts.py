@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic_core import PydanticCustomError
 
+from engine.protocol import EngineError, GenerateRequest, RequestOutput, SamplingParams
 from gateway import metrics
 from gateway.app import create_app
 from gateway.formats import sse
@@ -35,13 +37,14 @@ from gateway.ingress import (
     body_limit,
     scan,
 )
-from gateway.pipeline import Prepared, prepare, provider_message
+from gateway.pipeline import Prepared, prepare, provider_message, run_choices
 from gateway.ports import canonicalize
 from gateway.responder import WholeResponse
 from gateway.routes.completions import Parts
+from gateway.routing import Backend, BackendKind, Router
 from gateway.schemas import ChatCompletionRequest, ChatMessage, usage_dict
 from gateway.settings import GatewaySettings, RouteConfig
-from gateway.upstream import scope_marker, scoped_messages, scoped_prompt
+from gateway.upstream import DirectOpenAIClient, UpstreamRequest, scope_marker, scoped_messages, scoped_prompt
 from gateway.wire_json import ascii_json, is_plain, utf8_json
 from tenancy.service import TenancyService, UsageRecord
 
@@ -300,3 +303,58 @@ def test_live_stats_build_one_tenant_totals_per_tenant(monkeypatch: pytest.Monke
                                        prompt=prompt, ttft=0.1, latency=0.2))
     assert built == ["a", "b"]
     assert {r["tenant"]: (r["requests"], r["prompt_tokens"]) for r in live.snapshot()} == {"a": (3, 16), "b": (1, 7)}
+
+
+# -- one generator layer less: run_choices and ProviderClient.generate hand out the worker itself ------
+
+
+class _TwoOutputs:
+    """An engine client whose request yields two outputs; it records aborts."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        yield RequestOutput(request.request_id, (1,), "a", False, 3, 0, 1)
+        yield RequestOutput(request.request_id, (2,), "b", True, 3, 0, 2, finish_reason="stop")
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_leaving_run_choices_early_aborts_before_aclose_returns() -> None:
+    """The responder's contract: closing run_choices (aclosing) aborts the engine request at once,
+    before the ledger row; through a re-yielding layer the abort waited for a finalizer task."""
+    client = _TwoOutputs()
+    tenancy = FakeTenancy()
+    ctx = tenancy.keys[tenancy.add("acme")]
+    gr = GenerateRequest(request_id="r-0-0", tenant=ctx, sampling=SamplingParams(max_tokens=2), messages=({},))
+    prep = Prepared(kind="chat", request_id="r", created=0, model="m", requests=[gr], n=1, stream=False,
+                    include_usage=False, canon_applied=(), tenant=ctx,
+                    backend=Backend("local", BackendKind.LOCAL, client, "m"))
+
+    async def first_then_leave() -> list[str]:
+        outputs = run_choices(prep, Router([]), one_task=True)
+        assert (await anext(outputs))[1].new_text == "a"
+        await outputs.aclose()
+        return list(client.aborted)  # read before the loop runs anything else
+
+    assert asyncio.run(first_then_leave()) == ["r-0-0"]
+
+
+def test_provider_generate_starts_nothing_before_iteration() -> None:
+    client = DirectOpenAIClient("openai/m", api_base="http://127.0.0.1:9/v1", api_key="k")
+    tenancy = FakeTenancy()
+    ctx = tenancy.keys[tenancy.add("acme")]
+    request = UpstreamRequest(request_id="r", tenant=ctx, sampling=SamplingParams(max_tokens=2),
+                              messages=({"role": "user", "content": "hi"},), passthrough={"tool_choice": "none"},
+                              incremental=False)
+    outputs = client.generate(request)
+    assert inspect.isasyncgen(outputs) and outputs.ag_frame.f_lasti == 0  # created, not started
+
+    async def drain() -> None:
+        async for _ in outputs:
+            pass
+
+    with pytest.raises(EngineError):  # nothing listens on port 9: the provider error, on iteration
+        asyncio.run(drain())
