@@ -361,6 +361,9 @@ async def _sse_chunks(body: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any
         yield json.loads(pending[6:])
 
 
+_JSON = {"Content-Type": "application/json"}  # the body's type: a default of the direct pool, per request on aiohttp
+
+
 class DirectOpenAIClient(ProviderClient):
     """An OpenAI-compatible upstream (vLLM, SGLang, another PrefixGate) over one keep-alive HTTP pool.
 
@@ -382,7 +385,7 @@ class DirectOpenAIClient(ProviderClient):
         self._http: aiohttp.ClientSession | None = None  # made in the serving event loop on first use
         # aiohttp where a proxy applies (or the URL is not http(s), to fail as before: on first use)
         direct = self._proxy is None and self._base.startswith(("http://", "https://"))
-        self._h1 = Http1Client(self._base, self._default_headers) if direct else None
+        self._h1 = Http1Client(self._base, self._pool_headers()) if direct else None
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -394,16 +397,20 @@ class DirectOpenAIClient(ProviderClient):
                 timeout=aiohttp.ClientTimeout(total=600.0, connect=10.0))
         return self._http
 
+    def _pool_headers(self) -> dict[str, str]:
+        """The direct pool's headers on every request: the route's key and the body's type, written
+        into its request head once (a per-request header makes ``Http1Client.post`` merge heads)."""
+        return {**self._default_headers, "Content-Type": "application/json"}
+
     def _body(self, request: GenerateRequest, extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-        """The JSON body and the per-request headers (the key, when it is not the pool's default)."""
+        """The JSON body and the headers beyond the direct pool's own: the key, when it is not the
+        route's (aiohttp adds Content-Type: ``_JSON``)."""
         params = self._params(request, extra)
         key = params.pop("api_key", None)
         params.pop("api_base", None)
         params["model"] = self._upstream_model
         params.update(params.pop("extra_body", {}))  # the OpenAI SDK merges extra_body into the JSON body
-        headers = {"Content-Type": "application/json"}
-        if key and key != self.api_key:
-            headers["Authorization"] = f"Bearer {key}"
+        headers = {"Authorization": f"Bearer {key}"} if key and key != self.api_key else {}
         return params, headers
 
     async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
@@ -413,7 +420,7 @@ class DirectOpenAIClient(ProviderClient):
                 resp = await self._h1.post(path, payload, headers)
                 status, data = resp.status, await resp.read()  # read releases the connection
             else:
-                async with self._session().post(self._base + path, data=payload, headers=headers) as aresp:
+                async with self._session().post(self._base + path, data=payload, headers={**_JSON, **headers}) as aresp:
                     status, data = aresp.status, await aresp.read()
         except Exception as exc:
             raise _provider_error(exc) from exc
@@ -443,7 +450,7 @@ class DirectOpenAIClient(ProviderClient):
             return
         try:
             async with self._session().post(self._base + "/chat/completions", data=json.dumps(body).encode(),
-                                            headers=headers) as resp:
+                                            headers={**_JSON, **headers}) as resp:
                 if resp.status >= 400:
                     raise _http_error(resp.status, (await resp.read()).decode("utf-8", "replace"))
                 async for out in _chunk_outputs(rid, _sse_chunks(resp.content.iter_any()), start):
@@ -463,7 +470,7 @@ class DirectOpenAIClient(ProviderClient):
             self._http = None
         if self._h1 is not None:  # a fresh pool: an app served again (tests) runs in another event loop
             await self._h1.aclose()
-            self._h1 = Http1Client(self._base, self._default_headers)
+            self._h1 = Http1Client(self._base, self._pool_headers())
 
 
 async def _h1_stream(

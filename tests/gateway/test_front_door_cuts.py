@@ -10,6 +10,7 @@ import asyncio
 import copy
 import inspect
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -358,3 +359,55 @@ def test_provider_generate_starts_nothing_before_iteration() -> None:
 
     with pytest.raises(EngineError):  # nothing listens on port 9: the provider error, on iteration
         asyncio.run(drain())
+
+
+# -- the direct pool's request head: Content-Type is a pool default, the bytes are as before -----------
+
+_WHOLE = json.dumps({"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+
+
+async def _heads_of(requests: list[tuple[str | None, str | None]]) -> list[bytes]:
+    """The request heads a DirectOpenAIClient sends (route key, tenant with its own key) per request."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.CancelledError):  # the client closed; the test ended
+                break
+            await reader.readexactly(int(re.search(rb"Content-Length: (\d+)", head)[1]))
+            heads.append(re.sub(rb"Host: [^\r]*|Content-Length: \d+", b"<var>", head))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(_WHOLE) + _WHOLE)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tenancy = FakeTenancy()
+    ctx = tenancy.keys[tenancy.add("acme")]
+    try:
+        for route_key, tenant in requests:
+            client = DirectOpenAIClient("openai/m", api_base=f"http://127.0.0.1:{port}/v1", api_key=route_key,
+                                        tenant_api_keys={"acme": "sk-acme"}, keyless=route_key is None)
+            request = UpstreamRequest(request_id="r", tenant=ctx, sampling=SamplingParams(max_tokens=2),
+                                      messages=({"role": "user", "content": "hi"},), incremental=False,
+                                      tenant_name=tenant)
+            async for _ in client.generate(request):
+                pass
+            await client.aclose()
+    finally:
+        server.close()
+        await server.wait_closed()
+    return heads
+
+
+def test_direct_request_heads_are_byte_for_byte_as_before() -> None:
+    heads = asyncio.run(_heads_of([("sk-route", None), ("sk-route", "acme"), (None, None)]))
+    start = b"POST /v1/chat/completions HTTP/1.1\r\n<var>\r\n"
+    assert heads == [
+        start + b"Authorization: Bearer sk-route\r\nContent-Type: application/json\r\n<var>\r\n\r\n",
+        start + b"Authorization: Bearer sk-acme\r\nContent-Type: application/json\r\n<var>\r\n\r\n",
+        start + b"Content-Type: application/json\r\nAuthorization: Bearer EMPTY\r\n<var>\r\n\r\n",  # keyless
+    ]
