@@ -582,9 +582,13 @@ class Accounting:
         """Anthropic's cache_creation_input_tokens through a provider route (once per prompt); for
         the local engine, the full blocks of a prompt under explicit retention (OpenAI's
         ``prompt_cache_retention``, the tenant's setting) that it did not read from the cache."""
-        if any(isinstance(out, ProviderOutput) for out in self.last.values()):
-            written = sum(out.cache_creation_tokens for i, out in self.last.items()
-                          if i % self.prep.n == 0 and isinstance(out, ProviderOutput))
+        written, provider = 0, False  # one loop, not any() and sum() over generators (issue #17)
+        for i, out in self.last.items():
+            if isinstance(out, ProviderOutput):
+                provider = True
+                if i % self.prep.n == 0:
+                    written += out.cache_creation_tokens
+        if provider:
             return max(0, min(written, prompt - cached))
         return self.retained_writes(prompt, cached)
 

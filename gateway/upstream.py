@@ -75,14 +75,16 @@ def _get(obj: Any, name: str) -> Any:
 
 def normalize_usage(usage: Any) -> NormalizedUsage:
     """Provider usage (dict or litellm object) -> prompt/cached/completion tokens, OpenAI semantics."""
-    completion = _get(usage, "completion_tokens") or _get(usage, "output_tokens") or 0
-    cache_read = _get(usage, "cache_read_input_tokens") or 0
-    cache_creation = _get(usage, "cache_creation_input_tokens") or 0
-    prompt = _get(usage, "prompt_tokens")
+    # A JSON usage (the direct transport) is read with its own dict.get: _get is a Python call per field.
+    get = usage.get if isinstance(usage, dict) else functools.partial(_get, usage)
+    completion = get("completion_tokens") or get("output_tokens") or 0
+    cache_read = get("cache_read_input_tokens") or 0
+    cache_creation = get("cache_creation_input_tokens") or 0
+    prompt = get("prompt_tokens")
     if prompt is None:  # Anthropic's raw shape: input_tokens excludes cache reads and writes
-        prompt = (_get(usage, "input_tokens") or 0) + cache_read + cache_creation
-    cached = _get(_get(usage, "prompt_tokens_details"), "cached_tokens") or 0
-    cached = cached or cache_read or _get(usage, "prompt_cache_hit_tokens") or 0
+        prompt = (get("input_tokens") or 0) + cache_read + cache_creation
+    cached = _get(get("prompt_tokens_details"), "cached_tokens") or 0
+    cached = cached or cache_read or get("prompt_cache_hit_tokens") or 0
     return NormalizedUsage(int(prompt), int(cached), int(completion), int(cache_creation))
 
 

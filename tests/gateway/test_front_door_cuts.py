@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import inspect
 import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -45,9 +47,30 @@ from gateway.routes.completions import Parts
 from gateway.routing import Backend, BackendKind, Router
 from gateway.schemas import ChatCompletionRequest, ChatMessage, usage_dict
 from gateway.settings import GatewaySettings, RouteConfig
-from gateway.upstream import DirectOpenAIClient, UpstreamRequest, scope_marker, scoped_messages, scoped_prompt
+from gateway.upstream import (
+    DirectOpenAIClient,
+    NormalizedUsage,
+    UpstreamRequest,
+    _get,
+    normalize_usage,
+    scope_marker,
+    scoped_messages,
+    scoped_prompt,
+)
 from gateway.wire_json import ascii_json, is_plain, utf8_json
+from promptlint.cache_control import is_marked, parse_breakpoints
 from tenancy.service import TenancyService, UsageRecord
+from tenancy.storable import (
+    _REPLACEMENT,
+    _UNSTORABLE,
+    OPTIONAL_NUMBERS,
+    REQUIRED_NUMBERS,
+    REQUIRED_TEXT,
+    TEXT_LIMITS,
+    storable_number,
+    storable_row,
+    storable_text,
+)
 
 # Messages with everything a provider must get exactly as before: fields and extras set to None
 # (dropped), None inside nested values (kept), content parts, tool calls, trailing whitespace (which
@@ -411,3 +434,82 @@ def test_direct_request_heads_are_byte_for_byte_as_before() -> None:
         start + b"Authorization: Bearer sk-acme\r\nContent-Type: application/json\r\n<var>\r\n\r\n",
         start + b"Content-Type: application/json\r\nAuthorization: Bearer EMPTY\r\n<var>\r\n\r\n",  # keyless
     ]
+
+
+# -- fast paths for the common values: the same results as the general code ---------------------------
+
+
+def _request_id_before(value: object) -> str:
+    """tenancy.storable.storable_request_id as it was (the oracle)."""
+    text = value if isinstance(value, str) else str(value)
+    limit = TEXT_LIMITS["request_id"]
+    clean = _UNSTORABLE.sub(_REPLACEMENT, text)
+    if len(clean) <= limit and clean == text:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{clean[: limit - 33]}~{digest}"
+
+
+def _row_before(row: dict[str, object]) -> dict[str, object]:
+    """storable_row's meaning: every column through the general functions, no fast path."""
+    out: dict[str, object] = {}
+    for column, limit in TEXT_LIMITS.items():
+        value = row.get(column)
+        if column == "request_id":
+            out[column] = _request_id_before("" if value is None else value)
+            continue
+        text = storable_text(value, limit, multiline=column == "miss_context")
+        out[column] = "" if text is None and column in REQUIRED_TEXT else text
+    for columns, required in ((REQUIRED_NUMBERS, True), (OPTIONAL_NUMBERS, False)):
+        for column in columns:
+            out[column] = storable_number(row.get(column), required=required)
+    return out
+
+
+_cell = st.one_of(st.none(), _text, st.text(min_size=120, max_size=300), st.integers(min_value=-2**70, max_value=2**70),
+                  st.floats(allow_nan=True, allow_infinity=True), st.booleans())
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.fixed_dictionaries({}, optional={c: _cell for c in (*TEXT_LIMITS, *REQUIRED_NUMBERS, *OPTIONAL_NUMBERS)}))
+def test_storable_row_matches_the_general_path(row: dict[str, object]) -> None:
+    stored, expected = storable_row(row), _row_before(row)
+    assert stored.keys() == expected.keys()
+    for column, value in expected.items():  # NaN != NaN: compare as text
+        assert repr(stored[column]) == repr(value), column
+
+
+def _usage_before(usage: Any) -> NormalizedUsage:
+    """gateway.upstream.normalize_usage as it was (the oracle)."""
+    completion = _get(usage, "completion_tokens") or _get(usage, "output_tokens") or 0
+    cache_read = _get(usage, "cache_read_input_tokens") or 0
+    cache_creation = _get(usage, "cache_creation_input_tokens") or 0
+    prompt = _get(usage, "prompt_tokens")
+    if prompt is None:
+        prompt = (_get(usage, "input_tokens") or 0) + cache_read + cache_creation
+    cached = _get(_get(usage, "prompt_tokens_details"), "cached_tokens") or 0
+    cached = cached or cache_read or _get(usage, "prompt_cache_hit_tokens") or 0
+    return NormalizedUsage(int(prompt), int(cached), int(completion), int(cache_creation))
+
+
+_USAGE_FIELDS = ("completion_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens",
+                 "prompt_tokens", "input_tokens", "prompt_cache_hit_tokens")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({}, optional={**{f: st.one_of(st.none(), st.integers(0, 10**6)) for f in _USAGE_FIELDS},
+                                           "prompt_tokens_details": st.one_of(st.none(), st.fixed_dictionaries(
+                                               {}, optional={"cached_tokens": st.one_of(st.none(), st.integers(0, 99))}))}))
+def test_normalize_usage_reads_a_dict_and_an_object_as_before(usage: dict[str, Any]) -> None:
+    expected = _usage_before(usage)
+    assert normalize_usage(usage) == expected
+    as_object = SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in usage.items()})
+    assert normalize_usage(as_object) == _usage_before(as_object) == expected
+    assert normalize_usage(None) == _usage_before(None)
+
+
+def test_cache_control_marks_in_any_mapping_still_count() -> None:
+    body = {"messages": [MappingProxyType({"role": "user", "content": [
+        MappingProxyType({"type": "text", "text": "x" * 40, "cache_control": {"type": "ephemeral"}})]})]}
+    assert [bp.param for bp in parse_breakpoints(body)] == ["messages.0.content.0.cache_control"]
+    assert is_marked(MappingProxyType({"cache_control": {"type": "ephemeral"}})) and not is_marked(["cache_control"])
