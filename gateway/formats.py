@@ -21,7 +21,6 @@ increments), and a choice that called a tool and stopped ends with ``finish_reas
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from typing import Any, Protocol
 
@@ -30,6 +29,7 @@ from gateway.errors import OpenAIError
 from gateway.pipeline import Prepared
 from gateway.schemas import Usage
 from gateway.tool_calls import ParsedDelta, ToolCallParser, merge_tool_deltas
+from gateway.wire_json import ascii_json
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -104,7 +104,7 @@ class ChoiceText:
     def add(self, i: int, out: RequestOutput) -> ParsedDelta:
         """Take one increment; returns what it added (content outside tool-call tags, call deltas),
         which a door's own stream format sends on."""
-        state = self._states.setdefault(i, _ChoiceState(self._parse))
+        state = self._states.get(i) or self._states.setdefault(i, _ChoiceState(self._parse))
         delta = state.split(out)
         if delta.content:
             self.text[i].append(delta.content)
@@ -120,7 +120,7 @@ class ChoiceText:
 
 def sse(obj: Any, event: str | None = None) -> bytes:
     """One server-sent event: ``data:`` JSON, with an ``event:`` line where the API names its events."""
-    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    data = b"data: " + ascii_json(obj) + b"\n\n"
     return data if event is None else b"event: " + event.encode() + b"\n" + data
 
 
@@ -194,7 +194,7 @@ class ChatFormat(_Format):
             self._started.add(i)
             result.append(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-        state = self._states.setdefault(i, _ChoiceState(self.prep.tool_parsing))
+        state = self._states.get(i) or self._states.setdefault(i, _ChoiceState(self.prep.tool_parsing))
         parsed = state.split(out)
         if parsed.content or parsed.tool_calls or out.logprobs:
             delta: dict[str, Any] = {}

@@ -33,8 +33,11 @@ class _Conn(asyncio.Protocol):
     The protocol callbacks (from the event loop and from httptools) only store what arrived and wake
     the one waiting consumer; all waiting happens in ``headers_ready`` / ``next_piece``."""
 
+    # Set by connection_made, which runs before create_connection hands the connection over: every
+    # connection this module holds has one. (Typed so, the request path needs no typing.cast, a Python call.)
+    transport: asyncio.Transport
+
     def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.pool: list[_Conn] | None = None  # the idle list while this connection is in it
         self.lost = False
@@ -59,7 +62,7 @@ class _Conn(asyncio.Protocol):
     def start(self, data: bytes, deadline: float) -> None:
         self.active = True
         self.timer = asyncio.get_running_loop().call_at(deadline, self._timed_out)
-        cast(asyncio.Transport, self.transport).write(data)
+        self.transport.write(data)
 
     async def _wait(self) -> None:
         self.waiter = asyncio.get_running_loop().create_future()
@@ -80,7 +83,7 @@ class _Conn(asyncio.Protocol):
                 self.buffered = 0
                 if self.paused:
                     self.paused = False
-                    cast(asyncio.Transport, self.transport).resume_reading()
+                    self.transport.resume_reading()
                 return piece
             if self.error is not None:
                 raise self.error
@@ -93,7 +96,7 @@ class _Conn(asyncio.Protocol):
 
     def close(self) -> None:
         self._cancel_timer()
-        if self.transport is not None and not self.lost:
+        if not self.lost:
             # Mid-response (cancelled, failed): drop the socket now, with whatever it still had to send.
             if self.complete:
                 self.transport.close()
@@ -102,11 +105,11 @@ class _Conn(asyncio.Protocol):
 
     # -- event-loop callbacks -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
+        self.transport = cast(asyncio.Transport, transport)  # once per connection
 
     def data_received(self, data: bytes) -> None:
         if not self.active:  # bytes nobody asked for (on an idle connection): it cannot be trusted
-            cast(asyncio.Transport, self.transport).abort()
+            self.transport.abort()
             return
         self.got_bytes = True
         try:
@@ -148,7 +151,7 @@ class _Conn(asyncio.Protocol):
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused:
             self.paused = True
-            cast(asyncio.Transport, self.transport).pause_reading()
+            self.transport.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -193,7 +196,9 @@ class Response:
 
     async def read(self) -> bytes:
         """The whole body (the connection is released, whatever happens)."""
-        conn = cast(_Conn, self._conn)
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("the response was already released")
         parts: list[bytes] = []
         try:
             while (piece := await conn.next_piece()) is not None:
@@ -204,7 +209,9 @@ class Response:
 
     async def pieces(self) -> AsyncIterator[bytes]:
         """The body as it arrives, in pieces of any size (an SSE stream's lines are split by the caller)."""
-        conn = cast(_Conn, self._conn)
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("the response was already released")
         while (piece := await conn.next_piece()) is not None:
             yield piece
         self.release()
@@ -266,7 +273,7 @@ class Http1Client:
             while self._idle and conn is None and attempt == 1:  # the retry goes on a fresh connection
                 conn = self._idle.pop()
                 conn.pool = None
-                if cast(asyncio.Transport, conn.transport).is_closing():  # closed, connection_lost not yet run
+                if conn.transport.is_closing():  # closed, connection_lost not yet run
                     conn = None
             reused = conn is not None
             if conn is None:

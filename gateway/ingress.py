@@ -50,43 +50,63 @@ def scan(value: Any, *, max_depth: int = MAX_DEPTH) -> BodyShape:
     """Walk parsed JSON without recursion. Raises ``PydanticCustomError("body_limit")``.
 
     Fast path: strings are collected, then searched for surrogates by the regex engine in one
-    ``map``; only a body that fails is walked again, for the path in the error message.
+    ``map``; only a body that fails is walked again, for the path in the error message. A container
+    on the stack carries its parent's entry and its key there, not its whole path: the path is only
+    read for an error message (``_path_of``), and building it per container cost a tuple copy each.
     """
     texts: list[str] = []
     deepest = 0
-    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(value, 1, ())]
+    stack: list[_Entry] = [(value, 1, None, None)]
     while stack:
-        item, depth, path = stack.pop()
+        entry = stack.pop()
+        item, depth = entry[0], entry[1]
         if isinstance(item, str):
             texts.append(item)
             continue
-        deepest = max(deepest, depth)
-        if depth > max_depth:
-            raise body_limit(f"the request is nested more than {max_depth} levels deep (at '{_where(path[:8])}...')",
-                             _where(path[:1]) if path else None)
+        if depth > deepest:
+            deepest = depth
+            if depth > max_depth:
+                path = _path_of(entry)
+                raise body_limit(f"the request is nested more than {max_depth} levels deep (at '{_where(path[:8])}...')",
+                                 _where(path[:1]) if path else None)
         if isinstance(item, dict):
+            texts.extend(item)  # the keys
             for key, child in item.items():
-                texts.append(key)
                 if isinstance(child, str):
                     texts.append(child)
-                elif isinstance(child, dict | list):
-                    stack.append((child, depth + 1, (*path, key)))
+                elif isinstance(child, (dict, list)):
+                    stack.append((child, depth + 1, entry, key))
         elif isinstance(item, list):
             # token ids and numbers need no visit: skipping them keeps a 1M-id prompt at C speed
-            if all(type(child) is int for child in item):
+            if item and type(item[0]) is int and all(type(child) is int for child in item):
                 continue
             if len(item) > MAX_ITEMS:
-                raise body_limit(f"'{_where(path)}' has {len(item)} entries; at most {MAX_ITEMS} are accepted",
-                                 _where(path))
+                where = _where(_path_of(entry))
+                raise body_limit(f"'{where}' has {len(item)} entries; at most {MAX_ITEMS} are accepted", where)
             for i, child in enumerate(item):
                 if isinstance(child, str):
                     texts.append(child)
-                elif isinstance(child, dict | list):
-                    stack.append((child, depth + 1, (*path, i)))
+                elif isinstance(child, (dict, list)):
+                    stack.append((child, depth + 1, entry, i))
     if any(map(_SURROGATE.search, texts)):
         where = _where(_surrogate_path(value))
         raise body_limit(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text", where)
     return BodyShape(deepest, sum(map(len, texts)))
+
+
+# A container on scan's stack: (value, depth, the parent's entry, the key or index in the parent).
+_Entry = tuple[Any, int, "_Entry | None", str | int | None]
+
+
+def _path_of(entry: _Entry) -> tuple[str | int, ...]:
+    """The keys and indices from the body down to ``entry`` (for an error message only)."""
+    path: list[str | int] = []
+    node: _Entry | None = entry
+    while node is not None:
+        _, _, node, key = node
+        if key is not None:  # None only at the body itself
+            path.append(key)
+    return tuple(reversed(path))
 
 
 def _surrogate_path(value: Any) -> tuple[str | int, ...]:

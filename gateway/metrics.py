@@ -214,10 +214,15 @@ class LiveStats:
 
     def add(self, s: RequestSample) -> None:
         with self._lock:
-            t = self._by_tenant.setdefault(s.tenant_id, TenantTotals(name=s.tenant))
+            # Not setdefault(id, TenantTotals(...)): that built a TenantTotals (a deque and two dicts)
+            # on every request only to drop it for every request but a tenant's first.
+            t = self._by_tenant.get(s.tenant_id)
+            if t is None:
+                t = self._by_tenant[s.tenant_id] = TenantTotals(name=s.tenant)
             t.requests += 1
             t.errors += s.outcome != Outcome.OK
-            t.by_outcome[s.outcome.value] = t.by_outcome.get(s.outcome.value, 0) + 1
+            outcome = s.outcome.value  # read once: an enum's value is a Python-level property
+            t.by_outcome[outcome] = t.by_outcome.get(outcome, 0) + 1
             t.prompt_tokens += s.prompt
             t.cached_tokens += s.cached
             t.completion_tokens += s.completion

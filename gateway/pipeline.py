@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -114,9 +114,20 @@ def header_text(value: str) -> str:
     return value if value.isascii() and value.isprintable() and "%" not in value else quote(value, safe=_HEADER_SAFE)
 
 
-def _message_dict(m: ChatMessage, *, local: bool) -> dict[str, Any]:
+def provider_message(message: Mapping[str, object]) -> dict[str, object]:
+    """One message of the canonical body (``model_dump(exclude_unset=True)`` of the request, then
+    canonicalized) as a provider gets it: ``ChatMessage.model_dump(exclude_none=True)``, which drops
+    the fields and extras that are None at the top level of the message only (nested values stay).
+
+    Taken from the dict at hand rather than validated into a ``ChatMessage`` again and dumped: that
+    round trip cost ~25 us of every provider request (issue #17) and changed nothing."""
+    return {name: value for name, value in message.items() if value is not None}
+
+
+def _local_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as the local engine's chat template takes it: text parts joined, others refused."""
     d = m.model_dump(exclude_none=True)
-    if local and isinstance(d.get("content"), list):
+    if isinstance(d.get("content"), list):
         texts = []
         for part in d["content"]:
             if part.get("type") != "text":
@@ -225,7 +236,7 @@ def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:
 
 
 def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings,
-                prompts: int) -> None:
+                prompts: int, text_chars: int) -> None:
     """The work a request asks for, bounded before any of it is done (issue 16.2)."""
     param = "messages" if kind == "chat" else "prompt"
     if req.n > settings.max_n:
@@ -235,9 +246,9 @@ def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, setti
     if prompts * req.n > settings.max_choices:
         raise invalid_request(
             f"prompts x n must be at most {settings.max_choices}, got {prompts} x {req.n}", param="n")
-    if req.text_chars > settings.max_prompt_chars:
+    if text_chars > settings.max_prompt_chars:
         raise invalid_request(
-            f"the request holds {req.text_chars} characters of text; the limit is {settings.max_prompt_chars}",
+            f"the request holds {text_chars} characters of text; the limit is {settings.max_prompt_chars}",
             param=param, code="request_too_large")
 
 
@@ -281,8 +292,9 @@ async def prepare(
     scoped = tenancy.scope_for(ctx, req.user)
     prompts = req.prompts() if isinstance(req, CompletionRequest) else []
     max_tokens_asked = req.effective_max_tokens()
+    text_chars = req.text_chars  # read once: a pydantic private attribute is a Python-level __getattr__
     try:
-        _check_size(kind, req, settings, len(prompts) or 1)
+        _check_size(kind, req, settings, len(prompts) or 1, text_chars)
         if isinstance(req, CompletionRequest) and not prompts:
             raise invalid_request("prompt must not be empty", param="prompt")
     except OpenAIError:
@@ -291,7 +303,7 @@ async def prepare(
     choices = (len(prompts) or 1) * req.n
     # Admission before any costly work, on an estimate (~4 characters a token, as for providers);
     # the ledger row records the real counts.
-    estimated = req.text_chars // 4 + (max_tokens_asked or settings.default_max_tokens) * choices
+    estimated = text_chars // 4 + (max_tokens_asked or settings.default_max_tokens) * choices
     try:
         tenancy.admit(scoped, estimated_tokens=estimated)
     except QuotaExceededError as exc:
@@ -302,14 +314,14 @@ async def prepare(
     # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
     mode = scoped.canon_mode if kind == "chat" else "off"
     per_user_vars = scoped.per_user_vars
-    if mode != "off" and req.text_chars > _INLINE_CANON_CHARS:  # reorder's regexes are linear in the text
+    if mode != "off" and text_chars > _INLINE_CANON_CHARS:  # reorder's regexes are linear in the text
         canon = await threads.run(scoped.tenant_id, canonicalize, body, mode, per_user_vars)
     else:
         canon = canonicalize(body, mode, per_user_vars)
-    if canon.applied and isinstance(req, ChatCompletionRequest):
-        req = _with_canonical_fields(req, canon.body)
-
     backend = router.resolve(req.model, engine, scoped.namespace, canon.body)
+    if canon.applied and isinstance(req, ChatCompletionRequest) and not backend.takes_openai_fields:
+        # The local engine reads the validated fields; a provider takes the canonical body's own dicts.
+        req = _with_canonical_fields(req, canon.body)
     stops = req.stop_list()
     extra: dict[str, object] = {}
     features: LocalFeatures | None = None
@@ -322,10 +334,10 @@ async def prepare(
 
     request_id = new_request_id(kind)
     inputs: list[dict[str, Any]]
-    if isinstance(req, ChatCompletionRequest):
-        local = not backend.takes_openai_fields
-        tools = features.tools.tools if features is not None else req.tools
-        inputs = [{"messages": [_message_dict(m, local=local) for m in req.messages], "tools": tools}]
+    if isinstance(req, ChatCompletionRequest) and features is None:  # a provider: the canonical body as sent
+        inputs = [{"messages": [provider_message(m) for m in canon.body["messages"]], "tools": canon.body.get("tools")}]
+    elif isinstance(req, ChatCompletionRequest):
+        inputs = [{"messages": [_local_message(m) for m in req.messages], "tools": features.tools.tools}]
     else:
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
@@ -441,8 +453,8 @@ def _context_error(max_len: int, prompt: int, asked: int, kind: str) -> OpenAIEr
     )
 
 
-async def run_choices(prep: Prepared, router: Router, *, one_task: bool = False
-                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+def run_choices(prep: Prepared, router: Router, *, one_task: bool = False
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run every choice concurrently and yield ``(choice_index, output)`` as they arrive.
 
     An ``EngineError`` from any choice propagates. However the consumer stops (finished, error,
@@ -452,11 +464,17 @@ async def run_choices(prep: Prepared, router: Router, *, one_task: bool = False
     ``one_task``: the consumer iterates this generator from one task only; then a single choice
     runs in that task (``_run_one``) instead of in a pump task feeding a queue. A backend's
     generator may hold anyio cancel scopes (httpx), which must be left in the task that entered them.
+
+    Returns the async generator that does the work (``_run_one`` or ``_run_all``) rather than being
+    one that re-yields it: a generator layer costs Python calls per output and per request (issue #17).
     """
     if one_task and len(prep.requests) == 1:
-        async for item in _run_one(prep, router):
-            yield item
-        return
+        return _run_one(prep, router)
+    return _run_all(prep, router)
+
+
+async def _run_all(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``run_choices`` for any number of choices: one pump task each, merged through a queue."""
     used: dict[int, Backend] = {}  # the backend each choice ended on (after any failover)
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
     finished: set[int] = set()
@@ -564,9 +582,13 @@ class Accounting:
         """Anthropic's cache_creation_input_tokens through a provider route (once per prompt); for
         the local engine, the full blocks of a prompt under explicit retention (OpenAI's
         ``prompt_cache_retention``, the tenant's setting) that it did not read from the cache."""
-        if any(isinstance(out, ProviderOutput) for out in self.last.values()):
-            written = sum(out.cache_creation_tokens for i, out in self.last.items()
-                          if i % self.prep.n == 0 and isinstance(out, ProviderOutput))
+        written, provider = 0, False  # one loop, not any() and sum() over generators (issue #17)
+        for i, out in self.last.items():
+            if isinstance(out, ProviderOutput):
+                provider = True
+                if i % self.prep.n == 0:
+                    written += out.cache_creation_tokens
+        if provider:
             return max(0, min(written, prompt - cached))
         return self.retained_writes(prompt, cached)
 
@@ -634,18 +656,19 @@ class Accounting:
         # provider's model (priced from litellm's map), not the alias the client sent.
         model = prep.backend.target_model if prep.backend.takes_openai_fields else prep.model
         written = max(0, min(self.cache_writes(prompt, cached), prompt - cached))
-        price = self.tenancy.price(prep.price_as or model, prompt, cached, completion, written)
-        cost, saved = float(price.cost_usd or 0.0), float(price.saved_usd or 0.0)
         t = prep.tenant
         prep.cached_tokens = cached
         if status == "ok":
             self.settle()
-        self.tenancy.record_usage(UsageRecord(
+        # record_usage prices the row and returns that price: the metrics' cost and saving are the
+        # ledger's own, priced once (it was priced here and again inside record_usage).
+        price = self.tenancy.record_usage(UsageRecord(
             request_id=prep.request_id, tenant_id=t.tenant_id, key_id=t.key_id, model=model,
             backend=prep.backend.label, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
             ttft_s=self.ttft, latency_s=latency, status=status, created_at=self.arrived_at,
             price_as=prep.price_as, cache_creation_tokens=written, **usage_fields(prep.miss_record),
         ))
+        cost, saved = float(price.cost_usd or 0.0), float(price.saved_usd or 0.0)
         label, backend = t.metrics_label, prep.backend.label
         if prep.miss_record is not None:
             self.metrics.cache_breaks.labels(label, prep.miss_record.rule).inc()

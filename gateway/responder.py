@@ -20,6 +20,7 @@ from gateway.errors import OpenAIError
 from gateway.formats import ChatFormat, ChoiceText, CompletionFormat, WireFormat
 from gateway.pipeline import Accounting, Prepared, engine_failure, run_choices
 from gateway.routing import Router
+from gateway.wire_json import utf8_json
 
 
 class OutputError(EngineError):
@@ -193,6 +194,14 @@ def _client_gone() -> JSONResponse:
                                    "param": None, "code": "client_closed_request"}}, status_code=499)
 
 
+class WholeResponse(JSONResponse):
+    """A whole JSON response: Starlette's ``JSONResponse`` with the same body bytes, written by
+    ``wire_json.utf8_json`` (Rust for plain JSON values, the stdlib for the rest)."""
+
+    def render(self, content: object) -> bytes:
+        return utf8_json(content)
+
+
 async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireFormat, receive: Receive) -> JSONResponse:
     acc = ChoiceText(prep)
     failure: Exception | None = None
@@ -215,7 +224,7 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireForm
     try:
         usage = acct.usage_dict()
         acct.settle()  # cached tokens and the settled break feed the headers
-        response = JSONResponse(fmt.whole(acc, usage), headers=prep.headers)
+        response = WholeResponse(fmt.whole(acc, usage), headers=prep.headers)
     except BaseException:
         acct.record("error")
         raise

@@ -15,6 +15,7 @@ Upstream responses carry text (and tool calls), not our token ids, so outputs ha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -74,14 +75,16 @@ def _get(obj: Any, name: str) -> Any:
 
 def normalize_usage(usage: Any) -> NormalizedUsage:
     """Provider usage (dict or litellm object) -> prompt/cached/completion tokens, OpenAI semantics."""
-    completion = _get(usage, "completion_tokens") or _get(usage, "output_tokens") or 0
-    cache_read = _get(usage, "cache_read_input_tokens") or 0
-    cache_creation = _get(usage, "cache_creation_input_tokens") or 0
-    prompt = _get(usage, "prompt_tokens")
+    # A JSON usage (the direct transport) is read with its own dict.get: _get is a Python call per field.
+    get = usage.get if isinstance(usage, dict) else functools.partial(_get, usage)
+    completion = get("completion_tokens") or get("output_tokens") or 0
+    cache_read = get("cache_read_input_tokens") or 0
+    cache_creation = get("cache_creation_input_tokens") or 0
+    prompt = get("prompt_tokens")
     if prompt is None:  # Anthropic's raw shape: input_tokens excludes cache reads and writes
-        prompt = (_get(usage, "input_tokens") or 0) + cache_read + cache_creation
-    cached = _get(_get(usage, "prompt_tokens_details"), "cached_tokens") or 0
-    cached = cached or cache_read or _get(usage, "prompt_cache_hit_tokens") or 0
+        prompt = (get("input_tokens") or 0) + cache_read + cache_creation
+    cached = _get(get("prompt_tokens_details"), "cached_tokens") or 0
+    cached = cached or cache_read or get("prompt_cache_hit_tokens") or 0
     return NormalizedUsage(int(prompt), int(cached), int(completion), int(cache_creation))
 
 
@@ -183,13 +186,15 @@ class ProviderClient:
             return list(request.prompt_token_ids or ())
         return scoped_prompt(request.prompt, request.tenant.namespace) if self.tenant_prefix else request.prompt
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """The ``EngineClient`` call; an ``UpstreamRequest`` adds pass-through fields and the stream choice."""
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The ``EngineClient`` call; an ``UpstreamRequest`` adds pass-through fields and the stream choice.
+
+        Returns ``_outputs``' async generator itself (nothing runs before the first output is asked
+        for) rather than re-yielding it: one generator layer less per request and per output."""
         upstream = request if isinstance(request, UpstreamRequest) else None
         extra = dict(upstream.passthrough) if upstream is not None else {}
         incremental = upstream.incremental if upstream is not None else True
-        async for out in self._outputs(request, extra, incremental=incremental):
-            yield out
+        return self._outputs(request, extra, incremental=incremental)
 
     async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
@@ -257,6 +262,13 @@ def scope_marker(namespace: bytes) -> str:
 
 
 def _marker_line(namespace: bytes) -> str:
+    return _scope_line(bytes(namespace))
+
+
+@functools.lru_cache(maxsize=4096)
+def _scope_line(namespace: bytes) -> str:
+    """Cached: a scope sends many requests, and the digest was hashed again for each one (issue #17).
+    Bounded; a scope that drops out is hashed again, which is only slower."""
     return f"[cache-scope {scope_marker(namespace)}]"
 
 
@@ -351,6 +363,9 @@ async def _sse_chunks(body: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any
         yield json.loads(pending[6:])
 
 
+_JSON = {"Content-Type": "application/json"}  # the body's type: a default of the direct pool, per request on aiohttp
+
+
 class DirectOpenAIClient(ProviderClient):
     """An OpenAI-compatible upstream (vLLM, SGLang, another PrefixGate) over one keep-alive HTTP pool.
 
@@ -372,7 +387,7 @@ class DirectOpenAIClient(ProviderClient):
         self._http: aiohttp.ClientSession | None = None  # made in the serving event loop on first use
         # aiohttp where a proxy applies (or the URL is not http(s), to fail as before: on first use)
         direct = self._proxy is None and self._base.startswith(("http://", "https://"))
-        self._h1 = Http1Client(self._base, self._default_headers) if direct else None
+        self._h1 = Http1Client(self._base, self._pool_headers()) if direct else None
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -384,16 +399,20 @@ class DirectOpenAIClient(ProviderClient):
                 timeout=aiohttp.ClientTimeout(total=600.0, connect=10.0))
         return self._http
 
+    def _pool_headers(self) -> dict[str, str]:
+        """The direct pool's headers on every request: the route's key and the body's type, written
+        into its request head once (a per-request header makes ``Http1Client.post`` merge heads)."""
+        return {**self._default_headers, "Content-Type": "application/json"}
+
     def _body(self, request: GenerateRequest, extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-        """The JSON body and the per-request headers (the key, when it is not the pool's default)."""
+        """The JSON body and the headers beyond the direct pool's own: the key, when it is not the
+        route's (aiohttp adds Content-Type: ``_JSON``)."""
         params = self._params(request, extra)
         key = params.pop("api_key", None)
         params.pop("api_base", None)
         params["model"] = self._upstream_model
         params.update(params.pop("extra_body", {}))  # the OpenAI SDK merges extra_body into the JSON body
-        headers = {"Content-Type": "application/json"}
-        if key and key != self.api_key:
-            headers["Authorization"] = f"Bearer {key}"
+        headers = {"Authorization": f"Bearer {key}"} if key and key != self.api_key else {}
         return params, headers
 
     async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
@@ -403,7 +422,7 @@ class DirectOpenAIClient(ProviderClient):
                 resp = await self._h1.post(path, payload, headers)
                 status, data = resp.status, await resp.read()  # read releases the connection
             else:
-                async with self._session().post(self._base + path, data=payload, headers=headers) as aresp:
+                async with self._session().post(self._base + path, data=payload, headers={**_JSON, **headers}) as aresp:
                     status, data = aresp.status, await aresp.read()
         except Exception as exc:
             raise _provider_error(exc) from exc
@@ -433,7 +452,7 @@ class DirectOpenAIClient(ProviderClient):
             return
         try:
             async with self._session().post(self._base + "/chat/completions", data=json.dumps(body).encode(),
-                                            headers=headers) as resp:
+                                            headers={**_JSON, **headers}) as resp:
                 if resp.status >= 400:
                     raise _http_error(resp.status, (await resp.read()).decode("utf-8", "replace"))
                 async for out in _chunk_outputs(rid, _sse_chunks(resp.content.iter_any()), start):
@@ -453,7 +472,7 @@ class DirectOpenAIClient(ProviderClient):
             self._http = None
         if self._h1 is not None:  # a fresh pool: an app served again (tests) runs in another event loop
             await self._h1.aclose()
-            self._h1 = Http1Client(self._base, self._default_headers)
+            self._h1 = Http1Client(self._base, self._pool_headers())
 
 
 async def _h1_stream(

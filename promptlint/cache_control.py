@@ -64,7 +64,8 @@ class Breakpoint:
 
 def is_marked(block: Any) -> bool:
     """Whether a tool, system block or content block carries ``cache_control``."""
-    return isinstance(block, Mapping) and block.get("cache_control") is not None
+    # type() first: a dict (what JSON parses to) skips the Mapping ABC's Python-level __instancecheck__
+    return (type(block) is dict or isinstance(block, Mapping)) and block.get("cache_control") is not None
 
 
 def _marks(body: Mapping[str, Any]) -> Iterator[tuple[Section, int | None, int | None, Any]]:
@@ -82,7 +83,7 @@ def _marks(body: Mapping[str, Any]) -> Iterator[tuple[Section, int | None, int |
     messages = body.get("messages")
     if isinstance(messages, list):
         for m, message in enumerate(messages):
-            if not isinstance(message, Mapping):
+            if type(message) is not dict and not isinstance(message, Mapping):
                 continue
             content = message.get("content")
             if isinstance(content, list):

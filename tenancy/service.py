@@ -497,8 +497,10 @@ class TenancyService:
               cache_creation_tokens: int = 0) -> Price:
         return self._prices.price(model, prompt_tokens, cached_tokens, completion_tokens, cache_creation_tokens)
 
-    def record_usage(self, rec: UsageRecord) -> None:
-        """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once.
+    def record_usage(self, rec: UsageRecord) -> Price:
+        """Price ``rec`` and queue it for the ledger (idempotent on ``request_id``). Returns at once,
+        with the price (a repeated request id's too, though its row is not queued again): the
+        gateway's metrics take cost and saving from it rather than pricing the request twice.
 
         The ledger writer makes every field storable (bounded text, valid UTF-8); here the miss
         explanation loses its prompt text and clear family unless the tenant chose to keep them.
@@ -516,7 +518,7 @@ class TenancyService:
             row["miss_usd"] = self.price(priced, rec.miss_tokens, rec.miss_tokens, 0).saved_usd
         with self._lock:
             if rec.request_id in self._recent_ids:
-                return
+                return p
             self._recent_ids[rec.request_id] = None
             if len(self._recent_ids) > _RECENT_IDS:
                 self._recent_ids.popitem(last=False)
@@ -526,6 +528,7 @@ class TenancyService:
         if self._shared is not None and p.cost_usd > 0:
             self._shared.add_spend(rec.tenant_id, rec.created_at, p.cost_usd)
         self._ledger.submit(row)
+        return p
 
     def _stores_clear_miss_data(self, tenant_id: str) -> bool:
         known = self._clear_miss_data.get(tenant_id)

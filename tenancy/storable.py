@@ -65,6 +65,8 @@ def storable_request_id(value: object) -> str:
     whole, so two long ids that differ anywhere stay two rows (idempotence is on this column)."""
     text = value if isinstance(value, str) else str(value)
     limit = TEXT_LIMITS["request_id"]
+    if len(text) <= limit and text.isprintable():  # isprintable is False for all that _UNSTORABLE replaces
+        return text
     clean = _UNSTORABLE.sub(_REPLACEMENT, text)
     if len(clean) <= limit and clean == text:
         return text
@@ -97,6 +99,8 @@ def storable_row(row: Mapping[str, Any]) -> dict[str, Any]:
             out[column] = storable_request_id("" if value is None else value)
         elif type(value) is str and len(value) <= limit and value.isprintable():
             out[column] = value
+        elif value is None:  # the miss columns of most rows: no storable_text call
+            out[column] = "" if column in REQUIRED_TEXT else None
         else:
             text = storable_text(value, limit, multiline=column in _MULTILINE)
             out[column] = "" if text is None and column in REQUIRED_TEXT else text
@@ -106,6 +110,8 @@ def storable_row(row: Mapping[str, Any]) -> dict[str, Any]:
             kind = type(value)
             if (kind is int and -_INT_MAX <= value <= _INT_MAX) or (kind is float and math.isfinite(value)):
                 out[column] = value
+            elif value is None:  # an optional number left out (ttft, the miss columns)
+                out[column] = 0 if required else None
             else:
                 out[column] = storable_number(value, required=required)
     return out

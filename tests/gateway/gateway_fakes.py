@@ -173,8 +173,10 @@ class FakeTenancy:
         return FakePrice(cost_usd=1e-6 * (prompt_tokens - cached_tokens + completion_tokens),
                          saved_usd=1e-6 * cached_tokens)
 
-    def record_usage(self, record: Any) -> None:
+    def record_usage(self, record: Any) -> FakePrice:
         self.rows.append(record)
+        return self.price(record.price_as or record.model, record.prompt_tokens, record.cached_tokens,
+                          record.completion_tokens, record.cache_creation_tokens)
 
     def usage(self, ctx: FakeCtx, since: Any = None) -> dict:
         own = [r for r in self.rows if ctx.is_admin or r.tenant_id == ctx.tenant_id]
