@@ -84,6 +84,16 @@ class GathersOnDevice(Protocol):
 MAX_STAGING_BUFFERS = 4
 
 
+@dataclasses.dataclass
+class _Staging:
+    """A device staging buffer of one segment's blocks, and the event its run is recorded with (the
+    sealer's stream waits for it). Both are reused once the seal reading them is done: an event
+    made per run cost the step loop a driver call to create it and the worker one to destroy it."""
+
+    rows: torch.Tensor  # uint8 [max_segment_blocks, block_bytes] on the runner's device
+    ready: torch.cuda.Event | None  # None off CUDA
+
+
 class TierHook:
     """See the module docstring. ``manager`` owns the tiers; ``runner`` moves bytes in and out of HBM."""
 
@@ -105,13 +115,13 @@ class TierHook:
         self.device_spill = device_spill
         self.device_backlog_bytes = device_backlog_bytes
         # device-resident demotions, oldest first: (future, bytes, the staging buffer it reads)
-        self._backlog: deque[tuple[Future, int, torch.Tensor]] = deque()
+        self._backlog: deque[tuple[Future, int, _Staging]] = deque()
         # Evicted blocks are copied into the rows of a staging buffer of a segment's blocks, filled
         # from the last row up (they arrive deepest first), so a run is a view in chain order: no
         # allocation per block and no concatenation at flush (session 6, run 5: 0.5-0.7 ms of the
         # step loop's CPU on a flush step). A buffer is reused once the seal reading it is done.
-        self._staging: torch.Tensor | None = None  # the pending run's buffer
-        self._staging_free: list[torch.Tensor] = []
+        self._staging: _Staging | None = None  # the pending run's buffer
+        self._staging_free: list[_Staging] = []
         self._staging_made = 0
         self._backlog_bytes = 0
         # the step loop's time blocked on the backlog cap: spills arriving faster than they are sealed
@@ -151,12 +161,12 @@ class TierHook:
                 self._staging = self._take_staging()
             row = self.manager.max_segment_blocks - 1 - len(self._run)
             # in HBM, queued before the pool reuses the block
-            self.runner.gather_blocks_into([block.block_id], self._staging[row:row + 1])
+            self.runner.gather_blocks_into([block.block_id], self._staging.rows[row:row + 1])
         else:
             data = self.runner.export_blocks([block.block_id])  # [1, kv_bytes_per_block], a CPU copy
         self._run.append((tenant, block, data))
 
-    def _take_staging(self) -> torch.Tensor:
+    def _take_staging(self) -> _Staging:
         """A free staging buffer: a returned one, a new one while fewer than the cap exist, else the
         oldest backlog entry's once its seal is done."""
         self._reap_backlog()
@@ -166,8 +176,10 @@ class TierHook:
             return self._staging_free.pop()
         assert isinstance(self.runner, GathersOnDevice)
         self._staging_made += 1
-        return torch.empty(self.manager.max_segment_blocks, self.manager.block_bytes, dtype=torch.uint8,
-                           device=self.runner.kv_device)
+        device = self.runner.kv_device
+        rows = torch.empty(self.manager.max_segment_blocks, self.manager.block_bytes, dtype=torch.uint8, device=device)
+        # blocking: a worker's host wait on it (DeviceKV.to_host) sleeps instead of polling the driver
+        return _Staging(rows, torch.cuda.Event(blocking=True) if device.type == "cuda" else None)
 
     def _apply_quotas(self, tenant: TenantScope) -> None:
         quotas = (tenant.kv_block_quota_dram, tenant.kv_block_quota_nvme)
@@ -201,13 +213,11 @@ class TierHook:
             return
         staging, self._staging = self._staging, None
         assert staging is not None
-        data = staging[staging.shape[0] - len(run):]  # the rows written, in chain order
-        ready = None
-        if data.device.type == "cuda":  # the sealer's stream waits for this point of the step loop's stream
-            ready = torch.cuda.Event(blocking=True)  # a worker's host wait on it sleeps (gpu_sealer)
-            ready.record(torch.cuda.current_stream(data.device))
+        data = staging.rows[staging.rows.shape[0] - len(run):]  # the rows written, in chain order
+        if staging.ready is not None:  # the sealer's stream waits for this point of the step loop's stream
+            staging.ready.record(torch.cuda.current_stream(data.device))
         self._wait_backlog(data.numel())
-        fut = self.manager.demote(run[0][0], hashes, DeviceKV(data, ready), retain_for_s=retain)
+        fut = self.manager.demote(run[0][0], hashes, DeviceKV(data, staging.ready), retain_for_s=retain)
         self._backlog.append((fut, data.numel(), staging))
         self._backlog_bytes += data.numel()
 
