@@ -6,7 +6,12 @@ One synchronous ``step()``::
     runner.execute(batch)         -> one sampled token per chunk with sample=True
     scheduler.commit(step)        -> computed-token counts advance, newly full blocks get indexed
     per sampled token             -> append, detokenize incrementally, check stop conditions
-    finished requests             -> blocks freed (full ones stay indexed for reuse)
+    finished requests             -> outputs returned; their blocks are freed at the start of the
+                                     next step, before its scheduling (full ones stay indexed)
+
+Freeing after the return keeps it off the time to first token of a one-token request (513 blocks
+of an 8,192-token prompt, ~0.35 ms of host time); the next step's admission still sees the blocks.
+``has_unfinished`` holds until they are freed. An abort or ``fail_all`` frees at once.
 
 Overlapped steps (``EngineConfig.overlap_steps``; on by default for a CUDA runner): the host
 schedules and launches step n+1 while the device still runs step n, as vLLM's async scheduling
@@ -24,6 +29,12 @@ block holding it is indexed (the KV at that position is the real stopping token'
 would be correct). A request whose step-n token reaches max_tokens or the context limit gets no
 placeholder. A step with a grammar-constrained row is collected before the next is scheduled (its
 mask needs the tokens on the host).
+
+Frees in overlapped steps: the requests finished by step n's tokens are freed at the start of the
+next call's schedule (of step n+2), where the blocks were first usable before as well (step n+1
+was scheduled before step n's tokens were read). When a call schedules again after its collect
+(a grammar row, or nothing was launched), that schedule frees them first, before the outputs are
+returned: admission then gets them in the same call, as it did.
 
 Thread-safety: none. ``AsyncEngine`` drives one ``LLMEngine`` from a single thread; only
 ``prepare()`` (tokenization and validation) may be called from other threads.
@@ -275,10 +286,13 @@ class LLMEngine:
         if req is None:
             return None
         self._finish(req, "abort")
+        out = self._output(req)
+        # no step may follow (a client dropping its stream, then idle): free now, not at the next step
+        self.scheduler.release_finished()
         # Gauges are published at the end of each step; an abort while the engine then goes idle
-        # (a client dropping its stream) runs no step, so publish here or they stay stale.
+        # runs no step, so publish here or they stay stale.
         self._publish_state()
-        return self._output(req)
+        return out
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every request with finish_reason "error" (after an unexpected engine failure)."""
@@ -290,6 +304,7 @@ class LLMEngine:
             out = self._output(req)
             if out is not None:
                 outputs.append(out)
+        self.scheduler.release_finished()  # every request ended; no step needs to follow
         self._publish_state()  # the failed step never reached its own publish; the engine may now idle
         return outputs
 
@@ -300,11 +315,16 @@ class LLMEngine:
         self.runner.token_bytes(())
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or finished ones whose blocks the next ``step`` returns to the pool (so
+        a loop that steps while this holds ends with every block back)."""
+        return bool(self.requests) or self.scheduler.has_pending_release
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        # The blocks of requests that finished in the previous call, whose outputs it returned
+        # (Scheduler.finish). schedule() releases them too; this covers a call that schedules nothing.
+        self.scheduler.release_finished()
         if self.overlap_steps:
             outputs = self._step_overlapped()
         else:
@@ -563,7 +583,7 @@ class LLMEngine:
         req.drop_placeholder()  # a token still on the device for a finished request is never read
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
-        self.scheduler.remove(req)
+        self.scheduler.finish(req)  # blocks freed after the output is handed out (Scheduler.finish)
         self.requests.pop(req.request_id, None)
         try:
             self.runner.release(req.request_id)
