@@ -11,7 +11,10 @@ One synchronous ``step()``::
 
 Freeing after the return keeps it off the time to first token of a one-token request (513 blocks
 of an 8,192-token prompt, ~0.35 ms of host time); the next step's admission still sees the blocks.
-``has_unfinished`` holds until they are freed. An abort or ``fail_all`` frees at once.
+``has_unfinished`` holds until they are freed. An abort or ``fail_all`` frees at once;
+``release_finished`` frees between steps (AsyncEngine, before its snapshot). The metrics are
+published at the end of a step, except one that finished requests right after a step that freed
+none (a lone request's last token): the next step frees and publishes.
 
 Overlapped steps (``EngineConfig.overlap_steps``; on by default for a CUDA runner): the host
 schedules and launches step n+1 while the device still runs step n, as vLLM's async scheduling
@@ -324,14 +327,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         # The blocks of requests that finished in the previous call, whose outputs it returned
         # (Scheduler.finish). schedule() releases them too; this covers a call that schedules nothing.
-        self.scheduler.release_finished()
+        released = self.scheduler.release_finished()
         if self.overlap_steps:
             outputs = self._step_overlapped()
         else:
             step = self.scheduler.schedule()
             outputs = self._run_sync(step) if not step.is_empty else []
-        self._publish_state()
+        if released or not self.scheduler.has_pending_release:
+            self._publish_state()
+        # else this step finished requests and the one before finished none (a lone request's last
+        # token): the gauges would count blocks about to be freed, and publishing (~0.1 ms) would
+        # delay the outputs; the next step frees them and publishes (has_unfinished holds till then)
         return outputs
+
+    def release_finished(self) -> None:
+        """Free the blocks of the requests the last ``step`` finished and publish the state, now
+        rather than at the next step: for a driver that reads the state between steps (AsyncEngine's
+        snapshot, which a consumer reads after its last output) or goes idle."""
+        if self.scheduler.release_finished():
+            self._publish_state()
 
     def _observe_admissions(self, step: SchedulerOutput) -> None:
         self.num_steps += 1

@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import pytest
 from engine_core_fakes import FakeOverlapRunner, FakeRunner, reference_generate, scope
+from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.metrics import EngineMetrics
 from engine.protocol import GenerateRequest, RequestOutput, SamplingParams
 
 BS = 8
 MODES = ["sync", "overlap"]
 
 
-def make_engine(mode: str, num_blocks: int = 64, budget: int = 64) -> tuple[LLMEngine, FakeRunner]:
+def make_engine(mode: str, num_blocks: int = 64, budget: int = 64, registry: CollectorRegistry | None = None,
+                metrics: EngineMetrics | None = None) -> tuple[LLMEngine, FakeRunner]:
     runner_cls = FakeOverlapRunner if mode == "overlap" else FakeRunner
     runner = runner_cls(num_kv_blocks=num_blocks, block_size=BS)
     config = EngineConfig(model_dir="fake", block_size=BS, max_num_batched_tokens=budget, max_num_seqs=8,
                           overlap_steps=mode == "overlap")
-    engine = LLMEngine(config, runner)
+    engine = LLMEngine(config, runner, metrics or EngineMetrics(registry or CollectorRegistry()))
     assert engine.overlap_steps is (mode == "overlap")
     return engine, runner
 
@@ -235,3 +238,63 @@ def test_a_request_id_reused_before_the_release_keeps_its_own_state(mode, monkey
     # y waited for every block x computed that a hit may serve (4: the last prompt token is computed)
     assert cached == {"x": 0, "y": 32}
     assert engine.cache.num_used == 0
+
+
+def blocks_used_gauge(registry: CollectorRegistry) -> float | None:
+    return registry.get_sample_value("prefixgate_kv_blocks_used")
+
+
+class RecordingMetrics(EngineMetrics):
+    """Records the blocks in use at each publish of the state."""
+
+    def __init__(self) -> None:
+        super().__init__(CollectorRegistry())
+        self.published_used: list[int] = []
+
+    def observe_state(self, *, used: int, **kw) -> None:
+        self.published_used.append(used)
+        super().observe_state(used=used, **kw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_gauges_are_published_after_the_release_not_before_the_output(mode):
+    metrics = RecordingMetrics()
+    engine, _ = make_engine(mode, metrics=metrics)
+    engine.add_request(greq("a", prompt(15, 30), max_tokens=1))
+    step_until_finished(engine, "a", {})
+    # the step that returned a lone request's token did not publish (its gauges would count the 4
+    # blocks about to be freed); the overlapped loop's launch step before it did
+    assert metrics.published_used == ([4] if mode == "overlap" else [])
+    drain(engine, {})
+    assert metrics.published_used[-1] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_that_releases_always_publishes(mode):
+    """One-token requests arriving every step: each step finishes one and frees the one before;
+    the gauges must still follow (a step that released publishes even if it finished another)."""
+    registry = CollectorRegistry()
+    engine, _ = make_engine(mode, registry=registry)
+    used = []
+    for i in range(6):
+        engine.add_request(greq(f"r{i}", prompt(20 + i, 30), max_tokens=1))
+        engine.step()
+        engine.check_integrity()
+        used.append(blocks_used_gauge(registry))
+    assert len({u for u in used[2:]}) == 1 and used[-1] == engine.cache.num_used  # current, not stale
+    drain(engine, {})
+    assert blocks_used_gauge(registry) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_release_finished_frees_and_publishes_between_steps(mode):
+    metrics = RecordingMetrics()
+    engine, _ = make_engine(mode, metrics=metrics)
+    engine.add_request(greq("a", prompt(16, 30), max_tokens=1))
+    step_until_finished(engine, "a", {})
+    assert engine.cache.num_used == 4
+    published = len(metrics.published_used)
+    engine.release_finished()  # what AsyncEngine does before its snapshot
+    assert engine.cache.num_used == 0 and metrics.published_used[published:] == [0]
+    assert not engine.has_unfinished()
+    engine.check_integrity()
