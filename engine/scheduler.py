@@ -109,8 +109,8 @@ class Scheduler:
         return {ns for ns, q in self.waiting.items() if q} | {r.namespace for r in self.running}
 
     def remove(self, request: Request) -> None:
-        """Take a request out of the scheduler (aborted, or failed outside a step) and free its
-        blocks now."""
+        """Take a request out of the scheduler and free its blocks now (``finish`` frees later:
+        the engine's step loop uses that, aborts included, with ``release_finished``)."""
         self._detach(request)
         if request in self._finished:
             self._finished.remove(request)
