@@ -15,6 +15,9 @@ What is timed, per request (each a fresh 512-token tail after the same cached he
                          minus the time inside the runner's ``execute`` (or ``launch`` + ``collect``
                          with overlapped steps): prompt validation and hashing, the cache's match and
                          allocation, scheduling, commit, the token's bookkeeping, finishing, output.
+  after_token            CPU time from the first token to the engine going idle (``has_unfinished``
+                         false): work done after the token was handed out, such as the finished
+                         request's block frees since session 6. Not on the TTFT path.
   runner_pre_forward     ``execute``/``launch`` entry to the model's forward (forward pre-hook on
                          ``runner.model``): metadata (positions, slot mapping, block tables, lengths)
                          and the host-to-device copies. On the GPU the device idles during it.
@@ -161,6 +164,7 @@ class RequestTimes:
     pre_forward: float
     post_forward: float
     wall_ttft: float
+    after_token: float  # CPU ms from the first token to idle (off the TTFT path)
 
     @property
     def outside_runner(self) -> float:
@@ -179,6 +183,7 @@ def run_one(engine: LLMEngine, timed: HostTimedRunner, rid: str, prompt: list[in
             first = Clock()
     while engine.has_unfinished():
         engine.step()
+    idle = time.process_time()
     runner = pre = post = 0.0
     for call in timed.calls:
         assert call.done is not None
@@ -191,7 +196,7 @@ def run_one(engine: LLMEngine, timed: HostTimedRunner, rid: str, prompt: list[in
         elif "forward_start" not in m:
             post += call.done.cpu - call.entry.cpu  # a collect: the token's way to the host
     return RequestTimes(1e3 * (first.cpu - start.cpu), 1e3 * (added - start.cpu), 1e3 * runner, 1e3 * pre, 1e3 * post,
-                        1e3 * (first.wall - start.wall))
+                        1e3 * (first.wall - start.wall), 1e3 * (idle - first.cpu))
 
 
 def median_of(rows: list[RequestTimes]) -> dict[str, float]:
@@ -203,6 +208,7 @@ def median_of(rows: list[RequestTimes]) -> dict[str, float]:
         "runner_ms": statistics.median(r.runner for r in rows),
         "ttft_cpu_ms": statistics.median(r.total for r in rows),
         "ttft_wall_ms": statistics.median(r.wall_ttft for r in rows),
+        "after_token_ms": statistics.median(r.after_token for r in rows),
         "outside_runner_min_ms": min(r.outside_runner for r in rows),
         "outside_runner_max_ms": max(r.outside_runner for r in rows),
     }
@@ -266,12 +272,12 @@ def bench_mode(runner: ModelRunner, overlap: bool, hits: int, colds: int, profil
 
 def table(result: dict[str, ModeResult]) -> str:
     lines = [f"{'mode':<10} {'request':<6} {'outside runner':>15} {'add_request':>12} {'pre-forward':>12} {'post-forward':>13} "
-             f"{'runner':>9} {'TTFT CPU':>9}"]
+             f"{'runner':>9} {'TTFT CPU':>9} {'after token':>12}"]
     for mode, res in result.items():
         for kind, r in (("hit", res.hit), ("cold", res.cold)):
             lines.append(f"{mode:<10} {kind:<6} {r['engine_outside_runner_ms']:>12.3f} ms {r['add_request_ms']:>9.3f} ms "
                          f"{r['runner_pre_forward_ms']:>9.3f} ms {r['runner_post_forward_ms']:>10.3f} ms "
-                         f"{r['runner_ms']:>6.1f} ms {r['ttft_cpu_ms']:>6.1f} ms")
+                         f"{r['runner_ms']:>6.1f} ms {r['ttft_cpu_ms']:>6.1f} ms {r['after_token_ms']:>9.3f} ms")
     return "\n".join(lines)
 
 

@@ -196,6 +196,10 @@ class AsyncEngine:
                 except Exception as exc:  # a bug outside any one request: fail them all, keep serving
                     log.exception("engine step failed")
                     outputs = engine.fail_all(f"{type(exc).__name__}: {exc}")
+                # Finished requests' blocks back first: a consumer that got its last output reads a
+                # snapshot without them. (Freeing after delivery would not get the token to the
+                # event loop much sooner: this thread keeps the GIL until it next blocks.)
+                engine.release_finished()
                 self._snapshot = engine.stats()  # before delivery: a consumer sees state at least this new
                 for out in outputs:
                     self._deliver(out)

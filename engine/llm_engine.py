@@ -6,7 +6,15 @@ One synchronous ``step()``::
     runner.execute(batch)         -> one sampled token per chunk with sample=True
     scheduler.commit(step)        -> computed-token counts advance, newly full blocks get indexed
     per sampled token             -> append, detokenize incrementally, check stop conditions
-    finished requests             -> blocks freed (full ones stay indexed for reuse)
+    finished requests             -> outputs returned; their blocks are freed at the start of the
+                                     next step, before its scheduling (full ones stay indexed)
+
+Freeing after the return keeps it off the time to first token of a one-token request (513 blocks
+of an 8,192-token prompt, ~0.35 ms of host time); the next step's admission still sees the blocks.
+``has_unfinished`` holds until they are freed. An abort or ``fail_all`` frees at once;
+``release_finished`` frees between steps (AsyncEngine, before its snapshot). The metrics are
+published at the end of a step, except one that finished requests right after a step that freed
+none (a lone request's last token): the next step frees and publishes.
 
 Overlapped steps (``EngineConfig.overlap_steps``; on by default for a CUDA runner): the host
 schedules and launches step n+1 while the device still runs step n, as vLLM's async scheduling
@@ -24,6 +32,12 @@ block holding it is indexed (the KV at that position is the real stopping token'
 would be correct). A request whose step-n token reaches max_tokens or the context limit gets no
 placeholder. A step with a grammar-constrained row is collected before the next is scheduled (its
 mask needs the tokens on the host).
+
+Frees in overlapped steps: the requests finished by step n's tokens are freed at the start of the
+next call's schedule (of step n+2), where the blocks were first usable before as well (step n+1
+was scheduled before step n's tokens were read). When a call schedules again after its collect
+(a grammar row, or nothing was launched), that schedule frees them first, before the outputs are
+returned: admission then gets them in the same call, as it did.
 
 Thread-safety: none. ``AsyncEngine`` drives one ``LLMEngine`` from a single thread; only
 ``prepare()`` (tokenization and validation) may be called from other threads.
@@ -205,9 +219,9 @@ class LLMEngine:
         ids = self.tokenize(request)
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = _first_outside(ids, self.vocab_size)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         self._check_sampling(request)
         max_tokens = request.sampling.max_tokens
         total = len(ids) + max_tokens
@@ -275,10 +289,13 @@ class LLMEngine:
         if req is None:
             return None
         self._finish(req, "abort")
+        out = self._output(req)
+        # no step may follow (a client dropping its stream, then idle): free now, not at the next step
+        self.scheduler.release_finished()
         # Gauges are published at the end of each step; an abort while the engine then goes idle
-        # (a client dropping its stream) runs no step, so publish here or they stay stale.
+        # runs no step, so publish here or they stay stale.
         self._publish_state()
-        return self._output(req)
+        return out
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every request with finish_reason "error" (after an unexpected engine failure)."""
@@ -290,6 +307,7 @@ class LLMEngine:
             out = self._output(req)
             if out is not None:
                 outputs.append(out)
+        self.scheduler.release_finished()  # every request ended; no step needs to follow
         self._publish_state()  # the failed step never reached its own publish; the engine may now idle
         return outputs
 
@@ -300,20 +318,43 @@ class LLMEngine:
         self.runner.token_bytes(())
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or finished ones whose blocks the next ``step`` returns to the pool (so
+        a loop that steps while this holds ends with every block back)."""
+        return bool(self.requests) or self.scheduler.has_pending_release
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        # The blocks of requests that finished in the previous call, whose outputs it returned
+        # (Scheduler.finish). schedule() releases them too; this covers a call that schedules nothing.
+        released = self.scheduler.release_finished()
         if self.overlap_steps:
             outputs = self._step_overlapped()
         else:
             step = self.scheduler.schedule()
             outputs = self._run_sync(step) if not step.is_empty else []
-        self._publish_state()
-        if not self.requests:
-            self.cache.flush_spills()  # idle now: spills kept for more of their chain go down
+        if released or not self.scheduler.has_pending_release:
+            self._publish_state()
+        # else this step finished requests and the one before finished none (a lone request's last
+        # token): the gauges would count blocks about to be freed, and publishing (~0.1 ms) would
+        # delay the outputs; the next step frees them and publishes (has_unfinished holds till then)
+        self._flush_spills_if_idle()
         return outputs
+
+    def release_finished(self) -> None:
+        """Free the blocks of the requests the last ``step`` finished and publish the state, now
+        rather than at the next step: for a driver that reads the state between steps (AsyncEngine's
+        snapshot, which a consumer reads after its last output) or goes idle."""
+        if self.scheduler.release_finished():
+            self._publish_state()
+        self._flush_spills_if_idle()
+
+    def _flush_spills_if_idle(self) -> None:
+        """Idle (no request, no free pending): spills kept for more of their chain go down now, as
+        no step may come soon. Not in the step that returns a lone request's last token (its free,
+        and this, wait for the next step: off the time to first token)."""
+        if not self.requests and not self.scheduler.has_pending_release:
+            self.cache.flush_spills()
 
     def _observe_admissions(self, step: SchedulerOutput) -> None:
         self.num_steps += 1
@@ -565,7 +606,7 @@ class LLMEngine:
         req.drop_placeholder()  # a token still on the device for a finished request is never read
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
-        self.scheduler.remove(req)
+        self.scheduler.finish(req)  # blocks freed after the output is handed out (Scheduler.finish)
         self.requests.pop(req.request_id, None)
         try:
             self.runner.release(req.request_id)
@@ -704,6 +745,14 @@ def _int_list(values: Sequence[int]) -> list[int]:
         return array("q", values).tolist()
     except (TypeError, OverflowError):
         return [int(t) for t in values]
+
+
+def _first_outside(ids: list[int], size: int) -> int | None:
+    """The first id outside ``[0, size)``, or None. One pass with ``size`` a local: reading
+    ``self.vocab_size`` once per id, as the check did inline, cost as much as the comparisons
+    themselves (8,192 ids: ~200 -> ~100 us on a 2-core Xeon; ``min`` + ``max`` take ~155)."""
+    bad = [t for t in ids if t >= size or t < 0]
+    return bad[0] if bad else None
 
 
 def _token_infos(result: StepResult, n: int) -> list[_TokenInfo | None]:

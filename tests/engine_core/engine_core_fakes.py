@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.batch import ScheduledBatch, StepResult
 from engine.protocol import StaticTenantScope
@@ -104,6 +104,50 @@ class FakeRunner:
 
     def token_bytes(self, token_ids) -> list[bytes]:
         return [bytes([t]) for t in token_ids]
+
+
+@dataclass(eq=False)
+class FakeLaunch:
+    """One step queued on ``FakeOverlapRunner``'s "device"; ``result`` is set once it ran."""
+
+    batch: ScheduledBatch
+    feed: tuple[tuple[int, int], ...]
+    after: FakeLaunch | None
+    result: StepResult | None = None
+
+
+@dataclass
+class FakeOverlapRunner(FakeRunner):
+    """``FakeRunner`` with overlapped steps: ``launch`` only queues a step, ``collect`` runs every
+    queued step up to the one asked for, in launch order (one device stream). So a step's K/V is
+    written when the host has long moved on, and a block the host freed and gave to a later step is
+    written by the earlier one first, as on the device. A fed chunk (a placeholder) takes the token
+    the step it follows sampled for the named chunk."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.queued: list[FakeLaunch] = []
+        self.launched: list[ScheduledBatch] = []
+
+    def launch(self, batch: ScheduledBatch, feed: Sequence[tuple[int, int]] = (),
+               after: FakeLaunch | None = None) -> FakeLaunch:
+        step = FakeLaunch(batch, tuple(feed), after)
+        self.queued.append(step)
+        self.launched.append(batch)
+        return step
+
+    def collect(self, handle: FakeLaunch) -> StepResult:
+        while handle.result is None:
+            self._run(self.queued.pop(0))
+        return handle.result
+
+    def _run(self, step: FakeLaunch) -> None:
+        chunks = list(step.batch.chunks)
+        for i, j in step.feed:
+            assert step.after is not None and step.after.result is not None, "fed from a step that never ran"
+            token = step.after.result.sampled_token_ids[j]
+            chunks[i] = replace(chunks[i], token_ids=(token,))
+        step.result = self.execute(ScheduledBatch(tuple(chunks), step.batch.block_copies))
 
 
 def scope(name: str = "t", **kw) -> StaticTenantScope:

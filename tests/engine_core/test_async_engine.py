@@ -180,3 +180,36 @@ def test_idle_engine_thread_sleeps():
         assert eng._thread.is_alive()
     finally:
         eng.shutdown()
+
+
+class SnapshotLog(LLMEngine):
+    """Records, at each ``stats()`` (the snapshot AsyncEngine takes before delivering a step's
+    outputs), the blocks in use and whether any request is left."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.snapshots: list[tuple[int, bool]] = []
+
+    def stats(self):
+        self.snapshots.append((self.cache.num_used, bool(self.requests)))
+        return super().stats()
+
+
+def test_the_snapshot_before_a_last_output_has_the_blocks_back():
+    """A finished request's blocks are freed after the step (LLMEngine.step), but AsyncEngine
+    frees them before its snapshot: a consumer that got its last output never reads a snapshot
+    that still counts them (deterministic: no snapshot with nobody left holds blocks)."""
+    engine = SnapshotLog(EngineConfig(model_dir="/models/fake", block_size=BS), FakeRunner(num_kv_blocks=64, block_size=BS))
+    eng = AsyncEngine(engine)
+
+    async def main():
+        async for out in eng.generate(req("a", P, max_tokens=3)):
+            last = out
+        return last, await eng.stats()
+
+    try:
+        last, stats = asyncio.run(main())
+        assert last.finished and stats["kv_blocks_used"] == 0
+    finally:
+        eng.shutdown()
+    assert not [used for used, left in engine.snapshots if used and not left]

@@ -292,3 +292,11 @@ def test_int_list_converts_like_int_for_every_input_kind():
         got = _int_list(values)
         assert got == [int(t) for t in values]
         assert all(type(t) is int for t in got)
+
+
+def test_the_vocabulary_check_names_the_first_id_outside_it():
+    engine, _ = make_engine()  # vocabulary [0, 256)
+    for ids, bad in (([5, 300, -1], "300"), ([5, -1, 300], "-1"), ([256], "256"), ([0, 255, 2**70], str(2**70))):
+        with pytest.raises(InvalidRequestError, match=rf"token id {bad} is outside the vocabulary \[0, 256\)"):
+            engine.add_request(greq("v", ids))
+    assert engine.add_request(greq("ok", [0, 255])).num_prompt_tokens == 2
