@@ -319,12 +319,14 @@ def _tier_hook(dev: torch.device, runner: ModelRunner, mode: str, dram_bytes: in
     return TierHook(m, runner, device_spill=gpu)
 
 
-def _timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
-    """``fn`` adding its wall and thread-CPU seconds to ``acc[0]`` / ``acc[1]`` (per-step counters)."""
+def _timed(fn: Callable[..., Any], acc: list[float], label: str) -> Callable[..., Any]:
+    """``fn`` adding its wall and thread-CPU seconds to ``acc[0]`` / ``acc[1]`` (per-step counters),
+    and named ``label`` in a torch.profiler trace (``--stepload-trace``)."""
     def wrapped(*a: Any, **k: Any) -> Any:
         w0, c0 = time.perf_counter(), time.thread_time()
         try:
-            return fn(*a, **k)
+            with torch.profiler.record_function(label):
+                return fn(*a, **k)
         finally:
             acc[0] += time.perf_counter() - w0
             acc[1] += time.thread_time() - c0
@@ -337,7 +339,8 @@ def _percentile(xs: Sequence[float], q: float) -> float:
 
 
 def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: int, decode: int, pool: int,
-                 filler: int, dram_bytes: int, seg_blocks: int, modes: Sequence[str], profile: bool = False) -> dict:
+                 filler: int, dram_bytes: int, seg_blocks: int, modes: Sequence[str], profile: bool = False,
+                 trace: bool = False) -> dict:
     """Per-step wall time of ``seqs`` sequences decoding ``decode`` tokens while the pool evicts.
 
     The pool (``pool`` blocks) is first filled with cached blocks of finished ``filler``-token
@@ -393,13 +396,18 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
             per_step: dict[str, list[tuple[float, float]]] = {k: [] for k in acc}
             if hook is not None:
                 for name in ("spill", "flush_spills"):
-                    setattr(hook, name, _timed(getattr(hook, name), acc["hook"]))
-                hook.manager.demote = _timed(hook.manager.demote, acc["demote"])
-                hook._wait_backlog = _timed(hook._wait_backlog, acc["backlog"])
-                hook._take_staging = _timed(hook._take_staging, acc["staging"])
+                    setattr(hook, name, _timed(getattr(hook, name), acc["hook"], f"hook.{name}"))
+                hook.manager.demote = _timed(hook.manager.demote, acc["demote"], "hook.demote")
+                hook._wait_backlog = _timed(hook._wait_backlog, acc["backlog"], "hook.backlog")
+                hook._take_staging = _timed(hook._take_staging, acc["staging"], "hook.staging")
             prof = cProfile.Profile() if profile else None  # the step loop's thread only
             if prof is not None:
                 prof.enable()
+            # a torch.profiler trace of a spilling run: the CUDA runtime calls' host time, per name
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            tracer = torch.profiler.profile(activities=acts) if trace and base_mode != "off" else None
+            if tracer is not None:
+                tracer.__enter__()
             sync(dev)
             t_prev = time.perf_counter()
             while engine.has_unfinished():
@@ -423,6 +431,10 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     evicting.append(engine.cache.num_evictions > e0)
             if prof is not None:
                 prof.disable()
+            trace_top = None
+            if tracer is not None:
+                tracer.__exit__(None, None, None)
+                trace_top = tracer.key_averages().table(sort_by="cpu_time_total", row_limit=30).splitlines()
             spilled = engine.cache.num_evictions - evicted0
             t0 = time.perf_counter()
             if hook is not None:
@@ -450,7 +462,8 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     # the DRAM tier's page-locked arena: blobs that found no extent went to pageable memory
                     "arena": dataclasses.asdict(arena) if arena is not None else None,
                     "step_ms": [round(1e3 * t, 3) for t in times],
-                    "profile_top": _profile_top(prof, n) if prof is not None else None}
+                    "profile_top": _profile_top(prof, n) if prof is not None else None,
+                    "trace_top": trace_top}
         finally:
             sys.setswitchinterval(switch0)
             if hook is not None:
@@ -461,9 +474,10 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
     run("off", decode)  # warm-up: every shape of the measured runs once (kernels compiled, tuned)
     for mode in modes:
         r = run(mode, decode)
-        print(f"   stepload {mode}: " + str({k: v for k, v in r.items() if k not in ("step_ms", "profile_top")}),
+        print(f"   stepload {mode}: " + str({k: v for k, v in r.items() if k not in ("step_ms", "profile_top", "trace_top")
+                                              and not k.endswith("_ms")} | {"p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}),
               flush=True)
-        for line in r.get("profile_top") or []:
+        for line in (r.get("profile_top") or []) + (r.get("trace_top") or []):
             print(f"     {line}", flush=True)
         out["runs"].append(r)
     out["summary"] = stepload_summary(out["runs"])
@@ -642,6 +656,9 @@ def main() -> int:
     ap.add_argument("--stepload-profile", action="store_true",
                     help="cProfile each stepload run (top entries per step in the JSON; on Python 3.12+ "
                          "cProfile sees every thread, the tier workers too)")
+    ap.add_argument("--stepload-trace", action="store_true",
+                    help="torch.profiler over each spilling stepload run: host time per op and CUDA runtime call "
+                         "(every thread), the table in the JSON")
     ap.add_argument("--stepload-graphs", action="store_true",
                     help="stepload on a second runner with CUDA graphs (the engine's GPU default)")
     args = ap.parse_args()
@@ -705,7 +722,7 @@ def main() -> int:
             sl_runner = make_runner(dev, shape, 2048, 768 + 8, max_num_seqs=32, graphs=True)
         result["sections"]["stepload"] = section("stepload", lambda: sec_stepload(
             dev, sl_runner, **sl, dram_bytes=4 << 30 if not args.smoke else 16 << 20, seg_blocks=seg_blocks,
-            modes=args.stepload_modes.split(","), profile=args.stepload_profile))
+            modes=args.stepload_modes.split(","), profile=args.stepload_profile, trace=args.stepload_trace))
     if "engine_ttft" in wanted:
         result["sections"]["engine_ttft"] = section("engine_ttft", lambda: sec_engine_ttft(
             dev, runner, prefix=prefix, suffix=15, trials=trials, pool=num_blocks + 8,
