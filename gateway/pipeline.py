@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -414,10 +414,39 @@ async def prepare(
     )
 
 
+# Request ids are cut from one os.urandom read of this many ids: os.urandom releases the GIL on every
+# call, and with the ledger writer thread runnable the request then waited for it (issue #17).
+_IDS_PER_READ = 256
+
+
+def _id_batch() -> Iterator[str]:
+    """``_IDS_PER_READ`` ids of 128 random bits each, as 32 hex digits, from one ``os.urandom`` call."""
+    digits = os.urandom(16 * _IDS_PER_READ).hex()
+    return iter([digits[i:i + 32] for i in range(0, len(digits), 32)])
+
+
+_ids: Iterator[str] = iter(())
+
+
+def _forget_ids() -> None:
+    """In a forked child: the parent's unread ids are the parent's (both would hand them out)."""
+    global _ids
+    _ids = iter(())
+
+
+os.register_at_fork(after_in_child=_forget_ids)
+
+
 def new_request_id(kind: str) -> str:
-    """``chatcmpl-`` / ``cmpl-`` + 128 random bits as 32 hex digits (OpenAI's shape). ``os.urandom``
-    directly: 0.4 us against uuid4's 2.5 us, the same randomness and the same text."""
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + os.urandom(16).hex()
+    """``chatcmpl-`` / ``cmpl-`` + 128 random bits as 32 hex digits (OpenAI's shape), as unique and
+    unpredictable as one ``os.urandom(16)`` each. ``next`` on a list iterator is one C call, so
+    two threads never get the same id; two that find the batch empty each read a fresh one."""
+    global _ids
+    digits = next(_ids, None)
+    if digits is None:
+        batch = _ids = _id_batch()
+        digits = next(batch)
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + digits
 
 
 def _with_canonical_fields(req: ChatCompletionRequest, canonical: dict[str, Any]) -> ChatCompletionRequest:
