@@ -703,22 +703,7 @@ class Accounting:
             self.metrics.cache_breaks.labels(label, prep.miss_record.rule).inc()
         outcome = outcome_of_status(status)
         self.metrics.count(label, backend, status, outcome)
-        series = self.metrics.series(label, backend)
-        # A zero adds nothing (the children exist: series() made them), and each inc is four Python
-        # calls; no hits, no cost and no saving are common (a miss, an unpriced model).
-        if prompt:
-            series.prompt_tokens.inc(prompt)
-        if cached:
-            series.cached_tokens.inc(cached)
-        if completion:
-            series.completion_tokens.inc(completion)
-        if cost:
-            series.cost_usd.inc(cost)
-        if saved:
-            series.saved_usd.inc(saved)
-        series.latency.observe(latency)
-        if self.ttft is not None:
-            series.ttft.observe(self.ttft)
+        self.metrics.series(label, backend).add(prompt, cached, completion, cost, saved, latency, self.ttft)
         self.live.add(RequestSample(
             tenant_id=t.tenant_id, tenant=t.name, outcome=outcome, prompt=prompt, cached=cached,
             completion=completion, cost=cost, saved=saved, ttft=self.ttft, latency=latency,

@@ -7,13 +7,18 @@ benchmark.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway import pipeline
+from gateway import metrics, pipeline
 from gateway.pipeline import new_request_id
 
 # -- request ids: cut from one os.urandom read instead of one read (a GIL release) per request ---------
@@ -73,3 +78,107 @@ def test_a_forked_child_does_not_repeat_the_parents_ids() -> None:
     parent = {new_request_id("chat") for _ in range(50)}
     assert len(child) == 50
     assert not child & parent
+
+
+# -- Prometheus: the request's counters and histograms through their values' own inc -------------------
+
+_AMOUNTS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([*metrics._TTFT_BUCKETS, 0.0, -0.0, 1e-9, math.inf, -math.inf, math.nan]),
+    st.integers(min_value=0, max_value=10**9),
+)
+
+
+def _samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample but the creation times, NaN as a string (NaN != NaN)."""
+    return [(s.name, s.labels, repr(s.value)) for m in registry.collect() for s in m.samples
+            if not s.name.endswith("_created")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_AMOUNTS, max_size=20))
+def test_fast_observer_counts_as_observe(amounts: list[float]) -> None:
+    public, fast = CollectorRegistry(), CollectorRegistry()
+    a = Histogram("h", "h", ("tenant",), buckets=metrics._TTFT_BUCKETS, registry=public).labels("t")
+    b = Histogram("h", "h", ("tenant",), buckets=metrics._TTFT_BUCKETS, registry=fast).labels("t")
+    observe = metrics.fast_observer(b)
+    assert observe != b.observe  # the fast path, not the fallback
+    for amount in amounts:
+        a.observe(amount)
+        observe(amount)
+    assert _samples(public) == _samples(fast)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(min_value=0, exclude_min=True), st.integers(min_value=1)), max_size=20))
+def test_positive_adder_counts_as_inc(amounts: list[float]) -> None:
+    public, fast = CollectorRegistry(), CollectorRegistry()
+    a = Counter("c", "c", ("tenant",), registry=public).labels("t")
+    b = Counter("c", "c", ("tenant",), registry=fast).labels("t")
+    add = metrics.positive_adder(b)
+    assert add != b.inc
+    for amount in amounts:
+        a.inc(amount)
+        add(amount)
+    assert _samples(public) == _samples(fast)
+
+
+def test_adders_fall_back_to_the_public_methods() -> None:
+    """A prometheus_client laid out otherwise gets the public inc and observe."""
+    bare = SimpleNamespace(inc=lambda amount: None, observe=lambda amount: None)
+    assert metrics.positive_adder(bare) is bare.inc  # type: ignore[arg-type]
+    assert metrics.fast_observer(bare) is bare.observe  # type: ignore[arg-type]
+
+
+def _old_series_add(series: metrics.RequestSeries, prompt: int, cached: int, completion: int, cost: float,
+                    saved: float, latency: float, ttft: float | None) -> None:
+    """What ``Accounting._record`` did with a request's series before ``RequestSeries.add``."""
+    if prompt:
+        series.prompt_tokens.inc(prompt)
+    if cached:
+        series.cached_tokens.inc(cached)
+    if completion:
+        series.completion_tokens.inc(completion)
+    if cost:
+        series.cost_usd.inc(cost)
+    if saved:
+        series.saved_usd.inc(saved)
+    series.latency.observe(latency)
+    if ttft is not None:
+        series.ttft.observe(ttft)
+
+
+_MONEY = st.one_of(st.floats(allow_nan=True, allow_infinity=False), st.just(0.0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6), _MONEY, _MONEY,
+                          st.floats(0, 100), st.one_of(st.none(), st.floats(0, 100))), max_size=8))
+def test_series_add_is_the_old_accounting(requests: list[tuple]) -> None:
+    """The same samples in /metrics, and the same error (ValueError) at the same point for a negative amount."""
+    old, new = CollectorRegistry(), CollectorRegistry()
+    s_old, s_new = metrics.GatewayMetrics(old).series("t", "b"), metrics.GatewayMetrics(new).series("t", "b")
+    for r in requests:
+        raised = []
+        for fn, s in ((_old_series_add, s_old), (metrics.RequestSeries.add, s_new)):
+            try:
+                fn(s, *r)
+                raised.append(None)
+            except ValueError as exc:
+                raised.append(str(exc))
+        assert raised[0] == raised[1]
+    assert _samples(old) == _samples(new)
+
+
+def test_count_counts_as_before() -> None:
+    registry = CollectorRegistry()
+    m = metrics.GatewayMetrics(registry)
+    for _ in range(3):
+        m.count("acme", "local", "ok", metrics.Outcome.OK)
+    m.count("acme", "local", "error", metrics.Outcome.SERVER_ERROR)
+    got = {(s.labels["status"], s.labels["outcome"]): s.value for s in _samples_of(registry, "prefixgate_gateway_requests_total")}
+    assert got == {("ok", "ok"): 3.0, ("error", "5xx"): 1.0}
+
+
+def _samples_of(registry: CollectorRegistry, name: str) -> list:
+    return [s for m in registry.collect() for s in m.samples if s.name == name]
