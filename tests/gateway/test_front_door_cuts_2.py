@@ -7,19 +7,25 @@ benchmark.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.datastructures import State
 
 from gateway import metrics, pipeline
+from gateway.app import create_app
 from gateway.pipeline import new_request_id
+from gateway.routes.completions import Parts
+from gateway.settings import GatewaySettings
 
 # -- request ids: cut from one os.urandom read instead of one read (a GIL release) per request ---------
 
@@ -182,3 +188,29 @@ def test_count_counts_as_before() -> None:
 
 def _samples_of(registry: CollectorRegistry, name: str) -> list:
     return [s for m in registry.collect() for s in m.samples if s.name == name]
+
+
+# -- app.state read through its own dict, not State.__getattr__ ----------------------------------------
+
+
+def test_starlette_state_keeps_its_attributes_in_its_dict() -> None:
+    """What the completion path reads instead of ``state.name`` (a Starlette upgrade that moved them fails here)."""
+    state = State()
+    state.router = router = object()
+    assert state._state["router"] is router
+    state.router = other = object()  # set again later (the lifespan sets engine and tenancy)
+    assert state._state["router"] is other
+
+
+def _old_parts_of(state: State, tenancy: object, engine: object) -> tuple:
+    """The previous ``Parts.of``: attribute reads of the State."""
+    return (tenancy, engine, state.router, state.settings, state.metrics, state.live_stats, state.tenant_threads,
+            state.miss_tracker)
+
+
+def test_parts_of_reads_what_the_state_reads(tmp_path: Path) -> None:
+    app = create_app(GatewaySettings(home=tmp_path, model=None, model_dir=None))
+    tenancy, engine = object(), object()
+    parts = Parts.of(app.state, tenancy, engine)  # type: ignore[arg-type]
+    got = tuple(getattr(parts, f.name) for f in dataclasses.fields(Parts))
+    assert all(a is b for a, b in zip(got, _old_parts_of(app.state, tenancy, engine), strict=True))
