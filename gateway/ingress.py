@@ -31,7 +31,9 @@ MAX_ITEMS = 4096
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class BodyShape:
     depth: int
     chars: int  # characters in every string, keys included

@@ -205,7 +205,9 @@ class RequestSeries:
             self._ttft(ttft)
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class RequestSample:
     """One finished or refused request, as the dashboard aggregates it."""
 
@@ -247,7 +249,9 @@ class TenantTotals:
     spill_encrypted: bool | None = None  # as of its latest request
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class Observation:
     at: float
     ttft: float | None

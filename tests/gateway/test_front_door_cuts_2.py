@@ -21,11 +21,17 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.datastructures import State
 
-from gateway import metrics, pipeline
+from gateway import metrics, miss_tracker, pipeline
 from gateway.app import create_app
+from gateway.ingress import BodyShape
 from gateway.pipeline import new_request_id
 from gateway.routes.completions import Parts
 from gateway.settings import GatewaySettings
+from gateway.upstream import NormalizedUsage
+from promptlint.canon import CanonResult
+from promptlint.explain import Rendered, Segment
+from promptlint.miss import PromptFacts
+from tenancy.types import Price, UsageRecord
 
 # -- request ids: cut from one os.urandom read instead of one read (a GIL release) per request ---------
 
@@ -214,3 +220,25 @@ def test_parts_of_reads_what_the_state_reads(tmp_path: Path) -> None:
     parts = Parts.of(app.state, tenancy, engine)  # type: ignore[arg-type]
     got = tuple(getattr(parts, f.name) for f in dataclasses.fields(Parts))
     assert all(a is b for a, b in zip(got, _old_parts_of(app.state, tenancy, engine), strict=True))
+
+
+# -- per-request dataclasses built without object.__setattr__ (not frozen) ----------------------------
+
+_UNFROZEN = [metrics.RequestSample, metrics.Observation, miss_tracker.Observation, NormalizedUsage, BodyShape,
+             UsageRecord, Price, PromptFacts, Segment, Rendered, CanonResult, Parts]
+
+
+@pytest.mark.parametrize("cls", _UNFROZEN, ids=lambda c: f"{c.__module__}.{c.__name__}")
+def test_per_request_dataclasses_are_not_frozen(cls: type) -> None:
+    """Made on every request: frozen, each costs 2-3x as much to build (each field through
+    ``object.__setattr__``). Values, equality and ``replace`` are a dataclass's as before."""
+    assert dataclasses.is_dataclass(cls) and not cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
+def test_usage_record_still_validates_and_compares() -> None:
+    row = dict(request_id="r", tenant_id="t", key_id="k", model="m", backend="b", prompt_tokens=10, cached_tokens=4,
+               completion_tokens=2, ttft_s=None, latency_s=0.1, status="ok", created_at=1.0)
+    assert UsageRecord(**row) == UsageRecord(**row)
+    assert dataclasses.replace(UsageRecord(**row), cached_tokens=5).cached_tokens == 5
+    with pytest.raises(ValueError, match="cannot exceed"):
+        UsageRecord(**{**row, "cached_tokens": 11})
