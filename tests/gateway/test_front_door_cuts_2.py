@@ -8,8 +8,10 @@ benchmark.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import pickle
 import re
 import threading
 from pathlib import Path
@@ -22,10 +24,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.datastructures import State
 
 from gateway import metrics, miss_tracker, pipeline
+from gateway.anthropic_api import MessagesRequest
 from gateway.app import create_app
-from gateway.ingress import BodyShape
+from gateway.ingress import BodyShape, scan
 from gateway.pipeline import new_request_id
+from gateway.responses_api import ResponsesRequest
 from gateway.routes.completions import Parts
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.upstream import NormalizedUsage
 from promptlint.canon import CanonResult
@@ -242,3 +247,38 @@ def test_usage_record_still_validates_and_compares() -> None:
     assert dataclasses.replace(UsageRecord(**row), cached_tokens=5).cached_tokens == 5
     with pytest.raises(ValueError, match="cannot exceed"):
         UsageRecord(**{**row, "cached_tokens": 11})
+
+
+# -- the scanned body's character count: an entry of the model's __dict__, not a PrivateAttr ------------
+
+_BODIES = st.fixed_dictionaries(
+    {"model": st.text(min_size=1, max_size=8),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                 "content": st.text(max_size=40)}), min_size=1, max_size=4)},
+    optional={"user": st.text(max_size=10), "temperature": st.floats(0, 2), "n": st.integers(1, 3),
+              "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3)})
+
+
+@settings(max_examples=100, deadline=None)
+@given(_BODIES)
+def test_text_chars_is_the_scans_count_and_stays_out_of_the_model(body: dict) -> None:
+    chars = scan(body).chars
+    for req in (ChatCompletionRequest.model_validate(body), ChatCompletionRequest.model_validate_json(json.dumps(body))):
+        assert req.text_chars == chars
+        assert "_text_chars" not in req.model_dump() and "_text_chars" not in json.loads(req.model_dump_json())
+        assert req.model_dump(exclude_unset=True) == ChatCompletionRequest.model_validate(body).model_dump(
+            exclude_unset=True)
+        assert "_text_chars" not in dict(req) and "_text_chars" not in repr(req)
+        assert req.model_copy(update={"n": 2}).text_chars == chars  # _with_canonical_fields' copy
+        assert pickle.loads(pickle.dumps(req)).text_chars == chars
+        assert req == ChatCompletionRequest.model_validate(body)
+
+
+def test_text_chars_of_a_model_not_built_from_a_dict_is_zero() -> None:
+    assert ChatCompletionRequest.model_construct(model="m", messages=[]).text_chars == 0
+
+
+def test_request_models_have_no_private_attributes() -> None:
+    """None left: one would bring back pydantic's per-construction init_private_attributes."""
+    for model in (ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest):
+        assert not model.__private_attributes__, model
