@@ -7,6 +7,8 @@ benchmark.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -14,22 +16,28 @@ import os
 import pickle
 import re
 import threading
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import anyio
 import pytest
+from gateway_fakes import FakeTenancy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.datastructures import State
 
+from engine.protocol import GenerateRequest, RequestOutput, SamplingParams
 from gateway import metrics, miss_tracker, pipeline
 from gateway.anthropic_api import MessagesRequest
 from gateway.app import create_app
 from gateway.ingress import BodyShape, scan
-from gateway.pipeline import new_request_id
+from gateway.pipeline import Prepared, new_request_id
+from gateway.remote import NodeUnavailableError
 from gateway.responses_api import ResponsesRequest
 from gateway.routes.completions import Parts
+from gateway.routing import Backend, BackendKind, Router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.upstream import NormalizedUsage
@@ -282,3 +290,111 @@ def test_request_models_have_no_private_attributes() -> None:
     """None left: one would bring back pydantic's per-construction init_private_attributes."""
     for model in (ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest):
         assert not model.__private_attributes__, model
+
+
+# -- _run_one: Router.track and aclosing written out as try/finally -----------------------------------
+
+
+async def _old_run_one(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The previous ``pipeline._run_one``, with its context managers."""
+    gr = prep.requests[0]
+    backend = prep.backend
+    finished = False
+    with router.track(prep.backend):
+        try:
+            while True:
+                started = False
+                try:
+                    async with contextlib.aclosing(backend.client.generate(gr)) as outputs:
+                        async for out in outputs:
+                            started = True
+                            finished = finished or out.finished
+                            yield 0, out
+                    return
+                except NodeUnavailableError:
+                    alternative = None if started else router.failover(prep.model, backend)
+                    if alternative is None:
+                        raise
+                    backend = alternative
+        finally:
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    await backend.client.abort(gr.request_id)
+
+
+class _Node:
+    """An engine client that logs what happens to it (with the routed backend's in-flight count)."""
+
+    def __init__(self, name: str, log: list[str], behaviour: str) -> None:
+        self.name, self.log, self.behaviour = name, log, behaviour
+        self.routed: Backend | None = None
+
+    def _note(self, what: str) -> None:
+        self.log.append(f"{self.name}:{what}:inflight={self.routed.inflight if self.routed else '-'}")
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self._note("start")
+        try:
+            if self.behaviour == "down":
+                raise NodeUnavailableError("down")
+            yield RequestOutput(request.request_id, (1,), "a", False, 3, 0, 1)
+            if self.behaviour == "down-after-output":
+                raise NodeUnavailableError("down")
+            if self.behaviour == "fails":
+                raise RuntimeError("boom")
+            yield RequestOutput(request.request_id, (2,), "b", True, 3, 0, 2, finish_reason="stop")
+        finally:
+            self._note("closed")
+
+    async def abort(self, request_id: str) -> None:
+        self._note(f"abort {request_id}")
+
+
+class _LoggedRouter(Router):
+    def __init__(self, log: list[str], alternative: Backend | None) -> None:
+        super().__init__([])
+        self.log, self.alternative = log, alternative
+
+    def failover(self, model: str, failed: Backend) -> Backend | None:
+        self.log.append(f"failover from {failed.label}")
+        alternative, self.alternative = self.alternative, None  # one other node
+        return alternative
+
+
+@pytest.mark.parametrize("first,second,leave_after", [
+    ("ok", None, None), ("ok", None, 1), ("fails", None, None), ("down", "ok", None), ("down", "down", None),
+    ("down", "fails", None), ("down-after-output", "ok", None), ("down", "ok", 1),
+])
+def test_run_one_does_what_it_did_with_its_context_managers(first: str, second: str | None,
+                                                            leave_after: int | None) -> None:
+    def run(worker: Callable[..., AsyncIterator[tuple[int, RequestOutput]]]) -> list[str]:
+        log: list[str] = []
+        tenancy = FakeTenancy()
+        ctx = tenancy.keys[tenancy.add("acme")]
+        gr = GenerateRequest(request_id="r-0-0", tenant=ctx, sampling=SamplingParams(max_tokens=2), messages=({},))
+        a = _Node("a", log, first)
+        routed = a.routed = Backend("node:a", BackendKind.NODE, a, "m")
+        other = None
+        if second is not None:
+            b = _Node("b", log, second)
+            b.routed = routed
+            other = Backend("node:b", BackendKind.NODE, b, "m")
+        prep = Prepared(kind="chat", request_id="r", created=0, model="m", requests=[gr], n=1, stream=False,
+                        include_usage=False, canon_applied=(), tenant=ctx, backend=routed)
+
+        async def consume() -> None:
+            outputs = worker(prep, _LoggedRouter(log, other))
+            try:
+                async for _, out in outputs:
+                    log.append(f"got {out.new_text} inflight={routed.inflight}")
+                    if leave_after is not None:
+                        await outputs.aclose()
+                        break
+            except Exception as exc:  # noqa: BLE001 - logged and compared
+                log.append(f"raised {type(exc).__name__}")
+            log.append(f"after inflight={routed.inflight}")
+
+        asyncio.run(consume())
+        return log
+
+    assert run(pipeline._run_one) == run(_old_run_one)
