@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, PrivateAttr, model_validator
+from pydantic import BaseModel, model_validator
 from pydantic_core import PydanticCustomError
 
 # Deeper than any real JSON schema a tool declares (OpenAI documents 5 levels for strict schemas),
@@ -31,7 +31,9 @@ MAX_ITEMS = 4096
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class BodyShape:
     depth: int
     chars: int  # characters in every string, keys included
@@ -141,7 +143,12 @@ class ScannedBody(BaseModel):
     """A request body whose raw JSON is scanned (``scan``: depth, text validity, size) before any
     field is built from it; every front door's request model derives from it."""
 
-    _text_chars: int = PrivateAttr(0)
+    # The scan's character count is kept in the instance's own __dict__ under a name no field can
+    # have, not in a pydantic PrivateAttr: a model with private attributes runs
+    # init_private_attributes once per class level on every construction and a Python-level
+    # __setattr__/__getattr__ per write and read, ~14 Python calls a request (issue #17). Pydantic
+    # leaves underscore entries of __dict__ out of dumps, ``dict(model)`` and the repr, and copies
+    # them with the model (model_copy, pickle); tests/gateway/test_front_door_cuts_2.py pins that.
 
     @model_validator(mode="wrap")
     @classmethod
@@ -149,10 +156,13 @@ class ScannedBody(BaseModel):
         shape = scan(data) if isinstance(data, dict) else None
         model = handler(data)
         if shape is not None:
-            model._text_chars = shape.chars
+            model.__dict__[_TEXT_CHARS] = shape.chars
         return model
 
     @property
     def text_chars(self) -> int:
-        """Characters in every string of the body as received."""
-        return self._text_chars
+        """Characters in every string of the body as received (0 for a model not built from a dict)."""
+        return self.__dict__.get(_TEXT_CHARS, 0)
+
+
+_TEXT_CHARS = "_text_chars"  # ScannedBody's entry in a model's __dict__ (underscore: never a field name)

@@ -39,7 +39,9 @@ from promptlint.miss import JsonBody, PromptFacts, explain_miss, family_key, nea
 DEFAULT_BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size); the app passes its own
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class Observation:
     """What the tracker learned of one request before it ran. ``brk`` is None when nothing broke.
 

@@ -57,7 +57,9 @@ class UpstreamRequest(GenerateRequest):
     tenant_name: str | None = None  # picks the tenant's own upstream key where the route has one
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class NormalizedUsage:
     prompt_tokens: int
     cached_tokens: int

@@ -56,7 +56,9 @@ class Span:
     text: str
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class CanonResult:
     """The canonicalized request and the names of the transforms that changed it.
 

@@ -56,7 +56,9 @@ _INVISIBLE = re.compile("[\u200b\u200c\u200d\u2060\ufeff\u00a0]")
 _TRAILING = re.compile(r"[ \t]+$", re.MULTILINE)
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class Segment:
     """One rendered part: ``text[start:end]`` is the tools block or message ``index``'s text."""
 
@@ -67,7 +69,9 @@ class Segment:
     end: int
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class Rendered:
     """A request body as one string in provider order, and where each part lies in it."""
 

@@ -111,7 +111,9 @@ class MarkedPrefix:
     token_end: int
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class PromptFacts:
     """What the gateway records of one request for later explanations (see the module docstring).
 

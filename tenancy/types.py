@@ -82,7 +82,9 @@ class TenantContext:
         return self.quotas.budget_usd
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class UsageRecord:
     """One finished (or failed, or aborted) request, as the gateway saw it.
 
@@ -143,7 +145,9 @@ class UsageRecord:
             raise ValueError(f"status must be one of {USAGE_STATUSES}, got {self.status!r}")
 
 
-@dataclass(frozen=True)
+# Not frozen: made on every request, and a frozen dataclass sets each field through object.__setattr__
+# (2-3x the construction time; issue #17). Nothing hashes it or relies on it not changing.
+@dataclass
 class Price:
     """What a request cost and what its cached tokens saved, in USD.
 
