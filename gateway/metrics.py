@@ -15,7 +15,6 @@ import hashlib
 import math
 import threading
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -120,7 +119,7 @@ class GatewayMetrics:
         key = (label, backend, status, outcome)
         add = self._requests.get(key)
         if add is None:
-            add = self._requests[key] = positive_adder(self.requests.labels(label, backend, status, outcome.value))
+            add = self._requests[key] = self.requests.labels(label, backend, status, outcome.value).inc
         add(1)
 
     def series(self, label: str, backend: str) -> RequestSeries:
@@ -138,48 +137,18 @@ class GatewayMetrics:
         return found
 
 
-def positive_adder(child: Counter) -> Callable[[float], None]:
-    """``child.inc`` for an amount > 0, in one Python call instead of four: the child's value's own
-    ``inc``, which is all ``Counter.inc`` does once it has checked that the metric is a labelled
-    child (``labels()`` made it one) and that the amount is not negative (the caller's part), and
-    has no exemplar to store. Where a prometheus_client version has no such value: ``child.inc``."""
-    inc = getattr(getattr(child, "_value", None), "inc", None)
-    return inc if callable(inc) else child.inc
-
-
-def fast_observer(child: Histogram) -> Callable[[float], None]:
-    """``child.observe`` without an exemplar, in three Python calls instead of five: the sum's ``inc``
-    and one bucket's, the bucket found by bisection (``Histogram.observe`` walks the bounds in
-    Python and counts the amount in the first bucket whose bound holds it, NaN in none). Where a
-    prometheus_client version is not laid out so: ``child.observe``."""
-    bounds = tuple(getattr(child, "_upper_bounds", ()))
-    add_sum = getattr(getattr(child, "_sum", None), "inc", None)
-    buckets = [getattr(b, "inc", None) for b in getattr(child, "_buckets", ())]
-    if not callable(add_sum) or not bounds or bounds[-1] != math.inf or len(buckets) != len(bounds) \
-            or not all(callable(b) for b in buckets):
-        return child.observe
-    last = bounds[-1]
-
-    def observe(amount: float) -> None:
-        add_sum(amount)
-        if amount <= last:  # False for NaN only: no bucket holds it
-            buckets[bisect_left(bounds, amount)](1)
-
-    return observe
-
-
 class RequestSeries:
     """The labelled children ``Accounting`` adds one request to (``GatewayMetrics.series``), with
-    their fast adders (``positive_adder``, ``fast_observer``): made once per tenant label and backend."""
+    their bound ``inc`` / ``observe`` looked up once: made once per tenant label and backend."""
 
     def __init__(self, *, prompt_tokens: Counter, cached_tokens: Counter, completion_tokens: Counter,
                  cost_usd: Counter, saved_usd: Counter, latency: Histogram, ttft: Histogram) -> None:
         self.prompt_tokens, self.cached_tokens, self.completion_tokens = prompt_tokens, cached_tokens, completion_tokens
         self.cost_usd, self.saved_usd, self.latency, self.ttft = cost_usd, saved_usd, latency, ttft
-        self._prompt, self._cached = positive_adder(prompt_tokens), positive_adder(cached_tokens)
-        self._completion = positive_adder(completion_tokens)
-        self._cost, self._saved = positive_adder(cost_usd), positive_adder(saved_usd)
-        self._latency, self._ttft = fast_observer(latency), fast_observer(ttft)
+        # bound methods looked up once per series, not per request
+        self._prompt, self._cached, self._completion = prompt_tokens.inc, cached_tokens.inc, completion_tokens.inc
+        self._cost, self._saved = cost_usd.inc, saved_usd.inc
+        self._latency, self._ttft = latency.observe, ttft.observe
 
     def add(self, prompt: int, cached: int, completion: int, cost: float, saved: float, latency: float,
             ttft: float | None) -> None:

@@ -80,11 +80,8 @@ class Parts:
 
     @classmethod
     def of(cls, state: State, tenancy: TenancyPort, engine: EngineClient | None) -> Parts:
-        # Starlette keeps app.state's attributes in this dict: a read through ``state.name`` is a
-        # Python-level ``State.__getattr__`` call, six a request here (issue #17).
-        values = state._state
-        return cls(tenancy, engine, values["router"], values["settings"], values["metrics"], values["live_stats"],
-                   values["tenant_threads"], values["miss_tracker"])
+        return cls(tenancy, engine, state.router, state.settings, state.metrics, state.live_stats,
+                   state.tenant_threads, state.miss_tracker)
 
 
 async def get_parts(request: Request, tenancy: TenancyDep, engine: EngineDep) -> Parts:

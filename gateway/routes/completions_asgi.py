@@ -117,13 +117,12 @@ class CompletionRoutes:
             return
         response = None
         try:
-            values = self.state._state  # app.state's own dict: no State.__getattr__ call per read
-            tenancy = values["tenancy"]
+            tenancy = self.state.tenancy
             if tenancy is None:
                 raise OpenAIError(503, "tenancy is not configured on this server (start it with --home)",
                                   code="no_tenancy")
-            ctx = authenticate_bearer(tenancy, authorization, values["metrics"])
-            response = await handle(kind, request, ctx, Parts.of(self.state, tenancy, values["engine"]), receive)
+            ctx = authenticate_bearer(tenancy, authorization, self.state.metrics)
+            response = await handle(kind, request, ctx, Parts.of(self.state, tenancy, self.state.engine), receive)
         except OpenAIError as err:
             response = err.response()
         except TenancyError as exc:

@@ -336,7 +336,7 @@ class NodeApiMiddleware:
         self.node = build_node_app(state)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        token = self.state._state["settings"].node_token  # app.state's own dict: no State.__getattr__ call
+        token = self.state.settings.node_token
         if scope["type"] == "http" and token:
             path = scope["path"]
             if path == "/health" and self.state.node_drain.draining:

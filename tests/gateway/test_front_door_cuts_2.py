@@ -11,21 +11,19 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import pickle
 import re
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import anyio
 import pytest
 from gateway_fakes import FakeTenancy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from starlette.datastructures import State
 
 from engine.protocol import GenerateRequest, RequestOutput, SamplingParams
@@ -107,52 +105,10 @@ def test_a_forked_child_does_not_repeat_the_parents_ids() -> None:
 
 # -- Prometheus: the request's counters and histograms through their values' own inc -------------------
 
-_AMOUNTS = st.one_of(
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([*metrics._TTFT_BUCKETS, 0.0, -0.0, 1e-9, math.inf, -math.inf, math.nan]),
-    st.integers(min_value=0, max_value=10**9),
-)
-
-
 def _samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
     """Every sample but the creation times, NaN as a string (NaN != NaN)."""
     return [(s.name, s.labels, repr(s.value)) for m in registry.collect() for s in m.samples
             if not s.name.endswith("_created")]
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(_AMOUNTS, max_size=20))
-def test_fast_observer_counts_as_observe(amounts: list[float]) -> None:
-    public, fast = CollectorRegistry(), CollectorRegistry()
-    a = Histogram("h", "h", ("tenant",), buckets=metrics._TTFT_BUCKETS, registry=public).labels("t")
-    b = Histogram("h", "h", ("tenant",), buckets=metrics._TTFT_BUCKETS, registry=fast).labels("t")
-    observe = metrics.fast_observer(b)
-    assert observe != b.observe  # the fast path, not the fallback
-    for amount in amounts:
-        a.observe(amount)
-        observe(amount)
-    assert _samples(public) == _samples(fast)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.floats(min_value=0, exclude_min=True), st.integers(min_value=1)), max_size=20))
-def test_positive_adder_counts_as_inc(amounts: list[float]) -> None:
-    public, fast = CollectorRegistry(), CollectorRegistry()
-    a = Counter("c", "c", ("tenant",), registry=public).labels("t")
-    b = Counter("c", "c", ("tenant",), registry=fast).labels("t")
-    add = metrics.positive_adder(b)
-    assert add != b.inc
-    for amount in amounts:
-        a.inc(amount)
-        add(amount)
-    assert _samples(public) == _samples(fast)
-
-
-def test_adders_fall_back_to_the_public_methods() -> None:
-    """A prometheus_client laid out otherwise gets the public inc and observe."""
-    bare = SimpleNamespace(inc=lambda amount: None, observe=lambda amount: None)
-    assert metrics.positive_adder(bare) is bare.inc  # type: ignore[arg-type]
-    assert metrics.fast_observer(bare) is bare.observe  # type: ignore[arg-type]
 
 
 def _old_series_add(series: metrics.RequestSeries, prompt: int, cached: int, completion: int, cost: float,
@@ -209,16 +165,7 @@ def _samples_of(registry: CollectorRegistry, name: str) -> list:
     return [s for m in registry.collect() for s in m.samples if s.name == name]
 
 
-# -- app.state read through its own dict, not State.__getattr__ ----------------------------------------
-
-
-def test_starlette_state_keeps_its_attributes_in_its_dict() -> None:
-    """What the completion path reads instead of ``state.name`` (a Starlette upgrade that moved them fails here)."""
-    state = State()
-    state.router = router = object()
-    assert state._state["router"] is router
-    state.router = other = object()  # set again later (the lifespan sets engine and tenancy)
-    assert state._state["router"] is other
+# -- Parts.of reads what the State holds -------------------------------------------------------------
 
 
 def _old_parts_of(state: State, tenancy: object, engine: object) -> tuple:
