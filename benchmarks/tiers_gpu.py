@@ -389,17 +389,14 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                                                                                   generator=g).tolist()))
             times, cpu, replay, evicting, n = [], [], [], [], 0
             # the hook's own calls on the step loop (spill copies, flushes): wall and thread CPU per step
-            # per step, wall and CPU seconds of: the hook's calls on the step loop; of which the
-            # hand-off to the tier manager (its submit), the backlog bookkeeping / waits, and taking
-            # a staging buffer (a diagnostic: the benchmark wraps the hook's own methods)
-            acc = {k: [0.0, 0.0] for k in ("hook", "demote", "backlog", "staging")}
+            # per step, wall and CPU seconds of the hook's calls on the step loop, and of which the
+            # hand-off to the tier manager (its submit)
+            acc = {k: [0.0, 0.0] for k in ("hook", "demote")}
             per_step: dict[str, list[tuple[float, float]]] = {k: [] for k in acc}
             if hook is not None:
                 for name in ("spill", "flush_spills"):
                     setattr(hook, name, _timed(getattr(hook, name), acc["hook"], f"hook.{name}"))
                 hook.manager.demote = _timed(hook.manager.demote, acc["demote"], "hook.demote")
-                hook._wait_backlog = _timed(hook._wait_backlog, acc["backlog"], "hook.backlog")
-                hook._take_staging = _timed(hook._take_staging, acc["staging"], "hook.staging")
             prof = cProfile.Profile() if profile else None  # the step loop's thread only
             if prof is not None:
                 prof.enable()

@@ -87,8 +87,7 @@ MAX_STAGING_BUFFERS = 4
 @dataclasses.dataclass
 class _Staging:
     """A device staging buffer of one segment's blocks, and the event its run is recorded with (the
-    sealer's stream waits for it). Both are reused once the seal reading them is done: an event
-    made per run cost the step loop a driver call to create it and the worker one to destroy it."""
+    sealer's stream waits for it). Both are reused once the seal reading them is done."""
 
     rows: torch.Tensor  # uint8 [max_segment_blocks, block_bytes] on the runner's device
     ready: torch.cuda.Event | None  # None off CUDA
@@ -118,8 +117,9 @@ class TierHook:
         self._backlog: deque[tuple[Future, int, _Staging]] = deque()
         # Evicted blocks are copied into the rows of a staging buffer of a segment's blocks, filled
         # from the last row up (they arrive deepest first), so a run is a view in chain order: no
-        # allocation per block and no concatenation at flush (session 6, run 5: 0.5-0.7 ms of the
-        # step loop's CPU on a flush step). A buffer is reused once the seal reading it is done.
+        # allocation per block and no concatenation at flush, and what spills hold in HBM is bounded
+        # by the buffers. A buffer is reused once the seal reading it is done. (The decode step's
+        # time under eviction did not change measurably with it: docs/gpu.md, session 6 runs 6-8.)
         self._staging: _Staging | None = None  # the pending run's buffer
         self._staging_free: list[_Staging] = []
         self._staging_made = 0

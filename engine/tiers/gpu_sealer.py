@@ -40,18 +40,7 @@ class DeviceSealer:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pin = self.device.type == "cuda"
         self._lock = threading.Lock()
-        self._local = threading.local()  # per worker thread: the host landing of a seal's limb sums
         self.sealed = 0  # segments, for tests and the benchmark
-
-    def _sums_buffer(self) -> torch.Tensor:
-        """The calling thread's page-locked int64 [5] for a seal's limb sums. A thread seals one
-        segment at a time and reads the sums before its next seal, so one buffer per thread is
-        enough; a fresh pinned tensor per seal cost the worker a trip through the caching host
-        allocator (and its events) while holding the GIL the step loop needs."""
-        buf = getattr(self._local, "sums", None)
-        if buf is None:
-            buf = self._local.sums = torch.empty(5, dtype=torch.int64, pin_memory=self._pin)
-        return buf
 
     def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes,
              host_buffer: Callable[[int], np.ndarray] | None = None) -> PinnedBlob:
@@ -66,7 +55,7 @@ class DeviceSealer:
         host = host_buffer(size) if host_buffer is not None else torch.empty(size, dtype=torch.uint8,
                                                                              pin_memory=self._pin).numpy()
         blob = torch.from_numpy(host)  # the D2H target; pinned where ``host`` is page-locked
-        sums = self._sums_buffer()
+        sums = torch.empty(5, dtype=torch.int64, pin_memory=self._pin)
         with self._lock:
             ctx = torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
             with ctx:
@@ -77,8 +66,8 @@ class DeviceSealer:
                 launched = gpu_aead.launch_seal(key, nonce, data.view(-1).view(torch.int32), 0, nbytes, aad, ct, 0)
                 blob[DEVICE_HEADER_BYTES:DEVICE_HEADER_BYTES + nbytes].copy_(ct.view(torch.uint8), non_blocking=self._pin)
                 sums.copy_(launched.sums, non_blocking=self._pin)
-                # blocking: the worker sleeps in the wait below; a spinning wait polls the driver
-                # for the whole seal and slows the step loop's own CUDA calls on the same context
+                # blocking: the worker sleeps in the wait below instead of spinning a core through the
+                # seal (the step loop's time did not change either way: docs/gpu.md, session 6 run 2)
                 done = torch.cuda.Event(blocking=True) if self._stream is not None else None
                 if done is not None:
                     done.record(self._stream)
