@@ -96,19 +96,22 @@ class TimedRunner:
 
     def execute(self, batch: ScheduledBatch):
         t0 = time.perf_counter()
-        out = self.runner.execute(batch)
+        with torch.profiler.record_function("runner.execute"):
+            out = self.runner.execute(batch)
         self._record(time.perf_counter() - t0, batch.chunks)
         return out
 
     def launch(self, batch: ScheduledBatch, feed=(), after=None):
         t0 = time.perf_counter()
-        handle = self.runner.launch(batch, feed, after[0] if after is not None else None)
+        with torch.profiler.record_function("runner.launch"):
+            handle = self.runner.launch(batch, feed, after[0] if after is not None else None)
         self.launch_host_s.append(time.perf_counter() - t0)
         return handle, t0
 
     def collect(self, launched):
         handle, t0 = launched
-        out = self.runner.collect(handle)
+        with torch.profiler.record_function("runner.collect"):
+            out = self.runner.collect(handle)
         done = time.perf_counter()
         self._record(done - max(t0, self._last_collect), handle.chunks)
         self._last_collect = done
@@ -534,7 +537,8 @@ def sec_prefix(dev, args, config, runner) -> dict:
     out: dict[str, Any] = {"prompt_tokens": total, "cached_tokens": hit_cached, "cold_ttft_ms": cold_ms,
                            "hit_ttft_ms": hit_ms, "speedup": cold_ms[len(cold_ms) // 2] / hit_ms[len(hit_ms) // 2],
                            "hit_runner_execute_ms": runner_ms}
-    out["hit_profile"] = profile_hit(dev, engine, timed, lambda: prompt(head), "pprof")
+    out["hit_profile"] = profile_hit(dev, engine, timed, lambda: prompt(head), "pprof",
+                                     Path(args.trace_dir) if args.trace_dir else None)
     # a short suffix over a longer cached prefix (a chat turn after a cached system prompt): the grid
     # of the hit's attention is 32 programs unsplit, so this is where split-KV prefill shows
     short_cached = total - 4 * runner.block_size
@@ -560,7 +564,28 @@ def _kernel_category(name: str) -> str:
     return "other"
 
 
-def profile_hit(dev, engine, timed, make_prompt, rid: str) -> dict:
+def _kernel_gaps(prof, min_us: float = 20.0) -> dict:
+    """Where the device idles between the hit's first and last kernel: the span, the busy time, and
+    the longest gaps with the kernels on either side (a gap is host time the device did not hide)."""
+    from torch.autograd import DeviceType
+
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not ks:
+        return {}
+    gaps, end, prev = [], ks[0][1], ks[0][2]
+    for s, e, name in ks[1:]:
+        if s - end >= min_us:
+            gaps.append({"us": round(s - end, 1), "after": prev[:60], "before": name[:60]})
+        if e > end:
+            end, prev = e, name
+    gaps.sort(key=lambda g: -g["us"])
+    return {"span_ms": (end - ks[0][0]) / 1e3, "kernels": len(ks),
+            f"idle_in_gaps_over_{int(min_us)}us_ms": sum(g["us"] for g in gaps) / 1e3,
+            "gaps_over": len(gaps), "longest": gaps[:12]}
+
+
+def profile_hit(dev, engine, timed, make_prompt, rid: str, trace_dir: Path | None = None) -> dict:
     """One more prefix hit under torch.profiler: device time by kernel class (attention, GEMM, other),
     the runner's wall time (it ends in the sampler's host sync) and the engine's time around it."""
     if not dev.startswith("cuda"):
@@ -586,12 +611,16 @@ def profile_hit(dev, engine, timed, make_prompt, rid: str) -> dict:
         launches[cat] += e.count
         top.append({"kernel": e.key[:90], "calls": e.count, "device_ms": dev_us / 1e3, "class": cat})
     top.sort(key=lambda r: -r["device_ms"])
+    gaps = _kernel_gaps(prof)
+    if trace_dir is not None:  # the timeline (host ops, runtime calls, kernels) for offline reading
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_dir / f"prefix_hit_{rid}.json"))
     runner_ms = 1e3 * sum(st[0] for st in timed.steps)
     ttft_ms = 1e3 * res["ttft"][rid]
     busy = sum(by_cat.values())
     return {"ttft_ms_profiled": ttft_ms, "runner_execute_ms": runner_ms, "engine_outside_runner_ms": ttft_ms - runner_ms,
             "device_ms_by_class": by_cat, "kernel_launches_by_class": launches, "device_busy_ms": busy,
-            "gpu_idle_in_runner_ms": max(0.0, runner_ms - busy), "top_kernels": top[:15],
+            "gpu_idle_in_runner_ms": max(0.0, runner_ms - busy), "top_kernels": top[:15], "kernel_gaps": gaps,
             "note": "profiled run: the profiler adds host overhead per launch; device times are the kernels' own"}
 
 
@@ -753,6 +782,7 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers in the decode section")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--mt-requests", type=int, default=64)
+    ap.add_argument("--trace-dir", default=None, help="write the profiled prefix hit's Chrome trace here")
     args = ap.parse_args()
     dev = args.device
     smoke = args.smoke

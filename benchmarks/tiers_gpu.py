@@ -340,7 +340,7 @@ def _percentile(xs: Sequence[float], q: float) -> float:
 
 def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: int, decode: int, pool: int,
                  filler: int, dram_bytes: int, seg_blocks: int, modes: Sequence[str], profile: bool = False,
-                 trace: bool = False) -> dict:
+                 trace: bool = False, trace_dir: Path | None = None) -> dict:
     """Per-step wall time of ``seqs`` sequences decoding ``decode`` tokens while the pool evicts.
 
     The pool (``pool`` blocks) is first filled with cached blocks of finished ``filler``-token
@@ -412,7 +412,11 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                 c0 = time.thread_time()
                 for a in acc.values():
                     a[0] = a[1] = 0.0
-                outs = engine.step()
+                if tracer is not None:  # each step named in the trace, to find the slow ones in the timeline
+                    with torch.profiler.record_function(f"stepload.step {n + 1}"):
+                        outs = engine.step()
+                else:
+                    outs = engine.step()
                 now = time.perf_counter()
                 dt, dc, t_prev = now - t_prev, time.thread_time() - c0, now
                 n += 1
@@ -432,6 +436,9 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
             if tracer is not None:
                 tracer.__exit__(None, None, None)
                 trace_top = tracer.key_averages().table(sort_by="cpu_time_total", row_limit=30).splitlines()
+                if trace_dir is not None:  # the whole timeline (host ops, runtime calls, kernels) for offline reading
+                    trace_dir.mkdir(parents=True, exist_ok=True)
+                    tracer.export_chrome_trace(str(trace_dir / f"stepload_{mode}.json"))
             spilled = engine.cache.num_evictions - evicted0
             t0 = time.perf_counter()
             if hook is not None:
@@ -656,6 +663,8 @@ def main() -> int:
     ap.add_argument("--stepload-trace", action="store_true",
                     help="torch.profiler over each spilling stepload run: host time per op and CUDA runtime call "
                          "(every thread), the table in the JSON")
+    ap.add_argument("--trace-dir", default=None,
+                    help="with --stepload-trace: also write each run's Chrome trace (stepload_<mode>.json) here")
     ap.add_argument("--stepload-graphs", action="store_true",
                     help="stepload on a second runner with CUDA graphs (the engine's GPU default)")
     args = ap.parse_args()
@@ -719,7 +728,8 @@ def main() -> int:
             sl_runner = make_runner(dev, shape, 2048, 768 + 8, max_num_seqs=32, graphs=True)
         result["sections"]["stepload"] = section("stepload", lambda: sec_stepload(
             dev, sl_runner, **sl, dram_bytes=4 << 30 if not args.smoke else 16 << 20, seg_blocks=seg_blocks,
-            modes=args.stepload_modes.split(","), profile=args.stepload_profile, trace=args.stepload_trace))
+            modes=args.stepload_modes.split(","), profile=args.stepload_profile, trace=args.stepload_trace,
+            trace_dir=Path(args.trace_dir) if args.trace_dir else None))
     if "engine_ttft" in wanted:
         result["sections"]["engine_ttft"] = section("engine_ttft", lambda: sec_engine_ttft(
             dev, runner, prefix=prefix, suffix=15, trials=trials, pool=num_blocks + 8,
