@@ -517,11 +517,16 @@ def sec_prefix(dev, args, config, runner) -> dict:
         return head + [g.randrange(vocab) for _ in range(length - len(head))]
 
     engine = make_engine(config, timed)
-    run_requests(engine, [GenerateRequest("pw", StaticTenantScope(b"warm"), greedy(1), prompt_token_ids=prompt([]))])
+    warm = prompt([])
+    run_requests(engine, [GenerateRequest("pw", StaticTenantScope(b"warm"), greedy(1), prompt_token_ids=warm)])
+    # one untimed hit of the same shape on that prefix: the first step of a shape picks its GEMM
+    # kernels and allocates (session 7 run 1 timed it as one of three hits: runner 30.8 ms, then 20.5, 18.2)
+    run_requests(engine, [GenerateRequest("pwh", StaticTenantScope(b"warm"), greedy(1),
+                                          prompt_token_ids=prompt(warm[:cached_len]))])
     head = [g.randrange(vocab) for _ in range(cached_len)]
     cold = run_requests(engine, [GenerateRequest("p0", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head))])
     hits, runner_ms = [], []
-    for i in range(3):
+    for i in range(5):
         timed.steps.clear()
         hits.append(run_requests(engine, [GenerateRequest(f"p{i + 1}", StaticTenantScope(), greedy(1),
                                                           prompt_token_ids=prompt(head))]))

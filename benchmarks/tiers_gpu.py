@@ -387,7 +387,14 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                                                                                 ignore_eos=True),
                                                    prompt_token_ids=torch.randint(0, vocab, (prompt + i % 16,),
                                                                                   generator=g).tolist()))
-            times, cpu, replay, evicting, n = [], [], [], [], 0
+            times, cpu, replay_at, evicting, n = [], [], [], [], 0
+            # each graph replay's device time from its own event pair, read after the run: a per-step
+            # ``last_replay_ms()`` waits for the replay just launched, which takes the overlap away
+            # (the host then prepares every step while the device idles: session 6's runs 3-8 and
+            # session 7's run 1 timed steps that way, host work and device work added up)
+            graphs = runner.decode_graphs
+            if graphs is not None:
+                graphs.replay_log = []
             # the hook's own calls on the step loop (spill copies, flushes): wall and thread CPU per step
             # per step, wall and CPU seconds of the hook's calls on the step loop, and of which the
             # hand-off to the tier manager (its submit)
@@ -425,13 +432,17 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     cpu.append(dc)
                     for k, a in acc.items():
                         per_step[k].append((a[0], a[1]))
-                    # the graph replay's own GPU time: does sealing slow the device, or the host?
-                    ms = runner.decode_graphs.last_replay_ms() if runner.decode_graphs is not None else None
-                    if ms is not None:
-                        replay.append(ms)
+                    # the replay this call launched (overlapped steps: the one whose output the next call returns)
+                    replay_at.append(len(graphs.replay_log) - 1 if graphs is not None and graphs.replay_log else None)
                     evicting.append(engine.cache.num_evictions > e0)
             if prof is not None:
                 prof.disable()
+            replay: list[float] = []
+            if graphs is not None:
+                log, graphs.replay_log = graphs.replay_log or [], None
+                if log:
+                    log[-1][1].synchronize()
+                replay = [log[i][0].elapsed_time(log[i][1]) for i in replay_at if i is not None]
             trace_top = None
             if tracer is not None:
                 tracer.__exit__(None, None, None)

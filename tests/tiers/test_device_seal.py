@@ -255,3 +255,16 @@ def test_runner_gathers_on_device_what_it_exports(tiny_model_dir):
     assert set(rows[0].cpu().tolist()) == {7}  # rows not asked for are left alone
     with pytest.raises(ValueError):
         runner.gather_blocks_into([3], rows[:2])
+
+
+def test_self_test_agrees_with_the_reference_and_refuses_a_disagreeing_device(monkeypatch):
+    sealer = DeviceSealer(DEVICE)  # on CUDA the constructor has run it once already
+    before = sealer.sealed
+    sealer.self_test()
+    assert sealer.sealed == before  # not counted as a segment
+    from engine.tiers import gpu_sealer
+
+    real = gpu_sealer.ref_aead.seal
+    monkeypatch.setattr(gpu_sealer.ref_aead, "seal", lambda *a: bytes(reversed(real(*a))))
+    with pytest.raises(RuntimeError, match="disagrees with the RFC 8439 reference"):
+        sealer.self_test()
