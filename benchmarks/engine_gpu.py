@@ -609,7 +609,9 @@ def profile_hit(dev, engine, timed, make_prompt, rid: str, trace_dir: Path | Non
     for e in prof.key_averages():
         dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or 0
         # operators and driver/runtime calls are not kernels (run 2 counted cuLaunchKernelEx, 0.37 ms, as one)
-        if dev_us <= 0 or e.key.startswith(("aten::", "cuda", "cuLaunch", "cuModule", "cuMem", "cuStream", "cuEvent")):
+        # (and the benchmark's own annotations: a `runner.launch` range has a device span, not a kernel)
+        if dev_us <= 0 or e.key.startswith(("aten::", "cuda", "cuLaunch", "cuModule", "cuMem", "cuStream", "cuEvent",
+                                            "runner.")):
             continue
         cat = _kernel_category(e.key)
         by_cat[cat] += dev_us / 1e3
