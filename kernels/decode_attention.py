@@ -70,70 +70,6 @@ def _unpack_8bit_pairs(pairs, KV_QUANT: tl.constexpr):
     return even, odd
 
 
-@triton.jit
-def _decode_tile(
-    q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, kvh, t0, end, qk_scale, m_i, l_i, acc, acc_e, acc_o,
-    k_tensor_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_QUANT: tl.constexpr, DOT_TY: tl.constexpr, V_PAIRS: tl.constexpr,
-):
-    """Online-softmax update over tokens t0 .. t0 + BLOCK_N (those < ``end`` when MASKED)."""
-    d = tl.arange(0, HEAD_DIM)
-    dh = tl.arange(0, HEAD_DIM // 2)
-    toks = t0 + tl.arange(0, BLOCK_N)
-    tok_ok = toks < end
-    if MASKED:
-        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(bt_row + toks // BLOCK_SIZE).to(tl.int64)
-    slot = toks % BLOCK_SIZE
-    k_ptrs = k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
-    else:
-        k = tl.load(k_ptrs)
-    s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
-    if KV_QUANT == 1:
-        s = s * k_tensor_scale
-    if KV_QUANT == 2:
-        sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
-        if MASKED:
-            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        else:
-            s = s * tl.load(k_scale_ptr + sc_off)[None, :]
-    if MASKED:
-        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
-    else:
-        s = s * qk_scale
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if KV_QUANT == 2:
-        if MASKED:
-            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-        else:
-            p = p * tl.load(v_scale_ptr + sc_off)[None, :]
-    v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
-    if V_PAIRS:
-        if MASKED:
-            pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None], other=0)  # [BLOCK_N, D/2] int16
-        else:
-            pairs = tl.load(v_ptr + v_row + dh[None, :])
-        v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
-        p16 = p.to(tl.float16)
-        acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
-        acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
-    else:
-        if MASKED:
-            v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        else:
-            v = tl.load(v_ptr + v_row + d[None, :])
-        acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
-    return m_new, l_i, acc, acc_e, acc_o
-
-
 # The block table's row stride is its width, which changes with the longest context in the batch:
 # left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
 # the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
@@ -185,37 +121,52 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_TY)  # [GROUP_PAD, D]
 
-    k_tensor_scale = 1.0
-    v_tensor_scale = 1.0
     if KV_QUANT == 1:
         k_tensor_scale = tl.load(k_scale_ptr)
         v_tensor_scale = tl.load(v_scale_ptr)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    # V_PAIRS accumulates the even and odd output dims apart; otherwise ``acc`` holds them all. The
-    # accumulators a variant does not use are never read (the compiler drops them).
-    acc_e = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 0, 2, 4, ...
-    acc_o = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 1, 3, 5, ...
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    if V_PAIRS:
+        acc_e = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 0, 2, 4, ...
+        acc_o = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 1, 3, 5, ...
+    else:
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + b * stride_btb
-    # Whole tiles first, without predicates (loads, the length mask on the scores), then the last,
-    # partial tile of the sequence (if any) with them: splits are whole tiles, so only a sequence's
-    # end is ragged. For 8-bit caches the kernel is close to issue-bound (it streams half the bytes
-    # of bf16 with the conversions on top), so the per-element selects of a masked tile cost time.
-    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
-    for t0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc, acc_e, acc_o = _decode_tile(
-            q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, kvh, t0, end, qk_scale, m_i, l_i, acc, acc_e, acc_o,
-            k_tensor_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_sb, stride_ss, stride_sh,
-            False, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, V_PAIRS)
-    for t0 in range(full_end, end, BLOCK_N):
-        m_i, l_i, acc, acc_e, acc_o = _decode_tile(
-            q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, kvh, t0, end, qk_scale, m_i, l_i, acc, acc_e, acc_o,
-            k_tensor_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_sb, stride_ss, stride_sh,
-            True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, V_PAIRS)
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % BLOCK_SIZE
+        k = tl.load(
+            k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            mask=tok_ok[:, None], other=0.0,
+        )  # [BLOCK_N, D]
+        s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
+        if KV_QUANT == 1:
+            s = s * k_tensor_scale
+        if KV_QUANT == 2:
+            sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
+            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT == 2:
+            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
+        if V_PAIRS:
+            pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None], other=0)  # [BLOCK_N, D/2] int16
+            v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
+            p16 = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
+        else:
+            v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
+        m_i = m_new
 
     v_final = 1.0 / l_i
     if KV_QUANT == 1:
