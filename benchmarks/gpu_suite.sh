@@ -103,13 +103,14 @@ fi
 # ---- KV tiers on the GPU (issue #19 item 5; docs/gpu.md "KV tiers on the GPU"): the ChaCha20-Poly1305
 # kernels' GPU tests (compiled, against `cryptography`), the tier path through them, then the 2 GiB restore
 # benchmark (DRAM / NVMe x plain / GPU-decrypt / CPU-decrypt vs recompute). Needs `cryptography` (carry its
-# wheels). SKIP_TIERS=1 skips it; TIERS_ARGS="--trials 3 --nvme-dir DIR" passes arguments.
+# wheels). SKIP_TIERS=1 skips it; TIERS_ARGS="--trials 3 --nvme-dir DIR" passes arguments (default: the stepload on
+# CUDA graphs, as the engine runs on a GPU).
 TIERS_RC=0
 if [ "${SKIP_TIERS:-0}" != 1 ]; then
   "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py tests/tiers/test_device_seal.py -q -p no:cacheprovider \
     -o addopts="" 2>&1 | tee "$RES/tiers_gpu_pytest.log"
   TIERS_RC=${PIPESTATUS[0]}
-  "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_h200.json}" ${TIERS_ARGS:-} 2>&1 \
+  "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_h200.json}" ${TIERS_ARGS:---stepload-graphs} 2>&1 \
     | tee "$RES/tiers_gpu.log"
   TIERS_RC=$(( TIERS_RC != 0 || PIPESTATUS[0] != 0 ))
   echo "tiers: pytest $(tail -n 1 "$RES/tiers_gpu_pytest.log")"
