@@ -20,8 +20,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 # TIKTOKEN_CACHE_DIR pointing at a copy of litellm/litellm_core_utils/tokenizers).
 MODEL_TESTS=""
 if [ -n "${TIKTOKEN_CACHE_DIR:-}" ] || "$PY" -c "import litellm" 2>/dev/null; then MODEL_TESTS="tests/engine_model"; fi
+# The GPU tests' time is mostly Triton compiles and model loads, both CPU-bound: with pytest-xdist (the
+# H200 image has it) they run in GPU_TEST_WORKERS processes on the one GPU (session 7: 158 s serial).
+XDIST=""
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST="-n ${GPU_TEST_WORKERS:-4}"; fi
 # GPU_TESTS narrows the selection for a short call (pytest arguments, e.g. "tests/gpu_engine -k overlap").
-"$PY" -m pytest ${GPU_TESTS:-tests/kernels tests/gpu_engine $MODEL_TESTS} -m gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
+"$PY" -m pytest ${GPU_TESTS:-tests/kernels tests/gpu_engine $MODEL_TESTS} -m gpu $XDIST -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
 TEST_RC=${PIPESTATUS[0]}
 
 BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
@@ -107,7 +111,7 @@ fi
 # CUDA graphs, as the engine runs on a GPU).
 TIERS_RC=0
 if [ "${SKIP_TIERS:-0}" != 1 ]; then
-  "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py tests/tiers/test_device_seal.py -q -p no:cacheprovider \
+  "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py tests/tiers/test_device_seal.py $XDIST -q -p no:cacheprovider \
     -o addopts="" 2>&1 | tee "$RES/tiers_gpu_pytest.log"
   TIERS_RC=${PIPESTATUS[0]}
   "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_h200.json}" ${TIERS_ARGS:---stepload-graphs} 2>&1 \
