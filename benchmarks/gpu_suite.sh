@@ -21,7 +21,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 MODEL_TESTS=""
 if [ -n "${TIKTOKEN_CACHE_DIR:-}" ] || "$PY" -c "import litellm" 2>/dev/null; then MODEL_TESTS="tests/engine_model"; fi
 # The GPU tests' time is mostly Triton compiles and model loads, both CPU-bound: with pytest-xdist (the
-# H200 image has it) they run in GPU_TEST_WORKERS processes on the one GPU (session 7: 158 s serial).
+# H200 image has it) they run in GPU_TEST_WORKERS processes on the one GPU (session 7: 158 s serial, 81 s
+# with 4 workers; the tier tests below stay serial: 35 s serial, 42 s in 4 workers).
 XDIST=""
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST="-n ${GPU_TEST_WORKERS:-4}"; fi
 # GPU_TESTS narrows the selection for a short call (pytest arguments, e.g. "tests/gpu_engine -k overlap").
@@ -111,7 +112,7 @@ fi
 # CUDA graphs, as the engine runs on a GPU).
 TIERS_RC=0
 if [ "${SKIP_TIERS:-0}" != 1 ]; then
-  "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py tests/tiers/test_device_seal.py $XDIST -q -p no:cacheprovider \
+  "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py tests/tiers/test_device_seal.py -q -p no:cacheprovider \
     -o addopts="" 2>&1 | tee "$RES/tiers_gpu_pytest.log"
   TIERS_RC=${PIPESTATUS[0]}
   "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_h200.json}" ${TIERS_ARGS:---stepload-graphs} 2>&1 \
