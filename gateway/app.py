@@ -52,6 +52,7 @@ from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.routing_policy import RoutingPolicy
 from gateway.settings import GatewaySettings
+from gateway.startup_heap import freeze_startup_heap, thaw_startup_heap
 from gateway.tenant_threads import TenantThreads
 from gateway.timeseries import TimeSeries
 from gateway.upstream import DirectOpenAIClient, ProviderClient
@@ -220,9 +221,13 @@ def create_app(
         sampler = asyncio.create_task(_sample_forever(app.state.timeseries))
         prober = asyncio.create_task(probe_forever(app.state.router, settings.node_probe_interval_s))
         install_drain_signal(app.state)
+        if owned_engine is not None:  # a serving process with its own engine (not an injected one: tests)
+            freeze_startup_heap()
         try:
             yield
         finally:
+            if owned_engine is not None:
+                thaw_startup_heap()
             sampler.cancel()
             prober.cancel()
             app.state.router.stop_events()
