@@ -25,7 +25,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.tiers.device_aead import DEVICE_BLOB_VERSION, DEVICE_HEADER_BYTES, TAG_BYTES, DevicePlaintext
+from engine.tiers.device_aead import (
+    DEVICE_BLOB_VERSION,
+    DEVICE_HEADER_BYTES,
+    TAG_BYTES,
+    DevicePlaintext,
+    device_blob_parts,
+)
 from engine.tiers.device_kv import DeviceKV
 from engine.tiers.dram import PinnedBlob
 from kernels import chacha20_poly1305 as gpu_aead
@@ -57,17 +63,21 @@ class DeviceSealer:
         key, aad = secrets.token_bytes(32), b"prefixgate-device-seal-self-test"
         plain = secrets.token_bytes(SELF_TEST_BYTES)
         data = torch.frombuffer(bytearray(plain), dtype=torch.uint8).to(self.device).view(1, -1)
-        raw = bytes(self.seal(key, DeviceKV(data), aad).view())
-        nonce = raw[4:DEVICE_HEADER_BYTES]
-        want = ref_aead.seal(key, nonce, plain, aad)
-        if raw[DEVICE_HEADER_BYTES:] != want:
+        raw = bytes(self._seal(key, DeviceKV(data), aad, None).view())  # not counted as a segment
+        parts = device_blob_parts(raw)
+        if parts is None or raw[DEVICE_HEADER_BYTES:] != ref_aead.seal(key, parts.nonce, plain, aad):
             raise RuntimeError(f"ChaCha20-Poly1305 on {self.device} disagrees with the RFC 8439 reference "
                                f"({len(plain)} bytes): device sealing refused")
-        with self._lock:
-            self.sealed -= 1  # the self-test is not a segment
 
     def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes,
              host_buffer: Callable[[int], np.ndarray] | None = None) -> PinnedBlob:
+        blob = self._seal(key, plain, aad, host_buffer)
+        with self._lock:
+            self.sealed += 1
+        return blob
+
+    def _seal(self, key: bytes, plain: DevicePlaintext, aad: bytes,
+              host_buffer: Callable[[int], np.ndarray] | None) -> PinnedBlob:
         if not isinstance(plain, DeviceKV):
             raise TypeError("DeviceSealer seals DeviceKV")
         data = plain.data
@@ -99,8 +109,6 @@ class DeviceSealer:
             done.synchronize()  # this worker thread waits; the step loop does not
         host[:DEVICE_HEADER_BYTES] = memoryview(bytes([DEVICE_BLOB_VERSION, 0, 0, 0]) + nonce)
         host[DEVICE_HEADER_BYTES + nbytes:] = memoryview(gpu_aead.seal_tag(launched, sums.tolist()))
-        with self._lock:
-            self.sealed += 1
         return PinnedBlob.adopt(host)
 
 
