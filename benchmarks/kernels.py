@@ -60,7 +60,12 @@ DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also trie
 # Session 2 also timed (64, 4, 2, False): 1.5-1.9x slower than the pairs path, dropped.
 # Session 3 run 1 also timed (128, 4, 2), (64, 4, 7), (64, 8, 5): none better than (64, 4, 5) or
 # (128, 4, 5) on any shape (kernels_h200_s3run1.json), dropped.
-QUANT_TILES = [(64, 4, 2, True), (64, 4, 5, True), (128, 4, 5, True)]
+# Session 7 added two 8-bit candidates for more warps in flight per SM (the fp8 128-token ring runs 3
+# programs per SM, held there by registers and shared memory alike: 141-150 registers, 75 KB): one
+# buffer and a 128-register cap (41 KB, 4 per SM, no spill in the sm_90 compile of Triton 3.9), and
+# 8 warps a program (98 registers, 2 per SM = 16 warps). (bn, warps, stages, v_pairs, register cap)
+QUANT_TILES = [(64, 4, 2, True, None), (64, 4, 5, True, None), (128, 4, 5, True, None),
+               (128, 4, 2, True, 128), (128, 8, 5, True, None)]
 PREV_TILES = (64, 4, 2)  # the launcher's tiles before choose_tiles (session 2), timed beside its choice
 # fp8 head dim 128 before session 4 made FP8_CANDIDATE the choice (timed beside it: `fp8_previous`)
 PREVIOUS_FP8_TILES = decode_attention.DecodeTiles(block_n=64, num_stages=5, num_warps=4, programs_per_sm=4)
@@ -248,13 +253,15 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         prev_tiles_ms(row, name, q, kq, vq, tables, lens, scale, ks, vs, qtiles)
         if not quick:
             tiles = {}
-            for bn, nw, ns, vp in QUANT_TILES:
-                def runq(bn=bn, nw=nw, ns=ns, vp=vp, kq=kq, vq=vq, ks=ks, vs=vs):
+            for bn, nw, ns, vp, mr in QUANT_TILES:
+                def runq(bn=bn, nw=nw, ns=ns, vp=vp, mr=mr, kq=kq, vq=vq, ks=ks, vs=vs):
                     return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, block_n=bn,
-                                                         num_warps=nw, num_stages=ns, v_pairs=vp)
+                                                         num_warps=nw, num_stages=ns, v_pairs=vp, max_registers=mr)
                 err = rel_err(runq()[:n_check], ref.paged_decode_attention(
                     q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs))
-                tiles[f"bn{bn}_w{nw}_s{ns}_pairs{int(vp)}"] = {"ms": bench(runq), "rel_err": err}
+                # graph replays too: an eager launch of the small shapes times the host, not the kernel
+                tiles[f"bn{bn}_w{nw}_s{ns}_pairs{int(vp)}" + (f"_regs{mr}" if mr else "")] = {
+                    "ms": bench(runq), "graph_ms": bench_graph(runq), "rel_err": err}
             row[f"{name}_variants"] = tiles
         del qkv, kq, vq
     row["bf16_ms_repeat"] = bench(lambda: triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))

@@ -229,6 +229,10 @@ class DecodeTiles:
     num_stages: int
     num_warps: int = 4
     programs_per_sm: int = 4
+    # a cap on registers per thread (Triton's ``maxnreg``), None for the compiler's choice: where
+    # registers, not shared memory, limit how many programs an SM holds (the fp8 128-token tile with
+    # one buffer: 145 registers, 3 per SM; capped at 128, 4 per SM with no spill in the sm_90 compile)
+    max_registers: int | None = None
 
 
 # Triton 3.6's pipeliner puts the block-table load in the first stage and the K/V copies after it:
@@ -347,6 +351,7 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     v_pairs: bool | None = None,
+    max_registers: int | None = None,
     context_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``.
@@ -362,6 +367,8 @@ def paged_decode(
     block_n = max(block_n if block_n is not None else tiles.block_n, 16)
     num_stages = num_stages if num_stages is not None else tiles.num_stages
     num_warps = num_warps if num_warps is not None else tiles.num_warps
+    if max_registers is None and not overridden:
+        max_registers = tiles.max_registers
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:  # tile overrides (tuning) keep the 4-per-SM wave of session 2's tiles
         num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n,
@@ -396,7 +403,7 @@ def paged_decode(
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), V_PAIRS=v_pairs,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, q_heads)](

@@ -18,7 +18,7 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, ref.FP8_D
 
 
 def run_case(head_dim, group, block_size, seq_lens, kv_dtype, q_dtype=torch.float16, num_splits=None,
-             kv_heads=2, seed=0, device="cpu", length_hint=False):
+             kv_heads=2, seed=0, device="cpu", length_hint=False, **tiles):
     gen = torch.Generator().manual_seed(seed)
     q_heads = kv_heads * group
     num_blocks = sum((n + block_size - 1) // block_size for n in seq_lens) + 3
@@ -29,7 +29,10 @@ def run_case(head_dim, group, block_size, seq_lens, kv_dtype, q_dtype=torch.floa
     q = torch.randn(len(seq_lens), q_heads, head_dim, generator=gen).to(device=device, dtype=q_dtype)
     scale = 1 / math.sqrt(head_dim)
     want = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs)
-    if num_splits is None:
+    if tiles:  # tile overrides (block_n, num_warps, num_stages, max_registers) straight to the launcher
+        got = decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, ks, vs, num_splits=num_splits,
+                                            **tiles)
+    elif num_splits is None:
         got = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs,
                                                 context_lens=list(seq_lens) if length_hint else None)
     else:
@@ -65,6 +68,14 @@ def test_decode_bf16_queries_upcast_in_interpreter():
 def test_decode_quantized_kv(kv_dtype, head_dim, group, block_size):
     run_case(head_dim, group, block_size, [45, 17, 1], kv_dtype, num_splits=2 if block_size == 16 else None,
              seed=11 + head_dim)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE, torch.int8])
+def test_decode_with_a_register_cap_and_eight_warps(kv_dtype):
+    # the launch options of the 8-bit tile candidates (a register cap for more programs per SM, more
+    # warps per program) reach the kernel; the interpreter ignores the cap, the GPU suite compiles it
+    run_case(128, 4, 16, [45, 130, 1], kv_dtype, num_splits=2, block_n=32, num_warps=8, num_stages=2,
+             max_registers=128, seed=23)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE])
