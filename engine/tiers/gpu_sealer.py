@@ -57,9 +57,12 @@ class DeviceSealer:
         """Seal a few random bytes on the device and compare with the pure-Python RFC 8439 reference.
 
         Run once at construction on CUDA: a device whose kernels disagree with the reference is
-        refused before it seals anything, and the first real spill does not wait for the kernels'
-        compile and load (seen on the H200: the step that handed the first run down took 47 ms,
-        22 ms of it in the step loop's spill, while the tier worker compiled)."""
+        refused before it seals anything, and the kernels are compiled and loaded before the first
+        real spill (seen on the H200 without it: the step that handed the first run down took 47
+        ms, 22 ms of it in the step loop's spill, while the tier worker compiled; with it the first
+        spilling run's slowest step was 10 ms). Triton specialises the kernels' size arguments
+        (divisible by 16 or not), so a spill whose sizes fall in another class than these bytes
+        still compiles that variant once, on the tier worker."""
         key, aad = secrets.token_bytes(32), b"prefixgate-device-seal-self-test"
         plain = secrets.token_bytes(SELF_TEST_BYTES)
         data = torch.frombuffer(bytearray(plain), dtype=torch.uint8).to(self.device).view(1, -1)
