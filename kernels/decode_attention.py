@@ -229,10 +229,6 @@ class DecodeTiles:
     num_stages: int
     num_warps: int = 4
     programs_per_sm: int = 4
-    # a cap on registers per thread (Triton's ``maxnreg``), None for the compiler's choice: where
-    # registers, not shared memory, limit how many programs an SM holds (the fp8 128-token tile with
-    # one buffer: 145 registers, 3 per SM; capped at 128, 4 per SM with no spill in the sm_90 compile)
-    max_registers: int | None = None
 
 
 # Triton 3.6's pipeliner puts the block-table load in the first stage and the K/V copies after it:
@@ -357,7 +353,11 @@ def paged_decode(
     """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``.
 
     Tiles default to ``choose_tiles``, the split count to ``choose_num_splits`` (``context_lens``:
-    optional host-side lengths of the sequences, for batches of unequal length)."""
+    optional host-side lengths of the sequences, for batches of unequal length). ``max_registers``
+    caps registers per thread (Triton's ``maxnreg``; tuning only, no tile of ``choose_tiles`` sets
+    it): where registers, not shared memory, limit how many programs an SM holds (the fp8
+    128-token tile with one buffer: 145 registers, 3 per SM; capped at 128, 4 per SM with no spill
+    in the sm_90 compile)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
@@ -367,8 +367,6 @@ def paged_decode(
     block_n = max(block_n if block_n is not None else tiles.block_n, 16)
     num_stages = num_stages if num_stages is not None else tiles.num_stages
     num_warps = num_warps if num_warps is not None else tiles.num_warps
-    if max_registers is None and not overridden:
-        max_registers = tiles.max_registers
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:  # tile overrides (tuning) keep the 4-per-SM wave of session 2's tiles
         num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n,
