@@ -415,12 +415,21 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
     at M = 1 / 8 / 32 rows; the weight bytes over the replay's time as a share of copy bandwidth.
     A single GEMM's graph (``decode_gemm_case``) pays its ramp-up and tail alone; here they overlap
     as in a real step. Each BLAS back end torch offers is measured in the same run (cuBLAS, cuBLASLt),
-    checked against the first on the same inputs."""
+    checked against the first on the same inputs.
+
+    Two rows tell the chain's gap apart (session 8): ``no_glue`` is the same GEMMs without the small
+    add that keeps each output live (a graph runs every captured kernel, used or not), and
+    ``one_gemm`` one cuBLAS GEMM reading the same bytes (K = 4096): how fast cuBLAS streams these
+    weights when no kernel boundary interrupts the stream. chain < no_glue < one_gemm in time means
+    the boundaries between GEMMs (ramp and tail of each) are what the chain loses."""
     shapes = [GEMM_SHAPES[k] for k in ("qkv", "o", "gate_up", "down")]
     weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for n, k in shapes]
                for _ in range(layers)]
     wbytes = sum(w.numel() * 2 for ws in weights for w in ws)
     out: dict = {"layers": layers, "weight_GB": wbytes / 1e9}
+    one_k = 4096
+    one_w = torch.randn(wbytes // (2 * one_k), one_k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    one_bytes = one_w.numel() * 2
     default = torch.backends.cuda.preferred_blas_library()
     for m in (1, 8, 32):
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _, k in shapes}
@@ -447,7 +456,16 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
                 row[lib] = {"error": f"{type(e).__name__}: {e}"}
             finally:
                 torch.backends.cuda.preferred_blas_library(default)
+
+        def no_glue(xs=xs) -> list[torch.Tensor]:
+            return [F.linear(xs[w.shape[1]], w) for ws in weights for w in ws]
+        ms = bench_graph(no_glue) or float("nan")
+        row["no_glue"] = {"ms": ms, "pct_copy": wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+        x1 = torch.randn(m, one_k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ms = bench_graph(lambda x1=x1, w1=one_w: F.linear(x1, w1)) or float("nan")
+        row["one_gemm"] = {"ms": ms, "pct_copy": one_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
         out[f"m{m}"] = row
+    del one_w
     return out
 
 
