@@ -77,6 +77,11 @@ prev = [(",".join(str(v) for v in d["shape"].values()), d["fp8_ms"], d["fp8_prev
         for d in r["decode"] + r.get("classes", []) if "fp8_prev_tiles_ms" in d]
 if prev:
     print("fp8 launcher tiles vs session-2 tiles (eager ms): " + "  ".join(f"{s} {a:.3f}/{b:.3f}" for s, a, b in prev))
+alt = [(",".join(str(v) for v in d["shape"].values()), d.get("fp8_graph_ms"), d["fp8_alternative"]["graph_ms"])
+       for d in r["decode"] + r.get("classes", []) if "fp8_alternative" in d]
+if alt:
+    print("fp8 graph ms, launcher / 128-token one-buffer 4-per-SM alternative: "
+          + "  ".join(f"{s} {a or float('nan'):.3f}/{b or float('nan'):.3f}" for s, a, b in alt))
 for f in r.get("fused_ops", []):
     print(f"fused ops, {f['tokens']} rows: " + ", ".join(f"{k} {v['speedup']:.1f}x" for k, v in f.items()
                                                         if isinstance(v, dict)))

@@ -12,6 +12,14 @@ not yet faster than cuBLAS in the engine, see ``ENGINE_MAX_ROWS``)::
 
 The rows are padded to 16 (the tensor-core minimum): at M <= 32 the arithmetic is free. SPLIT_K
 gives a small matrix enough programs to keep every SM streaming (``choose_config``).
+
+Programmatic dependent launch (``SkinnyConfig.pdl``, Hopper and later, compiled only): the H200
+streams a decode step's weights at 96-101 % of copy bandwidth in one GEMM but at 83-86 % as the
+step's 128 GEMMs (session 8, ``benchmarks/kernels.py --gemm-only``): each kernel boundary idles the
+memory system for its ramp and tail. A weight read does not depend on the previous kernel, so with
+``pdl`` a program lets the next kernel launch at once (``griddepcontrol.launch_dependents``), asks L2
+for the first ``prefetch_lines`` 128-byte lines of each of its weight rows, and only then waits for
+the previous kernel's writes (``griddepcontrol.wait``) before it reads ``x``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import interpreting, next_pow2
 
@@ -40,6 +49,8 @@ class SkinnyConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    pdl: bool = False  # launch with programmatic dependent launch (CUDA, sm_90+; see the module doc)
+    prefetch_lines: int = 0  # with pdl: 128-byte lines per weight row put in L2 before the wait
 
 
 @triton.jit
@@ -57,6 +68,9 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_TY: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0,
+    LINE_ELEMS: tl.constexpr = 64,  # weight elements in a 128-byte line
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -66,6 +80,17 @@ def _skinny_kernel(
     m_ok = rm < M
     n_ok = rn < N
     k_lo = pid_k * K_SPLIT
+    if PDL:
+        gdc_launch_dependents()
+        if PREFETCH_LINES > 0:
+            # the weights are not the previous kernel's output: start pulling them in before waiting
+            # for it (rows clamped into the matrix: a prefetch must name a valid address)
+            lines = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS
+            rows = tl.minimum(rn, N - 1).to(tl.int64)
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                                      [w_ptr + rows[:, None] * stride_wn + (k_lo + lines)[None, :]],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -135,10 +160,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
+    pdl = {}
+    if config.pdl:
+        assert not interpreting() and x.is_cuda, "programmatic dependent launch needs compiled kernels on CUDA"
+        line_elems = 128 // weight.element_size()
+        lines = config.prefetch_lines
+        assert lines == 0 or (lines & (lines - 1) == 0 and lines * line_elems <= k // split), \
+            f"prefetch_lines={lines}: a power of two within the program's K range"
+        pdl = {"PDL": True, "PREFETCH_LINES": lines, "LINE_ELEMS": line_elems, "launch_pdl": True}
     _skinny_kernel[(triton.cdiv(n, config.block_n), split)](
         x, weight, b, out, part, m, n, k // split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, DOT_TY=dot_ty, num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT_K=split, DOT_TY=dot_ty, num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
     if split > 1:
         _split_reduce_kernel[(m, triton.cdiv(n, 1024))](part, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,

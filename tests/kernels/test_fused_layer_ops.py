@@ -176,6 +176,10 @@ def test_skinny_gemm_matches_linear(m, n, k, split_k):
 def test_skinny_gemm_config_rules():
     from kernels import skinny_gemm
 
+    with pytest.raises(AssertionError, match="programmatic dependent launch needs compiled kernels"):
+        skinny_gemm.skinny_linear(torch.randn(2, 256), torch.randn(16, 256), None,
+                                  skinny_gemm.SkinnyConfig(block_n=16, block_k=256, split_k=1, pdl=True))
+
     assert skinny_gemm.choose_config(64, 4096, 4096, 132) is None  # too many rows: cuBLAS
     assert skinny_gemm.choose_config(8, 4096, 4000, 132) is None  # K not a multiple of the K tile
     c = skinny_gemm.choose_config(32, 4096, 14336, 132)
