@@ -471,8 +471,8 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
         ms = bench_graph(lambda x1=x1, w1=one_w: F.linear(x1, w1)) or float("nan")
         row["one_gemm"] = {"ms": ms, "pct_copy": one_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
         want = torch.cat([y.flatten().float() for y in no_glue()])
-        for label, pdl, lines in (("triton", False, 0), ("triton_pdl", True, 0), ("triton_pdl_prefetch", True, None)):
-            cfgs = {w.shape: pdl_gemm_config(*w.shape, pdl, lines) for ws in weights[:1] for w in ws}
+        for label, kw in CHAIN_VARIANTS.items():
+            cfgs = {w.shape: pdl_gemm_config(*w.shape, **kw) for ws in weights[:1] for w in ws}
 
             def tchain(xs=xs, cfgs=cfgs) -> list[torch.Tensor]:
                 return [skinny_gemm.skinny_linear(xs[w.shape[1]], w, None, cfgs[w.shape]) for ws in weights for w in ws]
@@ -483,7 +483,7 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
                               "rel_err_vs_cublas": err, "configs": {str(k): str(c) for k, c in cfgs.items()}}
             except Exception as e:  # noqa: BLE001  (PDL refused by this driver or build: recorded)
                 row[label] = {"error": f"{type(e).__name__}: {e}"}
-        c1 = pdl_gemm_config(*one_w.shape, False, 0)
+        c1 = pdl_gemm_config(*one_w.shape)
         ms = bench_graph(lambda x1=x1, w1=one_w, c1=c1: skinny_gemm.skinny_linear(x1, w1, None, c1)) or float("nan")
         row["triton_one_gemm"] = {"ms": ms, "pct_copy": one_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
         out[f"m{m}"] = row
@@ -491,16 +491,31 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
     return out
 
 
-def pdl_gemm_config(n: int, k: int, pdl: bool, prefetch_lines: int | None) -> skinny_gemm.SkinnyConfig:
+def pdl_gemm_config(n: int, k: int, pdl: bool = False, prefetch_lines: int | None = 0,
+                    launch_next: skinny_gemm.LaunchNext = skinny_gemm.LaunchNext.AT_START, block_k: int = 256,
+                    num_warps: int = 4) -> skinny_gemm.SkinnyConfig:
     """Session 8's weight-streaming tiles for the chain: the whole K range per program (no split, so no
     reduce kernel and one boundary per GEMM), 16-64 output rows per program, the widest that still
     gives two programs per SM. ``prefetch_lines`` None: ~32 KiB of each program's weights to L2."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bn = next((b for b in (64, 32) if triton.cdiv(n, b) >= 2 * sms), 16)
     lines = (32768 // (bn * 128)) if prefetch_lines is None else prefetch_lines
-    # 64-row tiles: three stages (80 KB of shared memory, 2 programs per SM; four would hold one)
-    return skinny_gemm.SkinnyConfig(block_n=bn, block_k=256, split_k=1, num_stages=3 if bn == 64 else 4, pdl=pdl,
-                                    prefetch_lines=lines if pdl else 0)
+    # stages: ~80 KB of shared memory at most (a 64 x 256 tile with four would hold one program per SM)
+    stages = max(2, min(4, 81920 // ((bn + 16) * block_k * 2) + 1))
+    return skinny_gemm.SkinnyConfig(block_n=bn, block_k=block_k, split_k=1, num_warps=num_warps, num_stages=stages,
+                                    pdl=pdl, prefetch_lines=lines if pdl else 0, launch_next=launch_next)
+
+
+_LN = skinny_gemm.LaunchNext
+# The chain through kernels.skinny_gemm (session 8): tiles, then where a PDL program lets the next grid
+# launch (call 2: at its start cost 20 points against no PDL), with or without the L2 prefetch.
+CHAIN_VARIANTS: dict[str, dict] = {
+    "triton": {}, "triton_k512": {"block_k": 512}, "triton_w8": {"num_warps": 8},
+    "triton_pdl": {"pdl": True}, "triton_pdl_prefetch": {"pdl": True, "prefetch_lines": None},
+    "triton_pdl_after_loop": {"pdl": True, "launch_next": _LN.AFTER_LOOP},
+    "triton_pdl_after_loop_prefetch": {"pdl": True, "launch_next": _LN.AFTER_LOOP, "prefetch_lines": None},
+    "triton_pdl_at_exit_prefetch": {"pdl": True, "launch_next": _LN.AT_EXIT, "prefetch_lines": None},
+}
 
 
 SKINNY_SWEEP_ROWS = (1, 32)

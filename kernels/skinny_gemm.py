@@ -24,6 +24,7 @@ the previous kernel's writes (``griddepcontrol.wait``) before it reads ``x``.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,15 @@ MAX_ROWS = 32  # above this cuBLAS's tiles amortise the weight read well enough
 ENGINE_MAX_ROWS = 0
 
 
+class LaunchNext(enum.IntEnum):
+    """With programmatic dependent launch: where a program lets the next grid launch. The next
+    grid's programs take free SM slots from then on and wait there (``griddepcontrol.wait``)."""
+
+    AT_START = 0  # first thing: the next grid may launch as soon as this one's last wave has started
+    AFTER_LOOP = 1  # after the weight stream, before the store: as this one drains
+    AT_EXIT = 2  # no explicit trigger: as this one's programs exit
+
+
 @dataclass(frozen=True)
 class SkinnyConfig:
     block_n: int
@@ -51,6 +61,7 @@ class SkinnyConfig:
     num_stages: int = 4
     pdl: bool = False  # launch with programmatic dependent launch (CUDA, sm_90+; see the module doc)
     prefetch_lines: int = 0  # with pdl: 128-byte lines per weight row put in L2 before the wait
+    launch_next: LaunchNext = LaunchNext.AT_START  # with pdl
 
 
 @triton.jit
@@ -69,6 +80,7 @@ def _skinny_kernel(
     SPLIT_K: tl.constexpr,
     DOT_TY: tl.constexpr,
     PDL: tl.constexpr = False,
+    TRIGGER: tl.constexpr = -1,  # LaunchNext with PDL, -1 without
     PREFETCH_LINES: tl.constexpr = 0,
     LINE_ELEMS: tl.constexpr = 64,  # weight elements in a 128-byte line
 ):
@@ -81,7 +93,8 @@ def _skinny_kernel(
     n_ok = rn < N
     k_lo = pid_k * K_SPLIT
     if PDL:
-        gdc_launch_dependents()
+        if TRIGGER == 0:
+            gdc_launch_dependents()
         if PREFETCH_LINES > 0:
             # the weights are not the previous kernel's output: start pulling them in before waiting
             # for it (rows clamped into the matrix: a prefetch must name a valid address)
@@ -100,6 +113,8 @@ def _skinny_kernel(
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if TRIGGER == 1:
+        gdc_launch_dependents()
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -167,7 +182,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         lines = config.prefetch_lines
         assert lines == 0 or (lines & (lines - 1) == 0 and lines * line_elems <= k // split), \
             f"prefetch_lines={lines}: a power of two within the program's K range"
-        pdl = {"PDL": True, "PREFETCH_LINES": lines, "LINE_ELEMS": line_elems, "launch_pdl": True}
+        pdl = {"PDL": True, "TRIGGER": int(config.launch_next), "PREFETCH_LINES": lines, "LINE_ELEMS": line_elems,
+               "launch_pdl": True}
     _skinny_kernel[(triton.cdiv(n, config.block_n), split)](
         x, weight, b, out, part, m, n, k // split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
