@@ -234,11 +234,10 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
-        if head_dim == 128:
-            # fp8: the tiles the launcher chose before session 4 (64-token ring, 4 per SM), beside its
-            # choice now (FP8_CANDIDATE); int8: the candidate beside the launcher's 64-token tiles
-            cand = FP8_ALTERNATIVE if name == "fp8" else decode_attention.FP8_CANDIDATE
-            regs = FP8_ALTERNATIVE_MAX_REGISTERS if name == "fp8" else None
+        if head_dim == 128 and name == "fp8":
+            # the alternative beside the launcher's ring (FP8_ALTERNATIVE); int8's tiles before session 8
+            # are timed by prev_tiles_ms below (`int8_prev_tiles_ms`)
+            cand, regs = FP8_ALTERNATIVE, FP8_ALTERNATIVE_MAX_REGISTERS
             c_splits = decode_attention.choose_num_splits(batch, kv_heads, tables.shape[1] * block_size, sms,
                                                           cand.block_n, programs_per_sm=cand.programs_per_sm)
 
@@ -247,9 +246,8 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
                                                      block_n=cand.block_n, num_warps=cand.num_warps,
                                                      num_stages=cand.num_stages, max_registers=regs)
             want_q = ref.paged_decode_attention(q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs)
-            row[f"{name}_alternative" if name == "fp8" else f"{name}_candidate"] = {
-                "splits": c_splits, "rel_err": rel_err(run_cand()[:n_check], want_q),
-                "ms": bench(run_cand), "graph_ms": bench_graph(run_cand)}
+            row["fp8_alternative"] = {"splits": c_splits, "rel_err": rel_err(run_cand()[:n_check], want_q),
+                                      "ms": bench(run_cand), "graph_ms": bench_graph(run_cand)}
         qtiles = decode_attention.choose_tiles(head_dim, kq.dtype)
         row[f"{name}_tiles"] = {"block_n": qtiles.block_n, "num_stages": qtiles.num_stages,
                                 "programs_per_sm": qtiles.programs_per_sm,

@@ -238,27 +238,26 @@ def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
     """Tiles per (head dim, cache dtype), each measured on the H200 against session 2's 64-token,
     2-stage tiles (session 3, run 1: benchmarks/results/kernels_h200_s3run1.json, 14 shapes):
 
-    * head dim 128, bf16/fp16/fp32 and int8: 64-token tiles, 2 stages (bf16: 106 registers, 39 KB,
-      4 programs per SM, 98-100% of copy). int8 with a two-tile ring was 22-28% slower.
-    * head dim 128, fp8: ``FP8_CANDIDATE``, 128-token tiles through a two-tile ring, 3 programs per
-      SM with splits fitted to that wave (session 4). In CUDA-graph replays faster than session 3's
-      64-token ring on all 7 shapes timed beside it (64 x 4K 0.163 against 0.174 ms, 16 x 32K 0.276
-      against 0.333: 1.54-1.79x bf16 instead of 1.35-1.48x; kernels_fp8_h200_s4run1.json).
+    * head dim 128, bf16/fp16/fp32: 64-token tiles, 2 stages (bf16: 106 registers, 39 KB, 4 programs
+      per SM, 98-100% of copy).
+    * head dim 128, 8-bit (fp8, int8): ``EIGHT_BIT_RING``, 128-token tiles through a two-tile ring, 3
+      programs per SM with splits fitted to that wave. fp8 since session 4: in CUDA-graph replays
+      faster than session 3's 64-token ring on all 7 shapes timed beside it (64 x 4K 0.163 against
+      0.174 ms, 16 x 32K 0.276 against 0.333: 1.54-1.79x bf16 instead of 1.35-1.48x;
+      kernels_fp8_h200_s4run1.json). int8 since session 8: 6-13% faster than its 64-token 2-stage
+      tiles on 11 of the 12 head-dim-128 shapes of session 7's suite run (kernels_h200_s7suite.json,
+      ``int8_candidate``; again on session 8's call 1), 2.5% slower on the one with GQA ratio 1.
     * head dim 64: the ring too (bf16 64 x 4K 0.148 against 0.159 ms: 85% of copy instead of 80%),
       with 128-token tiles for 8-bit caches (fp8 0.121 against 0.130 ms, int8 0.142 against 0.189;
       96-106 registers, 42 KB).
-
-    int8 at head dim 128 keeps 64-token 2-stage tiles; ``FP8_CANDIDATE``'s tiles were 5-14% faster
-    for int8 too in session 4's graph replays (7 shapes), 2% slower at GQA 1 in the merged run:
-    benchmarks/kernels.py times them beside the launcher (``int8_candidate``), not switched yet.
     """
     if head_dim > 128:  # registers: the [BLOCK_N, D] tiles of a 256-wide head
         return DecodeTiles(block_n=32, num_stages=2)
     eight_bit = kv_dtype in (FP8_DTYPE, torch.int8)
     if head_dim <= 64:
         return DecodeTiles(block_n=128 if eight_bit else 64, num_stages=5)
-    if kv_dtype == FP8_DTYPE:
-        return FP8_CANDIDATE
+    if eight_bit:
+        return EIGHT_BIT_RING
     return DecodeTiles(block_n=64, num_stages=2)
 
 
@@ -266,8 +265,8 @@ def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
 # 160) and 75 KB of shared memory, so 3 programs per SM; streams at copy speed on full waves
 # (256 x 2K: 6 waves of 3 per SM in 0.304 ms), and lost at 64 x 4K (0.197 ms) only to a second,
 # mostly empty wave (512 programs on 396 slots) until its splits were fitted to 3 per SM (3 at
-# 64 x 4K: 0.163 ms, predicted ~0.14). The fp8 choice since session 4 (the name is historical).
-FP8_CANDIDATE = DecodeTiles(block_n=128, num_stages=5, programs_per_sm=3)
+# 64 x 4K: 0.163 ms, predicted ~0.14). The fp8 choice since session 4, int8's since session 8.
+EIGHT_BIT_RING = DecodeTiles(block_n=128, num_stages=5, programs_per_sm=3)
 
 
 def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,

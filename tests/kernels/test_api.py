@@ -62,7 +62,7 @@ def test_a_mixed_batch_splits_for_its_real_lengths():
 def test_tiles_per_head_dim_and_cache_width():
     """choose_tiles: what the H200 runs measured best per (head dim, cache dtype) (session 3 run 1;
     fp8 head dim 128: the candidate, faster in CUDA-graph replays on all 11 shapes of the merged run)."""
-    from kernels.decode_attention import FP8_CANDIDATE, choose_num_splits, choose_tiles
+    from kernels.decode_attention import EIGHT_BIT_RING, choose_num_splits, choose_tiles
 
     def key(t):
         return (t.block_n, t.num_stages, t.programs_per_sm)
@@ -70,11 +70,11 @@ def test_tiles_per_head_dim_and_cache_width():
     assert key(choose_tiles(128, torch.bfloat16)) == (64, 2, 4)
     assert key(choose_tiles(128, torch.float32)) == (64, 2, 4)
     assert key(choose_tiles(128, reference.FP8_DTYPE)) == (128, 5, 3)  # 128-token tiles, two-tile ring
-    assert key(choose_tiles(128, torch.int8)) == (64, 2, 4)  # the ring made int8 slower
+    assert key(choose_tiles(128, torch.int8)) == (128, 5, 3)  # the same ring (session 8)
     assert key(choose_tiles(64, torch.bfloat16)) == (64, 5, 4)
     assert key(choose_tiles(64, reference.FP8_DTYPE)) == (128, 5, 4)
     assert key(choose_tiles(64, torch.int8)) == (128, 5, 4)
     assert choose_tiles(256, torch.bfloat16).block_n == 32
     # the fp8 candidate's split rule: 512 programs a split on 3 x 132 slots -> 3 splits, four nearly full waves
-    assert choose_num_splits(64, 8, 4096, num_sms=132, block_n=FP8_CANDIDATE.block_n,
-                             programs_per_sm=FP8_CANDIDATE.programs_per_sm) == 3
+    assert choose_num_splits(64, 8, 4096, num_sms=132, block_n=EIGHT_BIT_RING.block_n,
+                             programs_per_sm=EIGHT_BIT_RING.programs_per_sm) == 3
