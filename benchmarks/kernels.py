@@ -67,12 +67,9 @@ DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also trie
 QUANT_TILES = [(64, 4, 2, True, None), (64, 4, 5, True, None), (128, 4, 5, True, None),
                (128, 4, 2, True, 128), (128, 8, 5, True, None)]
 PREV_TILES = (64, 4, 2)  # the launcher's tiles before choose_tiles (session 2), timed beside its choice
-# fp8 head dim 128, timed beside the launcher's choice on every shape (`fp8_alternative`; the
-# session-3 tiles stood here until session 8): the 128-token tile with one buffer under a 128-register
-# cap, 4 programs per SM and splits fitted to that wave. Session 8 call 1 (graph ms, against the
-# launcher's ring at 3 per SM): 64 x 4K 0.156 / 0.167, 16 x 32K 0.295 / 0.287, 1 x 128K 0.092 / 0.090.
-FP8_ALTERNATIVE = decode_attention.DecodeTiles(block_n=128, num_stages=2, num_warps=4, programs_per_sm=4)
-FP8_ALTERNATIVE_MAX_REGISTERS = 128
+# fp8 head dim 128 has two tile sets (session 8): choose_tiles picks one by the launch's (sequence, kv
+# head) pairs against the SMs; the other is timed beside it on every shape (`fp8_other_tiles`).
+FP8_TILE_SETS = {"ring": decode_attention.EIGHT_BIT_RING, "wave": decode_attention.FP8_WAVE_TILES}
 # Prefix-hit launches swept over the split count (session 4): (label, block_m, block_n, warps, stages)
 PREFILL_SPLIT_TILES = [("m128", 128, 128, 8, 3), ("m64", 64, 64, 4, 3)]
 PREFILL_SPLITS = (1, 2, 4, 8)
@@ -187,9 +184,9 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
     # The same call timed again at the end of the case: the spread between the two is the noise floor.
     row["bf16_TBps"] = kv_bytes / (ms * 1e-3) / 1e12
     row["bf16_pct_copy"] = row["bf16_TBps"] / ceil["copy_TBps"]
-    tiles = decode_attention.choose_tiles(head_dim, kv.dtype)
-    row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms)
+    row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
     row["num_splits"] = decode_attention.choose_num_splits(
         batch, kv_heads, tables.shape[1] * block_size, sms, tiles.block_n, programs_per_sm=tiles.programs_per_sm)
     prev_tiles_ms(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, tiles)
@@ -235,22 +232,24 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
         if head_dim == 128 and name == "fp8":
-            # the alternative beside the launcher's ring (FP8_ALTERNATIVE); int8's tiles before session 8
-            # are timed by prev_tiles_ms below (`int8_prev_tiles_ms`)
-            cand, regs = FP8_ALTERNATIVE, FP8_ALTERNATIVE_MAX_REGISTERS
+            # the fp8 tile set the launcher did not pick, beside its choice; int8's tiles before
+            # session 8 are timed by prev_tiles_ms below (`int8_prev_tiles_ms`)
+            chosen = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
+            label, cand = next((k, t) for k, t in FP8_TILE_SETS.items() if t != chosen)
             c_splits = decode_attention.choose_num_splits(batch, kv_heads, tables.shape[1] * block_size, sms,
                                                           cand.block_n, programs_per_sm=cand.programs_per_sm)
 
-            def run_cand(kq=kq, vq=vq, ks=ks, vs=vs, cand=cand, c_splits=c_splits, regs=regs):
+            def run_cand(kq=kq, vq=vq, ks=ks, vs=vs, cand=cand, c_splits=c_splits):
                 return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, num_splits=c_splits,
                                                      block_n=cand.block_n, num_warps=cand.num_warps,
-                                                     num_stages=cand.num_stages, max_registers=regs)
+                                                     num_stages=cand.num_stages, max_registers=cand.max_registers)
             want_q = ref.paged_decode_attention(q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs)
-            row["fp8_alternative"] = {"splits": c_splits, "rel_err": rel_err(run_cand()[:n_check], want_q),
+            row["fp8_other_tiles"] = {"tiles": label, "splits": c_splits,
+                                      "rel_err": rel_err(run_cand()[:n_check], want_q),
                                       "ms": bench(run_cand), "graph_ms": bench_graph(run_cand)}
-        qtiles = decode_attention.choose_tiles(head_dim, kq.dtype)
+        qtiles = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
         row[f"{name}_tiles"] = {"block_n": qtiles.block_n, "num_stages": qtiles.num_stages,
-                                "programs_per_sm": qtiles.programs_per_sm,
+                                "programs_per_sm": qtiles.programs_per_sm, "max_registers": qtiles.max_registers,
                                 "num_splits": decode_attention.choose_num_splits(
                                     batch, kv_heads, tables.shape[1] * block_size, sms, qtiles.block_n,
                                     programs_per_sm=qtiles.programs_per_sm)}
@@ -322,7 +321,7 @@ def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size
     split_ms = {s: bench(lambda s=s: decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, None,
                                                                    None, num_splits=s)) for s in (2, 4, 8, 16, 32)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bn = decode_attention.choose_tiles(head_dim, kv.dtype).block_n
+    bn = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms).block_n
     row_splits = {"chosen": decode_attention.choose_num_splits(batch, kv_heads, per_seq * block_size, sms, bn,
                                                                context_lens=lens_l),
                   "chosen_without_hint": decode_attention.choose_num_splits(batch, kv_heads, per_seq * block_size,

@@ -229,14 +229,18 @@ class DecodeTiles:
     num_stages: int
     num_warps: int = 4
     programs_per_sm: int = 4
+    max_registers: int | None = None  # Triton's maxnreg, where registers limit programs per SM
 
 
 # Triton 3.6's pipeliner puts the block-table load in the first stage and the K/V copies after it:
 # num_stages = 2 keeps one K/V tile buffer per program, 5 a ring of two (read from the compiled
 # TTGIR of this kernel for sm_90: memdesc<1x64x128> at 2-4 stages, <2x64x128> at 5-6).
-def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
+def choose_tiles(head_dim: int, kv_dtype: torch.dtype, pairs: int | None = None,
+                 num_sms: int | None = None) -> DecodeTiles:
     """Tiles per (head dim, cache dtype), each measured on the H200 against session 2's 64-token,
-    2-stage tiles (session 3, run 1: benchmarks/results/kernels_h200_s3run1.json, 14 shapes):
+    2-stage tiles (session 3, run 1: benchmarks/results/kernels_h200_s3run1.json, 14 shapes).
+    ``pairs`` (sequences x kv heads of the launch) and ``num_sms``, when given, let fp8 at head dim
+    128 pick between its two tile sets (below); without them it takes the ring.
 
     * head dim 128, bf16/fp16/fp32: 64-token tiles, 2 stages (bf16: 106 registers, 39 KB, 4 programs
       per SM, 98-100% of copy).
@@ -247,6 +251,12 @@ def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
       kernels_fp8_h200_s4run1.json). int8 since session 8: 6-13% faster than its 64-token 2-stage
       tiles on 11 of the 12 head-dim-128 shapes of session 7's suite run (kernels_h200_s7suite.json,
       ``int8_candidate``; again on session 8's call 1), 2.5% slower on the one with GQA ratio 1.
+    * head dim 128, fp8, at least one (sequence, kv head) pair per SM: ``FP8_WAVE_TILES``, the same
+      128-token tile with one buffer under a 128-register cap, 4 programs per SM. Session 8's suite
+      run (kernels_h200_s8suite.json, ``fp8_alternative``, graph replays): 1.6-8.4% faster than the
+      ring on all 8 such shapes (64 x 4K 0.155 against 0.167 ms), 1.0-3.3% slower on the 4 with
+      fewer pairs than SMs (16 x 32K 0.298 against 0.288), where every program streams a long split
+      of one sequence and the ring's second buffer pays; the ring keeps those.
     * head dim 64: the ring too (bf16 64 x 4K 0.148 against 0.159 ms: 85% of copy instead of 80%),
       with 128-token tiles for 8-bit caches (fp8 0.121 against 0.130 ms, int8 0.142 against 0.189;
       96-106 registers, 42 KB).
@@ -256,6 +266,8 @@ def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
     eight_bit = kv_dtype in (FP8_DTYPE, torch.int8)
     if head_dim <= 64:
         return DecodeTiles(block_n=128 if eight_bit else 64, num_stages=5)
+    if kv_dtype == FP8_DTYPE and pairs is not None and num_sms is not None and pairs >= num_sms:
+        return FP8_WAVE_TILES
     if eight_bit:
         return EIGHT_BIT_RING
     return DecodeTiles(block_n=64, num_stages=2)
@@ -267,6 +279,9 @@ def choose_tiles(head_dim: int, kv_dtype: torch.dtype) -> DecodeTiles:
 # mostly empty wave (512 programs on 396 slots) until its splits were fitted to 3 per SM (3 at
 # 64 x 4K: 0.163 ms, predicted ~0.14). The fp8 choice since session 4, int8's since session 8.
 EIGHT_BIT_RING = DecodeTiles(block_n=128, num_stages=5, programs_per_sm=3)
+# The fp8 128-token tile with one buffer: 145 registers (3 per SM) uncapped; capped at 128, 4 per SM
+# with no spill in the sm_90 compile (41 KB of shared memory), splits fitted to that wave.
+FP8_WAVE_TILES = DecodeTiles(block_n=128, num_stages=2, programs_per_sm=4, max_registers=128)
 
 
 def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
@@ -353,22 +368,24 @@ def paged_decode(
 
     Tiles default to ``choose_tiles``, the split count to ``choose_num_splits`` (``context_lens``:
     optional host-side lengths of the sequences, for batches of unequal length). ``max_registers``
-    caps registers per thread (Triton's ``maxnreg``; tuning only, no tile of ``choose_tiles`` sets
-    it): where registers, not shared memory, limit how many programs an SM holds (the fp8
-    128-token tile with one buffer: 145 registers, 3 per SM; capped at 128, 4 per SM with no spill
-    in the sm_90 compile)."""
+    caps registers per thread (Triton's ``maxnreg``; default: the tiles' own, ``FP8_WAVE_TILES``
+    sets one): where registers, not shared memory, limit how many programs an SM holds. Compiled
+    kernels only (the interpreter has no registers to cap)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
     code = kv_code(k_cache)
-    tiles = choose_tiles(head_dim, k_cache.dtype)
+    sms = num_sms(q.device)
+    tiles = choose_tiles(head_dim, k_cache.dtype, num_seqs * kv_heads, sms)
     overridden = (block_n, num_stages, num_warps) != (None, None, None)
+    if max_registers is None and not overridden:
+        max_registers = tiles.max_registers
     block_n = max(block_n if block_n is not None else tiles.block_n, 16)
     num_stages = num_stages if num_stages is not None else tiles.num_stages
     num_warps = num_warps if num_warps is not None else tiles.num_warps
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:  # tile overrides (tuning) keep the 4-per-SM wave of session 2's tiles
-        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, num_sms(q.device), block_n,
+        num_splits = choose_num_splits(num_seqs, kv_heads, max_context, sms, block_n,
                                        programs_per_sm=4 if overridden else tiles.programs_per_sm,
                                        context_lens=context_lens)
     split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
@@ -400,7 +417,7 @@ def paged_decode(
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), V_PAIRS=v_pairs,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers and not interpreting() else {}),
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, q_heads)](

@@ -71,6 +71,12 @@ def test_tiles_per_head_dim_and_cache_width():
     assert key(choose_tiles(128, torch.float32)) == (64, 2, 4)
     assert key(choose_tiles(128, reference.FP8_DTYPE)) == (128, 5, 3)  # 128-token tiles, two-tile ring
     assert key(choose_tiles(128, torch.int8)) == (128, 5, 3)  # the same ring (session 8)
+    # fp8 with at least one (sequence, kv head) pair per SM: one buffer, 128 registers, 4 per SM
+    wave = choose_tiles(128, reference.FP8_DTYPE, pairs=512, num_sms=132)
+    assert key(wave) == (128, 2, 4) and wave.max_registers == 128
+    assert key(choose_tiles(128, reference.FP8_DTYPE, pairs=128, num_sms=132)) == (128, 5, 3)  # 16 x 8: the ring
+    assert key(choose_tiles(128, torch.int8, pairs=512, num_sms=132)) == (128, 5, 3)  # int8 keeps the ring
+    assert choose_tiles(64, reference.FP8_DTYPE, pairs=512, num_sms=132).max_registers is None
     assert key(choose_tiles(64, torch.bfloat16)) == (64, 5, 4)
     assert key(choose_tiles(64, reference.FP8_DTYPE)) == (128, 5, 4)
     assert key(choose_tiles(64, torch.int8)) == (128, 5, 4)

@@ -39,6 +39,15 @@ def test_decode_gpu_8bit_tile_candidates(kv_dtype, block_n, num_warps, num_stage
                     max_registers=max_registers)
 
 
+@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8])
+def test_decode_gpu_8bit_many_pairs(kv_dtype):
+    """At least one (sequence, kv head) pair per SM: fp8 takes FP8_WAVE_TILES (one buffer, a
+    128-register cap) by default, int8 the ring; both against the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [1 + (i * 613) % 2100 for i in range(sms // 2 + 1)]  # x 2 kv heads >= one pair per SM
+    decode.run_case(128, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=11, device="cuda")
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_gpu_length_hint(kv_dtype, head_dim):
