@@ -20,6 +20,8 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +31,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
-from kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
+from kernels import decode_attention, prefill_attention, skinny_gemm, stream_gemm, triton_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
 DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
@@ -468,21 +470,22 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
         ms = bench_graph(lambda x1=x1, w1=one_w: F.linear(x1, w1)) or float("nan")
         row["one_gemm"] = {"ms": ms, "pct_copy": one_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
         want = torch.cat([y.flatten().float() for y in no_glue()])
-        for label, kw in CHAIN_VARIANTS.items():
-            cfgs = {w.shape: pdl_gemm_config(*w.shape, **kw) for ws in weights[:1] for w in ws}
+        for label, variant in CHAIN_VARIANTS.items():
+            linears = {w.shape: variant(*w.shape) for ws in weights[:1] for w in ws}
 
-            def tchain(xs=xs, cfgs=cfgs) -> list[torch.Tensor]:
-                return [skinny_gemm.skinny_linear(xs[w.shape[1]], w, None, cfgs[w.shape]) for ws in weights for w in ws]
+            def tchain(xs=xs, linears=linears) -> list[torch.Tensor]:
+                return [linears[w.shape].run(xs[w.shape[1]], w) for ws in weights for w in ws]
             try:
                 err = rel_err(torch.cat([y.flatten().float() for y in tchain()]), want)
                 ms = bench_graph(tchain) or float("nan")
                 row[label] = {"ms": ms, "pct_copy": wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"],
-                              "rel_err_vs_cublas": err, "configs": {str(k): str(c) for k, c in cfgs.items()}}
+                              "rel_err_vs_cublas": err, "configs": {str(k): v.config for k, v in linears.items()}}
             except Exception as e:  # noqa: BLE001  (PDL refused by this driver or build: recorded)
                 row[label] = {"error": f"{type(e).__name__}: {e}"}
-        c1 = pdl_gemm_config(*one_w.shape)
-        ms = bench_graph(lambda x1=x1, w1=one_w, c1=c1: skinny_gemm.skinny_linear(x1, w1, None, c1)) or float("nan")
-        row["triton_one_gemm"] = {"ms": ms, "pct_copy": one_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+        for label in ("triton", "stream"):  # each kernel's streaming rate with no boundary in the way
+            one = CHAIN_VARIANTS[label](*one_w.shape)
+            ms = bench_graph(lambda x1=x1, w1=one_w, one=one: one.run(x1, w1)) or float("nan")
+            row[f"{label}_one_gemm"] = {"ms": ms, "pct_copy": one_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
         out[f"m{m}"] = row
     del one_w
     return out
@@ -503,15 +506,43 @@ def pdl_gemm_config(n: int, k: int, pdl: bool = False, prefetch_lines: int | Non
                                     pdl=pdl, prefetch_lines=lines if pdl else 0, launch_next=launch_next)
 
 
-_LN = skinny_gemm.LaunchNext
-# The chain through kernels.skinny_gemm (session 8): tiles, then where a PDL program lets the next grid
-# launch (call 2: at its start cost 20 points against no PDL), with or without the L2 prefetch.
-CHAIN_VARIANTS: dict[str, dict] = {
-    "triton": {}, "triton_k512": {"block_k": 512}, "triton_w8": {"num_warps": 8},
-    "triton_pdl": {"pdl": True}, "triton_pdl_prefetch": {"pdl": True, "prefetch_lines": None},
-    "triton_pdl_after_loop": {"pdl": True, "launch_next": _LN.AFTER_LOOP},
-    "triton_pdl_after_loop_prefetch": {"pdl": True, "launch_next": _LN.AFTER_LOOP, "prefetch_lines": None},
-    "triton_pdl_at_exit_prefetch": {"pdl": True, "launch_next": _LN.AT_EXIT, "prefetch_lines": None},
+@dataclass(frozen=True)
+class ChainLinear:
+    """One GEMM of the chain as a variant runs it: x [M, K] -> x @ w.T, and the tiles it used."""
+
+    run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    config: str
+
+
+def skinny_variant(**kw) -> Callable[[int, int], ChainLinear]:
+    def make(n: int, k: int) -> ChainLinear:
+        cfg = pdl_gemm_config(n, k, **kw)
+        return ChainLinear(lambda x, w: skinny_gemm.skinny_linear(x, w, None, cfg), str(cfg))
+    return make
+
+
+def stream_variant(**kw) -> Callable[[int, int], ChainLinear]:
+    def make(n: int, k: int) -> ChainLinear:
+        cfg = stream_gemm.StreamConfig(**kw)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return ChainLinear(lambda x, w: stream_gemm.stream_linear(x, w, None, cfg, sms), str(cfg))
+    return make
+
+
+# The chain through Triton GEMMs. kernels.skinny_gemm (calls 2-3 of session 8): whole-K programs, PDL
+# with the next grid launched at each program's start (20 points slower) or after its weight loop (no
+# gain); also measured there and dropped: 512-wide K tiles, 8 warps, the L2 prefetch, no explicit
+# trigger. kernels.stream_gemm: the same stream from a persistent grid of 1-2 programs per SM, so an
+# early-launched next grid takes the slots beside this one's programs, evenly (not yet run on a GPU).
+CHAIN_VARIANTS: dict[str, Callable[[int, int], ChainLinear]] = {
+    "triton": skinny_variant(),
+    "triton_pdl": skinny_variant(pdl=True),
+    "triton_pdl_after_loop": skinny_variant(pdl=True, launch_next=skinny_gemm.LaunchNext.AFTER_LOOP),
+    "stream": stream_variant(),
+    "stream_pdl": stream_variant(pdl=True),
+    "stream_pdl_prefetch": stream_variant(pdl=True, prefetch_lines=16),
+    "stream_1sm_pdl_prefetch": stream_variant(pdl=True, prefetch_lines=16, programs_per_sm=1),
+    "stream_1sm": stream_variant(programs_per_sm=1),
 }
 
 
