@@ -31,7 +31,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
-from kernels import decode_attention, prefill_attention, skinny_gemm, stream_gemm, triton_ops  # noqa: E402
+from kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
 DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
@@ -482,10 +482,9 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
                               "rel_err_vs_cublas": err, "configs": {str(k): v.config for k, v in linears.items()}}
             except Exception as e:  # noqa: BLE001  (PDL refused by this driver or build: recorded)
                 row[label] = {"error": f"{type(e).__name__}: {e}"}
-        for label in ("triton", "stream"):  # each kernel's streaming rate with no boundary in the way
-            one = CHAIN_VARIANTS[label](*one_w.shape)
-            ms = bench_graph(lambda x1=x1, w1=one_w, one=one: one.run(x1, w1)) or float("nan")
-            row[f"{label}_one_gemm"] = {"ms": ms, "pct_copy": one_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+        one = CHAIN_VARIANTS["triton"](*one_w.shape)  # the kernel's streaming rate with no boundary in the way
+        ms = bench_graph(lambda x1=x1, w1=one_w, one=one: one.run(x1, w1)) or float("nan")
+        row["triton_one_gemm"] = {"ms": ms, "pct_copy": one_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
         out[f"m{m}"] = row
     del one_w
     return out
@@ -521,28 +520,15 @@ def skinny_variant(**kw) -> Callable[[int, int], ChainLinear]:
     return make
 
 
-def stream_variant(**kw) -> Callable[[int, int], ChainLinear]:
-    def make(n: int, k: int) -> ChainLinear:
-        cfg = stream_gemm.StreamConfig(**kw)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        return ChainLinear(lambda x, w: stream_gemm.stream_linear(x, w, None, cfg, sms), str(cfg))
-    return make
-
-
-# The chain through Triton GEMMs. kernels.skinny_gemm (calls 2-3 of session 8): whole-K programs, PDL
-# with the next grid launched at each program's start (20 points slower) or after its weight loop (no
-# gain); also measured there and dropped: 512-wide K tiles, 8 warps, the L2 prefetch, no explicit
-# trigger. kernels.stream_gemm: the same stream from a persistent grid of 1-2 programs per SM, so an
-# early-launched next grid takes the slots beside this one's programs, evenly (not yet run on a GPU).
+# The chain through kernels.skinny_gemm (session 8, calls 2-3 and 6): whole-K programs; PDL with the
+# next grid launched at each program's start (20 points slower) or after its weight loop (no gain).
+# Also measured and dropped: 512-wide K tiles, 8 warps, the L2 prefetch, no explicit trigger, and a
+# persistent grid of 1-2 programs per SM (kernels/stream_gemm.py at 13472b9: 67 % without PDL, 40 %
+# with it at M = 1; one GEMM 77 %: too few bytes in flight per SM).
 CHAIN_VARIANTS: dict[str, Callable[[int, int], ChainLinear]] = {
     "triton": skinny_variant(),
     "triton_pdl": skinny_variant(pdl=True),
     "triton_pdl_after_loop": skinny_variant(pdl=True, launch_next=skinny_gemm.LaunchNext.AFTER_LOOP),
-    "stream": stream_variant(),
-    "stream_pdl": stream_variant(pdl=True),
-    "stream_pdl_prefetch": stream_variant(pdl=True, prefetch_lines=16),
-    "stream_1sm_pdl_prefetch": stream_variant(pdl=True, prefetch_lines=16, programs_per_sm=1),
-    "stream_1sm": stream_variant(programs_per_sm=1),
 }
 
 

@@ -20,7 +20,6 @@ if os.environ.get("PREFIXGATE_KERNELS_GPU") != "1" and not torch.cuda.is_availab
     os.environ["TRITON_INTERPRET"] = "1"
     for name in ("kernels.decode_attention", "kernels.prefill_attention", "kernels.kv_write",
                  "kernels.block_copy", "kernels.rmsnorm", "kernels.rotary", "kernels.activation", "kernels.skinny_gemm",
-                 "kernels.stream_gemm",
                  "kernels.triton_ops", "kernels.chacha20_poly1305"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])

@@ -160,45 +160,6 @@ def test_skinny_gemm_gpu_pdl(m, block_n, lines, launch_next):
     assert fused.rel_err(out, want) < 2e-2
 
 
-@pytest.mark.parametrize("m,programs_per_sm,lines,pdl", [(1, 2, 16, True), (8, 1, 0, True), (32, 1, 16, True),
-                                                       (3, 2, 0, False)])
-def test_stream_gemm_gpu_chain(m, programs_per_sm, lines, pdl):
-    """kernels.stream_gemm compiled: a chain where each GEMM reads the previous one's output (the
-    PDL wait must order that read), eager and as one CUDA graph, against float64 F.linear; a
-    persistent grid smaller than the tile count (4,096 / 16 = 256 tiles on one program per SM)."""
-    from kernels import stream_gemm
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = stream_gemm.StreamConfig(block_n=16, block_k=256, programs_per_sm=programs_per_sm, pdl=pdl,
-                                   prefetch_lines=lines)
-    gen = torch.Generator(device="cuda").manual_seed(m + programs_per_sm + lines)
-    dims = [4096, 1280, 4096, 2048]  # w_i: [dims[i+1], dims[i]] (each K a multiple of 256)
-    ws = [torch.randn(dims[i + 1], dims[i], device="cuda", dtype=torch.bfloat16, generator=gen) * 0.03
-          for i in range(len(dims) - 1)]
-    ws.append(torch.randn(1000, dims[-1], device="cuda", dtype=torch.bfloat16, generator=gen) * 0.03)  # a partial tile
-    x = torch.randn(m, dims[0], device="cuda", dtype=torch.bfloat16, generator=gen)
-
-    def chain():
-        y = x
-        for w in ws:
-            y = stream_gemm.stream_linear(y, w, None, cfg, sms)
-        return y
-
-    def want():
-        y = x.double()
-        for w in ws:
-            y = torch.nn.functional.linear(y.to(torch.bfloat16).double(), w.double())
-        return y
-
-    assert fused.rel_err(chain(), want()) < 2e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
-    x.copy_(torch.randn(m, dims[0], device="cuda", dtype=torch.bfloat16, generator=gen))
-    graph.replay()
-    assert fused.rel_err(out, want()) < 2e-2
-
-
 def test_linear_gpu():
     gen = torch.Generator(device="cuda").manual_seed(3)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
