@@ -19,7 +19,10 @@ step's 128 GEMMs (session 8, ``benchmarks/kernels.py --gemm-only``): each kernel
 memory system for its ramp and tail. A weight read does not depend on the previous kernel, so with
 ``pdl`` a program lets the next kernel launch at once (``griddepcontrol.launch_dependents``), asks L2
 for the first ``prefetch_lines`` 128-byte lines of each of its weight rows, and only then waits for
-the previous kernel's writes (``griddepcontrol.wait``) before it reads ``x``.
+the previous kernel's writes (``griddepcontrol.wait``) before it reads ``x``. Measured on the H200
+(session 8, the 128-GEMM chain at M = 1): 83 % of copy without PDL, 83 % with the next grid launched
+after the weight loop (``LaunchNext.AFTER_LOOP``), 64 % launched at the start; the L2 prefetch made
+no difference. So PDL stays an option of this experiment, not a default.
 """
 
 from __future__ import annotations
