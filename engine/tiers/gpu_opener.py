@@ -21,6 +21,7 @@ later ones.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,6 +32,13 @@ from engine.protocol import BlockCipher
 from engine.tiers.device_aead import DEVICE_HEADER_BYTES, DeviceSealingCipher, device_blob_parts
 from engine.tiers.opener import DecryptsInto, OpenedRuns, SealedRun
 from kernels import chacha20_poly1305 as gpu_aead
+
+# A stored blob reaches this module as a read-only memoryview of the tier's page-locked memory, and
+# ``torch.frombuffer`` of it only feeds a host-to-device copy; PyTorch warns once per process that
+# the tensor could write to a read-only buffer, which nothing here does. Silenced for this module
+# only (set once at import, so no thread changes the warning filters while restores run).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream | None:

@@ -158,3 +158,24 @@ def test_pinned_host_opener_decrypts_whole_segments_in_place(device_blob):
     assert c.decrypt_into(runs[3].blob, b"s3", memoryview(out)) and bytes(out) == plains[3]
     assert not c.decrypt_into(runs[3].blob, b"other aad", memoryview(out))
     opener.close()
+
+
+def test_read_only_blob_warning_is_silenced_only_in_the_opener():
+    """PyTorch warns once per process when ``torch.frombuffer`` gets a read-only buffer, which is
+    what the opener hands it (a view of the tier's page-locked memory, only copied from). The
+    opener's module silences that one warning for itself; elsewhere it still shows."""
+    import subprocess
+    import sys
+
+    # the call compiled as if it were a line of the opener's module (its file, its __name__)
+    in_opener = ("import torch, engine.tiers.gpu_opener as g\n"
+                 "code = compile('torch.frombuffer(memoryview(bytes(8)), dtype=torch.uint8)', g.__file__, 'exec')\n"
+                 "exec(code, {'torch': torch, '__name__': g.__name__})\n")
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    opener_only = subprocess.run([sys.executable, "-c", in_opener], capture_output=True, text=True, env=env,
+                                 timeout=120, check=True)
+    assert "buffer is not writable" not in opener_only.stderr
+    elsewhere = subprocess.run([sys.executable, "-c", "import engine.tiers.gpu_opener, torch\n"
+                                "torch.frombuffer(memoryview(bytes(8)), dtype=torch.uint8)"],
+                               capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert "buffer is not writable" in elsewhere.stderr
