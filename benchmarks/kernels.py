@@ -68,6 +68,12 @@ DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also trie
 # 8 warps a program (98 registers, 2 per SM = 16 warps). (bn, warps, stages, v_pairs, register cap)
 QUANT_TILES = [(64, 4, 2, True, None), (64, 4, 5, True, None), (128, 4, 5, True, None),
                (128, 4, 2, True, 128), (128, 8, 5, True, None)]
+# Head dim 64, 8-bit (session 8, for the next device time): fp8 reads at ~52 % of copy there (1.21x
+# bf16 at 64 x 4K) against 86 % for bf16. The launcher's 128-token ring (96 registers, 40 KB: 5 per SM
+# by both, its splits fitted to 4), a 256-token tile with one buffer (140 registers, 43 KB: 3 per SM)
+# and with the ring (178 registers, 78 KB: 2 per SM), 8 warps; none spills in the sm_90 compile here.
+QUANT_TILES_HD64 = [(128, 4, 5, True, None), (256, 4, 2, True, None), (256, 4, 5, True, None),
+                    (128, 8, 5, True, None)]
 PREV_TILES = (64, 4, 2)  # the launcher's tiles before choose_tiles (session 2), timed beside its choice
 # fp8 head dim 128 has two tile sets (session 8): choose_tiles picks one by the launch's (sequence, kv
 # head) pairs against the SMs; the other is timed beside it on every shape (`fp8_other_tiles`).
@@ -258,7 +264,7 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         prev_tiles_ms(row, name, q, kq, vq, tables, lens, scale, ks, vs, qtiles)
         if not quick:
             tiles = {}
-            for bn, nw, ns, vp, mr in QUANT_TILES:
+            for bn, nw, ns, vp, mr in (QUANT_TILES_HD64 if head_dim == 64 else QUANT_TILES):
                 def runq(bn=bn, nw=nw, ns=ns, vp=vp, mr=mr, kq=kq, vq=vq, ks=ks, vs=vs):
                     return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, block_n=bn,
                                                          num_warps=nw, num_stages=ns, v_pairs=vp, max_registers=mr)
@@ -652,6 +658,8 @@ def main() -> int:
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help="only the ceilings and the prefill cases")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
+    ap.add_argument("--class-variants", action="store_true",
+                    help="with --classes: time the 8-bit tile variants on those classes too")
     ap.add_argument("--classes", default=None, help="comma-separated indices into DECODE_CLASSES: only those "
                                                     "classes (no mixed batch, fused ops or GEMMs)")
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
@@ -695,7 +703,8 @@ def main() -> int:
         save()
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
     if args.classes is not None and not args.skip_classes:
-        result["classes"] = [decode_case(DECODE_CLASSES[int(i)], gen, ceil, quick=True)
+        # --class-variants: the 8-bit tile variants on the picked classes too (head dim 64: QUANT_TILES_HD64)
+        result["classes"] = [decode_case(DECODE_CLASSES[int(i)], gen, ceil, quick=not args.class_variants)
                              for i in args.classes.split(",") if i]
         save()
     elif not args.skip_classes:

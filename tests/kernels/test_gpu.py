@@ -30,11 +30,13 @@ def test_decode_gpu(kv_dtype, head_dim, group, block_size, num_splits, q_dtype=t
 
 
 @pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8])
-@pytest.mark.parametrize("block_n,num_warps,num_stages,max_registers", [(128, 4, 2, 128), (128, 8, 5, None)])
-def test_decode_gpu_8bit_tile_candidates(kv_dtype, block_n, num_warps, num_stages, max_registers):
-    """The 8-bit candidates benchmarks/kernels.py times (QUANT_TILES), compiled: a register cap, 8 warps."""
+@pytest.mark.parametrize("head_dim,block_n,num_warps,num_stages,max_registers", [
+    (128, 128, 4, 2, 128), (128, 128, 8, 5, None), (64, 256, 4, 2, None), (64, 256, 4, 5, None)])
+def test_decode_gpu_8bit_tile_candidates(kv_dtype, head_dim, block_n, num_warps, num_stages, max_registers):
+    """The 8-bit candidates benchmarks/kernels.py times (QUANT_TILES, QUANT_TILES_HD64), compiled: a
+    register cap, 8 warps, 256-token tiles at head dim 64."""
     lens = [1, 17, 300, 1025, 4000, 77]
-    decode.run_case(128, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=block_n + num_warps,
+    decode.run_case(head_dim, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=block_n + num_warps,
                     device="cuda", num_splits=2, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                     max_registers=max_registers)
 
