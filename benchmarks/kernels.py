@@ -239,11 +239,11 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
+        qtiles = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
         if head_dim == 128 and name == "fp8":
             # the fp8 tile set the launcher did not pick, beside its choice; int8's tiles before
             # session 8 are timed by prev_tiles_ms below (`int8_prev_tiles_ms`)
-            chosen = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
-            label, cand = next((k, t) for k, t in FP8_TILE_SETS.items() if t != chosen)
+            label, cand = next((k, t) for k, t in FP8_TILE_SETS.items() if t != qtiles)
             c_splits = decode_attention.choose_num_splits(batch, kv_heads, tables.shape[1] * block_size, sms,
                                                           cand.block_n, programs_per_sm=cand.programs_per_sm)
 
@@ -255,7 +255,6 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
             row["fp8_other_tiles"] = {"tiles": label, "splits": c_splits,
                                       "rel_err": rel_err(run_cand()[:n_check], want_q),
                                       "ms": bench(run_cand), "graph_ms": bench_graph(run_cand)}
-        qtiles = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
         row[f"{name}_tiles"] = {"block_n": qtiles.block_n, "num_stages": qtiles.num_stages,
                                 "programs_per_sm": qtiles.programs_per_sm, "max_registers": qtiles.max_registers,
                                 "num_splits": decode_attention.choose_num_splits(
@@ -496,19 +495,16 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
     return out
 
 
-def pdl_gemm_config(n: int, k: int, pdl: bool = False, prefetch_lines: int | None = 0,
-                    launch_next: skinny_gemm.LaunchNext = skinny_gemm.LaunchNext.AT_START, block_k: int = 256,
-                    num_warps: int = 4) -> skinny_gemm.SkinnyConfig:
+def pdl_gemm_config(n: int, k: int, pdl: bool = False,
+                    launch_next: skinny_gemm.LaunchNext = skinny_gemm.LaunchNext.AT_START) -> skinny_gemm.SkinnyConfig:
     """Session 8's weight-streaming tiles for the chain: the whole K range per program (no split, so no
     reduce kernel and one boundary per GEMM), 16-64 output rows per program, the widest that still
-    gives two programs per SM. ``prefetch_lines`` None: ~32 KiB of each program's weights to L2."""
+    gives two programs per SM; 256-wide K slices, three stages for 64-row tiles (80 KB of shared
+    memory: 2 programs per SM; four would hold one), four otherwise."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bn = next((b for b in (64, 32) if triton.cdiv(n, b) >= 2 * sms), 16)
-    lines = (32768 // (bn * 128)) if prefetch_lines is None else prefetch_lines
-    # stages: ~80 KB of shared memory at most (a 64 x 256 tile with four would hold one program per SM)
-    stages = max(2, min(4, 81920 // ((bn + 16) * block_k * 2) + 1))
-    return skinny_gemm.SkinnyConfig(block_n=bn, block_k=block_k, split_k=1, num_warps=num_warps, num_stages=stages,
-                                    pdl=pdl, prefetch_lines=lines if pdl else 0, launch_next=launch_next)
+    return skinny_gemm.SkinnyConfig(block_n=bn, block_k=256, split_k=1, num_stages=3 if bn == 64 else 4, pdl=pdl,
+                                    launch_next=launch_next)
 
 
 @dataclass(frozen=True)
@@ -528,9 +524,9 @@ def skinny_variant(**kw) -> Callable[[int, int], ChainLinear]:
 
 # The chain through kernels.skinny_gemm (session 8, calls 2-3 and 6): whole-K programs; PDL with the
 # next grid launched at each program's start (20 points slower) or after its weight loop (no gain).
-# Also measured and dropped: 512-wide K tiles, 8 warps, the L2 prefetch, no explicit trigger, and a
-# persistent grid of 1-2 programs per SM (kernels/stream_gemm.py at 13472b9: 67 % without PDL, 40 %
-# with it at M = 1; one GEMM 77 %: too few bytes in flight per SM).
+# Also measured and dropped: 512-wide K tiles, 8 warps, the L2 prefetch and no explicit trigger (in
+# skinny_gemm until 8d8a8ca), and a persistent grid of 1-2 programs per SM (kernels/stream_gemm.py at
+# 13472b9: 67 % without PDL, 40 % with it at M = 1; one GEMM 77 %: too few bytes in flight per SM).
 CHAIN_VARIANTS: dict[str, Callable[[int, int], ChainLinear]] = {
     "triton": skinny_variant(),
     "triton_pdl": skinny_variant(pdl=True),

@@ -17,12 +17,12 @@ Programmatic dependent launch (``SkinnyConfig.pdl``, Hopper and later, compiled 
 streams a decode step's weights at 96-101 % of copy bandwidth in one GEMM but at 83-86 % as the
 step's 128 GEMMs (session 8, ``benchmarks/kernels.py --gemm-only``): each kernel boundary idles the
 memory system for its ramp and tail. A weight read does not depend on the previous kernel, so with
-``pdl`` a program lets the next kernel launch at once (``griddepcontrol.launch_dependents``), asks L2
-for the first ``prefetch_lines`` 128-byte lines of each of its weight rows, and only then waits for
-the previous kernel's writes (``griddepcontrol.wait``) before it reads ``x``. Measured on the H200
-(session 8, the 128-GEMM chain at M = 1): 83 % of copy without PDL, 83 % with the next grid launched
-after the weight loop (``LaunchNext.AFTER_LOOP``), 64 % launched at the start; the L2 prefetch made
-no difference. So PDL stays an option of this experiment, not a default.
+``pdl`` a program lets the next kernel launch (``griddepcontrol.launch_dependents``, at its start or
+after its weight loop) and waits for the previous kernel's writes (``griddepcontrol.wait``) before it
+reads ``x``. Measured on the H200 (session 8, the 128-GEMM chain at M = 1): 83 % of copy without PDL,
+83 % with the next grid launched after the weight loop, 64 % launched at the start (an L2 prefetch of
+the first weight lines before the wait, and no explicit trigger, changed nothing and were dropped).
+So PDL stays an option of this experiment, measured by ``benchmarks/kernels.py --gemm-only``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class LaunchNext(enum.IntEnum):
 
     AT_START = 0  # first thing: the next grid may launch as soon as this one's last wave has started
     AFTER_LOOP = 1  # after the weight stream, before the store: as this one drains
-    AT_EXIT = 2  # no explicit trigger: as this one's programs exit
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,6 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     pdl: bool = False  # launch with programmatic dependent launch (CUDA, sm_90+; see the module doc)
-    prefetch_lines: int = 0  # with pdl: 128-byte lines per weight row put in L2 before the wait
     launch_next: LaunchNext = LaunchNext.AT_START  # with pdl
 
 
@@ -84,8 +82,6 @@ def _skinny_kernel(
     DOT_TY: tl.constexpr,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = -1,  # LaunchNext with PDL, -1 without
-    PREFETCH_LINES: tl.constexpr = 0,
-    LINE_ELEMS: tl.constexpr = 64,  # weight elements in a 128-byte line
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -95,18 +91,10 @@ def _skinny_kernel(
     m_ok = rm < M
     n_ok = rn < N
     k_lo = pid_k * K_SPLIT
+    if TRIGGER == 0:
+        gdc_launch_dependents()
     if PDL:
-        if TRIGGER == 0:
-            gdc_launch_dependents()
-        if PREFETCH_LINES > 0:
-            # the weights are not the previous kernel's output: start pulling them in before waiting
-            # for it (rows clamped into the matrix: a prefetch must name a valid address)
-            lines = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS
-            rows = tl.minimum(rn, N - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                                      [w_ptr + rows[:, None] * stride_wn + (k_lo + lines)[None, :]],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        gdc_wait()
+        gdc_wait()  # x is the previous kernel's output
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -181,12 +169,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     pdl = {}
     if config.pdl:
         assert not interpreting() and x.is_cuda, "programmatic dependent launch needs compiled kernels on CUDA"
-        line_elems = 128 // weight.element_size()
-        lines = config.prefetch_lines
-        assert lines == 0 or (lines & (lines - 1) == 0 and lines * line_elems <= k // split), \
-            f"prefetch_lines={lines}: a power of two within the program's K range"
-        pdl = {"PDL": True, "TRIGGER": int(config.launch_next), "PREFETCH_LINES": lines, "LINE_ELEMS": line_elems,
-               "launch_pdl": True}
+        pdl = {"PDL": True, "TRIGGER": int(config.launch_next), "launch_pdl": True}
     _skinny_kernel[(triton.cdiv(n, config.block_n), split)](
         x, weight, b, out, part, m, n, k // split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
