@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -507,6 +509,28 @@ def sec_long_prefill(dev, args, shape) -> dict:
     return out
 
 
+def host_cpu_model() -> str:
+    """The host CPU's model name: eagerly launched steps run at the host's speed (session 9 saw the
+    same eager prefix hit take 18.5 ms on one device host and 23-27 ms on another)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+@contextmanager
+def prefill_graphs_off(runner: ModelRunner) -> Iterator[None]:
+    """Prefill steps run eagerly inside the block (the comparison row for engine/prefill_graphs.py)."""
+    held, runner.prefill_graphs = runner.prefill_graphs, None
+    try:
+        yield
+    finally:
+        runner.prefill_graphs = held
+
+
 def sec_prefix(dev, args, config, runner) -> dict:
     total, cached_len = args.prefix_total, args.prefix_cached
     g = random.Random(5)
@@ -541,7 +565,18 @@ def sec_prefix(dev, args, config, runner) -> dict:
     hit_cached = [next(iter(r["cached"].values())) for r in hits]
     out: dict[str, Any] = {"prompt_tokens": total, "cached_tokens": hit_cached, "cold_ttft_ms": cold_ms,
                            "hit_ttft_ms": hit_ms, "speedup": cold_ms[len(cold_ms) // 2] / hit_ms[len(hit_ms) // 2],
-                           "hit_runner_execute_ms": runner_ms}
+                           "hit_runner_execute_ms": runner_ms,
+                           "prefill_graphs": runner.prefill_graphs is not None}
+    if runner.prefill_graphs is not None:
+        # the same hits launched eagerly, in the same run: what the graphs save on this host
+        graph_runs = runner.prefill_graphs.num_runs
+        with prefill_graphs_off(runner):
+            eager = [run_requests(engine, [GenerateRequest(f"pe{i}", StaticTenantScope(), greedy(1),
+                                                           prompt_token_ids=prompt(head))]) for i in range(3)]
+        eager_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in eager)
+        out["eager_hit_ttft_ms"] = eager_ms
+        out["eager_speedup"] = cold_ms[len(cold_ms) // 2] / eager_ms[len(eager_ms) // 2]
+        out["graph_hits"] = graph_runs
     out["hit_profile"] = profile_hit(dev, engine, timed, lambda: prompt(head), "pprof",
                                      Path(args.trace_dir) if args.trace_dir else None)
     # a short suffix over a longer cached prefix (a chat turn after a cached system prompt): the grid
@@ -557,6 +592,12 @@ def sec_prefix(dev, args, config, runner) -> dict:
     short_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in short)
     out["short_suffix"] = {"cached_tokens": [next(iter(r["cached"].values())) for r in short],
                            "hit_ttft_ms": short_ms, "speedup": cold_ms[len(cold_ms) // 2] / short_ms[len(short_ms) // 2]}
+    if runner.prefill_graphs is not None:
+        with prefill_graphs_off(runner):
+            run_requests(engine, [GenerateRequest("sew", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head2))])
+            eager = [run_requests(engine, [GenerateRequest(f"se{i}", StaticTenantScope(), greedy(1),
+                                                           prompt_token_ids=prompt(head2))]) for i in range(3)]
+        out["short_suffix"]["eager_hit_ttft_ms"] = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in eager)
     return out
 
 
@@ -750,6 +791,8 @@ def table(r: dict) -> str:
     rows.append(("prefix: cold TTFT (ms)", get("prefix", "cold_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("prefix: cached TTFT (ms)", get("prefix", "hit_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("prefix: speedup", get("prefix", "speedup", fmt="{:.1f}x"), ">= 12x"))
+    rows.append(("prefix: eager hit TTFT (ms), speedup", get("prefix", "eager_hit_ttft_ms", fmt="{:.1f}") + ", "
+                 + get("prefix", "eager_speedup", fmt="{:.1f}x"), "(prefill graphs off)"))
     hp = s.get("prefix", {}).get("hit_profile", {})
     if "device_ms_by_class" in hp:
         c = hp["device_ms_by_class"]
@@ -758,6 +801,8 @@ def table(r: dict) -> str:
         rows.append(("prefix hit: runner / outside runner ms", f"{hp['runner_execute_ms']:.1f} / "
                      f"{hp['engine_outside_runner_ms']:.1f}", "(profiled)"))
     rows.append(("prefix: 64-token suffix hit TTFT (ms)", get("prefix", "short_suffix", "hit_ttft_ms", fmt="{:.1f}"), ""))
+    rows.append(("prefix: 64-token suffix, eager (ms)", get("prefix", "short_suffix", "eager_hit_ttft_ms", fmt="{:.1f}"),
+                 "(prefill graphs off)"))
     rows.append(("capacity: bf16 / fp8 peak seqs", f"{get('capacity', 'bf16', 'peak_running')} / "
                  f"{get('capacity', 'fp8', 'peak_running')}", "2x"))
     rows.append(("capacity: fp8 token agreement", get("capacity", "agreement", "token_agreement", fmt="{:.2f}"), ""))
@@ -813,7 +858,8 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": os.environ.get("PREFIXGATE_COMMIT") or git_commit(),
         "machine": {"gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else platform.processor() or "cpu",
-                    "host": platform.node(), "torch": torch.__version__, "transformers": transformers.__version__,
+                    "host": platform.node(), "host_cpu": host_cpu_model(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "sections": {},

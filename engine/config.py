@@ -37,6 +37,11 @@ class EngineConfig:
     max_waiting: most queued requests before generate() raises EngineOverloadedError.
     seed: seeds the model's random weights where a test builds one, and default sampling.
     num_threads: torch intra-op threads for CPU compute (process-wide); None = torch's default.
+    use_cuda_graphs: on a CUDA device, replay decode steps (and one-sequence prefill steps of up to
+        ``prefill_graph_tokens`` new tokens) from captured CUDA graphs.
+    prefill_graph_tokens: the longest one-sequence prefill step replayed from a graph (a prefix
+        hit's suffix, a chat turn), capped by ``max_num_batched_tokens`` and the model's context;
+        0 = prefill steps always run eagerly (engine/prefill_graphs.py).
     overlap_steps: schedule and launch step n+1 while the device runs step n (the host reads
         step n's tokens one step behind; engine/llm_engine.py); None = on for a CUDA device.
     kv_events_endpoint: publish the HBM index's stored/removed blocks on this ZMQ endpoint
@@ -60,6 +65,7 @@ class EngineConfig:
     eviction_policy: EvictionPolicyName = "cost"
     max_waiting: int = 4096
     use_cuda_graphs: bool = True
+    prefill_graph_tokens: int = 512
     dram_bytes: int = 0
     nvme_dir: Path | None = None
     nvme_bytes: int = 0
@@ -88,6 +94,8 @@ class EngineConfig:
             raise ValueError("kv_memory_fraction must be in [0.05, 0.98]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens >= block_size")
+        if self.prefill_graph_tokens < 0 or self.prefill_graph_tokens == 1:
+            raise ValueError(f"prefill_graph_tokens must be 0 (off) or >= 2, got {self.prefill_graph_tokens}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.eviction_policy not in ("cost", "lru"):

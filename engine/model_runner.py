@@ -14,13 +14,13 @@ calibrated once at load from a fixed text (engine/kv_calibration.py, the same on
 its blocks carry no scale bytes.
 
 On CUDA (docs/gpu.md): the Triton kernels, decode-only steps replayed from CUDA graphs
-(``engine.cuda_graphs``, when ``config.use_cuda_graphs``), and block exports/imports on a side
+(``engine.cuda_graphs``, when ``config.use_cuda_graphs``), one-sequence prefill steps of up to
+``config.prefill_graph_tokens`` tokens likewise (``engine.prefill_graphs``), and block exports/imports on a side
 stream so that tier transfers overlap the compute stream. CPU behaviour is unchanged.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,8 +38,10 @@ from engine.models.chat_render import render_chat_ids
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model
 from engine.models.spec import ArchConfig, ModelSpec, parse_checkpoint_config, read_special_ids
+from engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from engine.protocol import GuidedSpec, SamplingParams
 from engine.sampling import PendingRows, Sampler
+from engine.step_inputs import positions_and_slots
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -63,40 +65,6 @@ class LaunchedStep:
     chunks: Sequence[SequenceChunk]
     pending: PendingRows | None
     sampled_row: Mapping[int, int]
-
-
-# A chunk at least this long gets its slots block by block (one range per block) instead of token
-# by token (~0.2 us per token on a 2-core Xeon). Plain Python, no tensor ops: right after a forward
-# a dozen small torch ops cost ~150 us on that CPU (cold caches), more than the loop they replace.
-BLOCKWISE_SLOTS_FROM_TOKENS = 32
-
-
-def positions_and_slots(chunks: Sequence[SequenceChunk], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed batch's positions [T] and cache slots [T] (int64, on the host): a chunk's token at
-    position ``p`` goes to slot ``block_table[p // block_size] * block_size + p % block_size``."""
-    positions = array("q")
-    slots = array("q")
-    for c in chunks:
-        start, end, table = c.start_pos, c.context_len, c.block_table
-        positions.extend(range(start, end))
-        if c.num_tokens >= BLOCKWISE_SLOTS_FROM_TOKENS:
-            slots.extend(_blockwise_slots(table, start, end, block_size))
-            continue
-        for p in range(start, end):
-            slots.append(table[p // block_size] * block_size + p % block_size)
-    return torch.frombuffer(positions, dtype=torch.int64), torch.frombuffer(slots, dtype=torch.int64)
-
-
-def _blockwise_slots(table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slots of positions ``start .. end-1`` (end > start): every slot of the blocks they span, in
-    order, cut to the first position's offset and the count."""
-    first = start // block_size
-    every: list[int] = []
-    for block in table[first : (end - 1) // block_size + 1]:
-        base = block * block_size
-        every.extend(range(base, base + block_size))
-    offset = start - first * block_size
-    return every[offset : offset + end - start]
 
 
 def _packed_rows(data: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -203,6 +171,15 @@ class ModelRunner:
                 sizes=graph_batch_sizes(config.max_num_seqs), device=torch_device,
             )
             self.decode_graphs.capture()
+        self.prefill_graphs: PrefillGraphs | None = None
+        graph_tokens = min(config.prefill_graph_tokens, config.max_num_batched_tokens, arch.max_model_len)
+        if torch_device.type == "cuda" and config.use_cuda_graphs and graph_tokens >= 2:
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.layer_caches, self.ops, self.block_size,
+                max_blocks_per_seq=-(-arch.max_model_len // self.block_size), q_heads=arch.num_heads,
+                sizes=prefill_graph_sizes(graph_tokens), device=torch_device,
+            )
+            self.prefill_graphs.capture()
 
     # ----------------------------------------------------------------------------------- setup
     def _count_blocks(self, device: torch.device) -> int:
@@ -300,8 +277,9 @@ class ModelRunner:
         """Run one packed forward (writing K/V) and return logits float32:
         [num sampled chunks, V] (last position of each chunk with sample=True), or [T, V] with all_logits.
 
-        A decode-only batch on CUDA returns a view of a CUDA graph's output, valid until the next
-        forward: copy it to keep it. ``all_logits=True`` always runs eagerly. ``feed``: one-token
+        A decode-only batch on CUDA, or one sequence's prefill chunk of up to
+        ``config.prefill_graph_tokens`` tokens, returns a view of a CUDA graph's output, valid until
+        the next forward: copy it to keep it. ``all_logits=True`` always runs eagerly. ``feed``: one-token
         chunks whose token is a previous step's pick still on the device (engine.cuda_graphs.TokenFeed)."""
         self.copy_blocks(batch.block_copies)
         graphs = self.decode_graphs
@@ -309,6 +287,11 @@ class ModelRunner:
             logits = graphs.run(batch.chunks, feed)  # [B, V], a view of the graph's output
             rows = [i for i, c in enumerate(batch.chunks) if c.sample]
             return logits if len(rows) == len(batch.chunks) else logits[to_device(rows, torch.long, logits.device)]
+        prefill = self.prefill_graphs
+        if prefill is not None and not all_logits and feed is None and len(batch.chunks) == 1 \
+                and prefill.accepts(batch.chunks[0]):
+            logits = prefill.run(batch.chunks[0])  # [1, V], a view of the graph's output
+            return logits if batch.chunks[0].sample else logits[:0]
         input_ids, positions, meta = self._prepare(batch.chunks)
         if feed is not None:
             starts, at = [], 0

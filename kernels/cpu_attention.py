@@ -45,11 +45,19 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
-from kernels.reference import copy_blocks, dequantize, gather_blocks, gather_context, scatter_blocks, write_kv
+from kernels.reference import (
+    copy_blocks,
+    dequantize,
+    gather_blocks,
+    gather_context,
+    prefill_splits,
+    scatter_blocks,
+    write_kv,
+)
 
 __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "write_kv",
-    "paged_decode_attention", "paged_prefill_attention",
+    "paged_decode_attention", "paged_prefill_attention", "prefill_splits",
 ]
 
 

@@ -296,6 +296,16 @@ def splits_for_launch(num_tokens: int, num_seqs: int, q_heads: int, max_context:
     return choose_prefill_splits(q_tiles, q_heads, max_context, num_sms, programs_per_sm)
 
 
+def launch_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
+    """The split count ``paged_prefill`` launches with its default tiles when the longest of its
+    ``context_lens`` is ``max_context``. A CUDA graph captured with a context hint replays that launch
+    for any context (the kernel divides each sequence's keys among the splits at run time), so a graph
+    runner keys its graphs by this (engine/prefill_graphs.py)."""
+    tiles = choose_prefill_tiles(num_tokens, device.type == "cuda")
+    return splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device), tiles.block_m,
+                             tiles.programs_per_sm)
+
+
 def paged_prefill(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D], any block stride
@@ -341,8 +351,9 @@ def paged_prefill(
     if num_splits is None:
         num_splits = 1
         if context_lens is not None and len(context_lens) == num_seqs:
-            num_splits = splits_for_launch(num_tokens, num_seqs, q_heads, max(int(n) for n in context_lens),
-                                           num_sms(q.device), block_m, 1 if overridden else tiles.programs_per_sm)
+            longest = max(int(n) for n in context_lens)
+            num_splits = (splits_for_launch(num_tokens, num_seqs, q_heads, longest, num_sms(q.device), block_m, 1)
+                          if overridden else launch_splits(num_tokens, num_seqs, q_heads, longest, q.device))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)

@@ -165,6 +165,11 @@ def paged_prefill_attention(
     return out
 
 
+def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
+    """KV splits of a prefill launch (``kernels.triton_ops.prefill_splits``): these ops never split."""
+    return 1
+
+
 def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """cache[dst[i]] = cache[src[i]] for every i (block-major cache: dim 0 indexes blocks)."""
     cache[dst.long()] = cache[src.long()]

@@ -32,6 +32,7 @@ from kernels.reference import FP8_DTYPE, dequantize, is_quantized, quantize  # n
 
 __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "paged_decode_attention", "paged_prefill_attention",
+    "prefill_splits",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
     "rms_norm", "add_rms_norm", "rotary_write_kv", "silu_mul", "linear",
 ]
@@ -124,6 +125,13 @@ def paged_prefill_attention(
     return prefill_attention.paged_prefill(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale, context_lens=context_lens
     )
+
+
+def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
+    """How many KV splits ``paged_prefill_attention`` launches for ``num_tokens`` new tokens of
+    ``num_seqs`` sequences when the longest context (its ``context_lens`` hint) is ``max_context``."""
+    assert num_tokens >= 1 and num_seqs >= 1 and q_heads >= 1 and max_context >= 1, "sizes must be >= 1"
+    return prefill_attention.launch_splits(num_tokens, num_seqs, q_heads, max_context, device)
 
 
 def write_kv(

@@ -10,8 +10,8 @@ import torch
 
 from engine.batch import SequenceChunk
 from engine.host_to_device import host_tensor, to_device
-from engine.model_runner import BLOCKWISE_SLOTS_FROM_TOKENS, positions_and_slots
 from engine.protocol import SamplingParams
+from engine.step_inputs import BLOCKWISE_SLOTS_FROM_TOKENS, positions_and_slots
 
 
 def reference(chunks: list[SequenceChunk], bs: int) -> tuple[list[int], list[int]]:

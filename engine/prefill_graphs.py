@@ -1,0 +1,261 @@
+"""One-sequence prefill steps replayed from CUDA graphs: a prefix hit's suffix, a chat turn, a short prompt.
+
+Why: a prefill step of at most a few hundred new tokens is short on the device (an 8B-shaped model:
+512 tokens over 7,680 cached ~17 ms, 64 tokens ~6 ms) but ~340 kernel launches long on the host,
+and launched eagerly from Python the host is the slower of the two: the H200 suite measured the
+512-token hit's runner at 18.5 ms on one device host and 23-27 ms on another, and a 64-token chat
+turn over an 8K prefix at ~30 ms where its kernels need a fifth of that (docs/gpu.md, session 9).
+A replayed graph launches them all at once, so the step costs what the device needs.
+
+What makes one capture valid for many steps (as for decode, engine/cuda_graphs.py):
+
+* the step's ``T`` new tokens are padded to the smallest captured size ``>= T``; padded rows write
+  their K/V nowhere (slot -1), sit outside the sequence's query range (``cu_seqlens_q = [0, T]``,
+  so the attention kernel's tiles past ``T`` exit), and only row ``T - 1``'s logits are computed;
+* every input lives in a static device buffer overwritten before each replay, the block table is
+  as wide as the longest context (``max_blocks_per_seq``), and no kernel's grid depends on a value;
+* the attention launch's split count (keys divided among programs when the query tiles alone
+  leave most SMs idle) is fixed at capture, but the kernel divides each sequence's keys among the
+  splits at run time, so any split count is correct for any context and only speed depends on it.
+  Each size is captured once per split count the eager launcher would pick for some context up to
+  the longest (``ops.prefill_splits``), and a step replays the graph of its own context's choice.
+
+Graphs of different sizes share one memory pool (captured largest first); each keeps its own
+[1, V] logits output, which the next replay of that graph overwrites: sample it before the next
+step (the runner's sampler queues its work right after the replay, as for decode graphs).
+
+On a CPU device (tests) the same padded static-buffer path runs eagerly, so the padding logic is
+checked without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from engine.batch import SequenceChunk
+from engine.models.attention import AttentionMetadata, LayerCache
+from engine.step_inputs import positions_and_slots
+
+PADDING_SLOT = -1  # the KV writers skip slot -1: a padded row never touches the cache
+
+
+def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Token counts to capture for steps of up to ``max_tokens`` new tokens: 64, then every
+    multiple of 128 up to ``max_tokens`` (which ends the list). Below 64 rows a step's GEMMs stream
+    the weights in the same time whatever its row count, and the attention kernel's small tile is 64
+    rows; above, a step pads at most 127 rows onto at least 128."""
+    if max_tokens < 2:
+        raise ValueError(f"prefill graphs need max_tokens >= 2, got {max_tokens}")
+    sizes = [s for s in (64,) if s < max_tokens]
+    s = 128
+    while s < max_tokens:
+        sizes.append(s)
+        s += 128
+    sizes.append(max_tokens)
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class PrefillGraphKey:
+    """One captured graph: ``tokens`` rows, attention launched with ``splits`` KV splits."""
+
+    tokens: int
+    splits: int
+
+
+class PrefillGraphs:
+    """Runs one sequence's prefill chunk of 2 to ``max(sizes)`` tokens through captured graphs.
+
+    Not thread-safe (one caller, the runner). ``run`` returns a view into a graph-owned output that
+    the next ``run`` of the same graph overwrites.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layer_caches: list[LayerCache],
+        ops: ModuleType,
+        block_size: int,
+        max_blocks_per_seq: int,
+        q_heads: int,
+        sizes: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        if not sizes or min(sizes) < 2:
+            raise ValueError(f"prefill graph sizes must be >= 2 tokens, got {sizes}")
+        self.model, self.layer_caches, self.ops = model, layer_caches, ops
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_context = max_blocks_per_seq * block_size
+        self.q_heads = q_heads
+        self.sizes = tuple(sorted(set(sizes)))
+        self.device = device
+        self.captured = device.type == "cuda"
+        n, w = self.sizes[-1], max_blocks_per_seq
+        pin = self.captured  # pinned host memory only exists with a CUDA runtime
+
+        def host(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self._host = {
+            "input_ids": host((n,), torch.int64), "positions": host((n,), torch.int64),
+            "slot_mapping": host((n,), torch.int64), "block_tables": host((1, w), torch.int32),
+            "cu_seqlens_q": host((2,), torch.int32), "seq_lens": host((1,), torch.int32),
+            "last_row": host((1,), torch.int64),
+        }
+        self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
+        self._copied: torch.cuda.Event | None = None
+        self._graphs: dict[PrefillGraphKey, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[PrefillGraphKey, torch.Tensor] = {}
+        # per size: split count -> the context hint that makes the launcher pick it (at capture)
+        self._hints: dict[int, dict[int, int]] = {t: self._split_hints(t) for t in self.sizes}
+        self.num_runs = 0  # steps served (tests and benchmarks check the graph path was taken)
+
+    # ------------------------------------------------------------------------------ policy
+    def _splits_for(self, tokens: int, context: int) -> int:
+        return self.ops.prefill_splits(tokens, 1, self.q_heads, max(1, context), self.device)
+
+    def _split_hints(self, tokens: int) -> dict[int, int]:
+        """Every split count the launcher picks for ``tokens`` rows at some context up to the
+        longest, with the shortest context (on a doubling ladder) that picks it."""
+        hints: dict[int, int] = {}
+        context = tokens
+        while True:
+            context = min(context, self.max_context)
+            hints.setdefault(self._splits_for(tokens, context), context)
+            if context >= self.max_context:
+                return hints
+            context *= 2
+
+    def size_for(self, num_tokens: int) -> int | None:
+        """The smallest captured size holding ``num_tokens`` rows, or None (run eagerly)."""
+        fitting = [s for s in self.sizes if s >= num_tokens]
+        return min(fitting) if fitting else None
+
+    def accepts(self, chunk: SequenceChunk) -> bool:
+        """A chunk this runs: 2+ new tokens (one is a decode step), within the largest size and the
+        block table's width."""
+        return 2 <= chunk.num_tokens <= self.sizes[-1] and chunk.context_len <= self.max_context
+
+    def key_for(self, chunk: SequenceChunk) -> PrefillGraphKey:
+        """The graph a chunk replays: its padded size and the split count its context asks for
+        (the nearest captured one should a context between the ladder's rungs pick another)."""
+        size = self.size_for(chunk.num_tokens)
+        if size is None:
+            raise ValueError(f"{chunk.request_id}: {chunk.num_tokens} tokens exceed the largest prefill graph "
+                             f"({self.sizes[-1]})")
+        want = self._splits_for(size, chunk.context_len)
+        have = self._hints[size]
+        splits = want if want in have else min(have, key=lambda s: (abs(s.bit_length() - want.bit_length()), s))
+        return PrefillGraphKey(size, splits)
+
+    # ----------------------------------------------------------------------------- capture
+    def _forward(self, key: PrefillGraphKey) -> torch.Tensor:
+        d, t = self._dev, key.tokens
+        meta = AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:t],
+            block_tables=d["block_tables"],
+            cu_seqlens_q=d["cu_seqlens_q"],
+            seq_lens=d["seq_lens"],
+            decode_only=False,
+            # not this step's context: the hint that makes the launcher pick key.splits (module doc)
+            context_lens=(self._hints[t][key.splits],),
+        )
+        hidden = self.model(d["input_ids"][:t], d["positions"][:t], self.layer_caches, meta, self.ops)  # [t, H]
+        return self.model.compute_logits(hidden.index_select(0, d["last_row"]))  # [1, V] float32
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every (size, split count), largest size first so the smaller ones fit in its
+        memory pool. The static inputs hold padding while capturing (every slot -1, a context of
+        the step's own rows over block 0): the warm-up runs write nothing into the cache."""
+        if not self.captured:
+            return
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        for t in reversed(self.sizes):
+            self._write_padding(t)
+            self._dev_copy(t)
+            torch.cuda.synchronize(self.device)
+            for splits in sorted(self._hints[t]):
+                key = PrefillGraphKey(t, splits)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # compile the Triton kernels and settle the allocator outside capture
+                        self._forward(key)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._logits[key] = self._forward(key)
+                pool = graph.pool()
+                self._graphs[key] = graph
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(h) for h in self._hints.values())
+
+    # --------------------------------------------------------------------------------- run
+    def _write_padding(self, t: int) -> None:
+        h = self._host
+        h["input_ids"][:t] = 0
+        h["positions"][:t] = 0
+        h["slot_mapping"][:t] = PADDING_SLOT
+        h["block_tables"][0, : -(-t // self.block_size)] = 0  # the capture's context: t tokens of block 0
+        h["cu_seqlens_q"][0], h["cu_seqlens_q"][1] = 0, t
+        h["seq_lens"][0] = t
+        h["last_row"][0] = t - 1
+
+    def _dev_copy(self, t: int) -> None:
+        h, d = self._host, self._dev
+        for k in ("input_ids", "positions", "slot_mapping"):
+            d[k][:t].copy_(h[k][:t], non_blocking=True)
+        for k in ("block_tables", "cu_seqlens_q", "seq_lens", "last_row"):
+            d[k].copy_(h[k], non_blocking=True)
+        if self.captured:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def fill(self, chunk: SequenceChunk) -> PrefillGraphKey:
+        """Write one sequence's chunk into the static inputs (its rows, then padding) -> its graph.
+
+        Raises ValueError for a chunk ``accepts`` refuses or whose block table is short."""
+        if not self.accepts(chunk):
+            raise ValueError(f"{chunk.request_id}: a chunk of {chunk.num_tokens} tokens at context "
+                             f"{chunk.context_len} does not fit the prefill graphs")
+        bs = self.block_size
+        n_blocks = -(-chunk.context_len // bs)
+        if len(chunk.block_table) < n_blocks:
+            raise ValueError(f"{chunk.request_id}: block_table has {len(chunk.block_table)} blocks, needs {n_blocks}")
+        key = self.key_for(chunk)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's H2D copy must be done before the host rewrite
+        t, h = chunk.num_tokens, self._host
+        positions, slots = positions_and_slots([chunk], bs)
+        h["input_ids"][:t] = torch.tensor(list(chunk.token_ids), dtype=torch.int64)
+        h["positions"][:t] = positions
+        h["slot_mapping"][:t] = slots
+        pad = slice(t, key.tokens)
+        h["input_ids"][pad] = 0
+        h["positions"][pad] = 0
+        h["slot_mapping"][pad] = PADDING_SLOT
+        h["block_tables"][0, :n_blocks] = torch.tensor(list(chunk.block_table[:n_blocks]), dtype=torch.int32)
+        h["cu_seqlens_q"][0], h["cu_seqlens_q"][1] = 0, t
+        h["seq_lens"][0] = chunk.context_len
+        h["last_row"][0] = t - 1
+        self._dev_copy(key.tokens)
+        return key
+
+    @torch.inference_mode()
+    def run(self, chunk: SequenceChunk) -> torch.Tensor:
+        """One prefill step for ``chunk`` (its K/V written) -> the last row's logits [1, V] float32."""
+        key = self.fill(chunk)
+        self.num_runs += 1
+        if self.captured:
+            self._graphs[key].replay()
+            return self._logits[key]
+        return self._forward(key)
+
