@@ -680,8 +680,10 @@ def sec_capacity(dev, args, config, arch, model, runner_bf16) -> dict:
     fp8_cfg = replace(config, kv_dtype="fp8", max_num_seqs=32)
     elems_per_block = runner_bf16.kv_bytes_per_block // runner_bf16.kv_cache.element_size()
     fp8_blocks = budget // elems_per_block  # fp8: one byte per element, no scales
-    runner_fp8 = ModelRunner(replace(fp8_cfg, num_kv_blocks=fp8_blocks), arch=arch, tokenizer=IdTokenizer(),
-                             model=model)
+    # no prefill graphs: this section counts resident sequences, and their capture (fp8 kernel variants
+    # compiled anew) would add ~15 s to a suite that must fit one device call
+    runner_fp8 = ModelRunner(replace(fp8_cfg, num_kv_blocks=fp8_blocks, prefill_graph_tokens=0), arch=arch,
+                             tokenizer=IdTokenizer(), model=model)
     n_req = 2 * args.cap_bf16_seqs + 2
     g = torch.Generator().manual_seed(11)
     prompts = torch.randint(0, arch.vocab_size, (n_req, seq), generator=g).tolist()

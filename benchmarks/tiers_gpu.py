@@ -201,7 +201,8 @@ def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int, max_nu
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(arch, dev, dtype, seed=0)
     config = EngineConfig(model_dir=Path("random-8b"), device=str(dev), num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=prefix + 256, max_model_len=prefix + 256, use_cuda_graphs=graphs)
+                          max_num_batched_tokens=prefix + 256, max_model_len=prefix + 256, use_cuda_graphs=graphs,
+                          prefill_graph_tokens=0)  # decode graphs only: these runs time restores and decode steps
     return ModelRunner(config, arch=arch, tokenizer=IdTokenizer(), model=model)
 
 
