@@ -165,7 +165,9 @@ def sdpa_contiguous_ms(q4, batch, kv_heads, context, head_dim, scale, gen) -> fl
     return bench(lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale))
 
 
-def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) -> dict:
+def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, compare_tiles: bool = True) -> dict:
+    """One decode shape: the launcher's choice (eager and graph replay) against SDPA, fp8 and int8;
+    ``compare_tiles`` also times the tiles it did not pick (the session-2 tiles, the other fp8 set)."""
     batch, q_heads, kv_heads, head_dim, context, block_size = shape
     scale = 1 / math.sqrt(head_dim)
     kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
@@ -197,7 +199,8 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
     row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
     row["num_splits"] = decode_attention.choose_num_splits(
         batch, kv_heads, tables.shape[1] * block_size, sms, tiles.block_n, programs_per_sm=tiles.programs_per_sm)
-    prev_tiles_ms(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, tiles)
+    if compare_tiles:
+        prev_tiles_ms(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, tiles)
     if not quick and full_sweeps:
         variants = {}
         cap = max(1, context // 256)
@@ -240,7 +243,7 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
         qtiles = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
-        if head_dim == 128 and name == "fp8":
+        if compare_tiles and head_dim == 128 and name == "fp8":
             # the fp8 tile set the launcher did not pick, beside its choice; int8's tiles before
             # session 8 are timed by prev_tiles_ms below (`int8_prev_tiles_ms`)
             label, cand = next((k, t) for k, t in FP8_TILE_SETS.items() if t != qtiles)
@@ -260,7 +263,8 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False) 
                                 "num_splits": decode_attention.choose_num_splits(
                                     batch, kv_heads, tables.shape[1] * block_size, sms, qtiles.block_n,
                                     programs_per_sm=qtiles.programs_per_sm)}
-        prev_tiles_ms(row, name, q, kq, vq, tables, lens, scale, ks, vs, qtiles)
+        if compare_tiles:
+            prev_tiles_ms(row, name, q, kq, vq, tables, lens, scale, ks, vs, qtiles)
         if not quick:
             tiles = {}
             for bn, nw, ns, vp, mr in (QUANT_TILES_HD64 if head_dim == 64 else QUANT_TILES):
@@ -660,6 +664,8 @@ def main() -> int:
                                                     "classes (no mixed batch, fused ops or GEMMs)")
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
+    ap.add_argument("--launcher-only", action="store_true",
+                    help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -695,7 +701,8 @@ def main() -> int:
         result["decode_gemm_chain"] = decode_gemm_chain_case(gen, ceil)
         save()
     for shape in picked:
-        result["decode"].append(decode_case(shape, gen, ceil, args.quick, args.full_sweeps))
+        result["decode"].append(decode_case(shape, gen, ceil, args.quick, args.full_sweeps,
+                                            compare_tiles=not args.launcher_only))
         save()
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
     if args.classes is not None and not args.skip_classes:
@@ -707,7 +714,7 @@ def main() -> int:
         result["classes"] = []
         for shape in DECODE_CLASSES:
             try:
-                result["classes"].append(decode_case(shape, gen, ceil, quick=True))
+                result["classes"].append(decode_case(shape, gen, ceil, quick=True, compare_tiles=not args.launcher_only))
             except Exception as e:  # noqa: BLE001  (one shape failing must not lose the others)
                 result["classes"].append({"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context",
                                                              "block_size"], shape)), "error": f"{type(e).__name__}: {e}"})
