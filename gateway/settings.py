@@ -20,6 +20,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     block_size = 16             # tokens per KV block (8/16/32/64/128)
     max_num_seqs = 64           # most requests in one running batch
     max_num_batched_tokens = 2048
+    prefill_graph_tokens = 512  # CUDA: one-sequence prefill steps up to this many tokens from graphs (0 = off)
     threads = 2                 # torch CPU threads (default: torch's choice)
     dram_bytes = "1GiB"
 
@@ -186,6 +187,7 @@ class GatewaySettings(BaseModel):
     block_size: Literal[8, 16, 32, 64, 128] = 16
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=8)
+    prefill_graph_tokens: int = Field(512, ge=0)  # EngineConfig.prefill_graph_tokens (0 = eager prefill)
     threads: int | None = Field(None, ge=1)
     dram_bytes: int = 0
     nvme_dir: Path | None = None
@@ -236,7 +238,8 @@ class GatewaySettings(BaseModel):
         return EngineConfig(
             model_dir=self.model_dir, device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
             block_size=self.block_size, num_kv_blocks=self.kv_blocks, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.threads,
+            max_num_batched_tokens=self.max_num_batched_tokens, prefill_graph_tokens=self.prefill_graph_tokens,
+            num_threads=self.threads,
             dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
             enable_prefix_caching=self.prefix_caching, kv_events_endpoint=self.kv_events_endpoint,
             model_id=self.model if self.model and self.model != str(self.model_dir) else None,

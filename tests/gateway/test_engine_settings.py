@@ -15,12 +15,13 @@ def test_config_file_engine_keys_are_accepted_and_passed_to_the_engine(tmp_path,
         "[engine]\n"
         f'model = "{tiny_model_dir}"\n'
         'dtype = "bf16"\nkv_dtype = "int8"\nblock_size = 32\n'
-        "max_num_batched_tokens = 512\nmax_num_seqs = 8\nthreads = 1\n"
+        "max_num_batched_tokens = 512\nmax_num_seqs = 8\nthreads = 1\nprefill_graph_tokens = 256\n"
     )
     args = build_parser().parse_args(["serve", "--config", str(cfg)])
     engine = build_settings(args, tmp_path).engine_config()
     assert (engine.dtype, engine.kv_dtype, engine.block_size) == ("bfloat16", "int8", 32)
     assert (engine.max_num_batched_tokens, engine.max_num_seqs, engine.num_threads) == (512, 8, 1)
+    assert engine.prefill_graph_tokens == 256
     assert engine.model_dir == tiny_model_dir
 
 
