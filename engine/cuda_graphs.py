@@ -38,6 +38,7 @@ from types import ModuleType
 import torch
 
 from engine.batch import SequenceChunk
+from engine.graph_inputs import StaticInputs, capture_graph
 from engine.host_to_device import to_device
 from engine.models.attention import AttentionMetadata, LayerCache
 
@@ -102,20 +103,14 @@ class DecodeGraphs:
         self.device = device
         self.captured = device.type == "cuda"
         n, w = self.sizes[-1], max_blocks_per_seq
-        pin = self.captured  # pinned host memory only exists with a CUDA runtime
-
-        def host(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-
-        self._host = {
-            "input_ids": host((n,), torch.int64), "positions": host((n,), torch.int64),
-            "slot_mapping": host((n,), torch.int64), "block_tables": host((n, w), torch.int32),
-            "seq_lens": host((n,), torch.int32), "feed_src": host((n,), torch.int64),
-        }
-        self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
+        i64, i32 = torch.int64, torch.int32
+        self._inputs = StaticInputs({
+            "input_ids": ((n,), i64), "positions": ((n,), i64), "slot_mapping": ((n,), i64),
+            "block_tables": ((n, w), i32), "seq_lens": ((n,), i32), "feed_src": ((n,), i64),
+        }, device)
+        self._host, self._dev = self._inputs.host, self._inputs.dev
         self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)  # one new token per sequence
         self._fed_tokens = torch.zeros(n, dtype=torch.int64, device=device)
-        self._copied: torch.cuda.Event | None = None
         # What each host block-table row holds: (request id, blocks written, its last block id), or None.
         # A decode step usually changes no row (a sequence gains a block every block_size steps), so
         # fill rewrites only rows whose owner or length changed: converting the whole [B, blocks] table
@@ -160,14 +155,7 @@ class DecodeGraphs:
         pool = None
         stream = torch.cuda.Stream(self.device)
         for n in reversed(self.sizes):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the Triton kernels and settle the allocator outside capture
-                    self._forward(n)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._logits[n] = self._forward(n)
+            graph, self._logits[n] = capture_graph(lambda n=n: self._forward(n), stream, self.device, pool)
             pool = graph.pool()
             self._graphs[n] = graph
         torch.cuda.synchronize(self.device)
@@ -190,11 +178,7 @@ class DecodeGraphs:
         self._reset_padding_rows(0, n)
 
     def _dev_copy(self, n: int) -> None:
-        for k, v in self._host.items():
-            self._dev[k][:n].copy_(v[:n], non_blocking=True)
-        if self.captured:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._inputs.copy(dict.fromkeys(self._host, n))
 
     def fill(self, chunks: Sequence[SequenceChunk], feed: TokenFeed | None = None) -> int:
         """Write a decode batch into the static inputs; -> the padded size it runs at. ``feed``: rows
@@ -206,8 +190,7 @@ class DecodeGraphs:
         size = padded_batch_size(b, self.sizes)
         if size is None:
             raise ValueError(f"batch of {b} exceeds the largest captured size {self.sizes[-1]}")
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's H2D copy must be done before the host rewrite
+        self._inputs.wait_copied()  # the last step's H2D copy must be done before the host rewrite
         bs, h, w = self.block_size, self._host, self.max_blocks_per_seq
         # Padded rows only (rows past the batch); rows below b are rewritten below or kept.
         if size > b:

@@ -36,6 +36,7 @@ from types import ModuleType
 import torch
 
 from engine.batch import SequenceChunk
+from engine.graph_inputs import StaticInputs, capture_graph
 from engine.models.attention import AttentionMetadata, LayerCache
 from engine.step_inputs import positions_and_slots
 
@@ -95,19 +96,13 @@ class PrefillGraphs:
         self.device = device
         self.captured = device.type == "cuda"
         n, w = self.sizes[-1], max_blocks_per_seq
-        pin = self.captured  # pinned host memory only exists with a CUDA runtime
-
-        def host(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-
-        self._host = {
-            "input_ids": host((n,), torch.int64), "positions": host((n,), torch.int64),
-            "slot_mapping": host((n,), torch.int64), "block_tables": host((1, w), torch.int32),
-            "cu_seqlens_q": host((2,), torch.int32), "seq_lens": host((1,), torch.int32),
-            "last_row": host((1,), torch.int64),
-        }
-        self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
-        self._copied: torch.cuda.Event | None = None
+        i64, i32 = torch.int64, torch.int32
+        self._inputs = StaticInputs({
+            "input_ids": ((n,), i64), "positions": ((n,), i64), "slot_mapping": ((n,), i64),
+            "block_tables": ((1, w), i32), "cu_seqlens_q": ((2,), i32), "seq_lens": ((1,), i32),
+            "last_row": ((1,), i64),
+        }, device)
+        self._host, self._dev = self._inputs.host, self._inputs.dev
         self._graphs: dict[PrefillGraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[PrefillGraphKey, torch.Tensor] = {}
         # per size: split count -> the context hint that makes the launcher pick it (at capture)
@@ -182,14 +177,7 @@ class PrefillGraphs:
             torch.cuda.synchronize(self.device)
             for splits in sorted(self._hints[t]):
                 key = PrefillGraphKey(t, splits)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # compile the Triton kernels and settle the allocator outside capture
-                        self._forward(key)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._logits[key] = self._forward(key)
+                graph, self._logits[key] = capture_graph(lambda key=key: self._forward(key), stream, self.device, pool)
                 pool = graph.pool()
                 self._graphs[key] = graph
         torch.cuda.synchronize(self.device)
@@ -210,14 +198,8 @@ class PrefillGraphs:
         h["last_row"][0] = t - 1
 
     def _dev_copy(self, t: int) -> None:
-        h, d = self._host, self._dev
-        for k in ("input_ids", "positions", "slot_mapping"):
-            d[k][:t].copy_(h[k][:t], non_blocking=True)
-        for k in ("block_tables", "cu_seqlens_q", "seq_lens", "last_row"):
-            d[k].copy_(h[k], non_blocking=True)
-        if self.captured:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        # the per-token buffers up to the step's padded size; the small ones whole
+        self._inputs.copy({"input_ids": t, "positions": t, "slot_mapping": t})
 
     def fill(self, chunk: SequenceChunk) -> PrefillGraphKey:
         """Write one sequence's chunk into the static inputs (its rows, then padding) -> its graph.
@@ -231,8 +213,7 @@ class PrefillGraphs:
         if len(chunk.block_table) < n_blocks:
             raise ValueError(f"{chunk.request_id}: block_table has {len(chunk.block_table)} blocks, needs {n_blocks}")
         key = self.key_for(chunk)
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's H2D copy must be done before the host rewrite
+        self._inputs.wait_copied()  # the last step's H2D copy must be done before the host rewrite
         t, h = chunk.num_tokens, self._host
         positions, slots = positions_and_slots([chunk], bs)
         h["input_ids"][:t] = torch.tensor(list(chunk.token_ids), dtype=torch.int64)
