@@ -18,7 +18,6 @@ from engine.model_runner import ModelRunner
 from engine.models.random_init import build_random_model, llama_config_dict
 from engine.models.spec import parse_checkpoint_config
 from engine.prefill_graphs import PrefillGraphKey, PrefillGraphs, prefill_graph_sizes
-from kernels import triton_ops
 from tests.gpu_engine.helpers import GREEDY, SHAPE, IdTokenizer
 
 LONG = 4096  # tokens of context: long enough that a short step's attention splits on a GPU
@@ -60,6 +59,10 @@ def test_keys_follow_the_launchers_split_choice():
     """Each size is keyed by the split counts the launcher picks on a doubling ladder of contexts; a
     step's key is its own context's pick (triton_ops' policy on the interpreter's 4-SM machine; one
     query head, so that a 16-row step leaves SMs idle and splits)."""
+    # imported here, not at collection: importing the Triton kernels before tests/kernels/conftest.py
+    # turns the interpreter on would compile them for a GPU (the policy called here is plain Python)
+    from kernels import triton_ops
+
     cpu = torch.device("cpu")
     graphs = PrefillGraphs(torch.nn.Identity(), [], triton_ops, 16, max_blocks_per_seq=LONG // 16, q_heads=1,
                            sizes=(16, 64), device=cpu)
