@@ -949,7 +949,8 @@ def main() -> int:
     sync(dev)
     result["runner"] = {"num_kv_blocks": runner.num_kv_blocks, "kv_bytes_per_block": runner.kv_bytes_per_block,
                         "kv_memory_fraction": config.kv_memory_fraction, "init_and_capture_s": time.perf_counter() - t0,
-                        "graph_sizes": list(runner.decode_graphs.sizes) if runner.decode_graphs else []}
+                        "graph_sizes": list(runner.decode_graphs.sizes) if runner.decode_graphs else [],
+                        "prefill_graphs": runner.prefill_graphs.num_graphs if runner.prefill_graphs else 0}
     save()
     print(f"   runner: {result['runner']}", flush=True)
     section("decode", sec_decode, dev, args, cfg, model, hf, runner, config, bw)

@@ -43,7 +43,7 @@ class StaticInputs:
 
 
 def capture_graph(forward: Callable[[], torch.Tensor], stream: torch.cuda.Stream, device: torch.device,
-                  pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                  pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture ``forward`` (run twice first on ``stream``: the Triton kernels compile and the
     allocator settles outside the capture) into a graph in ``pool`` -> (graph, its output)."""
     stream.wait_stream(torch.cuda.current_stream(device))

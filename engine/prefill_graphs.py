@@ -1,10 +1,11 @@
 """One-sequence prefill steps replayed from CUDA graphs: a prefix hit's suffix, a chat turn, a short prompt.
 
 Why: a prefill step of at most a few hundred new tokens is short on the device (an 8B-shaped model:
-512 tokens over 7,680 cached ~17 ms, 64 tokens ~6 ms) but ~340 kernel launches long on the host,
-and launched eagerly from Python the host is the slower of the two: the H200 suite measured the
+512 tokens over 7,680 cached: 17.1 ms of kernels) but ~340 kernel launches long on the host, and
+launched eagerly from Python the host can be the slower of the two: the H200 suite measured the
 512-token hit's runner at 18.5 ms on one device host and 23-27 ms on another, and a 64-token chat
-turn over an 8K prefix at ~30 ms where its kernels need a fifth of that (docs/gpu.md, session 9).
+turn over an 8K prefix reached its token in 20-31 ms eagerly against 8.6-10.3 ms replayed from a
+graph (docs/gpu.md, session 9).
 A replayed graph launches them all at once, so the step costs what the device needs.
 
 What makes one capture valid for many steps (as for decode, engine/cuda_graphs.py):
@@ -36,11 +37,10 @@ from types import ModuleType
 import torch
 
 from engine.batch import SequenceChunk
+from engine.cuda_graphs import PADDING_SLOT, padded_batch_size
 from engine.graph_inputs import StaticInputs, capture_graph
 from engine.models.attention import AttentionMetadata, LayerCache
 from engine.step_inputs import positions_and_slots
-
-PADDING_SLOT = -1  # the KV writers skip slot -1: a padded row never touches the cache
 
 
 def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -125,11 +125,6 @@ class PrefillGraphs:
                 return hints
             context *= 2
 
-    def size_for(self, num_tokens: int) -> int | None:
-        """The smallest captured size holding ``num_tokens`` rows, or None (run eagerly)."""
-        fitting = [s for s in self.sizes if s >= num_tokens]
-        return min(fitting) if fitting else None
-
     def accepts(self, chunk: SequenceChunk) -> bool:
         """A chunk this runs: 2+ new tokens (one is a decode step), within the largest size and the
         block table's width."""
@@ -138,7 +133,7 @@ class PrefillGraphs:
     def key_for(self, chunk: SequenceChunk) -> PrefillGraphKey:
         """The graph a chunk replays: its padded size and the split count its context asks for
         (the nearest captured one should a context between the ladder's rungs pick another)."""
-        size = self.size_for(chunk.num_tokens)
+        size = padded_batch_size(chunk.num_tokens, self.sizes)  # the smallest size holding its rows
         if size is None:
             raise ValueError(f"{chunk.request_id}: {chunk.num_tokens} tokens exceed the largest prefill graph "
                              f"({self.sizes[-1]})")
@@ -187,11 +182,16 @@ class PrefillGraphs:
         return sum(len(h) for h in self._hints.values())
 
     # --------------------------------------------------------------------------------- run
+    def _pad_rows(self, lo: int, hi: int) -> None:
+        """Host rows ``lo .. hi-1`` become padding: token 0 at position 0, written nowhere."""
+        h = self._host
+        h["input_ids"][lo:hi] = 0
+        h["positions"][lo:hi] = 0
+        h["slot_mapping"][lo:hi] = PADDING_SLOT
+
     def _write_padding(self, t: int) -> None:
         h = self._host
-        h["input_ids"][:t] = 0
-        h["positions"][:t] = 0
-        h["slot_mapping"][:t] = PADDING_SLOT
+        self._pad_rows(0, t)
         h["block_tables"][0, : -(-t // self.block_size)] = 0  # the capture's context: t tokens of block 0
         h["cu_seqlens_q"][0], h["cu_seqlens_q"][1] = 0, t
         h["seq_lens"][0] = t
@@ -219,10 +219,7 @@ class PrefillGraphs:
         h["input_ids"][:t] = torch.tensor(list(chunk.token_ids), dtype=torch.int64)
         h["positions"][:t] = positions
         h["slot_mapping"][:t] = slots
-        pad = slice(t, key.tokens)
-        h["input_ids"][pad] = 0
-        h["positions"][pad] = 0
-        h["slot_mapping"][pad] = PADDING_SLOT
+        self._pad_rows(t, key.tokens)
         h["block_tables"][0, :n_blocks] = torch.tensor(list(chunk.block_table[:n_blocks]), dtype=torch.int32)
         h["cu_seqlens_q"][0], h["cu_seqlens_q"][1] = 0, t
         h["seq_lens"][0] = chunk.context_len
