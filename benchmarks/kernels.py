@@ -79,6 +79,10 @@ PREV_TILES = (64, 4, 2)  # the launcher's tiles before choose_tiles (session 2),
 # head) pairs against the SMs; the other is timed beside it on every shape (`fp8_other_tiles`).
 FP8_TILE_SETS = {"ring": decode_attention.EIGHT_BIT_RING, "wave": decode_attention.FP8_WAVE_TILES}
 # Prefix-hit launches swept over the split count (session 4): (label, block_m, block_n, warps, stages)
+# GQA-packed prefill tiles (block_m rows = block_m / group tokens x group heads): the launcher's two
+# tile sets and the neighbours a quarter of the key traffic might favour (smaller key tiles, deeper rings)
+PACKED_PREFILL_VARIANTS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
+                           (64, 128, 4, 2)]
 PREFILL_SPLIT_TILES = [("m128", 128, 128, 8, 3), ("m64", 64, 64, 4, 3)]
 PREFILL_SPLITS = (1, 2, 4, 8)
 PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages); session 4 added the deeper rings
@@ -547,7 +551,8 @@ SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatic
 
 
 def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
-                 head_dim=128, block_size=16, sweep_splits: bool = False, quantized: bool = False) -> dict:
+                 head_dim=128, block_size=16, sweep_splits: bool = False, quantized: bool = False,
+                 sweep_packed: bool = False) -> dict:
     context = cached + new
     scale = 1 / math.sqrt(head_dim)
     kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
@@ -575,6 +580,30 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
     row["num_splits"] = prefill_attention.splits_for_launch(batch * new, batch, q_heads, context, sms, tiles.block_m,
                                                             tiles.programs_per_sm)
     row["no_hint_ms"] = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
+    row["pack_gqa_default"] = tiles.pack_gqa
+    if kv_heads < q_heads:
+        # the two row layouts side by side with the launcher's tiles and split choice (module docstring of
+        # kernels/prefill_attention.py): a tile per q head, or the q heads of one KV head packed in its rows
+        for pack in (False, True):
+            def run_p(pack=pack):
+                return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
+                                                       context_lens=hint, pack_gqa=pack)
+            name = "packed" if pack else "unpacked"
+            row[f"{name}_rel_err"] = rel_err(run_p()[:new], want)
+            row[f"{name}_ms"] = bench(run_p)
+        if sweep_packed:
+            packed = {}
+            for bm, bn, nw, ns in PACKED_PREFILL_VARIANTS:
+                def run_v(bm=bm, bn=bn, nw=nw, ns=ns):
+                    return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
+                                                           block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
+                                                           context_lens=hint, pack_gqa=True)
+                try:
+                    err = rel_err(run_v()[:new], want)
+                    packed[f"m{bm}_n{bn}_w{nw}_s{ns}"] = {"ms": bench(run_v), "rel_err": err}
+                except Exception as e:  # noqa: BLE001  (out of shared memory for a tile: record, keep going)
+                    packed[f"m{bm}_n{bn}_w{nw}_s{ns}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            row["packed_variants"] = packed
     if sweep_splits:
         split_ms = {}
         for label, bm, bn, nw, ns in PREFILL_SPLIT_TILES:
@@ -616,6 +645,7 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
                 variants[f"m{bm}_n{bn}_w{nw}_s{ns}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         row["variants"] = variants
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     mask = causal_lower_right(new, context)
@@ -640,6 +670,25 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
             row["gather_sdpa_gqa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     row["gather_sdpa_rel_err"] = rel_err(g, out)
     row["gather_sdpa_ms"] = bench(lambda: gather_sdpa(row["gather_sdpa_form"] == "enable_gqa"))
+    # SDPA on K/V already contiguous (no gather): what torch's fused attention takes for the same work,
+    # by backend; the headroom a paged kernel is measured against
+    ids = tables.long()
+    kc = k_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
+    vc = v_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
+    if q_heads != kv_heads:
+        kc, vc = kc.repeat_interleave(q_heads // kv_heads, dim=1), vc.repeat_interleave(q_heads // kv_heads, dim=1)
+    contig = {}
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                got = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=scale)
+                err = rel_err(got.transpose(1, 2).reshape(batch * new, q_heads, head_dim), out)
+                t = bench(lambda kc=kc, vc=vc: F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=scale))
+            contig[backend.lower()] = {"ms": t, "TFLOPs": flops / (t * 1e-3) / 1e12, "rel_err_vs_ours": err}
+        except Exception as e:  # noqa: BLE001  (a backend that refuses the shape or the mask: record it)
+            contig[backend.lower()] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+    row["sdpa_contiguous"] = contig
+    del kc, vc
     row["vs_gather_sdpa"] = row["gather_sdpa_ms"] / ms
     del kv
     torch.cuda.empty_cache()
@@ -730,11 +779,12 @@ def main() -> int:
         save()
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
         result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512,
-                                             sweep_splits=args.full_sweeps, quantized=True)
+                                             sweep_splits=args.full_sweeps, quantized=True, sweep_packed=not args.quick)
         save()
         # a short suffix over a long prefix (a chat turn after a cached system prompt): 32 programs unsplit
         result["prefill_hit_short"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=8128,
-                                                   new=64, sweep_splits=args.full_sweeps, quantized=True)
+                                                   new=64, sweep_splits=args.full_sweeps, quantized=True,
+                                                   sweep_packed=not args.quick)
         save()
         # the issue's hit shape with block size 32 and GQA 1 / head dim 64 (the launcher's choice only)
         result["prefill_hit_classes"] = [
@@ -817,17 +867,36 @@ def print_table(r: dict) -> None:
               f"{h['rel_err']:.1e}/{h.get('fp8_rel_err', float('nan')):.1e}/{h.get('int8_rel_err', float('nan')):.1e}")
         if v:
             print("   " + ", ".join(f"{k} {x['ms']:.3f}" for k, x in v.items() if "ms" in x))
+        _print_packed(h)
     for h in r.get("prefill_hit_classes", []):
         sh = h["shape"]
         print(f"prefill 1x({sh['cached']}+{sh['new']}) Hq{sh['q_heads']}/Hkv{sh['kv_heads']} D{sh['head_dim']} "
               f"BS{sh['block_size']}: {h['ms']:.3f} ms ({h['num_splits']} splits; {h['no_hint_ms']:.3f} without), "
               f"gather+SDPA {h['gather_sdpa_ms']:.3f}, err {h['rel_err']:.1e}")
+        _print_packed(h)
     p = r.get("prefill")
     if p is None:
         return
     print(f"prefill 4x(8192 cached + 512 new): ours {p['ms']:.3f} ms = {p['TFLOPs']:.0f} TFLOP/s "
           f"({100 * p['pct_matmul']:.0f}% of matmul), gather+SDPA {p['gather_sdpa_ms']:.3f} ms "
           f"[{p.get('gather_sdpa_form')}], x{p['vs_gather_sdpa']:.2f}, err {p['rel_err']:.1e}")
+
+
+def _print_packed(h: dict) -> None:
+    """The packed/unpacked row layouts and contiguous SDPA beside a prefill row (when measured)."""
+    parts = []
+    if "packed_ms" in h:
+        parts.append(f"unpacked {h['unpacked_ms']:.3f} / packed {h['packed_ms']:.3f} ms "
+                     f"(x{h['unpacked_ms'] / h['packed_ms']:.2f}, err {h['packed_rel_err']:.1e}; "
+                     f"launcher packs: {h.get('pack_gqa_default')})")
+    contig = {k: v["ms"] for k, v in h.get("sdpa_contiguous", {}).items() if "ms" in v}
+    if contig:
+        parts.append("contiguous SDPA " + " ".join(f"{k.split('_')[0]} {v:.3f}" for k, v in contig.items()))
+    if parts:
+        print("   " + "; ".join(parts))
+    pv = {k: v["ms"] for k, v in h.get("packed_variants", {}).items() if "ms" in v}
+    if pv:
+        print("   packed tiles: " + ", ".join(f"{k} {v:.3f}" for k, v in pv.items()))
 
 
 def _ms(x) -> str:
