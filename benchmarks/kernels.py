@@ -573,12 +573,11 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
     row["ms"] = ms
     row["TFLOPs"] = flops / (ms * 1e-3) / 1e12
     row["pct_matmul"] = row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = prefill_attention.choose_prefill_tiles(batch * new, True)
+    tiles = prefill_attention.choose_prefill_tiles(batch * new, True, q_heads // kv_heads, head_dim)
     row["tiles"] = {"block_m": tiles.block_m, "block_n": tiles.block_n, "num_warps": tiles.num_warps,
-                    "programs_per_sm": tiles.programs_per_sm}
-    row["num_splits"] = prefill_attention.splits_for_launch(batch * new, batch, q_heads, context, sms, tiles.block_m,
-                                                            tiles.programs_per_sm)
+                    "programs_per_sm": tiles.programs_per_sm, "num_stages": tiles.num_stages, "pack_gqa": tiles.pack_gqa}
+    row["num_splits"] = prefill_attention.launch_splits(batch * new, batch, q_heads, context, q.device,
+                                                        q_heads // kv_heads, head_dim)
     row["no_hint_ms"] = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
     row["pack_gqa_default"] = tiles.pack_gqa
     if kv_heads < q_heads:
@@ -695,6 +694,55 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
     return row
 
 
+# (label, pack_gqa, block_m, block_n, num_warps, num_stages) timed beside the launcher's choice on steps of
+# 16-256 tokens over ~8K cached (--suffix-sweep): where the packed layout starts and stops paying
+SUFFIX_VARIANTS = [("unpacked_m64_n64_w4_s3", False, 64, 64, 4, 3), ("unpacked_m128_n128_w8_s3", False, 128, 128, 8, 3),
+                   ("unpacked_m128_n128_w8_s2", False, 128, 128, 8, 2), ("packed_m128_n128_w8_s2", True, 128, 128, 8, 2),
+                   ("packed_m128_n128_w8_s3", True, 128, 128, 8, 3), ("packed_m128_n64_w8_s3", True, 128, 64, 8, 3),
+                   ("packed_m64_n64_w4_s2", True, 64, 64, 4, 2)]
+
+
+def suffix_sweep(gen, news=(16, 64, 128, 256), head_dims=(128, 64), context=8192, q_heads=32, kv_heads=8,
+                 block_size=16) -> list[dict]:
+    """Short and mid-sized steps over a long cached prefix: the launcher's tiles against SUFFIX_VARIANTS
+    (each with the split count the length hint gives it), all against the reference."""
+    rows = []
+    for head_dim in head_dims:
+        kv, tables, lens = paged_setup(1, kv_heads, head_dim, context, block_size, gen)
+        k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
+        scale = 1 / math.sqrt(head_dim)
+        for new in news:
+            q = torch.randn(new, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            cu = torch.tensor([0, new], device="cuda", dtype=torch.int32)
+            want = ref.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+            tiles = prefill_attention.choose_prefill_tiles(new, True, q_heads // kv_heads, head_dim)
+            row: dict = {"new": new, "cached": context - new, "head_dim": head_dim, "q_heads": q_heads,
+                         "kv_heads": kv_heads, "launcher": {"tiles": f"{'packed' if tiles.pack_gqa else 'unpacked'}_m"
+                                                            f"{tiles.block_m}_n{tiles.block_n}_w{tiles.num_warps}_s"
+                                                            f"{tiles.num_stages}"}}
+
+            def launch(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, cu=cu, lens=lens, scale=scale, **kw):
+                return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
+                                                       context_lens=[context], **kw)
+            row["launcher"]["rel_err"] = rel_err(launch(), want)
+            row["launcher"]["ms"] = bench(launch)
+            for label, pack, bm, bn, nw, ns in SUFFIX_VARIANTS:
+                try:
+                    kw = {"pack_gqa": pack, "block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
+                    err = rel_err(launch(**kw), want)
+                    row[label] = {"ms": bench(lambda kw=kw: launch(**kw)), "rel_err": err}
+                except Exception as e:  # noqa: BLE001  (a tile that does not fit: record, keep going)
+                    row[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+            rows.append(row)
+            print(f"suffix {new} over {context - new}, D{head_dim}: launcher {row['launcher']['tiles']} "
+                  f"{row['launcher']['ms']:.3f} ms; " + ", ".join(f"{k} {v['ms']:.3f}" for k, v in row.items()
+                                                                  if isinstance(v, dict) and "ms" in v and k != "launcher"),
+                  flush=True)
+        del kv
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/kernels_h200.json")
@@ -706,6 +754,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated indices into DECODE_SHAPES (default: all)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help="only the ceilings and the prefill cases")
+    ap.add_argument("--suffix-sweep", action="store_true",
+                    help="only the ceilings and steps of 16-256 tokens over 8K cached: launcher vs SUFFIX_VARIANTS")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
     ap.add_argument("--class-variants", action="store_true",
                     help="with --classes: time the 8-bit tile variants on those classes too")
@@ -744,6 +794,10 @@ def main() -> int:
     picked = DECODE_SHAPES if args.shapes is None else [DECODE_SHAPES[int(i)] for i in args.shapes.split(",") if i]
     if args.prefill_only:
         picked, args.skip_classes, args.skip_prefill = [], True, False
+    if args.suffix_sweep:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["suffix_sweep"] = suffix_sweep(gen)
+        save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)

@@ -254,6 +254,7 @@ class PrefillTiles:
     block_n: int
     num_warps: int
     programs_per_sm: int
+    num_stages: int = 3  # K/V tiles in flight (the software pipeline's ring)
     pack_gqa: bool = False  # a tile's rows are the q heads of one KV head x block_m / group tokens
 
 
@@ -263,19 +264,28 @@ def row_group(pack_gqa: bool, group: int, block_m: int) -> int:
     return group if pack_gqa and 1 < group <= block_m else 1
 
 
-def choose_prefill_tiles(num_tokens: int, on_gpu: bool) -> PrefillTiles:
-    """GPU tiles from the H200 sweeps:
+def choose_prefill_tiles(num_tokens: int, on_gpu: bool, group: int = 1, head_dim: int = 128) -> PrefillTiles:
+    """GPU tiles from the H200 sweeps (``group`` = q heads per KV head):
 
     * 128 x 128, 8 warps (one program per SM: ~255 registers a thread): fastest at 4 x (8,192 + 512)
-      (session 1 run 1) and at the 1 x (7,680 + 512) hit (0.194 ms against 0.205 for 64 x 64, session 4 run 1).
-    * a step of at most 64 new tokens: 64 x 64, 4 warps (two programs per SM): half of a 128-row tile
-      would be padding. 1 x (8,128 + 64): 0.048 ms at 8 splits against 0.071 for 128 x 128 at its best
-      (4 splits) and 0.194 unsplit (session 4 run 1).
+      (session 1 run 1) and at the 1 x (7,680 + 512) hit (0.194 ms against 0.205 for 64 x 64, session 4
+      run 1). Packing the q heads of a KV head into the rows changes nothing there (0.191 against
+      0.192 ms, session 10 call 1): the MMAs and the softmax bound it, not the K/V traffic.
+    * a step of at most 64 new tokens with GQA, head dim 128: the packed layout, 128 x 128, 8 warps,
+      a two-tile ring. 1 x (8,128 + 64), 8 splits: 0.049 ms against 0.078-0.086 unpacked on 64 x 64
+      tiles and 0.071 packed with a three-tile ring (session 10 call 1): a 64-token step's 32 rows
+      a head are a quarter of a 128-row tile, so unpacked the MMAs run mostly on padding, packed the
+      four heads fill it.
+    * other steps of at most 64 tokens: 64 x 64, 4 warps (two programs per SM). 1 x (8,128 + 64):
+      0.048 ms at 8 splits against 0.071 for 128 x 128 at its best (4 splits) and 0.194 unsplit
+      (session 4 run 1).
     The interpreter gets small tiles (its cost is per element, and the tests want several tiles).
     """
     if not on_gpu:
         return PrefillTiles(block_m=16, block_n=16, num_warps=4, programs_per_sm=1)
     if num_tokens <= 64:
+        if group > 1 and head_dim == 128:
+            return PrefillTiles(block_m=128, block_n=128, num_warps=8, programs_per_sm=1, num_stages=2, pack_gqa=True)
         return PrefillTiles(block_m=64, block_n=64, num_warps=4, programs_per_sm=2)
     return PrefillTiles(block_m=128, block_n=128, num_warps=8, programs_per_sm=1)
 
@@ -321,12 +331,12 @@ def splits_for_launch(num_tokens: int, num_seqs: int, q_heads: int, max_context:
 
 
 def launch_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device,
-                  group: int = 1) -> int:
+                  group: int = 1, head_dim: int = 128) -> int:
     """The split count ``paged_prefill`` launches with its default tiles when the longest of its
     ``context_lens`` is ``max_context`` (``group`` = q heads per KV head). A CUDA graph captured with a
     context hint replays that launch for any context (the kernel divides each sequence's keys among
     the splits at run time), so a graph runner keys its graphs by this (engine/prefill_graphs.py)."""
-    tiles = choose_prefill_tiles(num_tokens, device.type == "cuda")
+    tiles = choose_prefill_tiles(num_tokens, device.type == "cuda", group, head_dim)
     return splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device), tiles.block_m,
                              tiles.programs_per_sm, row_group(tiles.pack_gqa, group, tiles.block_m))
 
@@ -346,7 +356,7 @@ def paged_prefill(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     num_splits: int | None = None,
     context_lens: Sequence[int] | None = None,
     pack_gqa: bool | None = None,
@@ -369,13 +379,15 @@ def paged_prefill(
     if max_q_len is None:
         max_q_len = num_tokens
     on_gpu = q.device.type == "cuda"
-    tiles = choose_prefill_tiles(num_tokens, on_gpu)
+    group = q_heads // kv_heads
+    tiles = choose_prefill_tiles(num_tokens, on_gpu, group, head_dim)
     overridden = (block_m, block_n, num_warps) != (None, None, None)
     block_m = block_m if block_m is not None else tiles.block_m
     block_n = block_n if block_n is not None else tiles.block_n
     if num_warps is None:
         num_warps = tiles.num_warps if not overridden else (8 if block_m >= 128 else 4)
-    group = q_heads // kv_heads
+    if num_stages is None:
+        num_stages = tiles.num_stages if not overridden else 3
     rows_per_token = row_group(tiles.pack_gqa if pack_gqa is None else pack_gqa, group, block_m)
     if num_splits is None:
         num_splits = 1

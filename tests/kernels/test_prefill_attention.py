@@ -153,3 +153,8 @@ def test_prefill_tiles():
     assert (tiles(512, True).block_m, tiles(512, True).programs_per_sm) == (128, 1)
     assert (tiles(65, True).block_m, tiles(64, True).block_m, tiles(64, True).programs_per_sm) == (128, 64, 2)
     assert tiles(4096, False).block_m == 16
+    # a short GQA step at head dim 128 packs its heads into 128-row tiles with a two-tile ring
+    short = tiles(64, True, group=4, head_dim=128)
+    assert (short.pack_gqa, short.block_m, short.num_stages) == (True, 128, 2)
+    assert not tiles(64, True, group=1).pack_gqa and not tiles(64, True, group=4, head_dim=64).pack_gqa
+    assert not tiles(512, True, group=4).pack_gqa  # the 512-token hit: no gain measured, left unpacked
