@@ -552,7 +552,7 @@ SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatic
 
 def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
                  head_dim=128, block_size=16, sweep_splits: bool = False, quantized: bool = False,
-                 sweep_packed: bool = False) -> dict:
+                 sweep_packed: bool = False, contiguous_sdpa: bool = False) -> dict:
     context = cached + new
     scale = 1 / math.sqrt(head_dim)
     kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
@@ -583,12 +583,22 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
     row["no_hint_ms"] = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
     row["pack_gqa_default"] = tiles.pack_gqa
     if kv_heads < q_heads:
-        # the two row layouts side by side with the launcher's tiles and split choice (module docstring of
-        # kernels/prefill_attention.py): a tile per q head, or the q heads of one KV head packed in its rows
+        # the two row layouts side by side (module docstring of kernels/prefill_attention.py): "unpacked" is
+        # what the launcher would run without packing (its tiles and split count for one q head per KV
+        # head: before session 10 the only policy), "packed" the launcher's tiles with the heads packed
+        plain = prefill_attention.choose_prefill_tiles(batch * new, True, 1, head_dim)
+        plain_splits = prefill_attention.launch_splits(batch * new, batch, q_heads, context, q.device, 1, head_dim)
+        row["unpacked_tiles"] = {"block_m": plain.block_m, "block_n": plain.block_n, "num_warps": plain.num_warps,
+                                 "num_stages": plain.num_stages, "num_splits": plain_splits}
         for pack in (False, True):
             def run_p(pack=pack):
+                if pack:
+                    return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
+                                                           context_lens=hint, pack_gqa=True)
                 return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
-                                                       context_lens=hint, pack_gqa=pack)
+                                                       block_m=plain.block_m, block_n=plain.block_n,
+                                                       num_warps=plain.num_warps, num_stages=plain.num_stages,
+                                                       num_splits=plain_splits, pack_gqa=False)
             name = "packed" if pack else "unpacked"
             row[f"{name}_rel_err"] = rel_err(run_p()[:new], want)
             row[f"{name}_ms"] = bench(run_p)
@@ -675,23 +685,26 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
     row["gather_sdpa_ms"] = bench(lambda: gather_sdpa(row["gather_sdpa_form"] == "enable_gqa"))
     # SDPA on K/V already contiguous (no gather): what torch's fused attention takes for the same work,
     # by backend; the headroom a paged kernel is measured against
-    ids = tables.long()
-    kc = k_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
-    vc = v_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
-    if q_heads != kv_heads:
-        kc, vc = kc.repeat_interleave(q_heads // kv_heads, dim=1), vc.repeat_interleave(q_heads // kv_heads, dim=1)
-    contig = {}
-    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-        try:
-            with sdpa_kernel(getattr(SDPBackend, backend)):
-                got = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=scale)
-                err = rel_err(got.transpose(1, 2).reshape(batch * new, q_heads, head_dim), out)
-                t = bench(lambda kc=kc, vc=vc: F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=scale))
-            contig[backend.lower()] = {"ms": t, "TFLOPs": flops / (t * 1e-3) / 1e12, "rel_err_vs_ours": err}
-        except Exception as e:  # noqa: BLE001  (a backend that refuses the shape or the mask: record it)
-            contig[backend.lower()] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-    row["sdpa_contiguous"] = contig
-    del kc, vc
+    if contiguous_sdpa:
+        ids = tables.long()
+        kc = k_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
+        vc = v_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
+        if q_heads != kv_heads:
+            kc, vc = kc.repeat_interleave(q_heads // kv_heads, dim=1), vc.repeat_interleave(q_heads // kv_heads, dim=1)
+        contig = {}
+        for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            def sdpa(kc=kc, vc=vc, backend=backend):
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    return F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=scale)
+            try:
+                err = rel_err(sdpa().transpose(1, 2).reshape(batch * new, q_heads, head_dim), out)
+                t = bench(sdpa)
+                contig[backend.lower()] = {"ms": t, "graph_ms": bench_graph(sdpa), "TFLOPs": flops / (t * 1e-3) / 1e12,
+                                           "rel_err_vs_ours": err}
+            except Exception as e:  # noqa: BLE001  (a backend that refuses the shape or the mask: record it)
+                contig[backend.lower()] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+        row["sdpa_contiguous"] = contig
+        del kc, vc
     row["vs_gather_sdpa"] = row["gather_sdpa_ms"] / ms
     del kv
     torch.cuda.empty_cache()
@@ -841,12 +854,13 @@ def main() -> int:
         save()
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
         result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512,
-                                             sweep_splits=args.full_sweeps, quantized=True, sweep_packed=not args.quick)
+                                             sweep_splits=args.full_sweeps, quantized=True, sweep_packed=not args.quick,
+                                             contiguous_sdpa=True)
         save()
         # a short suffix over a long prefix (a chat turn after a cached system prompt): 32 programs unsplit
         result["prefill_hit_short"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=8128,
                                                    new=64, sweep_splits=args.full_sweeps, quantized=True,
-                                                   sweep_packed=not args.quick)
+                                                   sweep_packed=not args.quick, contiguous_sdpa=True)
         save()
         # the hit shape with block size 32 and GQA 1 / head dim 64 (the launcher's choice only)
         result["prefill_hit_classes"] = [
@@ -953,9 +967,10 @@ def _print_packed(h: dict) -> None:
         parts.append(f"unpacked {h['unpacked_ms']:.3f} / packed {h['packed_ms']:.3f} ms eager, "
                      f"{_ms(h.get('unpacked_graph_ms'))} / {_ms(h.get('packed_graph_ms'))} graph "
                      f"(err {h['packed_rel_err']:.1e}; launcher packs: {h.get('pack_gqa_default')})")
-    contig = {k: v["ms"] for k, v in h.get("sdpa_contiguous", {}).items() if "ms" in v}
+    contig = {k: v for k, v in h.get("sdpa_contiguous", {}).items() if "ms" in v}
     if contig:
-        parts.append("contiguous SDPA " + " ".join(f"{k.split('_')[0]} {v:.3f}" for k, v in contig.items()))
+        parts.append("contiguous SDPA eager/graph " + " ".join(f"{k.split('_')[0]} {v['ms']:.3f}/{_ms(v.get('graph_ms'))}"
+                                                               for k, v in contig.items()))
     if parts:
         print("   " + "; ".join(parts))
     pv = {k: v for k, v in h.get("packed_variants", {}).items() if "ms" in v}
