@@ -272,10 +272,12 @@ def choose_prefill_tiles(num_tokens: int, on_gpu: bool, group: int = 1, head_dim
       run 1). Packing the q heads of a KV head into the rows changes nothing there (0.191 against
       0.192 ms, session 10 call 1): the MMAs and the softmax bound it, not the K/V traffic.
     * a step of at most 64 new tokens with GQA, head dim 128: the packed layout, 128 x 128, 8 warps,
-      a two-tile ring. 1 x (8,128 + 64), 8 splits: 0.049 ms against 0.078-0.086 unpacked on 64 x 64
-      tiles and 0.071 packed with a three-tile ring (session 10 call 1): a 64-token step's 32 rows
-      a head are a quarter of a 128-row tile, so unpacked the MMAs run mostly on padding, packed the
-      four heads fill it.
+      a two-tile ring. CUDA-graph replays over ~8K cached (session 10 call 3): 16 tokens 0.045 ms,
+      64 tokens 0.047, against 0.066-0.071 for every unpacked tile set at its own length-hint split
+      count (128 x 128 the same with the heads unpacked: 0.070-0.071): unpacked, a 16-64-token step
+      fills a fraction of a tile's rows; packed, the group's heads fill them. From 128 tokens the
+      rows are full either way and the two layouts time alike (0.071-0.073 at 128, 0.117-0.122 at 256),
+      as at head dim 64 at every length (0.032-0.035 ms at 16 and 64 tokens).
     * other steps of at most 64 tokens: 64 x 64, 4 warps (two programs per SM). 1 x (8,128 + 64):
       0.048 ms at 8 splits against 0.071 for 128 x 128 at its best (4 splits) and 0.194 unsplit
       (session 4 run 1).
