@@ -79,10 +79,6 @@ PREV_TILES = (64, 4, 2)  # the launcher's tiles before choose_tiles (session 2),
 # head) pairs against the SMs; the other is timed beside it on every shape (`fp8_other_tiles`).
 FP8_TILE_SETS = {"ring": decode_attention.EIGHT_BIT_RING, "wave": decode_attention.FP8_WAVE_TILES}
 # Prefix-hit launches swept over the split count (session 4): (label, block_m, block_n, warps, stages)
-# GQA-packed prefill tiles (block_m rows = block_m / group tokens x group heads): the launcher's two
-# tile sets and the neighbours a quarter of the key traffic might favour (smaller key tiles, deeper rings)
-PACKED_PREFILL_VARIANTS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
-                           (64, 128, 4, 2)]
 PREFILL_SPLIT_TILES = [("m128", 128, 128, 8, 3), ("m64", 64, 64, 4, 3)]
 PREFILL_SPLITS = (1, 2, 4, 8)
 PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages); session 4 added the deeper rings
@@ -552,7 +548,7 @@ SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatic
 
 def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
                  head_dim=128, block_size=16, sweep_splits: bool = False, quantized: bool = False,
-                 sweep_packed: bool = False, contiguous_sdpa: bool = False) -> dict:
+                 contiguous_sdpa: bool = False) -> dict:
     context = cached + new
     scale = 1 / math.sqrt(head_dim)
     kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
@@ -575,48 +571,13 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
                                                                              scale, context_lens=hint))
     row["TFLOPs"] = flops / (ms * 1e-3) / 1e12
     row["pct_matmul"] = row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
-    tiles = prefill_attention.choose_prefill_tiles(batch * new, True, q_heads // kv_heads, head_dim)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = prefill_attention.choose_prefill_tiles(batch * new, True)
     row["tiles"] = {"block_m": tiles.block_m, "block_n": tiles.block_n, "num_warps": tiles.num_warps,
-                    "programs_per_sm": tiles.programs_per_sm, "num_stages": tiles.num_stages, "pack_gqa": tiles.pack_gqa}
-    row["num_splits"] = prefill_attention.launch_splits(batch * new, batch, q_heads, context, q.device,
-                                                        q_heads // kv_heads, head_dim)
+                    "programs_per_sm": tiles.programs_per_sm}
+    row["num_splits"] = prefill_attention.splits_for_launch(batch * new, batch, q_heads, context, sms, tiles.block_m,
+                                                            tiles.programs_per_sm)
     row["no_hint_ms"] = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
-    row["pack_gqa_default"] = tiles.pack_gqa
-    if kv_heads < q_heads:
-        # the two row layouts side by side (module docstring of kernels/prefill_attention.py): "unpacked" is
-        # what the launcher would run without packing (its tiles and split count for one q head per KV
-        # head: before session 10 the only policy), "packed" the launcher's tiles with the heads packed
-        plain = prefill_attention.choose_prefill_tiles(batch * new, True, 1, head_dim)
-        plain_splits = prefill_attention.launch_splits(batch * new, batch, q_heads, context, q.device, 1, head_dim)
-        row["unpacked_tiles"] = {"block_m": plain.block_m, "block_n": plain.block_n, "num_warps": plain.num_warps,
-                                 "num_stages": plain.num_stages, "num_splits": plain_splits}
-        for pack in (False, True):
-            def run_p(pack=pack):
-                if pack:
-                    return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
-                                                           context_lens=hint, pack_gqa=True)
-                return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
-                                                       block_m=plain.block_m, block_n=plain.block_n,
-                                                       num_warps=plain.num_warps, num_stages=plain.num_stages,
-                                                       num_splits=plain_splits, pack_gqa=False)
-            name = "packed" if pack else "unpacked"
-            row[f"{name}_rel_err"] = rel_err(run_p()[:new], want)
-            row[f"{name}_ms"] = bench(run_p)
-            row[f"{name}_graph_ms"] = bench_graph(run_p)  # device time: short steps are host-bound eagerly
-        if sweep_packed:
-            packed = {}
-            for bm, bn, nw, ns in PACKED_PREFILL_VARIANTS:
-                def run_v(bm=bm, bn=bn, nw=nw, ns=ns):
-                    return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
-                                                           block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
-                                                           context_lens=hint, pack_gqa=True)
-                try:
-                    err = rel_err(run_v()[:new], want)
-                    packed[f"m{bm}_n{bn}_w{nw}_s{ns}"] = {"ms": bench(run_v), "graph_ms": bench_graph(run_v),
-                                                          "rel_err": err}
-                except Exception as e:  # noqa: BLE001  (out of shared memory for a tile: record, keep going)
-                    packed[f"m{bm}_n{bn}_w{nw}_s{ns}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            row["packed_variants"] = packed
     if sweep_splits:
         split_ms = {}
         for label, bm, bn, nw, ns in PREFILL_SPLIT_TILES:
@@ -711,22 +672,23 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
     return row
 
 
-# (label, pack_gqa, block_m, block_n, num_warps, num_stages) timed beside the launcher's choice on steps of
-# 16-256 tokens over ~8K cached (--suffix-sweep): where the packed layout starts and stops paying
-SUFFIX_VARIANTS = [("unpacked_m64_n64_w4_s3", False, 64, 64, 4, 3), ("unpacked_m128_n128_w8_s3", False, 128, 128, 8, 3),
-                   ("unpacked_m128_n128_w8_s2", False, 128, 128, 8, 2), ("packed_m128_n128_w8_s2", True, 128, 128, 8, 2),
-                   ("packed_m128_n128_w8_s3", True, 128, 128, 8, 3), ("packed_m128_n64_w8_s3", True, 128, 64, 8, 3),
-                   ("packed_m64_n64_w4_s2", True, 64, 64, 4, 2)]
+# (label, block_m, block_n, num_warps, num_stages, programs_per_sm) timed beside the launcher's choice on
+# steps of 16-256 tokens over ~8K cached (--suffix-sweep), each at the split count the launcher's policy
+# gives that tile set: where the 64-row tiles stop paying
+SUFFIX_VARIANTS = [("m64_n64_w4_s3", 64, 64, 4, 3, 2), ("m64_n64_w4_s2", 64, 64, 4, 2, 2),
+                   ("m128_n128_w8_s3", 128, 128, 8, 3, 1), ("m128_n128_w8_s2", 128, 128, 8, 2, 1),
+                   ("m128_n64_w8_s3", 128, 64, 8, 3, 1)]
 
 
 def suffix_sweep(gen, news=(16, 64, 128, 256), head_dims=(128, 64), context=8192, q_heads=32, kv_heads=8,
                  block_size=16) -> list[dict]:
-    """Short and mid-sized steps over a long cached prefix: the launcher's tiles against SUFFIX_VARIANTS
-    (each with the split count the length hint gives it), all against the reference. Timed as CUDA-graph
-    replays (``ms``), as the engine runs these steps (engine/prefill_graphs.py): a launch of 0.05-0.1 ms
-    of kernels is host-bound when timed eagerly (session 10 call 2: one tile set read 0.060 and
-    0.120 ms in two eager timings); the launcher's eager time is kept as ``eager_ms``."""
+    """Short and mid-sized steps over a long cached prefix: the launcher's tiles against SUFFIX_VARIANTS,
+    all against the reference. Timed as CUDA-graph replays (``ms``), as the engine runs these steps
+    (engine/prefill_graphs.py): a launch of 0.05-0.1 ms of kernels is host-bound when timed eagerly
+    (session 10 call 2: one tile set read 0.060 and 0.120 ms in two eager timings); the launcher's
+    eager time is kept as ``eager_ms``."""
     rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for head_dim in head_dims:
         kv, tables, lens = paged_setup(1, kv_heads, head_dim, context, block_size, gen)
         k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
@@ -735,11 +697,10 @@ def suffix_sweep(gen, news=(16, 64, 128, 256), head_dims=(128, 64), context=8192
             q = torch.randn(new, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
             cu = torch.tensor([0, new], device="cuda", dtype=torch.int32)
             want = ref.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
-            tiles = prefill_attention.choose_prefill_tiles(new, True, q_heads // kv_heads, head_dim)
+            tiles = prefill_attention.choose_prefill_tiles(new, True)
             row: dict = {"new": new, "cached": context - new, "head_dim": head_dim, "q_heads": q_heads,
-                         "kv_heads": kv_heads, "launcher": {"tiles": f"{'packed' if tiles.pack_gqa else 'unpacked'}_m"
-                                                            f"{tiles.block_m}_n{tiles.block_n}_w{tiles.num_warps}_s"
-                                                            f"{tiles.num_stages}"}}
+                         "kv_heads": kv_heads, "launcher": {"tiles": f"m{tiles.block_m}_n{tiles.block_n}_w"
+                                                            f"{tiles.num_warps}"}}
 
             def launch(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, cu=cu, lens=lens, scale=scale, **kw):
                 return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
@@ -747,17 +708,18 @@ def suffix_sweep(gen, news=(16, 64, 128, 256), head_dims=(128, 64), context=8192
             row["launcher"]["rel_err"] = rel_err(launch(), want)
             row["launcher"]["ms"] = bench_graph(launch)
             row["launcher"]["eager_ms"] = bench(launch)
-            for label, pack, bm, bn, nw, ns in SUFFIX_VARIANTS:
+            for label, bm, bn, nw, ns, pps in SUFFIX_VARIANTS:
+                splits = prefill_attention.splits_for_launch(new, 1, q_heads, context, sms, bm, pps)
+                kw = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits}
                 try:
-                    kw = {"pack_gqa": pack, "block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
                     err = rel_err(launch(**kw), want)
-                    row[label] = {"ms": bench_graph(lambda kw=kw: launch(**kw)), "rel_err": err}
+                    row[label] = {"ms": bench_graph(lambda kw=kw: launch(**kw)), "splits": splits, "rel_err": err}
                 except Exception as e:  # noqa: BLE001  (a tile that does not fit: record, keep going)
                     row[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
             rows.append(row)
             print(f"suffix {new} over {context - new}, D{head_dim} (graph ms): launcher {row['launcher']['tiles']} "
                   f"{_ms(row['launcher']['ms'])} (eager {row['launcher']['eager_ms']:.3f}); "
-                  + ", ".join(f"{k} {_ms(v['ms'])}" for k, v in row.items()
+                  + ", ".join(f"{k} {_ms(v['ms'])} ({v['splits']} splits)" for k, v in row.items()
                               if isinstance(v, dict) and "ms" in v and k != "launcher"), flush=True)
         del kv
         torch.cuda.empty_cache()
@@ -854,13 +816,12 @@ def main() -> int:
         save()
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
         result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512,
-                                             sweep_splits=args.full_sweeps, quantized=True, sweep_packed=not args.quick,
-                                             contiguous_sdpa=True)
+                                             sweep_splits=args.full_sweeps, quantized=True, contiguous_sdpa=True)
         save()
         # a short suffix over a long prefix (a chat turn after a cached system prompt): 32 programs unsplit
         result["prefill_hit_short"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=8128,
                                                    new=64, sweep_splits=args.full_sweeps, quantized=True,
-                                                   sweep_packed=not args.quick, contiguous_sdpa=True)
+                                                   contiguous_sdpa=True)
         save()
         # the issue's hit shape with block size 32 and GQA 1 / head dim 64 (the launcher's choice only)
         result["prefill_hit_classes"] = [
@@ -944,14 +905,14 @@ def print_table(r: dict) -> None:
               f"{h['rel_err']:.1e}/{h.get('fp8_rel_err', float('nan')):.1e}/{h.get('int8_rel_err', float('nan')):.1e}")
         if v:
             print("   " + ", ".join(f"{k} {x['ms']:.3f}" for k, x in v.items() if "ms" in x))
-        _print_packed(h)
+        _print_contiguous(h)
     for h in r.get("prefill_hit_classes", []):
         sh = h["shape"]
         print(f"prefill 1x({sh['cached']}+{sh['new']}) Hq{sh['q_heads']}/Hkv{sh['kv_heads']} D{sh['head_dim']} "
               f"BS{sh['block_size']}: {h['ms']:.3f} ms, graph {_ms(h.get('graph_ms'))} ({h['num_splits']} splits; "
               f"{h['no_hint_ms']:.3f} without), "
               f"gather+SDPA {h['gather_sdpa_ms']:.3f}, err {h['rel_err']:.1e}")
-        _print_packed(h)
+        _print_contiguous(h)
     p = r.get("prefill")
     if p is None:
         return
@@ -960,23 +921,12 @@ def print_table(r: dict) -> None:
           f"[{p.get('gather_sdpa_form')}], x{p['vs_gather_sdpa']:.2f}, err {p['rel_err']:.1e}")
 
 
-def _print_packed(h: dict) -> None:
-    """The packed/unpacked row layouts and contiguous SDPA beside a prefill row (when measured)."""
-    parts = []
-    if "packed_ms" in h:
-        parts.append(f"unpacked {h['unpacked_ms']:.3f} / packed {h['packed_ms']:.3f} ms eager, "
-                     f"{_ms(h.get('unpacked_graph_ms'))} / {_ms(h.get('packed_graph_ms'))} graph "
-                     f"(err {h['packed_rel_err']:.1e}; launcher packs: {h.get('pack_gqa_default')})")
+def _print_contiguous(h: dict) -> None:
+    """SDPA on a contiguous copy of the cache beside a prefill row (when measured)."""
     contig = {k: v for k, v in h.get("sdpa_contiguous", {}).items() if "ms" in v}
     if contig:
-        parts.append("contiguous SDPA eager/graph " + " ".join(f"{k.split('_')[0]} {v['ms']:.3f}/{_ms(v.get('graph_ms'))}"
+        print("   contiguous SDPA, eager/graph ms: " + " ".join(f"{k.split('_')[0]} {v['ms']:.3f}/{_ms(v.get('graph_ms'))}"
                                                                for k, v in contig.items()))
-    if parts:
-        print("   " + "; ".join(parts))
-    pv = {k: v for k, v in h.get("packed_variants", {}).items() if "ms" in v}
-    if pv:
-        print("   packed tiles, eager/graph ms: " + ", ".join(f"{k} {v['ms']:.3f}/{_ms(v.get('graph_ms'))}"
-                                                            for k, v in pv.items()))
 
 
 def _ms(x) -> str:

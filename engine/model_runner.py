@@ -177,7 +177,7 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.layer_caches, self.ops, self.block_size,
                 max_blocks_per_seq=-(-arch.max_model_len // self.block_size), q_heads=arch.num_heads,
-                kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, sizes=prefill_graph_sizes(graph_tokens), device=torch_device,
+                sizes=prefill_graph_sizes(graph_tokens), device=torch_device,
             )
             self.prefill_graphs.capture()
 

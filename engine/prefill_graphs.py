@@ -82,8 +82,6 @@ class PrefillGraphs:
         block_size: int,
         max_blocks_per_seq: int,
         q_heads: int,
-        kv_heads: int,
-        head_dim: int,
         sizes: tuple[int, ...],
         device: torch.device,
     ) -> None:
@@ -93,7 +91,7 @@ class PrefillGraphs:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_context = max_blocks_per_seq * block_size
-        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.q_heads = q_heads
         self.sizes = tuple(sorted(set(sizes)))
         self.device = device
         self.captured = device.type == "cuda"
@@ -113,8 +111,7 @@ class PrefillGraphs:
 
     # ------------------------------------------------------------------------------ policy
     def _splits_for(self, tokens: int, context: int) -> int:
-        return self.ops.prefill_splits(tokens, 1, self.q_heads, self.kv_heads, self.head_dim, max(1, context),
-                                       self.device)
+        return self.ops.prefill_splits(tokens, 1, self.q_heads, max(1, context), self.device)
 
     def _split_hints(self, tokens: int) -> dict[int, int]:
         """Every split count the launcher picks for ``tokens`` rows at some context up to the

@@ -9,17 +9,8 @@ at position p sees keys 0..p (cached prefix fully, the new tokens causally)::
     loop 1: [0, prefix + m_start) rounded down to BLOCK_N   no mask needed
     loop 2: the rest up to min(seq_len, prefix + m_end)      causal + length mask
 
-grid = (q_heads / ROW_GROUP, ceil(max_q_len / TILE_TOKENS), num_seqs * NUM_SPLITS).
-
-Two row layouts of a query tile (``ROW_GROUP``, constexpr):
-
-* ``ROW_GROUP == 1``: a tile is BLOCK_M tokens of one q head; q heads vary fastest in the grid so
-  the ``group`` heads that read one KV head run side by side and share its tiles through L2.
-* ``ROW_GROUP == GROUP`` (GQA packing): a tile is ``TILE_TOKENS = BLOCK_M // GROUP`` tokens x the
-  GROUP q heads of one KV head, row r = (token r // GROUP, head r % GROUP). Each K/V tile is loaded
-  once for all the heads that read it instead of once per head: a quarter of the key traffic at
-  GQA 4, the same MMA shapes. Rows past ``TILE_TOKENS * GROUP`` (GROUP not a power of two) are
-  masked like rows past the sequence.
+grid = (q_heads, ceil(max_q_len / BLOCK_M), num_seqs * NUM_SPLITS); q heads vary fastest so the
+``group`` heads that read one KV head run side by side and share its tiles through L2.
 
 Split-KV (``NUM_SPLITS > 1``, for grids that leave most of the GPU idle: a short suffix over a long
 cached prefix is a few query tiles per head)::
@@ -133,7 +124,6 @@ def _prefill_kernel(
     stride_sb, stride_ss, stride_sh,
     stride_ot, stride_oh,
     GROUP: tl.constexpr,
-    ROW_GROUP: tl.constexpr,  # 1, or GROUP to pack a KV head's q heads into one tile's rows
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -142,28 +132,24 @@ def _prefill_kernel(
     DOT_TY: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    TILE_TOKENS: tl.constexpr = BLOCK_M // ROW_GROUP
+    h = tl.program_id(0)
     m_tile = tl.program_id(1)
     b = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
     q_lo = tl.load(cu_seqlens_ptr + b)
     q_len = tl.load(cu_seqlens_ptr + b + 1) - q_lo
-    m_start = m_tile * TILE_TOKENS
+    m_start = m_tile * BLOCK_M
     if m_start >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - q_len
-    head0 = tl.program_id(0) * ROW_GROUP  # the tile's first q head
-    kv_head = head0 // GROUP
+    kv_head = h // GROUP
 
-    r = tl.arange(0, BLOCK_M)
-    tok = m_start + r // ROW_GROUP  # each row's token within the sequence's chunk
-    heads = head0 + r % ROW_GROUP  # and its q head
-    row_ok = (tok < q_len) & (r < TILE_TOKENS * ROW_GROUP)
-    q_pos = prefix + tok  # absolute positions of this tile's queries
+    rows = m_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    q_pos = prefix + rows  # absolute positions of this tile's queries
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (q_lo + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + (q_lo + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_TY)  # [BLOCK_M, D]
 
     score_scale = qk_scale
@@ -177,7 +163,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + b * stride_btb
     full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N  # keys every row of the tile sees
-    kv_end = tl.minimum(seq_len, prefix + m_start + TILE_TOKENS)
+    kv_end = tl.minimum(seq_len, prefix + m_start + BLOCK_M)
     lo = 0
     hi = kv_end
     if NUM_SPLITS > 1:
@@ -198,14 +184,14 @@ def _prefill_kernel(
     )
     if NUM_SPLITS == 1:
         acc = acc * v_tensor_scale / l_i[:, None]
-        o_ptrs = out_ptr + (q_lo + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        o_ptrs = out_ptr + (q_lo + rows)[:, None] * stride_ot + h * stride_oh + d[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         seen = l_i > 0.0
         o_part = acc * (v_tensor_scale / tl.where(seen, l_i, 1.0))[:, None]
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        # partials are [NUM_SPLITS, T, Hq, (D)] contiguous; Hq = the grid's first dimension x ROW_GROUP
-        lse_idx = (split * num_tokens + q_lo + tok) * (tl.num_programs(0) * ROW_GROUP) + heads  # [BLOCK_M]
+        # partials are [NUM_SPLITS, T, Hq, (D)] contiguous; Hq = the grid's first dimension
+        lse_idx = (split * num_tokens + q_lo + rows) * tl.num_programs(0) + h  # [BLOCK_M]
         tl.store(part_out_ptr + lse_idx.to(tl.int64)[:, None] * HEAD_DIM + d[None, :], o_part, mask=row_ok[:, None])
         tl.store(part_lse_ptr + lse_idx, lse, mask=row_ok)
 
@@ -254,40 +240,27 @@ class PrefillTiles:
     block_n: int
     num_warps: int
     programs_per_sm: int
-    num_stages: int = 3  # K/V tiles in flight (the software pipeline's ring)
-    pack_gqa: bool = False  # a tile's rows are the q heads of one KV head x block_m / group tokens
 
 
-def row_group(pack_gqa: bool, group: int, block_m: int) -> int:
-    """The kernel's ``ROW_GROUP``: ``group`` when packing is asked for and a tile holds at least one
-    token of every head of the group, else 1."""
-    return group if pack_gqa and 1 < group <= block_m else 1
-
-
-def choose_prefill_tiles(num_tokens: int, on_gpu: bool, group: int = 1, head_dim: int = 128) -> PrefillTiles:
-    """GPU tiles from the H200 sweeps (``group`` = q heads per KV head):
+def choose_prefill_tiles(num_tokens: int, on_gpu: bool) -> PrefillTiles:
+    """GPU tiles from the H200 sweeps:
 
     * 128 x 128, 8 warps (one program per SM: ~255 registers a thread): fastest at 4 x (8,192 + 512)
-      (session 1 run 1) and at the 1 x (7,680 + 512) hit (0.194 ms against 0.205 for 64 x 64, session 4
-      run 1). Packing the q heads of a KV head into the rows changes nothing there (0.191 against
-      0.192 ms, session 10 call 1): the MMAs and the softmax bound it, not the K/V traffic.
-    * a step of at most 64 new tokens with GQA, head dim 128: the packed layout, 128 x 128, 8 warps,
-      a two-tile ring. CUDA-graph replays over ~8K cached (session 10 call 3): 16 tokens 0.045 ms,
-      64 tokens 0.047, against 0.066-0.071 for every unpacked tile set at its own length-hint split
-      count (128 x 128 the same with the heads unpacked: 0.070-0.071): unpacked, a 16-64-token step
-      fills a fraction of a tile's rows; packed, the group's heads fill them. From 128 tokens the
-      rows are full either way and the two layouts time alike (0.071-0.073 at 128, 0.117-0.122 at 256),
-      as at head dim 64 at every length (0.032-0.035 ms at 16 and 64 tokens).
-    * other steps of at most 64 tokens: 64 x 64, 4 warps (two programs per SM). 1 x (8,128 + 64):
-      0.048 ms at 8 splits against 0.071 for 128 x 128 at its best (4 splits) and 0.194 unsplit
-      (session 4 run 1).
+      (session 1 run 1) and at the 1 x (7,680 + 512) hit (0.194 ms against 0.205 for 64 x 64, session 4 run 1).
+    * a step of at most 64 new tokens: 64 x 64, 4 warps (two programs per SM): half of a 128-row tile
+      would be padding. 1 x (8,128 + 64): 0.048 ms at 8 splits against 0.071 for 128 x 128 at its best
+      (4 splits) and 0.194 unsplit (session 4 run 1).
     The interpreter gets small tiles (its cost is per element, and the tests want several tiles).
+
+    Tried and taken out (session 10, docs/gpu.md): packing the q heads of one KV head into a tile's
+    rows, so that each K/V tile is loaded once per group instead of once per head. Timed as CUDA-graph
+    replays it equalled these tiles wherever both were timed at their own split counts (1 x (7,680 +
+    512): 0.191 ms both; 1 x (8,128 + 64): 0.047 both; head dim 64 at 16 and 64 tokens and both head
+    dims at 128 and 256 tokens: within 3 %): these steps are not bound by the K/V traffic through L2.
     """
     if not on_gpu:
         return PrefillTiles(block_m=16, block_n=16, num_warps=4, programs_per_sm=1)
     if num_tokens <= 64:
-        if group > 1 and head_dim == 128:
-            return PrefillTiles(block_m=128, block_n=128, num_warps=8, programs_per_sm=1, num_stages=2, pack_gqa=True)
         return PrefillTiles(block_m=64, block_n=64, num_warps=4, programs_per_sm=2)
     return PrefillTiles(block_m=128, block_n=128, num_warps=8, programs_per_sm=1)
 
@@ -322,25 +295,21 @@ def choose_prefill_splits(q_tiles: int, q_heads: int, max_context: int, num_sms:
 
 
 def splits_for_launch(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, num_sms: int,
-                      block_m: int, programs_per_sm: int, rows_per_token: int = 1) -> int:
+                      block_m: int, programs_per_sm: int) -> int:
     """``choose_prefill_splits`` for a packed step: one sequence's chunk is all ``num_tokens``; with
-    more sequences each has at least one query tile and together at most T / tile_tokens + B - 1.
-    ``rows_per_token`` is the kernel's ROW_GROUP: a tile holds block_m / ROW_GROUP tokens of
-    ROW_GROUP heads, and the grid has q_heads / ROW_GROUP columns."""
-    tile_tokens = block_m // rows_per_token
-    q_tiles = -(-num_tokens // tile_tokens) + (num_seqs - 1)
-    return choose_prefill_splits(q_tiles, q_heads // rows_per_token, max_context, num_sms, programs_per_sm)
+    more sequences each has at least one query tile and together at most T / block_m + B - 1."""
+    q_tiles = -(-num_tokens // block_m) + (num_seqs - 1)
+    return choose_prefill_splits(q_tiles, q_heads, max_context, num_sms, programs_per_sm)
 
 
-def launch_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device,
-                  group: int = 1, head_dim: int = 128) -> int:
+def launch_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
     """The split count ``paged_prefill`` launches with its default tiles when the longest of its
-    ``context_lens`` is ``max_context`` (``group`` = q heads per KV head). A CUDA graph captured with a
-    context hint replays that launch for any context (the kernel divides each sequence's keys among
-    the splits at run time), so a graph runner keys its graphs by this (engine/prefill_graphs.py)."""
-    tiles = choose_prefill_tiles(num_tokens, device.type == "cuda", group, head_dim)
+    ``context_lens`` is ``max_context``. A CUDA graph captured with a context hint replays that launch
+    for any context (the kernel divides each sequence's keys among the splits at run time), so a graph
+    runner keys its graphs by this (engine/prefill_graphs.py)."""
+    tiles = choose_prefill_tiles(num_tokens, device.type == "cuda")
     return splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device), tiles.block_m,
-                             tiles.programs_per_sm, row_group(tiles.pack_gqa, group, tiles.block_m))
+                             tiles.programs_per_sm)
 
 
 def paged_prefill(
@@ -358,10 +327,9 @@ def paged_prefill(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int = 3,
     num_splits: int | None = None,
     context_lens: Sequence[int] | None = None,
-    pack_gqa: bool | None = None,
 ) -> torch.Tensor:
     """Launch the ragged prefill kernel (+ the split merge). Inputs are checked by ``kernels.triton_ops``.
 
@@ -369,8 +337,7 @@ def paged_prefill(
     the device costs a host sync (~0.1 ms, measured) while surplus tiles exit after two loads.
     ``context_lens`` (host ints, each sequence's context after this chunk, as the scheduler knows
     it) lets ``choose_prefill_splits`` split a launch that would leave the GPU idle; without it,
-    or with ``num_splits`` given, no guess is made (one split unless told). ``pack_gqa`` overrides
-    the tiles' choice of row layout (see the module docstring).
+    or with ``num_splits`` given, no guess is made (one split unless told).
     """
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -381,22 +348,18 @@ def paged_prefill(
     if max_q_len is None:
         max_q_len = num_tokens
     on_gpu = q.device.type == "cuda"
-    group = q_heads // kv_heads
-    tiles = choose_prefill_tiles(num_tokens, on_gpu, group, head_dim)
+    tiles = choose_prefill_tiles(num_tokens, on_gpu)
     overridden = (block_m, block_n, num_warps) != (None, None, None)
     block_m = block_m if block_m is not None else tiles.block_m
     block_n = block_n if block_n is not None else tiles.block_n
     if num_warps is None:
         num_warps = tiles.num_warps if not overridden else (8 if block_m >= 128 else 4)
-    if num_stages is None:
-        num_stages = tiles.num_stages if not overridden else 3
-    rows_per_token = row_group(tiles.pack_gqa if pack_gqa is None else pack_gqa, group, block_m)
     if num_splits is None:
         num_splits = 1
         if context_lens is not None and len(context_lens) == num_seqs:
             longest = max(int(n) for n in context_lens)
-            num_splits = splits_for_launch(num_tokens, num_seqs, q_heads, longest, num_sms(q.device), block_m,
-                                           1 if overridden else tiles.programs_per_sm, rows_per_token)
+            num_splits = (splits_for_launch(num_tokens, num_seqs, q_heads, longest, num_sms(q.device), block_m, 1)
+                          if overridden else launch_splits(num_tokens, num_seqs, q_heads, longest, q.device))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
@@ -405,7 +368,7 @@ def paged_prefill(
         part_lse = torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = placeholder(q.device, torch.float32)
-    grid = (q_heads // rows_per_token, triton.cdiv(max_q_len, block_m // rows_per_token), num_seqs * num_splits)
+    grid = (q_heads, triton.cdiv(max_q_len, block_m), num_seqs * num_splits)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ks, vs, out, part_out, part_lse,
         scale * LOG2E, num_tokens,
@@ -415,7 +378,7 @@ def paged_prefill(
         block_tables.stride(0),
         *sc_strides,
         out.stride(0), out.stride(1),
-        GROUP=group, ROW_GROUP=rows_per_token, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), NUM_SPLITS=num_splits,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -165,8 +165,7 @@ def paged_prefill_attention(
     return out
 
 
-def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, max_context: int,
-                   device: torch.device) -> int:
+def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
     """KV splits of a prefill launch (``kernels.triton_ops.prefill_splits``): these ops never split."""
     return 1
 

@@ -127,14 +127,11 @@ def paged_prefill_attention(
     )
 
 
-def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, max_context: int,
-                   device: torch.device) -> int:
+def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
     """How many KV splits ``paged_prefill_attention`` launches for ``num_tokens`` new tokens of
     ``num_seqs`` sequences when the longest context (its ``context_lens`` hint) is ``max_context``."""
-    assert min(num_tokens, num_seqs, q_heads, kv_heads, head_dim, max_context) >= 1, "sizes must be >= 1"
-    assert q_heads % kv_heads == 0, f"q_heads {q_heads} must be a multiple of kv_heads {kv_heads}"
-    return prefill_attention.launch_splits(num_tokens, num_seqs, q_heads, max_context, device,
-                                           group=q_heads // kv_heads, head_dim=head_dim)
+    assert num_tokens >= 1 and num_seqs >= 1 and q_heads >= 1 and max_context >= 1, "sizes must be >= 1"
+    return prefill_attention.launch_splits(num_tokens, num_seqs, q_heads, max_context, device)
 
 
 def write_kv(

@@ -65,8 +65,8 @@ def test_keys_follow_the_launchers_split_choice():
 
     cpu = torch.device("cpu")
     graphs = PrefillGraphs(torch.nn.Identity(), [], triton_ops, 16, max_blocks_per_seq=LONG // 16, q_heads=1,
-                           kv_heads=1, head_dim=32, sizes=(16, 64), device=cpu)
-    splits = {t: sorted({triton_ops.prefill_splits(t, 1, 1, 1, 32, c, cpu) for c in range(t, LONG + 1, 16)})
+                           sizes=(16, 64), device=cpu)
+    splits = {t: sorted({triton_ops.prefill_splits(t, 1, 1, c, cpu) for c in range(t, LONG + 1, 16)})
               for t in graphs.sizes}
     assert max(splits[16]) > 1, "the policy must split somewhere in this range, or the test checks nothing"
     rng = random.Random(7)
@@ -75,7 +75,7 @@ def test_keys_follow_the_launchers_split_choice():
         context = rng.randrange(n, LONG + 1)
         key = graphs.key_for(chunk([1] * n, context - n, list(range(-(-context // 16)))))
         assert key.tokens == (16 if n <= 16 else 64)
-        want = triton_ops.prefill_splits(key.tokens, 1, 1, 1, 32, context, cpu)
+        want = triton_ops.prefill_splits(key.tokens, 1, 1, context, cpu)
         assert key.splits in splits[key.tokens]
         if want in graphs._hints[key.tokens]:
             assert key.splits == want
@@ -95,8 +95,7 @@ def test_padded_prefill_matches_eager_and_padding_writes_nothing(tmp_path):
     runner = long_runner(tmp_path, "cpu")
     assert runner.prefill_graphs is None  # a CPU runner runs prefill eagerly; the path is driven directly here
     graphs = PrefillGraphs(runner.model, runner.layer_caches, runner.ops, runner.block_size,
-                           max_blocks_per_seq=LONG // 16, q_heads=SHAPE["num_attention_heads"],
-                           kv_heads=SHAPE["num_key_value_heads"], head_dim=SHAPE["head_dim"], sizes=(8, 32, 64),
+                           max_blocks_per_seq=LONG // 16, q_heads=SHAPE["num_attention_heads"], sizes=(8, 32, 64),
                            device=torch.device("cpu"))
     rng = random.Random(3)
     table = rng.sample(range(runner.num_kv_blocks), 40)  # scattered blocks, 640 tokens

@@ -180,17 +180,3 @@ def test_prefill_gpu_split_kv(kv_dtype, head_dim, group, block_size):
     prefill.run_case(head_dim, group, block_size, cached=[8100], new=[40], kv_dtype=kv_dtype,
                      q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim * group + 8, device="cuda",
                      context_lens=[8140])
-
-
-@pytest.mark.parametrize("kv_dtype,head_dim,group,block_size,num_splits", [
-    (None, 128, 4, 16, None), (ref.FP8_DTYPE, 128, 4, 16, None), (torch.int8, 128, 4, 16, None),
-    (None, 128, 3, 16, 3), (None, 64, 7, 32, 3), (ref.FP8_DTYPE, 128, 8, 16, 3),
-])
-def test_prefill_gpu_packed_gqa(kv_dtype, head_dim, group, block_size, num_splits):
-    """GQA-packed rows (kernels/prefill_attention.py) on the compiled kernel with the GPU tiles: fresh
-    prompts, a long prefix, a one-token chunk, an empty sequence; GQA 3 and 7 leave rows of a tile
-    masked; with and without forced splits. (Each case compiles its own variants: six cases, not the
-    full product, keep the suite's GPU tests near a minute.)"""
-    prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
-                     kv_dtype=kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim * group + 11, device="cuda",
-                     num_splits=num_splits, pack_gqa=True)

@@ -86,46 +86,6 @@ def test_prefill_split_kv_matches_reference(kv_dtype, head_dim, group, block_siz
              block_m=32, block_n=16, num_splits=num_splits, seed=num_splits * 100 + head_dim + group + block_size)
 
 
-@pytest.mark.parametrize("group", [2, 3, 4, 7, 8])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_prefill_packed_gqa_matches_reference(group, num_splits):
-    # One tile's rows are the q heads of one KV head x block_m // group tokens (3 and 7 leave rows
-    # over that end masked); small tiles so tiles cross the causal diagonal and the splits cut keys.
-    run_case(64, group, 16, cached=[0, 45, 70, 3], new=[23, 9, 1, 0], kv_heads=2, block_m=32, block_n=16,
-             num_splits=num_splits, pack_gqa=True, seed=group * 10 + num_splits)
-
-
-@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8])
-def test_prefill_packed_gqa_quantized_kv(kv_dtype):
-    run_case(64, 4, 16, cached=[20, 33], new=[6, 17], kv_dtype=kv_dtype, block_m=16, block_n=16, pack_gqa=True,
-             seed=17)
-
-
-def test_prefill_packed_and_unpacked_agree_on_fresh_inputs():
-    # the two row layouts compute the same attention (fp32 accumulation in either order of heads)
-    for seed in range(3):
-        errs = [run_case(128, 4, 32, cached=[50, 0], new=[30, 21], block_m=32, block_n=32, pack_gqa=pack,
-                         seed=100 + seed) for pack in (False, True)]
-        assert max(errs) < TOL[torch.float16]
-
-
-def test_row_group_falls_back_when_a_tile_cannot_hold_a_group():
-    assert prefill_attention.row_group(True, 4, 128) == 4
-    assert prefill_attention.row_group(True, 16, 16) == 16
-    assert prefill_attention.row_group(True, 32, 16) == 1  # not one token of every head
-    assert prefill_attention.row_group(True, 1, 128) == 1
-    assert prefill_attention.row_group(False, 4, 128) == 1
-
-
-def test_packed_split_choice_counts_kv_head_programs():
-    h200 = 132
-    # the 512-token hit packed at GQA 4: 16 tiles of 32 tokens x 8 KV heads = the same 128 programs
-    assert prefill_attention.splits_for_launch(512, 1, 32, 8192, h200, 128, 1, rows_per_token=4) == \
-        prefill_attention.splits_for_launch(512, 1, 32, 8192, h200, 128, 1) == 1
-    # a 64-token suffix packed (4 tiles x 8 KV heads) splits like the unpacked 1 x 32
-    assert prefill_attention.splits_for_launch(64, 1, 32, 8192, h200, 64, 2, rows_per_token=4) == 8
-
-
 def test_prefill_length_hint_splits_a_grid_that_leaves_the_gpu_idle():
     # One query tile of one head against 4,100 keys: the interpreter's 4 fake SMs would run 1 program.
     assert prefill_attention.choose_prefill_splits(1, 1, 4100, 4) == 4
@@ -153,8 +113,3 @@ def test_prefill_tiles():
     assert (tiles(512, True).block_m, tiles(512, True).programs_per_sm) == (128, 1)
     assert (tiles(65, True).block_m, tiles(64, True).block_m, tiles(64, True).programs_per_sm) == (128, 64, 2)
     assert tiles(4096, False).block_m == 16
-    # a short GQA step at head dim 128 packs its heads into 128-row tiles with a two-tile ring
-    short = tiles(64, True, group=4, head_dim=128)
-    assert (short.pack_gqa, short.block_m, short.num_stages) == (True, 128, 2)
-    assert not tiles(64, True, group=1).pack_gqa and not tiles(64, True, group=4, head_dim=64).pack_gqa
-    assert not tiles(512, True, group=4).pack_gqa  # the 512-token hit: no gain measured, left unpacked
