@@ -547,8 +547,7 @@ SKINNY_VARIANTS = [  # (block_n, block_k, num_warps, num_stages, split automatic
 
 
 def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=4, cached=8192, new=512, q_heads=32, kv_heads=8,
-                 head_dim=128, block_size=16, sweep_splits: bool = False, quantized: bool = False,
-                 contiguous_sdpa: bool = False) -> dict:
+                 head_dim=128, block_size=16, sweep_splits: bool = False, quantized: bool = False) -> dict:
     context = cached + new
     scale = 1 / math.sqrt(head_dim)
     kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
@@ -619,7 +618,6 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
                 variants[f"m{bm}_n{bn}_w{nw}_s{ns}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         row["variants"] = variants
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     mask = causal_lower_right(new, context)
@@ -644,28 +642,6 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
             row["gather_sdpa_gqa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     row["gather_sdpa_rel_err"] = rel_err(g, out)
     row["gather_sdpa_ms"] = bench(lambda: gather_sdpa(row["gather_sdpa_form"] == "enable_gqa"))
-    # SDPA on K/V already contiguous (no gather): what torch's fused attention takes for the same work,
-    # by backend; the headroom a paged kernel is measured against
-    if contiguous_sdpa:
-        ids = tables.long()
-        kc = k_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
-        vc = v_cache[ids].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
-        if q_heads != kv_heads:
-            kc, vc = kc.repeat_interleave(q_heads // kv_heads, dim=1), vc.repeat_interleave(q_heads // kv_heads, dim=1)
-        contig = {}
-        for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-            def sdpa(kc=kc, vc=vc, backend=backend):
-                with sdpa_kernel(getattr(SDPBackend, backend)):
-                    return F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=scale)
-            try:
-                err = rel_err(sdpa().transpose(1, 2).reshape(batch * new, q_heads, head_dim), out)
-                t = bench(sdpa)
-                contig[backend.lower()] = {"ms": t, "graph_ms": bench_graph(sdpa), "TFLOPs": flops / (t * 1e-3) / 1e12,
-                                           "rel_err_vs_ours": err}
-            except Exception as e:  # noqa: BLE001  (a backend that refuses the shape or the mask: record it)
-                contig[backend.lower()] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-        row["sdpa_contiguous"] = contig
-        del kc, vc
     row["vs_gather_sdpa"] = row["gather_sdpa_ms"] / ms
     del kv
     torch.cuda.empty_cache()
@@ -816,12 +792,11 @@ def main() -> int:
         save()
         # a prefix hit's step: one sequence, 512 new tokens over 7,680 cached (the launcher picks its tiles)
         result["prefill_hit"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=7680, new=512,
-                                             sweep_splits=args.full_sweeps, quantized=True, contiguous_sdpa=True)
+                                             sweep_splits=args.full_sweeps, quantized=True)
         save()
         # a short suffix over a long prefix (a chat turn after a cached system prompt): 32 programs unsplit
         result["prefill_hit_short"] = prefill_case(gen, ceil, args.quick, args.full_sweeps, batch=1, cached=8128,
-                                                   new=64, sweep_splits=args.full_sweeps, quantized=True,
-                                                   contiguous_sdpa=True)
+                                                   new=64, sweep_splits=args.full_sweeps, quantized=True)
         save()
         # the issue's hit shape with block size 32 and GQA 1 / head dim 64 (the launcher's choice only)
         result["prefill_hit_classes"] = [
@@ -905,28 +880,18 @@ def print_table(r: dict) -> None:
               f"{h['rel_err']:.1e}/{h.get('fp8_rel_err', float('nan')):.1e}/{h.get('int8_rel_err', float('nan')):.1e}")
         if v:
             print("   " + ", ".join(f"{k} {x['ms']:.3f}" for k, x in v.items() if "ms" in x))
-        _print_contiguous(h)
     for h in r.get("prefill_hit_classes", []):
         sh = h["shape"]
         print(f"prefill 1x({sh['cached']}+{sh['new']}) Hq{sh['q_heads']}/Hkv{sh['kv_heads']} D{sh['head_dim']} "
               f"BS{sh['block_size']}: {h['ms']:.3f} ms, graph {_ms(h.get('graph_ms'))} ({h['num_splits']} splits; "
               f"{h['no_hint_ms']:.3f} without), "
               f"gather+SDPA {h['gather_sdpa_ms']:.3f}, err {h['rel_err']:.1e}")
-        _print_contiguous(h)
     p = r.get("prefill")
     if p is None:
         return
     print(f"prefill 4x(8192 cached + 512 new): ours {p['ms']:.3f} ms = {p['TFLOPs']:.0f} TFLOP/s "
           f"({100 * p['pct_matmul']:.0f}% of matmul), gather+SDPA {p['gather_sdpa_ms']:.3f} ms "
           f"[{p.get('gather_sdpa_form')}], x{p['vs_gather_sdpa']:.2f}, err {p['rel_err']:.1e}")
-
-
-def _print_contiguous(h: dict) -> None:
-    """SDPA on a contiguous copy of the cache beside a prefill row (when measured)."""
-    contig = {k: v for k, v in h.get("sdpa_contiguous", {}).items() if "ms" in v}
-    if contig:
-        print("   contiguous SDPA, eager/graph ms: " + " ".join(f"{k.split('_')[0]} {v['ms']:.3f}/{_ms(v.get('graph_ms'))}"
-                                                               for k, v in contig.items()))
 
 
 def _ms(x) -> str:
