@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 INSTALL_HINT = "apt-get install -y postgresql redis-server"
 
@@ -180,6 +180,17 @@ def sqlite_only(svc: object, why: str) -> None:
 # -- pytest fixtures (imported by the conftest files that use them) ---------------------------------
 
 import pytest  # noqa: E402
+
+_Server = TypeVar("_Server", PostgresServer, RedisServer)
+
+
+def started(server: type[_Server]) -> _Server:
+    """A new ``server`` started, or a skip naming what to install (for a test that runs its own
+    server; the constructor already looks for the binaries)."""
+    try:
+        return server().start()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="session")

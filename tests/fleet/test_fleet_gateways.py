@@ -12,17 +12,14 @@ import httpx
 import pytest
 
 from tests.fleet.fleet_harness import AUTH_TTL_S, Fleet, ask, start_fleet
-from tests.fleetutil import PostgresServer, RedisServer, Unavailable
+from tests.fleetutil import PostgresServer, RedisServer, started
 from tests.serverutil import REPO, error_lines, scrape
 
 
 @pytest.fixture(scope="module")
 def own_redis():
     """This module's Redis: the outage test stops and restarts it."""
-    try:
-        server = RedisServer().start()
-    except Unavailable as exc:
-        pytest.skip(str(exc))
+    server = started(RedisServer)
     yield server
     server.close()
 

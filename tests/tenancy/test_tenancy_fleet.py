@@ -12,7 +12,7 @@ import pytest
 from tenancy.errors import AuthenticationError, KeyMaterialError, QuotaExceededError
 from tenancy.service import DatabaseUnavailableError, TenancyService
 from tenancy.types import UsageRecord
-from tests.fleetutil import PostgresServer, RedisServer, read_rows
+from tests.fleetutil import PostgresServer, RedisServer, read_rows, started
 
 
 def _fleet_home(tmp_path: Path, name: str, first: Path | None) -> Path:
@@ -262,7 +262,7 @@ def test_revocation_and_deletion_reach_the_other_gateway_well_within_the_ttl(pai
 
 def test_redis_away_means_local_limits_and_a_degraded_status_then_recovery(
         tmp_path: Path, postgres_server: PostgresServer) -> None:
-    own = RedisServer().start()  # this test stops it: not the shared one
+    own = started(RedisServer)  # this test stops it: not the shared one
     url = postgres_server.new_database()
     svc = TenancyService.open(_fleet_home(tmp_path, "a", None), database_url=url, redis_url=own.url)
     try:
