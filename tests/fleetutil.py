@@ -200,10 +200,7 @@ def postgres_server() -> object:
         import psycopg  # noqa: F401
     except ImportError:
         pytest.skip("psycopg is not installed (pip install 'prefixgate[fleet]')")
-    try:
-        server = PostgresServer().start()
-    except Unavailable as exc:
-        pytest.skip(str(exc))
+    server = started(PostgresServer)
     yield server
     server.stop()
 
@@ -214,10 +211,7 @@ def redis_session_server() -> object:
         import redis  # noqa: F401
     except ImportError:
         pytest.skip("redis (redis-py) is not installed (pip install 'prefixgate[fleet]')")
-    try:
-        server = RedisServer().start()
-    except Unavailable as exc:
-        pytest.skip(str(exc))
+    server = started(RedisServer)
     yield server
     server.close()
 
