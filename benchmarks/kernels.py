@@ -656,13 +656,15 @@ SUFFIX_VARIANTS = [("m64_n64_w4_s3", 64, 64, 4, 3, 2), ("m64_n64_w4_s2", 64, 64,
                    ("m128_n64_w8_s3", 128, 64, 8, 3, 1)]
 
 
-def suffix_sweep(gen, news=(16, 64, 128, 256), head_dims=(128, 64), context=8192, q_heads=32, kv_heads=8,
-                 block_size=16) -> list[dict]:
-    """Short and mid-sized steps over a long cached prefix: the launcher's tiles against SUFFIX_VARIANTS,
-    all against the reference. Timed as CUDA-graph replays (``ms``), as the engine runs these steps
-    (engine/prefill_graphs.py): a launch of 0.05-0.1 ms of kernels is host-bound when timed eagerly
-    (session 10 call 2: one tile set read 0.060 and 0.120 ms in two eager timings); the launcher's
-    eager time is kept as ``eager_ms``."""
+def suffix_sweep(gen, news=(16, 64, 128, 256, 512), head_dims=(128, 64), context=8192, q_heads=32, kv_heads=8,
+                 block_size=16, variants: bool = True) -> list[dict]:
+    """Short and mid-sized steps over a long cached prefix: the launcher's tiles against SUFFIX_VARIANTS
+    (``variants``), all against the reference. Timed as CUDA-graph replays (``ms``), as the engine runs
+    these steps (engine/prefill_graphs.py): a launch of 0.05-0.1 ms of kernels is host-bound when timed
+    eagerly (session 10 call 2: one tile set read 0.060 and 0.120 ms in two eager timings); the
+    launcher's eager time is kept as ``eager_ms``. ``first_call_s`` is the launcher's first call of the
+    row: with an empty Triton cache it holds the compile of any (tiles, split) variant not met before,
+    which is what a server pays at its prefill-graph capture."""
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for head_dim in head_dims:
@@ -681,10 +683,16 @@ def suffix_sweep(gen, news=(16, 64, 128, 256), head_dims=(128, 64), context=8192
             def launch(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, cu=cu, lens=lens, scale=scale, **kw):
                 return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
                                                        context_lens=[context], **kw)
-            row["launcher"]["rel_err"] = rel_err(launch(), want)
+            torch.cuda.synchronize()
+            t_first = time.perf_counter()
+            got = launch()
+            torch.cuda.synchronize()
+            row["launcher"]["first_call_s"] = time.perf_counter() - t_first
+            row["launcher"]["splits"] = prefill_attention.launch_splits(new, 1, q_heads, context, q.device)
+            row["launcher"]["rel_err"] = rel_err(got, want)
             row["launcher"]["ms"] = bench_graph(launch)
             row["launcher"]["eager_ms"] = bench(launch)
-            for label, bm, bn, nw, ns, pps in SUFFIX_VARIANTS:
+            for label, bm, bn, nw, ns, pps in (SUFFIX_VARIANTS if variants else ()):
                 splits = prefill_attention.splits_for_launch(new, 1, q_heads, context, sms, bm, pps)
                 kw = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits}
                 try:
@@ -694,7 +702,8 @@ def suffix_sweep(gen, news=(16, 64, 128, 256), head_dims=(128, 64), context=8192
                     row[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
             rows.append(row)
             print(f"suffix {new} over {context - new}, D{head_dim} (graph ms): launcher {row['launcher']['tiles']} "
-                  f"{_ms(row['launcher']['ms'])} (eager {row['launcher']['eager_ms']:.3f}); "
+                  f"x{row['launcher']['splits']} {_ms(row['launcher']['ms'])} (eager {row['launcher']['eager_ms']:.3f}, "
+                  f"first call {row['launcher']['first_call_s']:.2f} s); "
                   + ", ".join(f"{k} {_ms(v['ms'])} ({v['splits']} splits)" for k, v in row.items()
                               if isinstance(v, dict) and "ms" in v and k != "launcher"), flush=True)
         del kv
@@ -723,7 +732,8 @@ def main() -> int:
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
-                    help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set)")
+                    help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
+                         "with --suffix-sweep: the launcher's rows only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -755,7 +765,7 @@ def main() -> int:
         picked, args.skip_classes, args.skip_prefill = [], True, False
     if args.suffix_sweep:
         picked, args.skip_classes, args.skip_prefill = [], True, True
-        result["suffix_sweep"] = suffix_sweep(gen)
+        result["suffix_sweep"] = suffix_sweep(gen, variants=not args.launcher_only)
         save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
