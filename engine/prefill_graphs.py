@@ -108,6 +108,10 @@ class PrefillGraphs:
         # per size: split count -> the context hint that makes the launcher pick it (at capture)
         self._hints: dict[int, dict[int, int]] = {t: self._split_hints(t) for t in self.sizes}
         self.num_runs = 0  # steps served (tests and benchmarks check the graph path was taken)
+        # when a list: every replay appends its (start, end) CUDA events, recorded on the stream right
+        # before and after the graph, so that a benchmark can split a step's wall time into the
+        # device's run of the graph and the host work around it (read after the run; no sync here)
+        self.replay_log: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     # ------------------------------------------------------------------------------ policy
     def _splits_for(self, tokens: int, context: int) -> int:
@@ -233,7 +237,14 @@ class PrefillGraphs:
         key = self.fill(chunk)
         self.num_runs += 1
         if self.captured:
-            self._graphs[key].replay()
+            if self.replay_log is None:
+                self._graphs[key].replay()
+            else:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._graphs[key].replay()
+                end.record()
+                self.replay_log.append((start, end))
             return self._logits[key]
         return self._forward(key)
 

@@ -9,11 +9,11 @@ at position p sees keys 0..p (cached prefix fully, the new tokens causally)::
     loop 1: [0, prefix + m_start) rounded down to BLOCK_N   no mask needed
     loop 2: the rest up to min(seq_len, prefix + m_end)      causal + length mask
 
-grid = (q_heads, ceil(max_q_len / BLOCK_M), num_seqs * NUM_SPLITS); q heads vary fastest so the
+grid = (q_heads, ceil(max_q_len / BLOCK_M), num_seqs * num_splits); q heads vary fastest so the
 ``group`` heads that read one KV head run side by side and share its tiles through L2.
 
-Split-KV (``NUM_SPLITS > 1``, for grids that leave most of the GPU idle: a short suffix over a long
-cached prefix is a few query tiles per head)::
+Split-KV (``num_splits > 1``, the ``SPLIT`` variant, for grids that leave most of the GPU idle: a
+short suffix over a long cached prefix is a few query tiles per head)::
 
     tile's keys [0, kv_end)   |<- split 0 ->|<- split 1 ->|<- ... ->|   each BLOCK_N-aligned
     program (h, m, b, s)      attends its split only, writes o_s = acc / l and lse_s = m + log2 l
@@ -101,8 +101,13 @@ def _attend_tile(
 # left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
 # the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
 # prefill+decode step took 2.1 s instead of 0.4 s, a 129-block table after 128-block ones).
-# ``num_tokens`` (the step's token count, used only to index the split partials) likewise.
-@triton.jit(do_not_specialize=["stride_btb", "num_tokens"])
+# ``num_tokens`` (the step's token count, used only to index the split partials) likewise, and
+# ``num_splits``: one compile serves every split count (a split count as a constexpr compiled each
+# of 2, 4, 8, 16 apart, ~1.5 s each on the H200's host, at a graph capture or a first step). Timed
+# as CUDA-graph replays the run-time count costs nothing: steps of 16-512 tokens over 8K cached at
+# head dims 128 and 64, 0.035-0.194 ms, equal to the constexpr kernel's within 0.001 ms in one call
+# (session 11, docs/gpu.md); session 9's "slower" figures were host-bound eager timings.
+@triton.jit(do_not_specialize=["stride_btb", "num_tokens", "num_splits"])
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [NB, BS, Hkv, D] (strided)
@@ -112,11 +117,12 @@ def _prefill_kernel(
     seq_lens_ptr,  # [B] int32
     k_scale_ptr,
     v_scale_ptr,
-    out_ptr,  # [T, Hq, D]                       (written when NUM_SPLITS == 1)
-    part_out_ptr,  # [NUM_SPLITS, T, Hq, D] fp32     (written when NUM_SPLITS > 1)
-    part_lse_ptr,  # [NUM_SPLITS, T, Hq] fp32, log2 domain
+    out_ptr,  # [T, Hq, D]                       (written when not SPLIT)
+    part_out_ptr,  # [num_splits, T, Hq, D] fp32     (written when SPLIT)
+    part_lse_ptr,  # [num_splits, T, Hq] fp32, log2 domain
     qk_scale,
     num_tokens,
+    num_splits,  # KV splits per sequence (the grid's third dimension / sequences); 1 when not SPLIT
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -130,12 +136,15 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     KV_QUANT: tl.constexpr,
     DOT_TY: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     h = tl.program_id(0)
     m_tile = tl.program_id(1)
-    b = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    b = tl.program_id(2)
+    split = 0
+    if SPLIT:
+        b = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
     q_lo = tl.load(cu_seqlens_ptr + b)
     q_len = tl.load(cu_seqlens_ptr + b + 1) - q_lo
     m_start = m_tile * BLOCK_M
@@ -166,8 +175,8 @@ def _prefill_kernel(
     kv_end = tl.minimum(seq_len, prefix + m_start + BLOCK_M)
     lo = 0
     hi = kv_end
-    if NUM_SPLITS > 1:
-        split_keys = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        split_keys = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         lo = split * split_keys
         hi = tl.minimum(lo + split_keys, kv_end)
     acc, m_i, l_i = _attend_tile(
@@ -180,9 +189,9 @@ def _prefill_kernel(
         acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr,
         kv_head, q_pos, tl.maximum(lo, full_end), hi, seq_len, score_scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-        True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, NUM_SPLITS > 1,
+        True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, SPLIT,
     )
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         acc = acc * v_tensor_scale / l_i[:, None]
         o_ptrs = out_ptr + (q_lo + rows)[:, None] * stride_ot + h * stride_oh + d[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -190,7 +199,7 @@ def _prefill_kernel(
         seen = l_i > 0.0
         o_part = acc * (v_tensor_scale / tl.where(seen, l_i, 1.0))[:, None]
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        # partials are [NUM_SPLITS, T, Hq, (D)] contiguous; Hq = the grid's first dimension
+        # partials are [num_splits, T, Hq, (D)] contiguous; Hq = the grid's first dimension
         lse_idx = (split * num_tokens + q_lo + rows) * tl.num_programs(0) + h  # [BLOCK_M]
         tl.store(part_out_ptr + lse_idx.to(tl.int64)[:, None] * HEAD_DIM + d[None, :], o_part, mask=row_ok[:, None])
         tl.store(part_lse_ptr + lse_idx, lse, mask=row_ok)
@@ -371,7 +380,7 @@ def paged_prefill(
     grid = (q_heads, triton.cdiv(max_q_len, block_m), num_seqs * num_splits)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ks, vs, out, part_out, part_lse,
-        scale * LOG2E, num_tokens,
+        scale * LOG2E, num_tokens, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -379,7 +388,7 @@ def paged_prefill(
         *sc_strides,
         out.stride(0), out.stride(1),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), SPLIT=num_splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
