@@ -31,6 +31,7 @@ checked without a GPU.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -65,6 +66,22 @@ class PrefillGraphKey:
 
     tokens: int
     splits: int
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    """One replay, as a benchmark splits it: the CUDA events recorded right before and after the
+    graph on the stream, and the host's seconds in ``fill`` and in the launch call itself."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    fill_s: float
+    launch_s: float
+
+    def device_ms(self) -> float:
+        """The device's run of the graph (waits for it)."""
+        self.end.synchronize()
+        return float(self.start.elapsed_time(self.end))
 
 
 class PrefillGraphs:
@@ -108,10 +125,10 @@ class PrefillGraphs:
         # per size: split count -> the context hint that makes the launcher pick it (at capture)
         self._hints: dict[int, dict[int, int]] = {t: self._split_hints(t) for t in self.sizes}
         self.num_runs = 0  # steps served (tests and benchmarks check the graph path was taken)
-        # when a list: every replay appends its (start, end) CUDA events, recorded on the stream right
-        # before and after the graph, so that a benchmark can split a step's wall time into the
-        # device's run of the graph and the host work around it (read after the run; no sync here)
-        self.replay_log: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        # when a list: every replay appends a ReplayRecord, so that a benchmark can split a step's
+        # wall time into the device's run of the graph and the host work around it (read after the
+        # run; no sync here)
+        self.replay_log: list[ReplayRecord] | None = None
 
     # ------------------------------------------------------------------------------ policy
     def _splits_for(self, tokens: int, context: int) -> int:
@@ -234,17 +251,19 @@ class PrefillGraphs:
     @torch.inference_mode()
     def run(self, chunk: SequenceChunk) -> torch.Tensor:
         """One prefill step for ``chunk`` (its K/V written) -> the last row's logits [1, V] float32."""
+        t0 = time.perf_counter()
         key = self.fill(chunk)
         self.num_runs += 1
         if self.captured:
             if self.replay_log is None:
                 self._graphs[key].replay()
             else:
+                t1 = time.perf_counter()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 self._graphs[key].replay()
                 end.record()
-                self.replay_log.append((start, end))
+                self.replay_log.append(ReplayRecord(start, end, t1 - t0, time.perf_counter() - t1))
             return self._logits[key]
         return self._forward(key)
 
