@@ -552,10 +552,12 @@ def sec_prefix(dev, args, config, runner) -> dict:
     cold = run_requests(engine, [GenerateRequest("p0", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head))])
     hits, runner_ms, replay_ms, fill_ms, launch_ms = [], [], [], [], []
     graphs = runner.prefill_graphs
+    hit_started_at = []  # epoch seconds, to line the hits up with a clock/power log taken beside the run
     for i in range(5):
         timed.steps.clear()
         if graphs is not None:
             graphs.replay_log = []
+        hit_started_at.append(time.time())
         hits.append(run_requests(engine, [GenerateRequest(f"p{i + 1}", StaticTenantScope(), greedy(1),
                                                           prompt_token_ids=prompt(head))]))
         runner_ms.append(1e3 * sum(st[0] for st in timed.steps))
@@ -575,12 +577,14 @@ def sec_prefix(dev, args, config, runner) -> dict:
     pairs = []
     for i in range(4):
         h = [g.randrange(vocab) for _ in range(cached_len)]
+        cold_at = time.time()
         c = run_requests(engine, [GenerateRequest(f"c{i}", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(h))])
         if graphs is not None:
             graphs.replay_log = []
+        hit_at = time.time()
         hr = run_requests(engine, [GenerateRequest(f"h{i}", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(h))])
         pair = {"cold_ms": 1e3 * next(iter(c["ttft"].values())), "hit_ms": 1e3 * next(iter(hr["ttft"].values())),
-                "hit_cached": next(iter(hr["cached"].values()))}
+                "hit_cached": next(iter(hr["cached"].values())), "cold_started_at": cold_at, "hit_started_at": hit_at}
         if graphs is not None:
             log, graphs.replay_log = graphs.replay_log or [], None
             pair["hit_replay_ms"] = sum(rec.device_ms() for rec in log)
@@ -594,7 +598,7 @@ def sec_prefix(dev, args, config, runner) -> dict:
                            "hit_runner_execute_ms": runner_ms,
                            # in hit order: the device's run of the hit's graph (events around the
                            # replay), and the TTFT less it: the host work on the hit's critical path
-                           "hit_replay_ms": replay_ms,
+                           "hit_replay_ms": replay_ms, "hit_started_at": hit_started_at,
                            "hit_host_ms": [1e3 * next(iter(r["ttft"].values())) - rep for r, rep in zip(hits, replay_ms)],
                            # of which, on the host before the device starts: the graph's input fill and
                            # the launch call (cudaGraphLaunch of ~340 kernels and their copies)
