@@ -204,19 +204,21 @@ class LLMEngine:
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids: chat template for messages, tokenizer for text, or as given."""
+        return self._tokenize(request)[0]
+
+    def _tokenize(self, request: GenerateRequest) -> tuple[list[int], bytes | None]:
+        """``tokenize``, with the ids packed as int64 bytes when they were given as integers (the
+        conversion packs them anyway; the block hashes reuse the bytes)."""
         if request.prompt_token_ids is not None:
-            ids = _int_list(request.prompt_token_ids)
-        else:
-            with self._tokenizer_lock:
-                if request.messages is not None:
-                    ids = list(self.runner.render_prompt(request.messages, request.tools))
-                else:
-                    ids = list(self.runner.tokenizer.encode(request.prompt))
-        return ids
+            return _int_list_packed(request.prompt_token_ids)
+        with self._tokenizer_lock:
+            if request.messages is not None:
+                return list(self.runner.render_prompt(request.messages, request.tools)), None
+            return list(self.runner.tokenizer.encode(request.prompt)), None
 
     def prepare(self, request: GenerateRequest) -> Request:
         """Tokenize and validate; raises ``EngineError`` subclasses for requests that cannot run."""
-        ids = self.tokenize(request)
+        ids, packed = self._tokenize(request)
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization")
         bad = _first_outside(ids, self.vocab_size)
@@ -253,6 +255,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_time=self.clock(),
             retention=tuple(request.retention),
+            packed_prompt=packed,
         )
         self.cache_timer.add(CachePhase.HASH, time.thread_time() - t0)
         ctx = ids[-_DETOK_CONTEXT:]
@@ -741,10 +744,17 @@ def _int_list(values: Sequence[int]) -> list[int]:
     """``[int(t) for t in values]``, converted in C when every value is an int (or an integer type
     such as numpy's): an 8,192-token prompt in 0.14 ms instead of 0.32 ms on a 2-core Xeon. Other
     values (strings, floats) and ints past int64 take ``int()`` as before."""
+    return _int_list_packed(values)[0]
+
+
+def _int_list_packed(values: Sequence[int]) -> tuple[list[int], bytes | None]:
+    """``_int_list`` and, when the C conversion took them, the ids as native int64 bytes (None when
+    they took ``int()``)."""
     try:
-        return array("q", values).tolist()
+        packed = array("q", values)
     except (TypeError, OverflowError):
-        return [int(t) for t in values]
+        return [int(t) for t in values], None
+    return packed.tolist(), packed.tobytes()
 
 
 def _first_outside(ids: list[int], size: int) -> int | None:

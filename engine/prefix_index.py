@@ -56,16 +56,30 @@ def extend_block_hashes(
     # (hash_block's definition, byte for byte): packing block by block cost as much again as the
     # hashing itself (an 8,192-token prompt: 520 -> 320 us on a 2-core Xeon).
     data = _pack(token_ids[start * block_size : full * block_size])
+    hashes.extend(_chain(hashes[-1] if hashes else namespace, data, block_size))
+    return full - start
+
+
+def packed_block_hashes(namespace: bytes, packed: bytes, block_size: int) -> list[BlockHash]:
+    """``block_hashes`` of token ids already packed as native int64 bytes (``array("q", ids).tobytes()``),
+    the same hashes byte for byte: a prompt the engine packed while validating it is not packed again
+    (an 8,192-token prompt: ~0.13-0.2 ms of conversion on a 2-core Xeon)."""
+    if len(packed) % _TOKEN_BYTES:
+        raise ValueError(f"packed token ids must be a multiple of {_TOKEN_BYTES} bytes, got {len(packed)}")
+    full = len(packed) // (_TOKEN_BYTES * block_size)
+    return _chain(namespace, packed[: full * block_size * _TOKEN_BYTES], block_size)
+
+
+def _chain(parent: bytes, data: bytes, block_size: int) -> list[BlockHash]:
+    """The chained hashes of the whole blocks in ``data`` (packed int64 tokens), seeded by ``parent``."""
     step = block_size * _TOKEN_BYTES
     sha256 = hashlib.sha256
-    parent: bytes = hashes[-1] if hashes else namespace
     # raw digests, typed once: BlockHash(...) per block is a Python call (NewType), 40 us of 512 blocks
     new: list[bytes] = []
     for at in range(0, len(data), step):
         parent = sha256(parent + data[at : at + step]).digest()
         new.append(parent)
-    hashes.extend(cast("list[BlockHash]", new))
-    return full - start
+    return cast("list[BlockHash]", new)
 
 
 def block_hashes(namespace: bytes, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:

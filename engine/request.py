@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv_types import BlockHash, QueueReason
-from engine.prefix_index import block_hashes
+from engine.prefix_index import block_hashes, packed_block_hashes
 from engine.protocol import FinishReason, Retention, SamplingParams, TenantScope
 
 if TYPE_CHECKING:
@@ -90,9 +90,18 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
 
-    def __post_init__(self) -> None:
+    # the prompt as native int64 bytes when the caller has them (LLMEngine.prepare packs a prompt
+    # while validating it): its block hashes are then taken from them instead of packing it again
+    packed_prompt: InitVar[bytes | None] = None
+
+    def __post_init__(self, packed_prompt: bytes | None) -> None:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
+        if packed_prompt is not None and not self.output_token_ids and not self.block_hashes:
+            if len(packed_prompt) != 8 * len(self.prompt_token_ids):
+                raise ValueError(f"packed_prompt holds {len(packed_prompt)} bytes for "
+                                 f"{len(self.prompt_token_ids)} prompt tokens (8 bytes each)")
+            self.block_hashes = packed_block_hashes(self.namespace, packed_prompt, self.block_size)
         self.update_block_hashes()
 
     # ------------------------------------------------------------------ tokens

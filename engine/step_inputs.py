@@ -18,6 +18,12 @@ BLOCKWISE_SLOTS_FROM_TOKENS = 32
 def positions_and_slots(chunks: Sequence[SequenceChunk], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed batch's positions [T] and cache slots [T] (int64, on the host): a chunk's token at
     position ``p`` goes to slot ``block_table[p // block_size] * block_size + p % block_size``."""
+    positions, slots = position_and_slot_arrays(chunks, block_size)
+    return torch.frombuffer(positions, dtype=torch.int64), torch.frombuffer(slots, dtype=torch.int64)
+
+
+def position_and_slot_arrays(chunks: Sequence[SequenceChunk], block_size: int) -> tuple[array, array]:
+    """``positions_and_slots`` as two ``array("q")`` (no tensors: for a writer into a memoryview)."""
     positions = array("q")
     slots = array("q")
     for c in chunks:
@@ -28,7 +34,7 @@ def positions_and_slots(chunks: Sequence[SequenceChunk], block_size: int) -> tup
             continue
         for p in range(start, end):
             slots.append(table[p // block_size] * block_size + p % block_size)
-    return torch.frombuffer(positions, dtype=torch.int64), torch.frombuffer(slots, dtype=torch.int64)
+    return positions, slots
 
 
 def _blockwise_slots(table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:

@@ -1,5 +1,7 @@
 """The step loop with the deterministic fake runner: outputs, stopping, abort, errors, accounting."""
 
+from array import array
+
 import pytest
 from engine_core_fakes import EOS, FakeRunner, reference_generate, scope
 from prometheus_client import CollectorRegistry, generate_latest
@@ -8,7 +10,13 @@ from engine.config import EngineConfig
 from engine.kv_types import CacheObserver, LowerTier
 from engine.llm_engine import LLMEngine
 from engine.metrics import CacheTimer, EngineMetrics
-from engine.protocol import GenerateRequest, InvalidRequestError, PromptTooLongError, SamplingParams
+from engine.protocol import (
+    GenerateRequest,
+    InvalidRequestError,
+    PromptTooLongError,
+    SamplingParams,
+    StaticTenantScope,
+)
 
 BS = 8
 
@@ -292,6 +300,39 @@ def test_int_list_converts_like_int_for_every_input_kind():
         got = _int_list(values)
         assert got == [int(t) for t in values]
         assert all(type(t) is int for t in got)
+
+
+def test_int_list_packed_gives_the_ids_bytes_or_none():
+    from engine.llm_engine import _int_list_packed
+
+    ids, packed = _int_list_packed([3, 1, 2**40])
+    assert ids == [3, 1, 2**40] and packed == array("q", ids).tobytes()
+    assert _int_list_packed(["7", 8])[1] is None  # int() took them: nothing packed
+
+
+def test_a_request_hashes_its_packed_prompt_like_its_ids():
+    """The engine hands the prompt's packed bytes to Request; the block hashes are the ones of the
+    ids (the prefix cache's keys must not depend on how a prompt arrived), growth still extends them,
+    and bytes that do not match the prompt's length are refused."""
+    from engine.request import Request
+
+    ids = list(range(1000, 1045))  # 2 full blocks of 16 and a partial one
+    kw = {"request_id": "r", "tenant": StaticTenantScope(b"t"), "sampling": SamplingParams(max_tokens=4),
+          "block_size": 16}
+    plain = Request(prompt_token_ids=list(ids), **kw)
+    packed = Request(prompt_token_ids=list(ids), packed_prompt=array("q", ids).tobytes(), **kw)
+    assert len(plain.block_hashes) == 2 and packed.block_hashes == plain.block_hashes
+    for r in (plain, packed):
+        for t in (1, 2, 3):
+            r.append_output_token(t, 0.0)
+    assert len(plain.block_hashes) == 3 and packed.block_hashes == plain.block_hashes
+    with pytest.raises(ValueError, match="packed_prompt"):
+        Request(prompt_token_ids=list(ids), packed_prompt=array("q", ids[:-1]).tobytes(), **kw)
+    engine, _ = make_engine()
+    req = engine.prepare(GenerateRequest("g", StaticTenantScope(b"t"), SamplingParams(max_tokens=4),
+                                         prompt_token_ids=[i % 256 for i in ids]))
+    want = Request(prompt_token_ids=[i % 256 for i in ids], **{**kw, "block_size": BS}).block_hashes
+    assert len(want) == 45 // BS and req.block_hashes == want
 
 
 def test_the_vocabulary_check_names_the_first_id_outside_it():

@@ -8,7 +8,7 @@ import pytest
 from engine.block_pool import BlockPool, IntegrityError
 from engine.eviction import Block, CostPolicy, FreeBlockQueue
 from engine.kv_types import EvictedBlock
-from engine.prefix_index import BlockHash, PrefixIndex, block_hashes, extend_block_hashes
+from engine.prefix_index import BlockHash, PrefixIndex, block_hashes, extend_block_hashes, packed_block_hashes
 
 BS = 4
 
@@ -31,6 +31,18 @@ def test_incremental_hashes_equal_full_hashes():
         extend_block_hashes(b"ns", toks[:n], BS, inc)
     assert inc == block_hashes(b"ns", toks, BS)
     assert extend_block_hashes(b"ns", toks, BS, inc) == 0
+
+
+def test_hashes_of_packed_ids_equal_the_hashes_of_the_ids():
+    import random
+
+    rng = random.Random(4)
+    for n in (0, 3, 4, 17, 64, 513):
+        toks = [rng.randrange(-(2**40), 2**40) for _ in range(n)]
+        for bs in (1, 4, 16):
+            assert packed_block_hashes(b"ns", array("q", toks).tobytes(), bs) == block_hashes(b"ns", toks, bs)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        packed_block_hashes(b"ns", b"\x00" * 12, BS)
 
 
 def test_match_never_covers_the_last_token_and_stops_at_first_miss():
