@@ -54,6 +54,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.models.random_init import LLAMA31_8B_SHAPE, build_random_model, llama_config_dict  # noqa: E402
 from engine.models.spec import parse_checkpoint_config  # noqa: E402
+from engine.prefill_graphs import PrefillGraphs, ReplayRecord  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope  # noqa: E402
 
 SMALL_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -562,7 +563,7 @@ def sec_prefix(dev, args, config, runner) -> dict:
                                                           prompt_token_ids=prompt(head))]))
         runner_ms.append(1e3 * sum(st[0] for st in timed.steps))
         if graphs is not None:
-            log, graphs.replay_log = graphs.replay_log or [], None
+            log = take_replays(graphs)
             replay_ms.append(sum(rec.device_ms() for rec in log))
             fill_ms.append(1e3 * sum(rec.fill_s for rec in log))
             launch_ms.append(1e3 * sum(rec.launch_s for rec in log))
@@ -586,8 +587,7 @@ def sec_prefix(dev, args, config, runner) -> dict:
         pair = {"cold_ms": 1e3 * next(iter(c["ttft"].values())), "hit_ms": 1e3 * next(iter(hr["ttft"].values())),
                 "hit_cached": next(iter(hr["cached"].values())), "cold_started_at": cold_at, "hit_started_at": hit_at}
         if graphs is not None:
-            log, graphs.replay_log = graphs.replay_log or [], None
-            pair["hit_replay_ms"] = sum(rec.device_ms() for rec in log)
+            pair["hit_replay_ms"] = sum(rec.device_ms() for rec in take_replays(graphs))
         pair["speedup"] = pair["cold_ms"] / pair["hit_ms"]
         pairs.append(pair)
     cold_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in colds)
@@ -639,6 +639,12 @@ def sec_prefix(dev, args, config, runner) -> dict:
                                                            prompt_token_ids=prompt(head2))]) for i in range(3)]
         out["short_suffix"]["eager_hit_ttft_ms"] = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in eager)
     return out
+
+
+def take_replays(graphs: PrefillGraphs) -> list[ReplayRecord]:
+    """The replays ``graphs`` logged since its ``replay_log`` was set to a list; logging off again."""
+    log, graphs.replay_log = graphs.replay_log or [], None
+    return log
 
 
 def host_profile_hit(engine: LLMEngine, make_prompt, top: int = 25) -> dict:

@@ -740,16 +740,11 @@ class LLMEngine:
 
 
 
-def _int_list(values: Sequence[int]) -> list[int]:
-    """``[int(t) for t in values]``, converted in C when every value is an int (or an integer type
-    such as numpy's): an 8,192-token prompt in 0.14 ms instead of 0.32 ms on a 2-core Xeon. Other
-    values (strings, floats) and ints past int64 take ``int()`` as before."""
-    return _int_list_packed(values)[0]
-
-
 def _int_list_packed(values: Sequence[int]) -> tuple[list[int], bytes | None]:
-    """``_int_list`` and, when the C conversion took them, the ids as native int64 bytes (None when
-    they took ``int()``)."""
+    """``[int(t) for t in values]``, converted in C when every value is an int (or an integer type
+    such as numpy's): an 8,192-token prompt in 0.14 ms instead of 0.32 ms on a 2-core Xeon; with the
+    ids as native int64 bytes, which the block hashes reuse. Other values (strings, floats) and ints
+    past int64 take ``int()`` as before, and no bytes (None)."""
     try:
         packed = array("q", values)
     except (TypeError, OverflowError):

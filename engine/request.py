@@ -97,7 +97,7 @@ class Request:
     def __post_init__(self, packed_prompt: bytes | None) -> None:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
-        if packed_prompt is not None and not self.output_token_ids and not self.block_hashes:
+        if packed_prompt is not None:
             if len(packed_prompt) != 8 * len(self.prompt_token_ids):
                 raise ValueError(f"packed_prompt holds {len(packed_prompt)} bytes for "
                                  f"{len(self.prompt_token_ids)} prompt tokens (8 bytes each)")

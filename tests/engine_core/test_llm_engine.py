@@ -293,11 +293,11 @@ def test_int_list_converts_like_int_for_every_input_kind():
     values it cannot take (strings, floats, ints past int64)."""
     import numpy as np
 
-    from engine.llm_engine import _int_list
+    from engine.llm_engine import _int_list_packed
 
     for values in ([1, 2, 3], (True, 0, 5), np.array([4, 5], dtype=np.int64), ["7", 8.0, 9],
                    [2**70, 1], [np.int32(3), 4], [], [-1, 2**63 - 1]):
-        got = _int_list(values)
+        got = _int_list_packed(values)[0]
         assert got == [int(t) for t in values]
         assert all(type(t) is int for t in got)
 
