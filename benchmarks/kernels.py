@@ -27,8 +27,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -502,8 +500,7 @@ def decode_gemm_chain_case(gen, ceil: dict, layers: int = 32) -> dict:
 
 
 def pdl_gemm_config(n: int, k: int, pdl: bool = False,
-                    launch_next: skinny_gemm.LaunchNext = skinny_gemm.LaunchNext.AT_START,
-                    prefetch_lines: int = 0) -> skinny_gemm.SkinnyConfig:
+                    launch_next: skinny_gemm.LaunchNext = skinny_gemm.LaunchNext.AT_START) -> skinny_gemm.SkinnyConfig:
     """Session 8's weight-streaming tiles for the chain: the whole K range per program (no split, so no
     reduce kernel and one boundary per GEMM), 16-64 output rows per program, the widest that still
     gives two programs per SM; 256-wide K slices, three stages for 64-row tiles (80 KB of shared
@@ -511,7 +508,7 @@ def pdl_gemm_config(n: int, k: int, pdl: bool = False,
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bn = next((b for b in (64, 32) if triton.cdiv(n, b) >= 2 * sms), 16)
     return skinny_gemm.SkinnyConfig(block_n=bn, block_k=256, split_k=1, num_stages=3 if bn == 64 else 4, pdl=pdl,
-                                    launch_next=launch_next, prefetch_lines=prefetch_lines)
+                                    launch_next=launch_next)
 
 
 @dataclass(frozen=True)
@@ -522,36 +519,11 @@ class ChainLinear:
     config: str
 
 
-def skinny_variant(glue: bool = False, **kw) -> Callable[[int, int], ChainLinear]:
-    """The chain's GEMMs through ``kernels.skinny_gemm`` with ``pdl_gemm_config(**kw)``; with ``glue``,
-    each GEMM preceded by a small kernel reading and writing its input's bytes (``_glue_kernel``), as
-    the step's norms and activations sit between its GEMMs: with PDL the glue lets the GEMM launch at
-    its own start and waits for the previous GEMM before it touches memory."""
+def skinny_variant(**kw) -> Callable[[int, int], ChainLinear]:
     def make(n: int, k: int) -> ChainLinear:
         cfg = pdl_gemm_config(n, k, **kw)
-        if not glue:
-            return ChainLinear(lambda x, w: skinny_gemm.skinny_linear(x, w, None, cfg), str(cfg))
-
-        def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            scratch = torch.empty_like(x)
-            numel = x.numel()
-            extra = {"launch_pdl": True} if cfg.pdl else {}
-            _glue_kernel[(triton.cdiv(numel, 1024),)](x, scratch, numel, BLOCK=1024, PDL=cfg.pdl, **extra)
-            return skinny_gemm.skinny_linear(x, w, None, cfg)
-        return ChainLinear(run, f"glue + {cfg}")
+        return ChainLinear(lambda x, w: skinny_gemm.skinny_linear(x, w, None, cfg), str(cfg))
     return make
-
-
-@triton.jit
-def _glue_kernel(src_ptr, dst_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """dst = 2 * src: a stand-in for the step's small kernels between GEMMs (an RMSNorm reads and
-    writes a few rows). With PDL: the next grid may launch at once, the reads wait for the previous."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok) * 2, mask=ok)
 
 
 # The chain through kernels.skinny_gemm (session 8, calls 2-3 and 6): whole-K programs; PDL with the
@@ -563,15 +535,6 @@ CHAIN_VARIANTS: dict[str, Callable[[int, int], ChainLinear]] = {
     "triton": skinny_variant(),
     "triton_pdl": skinny_variant(pdl=True),
     "triton_pdl_after_loop": skinny_variant(pdl=True, launch_next=skinny_gemm.LaunchNext.AFTER_LOOP),
-    # session 12: the next grid launched once the wait has returned (no chain of parked grids), with
-    # and without the first weight lines put in L2 before the wait; and the chain with a small kernel
-    # before each GEMM, as in the step, without and with PDL
-    "triton_pdl_after_wait": skinny_variant(pdl=True, launch_next=skinny_gemm.LaunchNext.AFTER_WAIT),
-    "triton_pdl_after_wait_l2": skinny_variant(pdl=True, launch_next=skinny_gemm.LaunchNext.AFTER_WAIT,
-                                               prefetch_lines=8),
-    "triton_glue": skinny_variant(glue=True),
-    "triton_glue_pdl_after_wait_l2": skinny_variant(glue=True, pdl=True,
-                                                    launch_next=skinny_gemm.LaunchNext.AFTER_WAIT, prefetch_lines=8),
 }
 
 

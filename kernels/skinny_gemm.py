@@ -52,10 +52,6 @@ class LaunchNext(enum.IntEnum):
 
     AT_START = 0  # first thing: the next grid may launch as soon as this one's last wave has started
     AFTER_LOOP = 1  # after the weight stream, before the store: as this one drains
-    # once this program's wait has returned (the previous grid is complete): the next grid launches
-    # early, but it cannot launch the one after it before this one ends, so at most one grid waits
-    # behind a running one (AT_START chains: each parked grid lets the next one launch and park too)
-    AFTER_WAIT = 2
 
 
 @dataclass(frozen=True)
@@ -67,9 +63,6 @@ class SkinnyConfig:
     num_stages: int = 4
     pdl: bool = False  # launch with programmatic dependent launch (CUDA, sm_90+; see the module doc)
     launch_next: LaunchNext = LaunchNext.AT_START  # with pdl
-    # with pdl: 128-byte lines of each weight row put in L2 before the wait, so that a grid launched
-    # early fetches its first weights while the previous grid drains
-    prefetch_lines: int = 0
 
 
 @triton.jit
@@ -89,8 +82,6 @@ def _skinny_kernel(
     DOT_TY: tl.constexpr,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = -1,  # LaunchNext with PDL, -1 without
-    PREFETCH_LINES: tl.constexpr = 0,  # with PDL: weight lines per row put in L2 before the wait
-    LINE_ELEMS: tl.constexpr = 64,  # elements of w in a 128-byte line
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,20 +91,10 @@ def _skinny_kernel(
     m_ok = rm < M
     n_ok = rn < N
     k_lo = pid_k * K_SPLIT
-    if PREFETCH_LINES > 0:
-        # the weights do not depend on the previous kernel: ask L2 for the first lines of every row
-        # this program streams (rows clamped into the matrix: a prefetch must name a valid address)
-        lines = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS
-        rows = tl.minimum(rn, N - 1).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [w_ptr + rows[:, None] * stride_wn + (k_lo + lines)[None, :]],
-                                  dtype=tl.int32, is_pure=False, pack=1)
     if TRIGGER == 0:
         gdc_launch_dependents()
     if PDL:
         gdc_wait()  # x is the previous kernel's output
-    if TRIGGER == 2:
-        gdc_launch_dependents()
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -188,12 +169,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     pdl = {}
     if config.pdl:
         assert not interpreting() and x.is_cuda, "programmatic dependent launch needs compiled kernels on CUDA"
-        line_elems = 128 // x.element_size()
-        lines = config.prefetch_lines
-        assert lines == 0 or (lines & (lines - 1) == 0 and lines * line_elems <= k // split), \
-            f"prefetch_lines={lines}: a power of two within the program's K range"
-        pdl = {"PDL": True, "TRIGGER": int(config.launch_next), "PREFETCH_LINES": lines, "LINE_ELEMS": line_elems,
-               "launch_pdl": True}
+        pdl = {"PDL": True, "TRIGGER": int(config.launch_next), "launch_pdl": True}
     _skinny_kernel[(triton.cdiv(n, config.block_n), split)](
         x, weight, b, out, part, m, n, k // split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
