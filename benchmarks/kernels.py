@@ -531,6 +531,8 @@ def skinny_variant(**kw) -> Callable[[int, int], ChainLinear]:
 # Also measured and dropped: 512-wide K tiles, 8 warps, the L2 prefetch and no explicit trigger (in
 # skinny_gemm until 8d8a8ca), and a persistent grid of 1-2 programs per SM (kernels/stream_gemm.py at
 # 13472b9: 67 % without PDL, 40 % with it at M = 1; one GEMM 77 %: too few bytes in flight per SM).
+# Session 12: the trigger after the program's wait (no chain of parked grids), with and without the L2
+# prefetch, and a small kernel before each GEMM with PDL: 62-64 % at M = 1 (at 5ef5902; docs/gpu.md).
 CHAIN_VARIANTS: dict[str, Callable[[int, int], ChainLinear]] = {
     "triton": skinny_variant(),
     "triton_pdl": skinny_variant(pdl=True),

@@ -22,7 +22,10 @@ after its weight loop) and waits for the previous kernel's writes (``griddepcont
 reads ``x``. Measured on the H200 (session 8, the 128-GEMM chain at M = 1): 83 % of copy without PDL,
 83 % with the next grid launched after the weight loop, 64 % launched at the start (an L2 prefetch of
 the first weight lines before the wait, and no explicit trigger, changed nothing and were dropped).
-So PDL stays an option of this experiment, measured by ``benchmarks/kernels.py --gemm-only``.
+Session 12 launched the next grid right after each program's wait had returned, so that no more than
+one grid waits behind a running one: 63 % again, with or without the L2 prefetch (in the tree at
+5ef5902): any grid launched early slows the one it waits on. So PDL stays an option of this
+experiment, measured by ``benchmarks/kernels.py --gemm-only``.
 """
 
 from __future__ import annotations
