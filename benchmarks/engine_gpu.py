@@ -419,6 +419,80 @@ def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
     return {"context": ctx, "rows": rows}
 
 
+DECODE_KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match wins
+    ("attention", ("_decode_split_kernel", "_reduce_kernel", "_prefill_kernel", "_merge_kernel")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "_skinny_kernel")),
+    ("norm", ("rms_norm",)),
+    ("rotary_kv_write", ("rotary", "_write_kv_kernel")),
+    ("activation", ("silu",)),
+)
+
+
+def decode_kernel_class(name: str) -> str:
+    n = name.lower()
+    return next((cls for cls, keys in DECODE_KERNEL_CLASSES if any(k.lower() in n for k in keys)), "other")
+
+
+def sec_decode_profile(dev, args, runner) -> dict:
+    """Where a decode step's device time goes: ``--profile-steps`` graph-replayed steps at each batch
+    size of ``--profile-batches`` (2K context) under torch.profiler. Per step: kernels and their device
+    time by class (GEMM, attention, norm, rotary + KV write, activation, other: sampling, embedding,
+    copies), the kernels' span from the first start to the last end, and the idle time between kernels
+    inside it; the top kernels by time. Profiler overhead is on the host; kernel times are their own."""
+    if not dev.startswith("cuda"):
+        return {"skipped": "CPU"}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    ctx, steps, bs = args.sweep_ctx, args.profile_steps, runner.block_size
+    nblk = -(-(ctx + steps + 8) // bs)
+    rows = []
+    for b in args.profile_batches:
+        if b * nblk > runner.num_kv_blocks:
+            rows.append({"batch": b, "skipped": f"needs {b * nblk} blocks"})
+            continue
+        tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(b)]
+        batches = [decode_batch(tables, ctx, st, runner.spec.vocab_size) for st in range(steps + 3)]
+        for batch in batches[:3]:
+            runner.execute(batch)
+        sync(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for batch in batches[3:]:
+                runner.execute(batch)
+            sync(dev)
+        for i in range(b):
+            runner.release(f"sweep{i}")
+        ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+                    and not e.name.startswith(("Memcpy", "Memset")))
+        if not ks:
+            rows.append({"batch": b, "skipped": "no kernel events recorded"})
+            continue
+        by_name: dict[str, list[float]] = {}
+        for start, end, name in ks:
+            by_name.setdefault(name, []).append(end - start)
+        by_class: dict[str, dict[str, float]] = {}
+        for name, durs in by_name.items():
+            c = by_class.setdefault(decode_kernel_class(name), {"kernels_per_step": 0.0, "us_per_step": 0.0})
+            c["kernels_per_step"] += len(durs) / steps
+            c["us_per_step"] += sum(durs) / steps
+        busy = sum(e - s for s, e, _ in ks)
+        idle, end = 0.0, ks[0][1]  # time inside the span with no kernel running
+        for s, e, _ in ks[1:]:
+            idle += max(0.0, s - end)
+            end = max(end, e)
+        span = end - ks[0][0]
+        top = sorted(((sum(d) / steps, len(d) / steps, n) for n, d in by_name.items()), reverse=True)[:12]
+        row = {"batch": b, "context": ctx, "steps": steps, "kernels_per_step": len(ks) / steps,
+               "busy_us_per_step": busy / steps, "span_us_per_step": span / steps, "idle_us_per_step": idle / steps,
+               "by_class": by_class,
+               "top": [{"kernel": n[:80], "per_step": round(k, 2), "us_per_step": round(us, 1)} for us, k, n in top]}
+        rows.append(row)
+        print(f"   profile batch {b}: {len(ks) / steps:.0f} kernels/step, busy {busy / steps:.0f} us, "
+              f"span {span / steps:.0f} us", flush=True)
+    return {"rows": rows}
+
+
 def pipelined_sweep(dev, runner, tables, ctx: int, steps: int) -> dict:
     """The same decode steps as the engine's overlapped loop runs them: step n+1 is launched with its
     tokens fed on the device from step n's picks, then step n is collected (the only wait). ->
@@ -856,6 +930,13 @@ def table(r: dict) -> str:
                 rows.append((f"  overlapped b={row['batch']}: step ms / floor, vs sync",
                              f"{ov['step_ms']:.2f} = {ov['step_over_floor']:.2f}x, {ov['vs_sync']:.2f}x{idle}",
                              "<= 1.2x, idle <= 5%"))
+    for row in s.get("decode_profile", {}).get("rows", []):
+        if "by_class" not in row:
+            continue
+        parts = ", ".join(f"{c} {v['us_per_step']:.0f}/{v['kernels_per_step']:.0f}"
+                          for c, v in sorted(row["by_class"].items(), key=lambda kv: -kv[1]["us_per_step"]))
+        rows.append((f"decode profile b={row['batch']}: us/kernels per step",
+                     f"busy {row['busy_us_per_step']:.0f} of span {row['span_us_per_step']:.0f}: {parts}", ""))
     rows.append(("prefix: cold TTFT (ms)", get("prefix", "cold_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("prefix: cached TTFT (ms)", get("prefix", "hit_ttft_ms", fmt="{:.1f}"), ""))
     rows.append(("prefix: speedup", get("prefix", "speedup", fmt="{:.1f}x"), ">= 12x"))
@@ -909,7 +990,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/engine_gpu_h200.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the whole flow on a CPU")
-    ap.add_argument("--sections", default="ceilings,correctness,decode,decode_sweep,prefix,capacity,tenants,long_prefill")
+    ap.add_argument("--sections",
+                    default="ceilings,correctness,decode,decode_sweep,decode_profile,prefix,capacity,tenants,long_prefill")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers in the decode section")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--mt-requests", type=int, default=64)
@@ -925,6 +1007,7 @@ def main() -> int:
     args.mt_tenants, args.mt_system, args.mt_unique, args.mt_new = (2, 64, 8, 4) if smoke else (8, 2048, 200, 16)
     args.sweep_ctx, args.sweep_steps = (64, 3) if smoke else (2048, 20)
     args.sweep_batches = (1, 8, 32) if smoke else (1, 8, 32, 128)
+    args.profile_batches, args.profile_steps = ((1,), 2) if smoke else ((1, 32), 10)
     args.long_batch, args.long_len = (2, 128) if smoke else (4, 16384)
     args.hf_forward_batch = 2 if smoke else 8
     if smoke:
@@ -1013,6 +1096,7 @@ def main() -> int:
     hf = None
     gc.collect()
     section("decode_sweep", sec_decode_sweep, dev, args, model, runner, bw)
+    section("decode_profile", sec_decode_profile, dev, args, runner)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)
