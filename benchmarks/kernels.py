@@ -300,6 +300,42 @@ def prev_tiles_ms(row: dict, name: str, q, kc, vc, tables, lens, scale, ks, vs, 
     row[f"{name}_prev_tiles_graph_ms"] = bench_graph(run)
 
 
+def graph_split_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_tokens=8448, q_heads=32, kv_heads=8,
+                     head_dim=128, block_size=16) -> dict:
+    """The decode launch as a CUDA graph makes it: no length hint, a block table as wide as the longest
+    context the graph may meet (``table_tokens``: the engine benchmark's 8,448), live contexts of
+    ``context``. Graph replays, bf16 and fp8: the splits at fixed offsets of the table's capacity
+    (``split_by_length=False``, the launcher before session 12) against each context cut into the
+    split count (the launcher's default without a hint), and the same batch in a table exactly as
+    wide as its contexts (the launcher's best case, where both placements are one)."""
+    rows = []
+    width = table_tokens // block_size
+    scale = 1 / math.sqrt(head_dim)
+    for batch in batches:
+        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
+        wide = torch.cat([tables, torch.zeros(batch, width - tables.shape[1], dtype=tables.dtype, device="cuda")], 1)
+        q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        row: dict = {"shape": {"batch": batch, "context": context, "table_tokens": table_tokens, "q_heads": q_heads,
+                               "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size}}
+        for name, dtype in (("bf16", torch.bfloat16), ("fp8", ref.FP8_DTYPE)):
+            cache, ks, vs = (kv, None, None) if dtype == torch.bfloat16 else quantize_cache(kv, dtype)
+            k_cache, v_cache = cache[:, 0, 0], cache[:, 0, 1]
+            kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
+            want = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs)
+
+            def run(t, by_length, q=q, lens=lens, k_cache=k_cache, v_cache=v_cache, ks=ks, vs=vs):
+                return decode_attention.paged_decode(q, k_cache, v_cache, t, lens, scale, ks, vs,
+                                                     split_by_length=by_length)
+            for label, t, by_length in (("fixed", wide, False), ("by_length", wide, True), ("exact_table", tables, None)):
+                ms = bench_graph(lambda t=t, b=by_length: run(t, b)) or float("nan")
+                row[f"{name}_{label}"] = {"graph_ms": ms, "pct_copy": kv_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"],
+                                          "rel_err": rel_err(run(t, by_length), want)}
+            del cache, k_cache, v_cache
+        rows.append(row)
+        del kv
+    return {"rows": rows}
+
+
 def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
     """One batch of very different lengths (MIXED_LENS). The launcher gets the lengths as a host-side
     hint (``context_lens``, as the engine's eager steps pass them) and fits its split count to them;
@@ -732,6 +768,8 @@ def main() -> int:
     ap.add_argument("--classes", default=None, help="comma-separated indices into DECODE_CLASSES: only those "
                                                     "classes (no mixed batch, fused ops or GEMMs)")
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
+    ap.add_argument("--graph-splits-only", action="store_true",
+                    help="only the ceilings and the graph-shaped decode launches (graph_split_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -769,6 +807,10 @@ def main() -> int:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["suffix_sweep"] = suffix_sweep(gen, variants=not args.launcher_only)
         save()
+    if args.graph_splits_only:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["graph_splits"] = graph_split_case(gen, ceil)
+        save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
@@ -795,6 +837,8 @@ def main() -> int:
             save()
             print(f"class {shape} done ({time.time() - t0:.0f}s)", flush=True)
         result["mixed"] = mixed_case(gen, ceil)
+        save()
+        result["graph_splits"] = graph_split_case(gen, ceil)
         save()
         result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
         if not args.skip_gemms:
@@ -856,6 +900,12 @@ def print_table(r: dict) -> None:
             print(f"{s:<30}{d['num_splits']:>7}{d['bf16_ms']:>9.3f}{_ms(d.get('bf16_graph_ms')):>9}"
                   f"{100 * d['bf16_pct_copy'] * d['bf16_ms'] / best:>6.0f}%{d['sdpa_contig_ms'] / best:>8.2f}"
                   f"{best / fp8_best:>7.2f}{prev:>24}")
+    for row in r.get("graph_splits", {}).get("rows", []):
+        sh = row["shape"]
+        cells = "  ".join(f"{name} {row[f'{name}_fixed']['graph_ms']:.4f} / {row[f'{name}_by_length']['graph_ms']:.4f}"
+                          f" / {row[f'{name}_exact_table']['graph_ms']:.4f}" for name in ("bf16", "fp8"))
+        print(f"graph-shaped decode {sh['batch']} x {sh['context']} in a {sh['table_tokens']}-token table, ms fixed / "
+              f"by length / exact table: {cells}")
     m = r.get("mixed")
     if m:
         sp = m["splits"]

@@ -87,7 +87,7 @@ def _decode_split_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32 (written when NUM_SPLITS > 1)
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
     qk_scale,  # softmax scale * log2(e)
-    split_tokens,
+    split_tokens,  # keys per split; 0: each sequence's own context cut into NUM_SPLITS (``split_length``)
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -108,10 +108,11 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * split_tokens
+    split_len = _split_length(seq_len, split_tokens, NUM_SPLITS, BLOCK_N)
+    start = split * split_len
     if start >= seq_len:
         return
-    end = tl.minimum(start + split_tokens, seq_len)
+    end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -192,21 +193,37 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _split_length(seq_len, split_tokens, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of a sequence: ``split_tokens`` when the launch fixed it (> 0), else the
+    sequence's own context cut into ``NUM_SPLITS`` tile-aligned parts. The second is how a CUDA graph
+    splits: its split count is fixed at capture from the block table's capacity (the longest context
+    it may meet), and cutting that capacity instead of the live context left most splits empty, e.g.
+    32 sequences of 2K in a graph sized for 8.4K ran one program per (sequence, kv head), half a wave,
+    at 68 % of copy bandwidth (session 12)."""
+    if split_tokens > 0:
+        split_len = split_tokens
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return split_len
+
+
+@triton.jit
 def _reduce_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
     seq_lens_ptr,  # [B]
     out_ptr,  # [B, Hq, D]
-    split_tokens,
+    split_tokens,  # as the split kernel's
     stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    n_valid = tl.cdiv(seq_len, split_tokens)  # splits past the context wrote nothing
+    n_valid = tl.cdiv(seq_len, _split_length(seq_len, split_tokens, NUM_SPLITS, BLOCK_N))  # the rest wrote nothing
     sp = tl.arange(0, SPLITS_PAD)
     sp_ok = (sp < n_valid) & (sp < NUM_SPLITS)
     bh = b * tl.num_programs(1) + h
@@ -292,9 +309,11 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     tiles: ~40 KB of shared memory and 128 threads each). Run time ~ waves * (context / splits), so
     pick the smallest split count within 5% of the best ``ceil(programs * s / wave) / s``, each split
     at least 256 tokens. Measured on the H200 (run 2): 16 x 32768 took 0.60 ms at 5 splits (1.2
-    waves) and 0.49 ms at 4 or 8. Uses the block table's capacity, not the live lengths, so the
-    launch never reads device values (no host sync; CUDA-graph safe); splits past a sequence's end
-    exit at once.
+    waves) and 0.49 ms at 4 or 8. The count depends on the launch's shape only (sequences x kv
+    heads against the wave, the block table's capacity as a cap), so the launch never reads device
+    values (no host sync; CUDA-graph safe); without a hint the kernels cut each sequence's live
+    context into that many splits on the device (``_split_length``), so a graph sized for long
+    contexts still fills its wave on short ones.
 
     ``context_lens`` (a host-side hint: each sequence's context, as the scheduler knows it) switches
     to ``_splits_for_lengths``, which models a batch of unequal lengths; without it every sequence is
@@ -363,11 +382,15 @@ def paged_decode(
     v_pairs: bool | None = None,
     max_registers: int | None = None,
     context_lens: Sequence[int] | None = None,
+    split_by_length: bool | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``.
 
     Tiles default to ``choose_tiles``, the split count to ``choose_num_splits`` (``context_lens``:
-    optional host-side lengths of the sequences, for batches of unequal length). ``max_registers``
+    optional host-side lengths of the sequences, for batches of unequal length). Where the splits
+    fall: with ``context_lens`` at fixed offsets (the cost model's tokens per split), without them
+    (a CUDA graph, which cannot know the lengths) each sequence's live context is cut into the
+    split count on the device (``_split_length``); ``split_by_length`` overrides. ``max_registers``
     caps registers per thread (Triton's ``maxnreg``; default: the tiles' own, ``FP8_WAVE_TILES``
     sets one): where registers, not shared memory, limit how many programs an SM holds. Compiled
     kernels only (the interpreter has no registers to cap)."""
@@ -390,6 +413,10 @@ def paged_decode(
                                        context_lens=context_lens)
     split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, split_tokens)
+    if split_by_length is None:
+        split_by_length = context_lens is None
+    if split_by_length:
+        split_tokens = 0  # the kernels cut each sequence's own context into num_splits
 
     out = torch.empty_like(q)  # [B, Hq, D]
     dummy = placeholder(q.device, torch.float32)
@@ -422,7 +449,7 @@ def paged_decode(
     if num_splits > 1:
         _reduce_kernel[(num_seqs, q_heads)](
             part_out, part_lse, seq_lens, out, split_tokens, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_pow2(num_splits)), HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_pow2(num_splits)), HEAD_DIM=head_dim, BLOCK_N=block_n,
             num_warps=4,
         )
     return out

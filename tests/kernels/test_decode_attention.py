@@ -18,20 +18,24 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, ref.FP8_D
 
 
 def run_case(head_dim, group, block_size, seq_lens, kv_dtype, q_dtype=torch.float16, num_splits=None,
-             kv_heads=2, seed=0, device="cpu", length_hint=False, **tiles):
+             kv_heads=2, seed=0, device="cpu", length_hint=False, table_width=None, split_by_length=None, **tiles):
     gen = torch.Generator().manual_seed(seed)
     q_heads = kv_heads * group
     num_blocks = sum((n + block_size - 1) // block_size for n in seq_lens) + 3
     k_cache, v_cache, ks, vs = make_kv_cache(num_blocks, block_size, kv_heads, head_dim,
                                              kv_dtype if kv_dtype is not None else q_dtype, device, gen)
     tables = make_block_tables(seq_lens, block_size, num_blocks, gen, device)
+    if table_width is not None:  # a CUDA graph's table: as wide as the longest context it may meet
+        assert table_width >= tables.shape[1]
+        pad = torch.zeros(tables.shape[0], table_width - tables.shape[1], dtype=tables.dtype, device=device)
+        tables = torch.cat([tables, pad], dim=1)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     q = torch.randn(len(seq_lens), q_heads, head_dim, generator=gen).to(device=device, dtype=q_dtype)
     scale = 1 / math.sqrt(head_dim)
     want = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs)
-    if tiles:  # tile overrides (block_n, num_warps, num_stages, max_registers) straight to the launcher
+    if tiles or split_by_length is not None:  # tile overrides, the split placement: straight to the launcher
         got = decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, ks, vs, num_splits=num_splits,
-                                            **tiles)
+                                            split_by_length=split_by_length, **tiles)
     elif num_splits is None:
         got = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs,
                                                 context_lens=list(seq_lens) if length_hint else None)
@@ -57,6 +61,26 @@ def test_decode_matches_reference_fp16(head_dim, group, block_size):
 def test_decode_split_counts_agree(num_splits):
     # A context of 150 tokens cut into 1, 2 or 5 slices: splits past a short sequence's end must be ignored.
     run_case(64, 4, 16, [150, 9, 64], None, num_splits=num_splits, seed=7)
+
+
+@pytest.mark.parametrize("split_by_length", [False, True])
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+def test_decode_split_placements_agree(num_splits, split_by_length):
+    """Splits at fixed offsets of the table's capacity, or each sequence's own context cut into
+    ``num_splits`` (a CUDA graph's launch): the same attention, over a table much wider than the
+    contexts (lengths from 1 token to several tiles; 16 splits leave short sequences empty splits)."""
+    run_case(64, 4, 16, [150, 1, 9, 64, 333], None, num_splits=num_splits, table_width=64,
+             split_by_length=split_by_length, seed=5 + num_splits)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE, torch.int8])
+def test_decode_graph_shaped_launch_cuts_live_contexts(kv_dtype):
+    """The launcher without a length hint (how the decode CUDA graphs call it) over a table sized for
+    4,096 tokens holding contexts of 1-700: its split count comes from the table, the splits from each
+    live context."""
+    lens = [700, 1, 45, 300]
+    assert decode_attention.choose_num_splits(len(lens), 2, 4096, 4, 64) > 1
+    run_case(128, 4, 16, lens, kv_dtype, table_width=4096 // 16, seed=41)
 
 
 def test_decode_bf16_queries_upcast_in_interpreter():

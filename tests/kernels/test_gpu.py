@@ -51,6 +51,16 @@ def test_decode_gpu_8bit_many_pairs(kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim,split_by_length", [(64, None), (128, None), (128, False)])
+def test_decode_gpu_graph_shaped_table(kv_dtype, head_dim, split_by_length):
+    """The launch a decode CUDA graph makes: no length hint, a table sized for 16K tokens holding
+    contexts of 1-5,000; the splits cut from each live context (the default) or at fixed offsets."""
+    lens = [5000, 1, 17, 2048, 300, 64, 4097, 2]
+    decode.run_case(head_dim, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim + 9,
+                    device="cuda", table_width=16384 // 16, split_by_length=split_by_length)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_gpu_length_hint(kv_dtype, head_dim):
     """Host-side lengths pick the split count (choose_num_splits' length model) on compiled kernels."""
