@@ -1007,7 +1007,7 @@ def main() -> int:
     args.mt_tenants, args.mt_system, args.mt_unique, args.mt_new = (2, 64, 8, 4) if smoke else (8, 2048, 200, 16)
     args.sweep_ctx, args.sweep_steps = (64, 3) if smoke else (2048, 20)
     args.sweep_batches = (1, 8, 32) if smoke else (1, 8, 32, 128)
-    args.profile_batches, args.profile_steps = ((1,), 2) if smoke else ((1, 32), 10)
+    args.profile_batches, args.profile_steps = ((1,), 2) if smoke else ((1, 32, 128), 10)
     args.long_batch, args.long_len = (2, 128) if smoke else (4, 16384)
     args.hf_forward_batch = 2 if smoke else 8
     if smoke:

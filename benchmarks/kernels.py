@@ -300,7 +300,7 @@ def prev_tiles_ms(row: dict, name: str, q, kc, vc, tables, lens, scale, ks, vs, 
     row[f"{name}_prev_tiles_graph_ms"] = bench_graph(run)
 
 
-def graph_split_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_tokens=8448, q_heads=32, kv_heads=8,
+def graph_split_case(gen, ceil: dict, batches=(1, 8, 32, 128), context=2048, table_tokens=8448, q_heads=32, kv_heads=8,
                      head_dim=128, block_size=16) -> dict:
     """The decode launch as a CUDA graph makes it: no length hint, a block table as wide as the longest
     context the graph may meet (``table_tokens``: the engine benchmark's 8,448), live contexts of
