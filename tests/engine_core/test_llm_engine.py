@@ -341,3 +341,32 @@ def test_the_vocabulary_check_names_the_first_id_outside_it():
         with pytest.raises(InvalidRequestError, match=rf"token id {bad} is outside the vocabulary \[0, 256\)"):
             engine.add_request(greq("v", ids))
     assert engine.add_request(greq("ok", [0, 255])).num_prompt_tokens == 2
+
+
+def test_the_vocabulary_check_is_the_same_on_and_off_the_packed_path():
+    """Ids packed as int64 are checked by numpy's min/max, the rest by the list walk: both name
+    the same first bad id, long prompts and the int64 edges included, and pass the same prompts."""
+    from engine.llm_engine import _first_outside, _int_list_packed
+
+    engine, _ = make_engine(num_blocks=128)  # vocabulary [0, 256); room for a 600-token prompt
+    long_ok = [i % 256 for i in range(600)]
+    cases = (
+        (long_ok[:599] + [256], "256"),  # the bad id last in a long prompt
+        (long_ok[:300] + [-7] + long_ok[:299], "-7"),
+        (long_ok + [300, -1], "300"),  # the first of two bad ids, either side of the range
+        ([1, -(2**63)], str(-(2**63))),  # int64's edges: packed, still outside
+        ([1, 2**63 - 1], str(2**63 - 1)),
+        ([1, 2**63, -1], str(2**63)),  # past int64: not packed, the list walk finds it
+        ([1, -(2**64)], str(-(2**64))),
+        (["1", "300"], "300"),  # strings go through int(): not packed either
+        ([1.0, 256.0], "256"),
+    )
+    for ids, bad in cases:
+        with pytest.raises(InvalidRequestError, match=rf"token id {bad} is outside the vocabulary \[0, 256\)"):
+            engine.add_request(greq("v", ids))
+        conv, packed = _int_list_packed(ids)
+        assert str(_first_outside(conv, packed, 256)) == bad == str(_first_outside(conv, None, 256))
+    for ids in (long_ok, [0], [255] * 40, ["3", 4.0]):
+        conv, packed = _int_list_packed(ids)
+        assert _first_outside(conv, packed, 256) is None is _first_outside(conv, None, 256)
+    assert engine.add_request(greq("ok-long", long_ok)).num_prompt_tokens == 600
