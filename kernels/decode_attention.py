@@ -203,8 +203,9 @@ def _split_length(seq_len, split_tokens, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.c
 
     Either is a multiple of BLOCK_N (the launcher rounds ``split_tokens`` up to it), and saying so
     matters: a select of the two loses the alignment each has, and without it the compiled kernel no
-    longer knows a tile's tokens share their pages (sm_90 compile here: 96 -> 113 registers; in the H200
-    suite run bf16 launches of 1,024-2,048 programs ran 5-8 % slower until this was stated)."""
+    longer knows a tile's tokens share their pages (sm_90 compile here: 96 -> 113 registers, back to 96
+    with it). The H200 suite run without it (88ae9a4) had two bf16 launches of 1,024-2,048 programs 5-8 %
+    slower than before; whether this was the cause is for the next GPU run to show."""
     by_length = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     return tl.multiple_of(tl.where(split_tokens > 0, split_tokens, by_length), BLOCK_N)
 
