@@ -372,6 +372,14 @@ def decode_batch(tables: list[list[int]], context: int, step: int, vocab: int) -
         for i in range(len(tables))))
 
 
+def sweep_tables(runner, batch: int, blocks_each: int) -> list[list[int]] | None:
+    """Block tables of ``batch`` hand-made sequences, ``blocks_each`` consecutive blocks apiece, or
+    None when the pool is too small for them."""
+    if batch * blocks_each > runner.num_kv_blocks:
+        return None
+    return [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
+
+
 def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
     """Decode steps run straight through the runner at fixed batch sizes (the scheduler is not involved):
     wall time per execute (fill + replay + sampling, ending in the host sync) and the replay's own GPU
@@ -382,10 +390,10 @@ def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
     nblk = -(-(ctx + 2 * steps + 8) // bs)  # the pipelined pass runs past the synchronous one
     rows = []
     for b in args.sweep_batches:
-        if b * nblk > runner.num_kv_blocks:
+        tables = sweep_tables(runner, b, nblk)
+        if tables is None:
             rows.append({"batch": b, "skipped": f"needs {b * nblk} blocks, pool has {runner.num_kv_blocks}"})
             continue
-        tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(b)]
         for w in range(3):
             runner.execute(decode_batch(tables, ctx, w, runner.spec.vocab_size))
         sync(dev)
@@ -448,10 +456,10 @@ def sec_decode_profile(dev, args, runner) -> dict:
     nblk = -(-(ctx + steps + 8) // bs)
     rows = []
     for b in args.profile_batches:
-        if b * nblk > runner.num_kv_blocks:
-            rows.append({"batch": b, "skipped": f"needs {b * nblk} blocks"})
+        tables = sweep_tables(runner, b, nblk)
+        if tables is None:
+            rows.append({"batch": b, "skipped": f"needs {b * nblk} blocks, pool has {runner.num_kv_blocks}"})
             continue
-        tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(b)]
         batches = [decode_batch(tables, ctx, st, runner.spec.vocab_size) for st in range(steps + 3)]
         for batch in batches[:3]:
             runner.execute(batch)
