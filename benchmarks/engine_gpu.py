@@ -372,12 +372,14 @@ def decode_batch(tables: list[list[int]], context: int, step: int, vocab: int) -
         for i in range(len(tables))))
 
 
-def sweep_tables(runner, batch: int, blocks_each: int) -> list[list[int]] | None:
-    """Block tables of ``batch`` hand-made sequences, ``blocks_each`` consecutive blocks apiece, or
-    None when the pool is too small for them."""
-    if batch * blocks_each > runner.num_kv_blocks:
-        return None
-    return [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
+def sweep_tables(runner, batches, blocks_each: int, rows: list[dict]) -> Iterator[tuple[int, list[list[int]]]]:
+    """For each batch size: the block tables of that many hand-made sequences, ``blocks_each``
+    consecutive blocks apiece; a batch the pool cannot hold gets a "skipped" row in ``rows`` instead."""
+    for batch in batches:
+        if batch * blocks_each > runner.num_kv_blocks:
+            rows.append({"batch": batch, "skipped": f"needs {batch * blocks_each} blocks, pool has {runner.num_kv_blocks}"})
+            continue
+        yield batch, [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
 
 
 def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
@@ -389,11 +391,7 @@ def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
     kv_per_token = runner.kv_bytes_per_block / bs
     nblk = -(-(ctx + 2 * steps + 8) // bs)  # the pipelined pass runs past the synchronous one
     rows = []
-    for b in args.sweep_batches:
-        tables = sweep_tables(runner, b, nblk)
-        if tables is None:
-            rows.append({"batch": b, "skipped": f"needs {b * nblk} blocks, pool has {runner.num_kv_blocks}"})
-            continue
+    for b, tables in sweep_tables(runner, args.sweep_batches, nblk, rows):
         for w in range(3):
             runner.execute(decode_batch(tables, ctx, w, runner.spec.vocab_size))
         sync(dev)
@@ -455,11 +453,7 @@ def sec_decode_profile(dev, args, runner) -> dict:
     ctx, steps, bs = args.sweep_ctx, args.profile_steps, runner.block_size
     nblk = -(-(ctx + steps + 8) // bs)
     rows = []
-    for b in args.profile_batches:
-        tables = sweep_tables(runner, b, nblk)
-        if tables is None:
-            rows.append({"batch": b, "skipped": f"needs {b * nblk} blocks, pool has {runner.num_kv_blocks}"})
-            continue
+    for b, tables in sweep_tables(runner, args.profile_batches, nblk, rows):
         batches = [decode_batch(tables, ctx, st, runner.spec.vocab_size) for st in range(steps + 3)]
         for batch in batches[:3]:
             runner.execute(batch)
@@ -485,15 +479,23 @@ def sec_decode_profile(dev, args, runner) -> dict:
             c["kernels_per_step"] += len(durs) / steps
             c["us_per_step"] += sum(durs) / steps
         busy = sum(e - s for s, e, _ in ks)
-        idle, end = 0.0, ks[0][1]  # time inside the span with no kernel running
-        for s, e, _ in ks[1:]:
-            idle += max(0.0, s - end)
-            end = max(end, e)
-        span = end - ks[0][0]
+        # every step runs the same kernels: cut the timeline into steps by count, so that the span and
+        # the idle time are the step's own and not the host's time between synchronous steps
+        per = len(ks) // steps
+        spans, idles = [], []
+        for i in range(steps):
+            step_ks = ks[i * per:(i + 1) * per]
+            idle, end = 0.0, step_ks[0][1]  # time inside the step's span with no kernel running
+            for s, e, _ in step_ks[1:]:
+                idle += max(0.0, s - end)
+                end = max(end, e)
+            spans.append(end - step_ks[0][0])
+            idles.append(idle)
+        span = sum(spans)
         top = sorted(((sum(d) / steps, len(d) / steps, n) for n, d in by_name.items()), reverse=True)[:12]
         row = {"batch": b, "context": ctx, "steps": steps, "kernels_per_step": len(ks) / steps,
-               "busy_us_per_step": busy / steps, "span_us_per_step": span / steps, "idle_us_per_step": idle / steps,
-               "by_class": by_class,
+               "busy_us_per_step": busy / steps, "span_us_per_step": span / steps,
+               "idle_us_per_step": sum(idles) / steps, "by_class": by_class,
                "top": [{"kernel": n[:80], "per_step": round(k, 2), "us_per_step": round(us, 1)} for us, k, n in top]}
         rows.append(row)
         print(f"   profile batch {b}: {len(ks) / steps:.0f} kernels/step, busy {busy / steps:.0f} us, "
