@@ -336,6 +336,46 @@ def graph_split_case(gen, ceil: dict, batches=(1, 8, 32, 128), context=2048, tab
     return {"rows": rows}
 
 
+def merge_chain_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_tokens=8448, layers=32, q_heads=32,
+                     kv_heads=8, head_dim=128, block_size=16) -> dict:
+    """The split merge inside the decode kernel (its last program per sequence and kv head) against
+    the second kernel it replaced, as a decode step runs them: ``layers`` launches back to back in one
+    CUDA graph, each over its own layer's cache (one block table for all, as in the engine), graph-
+    shaped (no length hint, a table ``table_tokens`` wide). bf16; the step's floor is the KV read."""
+    rows = []
+    width = table_tokens // block_size
+    scale = 1 / math.sqrt(head_dim)
+    for batch in batches:
+        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
+        wide = torch.cat([tables, torch.zeros(batch, width - tables.shape[1], dtype=tables.dtype, device="cuda")], 1)
+        caches = [kv] + [torch.randn_like(kv) for _ in range(layers - 1)]
+        q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+        kv_bytes = layers * 2 * batch * context * kv_heads * head_dim * kv.element_size()
+        want = ref.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], tables, lens, scale)
+        row: dict = {"shape": {"batch": batch, "context": context, "table_tokens": table_tokens, "layers": layers,
+                               "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                               "block_size": block_size},
+                     "splits": decode_attention.choose_num_splits(batch, kv_heads, table_tokens, decode_attention.num_sms(q.device), 64)}
+        for label, fused in (("fused", True), ("two_kernels", False)):
+            def step(fused=fused, q=q, wide=wide, lens=lens, counters=counters, caches=caches):
+                return [decode_attention.paged_decode(q, c[:, 0, 0], c[:, 0, 1], wide, lens, scale, None, None,
+                                                      merge_counters=counters, fused_merge=fused) for c in caches]
+            err = rel_err(step()[0], want)
+            ms = bench_graph(step) or float("nan")
+            row[label] = {"graph_ms": ms, "us_per_launch": 1000 * ms / layers, "rel_err": err,
+                          "pct_copy": kv_bytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"]}
+        row["two_kernels_over_fused"] = row["two_kernels"]["graph_ms"] / row["fused"]["graph_ms"]
+        print(f"merge {batch} x {context} ({row['splits']} splits), {layers} launches in a graph: fused "
+              f"{row['fused']['us_per_launch']:.2f} us a launch, two kernels {row['two_kernels']['us_per_launch']:.2f} "
+              f"(x{row['two_kernels_over_fused']:.3f}); err {row['fused']['rel_err']:.1e} / "
+              f"{row['two_kernels']['rel_err']:.1e}", flush=True)
+        rows.append(row)
+        del kv, caches
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
     """One batch of very different lengths (MIXED_LENS). The launcher gets the lengths as a host-side
     hint (``context_lens``, as the engine's eager steps pass them) and fits its split count to them;
@@ -770,6 +810,8 @@ def main() -> int:
     ap.add_argument("--gemm-only", action="store_true", help="only the ceilings and the decode GEMMs")
     ap.add_argument("--graph-splits-only", action="store_true",
                     help="only the ceilings and the graph-shaped decode launches (graph_split_case)")
+    ap.add_argument("--merge-only", action="store_true",
+                    help="only the ceilings and the split merge in the kernel against a second kernel (merge_chain_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -811,6 +853,10 @@ def main() -> int:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["graph_splits"] = graph_split_case(gen, ceil)
         save()
+    if args.merge_only:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["merge_chain"] = merge_chain_case(gen, ceil)
+        save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
@@ -839,6 +885,8 @@ def main() -> int:
         result["mixed"] = mixed_case(gen, ceil)
         save()
         result["graph_splits"] = graph_split_case(gen, ceil)
+        save()
+        result["merge_chain"] = merge_chain_case(gen, ceil)
         save()
         result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
         if not args.skip_gemms:
@@ -906,6 +954,11 @@ def print_table(r: dict) -> None:
                           f" / {row[f'{name}_exact_table']['graph_ms']:.4f}" for name in ("bf16", "fp8"))
         print(f"graph-shaped decode {sh['batch']} x {sh['context']} in a {sh['table_tokens']}-token table, ms fixed / "
               f"by length / exact table: {cells}")
+    for row in r.get("merge_chain", {}).get("rows", []):
+        sh = row["shape"]
+        print(f"split merge, {sh['layers']} launches of {sh['batch']} x {sh['context']} in a graph: in the kernel "
+              f"{row['fused']['us_per_launch']:.2f} us a launch, a second kernel {row['two_kernels']['us_per_launch']:.2f}"
+              f" (x{row['two_kernels_over_fused']:.3f})")
     m = r.get("mixed")
     if m:
         sp = m["splits"]

@@ -111,6 +111,10 @@ class DecodeGraphs:
         self._host, self._dev = self._inputs.host, self._inputs.dev
         self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)  # one new token per sequence
         self._fed_tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        # the decode kernel's split-merge counters (kernels/decode_attention.py): one zeroed buffer that
+        # every graph's launches share (replays are serial on one stream; the kernel leaves it zero)
+        kv_heads = layer_caches[0].k.shape[2] if layer_caches else 1
+        self._merge_counters = torch.zeros(n * kv_heads, dtype=torch.int32, device=device)
         # What each host block-table row holds: (request id, blocks written, its last block id), or None.
         # A decode step usually changes no row (a sequence gains a block every block_size steps), so
         # fill rewrites only rows whose owner or length changed: converting the whole [B, blocks] table
@@ -135,6 +139,7 @@ class DecodeGraphs:
             cu_seqlens_q=self._cu[: n + 1],
             seq_lens=d["seq_lens"][:n],
             decode_only=True,
+            merge_counters=self._merge_counters,
         )
         src = d["feed_src"][:n]
         ids = torch.where(src >= 0, self._fed_tokens.gather(0, src.clamp(min=0)), d["input_ids"][:n])

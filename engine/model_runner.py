@@ -163,6 +163,7 @@ class ModelRunner:
             self.model.fuse_projections()
 
         self._transfer_stream = torch.cuda.Stream(torch_device) if torch_device.type == "cuda" else None
+        self._eager_merge_counters: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if torch_device.type == "cuda" and config.use_cuda_graphs:
             self.decode_graphs = DecodeGraphs(
@@ -261,16 +262,27 @@ class ModelRunner:
         tables = host_tensor(flat, torch.int32).reshape(len(chunks), max_blocks)  # [B, max_blocks]
         positions, slots = positions_and_slots(chunks, bs)
         dev = self.kv_cache.device
+        decode_only = all(c.num_tokens == 1 for c in chunks)
         meta = AttentionMetadata(
             slot_mapping=tensor_to_device(slots, dev),
             block_tables=tensor_to_device(tables, dev),
             cu_seqlens_q=to_device(cu, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev),
-            decode_only=all(c.num_tokens == 1 for c in chunks),
+            decode_only=decode_only,
             context_lens=tuple(seq_lens),
+            merge_counters=self._merge_counters(len(chunks)) if decode_only and dev.type == "cuda" else None,
         )
         input_ids = to_device(ids, torch.int64, dev)
         return input_ids, tensor_to_device(positions, dev), meta
+
+    def _merge_counters(self, num_seqs: int) -> torch.Tensor:
+        """The eager decode steps' split-merge counters (kernels/decode_attention.py): one zeroed
+        buffer for every launch on the compute stream (the kernel leaves it zero), grown when a batch
+        has more sequences than any before; the decode graphs keep their own."""
+        need = num_seqs * self.arch.num_kv_heads
+        if self._eager_merge_counters is None or self._eager_merge_counters.numel() < need:
+            self._eager_merge_counters = torch.zeros(need, dtype=torch.int32, device=self.kv_cache.device)
+        return self._eager_merge_counters
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, all_logits: bool = False, feed: TokenFeed | None = None) -> torch.Tensor:

@@ -10,8 +10,14 @@ Work split (one program = one sequence x one KV head x one slice of the context)
 GQA: the ``group = q_heads / kv_heads`` query heads that share a KV head are the rows of one
 [GROUP_PAD, head_dim] operand, so every KV tile is read from memory once for all of them and the
 scores come out of one ``tl.dot``. With one split the kernel writes the output directly; with more,
-each split writes its normalised partial output and its log-sum-exp, and ``_reduce_kernel`` merges
-them (weights exp2(lse_s - max lse)).
+each split writes its normalised partial output and its log-sum-exp, and the last of a (sequence,
+kv head)'s splits to finish merges them (weights exp2(lse_s - max lse)), counted in a zeroed int32
+buffer it leaves zero: one kernel a layer, not a split kernel and a merge kernel (``_reduce_kernel``,
+kept as the baseline the benchmarks time it against)::
+
+    program (b, h, s):  attend split s -> store o_s, lse_s -> bar.sync; one thread: n = atomic_add(ctr[b, h], 1)
+                        (acq_rel, GPU scope) -> if n == splits holding keys - 1: ctr[b, h] = 0, read every
+                        o_s, lse_s from L2 (.cg), write out[b, heads of h]
 
 Quantized KV: scales are folded into the score columns (K) and the probability columns (V), so the
 dot runs on the raw (upcast) cache values: fp8 -> one per-tensor scale; int8 -> one scale per
@@ -86,6 +92,7 @@ def _decode_split_kernel(
     out_ptr,  # [B, Hq, D]                 (written when NUM_SPLITS == 1)
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32 (written when NUM_SPLITS > 1)
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
+    counters_ptr,  # [>= B * Hkv] int32, zero between launches (FUSED_MERGE: splits that have finished)
     qk_scale,  # softmax scale * log2(e)
     split_tokens,  # keys per split; 0: each sequence's own context cut into NUM_SPLITS (``split_length``)
     stride_qb, stride_qh,
@@ -103,6 +110,10 @@ def _decode_split_kernel(
     KV_QUANT: tl.constexpr,
     DOT_TY: tl.constexpr,
     V_PAIRS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -172,7 +183,14 @@ def _decode_split_kernel(
     v_final = 1.0 / l_i
     if KV_QUANT == 1:
         v_final = v_final * v_tensor_scale
+    n_valid = tl.cdiv(seq_len, split_len)  # splits holding keys of this sequence (the rest exited above)
     if NUM_SPLITS == 1:
+        direct = True
+    elif FUSED_MERGE:
+        direct = n_valid == 1  # the only split with keys: its output is final
+    else:
+        direct = False  # _reduce_kernel reads every split's partial
+    if direct:
         o_row = out_ptr + b * stride_ob + heads[:, None] * stride_oh
         if V_PAIRS:
             tl.store(o_row + 2 * dh[None, :], (acc_e * v_final[:, None]).to(out_ptr.dtype.element_ty),
@@ -190,6 +208,51 @@ def _decode_split_kernel(
         else:
             tl.store(p_row + d[None, :], acc * v_final[:, None], mask=row_ok[:, None])
         tl.store(part_lse_ptr + bh * NUM_SPLITS + split, m_i + tl.log2(l_i), mask=row_ok)
+        if FUSED_MERGE:
+            # The last of the sequence's splits to finish merges them (no second kernel). The pattern
+            # of a grid barrier: every thread's stores are issued (bar.sync), one thread's acq_rel
+            # add at GPU scope releases them and, for the last arrival, acquires the others'; the
+            # partials are then read from L2 (.cg), past any line of them an earlier launch left in
+            # this SM's L1.
+            tl.debug_barrier()
+            counter = counters_ptr + b * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_valid - 1:
+                tl.store(counter, 0)  # zero again for the next launch (every split of this one has counted)
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b * (GROUP * tl.num_programs(1)) + kvh * GROUP,
+                              b, kvh * GROUP, n_valid, stride_ob, stride_oh,
+                              NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM)
+
+
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, bh0, b, head0, n_valid, stride_ob, stride_oh,
+                  NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  MERGE_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[b, head0 + g] = sum_s 2^(lse_gs - max_s lse_gs) o_gs / sum_s 2^(...), g < GROUP, s < n_valid:
+    the log-sum-exps first (one [GROUP_P2, SPLITS_PAD] tile), then the partial outputs in chunks of
+    MERGE_CHUNK splits ([GROUP_P2, MERGE_CHUNK, D], about 4K fp32 a chunk)."""
+    g = tl.arange(0, GROUP_P2)
+    g_ok = g < GROUP
+    sp = tl.arange(0, SPLITS_PAD)
+    lse_ok = g_ok[:, None] & (sp[None, :] < n_valid)
+    lse = tl.load(part_lse_ptr + (bh0 + g)[:, None] * NUM_SPLITS + sp[None, :], mask=lse_ok, other=float("-inf"),
+                  cache_modifier=".cg")
+    top = tl.where(g_ok, tl.max(lse, 1), 0.0)  # rows past GROUP are all -inf: keep them finite
+    w_sum = tl.sum(tl.where(lse_ok, tl.exp2(lse - top[:, None]), 0.0), 1)
+    c = tl.arange(0, MERGE_CHUNK)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for s0 in range(0, n_valid, MERGE_CHUNK):
+        s_ok = g_ok[:, None] & ((s0 + c)[None, :] < n_valid)  # [GROUP_P2, MERGE_CHUNK]
+        row = (bh0 + g)[:, None] * NUM_SPLITS + s0 + c[None, :]
+        w = tl.where(s_ok, tl.exp2(tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                                   - top[:, None]), 0.0)
+        parts = tl.load(part_out_ptr + row[:, :, None] * HEAD_DIM + d[None, None, :], mask=s_ok[:, :, None],
+                        other=0.0, cache_modifier=".cg")  # [GROUP_P2, MERGE_CHUNK, D]
+        acc += tl.sum(parts * w[:, :, None], 1)
+    o = acc / tl.where(g_ok, w_sum, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + (head0 + g)[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None])
 
 
 @triton.jit
@@ -368,6 +431,11 @@ def _splits_for_lengths(lens: tuple[int, ...], kv_heads: int, max_context: int, 
     return min(k for k, c in costs.items() if c <= best * 1.03)
 
 
+# fp32 elements of partial outputs the merging program holds at once ([GROUP_P2, MERGE_CHUNK, D]):
+# 32 registers a thread at 4 warps, under what the split loop itself needs
+_MERGE_TILE_ELEMENTS = 4096
+
+
 def paged_decode(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D], any block stride
@@ -386,8 +454,10 @@ def paged_decode(
     max_registers: int | None = None,
     context_lens: Sequence[int] | None = None,
     split_by_length: bool | None = None,
+    merge_counters: torch.Tensor | None = None,
+    fused_merge: bool = True,
 ) -> torch.Tensor:
-    """Launch the split-KV decode kernel (+ reduce). Inputs are checked by ``kernels.triton_ops``.
+    """Launch the split-KV decode kernel. Inputs are checked by ``kernels.triton_ops``.
 
     Tiles default to ``choose_tiles``, the split count to ``choose_num_splits`` (``context_lens``:
     optional host-side lengths of the sequences, for batches of unequal length). Where the splits
@@ -396,7 +466,13 @@ def paged_decode(
     split count on the device (``_split_length``); ``split_by_length`` overrides. ``max_registers``
     caps registers per thread (Triton's ``maxnreg``; default: the tiles' own, ``FP8_WAVE_TILES``
     sets one): where registers, not shared memory, limit how many programs an SM holds. Compiled
-    kernels only (the interpreter has no registers to cap)."""
+    kernels only (the interpreter has no registers to cap).
+
+    Several splits are merged by the last of each (sequence, kv head)'s programs to finish, counted
+    in ``merge_counters`` (int32, at least B x Hkv, all zero; the kernel leaves them zero): a caller
+    that launches on one stream keeps one such buffer for all its launches (the engine's runner and
+    its CUDA graphs do); without it each launch zeroes a fresh one. ``fused_merge=False`` merges in
+    a second kernel (``_reduce_kernel``) instead: the baseline the benchmarks time it against."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
@@ -424,11 +500,18 @@ def paged_decode(
     out = torch.empty_like(q)  # [B, Hq, D]
     dummy = placeholder(q.device, torch.float32)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
+    fused_merge = fused_merge and num_splits > 1
+    counters = placeholder(q.device, torch.int32)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=q.device)
+        if fused_merge:
+            counters = merge_counters if merge_counters is not None else torch.zeros(
+                num_seqs * kv_heads, dtype=torch.int32, device=q.device)
     else:
         part_out = part_lse = dummy
+    group_p2 = next_pow2(group)
+    splits_pad = max(2, next_pow2(num_splits))
     assert code in (KV_PLAIN, KV_FP8, KV_INT8)
     if v_pairs is None:  # GPU only: the interpreter has no inline PTX
         v_pairs = code != KV_PLAIN and not interpreting()
@@ -437,7 +520,7 @@ def paged_decode(
         assert code != KV_PLAIN and head_dim % 2 == 0
         v_arg = v_cache.view(torch.uint8).view(torch.int16)  # [NB, BS, Hkv, D/2], block strides halved
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse,
+        q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse, counters,
         scale * LOG2E, split_tokens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -447,12 +530,14 @@ def paged_decode(
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), V_PAIRS=v_pairs,
+        FUSED_MERGE=fused_merge, GROUP_P2=group_p2, SPLITS_PAD=splits_pad,
+        MERGE_CHUNK=min(splits_pad, max(2, _MERGE_TILE_ELEMENTS // (group_p2 * head_dim))),
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers and not interpreting() else {}),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         _reduce_kernel[(num_seqs, q_heads)](
             part_out, part_lse, seq_lens, out, split_tokens, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_pow2(num_splits)), HEAD_DIM=head_dim, BLOCK_N=block_n,
+            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_N=block_n,
             num_warps=4,
         )
     return out

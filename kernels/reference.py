@@ -125,6 +125,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     *,
     context_lens: Sequence[int] | None = None,  # host-side copy of seq_lens: a launch hint, unused here
+    merge_counters: torch.Tensor | None = None,  # the Triton kernel's split-merge workspace, unused here
 ) -> torch.Tensor:
     """One query token per sequence over its whole cached context -> [B, Hq, D]."""
     out = torch.empty_like(q)

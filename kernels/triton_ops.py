@@ -80,12 +80,16 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     *,
     context_lens: Sequence[int] | None = None,
+    merge_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its whole cached context -> [B, Hq, D] (q's dtype).
 
     ``context_lens``: the same lengths as ``seq_lens``, on the host (optional): with them the split
     count fits a batch of unequal lengths (``decode_attention.choose_num_splits``) with no device
-    read. Leave it out in a CUDA graph (the launch must not depend on the batch)."""
+    read. Leave it out in a CUDA graph (the launch must not depend on the batch).
+    ``merge_counters``: int32 zeros, at least B x kv_heads, that a caller launching on one stream
+    keeps for all its launches (the kernel leaves them zero); without it a launch that splits
+    zeroes its own (``decode_attention.paged_decode``)."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
     assert block_tables.shape[0] == q.shape[0], f"block_tables has {block_tables.shape[0]} rows, q has {q.shape[0]} seqs"
     _check_int_vector("seq_lens", seq_lens, q.shape[0], q.device)
@@ -93,8 +97,14 @@ def paged_decode_attention(
         return torch.empty_like(q)
     if context_lens is not None:
         assert len(context_lens) == q.shape[0], f"context_lens has {len(context_lens)} entries, q has {q.shape[0]} seqs"
+    if merge_counters is not None:
+        _check_int_vector("merge_counters", merge_counters, None, q.device)
+        assert merge_counters.dtype == torch.int32, f"merge_counters must be int32, got {merge_counters.dtype}"
+        need = q.shape[0] * k_cache.shape[2]
+        assert merge_counters.shape[0] >= need, (
+            f"merge_counters holds {merge_counters.shape[0]} counters, the launch needs {need} (seqs x kv_heads)")
     return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                                         context_lens=context_lens)
+                                         context_lens=context_lens, merge_counters=merge_counters)
 
 
 def paged_prefill_attention(

@@ -44,6 +44,9 @@ class AttentionMetadata:
     context_lens  the same lengths on the host, when known (eager steps): a hint with which the GPU
                   decode kernel splits a batch of unequal lengths; None in a CUDA graph, whose
                   launch is fixed at capture
+    merge_counters  [>= B * kv_heads] int32 zeros the GPU decode kernel counts finished splits in
+                  (kernels/decode_attention.py), owned by whoever launches the steps on one stream
+                  (the runner, its decode graphs); None: each launch zeroes its own
     """
 
     slot_mapping: torch.Tensor
@@ -52,6 +55,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     decode_only: bool
     context_lens: tuple[int, ...] | None = None
+    merge_counters: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

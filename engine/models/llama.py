@@ -114,7 +114,8 @@ class Attention(nn.Module):
                                 cache.k_scale, cache.v_scale, cache.k_bias)  # [T, Hq, D]; K/V now in the cache
         if meta.decode_only:
             out = ops.paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
-                                             cache.k_scale, cache.v_scale, context_lens=meta.context_lens)
+                                             cache.k_scale, cache.v_scale, context_lens=meta.context_lens,
+                                             merge_counters=meta.merge_counters)
         else:
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,
                                               meta.seq_lens, self.scale, cache.k_scale, cache.v_scale,

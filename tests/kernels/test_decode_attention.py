@@ -18,7 +18,8 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, ref.FP8_D
 
 
 def run_case(head_dim, group, block_size, seq_lens, kv_dtype, q_dtype=torch.float16, num_splits=None,
-             kv_heads=2, seed=0, device="cpu", length_hint=False, table_width=None, split_by_length=None, **tiles):
+             kv_heads=2, seed=0, device="cpu", length_hint=False, table_width=None, split_by_length=None,
+             fused_merge=None, merge_counters=None, **tiles):
     gen = torch.Generator().manual_seed(seed)
     q_heads = kv_heads * group
     num_blocks = sum((n + block_size - 1) // block_size for n in seq_lens) + 3
@@ -33,9 +34,10 @@ def run_case(head_dim, group, block_size, seq_lens, kv_dtype, q_dtype=torch.floa
     q = torch.randn(len(seq_lens), q_heads, head_dim, generator=gen).to(device=device, dtype=q_dtype)
     scale = 1 / math.sqrt(head_dim)
     want = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs)
-    if tiles or split_by_length is not None:  # tile overrides, the split placement: straight to the launcher
+    if tiles or split_by_length is not None or fused_merge is not None:  # launch options: straight to the launcher
         got = decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, ks, vs, num_splits=num_splits,
-                                            split_by_length=split_by_length, **tiles)
+                                            split_by_length=split_by_length, fused_merge=fused_merge is not False,
+                                            merge_counters=merge_counters, **tiles)
     elif num_splits is None:
         got = triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, ks, vs,
                                                 context_lens=list(seq_lens) if length_hint else None)
@@ -63,14 +65,36 @@ def test_decode_split_counts_agree(num_splits):
     run_case(64, 4, 16, [150, 9, 64], None, num_splits=num_splits, seed=7)
 
 
+@pytest.mark.parametrize("fused_merge", [True, False])
 @pytest.mark.parametrize("split_by_length", [False, True])
 @pytest.mark.parametrize("num_splits", [2, 5, 16])
-def test_decode_split_placements_agree(num_splits, split_by_length):
+def test_decode_split_placements_agree(num_splits, split_by_length, fused_merge):
     """Splits at fixed offsets of the table's capacity, or each sequence's own context cut into
     ``num_splits`` (a CUDA graph's launch): the same attention, over a table much wider than the
-    contexts (lengths from 1 token to several tiles; 16 splits leave short sequences empty splits)."""
+    contexts (lengths from 1 token to several tiles; 16 splits leave short sequences empty splits),
+    merged by the last split to finish or by the second kernel."""
     run_case(64, 4, 16, [150, 1, 9, 64, 333], None, num_splits=num_splits, table_width=64,
-             split_by_length=split_by_length, seed=5 + num_splits)
+             split_by_length=split_by_length, fused_merge=fused_merge, seed=5 + num_splits)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE, torch.int8])
+def test_decode_merge_in_chunks_of_splits(kv_dtype):
+    """Eight q heads a KV head at head dim 128 leave the merging program four splits per chunk
+    (``_MERGE_TILE_ELEMENTS``): 16 splits, of which the longest sequence fills 11 and the shortest one."""
+    chunk = decode_attention._MERGE_TILE_ELEMENTS // (8 * 128)
+    assert chunk == 4
+    run_case(128, 8, 16, [700, 1, 200, 65], kv_dtype, num_splits=16, table_width=64, split_by_length=True,
+             fused_merge=True, seed=61)
+
+
+def test_decode_merge_counters_are_left_zero_for_the_next_launch():
+    """One counter buffer serves launch after launch (as the engine's decode graphs share theirs):
+    every launch finds it zero and leaves it zero, and each result is the reference's."""
+    counters = torch.zeros(4 * 2, dtype=torch.int32)
+    for seed, lens in enumerate(([300, 5, 129], [64, 700, 1], [1000, 999, 998])):
+        run_case(64, 4, 16, lens, None, num_splits=8, table_width=64, split_by_length=True, fused_merge=True,
+                 merge_counters=counters, seed=70 + seed)
+        assert int(counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE, torch.int8])
@@ -124,6 +148,10 @@ def test_decode_checks_inputs():
         triton_ops.paged_decode_attention(q, k, v, tables.long(), lens, 0.1)
     with pytest.raises(AssertionError, match="head_dim must be contiguous"):
         triton_ops.paged_decode_attention(q, k.transpose(2, 3), v.transpose(2, 3), tables, lens, 0.1)
+    with pytest.raises(AssertionError, match="merge_counters must be int32"):
+        triton_ops.paged_decode_attention(q, k, v, tables, lens, 0.1, merge_counters=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(AssertionError, match="the launch needs 2"):
+        triton_ops.paged_decode_attention(q, k, v, tables, lens, 0.1, merge_counters=torch.zeros(1, dtype=torch.int32))
     k8, v8, _, _ = make_kv_cache(4, 16, 2, 64, ref.FP8_DTYPE, "cpu", gen)
     with pytest.raises(AssertionError, match="needs k_scale and v_scale"):
         triton_ops.paged_decode_attention(q, k8, v8, tables, lens, 0.1)

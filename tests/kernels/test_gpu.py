@@ -69,6 +69,56 @@ def test_decode_gpu_length_hint(kv_dtype, head_dim):
                     device="cuda", length_hint=True)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE])
+@pytest.mark.parametrize("batch,table_tokens", [(32, 4096), (3, 65536)])
+def test_decode_gpu_fused_merge_in_a_graph(kv_dtype, batch, table_tokens):
+    """The split merge done by each (sequence, kv head)'s last program, on real concurrency: eight
+    launches (a step's layers) in one CUDA graph share one counter buffer, replayed five times on
+    fresh queries; every output against the reference, the counters zero after every replay. 32
+    sequences give 256 counters at two splits each (the decode graphs' launch at 32 x 2K), 3 long
+    ones up to 64 splits each."""
+    from kernels import decode_attention
+    from tests.kernels.kernel_cases import make_block_tables, make_kv_cache, rel_err
+
+    gen = torch.Generator().manual_seed(batch)
+    kv_heads, group, head_dim, block_size = 8, 4, 128, 16
+    lens = [int(n) for n in torch.randint(1, table_tokens + 1, (batch,), generator=gen)]
+    lens[0] = table_tokens  # one sequence fills the table: every split holds keys
+    num_blocks = sum(-(-n // block_size) for n in lens) + 1
+    k_cache, v_cache, ks, vs = make_kv_cache(num_blocks, block_size, kv_heads, head_dim,
+                                             kv_dtype if kv_dtype is not None else torch.bfloat16, "cuda", gen,
+                                             layers=1, layer=0)
+    tables = make_block_tables(lens, block_size, num_blocks, gen, "cuda", extra_cols=0)
+    pad = table_tokens // block_size - tables.shape[1]
+    tables = torch.cat([tables, torch.zeros(batch, pad, dtype=tables.dtype, device="cuda")], dim=1)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    qs = torch.empty(8, batch, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+    scale = head_dim ** -0.5
+
+    def step():
+        return [triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, ks, vs,
+                                                  merge_counters=counters) for q in qs]
+
+    qs.copy_(torch.randn(qs.shape, generator=gen).to(qs))
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    assert decode_attention.choose_num_splits(batch, kv_heads, table_tokens, decode_attention.num_sms(qs.device),
+                                              64) > 1
+    tol = decode.TOL[kv_dtype if kv_dtype is not None else torch.bfloat16]
+    check = [0, batch - 1]  # the reference is a Python loop: two sequences of each launch
+    for _ in range(5):
+        qs.copy_(torch.randn(qs.shape, generator=gen).to(qs))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(counters.abs().sum()) == 0
+        for q, out in zip(qs, outs):
+            want = ref.paged_decode_attention(q[check], k_cache, v_cache, tables[check], seq_lens[check], scale, ks, vs)
+            assert rel_err(out[check], want) < tol
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
 def test_prefill_gpu(kv_dtype, head_dim, group, block_size, q_dtype=torch.bfloat16):
