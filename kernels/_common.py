@@ -24,9 +24,13 @@ def interpreting() -> bool:
 
 
 def kv_code(cache: torch.Tensor) -> int:
-    if cache.dtype == FP8_DTYPE:
+    return kv_code_for(cache.dtype)
+
+
+def kv_code_for(dtype: torch.dtype) -> int:
+    if dtype == FP8_DTYPE:
         return KV_FP8
-    if cache.dtype == torch.int8:
+    if dtype == torch.int8:
         return KV_INT8
     return KV_PLAIN
 
@@ -84,6 +88,12 @@ def placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> tor
     return _PLACEHOLDERS[key]
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host ints, for grids and split sizes: ``triton.cdiv`` is a JIT function,
+    ~5 us a call from Python on the build machine, a cost every eager launch paid once or more."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -95,11 +105,16 @@ def dot_dtype(q_dtype: torch.dtype, cache: torch.Tensor):
     is one instruction per pair on Hopper while e4m3 -> bf16 goes through fp32 and made fp8 decode
     slower than bf16 (measured, run 1); otherwise q's own dtype.
     """
+    return dot_dtype_for(q_dtype, cache.dtype, interpreting())
+
+
+def dot_dtype_for(q_dtype: torch.dtype, kv_dtype: torch.dtype, interp: bool):
+    """``dot_dtype`` from the dtypes alone (a launch plan cached by shapes and dtypes)."""
     import triton.language as tl
 
-    if interpreting():
+    if interp:
         return tl.float32
-    if kv_code(cache) != KV_PLAIN:
+    if kv_code_for(kv_dtype) != KV_PLAIN:
         return tl.float16
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q_dtype]
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._common import cdiv
+
 _BLOCK = 1024  # columns per program: 2 KiB of bf16 per operand, four 16-byte loads per thread at 4 warps
 
 
@@ -33,7 +35,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if tokens == 0:
         return out
-    _silu_mul_kernel[(tokens, triton.cdiv(inter, _BLOCK))](
+    _silu_mul_kernel[(tokens, cdiv(inter, _BLOCK))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=_BLOCK, num_warps=4,
     )
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import placeholder
+from kernels._common import cdiv, placeholder
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 CHUNK = 1024
@@ -98,7 +98,7 @@ def copy_rows(
     d = _rows_as_words(dst, "destination", word)
     assert s.shape[1] == d.shape[1], f"block sizes differ: {s.shape[1]} vs {d.shape[1]} words"
     dummy = placeholder(src.device, torch.int64)
-    _copy_rows_kernel[(n, triton.cdiv(s.shape[1], CHUNK))](
+    _copy_rows_kernel[(n, cdiv(s.shape[1], CHUNK))](
         s, d,
         src_idx if src_idx is not None else dummy,
         dst_idx if dst_idx is not None else dummy,

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels import chacha20_poly1305_ref as ref
+from kernels._common import cdiv
 from kernels.chacha20_poly1305_ref import P1305, R_CLAMP, aad_term, finish_tag
 
 try:  # a compiled ChaCha20 for the one-time key; the project depends on it, a bare device host may not
@@ -296,7 +297,7 @@ def chacha20_xor(src: torch.Tensor, src_off: int, nbytes: int, key: bytes, nonce
         raise ValueError("ciphertext range runs past a buffer")
     if nbytes == 0:
         return
-    grid = (triton.cdiv(-(-nbytes // 64), CHACHA_LANES),)
+    grid = (cdiv(-(-nbytes // 64), CHACHA_LANES),)
     _chacha20_xor_kernel[grid](src, dst, *struct.unpack("<8i", key), *struct.unpack("<3i", nonce), src_off, dst_off,
                                nbytes, counter, LANES=CHACHA_LANES)
 

@@ -36,12 +36,11 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    KV_FP8,
-    KV_INT8,
     KV_PLAIN,
-    dot_dtype,
+    cdiv,
+    dot_dtype_for,
     interpreting,
-    kv_code,
+    kv_code_for,
     next_pow2,
     num_sms,
     placeholder,
@@ -475,69 +474,94 @@ def paged_decode(
     a second kernel (``_reduce_kernel``) instead: the baseline the benchmarks time it against."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    hint = None if context_lens is None else (context_lens if isinstance(context_lens, tuple) else tuple(context_lens))
+    plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
+                        q.dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
+                        num_stages, v_pairs, max_registers, fused_merge, interpreting())
+    out = torch.empty_like(q)  # [B, Hq, D]
+    ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
+    counters = part_out = part_lse = placeholder(q.device, torch.float32)
+    if plan.num_splits > 1:
+        part_out = torch.empty(num_seqs, q_heads, plan.num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, q_heads, plan.num_splits, dtype=torch.float32, device=q.device)
+    if plan.fused_merge:
+        counters = merge_counters if merge_counters is not None else torch.zeros(
+            num_seqs * kv_heads, dtype=torch.int32, device=q.device)
+    v_arg = v_cache.view(torch.uint8).view(torch.int16) if plan.v_pairs else v_cache  # [NB, BS, Hkv, D/2]
+    q_st, k_st, v_st, o_st = q.stride(), k_cache.stride(), v_arg.stride(), out.stride()
+    _decode_split_kernel[plan.grid](
+        q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse, counters,
+        scale * LOG2E, plan.split_tokens,
+        q_st[0], q_st[1], k_st[0], k_st[1], k_st[2], v_st[0], v_st[1], v_st[2],
+        block_tables.stride(0), *sc_strides, o_st[0], o_st[1],
+        **plan.options,
+    )
+    if plan.num_splits > 1 and not plan.fused_merge:
+        _reduce_kernel[(num_seqs, q_heads)](
+            part_out, part_lse, seq_lens, out, plan.split_tokens, o_st[0], o_st[1],
+            NUM_SPLITS=plan.num_splits, SPLITS_PAD=plan.options["SPLITS_PAD"], HEAD_DIM=head_dim,
+            BLOCK_N=plan.options["BLOCK_N"], num_warps=4,
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """Everything about a decode launch that follows from its shapes, dtypes and hints alone."""
+
+    grid: tuple[int, int, int]
+    num_splits: int
+    split_tokens: int  # keys per split; 0: each sequence's live context cut into num_splits on the device
+    fused_merge: bool
+    v_pairs: bool
+    options: dict[str, object]  # the kernel's constexprs and launch options
+
+
+# A launch's plan costs ~70-200 us of Python to work out (the split cost model over up to 256 counts,
+# the tile choice, the constexprs; measured on the build machine's CPU), as much as the kernel itself
+# at small batches. Every layer of a step launches with the same key (an eager step's length hint
+# included), so all but the first of a step's launches find it here.
+@functools.lru_cache(maxsize=256)
+def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv_heads: int, max_context: int,
+                 q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
+                 context_lens: tuple[int, ...] | None, split_by_length: bool | None, num_splits: int | None,
+                 block_n: int | None, num_warps: int | None, num_stages: int | None, v_pairs: bool | None,
+                 max_registers: int | None, fused_merge: bool, interp: bool) -> _LaunchPlan:
     group = q_heads // kv_heads
-    code = kv_code(k_cache)
-    sms = num_sms(q.device)
-    tiles = choose_tiles(head_dim, k_cache.dtype, num_seqs * kv_heads, sms)
+    code = kv_code_for(kv_dtype)
+    sms = num_sms(device)
+    tiles = choose_tiles(head_dim, kv_dtype, num_seqs * kv_heads, sms)
     overridden = (block_n, num_stages, num_warps) != (None, None, None)
     if max_registers is None and not overridden:
         max_registers = tiles.max_registers
     block_n = max(block_n if block_n is not None else tiles.block_n, 16)
     num_stages = num_stages if num_stages is not None else tiles.num_stages
     num_warps = num_warps if num_warps is not None else tiles.num_warps
-    max_context = block_tables.shape[1] * block_size
     if num_splits is None:  # tile overrides (tuning) keep the 4-per-SM wave of session 2's tiles
         num_splits = choose_num_splits(num_seqs, kv_heads, max_context, sms, block_n,
                                        programs_per_sm=4 if overridden else tiles.programs_per_sm,
                                        context_lens=context_lens)
-    split_tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_context, split_tokens)
+    split_tokens = cdiv(cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = cdiv(max_context, split_tokens)
     if split_by_length is None:
         split_by_length = context_lens is None
     if split_by_length:
         split_tokens = 0  # the kernels cut each sequence's own context into num_splits
-
-    out = torch.empty_like(q)  # [B, Hq, D]
-    dummy = placeholder(q.device, torch.float32)
-    ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
+    if v_pairs is None:  # GPU only: the interpreter has no inline PTX
+        v_pairs = code != KV_PLAIN and not interp
+    assert not v_pairs or (code != KV_PLAIN and head_dim % 2 == 0)
     fused_merge = fused_merge and num_splits > 1
-    counters = placeholder(q.device, torch.int32)
-    if num_splits > 1:
-        part_out = torch.empty(num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=q.device)
-        if fused_merge:
-            counters = merge_counters if merge_counters is not None else torch.zeros(
-                num_seqs * kv_heads, dtype=torch.int32, device=q.device)
-    else:
-        part_out = part_lse = dummy
     group_p2 = next_pow2(group)
     splits_pad = max(2, next_pow2(num_splits))
-    assert code in (KV_PLAIN, KV_FP8, KV_INT8)
-    if v_pairs is None:  # GPU only: the interpreter has no inline PTX
-        v_pairs = code != KV_PLAIN and not interpreting()
-    v_arg = v_cache
-    if v_pairs:
-        assert code != KV_PLAIN and head_dim % 2 == 0
-        v_arg = v_cache.view(torch.uint8).view(torch.int16)  # [NB, BS, Hkv, D/2], block strides halved
-    _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse, counters,
-        scale * LOG2E, split_tokens,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_arg.stride(0), v_arg.stride(1), v_arg.stride(2),
-        block_tables.stride(0),
-        *sc_strides,
-        out.stride(0), out.stride(1),
+    dot_ty = dot_dtype_for(q_dtype, kv_dtype, interp)
+    options: dict[str, object] = dict(
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_dtype(q.dtype, k_cache), V_PAIRS=v_pairs,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_ty, V_PAIRS=v_pairs,
         FUSED_MERGE=fused_merge, GROUP_P2=group_p2, SPLITS_PAD=splits_pad,
         MERGE_CHUNK=min(splits_pad, max(2, _MERGE_TILE_ELEMENTS // (group_p2 * head_dim))),
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers and not interpreting() else {}),
+        num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and not fused_merge:
-        _reduce_kernel[(num_seqs, q_heads)](
-            part_out, part_lse, seq_lens, out, split_tokens, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_N=block_n,
-            num_warps=4,
-        )
-    return out
+    if max_registers and not interp:
+        options["maxnreg"] = max_registers
+    return _LaunchPlan(grid=(num_seqs, kv_heads, num_splits), num_splits=num_splits, split_tokens=split_tokens,
+                       fused_merge=fused_merge, v_pairs=v_pairs, options=options)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_dtype, kv_code, next_pow2, num_sms, placeholder, scale_args
+from kernels._common import cdiv, dot_dtype, kv_code, next_pow2, num_sms, placeholder, scale_args
 from kernels._dot import exact_dot, exact_dot_acc
 
 LOG2E = 1.4426950408889634
@@ -377,7 +377,7 @@ def paged_prefill(
         part_lse = torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = placeholder(q.device, torch.float32)
-    grid = (q_heads, triton.cdiv(max_q_len, block_m), num_seqs * num_splits)
+    grid = (q_heads, cdiv(max_q_len, block_m), num_seqs * num_splits)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ks, vs, out, part_out, part_lse,
         scale * LOG2E, num_tokens, num_splits,

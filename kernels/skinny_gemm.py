@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import interpreting, next_pow2
+from kernels._common import cdiv, interpreting, next_pow2
 
 MAX_ROWS = 32  # above this cuBLAS's tiles amortise the weight read well enough
 # Rows up to which ``kernels.triton_ops.linear`` (the engine's fused path) takes this kernel: 0, off.
@@ -146,7 +146,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int, max_rows: int = MAX_ROWS
 
 def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, max_split: int = 8) -> int:
     """The smallest SPLIT_K dividing the K slices with >= 2 programs per SM (else the largest <= max_split)."""
-    tiles, slices = triton.cdiv(n, block_n), k // block_k
+    tiles, slices = cdiv(n, block_n), k // block_k
     split = 1
     for s in range(1, max_split + 1):
         if slices % s == 0:
@@ -173,12 +173,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if config.pdl:
         assert not interpreting() and x.is_cuda, "programmatic dependent launch needs compiled kernels on CUDA"
         pdl = {"PDL": True, "TRIGGER": int(config.launch_next), "launch_pdl": True}
-    _skinny_kernel[(triton.cdiv(n, config.block_n), split)](
+    _skinny_kernel[(cdiv(n, config.block_n), split)](
         x, weight, b, out, part, m, n, k // split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, DOT_TY=dot_ty, num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
     if split > 1:
-        _split_reduce_kernel[(m, triton.cdiv(n, 1024))](part, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
+        _split_reduce_kernel[(m, cdiv(n, 1024))](part, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
                                                          SPLIT_K=split, BLOCK=1024, num_warps=4)
     return out
