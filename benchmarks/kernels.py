@@ -300,6 +300,16 @@ def prev_tiles_ms(row: dict, name: str, q, kc, vc, tables, lens, scale, ks, vs, 
     row[f"{name}_prev_tiles_graph_ms"] = bench_graph(run)
 
 
+def graph_shaped_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens, block_size, gen):
+    """``paged_setup``'s cache and tables, the tables also padded to ``table_tokens`` (``wide``: as a
+    decode CUDA graph's static table is), and bf16 queries -> (kv, tables, wide, lens, q)."""
+    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
+    pad = table_tokens // block_size - tables.shape[1]
+    wide = torch.cat([tables, torch.zeros(batch, pad, dtype=tables.dtype, device="cuda")], 1)
+    q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return kv, tables, wide, lens, q
+
+
 def graph_split_case(gen, ceil: dict, batches=(1, 8, 32, 128), context=2048, table_tokens=8448, q_heads=32, kv_heads=8,
                      head_dim=128, block_size=16) -> dict:
     """The decode launch as a CUDA graph makes it: no length hint, a block table as wide as the longest
@@ -309,12 +319,10 @@ def graph_split_case(gen, ceil: dict, batches=(1, 8, 32, 128), context=2048, tab
     split count (the launcher's default without a hint), and the same batch in a table exactly as
     wide as its contexts (the launcher's best case, where both placements are one)."""
     rows = []
-    width = table_tokens // block_size
     scale = 1 / math.sqrt(head_dim)
     for batch in batches:
-        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
-        wide = torch.cat([tables, torch.zeros(batch, width - tables.shape[1], dtype=tables.dtype, device="cuda")], 1)
-        q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kv, tables, wide, lens, q = graph_shaped_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens,
+                                                       block_size, gen)
         row: dict = {"shape": {"batch": batch, "context": context, "table_tokens": table_tokens, "q_heads": q_heads,
                                "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size}}
         for name, dtype in (("bf16", torch.bfloat16), ("fp8", ref.FP8_DTYPE)):
@@ -343,13 +351,11 @@ def merge_chain_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_to
     CUDA graph, each over its own layer's cache (one block table for all, as in the engine), graph-
     shaped (no length hint, a table ``table_tokens`` wide). bf16; the step's floor is the KV read."""
     rows = []
-    width = table_tokens // block_size
     scale = 1 / math.sqrt(head_dim)
     for batch in batches:
-        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
-        wide = torch.cat([tables, torch.zeros(batch, width - tables.shape[1], dtype=tables.dtype, device="cuda")], 1)
+        kv, tables, wide, lens, q = graph_shaped_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens,
+                                                       block_size, gen)
         caches = [kv] + [torch.randn_like(kv) for _ in range(layers - 1)]
-        q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
         counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
         kv_bytes = layers * 2 * batch * context * kv_heads * head_dim * kv.element_size()
         want = ref.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], tables, lens, scale)
