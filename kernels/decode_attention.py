@@ -118,11 +118,16 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_length(seq_len, split_tokens, NUM_SPLITS, BLOCK_N)
-    start = split * split_len
-    if start >= seq_len:
-        return
-    end = tl.minimum(start + split_len, seq_len)
+    if NUM_SPLITS == 1:  # the whole context: no split length to work out (see _split_length)
+        split_len = seq_len
+        start = 0
+        end = seq_len
+    else:
+        split_len = _split_length(seq_len, split_tokens, NUM_SPLITS, BLOCK_N)
+        start = split * split_len
+        if start >= seq_len:
+            return
+        end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
