@@ -356,13 +356,16 @@ def merge_chain_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_to
         kv, tables, wide, lens, q = graph_shaped_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens,
                                                        block_size, gen)
         caches = [kv] + [torch.randn_like(kv) for _ in range(layers - 1)]
+        sms = decode_attention.num_sms(q.device)
+        tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms)
         counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
         kv_bytes = layers * 2 * batch * context * kv_heads * head_dim * kv.element_size()
         want = ref.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], tables, lens, scale)
         row: dict = {"shape": {"batch": batch, "context": context, "table_tokens": table_tokens, "layers": layers,
                                "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
                                "block_size": block_size},
-                     "splits": decode_attention.choose_num_splits(batch, kv_heads, table_tokens, decode_attention.num_sms(q.device), 64)}
+                     "splits": decode_attention.choose_num_splits(
+                         batch, kv_heads, table_tokens, sms, tiles.block_n, programs_per_sm=tiles.programs_per_sm)}
         for label, fused in (("fused", True), ("two_kernels", False)):
             def step(fused=fused, q=q, wide=wide, lens=lens, counters=counters, caches=caches):
                 return [decode_attention.paged_decode(q, c[:, 0, 0], c[:, 0, 1], wide, lens, scale, None, None,

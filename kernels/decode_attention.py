@@ -187,10 +187,10 @@ def _decode_split_kernel(
     v_final = 1.0 / l_i
     if KV_QUANT == 1:
         v_final = v_final * v_tensor_scale
-    n_valid = tl.cdiv(seq_len, split_len)  # splits holding keys of this sequence (the rest exited above)
     if NUM_SPLITS == 1:
         direct = True
     elif FUSED_MERGE:
+        n_valid = tl.cdiv(seq_len, split_len)  # splits holding keys of this sequence (the rest exited above)
         direct = n_valid == 1  # the only split with keys: its output is final
     else:
         direct = False  # _reduce_kernel reads every split's partial
@@ -486,7 +486,8 @@ def paged_decode(
                         num_stages, v_pairs, max_registers, fused_merge, interpreting())
     out = torch.empty_like(q)  # [B, Hq, D]
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
-    counters = part_out = part_lse = placeholder(q.device, torch.float32)
+    part_out = part_lse = placeholder(q.device, torch.float32)
+    counters = placeholder(q.device, torch.int32)  # read only by FUSED_MERGE launches
     if plan.num_splits > 1:
         part_out = torch.empty(num_seqs, q_heads, plan.num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, q_heads, plan.num_splits, dtype=torch.float32, device=q.device)
