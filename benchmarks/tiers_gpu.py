@@ -334,6 +334,33 @@ def _timed(fn: Callable[..., Any], acc: list[float], label: str) -> Callable[...
     return wrapped
 
 
+class CompileRecorder:
+    """The Triton kernels compiled (or loaded from the disk cache) by any thread between ``start`` and
+    ``stop``: a first launch of a new specialisation on the tier worker is a stall the step loop waits
+    out on the backlog. Triton calls ``jit_cache_hook`` before it compiles a launch it has no kernel
+    for; the interpreter (the CPU smoke run) compiles nothing."""
+
+    def __init__(self) -> None:
+        self.kernels: list[str] = []
+        self._previous: Any = None
+        self._on = False
+
+    def _record(self, **kw: Any) -> None:  # None: the launch goes on
+        self.kernels.append(str(kw["repr"]).split("[", 1)[0])  # the kernel's name
+
+    def start(self) -> None:
+        import triton
+
+        self._previous, self._on = triton.knobs.runtime.jit_cache_hook, True
+        triton.knobs.runtime.jit_cache_hook = self._record
+
+    def stop(self) -> None:
+        if self._on:
+            import triton
+
+            triton.knobs.runtime.jit_cache_hook, self._on = self._previous, False
+
+
 def _percentile(xs: Sequence[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, max(0, round(q * (len(ys) - 1))))]
@@ -371,6 +398,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
         if short_switch:
             sys.setswitchinterval(2e-4)
         hook = _tier_hook(dev, runner, base_mode, dram_bytes, seg_blocks)
+        compiles = CompileRecorder()
         engine = LLMEngine(config, runner, lower_tier=hook, num_blocks=pool)
         who = _tenant(mode)
         try:
@@ -414,6 +442,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
             if tracer is not None:
                 tracer.__enter__()
             sync(dev)
+            compiles.start()
             t_prev = time.perf_counter()
             while engine.has_unfinished():
                 e0 = engine.cache.num_evictions
@@ -457,6 +486,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                 hook.flush_spills()
                 hook.manager.drain()
             drain_s = time.perf_counter() - t0
+            compiles.stop()
             tier = hook.stats() if hook is not None else {}
             arena = hook.manager.dram.arena_stats() if hook is not None and hook.manager.dram is not None else None
             return {"mode": mode, "at_s": t_run - t_section, "steps": len(times), "p50_ms": 1e3 * _percentile(times, 0.5),
@@ -472,6 +502,9 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     **{f"{k}_cpu_ms": [round(1e3 * c, 3) for _, c in v] for k, v in per_step.items()},
                     "backlog_waits": hook.backlog_waits if hook else 0,
                     "backlog_wait_s": hook.backlog_wait_s if hook else 0.0,
+                    # Triton kernels compiled during the run and its drain, by any thread (the tier worker's
+                    # seals among them): each a stall unless it was the step loop's own first launch
+                    "compiles": compiles.kernels,
                     "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,
                     "drain_after_s": drain_s, "dram_used_bytes": tier.get("dram", {}).get("used_bytes"),
                     "sealed_on_device": getattr(hook.manager.sealer, "sealed", 0) if hook else 0,
@@ -481,6 +514,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     "profile_top": _profile_top(prof, n) if prof is not None else None,
                     "trace_top": trace_top}
         finally:
+            compiles.stop()
             sys.setswitchinterval(switch0)
             if hook is not None:
                 hook.close()
@@ -632,7 +666,7 @@ def table(r: dict) -> str:
         base = next((x for x in sl["runs"] if x["mode"] == "off"), None)
         lines.append(f"{'mode':<10}{'p50 ms':>8}{'p99 ms':>8}{'p99 vs off':>11}{'steps':>7}{'evicting':>9}"
                      f"{'blocks':>8}{'drain s':>8}{'cpu p50':>8}{'gpu p50':>8}{'gpu p99':>8}{'waits':>6}{'wait s':>7}"
-                     "  arena (pinned, fallbacks)")
+                     f"{'jit':>5}  arena (pinned, fallbacks)")
         for x in sl["runs"]:
             vs = f"{100 * (x['p99_ms'] / base['p99_ms'] - 1):+.1f}%" if base else "-"
             a = x.get("arena")
@@ -642,6 +676,7 @@ def table(r: dict) -> str:
                          f"{x.get('replay_p99_ms') or float('nan'):>8.2f}"
                          f"{x.get('backlog_waits', 0):>6}"
                          f"{x.get('backlog_wait_s', 0.0):>7.2f}"
+                         f"{len(x.get('compiles', [])):>5}"
                          + (f"  {a['pinned']}, {a['fallbacks']}/{a['allocations']}" if a else ""))
         for mode, m in sl.get("summary", {}).items():
             vs = f"{100 * (m['p99_vs_nearest_off'] - 1):+.1f}%" if m["p99_vs_nearest_off"] else "-"

@@ -100,11 +100,14 @@ def _word_mask(widx, nbytes):
 # a tensor per launch cost a pinned host allocation and an upload on the tier worker, which holds the
 # GIL the step loop needs. They change on every launch, so they must not be specialised (a word
 # equal to 1 or divisible by 16 would compile another variant); as signed 32-bit values their type
-# never changes either.
+# never changes either. The block counter likewise (an opened span starts at 1 + its first block).
+# What stays specialised is what lets the loads vectorise: the word offsets (alignment) and
+# ``nbytes`` (a length divisible by 16 keeps the tail mask constant over 4 words), two classes a
+# seal can fall in, both compiled by ``DeviceSealer.self_test`` before the first spill.
 _KEY_WORDS = ("key0", "key1", "key2", "key3", "key4", "key5", "key6", "key7", "nonce0", "nonce1", "nonce2")
 
 
-@triton.jit(do_not_specialize=_KEY_WORDS)
+@triton.jit(do_not_specialize=(*_KEY_WORDS, "counter0"))
 def _chacha20_xor_kernel(
     src_ptr,  # int32 words; the ciphertext starts at word src_off
     dst_ptr,  # int32 words; plaintext written from word dst_off
@@ -202,9 +205,15 @@ def _mulmod(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
 
 
 _LIMBS = ("r0", "r1", "r2", "r3", "r4", "q0", "q1", "q2", "q3", "q4")
+# The lane layout's integers follow the segment's size (a 2 MiB spill: 1,024 lanes of 128 blocks, no
+# padding; 3 x 2 MiB: 4,096 lanes of 96; past 64 x 2 MiB: 65,536 lanes of 2n), so left specialised
+# (equal to 1, divisible by 16, or neither) each new segment size could compile another variant on
+# the tier worker while the step loop waits for it. They bound loops and index blocks, nothing a
+# vector load's alignment depends on.
+_LANE_LAYOUT = ("nblocks", "pad", "blocks_per_lane", "exp_bits")
 
 
-@triton.jit(do_not_specialize=_LIMBS)
+@triton.jit(do_not_specialize=(*_LIMBS, *_LANE_LAYOUT))
 def _poly1305_kernel(
     src_ptr,  # int32 words; the ciphertext starts at word src_off
     r0, r1, r2, r3, r4,  # limbs of r (fully reduced, 26-bit each: int32 scalars)

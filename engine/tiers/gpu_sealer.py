@@ -37,7 +37,10 @@ from engine.tiers.dram import PinnedBlob
 from kernels import chacha20_poly1305 as gpu_aead
 from kernels import chacha20_poly1305_ref as ref_aead
 
-SELF_TEST_BYTES = 4 * 64 + 12  # four ChaCha20 blocks and a partial one, a partial Poly1305 block
+# Two sizes, one per class of the seal kernels' specialised ``nbytes`` (divisible by 16 or not):
+# four ChaCha20 blocks and a partial one with a partial Poly1305 block, then whole blocks as every
+# KV spill is (a block of K and V rows is a multiple of 16 bytes).
+SELF_TEST_SIZES = (4 * 64 + 12, 16 * 64)
 
 
 class DeviceSealer:
@@ -57,20 +60,22 @@ class DeviceSealer:
         """Seal a few random bytes on the device and compare with the pure-Python RFC 8439 reference.
 
         Run once at construction on CUDA: a device whose kernels disagree with the reference is
-        refused before it seals anything, and the kernels are compiled and loaded before the first
-        real spill (seen on the H200 without it: the step that handed the first run down took 47
-        ms, 22 ms of it in the step loop's spill, while the tier worker compiled; with it the first
-        spilling run's slowest step was 10 ms). Triton specialises the kernels' size arguments
-        (divisible by 16 or not), so a spill whose sizes fall in another class than these bytes
-        still compiles that variant once, on the tier worker."""
+        refused before it seals anything, and every variant of the kernels a spill can launch is
+        compiled and loaded before the first one. Without that, the first spill compiled on the
+        tier worker while the step loop waited on the backlog (the H200: the step that handed the
+        first run down took 47 ms; later, with one 268-byte test whose length fell in the other
+        specialisation class than a spill's, one backlog wait of 0.11-0.56 s in the first spilling
+        run of each process). The kernels specialise only ``nbytes`` and the word offsets (0 here
+        as in every seal): ``SELF_TEST_SIZES`` has one length of each class."""
         key, aad = secrets.token_bytes(32), b"prefixgate-device-seal-self-test"
-        plain = secrets.token_bytes(SELF_TEST_BYTES)
-        data = torch.frombuffer(bytearray(plain), dtype=torch.uint8).to(self.device).view(1, -1)
-        raw = bytes(self._seal(key, DeviceKV(data), aad, None).view())  # not counted as a segment
-        parts = device_blob_parts(raw)
-        if parts is None or raw[DEVICE_HEADER_BYTES:] != ref_aead.seal(key, parts.nonce, plain, aad):
-            raise RuntimeError(f"ChaCha20-Poly1305 on {self.device} disagrees with the RFC 8439 reference "
-                               f"({len(plain)} bytes): device sealing refused")
+        for nbytes in SELF_TEST_SIZES:
+            plain = secrets.token_bytes(nbytes)
+            data = torch.frombuffer(bytearray(plain), dtype=torch.uint8).to(self.device).view(1, -1)
+            raw = bytes(self._seal(key, DeviceKV(data), aad, None).view())  # not counted as a segment
+            parts = device_blob_parts(raw)
+            if parts is None or raw[DEVICE_HEADER_BYTES:] != ref_aead.seal(key, parts.nonce, plain, aad):
+                raise RuntimeError(f"ChaCha20-Poly1305 on {self.device} disagrees with the RFC 8439 reference "
+                                   f"({nbytes} bytes): device sealing refused")
 
     def seal(self, key: bytes, plain: DevicePlaintext, aad: bytes,
              host_buffer: Callable[[int], np.ndarray] | None = None) -> PinnedBlob:

@@ -268,3 +268,33 @@ def test_self_test_agrees_with_the_reference_and_refuses_a_disagreeing_device(mo
     monkeypatch.setattr(gpu_sealer.ref_aead, "seal", lambda *a: bytes(reversed(real(*a))))
     with pytest.raises(RuntimeError, match="disagrees with the RFC 8439 reference"):
         sealer.self_test()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA: Triton's interpreter compiles nothing")
+def test_spills_of_any_size_compile_nothing_after_the_self_test():
+    """A spill that compiles a kernel variant does so on the tier worker while the step loop waits
+    on the backlog (0.11-0.56 s on the H200): the self-test must have compiled every variant that
+    whole-block segments of any length launch. Triton calls ``jit_cache_hook`` before compiling a
+    launch it has no kernel for."""
+    import triton
+
+    sealer = DeviceSealer(DEVICE)
+    compiled: list[str] = []
+
+    def record(**kw: object) -> None:  # returns None: the launch goes on
+        compiled.append(str(kw["repr"]))  # the kernel's name and its specialised signature
+
+    key = TenantCipher(new_data_key(), owner="t").device_key()
+    assert key is not None
+    triton.knobs.runtime.jit_cache_hook = record
+    try:
+        # segments of 1-70 blocks of a 2 MiB block (the 8B shape), 1 MiB (fp8) and 48 KiB (a small
+        # model): lane layouts with and without padding, K of 1, 2n and 96, lane counts capped
+        for block_bytes, counts in ((2 << 20, (1, 3, 5, 17, 64, 70)), (1 << 20, (1, 7)), (48 << 10, (1, 2, 9))):
+            for n in counts:
+                data = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, device=DEVICE)
+                sealer.seal(key, DeviceKV(data), b"aad")
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert compiled == []
