@@ -87,6 +87,11 @@ alt = [(",".join(str(v) for v in d["shape"].values()), d.get("fp8_graph_ms"), d[
 if alt:
     print("fp8 graph ms, launcher / the other tile set (ring: two buffers, 3 per SM; wave: one, 4 per SM): "
           + "  ".join(f"{s} {a or float('nan'):.3f}/{o['graph_ms'] or float('nan'):.3f} {o['tiles']}" for s, a, o in alt))
+paired = [(",".join(str(v) for v in d["shape"].values()), d.get("fp8_graph_ms"), d["fp8_per_head"])
+          for d in r["decode"] + r.get("classes", []) if "fp8_per_head" in d]
+if paired:
+    print("fp8 graph ms, KV heads in pairs (the launcher) / per head: "
+          + "  ".join(f"{s} {a or float('nan'):.3f}/{o['graph_ms'] or float('nan'):.3f}" for s, a, o in paired))
 for row in r.get("merge_chain", {}).get("rows", []):
     print(f"split merge, {row['shape']['batch']} x {row['shape']['context']}, {row['shape']['layers']} launches: "
           f"in the kernel {row['fused']['us_per_launch']:.2f} us, second kernel {row['two_kernels']['us_per_launch']:.2f} us "

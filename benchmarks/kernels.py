@@ -242,6 +242,12 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
+        if decode_attention.pairs_heads(head_dim, kv_heads, kq.dtype):
+            # the launcher reads KV heads in pairs here (session 14): the per-head launch beside it
+            def per_head(kq=kq, vq=vq, ks=ks, vs=vs):
+                return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, pair_heads=False)
+            row[f"{name}_per_head"] = {"rel_err": rel_err(per_head()[:n_check], outq[:n_check]),
+                                       "ms": bench(per_head), "graph_ms": bench_graph(per_head)}
         qtiles = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
         if compare_tiles and head_dim == 128 and name == "fp8":
             # the fp8 tile set the launcher did not pick, beside its choice; int8's tiles before

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -461,6 +461,7 @@ def paged_decode(
     split_by_length: bool | None = None,
     merge_counters: torch.Tensor | None = None,
     fused_merge: bool = True,
+    pair_heads: bool | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``kernels.triton_ops``.
 
@@ -477,9 +478,22 @@ def paged_decode(
     in ``merge_counters`` (int32, at least B x Hkv, all zero; the kernel leaves them zero): a caller
     that launches on one stream keeps one such buffer for all its launches (the engine's runner and
     its CUDA graphs do); without it each launch zeroes a fresh one. ``fused_merge=False`` merges in
-    a second kernel (``_reduce_kernel``) instead: the baseline the benchmarks time it against."""
+    a second kernel (``_reduce_kernel``) instead: the baseline the benchmarks time it against.
+
+    ``pair_heads`` reads two adjacent KV heads as one of twice the head dim (``pairs_heads`` says
+    when the launcher does, ``_paged_decode_head_pairs`` how); False launches per head."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    if pair_heads is None:
+        pair_heads = pairs_heads(head_dim, kv_heads, k_cache.dtype)
+    if pair_heads:
+        def per_pair(q_wide: torch.Tensor, k_wide: torch.Tensor, v_wide: torch.Tensor) -> torch.Tensor:
+            return paged_decode(q_wide, k_wide, v_wide, block_tables, seq_lens, scale, k_scale, v_scale,
+                                num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                                v_pairs=v_pairs, max_registers=max_registers, context_lens=context_lens,
+                                split_by_length=split_by_length, merge_counters=merge_counters,
+                                fused_merge=fused_merge, pair_heads=False)
+        return decode_in_head_pairs(q, k_cache, v_cache, per_pair)
     hint = None if context_lens is None else (context_lens if isinstance(context_lens, tuple) else tuple(context_lens))
     plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
                         q.dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
@@ -510,6 +524,41 @@ def paged_decode(
             BLOCK_N=plan.options["BLOCK_N"], num_warps=4,
         )
     return out
+
+
+def pairs_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> bool:
+    """Whether ``paged_decode`` reads KV heads in pairs: an fp8 cache (one scale per tensor, so a pair
+    shares it; int8's per-head scales do not) of head dim 64 or less with an even number of KV heads.
+    One head's row of such a cache is at most 64 bytes, half of a 128-byte L2 line whose other half
+    belongs to the next head and is read by another program at another time: fp8 at head dim 64
+    streamed at ~55 % of copy on the H200 (sessions 8-14) where head dim 128 streams at ~100 %.
+    Read as one head of twice the width, a pair's rows are whole lines."""
+    return kv_dtype == FP8_DTYPE and head_dim <= 64 and kv_heads % 2 == 0
+
+
+def decode_in_head_pairs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``decode`` (a launch on (q, k cache, v cache)) over KV heads read in adjacent pairs, each pair
+    one head of width ``2 D``.
+
+    The caches are only viewed: ``[NB, BS, Hkv, D]`` is ``[NB, BS, Hkv / 2, 2 D]`` (their last two dims
+    contiguous). Query head ``j`` (of KV head ``j // G``, the pair's member ``m = (j // G) % 2``) is
+    widened to ``2 D`` with its values in half ``m`` and zeros in the other, so its scores against
+    the pair's keys are exactly its scores against its own head's keys; the head order, and so each
+    query head's pair (``j // 2G``), is unchanged. Its output's half ``m`` is its output (the other
+    half weighs the other member's values by the same probabilities and is dropped). Two small
+    copies more per launch; ``decode`` keeps the caller's softmax scale, of the real head dim."""
+    num_seqs, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group, pairs = q_heads // kv_heads, kv_heads // 2
+    wide = q.new_zeros(num_seqs, pairs, 2, group, 2, head_dim)  # [b, pair, member, g, half, d]
+    # the diagonal member == half: [b, pair, g, d, member]
+    wide.diagonal(dim1=2, dim2=4).copy_(q.view(num_seqs, pairs, 2, group, head_dim).permute(0, 1, 3, 4, 2))
+    out = decode(wide.view(num_seqs, q_heads, 2 * head_dim),
+                 k_cache.view(*k_cache.shape[:2], pairs, 2 * head_dim),
+                 v_cache.view(*v_cache.shape[:2], pairs, 2 * head_dim))
+    own = out.view(num_seqs, pairs, 2, group, 2, head_dim).diagonal(dim1=2, dim2=4)  # [b, pair, g, d, member]
+    return own.permute(0, 1, 4, 2, 3).reshape(num_seqs, q_heads, head_dim)
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,28 @@ def test_decode_with_a_length_hint(kv_dtype):
     run_case(64, 4, 16, lens, kv_dtype, length_hint=True, seed=31)
 
 
+def test_decode_pairs_kv_heads_only_where_a_pair_shares_its_scale():
+    assert decode_attention.pairs_heads(64, 8, ref.FP8_DTYPE)
+    assert decode_attention.pairs_heads(32, 2, ref.FP8_DTYPE)
+    assert not decode_attention.pairs_heads(64, 3, ref.FP8_DTYPE)  # an odd head has no partner
+    assert not decode_attention.pairs_heads(128, 8, ref.FP8_DTYPE)  # its rows are whole lines already
+    assert not decode_attention.pairs_heads(64, 8, torch.int8)  # one scale per token and head
+    assert not decode_attention.pairs_heads(64, 8, torch.bfloat16)
+
+
+@pytest.mark.parametrize("pair_heads", [True, False])
+@pytest.mark.parametrize("head_dim,group,kv_heads", [(64, 4, 2), (64, 1, 4), (32, 3, 4), (64, 7, 2)])
+def test_decode_fp8_with_kv_heads_in_pairs(head_dim, group, kv_heads, pair_heads):
+    """fp8 at head dim <= 64 reads two KV heads as one of twice the width: every query head's output
+    is still its own head's attention, with one split, several, and cut by the live lengths (the
+    graph-shaped launch), over the engine's strided layer views."""
+    lens = [150, 1, 45, 64]
+    for seed, options in enumerate(({"num_splits": 1}, {"num_splits": 3},
+                                    {"num_splits": 4, "split_by_length": True})):
+        run_case(head_dim, group, 16, lens, ref.FP8_DTYPE, kv_heads=kv_heads, table_width=16,
+                 pair_heads=pair_heads, seed=90 + seed + head_dim + group, **options)
+
+
 def test_decode_checks_inputs():
     gen = torch.Generator().manual_seed(0)
     k, v, _, _ = make_kv_cache(4, 16, 2, 64, torch.float16, "cpu", gen)

@@ -50,6 +50,15 @@ def test_decode_gpu_8bit_many_pairs(kv_dtype):
     decode.run_case(128, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=11, device="cuda")
 
 
+@pytest.mark.parametrize("pair_heads", [True, False])
+def test_decode_gpu_fp8_kv_heads_in_pairs(pair_heads):
+    """fp8 at head dim 64 with 8 KV heads: read in pairs (the launcher's choice, the 128-wide tiles
+    then) and per head, a graph-shaped table of 4K holding 1-4,100 tokens, against the reference."""
+    lens = [1 + (i * 613) % 4100 for i in range(64)]
+    decode.run_case(64, 4, 16, lens, ref.FP8_DTYPE, q_dtype=torch.bfloat16, kv_heads=8, seed=5, device="cuda",
+                    table_width=4160 // 16, pair_heads=pair_heads)
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim,split_by_length", [(64, None), (128, None), (128, False)])
 def test_decode_gpu_graph_shaped_table(kv_dtype, head_dim, split_by_length):
