@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +113,13 @@ def _decode_split_kernel(
     GROUP_P2: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    HALF_DIM: tl.constexpr,
 ):
+    """One (sequence, kv head, split) program. With ``HALF_DIM`` > 0 a "kv head" is a pair of the
+    cache's heads read as one of width ``HEAD_DIM = 2 * HALF_DIM`` (``pairs_heads``), and ``GROUP``
+    counts the q heads of both: q and out are the caller's ``[B, Hq, HALF_DIM]``, each q row is
+    loaded into its own member's half of the width (zeros in the other: its scores are exactly its
+    own head's) and only that half of its output is stored (``_store_heads``)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,7 +140,12 @@ def _decode_split_kernel(
     heads = kvh * GROUP + rows
     d = tl.arange(0, HEAD_DIM)
     dh = tl.arange(0, HEAD_DIM // 2)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    if HALF_DIM > 0:  # row r belongs to member r // (GROUP / 2) of the pair: its values in that half
+        own_half = (d // HALF_DIM)[None, :] == (rows // (GROUP // 2))[:, None]
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + (d % HALF_DIM)[None, :],
+                    mask=row_ok[:, None] & own_half, other=0.0)
+    else:
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_TY)  # [GROUP_PAD, D]
 
     if KV_QUANT == 1:
@@ -197,12 +208,13 @@ def _decode_split_kernel(
     if direct:
         o_row = out_ptr + b * stride_ob + heads[:, None] * stride_oh
         if V_PAIRS:
-            tl.store(o_row + 2 * dh[None, :], (acc_e * v_final[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-            tl.store(o_row + 2 * dh[None, :] + 1, (acc_o * v_final[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
+            _store_heads(o_row, 2 * dh[None, :], (acc_e * v_final[:, None]).to(out_ptr.dtype.element_ty), rows,
+                         GROUP, HALF_DIM)
+            _store_heads(o_row, 2 * dh[None, :] + 1, (acc_o * v_final[:, None]).to(out_ptr.dtype.element_ty), rows,
+                         GROUP, HALF_DIM)
         else:
-            tl.store(o_row + d[None, :], (acc * v_final[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            _store_heads(o_row, d[None, :], (acc * v_final[:, None]).to(out_ptr.dtype.element_ty), rows, GROUP,
+                         HALF_DIM)
     else:
         bh = b * (GROUP * tl.num_programs(1)) + heads  # flat (b, q head) index into the partials
         p_row = part_out_ptr + (bh[:, None] * NUM_SPLITS + split) * HEAD_DIM
@@ -225,13 +237,25 @@ def _decode_split_kernel(
                 tl.store(counter, 0)  # zero again for the next launch (every split of this one has counted)
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b * (GROUP * tl.num_programs(1)) + kvh * GROUP,
                               b, kvh * GROUP, n_valid, stride_ob, stride_oh,
-                              NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM)
+                              NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, HALF_DIM)
+
+
+@triton.jit
+def _store_heads(o_row, cols, vals, rows, GROUP: tl.constexpr, HALF_DIM: tl.constexpr):
+    """Store rows ``rows < GROUP`` of ``vals`` (columns ``cols`` of the program's width) at their
+    heads' pointers ``o_row``; with ``HALF_DIM`` > 0 only the columns in each row's own half of the
+    pair, at their place in a head of ``HALF_DIM``."""
+    row_ok = (rows < GROUP)[:, None]
+    if HALF_DIM > 0:
+        tl.store(o_row + cols % HALF_DIM, vals, mask=row_ok & ((cols // HALF_DIM) == (rows // (GROUP // 2))[:, None]))
+    else:
+        tl.store(o_row + cols, vals, mask=row_ok)
 
 
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, bh0, b, head0, n_valid, stride_ob, stride_oh,
                   NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  MERGE_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  MERGE_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_DIM: tl.constexpr):
     """out[b, head0 + g] = sum_s 2^(lse_gs - max_s lse_gs) o_gs / sum_s 2^(...), g < GROUP, s < n_valid:
     the log-sum-exps first (one [GROUP_P2, SPLITS_PAD] tile), then the partial outputs in chunks of
     MERGE_CHUNK splits ([GROUP_P2, MERGE_CHUNK, D], about 4K fp32 a chunk)."""
@@ -255,8 +279,8 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, bh0, b, head0, n_valid, s
                         other=0.0, cache_modifier=".cg")  # [GROUP_P2, MERGE_CHUNK, D]
         acc += tl.sum(parts * w[:, :, None], 1)
     o = acc / tl.where(g_ok, w_sum, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + (head0 + g)[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None])
+    _store_heads(out_ptr + b * stride_ob + (head0 + g)[:, None] * stride_oh, d[None, :], o.to(out_ptr.dtype.element_ty),
+                 g, GROUP, HALF_DIM)
 
 
 @triton.jit
@@ -481,23 +505,22 @@ def paged_decode(
     a second kernel (``_reduce_kernel``) instead: the baseline the benchmarks time it against.
 
     ``pair_heads`` reads two adjacent KV heads as one of twice the head dim (``pairs_heads`` says
-    when the launcher does, ``_paged_decode_head_pairs`` how); False launches per head."""
+    when the launcher does, the kernel's ``HALF_DIM`` how); False reads them one by one."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if pair_heads is None:
-        pair_heads = pairs_heads(head_dim, kv_heads, k_cache.dtype)
-    if pair_heads:
-        def per_pair(q_wide: torch.Tensor, k_wide: torch.Tensor, v_wide: torch.Tensor) -> torch.Tensor:
-            return paged_decode(q_wide, k_wide, v_wide, block_tables, seq_lens, scale, k_scale, v_scale,
-                                num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                v_pairs=v_pairs, max_registers=max_registers, context_lens=context_lens,
-                                split_by_length=split_by_length, merge_counters=merge_counters,
-                                fused_merge=fused_merge, pair_heads=False)
-        return decode_in_head_pairs(q, k_cache, v_cache, per_pair)
+        pair_heads = fused_merge and pairs_heads(head_dim, kv_heads, k_cache.dtype)
+    half_dim = 0
+    if pair_heads:  # the kernel's heads are the cache's pairs: [NB, BS, Hkv, D] viewed as [NB, BS, Hkv/2, 2D]
+        if not fused_merge or kv_heads % 2:
+            raise ValueError("KV heads are read in pairs with the merge in the kernel, of an even head count")
+        half_dim, head_dim, kv_heads = head_dim, 2 * head_dim, kv_heads // 2
+        k_cache = k_cache.view(*k_cache.shape[:2], kv_heads, head_dim)
+        v_cache = v_cache.view(*v_cache.shape[:2], kv_heads, head_dim)
     hint = None if context_lens is None else (context_lens if isinstance(context_lens, tuple) else tuple(context_lens))
     plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
                         q.dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
-                        num_stages, v_pairs, max_registers, fused_merge, interpreting())
+                        num_stages, v_pairs, max_registers, fused_merge, half_dim, interpreting())
     out = torch.empty_like(q)  # [B, Hq, D]
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     part_out = part_lse = placeholder(q.device, torch.float32)
@@ -532,33 +555,12 @@ def pairs_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> bool:
     One head's row of such a cache is at most 64 bytes, half of a 128-byte L2 line whose other half
     belongs to the next head and is read by another program at another time: fp8 at head dim 64
     streamed at ~55 % of copy on the H200 (sessions 8-14) where head dim 128 streams at ~100 %.
-    Read as one head of twice the width, a pair's rows are whole lines."""
+    Read as one head of twice the width, a pair's rows are whole lines: the cache is only viewed
+    (``[NB, BS, Hkv, D]`` as ``[NB, BS, Hkv / 2, 2 D]``, its last two dims contiguous), the kernel
+    widens each query head to ``2 D`` with zeros in its partner's half and keeps its own half of
+    the output (``_decode_split_kernel``'s ``HALF_DIM``). The softmax scale stays the caller's, of
+    the real head dim."""
     return kv_dtype == FP8_DTYPE and head_dim <= 64 and kv_heads % 2 == 0
-
-
-def decode_in_head_pairs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``decode`` (a launch on (q, k cache, v cache)) over KV heads read in adjacent pairs, each pair
-    one head of width ``2 D``.
-
-    The caches are only viewed: ``[NB, BS, Hkv, D]`` is ``[NB, BS, Hkv / 2, 2 D]`` (their last two dims
-    contiguous). Query head ``j`` (of KV head ``j // G``, the pair's member ``m = (j // G) % 2``) is
-    widened to ``2 D`` with its values in half ``m`` and zeros in the other, so its scores against
-    the pair's keys are exactly its scores against its own head's keys; the head order, and so each
-    query head's pair (``j // 2G``), is unchanged. Its output's half ``m`` is its output (the other
-    half weighs the other member's values by the same probabilities and is dropped). Two small
-    copies more per launch; ``decode`` keeps the caller's softmax scale, of the real head dim."""
-    num_seqs, q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group, pairs = q_heads // kv_heads, kv_heads // 2
-    wide = q.new_zeros(num_seqs, pairs, 2, group, 2, head_dim)  # [b, pair, member, g, half, d]
-    # the diagonal member == half: [b, pair, g, d, member]
-    wide.diagonal(dim1=2, dim2=4).copy_(q.view(num_seqs, pairs, 2, group, head_dim).permute(0, 1, 3, 4, 2))
-    out = decode(wide.view(num_seqs, q_heads, 2 * head_dim),
-                 k_cache.view(*k_cache.shape[:2], pairs, 2 * head_dim),
-                 v_cache.view(*v_cache.shape[:2], pairs, 2 * head_dim))
-    own = out.view(num_seqs, pairs, 2, group, 2, head_dim).diagonal(dim1=2, dim2=4)  # [b, pair, g, d, member]
-    return own.permute(0, 1, 4, 2, 3).reshape(num_seqs, q_heads, head_dim)
 
 
 @dataclass(frozen=True)
@@ -582,7 +584,7 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
                  q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
                  context_lens: tuple[int, ...] | None, split_by_length: bool | None, num_splits: int | None,
                  block_n: int | None, num_warps: int | None, num_stages: int | None, v_pairs: bool | None,
-                 max_registers: int | None, fused_merge: bool, interp: bool) -> _LaunchPlan:
+                 max_registers: int | None, fused_merge: bool, half_dim: int, interp: bool) -> _LaunchPlan:
     group = q_heads // kv_heads
     code = kv_code_for(kv_dtype)
     sms = num_sms(device)
@@ -614,7 +616,7 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_ty, V_PAIRS=v_pairs,
         FUSED_MERGE=fused_merge, GROUP_P2=group_p2, SPLITS_PAD=splits_pad,
-        MERGE_CHUNK=min(splits_pad, max(2, _MERGE_TILE_ELEMENTS // (group_p2 * head_dim))),
+        MERGE_CHUNK=min(splits_pad, max(2, _MERGE_TILE_ELEMENTS // (group_p2 * head_dim))), HALF_DIM=half_dim,
         num_warps=num_warps, num_stages=num_stages,
     )
     if max_registers and not interp:

@@ -157,6 +157,18 @@ def test_decode_fp8_with_kv_heads_in_pairs(head_dim, group, kv_heads, pair_heads
                  pair_heads=pair_heads, seed=90 + seed + head_dim + group, **options)
 
 
+def test_decode_pairs_kv_heads_only_with_the_merge_in_the_kernel():
+    gen = torch.Generator().manual_seed(0)
+    k, v, ks, vs = make_kv_cache(4, 16, 2, 64, ref.FP8_DTYPE, "cpu", gen)
+    q, tables, lens = torch.randn(1, 8, 64), torch.zeros(1, 4, dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="in pairs"):
+        decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, fused_merge=False,
+                                      pair_heads=True)
+    # the second kernel's baseline reads heads one by one unless told otherwise
+    out = decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, fused_merge=False)
+    assert rel_err(out, ref.paged_decode_attention(q, k, v, tables, lens, 0.125, ks, vs)) < TOL[ref.FP8_DTYPE]
+
+
 def test_decode_checks_inputs():
     gen = torch.Generator().manual_seed(0)
     k, v, _, _ = make_kv_cache(4, 16, 2, 64, torch.float16, "cpu", gen)
