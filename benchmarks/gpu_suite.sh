@@ -14,6 +14,12 @@ export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 RES=${OUT:-benchmarks/results}
 mkdir -p "$RES"
+# each phase's wall seconds, printed with the summary: the whole suite is meant to fit one 600 s device
+# call, and a slow device host (session 14's call 4: 566 s, cut during the tier stepload) shows where
+SUITE_T0=$SECONDS
+PHASES=""
+phase_done() {  # also said at once: a call cut by its time limit still shows the phases that ended
+  PHASES="$PHASES $1 $((SECONDS - SUITE_T0))s"; echo "== phase $1: $((SECONDS - SUITE_T0)) s"; SUITE_T0=$SECONDS; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 
 # tests/engine_model's GPU tests (the runner vs transformers on the tiny and Qwen2 checkpoints) build a
@@ -30,6 +36,7 @@ if "$PY" -c "import xdist" 2>/dev/null; then XDIST="-n ${GPU_TEST_WORKERS:-6}"; 
 # GPU_TESTS narrows the selection for a short call (pytest arguments, e.g. "tests/gpu_engine -k overlap").
 "$PY" -m pytest ${GPU_TESTS:-tests/kernels tests/gpu_engine $MODEL_TESTS} -m gpu $XDIST -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
 TEST_RC=${PIPESTATUS[0]}
+phase_done tests
 
 BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
 BENCH_RC=0
@@ -42,6 +49,7 @@ if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
 fi
 
 # The engine on the GPU: prints its own table last (see docs/gpu.md for how to read it).
+phase_done kernel_bench
 ENGINE_RC=0
 if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
   "$PY" benchmarks/engine_gpu.py --out "${ENGINE_JSON:-$RES/engine_gpu_h200.json}" --mt-requests "${MT_REQUESTS:-16}" \
@@ -49,6 +57,7 @@ if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
   ENGINE_RC=${PIPESTATUS[0]}
 fi
 
+phase_done engine_bench
 echo
 echo "== gpu suite =="
 echo "pytest -m gpu: $(tail -n 1 "$RES/kernels_gpu_pytest.log")  (rc $TEST_RC)"
@@ -118,6 +127,7 @@ fi
 echo "engine_gpu.py: rc $ENGINE_RC (JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
 
 # Prefill/decode split (issue #22; PD_GPUS=2 for issue #23's two-GPU run): CUDA IPC tests + benchmarks/pd.py
+SUITE_T0=$SECONDS  # the summary above is not a phase
 PD_RC=0
 if [ "${SKIP_PD_BENCH:-0}" != 1 ]; then
   bash benchmarks/gpu_pd.sh
@@ -131,6 +141,7 @@ fi
 # CUDA graphs, as the engine runs on a GPU, with tiers off / GPU sealing / off again (the CPU-sealing fallback's
 # +1,100 % p99 is in docs/gpu.md; its 20 s run is left out of the suite); NVMe plain and GPU-decrypt only, one
 # trial each: the device's disk reads at ~0.9 GB/s, so NVMe rows time the disk, not the code).
+phase_done pd
 TIERS_RC=0
 if [ "${SKIP_TIERS:-0}" != 1 ]; then
   "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py tests/tiers/test_device_seal.py -q -p no:cacheprovider \
@@ -142,4 +153,6 @@ if [ "${SKIP_TIERS:-0}" != 1 ]; then
   echo "tiers: pytest $(tail -n 1 "$RES/tiers_gpu_pytest.log")"
   sed -n '/^link:/,$p' "$RES/tiers_gpu.log"
 fi
+phase_done tiers
+echo "phases (wall):$PHASES"
 exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 || PD_RC != 0 || TIERS_RC != 0 ))
