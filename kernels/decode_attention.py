@@ -508,8 +508,9 @@ def paged_decode(
     when the launcher does, the kernel's ``HALF_DIM`` how); False reads them one by one."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if pair_heads is None:
-        pair_heads = fused_merge and pairs_heads(head_dim, kv_heads, k_cache.dtype)
+    if pair_heads is None:  # a pair is one view of the cache only where a head's rows follow each other
+        pair_heads = (fused_merge and pairs_heads(head_dim, kv_heads, k_cache.dtype)
+                      and all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache)))
     half_dim = 0
     if pair_heads:  # the kernel's heads are the cache's pairs: [NB, BS, Hkv, D] viewed as [NB, BS, Hkv/2, 2D]
         if not fused_merge or kv_heads % 2:

@@ -165,8 +165,14 @@ def test_decode_pairs_kv_heads_only_with_the_merge_in_the_kernel():
         decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, fused_merge=False,
                                       pair_heads=True)
     # the second kernel's baseline reads heads one by one unless told otherwise
+    want = ref.paged_decode_attention(q, k, v, tables, lens, 0.125, ks, vs)
     out = decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, fused_merge=False)
-    assert rel_err(out, ref.paged_decode_attention(q, k, v, tables, lens, 0.125, ks, vs)) < TOL[ref.FP8_DTYPE]
+    assert rel_err(out, want) < TOL[ref.FP8_DTYPE]
+    # and so does a cache whose heads are not adjacent in memory (no pair view of it exists)
+    k_apart = torch.empty(4, 16, 2, 2 * 64, dtype=k.dtype)[..., :64]
+    k_apart.copy_(k)
+    out = decode_attention.paged_decode(q, k_apart, v, tables, lens, 0.125, ks, vs, num_splits=2)
+    assert rel_err(out, want) < TOL[ref.FP8_DTYPE]
 
 
 def test_decode_checks_inputs():
