@@ -130,15 +130,15 @@ def ceilings() -> dict:
     return {"copy_TBps": copy_tbs, "copy_ms": ms, "matmul_bf16_TFLOPs": 2 * 8192**3 / (ms_mm * 1e-3) / 1e12}
 
 
-def paged_setup(batch, kv_heads, head_dim, context, block_size, gen):
+def paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device="cuda"):
     """A block-major cache [NB, 1, 2, BS, Hkv, D] bf16 with shuffled block tables (fragmented pages)."""
     per_seq = context // block_size
     num_blocks = batch * per_seq
-    kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
+    kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
                      generator=gen)
-    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    perm = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
     tables = perm.view(batch, per_seq).contiguous()
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     return kv, tables, lens
 
 
@@ -348,6 +348,50 @@ def graph_split_case(gen, ceil: dict, batches=(1, 8, 32, 128), context=2048, tab
         rows.append(row)
         del kv
     return {"rows": rows}
+
+
+# fp8 classes under 1.6x bf16 after session 14, all with few (sequence, kv head) pairs: GQA 7 (128 pairs),
+# 1 x 64K (8), 2 x 64K (16). Indices into DECODE_CLASSES.
+FEW_PAIR_CLASSES = (2, 7, 8)
+
+
+def fp8_split_sweep_case(gen, classes=FEW_PAIR_CLASSES, device="cuda", timer=None) -> list[dict]:
+    """fp8 decode on the few-pair classes at split counts around the launcher's (a quarter, a half,
+    its own, twice), with each fp8 tile set, as CUDA-graph replays, against the reference; the bf16
+    launcher's replay beside them for the ratio. Where a launch streams ~32-64 us, the splits' ramp
+    and the last split's merge weigh: is another count, or the other tile set, faster?
+    ``timer`` (default ``bench_graph``) and ``device`` let the flow run on the CPU's interpreter."""
+    return [_fp8_split_row(DECODE_CLASSES[i], gen, device, timer or bench_graph) for i in classes]
+
+
+def _fp8_split_row(shape, gen, device: str, timer) -> dict:
+    batch, q_heads, kv_heads, head_dim, context, block_size = shape
+    sms = decode_attention.num_sms(torch.device(device))
+    scale = 1 / math.sqrt(head_dim)
+    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
+    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"], shape))}
+    row["bf16_graph_ms"] = timer(lambda: triton_ops.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], tables,
+                                                                           lens, scale))
+    qkv, ks, vs = quantize_cache(kv, ref.FP8_DTYPE)
+    kq, vq = qkv[:, 0, 0], qkv[:, 0, 1]
+    n_check = min(batch, 2)
+    want = ref.paged_decode_attention(q[:n_check], kq, vq, tables[:n_check], lens[:n_check], scale, ks, vs)
+    row["launcher_graph_ms"] = timer(lambda: triton_ops.paged_decode_attention(q, kq, vq, tables, lens, scale, ks, vs))
+    picked = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
+    row["launcher_tiles"] = next(k for k, t in FP8_TILE_SETS.items() if t == picked)
+    cap = max(1, min(256, context // 128))
+    for label, tiles in FP8_TILE_SETS.items():
+        own = decode_attention.choose_num_splits(batch, kv_heads, context, sms, tiles.block_n,
+                                                 programs_per_sm=tiles.programs_per_sm)
+        for splits in sorted({max(1, own // 4), max(1, own // 2), own, min(cap, 2 * own)}):
+            def run(tiles=tiles, splits=splits):
+                return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, num_splits=splits,
+                                                     block_n=tiles.block_n, num_warps=tiles.num_warps,
+                                                     num_stages=tiles.num_stages, max_registers=tiles.max_registers)
+            row[f"{label}_splits{splits}"] = {"own": splits == own, "rel_err": rel_err(run()[:n_check], want),
+                                              "graph_ms": timer(run)}
+    return row
 
 
 def merge_chain_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_tokens=8448, layers=32, q_heads=32,
@@ -827,6 +871,9 @@ def main() -> int:
                     help="only the ceilings and the graph-shaped decode launches (graph_split_case)")
     ap.add_argument("--merge-only", action="store_true",
                     help="only the ceilings and the split merge in the kernel against a second kernel (merge_chain_case)")
+    ap.add_argument("--fp8-split-sweep", action="store_true",
+                    help="only the ceilings and fp8 on the few-pair classes at split counts around the launcher's, "
+                         "both fp8 tile sets (fp8_split_sweep_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -872,6 +919,18 @@ def main() -> int:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["merge_chain"] = merge_chain_case(gen, ceil)
         save()
+    if args.fp8_split_sweep:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["fp8_split_sweep"] = fp8_split_sweep_case(gen)
+        save()
+        def ms(x: float | None) -> str:  # bench_graph gives None where a capture failed
+            return "-" if x is None else f"{x:.4f}"
+        for row in result["fp8_split_sweep"]:
+            got = {k: v["graph_ms"] for k, v in row.items() if isinstance(v, dict) and "graph_ms" in v}
+            best = min(got, key=lambda k: got[k] or float("inf"))
+            print(f"fp8 splits {','.join(str(v) for v in row['shape'].values())}: bf16 {ms(row['bf16_graph_ms'])} ms, "
+                  f"launcher ({row['launcher_tiles']}) {ms(row['launcher_graph_ms'])}, best {best} {ms(got[best])}: "
+                  + "  ".join(f"{k} {ms(v)}" for k, v in got.items()), flush=True)
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
