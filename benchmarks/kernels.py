@@ -380,6 +380,9 @@ def _fp8_split_row(shape, gen, device: str, timer) -> dict:
     row["launcher_graph_ms"] = timer(lambda: triton_ops.paged_decode_attention(q, kq, vq, tables, lens, scale, ks, vs))
     picked = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
     row["launcher_tiles"] = next(k for k, t in FP8_TILE_SETS.items() if t == picked)
+    # the launcher's launch with the merge in a second kernel: how much the last split's merge costs here
+    row["second_kernel_merge_graph_ms"] = timer(lambda: decode_attention.paged_decode(
+        q, kq, vq, tables, lens, scale, ks, vs, fused_merge=False))
     cap = max(1, min(256, context // 128))
     for label, tiles in FP8_TILE_SETS.items():
         own = decode_attention.choose_num_splits(batch, kv_heads, context, sms, tiles.block_n,
@@ -929,7 +932,8 @@ def main() -> int:
             got = {k: v["graph_ms"] for k, v in row.items() if isinstance(v, dict) and "graph_ms" in v}
             best = min(got, key=lambda k: got[k] or float("inf"))
             print(f"fp8 splits {','.join(str(v) for v in row['shape'].values())}: bf16 {ms(row['bf16_graph_ms'])} ms, "
-                  f"launcher ({row['launcher_tiles']}) {ms(row['launcher_graph_ms'])}, best {best} {ms(got[best])}: "
+                  f"launcher ({row['launcher_tiles']}) {ms(row['launcher_graph_ms'])} (merge in a second kernel "
+                  f"{ms(row['second_kernel_merge_graph_ms'])}), best {best} {ms(got[best])}: "
                   + "  ".join(f"{k} {ms(v)}" for k, v in got.items()), flush=True)
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
