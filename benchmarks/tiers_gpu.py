@@ -74,6 +74,7 @@ from engine.tiers.gpu_opener import DeviceAeadOpener, PinnedHostOpener  # noqa: 
 from engine.tiers.gpu_sealer import DeviceSealer  # noqa: E402
 from engine.tiers.opener import OpenedRuns, SealedRun, SegmentOpener  # noqa: E402
 from kernels import chacha20_poly1305 as gpu_aead  # noqa: E402
+from kernels.jit_watch import CompileRecorder  # noqa: E402
 from tenancy.crypto import TenantCipher, new_data_key  # noqa: E402
 
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -334,33 +335,6 @@ def _timed(fn: Callable[..., Any], acc: list[float], label: str) -> Callable[...
     return wrapped
 
 
-class CompileRecorder:
-    """The Triton kernels compiled (or loaded from the disk cache) by any thread between ``start`` and
-    ``stop``: a first launch of a new specialisation on the tier worker is a stall the step loop waits
-    out on the backlog. Triton calls ``jit_cache_hook`` before it compiles a launch it has no kernel
-    for; the interpreter (the CPU smoke run) compiles nothing."""
-
-    def __init__(self) -> None:
-        self.kernels: list[str] = []
-        self._previous: Any = None
-        self._on = False
-
-    def _record(self, **kw: Any) -> None:  # None: the launch goes on
-        self.kernels.append(str(kw["repr"]).split("[", 1)[0])  # the kernel's name
-
-    def start(self) -> None:
-        import triton
-
-        self._previous, self._on = triton.knobs.runtime.jit_cache_hook, True
-        triton.knobs.runtime.jit_cache_hook = self._record
-
-    def stop(self) -> None:
-        if self._on:
-            import triton
-
-            triton.knobs.runtime.jit_cache_hook, self._on = self._previous, False
-
-
 def _percentile(xs: Sequence[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, max(0, round(q * (len(ys) - 1))))]
@@ -504,7 +478,7 @@ def sec_stepload(dev: torch.device, runner: ModelRunner, *, seqs: int, prompt: i
                     "backlog_wait_s": hook.backlog_wait_s if hook else 0.0,
                     # Triton kernels compiled during the run and its drain, by any thread (the tier worker's
                     # seals among them): each a stall unless it was the step loop's own first launch
-                    "compiles": compiles.kernels,
+                    "compiles": [k.split("[", 1)[0] for k in compiles.kernels],  # the kernels' names
                     "max_ms": 1e3 * max(times), "steps_evicting": sum(evicting), "blocks_evicted": spilled,
                     "drain_after_s": drain_s, "dram_used_bytes": tier.get("dram", {}).get("used_bytes"),
                     "sealed_on_device": getattr(hook.manager.sealer, "sealed", 0) if hook else 0,

@@ -25,6 +25,7 @@ from engine.tiers.device_kv import DeviceKV  # noqa: E402
 from engine.tiers.dram import PinnedBlob  # noqa: E402
 from engine.tiers.gpu_opener import DeviceAeadOpener  # noqa: E402
 from engine.tiers.gpu_sealer import DeviceSealer  # noqa: E402
+from kernels.jit_watch import CompileRecorder  # noqa: E402
 from tenancy.crypto import TenantCipher, new_data_key  # noqa: E402
 from tests.tiers.conftest import BLOCK_BYTES, AesGcmCipher, acme, chain, kv_bytes  # noqa: E402
 from tests.tiers.test_manager import restore_all, spill  # noqa: E402
@@ -276,25 +277,15 @@ def test_spills_of_any_size_compile_nothing_after_the_self_test():
     """A spill that compiles a kernel variant does so on the tier worker while the step loop waits
     on the backlog (0.11-0.56 s on the H200): the self-test must have compiled every variant that
     whole-block segments of any length launch. Triton calls ``jit_cache_hook`` before compiling a
-    launch it has no kernel for."""
-    import triton
-
+    launch it has no kernel for (``kernels.jit_watch``)."""
     sealer = DeviceSealer(DEVICE)
-    compiled: list[str] = []
-
-    def record(**kw: object) -> None:  # returns None: the launch goes on
-        compiled.append(str(kw["repr"]))  # the kernel's name and its specialised signature
-
     key = TenantCipher(new_data_key(), owner="t").device_key()
     assert key is not None
-    triton.knobs.runtime.jit_cache_hook = record
-    try:
+    with CompileRecorder() as compiled:
         # segments of 1-70 blocks of a 2 MiB block (the 8B shape), 1 MiB (fp8) and 48 KiB (a small
         # model): lane layouts with and without padding, K of 1, 2n and 96, lane counts capped
         for block_bytes, counts in ((2 << 20, (1, 3, 5, 17, 64, 70)), (1 << 20, (1, 7)), (48 << 10, (1, 2, 9))):
             for n in counts:
                 data = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, device=DEVICE)
                 sealer.seal(key, DeviceKV(data), b"aad")
-    finally:
-        triton.knobs.runtime.jit_cache_hook = None
-    assert compiled == []
+    assert compiled.kernels == []

@@ -1,0 +1,32 @@
+"""``kernels.jit_watch.CompileRecorder``: it holds Triton's compile hook only while recording, lets
+every launch go on, and puts back whatever hook was set before it (on the GPU, the tier tests and the
+stepload use it to count real compiles)."""
+
+from __future__ import annotations
+
+import triton
+
+from kernels.jit_watch import CompileRecorder
+
+
+def test_the_recorder_keeps_launches_going_and_restores_the_previous_hook():
+    seen: list[str] = []
+
+    def earlier(**kw: object) -> None:
+        seen.append(str(kw["repr"]))
+
+    triton.knobs.runtime.jit_cache_hook = earlier
+    try:
+        with CompileRecorder() as rec:
+            hook = triton.knobs.runtime.jit_cache_hook
+            assert hook is not earlier
+            # what Triton passes before compiling; a truthy return would skip the launch
+            assert hook(key=("k",), repr="_kernel[num_warps=4](x: *fp32)", fn=None, compile={},
+                        is_manual_warmup=False, already_compiled=False) is None
+        assert rec.kernels == ["_kernel[num_warps=4](x: *fp32)"]
+        assert triton.knobs.runtime.jit_cache_hook is earlier
+        rec.stop()  # a second stop changes nothing
+        assert triton.knobs.runtime.jit_cache_hook is earlier
+        assert seen == []  # the earlier hook was not called while the recorder held the place
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
