@@ -20,7 +20,7 @@ import math
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -383,6 +383,18 @@ def _fp8_split_row(shape, gen, device: str, timer) -> dict:
     # the launcher's launch with the merge in a second kernel: how much the last split's merge costs here
     row["second_kernel_merge_graph_ms"] = timer(lambda: decode_attention.paged_decode(
         q, kq, vq, tables, lens, scale, ks, vs, fused_merge=False))
+    # as the engine launches: one merge-counter buffer for every launch (no zeroing kernel in the graph),
+    # bf16 and fp8 alike; and fp8 with the merge reading 16 splits' partials at a time
+    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+    row["bf16_persistent_graph_ms"] = timer(lambda: triton_ops.paged_decode_attention(
+        q, kv[:, 0, 0], kv[:, 0, 1], tables, lens, scale, merge_counters=counters))
+    row["launcher_persistent_graph_ms"] = timer(lambda: triton_ops.paged_decode_attention(
+        q, kq, vq, tables, lens, scale, ks, vs, merge_counters=counters))
+    chunk16 = decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, merge_counters=counters,
+                                            merge_chunk=16)
+    row["chunk16_rel_err"] = rel_err(chunk16[:n_check], want)
+    row["chunk16_persistent_graph_ms"] = timer(lambda: decode_attention.paged_decode(
+        q, kq, vq, tables, lens, scale, ks, vs, merge_counters=counters, merge_chunk=16))
     cap = max(1, min(256, context // 128))
     for label, tiles in FP8_TILE_SETS.items():
         own = decode_attention.choose_num_splits(batch, kv_heads, context, sms, tiles.block_n,
@@ -395,6 +407,72 @@ def _fp8_split_row(shape, gen, device: str, timer) -> dict:
             row[f"{label}_splits{splits}"] = {"own": splits == own, "rel_err": rel_err(run()[:n_check], want),
                                               "graph_ms": timer(run)}
     return row
+
+
+# One sequence, 32 / 8 heads, head dim 128: the contexts launch_floor_case times the launcher at.
+FLOOR_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def launch_floor_case(gen, contexts=FLOOR_CONTEXTS, device="cuda", timer=None) -> dict:
+    """What a decode launch costs beyond its stream. Batch 1 (32 / 8 heads, head dim 128) over
+    ``contexts``, bf16 and fp8, as CUDA-graph replays of the launcher: with a fresh merge-counter
+    buffer (a zeroing kernel in the graph: how the other rows of this benchmark time it) and with
+    one persistent buffer (as the engine launches); fp8 also with the merge reading 16 splits at a
+    time. A least-squares line through time against KV bytes gives each a stream rate (its slope)
+    and a fixed cost (its intercept), and a graph of one kernel over one element gives the harness's
+    own floor. Where the fixed cost is the same for bf16 and fp8, it pulls their ratio towards 1 on
+    short launches: (S + F) / (S / r + F)."""
+    timer = timer or bench_graph
+    one = torch.zeros(1, device=device)
+    null_ms = timer(lambda: one.add_(1.0))
+    rows = [_floor_row(context, gen, device, timer) for context in contexts]
+    fits = {}
+    for name, keys in (("bf16", ("fresh_ms", "persistent_ms")), ("fp8", ("fresh_ms", "persistent_ms", "chunk16_ms"))):
+        for key in keys:
+            pts = [(r[name]["kv_bytes"], r[name][key]) for r in rows if r[name].get(key) is not None]
+            fits[f"{name}_{key[:-3]}"] = line_fit(pts)
+    return {"null_graph_ms": null_ms, "rows": rows, "fits": fits}
+
+
+def _floor_row(context: int, gen, device: str, timer) -> dict:
+    """One context of ``launch_floor_case``: bf16 and fp8, fresh and persistent counters (fp8: also chunk 16)."""
+    kv, tables, lens = paged_setup(1, 8, 128, context, 16, gen, device=device)
+    q = torch.randn(1, 32, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    scale = 1 / math.sqrt(128)
+    counters = torch.zeros(8, dtype=torch.int32, device=device)
+    sms = decode_attention.num_sms(q.device)
+    row: dict = {"context": context}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp8", ref.FP8_DTYPE)):
+        cache, ks, vs = (kv, None, None) if dtype == torch.bfloat16 else quantize_cache(kv, dtype)
+        kc, vc = cache[:, 0, 0], cache[:, 0, 1]
+        tiles = decode_attention.choose_tiles(128, dtype, 8, sms)
+
+        def run(fresh: bool = False, chunk: int | None = None, kc=kc, vc=vc, ks=ks, vs=vs) -> torch.Tensor:
+            return decode_attention.paged_decode(q, kc, vc, tables, lens, scale, ks, vs, merge_chunk=chunk,
+                                                 merge_counters=None if fresh else counters)
+        got = {"kv_bytes": 2 * context * 8 * 128 * cache.element_size(),
+               "splits": decode_attention.choose_num_splits(1, 8, context, sms, tiles.block_n,
+                                                            programs_per_sm=tiles.programs_per_sm),
+               "rel_err": rel_err(run(), ref.paged_decode_attention(q, kc, vc, tables, lens, scale, ks, vs)),
+               "fresh_ms": timer(lambda run=run: run(fresh=True)),
+               "persistent_ms": timer(run)}
+        if name == "fp8":
+            got["chunk16_ms"] = timer(lambda run=run: run(chunk=16))
+        row[name] = got
+        del cache, kc, vc
+    return row
+
+
+def line_fit(points: Sequence[tuple[float, float]]) -> dict:
+    """Least squares ms = intercept + bytes / rate: {"TBps": rate, "fixed_us": intercept} (None below 2 points)."""
+    if len(points) < 2:
+        return {"TBps": None, "fixed_us": None}
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx  # ms per byte
+    return {"TBps": 1 / (slope * 1e-3) / 1e12 if slope > 0 else None, "fixed_us": 1000 * (my - slope * mx)}
 
 
 def merge_chain_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_tokens=8448, layers=32, q_heads=32,
@@ -877,6 +955,9 @@ def main() -> int:
     ap.add_argument("--fp8-split-sweep", action="store_true",
                     help="only the ceilings and fp8 on the few-pair classes at split counts around the launcher's, "
                          "both fp8 tile sets (fp8_split_sweep_case)")
+    ap.add_argument("--launch-floor", action="store_true",
+                    help="only the ceilings and batch-1 decode launches over 4K-128K contexts: stream rate and "
+                         "fixed cost per launch (launch_floor_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -933,8 +1014,22 @@ def main() -> int:
             best = min(got, key=lambda k: got[k] or float("inf"))
             print(f"fp8 splits {','.join(str(v) for v in row['shape'].values())}: bf16 {ms(row['bf16_graph_ms'])} ms, "
                   f"launcher ({row['launcher_tiles']}) {ms(row['launcher_graph_ms'])} (merge in a second kernel "
-                  f"{ms(row['second_kernel_merge_graph_ms'])}), best {best} {ms(got[best])}: "
+                  f"{ms(row['second_kernel_merge_graph_ms'])}); persistent counters bf16 {ms(row['bf16_persistent_graph_ms'])}, "
+                  f"fp8 {ms(row['launcher_persistent_graph_ms'])}, chunk 16 {ms(row['chunk16_persistent_graph_ms'])}; "
+                  f"best {best} {ms(got[best])}: "
                   + "  ".join(f"{k} {ms(v)}" for k, v in got.items()), flush=True)
+    if args.launch_floor:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["launch_floor"] = floor = launch_floor_case(gen)
+        save()
+        print(f"launch floor: a one-kernel graph {floor['null_graph_ms']:.4f} ms; "
+              + "  ".join(f"{k} {v['TBps'] or 0:.2f} TB/s + {v['fixed_us'] or 0:.1f} us" for k, v in floor["fits"].items()),
+              flush=True)
+        for r in floor["rows"]:
+            print(f"  1 x {r['context']} ({r['bf16']['splits']} / {r['fp8']['splits']} splits): "
+                  + "  ".join(f"{n} " + "/".join(f"{v:.4f}" for k, v in r[n].items() if k.endswith("_ms") and v)
+                              for n in ("bf16", "fp8"))
+                  + f"  err {r['bf16']['rel_err']:.1e} / {r['fp8']['rel_err']:.1e}", flush=True)
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)

@@ -486,6 +486,7 @@ def paged_decode(
     merge_counters: torch.Tensor | None = None,
     fused_merge: bool = True,
     pair_heads: bool | None = None,
+    merge_chunk: int | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``kernels.triton_ops``.
 
@@ -505,7 +506,9 @@ def paged_decode(
     a second kernel (``_reduce_kernel``) instead: the baseline the benchmarks time it against.
 
     ``pair_heads`` reads two adjacent KV heads as one of twice the head dim (``pairs_heads`` says
-    when the launcher does, the kernel's ``HALF_DIM`` how); False reads them one by one."""
+    when the launcher does, the kernel's ``HALF_DIM`` how); False reads them one by one.
+    ``merge_chunk`` (a power of two; tuning) sets how many splits' partials the in-kernel merge reads
+    at once (default: about 4K fp32 a chunk, ``_MERGE_TILE_ELEMENTS``)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if pair_heads is None:  # a pair is one view of the cache only where a head's rows follow each other
@@ -521,7 +524,7 @@ def paged_decode(
     hint = None if context_lens is None else (context_lens if isinstance(context_lens, tuple) else tuple(context_lens))
     plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
                         q.dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
-                        num_stages, v_pairs, max_registers, fused_merge, half_dim, interpreting())
+                        num_stages, v_pairs, max_registers, fused_merge, half_dim, merge_chunk, interpreting())
     out = torch.empty_like(q)  # [B, Hq, D]
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     part_out = part_lse = placeholder(q.device, torch.float32)
@@ -585,7 +588,8 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
                  q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
                  context_lens: tuple[int, ...] | None, split_by_length: bool | None, num_splits: int | None,
                  block_n: int | None, num_warps: int | None, num_stages: int | None, v_pairs: bool | None,
-                 max_registers: int | None, fused_merge: bool, half_dim: int, interp: bool) -> _LaunchPlan:
+                 max_registers: int | None, fused_merge: bool, half_dim: int, merge_chunk: int | None,
+                 interp: bool) -> _LaunchPlan:
     group = q_heads // kv_heads
     code = kv_code_for(kv_dtype)
     sms = num_sms(device)
@@ -613,11 +617,15 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
     group_p2 = next_pow2(group)
     splits_pad = max(2, next_pow2(num_splits))
     dot_ty = dot_dtype_for(q_dtype, kv_dtype, interp)
+    if merge_chunk is None:
+        merge_chunk = max(2, _MERGE_TILE_ELEMENTS // (group_p2 * head_dim))
+    elif merge_chunk < 2 or merge_chunk & (merge_chunk - 1):
+        raise ValueError(f"merge_chunk must be a power of two >= 2, got {merge_chunk}")
     options: dict[str, object] = dict(
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_ty, V_PAIRS=v_pairs,
         FUSED_MERGE=fused_merge, GROUP_P2=group_p2, SPLITS_PAD=splits_pad,
-        MERGE_CHUNK=min(splits_pad, max(2, _MERGE_TILE_ELEMENTS // (group_p2 * head_dim))), HALF_DIM=half_dim,
+        MERGE_CHUNK=min(splits_pad, merge_chunk), HALF_DIM=half_dim,
         num_warps=num_warps, num_stages=num_stages,
     )
     if max_registers and not interp:

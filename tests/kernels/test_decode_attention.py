@@ -87,6 +87,24 @@ def test_decode_merge_in_chunks_of_splits(kv_dtype):
              fused_merge=True, seed=61)
 
 
+@pytest.mark.parametrize("merge_chunk", [2, 8, 16])
+def test_decode_merge_chunk_override(merge_chunk):
+    """``merge_chunk`` (tuning) sets how many splits' partials the merging program reads at once:
+    2 (many chunks), 8, and 16 (every split of the longest sequence's 11 in one chunk) give the
+    reference's attention; a count that is not a power of two is refused."""
+    run_case(128, 8, 16, [700, 1, 200, 65], ref.FP8_DTYPE, num_splits=16, table_width=64, split_by_length=True,
+             fused_merge=True, merge_chunk=merge_chunk, seed=63 + merge_chunk)
+
+
+def test_decode_merge_chunk_must_be_a_power_of_two():
+    q = torch.zeros(1, 4, 64, dtype=torch.float16)
+    k = torch.zeros(2, 16, 1, 64, dtype=torch.float16)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="merge_chunk"):
+        decode_attention.paged_decode(q, k, k, tables, lens, 0.125, None, None, num_splits=2, merge_chunk=3)
+
+
 def test_decode_merge_counters_are_left_zero_for_the_next_launch():
     """One counter buffer serves launch after launch (as the engine's decode graphs share theirs):
     every launch finds it zero and leaves it zero, and each result is the reference's."""
