@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -461,6 +462,80 @@ def _floor_row(context: int, gen, device: str, timer) -> dict:
         row[name] = got
         del cache, kc, vc
     return row
+
+
+# (label, batch, context, table tokens, kv dtype) for launch_stamps_case: the few-pair classes, and the
+# engine's decode launch at batch 1 and 32 over 2K (a graph's table, 8,448 tokens wide)
+STAMP_SHAPES = (("1x64K", 1, 65536, 65536, "bf16"), ("1x64K", 1, 65536, 65536, "fp8"),
+                ("1x4K", 1, 4096, 4096, "bf16"), ("1x4K", 1, 4096, 4096, "fp8"),
+                ("1x2K_graph", 1, 2048, 8448, "bf16"), ("32x2K_graph", 32, 2048, 8448, "bf16"))
+
+
+def launch_stamps_case(gen, shapes=STAMP_SHAPES, replays: int = 5, device="cuda") -> list[dict]:
+    """Inside one decode launch (32 / 8 heads, head dim 128, persistent merge counters, CUDA-graph
+    replays): each program's GPU-timer stamps (``paged_decode``'s ``stamps``), summarised per replay
+    and the median over ``replays`` taken. In microseconds from the first program's start: when the
+    last program starts, each program's stream (start to its split's last key), the partial's store
+    and count, the merge, and the launch's span (first start to last stamp); beside it the replay as
+    ``bench_graph`` times it. Their difference is what the graph launch and the harness add."""
+    rows = []
+    scale = 1 / math.sqrt(128)
+    for label, batch, context, table_tokens, kv_name in shapes:
+        kv, tables, wide, lens, q = graph_shaped_setup(batch, 32, 8, 128, context, table_tokens, 16, gen)
+        cache, ks, vs = (kv, None, None) if kv_name == "bf16" else quantize_cache(kv, ref.FP8_DTYPE)
+        kc, vc = cache[:, 0, 0], cache[:, 0, 1]
+        counters = torch.zeros(batch * 8, dtype=torch.int32, device=device)
+        stamps = torch.full((batch * 8 * 256 * 4,), -1, dtype=torch.int64, device=device)
+
+        def run(stamped: bool, kc=kc, vc=vc, ks=ks, vs=vs, wide=wide, lens=lens, q=q, counters=counters,
+                stamps=stamps) -> torch.Tensor:
+            return decode_attention.paged_decode(q, kc, vc, wide, lens, scale, ks, vs, merge_counters=counters,
+                                                 stamps=stamps if stamped else None)
+        want = ref.paged_decode_attention(q, kc, vc, wide, lens, scale, ks, vs)
+        row: dict = {"label": label, "kv": kv_name, "batch": batch, "context": context, "table_tokens": table_tokens,
+                     "rel_err": rel_err(run(True), want), "graph_ms": bench_graph(lambda run=run: run(False)),
+                     "stamped_graph_ms": bench_graph(lambda run=run: run(True))}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(True)
+        per_replay = []
+        for _ in range(replays):
+            stamps.fill_(-1)
+            torch.cuda.synchronize()
+            graph.replay()
+            torch.cuda.synchronize()
+            per_replay.append(summarise_stamps(stamps.view(-1, 4).cpu()))
+        row["programs"] = per_replay[0]["programs"]
+        row.update({k: statistics.median(r[k] for r in per_replay) for k in per_replay[0] if k != "programs"})
+        rows.append(row)
+        print(f"stamps {label} {kv_name}: replay {row['graph_ms'] * 1000:.1f} us (stamped {row['stamped_graph_ms'] * 1000:.1f}), "
+              f"span {row['span_us']:.1f} us over {row['programs']} programs: last start {row['last_start_us']:.1f}, "
+              f"stream median {row['stream_med_us']:.1f} / max {row['stream_max_us']:.1f}, stream ends "
+              f"{row['first_stream_end_us']:.1f}-{row['last_stream_end_us']:.1f}, count {row['count_med_us']:.2f}, "
+              f"merge median {row['merge_med_us']:.2f} / max {row['merge_max_us']:.2f}; err {row['rel_err']:.1e}", flush=True)
+        del kv, cache, kc, vc
+    return rows
+
+
+def summarise_stamps(stamps: torch.Tensor) -> dict:
+    """[programs, 4] int64 nanosecond stamps (-1: not written) -> the launch's timeline in us (see
+    ``launch_stamps_case``)."""
+    ran = stamps[stamps[:, 0] >= 0].double()
+    t0 = ran[:, 0].min()
+    start, stream_end = ran[:, 0] - t0, ran[:, 1] - t0
+    counted = ran[:, 2] >= 0
+    merged = ran[:, 3] >= 0
+    last = torch.maximum(ran[:, 1], torch.maximum(ran[:, 2], ran[:, 3])).max() - t0
+    stream = stream_end - start
+
+    def us(x: torch.Tensor) -> float:
+        return float(x) / 1000 if x.numel() else 0.0
+    return {"programs": int(ran.shape[0]), "span_us": us(last), "last_start_us": us(start.max()),
+            "stream_med_us": us(stream.median()), "stream_max_us": us(stream.max()),
+            "first_stream_end_us": us(stream_end.min()), "last_stream_end_us": us(stream_end.max()),
+            "count_med_us": us((ran[counted, 2] - ran[counted, 1]).median()) if counted.any() else 0.0,
+            "merge_med_us": us((ran[merged, 3] - ran[merged, 2]).median()) if merged.any() else 0.0,
+            "merge_max_us": us((ran[merged, 3] - ran[merged, 2]).max()) if merged.any() else 0.0}
 
 
 def line_fit(points: Sequence[tuple[float, float]]) -> dict:
@@ -958,6 +1033,9 @@ def main() -> int:
     ap.add_argument("--launch-floor", action="store_true",
                     help="only the ceilings and batch-1 decode launches over 4K-128K contexts: stream rate and "
                          "fixed cost per launch (launch_floor_case)")
+    ap.add_argument("--launch-stamps", action="store_true",
+                    help="only the ceilings and the GPU-timer stamps of every program of a few decode launches "
+                         "(launch_stamps_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -1030,6 +1108,10 @@ def main() -> int:
                   + "  ".join(f"{n} " + "/".join(f"{v:.4f}" for k, v in r[n].items() if k.endswith("_ms") and v)
                               for n in ("bf16", "fp8"))
                   + f"  err {r['bf16']['rel_err']:.1e} / {r['fp8']['rel_err']:.1e}", flush=True)
+    if args.launch_stamps:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["launch_stamps"] = launch_stamps_case(gen)
+        save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)

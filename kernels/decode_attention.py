@@ -75,6 +75,16 @@ def _unpack_8bit_pairs(pairs, KV_QUANT: tl.constexpr):
     return even, odd
 
 
+@triton.jit
+def _stamp(stamps_ptr, slot, after):
+    """Store the GPU's global nanosecond timer (PTX ``%globaltimer``) at ``stamps_ptr + slot``, read
+    once ``after`` (an fp32 scalar the program computed) is known: the data dependence keeps the read
+    after the work that made it."""
+    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,f", [after], dtype=tl.int64,
+                                    is_pure=False, pack=1)
+    tl.store(stamps_ptr + slot, now)
+
+
 # The block table's row stride is its width, which changes with the longest context in the batch:
 # left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
 # the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
@@ -92,6 +102,7 @@ def _decode_split_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32 (written when NUM_SPLITS > 1)
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
     counters_ptr,  # [>= B * Hkv] int32, zero between launches (FUSED_MERGE: splits that have finished)
+    stamps_ptr,  # [B, Hkv, NUM_SPLITS, 4] int64 (written when STAMPS): see paged_decode's ``stamps``
     qk_scale,  # softmax scale * log2(e)
     split_tokens,  # keys per split; 0: each sequence's own context cut into NUM_SPLITS (``split_length``)
     stride_qb, stride_qh,
@@ -114,6 +125,7 @@ def _decode_split_kernel(
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     HALF_DIM: tl.constexpr,
+    STAMPS: tl.constexpr,
 ):
     """One (sequence, kv head, split) program. With ``HALF_DIM`` > 0 a "kv head" is a pair of the
     cache's heads read as one of width ``HEAD_DIM = 2 * HALF_DIM`` (``pairs_heads``), and ``GROUP``
@@ -123,6 +135,9 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    stamp_row = ((b * tl.num_programs(1) + kvh) * NUM_SPLITS + split) * 4
+    if STAMPS:
+        _stamp(stamps_ptr, stamp_row, split.to(tl.float32))
     seq_len = tl.load(seq_lens_ptr + b)
     if NUM_SPLITS == 1:  # the whole context: no split length to work out (see _split_length)
         split_len = seq_len
@@ -195,6 +210,8 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
         m_i = m_new
 
+    if STAMPS:
+        _stamp(stamps_ptr, stamp_row + 1, tl.max(l_i, 0))
     v_final = 1.0 / l_i
     if KV_QUANT == 1:
         v_final = v_final * v_tensor_scale
@@ -233,11 +250,15 @@ def _decode_split_kernel(
             tl.debug_barrier()
             counter = counters_ptr + b * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if STAMPS:
+                _stamp(stamps_ptr, stamp_row + 2, arrived.to(tl.float32))
             if arrived == n_valid - 1:
                 tl.store(counter, 0)  # zero again for the next launch (every split of this one has counted)
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b * (GROUP * tl.num_programs(1)) + kvh * GROUP,
                               b, kvh * GROUP, n_valid, stride_ob, stride_oh,
                               NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, HALF_DIM)
+                if STAMPS:
+                    _stamp(stamps_ptr, stamp_row + 3, arrived.to(tl.float32))
 
 
 @triton.jit
@@ -487,6 +508,7 @@ def paged_decode(
     fused_merge: bool = True,
     pair_heads: bool | None = None,
     merge_chunk: int | None = None,
+    stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``kernels.triton_ops``.
 
@@ -508,7 +530,14 @@ def paged_decode(
     ``pair_heads`` reads two adjacent KV heads as one of twice the head dim (``pairs_heads`` says
     when the launcher does, the kernel's ``HALF_DIM`` how); False reads them one by one.
     ``merge_chunk`` (a power of two; tuning) sets how many splits' partials the in-kernel merge reads
-    at once (default: about 4K fp32 a chunk, ``_MERGE_TILE_ELEMENTS``)."""
+    at once (default: about 4K fp32 a chunk, ``_MERGE_TILE_ELEMENTS``).
+
+    ``stamps`` (a diagnostic; compiled kernels only): an int64 buffer of at least grid programs x 4
+    (sequences x kv heads x splits; 256 splits at most), which each program that holds keys fills
+    at row ``(b * Hkv + kv head) * splits + split`` with the GPU's nanosecond timer at its start,
+    after its split's keys, after its partial's store and count (merged launches), and, for the
+    program that merges, after the merge. Rows of programs that exit at once keep what the caller
+    put there (fill it with -1)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if pair_heads is None:  # a pair is one view of the cache only where a head's rows follow each other
@@ -525,6 +554,13 @@ def paged_decode(
     plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
                         q.dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
                         num_stages, v_pairs, max_registers, fused_merge, half_dim, merge_chunk, interpreting())
+    if stamps is not None:
+        if interpreting():
+            raise ValueError("stamps read the GPU's timer: a compiled kernel only, not the interpreter")
+        need = plan.grid[0] * plan.grid[1] * plan.grid[2] * 4
+        if stamps.dtype != torch.int64 or not stamps.is_contiguous() or stamps.numel() < need:
+            raise ValueError(f"stamps must be a contiguous int64 buffer of at least {need} values, got "
+                             f"{stamps.dtype} x {stamps.numel()}")
     out = torch.empty_like(q)  # [B, Hq, D]
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     part_out = part_lse = placeholder(q.device, torch.float32)
@@ -539,10 +575,11 @@ def paged_decode(
     q_st, k_st, v_st, o_st = q.stride(), k_cache.stride(), v_arg.stride(), out.stride()
     _decode_split_kernel[plan.grid](
         q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse, counters,
+        stamps if stamps is not None else placeholder(q.device, torch.int64),
         scale * LOG2E, plan.split_tokens,
         q_st[0], q_st[1], k_st[0], k_st[1], k_st[2], v_st[0], v_st[1], v_st[2],
         block_tables.stride(0), *sc_strides, o_st[0], o_st[1],
-        **plan.options,
+        STAMPS=stamps is not None, **plan.options,
     )
     if plan.num_splits > 1 and not plan.fused_merge:
         _reduce_kernel[(num_seqs, q_heads)](

@@ -105,6 +105,17 @@ def test_decode_merge_chunk_must_be_a_power_of_two():
         decode_attention.paged_decode(q, k, k, tables, lens, 0.125, None, None, num_splits=2, merge_chunk=3)
 
 
+def test_decode_stamps_need_a_compiled_kernel():
+    """The GPU-timer stamps are inline PTX: the interpreter refuses them with a clear error."""
+    q = torch.zeros(1, 4, 64, dtype=torch.float16)
+    k = torch.zeros(2, 16, 1, 64, dtype=torch.float16)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="stamps"):
+        decode_attention.paged_decode(q, k, k, tables, lens, 0.125, None, None, num_splits=2,
+                                      stamps=torch.full((64,), -1, dtype=torch.int64))
+
+
 def test_decode_merge_counters_are_left_zero_for_the_next_launch():
     """One counter buffer serves launch after launch (as the engine's decode graphs share theirs):
     every launch finds it zero and leaves it zero, and each result is the reference's."""

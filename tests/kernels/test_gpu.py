@@ -128,6 +128,36 @@ def test_decode_gpu_fused_merge_in_a_graph(kv_dtype, batch, table_tokens):
             assert rel_err(out[check], want) < tol
 
 
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE])
+def test_decode_gpu_stamps(kv_dtype):
+    """``stamps``: the launch's attention is unchanged, and every program that holds keys stamps its
+    start, its stream's end and (split sequences) its partial's count in that order; each split
+    sequence's kv head has exactly one merging program, stamped after its count; a one-split
+    sequence's programs store directly and stamp no count."""
+    lens = [4000, 300, 1]
+    kv_heads, splits = 2, 8
+    stamps = torch.full((len(lens) * kv_heads * splits * 4,), -1, dtype=torch.int64, device="cuda")
+    counters = torch.zeros(len(lens) * kv_heads, dtype=torch.int32, device="cuda")
+    decode.run_case(128, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, num_splits=splits, kv_heads=kv_heads,
+                    seed=91, device="cuda", split_by_length=True, fused_merge=True, merge_counters=counters,
+                    stamps=stamps)
+    torch.cuda.synchronize()
+    st = stamps.view(len(lens), kv_heads, splits, 4).cpu()
+    for b, n in enumerate(lens):
+        for h in range(kv_heads):
+            ran = st[b, h][st[b, h, :, 0] >= 0]
+            assert ran.shape[0] >= 1
+            assert bool((ran[:, 1] >= ran[:, 0]).all())
+            if n == 1:  # one split holds the only key: stored directly, no count, no merge
+                assert ran.shape[0] == 1 and bool((ran[:, 2:] == -1).all())
+                continue
+            assert ran.shape[0] > 1
+            assert bool((ran[:, 2] >= ran[:, 1]).all())
+            mergers = ran[ran[:, 3] >= 0]
+            assert mergers.shape[0] == 1 and int(mergers[0, 3]) >= int(mergers[0, 2])
+    assert int(counters.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (128, 4, 16), (128, 8, 32)])
 def test_prefill_gpu(kv_dtype, head_dim, group, block_size, q_dtype=torch.bfloat16):

@@ -1,0 +1,34 @@
+"""benchmarks/kernels.py's summaries of launch timings, on made-up figures (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+kbench = pytest.importorskip("benchmarks.kernels")
+
+
+def test_summarise_stamps_reads_a_launch_timeline():
+    # four programs (ns); the last row never ran (-1); program 1 merges, program 2 stored directly
+    stamps = torch.tensor([[1_000, 11_000, 12_000, -1],
+                           [3_000, 15_000, 16_000, 20_000],
+                           [2_000, 6_000, -1, -1],
+                           [-1, -1, -1, -1]], dtype=torch.int64)
+    got = kbench.summarise_stamps(stamps)
+    assert got["programs"] == 3
+    assert got["span_us"] == pytest.approx(19.0)  # 1,000 -> 20,000 ns
+    assert got["last_start_us"] == pytest.approx(2.0)
+    assert got["stream_med_us"] == pytest.approx(10.0)  # 10, 12 and 4 us
+    assert got["stream_max_us"] == pytest.approx(12.0)
+    assert (got["first_stream_end_us"], got["last_stream_end_us"]) == (pytest.approx(5.0), pytest.approx(14.0))  # 6,000 and 15,000 ns
+    assert got["count_med_us"] == pytest.approx(1.0)
+    assert (got["merge_med_us"], got["merge_max_us"]) == (pytest.approx(4.0), pytest.approx(4.0))
+
+
+def test_line_fit_recovers_rate_and_fixed_cost():
+    # 20 us plus 4 TB/s: ms = 0.020 + bytes / 4e12 * 1e3
+    pts = [(b, 0.020 + b / 4e12 * 1e3) for b in (1e6, 5e7, 2e8)]
+    fit = kbench.line_fit(pts)
+    assert fit["TBps"] == pytest.approx(4.0, rel=1e-6)
+    assert fit["fixed_us"] == pytest.approx(20.0, rel=1e-6)
+    assert kbench.line_fit(pts[:1]) == {"TBps": None, "fixed_us": None}
