@@ -485,7 +485,7 @@ def launch_stamps_case(gen, shapes=STAMP_SHAPES, replays: int = 5, device="cuda"
         cache, ks, vs = (kv, None, None) if kv_name == "bf16" else quantize_cache(kv, ref.FP8_DTYPE)
         kc, vc = cache[:, 0, 0], cache[:, 0, 1]
         counters = torch.zeros(batch * 8, dtype=torch.int32, device=device)
-        stamps = torch.full((batch * 8 * 256 * 4,), -1, dtype=torch.int64, device=device)
+        stamps = torch.full((batch * 8 * 256 * 5,), -1, dtype=torch.int64, device=device)
 
         def run(stamped: bool, kc=kc, vc=vc, ks=ks, vs=vs, wide=wide, lens=lens, q=q, counters=counters,
                 stamps=stamps) -> torch.Tensor:
@@ -504,24 +504,33 @@ def launch_stamps_case(gen, shapes=STAMP_SHAPES, replays: int = 5, device="cuda"
             torch.cuda.synchronize()
             graph.replay()
             torch.cuda.synchronize()
-            per_replay.append(summarise_stamps(stamps.view(-1, 4).cpu()))
-        row["programs"] = per_replay[0]["programs"]
-        row.update({k: statistics.median(r[k] for r in per_replay) for k in per_replay[0] if k != "programs"})
+            per_replay.append(summarise_stamps(stamps.view(-1, 5).cpu()))
+        row["replays"] = per_replay
+        row.update({k: statistics.median(r[k] for r in per_replay) for k, v in per_replay[0].items()
+                    if isinstance(v, float)})
+        row.update({k: v for k, v in per_replay[0].items() if not isinstance(v, float)})
         rows.append(row)
         print(f"stamps {label} {kv_name}: replay {row['graph_ms'] * 1000:.1f} us (stamped {row['stamped_graph_ms'] * 1000:.1f}), "
               f"span {row['span_us']:.1f} us over {row['programs']} programs: last start {row['last_start_us']:.1f}, "
               f"stream median {row['stream_med_us']:.1f} / max {row['stream_max_us']:.1f}, stream ends "
               f"{row['first_stream_end_us']:.1f}-{row['last_stream_end_us']:.1f}, count {row['count_med_us']:.2f}, "
-              f"merge median {row['merge_med_us']:.2f} / max {row['merge_max_us']:.2f}; err {row['rel_err']:.1e}", flush=True)
+              f"merge median {row['merge_med_us']:.2f} / max {row['merge_max_us']:.2f}; {row['sms']} SMs, "
+              f"{row['fewest_on_an_sm']}-{row['most_on_an_sm']} programs each, last stream end by programs on the SM "
+              + ", ".join(f"{k}: {v:.1f}" for k, v in row["last_end_by_programs_on_sm_us"].items())
+              + f"; err {row['rel_err']:.1e}", flush=True)
         del kv, cache, kc, vc
     return rows
 
 
 def summarise_stamps(stamps: torch.Tensor) -> dict:
-    """[programs, 4] int64 nanosecond stamps (-1: not written) -> the launch's timeline in us (see
-    ``launch_stamps_case``)."""
-    ran = stamps[stamps[:, 0] >= 0].double()
-    t0 = ran[:, 0].min()
+    """[programs, 5] int64 stamps (``paged_decode``'s: start, stream end, count, merge end in ns, then
+    the SM; -1 where not written) -> the launch's timeline in us (see ``launch_stamps_case``), and
+    how programs holding keys fell on SMs: the most and fewest on one SM, and for each such count the
+    median time at which those SMs' last stream ended (SMs given more programs finishing later is
+    the imbalance a split count that is not a multiple of the SMs leaves)."""
+    started = stamps[stamps[:, 0] >= 0]
+    ran = started[started[:, 1] >= 0].double()
+    t0 = started[:, 0].double().min()
     start, stream_end = ran[:, 0] - t0, ran[:, 1] - t0
     counted = ran[:, 2] >= 0
     merged = ran[:, 3] >= 0
@@ -530,12 +539,22 @@ def summarise_stamps(stamps: torch.Tensor) -> dict:
 
     def us(x: torch.Tensor) -> float:
         return float(x) / 1000 if x.numel() else 0.0
-    return {"programs": int(ran.shape[0]), "span_us": us(last), "last_start_us": us(start.max()),
+    per_sm: dict[int, list[float]] = {}
+    for sm, end in zip(ran[:, 4].long().tolist(), stream_end.tolist()):
+        per_sm.setdefault(sm, []).append(end)
+    by_load: dict[int, list[float]] = {}
+    for ends in per_sm.values():
+        by_load.setdefault(len(ends), []).append(max(ends))
+    return {"programs": int(ran.shape[0]), "empty_programs": int(started.shape[0] - ran.shape[0]),
+            "span_us": us(last), "last_start_us": us(start.max()),
             "stream_med_us": us(stream.median()), "stream_max_us": us(stream.max()),
             "first_stream_end_us": us(stream_end.min()), "last_stream_end_us": us(stream_end.max()),
             "count_med_us": us((ran[counted, 2] - ran[counted, 1]).median()) if counted.any() else 0.0,
             "merge_med_us": us((ran[merged, 3] - ran[merged, 2]).median()) if merged.any() else 0.0,
-            "merge_max_us": us((ran[merged, 3] - ran[merged, 2]).max()) if merged.any() else 0.0}
+            "merge_max_us": us((ran[merged, 3] - ran[merged, 2]).max()) if merged.any() else 0.0,
+            "sms": len(per_sm), "most_on_an_sm": max(len(v) for v in per_sm.values()),
+            "fewest_on_an_sm": min(len(v) for v in per_sm.values()),
+            "last_end_by_programs_on_sm_us": {k: statistics.median(v) / 1000 for k, v in sorted(by_load.items())}}
 
 
 def line_fit(points: Sequence[tuple[float, float]]) -> dict:

@@ -85,6 +85,13 @@ def _stamp(stamps_ptr, slot, after):
     tl.store(stamps_ptr + slot, now)
 
 
+@triton.jit
+def _stamp_sm(stamps_ptr, slot, after):
+    """Store the id of the SM this program runs on (PTX ``%smid``) at ``stamps_ptr + slot``."""
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,f", [after], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(stamps_ptr + slot, sm.to(tl.int64))
+
+
 # The block table's row stride is its width, which changes with the longest context in the batch:
 # left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
 # the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
@@ -102,7 +109,7 @@ def _decode_split_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32 (written when NUM_SPLITS > 1)
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
     counters_ptr,  # [>= B * Hkv] int32, zero between launches (FUSED_MERGE: splits that have finished)
-    stamps_ptr,  # [B, Hkv, NUM_SPLITS, 4] int64 (written when STAMPS): see paged_decode's ``stamps``
+    stamps_ptr,  # [B, Hkv, NUM_SPLITS, 5] int64 (written when STAMPS): see paged_decode's ``stamps``
     qk_scale,  # softmax scale * log2(e)
     split_tokens,  # keys per split; 0: each sequence's own context cut into NUM_SPLITS (``split_length``)
     stride_qb, stride_qh,
@@ -135,9 +142,10 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    stamp_row = ((b * tl.num_programs(1) + kvh) * NUM_SPLITS + split) * 4
+    stamp_row = ((b * tl.num_programs(1) + kvh) * NUM_SPLITS + split) * 5
     if STAMPS:
         _stamp(stamps_ptr, stamp_row, split.to(tl.float32))
+        _stamp_sm(stamps_ptr, stamp_row + 4, split.to(tl.float32))
     seq_len = tl.load(seq_lens_ptr + b)
     if NUM_SPLITS == 1:  # the whole context: no split length to work out (see _split_length)
         split_len = seq_len
@@ -532,12 +540,12 @@ def paged_decode(
     ``merge_chunk`` (a power of two; tuning) sets how many splits' partials the in-kernel merge reads
     at once (default: about 4K fp32 a chunk, ``_MERGE_TILE_ELEMENTS``).
 
-    ``stamps`` (a diagnostic; compiled kernels only): an int64 buffer of at least grid programs x 4
-    (sequences x kv heads x splits; 256 splits at most), which each program that holds keys fills
-    at row ``(b * Hkv + kv head) * splits + split`` with the GPU's nanosecond timer at its start,
-    after its split's keys, after its partial's store and count (merged launches), and, for the
-    program that merges, after the merge. Rows of programs that exit at once keep what the caller
-    put there (fill it with -1)."""
+    ``stamps`` (a diagnostic; compiled kernels only): an int64 buffer of at least grid programs x 5
+    (sequences x kv heads x splits; 256 splits at most), which each program fills at row
+    ``(b * Hkv + kv head) * splits + split`` with the GPU's nanosecond timer at its start, after its
+    split's keys, after its partial's store and count (merged launches), and, for the program that
+    merges, after the merge; the fifth value is the SM it ran on. A program whose split holds no key
+    writes its start and SM only; what it does not write keeps the caller's value (fill with -1)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if pair_heads is None:  # a pair is one view of the cache only where a head's rows follow each other
@@ -557,7 +565,7 @@ def paged_decode(
     if stamps is not None:
         if interpreting():
             raise ValueError("stamps read the GPU's timer: a compiled kernel only, not the interpreter")
-        need = plan.grid[0] * plan.grid[1] * plan.grid[2] * 4
+        need = plan.grid[0] * plan.grid[1] * plan.grid[2] * 5
         if stamps.dtype != torch.int64 or not stamps.is_contiguous() or stamps.numel() < need:
             raise ValueError(f"stamps must be a contiguous int64 buffer of at least {need} values, got "
                              f"{stamps.dtype} x {stamps.numel()}")

@@ -10,12 +10,16 @@ kbench = pytest.importorskip("benchmarks.kernels")
 
 def test_summarise_stamps_reads_a_launch_timeline():
     # four programs (ns); the last row never ran (-1); program 1 merges, program 2 stored directly
-    stamps = torch.tensor([[1_000, 11_000, 12_000, -1],
-                           [3_000, 15_000, 16_000, 20_000],
-                           [2_000, 6_000, -1, -1],
-                           [-1, -1, -1, -1]], dtype=torch.int64)
+    # (start, stream end, count, merge end, SM); the fourth program held no key, the fifth never ran
+    stamps = torch.tensor([[1_000, 11_000, 12_000, -1, 0],
+                           [3_000, 15_000, 16_000, 20_000, 0],
+                           [2_000, 6_000, -1, -1, 1],
+                           [2_500, -1, -1, -1, 1],
+                           [-1, -1, -1, -1, -1]], dtype=torch.int64)
     got = kbench.summarise_stamps(stamps)
-    assert got["programs"] == 3
+    assert (got["programs"], got["empty_programs"]) == (3, 1)
+    assert (got["sms"], got["fewest_on_an_sm"], got["most_on_an_sm"]) == (2, 1, 2)
+    assert got["last_end_by_programs_on_sm_us"] == {1: pytest.approx(5.0), 2: pytest.approx(14.0)}
     assert got["span_us"] == pytest.approx(19.0)  # 1,000 -> 20,000 ns
     assert got["last_start_us"] == pytest.approx(2.0)
     assert got["stream_med_us"] == pytest.approx(10.0)  # 10, 12 and 4 us

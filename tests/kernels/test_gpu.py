@@ -136,16 +136,19 @@ def test_decode_gpu_stamps(kv_dtype):
     sequence's programs store directly and stamp no count."""
     lens = [4000, 300, 1]
     kv_heads, splits = 2, 8
-    stamps = torch.full((len(lens) * kv_heads * splits * 4,), -1, dtype=torch.int64, device="cuda")
+    stamps = torch.full((len(lens) * kv_heads * splits * 5,), -1, dtype=torch.int64, device="cuda")
     counters = torch.zeros(len(lens) * kv_heads, dtype=torch.int32, device="cuda")
     decode.run_case(128, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, num_splits=splits, kv_heads=kv_heads,
                     seed=91, device="cuda", split_by_length=True, fused_merge=True, merge_counters=counters,
                     stamps=stamps)
     torch.cuda.synchronize()
-    st = stamps.view(len(lens), kv_heads, splits, 4).cpu()
+    st = stamps.view(len(lens), kv_heads, splits, 5).cpu()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert bool((st[..., 0] >= 0).all())  # every program stamps its start and SM, empty splits too
+    assert bool(((st[..., 4] >= 0) & (st[..., 4] < sms)).all())
     for b, n in enumerate(lens):
         for h in range(kv_heads):
-            ran = st[b, h][st[b, h, :, 0] >= 0]
+            ran = st[b, h][st[b, h, :, 1] >= 0]
             assert ran.shape[0] >= 1
             assert bool((ran[:, 1] >= ran[:, 0]).all())
             if n == 1:  # one split holds the only key: stored directly, no count, no merge
