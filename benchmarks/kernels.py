@@ -522,6 +522,51 @@ def launch_stamps_case(gen, shapes=STAMP_SHAPES, replays: int = 5, device="cuda"
     return rows
 
 
+def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device="cuda", timer=None) -> list[dict]:
+    """The few-pair classes as a decode step runs them: ``launches`` launches back to back in one
+    CUDA graph, alternating between two caches (each launch reads one the previous did not, so L2
+    holds nothing of it), persistent merge counters; bf16 and fp8 per launch, against one launch in
+    a graph of its own (where the graph's own launch is part of every figure). ``device`` and
+    ``timer`` (default ``bench_graph``) let the flow run on the CPU's interpreter."""
+    timer = timer or bench_graph
+    rows = []
+    for i in classes:
+        batch, q_heads, kv_heads, head_dim, context, block_size = DECODE_CLASSES[i]
+        scale = 1 / math.sqrt(head_dim)
+        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
+        kv2 = torch.randn_like(kv)
+        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+        row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"],
+                                       DECODE_CLASSES[i])), "launches": launches}
+        for name in ("bf16", "fp8"):
+            caches = [(c, None, None) if name == "bf16" else quantize_cache(c, ref.FP8_DTYPE) for c in (kv, kv2)]
+
+            def one(c, q=q, tables=tables, lens=lens, counters=counters, scale=scale) -> torch.Tensor:
+                return triton_ops.paged_decode_attention(q, c[0][:, 0, 0], c[0][:, 0, 1], tables, lens, scale, c[1],
+                                                         c[2], merge_counters=counters)
+
+            def chain(caches=caches, one=one) -> list[torch.Tensor]:
+                return [one(caches[j % 2]) for j in range(launches)]
+            single = timer(lambda one=one, caches=caches: one(caches[0]))
+            chained = timer(chain)
+            row[name] = {"single_graph_ms": single, "chain_per_launch_ms": None if chained is None else chained / launches}
+            del caches
+        b, f = row["bf16"], row["fp8"]
+        row["fp8_x_single"] = b["single_graph_ms"] / f["single_graph_ms"] if f["single_graph_ms"] else None
+        row["fp8_x_chain"] = (b["chain_per_launch_ms"] / f["chain_per_launch_ms"]
+                              if f["chain_per_launch_ms"] else None)
+        print(f"chain {','.join(str(v) for v in DECODE_CLASSES[i])}: bf16 {1000 * b['single_graph_ms']:.1f} us alone, "
+              f"{1000 * (b['chain_per_launch_ms'] or 0):.1f} a launch in a chain of {launches}; fp8 "
+              f"{1000 * f['single_graph_ms']:.1f} / {1000 * (f['chain_per_launch_ms'] or 0):.1f}; fp8 / bf16 "
+              f"{row['fp8_x_single'] or 0:.2f} alone, {row['fp8_x_chain'] or 0:.2f} chained", flush=True)
+        rows.append(row)
+        del kv, kv2
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def summarise_stamps(stamps: torch.Tensor) -> dict:
     """[programs, 5] int64 stamps (``paged_decode``'s: start, stream end, count, merge end in ns, then
     the SM; -1 where not written) -> the launch's timeline in us (see ``launch_stamps_case``), and
@@ -1053,8 +1098,8 @@ def main() -> int:
                     help="only the ceilings and batch-1 decode launches over 4K-128K contexts: stream rate and "
                          "fixed cost per launch (launch_floor_case)")
     ap.add_argument("--launch-stamps", action="store_true",
-                    help="only the ceilings and the GPU-timer stamps of every program of a few decode launches "
-                         "(launch_stamps_case)")
+                    help="only the ceilings, the GPU-timer stamps of every program of a few decode launches "
+                         "(launch_stamps_case) and the few-pair classes in chains of launches (few_pair_chain_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -1130,6 +1175,8 @@ def main() -> int:
     if args.launch_stamps:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["launch_stamps"] = launch_stamps_case(gen)
+        save()
+        result["few_pair_chain"] = few_pair_chain_case(gen)
         save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
