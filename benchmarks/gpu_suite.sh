@@ -105,6 +105,13 @@ for row in r.get("merge_chain", {}).get("rows", []):
     print(f"split merge, {row['shape']['batch']} x {row['shape']['context']}, {row['shape']['layers']} launches: "
           f"in the kernel {row['fused']['us_per_launch']:.2f} us, second kernel {row['two_kernels']['us_per_launch']:.2f} us "
           f"(x{row['two_kernels_over_fused']:.3f})")
+for row in r.get("few_pair_chain", []):
+    s = ",".join(str(v) for v in row["shape"].values())
+    b, f = row["bf16"], row["fp8"]
+    if f.get("chain_per_launch_ms") and b.get("chain_per_launch_ms"):
+        print(f"{s}: fp8 / bf16 {row['fp8_x_chain']:.2f} as {row['launches']} launches in one graph "
+              f"({1000 * b['chain_per_launch_ms']:.1f} / {1000 * f['chain_per_launch_ms']:.1f} us a launch), "
+              f"{row['fp8_x_single']:.2f} one launch a graph")
 for f in r.get("fused_ops", []):
     print(f"fused ops, {f['tokens']} rows: " + ", ".join(f"{k} {v['speedup']:.1f}x" for k, v in f.items()
                                                         if isinstance(v, dict)))

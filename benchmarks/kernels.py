@@ -1209,6 +1209,9 @@ def main() -> int:
         save()
         result["merge_chain"] = merge_chain_case(gen, ceil)
         save()
+        # the classes whose one-launch graphs carry the graph's own launch in every figure (session 15)
+        result["few_pair_chain"] = few_pair_chain_case(gen)
+        save()
         result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
         if not args.skip_gemms:
             result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
