@@ -130,8 +130,10 @@ fi
 if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
   # the engine's own table again, last, so that it survives a truncated log tail
   sed -n '/^figure /,$p' "$RES/engine_gpu.log"
+  echo "engine_gpu.py: rc $ENGINE_RC (JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
+else
+  echo "engine benchmark skipped"
 fi
-echo "engine_gpu.py: rc $ENGINE_RC (JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
 
 # Prefill/decode split (issue #22; PD_GPUS=2 for issue #23's two-GPU run): CUDA IPC tests + benchmarks/pd.py
 SUITE_T0=$SECONDS  # the summary above is not a phase
