@@ -522,6 +522,54 @@ def launch_stamps_case(gen, shapes=STAMP_SHAPES, replays: int = 5, device="cuda"
     return rows
 
 
+def chain_split_sweep_case(gen, batches=(1, 8, 32), context=2048, table_tokens=8448, layers=32, q_heads=32,
+                           kv_heads=8, head_dim=128, block_size=16) -> list[dict]:
+    """Is the launcher's split count right for the engine's decode launches? Graph-shaped launches (no
+    length hint, a table ``table_tokens`` wide, each live context cut into the count) of batch x 2K,
+    bf16, ``layers`` of them back to back in one CUDA graph (each over its own cache, as a decode
+    step runs them) at half, once, twice and four times the launcher's count; for each count one
+    launch's stamps too (``summarise_stamps``: how far apart its streams end, the tail that more,
+    shorter programs could fill)."""
+    rows = []
+    scale = 1 / math.sqrt(head_dim)
+    for batch in batches:
+        kv, tables, wide, lens, q = graph_shaped_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens,
+                                                       block_size, gen)
+        caches = [kv] + [torch.randn_like(kv) for _ in range(layers - 1)]
+        sms = decode_attention.num_sms(q.device)
+        tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms)
+        own = decode_attention.choose_num_splits(batch, kv_heads, table_tokens, sms, tiles.block_n,
+                                                 programs_per_sm=tiles.programs_per_sm)
+        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+        stamps = torch.full((batch * kv_heads * 256 * 5,), -1, dtype=torch.int64, device="cuda")
+        want = ref.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], wide, lens, scale)
+        row: dict = {"batch": batch, "context": context, "table_tokens": table_tokens, "layers": layers,
+                     "launcher_splits": own, "counts": {}}
+        for splits in sorted({max(1, own // 2), own, 2 * own, 4 * own}):
+            def launch(c, stamped=False, splits=splits, q=q, wide=wide, lens=lens, counters=counters,
+                       stamps=stamps) -> torch.Tensor:
+                return decode_attention.paged_decode(q, c[:, 0, 0], c[:, 0, 1], wide, lens, scale, None, None,
+                                                     num_splits=splits, merge_counters=counters,
+                                                     stamps=stamps if stamped else None)
+            err = rel_err(launch(kv), want)
+            ms = bench_graph(lambda launch=launch, caches=caches: [launch(c) for c in caches])
+            stamps.fill_(-1)
+            launch(kv, stamped=True)
+            torch.cuda.synchronize()
+            st = summarise_stamps(stamps.view(-1, 5).cpu())
+            row["counts"][splits] = {"us_per_launch": None if ms is None else 1000 * ms / layers, "rel_err": err,
+                                     "span_us": st["span_us"], "stream_ends_us": (st["first_stream_end_us"],
+                                                                                  st["last_stream_end_us"]),
+                                     "merge_med_us": st["merge_med_us"], "programs": st["programs"]}
+        rows.append(row)
+        print(f"chain splits {batch} x {context} (launcher {own}): " + "  ".join(
+            f"{k}: {v['us_per_launch'] or float('nan'):.2f} us (ends {v['stream_ends_us'][0]:.1f}-"
+            f"{v['stream_ends_us'][1]:.1f}, merge {v['merge_med_us']:.1f})" for k, v in row["counts"].items()), flush=True)
+        del kv, caches
+        torch.cuda.empty_cache()
+    return rows
+
+
 def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device="cuda", timer=None) -> list[dict]:
     """The few-pair classes as a decode step runs them: ``launches`` launches back to back in one
     CUDA graph, alternating between two caches (each launch reads one the previous did not, so L2
@@ -1100,6 +1148,9 @@ def main() -> int:
     ap.add_argument("--launch-stamps", action="store_true",
                     help="only the ceilings, the GPU-timer stamps of every program of a few decode launches "
                          "(launch_stamps_case) and the few-pair classes in chains of launches (few_pair_chain_case)")
+    ap.add_argument("--chain-splits", action="store_true",
+                    help="only the ceilings and the engine's graph-shaped decode launches chained at split counts "
+                         "around the launcher's (chain_split_sweep_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -1177,6 +1228,10 @@ def main() -> int:
         result["launch_stamps"] = launch_stamps_case(gen)
         save()
         result["few_pair_chain"] = few_pair_chain_case(gen)
+        save()
+    if args.chain_splits:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["chain_splits"] = chain_split_sweep_case(gen)
         save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
