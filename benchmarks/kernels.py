@@ -522,6 +522,18 @@ def launch_stamps_case(gen, shapes=STAMP_SHAPES, replays: int = 5, device="cuda"
     return rows
 
 
+def chained_layers_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens, block_size, layers, gen):
+    """A decode step's attention inputs, graph-shaped (``graph_shaped_setup``), with ``layers`` caches
+    (one per layer: the first is ``graph_shaped_setup``'s, the rest random), the launcher's tiles for
+    the batch and one zeroed merge-counter buffer -> (kv, wide, lens, q, caches, tiles, counters)."""
+    kv, _, wide, lens, q = graph_shaped_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens, block_size,
+                                              gen)
+    caches = [kv] + [torch.randn_like(kv) for _ in range(layers - 1)]
+    tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, decode_attention.num_sms(q.device))
+    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+    return kv, wide, lens, q, caches, tiles, counters
+
+
 def chain_split_sweep_case(gen, batches=(1, 8, 32), context=2048, table_tokens=8448, layers=32, q_heads=32,
                            kv_heads=8, head_dim=128, block_size=16) -> list[dict]:
     """Is the launcher's split count right for the engine's decode launches? Graph-shaped launches (no
@@ -533,14 +545,10 @@ def chain_split_sweep_case(gen, batches=(1, 8, 32), context=2048, table_tokens=8
     rows = []
     scale = 1 / math.sqrt(head_dim)
     for batch in batches:
-        kv, tables, wide, lens, q = graph_shaped_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens,
-                                                       block_size, gen)
-        caches = [kv] + [torch.randn_like(kv) for _ in range(layers - 1)]
-        sms = decode_attention.num_sms(q.device)
-        tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms)
-        own = decode_attention.choose_num_splits(batch, kv_heads, table_tokens, sms, tiles.block_n,
-                                                 programs_per_sm=tiles.programs_per_sm)
-        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+        kv, wide, lens, q, caches, tiles, counters = chained_layers_setup(
+            batch, q_heads, kv_heads, head_dim, context, table_tokens, block_size, layers, gen)
+        own = decode_attention.choose_num_splits(batch, kv_heads, table_tokens, decode_attention.num_sms(q.device),
+                                                 tiles.block_n, programs_per_sm=tiles.programs_per_sm)
         stamps = torch.full((batch * kv_heads * 256 * 5,), -1, dtype=torch.int64, device="cuda")
         want = ref.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], wide, lens, scale)
         row: dict = {"batch": batch, "context": context, "table_tokens": table_tokens, "layers": layers,
@@ -671,14 +679,11 @@ def merge_chain_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_to
     rows = []
     scale = 1 / math.sqrt(head_dim)
     for batch in batches:
-        kv, tables, wide, lens, q = graph_shaped_setup(batch, q_heads, kv_heads, head_dim, context, table_tokens,
-                                                       block_size, gen)
-        caches = [kv] + [torch.randn_like(kv) for _ in range(layers - 1)]
+        kv, wide, lens, q, caches, tiles, counters = chained_layers_setup(
+            batch, q_heads, kv_heads, head_dim, context, table_tokens, block_size, layers, gen)
         sms = decode_attention.num_sms(q.device)
-        tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms)
-        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
         kv_bytes = layers * 2 * batch * context * kv_heads * head_dim * kv.element_size()
-        want = ref.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], tables, lens, scale)
+        want = ref.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], wide, lens, scale)
         row: dict = {"shape": {"batch": batch, "context": context, "table_tokens": table_tokens, "layers": layers,
                                "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
                                "block_size": block_size},

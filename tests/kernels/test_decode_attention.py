@@ -96,24 +96,24 @@ def test_decode_merge_chunk_override(merge_chunk):
              fused_merge=True, merge_chunk=merge_chunk, seed=63 + merge_chunk)
 
 
-def test_decode_merge_chunk_must_be_a_power_of_two():
+def tiny_launch(**options) -> torch.Tensor:
+    """One sequence of 20 tokens, one KV head of 64, two splits: for the launcher's option checks."""
     q = torch.zeros(1, 4, 64, dtype=torch.float16)
     k = torch.zeros(2, 16, 1, 64, dtype=torch.float16)
     tables = torch.zeros(1, 2, dtype=torch.int32)
     lens = torch.tensor([20], dtype=torch.int32)
+    return decode_attention.paged_decode(q, k, k, tables, lens, 0.125, None, None, num_splits=2, **options)
+
+
+def test_decode_merge_chunk_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="merge_chunk"):
-        decode_attention.paged_decode(q, k, k, tables, lens, 0.125, None, None, num_splits=2, merge_chunk=3)
+        tiny_launch(merge_chunk=3)
 
 
 def test_decode_stamps_need_a_compiled_kernel():
     """The GPU-timer stamps are inline PTX: the interpreter refuses them with a clear error."""
-    q = torch.zeros(1, 4, 64, dtype=torch.float16)
-    k = torch.zeros(2, 16, 1, 64, dtype=torch.float16)
-    tables = torch.zeros(1, 2, dtype=torch.int32)
-    lens = torch.tensor([20], dtype=torch.int32)
     with pytest.raises(ValueError, match="stamps"):
-        decode_attention.paged_decode(q, k, k, tables, lens, 0.125, None, None, num_splits=2,
-                                      stamps=torch.full((64,), -1, dtype=torch.int64))
+        tiny_launch(stamps=torch.full((64,), -1, dtype=torch.int64))
 
 
 def test_decode_merge_counters_are_left_zero_for_the_next_launch():
