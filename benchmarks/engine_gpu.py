@@ -503,44 +503,6 @@ def sec_decode_profile(dev, args, runner) -> dict:
     return {"rows": rows}
 
 
-def sec_decode_prefetch(dev, args, model, runner, bw) -> dict:
-    """The decode sweep and profile with each layer's o weights prefetched into L2 on a side stream
-    (engine/models/weight_prefetch.py, every batch size) against without: off, bulk, lines, twice
-    over in that order, the runner's decode graphs captured anew for each setting; the model's
-    own setting is restored (and its graphs recaptured) at the end."""
-    if not dev.startswith("cuda") or runner.decode_graphs is None:
-        return {"skipped": "needs CUDA decode graphs"}
-    from engine.models.weight_prefetch import NoPrefetch, SideStreamPrefetch
-    from kernels.l2_prefetch import PrefetchMode
-
-    settings = (("off", None), ("bulk", PrefetchMode.BULK), ("lines", PrefetchMode.LINES))
-    before = model.weight_prefetch
-    runs = []
-    try:
-        for rnd in range(2):
-            for name, mode in settings:
-                model.weight_prefetch = (NoPrefetch() if mode is None
-                                         else SideStreamPrefetch(torch.device(dev), max(args.sweep_batches), mode))
-                runner.decode_graphs.capture()
-                run = {"setting": name, "round": rnd, "sweep": sec_decode_sweep(dev, args, model, runner, bw)}
-                if rnd == 0:
-                    run["profile"] = sec_decode_profile(dev, args, runner)
-                runs.append(run)
-    finally:
-        model.weight_prefetch = before
-        runner.decode_graphs.capture()
-    summary: dict[str, dict[str, list[float]]] = {}
-    for run in runs:
-        for row in run["sweep"]["rows"]:
-            if "overlapped" in row:
-                per = summary.setdefault(str(row["batch"]), {})
-                per.setdefault(run["setting"], []).append(row["overlapped"]["step_over_floor"])
-    for b, per in summary.items():
-        print(f"   prefetch batch {b}: overlapped step / floor " + "  ".join(
-            f"{k} " + "/".join(f"{v:.3f}" for v in vals) for k, vals in per.items()), flush=True)
-    return {"runs": runs, "overlapped_over_floor": summary}
-
-
 def pipelined_sweep(dev, runner, tables, ctx: int, steps: int) -> dict:
     """The same decode steps as the engine's overlapped loop runs them: step n+1 is launched with its
     tokens fed on the device from step n's picks, then step n is collected (the only wait). ->
@@ -1145,7 +1107,6 @@ def main() -> int:
     gc.collect()
     section("decode_sweep", sec_decode_sweep, dev, args, model, runner, bw)
     section("decode_profile", sec_decode_profile, dev, args, runner)
-    section("decode_prefetch", sec_decode_prefetch, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)

@@ -578,79 +578,6 @@ def chain_split_sweep_case(gen, batches=(1, 8, 32), context=2048, table_tokens=8
     return rows
 
 
-# (label, mode, chunk bytes, chunks per program) for the prefetch forms l2_prefetch_case compares
-L2_PREFETCH_FORMS = (("bulk_16k_x8", "bulk", 16 * 1024, 8), ("bulk_64k_x64", "bulk", 64 * 1024, 64),
-                     ("lines", "lines", 128, 1024))
-
-
-def l2_prefetch_case(gen, batches=(1, 8, 32), context=2048, table_tokens=8448, layers=32, q_heads=32, kv_heads=8,
-                     head_dim=128, block_size=16) -> list[dict]:
-    """Does moving the o projection's weights into L2 while the attention runs shorten the pair?
-    ``layers`` x (graph-shaped bf16 decode attention over batch x 2K -> o GEMM, 4096 x 4096 bf16,
-    cuBLAS), each layer with its own cache and weights, in one CUDA graph: without a prefetch, and
-    with the layer's o weights prefetched on a side stream forked just before its attention
-    (``kernels/l2_prefetch.py``, each form of ``L2_PREFETCH_FORMS``), as the engine's decode step
-    would (``engine/models/weight_prefetch.py``). Beside them: the attention alone, the o GEMMs alone
-    with every weight cold, and hot (each GEMM run twice in a row, the second from L2: the most a
-    prefetch can give). Per layer, in us; every variant's outputs against the no-prefetch ones."""
-    from kernels.l2_prefetch import PrefetchMode, prefetch_l2
-
-    hidden = q_heads * head_dim
-    weights = [torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-               for _ in range(layers)]
-    scale = 1 / math.sqrt(head_dim)
-    side = torch.cuda.Stream()
-    rows = []
-    for batch in batches:
-        kv, wide, lens, q, caches, tiles, counters = chained_layers_setup(
-            batch, q_heads, kv_heads, head_dim, context, table_tokens, block_size, layers, gen)
-        x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-        def attend(c, q=q, wide=wide, lens=lens, counters=counters) -> torch.Tensor:
-            return triton_ops.paged_decode_attention(q, c[:, 0, 0], c[:, 0, 1], wide, lens, scale, None, None,
-                                                     merge_counters=counters)
-
-        def pairs(form=None, caches=caches, batch=batch, attend=attend) -> list[torch.Tensor]:
-            outs = []
-            for c, w in zip(caches, weights, strict=True):
-                if form is not None:
-                    _, mode, chunk, per = form
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        prefetch_l2(w, PrefetchMode(mode), chunk_bytes=chunk, per_program=per)
-                outs.append(F.linear(attend(c).reshape(batch, hidden), w))
-            if form is not None:
-                torch.cuda.current_stream().wait_stream(side)
-            return outs
-
-        def us(ms: float | None) -> float | None:
-            return None if ms is None else 1000 * ms / layers
-
-        want = torch.stack(pairs())
-        row: dict = {"batch": batch, "context": context, "layers": layers,
-                     "attention_us": us(bench_graph(lambda caches=caches, attend=attend: [attend(c) for c in caches])),
-                     "o_cold_us": us(bench_graph(lambda x=x: [F.linear(x, w) for w in weights])),
-                     "o_twice_us": us(bench_graph(lambda x=x: [F.linear(F.linear(x, w), w) for w in weights])),
-                     "pair_us": {"none": us(bench_graph(pairs))}, "max_abs_diff": {}}
-        row["o_hot_us"] = (None if row["o_twice_us"] is None or row["o_cold_us"] is None
-                           else row["o_twice_us"] - row["o_cold_us"])
-        for form in L2_PREFETCH_FORMS:
-            got = torch.stack(pairs(form))
-            torch.cuda.synchronize()
-            row["max_abs_diff"][form[0]] = float((got.float() - want.float()).abs().max())
-            row["pair_us"][form[0]] = us(bench_graph(lambda form=form: pairs(form)))
-        rows.append(row)
-        def f(v: float | None) -> str:
-            return "-" if v is None else f"{v:.1f}"
-        print(f"l2 prefetch {batch} x {context}: attention {f(row['attention_us'])} us, o cold {f(row['o_cold_us'])}, "
-              f"o hot {f(row['o_hot_us'])}; attention + o a layer: "
-              + "  ".join(f"{k} {f(v)}" for k, v in row["pair_us"].items())
-              + f"  (max diff {max(row['max_abs_diff'].values()):.1e})", flush=True)
-        del kv, caches
-        torch.cuda.empty_cache()
-    return rows
-
-
 def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device="cuda", timer=None) -> list[dict]:
     """The few-pair classes as a decode step runs them: ``launches`` launches back to back in one
     CUDA graph, alternating between two caches (each launch reads one the previous did not, so L2
@@ -1229,9 +1156,6 @@ def main() -> int:
     ap.add_argument("--chain-splits", action="store_true",
                     help="only the ceilings and the engine's graph-shaped decode launches chained at split counts "
                          "around the launcher's (chain_split_sweep_case)")
-    ap.add_argument("--l2-prefetch", action="store_true",
-                    help="only the ceilings and attention -> o GEMM chains with and without the o weights "
-                         "prefetched into L2 on a side stream (l2_prefetch_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -1313,11 +1237,6 @@ def main() -> int:
     if args.chain_splits:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["chain_splits"] = chain_split_sweep_case(gen)
-        save()
-    if args.l2_prefetch:
-        picked, args.skip_classes, args.skip_prefill = [], True, True
-        result["l2_cache_bytes"] = torch.cuda.get_device_properties(0).L2_cache_size
-        result["l2_prefetch"] = l2_prefetch_case(gen)
         save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True

@@ -44,9 +44,6 @@ class EngineConfig:
         0 = prefill steps always run eagerly (engine/prefill_graphs.py).
     overlap_steps: schedule and launch step n+1 while the device runs step n (the host reads
         step n's tokens one step behind; engine/llm_engine.py); None = on for a CUDA device.
-    l2_prefetch_rows: on a CUDA device, decode steps of at most this many sequences move each
-        layer's o-projection weights into L2 on a side stream while RoPE and the attention run
-        (engine/models/weight_prefetch.py); 0 = off.
     kv_events_endpoint: publish the HBM index's stored/removed blocks on this ZMQ endpoint
         (``tcp://host:port``, vLLM's KV event schema; ``engine.kv_events``) for a fleet's router;
         None = not published.
@@ -76,7 +73,6 @@ class EngineConfig:
     num_threads: int | None = None
     kv_events_endpoint: str | None = None
     overlap_steps: bool | None = None
-    l2_prefetch_rows: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -104,7 +100,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.eviction_policy not in ("cost", "lru"):
             raise ValueError(f"eviction_policy must be 'cost' or 'lru', got {self.eviction_policy!r}")
-        for name in ("dram_bytes", "nvme_bytes", "cpu_kv_bytes", "l2_prefetch_rows"):
+        for name in ("dram_bytes", "nvme_bytes", "cpu_kv_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 

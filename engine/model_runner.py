@@ -38,7 +38,6 @@ from engine.models.chat_render import render_chat_ids
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model
 from engine.models.spec import ArchConfig, ModelSpec, parse_checkpoint_config, read_special_ids
-from engine.models.weight_prefetch import SideStreamPrefetch
 from engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from engine.protocol import GuidedSpec, SamplingParams
 from engine.sampling import PendingRows, Sampler
@@ -162,8 +161,6 @@ class ModelRunner:
             # merged q|k|v and gate|up GEMMs and the fused norm / RoPE+KV-write / SiLU kernels
             # (engine/models/llama.py); before any graph capture, which records the path.
             self.model.fuse_projections()
-            if config.l2_prefetch_rows > 0:
-                self.model.weight_prefetch = SideStreamPrefetch(torch_device, config.l2_prefetch_rows)
 
         self._transfer_stream = torch.cuda.Stream(torch_device) if torch_device.type == "cuda" else None
         self._eager_merge_counters: torch.Tensor | None = None

@@ -25,8 +25,6 @@ def test_engine_config_validates():
         EngineConfig(model_dir="x", block_size=12)
     with pytest.raises(ValueError, match="device"):
         EngineConfig(model_dir="x", device="tpu")
-    with pytest.raises(ValueError, match="l2_prefetch_rows"):
-        EngineConfig(model_dir="x", l2_prefetch_rows=-1)
     cfg = EngineConfig(model_dir="some/dir")
     assert cfg.resolved_model_id == "dir"
 

@@ -38,7 +38,6 @@ from torch import nn
 from engine.models.attention import AttentionMetadata, LayerCache, paged_attention
 from engine.models.rope import RotaryEmbedding
 from engine.models.spec import ArchConfig
-from engine.models.weight_prefetch import NoPrefetch, WeightPrefetch
 from kernels import cpu_native
 
 # Most rows for which a CPU bf16 projection takes the native one-pass GEMV: oneDNN's bf16 GEMM
@@ -106,14 +105,11 @@ class Attention(nn.Module):
         if self.q_proj.bias is not None:
             self.qkv_bias = _concat_as_views(self.q_proj, self.k_proj, self.v_proj, "bias")
 
-    def forward_fused(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType,
-                      prefetch: WeightPrefetch) -> torch.Tensor:
+    def forward_fused(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         """x [T, hidden] normed; cos, sin [T, D] fp32 -> attention output projected [T, hidden]."""
         assert self.qkv_weight is not None, "call fuse_projections() first"
         t = x.shape[0]
         qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
-        if meta.decode_only:  # the o weights move into L2 while RoPE and the attention run
-            prefetch.ahead(self.o_proj.weight, t)
         q = ops.rotary_write_kv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
                                 cache.k_scale, cache.v_scale, cache.k_bias)  # [T, Hq, D]; K/V now in the cache
         if meta.decode_only:
@@ -189,8 +185,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.fused = False  # set by fuse_projections: forward takes the fused-kernel path
-        # L2 prefetches of decode steps' weights (engine/models/weight_prefetch.py), set by the runner
-        self.weight_prefetch: WeightPrefetch = NoPrefetch()
 
     def fuse_projections(self) -> None:
         """Merge q|k|v and gate|up weights (views keep the state dict as it was) and switch
@@ -247,10 +241,9 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.model.layers, caches, strict=True):
             w_in = layer.input_layernorm.weight
             h = ops.rms_norm(residual, w_in, eps) if delta is None else ops.add_rms_norm(delta, residual, w_in, eps)
-            delta = layer.self_attn.forward_fused(h, cos, sin, cache, meta, ops, self.weight_prefetch)
+            delta = layer.self_attn.forward_fused(h, cos, sin, cache, meta, ops)
             h = ops.add_rms_norm(delta, residual, layer.post_attention_layernorm.weight, eps)
             delta = layer.mlp.forward_fused(h, ops)
-        self.weight_prefetch.join()
         if delta is None:
             return ops.rms_norm(residual, self.model.norm.weight, eps)
         return ops.add_rms_norm(delta, residual, self.model.norm.weight, eps)

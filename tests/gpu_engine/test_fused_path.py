@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from engine.batch import ScheduledBatch, SequenceChunk
-from engine.models.weight_prefetch import NoPrefetch, SideStreamPrefetch
 from kernels import reference
 from tests.gpu_engine.helpers import GREEDY, prefill_then_decode_batch, small_runner
 
@@ -66,45 +65,3 @@ def test_fused_path_with_a_cached_prefix(tmp_path):
 
     (plain, _), (fused, _) = _logits_both_paths(runner, batch)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-
-
-class _RecordingPrefetch:
-    """A WeightPrefetch that records what the fused forward asks of it."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, int]] = []  # (weight's data_ptr, rows)
-        self.joins = 0
-
-    def ahead(self, weight: torch.Tensor, rows: int) -> None:
-        self.calls.append((weight.data_ptr(), rows))
-
-    def join(self) -> None:
-        self.joins += 1
-
-
-def test_fused_decode_prefetches_each_o_projection_and_joins_once(tmp_path):
-    """Decode steps ask for every layer's o weights, in layer order, with the step's rows, and join
-    once per forward; prefill steps (compute-bound) ask for nothing. The logits do not change."""
-    runner = small_runner(tmp_path, "cpu", use_cuda_graphs=False)
-    runner.ops = reference
-    runner.model.fuse_projections()
-    recorder = _RecordingPrefetch()
-    runner.model.weight_prefetch = recorder
-    decode = prefill_then_decode_batch(runner)
-    assert recorder.calls == [] and recorder.joins == 1  # the prefill step: no prefetch, one join
-    with_prefetch = runner.forward(decode, all_logits=True).clone()
-    o_weights = [layer.self_attn.o_proj.weight.data_ptr() for layer in runner.model.model.layers]
-    assert recorder.calls == [(p, len(decode.chunks)) for p in o_weights]
-    assert recorder.joins == 2
-    runner.kv_cache.zero_()
-    runner.model.weight_prefetch = NoPrefetch()
-    plain = runner.forward(prefill_then_decode_batch(runner), all_logits=True)
-    torch.testing.assert_close(with_prefetch, plain, rtol=0, atol=0)
-
-
-def test_side_stream_prefetch_refuses_a_cpu_device_and_a_bad_row_bound():
-    with pytest.raises(ValueError, match="CUDA device"):
-        SideStreamPrefetch(torch.device("cpu"), max_rows=8)
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="max_rows"):
-            SideStreamPrefetch(torch.device("cuda"), max_rows=0)

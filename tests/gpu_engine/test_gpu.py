@@ -57,18 +57,3 @@ def test_overlapped_steps_emit_what_synchronous_steps_emit_gpu(tmp_path):
     runner = small_runner(tmp_path, "cuda")
     check_overlap_equals_sync(runner)
     assert runner.decode_graphs is not None and runner.decode_graphs.num_runs > 20
-
-
-def test_graph_decode_with_l2_prefetch_equals_eager(tmp_path):
-    """Decode graphs captured with the o weights prefetched on a side stream (a fork and a join per
-    step) give the eager logits and the same tokens."""
-    runner = small_runner(tmp_path, "cuda", l2_prefetch_rows=8)
-    from engine.models.weight_prefetch import SideStreamPrefetch
-
-    assert isinstance(runner.model.weight_prefetch, SideStreamPrefetch)
-    batch = prefill_then_decode_batch(runner)
-    eager = runner.forward(batch, all_logits=True).clone()
-    graphed = runner.forward(batch)
-    assert runner.decode_graphs is not None and runner.decode_graphs.num_runs == 1
-    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
-    assert runner.execute(batch).sampled_token_ids == eager.argmax(-1).tolist()

@@ -282,39 +282,3 @@ def test_prefill_gpu_split_kv(kv_dtype, head_dim, group, block_size):
     prefill.run_case(head_dim, group, block_size, cached=[8100], new=[40], kv_dtype=kv_dtype,
                      q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim * group + 8, device="cuda",
                      context_lens=[8140])
-
-
-@pytest.mark.parametrize("mode", ["bulk", "lines"])
-@pytest.mark.parametrize("nbytes", [16, 128 * 1024 + 48, 33_554_432 + 4_112])
-def test_l2_prefetch_gpu_changes_nothing(mode, nbytes):
-    """Both prefetch forms compile and run over spans that end inside a chunk and inside a line,
-    eagerly and in a graph whose fork and join it sits between; the bytes are untouched."""
-    from kernels.l2_prefetch import PrefetchMode, prefetch_l2
-
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-    want = data.clone()
-    prefetch_l2(data, PrefetchMode(mode))
-    side = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            prefetch_l2(data, PrefetchMode(mode), chunk_bytes=4096, per_program=8)
-        out = data.float().sum()
-        torch.cuda.current_stream().wait_stream(side)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(data, want) and out.item() == want.float().sum().item()
-
-
-def test_l2_prefetch_gpu_refuses_what_it_cannot_cover():
-    from kernels.l2_prefetch import PrefetchMode, prefetch_l2
-
-    with pytest.raises(ValueError, match="contiguous"):
-        prefetch_l2(torch.zeros(64, 64, device="cuda").t())
-    with pytest.raises(ValueError, match="16-byte"):
-        prefetch_l2(torch.zeros(15, dtype=torch.uint8, device="cuda"), PrefetchMode.BULK)
-    with pytest.raises(ValueError, match="power of two"):
-        prefetch_l2(torch.zeros(64, device="cuda"), per_program=3)
-    prefetch_l2(torch.zeros(15, dtype=torch.uint8, device="cuda"), PrefetchMode.LINES)  # lines need no alignment
-    torch.cuda.synchronize()
