@@ -578,6 +578,108 @@ def chain_split_sweep_case(gen, batches=(1, 8, 32), context=2048, table_tokens=8
     return rows
 
 
+# (block_m, block_n, num_warps) for hit_tile_sweep_case; each at HIT_SWEEP_STAGES and HIT_SWEEP_SPLITS
+HIT_SWEEP_TILES = ((128, 128, 8), (128, 64, 8), (128, 64, 4), (64, 128, 4), (64, 64, 4))
+HIT_SWEEP_STAGES = (2, 3, 4)
+HIT_SWEEP_SPLITS = (1, 2, 4)
+
+
+def hit_tile_sweep_case(gen, cached=7680, new=512, q_heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
+    """The prefix hit's attention step (``new`` tokens over ``cached``) at every tile set, pipeline
+    depth and KV split count of the HIT_SWEEP_* grids, as CUDA-graph replays against the reference,
+    beside the launcher's own choice: is there a faster launch than the one-split 128 x 128 tiles
+    (session 10: 0.191 ms, 345 TFLOP/s)? Splits and 64-row tiles put 2-8 programs on each SM, so
+    one program's softmax can overlap another's MMAs; the one-split 128 x 128 launch runs one
+    program per SM. A launch that does not fit (shared memory) is recorded as its error."""
+    context = cached + new
+    kv, tables, lens = paged_setup(1, kv_heads, head_dim, context, block_size, gen)
+    k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
+    scale = 1 / math.sqrt(head_dim)
+    q = torch.randn(new, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, new], device="cuda", dtype=torch.int32)
+    want = ref.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+    # causal FLOPs: every query sees the cached keys and the new ones up to itself
+    flops = 4 * q_heads * head_dim * new * (cached + (new + 1) / 2)
+
+    def launch(**kw) -> torch.Tensor:
+        return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
+                                               context_lens=[context], **kw)
+    out: dict = {"cached": cached, "new": new, "tflops_per_launch": flops / 1e12,
+                 "launcher": {"ms": bench_graph(launch), "rel_err": rel_err(launch(), want)}, "variants": {}}
+    for bm, bn, nw in HIT_SWEEP_TILES:
+        for stages in HIT_SWEEP_STAGES:
+            for splits in HIT_SWEEP_SPLITS:
+                kw = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": stages, "num_splits": splits}
+                label = f"m{bm}_n{bn}_w{nw}_s{stages}_split{splits}"
+                try:
+                    err = rel_err(launch(**kw), want)
+                    out["variants"][label] = {"ms": bench_graph(lambda kw=kw: launch(**kw)), "rel_err": err}
+                except Exception as e:  # noqa: BLE001  (a tile set past the SM's shared memory: recorded)
+                    out["variants"][label] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+    timed = {k: v["ms"] for k, v in out["variants"].items() if v.get("ms")}
+    best = sorted(timed, key=timed.get)[:5]
+    lm = out["launcher"]["ms"] or float("nan")
+    print(f"hit tiles 1 x ({cached} + {new}): launcher {lm:.4f} ms = {flops / lm / 1e9:.0f} TFLOP/s; best "
+          + "  ".join(f"{k} {timed[k]:.4f}" for k in best), flush=True)
+    return out
+
+
+def gemm_split_probe_case(gen, ceil: dict, layers: int = 32, splits=(2, 4, 8)) -> dict:
+    """Could the step's o and down GEMMs skip cuBLAS's split-K reduce kernels (64 a step)? For
+    ``layers`` x (o 4096 x 4096, down 4096 x 14336) in one CUDA graph at M = 1 / 8 / 32: ``F.linear``
+    as the step runs it (cuBLAS picks a split-K kernel plus a reduce kernel for both) against one
+    strided batched GEMM over S slices of K with fp32 outputs (``torch.bmm(..., out_dtype=float32)``),
+    the [S, M, N] partials left for a consumer (the next add + RMSNorm) to sum. The partials' sum is
+    checked against ``F.linear``; each variant's kernels per GEMM are counted in one profiled call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = (GEMM_SHAPES["o"], GEMM_SHAPES["down"])
+    weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for n, k in shapes]
+               for _ in range(layers)]
+    wbytes = sum(w.numel() * 2 for ws in weights for w in ws)
+    out: dict = {"layers": layers, "weight_GB": wbytes / 1e9}
+
+    def sliced(x: torch.Tensor, w: torch.Tensor, s: int) -> torch.Tensor:
+        m, k = x.shape
+        n = w.shape[0]
+        xs = x.view(m, s, k // s).transpose(0, 1)  # [S, M, K/S]
+        ws = w.view(n, s, k // s).permute(1, 2, 0)  # [S, K/S, N], no copy
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+
+    def kernels_per_call(fn) -> list[str]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return [e.name[:60] for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+    for m in (1, 8, 32):
+        xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _, k in shapes}
+        row: dict = {}
+
+        def linear_chain(xs=xs) -> list[torch.Tensor]:
+            return [F.linear(xs[w.shape[1]], w) for ws in weights for w in ws]
+        ms = bench_graph(linear_chain)
+        row["f_linear"] = {"ms": ms, "pct_copy": None if ms is None else wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"],
+                           "kernels": kernels_per_call(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights[0]])}
+        for s in splits:
+            try:
+                got = sliced(xs[weights[0][1].shape[1]], weights[0][1], s).sum(0)
+                want = F.linear(xs[weights[0][1].shape[1]].float(), weights[0][1].float())
+                ms = bench_graph(lambda xs=xs, s=s: [sliced(xs[w.shape[1]], w, s) for ws in weights for w in ws])
+                row[f"bmm_split{s}"] = {
+                    "ms": ms, "pct_copy": None if ms is None else wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"],
+                    "rel_err": rel_err(got, want),
+                    "kernels": kernels_per_call(lambda xs=xs, s=s: [sliced(xs[w.shape[1]], w, s) for w in weights[0]])}
+            except Exception as e:  # noqa: BLE001  (bmm's out_dtype missing from this build: recorded)
+                row[f"bmm_split{s}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        out[f"m{m}"] = row
+        print(f"gemm split probe M={m}: " + "  ".join(
+            f"{k} {v['ms']:.3f} ms ({len(v['kernels'])} kernels / 2 GEMMs)" if v.get("ms") else f"{k} {v.get('error', 'n/a')}"
+            for k, v in row.items()), flush=True)
+    return out
+
+
 def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device="cuda", timer=None) -> list[dict]:
     """The few-pair classes as a decode step runs them: ``launches`` launches back to back in one
     CUDA graph, alternating between two caches (each launch reads one the previous did not, so L2
@@ -1156,6 +1258,9 @@ def main() -> int:
     ap.add_argument("--chain-splits", action="store_true",
                     help="only the ceilings and the engine's graph-shaped decode launches chained at split counts "
                          "around the launcher's (chain_split_sweep_case)")
+    ap.add_argument("--probes16", action="store_true",
+                    help="only the ceilings, the prefix hit's attention over tile sets / stages / splits "
+                         "(hit_tile_sweep_case) and the o / down GEMMs as sliced batched GEMMs (gemm_split_probe_case)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -1237,6 +1342,12 @@ def main() -> int:
     if args.chain_splits:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["chain_splits"] = chain_split_sweep_case(gen)
+        save()
+    if args.probes16:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["gemm_split_probe"] = gemm_split_probe_case(gen, ceil)
+        save()
+        result["hit_tile_sweep"] = hit_tile_sweep_case(gen)
         save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
