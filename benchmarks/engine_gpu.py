@@ -503,6 +503,42 @@ def sec_decode_profile(dev, args, runner) -> dict:
     return {"rows": rows}
 
 
+def sec_decode_partials(dev, args, model, runner, bw) -> dict:
+    """The decode sweep and profile with the o and down projections as split-K partials summed by the
+    next add + RMSNorm (kernels/partial_gemm.py, the default) against cuBLAS's split-K GEMM and reduce
+    kernel (``partial_gemm.MAX_ROWS = 0``): off, on, off, on, the decode graphs captured anew for each;
+    the default is restored and recaptured at the end. The same-run baseline for the change."""
+    if not dev.startswith("cuda") or runner.decode_graphs is None:
+        return {"skipped": "needs CUDA decode graphs"}
+    from kernels import partial_gemm
+
+    default = partial_gemm.MAX_ROWS
+    runs = []
+    try:
+        for rnd in range(2):
+            for name, rows in (("off", 0), ("on", default)):
+                partial_gemm.MAX_ROWS = rows
+                runner.decode_graphs.capture()
+                run = {"setting": name, "max_rows": rows, "round": rnd,
+                       "sweep": sec_decode_sweep(dev, args, model, runner, bw)}
+                if rnd == 0:
+                    run["profile"] = sec_decode_profile(dev, args, runner)
+                runs.append(run)
+    finally:
+        partial_gemm.MAX_ROWS = default
+        runner.decode_graphs.capture()
+    summary: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        for row in run["sweep"]["rows"]:
+            if "overlapped" in row:
+                per = summary.setdefault(str(row["batch"]), {})
+                per.setdefault(run["setting"], []).append(row["overlapped"]["step_over_floor"])
+    for b, per in summary.items():
+        print(f"   partials batch {b}: overlapped step / floor " + "  ".join(
+            f"{k} " + "/".join(f"{v:.3f}" for v in vals) for k, vals in per.items()), flush=True)
+    return {"runs": runs, "overlapped_over_floor": summary}
+
+
 def pipelined_sweep(dev, runner, tables, ctx: int, steps: int) -> dict:
     """The same decode steps as the engine's overlapped loop runs them: step n+1 is launched with its
     tokens fed on the device from step n's picks, then step n is collected (the only wait). ->
@@ -1107,6 +1143,7 @@ def main() -> int:
     gc.collect()
     section("decode_sweep", sec_decode_sweep, dev, args, model, runner, bw)
     section("decode_profile", sec_decode_profile, dev, args, runner)
+    section("decode_partials", sec_decode_partials, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import partial_gemm
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -203,7 +205,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``residual += x`` (in place, rounded to residual's dtype), then -> rms_norm(residual) [T, H]."""
+    """``residual += x`` (in place, rounded to residual's dtype), then -> rms_norm(residual) [T, H].
+    ``x`` may be fp32 partials [S, T, H] (``linear_partials``): their sum, rounded to residual's dtype."""
+    if x.dim() == 3:
+        x = x.sum(0).to(residual.dtype)
     residual.add_(x)
     return rms_norm(residual, weight, eps)
 
@@ -253,3 +258,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] (``F.linear``)."""
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` for a projection read only by ``add_rms_norm``: fp32 split-K partials [S, M, N] where
+    ``kernels.partial_gemm.slices_for`` says so (decode-sized 16-bit CUDA batches), else [M, N]."""
+    slices = partial_gemm.slices_for(x.shape[0], x.shape[1], x.dtype, bias is not None, x.is_cuda)
+    if slices == 1 or not (x.is_contiguous() and weight.is_contiguous()):
+        return linear(x, weight, bias)
+    return partial_gemm.sliced_partials(x, weight, slices)

@@ -8,6 +8,11 @@ One program per token row ``[H]`` (H = hidden size, 4,096 for Llama-8B: the whol
 The roundings are those of ``kernels.reference.add_rms_norm`` (transformers' order): the sum is
 rounded to the compute dtype before the statistics, the normalised row is rounded before the
 weight multiply, and that product is rounded once more.
+
+``x`` may also be a projection's split-K partials, fp32 ``[S, T, H]`` (``kernels/partial_gemm.py``):
+the program sums its row's S partials in fp32 and rounds the sum to the residual's dtype, which is
+what the projection would have returned, before the add. That saves the projection its own reduce
+kernel.
 """
 
 from __future__ import annotations
@@ -21,41 +26,52 @@ from kernels._common import next_pow2
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr,  # [T, H]
+    x_ptr,  # [T, H], or fp32 partials [PARTIALS, T, H] to be summed
     res_ptr,  # [T, H], read and rewritten in place when HAS_RESIDUAL
     w_ptr,  # [H]
     out_ptr,  # [T, H]
     stride_x, stride_r, stride_o,
+    stride_part,  # elements between two partials (PARTIALS > 1)
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if PARTIALS > 1:  # the projection's output is the sum of its slices, rounded as it would have been
+        acc = tl.zeros([BLOCK], tl.float32)
+        for p in tl.static_range(PARTIALS):
+            acc += tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+        x = acc.to(res_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (r.to(tl.float32) + x.to(tl.float32)).to(res_ptr.dtype.element_ty)
         tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
-    y = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (x32 * inv_rms).to(res_ptr.dtype.element_ty).to(tl.float32)  # the row's dtype (res is x without one)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    tokens, hidden = x.shape
-    out = torch.empty((tokens, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    partials = x.shape[0] if x.dim() == 3 else 1
+    row_dtype = residual.dtype if partials > 1 else x.dtype  # partials are fp32; the row is the residual's
+    tokens, hidden = x.shape[-2:]
+    out = torch.empty((tokens, hidden), dtype=torch.promote_types(row_dtype, weight.dtype), device=x.device)
     if tokens == 0:
         return out
     block = next_pow2(hidden)
     res = residual if residual is not None else x
     _add_rms_norm_kernel[(tokens,)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        x, res, weight, out, x.stride(-2), res.stride(0), out.stride(0), x.stride(0) if partials > 1 else 0,
+        hidden, eps, HAS_RESIDUAL=residual is not None, PARTIALS=partials, BLOCK=block,
+        num_warps=max(1, min(16, block // 256)),
     )
     return out
 
@@ -66,5 +82,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``residual += x`` in place, -> rms_norm(residual) [T, H]. Inputs are checked by ``kernels.triton_ops``."""
+    """``residual += x`` in place (x [T, H], or fp32 partials [S, T, H] summed first), -> rms_norm(residual)
+    [T, H]. Inputs are checked by ``kernels.triton_ops``."""
     return _launch(x, residual, weight, eps)

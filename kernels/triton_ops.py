@@ -22,6 +22,7 @@ from kernels import (
     block_copy,
     decode_attention,
     kv_write,
+    partial_gemm,
     prefill_attention,
     rmsnorm,
     rotary,
@@ -34,7 +35,7 @@ __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "paged_decode_attention", "paged_prefill_attention",
     "prefill_splits",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
-    "rms_norm", "add_rms_norm", "rotary_write_kv", "silu_mul", "linear",
+    "rms_norm", "add_rms_norm", "rotary_write_kv", "silu_mul", "linear", "linear_partials",
 ]
 
 
@@ -231,14 +232,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``residual += x`` (in place, rounded to residual's dtype), then -> rms_norm(residual) [T, H]."""
-    _check_rows("x", x)
-    _check_rows("residual", residual, x.shape[1])
-    assert residual.shape == x.shape and residual.dtype == x.dtype, (
-        f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}"
-    )
+    """``residual += x`` (in place, rounded to residual's dtype), then -> rms_norm(residual) [T, H].
+    ``x`` may be a projection's fp32 partials [S, T, H] (``linear_partials``): their sum, rounded to
+    residual's dtype, is added."""
+    if x.dim() == 3:
+        assert x.dtype == torch.float32 and x.is_contiguous(), (
+            f"partials must be contiguous float32 [S, T, H], got {x.dtype} strides {x.stride()}")
+        assert x.shape[1:] == residual.shape, f"partials {tuple(x.shape)} must be [S, *{tuple(residual.shape)}]"
+        _check_rows("residual", residual)
+    else:
+        _check_rows("x", x)
+        _check_rows("residual", residual, x.shape[1])
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (
+            f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}"
+        )
+    hidden = residual.shape[1]
     assert residual.device == x.device and weight.device == x.device, "x, residual and weight must share a device"
-    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), f"weight must be [{x.shape[1]}] contiguous"
+    assert weight.shape == (hidden,) and weight.is_contiguous(), f"weight must be [{hidden}] contiguous"
     return rmsnorm.add_rms_norm(x, residual, weight, eps)
 
 
@@ -304,3 +314,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
     return skinny_gemm.skinny_linear(x, weight, bias, config)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` for a projection whose only reader is ``add_rms_norm``: at decode-sized 16-bit batches
+    its split-K fp32 partials [S, M, N] (one batched GEMM, no reduce kernel; ``kernels.partial_gemm``),
+    else the [M, N] product as ``linear`` returns it."""
+    slices = partial_gemm.slices_for(x.shape[0], x.shape[1], x.dtype, bias is not None, x.is_cuda)
+    if slices == 1 or weight.dtype != x.dtype or not weight.is_contiguous() or x.stride(1) != 1 \
+            or x.stride(0) != x.shape[1]:
+        return linear(x, weight, bias)
+    _check_rows("x", x)
+    assert weight.dim() == 2 and weight.shape[1] == x.shape[1], (
+        f"weight must be [out, {x.shape[1]}], got {tuple(weight.shape)}"
+    )
+    assert weight.device == x.device, "x and weight must share a device"
+    return partial_gemm.sliced_partials(x, weight, slices)

@@ -18,8 +18,10 @@ concatenated once at load, and three fused kernels from ``ops`` per layer step::
     linear(attention(q, cache), Wo) -> delta;  h = add_rms_norm(delta, residual)
     linear(silu_mul(linear(h, Wgate|up)), Wdown) -> delta
 
-``ops.linear`` is cuBLAS except for decode-sized 16-bit batches on the GPU, which stream the weights
-through ``kernels.skinny_gemm``.
+``ops.linear`` is cuBLAS. The o and down projections, whose only reader is the next
+``add_rms_norm``, go through ``ops.linear_partials``: at decode-sized 16-bit batches on the GPU
+their split-K partials, which that norm sums, instead of a split-K GEMM and its reduce kernel
+(kernels/partial_gemm.py).
 
 After fusion the original ``q_proj.weight`` etc. are views into the concatenated tensors, so the
 state dict, its names and its memory are unchanged (transformers can still share the tensors).
@@ -120,7 +122,9 @@ class Attention(nn.Module):
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,
                                               meta.seq_lens, self.scale, cache.k_scale, cache.v_scale,
                                               context_lens=meta.context_lens)
-        return ops.linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        # read only by the next add_rms_norm: at decode sizes split-K partials it sums (kernels/partial_gemm.py)
+        return ops.linear_partials(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight,
+                                   self.o_proj.bias)
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         t = x.shape[0]
@@ -148,7 +152,8 @@ class MLP(nn.Module):
     def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         assert self.gate_up_weight is not None, "call fuse_projections() first"
         act = ops.silu_mul(ops.linear(x, self.gate_up_weight, self.gate_up_bias))  # [T, I]
-        return ops.linear(act, self.down_proj.weight, self.down_proj.bias)  # [T, hidden]
+        # [T, hidden], or its split-K partials [S, T, hidden] for the next add_rms_norm to sum
+        return ops.linear_partials(act, self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _project(self.down_proj, F.silu(_project(self.gate_proj, x)) * _project(self.up_proj, x))

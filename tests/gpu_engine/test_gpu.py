@@ -57,3 +57,33 @@ def test_overlapped_steps_emit_what_synchronous_steps_emit_gpu(tmp_path):
     runner = small_runner(tmp_path, "cuda")
     check_overlap_equals_sync(runner)
     assert runner.decode_graphs is not None and runner.decode_graphs.num_runs > 20
+
+
+def test_bf16_decode_with_split_k_partials_matches_without(tmp_path, monkeypatch):
+    """A bf16 model's decode graphs, with the o and down projections as split-K partials summed by
+    the next norm (kernels/partial_gemm.py), against the same graphs captured without them: the same
+    tokens, logits within bf16 rounding."""
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from engine.models.random_init import build_random_model
+    from kernels import partial_gemm
+    from tests.gpu_engine.helpers import IdTokenizer, small_arch
+
+    def run(on: bool) -> torch.Tensor:
+        arch = small_arch(tmp_path)
+        model = build_random_model(arch, "cuda", torch.bfloat16, seed=0, std=0.05)
+        cfg = EngineConfig(model_dir=tmp_path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
+                           max_num_seqs=8)
+        runner = ModelRunner(cfg, arch=arch, tokenizer=IdTokenizer(), model=model)
+        for k in (arch.num_heads * arch.head_dim, arch.intermediate_size):  # o's and down's K: sliced when on
+            assert partial_gemm.slices_for(3, k, torch.bfloat16, False, True) == (partial_gemm.SLICES if on else 1)
+        batch = prefill_then_decode_batch(runner)
+        logits = runner.forward(batch).float().clone()
+        assert runner.decode_graphs is not None and runner.decode_graphs.num_runs == 1
+        return logits
+
+    with_partials = run(True)
+    monkeypatch.setattr(partial_gemm, "MAX_ROWS", 0)
+    without = run(False)
+    assert with_partials.argmax(-1).tolist() == without.argmax(-1).tolist()
+    torch.testing.assert_close(with_partials, without, rtol=0.02, atol=0.02)

@@ -185,3 +185,34 @@ def test_skinny_gemm_config_rules():
     c = skinny_gemm.choose_config(32, 4096, 14336, 132)
     assert c is not None and (14336 // c.block_k) % c.split_k == 0
     assert triton_ops.linear(torch.randn(3, 40), torch.randn(8, 40)).shape == (3, 8)  # CPU: F.linear
+
+
+def run_partials_norm_case(slices, tokens, hidden, dtype, seed, device="cpu"):
+    """add_rms_norm over split-K partials (fp32 [S, T, H]) against the reference given the same
+    partials, and against add_rms_norm of their sum rounded to the compute dtype: the same row."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = (torch.randn(slices, tokens, hidden, generator=gen)).to(device=device)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device=device, dtype=dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
+    res_ref, res_sum = residual.clone(), residual.clone()
+    got = triton_ops.add_rms_norm(parts, residual, weight, 1e-5)
+    want = ref.add_rms_norm(parts, res_ref, weight, 1e-5)
+    as_sum = triton_ops.add_rms_norm(parts.sum(0).to(dtype), res_sum, weight, 1e-5)
+    assert got.shape == (tokens, hidden) and got.dtype == dtype and residual.dtype == dtype
+    assert rel_err(residual, res_ref) < tol(dtype) / 4
+    assert rel_err(got, want) < tol(dtype)
+    assert rel_err(got, as_sum) < tol(dtype) / 4
+
+
+@pytest.mark.parametrize("slices,tokens,hidden", [(4, 3, 512), (2, 5, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_sums_partials(slices, tokens, hidden, dtype):
+    run_partials_norm_case(slices, tokens, hidden, dtype, seed=slices * tokens + hidden)
+
+
+def test_add_rms_norm_rejects_bad_partials():
+    residual = torch.randn(4, 64, dtype=torch.float16)
+    with pytest.raises(AssertionError, match="partials must be contiguous float32"):
+        triton_ops.add_rms_norm(torch.randn(2, 4, 64, dtype=torch.float16), residual, torch.ones(64), 1e-5)
+    with pytest.raises(AssertionError, match="must be \\[S"):
+        triton_ops.add_rms_norm(torch.randn(2, 4, 32), residual, torch.ones(64), 1e-5)

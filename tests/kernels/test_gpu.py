@@ -282,3 +282,34 @@ def test_prefill_gpu_split_kv(kv_dtype, head_dim, group, block_size):
     prefill.run_case(head_dim, group, block_size, cached=[8100], new=[40], kv_dtype=kv_dtype,
                      q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim * group + 8, device="cuda",
                      context_lens=[8140])
+
+
+def test_add_rms_norm_partials_gpu():
+    fused.run_partials_norm_case(4, 37, 4096, torch.bfloat16, seed=5, device="cuda")
+    fused.run_partials_norm_case(2, 3, 896, torch.float16, seed=6, device="cuda")
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (8, 4096, 14336), (32, 896, 4864)])
+def test_linear_partials_gpu(m, n, k):
+    """At decode sizes: fp32 partials [S, M, N] (one batched GEMM, also inside a CUDA graph) whose sum
+    is the product; past MAX_ROWS, with a bias, or in fp32: the [M, N] product itself."""
+    from kernels import partial_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(m + n)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    want = torch.nn.functional.linear(x.double(), w.double())
+    parts = triton_ops.linear_partials(x, w)
+    assert parts.shape == (partial_gemm.SLICES, m, n) and parts.dtype == torch.float32
+    assert float((parts.double().sum(0) - want).norm() / want.norm()) < 1e-5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_ops.linear_partials(x, w)
+    x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, triton_ops.linear_partials(x, w), rtol=1e-5, atol=1e-5)
+    big = torch.randn(partial_gemm.MAX_ROWS + 1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    assert triton_ops.linear_partials(big, w).shape == (partial_gemm.MAX_ROWS + 1, n)
+    assert triton_ops.linear_partials(x, w, torch.zeros(n, device="cuda", dtype=torch.bfloat16)).shape == (m, n)
+    assert triton_ops.linear_partials(x.float(), w.float()).shape == (m, n)
