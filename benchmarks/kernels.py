@@ -624,9 +624,10 @@ def hit_tile_sweep_case(gen, cached=7680, new=512, q_heads=32, kv_heads=8, head_
     return out
 
 
-def gemm_split_probe_case(gen, ceil: dict, layers: int = 32, splits=(2, 4, 8)) -> dict:
+def gemm_split_probe_case(gen, ceil: dict, layers: int = 32, splits=(2, 4, 8), names=("o", "down")) -> dict:
     """Could the step's o and down GEMMs skip cuBLAS's split-K reduce kernels (64 a step)? For
-    ``layers`` x (o 4096 x 4096, down 4096 x 14336) in one CUDA graph at M = 1 / 8 / 32: ``F.linear``
+    ``layers`` x (o 4096 x 4096, down 4096 x 14336; or the GEMM_SHAPES ``names``) in one CUDA graph at
+    M = 1 / 8 / 32: ``F.linear``
     as the step runs it (cuBLAS picks a split-K kernel plus a reduce kernel for both) against one
     strided batched GEMM over S slices of K with fp32 outputs (``torch.bmm(..., out_dtype=float32)``),
     the [S, M, N] partials left for a consumer (the next add + RMSNorm) to sum. The partials' sum is
@@ -634,11 +635,11 @@ def gemm_split_probe_case(gen, ceil: dict, layers: int = 32, splits=(2, 4, 8)) -
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    shapes = (GEMM_SHAPES["o"], GEMM_SHAPES["down"])
+    shapes = tuple(GEMM_SHAPES[name] for name in names)
     weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for n, k in shapes]
                for _ in range(layers)]
     wbytes = sum(w.numel() * 2 for ws in weights for w in ws)
-    out: dict = {"layers": layers, "weight_GB": wbytes / 1e9}
+    out: dict = {"layers": layers, "shapes": list(names), "weight_GB": wbytes / 1e9}
 
     def sliced(x: torch.Tensor, w: torch.Tensor, s: int) -> torch.Tensor:
         m, k = x.shape
@@ -664,8 +665,8 @@ def gemm_split_probe_case(gen, ceil: dict, layers: int = 32, splits=(2, 4, 8)) -
                            "kernels": kernels_per_call(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights[0]])}
         for s in splits:
             try:
-                got = sliced(xs[weights[0][1].shape[1]], weights[0][1], s).sum(0)
-                want = F.linear(xs[weights[0][1].shape[1]].float(), weights[0][1].float())
+                got = sliced(xs[weights[0][-1].shape[1]], weights[0][-1], s).sum(0)
+                want = F.linear(xs[weights[0][-1].shape[1]].float(), weights[0][-1].float())
                 ms = bench_graph(lambda xs=xs, s=s: [sliced(xs[w.shape[1]], w, s) for ws in weights for w in ws])
                 row[f"bmm_split{s}"] = {
                     "ms": ms, "pct_copy": None if ms is None else wbytes / (ms * 1e-3) / 1e12 / ceil["copy_TBps"],
@@ -675,7 +676,7 @@ def gemm_split_probe_case(gen, ceil: dict, layers: int = 32, splits=(2, 4, 8)) -
                 row[f"bmm_split{s}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         out[f"m{m}"] = row
         print(f"gemm split probe M={m}: " + "  ".join(
-            f"{k} {v['ms']:.3f} ms ({len(v['kernels'])} kernels / 2 GEMMs)" if v.get("ms") else f"{k} {v.get('error', 'n/a')}"
+            f"{k} {v['ms']:.3f} ms ({len(v['kernels'])} kernels / {len(shapes)} GEMMs)" if v.get("ms") else f"{k} {v.get('error', 'n/a')}"
             for k, v in row.items()), flush=True)
     return out
 
@@ -1261,6 +1262,8 @@ def main() -> int:
     ap.add_argument("--probes16", action="store_true",
                     help="only the ceilings, the prefix hit's attention over tile sets / stages / splits "
                          "(hit_tile_sweep_case) and the o / down GEMMs as sliced batched GEMMs (gemm_split_probe_case)")
+    ap.add_argument("--gemm-split-shapes", default=None,
+                    help="only the ceilings and gemm_split_probe_case on these GEMM_SHAPES names (e.g. qkv,gate_up)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
@@ -1348,6 +1351,10 @@ def main() -> int:
         result["gemm_split_probe"] = gemm_split_probe_case(gen, ceil)
         save()
         result["hit_tile_sweep"] = hit_tile_sweep_case(gen)
+        save()
+    if args.gemm_split_shapes:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["gemm_split_probe"] = gemm_split_probe_case(gen, ceil, names=tuple(args.gemm_split_shapes.split(",")))
         save()
     if args.gemm_only:
         picked, args.skip_classes, args.skip_prefill = [], True, True
