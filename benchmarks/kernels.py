@@ -681,44 +681,6 @@ def gemm_split_probe_case(gen, ceil: dict, layers: int = 32, splits=(2, 4, 8), n
     return out
 
 
-def head_order_case(gen, classes=(5,), launches: int = 8) -> list[dict]:
-    """The decode grid with the kv heads varying fastest (``paged_decode(heads_first=True)``) against
-    sequences fastest, where head rows share 128-byte lines (8-bit caches at head dim 64 with an odd
-    kv head count: SmolLM's 9 / 3): bf16, fp8 and int8, one launch a graph and ``launches`` in one
-    graph over two alternating caches (``few_pair_chain_case``'s chain), against the reference."""
-    rows = []
-    for i in classes:
-        batch, q_heads, kv_heads, head_dim, context, block_size = DECODE_CLASSES[i]
-        scale = 1 / math.sqrt(head_dim)
-        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
-        kv2 = torch.randn_like(kv)
-        q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
-        row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"],
-                                       DECODE_CLASSES[i]))}
-        for name, dtype in (("bf16", None), ("fp8", ref.FP8_DTYPE), ("int8", torch.int8)):
-            caches = [(c, None, None) if dtype is None else quantize_cache(c, dtype) for c in (kv, kv2)]
-            want = ref.paged_decode_attention(q[:2], caches[0][0][:, 0, 0], caches[0][0][:, 0, 1], tables[:2],
-                                              lens[:2], scale, caches[0][1], caches[0][2])
-            for first in (False, True):
-                def one(c, first=first, q=q, tables=tables, lens=lens, counters=counters, scale=scale) -> torch.Tensor:
-                    return decode_attention.paged_decode(q, c[0][:, 0, 0], c[0][:, 0, 1], tables, lens, scale, c[1],
-                                                         c[2], merge_counters=counters, heads_first=first)
-                chained = bench_graph(lambda one=one, caches=caches: [one(caches[j % 2]) for j in range(launches)])
-                row[f"{name}_{'heads' if first else 'seqs'}_first"] = {
-                    "rel_err": rel_err(one(caches[0])[:2], want),
-                    "single_graph_ms": bench_graph(lambda one=one, caches=caches: one(caches[0])),
-                    "chain_per_launch_ms": None if chained is None else chained / launches}
-            del caches
-        rows.append(row)
-        print(f"head order {','.join(str(v) for v in DECODE_CLASSES[i])}: " + "  ".join(
-            f"{k} {1000 * (v['single_graph_ms'] or 0):.1f} / {1000 * (v['chain_per_launch_ms'] or 0):.1f} us"
-            for k, v in row.items() if isinstance(v, dict) and "rel_err" in v), flush=True)
-        del kv, kv2
-        torch.cuda.empty_cache()
-    return rows
-
-
 def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device="cuda", timer=None) -> list[dict]:
     """The few-pair classes as a decode step runs them: ``launches`` launches back to back in one
     CUDA graph, alternating between two caches (each launch reads one the previous did not, so L2
@@ -1300,9 +1262,6 @@ def main() -> int:
     ap.add_argument("--probes16", action="store_true",
                     help="only the ceilings, the prefix hit's attention over tile sets / stages / splits "
                          "(hit_tile_sweep_case) and the o / down GEMMs as sliced batched GEMMs (gemm_split_probe_case)")
-    ap.add_argument("--head-order", action="store_true",
-                    help="only the ceilings and the decode grid heads first against sequences first on the 9 / 3 "
-                         "head dim 64 class (head_order_case)")
     ap.add_argument("--gemm-split-shapes", default=None,
                     help="only the ceilings and gemm_split_probe_case on these GEMM_SHAPES names (e.g. qkv,gate_up)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
@@ -1392,10 +1351,6 @@ def main() -> int:
         result["gemm_split_probe"] = gemm_split_probe_case(gen, ceil)
         save()
         result["hit_tile_sweep"] = hit_tile_sweep_case(gen)
-        save()
-    if args.head_order:
-        picked, args.skip_classes, args.skip_prefill = [], True, True
-        result["head_order"] = head_order_case(gen)
         save()
     if args.gemm_split_shapes:
         picked, args.skip_classes, args.skip_prefill = [], True, True

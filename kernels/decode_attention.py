@@ -133,25 +133,16 @@ def _decode_split_kernel(
     MERGE_CHUNK: tl.constexpr,
     HALF_DIM: tl.constexpr,
     STAMPS: tl.constexpr,
-    HEADS_FIRST: tl.constexpr = False,
 ):
-    """One (sequence, kv head, split) program. The grid is (sequences, kv heads, splits), or with
-    ``HEADS_FIRST`` (kv heads, sequences, splits): the hardware starts programs with the first grid
-    dimension varying fastest, so there the kv heads of one sequence's split run side by side.
-    With ``HALF_DIM`` > 0 a "kv head" is a pair of the cache's heads read as one of width ``HEAD_DIM = 2 * HALF_DIM`` (``pairs_heads``), and ``GROUP``
+    """One (sequence, kv head, split) program. With ``HALF_DIM`` > 0 a "kv head" is a pair of the
+    cache's heads read as one of width ``HEAD_DIM = 2 * HALF_DIM`` (``pairs_heads``), and ``GROUP``
     counts the q heads of both: q and out are the caller's ``[B, Hq, HALF_DIM]``, each q row is
     loaded into its own member's half of the width (zeros in the other: its scores are exactly its
     own head's) and only that half of its output is stored (``_store_heads``)."""
-    if HEADS_FIRST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        num_kvh = tl.num_programs(0)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kvh = tl.num_programs(1)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
-    stamp_row = ((b * num_kvh + kvh) * NUM_SPLITS + split) * 5
+    stamp_row = ((b * tl.num_programs(1) + kvh) * NUM_SPLITS + split) * 5
     if STAMPS:
         _stamp(stamps_ptr, stamp_row, split.to(tl.float32))
         _stamp_sm(stamps_ptr, stamp_row + 4, split.to(tl.float32))
@@ -250,7 +241,7 @@ def _decode_split_kernel(
             _store_heads(o_row, d[None, :], (acc * v_final[:, None]).to(out_ptr.dtype.element_ty), rows, GROUP,
                          HALF_DIM)
     else:
-        bh = b * (GROUP * num_kvh) + heads  # flat (b, q head) index into the partials
+        bh = b * (GROUP * tl.num_programs(1)) + heads  # flat (b, q head) index into the partials
         p_row = part_out_ptr + (bh[:, None] * NUM_SPLITS + split) * HEAD_DIM
         if V_PAIRS:
             tl.store(p_row + 2 * dh[None, :], acc_e * v_final[:, None], mask=row_ok[:, None])
@@ -265,13 +256,13 @@ def _decode_split_kernel(
             # partials are then read from L2 (.cg), past any line of them an earlier launch left in
             # this SM's L1.
             tl.debug_barrier()
-            counter = counters_ptr + b * num_kvh + kvh
+            counter = counters_ptr + b * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if STAMPS:
                 _stamp(stamps_ptr, stamp_row + 2, arrived.to(tl.float32))
             if arrived == n_valid - 1:
                 tl.store(counter, 0)  # zero again for the next launch (every split of this one has counted)
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b * (GROUP * num_kvh) + kvh * GROUP,
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b * (GROUP * tl.num_programs(1)) + kvh * GROUP,
                               b, kvh * GROUP, n_valid, stride_ob, stride_oh,
                               NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, HALF_DIM)
                 if STAMPS:
@@ -526,7 +517,6 @@ def paged_decode(
     pair_heads: bool | None = None,
     merge_chunk: int | None = None,
     stamps: torch.Tensor | None = None,
-    heads_first: bool | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``kernels.triton_ops``.
 
@@ -550,10 +540,6 @@ def paged_decode(
     ``merge_chunk`` (a power of two; tuning) sets how many splits' partials the in-kernel merge reads
     at once (default: about 4K fp32 a chunk, ``_MERGE_TILE_ELEMENTS``).
 
-    ``heads_first`` orders the grid with the kv heads varying fastest, so that the programs of one
-    sequence's heads, whose rows share the cache's lines, run together (``heads_first_for`` says
-    when the launcher does).
-
     ``stamps`` (a diagnostic; compiled kernels only): an int64 buffer of at least grid programs x 5
     (sequences x kv heads x splits; 256 splits at most), which each program fills at row
     ``(b * Hkv + kv head) * splits + split`` with the GPU's nanosecond timer at its start, after its
@@ -575,8 +561,7 @@ def paged_decode(
     hint = None if context_lens is None else (context_lens if isinstance(context_lens, tuple) else tuple(context_lens))
     plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
                         q.dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
-                        num_stages, v_pairs, max_registers, fused_merge, half_dim, merge_chunk, interpreting(),
-                        heads_first)
+                        num_stages, v_pairs, max_registers, fused_merge, half_dim, merge_chunk, interpreting())
     if stamps is not None:
         if interpreting():
             raise ValueError("stamps read the GPU's timer: a compiled kernel only, not the interpreter")
@@ -627,19 +612,6 @@ def pairs_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> bool:
     return kv_dtype == FP8_DTYPE and head_dim <= 64 and kv_heads % 2 == 0
 
 
-# Where the launcher orders the grid heads first (``heads_first_for``); off until measured.
-HEADS_FIRST_ROW_BYTES = 0
-
-
-def heads_first_for(head_dim: int, half_dim: int, kv_dtype: torch.dtype) -> bool:
-    """Whether ``paged_decode`` runs one sequence's kv heads side by side by default: a cache not read
-    in pairs whose head rows are shorter than ``HEADS_FIRST_ROW_BYTES`` (a 128-byte L2 line shared
-    by several heads, as fp8 and int8 at head dim 64 with an odd kv head count, which ``pairs_heads``
-    cannot pair). Run heads first, the programs that share a line read it at about the same time."""
-    itemsize = torch.empty((), dtype=kv_dtype).element_size()
-    return half_dim == 0 and head_dim * itemsize < HEADS_FIRST_ROW_BYTES
-
-
 @dataclass(frozen=True)
 class _LaunchPlan:
     """Everything about a decode launch that follows from its shapes, dtypes and hints alone."""
@@ -662,7 +634,7 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
                  context_lens: tuple[int, ...] | None, split_by_length: bool | None, num_splits: int | None,
                  block_n: int | None, num_warps: int | None, num_stages: int | None, v_pairs: bool | None,
                  max_registers: int | None, fused_merge: bool, half_dim: int, merge_chunk: int | None,
-                 interp: bool, heads_first: bool | None = None) -> _LaunchPlan:
+                 interp: bool) -> _LaunchPlan:
     group = q_heads // kv_heads
     code = kv_code_for(kv_dtype)
     sms = num_sms(device)
@@ -701,11 +673,7 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
         MERGE_CHUNK=min(splits_pad, merge_chunk), HALF_DIM=half_dim,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if heads_first is None:
-        heads_first = heads_first_for(head_dim, half_dim, kv_dtype)
-    options["HEADS_FIRST"] = heads_first
     if max_registers and not interp:
         options["maxnreg"] = max_registers
-    grid = (kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, kv_heads, num_splits)
-    return _LaunchPlan(grid=grid, num_splits=num_splits, split_tokens=split_tokens,
+    return _LaunchPlan(grid=(num_seqs, kv_heads, num_splits), num_splits=num_splits, split_tokens=split_tokens,
                        fused_merge=fused_merge, v_pairs=v_pairs, options=options)

@@ -226,25 +226,3 @@ def test_decode_checks_inputs():
         triton_ops.paged_decode_attention(q, k8, v8, tables, lens, 0.1)
 
 
-
-
-@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE, torch.int8])
-@pytest.mark.parametrize("fused_merge", [True, False])
-def test_decode_heads_first_grid(kv_dtype, fused_merge):
-    """The grid with the kv heads varying fastest (three of them, as SmolLM's 9 / 3) computes the same
-    attention: one split, several, cut by the live lengths, the merge in the kernel or a second one."""
-    lens = [150, 1, 45, 64]
-    for seed, options in enumerate(({"num_splits": 1}, {"num_splits": 3},
-                                    {"num_splits": 4, "split_by_length": True})):
-        run_case(32, 3, 16, lens, kv_dtype, kv_heads=3, table_width=16, heads_first=True, fused_merge=fused_merge,
-                 seed=120 + seed, **options)
-
-
-def test_decode_heads_first_only_where_rows_share_lines(monkeypatch):
-    monkeypatch.setattr(decode_attention, "HEADS_FIRST_ROW_BYTES", 128)
-    assert decode_attention.heads_first_for(64, 0, ref.FP8_DTYPE)  # 64-byte rows
-    assert decode_attention.heads_first_for(64, 0, torch.int8)
-    assert not decode_attention.heads_first_for(128, 64, ref.FP8_DTYPE)  # read in pairs: whole lines
-    assert not decode_attention.heads_first_for(64, 0, torch.bfloat16)  # 128-byte rows
-    monkeypatch.setattr(decode_attention, "HEADS_FIRST_ROW_BYTES", 0)
-    assert not decode_attention.heads_first_for(64, 0, ref.FP8_DTYPE)  # off

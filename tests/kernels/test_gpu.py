@@ -313,13 +313,3 @@ def test_linear_partials_gpu(m, n, k):
     assert triton_ops.linear_partials(big, w).shape == (partial_gemm.MAX_ROWS + 1, n)
     assert triton_ops.linear_partials(x, w, torch.zeros(n, device="cuda", dtype=torch.bfloat16)).shape == (m, n)
     assert triton_ops.linear_partials(x.float(), w.float()).shape == (m, n)
-
-
-@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8, torch.bfloat16])
-@pytest.mark.parametrize("heads_first", [True, False])
-def test_decode_gpu_heads_first_grid(kv_dtype, heads_first):
-    """SmolLM's shape (9 q heads on 3 kv heads, head dim 64), compiled, both grid orders, a
-    graph-shaped table of 4K holding 1-4,100 tokens, against the reference."""
-    lens = [1 + (i * 613) % 4100 for i in range(64)]
-    decode.run_case(64, 3, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=3, seed=6, device="cuda",
-                    table_width=4160 // 16, heads_first=heads_first)
