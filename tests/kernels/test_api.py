@@ -10,7 +10,7 @@ import torch
 from kernels import reference, triton_ops
 
 OPS = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "gather_blocks",
-       "scatter_blocks"]
+       "scatter_blocks", "add_rms_norm", "linear", "linear_partials"]
 
 
 @pytest.mark.parametrize("name", OPS)
