@@ -243,10 +243,10 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
-        if decode_attention.pairs_heads(head_dim, kv_heads, kq.dtype):
-            # the launcher reads KV heads in pairs here (session 14): the per-head launch beside it
+        if decode_attention.joined_kv_heads(head_dim, kv_heads, kq.dtype) > 1:
+            # the launcher reads KV heads in pairs or threes here (sessions 14, 17): the per-head launch beside it
             def per_head(kq=kq, vq=vq, ks=ks, vs=vs):
-                return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, pair_heads=False)
+                return decode_attention.paged_decode(q, kq, vq, tables, lens, scale, ks, vs, joined_heads=1)
             row[f"{name}_per_head"] = {"rel_err": rel_err(per_head()[:n_check], outq[:n_check]),
                                        "ms": bench(per_head), "graph_ms": bench_graph(per_head)}
         qtiles = decode_attention.choose_tiles(head_dim, kq.dtype, batch * kv_heads, sms)
@@ -719,6 +719,93 @@ def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device
               f"{1000 * (b['chain_per_launch_ms'] or 0):.1f} a launch in a chain of {launches}; fp8 "
               f"{1000 * f['single_graph_ms']:.1f} / {1000 * (f['chain_per_launch_ms'] or 0):.1f}; fp8 / bf16 "
               f"{row['fp8_x_single'] or 0:.2f} alone, {row['fp8_x_chain'] or 0:.2f} chained", flush=True)
+        rows.append(row)
+        del kv, kv2
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# (batch, q heads, kv heads, head dim, context, block size): the 9 / 3 class of DECODE_CLASSES and the
+# same heads at a decode step's smaller batches, for joined_heads_case
+JOINED_SHAPES = [(64, 9, 3, 64, 4096, 16), (8, 9, 3, 64, 4096, 16), (1, 9, 3, 64, 32768, 16)]
+# (block_n, num_warps, num_stages) of the 256-column joined row (3 x 64, padded) timed by joined_heads_case
+JOINED_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2)]
+
+
+def joined_heads_case(gen, shapes=JOINED_SHAPES, tiles=JOINED_TILES, launches: int = 8, device="cuda",
+                      timer=None) -> list[dict]:
+    """Three KV heads of 64 read as one 256-column row (``paged_decode(joined_heads=3)``) against the
+    per-head launch, bf16 and fp8, graph replays: the launcher's per-head choice, then each tile set
+    of ``tiles`` at the split counts that fill waves of 2, 3 and 4 programs per SM (the first shape;
+    the others at the best of those tiles only), each checked against the reference; then the
+    per-head launch and the fastest joined one as a decode step runs them, ``launches`` back to back
+    over two caches (``few_pair_chain_case``'s chain)."""
+    timer = timer or bench_graph
+    sms = decode_attention.num_sms(torch.device(device)) if device == "cuda" else 4
+    rows = []
+    best_tiles: dict[str, tuple] = {}
+    for si, (batch, q_heads, kv_heads, head_dim, context, block_size) in enumerate(shapes):
+        scale = 1 / math.sqrt(head_dim)
+        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
+        kv2 = torch.randn_like(kv)
+        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+        kv_bytes_bf16 = 2 * batch * context * kv_heads * head_dim * 2
+        row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"],
+                                       shapes[si]))}
+        n_check = min(batch, 8)
+        for name in ("bf16", "fp8"):
+            caches = [(c, None, None) if name == "bf16" else quantize_cache(c, ref.FP8_DTYPE) for c in (kv, kv2)]
+            (c0, ks, vs) = caches[0]
+            kc, vc = c0[:, 0, 0], c0[:, 0, 1]
+            want = ref.paged_decode_attention(q[:n_check], kc, vc, tables[:n_check], lens[:n_check], scale, ks, vs)
+            nbytes = kv_bytes_bf16 // (2 if name == "fp8" else 1)
+
+            def launch(c, **kw):
+                return decode_attention.paged_decode(q, c[0][:, 0, 0], c[0][:, 0, 1], tables, lens, scale, c[1], c[2],
+                                                     merge_counters=counters, **kw)
+
+            def entry(**kw) -> dict:
+                ms = timer(lambda: launch(caches[0], **kw))
+                return {"graph_ms": ms, "rel_err": rel_err(launch(caches[0], **kw)[:n_check], want),
+                        "TBps": None if not ms else nbytes / (ms * 1e-3) / 1e12}
+            res: dict = {"per_head": entry(joined_heads=1), "joined_default": entry(joined_heads=3)}
+            cands: dict[str, dict] = {}
+            for bn, warps, stages in (tiles if si == 0 else [best_tiles[name]]):
+                splits = sorted({decode_attention.choose_num_splits(batch, kv_heads // 3, tables.shape[1] * block_size,
+                                                                    sms, bn, programs_per_sm=pps) for pps in (2, 3, 4)})
+                for sp in splits:
+                    key = f"bn{bn}_w{warps}_s{stages}_sp{sp}"
+                    try:
+                        cands[key] = entry(joined_heads=3, block_n=bn, num_warps=warps, num_stages=stages,
+                                           num_splits=sp)
+                        cands[key]["tiles"] = (bn, warps, stages)
+                    except Exception as e:  # noqa: BLE001  (a tile set that does not compile is a finding)
+                        cands[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            res["joined"] = cands
+            timed = {k: v for k, v in cands.items() if v.get("graph_ms")}
+            best = min(timed, key=lambda k: timed[k]["graph_ms"]) if timed else None
+            if best is not None and si == 0:
+                best_tiles[name] = timed[best]["tiles"]
+            res["best_joined"] = best
+
+            def chain(**kw):
+                return lambda: [launch(caches[j % 2], **kw) for j in range(launches)]
+            per_chain = timer(chain(joined_heads=1))
+            res["per_head"]["chain_per_launch_ms"] = None if per_chain is None else per_chain / launches
+            if best is not None:
+                bn, warps, stages = timed[best]["tiles"]
+                sp = int(best.rsplit("_sp", 1)[1])
+                jc = timer(chain(joined_heads=3, block_n=bn, num_warps=warps, num_stages=stages, num_splits=sp))
+                res["best_chain_per_launch_ms"] = None if jc is None else jc / launches
+            row[name] = res
+            print(f"joined {','.join(str(v) for v in shapes[si])} {name}: per head "
+                  f"{res['per_head']['graph_ms'] or 0:.4f} ms (chain {res['per_head']['chain_per_launch_ms'] or 0:.4f}), "
+                  f"joined default {res['joined_default']['graph_ms'] or 0:.4f}, best {best} "
+                  f"{(timed[best]['graph_ms'] if best else 0):.4f} (chain {res.get('best_chain_per_launch_ms') or 0:.4f}); "
+                  + "  ".join(f"{k} {v.get('graph_ms') or 0:.4f}" for k, v in cands.items()), flush=True)
+            del caches
         rows.append(row)
         del kv, kv2
         if device == "cuda":
@@ -1262,6 +1349,9 @@ def main() -> int:
     ap.add_argument("--probes16", action="store_true",
                     help="only the ceilings, the prefix hit's attention over tile sets / stages / splits "
                          "(hit_tile_sweep_case) and the o / down GEMMs as sliced batched GEMMs (gemm_split_probe_case)")
+    ap.add_argument("--joined-heads", action="store_true",
+                    help="only the ceilings and the 9 / 3 head-dim-64 class with its KV heads read as one row "
+                         "against per head, over tile sets and split counts (joined_heads_case)")
     ap.add_argument("--gemm-split-shapes", default=None,
                     help="only the ceilings and gemm_split_probe_case on these GEMM_SHAPES names (e.g. qkv,gate_up)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
@@ -1351,6 +1441,10 @@ def main() -> int:
         result["gemm_split_probe"] = gemm_split_probe_case(gen, ceil)
         save()
         result["hit_tile_sweep"] = hit_tile_sweep_case(gen)
+        save()
+    if args.joined_heads:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["joined_heads"] = joined_heads_case(gen)
         save()
     if args.gemm_split_shapes:
         picked, args.skip_classes, args.skip_prefill = [], True, True

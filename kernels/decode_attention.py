@@ -131,14 +131,16 @@ def _decode_split_kernel(
     GROUP_P2: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    HALF_DIM: tl.constexpr,
+    MEMBER_DIM: tl.constexpr,
+    MEMBERS: tl.constexpr,
     STAMPS: tl.constexpr,
 ):
-    """One (sequence, kv head, split) program. With ``HALF_DIM`` > 0 a "kv head" is a pair of the
-    cache's heads read as one of width ``HEAD_DIM = 2 * HALF_DIM`` (``pairs_heads``), and ``GROUP``
-    counts the q heads of both: q and out are the caller's ``[B, Hq, HALF_DIM]``, each q row is
-    loaded into its own member's half of the width (zeros in the other: its scores are exactly its
-    own head's) and only that half of its output is stored (``_store_heads``)."""
+    """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
+    adjacent heads of the cache read as one row of ``MEMBERS * MEMBER_DIM`` values (``joined_kv_heads``),
+    padded to the power of two ``HEAD_DIM`` (masked: the padding is never read), and ``GROUP`` counts
+    the q heads of all members: q and out are the caller's ``[B, Hq, MEMBER_DIM]``, each q row is
+    loaded into its own member's columns of the width (zeros elsewhere: its scores are exactly its
+    own head's) and only those columns of its output are stored (``_store_heads``)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,10 +165,13 @@ def _decode_split_kernel(
     heads = kvh * GROUP + rows
     d = tl.arange(0, HEAD_DIM)
     dh = tl.arange(0, HEAD_DIM // 2)
-    if HALF_DIM > 0:  # row r belongs to member r // (GROUP / 2) of the pair: its values in that half
-        own_half = (d // HALF_DIM)[None, :] == (rows // (GROUP // 2))[:, None]
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + (d % HALF_DIM)[None, :],
-                    mask=row_ok[:, None] & own_half, other=0.0)
+    # the row's real width: MEMBERS * MEMBER_DIM when heads are joined (3 x 64 = 192 of 256 columns)
+    col_ok = d < (MEMBERS * MEMBER_DIM if MEMBER_DIM > 0 else HEAD_DIM)
+    pair_ok = 2 * dh < (MEMBERS * MEMBER_DIM if MEMBER_DIM > 0 else HEAD_DIM)
+    if MEMBER_DIM > 0:  # row r belongs to member r // (GROUP / MEMBERS): its values in that member's columns
+        own_cols = (d // MEMBER_DIM)[None, :] == (rows // (GROUP // MEMBERS))[:, None]
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + (d % MEMBER_DIM)[None, :],
+                    mask=row_ok[:, None] & own_cols, other=0.0)
     else:
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_TY)  # [GROUP_PAD, D]
@@ -190,7 +195,7 @@ def _decode_split_kernel(
         slot = toks % BLOCK_SIZE
         k = tl.load(
             k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-            mask=tok_ok[:, None], other=0.0,
+            mask=tok_ok[:, None] & col_ok[None, :], other=0.0,
         )  # [BLOCK_N, D]
         s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
         if KV_QUANT == 1:
@@ -208,13 +213,14 @@ def _decode_split_kernel(
             p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
         v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
         if V_PAIRS:
-            pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None], other=0)  # [BLOCK_N, D/2] int16
+            pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None] & pair_ok[None, :],
+                            other=0)  # [BLOCK_N, D/2] int16
             v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
             p16 = p.to(tl.float16)
             acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
             acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
         else:
-            v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_N, D]
             acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
         m_i = m_new
 
@@ -234,12 +240,12 @@ def _decode_split_kernel(
         o_row = out_ptr + b * stride_ob + heads[:, None] * stride_oh
         if V_PAIRS:
             _store_heads(o_row, 2 * dh[None, :], (acc_e * v_final[:, None]).to(out_ptr.dtype.element_ty), rows,
-                         GROUP, HALF_DIM)
+                         GROUP, MEMBER_DIM, MEMBERS)
             _store_heads(o_row, 2 * dh[None, :] + 1, (acc_o * v_final[:, None]).to(out_ptr.dtype.element_ty), rows,
-                         GROUP, HALF_DIM)
+                         GROUP, MEMBER_DIM, MEMBERS)
         else:
             _store_heads(o_row, d[None, :], (acc * v_final[:, None]).to(out_ptr.dtype.element_ty), rows, GROUP,
-                         HALF_DIM)
+                         MEMBER_DIM, MEMBERS)
     else:
         bh = b * (GROUP * tl.num_programs(1)) + heads  # flat (b, q head) index into the partials
         p_row = part_out_ptr + (bh[:, None] * NUM_SPLITS + split) * HEAD_DIM
@@ -264,19 +270,20 @@ def _decode_split_kernel(
                 tl.store(counter, 0)  # zero again for the next launch (every split of this one has counted)
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b * (GROUP * tl.num_programs(1)) + kvh * GROUP,
                               b, kvh * GROUP, n_valid, stride_ob, stride_oh,
-                              NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, HALF_DIM)
+                              NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, MEMBER_DIM, MEMBERS)
                 if STAMPS:
                     _stamp(stamps_ptr, stamp_row + 3, arrived.to(tl.float32))
 
 
 @triton.jit
-def _store_heads(o_row, cols, vals, rows, GROUP: tl.constexpr, HALF_DIM: tl.constexpr):
+def _store_heads(o_row, cols, vals, rows, GROUP: tl.constexpr, MEMBER_DIM: tl.constexpr, MEMBERS: tl.constexpr):
     """Store rows ``rows < GROUP`` of ``vals`` (columns ``cols`` of the program's width) at their
-    heads' pointers ``o_row``; with ``HALF_DIM`` > 0 only the columns in each row's own half of the
-    pair, at their place in a head of ``HALF_DIM``."""
+    heads' pointers ``o_row``; with ``MEMBER_DIM`` > 0 only the columns of each row's own member of
+    the joined heads, at their place in a head of ``MEMBER_DIM`` (padding columns belong to none)."""
     row_ok = (rows < GROUP)[:, None]
-    if HALF_DIM > 0:
-        tl.store(o_row + cols % HALF_DIM, vals, mask=row_ok & ((cols // HALF_DIM) == (rows // (GROUP // 2))[:, None]))
+    if MEMBER_DIM > 0:
+        own = (cols // MEMBER_DIM) == (rows // (GROUP // MEMBERS))[:, None]
+        tl.store(o_row + cols % MEMBER_DIM, vals, mask=row_ok & own)
     else:
         tl.store(o_row + cols, vals, mask=row_ok)
 
@@ -284,7 +291,8 @@ def _store_heads(o_row, cols, vals, rows, GROUP: tl.constexpr, HALF_DIM: tl.cons
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, bh0, b, head0, n_valid, stride_ob, stride_oh,
                   NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  MERGE_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_DIM: tl.constexpr):
+                  MERGE_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, MEMBER_DIM: tl.constexpr,
+                  MEMBERS: tl.constexpr):
     """out[b, head0 + g] = sum_s 2^(lse_gs - max_s lse_gs) o_gs / sum_s 2^(...), g < GROUP, s < n_valid:
     the log-sum-exps first (one [GROUP_P2, SPLITS_PAD] tile), then the partial outputs in chunks of
     MERGE_CHUNK splits ([GROUP_P2, MERGE_CHUNK, D], about 4K fp32 a chunk)."""
@@ -309,7 +317,7 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, bh0, b, head0, n_valid, s
         acc += tl.sum(parts * w[:, :, None], 1)
     o = acc / tl.where(g_ok, w_sum, 1.0)[:, None]
     _store_heads(out_ptr + b * stride_ob + (head0 + g)[:, None] * stride_oh, d[None, :], o.to(out_ptr.dtype.element_ty),
-                 g, GROUP, HALF_DIM)
+                 g, GROUP, MEMBER_DIM, MEMBERS)
 
 
 @triton.jit
@@ -514,7 +522,7 @@ def paged_decode(
     split_by_length: bool | None = None,
     merge_counters: torch.Tensor | None = None,
     fused_merge: bool = True,
-    pair_heads: bool | None = None,
+    joined_heads: int | None = None,
     merge_chunk: int | None = None,
     stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -535,8 +543,8 @@ def paged_decode(
     its CUDA graphs do); without it each launch zeroes a fresh one. ``fused_merge=False`` merges in
     a second kernel (``_reduce_kernel``) instead: the baseline the benchmarks time it against.
 
-    ``pair_heads`` reads two adjacent KV heads as one of twice the head dim (``pairs_heads`` says
-    when the launcher does, the kernel's ``HALF_DIM`` how); False reads them one by one.
+    ``joined_heads`` reads that many adjacent KV heads as one row (``joined_kv_heads`` says when the
+    launcher does, the kernel's ``MEMBER_DIM`` how); 1 reads them one by one.
     ``merge_chunk`` (a power of two; tuning) sets how many splits' partials the in-kernel merge reads
     at once (default: about 4K fp32 a chunk, ``_MERGE_TILE_ELEMENTS``).
 
@@ -548,20 +556,23 @@ def paged_decode(
     writes its start and SM only; what it does not write keeps the caller's value (fill with -1)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if pair_heads is None:  # a pair is one view of the cache only where a head's rows follow each other
-        pair_heads = (fused_merge and pairs_heads(head_dim, kv_heads, k_cache.dtype)
-                      and all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache)))
-    half_dim = 0
-    if pair_heads:  # the kernel's heads are the cache's pairs: [NB, BS, Hkv, D] viewed as [NB, BS, Hkv/2, 2D]
-        if not fused_merge or kv_heads % 2:
-            raise ValueError("KV heads are read in pairs with the merge in the kernel, of an even head count")
-        half_dim, head_dim, kv_heads = head_dim, 2 * head_dim, kv_heads // 2
-        k_cache = k_cache.view(*k_cache.shape[:2], kv_heads, head_dim)
-        v_cache = v_cache.view(*v_cache.shape[:2], kv_heads, head_dim)
+    if joined_heads is None:  # joined heads are one view of the cache only where a head's rows follow each other
+        adjacent = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
+        joined_heads = joined_kv_heads(head_dim, kv_heads, k_cache.dtype) if fused_merge and adjacent else 1
+    member_dim = members = 0
+    if joined_heads > 1:  # the kernel's heads are the cache's groups: [NB, BS, Hkv, D] viewed as [NB, BS, Hkv/J, J*D]
+        if not fused_merge or kv_heads % joined_heads:
+            raise ValueError(f"KV heads are read {joined_heads} together with the merge in the kernel, of a head "
+                             f"count they divide (got {kv_heads})")
+        members, member_dim, kv_heads = joined_heads, head_dim, kv_heads // joined_heads
+        k_cache = k_cache.view(*k_cache.shape[:2], kv_heads, members * member_dim)
+        v_cache = v_cache.view(*v_cache.shape[:2], kv_heads, members * member_dim)
+        head_dim = next_pow2(members * member_dim)  # the kernel's width; the padding columns are masked
     hint = None if context_lens is None else (context_lens if isinstance(context_lens, tuple) else tuple(context_lens))
     plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
                         q.dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
-                        num_stages, v_pairs, max_registers, fused_merge, half_dim, merge_chunk, interpreting())
+                        num_stages, v_pairs, max_registers, fused_merge, member_dim, members, merge_chunk,
+                        interpreting())
     if stamps is not None:
         if interpreting():
             raise ValueError("stamps read the GPU's timer: a compiled kernel only, not the interpreter")
@@ -598,18 +609,29 @@ def paged_decode(
     return out
 
 
-def pairs_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> bool:
-    """Whether ``paged_decode`` reads KV heads in pairs: an fp8 cache (one scale per tensor, so a pair
-    shares it; int8's per-head scales do not) of head dim 64 or less with an even number of KV heads.
-    One head's row of such a cache is at most 64 bytes, half of a 128-byte L2 line whose other half
-    belongs to the next head and is read by another program at another time: fp8 at head dim 64
-    streamed at ~55 % of copy on the H200 (sessions 8-14) where head dim 128 streams at ~100 %.
-    Read as one head of twice the width, a pair's rows are whole lines: the cache is only viewed
-    (``[NB, BS, Hkv, D]`` as ``[NB, BS, Hkv / 2, 2 D]``, its last two dims contiguous), the kernel
-    widens each query head to ``2 D`` with zeros in its partner's half and keeps its own half of
-    the output (``_decode_split_kernel``'s ``HALF_DIM``). The softmax scale stays the caller's, of
-    the real head dim."""
-    return kv_dtype == FP8_DTYPE and head_dim <= 64 and kv_heads % 2 == 0
+def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:
+    """How many adjacent KV heads ``paged_decode`` reads as one row: 1 (each head alone), 2 or 3.
+
+    Pairs: an fp8 cache (one scale per tensor, so joined heads share it; int8's per-head scales do
+    not) of head dim 64 or less with an even number of KV heads. One head's row of such a cache is
+    at most 64 bytes, half of a 128-byte L2 line whose other half belongs to the next head and is
+    read by another program at another time: fp8 at head dim 64 streamed at ~55 % of copy on the
+    H200 (sessions 8-14) where head dim 128 streams at ~100 %. Read as one head of twice the width,
+    a pair's rows are whole lines (session 14: 32 / 8 heads, fp8 / bf16 1.21 -> 1.62).
+
+    Triples: the same cache with a KV head count that 3 divides and 2 does not (SmolLM2-135M's 9 / 3
+    heads of 64): the three heads of a token are 192 contiguous bytes, read as one row padded to 256
+    columns (masked, so the padding costs no memory traffic), with all 9 query heads in one program.
+
+    The cache is only viewed (``[NB, BS, Hkv, D]`` as ``[NB, BS, Hkv / J, J D]``, its last two dims
+    contiguous); the kernel widens each query head to the joined width with zeros outside its own
+    head's columns and keeps only those columns of the output (``_decode_split_kernel``'s
+    ``MEMBER_DIM``). The softmax scale stays the caller's, of the real head dim."""
+    if kv_dtype != FP8_DTYPE or head_dim > 64:
+        return 1
+    if kv_heads % 2 == 0:
+        return 2
+    return 3 if kv_heads % 3 == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -633,7 +655,8 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
                  q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
                  context_lens: tuple[int, ...] | None, split_by_length: bool | None, num_splits: int | None,
                  block_n: int | None, num_warps: int | None, num_stages: int | None, v_pairs: bool | None,
-                 max_registers: int | None, fused_merge: bool, half_dim: int, merge_chunk: int | None,
+                 max_registers: int | None, fused_merge: bool, member_dim: int, members: int,
+                 merge_chunk: int | None,
                  interp: bool) -> _LaunchPlan:
     group = q_heads // kv_heads
     code = kv_code_for(kv_dtype)
@@ -670,7 +693,7 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_ty, V_PAIRS=v_pairs,
         FUSED_MERGE=fused_merge, GROUP_P2=group_p2, SPLITS_PAD=splits_pad,
-        MERGE_CHUNK=min(splits_pad, merge_chunk), HALF_DIM=half_dim,
+        MERGE_CHUNK=min(splits_pad, merge_chunk), MEMBER_DIM=member_dim, MEMBERS=members,
         num_warps=num_warps, num_stages=num_stages,
     )
     if max_registers and not interp:

@@ -164,18 +164,20 @@ def test_decode_with_a_length_hint(kv_dtype):
     run_case(64, 4, 16, lens, kv_dtype, length_hint=True, seed=31)
 
 
-def test_decode_pairs_kv_heads_only_where_a_pair_shares_its_scale():
-    assert decode_attention.pairs_heads(64, 8, ref.FP8_DTYPE)
-    assert decode_attention.pairs_heads(32, 2, ref.FP8_DTYPE)
-    assert not decode_attention.pairs_heads(64, 3, ref.FP8_DTYPE)  # an odd head has no partner
-    assert not decode_attention.pairs_heads(128, 8, ref.FP8_DTYPE)  # its rows are whole lines already
-    assert not decode_attention.pairs_heads(64, 8, torch.int8)  # one scale per token and head
-    assert not decode_attention.pairs_heads(64, 8, torch.bfloat16)
+def test_decode_joins_kv_heads_only_where_they_share_a_scale():
+    assert decode_attention.joined_kv_heads(64, 8, ref.FP8_DTYPE) == 2
+    assert decode_attention.joined_kv_heads(32, 2, ref.FP8_DTYPE) == 2
+    assert decode_attention.joined_kv_heads(64, 3, ref.FP8_DTYPE) == 3  # SmolLM2-135M's 9 / 3 heads
+    assert decode_attention.joined_kv_heads(64, 9, ref.FP8_DTYPE) == 3
+    assert decode_attention.joined_kv_heads(64, 5, ref.FP8_DTYPE) == 1  # neither 2 nor 3 divides it
+    assert decode_attention.joined_kv_heads(128, 8, ref.FP8_DTYPE) == 1  # its rows are whole lines already
+    assert decode_attention.joined_kv_heads(64, 8, torch.int8) == 1  # one scale per token and head
+    assert decode_attention.joined_kv_heads(64, 8, torch.bfloat16) == 1
 
 
-@pytest.mark.parametrize("pair_heads", [True, False])
+@pytest.mark.parametrize("joined", [2, 1])
 @pytest.mark.parametrize("head_dim,group,kv_heads", [(64, 4, 2), (64, 1, 4), (32, 3, 4), (64, 7, 2)])
-def test_decode_fp8_with_kv_heads_in_pairs(head_dim, group, kv_heads, pair_heads):
+def test_decode_fp8_with_kv_heads_in_pairs(head_dim, group, kv_heads, joined):
     """fp8 at head dim <= 64 reads two KV heads as one of twice the width: every query head's output
     is still its own head's attention, with one split, several, and cut by the live lengths (the
     graph-shaped launch), over the engine's strided layer views."""
@@ -183,16 +185,29 @@ def test_decode_fp8_with_kv_heads_in_pairs(head_dim, group, kv_heads, pair_heads
     for seed, options in enumerate(({"num_splits": 1}, {"num_splits": 3},
                                     {"num_splits": 4, "split_by_length": True})):
         run_case(head_dim, group, 16, lens, ref.FP8_DTYPE, kv_heads=kv_heads, table_width=16,
-                 pair_heads=pair_heads, seed=90 + seed + head_dim + group, **options)
+                 joined_heads=joined, seed=90 + seed + head_dim + group, **options)
+
+
+@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, None])
+@pytest.mark.parametrize("head_dim,group,kv_heads", [(64, 3, 3), (32, 1, 3), (64, 2, 6)])
+def test_decode_with_kv_heads_in_threes(kv_dtype, head_dim, group, kv_heads):
+    """Three KV heads read as one row of 3 x head dim, padded to a power of two (192 of 256 columns at
+    head dim 64, masked): each query head's output is its own head's, in fp8 and in fp16, with one
+    split, several, and cut by the live lengths; 6 heads are two such rows."""
+    lens = [150, 1, 45, 64, 200]
+    for seed, options in enumerate(({"num_splits": 1}, {"num_splits": 3},
+                                    {"num_splits": 4, "split_by_length": True})):
+        run_case(head_dim, group, 16, lens, kv_dtype, kv_heads=kv_heads, table_width=16,
+                 joined_heads=3, seed=70 + seed + head_dim + group, **options)
 
 
 def test_decode_pairs_kv_heads_only_with_the_merge_in_the_kernel():
     gen = torch.Generator().manual_seed(0)
     k, v, ks, vs = make_kv_cache(4, 16, 2, 64, ref.FP8_DTYPE, "cpu", gen)
     q, tables, lens = torch.randn(1, 8, 64), torch.zeros(1, 4, dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
-    with pytest.raises(ValueError, match="in pairs"):
+    with pytest.raises(ValueError, match="read 2 together"):
         decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, fused_merge=False,
-                                      pair_heads=True)
+                                      joined_heads=2)
     # the second kernel's baseline reads heads one by one unless told otherwise
     want = ref.paged_decode_attention(q, k, v, tables, lens, 0.125, ks, vs)
     out = decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, fused_merge=False)

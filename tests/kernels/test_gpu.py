@@ -50,13 +50,24 @@ def test_decode_gpu_8bit_many_pairs(kv_dtype):
     decode.run_case(128, 4, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=2, seed=11, device="cuda")
 
 
-@pytest.mark.parametrize("pair_heads", [True, False])
-def test_decode_gpu_fp8_kv_heads_in_pairs(pair_heads):
+@pytest.mark.parametrize("joined", [2, 1])
+def test_decode_gpu_fp8_kv_heads_in_pairs(joined):
     """fp8 at head dim 64 with 8 KV heads: read in pairs (the launcher's choice, the 128-wide tiles
     then) and per head, a graph-shaped table of 4K holding 1-4,100 tokens, against the reference."""
     lens = [1 + (i * 613) % 4100 for i in range(64)]
     decode.run_case(64, 4, 16, lens, ref.FP8_DTYPE, q_dtype=torch.bfloat16, kv_heads=8, seed=5, device="cuda",
-                    table_width=4160 // 16, pair_heads=pair_heads)
+                    table_width=4160 // 16, joined_heads=joined)
+
+
+@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, None])
+@pytest.mark.parametrize("joined", [3, 1])
+def test_decode_gpu_kv_heads_in_threes(kv_dtype, joined):
+    """SmolLM2-135M's 9 / 3 heads of 64: the three KV heads read as one row of 192 (padded to 256,
+    the compiled V_PAIRS path for fp8) and per head, a graph-shaped table of 4K holding 1-4,100
+    tokens, by-length splits, against the reference."""
+    lens = [1 + (i * 613) % 4100 for i in range(64)]
+    decode.run_case(64, 3, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=3, seed=6, device="cuda",
+                    table_width=4160 // 16, joined_heads=joined, num_splits=8, split_by_length=True)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
