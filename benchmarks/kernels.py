@@ -736,81 +736,85 @@ JOINED_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (64, 8, 3), (128
 def joined_heads_case(gen, shapes=JOINED_SHAPES, tiles=JOINED_TILES, launches: int = 8, device="cuda",
                       timer=None) -> list[dict]:
     """Three KV heads of 64 read as one 256-column row (``paged_decode(joined_heads=3)``) against the
-    per-head launch, bf16 and fp8, graph replays: the launcher's per-head choice, then each tile set
-    of ``tiles`` at the split counts that fill waves of 2, 3 and 4 programs per SM (the first shape;
-    the others at the best of those tiles only), each checked against the reference; then the
-    per-head launch and the fastest joined one as a decode step runs them, ``launches`` back to back
-    over two caches (``few_pair_chain_case``'s chain)."""
+    per-head launch, bf16 and fp8, graph replays: the per-head launch at the launcher's choices, then
+    each tile set of ``tiles`` at the split counts that fill waves of 2, 3 and 4 programs per SM (the
+    first shape; the others at that shape's fastest tiles only), each checked against the reference;
+    then the per-head launch and the fastest joined one as a decode step runs them, ``launches`` back
+    to back over two caches (``few_pair_chain_case``'s chain). ``device`` and ``timer`` (default
+    ``bench_graph``) let the flow run on the CPU's interpreter."""
     timer = timer or bench_graph
     sms = decode_attention.num_sms(torch.device(device)) if device == "cuda" else 4
     rows = []
     best_tiles: dict[str, tuple] = {}
-    for si, (batch, q_heads, kv_heads, head_dim, context, block_size) in enumerate(shapes):
-        scale = 1 / math.sqrt(head_dim)
+    for si, shape in enumerate(shapes):
+        batch, q_heads, kv_heads, head_dim, context, block_size = shape
         kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
         kv2 = torch.randn_like(kv)
         q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
-        kv_bytes_bf16 = 2 * batch * context * kv_heads * head_dim * 2
-        row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"],
-                                       shapes[si]))}
-        n_check = min(batch, 8)
+        row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"], shape))}
         for name in ("bf16", "fp8"):
             caches = [(c, None, None) if name == "bf16" else quantize_cache(c, ref.FP8_DTYPE) for c in (kv, kv2)]
-            (c0, ks, vs) = caches[0]
-            kc, vc = c0[:, 0, 0], c0[:, 0, 1]
-            want = ref.paged_decode_attention(q[:n_check], kc, vc, tables[:n_check], lens[:n_check], scale, ks, vs)
-            nbytes = kv_bytes_bf16 // (2 if name == "fp8" else 1)
-
-            def launch(c, **kw):
-                return decode_attention.paged_decode(q, c[0][:, 0, 0], c[0][:, 0, 1], tables, lens, scale, c[1], c[2],
-                                                     merge_counters=counters, **kw)
-
-            def entry(**kw) -> dict:
-                ms = timer(lambda: launch(caches[0], **kw))
-                return {"graph_ms": ms, "rel_err": rel_err(launch(caches[0], **kw)[:n_check], want),
-                        "TBps": None if not ms else nbytes / (ms * 1e-3) / 1e12}
-            res: dict = {"per_head": entry(joined_heads=1), "joined_default": entry(joined_heads=3)}
-            cands: dict[str, dict] = {}
-            for bn, warps, stages in (tiles if si == 0 else [best_tiles[name]]):
-                splits = sorted({decode_attention.choose_num_splits(batch, kv_heads // 3, tables.shape[1] * block_size,
-                                                                    sms, bn, programs_per_sm=pps) for pps in (2, 3, 4)})
-                for sp in splits:
-                    key = f"bn{bn}_w{warps}_s{stages}_sp{sp}"
-                    try:
-                        cands[key] = entry(joined_heads=3, block_n=bn, num_warps=warps, num_stages=stages,
-                                           num_splits=sp)
-                        cands[key]["tiles"] = (bn, warps, stages)
-                    except Exception as e:  # noqa: BLE001  (a tile set that does not compile is a finding)
-                        cands[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            res["joined"] = cands
-            timed = {k: v for k, v in cands.items() if v.get("graph_ms")}
-            best = min(timed, key=lambda k: timed[k]["graph_ms"]) if timed else None
-            if best is not None and si == 0:
-                best_tiles[name] = timed[best]["tiles"]
-            res["best_joined"] = best
-
-            def chain(**kw):
-                return lambda: [launch(caches[j % 2], **kw) for j in range(launches)]
-            per_chain = timer(chain(joined_heads=1))
-            res["per_head"]["chain_per_launch_ms"] = None if per_chain is None else per_chain / launches
-            if best is not None:
-                bn, warps, stages = timed[best]["tiles"]
-                sp = int(best.rsplit("_sp", 1)[1])
-                jc = timer(chain(joined_heads=3, block_n=bn, num_warps=warps, num_stages=stages, num_splits=sp))
-                res["best_chain_per_launch_ms"] = None if jc is None else jc / launches
-            row[name] = res
-            print(f"joined {','.join(str(v) for v in shapes[si])} {name}: per head "
-                  f"{res['per_head']['graph_ms'] or 0:.4f} ms (chain {res['per_head']['chain_per_launch_ms'] or 0:.4f}), "
-                  f"joined default {res['joined_default']['graph_ms'] or 0:.4f}, best {best} "
-                  f"{(timed[best]['graph_ms'] if best else 0):.4f} (chain {res.get('best_chain_per_launch_ms') or 0:.4f}); "
-                  + "  ".join(f"{k} {v.get('graph_ms') or 0:.4f}" for k, v in cands.items()), flush=True)
+            cand_tiles = tiles if si == 0 else [best_tiles[name]]
+            row[name] = res = _joined_dtype_row(q, caches, tables, lens, shape, cand_tiles, sms, launches, timer,
+                                                kv_bytes=2 * batch * context * kv_heads * head_dim
+                                                * (1 if name == "fp8" else 2))
+            if si == 0 and res["best_joined"] is not None:
+                best_tiles[name] = res["joined"][res["best_joined"]]["tiles"]
+            print(f"joined {','.join(str(v) for v in shape)} {name}: per head {res['per_head']['graph_ms'] or 0:.4f} ms "
+                  f"(chain {res['per_head']['chain_per_launch_ms'] or 0:.4f}), joined default "
+                  f"{res['joined_default']['graph_ms'] or 0:.4f}, best {res['best_joined']} (chain "
+                  f"{res.get('best_chain_per_launch_ms') or 0:.4f}); "
+                  + "  ".join(f"{k} {v.get('graph_ms') or 0:.4f}" for k, v in res["joined"].items()), flush=True)
             del caches
         rows.append(row)
         del kv, kv2
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _joined_dtype_row(q, caches, tables, lens, shape, tiles, sms, launches, timer, kv_bytes) -> dict:
+    """One cache dtype of ``joined_heads_case``: ``caches`` two (cache, k scale, v scale) of one shape."""
+    batch, _, kv_heads, head_dim, _, block_size = shape
+    scale = 1 / math.sqrt(head_dim)
+    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
+    n_check = min(batch, 8)
+    c0, ks, vs = caches[0]
+    want = ref.paged_decode_attention(q[:n_check], c0[:, 0, 0], c0[:, 0, 1], tables[:n_check], lens[:n_check], scale,
+                                      ks, vs)
+
+    def launch(c, **kw):
+        return decode_attention.paged_decode(q, c[0][:, 0, 0], c[0][:, 0, 1], tables, lens, scale, c[1], c[2],
+                                             merge_counters=counters, **kw)
+
+    def entry(**kw) -> dict:
+        ms = timer(lambda: launch(caches[0], **kw))
+        return {"graph_ms": ms, "rel_err": rel_err(launch(caches[0], **kw)[:n_check], want),
+                "TBps": None if not ms else kv_bytes / (ms * 1e-3) / 1e12}
+
+    def chain_ms(**kw) -> float | None:
+        ms = timer(lambda: [launch(caches[j % 2], **kw) for j in range(launches)])
+        return None if ms is None else ms / launches
+
+    res: dict = {"per_head": entry(joined_heads=1), "joined_default": entry(joined_heads=3), "joined": {}}
+    for bn, warps, stages in tiles:
+        splits = sorted({decode_attention.choose_num_splits(batch, kv_heads // 3, tables.shape[1] * block_size, sms, bn,
+                                                            programs_per_sm=pps) for pps in (2, 3, 4)})
+        for sp in splits:
+            key = f"bn{bn}_w{warps}_s{stages}_sp{sp}"
+            try:
+                res["joined"][key] = {**entry(joined_heads=3, block_n=bn, num_warps=warps, num_stages=stages,
+                                              num_splits=sp), "tiles": (bn, warps, stages), "splits": sp}
+            except Exception as e:  # noqa: BLE001  (a tile set that does not compile is a finding)
+                res["joined"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    timed = {k: v for k, v in res["joined"].items() if v.get("graph_ms")}
+    res["best_joined"] = best = min(timed, key=lambda k: timed[k]["graph_ms"]) if timed else None
+    res["per_head"]["chain_per_launch_ms"] = chain_ms(joined_heads=1)
+    if best is not None:
+        bn, warps, stages = timed[best]["tiles"]
+        res["best_chain_per_launch_ms"] = chain_ms(joined_heads=3, block_n=bn, num_warps=warps, num_stages=stages,
+                                                   num_splits=timed[best]["splits"])
+    return res
 
 
 def summarise_stamps(stamps: torch.Tensor) -> dict:

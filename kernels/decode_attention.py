@@ -614,7 +614,7 @@ def paged_decode(
 
 
 def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:
-    """How many adjacent KV heads ``paged_decode`` reads as one row: 1 (each head alone), 2 or 3.
+    """How many adjacent KV heads ``paged_decode`` reads as one row: 1 (each head alone) or 2.
 
     Pairs: an fp8 cache (one scale per tensor, so joined heads share it; int8's per-head scales do
     not) of head dim 64 or less with an even number of KV heads. One head's row of such a cache is
@@ -623,9 +623,12 @@ def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:
     H200 (sessions 8-14) where head dim 128 streams at ~100 %. Read as one head of twice the width,
     a pair's rows are whole lines (session 14: 32 / 8 heads, fp8 / bf16 1.21 -> 1.62).
 
-    Triples: the same cache with a KV head count that 3 divides and 2 does not (SmolLM2-135M's 9 / 3
-    heads of 64): the three heads of a token are 192 contiguous bytes, read as one row padded to 256
-    columns (masked, so the padding costs no memory traffic), with all 9 query heads in one program.
+    Triples (``joined_heads=3``, never chosen here): a KV head count that 3 divides and 2 does not
+    (SmolLM2-135M's 9 / 3 heads of 64) read as one row of 192 values padded to 256 columns (masked,
+    so the padding moves no bytes), all 9 query heads in one program. Measured on the H200 (session
+    17, ``benchmarks/kernels.py --joined-heads``): no faster than per head at 64 x 4K (fp8 0.0557
+    against 0.0554 ms, bf16 0.0714 against 0.0724, best of 18 tile x split launches) and 1.5-3x
+    slower at 8 x 4K and 1 x 32K, so odd head counts are read per head.
 
     The cache is only viewed (``[NB, BS, Hkv, D]`` as ``[NB, BS, Hkv / J, J D]``, its last two dims
     contiguous); the kernel widens each query head to the joined width with zeros outside its own
@@ -633,9 +636,7 @@ def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:
     ``MEMBER_DIM``). The softmax scale stays the caller's, of the real head dim."""
     if kv_dtype != FP8_DTYPE or head_dim > 64:
         return 1
-    if kv_heads % 2 == 0:
-        return 2
-    return 3 if kv_heads % 3 == 0 else 1
+    return 2 if kv_heads % 2 == 0 else 1
 
 
 @dataclass(frozen=True)

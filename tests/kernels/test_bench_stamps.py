@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.kernel_cases import INTERPRET
+
 kbench = pytest.importorskip("benchmarks.kernels")
 
 
@@ -36,3 +38,29 @@ def test_line_fit_recovers_rate_and_fixed_cost():
     assert fit["TBps"] == pytest.approx(4.0, rel=1e-6)
     assert fit["fixed_us"] == pytest.approx(20.0, rel=1e-6)
     assert kbench.line_fit(pts[:1]) == {"TBps": None, "fixed_us": None}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+def test_joined_heads_probe_runs_each_launch_and_checks_it():
+    """``--joined-heads``' flow on the interpreter with tiny shapes: every launch runs (the timer is
+    handed each one), each is checked against the reference, and the later shapes take the first
+    shape's fastest tiles."""
+    timed = []
+
+    def timer(fn):
+        fn()
+        timed.append(fn)
+        return 0.001 * len(timed)  # later launches "slower": the first tile set is the fastest
+
+    gen = torch.Generator().manual_seed(0)
+    rows = kbench.joined_heads_case(gen, shapes=[(2, 9, 3, 64, 128, 16), (1, 9, 3, 64, 256, 16)],
+                                    tiles=[(32, 4, 2), (64, 4, 2)], launches=2, device="cpu", timer=timer)
+    for row in rows:
+        for name in ("bf16", "fp8"):
+            res = row[name]
+            errs = [res["per_head"]["rel_err"], res["joined_default"]["rel_err"]]
+            errs += [v["rel_err"] for v in res["joined"].values()]
+            assert all(e < 1e-2 for e in errs), errs
+            assert res["best_joined"].startswith("bn32_w4_s2_")
+            assert res["per_head"]["chain_per_launch_ms"] is not None and res["best_chain_per_launch_ms"] is not None
+    assert all(v["tiles"] == (32, 4, 2) for v in rows[1]["fp8"]["joined"].values())

@@ -167,9 +167,9 @@ def test_decode_with_a_length_hint(kv_dtype):
 def test_decode_joins_kv_heads_only_where_they_share_a_scale():
     assert decode_attention.joined_kv_heads(64, 8, ref.FP8_DTYPE) == 2
     assert decode_attention.joined_kv_heads(32, 2, ref.FP8_DTYPE) == 2
-    assert decode_attention.joined_kv_heads(64, 3, ref.FP8_DTYPE) == 3  # SmolLM2-135M's 9 / 3 heads
-    assert decode_attention.joined_kv_heads(64, 9, ref.FP8_DTYPE) == 3
-    assert decode_attention.joined_kv_heads(64, 5, ref.FP8_DTYPE) == 1  # neither 2 nor 3 divides it
+    # an odd head count is read per head: threes measured no faster (session 17), see joined_kv_heads
+    assert decode_attention.joined_kv_heads(64, 3, ref.FP8_DTYPE) == 1
+    assert decode_attention.joined_kv_heads(64, 5, ref.FP8_DTYPE) == 1
     assert decode_attention.joined_kv_heads(128, 8, ref.FP8_DTYPE) == 1  # its rows are whole lines already
     assert decode_attention.joined_kv_heads(64, 8, torch.int8) == 1  # one scale per token and head
     assert decode_attention.joined_kv_heads(64, 8, torch.bfloat16) == 1
