@@ -560,14 +560,17 @@ def paged_decode(
     writes its start and SM only; what it does not write keeps the caller's value (fill with -1)."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if joined_heads is None:  # joined heads are one view of the cache only where a head's rows follow each other
-        adjacent = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
+    # joined heads are one view of the cache only where a head's rows follow each other
+    adjacent = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
+    if joined_heads is None:
         joined_heads = joined_kv_heads(head_dim, kv_heads, k_cache.dtype) if fused_merge and adjacent else 1
+    if joined_heads < 1:
+        raise ValueError(f"joined_heads must be at least 1, got {joined_heads}")
     member_dim = members = 0
     if joined_heads > 1:  # the kernel's heads are the cache's groups: [NB, BS, Hkv, D] viewed as [NB, BS, Hkv/J, J*D]
-        if not fused_merge or kv_heads % joined_heads:
+        if not fused_merge or kv_heads % joined_heads or not adjacent:
             raise ValueError(f"KV heads are read {joined_heads} together with the merge in the kernel, of a head "
-                             f"count they divide (got {kv_heads})")
+                             f"count they divide (got {kv_heads}), from a cache whose heads' rows are adjacent")
         members, member_dim, kv_heads = joined_heads, head_dim, kv_heads // joined_heads
         k_cache = k_cache.view(*k_cache.shape[:2], kv_heads, members * member_dim)
         v_cache = v_cache.view(*v_cache.shape[:2], kv_heads, members * member_dim)

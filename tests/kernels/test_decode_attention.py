@@ -208,6 +208,11 @@ def test_decode_pairs_kv_heads_only_with_the_merge_in_the_kernel():
     with pytest.raises(ValueError, match="read 2 together"):
         decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, fused_merge=False,
                                       joined_heads=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, joined_heads=0)
+    k_apart = torch.empty(4, 16, 2, 2 * 64, dtype=k.dtype)[..., :64]
+    with pytest.raises(ValueError, match="adjacent"):  # no view of such a cache joins its heads
+        decode_attention.paged_decode(q, k_apart, v, tables, lens, 0.125, ks, vs, num_splits=2, joined_heads=2)
     # the second kernel's baseline reads heads one by one unless told otherwise
     want = ref.paged_decode_attention(q, k, v, tables, lens, 0.125, ks, vs)
     out = decode_attention.paged_decode(q, k, v, tables, lens, 0.125, ks, vs, num_splits=2, fused_merge=False)
