@@ -817,6 +817,54 @@ def _joined_dtype_row(q, caches, tables, lens, shape, tiles, sms, launches, time
     return res
 
 
+# (block_n, num_warps, num_stages) per head at head dim 64, for odd_heads_sweep_case: the launcher's
+# 8-bit ring (128, 4, 5) and bf16 ring (64, 4, 5), one buffer, more warps, longer tiles
+ODD_HEAD_TILES = [(128, 4, 5), (64, 4, 5), (128, 4, 2), (128, 8, 5), (256, 8, 3), (64, 4, 3)]
+ODD_HEAD_SPLITS = (2, 4, 6, 8, 11, 16)
+
+
+def odd_heads_sweep_case(gen, shape=(64, 9, 3, 64, 4096, 16), tiles=ODD_HEAD_TILES, splits=ODD_HEAD_SPLITS,
+                         device="cuda", timer=None) -> dict:
+    """The 9 / 3 head-dim-64 class per head (how the launcher reads it), bf16 and fp8, over tile sets
+    x split counts as CUDA-graph replays (one persistent merge-counter buffer, as the engine launches),
+    each checked against the reference, with the launcher's own launch beside them: is another split
+    count or tile set faster than the launcher's choice on the class that stays under fp8 / bf16 1.6?"""
+    timer = timer or bench_graph
+    batch, q_heads, kv_heads, head_dim, context, block_size = shape
+    scale = 1 / math.sqrt(head_dim)
+    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
+    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+    out: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"], shape))}
+    n_check = min(batch, 4)
+    for name in ("bf16", "fp8"):
+        kc, ks, vs = (kv, None, None) if name == "bf16" else quantize_cache(kv, ref.FP8_DTYPE)
+        k_cache, v_cache = kc[:, 0, 0], kc[:, 0, 1]
+        want = ref.paged_decode_attention(q[:n_check], k_cache, v_cache, tables[:n_check], lens[:n_check], scale, ks, vs)
+
+        def launch(k_cache=k_cache, v_cache=v_cache, ks=ks, vs=vs, **kw):
+            return decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, ks, vs,
+                                                 merge_counters=counters, **kw)
+        res: dict = {"launcher": {"graph_ms": timer(launch), "rel_err": rel_err(launch()[:n_check], want)}}
+        for bn, warps, stages in tiles:
+            for sp in splits:
+                key = f"bn{bn}_w{warps}_s{stages}_sp{sp}"
+                kw = {"block_n": bn, "num_warps": warps, "num_stages": stages, "num_splits": sp}
+                try:
+                    res[key] = {"rel_err": rel_err(launch(**kw)[:n_check], want),
+                                "graph_ms": timer(lambda kw=kw: launch(**kw))}
+                except Exception as e:  # noqa: BLE001  (a tile set that does not compile is a finding)
+                    res[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        timed = {k: v["graph_ms"] for k, v in res.items() if v.get("graph_ms")}
+        best = min(timed, key=timed.get)
+        res["best"] = best
+        out[name] = res
+        print(f"odd heads {','.join(str(v) for v in shape)} {name}: launcher {res['launcher']['graph_ms'] or 0:.4f} ms, "
+              f"best {best} {timed[best]:.4f}; " + "  ".join(f"{k} {v:.4f}" for k, v in timed.items()), flush=True)
+        del kc
+    return out
+
+
 def summarise_stamps(stamps: torch.Tensor) -> dict:
     """[programs, 5] int64 stamps (``paged_decode``'s: start, stream end, count, merge end in ns, then
     the SM; -1 where not written) -> the launch's timeline in us (see ``launch_stamps_case``), and
@@ -1356,6 +1404,9 @@ def main() -> int:
     ap.add_argument("--joined-heads", action="store_true",
                     help="only the ceilings and the 9 / 3 head-dim-64 class with its KV heads read as one row "
                          "against per head, over tile sets and split counts (joined_heads_case)")
+    ap.add_argument("--odd-heads", action="store_true",
+                    help="only the ceilings and the 9 / 3 head-dim-64 class per head over tile sets x split counts, "
+                         "bf16 and fp8 (odd_heads_sweep_case)")
     ap.add_argument("--gemm-split-shapes", default=None,
                     help="only the ceilings and gemm_split_probe_case on these GEMM_SHAPES names (e.g. qkv,gate_up)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
@@ -1449,6 +1500,10 @@ def main() -> int:
     if args.joined_heads:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["joined_heads"] = joined_heads_case(gen)
+        save()
+    if args.odd_heads:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["odd_heads"] = odd_heads_sweep_case(gen)
         save()
     if args.gemm_split_shapes:
         picked, args.skip_classes, args.skip_prefill = [], True, True

@@ -64,3 +64,23 @@ def test_joined_heads_probe_runs_each_launch_and_checks_it():
             assert res["best_joined"].startswith("bn32_w4_s2_")
             assert res["per_head"]["chain_per_launch_ms"] is not None and res["best_chain_per_launch_ms"] is not None
     assert all(v["tiles"] == (32, 4, 2) for v in rows[1]["fp8"]["joined"].values())
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+def test_odd_heads_sweep_checks_every_launch():
+    """``--odd-heads``' flow on the interpreter: the launcher's launch and each tile x split one run,
+    each against the reference; the fastest by the timer is named."""
+    times = iter([0.003, 0.002, 0.001, 0.004] * 2)
+
+    def timer(fn):
+        fn()
+        return next(times)
+
+    gen = torch.Generator().manual_seed(1)
+    got = kbench.odd_heads_sweep_case(gen, shape=(2, 9, 3, 64, 128, 16), tiles=[(64, 4, 3)], splits=(1, 2, 4),
+                                      device="cpu", timer=timer)
+    for name in ("bf16", "fp8"):
+        rows = {k: v for k, v in got[name].items() if isinstance(v, dict)}
+        assert set(rows) == {"launcher", "bn64_w4_s3_sp1", "bn64_w4_s3_sp2", "bn64_w4_s3_sp4"}
+        assert all(v["rel_err"] < 1e-2 for v in rows.values())
+        assert got[name]["best"] == "bn64_w4_s3_sp2"
