@@ -865,6 +865,76 @@ def odd_heads_sweep_case(gen, shape=(64, 9, 3, 64, 4096, 16), tiles=ODD_HEAD_TIL
     return out
 
 
+# (batch, q heads, kv heads, head dim, live context, table tokens): launches where the launcher's split
+# count and the one-wave rule's differ (split_rule_case): the 9 / 3 class, the engine's decode graph sizes
+# 24 / 40 / 48 / 56 over 2K in an 8,448-token table, and uniform full tables at other head counts
+SPLIT_RULE_SHAPES = [(64, 9, 3, 64, 4096, 4096), (24, 32, 8, 128, 2048, 8448), (40, 32, 8, 128, 2048, 8448),
+                     (48, 32, 8, 128, 2048, 8448), (56, 32, 8, 128, 2048, 8448), (5, 32, 16, 128, 32768, 32768),
+                     (3, 128, 32, 128, 4096, 4096), (48, 32, 8, 128, 4096, 4096)]
+
+
+def one_wave_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
+                    programs_per_sm: int, fill: float = 0.7) -> int:
+    """The split count a one-wave rule would pick: the largest whose (sequence, kv head, split)
+    programs all fit in one wave, where that wave is at least ``fill`` full; otherwise the
+    launcher's own (``choose_num_splits``). The candidate split_rule_case measures."""
+    own = decode_attention.choose_num_splits(num_seqs, kv_heads, max_context, num_sms, block_n,
+                                             programs_per_sm=programs_per_sm)
+    cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
+    wave = programs_per_sm * num_sms
+    programs = max(1, num_seqs * kv_heads)
+    fits = [s for s in range(1, cap + 1) if programs * s <= wave]
+    if fits and own not in fits and programs * max(fits) >= fill * wave:
+        return max(fits)
+    return own
+
+
+def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device="cuda", timer=None) -> list[dict]:
+    """bf16 and fp8 decode launches at the launcher's split count against ``one_wave_splits``'s, graph
+    replays with one persistent counter buffer (the engine's launch: splits cut by live length), the
+    launcher's tiles, each checked against the reference: does one wave at least 70 % full beat
+    several fuller ones, as the 9 / 3 class showed (session 17 call 4), wherever the two differ?"""
+    timer = timer or bench_graph
+    sms = decode_attention.num_sms(torch.device(device)) if device == "cuda" else 4
+    rows = []
+    for shape in shapes:
+        batch, q_heads, kv_heads, head_dim, context, table_tokens = shape
+        scale = 1 / math.sqrt(head_dim)
+        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, table_tokens, block_size, gen, device=device)
+        lens.fill_(context)
+        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+        row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "table_tokens"], shape))}
+        n_check = min(batch, 4)
+        for name in ("bf16", "fp8"):
+            kc, ks, vs = (kv, None, None) if name == "bf16" else quantize_cache(kv, ref.FP8_DTYPE)
+            k_cache, v_cache = kc[:, 0, 0], kc[:, 0, 1]
+            tiles = decode_attention.choose_tiles(head_dim, k_cache.dtype, batch * kv_heads, sms)
+            own = decode_attention.choose_num_splits(batch, kv_heads, table_tokens, sms, tiles.block_n,
+                                                     programs_per_sm=tiles.programs_per_sm)
+            rule = one_wave_splits(batch, kv_heads, table_tokens, sms, tiles.block_n, tiles.programs_per_sm)
+            want = ref.paged_decode_attention(q[:n_check], k_cache, v_cache, tables[:n_check], lens[:n_check], scale,
+                                              ks, vs)
+            res: dict = {"launcher_splits": own, "rule_splits": rule}
+            for label, sp in (("launcher", own), ("rule", rule)):
+                def launch(sp=sp, k_cache=k_cache, v_cache=v_cache, ks=ks, vs=vs, q=q, tables=tables, lens=lens,
+                           scale=scale, counters=counters):
+                    return decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, ks, vs, num_splits=sp,
+                                                         merge_counters=counters)
+                res[label] = {"rel_err": rel_err(launch()[:n_check], want), "graph_ms": timer(launch)}
+            lm, rm = res["launcher"]["graph_ms"], res["rule"]["graph_ms"]
+            res["rule_x"] = lm / rm if lm and rm else None
+            row[name] = res
+            print(f"split rule {','.join(str(v) for v in shape)} {name}: launcher {own} splits {lm or 0:.4f} ms, "
+                  f"one wave {rule} splits {rm or 0:.4f} ms (x{res['rule_x'] or 0:.3f})", flush=True)
+            del kc
+        rows.append(row)
+        del kv
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def summarise_stamps(stamps: torch.Tensor) -> dict:
     """[programs, 5] int64 stamps (``paged_decode``'s: start, stream end, count, merge end in ns, then
     the SM; -1 where not written) -> the launch's timeline in us (see ``launch_stamps_case``), and
@@ -1407,6 +1477,9 @@ def main() -> int:
     ap.add_argument("--odd-heads", action="store_true",
                     help="only the ceilings and the 9 / 3 head-dim-64 class per head over tile sets x split counts, "
                          "bf16 and fp8 (odd_heads_sweep_case)")
+    ap.add_argument("--split-rule", action="store_true",
+                    help="only the ceilings and decode launches at the launcher's split count against a one-wave "
+                         "rule's, where they differ (split_rule_case)")
     ap.add_argument("--gemm-split-shapes", default=None,
                     help="only the ceilings and gemm_split_probe_case on these GEMM_SHAPES names (e.g. qkv,gate_up)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
@@ -1504,6 +1577,10 @@ def main() -> int:
     if args.odd_heads:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["odd_heads"] = odd_heads_sweep_case(gen)
+        save()
+    if args.split_rule:
+        picked, args.skip_classes, args.skip_prefill = [], True, True
+        result["split_rule"] = split_rule_case(gen)
         save()
     if args.gemm_split_shapes:
         picked, args.skip_classes, args.skip_prefill = [], True, True
