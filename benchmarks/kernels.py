@@ -199,7 +199,8 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
     tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms)
     row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
     row["num_splits"] = decode_attention.choose_num_splits(
-        batch, kv_heads, tables.shape[1] * block_size, sms, tiles.block_n, programs_per_sm=tiles.programs_per_sm)
+        batch, kv_heads, tables.shape[1] * block_size, sms, tiles.block_n, programs_per_sm=tiles.programs_per_sm,
+        one_wave_fill=decode_attention.one_wave_fill_for(kv.dtype))
     if compare_tiles:
         prev_tiles_ms(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, tiles)
     if not quick and full_sweeps:
@@ -873,27 +874,13 @@ SPLIT_RULE_SHAPES = [(64, 9, 3, 64, 4096, 4096), (24, 32, 8, 128, 2048, 8448), (
                      (3, 128, 32, 128, 4096, 4096), (48, 32, 8, 128, 4096, 4096)]
 
 
-def one_wave_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
-                    programs_per_sm: int, fill: float = 0.7) -> int:
-    """The split count a one-wave rule would pick: the largest whose (sequence, kv head, split)
-    programs all fit in one wave, where that wave is at least ``fill`` full; otherwise the
-    launcher's own (``choose_num_splits``). The candidate split_rule_case measures."""
-    own = decode_attention.choose_num_splits(num_seqs, kv_heads, max_context, num_sms, block_n,
-                                             programs_per_sm=programs_per_sm)
-    cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
-    wave = programs_per_sm * num_sms
-    programs = max(1, num_seqs * kv_heads)
-    fits = [s for s in range(1, cap + 1) if programs * s <= wave]
-    if fits and own not in fits and programs * max(fits) >= fill * wave:
-        return max(fits)
-    return own
-
-
 def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device="cuda", timer=None) -> list[dict]:
-    """bf16 and fp8 decode launches at the launcher's split count against ``one_wave_splits``'s, graph
-    replays with one persistent counter buffer (the engine's launch: splits cut by live length), the
-    launcher's tiles, each checked against the reference: does one wave at least 70 % full beat
-    several fuller ones, as the 9 / 3 class showed (session 17 call 4), wherever the two differ?"""
+    """bf16 and fp8 decode launches at the wave model's split count (``choose_num_splits`` without a
+    one-wave fill) against the one-wave rule's (``one_wave_fill=ONE_WAVE_FILL``), graph replays with
+    one persistent counter buffer (the engine's launch: splits cut by live length), the launcher's
+    tiles, each checked against the reference: does one wave at least 70 % full beat several fuller
+    ones, as the 9 / 3 class showed (session 17 call 4), wherever the two differ? (Session 17 call 5;
+    the launcher now takes the rule for 16-bit caches, ``one_wave_fill_for``.)"""
     timer = timer or bench_graph
     sms = decode_attention.num_sms(torch.device(device)) if device == "cuda" else 4
     rows = []
@@ -910,9 +897,9 @@ def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device=
             kc, ks, vs = (kv, None, None) if name == "bf16" else quantize_cache(kv, ref.FP8_DTYPE)
             k_cache, v_cache = kc[:, 0, 0], kc[:, 0, 1]
             tiles = decode_attention.choose_tiles(head_dim, k_cache.dtype, batch * kv_heads, sms)
-            own = decode_attention.choose_num_splits(batch, kv_heads, table_tokens, sms, tiles.block_n,
-                                                     programs_per_sm=tiles.programs_per_sm)
-            rule = one_wave_splits(batch, kv_heads, table_tokens, sms, tiles.block_n, tiles.programs_per_sm)
+            own, rule = (decode_attention.choose_num_splits(batch, kv_heads, table_tokens, sms, tiles.block_n,
+                                                            programs_per_sm=tiles.programs_per_sm, one_wave_fill=fill)
+                         for fill in (None, decode_attention.ONE_WAVE_FILL))
             want = ref.paged_decode_attention(q[:n_check], k_cache, v_cache, tables[:n_check], lens[:n_check], scale,
                                               ks, vs)
             res: dict = {"launcher_splits": own, "rule_splits": rule}
@@ -925,7 +912,7 @@ def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device=
             lm, rm = res["launcher"]["graph_ms"], res["rule"]["graph_ms"]
             res["rule_x"] = lm / rm if lm and rm else None
             row[name] = res
-            print(f"split rule {','.join(str(v) for v in shape)} {name}: launcher {own} splits {lm or 0:.4f} ms, "
+            print(f"split rule {','.join(str(v) for v in shape)} {name}: wave model {own} splits {lm or 0:.4f} ms, "
                   f"one wave {rule} splits {rm or 0:.4f} ms (x{res['rule_x'] or 0:.3f})", flush=True)
             del kc
         rows.append(row)

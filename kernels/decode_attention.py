@@ -438,7 +438,8 @@ FP8_WAVE_TILES = DecodeTiles(block_n=128, num_stages=2, programs_per_sm=4, max_r
 
 
 def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
-                      programs_per_sm: int = 4, context_lens: Sequence[int] | None = None) -> int:
+                      programs_per_sm: int = 4, context_lens: Sequence[int] | None = None,
+                      one_wave_fill: float | None = None) -> int:
     """Split count that wastes the least of the last wave of (sequence, kv head, split) programs.
 
     A wave is ``programs_per_sm * num_sms`` programs running at once (about 4 per SM for the default
@@ -454,6 +455,12 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     ``context_lens`` (a host-side hint: each sequence's context, as the scheduler knows it) switches
     to ``_splits_for_lengths``, which models a batch of unequal lengths; without it every sequence is
     taken to fill the table, which is exact for uniform batches and what a CUDA graph must assume.
+
+    ``one_wave_fill`` (``one_wave_fill_for``: 16-bit caches): where the model picks several waves but
+    the most splits whose programs fit in one wave fill it at least that much, take those. The model
+    charges a wave as if a program's speed were fixed, but a launch that streams is bound by the
+    bandwidth, which ~3 programs an SM already saturate, and more splits add programs, partials and
+    merges (``one_wave_fill_for`` has the measurements).
     """
     cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
     wave = max(1, programs_per_sm * num_sms)
@@ -464,7 +471,30 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     programs = max(1, num_seqs * kv_heads)
     cost = {s: math.ceil(programs * s / wave) / s for s in range(1, cap + 1)}
     best = min(cost.values())
-    return min(s for s, c in cost.items() if c <= best * 1.05)
+    picked = min(s for s, c in cost.items() if c <= best * 1.05)
+    if one_wave_fill is not None:
+        fits = [s for s in cost if programs * s <= wave]
+        if fits and picked not in fits and programs * max(fits) >= one_wave_fill * wave:
+            return max(fits)
+    return picked
+
+
+# See one_wave_fill_for.
+ONE_WAVE_FILL = 0.7
+
+
+def one_wave_fill_for(kv_dtype: torch.dtype) -> float | None:
+    """``choose_num_splits``' one-wave fill for a cache dtype: ``ONE_WAVE_FILL`` for 16-bit (and fp32)
+    caches, none (the wave model alone) for 8-bit ones.
+
+    Measured on the H200 (session 17 call 5, ``benchmarks/kernels.py --split-rule``), graph replays
+    at both counts wherever they differ: bf16 faster or equal on all 7 shapes (9 / 3 heads of 64 at
+    64 x 4K 8 -> 2 splits 1.082x; the engine's decode graphs of 24 / 48 / 56 sequences over 2K in an
+    8,448-token table 1.038 / 1.036 / 1.074x; 5 x 32K at 16 KV heads 1.049x; 3 x 4K at 32 1.041x;
+    48 x 4K at 8 1.000x). fp8 split both ways: 1.02-1.17x on four shapes, but 0.937x at 5 x 32K and
+    48 x 4K full tables (its head-dim-128 tiles, whose waves the model was fitted to), so 8-bit
+    caches keep the model."""
+    return None if kv_dtype in (FP8_DTYPE, torch.int8) else ONE_WAVE_FILL
 
 
 # One program's fixed cost (prologue, q load, the partial write and its share of the reduce) in
@@ -679,7 +709,7 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
     if num_splits is None:  # tile overrides (tuning) keep the 4-per-SM wave of session 2's tiles
         num_splits = choose_num_splits(num_seqs, kv_heads, max_context, sms, block_n,
                                        programs_per_sm=4 if overridden else tiles.programs_per_sm,
-                                       context_lens=context_lens)
+                                       context_lens=context_lens, one_wave_fill=one_wave_fill_for(kv_dtype))
     split_tokens = cdiv(cdiv(max_context, num_splits), block_n) * block_n
     num_splits = cdiv(max_context, split_tokens)
     if split_by_length is None:

@@ -32,6 +32,27 @@ def test_split_choice_fills_the_last_wave():
     assert 60 <= choose_num_splits(1, 8, 131072, num_sms=132, block_n=64) <= 66
 
 
+def test_one_wave_full_enough_beats_several_fuller_ones_for_16_bit_caches():
+    """The wave model alone takes 3 full waves of 8 splits for 9 / 3 heads at 64 x 4K; one wave 73 % full
+    at 2 splits was 8 % faster on the H200 (session 17), so 16-bit caches take it; 8-bit keep the model."""
+    from kernels.decode_attention import ONE_WAVE_FILL, choose_num_splits, one_wave_fill_for
+    from kernels.reference import FP8_DTYPE
+
+    assert one_wave_fill_for(torch.bfloat16) == ONE_WAVE_FILL == one_wave_fill_for(torch.float16)
+    assert one_wave_fill_for(FP8_DTYPE) is None and one_wave_fill_for(torch.int8) is None
+    assert choose_num_splits(64, 3, 4096, num_sms=132, block_n=64) == 8
+    assert choose_num_splits(64, 3, 4096, num_sms=132, block_n=64, one_wave_fill=ONE_WAVE_FILL) == 2
+    # the engine's graph of 56 sequences over 8 KV heads: 7 splits (3 waves) -> 1 (448 of 528 slots)
+    assert choose_num_splits(56, 8, 8448, num_sms=132, block_n=64, one_wave_fill=ONE_WAVE_FILL) == 1
+    # 300 pairs: one split fills 57 % of the wave, under the fill: the model's count stands
+    own = choose_num_splits(100, 3, 4096, num_sms=132, block_n=64)
+    assert own > 1 and choose_num_splits(100, 3, 4096, num_sms=132, block_n=64, one_wave_fill=ONE_WAVE_FILL) == own
+    # the engine benchmark's batches (1 / 8 / 32 / 128 in an 8,448-token table) split as before
+    for batch in (1, 8, 32, 128):
+        assert choose_num_splits(batch, 8, 8448, num_sms=132, block_n=64, one_wave_fill=ONE_WAVE_FILL) == \
+            choose_num_splits(batch, 8, 8448, num_sms=132, block_n=64), batch
+
+
 def test_uniform_batches_split_as_before_with_a_length_hint():
     """The length-aware model agrees with the width-only one where every sequence fills the table
     (uniform batches must not lose), on the H200's shapes (132 SMs)."""

@@ -86,17 +86,6 @@ def test_odd_heads_sweep_checks_every_launch():
         assert got[name]["best"] == "bn64_w4_s3_sp2"
 
 
-def test_one_wave_rule_takes_a_full_enough_single_wave():
-    # 64 x 3 pairs on 132 SMs x 4: 2 splits fill one wave to 73 %; the launcher's model takes 8 (3 waves)
-    assert kbench.decode_attention.choose_num_splits(64, 3, 4096, 132, 128, programs_per_sm=4) == 8
-    assert kbench.one_wave_splits(64, 3, 4096, 132, 128, 4) == 2
-    # 300 pairs: one split fills one wave to 57 %, under the fill: the launcher's count (several waves) stands
-    own = kbench.decode_attention.choose_num_splits(100, 3, 4096, 132, 128, programs_per_sm=4)
-    assert own > 1 and kbench.one_wave_splits(100, 3, 4096, 132, 128, 4) == own
-    # where the launcher already picks one wave, the rule agrees
-    assert kbench.one_wave_splits(32, 8, 8448, 132, 64, 4) == 2
-
-
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
 def test_split_rule_case_checks_both_counts():
     gen = torch.Generator().manual_seed(2)
