@@ -832,15 +832,11 @@ def odd_heads_sweep_case(gen, shape=(64, 9, 3, 64, 4096, 16), tiles=ODD_HEAD_TIL
     count or tile set faster than the launcher's choice on the class that stays under fp8 / bf16 1.6?"""
     timer = timer or bench_graph
     batch, q_heads, kv_heads, head_dim, context, block_size = shape
-    scale = 1 / math.sqrt(head_dim)
-    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
-    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+    kv, tables, lens, q, counters, scale = _probe_inputs(batch, q_heads, kv_heads, head_dim, context, block_size, gen,
+                                                         device)
     out: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"], shape))}
     n_check = min(batch, 4)
-    for name in ("bf16", "fp8"):
-        kc, ks, vs = (kv, None, None) if name == "bf16" else quantize_cache(kv, ref.FP8_DTYPE)
-        k_cache, v_cache = kc[:, 0, 0], kc[:, 0, 1]
+    for name, k_cache, v_cache, ks, vs in _caches_by_dtype(kv):
         want = ref.paged_decode_attention(q[:n_check], k_cache, v_cache, tables[:n_check], lens[:n_check], scale, ks, vs)
 
         def launch(k_cache=k_cache, v_cache=v_cache, ks=ks, vs=vs, **kw):
@@ -862,8 +858,26 @@ def odd_heads_sweep_case(gen, shape=(64, 9, 3, 64, 4096, 16), tiles=ODD_HEAD_TIL
         out[name] = res
         print(f"odd heads {','.join(str(v) for v in shape)} {name}: launcher {res['launcher']['graph_ms'] or 0:.4f} ms, "
               f"best {best} {timed[best]:.4f}; " + "  ".join(f"{k} {v:.4f}" for k, v in timed.items()), flush=True)
-        del kc
     return out
+
+
+def _probe_inputs(batch, q_heads, kv_heads, head_dim, table_tokens, block_size, gen, device, context=None):
+    """A decode probe's inputs: a shuffled paged bf16 cache of ``table_tokens`` a sequence (live
+    ``context``, default all of it), bf16 queries, one zeroed merge-counter buffer (the engine's
+    launch), the softmax scale."""
+    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, table_tokens, block_size, gen, device=device)
+    if context is not None:
+        lens.fill_(context)
+    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+    return kv, tables, lens, q, counters, 1 / math.sqrt(head_dim)
+
+
+def _caches_by_dtype(kv):
+    """(name, k cache, v cache, k scale, v scale): ``paged_setup``'s bf16 cache, then fp8 of the same values."""
+    for name in ("bf16", "fp8"):
+        kc, ks, vs = (kv, None, None) if name == "bf16" else quantize_cache(kv, ref.FP8_DTYPE)
+        yield name, kc[:, 0, 0], kc[:, 0, 1], ks, vs
 
 
 # (batch, q heads, kv heads, head dim, live context, table tokens): launches where the launcher's split
@@ -886,16 +900,11 @@ def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device=
     rows = []
     for shape in shapes:
         batch, q_heads, kv_heads, head_dim, context, table_tokens = shape
-        scale = 1 / math.sqrt(head_dim)
-        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, table_tokens, block_size, gen, device=device)
-        lens.fill_(context)
-        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+        kv, tables, lens, q, counters, scale = _probe_inputs(batch, q_heads, kv_heads, head_dim, table_tokens,
+                                                             block_size, gen, device, context=context)
         row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "table_tokens"], shape))}
         n_check = min(batch, 4)
-        for name in ("bf16", "fp8"):
-            kc, ks, vs = (kv, None, None) if name == "bf16" else quantize_cache(kv, ref.FP8_DTYPE)
-            k_cache, v_cache = kc[:, 0, 0], kc[:, 0, 1]
+        for name, k_cache, v_cache, ks, vs in _caches_by_dtype(kv):
             tiles = decode_attention.choose_tiles(head_dim, k_cache.dtype, batch * kv_heads, sms)
             own, rule = (decode_attention.choose_num_splits(batch, kv_heads, table_tokens, sms, tiles.block_n,
                                                             programs_per_sm=tiles.programs_per_sm, one_wave_fill=fill)
@@ -914,12 +923,23 @@ def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device=
             row[name] = res
             print(f"split rule {','.join(str(v) for v in shape)} {name}: wave model {own} splits {lm or 0:.4f} ms, "
                   f"one wave {rule} splits {rm or 0:.4f} ms (x{res['rule_x'] or 0:.3f})", flush=True)
-            del kc
         rows.append(row)
         del kv
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+# Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
+# times, for --help)
+SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
+    "joined-heads": ("joined_heads", joined_heads_case, "the 9 / 3 head-dim-64 class with its KV heads read as one "
+                     "row against per head, over tile sets and split counts (joined_heads_case)"),
+    "odd-heads": ("odd_heads", odd_heads_sweep_case, "the 9 / 3 head-dim-64 class per head over tile sets x split "
+                  "counts, bf16 and fp8 (odd_heads_sweep_case)"),
+    "split-rule": ("split_rule", split_rule_case, "decode launches at the wave model's split count against the "
+                   "one-wave rule's, where they differ (split_rule_case)"),
+}
 
 
 def summarise_stamps(stamps: torch.Tensor) -> dict:
@@ -1458,15 +1478,8 @@ def main() -> int:
     ap.add_argument("--probes16", action="store_true",
                     help="only the ceilings, the prefix hit's attention over tile sets / stages / splits "
                          "(hit_tile_sweep_case) and the o / down GEMMs as sliced batched GEMMs (gemm_split_probe_case)")
-    ap.add_argument("--joined-heads", action="store_true",
-                    help="only the ceilings and the 9 / 3 head-dim-64 class with its KV heads read as one row "
-                         "against per head, over tile sets and split counts (joined_heads_case)")
-    ap.add_argument("--odd-heads", action="store_true",
-                    help="only the ceilings and the 9 / 3 head-dim-64 class per head over tile sets x split counts, "
-                         "bf16 and fp8 (odd_heads_sweep_case)")
-    ap.add_argument("--split-rule", action="store_true",
-                    help="only the ceilings and decode launches at the launcher's split count against a one-wave "
-                         "rule's, where they differ (split_rule_case)")
+    for flag, (_, _, what) in SOLO_PROBES.items():
+        ap.add_argument(f"--{flag}", action="store_true", help=f"only the ceilings and {what}")
     ap.add_argument("--gemm-split-shapes", default=None,
                     help="only the ceilings and gemm_split_probe_case on these GEMM_SHAPES names (e.g. qkv,gate_up)")
     ap.add_argument("--skip-gemms", action="store_true", help="skip the decode GEMM diagnostics")
@@ -1557,18 +1570,11 @@ def main() -> int:
         save()
         result["hit_tile_sweep"] = hit_tile_sweep_case(gen)
         save()
-    if args.joined_heads:
-        picked, args.skip_classes, args.skip_prefill = [], True, True
-        result["joined_heads"] = joined_heads_case(gen)
-        save()
-    if args.odd_heads:
-        picked, args.skip_classes, args.skip_prefill = [], True, True
-        result["odd_heads"] = odd_heads_sweep_case(gen)
-        save()
-    if args.split_rule:
-        picked, args.skip_classes, args.skip_prefill = [], True, True
-        result["split_rule"] = split_rule_case(gen)
-        save()
+    for flag, (key, case, _) in SOLO_PROBES.items():
+        if vars(args)[flag.replace("-", "_")]:
+            picked, args.skip_classes, args.skip_prefill = [], True, True
+            result[key] = case(gen)
+            save()
     if args.gemm_split_shapes:
         picked, args.skip_classes, args.skip_prefill = [], True, True
         result["gemm_split_probe"] = gemm_split_probe_case(gen, ceil, names=tuple(args.gemm_split_shapes.split(",")))
