@@ -749,15 +749,15 @@ def joined_heads_case(gen, shapes=JOINED_SHAPES, tiles=JOINED_TILES, launches: i
     best_tiles: dict[str, tuple] = {}
     for si, shape in enumerate(shapes):
         batch, q_heads, kv_heads, head_dim, context, block_size = shape
-        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
+        kv, tables, lens, q, counters, scale = _probe_inputs(batch, q_heads, kv_heads, head_dim, context, block_size,
+                                                             gen, device)
         kv2 = torch.randn_like(kv)
-        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
         row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"], shape))}
         for name in ("bf16", "fp8"):
             caches = [(c, None, None) if name == "bf16" else quantize_cache(c, ref.FP8_DTYPE) for c in (kv, kv2)]
             cand_tiles = tiles if si == 0 else [best_tiles[name]]
-            row[name] = res = _joined_dtype_row(q, caches, tables, lens, shape, cand_tiles, sms, launches, timer,
-                                                kv_bytes=2 * batch * context * kv_heads * head_dim
+            row[name] = res = _joined_dtype_row(q, caches, tables, lens, counters, scale, shape, cand_tiles, sms,
+                                                launches, timer, kv_bytes=2 * batch * context * kv_heads * head_dim
                                                 * (1 if name == "fp8" else 2))
             if si == 0 and res["best_joined"] is not None:
                 best_tiles[name] = res["joined"][res["best_joined"]]["tiles"]
@@ -774,11 +774,9 @@ def joined_heads_case(gen, shapes=JOINED_SHAPES, tiles=JOINED_TILES, launches: i
     return rows
 
 
-def _joined_dtype_row(q, caches, tables, lens, shape, tiles, sms, launches, timer, kv_bytes) -> dict:
+def _joined_dtype_row(q, caches, tables, lens, counters, scale, shape, tiles, sms, launches, timer, kv_bytes) -> dict:
     """One cache dtype of ``joined_heads_case``: ``caches`` two (cache, k scale, v scale) of one shape."""
-    batch, _, kv_heads, head_dim, _, block_size = shape
-    scale = 1 / math.sqrt(head_dim)
-    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
+    batch, _, kv_heads, _, _, block_size = shape
     n_check = min(batch, 8)
     c0, ks, vs = caches[0]
     want = ref.paged_decode_attention(q[:n_check], c0[:, 0, 0], c0[:, 0, 1], tables[:n_check], lens[:n_check], scale,

@@ -18,6 +18,8 @@ either (``add_rms_norm`` sums a 3-D input over its first dimension).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 MAX_ROWS = 32  # measured at 1, 8 and 32 rows; above that the step runs F.linear as before
@@ -44,3 +46,14 @@ def sliced_partials(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torch
     if x.is_cuda:
         return torch.bmm(xs, ws, out_dtype=torch.float32)
     return torch.bmm(xs.float(), ws.float())
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """The partials [S, M, N] where ``slices_for`` cuts the product and both operands are contiguous of
+    one dtype (the slices are views), else ``linear(x, weight, bias)`` [M, N]: the one policy the
+    reference ops and the Triton ops share."""
+    slices = slices_for(x.shape[0], x.shape[1], x.dtype, bias is not None, x.is_cuda)
+    if slices == 1 or weight.dtype != x.dtype or not (x.is_contiguous() and weight.is_contiguous()):
+        return linear(x, weight, bias)
+    return sliced_partials(x, weight, slices)

@@ -263,7 +263,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear`` for a projection read only by ``add_rms_norm``: fp32 split-K partials [S, M, N] where
     ``kernels.partial_gemm.slices_for`` says so (decode-sized 16-bit CUDA batches), else [M, N]."""
-    slices = partial_gemm.slices_for(x.shape[0], x.shape[1], x.dtype, bias is not None, x.is_cuda)
-    if slices == 1 or not (x.is_contiguous() and weight.is_contiguous()):
-        return linear(x, weight, bias)
-    return partial_gemm.sliced_partials(x, weight, slices)
+    return partial_gemm.linear_partials(x, weight, bias, linear)

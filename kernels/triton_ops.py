@@ -320,13 +320,8 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``linear`` for a projection whose only reader is ``add_rms_norm``: at decode-sized 16-bit batches
     its split-K fp32 partials [S, M, N] (one batched GEMM, no reduce kernel; ``kernels.partial_gemm``),
     else the [M, N] product as ``linear`` returns it."""
-    slices = partial_gemm.slices_for(x.shape[0], x.shape[1], x.dtype, bias is not None, x.is_cuda)
-    if slices == 1 or weight.dtype != x.dtype or not weight.is_contiguous() or x.stride(1) != 1 \
-            or x.stride(0) != x.shape[1]:
-        return linear(x, weight, bias)
-    _check_rows("x", x)
-    assert weight.dim() == 2 and weight.shape[1] == x.shape[1], (
-        f"weight must be [out, {x.shape[1]}], got {tuple(weight.shape)}"
+    assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], (
+        f"x [M, K] and weight [out, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}"
     )
     assert weight.device == x.device, "x and weight must share a device"
-    return partial_gemm.sliced_partials(x, weight, slices)
+    return partial_gemm.linear_partials(x, weight, bias, linear)
