@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -503,29 +503,25 @@ def sec_decode_profile(dev, args, runner) -> dict:
     return {"rows": rows}
 
 
-def sec_decode_partials(dev, args, model, runner, bw) -> dict:
-    """The decode sweep and profile with the o and down projections as split-K partials summed by the
-    next add + RMSNorm (kernels/partial_gemm.py, the default) against cuBLAS's split-K GEMM and reduce
-    kernel (``partial_gemm.MAX_ROWS = 0``): off, on, off, on, the decode graphs captured anew for each;
-    the default is restored and recaptured at the end. The same-run baseline for the change."""
+def decode_ab(dev, args, model, runner, bw, label: str, settings: dict[str, Callable[[], None]],
+              restore: Callable[[], None]) -> dict:
+    """The decode sweep and profile under each of ``settings`` (name -> a function that applies it),
+    in two rounds (off, on, off, on for two), the decode graphs captured anew for each; ``restore``
+    puts the default back (recaptured) at the end. A same-run baseline for a change of the step."""
     if not dev.startswith("cuda") or runner.decode_graphs is None:
         return {"skipped": "needs CUDA decode graphs"}
-    from kernels import partial_gemm
-
-    default = partial_gemm.MAX_ROWS
     runs = []
     try:
         for rnd in range(2):
-            for name, rows in (("off", 0), ("on", default)):
-                partial_gemm.MAX_ROWS = rows
+            for name, apply in settings.items():
+                apply()
                 runner.decode_graphs.capture()
-                run = {"setting": name, "max_rows": rows, "round": rnd,
-                       "sweep": sec_decode_sweep(dev, args, model, runner, bw)}
+                run = {"setting": name, "round": rnd, "sweep": sec_decode_sweep(dev, args, model, runner, bw)}
                 if rnd == 0:
                     run["profile"] = sec_decode_profile(dev, args, runner)
                 runs.append(run)
     finally:
-        partial_gemm.MAX_ROWS = default
+        restore()
         runner.decode_graphs.capture()
     summary: dict[str, dict[str, list[float]]] = {}
     for run in runs:
@@ -534,9 +530,38 @@ def sec_decode_partials(dev, args, model, runner, bw) -> dict:
                 per = summary.setdefault(str(row["batch"]), {})
                 per.setdefault(run["setting"], []).append(row["overlapped"]["step_over_floor"])
     for b, per in summary.items():
-        print(f"   partials batch {b}: overlapped step / floor " + "  ".join(
+        print(f"   {label} batch {b}: overlapped step / floor " + "  ".join(
             f"{k} " + "/".join(f"{v:.3f}" for v in vals) for k, vals in per.items()), flush=True)
     return {"runs": runs, "overlapped_over_floor": summary}
+
+
+def sec_decode_partials(dev, args, model, runner, bw) -> dict:
+    """The o and down projections as split-K partials summed by the next add + RMSNorm
+    (kernels/partial_gemm.py, the default) against cuBLAS's split-K GEMM and reduce kernel
+    (``partial_gemm.MAX_ROWS = 0``), through ``decode_ab``."""
+    from kernels import partial_gemm
+
+    default = partial_gemm.MAX_ROWS
+
+    def setter(rows: int) -> Callable[[], None]:
+        return lambda: setattr(partial_gemm, "MAX_ROWS", rows)
+
+    return decode_ab(dev, args, model, runner, bw, "partials", {"off": setter(0), "on": setter(default)},
+                     setter(default))
+
+
+def sec_decode_rope(dev, args, model, runner, bw) -> dict:
+    """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
+    the default) against ``rotary_write_kv`` then the attention, through ``decode_ab``."""
+    from kernels import decode_attention
+
+    default = decode_attention.FUSE_ROPE_WRITE
+
+    def setter(on: bool) -> Callable[[], None]:
+        return lambda: setattr(decode_attention, "FUSE_ROPE_WRITE", on)
+
+    return decode_ab(dev, args, model, runner, bw, "rope in decode", {"off": setter(False), "on": setter(True)},
+                     setter(default))
 
 
 def pipelined_sweep(dev, runner, tables, ctx: int, steps: int) -> dict:
@@ -1144,6 +1169,7 @@ def main() -> int:
     section("decode_sweep", sec_decode_sweep, dev, args, model, runner, bw)
     section("decode_profile", sec_decode_profile, dev, args, runner)
     section("decode_partials", sec_decode_partials, dev, args, model, runner, bw)
+    section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)

@@ -200,7 +200,7 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
     row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
     row["num_splits"] = decode_attention.choose_num_splits(
         batch, kv_heads, tables.shape[1] * block_size, sms, tiles.block_n, programs_per_sm=tiles.programs_per_sm,
-        one_wave_fill=decode_attention.one_wave_fill_for(kv.dtype))
+        one_wave=decode_attention.one_wave_rule_for(kv.dtype))
     if compare_tiles:
         prev_tiles_ms(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, tiles)
     if not quick and full_sweeps:
@@ -888,11 +888,12 @@ SPLIT_RULE_SHAPES = [(64, 9, 3, 64, 4096, 4096), (24, 32, 8, 128, 2048, 8448), (
 
 def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device="cuda", timer=None) -> list[dict]:
     """bf16 and fp8 decode launches at the wave model's split count (``choose_num_splits`` without a
-    one-wave fill) against the one-wave rule's (``one_wave_fill=ONE_WAVE_FILL``), graph replays with
+    one-wave rule) against the one-wave rule's at any split length (``OneWaveRule()``), graph replays with
     one persistent counter buffer (the engine's launch: splits cut by live length), the launcher's
     tiles, each checked against the reference: does one wave at least 70 % full beat several fuller
     ones, as the 9 / 3 class showed (session 17 call 4), wherever the two differ? (Session 17 call 5;
-    the launcher now takes the rule for 16-bit caches, ``one_wave_fill_for``.)"""
+    the launcher now takes the rule for 16-bit caches and, for fp8, where splits are short enough:
+    ``one_wave_rule_for``.)"""
     timer = timer or bench_graph
     sms = decode_attention.num_sms(torch.device(device)) if device == "cuda" else 4
     rows = []
@@ -905,8 +906,8 @@ def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device=
         for name, k_cache, v_cache, ks, vs in _caches_by_dtype(kv):
             tiles = decode_attention.choose_tiles(head_dim, k_cache.dtype, batch * kv_heads, sms)
             own, rule = (decode_attention.choose_num_splits(batch, kv_heads, table_tokens, sms, tiles.block_n,
-                                                            programs_per_sm=tiles.programs_per_sm, one_wave_fill=fill)
-                         for fill in (None, decode_attention.ONE_WAVE_FILL))
+                                                            programs_per_sm=tiles.programs_per_sm, one_wave=rule)
+                         for rule in (None, decode_attention.OneWaveRule()))
             want = ref.paged_decode_attention(q[:n_check], k_cache, v_cache, tables[:n_check], lens[:n_check], scale,
                                               ks, vs)
             res: dict = {"launcher_splits": own, "rule_splits": rule}

@@ -47,7 +47,9 @@ from kernels._common import (
     scale_args,
 )
 from kernels._dot import exact_dot
+from kernels.kv_write import _quantize_store
 from kernels.reference import FP8_DTYPE
+from kernels.rotary import _rope_tile
 
 LOG2E = 1.4426950408889634
 
@@ -110,6 +112,14 @@ def _decode_split_kernel(
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
     counters_ptr,  # [>= B * Hkv] int32, zero between launches (FUSED_MERGE: splits that have finished)
     stamps_ptr,  # [B, Hkv, NUM_SPLITS, 5] int64 (written when STAMPS): see paged_decode's ``stamps``
+    cos_ptr,  # [B, D] fp32 (ROPE_WRITE: q_ptr is the merged q|k|v projection's output, see RopeWrite)
+    sin_ptr,
+    slot_mapping_ptr,  # [B] int64, -1: padding (nothing written)
+    k_bias_ptr,  # [Hkv, D] (HAS_K_BIAS)
+    v_write_ptr,  # the V cache in its own dtype (v_ptr may be its int16 pairs view)
+    stride_cos, stride_sin,
+    k_col, v_col,  # where a q|k|v row's K and V start (Hq * D, (Hq + Hkv) * D)
+    stride_vwb, stride_vws, stride_vwh,
     qk_scale,  # softmax scale * log2(e)
     split_tokens,  # keys per split; 0: each sequence's own context cut into NUM_SPLITS (``split_length``)
     stride_qb, stride_qh,
@@ -135,13 +145,23 @@ def _decode_split_kernel(
     MEMBERS: tl.constexpr,
     ROW_WIDTH: tl.constexpr,
     STAMPS: tl.constexpr,
+    ROPE_WRITE: tl.constexpr = False,
+    HAS_K_BIAS: tl.constexpr = False,
+    SOFT_FP8: tl.constexpr = False,
 ):
     """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
     adjacent heads of the cache read as one row of ``MEMBERS * MEMBER_DIM`` values (``joined_kv_heads``),
     padded to the power of two ``HEAD_DIM`` (masked: the padding is never read), and ``GROUP`` counts
     the q heads of all members: q and out are the caller's ``[B, Hq, MEMBER_DIM]``, each q row is
     loaded into its own member's columns of the width (zeros elsewhere: its scores are exactly its
-    own head's) and only those columns of its output are stored (``_store_heads``)."""
+    own head's) and only those columns of its output are stored (``_store_heads``).
+
+    With ``ROPE_WRITE`` the kernel also does ``kernels.rotary``'s work for the step's token (one
+    launch a layer instead of two): every program rotates its q heads from the q|k|v row itself, and
+    the program whose split holds the token (position ``seq_len - 1``) rotates that token's K, writes
+    K and V into the cache (quantized as ``kv_write`` does) and, after a CTA barrier, streams its
+    split as any program does, reading them back; no other program reads that slot. Bit for bit the
+    values the two kernels would have produced (``_rope_tile`` rounds as the reference does)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,7 +192,20 @@ def _decode_split_kernel(
     # (sm_90 PTX here; fp8 per head 20 % slower on the H200, session 17 call 1).
     col_ok = d < ROW_WIDTH
     pair_ok = dh < ROW_WIDTH // 2
-    if MEMBER_DIM > 0:  # row r belongs to member r // (GROUP / MEMBERS): its values in that member's columns
+    if ROPE_WRITE:  # q|k|v row in, rotated q; the token's K / V into the cache by the split holding it
+        _rope_and_write(q_ptr + b * stride_qb, cos_ptr + b * stride_cos, sin_ptr + b * stride_sin, slot_mapping_ptr + b,
+                        k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh, k_col, v_col,
+                        (seq_len - 1 >= start) & (seq_len - 1 < end),
+                        stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
+                        stride_sb, stride_ss, stride_sh, HEAD_DIM, BLOCK_SIZE, KV_QUANT, SOFT_FP8, HAS_K_BIAS)
+        cos = tl.load(cos_ptr + b * stride_cos + d).to(q_ptr.dtype.element_ty).to(tl.float32)
+        sin = tl.load(sin_ptr + b * stride_sin + d).to(q_ptr.dtype.element_ty).to(tl.float32)
+        q = _rope_tile(q_ptr + b * stride_qb, heads, d, row_ok[:, None] & (d < HEAD_DIM)[None, :], cos, sin,
+                       HEAD_DIM)
+        # the writer's stores are seen by its own threads' loads below (bar.sync orders a CTA's global
+        # accesses); the other splits never read the token's slot
+        tl.debug_barrier()
+    elif MEMBER_DIM > 0:  # row r belongs to member r // (GROUP / MEMBERS): its values in that member's columns
         own_cols = (d // MEMBER_DIM)[None, :] == (rows // (GROUP // MEMBERS))[:, None]
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + (d % MEMBER_DIM)[None, :],
                     mask=row_ok[:, None] & own_cols, other=0.0)
@@ -277,6 +310,38 @@ def _decode_split_kernel(
                               NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, MEMBER_DIM, MEMBERS)
                 if STAMPS:
                     _stamp(stamps_ptr, stamp_row + 3, arrived.to(tl.float32))
+
+
+@triton.jit
+def _rope_and_write(row, cos_row, sin_row, slot_ptr, k_bias_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                    kvh, k_col, v_col, holds_token,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_sb, stride_ss, stride_sh,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
+                    SOFT_FP8: tl.constexpr, HAS_K_BIAS: tl.constexpr):
+    """``_rotary_write_kv_kernel``'s K / V half for one KV head of one token: ``rope(k) - k_bias`` and
+    ``v`` from the q|k|v ``row`` into the cache slot ``*slot_ptr``, when ``holds_token`` and the slot
+    is not padding (-1)."""
+    if holds_token:
+        slot_id = tl.load(slot_ptr)
+        if slot_id >= 0:
+            dt = row.dtype.element_ty
+            d = tl.arange(0, HEAD_DIM)
+            kh = kvh + tl.zeros([1], tl.int32)  # a [1, D] tile: kv_write's store takes [heads, D]
+            mask = (kh >= 0)[:, None] & (d < HEAD_DIM)[None, :]
+            cos = tl.load(cos_row + d).to(dt).to(tl.float32)
+            sin = tl.load(sin_row + d).to(dt).to(tl.float32)
+            k = _rope_tile(row + k_col, kh, d, mask, cos, sin, HEAD_DIM)
+            if HAS_K_BIAS:  # as kernels.rotary: the bias rounded to k's dtype, one rounding of the difference
+                bias = tl.load(k_bias_ptr + kh[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+                k = (k.to(tl.float32) - bias.to(dt).to(tl.float32)).to(dt)
+            v = tl.load(row + v_col + kh[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+            block = slot_id // BLOCK_SIZE
+            slot = slot_id % BLOCK_SIZE
+            _quantize_store(k, k_cache_ptr, k_scale_ptr, block, slot, kh, d, mask,
+                            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, KV_QUANT, SOFT_FP8)
+            _quantize_store(v, v_cache_ptr, v_scale_ptr, block, slot, kh, d, mask,
+                            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, KV_QUANT, SOFT_FP8)
 
 
 @triton.jit
@@ -439,7 +504,7 @@ FP8_WAVE_TILES = DecodeTiles(block_n=128, num_stages=2, programs_per_sm=4, max_r
 
 def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int,
                       programs_per_sm: int = 4, context_lens: Sequence[int] | None = None,
-                      one_wave_fill: float | None = None) -> int:
+                      one_wave: OneWaveRule | None = None) -> int:
     """Split count that wastes the least of the last wave of (sequence, kv head, split) programs.
 
     A wave is ``programs_per_sm * num_sms`` programs running at once (about 4 per SM for the default
@@ -456,11 +521,12 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     to ``_splits_for_lengths``, which models a batch of unequal lengths; without it every sequence is
     taken to fill the table, which is exact for uniform batches and what a CUDA graph must assume.
 
-    ``one_wave_fill`` (``one_wave_fill_for``: 16-bit caches): where the model picks several waves but
-    the most splits whose programs fit in one wave fill it at least that much, take those. The model
+    ``one_wave`` (``one_wave_rule_for`` a cache dtype): where the model picks several waves but the
+    most splits whose programs fit in one wave fill it at least ``one_wave.fill`` (and, with
+    ``max_split_tokens``, cut the table into splits no longer than that), take those. The model
     charges a wave as if a program's speed were fixed, but a launch that streams is bound by the
     bandwidth, which ~3 programs an SM already saturate, and more splits add programs, partials and
-    merges (``one_wave_fill_for`` has the measurements).
+    merges (``one_wave_rule_for`` has the measurements).
     """
     cap = max(1, min(256, math.ceil(max_context / max(256, block_n))))
     wave = max(1, programs_per_sm * num_sms)
@@ -472,29 +538,48 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context: int, num_sms: i
     cost = {s: math.ceil(programs * s / wave) / s for s in range(1, cap + 1)}
     best = min(cost.values())
     picked = min(s for s, c in cost.items() if c <= best * 1.05)
-    if one_wave_fill is not None:
+    if one_wave is not None:
         fits = [s for s in cost if programs * s <= wave]
-        if fits and picked not in fits and programs * max(fits) >= one_wave_fill * wave:
+        if fits and picked not in fits and programs * max(fits) >= one_wave.fill * wave and (
+                one_wave.max_split_tokens is None or math.ceil(max_context / max(fits)) <= one_wave.max_split_tokens):
             return max(fits)
     return picked
 
 
-# See one_wave_fill_for.
+# See one_wave_rule_for.
 ONE_WAVE_FILL = 0.7
+FP8_ONE_WAVE_SPLIT_TOKENS = 2048
 
 
-def one_wave_fill_for(kv_dtype: torch.dtype) -> float | None:
-    """``choose_num_splits``' one-wave fill for a cache dtype: ``ONE_WAVE_FILL`` for 16-bit (and fp32)
-    caches, none (the wave model alone) for 8-bit ones.
+@dataclass(frozen=True)
+class OneWaveRule:
+    """``choose_num_splits``' exception to its wave model: one wave at least ``fill`` full, where each
+    split holds at most ``max_split_tokens`` of the table (None: any length)."""
+
+    fill: float = ONE_WAVE_FILL
+    max_split_tokens: int | None = None
+
+
+def one_wave_rule_for(kv_dtype: torch.dtype) -> OneWaveRule | None:
+    """``choose_num_splits``' one-wave rule for a cache dtype: any split length for 16-bit (and fp32)
+    caches, splits of at most ``FP8_ONE_WAVE_SPLIT_TOKENS`` for fp8, none (the wave model alone) for int8.
 
     Measured on the H200 (session 17 call 5, ``benchmarks/kernels.py --split-rule``), graph replays
     at both counts wherever they differ: bf16 faster or equal on all 7 shapes (9 / 3 heads of 64 at
     64 x 4K 8 -> 2 splits 1.082x; the engine's decode graphs of 24 / 48 / 56 sequences over 2K in an
     8,448-token table 1.038 / 1.036 / 1.074x; 5 x 32K at 16 KV heads 1.049x; 3 x 4K at 32 1.041x;
-    48 x 4K at 8 1.000x). fp8 split both ways: 1.02-1.17x on four shapes, but 0.937x at 5 x 32K and
-    48 x 4K full tables (its head-dim-128 tiles, whose waves the model was fitted to), so 8-bit
-    caches keep the model."""
-    return None if kv_dtype in (FP8_DTYPE, torch.int8) else ONE_WAVE_FILL
+    48 x 4K at 8 1.000x). fp8 split both ways: faster where each one-wave program streams at most
+    2,048 live tokens (9 / 3 at 64 x 4K, 2 splits: 1.094x; 24 / 48 / 56 x 2K: 1.17 / 1.02 / 1.07x)
+    and 0.937x where it streams 4K or 8K (48 x 4K at 1 split, 5 x 32K at 4). A launch knows only the
+    table's width, an upper bound of the live context, so fp8 takes the rule where the width cut
+    into the one wave's splits is at most 2,048 tokens: every such launch is on the side that won
+    (the engine's 2K graphs, whose 8,448-token tables give 4,224 or more, keep the model). int8 was
+    not measured either way and keeps the model."""
+    if kv_dtype == torch.int8:
+        return None
+    if kv_dtype == FP8_DTYPE:
+        return OneWaveRule(max_split_tokens=FP8_ONE_WAVE_SPLIT_TOKENS)
+    return OneWaveRule()
 
 
 # One program's fixed cost (prologue, q load, the partial write and its share of the reduce) in
@@ -559,6 +644,7 @@ def paged_decode(
     joined_heads: int | None = None,
     merge_chunk: int | None = None,
     stamps: torch.Tensor | None = None,
+    rope: RopeWrite | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``kernels.triton_ops``.
 
@@ -587,9 +673,20 @@ def paged_decode(
     ``(b * Hkv + kv head) * splits + split`` with the GPU's nanosecond timer at its start, after its
     split's keys, after its partial's store and count (merged launches), and, for the program that
     merges, after the merge; the fifth value is the SM it ran on. A program whose split holds no key
-    writes its start and SM only; what it does not write keeps the caller's value (fill with -1)."""
+    writes its start and SM only; what it does not write keeps the caller's value (fill with -1).
+
+    ``rope`` (``RopeWrite``): ``q`` is the q columns of the step's merged q|k|v projection, not yet
+    rotated, and the launch also does ``kernels.rotary.rotary_write_kv``'s work (the kernel's
+    ``ROPE_WRITE``); KV heads are then read one by one."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    if rope is not None:
+        if joined_heads not in (None, 1):
+            raise ValueError(f"a launch that rotates and writes the token reads KV heads one by one, not {joined_heads}")
+        joined_heads = 1
+        if q.stride(1) != head_dim or q.stride(2) != 1:
+            raise ValueError("with rope, q must be the q columns of q|k|v rows (heads of head_dim values, adjacent)")
+    v_write = v_cache
     # joined heads are one view of the cache only where a head's rows follow each other
     adjacent = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
     if joined_heads is None:
@@ -617,7 +714,7 @@ def paged_decode(
         if stamps.dtype != torch.int64 or not stamps.is_contiguous() or stamps.numel() < need:
             raise ValueError(f"stamps must be a contiguous int64 buffer of at least {need} values, got "
                              f"{stamps.dtype} x {stamps.numel()}")
-    out = torch.empty_like(q)  # [B, Hq, D]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, Hq, D] (q may be a view of q|k|v rows)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     part_out = part_lse = placeholder(q.device, torch.float32)
     counters = placeholder(q.device, torch.int32)  # read only by FUSED_MERGE launches
@@ -629,13 +726,23 @@ def paged_decode(
             num_seqs * kv_heads, dtype=torch.int32, device=q.device)
     v_arg = v_cache.view(torch.uint8).view(torch.int16) if plan.v_pairs else v_cache  # [NB, BS, Hkv, D/2]
     q_st, k_st, v_st, o_st = q.stride(), k_cache.stride(), v_arg.stride(), out.stride()
+    if rope is not None:
+        cos, sin, slots = rope.cos, rope.sin, rope.slot_mapping
+        bias = rope.k_bias if rope.k_bias is not None else placeholder(q.device, q.dtype)
+        rope_args = (cos, sin, slots, bias, v_write, cos.stride(0), sin.stride(0), q_heads * head_dim,
+                     (q_heads + kv_heads) * head_dim, *v_write.stride()[:3])
+    else:
+        unused = placeholder(q.device, torch.float32)
+        rope_args = (unused, unused, placeholder(q.device, torch.int64), unused, v_arg, 0, 0, 0, 0, 0, 0, 0)
     _decode_split_kernel[plan.grid](
         q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse, counters,
-        stamps if stamps is not None else placeholder(q.device, torch.int64),
+        stamps if stamps is not None else placeholder(q.device, torch.int64), *rope_args,
         scale * LOG2E, plan.split_tokens,
         q_st[0], q_st[1], k_st[0], k_st[1], k_st[2], v_st[0], v_st[1], v_st[2],
         block_tables.stride(0), *sc_strides, o_st[0], o_st[1],
-        STAMPS=stamps is not None, **plan.options,
+        STAMPS=stamps is not None, ROPE_WRITE=rope is not None,
+        HAS_K_BIAS=rope is not None and rope.k_bias is not None, SOFT_FP8=rope is not None and interpreting(),
+        **plan.options,
     )
     if plan.num_splits > 1 and not plan.fused_merge:
         _reduce_kernel[(num_seqs, q_heads)](
@@ -644,6 +751,24 @@ def paged_decode(
             BLOCK_N=plan.options["BLOCK_N"], num_warps=4,
         )
     return out
+
+
+# ``kernels.triton_ops.rotary_decode_attention`` launches one kernel (RoPE and the K/V write inside the
+# decode attention) when True, ``rotary_write_kv`` and then the attention when False: the same-run
+# baseline the engine benchmark's ``decode_rope`` section times the fusion against.
+FUSE_ROPE_WRITE = True
+
+
+@dataclass(frozen=True)
+class RopeWrite:
+    """What ``paged_decode`` needs to rotate the step's q and k and write its K / V itself (the
+    ``rope`` argument): the inputs of ``kernels.rotary.rotary_write_kv`` other than the q|k|v rows,
+    which the launch reads through ``q`` (their q columns) and at the K / V columns after them."""
+
+    cos: torch.Tensor  # [B, D] fp32, rows contiguous
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [B] int64: the token's cache slot, -1 for padding rows
+    k_bias: torch.Tensor | None = None  # [Hkv, D] contiguous: the fp8 calibration's key mean
 
 
 def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:
@@ -709,7 +834,7 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
     if num_splits is None:  # tile overrides (tuning) keep the 4-per-SM wave of session 2's tiles
         num_splits = choose_num_splits(num_seqs, kv_heads, max_context, sms, block_n,
                                        programs_per_sm=4 if overridden else tiles.programs_per_sm,
-                                       context_lens=context_lens, one_wave_fill=one_wave_fill_for(kv_dtype))
+                                       context_lens=context_lens, one_wave=one_wave_rule_for(kv_dtype))
     split_tokens = cdiv(cdiv(max_context, num_splits), block_n) * block_n
     num_splits = cdiv(max_context, split_tokens)
     if split_by_length is None:

@@ -249,6 +249,30 @@ def rotary_write_kv(
     return _rotate(q, cos, sin).contiguous()
 
 
+def rotary_decode_attention(
+    qkv: torch.Tensor,  # [B, (Hq + 2 Hkv) * D]: each sequence's one new token
+    cos: torch.Tensor,  # [B, D] float32
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [B] int64, -1 = padding
+    num_q_heads: int,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, including the new token
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,  # launch hints of the Triton op, unused here
+    merge_counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A decode step's attention from its merged q|k|v rows: ``rotary_write_kv``, then
+    ``paged_decode_attention`` over the caches that now hold the new tokens -> [B, Hq, D]."""
+    q = rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate | up columns) -> silu(gate) * up [T, I] in gate_up's dtype."""
     inter = gate_up.shape[-1] // 2

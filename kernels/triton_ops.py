@@ -35,7 +35,7 @@ __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "paged_decode_attention", "paged_prefill_attention",
     "prefill_splits",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
-    "rms_norm", "add_rms_norm", "rotary_write_kv", "silu_mul", "linear", "linear_partials",
+    "rms_norm", "add_rms_norm", "rotary_write_kv", "rotary_decode_attention", "silu_mul", "linear", "linear_partials",
 ]
 
 
@@ -91,11 +91,21 @@ def paged_decode_attention(
     ``merge_counters``: int32 zeros, at least B x kv_heads, that a caller launching on one stream
     keeps for all its launches (the kernel leaves them zero); without it a launch that splits
     zeroes its own (``decode_attention.paged_decode``)."""
+    _check_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, context_lens, merge_counters)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                         context_lens=context_lens, merge_counters=merge_counters)
+
+
+def _check_decode_launch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    context_lens: Sequence[int] | None, merge_counters: torch.Tensor | None,
+) -> None:
     _check_attention_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
     assert block_tables.shape[0] == q.shape[0], f"block_tables has {block_tables.shape[0]} rows, q has {q.shape[0]} seqs"
     _check_int_vector("seq_lens", seq_lens, q.shape[0], q.device)
-    if q.shape[0] == 0:
-        return torch.empty_like(q)
     if context_lens is not None:
         assert len(context_lens) == q.shape[0], f"context_lens has {len(context_lens)} entries, q has {q.shape[0]} seqs"
     if merge_counters is not None:
@@ -104,8 +114,6 @@ def paged_decode_attention(
         need = q.shape[0] * k_cache.shape[2]
         assert merge_counters.shape[0] >= need, (
             f"merge_counters holds {merge_counters.shape[0]} counters, the launch needs {need} (seqs x kv_heads)")
-    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                                         context_lens=context_lens, merge_counters=merge_counters)
 
 
 def paged_prefill_attention(
@@ -265,6 +273,51 @@ def rotary_write_kv(
     k_bias: torch.Tensor | None = None,  # [Hkv, D], subtracted from the rotated keys (fp8 calibration)
 ) -> torch.Tensor:
     """RoPE on q and k, K/V written into their cache slots -> rotated q [T, Hq, D] (contiguous)."""
+    _check_rotary_inputs(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
+    return rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale,
+                                  k_bias)
+
+
+def rotary_decode_attention(
+    qkv: torch.Tensor,  # [B, (Hq + 2 Hkv) * D]: each sequence's one new token
+    cos: torch.Tensor,  # [B, D] float32
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [B] int64, -1 = padding
+    num_q_heads: int,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, including the new token
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,
+    merge_counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``rotary_write_kv`` then ``paged_decode_attention`` -> [B, Hq, D], in one launch
+    (``decode_attention.RopeWrite``) except where the launcher reads KV heads joined in pairs
+    (``decode_attention.joined_kv_heads``: fp8 at head dim <= 64), which keeps the two kernels."""
+    _check_rotary_inputs(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
+    _, _, kv_heads, head_dim = k_cache.shape
+    if (qkv.shape[0] == 0 or not decode_attention.FUSE_ROPE_WRITE
+            or decode_attention.joined_kv_heads(head_dim, kv_heads, k_cache.dtype) > 1):
+        q = rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                      context_lens=context_lens, merge_counters=merge_counters)
+    q = qkv[:, : num_q_heads * head_dim].view(qkv.shape[0], num_q_heads, head_dim)
+    _check_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, context_lens, merge_counters)
+    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                         context_lens=context_lens, merge_counters=merge_counters,
+                                         rope=decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias))
+
+
+def _check_rotary_inputs(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, num_q_heads: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    k_bias: torch.Tensor | None,
+) -> None:
     device = qkv.device
     check_paged_cache("k_cache", k_cache, device)
     check_paged_cache("v_cache", v_cache, device)
@@ -287,8 +340,6 @@ def rotary_write_kv(
         assert k_bias.dtype in ATTN_DTYPES and k_bias.device == device, (
             f"k_bias must be a float tensor on {device}, got {k_bias.dtype} on {k_bias.device}"
         )
-    return rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale,
-                                  k_bias)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

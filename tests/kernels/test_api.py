@@ -34,23 +34,48 @@ def test_split_choice_fills_the_last_wave():
 
 def test_one_wave_full_enough_beats_several_fuller_ones_for_16_bit_caches():
     """The wave model alone takes 3 full waves of 8 splits for 9 / 3 heads at 64 x 4K; one wave 73 % full
-    at 2 splits was 8 % faster on the H200 (session 17), so 16-bit caches take it; 8-bit keep the model."""
-    from kernels.decode_attention import ONE_WAVE_FILL, choose_num_splits, one_wave_fill_for
-    from kernels.reference import FP8_DTYPE
+    at 2 splits was 8 % faster on the H200 (session 17), so 16-bit caches take it."""
+    from kernels.decode_attention import ONE_WAVE_FILL, OneWaveRule, choose_num_splits, one_wave_rule_for
 
-    assert one_wave_fill_for(torch.bfloat16) == ONE_WAVE_FILL == one_wave_fill_for(torch.float16)
-    assert one_wave_fill_for(FP8_DTYPE) is None and one_wave_fill_for(torch.int8) is None
+    assert one_wave_rule_for(torch.bfloat16) == OneWaveRule() == one_wave_rule_for(torch.float16)
+    assert OneWaveRule().fill == ONE_WAVE_FILL and OneWaveRule().max_split_tokens is None
     assert choose_num_splits(64, 3, 4096, num_sms=132, block_n=64) == 8
-    assert choose_num_splits(64, 3, 4096, num_sms=132, block_n=64, one_wave_fill=ONE_WAVE_FILL) == 2
+    assert choose_num_splits(64, 3, 4096, num_sms=132, block_n=64, one_wave=OneWaveRule()) == 2
     # the engine's graph of 56 sequences over 8 KV heads: 7 splits (3 waves) -> 1 (448 of 528 slots)
-    assert choose_num_splits(56, 8, 8448, num_sms=132, block_n=64, one_wave_fill=ONE_WAVE_FILL) == 1
+    assert choose_num_splits(56, 8, 8448, num_sms=132, block_n=64, one_wave=OneWaveRule()) == 1
     # 300 pairs: one split fills 57 % of the wave, under the fill: the model's count stands
     own = choose_num_splits(100, 3, 4096, num_sms=132, block_n=64)
-    assert own > 1 and choose_num_splits(100, 3, 4096, num_sms=132, block_n=64, one_wave_fill=ONE_WAVE_FILL) == own
+    assert own > 1 and choose_num_splits(100, 3, 4096, num_sms=132, block_n=64, one_wave=OneWaveRule()) == own
     # the engine benchmark's batches (1 / 8 / 32 / 128 in an 8,448-token table) split as before
     for batch in (1, 8, 32, 128):
-        assert choose_num_splits(batch, 8, 8448, num_sms=132, block_n=64, one_wave_fill=ONE_WAVE_FILL) == \
+        assert choose_num_splits(batch, 8, 8448, num_sms=132, block_n=64, one_wave=OneWaveRule()) == \
             choose_num_splits(batch, 8, 8448, num_sms=132, block_n=64), batch
+
+
+def test_fp8_takes_one_wave_only_where_its_splits_are_short():
+    """fp8 won with one wave where each program streamed <= 2,048 tokens and lost 6 % at 4K and 8K
+    (session 17 call 5): the rule is bounded by the table cut into the one wave's splits; int8 keeps
+    the model."""
+    from kernels.decode_attention import (
+        FP8_ONE_WAVE_SPLIT_TOKENS,
+        FP8_WAVE_TILES,
+        choose_num_splits,
+        one_wave_rule_for,
+    )
+    from kernels.reference import FP8_DTYPE
+
+    fp8 = one_wave_rule_for(FP8_DTYPE)
+    assert fp8 is not None and fp8.max_split_tokens == FP8_ONE_WAVE_SPLIT_TOKENS == 2048
+    assert one_wave_rule_for(torch.int8) is None
+    # the 9 / 3 class at 64 x 4K (head dim 64: 128-token ring, 4 an SM): 8 -> 2 splits of 2,048
+    assert choose_num_splits(64, 3, 4096, num_sms=132, block_n=128) == 8
+    assert choose_num_splits(64, 3, 4096, num_sms=132, block_n=128, one_wave=fp8) == 2
+    # 48 x 4K full tables on the wave tiles: one split would stream 4,096 tokens, the model's 4 stand
+    wave = dict(num_sms=132, block_n=FP8_WAVE_TILES.block_n, programs_per_sm=FP8_WAVE_TILES.programs_per_sm)
+    assert choose_num_splits(48, 8, 4096, one_wave=fp8, **wave) == choose_num_splits(48, 8, 4096, **wave) == 4
+    # the engine's decode graphs (8,448-token tables) keep the model too
+    for batch in (24, 48, 56):
+        assert choose_num_splits(batch, 8, 8448, one_wave=fp8, **wave) == choose_num_splits(batch, 8, 8448, **wave)
 
 
 def test_uniform_batches_split_as_before_with_a_length_hint():

@@ -224,6 +224,25 @@ def test_rotary_write_kv_gpu(kv_dtype, q_heads, kv_heads, head_dim, block_size):
                               device="cuda", tokens=33, with_bias=True)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, ref.FP8_DTYPE, torch.int8])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (28, 4, 128, 32), (14, 2, 64, 16)])
+@pytest.mark.parametrize("hint", [False, True])
+def test_fused_rope_decode_gpu(kv_dtype, q_heads, kv_heads, head_dim, block_size, hint):
+    """RoPE + K/V write inside the decode launch, compiled: caches byte for byte as rotary_write_kv
+    writes them, output as the two kernels' (the launcher's own tiles and split count; with a length
+    hint the splits fall at fixed offsets, without it each sequence's context is cut on the device)."""
+    from tests.kernels import test_rope_decode as rope
+
+    lens = [1, 17, 300, 2049, 4000, 33]
+    case = rope.rope_decode_inputs(q_heads, kv_heads, head_dim, block_size, kv_dtype, torch.bfloat16, lens,
+                                   seed=q_heads + head_dim, device="cuda", with_bias=kv_dtype == ref.FP8_DTYPE)
+    launch = {"context_lens": case["seq_lens"].tolist()} if hint else {}
+    # against the reference, whose own K/V write may round an element of the new token one bf16 ulp
+    # apart, which an 8-bit cache can turn into a step (test_rotary_write_kv_gpu)
+    tol = decode.TOL[kv_dtype] if kv_dtype == torch.bfloat16 else 3e-2
+    rope.check_fused_case(case, tol, exact=False, **launch)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_mul_gpu(dtype):
     fused.run_silu_case(33, 14336, dtype, seed=4, device="cuda")

@@ -1,0 +1,168 @@
+"""RoPE and the K/V write inside the decode attention launch (``decode_attention.RopeWrite``)
+against the two kernels it replaces (``rotary_write_kv`` then the attention) and the torch reference.
+
+Fresh random inputs per case. The fused launch stores the same bytes and computes the same
+operands as the two kernels, so caches must be byte-equal and outputs equal; the reference is
+checked within the dtype's tolerance. tests/kernels/test_gpu.py runs compiled cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import decode_attention, triton_ops
+from kernels import reference as ref
+from tests.kernels.kernel_cases import INTERPRET, make_block_tables, make_kv_cache, rel_err
+
+
+def rope_decode_inputs(q_heads, kv_heads, head_dim, block_size, kv_dtype, dtype, seq_lens, seed, device="cpu",
+                       with_bias=False, padded_row=True):
+    """A decode step's inputs: q|k|v rows, cos / sin at each sequence's new position, caches holding
+    the earlier tokens, block tables, and each token's slot (the last row padding: slot -1)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = list(seq_lens) + ([1] if padded_row else [])
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    k_cache, v_cache, ks, vs = make_kv_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype, device, gen)
+    tables = make_block_tables(lens, block_size, num_blocks, gen, device)
+    b = len(lens)
+    qkv = (torch.randn(b, (q_heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(device=device, dtype=dtype)
+    pos = torch.tensor([n - 1 for n in lens], dtype=torch.float32)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat((pos[:, None] * inv_freq, pos[:, None] * inv_freq), dim=-1)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    slots = []
+    for i, n in enumerate(lens):
+        p = n - 1
+        slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+    if padded_row:  # a graph's padding row: nothing written, one harmless token read
+        slots[-1] = -1
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    seq_lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    bias = (torch.randn(kv_heads, head_dim, generator=gen) * 2).to(device=device, dtype=dtype) if with_bias else None
+    return dict(qkv=qkv, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, k_scale=ks, v_scale=vs,
+                block_tables=tables, seq_lens=seq_lens_t, slot_mapping=slot_mapping, k_bias=bias, q_heads=q_heads)
+
+
+def _copy_caches(case):
+    """The case with its own copy of the caches (and int8 scales), so that two paths write apart."""
+    out = dict(case)
+    for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+        if out[name] is not None:
+            out[name] = out[name].clone()
+    return out
+
+
+def run_two_kernels(c, **launch):
+    q = triton_ops.rotary_write_kv(c["qkv"], c["cos"], c["sin"], c["k_cache"], c["v_cache"], c["slot_mapping"],
+                                   c["q_heads"], c["k_scale"], c["v_scale"], c["k_bias"])
+    return decode_attention.paged_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], 0.125,
+                                         c["k_scale"], c["v_scale"], **launch)
+
+
+def run_fused(c, **launch):
+    head_dim = c["k_cache"].shape[3]
+    b = c["qkv"].shape[0]
+    q = c["qkv"][:, : c["q_heads"] * head_dim].view(b, c["q_heads"], head_dim)
+    rope = decode_attention.RopeWrite(c["cos"], c["sin"], c["slot_mapping"], c["k_bias"])
+    return decode_attention.paged_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], 0.125,
+                                         c["k_scale"], c["v_scale"], rope=rope, **launch)
+
+
+def run_reference(c):
+    return ref.rotary_decode_attention(c["qkv"], c["cos"], c["sin"], c["k_cache"], c["v_cache"], c["slot_mapping"],
+                                       c["q_heads"], c["block_tables"], c["seq_lens"], 0.125, c["k_scale"],
+                                       c["v_scale"], c["k_bias"])
+
+
+def _same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None:
+        return b is None
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def check_fused_case(case, tol, exact=True, **launch):
+    """Fused launch == two kernels (caches byte for byte, output exactly), and ~ the reference.
+    ``exact=False`` (compiled kernels: two different programs, which a compiler may schedule into
+    other instruction forms) asks the outputs to agree within 1e-3 instead."""
+    two, fused, want = _copy_caches(case), _copy_caches(case), _copy_caches(case)
+    out_two = run_two_kernels(two, **launch)
+    out_fused = run_fused(fused, **launch)
+    out_want = run_reference(want)
+    for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+        assert _same_bytes(fused[name], two[name]), f"{name}: the fused launch wrote other bytes than rotary_write_kv"
+    real = case["slot_mapping"] >= 0  # a padding row's output is whatever its one harmless token gives
+    if exact:
+        assert torch.equal(out_fused[real], out_two[real]), (
+            f"fused output differs from the two kernels' by {(out_fused[real].float() - out_two[real].float()).abs().max()}")
+    else:
+        assert rel_err(out_fused[real], out_two[real]) < 1e-3
+    assert rel_err(out_fused[real], out_want[real]) < tol
+
+
+needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(8, 2, 64, 16), (6, 3, 32, 32), (4, 4, 16, 16)])
+@pytest.mark.parametrize("num_splits,by_length", [(1, True), (3, True), (3, False)])
+def test_fused_rope_decode_equals_two_kernels_fp16(q_heads, kv_heads, head_dim, block_size, num_splits, by_length):
+    case = rope_decode_inputs(q_heads, kv_heads, head_dim, block_size, torch.float16, torch.float16,
+                              [37, 130, 16, 65], seed=q_heads * 100 + head_dim + num_splits + by_length)
+    lens = case["seq_lens"].tolist()
+    hint = {} if by_length else {"context_lens": lens}
+    check_fused_case(case, 2e-3, num_splits=num_splits, **hint)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kv_dtype", [ref.FP8_DTYPE, torch.int8])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fused_rope_decode_quantized_cache(kv_dtype, num_splits):
+    """The writer quantizes as kv_write does (fp8: per-tensor scale; int8: the token's per-head scale
+    written beside it, which its own split then reads); the fp8 case subtracts a key bias."""
+    case = rope_decode_inputs(8, 2, 32, 16, kv_dtype, torch.float16, [50, 17, 129], seed=7 + num_splits,
+                              with_bias=kv_dtype == ref.FP8_DTYPE)
+    check_fused_case(case, 3e-2, num_splits=num_splits)
+
+
+@needs_interpreter
+def test_fused_rope_decode_without_padding_and_one_token_contexts():
+    """Sequences whose new token is their first (context 1) or starts a block; no padding row."""
+    case = rope_decode_inputs(4, 2, 32, 16, torch.float32, torch.float32, [1, 17, 33, 2], seed=11, padded_row=False)
+    check_fused_case(case, 1e-5, num_splits=2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kv_dtype,head_dim,kv_heads", [(torch.float16, 32, 2), (ref.FP8_DTYPE, 32, 2)])
+def test_rotary_decode_attention_op_matches_reference(kv_dtype, head_dim, kv_heads):
+    """The op as the engine calls it: one launch for fp16, the two kernels for fp8 at head dim <= 64
+    with an even head count (heads read in pairs, which the fused launch does not do)."""
+    case = rope_decode_inputs(8, kv_heads, head_dim, 16, kv_dtype, torch.float16, [40, 90, 3], seed=3)
+    got, want = _copy_caches(case), _copy_caches(case)
+    out = triton_ops.rotary_decode_attention(
+        got["qkv"], got["cos"], got["sin"], got["k_cache"], got["v_cache"], got["slot_mapping"], got["q_heads"],
+        got["block_tables"], got["seq_lens"], 0.125, got["k_scale"], got["v_scale"], got["k_bias"])
+    out_want = run_reference(want)
+    real = case["slot_mapping"] >= 0
+    assert rel_err(out[real], out_want[real]) < (3e-2 if kv_dtype == ref.FP8_DTYPE else 2e-3)
+    untouched = torch.ones(case["k_cache"].shape[0] * case["k_cache"].shape[1], dtype=torch.bool)
+    untouched[case["slot_mapping"][real]] = False
+    for name in ("k_cache", "v_cache"):
+        flat_got = got[name].reshape(untouched.shape[0], -1)[untouched]
+        flat_before = case[name].reshape(untouched.shape[0], -1)[untouched]
+        assert _same_bytes(flat_got, flat_before), f"{name}: a slot outside the mapping changed"
+
+
+def test_fused_launch_reads_heads_one_by_one():
+    case = rope_decode_inputs(8, 2, 32, 16, torch.float16, torch.float16, [20], seed=1)
+    with pytest.raises(ValueError, match="one by one"):
+        run_fused(case, joined_heads=2)
+
+
+def test_fused_launch_needs_q_columns_of_qkv_rows():
+    case = rope_decode_inputs(8, 2, 32, 16, torch.float16, torch.float16, [20], seed=1)
+    q = case["qkv"][:, : 8 * 32].reshape(-1, 32, 8).transpose(1, 2)  # head_dim not contiguous
+    rope = decode_attention.RopeWrite(case["cos"], case["sin"], case["slot_mapping"])
+    with pytest.raises(ValueError, match="q columns"):
+        decode_attention.paged_decode(q, case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
+                                      0.125, None, None, rope=rope)
