@@ -929,6 +929,92 @@ def split_rule_case(gen, shapes=SPLIT_RULE_SHAPES, block_size: int = 16, device=
     return rows
 
 
+@dataclass(frozen=True)
+class _RopeStep:
+    """One decode step's inputs for ``rope_decode_chain_case``, shared by every layer's launch."""
+
+    qkv: torch.Tensor
+    q_heads: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    scale: float
+    counters: torch.Tensor
+
+    def two_kernels(self, kc, vc, ks, vs) -> torch.Tensor:
+        q = triton_ops.rotary_write_kv(self.qkv, self.cos, self.sin, kc, vc, self.slots, self.q_heads, ks, vs)
+        return decode_attention.paged_decode(q, kc, vc, self.tables, self.lens, self.scale, ks, vs,
+                                             merge_counters=self.counters)
+
+    def one_launch(self, kc, vc, ks, vs) -> torch.Tensor:
+        head_dim = kc.shape[3]
+        q = self.qkv[:, : self.q_heads * head_dim].view(self.qkv.shape[0], self.q_heads, head_dim)
+        return decode_attention.paged_decode(q, kc, vc, self.tables, self.lens, self.scale, ks, vs,
+                                             merge_counters=self.counters,
+                                             rope=decode_attention.RopeWrite(self.cos, self.sin, self.slots))
+
+
+def _rope_chain_row(step: _RopeStep, k0, v0, ks, vs, layers: int, timer) -> dict:
+    """``rope_decode_chain_case`` for one cache dtype: both ways checked against each other on the first
+    layer's cache, then timed over ``layers`` caches in one graph."""
+    layer_caches = [(k0, v0)] + [(k0.clone(), v0.clone()) for _ in range(layers - 1)]
+    k_two, v_two = k0.clone(), v0.clone()
+    want = step.two_kernels(k_two, v_two, ks, vs)
+    got = step.one_launch(k0, v0, ks, vs)
+    same = bool(torch.equal(k_two.view(torch.uint8), k0.view(torch.uint8))
+                and torch.equal(v_two.view(torch.uint8), v0.view(torch.uint8)))
+    res: dict = {"rel_err": rel_err(got, want), "same_cache_bytes": same, "bit_equal": bool(torch.equal(got, want))}
+    for label, fn in (("two_kernels", step.two_kernels), ("fused", step.one_launch)):
+        ms = timer(lambda fn=fn: [fn(kc, vc, ks, vs) for kc, vc in layer_caches])
+        res[f"{label}_us_per_layer"] = None if ms is None else 1000 * ms / layers
+    a, b = res["two_kernels_us_per_layer"], res["fused_us_per_layer"]
+    res["fused_x"] = a / b if a and b else None
+    return res
+
+
+def rope_decode_chain_case(gen, batches=(1, 8, 32, 128), context=2048, table_tokens=8448, layers=32, q_heads=32,
+                           kv_heads=8, head_dim=128, block_size=16, device="cuda", timer=None) -> list[dict]:
+    """A decode step's attention as the engine's graphs launch it, ``layers`` launches in one CUDA graph
+    (each over its own cache, live contexts of ``context`` in a ``table_tokens`` table, one merge
+    counter buffer): ``rotary_write_kv`` then the attention (two kernels a layer) against the one
+    launch that does both (``decode_attention.RopeWrite``), bf16 and fp8 caches. Checked first: the
+    same cache bytes and outputs within 1e-3 of each other. -> us a layer, both ways."""
+    timer = timer or bench_graph
+    rows = []
+    scale = 1 / math.sqrt(head_dim)
+    for batch in batches:
+        # the cache holds each sequence's context, the table is as wide as a decode graph's (zeros past it)
+        kv, live, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
+        tables = torch.cat([live, torch.zeros(batch, table_tokens // block_size - live.shape[1], dtype=live.dtype,
+                                              device=device)], 1)
+        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+        lens -= 1  # the cache holds context - 1 tokens; the step's token makes it context
+        pos = lens.to(torch.int64)
+        slots = tables[torch.arange(batch, device=device), pos // block_size].to(torch.int64) * block_size \
+            + pos % block_size
+        lens += 1
+        qkv = torch.randn(batch, (q_heads + 2 * kv_heads) * head_dim, device=device, generator=gen).to(torch.bfloat16)
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+        freqs = pos.float()[:, None] * inv_freq[None, :]
+        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+        row: dict = {"batch": batch, "context": context, "table_tokens": table_tokens, "layers": layers}
+        step = _RopeStep(qkv, q_heads, cos, sin, slots, tables, lens, scale, counters)
+        for name, k0, v0, ks, vs in _caches_by_dtype(kv):
+            row[name] = _rope_chain_row(step, k0, v0, ks, vs, layers, timer)
+            res = row[name]
+            print(f"rope in decode {batch} x {context} {name}: two kernels {res['two_kernels_us_per_layer'] or 0:.2f} us "
+                  f"a layer, one launch {res['fused_us_per_layer'] or 0:.2f} (x{res['fused_x'] or 0:.3f}); err "
+                  f"{res['rel_err']:.1e}, bit-equal {res['bit_equal']}, same cache bytes {res['same_cache_bytes']}",
+                  flush=True)
+        rows.append(row)
+        del kv
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 # Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
 # times, for --help)
 SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
@@ -938,6 +1024,8 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                   "counts, bf16 and fp8 (odd_heads_sweep_case)"),
     "split-rule": ("split_rule", split_rule_case, "decode launches at the wave model's split count against the "
                    "one-wave rule's, where they differ (split_rule_case)"),
+    "rope-decode": ("rope_decode", rope_decode_chain_case, "a decode step's RoPE + K/V write and attention, two "
+                    "kernels a layer against one launch, 32 layers in a graph (rope_decode_chain_case)"),
 }
 
 

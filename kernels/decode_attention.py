@@ -193,15 +193,15 @@ def _decode_split_kernel(
     col_ok = d < ROW_WIDTH
     pair_ok = dh < ROW_WIDTH // 2
     if ROPE_WRITE:  # q|k|v row in, rotated q; the token's K / V into the cache by the split holding it
-        _rope_and_write(q_ptr + b * stride_qb, cos_ptr + b * stride_cos, sin_ptr + b * stride_sin, slot_mapping_ptr + b,
-                        k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh, k_col, v_col,
-                        (seq_len - 1 >= start) & (seq_len - 1 < end),
-                        stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
-                        stride_sb, stride_ss, stride_sh, HEAD_DIM, BLOCK_SIZE, KV_QUANT, SOFT_FP8, HAS_K_BIAS)
+        row = q_ptr + b * stride_qb
         cos = tl.load(cos_ptr + b * stride_cos + d).to(q_ptr.dtype.element_ty).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_sin + d).to(q_ptr.dtype.element_ty).to(tl.float32)
-        q = _rope_tile(q_ptr + b * stride_qb, heads, d, row_ok[:, None] & (d < HEAD_DIM)[None, :], cos, sin,
-                       HEAD_DIM)
+        q = _rope_tile(row, heads, d, row_ok[:, None] & (d < HEAD_DIM)[None, :], cos, sin, HEAD_DIM)
+        slot_id = tl.load(slot_mapping_ptr + b)
+        writes = (seq_len - 1 >= start) & (seq_len - 1 < end) & (slot_id >= 0)
+        _write_token_kv(row, cos, sin, slot_id, writes, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr,
+                        kvh, k_col, v_col, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
+                        stride_sb, stride_ss, stride_sh, HEAD_DIM, BLOCK_SIZE, KV_QUANT, SOFT_FP8, HAS_K_BIAS)
         # the writer's stores are seen by its own threads' loads below (bar.sync orders a CTA's global
         # accesses); the other splits never read the token's slot
         tl.debug_barrier()
@@ -313,35 +313,32 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _rope_and_write(row, cos_row, sin_row, slot_ptr, k_bias_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                    kvh, k_col, v_col, holds_token,
+def _write_token_kv(row, cos, sin, slot_id, writes, k_bias_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                    kvh, k_col, v_col,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_sb, stride_ss, stride_sh,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
                     SOFT_FP8: tl.constexpr, HAS_K_BIAS: tl.constexpr):
     """``_rotary_write_kv_kernel``'s K / V half for one KV head of one token: ``rope(k) - k_bias`` and
-    ``v`` from the q|k|v ``row`` into the cache slot ``*slot_ptr``, when ``holds_token`` and the slot
-    is not padding (-1)."""
-    if holds_token:
-        slot_id = tl.load(slot_ptr)
-        if slot_id >= 0:
-            dt = row.dtype.element_ty
-            d = tl.arange(0, HEAD_DIM)
-            kh = kvh + tl.zeros([1], tl.int32)  # a [1, D] tile: kv_write's store takes [heads, D]
-            mask = (kh >= 0)[:, None] & (d < HEAD_DIM)[None, :]
-            cos = tl.load(cos_row + d).to(dt).to(tl.float32)
-            sin = tl.load(sin_row + d).to(dt).to(tl.float32)
-            k = _rope_tile(row + k_col, kh, d, mask, cos, sin, HEAD_DIM)
-            if HAS_K_BIAS:  # as kernels.rotary: the bias rounded to k's dtype, one rounding of the difference
-                bias = tl.load(k_bias_ptr + kh[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
-                k = (k.to(tl.float32) - bias.to(dt).to(tl.float32)).to(dt)
-            v = tl.load(row + v_col + kh[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
-            block = slot_id // BLOCK_SIZE
-            slot = slot_id % BLOCK_SIZE
-            _quantize_store(k, k_cache_ptr, k_scale_ptr, block, slot, kh, d, mask,
-                            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, KV_QUANT, SOFT_FP8)
-            _quantize_store(v, v_cache_ptr, v_scale_ptr, block, slot, kh, d, mask,
-                            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, KV_QUANT, SOFT_FP8)
+    ``v`` from the q|k|v ``row`` into the cache slot ``slot_id``, stored where ``writes``. Branch-free:
+    every program loads the row (two 256-byte reads), so the loads do not wait for the slot and the
+    sequence length that decide the store, and only the stores are masked."""
+    dt = row.dtype.element_ty
+    d = tl.arange(0, HEAD_DIM)
+    kh = kvh + tl.zeros([1], tl.int32)  # a [1, D] tile: kv_write's store takes [heads, D]
+    row_ok = (kh >= 0)[:, None] & (d < HEAD_DIM)[None, :]
+    k = _rope_tile(row + k_col, kh, d, row_ok, cos, sin, HEAD_DIM)
+    if HAS_K_BIAS:  # as kernels.rotary: the bias rounded to k's dtype, one rounding of the difference
+        bias = tl.load(k_bias_ptr + kh[:, None] * HEAD_DIM + d[None, :])
+        k = (k.to(tl.float32) - bias.to(dt).to(tl.float32)).to(dt)
+    v = tl.load(row + v_col + kh[:, None] * HEAD_DIM + d[None, :])
+    block = slot_id // BLOCK_SIZE
+    slot = slot_id % BLOCK_SIZE
+    store = tl.where(writes, row_ok, False)  # (row_ok & writes: the interpreter rejects that mask's dtype)
+    _quantize_store(k, k_cache_ptr, k_scale_ptr, block, slot, kh, d, store,
+                    stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, KV_QUANT, SOFT_FP8)
+    _quantize_store(v, v_cache_ptr, v_scale_ptr, block, slot, kh, d, store,
+                    stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, KV_QUANT, SOFT_FP8)
 
 
 @triton.jit

@@ -95,3 +95,14 @@ def test_split_rule_case_checks_both_counts():
         res = rows[0][name]
         assert res["launcher"]["rel_err"] < 1e-2 and res["rule"]["rel_err"] < 1e-2
         assert res["rule_x"] == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+def test_rope_decode_chain_case_checks_both_ways():
+    gen = torch.Generator().manual_seed(3)
+    rows = kbench.rope_decode_chain_case(gen, batches=(2,), context=48, table_tokens=96, layers=2, q_heads=4,
+                                         kv_heads=2, head_dim=32, device="cpu", timer=lambda fn: (fn(), 0.004)[1])
+    for name in ("bf16", "fp8"):
+        res = rows[0][name]
+        assert res["same_cache_bytes"] and res["rel_err"] < 1e-3
+        assert res["fused_us_per_layer"] == pytest.approx(2.0) and res["fused_x"] == pytest.approx(1.0)
