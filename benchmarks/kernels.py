@@ -1015,6 +1015,52 @@ def rope_decode_chain_case(gen, batches=(1, 8, 32, 128), context=2048, table_tok
     return rows
 
 
+# (block_n, num_warps, num_stages) for small_batch_tiles_case: the launcher's bf16 head-dim-128 tiles first,
+# then deeper pipelines (3 stages; 5: a two-tile ring), shorter and longer tiles, 8 warps
+SMALL_BATCH_TILES = [(64, 4, 2), (64, 4, 3), (64, 4, 5), (32, 4, 3), (32, 4, 5), (128, 8, 3), (64, 8, 3)]
+
+
+def small_batch_tiles_case(gen, batches=(1, 8), context=2048, table_tokens=8448, layers=32, q_heads=32, kv_heads=8,
+                           head_dim=128, block_size=16, tiles=SMALL_BATCH_TILES) -> list[dict]:
+    """The engine's decode launches at batch 1 and 8 (graph-shaped, bf16, ``layers`` of them in one CUDA
+    graph, each over its own cache) at each tile set of ``tiles`` x half, once and twice the launcher's
+    split count: at these batches a program streams 2-4 tiles (session 15: batch 8's streams end
+    14.6-20.5 us into a 22.9 us launch), so a deeper pipeline or other tiles may end them sooner. Each
+    launch checked against the reference. -> us a layer per (tiles, splits), the launcher's first."""
+    rows = []
+    scale = 1 / math.sqrt(head_dim)
+    for batch in batches:
+        kv, wide, lens, q, caches, own_tiles, counters = chained_layers_setup(
+            batch, q_heads, kv_heads, head_dim, context, table_tokens, block_size, layers, gen)
+        sms = decode_attention.num_sms(q.device)
+        want = ref.paged_decode_attention(q, kv[:, 0, 0], kv[:, 0, 1], wide, lens, scale)
+        row: dict = {"batch": batch, "context": context, "table_tokens": table_tokens, "layers": layers,
+                     "launcher_tiles": [own_tiles.block_n, own_tiles.num_warps, own_tiles.num_stages], "us": {}}
+        for bn, warps, stages in tiles:
+            own = decode_attention.choose_num_splits(batch, kv_heads, table_tokens, sms, bn)
+            for splits in sorted({max(1, own // 2), own, 2 * own}):
+                kw = {"block_n": bn, "num_warps": warps, "num_stages": stages, "num_splits": splits}
+
+                def launch(c, kw=kw, q=q, wide=wide, lens=lens, counters=counters) -> torch.Tensor:
+                    return decode_attention.paged_decode(q, c[:, 0, 0], c[:, 0, 1], wide, lens, scale, None, None,
+                                                         merge_counters=counters, **kw)
+                key = f"bn{bn}_w{warps}_s{stages}_sp{splits}"
+                try:
+                    err = rel_err(launch(kv), want)
+                    ms = bench_graph(lambda launch=launch, caches=caches: [launch(c) for c in caches])
+                    row["us"][key] = {"us_per_launch": None if ms is None else 1000 * ms / layers, "rel_err": err}
+                except Exception as e:  # noqa: BLE001  (a tile set that does not compile is a finding)
+                    row["us"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        timed = {k: v["us_per_launch"] for k, v in row["us"].items() if v.get("us_per_launch")}
+        row["best"] = min(timed, key=timed.get) if timed else None
+        rows.append(row)
+        print(f"small-batch tiles {batch} x {context}: best {row['best']}; " + "  ".join(
+            f"{k} {v:.2f}" for k, v in timed.items()), flush=True)
+        del kv, caches
+        torch.cuda.empty_cache()
+    return rows
+
+
 # Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
 # times, for --help)
 SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
@@ -1024,6 +1070,8 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                   "counts, bf16 and fp8 (odd_heads_sweep_case)"),
     "split-rule": ("split_rule", split_rule_case, "decode launches at the wave model's split count against the "
                    "one-wave rule's, where they differ (split_rule_case)"),
+    "small-batch-tiles": ("small_batch_tiles", small_batch_tiles_case, "the engine's decode launches at batch 1 "
+                          "and 8, 32 in a graph, over tile sets x split counts (small_batch_tiles_case)"),
     "rope-decode": ("rope_decode", rope_decode_chain_case, "a decode step's RoPE + K/V write and attention, two "
                     "kernels a layer against one launch, 32 layers in a graph (rope_decode_chain_case)"),
 }
