@@ -321,7 +321,7 @@ def _write_token_kv(row, cos, sin, slot_id, writes, k_bias_ptr, k_cache_ptr, v_c
                     SOFT_FP8: tl.constexpr, HAS_K_BIAS: tl.constexpr):
     """``_rotary_write_kv_kernel``'s K / V half for one KV head of one token: ``rope(k) - k_bias`` and
     ``v`` from the q|k|v ``row`` into the cache slot ``slot_id``, stored where ``writes``. Branch-free:
-    every program loads the row (two 256-byte reads), so the loads do not wait for the slot and the
+    every program loads the token's K and V rows (one head's each), so the loads do not wait for the slot and the
     sequence length that decide the store, and only the stores are masked."""
     dt = row.dtype.element_ty
     d = tl.arange(0, HEAD_DIM)

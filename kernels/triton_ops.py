@@ -301,16 +301,17 @@ def rotary_decode_attention(
     (``decode_attention.joined_kv_heads``: fp8 at head dim <= 64), which keeps the two kernels."""
     _check_rotary_inputs(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
     _, _, kv_heads, head_dim = k_cache.shape
-    if (qkv.shape[0] == 0 or not decode_attention.FUSE_ROPE_WRITE
-            or decode_attention.joined_kv_heads(head_dim, kv_heads, k_cache.dtype) > 1):
-        q = rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                                      context_lens=context_lens, merge_counters=merge_counters)
-    q = qkv[:, : num_q_heads * head_dim].view(qkv.shape[0], num_q_heads, head_dim)
+    fused = (qkv.shape[0] > 0 and decode_attention.FUSE_ROPE_WRITE
+             and decode_attention.joined_kv_heads(head_dim, kv_heads, k_cache.dtype) == 1)
+    # the inputs are checked once here; the launchers below are the unchecked ones
+    q = (qkv[:, : num_q_heads * head_dim].view(qkv.shape[0], num_q_heads, head_dim) if fused else
+         rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias))
     _check_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, context_lens, merge_counters)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
     return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                                          context_lens=context_lens, merge_counters=merge_counters,
-                                         rope=decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias))
+                                         rope=decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias) if fused else None)
 
 
 def _check_rotary_inputs(
