@@ -1,4 +1,4 @@
-"""CPU attention: the plain reference ops against the CPU attention ops (kernels/cpu_attention.py: SDPA prefill, grouped decode), one run, real model.
+"""CPU attention: the plain reference ops against the CPU attention ops (prefixgate_kernels/cpu_attention.py: SDPA prefill, grouped decode), one run, real model.
 
 Both runners share one loaded SmolLM2-135M-Instruct (fp32); only ``runner.ops`` differs, so each
 ratio compares the attention implementation and nothing else. ``ModelRunner.execute`` is driven
@@ -42,7 +42,7 @@ from engine.batch import ScheduledBatch, SequenceChunk  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.protocol import SamplingParams  # noqa: E402
-from kernels import cpu_attention, reference  # noqa: E402
+from prefixgate_kernels import cpu_attention, reference  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 OPS = {"reference": reference, "cpu_attention": cpu_attention}

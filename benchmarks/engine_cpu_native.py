@@ -1,8 +1,8 @@
-"""The native CPU kernels (kernels/cpu_native) against the torch paths they replace, in one run.
+"""The native CPU kernels (prefixgate_kernels/cpu_native) against the torch paths they replace, in one run.
 
     python benchmarks/engine_cpu_native.py [--threads 1] [--repeats 20] [--out benchmarks/results/engine_cpu_native.json]
 
-  * paged causal prefill attention, bf16 cache: the native kernel vs ``kernels.cpu_attention``'s
+  * paged causal prefill attention, bf16 cache: the native kernel vs ``prefixgate_kernels.cpu_attention``'s
     SDPA path (the same call with the kernel switched off) for the tiny model's shape (8/2 heads,
     head dim 32) and SmolLM2's (9/3, head dim 64): a whole 1,600-token prompt and a 100-token
     chunk over a 1,500-token cached prefix;
@@ -61,7 +61,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from kernels import cpu_attention, cpu_native
+    from prefixgate_kernels import cpu_attention, cpu_native
 
     torch.set_num_threads(args.threads)
     kernel = cpu_native.load()

@@ -498,7 +498,7 @@ def sec_decode_profile(dev, args, runner) -> dict:
                "idle_us_per_step": sum(idles) / steps, "by_class": by_class,
                "top": [{"kernel": n[:80], "per_step": round(k, 2), "us_per_step": round(us, 1)} for us, k, n in top]}
         rows.append(row)
-        print(f"   profile batch {b}: {len(ks) / steps:.0f} kernels/step, busy {busy / steps:.0f} us, "
+        print(f"   profile batch {b}: {len(ks) / steps:.0f} prefixgate_kernels/step, busy {busy / steps:.0f} us, "
               f"span {span / steps:.0f} us", flush=True)
     return {"rows": rows}
 
@@ -537,9 +537,9 @@ def decode_ab(dev, args, model, runner, bw, label: str, settings: dict[str, Call
 
 def sec_decode_partials(dev, args, model, runner, bw) -> dict:
     """The o and down projections as split-K partials summed by the next add + RMSNorm
-    (kernels/partial_gemm.py, the default) against cuBLAS's split-K GEMM and reduce kernel
+    (prefixgate_kernels/partial_gemm.py, the default) against cuBLAS's split-K GEMM and reduce kernel
     (``partial_gemm.MAX_ROWS = 0``), through ``decode_ab``."""
-    from kernels import partial_gemm
+    from prefixgate_kernels import partial_gemm
 
     default = partial_gemm.MAX_ROWS
 
@@ -553,7 +553,7 @@ def sec_decode_partials(dev, args, model, runner, bw) -> dict:
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
     """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
     the default) against ``rotary_write_kv`` then the attention, through ``decode_ab``."""
-    from kernels import decode_attention
+    from prefixgate_kernels import decode_attention
 
     default = decode_attention.FUSE_ROPE_WRITE
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.kernels import bench, ceilings, paged_setup, rel_err  # noqa: E402
 from benchmarks.provenance import git_commit  # noqa: E402
-from kernels import triton_ops  # noqa: E402
+from prefixgate_kernels import triton_ops  # noqa: E402
 
 
 def run(cached: int, new: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> dict:

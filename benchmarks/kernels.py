@@ -7,7 +7,7 @@ Measures in one run (CUDA events through triton.testing.do_bench, median):
     cache; bandwidth = KV bytes read / time, reported as a fraction of the copy bandwidth;
   * prefill (8,192 cached + 512 new tokens per sequence): our kernel vs gather-then-SDPA, TFLOP/s
     against the matmul.
-Every kernel result is checked against kernels.reference on the GPU (a slice of the batch) first.
+Every kernel result is checked against prefixgate_kernels.reference on the GPU (a slice of the batch) first.
 
     python benchmarks/kernels.py [--out benchmarks/results/kernels_h200.json] [--quick]
 """
@@ -32,8 +32,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
-from kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+from prefixgate_kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
+from prefixgate_kernels import reference as ref  # noqa: E402
 
 DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
     (64, 32, 8, 128, 4096, 16),
@@ -59,7 +59,7 @@ MIXED_LENS = (32, 100, 8000)  # batch of 32, lengths uniform in [100, 8000]
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # swept with each DECODE_TILES entry (bf16; --full-sweeps)
 DECODE_TILES = [(64, 4, 2)]  # (block_n, num_warps, num_stages); run 2 also tried (32, 4, 3): slower
 # 8-bit KV (bn, warps, stages, v_pairs): the session-2 default (64, 4, 2), its 128-token tile, and the
-# deeper cp.async rings of kernels.decode_attention.choose_tiles (stages 5-6: two tiles, 7: three).
+# deeper cp.async rings of prefixgate_kernels.decode_attention.choose_tiles (stages 5-6: two tiles, 7: three).
 # Session 2 also timed (64, 4, 2, False): 1.5-1.9x slower than the pairs path, dropped.
 # Session 3 run 1 also timed (128, 4, 2), (64, 4, 7), (64, 8, 5): none better than (64, 4, 5) or
 # (128, 4, 5) on any shape (kernels_h200_s3run1.json), dropped.
@@ -1211,7 +1211,7 @@ def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size
 
 def fused_ops_case(gen, ceil: dict, tokens: int, hidden=4096, inter=14336, q_heads=32, kv_heads=8,
                    head_dim=128) -> dict:
-    """The fused layer kernels vs the unfused torch code they replace (kernels.reference), at one row
+    """The fused layer kernels vs the unfused torch code they replace (prefixgate_kernels.reference), at one row
     count: time and bandwidth of the bytes the fused kernel must move."""
     dt = torch.bfloat16
     x = torch.randn(tokens, hidden, device="cuda", dtype=dt, generator=gen)
@@ -1248,7 +1248,7 @@ GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 
 
 def decode_gemm_case(gen, ceil: dict, full_sweeps: bool = False) -> dict:
-    """cuBLAS (F.linear, bf16) and kernels.skinny_gemm on the decode step's weight shapes at M = 1..128
+    """cuBLAS (F.linear, bf16) and prefixgate_kernels.skinny_gemm on the decode step's weight shapes at M = 1..128
     rows, timed as CUDA-graph replays (as the engine runs them: a small GEMM is shorter than a Triton
     launch from Python, so eager timings measure the host): the weight bytes each reads over its time,
     as a share of copy bandwidth. Diagnostic: where a decode step's GPU time above the floor goes."""
@@ -1388,10 +1388,10 @@ def skinny_variant(**kw) -> Callable[[int, int], ChainLinear]:
     return make
 
 
-# The chain through kernels.skinny_gemm (session 8, calls 2-3 and 6): whole-K programs; PDL with the
+# The chain through prefixgate_kernels.skinny_gemm (session 8, calls 2-3 and 6): whole-K programs; PDL with the
 # next grid launched at each program's start (20 points slower) or after its weight loop (no gain).
 # Also measured and dropped: 512-wide K tiles, 8 warps, the L2 prefetch and no explicit trigger (in
-# skinny_gemm until 8d8a8ca), and a persistent grid of 1-2 programs per SM (kernels/stream_gemm.py at
+# skinny_gemm until 8d8a8ca), and a persistent grid of 1-2 programs per SM (prefixgate_kernels/stream_gemm.py at
 # 13472b9: 67 % without PDL, 40 % with it at M = 1; one GEMM 77 %: too few bytes in flight per SM).
 # Session 12: the trigger after the program's wait (no chain of parked grids), with and without the L2
 # prefetch, and a small kernel before each GEMM with PDL: 62-64 % at M = 1 (at 5ef5902; docs/gpu.md).

@@ -73,8 +73,8 @@ from engine.tiers.engine_hook import TierHook  # noqa: E402
 from engine.tiers.gpu_opener import DeviceAeadOpener, PinnedHostOpener  # noqa: E402
 from engine.tiers.gpu_sealer import DeviceSealer  # noqa: E402
 from engine.tiers.opener import OpenedRuns, SealedRun, SegmentOpener  # noqa: E402
-from kernels import chacha20_poly1305 as gpu_aead  # noqa: E402
-from kernels.jit_watch import CompileRecorder  # noqa: E402
+from prefixgate_kernels import chacha20_poly1305 as gpu_aead  # noqa: E402
+from prefixgate_kernels.jit_watch import CompileRecorder  # noqa: E402
 from tenancy.crypto import TenantCipher, new_data_key  # noqa: E402
 
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

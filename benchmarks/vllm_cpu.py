@@ -64,7 +64,7 @@ PREDICTION_FIRST = {
     "ttft_uncached_p50": "engine 1.5-4x vLLM (same SDPA floor)",
     "decode_ms_per_token": "engine 1-2x vLLM",
 }
-# Written before measuring the native CPU kernels (kernels/cpu_native: prefill attention 4x SDPA,
+# Written before measuring the native CPU kernels (prefixgate_kernels/cpu_native: prefill attention 4x SDPA,
 # decode-sized GEMV 2.8x oneDNN for the LM head), from the last quiet run 1.61/2.14/1.38/1.88/2.01x
 # and the profile shares (prefill attention ~60% of an uncached prompt, LM head most of a decode step).
 PREDICTION = {

@@ -17,8 +17,8 @@ import statistics
 import sys
 import time
 
-# This directory holds benchmarks/kernels.py, which would shadow the ``kernels`` package that
-# transformers probes for on import: take the script's own directory off the path.
+# This directory holds benchmarks/kernels.py, which would shadow Hugging Face's ``kernels`` package
+# that transformers probes for on import: take the script's own directory off the path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 

@@ -111,7 +111,7 @@ class DecodeGraphs:
         self._host, self._dev = self._inputs.host, self._inputs.dev
         self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)  # one new token per sequence
         self._fed_tokens = torch.zeros(n, dtype=torch.int64, device=device)
-        # the decode kernel's split-merge counters (kernels/decode_attention.py): one zeroed buffer that
+        # the decode kernel's split-merge counters (prefixgate_kernels/decode_attention.py): one zeroed buffer that
         # every graph's launches share (replays are serial on one stream; the kernel leaves it zero)
         kv_heads = layer_caches[0].k.shape[2] if layer_caches else 1
         self._merge_counters = torch.zeros(n * kv_heads, dtype=torch.int32, device=device)

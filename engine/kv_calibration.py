@@ -26,7 +26,7 @@ The scales live in one float32 tensor ``[num_layers, 2 (k|v), 1]`` and the bias 
 ``[num_layers, num_kv_heads, head_dim]`` tensor owned by the runner; each layer's ``LayerCache``
 holds views of them. The kernels' per-tensor scale interface is unchanged: the plain path
 subtracts the bias before ``write_kv`` (engine/models/attention.py); the fused GPU path passes it
-to ``rotary_write_kv``, which subtracts it after RoPE (kernels/rotary.py). No attention kernel
+to ``rotary_write_kv``, which subtracts it after RoPE (prefixgate_kernels/rotary.py). No attention kernel
 reads it (softmax cancels the shift).
 """
 
@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import FP8_MAX
+from prefixgate_kernels.reference import FP8_MAX
 
 HEADROOM = 4.0
 

@@ -153,7 +153,7 @@ class ModelRunner:
         self.layer_caches = [self._layer_cache(layer) for layer in range(arch.num_layers)]
         # Calibration runs the plain path (its recording ops stand in for the KV ops), so it comes
         # before fusing. Both paths store centred keys: the fused RoPE+KV-write kernel subtracts the
-        # same bias (kernels/rotary.py), so CPU and GPU nodes write interchangeable fp8 blocks.
+        # same bias (prefixgate_kernels/rotary.py), so CPU and GPU nodes write interchangeable fp8 blocks.
         fused = torch_device.type == "cuda"
         if self.fp8_scales is not None:
             self.set_fp8_calibration(*self.calibrate_fp8())
@@ -276,7 +276,7 @@ class ModelRunner:
         return input_ids, tensor_to_device(positions, dev), meta
 
     def _merge_counters(self, num_seqs: int) -> torch.Tensor:
-        """The eager decode steps' split-merge counters (kernels/decode_attention.py): one zeroed
+        """The eager decode steps' split-merge counters (prefixgate_kernels/decode_attention.py): one zeroed
         buffer for every launch on the compute stream (the kernel leaves it zero), grown when a batch
         has more sequences than any before; the decode graphs keep their own."""
         need = num_seqs * self.arch.num_kv_heads

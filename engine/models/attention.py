@@ -2,9 +2,9 @@
 
 ``select_ops`` returns a module with the reference op signatures (``write_kv``,
 ``paged_prefill_attention``, ``paged_decode_attention``, ``copy_blocks``, ``gather_blocks``,
-``scatter_blocks``): ``kernels.cpu_attention`` on CPU (the reference ops, with a native AVX-512 BF16 kernel or
+``scatter_blocks``): ``prefixgate_kernels.cpu_attention`` on CPU (the reference ops, with a native AVX-512 BF16 kernel or
 PyTorch's fused SDPA for prefill attention),
-``kernels.triton_ops`` on CUDA when present, else ``kernels.reference``.
+``prefixgate_kernels.triton_ops`` on CUDA when present, else ``prefixgate_kernels.reference``.
 Swapping implementations is that one function.
 """
 
@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_attention, reference
+from prefixgate_kernels import cpu_attention, reference
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 def select_ops(device: torch.device | str) -> ModuleType:
     if torch.device(device).type == "cuda":
         try:
-            return importlib.import_module("kernels.triton_ops")
+            return importlib.import_module("prefixgate_kernels.triton_ops")
         except ImportError as exc:  # the Triton launchers are not built yet / triton missing
-            log.warning("kernels.triton_ops unavailable (%s); using the torch reference ops on CUDA", exc)
+            log.warning("prefixgate_kernels.triton_ops unavailable (%s); using the torch reference ops on CUDA", exc)
         return reference
     return cpu_attention
 
@@ -45,7 +45,7 @@ class AttentionMetadata:
                   decode kernel splits a batch of unequal lengths; None in a CUDA graph, whose
                   launch is fixed at capture
     merge_counters  [>= B * kv_heads] int32 zeros the GPU decode kernel counts finished splits in
-                  (kernels/decode_attention.py), owned by whoever launches the steps on one stream
+                  (prefixgate_kernels/decode_attention.py), owned by whoever launches the steps on one stream
                   (the runner, its decode graphs); None: each launch zeroes its own
     """
 

@@ -19,12 +19,12 @@ concatenated once at load, and three fused kernels from ``ops`` per layer step::
     linear(silu_mul(linear(h, Wgate|up)), Wdown) -> delta
 
 A decode-only step calls ``rotary_decode_attention(qkv)`` instead of the RoPE + write and the
-attention: on the GPU one launch does both (kernels/decode_attention.py, ``RopeWrite``).
+attention: on the GPU one launch does both (prefixgate_kernels/decode_attention.py, ``RopeWrite``).
 
 ``ops.linear`` is cuBLAS. The o and down projections, whose only reader is the next
 ``add_rms_norm``, go through ``ops.linear_partials``: at decode-sized 16-bit batches on the GPU
 their split-K partials, which that norm sums, instead of a split-K GEMM and its reduce kernel
-(kernels/partial_gemm.py).
+(prefixgate_kernels/partial_gemm.py).
 
 After fusion the original ``q_proj.weight`` etc. are views into the concatenated tensors, so the
 state dict, its names and its memory are unchanged (transformers can still share the tensors).
@@ -43,7 +43,7 @@ from torch import nn
 from engine.models.attention import AttentionMetadata, LayerCache, paged_attention
 from engine.models.rope import RotaryEmbedding
 from engine.models.spec import ArchConfig
-from kernels import cpu_native
+from prefixgate_kernels import cpu_native
 
 # Most rows for which a CPU bf16 projection takes the native one-pass GEMV: oneDNN's bf16 GEMM
 # wins from ~8 rows up (measured on one Zen 5 core: native 2.8x faster for the 100k-row LM head
@@ -53,7 +53,7 @@ _NATIVE_GEMV_ROWS = 4
 
 def _project(layer: nn.Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``layer(x)`` (x [M, in]), cast to ``out_dtype`` when given. Decode-sized bf16 batches on CPU
-    go through the native GEMV (kernels.cpu_native), which reads the weights once at a multiple
+    go through the native GEMV (prefixgate_kernels.cpu_native), which reads the weights once at a multiple
     of oneDNN's bandwidth at M = 1: the decode step of a small model is mostly its LM head."""
     if x.dim() == 2 and x.shape[0] <= _NATIVE_GEMV_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
             and layer.weight.dtype == torch.bfloat16 and x.shape[1] % 32 == 0:
@@ -126,7 +126,7 @@ class Attention(nn.Module):
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,
                                               meta.seq_lens, self.scale, cache.k_scale, cache.v_scale,
                                               context_lens=meta.context_lens)
-        # read only by the next add_rms_norm: at decode sizes split-K partials it sums (kernels/partial_gemm.py)
+        # read only by the next add_rms_norm: at decode sizes split-K partials it sums (prefixgate_kernels/partial_gemm.py)
         return ops.linear_partials(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight,
                                    self.o_proj.bias)
 

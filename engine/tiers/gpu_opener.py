@@ -5,7 +5,7 @@ uint8 device tensor ``[blocks, block_bytes]`` that ``runner.import_blocks`` scat
 DeviceAeadOpener, for ChaCha20-Poly1305 blobs (``engine.tiers.device_aead``)::
 
     copy stream:    H2D blob 0 ─ev0─ H2D blob 1 ─ev1─ H2D blob 2 ─ev2─ ...      (ciphertext over the link)
-    opener stream:        wait ev0: Poly1305 + ChaCha20(blob 0) ─ wait ev1: ... (kernels.chacha20_poly1305)
+    opener stream:        wait ev0: Poly1305 + ChaCha20(blob 0) ─ wait ev1: ... (prefixgate_kernels.chacha20_poly1305)
     host:           one read of every blob's 5 limb sums, then each tag is finished and compared
 
 so decryption overlaps the copy of the next segment, and the only host sync is that read. The
@@ -31,7 +31,7 @@ import torch
 from engine.protocol import BlockCipher
 from engine.tiers.device_aead import DEVICE_HEADER_BYTES, DeviceSealingCipher, device_blob_parts
 from engine.tiers.opener import DecryptsInto, OpenedRuns, SealedRun
-from kernels import chacha20_poly1305 as gpu_aead
+from prefixgate_kernels import chacha20_poly1305 as gpu_aead
 
 # A stored blob reaches this module as a read-only memoryview of the tier's page-locked memory, and
 # ``torch.frombuffer`` of it only feeds a host-to-device copy; PyTorch warns once per process that

@@ -34,8 +34,8 @@ from engine.tiers.device_aead import (
 )
 from engine.tiers.device_kv import DeviceKV
 from engine.tiers.dram import PinnedBlob
-from kernels import chacha20_poly1305 as gpu_aead
-from kernels import chacha20_poly1305_ref as ref_aead
+from prefixgate_kernels import chacha20_poly1305 as gpu_aead
+from prefixgate_kernels import chacha20_poly1305_ref as ref_aead
 
 # Two sizes, one per class of the seal kernels' specialised ``nbytes`` (divisible by 16 or not):
 # four ChaCha20 blocks and a partial one with a partial Poly1305 block, then whole blocks as every

@@ -9,7 +9,7 @@ import torch
 
 from engine.kv_calibration import AmaxRecorder, fp8_scales_from_amax
 from engine.models.attention import AttentionMetadata, LayerCache, paged_attention
-from kernels import reference
+from prefixgate_kernels import reference
 
 
 def _prefill_case(seed=0, n=21, hkv=2, group=3, d=16, bs=8):

@@ -110,7 +110,7 @@ def test_copied_and_exported_blocks_serve_the_same_prefix(tiny_model_dir, runner
 
 
 def test_bf16_logits_match_transformers_bf16(tiny_model_dir, runner_cache):
-    """bf16 on CPU takes the native kernels where they build (kernels/cpu_native: attention of
+    """bf16 on CPU takes the native kernels where they build (prefixgate_kernels/cpu_native: attention of
     prefill chunks, GEMV of decode-sized steps): a whole prompt and a chunk over its cached
     prefix, packed in one forward with a decode token, then a decode step alone, against
     transformers' own bf16 forward of each prompt. bf16 rounding on both sides, in other orders:

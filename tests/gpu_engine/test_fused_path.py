@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from engine.batch import ScheduledBatch, SequenceChunk
-from kernels import reference
+from prefixgate_kernels import reference
 from tests.gpu_engine.helpers import GREEDY, prefill_then_decode_batch, small_runner
 
 
 def test_fused_weights_are_views_and_keep_the_state_dict(tmp_path):
     runner = small_runner(tmp_path, "cpu")
-    runner.ops = reference  # the fused ops' torch references; CPU serving (kernels.cpu_attention) never fuses
+    runner.ops = reference  # the fused ops' torch references; CPU serving (prefixgate_kernels.cpu_attention) never fuses
     model = runner.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model.fuse_projections()
@@ -42,7 +42,7 @@ def _logits_both_paths(runner, batch_fn):
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_fused_path_matches_plain_path_on_cpu(tmp_path, kv_dtype):
     runner = small_runner(tmp_path, "cpu", use_cuda_graphs=False, kv_dtype=kv_dtype)
-    runner.ops = reference  # the fused ops' torch references; CPU serving (kernels.cpu_attention) never fuses
+    runner.ops = reference  # the fused ops' torch references; CPU serving (prefixgate_kernels.cpu_attention) never fuses
     if kv_dtype == "fp8":  # both paths store centred keys: the fused KV write subtracts the same bias
         assert runner.fp8_key_bias is not None and runner.fp8_key_bias.abs().amax() > 0
     runner.model.fuse_projections()
@@ -55,7 +55,7 @@ def test_fused_path_matches_plain_path_on_cpu(tmp_path, kv_dtype):
 def test_fused_path_with_a_cached_prefix(tmp_path):
     """A second request reuses the first one's blocks: the fused prefill attends over the cached part."""
     runner = small_runner(tmp_path, "cpu", use_cuda_graphs=False)
-    runner.ops = reference  # the fused ops' torch references; CPU serving (kernels.cpu_attention) never fuses
+    runner.ops = reference  # the fused ops' torch references; CPU serving (prefixgate_kernels.cpu_attention) never fuses
     runner.model.fuse_projections()
     prompt = [(5 * i + 1) % 500 for i in range(40)]
 

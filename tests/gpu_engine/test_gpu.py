@@ -42,7 +42,7 @@ def test_fused_triton_path_matches_plain_path(tmp_path, kv_dtype):
         torch.testing.assert_close(fused_kv.float(), plain_kv.float(), rtol=1e-4, atol=1e-4)
         return
     # fp8 (centred keys on both paths): the fused kernel's RoPE may differ from torch's by one ulp of
-    # the compute dtype (kernels/rotary.py), which can carry a key across an e4m3 rounding boundary:
+    # the compute dtype (prefixgate_kernels/rotary.py), which can carry a key across an e4m3 rounding boundary:
     # seen on the H200, 2 of 262,144 values one step apart. Allow that, nothing more.
     differ = (fused_kv.view(torch.uint8) != plain_kv.view(torch.uint8)).float().mean().item()
     assert differ < 1e-3, f"{differ:.2%} of the fp8 cache differs"
@@ -61,12 +61,12 @@ def test_overlapped_steps_emit_what_synchronous_steps_emit_gpu(tmp_path):
 
 def test_bf16_decode_with_split_k_partials_matches_without(tmp_path, monkeypatch):
     """A bf16 model's decode graphs, with the o and down projections as split-K partials summed by
-    the next norm (kernels/partial_gemm.py), against the same graphs captured without them: the same
+    the next norm (prefixgate_kernels/partial_gemm.py), against the same graphs captured without them: the same
     tokens, logits within bf16 rounding."""
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
     from engine.models.random_init import build_random_model
-    from kernels import partial_gemm
+    from prefixgate_kernels import partial_gemm
     from tests.gpu_engine.helpers import IdTokenizer, small_arch
 
     def run(on: bool) -> torch.Tensor:

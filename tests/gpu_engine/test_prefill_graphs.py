@@ -61,7 +61,7 @@ def test_keys_follow_the_launchers_split_choice():
     query head, so that a 16-row step leaves SMs idle and splits)."""
     # imported here, not at collection: importing the Triton kernels before tests/kernels/conftest.py
     # turns the interpreter on would compile them for a GPU (the policy called here is plain Python)
-    from kernels import triton_ops
+    from prefixgate_kernels import triton_ops
 
     cpu = torch.device("cpu")
     graphs = PrefillGraphs(torch.nn.Identity(), [], triton_ops, 16, max_blocks_per_seq=LONG // 16, q_heads=1,

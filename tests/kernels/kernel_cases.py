@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from kernels import reference as ref
+from prefixgate_kernels import reference as ref
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

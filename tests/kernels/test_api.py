@@ -1,4 +1,4 @@
-"""kernels.triton_ops is a drop-in for kernels.reference: same names, same parameters, same defaults."""
+"""prefixgate_kernels.triton_ops is a drop-in for prefixgate_kernels.reference: same names, same parameters, same defaults."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from kernels import reference, triton_ops
+from prefixgate_kernels import reference, triton_ops
 
 OPS = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "gather_blocks",
        "scatter_blocks", "add_rms_norm", "linear", "linear_partials"]
@@ -23,7 +23,7 @@ def test_same_signature_as_reference(name):
 
 
 def test_split_choice_fills_the_last_wave():
-    from kernels.decode_attention import choose_num_splits
+    from prefixgate_kernels.decode_attention import choose_num_splits
 
     # 128 programs a split on 132 SMs x 4: 4 splits fill one wave; 5 would start a second, mostly idle.
     assert choose_num_splits(16, 8, 32768, num_sms=132, block_n=64) == 4
@@ -35,7 +35,12 @@ def test_split_choice_fills_the_last_wave():
 def test_one_wave_full_enough_beats_several_fuller_ones_for_16_bit_caches():
     """The wave model alone takes 3 full waves of 8 splits for 9 / 3 heads at 64 x 4K; one wave 73 % full
     at 2 splits was 8 % faster on the H200 (session 17), so 16-bit caches take it."""
-    from kernels.decode_attention import ONE_WAVE_FILL, OneWaveRule, choose_num_splits, one_wave_rule_for
+    from prefixgate_kernels.decode_attention import (
+        ONE_WAVE_FILL,
+        OneWaveRule,
+        choose_num_splits,
+        one_wave_rule_for,
+    )
 
     assert one_wave_rule_for(torch.bfloat16) == OneWaveRule() == one_wave_rule_for(torch.float16)
     assert OneWaveRule().fill == ONE_WAVE_FILL and OneWaveRule().max_split_tokens is None
@@ -56,13 +61,13 @@ def test_fp8_takes_one_wave_only_where_its_splits_are_short():
     """fp8 won with one wave where each program streamed <= 2,048 tokens and lost 6 % at 4K and 8K
     (session 17 call 5): the rule is bounded by the table cut into the one wave's splits; int8 keeps
     the model."""
-    from kernels.decode_attention import (
+    from prefixgate_kernels.decode_attention import (
         FP8_ONE_WAVE_SPLIT_TOKENS,
         FP8_WAVE_TILES,
         choose_num_splits,
         one_wave_rule_for,
     )
-    from kernels.reference import FP8_DTYPE
+    from prefixgate_kernels.reference import FP8_DTYPE
 
     fp8 = one_wave_rule_for(FP8_DTYPE)
     assert fp8 is not None and fp8.max_split_tokens == FP8_ONE_WAVE_SPLIT_TOKENS == 2048
@@ -81,7 +86,7 @@ def test_fp8_takes_one_wave_only_where_its_splits_are_short():
 def test_uniform_batches_split_as_before_with_a_length_hint():
     """The length-aware model agrees with the width-only one where every sequence fills the table
     (uniform batches must not lose), on the H200's shapes (132 SMs)."""
-    from kernels.decode_attention import choose_num_splits
+    from prefixgate_kernels.decode_attention import choose_num_splits
 
     for batch, kv_heads, context in [(64, 8, 4096), (256, 8, 2048), (16, 8, 32768), (2, 8, 65536), (2, 8, 131072),
                                      (32, 8, 4096), (32, 4, 4096), (32, 32, 2048), (1, 8, 100)]:
@@ -95,7 +100,7 @@ def test_uniform_batches_split_as_before_with_a_length_hint():
 def test_a_mixed_batch_splits_for_its_real_lengths():
     """32 sequences of 100-8,000 tokens (benchmarks/kernels.py MIXED_LENS): the width alone gives 2
     splits (0.181 ms on the H200, session 2), the measured best were 4-32 (0.137-0.141 ms)."""
-    from kernels.decode_attention import choose_num_splits
+    from prefixgate_kernels.decode_attention import choose_num_splits
 
     lens = torch.randint(100, 8001, (32,), generator=torch.Generator().manual_seed(7)).tolist()
     assert choose_num_splits(32, 8, 8000, num_sms=132, block_n=64) == 2
@@ -108,7 +113,7 @@ def test_a_mixed_batch_splits_for_its_real_lengths():
 def test_tiles_per_head_dim_and_cache_width():
     """choose_tiles: what the H200 runs measured best per (head dim, cache dtype) (session 3 run 1;
     fp8 head dim 128: the candidate, faster in CUDA-graph replays on all 11 shapes of the merged run)."""
-    from kernels.decode_attention import EIGHT_BIT_RING, choose_num_splits, choose_tiles
+    from prefixgate_kernels.decode_attention import EIGHT_BIT_RING, choose_num_splits, choose_tiles
 
     def key(t):
         return (t.block_n, t.num_stages, t.programs_per_sm)

@@ -1,12 +1,12 @@
-"""copy_blocks / gather_blocks / scatter_blocks in Triton against kernels.reference: bit-exact."""
+"""copy_blocks / gather_blocks / scatter_blocks in Triton against prefixgate_kernels.reference: bit-exact."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import triton_ops
+from prefixgate_kernels import reference as ref
+from prefixgate_kernels import triton_ops
 from tests.kernels.kernel_cases import INTERPRET
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")

@@ -1,7 +1,7 @@
 """ChaCha20-Poly1305 decryption kernels against `cryptography` (RFC 8439 vectors and random inputs).
 
 The interpreter runs small sizes on the CPU; ``test_gpu_*`` runs large ones compiled on CUDA. The
-pure-Python implementation in ``kernels.chacha20_poly1305_ref`` is the second oracle.
+pure-Python implementation in ``prefixgate_kernels.chacha20_poly1305_ref`` is the second oracle.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from kernels import chacha20_poly1305 as gpu_aead
-from kernels import chacha20_poly1305_ref as ref
+from prefixgate_kernels import chacha20_poly1305 as gpu_aead
+from prefixgate_kernels import chacha20_poly1305_ref as ref
 from tests.kernels.kernel_cases import INTERPRET, gpu_ready
 
 SUNSCREEN = (b"Ladies and Gentlemen of the class of '99: If I could offer you only one tip for the future, "

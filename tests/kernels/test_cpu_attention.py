@@ -1,4 +1,4 @@
-"""The CPU attention path (kernels.cpu_attention: SDPA prefill, grouped decode) against the reference oracle.
+"""The CPU attention path (prefixgate_kernels.cpu_attention: SDPA prefill, grouped decode) against the reference oracle.
 
 Ragged batches over fragmented block tables: cached prefixes of every length relative to the
 block size, prefill chunks with and without a prefix, decode batches of mixed lengths, and every
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_attention
-from kernels import reference as ref
+from prefixgate_kernels import cpu_attention
+from prefixgate_kernels import reference as ref
 from tests.kernels.kernel_cases import make_block_tables, make_kv_cache, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, ref.FP8_DTYPE, torch.int8]
@@ -85,7 +85,7 @@ def test_decode_padding_rows_of_length_zero_are_zero_and_leave_the_others_alone(
 
 def test_decode_batch_of_many_lengths_in_several_groups_matches_reference():
     """40 sequences whose lengths span 1..300 tokens fall into several padded groups
-    (kernels.cpu_attention._length_groups); every row still equals the reference's."""
+    (prefixgate_kernels.cpu_attention._length_groups); every row still equals the reference's."""
     lens = [1 + (i * 37) % 300 for i in range(40)]
     groups = cpu_attention._length_groups(lens, 8, 2 * 16)
     assert 1 < len(groups) < len(lens) and sorted(i for g in groups for i in g) == list(range(len(lens)))
@@ -117,7 +117,7 @@ def test_mixed_step_decode_tokens_match_reference():
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_decode_of_sequences_sharing_prefix_blocks_matches_reference(kv_dtype):
     """Sequences whose block tables start with the same blocks (one tenant's cached prompt prefix)
-    read those blocks once for all (the cascade split in kernels.cpu_attention._decode_group);
+    read those blocks once for all (the cascade split in prefixgate_kernels.cpu_attention._decode_group);
     each row still equals the reference's, whatever the tails' lengths."""
     lens = [53, 49, 60, 57, 51, 55]
     k, v, ks, vs, tables, q_dtype, hq, d, gen = _case(kv_dtype, lens)

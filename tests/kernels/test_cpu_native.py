@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu_native): paged attention against the plain reference
+"""The native CPU kernels (prefixgate_kernels/cpu_native): paged attention against the plain reference
 oracle, the decode-sized GEMV against float32 torch.
 
 Fresh random inputs per case; ragged batches over fragmented block tables of a strided
@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_native
-from kernels import reference as ref
+from prefixgate_kernels import cpu_attention, cpu_native
+from prefixgate_kernels import reference as ref
 from tests.kernels.kernel_cases import make_block_tables, make_kv_cache, rel_err
 
 KERNEL = cpu_native.load()

@@ -1,4 +1,4 @@
-"""The fused layer kernels (add + RMSNorm, RoPE + KV write, SiLU x up) against kernels.reference.
+"""The fused layer kernels (add + RMSNorm, RoPE + KV write, SiLU x up) against prefixgate_kernels.reference.
 
 Fresh random inputs per case; the interpreter runs fp16/fp32 (its fp32 -> bf16 cast rounds unlike
 torch's), tests/kernels/test_gpu.py runs the same cases in bf16 on a GPU.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import triton_ops
+from prefixgate_kernels import reference as ref
+from prefixgate_kernels import triton_ops
 from tests.kernels.kernel_cases import INTERPRET, make_kv_cache
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
@@ -154,7 +154,7 @@ def test_fused_ops_reject_bad_shapes():
 
 
 def run_skinny_case(m, n, k, dtype, split_k, bias, seed, device="cpu", block_k=64):
-    from kernels import skinny_gemm
+    from prefixgate_kernels import skinny_gemm
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
@@ -174,7 +174,7 @@ def test_skinny_gemm_matches_linear(m, n, k, split_k):
 
 
 def test_skinny_gemm_config_rules():
-    from kernels import skinny_gemm
+    from prefixgate_kernels import skinny_gemm
 
     with pytest.raises(AssertionError, match="programmatic dependent launch needs compiled kernels"):
         skinny_gemm.skinny_linear(torch.randn(2, 256), torch.randn(16, 256), None,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import triton_ops
+from prefixgate_kernels import reference as ref
+from prefixgate_kernels import triton_ops
 from tests.kernels import test_decode_attention as decode
 from tests.kernels import test_fused_layer_ops as fused
 from tests.kernels import test_kv_write as kvw
@@ -97,7 +97,7 @@ def test_decode_gpu_fused_merge_in_a_graph(kv_dtype, batch, table_tokens):
     fresh queries; every output against the reference, the counters zero after every replay. 32
     sequences give 256 counters at two splits each (the decode graphs' launch at 32 x 2K), 3 long
     ones up to 64 splits each."""
-    from kernels import decode_attention
+    from prefixgate_kernels import decode_attention
     from tests.kernels.kernel_cases import make_block_tables, make_kv_cache, rel_err
 
     gen = torch.Generator().manual_seed(batch)
@@ -259,7 +259,7 @@ def test_skinny_gemm_gpu_pdl(m, block_n, launch_next):
     """Programmatic dependent launch: each GEMM of a chain consumes the previous one's output, so a
     wait placed wrong shows as a wrong product. Eager and as one CUDA graph (PDL edges captured),
     against float64 F.linear; N not a multiple of the tile."""
-    from kernels import skinny_gemm
+    from prefixgate_kernels import skinny_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(m * block_n + launch_next)
     dims = [4096, 1008, 2048, 4096]  # w_i: [dims[i+1], dims[i]]; 1008 leaves a partial 32/64-row tile
@@ -323,7 +323,7 @@ def test_add_rms_norm_partials_gpu():
 def test_linear_partials_gpu(m, n, k):
     """At decode sizes: fp32 partials [S, M, N] (one batched GEMM, also inside a CUDA graph) whose sum
     is the product; past MAX_ROWS, with a bias, or in fp32: the [M, N] product itself."""
-    from kernels import partial_gemm
+    from prefixgate_kernels import partial_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(m + n)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)

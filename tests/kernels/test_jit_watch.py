@@ -1,4 +1,4 @@
-"""``kernels.jit_watch.CompileRecorder``: it holds Triton's compile hook only while recording, lets
+"""``prefixgate_kernels.jit_watch.CompileRecorder``: it holds Triton's compile hook only while recording, lets
 every launch go on, and puts back whatever hook was set before it (on the GPU, the tier tests and the
 stepload use it to count real compiles)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import triton
 
-from kernels.jit_watch import CompileRecorder
+from prefixgate_kernels.jit_watch import CompileRecorder
 
 
 def test_the_recorder_keeps_launches_going_and_restores_the_previous_hook():

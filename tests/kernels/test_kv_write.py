@@ -1,12 +1,12 @@
-"""write_kv (reshape_and_cache) in Triton against kernels.reference.write_kv."""
+"""write_kv (reshape_and_cache) in Triton against prefixgate_kernels.reference.write_kv."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import triton_ops
+from prefixgate_kernels import reference as ref
+from prefixgate_kernels import triton_ops
 from tests.kernels.kernel_cases import INTERPRET, make_kv_cache
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")

@@ -1,12 +1,12 @@
-"""Split-K partials for the projections the next add + RMSNorm sums (kernels/partial_gemm.py)."""
+"""Split-K partials for the projections the next add + RMSNorm sums (prefixgate_kernels/partial_gemm.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import partial_gemm
-from kernels import reference as ref
+from prefixgate_kernels import partial_gemm
+from prefixgate_kernels import reference as ref
 
 
 @pytest.mark.parametrize("m,n,k,slices", [(1, 64, 256, 4), (7, 96, 512, 2), (32, 40, 448, 4)])

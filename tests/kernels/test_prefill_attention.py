@@ -1,4 +1,4 @@
-"""Paged ragged prefill attention (Triton, interpreter on CPU) against kernels.reference."""
+"""Paged ragged prefill attention (Triton, interpreter on CPU) against prefixgate_kernels.reference."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels import prefill_attention, triton_ops
-from kernels import reference as ref
+from prefixgate_kernels import prefill_attention, triton_ops
+from prefixgate_kernels import reference as ref
 from tests.kernels.kernel_cases import INTERPRET, make_block_tables, make_kv_cache, rel_err
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import decode_attention, triton_ops
-from kernels import reference as ref
+from prefixgate_kernels import decode_attention, triton_ops
+from prefixgate_kernels import reference as ref
 from tests.kernels.kernel_cases import INTERPRET, make_block_tables, make_kv_cache, rel_err
 
 

@@ -25,7 +25,7 @@ from engine.tiers.device_kv import DeviceKV  # noqa: E402
 from engine.tiers.dram import PinnedBlob  # noqa: E402
 from engine.tiers.gpu_opener import DeviceAeadOpener  # noqa: E402
 from engine.tiers.gpu_sealer import DeviceSealer  # noqa: E402
-from kernels.jit_watch import CompileRecorder  # noqa: E402
+from prefixgate_kernels.jit_watch import CompileRecorder  # noqa: E402
 from tenancy.crypto import TenantCipher, new_data_key  # noqa: E402
 from tests.tiers.conftest import BLOCK_BYTES, AesGcmCipher, acme, chain, kv_bytes  # noqa: E402
 from tests.tiers.test_manager import restore_all, spill  # noqa: E402
@@ -277,7 +277,7 @@ def test_spills_of_any_size_compile_nothing_after_the_self_test():
     """A spill that compiles a kernel variant does so on the tier worker while the step loop waits
     on the backlog (0.11-0.56 s on the H200): the self-test must have compiled every variant that
     whole-block segments of any length launch. Triton calls ``jit_cache_hook`` before compiling a
-    launch it has no kernel for (``kernels.jit_watch``)."""
+    launch it has no kernel for (``prefixgate_kernels.jit_watch``)."""
     sealer = DeviceSealer(DEVICE)
     key = TenantCipher(new_data_key(), owner="t").device_key()
     assert key is not None

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
+from prefixgate_kernels._common import (
     KV_PLAIN,
     cdiv,
     dot_dtype_for,
@@ -46,10 +46,10 @@ from kernels._common import (
     placeholder,
     scale_args,
 )
-from kernels._dot import exact_dot
-from kernels.kv_write import _quantize_store
-from kernels.reference import FP8_DTYPE
-from kernels.rotary import _rope_tile
+from prefixgate_kernels._dot import exact_dot
+from prefixgate_kernels.kv_write import _quantize_store
+from prefixgate_kernels.reference import FP8_DTYPE
+from prefixgate_kernels.rotary import _rope_tile
 
 LOG2E = 1.4426950408889634
 
@@ -156,7 +156,7 @@ def _decode_split_kernel(
     loaded into its own member's columns of the width (zeros elsewhere: its scores are exactly its
     own head's) and only those columns of its output are stored (``_store_heads``).
 
-    With ``ROPE_WRITE`` the kernel also does ``kernels.rotary``'s work for the step's token (one
+    With ``ROPE_WRITE`` the kernel also does ``prefixgate_kernels.rotary``'s work for the step's token (one
     launch a layer instead of two): every program rotates its q heads from the q|k|v row itself, and
     the program whose split holds the token (position ``seq_len - 1``) rotates that token's K, writes
     K and V into the cache (quantized as ``kv_write`` does) and, after a CTA barrier, streams its
@@ -328,7 +328,7 @@ def _write_token_kv(row, cos, sin, slot_id, writes, k_bias_ptr, k_cache_ptr, v_c
     kh = kvh + tl.zeros([1], tl.int32)  # a [1, D] tile: kv_write's store takes [heads, D]
     row_ok = (kh >= 0)[:, None] & (d < HEAD_DIM)[None, :]
     k = _rope_tile(row + k_col, kh, d, row_ok, cos, sin, HEAD_DIM)
-    if HAS_K_BIAS:  # as kernels.rotary: the bias rounded to k's dtype, one rounding of the difference
+    if HAS_K_BIAS:  # as prefixgate_kernels.rotary: the bias rounded to k's dtype, one rounding of the difference
         bias = tl.load(k_bias_ptr + kh[:, None] * HEAD_DIM + d[None, :])
         k = (k.to(tl.float32) - bias.to(dt).to(tl.float32)).to(dt)
     v = tl.load(row + v_col + kh[:, None] * HEAD_DIM + d[None, :])
@@ -643,7 +643,7 @@ def paged_decode(
     stamps: torch.Tensor | None = None,
     rope: RopeWrite | None = None,
 ) -> torch.Tensor:
-    """Launch the split-KV decode kernel. Inputs are checked by ``kernels.triton_ops``.
+    """Launch the split-KV decode kernel. Inputs are checked by ``prefixgate_kernels.triton_ops``.
 
     Tiles default to ``choose_tiles``, the split count to ``choose_num_splits`` (``context_lens``:
     optional host-side lengths of the sequences, for batches of unequal length). Where the splits
@@ -673,7 +673,7 @@ def paged_decode(
     writes its start and SM only; what it does not write keeps the caller's value (fill with -1).
 
     ``rope`` (``RopeWrite``): ``q`` is the q columns of the step's merged q|k|v projection, not yet
-    rotated, and the launch also does ``kernels.rotary.rotary_write_kv``'s work (the kernel's
+    rotated, and the launch also does ``prefixgate_kernels.rotary.rotary_write_kv``'s work (the kernel's
     ``ROPE_WRITE``); KV heads are then read one by one."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -750,7 +750,7 @@ def paged_decode(
     return out
 
 
-# ``kernels.triton_ops.rotary_decode_attention`` launches one kernel (RoPE and the K/V write inside the
+# ``prefixgate_kernels.triton_ops.rotary_decode_attention`` launches one kernel (RoPE and the K/V write inside the
 # decode attention) when True, ``rotary_write_kv`` and then the attention when False: the same-run
 # baseline the engine benchmark's ``decode_rope`` section times the fusion against.
 FUSE_ROPE_WRITE = True
@@ -759,7 +759,7 @@ FUSE_ROPE_WRITE = True
 @dataclass(frozen=True)
 class RopeWrite:
     """What ``paged_decode`` needs to rotate the step's q and k and write its K / V itself (the
-    ``rope`` argument): the inputs of ``kernels.rotary.rotary_write_kv`` other than the q|k|v rows,
+    ``rope`` argument): the inputs of ``prefixgate_kernels.rotary.rotary_write_kv`` other than the q|k|v rows,
     which the launch reads through ``q`` (their q columns) and at the K / V columns after them."""
 
     cos: torch.Tensor  # [B, D] fp32, rows contiguous

@@ -2,7 +2,7 @@
 
     gate_up [T, 2I] = [ gate (I columns) | up (I columns) ]  ->  out [T, I]
 
-Roundings as ``kernels.reference.silu_mul`` (torch's bf16 ops): silu in fp32 rounded to the
+Roundings as ``prefixgate_kernels.reference.silu_mul`` (torch's bf16 ops): silu in fp32 rounded to the
 compute dtype, then the product rounded again.
 """
 
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import cdiv
+from prefixgate_kernels._common import cdiv
 
 _BLOCK = 1024  # columns per program: 2 KiB of bf16 per operand, four 16-byte loads per thread at 4 warps
 
@@ -29,7 +29,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, inter, BLOCK: tl.const
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] -> [T, I]. Inputs are checked by ``kernels.triton_ops``."""
+    """gate_up [T, 2I] -> [T, I]. Inputs are checked by ``prefixgate_kernels.triton_ops``."""
     tokens, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)

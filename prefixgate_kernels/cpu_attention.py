@@ -2,13 +2,13 @@
 matmuls for decode.
 
 Prefill chunks of bf16 models over a bf16 cache go to the native AVX-512 BF16 kernel
-(``kernels.cpu_native``: 4x SDPA's speed at head dim 32, 213 vs 53 GFLOP/s on one Zen 5 core for
+(``prefixgate_kernels.cpu_native``: 4x SDPA's speed at head dim 32, 213 vs 53 GFLOP/s on one Zen 5 core for
 a 1,600-token causal prompt) where it builds and the CPU has the instructions; everything else
 (fp32, quantized caches, other head dims, no compiler) takes SDPA as below. In decode steps
 the same kernel runs every sequence that shares no block with another (one call for all of them:
 batch-1 decode 6.0 -> 4.6 ms of CPU per token); sequences sharing a prefix keep the cascade below.
 
-Same signatures and cache layout as ``kernels.reference`` (whose plain einsum-softmax ``_attend``
+Same signatures and cache layout as ``prefixgate_kernels.reference`` (whose plain einsum-softmax ``_attend``
 stays the test oracle); the block moves and ``write_kv`` are the reference ones.
 
 Prefill (why SDPA): the reference materializes a float32 [heads, Tq, Tk] score matrix per
@@ -44,8 +44,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
-from kernels.reference import (
+from prefixgate_kernels import cpu_native
+from prefixgate_kernels.reference import (
     copy_blocks,
     dequantize,
     gather_blocks,

@@ -1,9 +1,9 @@
-"""Typed launchers for the Triton kernels, drop-in for ``kernels.reference`` (same names, same arguments).
+"""Typed launchers for the Triton kernels, drop-in for ``prefixgate_kernels.reference`` (same names, same arguments).
 
-The engine picks ``kernels.reference`` on CPU and this module on CUDA. Each launcher checks
+The engine picks ``prefixgate_kernels.reference`` on CPU and this module on CUDA. Each launcher checks
 shapes, dtypes, devices and strides and fails with an AssertionError that says what was wrong;
 the kernels themselves live in ``decode_attention``, ``prefill_attention``, ``kv_write``,
-``block_copy`` and, for the fused layer path, ``rmsnorm``, ``rotary`` and ``activation``. Conventions (cache layout, quantization scales) are those of ``kernels.reference``.
+``block_copy`` and, for the fused layer path, ``rmsnorm``, ``rotary`` and ``activation``. Conventions (cache layout, quantization scales) are those of ``prefixgate_kernels.reference``.
 
 Differences from the reference, all on inputs the reference would also mishandle:
   * ``copy_blocks``: a block that is both a source and a destination in one call races (the
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import (
+from prefixgate_kernels import (
     activation,
     block_copy,
     decode_attention,
@@ -28,8 +28,8 @@ from kernels import (
     rotary,
     skinny_gemm,
 )
-from kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache, num_sms
-from kernels.reference import FP8_DTYPE, dequantize, is_quantized, quantize  # noqa: F401  (re-exported)
+from prefixgate_kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache, num_sms
+from prefixgate_kernels.reference import FP8_DTYPE, dequantize, is_quantized, quantize  # noqa: F401  (re-exported)
 
 __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "paged_decode_attention", "paged_prefill_attention",
@@ -370,7 +370,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear`` for a projection whose only reader is ``add_rms_norm``: at decode-sized 16-bit batches
-    its split-K fp32 partials [S, M, N] (one batched GEMM, no reduce kernel; ``kernels.partial_gemm``),
+    its split-K fp32 partials [S, M, N] (one batched GEMM, no reduce kernel; ``prefixgate_kernels.partial_gemm``),
     else the [M, N] product as ``linear`` returns it."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], (
         f"x [M, K] and weight [out, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}"

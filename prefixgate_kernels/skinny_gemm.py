@@ -38,10 +38,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import cdiv, interpreting, next_pow2
+from prefixgate_kernels._common import cdiv, interpreting, next_pow2
 
 MAX_ROWS = 32  # above this cuBLAS's tiles amortise the weight read well enough
-# Rows up to which ``kernels.triton_ops.linear`` (the engine's fused path) takes this kernel: 0, off.
+# Rows up to which ``prefixgate_kernels.triton_ops.linear`` (the engine's fused path) takes this kernel: 0, off.
 # Measured on the H200 inside the engine's CUDA graphs (session 2, run 3): the 8B decode step's GPU
 # time at batch 32 rose from 7.68 ms (cuBLAS) to 8.97 ms, at batch 1 from 4.87 to 5.45 ms, with the
 # untuned 64 x 256 tiles. benchmarks/kernels.py keeps measuring it (decode_gemms, graph replays) so
@@ -157,7 +157,7 @@ def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, max_spli
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype. Inputs are checked by ``kernels.triton_ops``."""
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype. Inputs are checked by ``prefixgate_kernels.triton_ops``."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

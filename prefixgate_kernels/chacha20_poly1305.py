@@ -14,7 +14,7 @@ Two kernels read the ciphertext once each; the host adds the few small parts of 
     ciphertext words                     ──► _poly1305_kernel       ──► 5 limb sums (int64)
           one lane = every N-th 16-byte block (N = lanes in the grid), Horner with R = r^N,
           then times r^(N - j) for lane j: sum over lanes = Poly(ciphertext) (see below)
-    host: Poly(aad) * r^(c+1) + (Poly(ct) + lengths) * r + s  == tag ?  (kernels.chacha20_poly1305_ref)
+    host: Poly(aad) * r^(c+1) + (Poly(ct) + lengths) * r + s  == tag ?  (prefixgate_kernels.chacha20_poly1305_ref)
 
 Why the lanes' sums add up. Poly1305 over ``c`` padded blocks is ``sum_i m_i r^(c-i)`` (0-based
 ``i``, each block with the 2^128 bit). Pad the front with ``N*K - c`` empty blocks (no 2^128 bit,
@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import chacha20_poly1305_ref as ref
-from kernels._common import cdiv
-from kernels.chacha20_poly1305_ref import P1305, R_CLAMP, aad_term, finish_tag
+from prefixgate_kernels import chacha20_poly1305_ref as ref
+from prefixgate_kernels._common import cdiv
+from prefixgate_kernels.chacha20_poly1305_ref import P1305, R_CLAMP, aad_term, finish_tag
 
 try:  # a compiled ChaCha20 for the one-time key; the project depends on it, a bare device host may not
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms

@@ -5,7 +5,7 @@ One program per token writes all its KV heads for both K and V::
     key[t] : [Hkv, D]  --slot_mapping[t] = block * block_size + slot-->  k_cache[block, slot] : [Hkv, D]
     slot_mapping[t] < 0  -> the token is skipped (padding)
 
-Quantization matches ``kernels.reference.quantize``: fp8 divides by the per-tensor scale and
+Quantization matches ``prefixgate_kernels.reference.quantize``: fp8 divides by the per-tensor scale and
 clamps to +-448; int8 takes one scale per (token, head) = max|x| / 127 (at least 1e-8 / 127),
 rounds half to even and stores the scale at [block, slot, head].
 """
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import interpreting, kv_code, next_pow2, scale_args
+from prefixgate_kernels._common import interpreting, kv_code, next_pow2, scale_args
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def write_kv(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
 ) -> None:
-    """Launch the scatter. Inputs are checked by ``kernels.triton_ops``."""
+    """Launch the scatter. Inputs are checked by ``prefixgate_kernels.triton_ops``."""
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

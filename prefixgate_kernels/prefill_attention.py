@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import cdiv, dot_dtype, kv_code, next_pow2, num_sms, placeholder, scale_args
-from kernels._dot import exact_dot, exact_dot_acc
+from prefixgate_kernels._common import cdiv, dot_dtype, kv_code, next_pow2, num_sms, placeholder, scale_args
+from prefixgate_kernels._dot import exact_dot, exact_dot_acc
 
 LOG2E = 1.4426950408889634
 
@@ -340,7 +340,7 @@ def paged_prefill(
     num_splits: int | None = None,
     context_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Launch the ragged prefill kernel (+ the split merge). Inputs are checked by ``kernels.triton_ops``.
+    """Launch the ragged prefill kernel (+ the split merge). Inputs are checked by ``prefixgate_kernels.triton_ops``.
 
     ``max_q_len`` sizes the grid; when None the bound ``T`` is used: reading the real maximum off
     the device costs a host sync (~0.1 ms, measured) while surplus tiles exit after two loads.

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from kernels.reference import FP8_DTYPE
+from prefixgate_kernels.reference import FP8_DTYPE
 
 # KV storage codes, passed to kernels as a constexpr so each storage format compiles its own variant.
 KV_PLAIN, KV_FP8, KV_INT8 = 0, 1, 2
@@ -46,7 +46,7 @@ def check_paged_cache(name: str, cache: torch.Tensor, device: torch.device) -> N
 def check_kv_scales(
     k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> None:
-    """Scale conventions of kernels.reference: fp8 one scale per tensor, int8 one per (block, slot, head)."""
+    """Scale conventions of prefixgate_kernels.reference: fp8 one scale per tensor, int8 one per (block, slot, head)."""
     code = kv_code(k_cache)
     if code == KV_PLAIN:
         return

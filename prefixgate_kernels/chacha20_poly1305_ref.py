@@ -3,7 +3,7 @@ small host-side parts of a GPU open (the one-time Poly1305 key, the AAD and leng
 
 Nothing here is fast or meant to be: a 64-byte ChaCha20 block costs ~50 us in CPython. The GPU
 path calls ``chacha20_block`` once per sealed segment (block 0 gives the Poly1305 key) and
-``poly1305_blocks`` over the AAD (a few hundred bytes); the bulk runs in ``kernels.chacha20_poly1305``.
+``poly1305_blocks`` over the AAD (a few hundred bytes); the bulk runs in ``prefixgate_kernels.chacha20_poly1305``.
 
 Poly1305 over a message of ``n`` 16-byte blocks ``m_1 .. m_n`` (each with the 2^128 bit set) is
 ``acc = sum_i m_i * r^(n - i + 1) mod p``, ``p = 2^130 - 5``; the tag is ``(acc + s) mod 2^128``.

@@ -12,7 +12,7 @@ and renamed, so concurrent first uses (test workers, two servers) never load a h
 
 Fallback (never an error): no compiler, a failed build, a CPU without AVX-512 BF16, an unsupported
 shape or dtype, or ``PREFIXGATE_CPU_NATIVE=0`` -> ``load()`` returns None / ``supports`` False and
-``kernels.cpu_attention`` keeps its SDPA path. The reason is logged once.
+``prefixgate_kernels.cpu_attention`` keeps its SDPA path. The reason is logged once.
 """
 
 from __future__ import annotations

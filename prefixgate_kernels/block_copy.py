@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import cdiv, placeholder
+from prefixgate_kernels._common import cdiv, placeholder
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 CHUNK = 1024

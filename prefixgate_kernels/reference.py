@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import partial_gemm
+from prefixgate_kernels import partial_gemm
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -169,7 +169,7 @@ def paged_prefill_attention(
 
 
 def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
-    """KV splits of a prefill launch (``kernels.triton_ops.prefill_splits``): these ops never split."""
+    """KV splits of a prefill launch (``prefixgate_kernels.triton_ops.prefill_splits``): these ops never split."""
     return 1
 
 
@@ -286,5 +286,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear`` for a projection read only by ``add_rms_norm``: fp32 split-K partials [S, M, N] where
-    ``kernels.partial_gemm.slices_for`` says so (decode-sized 16-bit CUDA batches), else [M, N]."""
+    ``prefixgate_kernels.partial_gemm.slices_for`` says so (decode-sized 16-bit CUDA batches), else [M, N]."""
     return partial_gemm.linear_partials(x, weight, bias, linear)

@@ -8,7 +8,7 @@ cat / neg / mul / add, two casts, the write_kv scatter)::
     k_cache[slot(t)]    = quantize(rope(k) - k_bias)   (slot -1: padding, nothing written)
     v_cache[slot(t)]    = quantize(v)
 
-Rotate-half RoPE, as ``kernels.reference.rotary_write_kv``: ``x * cos + rotate_half(x) * sin``
+Rotate-half RoPE, as ``prefixgate_kernels.reference.rotary_write_kv``: ``x * cos + rotate_half(x) * sin``
 with each product and the sum rounded to x's dtype. ``rotate_half(x)[d]`` is ``-x[d + D/2]`` for
 d < D/2 and ``x[d - D/2]`` above, so each head is loaded twice (the second read hits L1/L2) instead
 of being split into halves: the whole [heads, D] tile then goes through ``kv_write``'s quantizing
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import interpreting, kv_code, next_pow2, placeholder, scale_args
-from kernels.kv_write import _quantize_store
+from prefixgate_kernels._common import interpreting, kv_code, next_pow2, placeholder, scale_args
+from prefixgate_kernels.kv_write import _quantize_store
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def rotary_write_kv(
     v_scale: torch.Tensor | None,
     k_bias: torch.Tensor | None = None,  # [Hkv, D] contiguous
 ) -> torch.Tensor:
-    """Launch the fused kernel -> rotated q [T, Hq, D]. Inputs are checked by ``kernels.triton_ops``."""
+    """Launch the fused kernel -> rotated q [T, Hq, D]. Inputs are checked by ``prefixgate_kernels.triton_ops``."""
     tokens = qkv.shape[0]
     _, block_size, kv_heads, head_dim = k_cache.shape
     q_out = torch.empty((tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)

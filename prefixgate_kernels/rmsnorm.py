@@ -5,11 +5,11 @@ One program per token row ``[H]`` (H = hidden size, 4,096 for Llama-8B: the whol
     residual[t] = residual[t] + x[t]           (rounded to residual's dtype, written in place)
     out[t]      = weight * (residual[t] / rms(residual[t]))    (fp32 statistics, scaled in x's dtype)
 
-The roundings are those of ``kernels.reference.add_rms_norm`` (transformers' order): the sum is
+The roundings are those of ``prefixgate_kernels.reference.add_rms_norm`` (transformers' order): the sum is
 rounded to the compute dtype before the statistics, the normalised row is rounded before the
 weight multiply, and that product is rounded once more.
 
-``x`` may also be a projection's split-K partials, fp32 ``[S, T, H]`` (``kernels/partial_gemm.py``):
+``x`` may also be a projection's split-K partials, fp32 ``[S, T, H]`` (``prefixgate_kernels/partial_gemm.py``):
 the program sums its row's S partials in fp32 and rounds the sum to the residual's dtype, which is
 what the projection would have returned, before the add. That saves the projection its own reduce
 kernel.
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import next_pow2
+from prefixgate_kernels._common import next_pow2
 
 
 @triton.jit
@@ -77,11 +77,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] -> normalised [T, H]. Inputs are checked by ``kernels.triton_ops``."""
+    """x [T, H] -> normalised [T, H]. Inputs are checked by ``prefixgate_kernels.triton_ops``."""
     return _launch(x, None, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``residual += x`` in place (x [T, H], or fp32 partials [S, T, H] summed first), -> rms_norm(residual)
-    [T, H]. Inputs are checked by ``kernels.triton_ops``."""
+    [T, H]. Inputs are checked by ``prefixgate_kernels.triton_ops``."""
     return _launch(x, residual, weight, eps)

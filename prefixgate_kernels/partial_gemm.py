@@ -4,7 +4,7 @@ At 1-32 rows cuBLAS runs ``x @ W.T`` for the o (4096 x 4096) and down (4096 x 14
 of a Llama-8B layer as a split-K GEMM plus a second kernel that sums the splits' fp32 partials
 (``splitKreduce_kernel``): 64 of a decode step's 366 kernels. The sum can instead happen in the
 kernel that reads the projection's output anyway, the residual add + RMSNorm
-(``kernels/rmsnorm.py``): ``linear_partials`` cuts K into ``SLICES`` slices and runs them as one
+(``prefixgate_kernels/rmsnorm.py``): ``linear_partials`` cuts K into ``SLICES`` slices and runs them as one
 strided batched GEMM with fp32 outputs (``torch.bmm(..., out_dtype=float32)``, views of x and W,
 no copy), returning the [S, M, N] partials. Measured on the H200 (session 16 call 2, 32 layers of
 o + down in one CUDA graph): 1.386 -> 1.278 ms at M = 1 (4 slices), 1.453 -> 1.304 at M = 8,
