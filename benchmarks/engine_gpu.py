@@ -550,6 +550,20 @@ def sec_decode_partials(dev, args, model, runner, bw) -> dict:
                      setter(default))
 
 
+def sec_decode_glu(dev, args, model, runner, bw) -> dict:
+    """The MLP's down projection with SiLU x up in its prologue (``glu_down.ENGINE_MAX_ROWS``: 32 on,
+    0 off: ``silu_mul`` then ``linear_partials``), through ``decode_ab``."""
+    from prefixgate_kernels import glu_down
+
+    default = glu_down.ENGINE_MAX_ROWS
+
+    def setter(rows: int) -> Callable[[], None]:
+        return lambda: setattr(glu_down, "ENGINE_MAX_ROWS", rows)
+
+    return decode_ab(dev, args, model, runner, bw, "glu down", {"off": setter(0), "on": setter(glu_down.MAX_ROWS)},
+                     setter(default))
+
+
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
     """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
     the default) against ``rotary_write_kv`` then the attention, through ``decode_ab``."""
@@ -1170,6 +1184,7 @@ def main() -> int:
     section("decode_profile", sec_decode_profile, dev, args, runner)
     section("decode_partials", sec_decode_partials, dev, args, model, runner, bw)
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
+    section("decode_glu", sec_decode_glu, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)

@@ -288,3 +288,10 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``linear`` for a projection read only by ``add_rms_norm``: fp32 split-K partials [S, M, N] where
     ``prefixgate_kernels.partial_gemm.slices_for`` says so (decode-sized 16-bit CUDA batches), else [M, N]."""
     return partial_gemm.linear_partials(x, weight, bias, linear)
+
+
+def silu_mul_linear_partials(gate_up: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP's down projection of ``silu_mul(gate_up)``, as ``linear_partials`` returns it (fp32
+    partials [S, M, N] or the [M, N] product) for the next ``add_rms_norm``."""
+    return linear_partials(silu_mul(gate_up), weight, bias)

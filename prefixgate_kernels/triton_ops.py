@@ -21,6 +21,7 @@ from prefixgate_kernels import (
     activation,
     block_copy,
     decode_attention,
+    glu_down,
     kv_write,
     partial_gemm,
     prefill_attention,
@@ -377,3 +378,23 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     )
     assert weight.device == x.device, "x and weight must share a device"
     return partial_gemm.linear_partials(x, weight, bias, linear)
+
+
+def silu_mul_linear_partials(gate_up: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_partials(silu_mul(gate_up), weight, bias)``. For 16-bit CUDA batches of at most
+    ``glu_down.ENGINE_MAX_ROWS`` rows without a bias, one kernel that forms the activation as it loads
+    it and writes the split-K fp32 partials [S, M, N] (``prefixgate_kernels.glu_down``); else the two ops."""
+    _check_rows("gate_up", gate_up)
+    assert gate_up.shape[1] % 2 == 0, f"gate_up must have an even number of columns, got {gate_up.shape[1]}"
+    inter = gate_up.shape[1] // 2
+    assert weight.dim() == 2 and weight.shape[1] == inter, f"weight must be [out, {inter}], got {tuple(weight.shape)}"
+    assert weight.device == gate_up.device, "gate_up and weight must share a device"
+    config = None
+    if (bias is None and gate_up.dtype in (torch.bfloat16, torch.float16) and weight.dtype == gate_up.dtype
+            and weight.is_contiguous() and gate_up.device.type == "cuda"):
+        config = glu_down.choose_config(gate_up.shape[0], weight.shape[0], inter, num_sms(gate_up.device),
+                                        max_rows=glu_down.ENGINE_MAX_ROWS)
+    if config is None:
+        return linear_partials(silu_mul(gate_up), weight, bias)
+    return glu_down.silu_mul_partials(gate_up, weight, config)

@@ -18,8 +18,8 @@ import torch  # does not import triton
 
 if os.environ.get("PREFIXGATE_KERNELS_GPU") != "1" and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for name in ("prefixgate_kernels.decode_attention", "prefixgate_kernels.prefill_attention", "prefixgate_kernels.kv_write",
-                 "prefixgate_kernels.block_copy", "prefixgate_kernels.rmsnorm", "prefixgate_kernels.rotary", "prefixgate_kernels.activation", "prefixgate_kernels.skinny_gemm",
-                 "prefixgate_kernels.triton_ops", "prefixgate_kernels.chacha20_poly1305"):
+    for module in ("decode_attention", "prefill_attention", "kv_write", "block_copy", "rmsnorm", "rotary",
+                   "activation", "skinny_gemm", "glu_down", "triton_ops", "chacha20_poly1305"):
+        name = f"prefixgate_kernels.{module}"
         if name in sys.modules:
             importlib.reload(sys.modules[name])

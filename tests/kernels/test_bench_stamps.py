@@ -106,3 +106,17 @@ def test_rope_decode_chain_case_checks_both_ways():
         res = rows[0][name]
         assert res["same_cache_bytes"] and res["rel_err"] < 1e-3
         assert res["fused_us_per_layer"] == pytest.approx(2.0) and res["fused_x"] == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+def test_glu_down_chain_case_checks_and_times_both_ways():
+    """``--glu-down``'s flow on the interpreter with tiny shapes: the launcher's tiles and a given set,
+    each checked against the two kernels' sum, and both chains timed (by a stand-in timer)."""
+    gen = torch.Generator().manual_seed(3)
+    rows = kbench.glu_down_chain_case(gen, rows=(2,), layers=2, hidden=64, inter=256,
+                                      tiles=[None, (32, 64, 2, 4, 2)], device="cpu", timer=lambda fn: (fn(), 0.01)[1])
+    (row,) = rows
+    assert set(row["rel_err"]) == {"launcher bn64_bk256_s1_w4_st4", "bn32_bk64_s2_w4_st2"}
+    assert all(err < 2e-2 for err in row["rel_err"].values())
+    assert {"two_kernels/down", "two_kernels/mlp", "fused/mlp bn32_bk64_s2_w4_st2"} <= set(row["us"])
+    assert row["us"]["two_kernels/down"]["us_per_layer"] == pytest.approx(5.0)  # 0.01 ms over 2 layers

@@ -187,6 +187,51 @@ def test_skinny_gemm_config_rules():
     assert triton_ops.linear(torch.randn(3, 40), torch.randn(8, 40)).shape == (3, 8)  # CPU: F.linear
 
 
+def run_glu_down_case(m, n, inter, dtype, split_k, seed, device="cpu", block_n=32, block_k=64):
+    """The down projection with SiLU x up in its prologue: its partials sum to silu_mul(gate_up) @ W.T
+    (the activation rounded as ``silu_mul`` rounds it, the product in float64)."""
+    from prefixgate_kernels import glu_down
+
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(m, 2 * inter, generator=gen) * 3).to(device=device, dtype=dtype)
+    w = (torch.randn(n, inter, generator=gen) * inter ** -0.5).to(device=device, dtype=dtype)
+    cfg = glu_down.GluDownConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=2)
+    got = glu_down.silu_mul_partials(gate_up, w, cfg)
+    want = ref.silu_mul(gate_up).double() @ w.double().T
+    assert got.shape == (split_k, m, n) and got.dtype == torch.float32
+    assert rel_err(got.sum(0), want) < tol(dtype)
+    return got
+
+
+@pytest.mark.parametrize("m,n,inter", [(1, 96, 256), (3, 72, 128), (20, 64, 512)])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_glu_down_partials_match_reference(m, n, inter, split_k, dtype):
+    run_glu_down_case(m, n, inter, dtype, split_k, seed=m * n + split_k)
+
+
+def test_glu_down_rules_and_the_op_off_the_gpu():
+    from prefixgate_kernels import glu_down
+
+    assert glu_down.choose_config(0, 4096, 14336, 132) is None  # no rows
+    assert glu_down.choose_config(33, 4096, 14336, 132) is None  # more rows than a launch takes
+    assert glu_down.choose_config(8, 4096, 14000, 132) is None  # I not a multiple of the K tile
+    c = glu_down.choose_config(8, 4096, 14336, 132)
+    assert c is not None and (14336 // c.block_k) % c.split_k == 0 and 64 * c.split_k >= 2 * 132
+    with pytest.raises(AssertionError, match="must split into"):
+        glu_down.silu_mul_partials(torch.randn(2, 2 * 192), torch.randn(8, 192),
+                                   glu_down.GluDownConfig(block_n=16, block_k=64, split_k=2))
+    # off the GPU the op is silu_mul then linear_partials: the [M, N] product
+    gen = torch.Generator().manual_seed(5)
+    gate_up, w = torch.randn(3, 2 * 48, generator=gen), torch.randn(16, 48, generator=gen)
+    got = triton_ops.silu_mul_linear_partials(gate_up, w)
+    assert got.shape == (3, 16) and rel_err(got, ref.silu_mul_linear_partials(gate_up, w)) < 1e-6
+    with pytest.raises(AssertionError, match="even number"):
+        triton_ops.silu_mul_linear_partials(torch.randn(2, 7), torch.randn(4, 3))
+    with pytest.raises(AssertionError, match="weight must be"):
+        triton_ops.silu_mul_linear_partials(torch.randn(2, 8), torch.randn(4, 8))
+
+
 def run_partials_norm_case(slices, tokens, hidden, dtype, seed, device="cpu"):
     """add_rms_norm over split-K partials (fp32 [S, T, H]) against the reference given the same
     partials, and against add_rms_norm of their sum rounded to the compute dtype: the same row."""

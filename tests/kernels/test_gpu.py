@@ -254,6 +254,35 @@ def test_skinny_gemm_gpu(m, n, k, split_k, bias):
     fused.run_skinny_case(m, n, k, torch.bfloat16, split_k, bias, seed=m + n, device="cuda", block_k=256)
 
 
+@pytest.mark.parametrize("m,n,inter,block_n,split_k", [(1, 4096, 14336, 64, 7), (8, 4096, 14336, 64, 8),
+                                                      (32, 512, 2048, 128, 2), (3, 200, 1024, 64, 1)])
+def test_glu_down_gpu(m, n, inter, block_n, split_k):
+    fused.run_glu_down_case(m, n, inter, torch.bfloat16, split_k, seed=m + n, device="cuda", block_n=block_n,
+                            block_k=256)
+
+
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_silu_mul_linear_partials_gpu(m, monkeypatch):
+    """The op the engine's MLP calls: with the fused kernel on, its partials sum to what silu_mul then
+    linear_partials give (the activation's roundings are the same; only the GEMM's order differs);
+    with it off, exactly those two ops."""
+    from prefixgate_kernels import glu_down
+
+    gen = torch.Generator().manual_seed(m)
+    gate_up = (torch.randn(m, 2 * 14336, generator=gen) * 3).to("cuda", torch.bfloat16)
+    w = (torch.randn(4096, 14336, generator=gen) * 14336 ** -0.5).to("cuda", torch.bfloat16)
+    monkeypatch.setattr(glu_down, "ENGINE_MAX_ROWS", 0)
+    two_ops = triton_ops.silu_mul_linear_partials(gate_up, w)
+    want = triton_ops.linear_partials(triton_ops.silu_mul(gate_up), w)
+    assert torch.equal(two_ops, want)
+    monkeypatch.setattr(glu_down, "ENGINE_MAX_ROWS", 32)
+    fused_parts = triton_ops.silu_mul_linear_partials(gate_up, w)
+    assert fused_parts.dim() == 3 and fused_parts.shape[1:] == (m, 4096) and fused_parts.dtype == torch.float32
+    exact = ref.silu_mul(gate_up).double() @ w.double().T
+    assert fused.rel_err(fused_parts.sum(0), exact) < 1e-3
+    assert fused.rel_err(fused_parts.sum(0), want.sum(0) if want.dim() == 3 else want) < 1e-3
+
+
 @pytest.mark.parametrize("m,block_n,launch_next", [(1, 16, 0), (8, 32, 1), (32, 64, 0), (3, 16, 1)])
 def test_skinny_gemm_gpu_pdl(m, block_n, launch_next):
     """Programmatic dependent launch: each GEMM of a chain consumes the previous one's output, so a
