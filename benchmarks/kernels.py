@@ -1062,22 +1062,26 @@ def small_batch_tiles_case(gen, batches=(1, 8), context=2048, table_tokens=8448,
 
 
 
-# (block_n, block_k, split_k, num_warps, num_stages) for glu_down_chain_case; None: the launcher's
-# (glu_down.choose_config), timed first. 64 x 256 at 4 stages is one program an SM (48 KiB a stage
-# with the 16-row gate and up tiles), 64 x 128 two, 32 x 256 three.
-GLU_DOWN_TILES = [None, (64, 256, 4, 4, 4), (64, 256, 8, 4, 4), (64, 256, 14, 4, 3), (64, 128, 7, 4, 4),
-                  (64, 128, 16, 4, 4), (32, 256, 7, 4, 4), (128, 128, 7, 8, 3), (64, 256, 7, 8, 4)]
+# Tiles for mlp_fusion_chain_case; None: the launcher's, timed first. glu_down (block_n, block_k, split_k,
+# num_warps, num_stages): its launcher takes whole-K programs of 16 columns at the down projection;
+# session 19's call 1 timed split-K tiles of 64 x 256 (one program an SM): 4x slower than the two
+# kernels. gate_up_silu (block_n, block_k, num_warps, num_stages): 32 columns a half at I = 14,336.
+GLU_DOWN_TILES = [None, (16, 256, 1, 4, 3), (16, 256, 1, 4, 5), (32, 256, 1, 4, 3), (32, 128, 1, 4, 4),
+                  (16, 128, 1, 4, 6), (16, 512, 1, 4, 2), (16, 256, 2, 4, 4), (16, 256, 1, 8, 4),
+                  (64, 128, 16, 4, 4)]
+GATE_UP_TILES = [None, (16, 256, 4, 4), (16, 256, 4, 3), (32, 256, 4, 2), (32, 128, 4, 4), (64, 128, 4, 3),
+                 (16, 512, 4, 3), (32, 256, 8, 3), (64, 256, 8, 2)]
 
 
-def glu_down_chain_case(gen, rows=(1, 8, 32), layers=32, hidden=4096, inter=14336, tiles=GLU_DOWN_TILES,
-                        device="cuda", timer=None) -> list[dict]:
-    """The decode step's MLP after its norm, ``layers`` of them in one CUDA graph, as the engine runs it
-    (cuBLAS gate|up, ``silu_mul``, the down projection's split-K partials from one batched GEMM,
-    ``partial_gemm``) against the same with SiLU x up in the down GEMM's prologue
-    (``prefixgate_kernels.glu_down``, one launch a layer fewer) at each tile set of ``tiles``; and the
-    down projections alone both ways. Each fused launch's partials checked against the two kernels'
-    sum first. -> us a layer per variant, and the weight bytes over the time as a share of copy."""
-    from prefixgate_kernels import glu_down, partial_gemm
+def mlp_fusion_chain_case(gen, rows=(1, 8, 16), layers=32, hidden=4096, inter=14336, down_tiles=GLU_DOWN_TILES,
+                          gate_up_tiles=GATE_UP_TILES, device="cuda", timer=None) -> list[dict]:
+    """The decode step's MLP after its norm, ``layers`` of them in one CUDA graph: as the engine runs it
+    unfused (cuBLAS gate|up, ``silu_mul``, the down projection's split-K partials from one batched GEMM)
+    against SiLU x up in the down GEMM's prologue (``glu_down``) and in the gate|up GEMM's epilogue
+    (``gate_up_silu``), each at its tile sets; and the half each fusion replaces alone (silu + down,
+    gate|up + silu). Every fused launch checked against the unfused ops first. -> us a layer per
+    variant, and its weight bytes over the time as a share of copy."""
+    from prefixgate_kernels import gate_up_silu, glu_down, partial_gemm
 
     timer = timer or bench_graph
     on_gpu = torch.device(device).type == "cuda"
@@ -1086,8 +1090,7 @@ def glu_down_chain_case(gen, rows=(1, 8, 32), layers=32, hidden=4096, inter=1433
             for _ in range(layers)]
     w_down = [torch.randn(hidden, inter, device=device, dtype=torch.bfloat16, generator=gen) * inter ** -0.5
               for _ in range(layers)]
-    down_bytes = hidden * inter * 2
-    mlp_bytes = down_bytes * 3
+    down_bytes, gate_up_bytes = hidden * inter * 2, 2 * hidden * inter * 2
     copy = ceilings()["copy_TBps"] if on_gpu else 1.0
 
     def timed(chain, nbytes: int) -> dict | None:
@@ -1095,46 +1098,59 @@ def glu_down_chain_case(gen, rows=(1, 8, 32), layers=32, hidden=4096, inter=1433
         return None if ms is None else {
             "us_per_layer": 1000 * ms / layers, "pct_copy": 100 * nbytes * layers / (ms * 1e-3) / 1e12 / copy}
 
+    def down_partials(act: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return partial_gemm.linear_partials(act, w, None, F.linear)
+
     out = []
     for m in rows:
         x = torch.randn(m, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-        gu = F.linear(x, w_gu[0]) * 3
-        two = triton_ops.linear_partials(triton_ops.silu_mul(gu), w_down[0])
+        gu = F.linear(x, w_gu[0])
+        act = triton_ops.silu_mul(gu)
+        two = down_partials(act, w_down[0])
         two_sum = two.sum(0) if two.dim() == 3 else two.float()
-        row: dict = {"rows": m, "layers": layers, "two_kernel_partials": list(two.shape), "us": {}}
-
-        def two_down(gu=gu) -> list[torch.Tensor]:
-            return [partial_gemm.linear_partials(triton_ops.silu_mul(gu), w, None, F.linear) for w in w_down]
-
-        def two_mlp(x=x) -> list[torch.Tensor]:
-            return [partial_gemm.linear_partials(triton_ops.silu_mul(F.linear(x, a)), b, None, F.linear)
-                    for a, b in zip(w_gu, w_down)]
-        row["us"]["two_kernels/down"] = timed(two_down, down_bytes)
-        row["us"]["two_kernels/mlp"] = timed(two_mlp, mlp_bytes)
-        for spec in tiles:
+        row: dict = {"rows": m, "layers": layers, "rel_err": {}, "us": {
+            "unfused/mlp": timed(lambda x=x: [down_partials(triton_ops.silu_mul(F.linear(x, a)), b)
+                                              for a, b in zip(w_gu, w_down)], down_bytes + gate_up_bytes),
+            "unfused/silu+down": timed(lambda gu=gu: [down_partials(triton_ops.silu_mul(gu), b) for b in w_down],
+                                       down_bytes),
+            "unfused/gate_up+silu": timed(lambda x=x: [triton_ops.silu_mul(F.linear(x, a)) for a in w_gu],
+                                          gate_up_bytes)}}
+        for spec in down_tiles:
             cfg = glu_down.choose_config(m, hidden, inter, sms) if spec is None else glu_down.GluDownConfig(*spec)
             if cfg is None:
                 continue
-            key = ("launcher " if spec is None else "") + (
+            key = "down_prologue " + ("launcher " if spec is None else "") + (
                 f"bn{cfg.block_n}_bk{cfg.block_k}_s{cfg.split_k}_w{cfg.num_warps}_st{cfg.num_stages}")
             try:
-                got = glu_down.silu_mul_partials(gu, w_down[0], cfg)
-                row.setdefault("rel_err", {})[key] = rel_err(got.sum(0), two_sum)
-
-                def fused_down(gu=gu, cfg=cfg) -> list[torch.Tensor]:
-                    return [glu_down.silu_mul_partials(gu, w, cfg) for w in w_down]
-
-                def fused_mlp(x=x, cfg=cfg) -> list[torch.Tensor]:
-                    return [glu_down.silu_mul_partials(F.linear(x, a), b, cfg) for a, b in zip(w_gu, w_down)]
-                row["us"][f"fused/down {key}"] = timed(fused_down, down_bytes)
-                row["us"][f"fused/mlp {key}"] = timed(fused_mlp, mlp_bytes)
+                row["rel_err"][key] = rel_err(glu_down.silu_mul_partials(gu, w_down[0], cfg).sum(0), two_sum)
+                row["us"][f"{key}/silu+down"] = timed(
+                    lambda gu=gu, cfg=cfg: [glu_down.silu_mul_partials(gu, b, cfg) for b in w_down], down_bytes)
+                row["us"][f"{key}/mlp"] = timed(
+                    lambda x=x, cfg=cfg: [glu_down.silu_mul_partials(F.linear(x, a), b, cfg)
+                                          for a, b in zip(w_gu, w_down)], down_bytes + gate_up_bytes)
             except Exception as e:  # noqa: BLE001  (a tile set that does not compile or fit is a finding)
                 row["us"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        for spec in gate_up_tiles:
+            cfg = gate_up_silu.choose_config(m, inter, hidden, sms) if spec is None else gate_up_silu.GateUpConfig(*spec)
+            if cfg is None:
+                continue
+            key = "gate_up_epilogue " + ("launcher " if spec is None else "") + (
+                f"bn{cfg.block_n}_bk{cfg.block_k}_w{cfg.num_warps}_st{cfg.num_stages}")
+            try:
+                row["rel_err"][key] = rel_err(gate_up_silu.gate_up_silu(x, w_gu[0], cfg), act)
+                row["us"][f"{key}/gate_up+silu"] = timed(
+                    lambda x=x, cfg=cfg: [gate_up_silu.gate_up_silu(x, a, cfg) for a in w_gu], gate_up_bytes)
+                row["us"][f"{key}/mlp"] = timed(
+                    lambda x=x, cfg=cfg: [down_partials(gate_up_silu.gate_up_silu(x, a, cfg), b)
+                                          for a, b in zip(w_gu, w_down)], down_bytes + gate_up_bytes)
+            except Exception as e:  # noqa: BLE001
+                row["us"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
         out.append(row)
-        print(f"glu down M={m}: " + "  ".join(
-            f"{k} {v['us_per_layer']:.2f} us ({v['pct_copy']:.0f} %)" for k, v in row["us"].items()
-            if v and "us_per_layer" in v), flush=True)
-        print(f"   errors: {row.get('rel_err')}", flush=True)
+        print(f"mlp fusion M={m}:", flush=True)
+        for k, v in row["us"].items():
+            print(f"   {k}: " + (f"{v['us_per_layer']:.2f} us ({v['pct_copy']:.0f} %)" if v and "us_per_layer" in v
+                                   else str(v)), flush=True)
+        print(f"   errors: {row['rel_err']}", flush=True)
     return out
 
 # Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
@@ -1148,8 +1164,9 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                    "one-wave rule's, where they differ (split_rule_case)"),
     "small-batch-tiles": ("small_batch_tiles", small_batch_tiles_case, "the engine's decode launches at batch 1 "
                           "and 8, 32 in a graph, over tile sets x split counts (small_batch_tiles_case)"),
-    "glu-down": ("glu_down", glu_down_chain_case, "the decode MLP after its norm, 32 layers in a graph: "
-                 "silu_mul then the down GEMM's partials against SiLU x up in the down GEMM (glu_down_chain_case)"),
+    "mlp-fusion": ("mlp_fusion", mlp_fusion_chain_case, "the decode MLP after its norm, 32 layers in a graph: "
+                   "unfused against SiLU x up in the down GEMM's prologue and in the gate|up GEMM's epilogue "
+                   "(mlp_fusion_chain_case)"),
     "rope-decode": ("rope_decode", rope_decode_chain_case, "a decode step's RoPE + K/V write and attention, two "
                     "kernels a layer against one launch, 32 layers in a graph (rope_decode_chain_case)"),
 }

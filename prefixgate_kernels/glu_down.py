@@ -8,6 +8,7 @@ registers before its dot, so the activation never goes through memory and ``silu
 goes::
 
     grid = (N / BLOCK_N, SPLIT_K)         program (n, s): out columns [n*BN, (n+1)*BN), K range s
+                                          (the launcher's SPLIT_K is 1: whole-K programs, session 8)
     for each BLOCK_K slice of its range:  act = silu(gate) * up  [M, BK]  (gate_up's two halves)
                                           w tile [BN, BK] (streamed once, pipelined) . act
     fp32 partials [SPLIT_K, M, N]          summed by ``add_rms_norm``, like ``linear_partials``'
@@ -16,7 +17,7 @@ The roundings are ``silu_mul``'s (silu in fp32 rounded to the compute dtype, the
 again), so the activation is bit for bit the one the two-kernel path multiplies; only the GEMM's
 summation order differs from cuBLAS's. Every N tile recomputes its rows' activation (M x I
 exponentials per tile): free at a few rows, which is where the kernel is meant to run
-(``ENGINE_MAX_ROWS``).
+(``MAX_ROWS``; whether the engine takes it: ``mlp_fusion``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,8 @@ import triton
 import triton.language as tl
 
 from prefixgate_kernels._common import cdiv, interpreting, next_pow2
-from prefixgate_kernels.skinny_gemm import split_for
 
-MAX_ROWS = 32  # the rows a launch may take (the activation's recompute grows with them)
-# Rows up to which ``prefixgate_kernels.triton_ops.silu_mul_linear_partials`` (the engine's MLP) takes
-# this kernel; 0: silu_mul then linear_partials. Off until measured on the H200 inside the engine's
-# decode graphs (benchmarks/engine_gpu.py --sections decode_glu, docs/gpu.md "Session 19").
-ENGINE_MAX_ROWS = 0
+MAX_ROWS = 16  # the rows a launch may take: one 16-row MMA tile (more double the gate and up tiles)
 
 
 @dataclass(frozen=True)
@@ -87,12 +83,16 @@ def choose_config(m: int, n: int, k: int, num_sms: int, max_rows: int = MAX_ROWS
     """Tiles for silu_mul(gate_up [m, 2k]) x [n, k]^T, or None where the kernel does not apply (no
     rows, too many, K not a multiple of the K tile). Shapes only, so it is CUDA-graph safe.
 
-    The weight-streaming GEMM's tiles (``skinny_gemm``: 64 columns x 256-wide K slices, 32 KiB of
-    bf16 a stage); SPLIT_K the smallest divisor of the K slices giving two programs an SM."""
-    block_n, block_k = 64, 256
+    Session 8's weight-streaming chain tiles (``benchmarks/kernels.py`` ``pdl_gemm_config``): each
+    program takes the whole K range (one partial), 256-wide K slices, and the widest of 64 / 32 / 16
+    output columns that still gives two programs an SM (the down projection of a Llama-8B layer: 16,
+    256 programs). A stage holds the weight tile and the gate and up tiles of 16 padded rows (16
+    columns: 8 + 16 KiB), so four stages keep two programs on an SM."""
+    block_k = 256
     if not 0 < m <= max_rows or k % block_k:
         return None
-    return GluDownConfig(block_n, block_k, split_for(n, k, block_n, block_k, num_sms))
+    block_n = next((b for b in (64, 32) if cdiv(n, b) >= 2 * num_sms), 16)
+    return GluDownConfig(block_n, block_k, split_k=1, num_stages=4 if block_n == 16 else 3)
 
 
 def silu_mul_partials(gate_up: torch.Tensor, weight: torch.Tensor, config: GluDownConfig) -> torch.Tensor:

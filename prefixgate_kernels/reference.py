@@ -290,8 +290,9 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return partial_gemm.linear_partials(x, weight, bias, linear)
 
 
-def silu_mul_linear_partials(gate_up: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The MLP's down projection of ``silu_mul(gate_up)``, as ``linear_partials`` returns it (fp32
-    partials [S, M, N] or the [M, N] product) for the next ``add_rms_norm``."""
-    return linear_partials(silu_mul(gate_up), weight, bias)
+def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                 down_weight: torch.Tensor, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP after its norm, down(silu(x @ gate.T) * (x @ up.T)) with gate|up merged in one weight,
+    as ``linear_partials`` returns it (fp32 partials [S, M, N] or the [M, N] product) for the next
+    ``add_rms_norm``."""
+    return linear_partials(silu_mul(linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)

@@ -21,8 +21,10 @@ from prefixgate_kernels import (
     activation,
     block_copy,
     decode_attention,
+    gate_up_silu,
     glu_down,
     kv_write,
+    mlp_fusion,
     partial_gemm,
     prefill_attention,
     rmsnorm,
@@ -380,21 +382,32 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return partial_gemm.linear_partials(x, weight, bias, linear)
 
 
-def silu_mul_linear_partials(gate_up: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear_partials(silu_mul(gate_up), weight, bias)``. For 16-bit CUDA batches of at most
-    ``glu_down.ENGINE_MAX_ROWS`` rows without a bias, one kernel that forms the activation as it loads
-    it and writes the split-K fp32 partials [S, M, N] (``prefixgate_kernels.glu_down``); else the two ops."""
-    _check_rows("gate_up", gate_up)
-    assert gate_up.shape[1] % 2 == 0, f"gate_up must have an even number of columns, got {gate_up.shape[1]}"
-    inter = gate_up.shape[1] // 2
-    assert weight.dim() == 2 and weight.shape[1] == inter, f"weight must be [out, {inter}], got {tuple(weight.shape)}"
-    assert weight.device == gate_up.device, "gate_up and weight must share a device"
-    config = None
-    if (bias is None and gate_up.dtype in (torch.bfloat16, torch.float16) and weight.dtype == gate_up.dtype
-            and weight.is_contiguous() and gate_up.device.type == "cuda"):
-        config = glu_down.choose_config(gate_up.shape[0], weight.shape[0], inter, num_sms(gate_up.device),
-                                        max_rows=glu_down.ENGINE_MAX_ROWS)
-    if config is None:
-        return linear_partials(silu_mul(gate_up), weight, bias)
-    return glu_down.silu_mul_partials(gate_up, weight, config)
+def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                 down_weight: torch.Tensor, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP after its norm, down(silu(x @ gate.T) * (x @ up.T)), as ``linear_partials`` returns it
+    (fp32 partials [S, M, N] or the [M, N] product) for the next ``add_rms_norm``. For 16-bit CUDA
+    batches without biases, up to the fused kernel's rows, ``mlp_fusion.ENGINE_FUSION`` may put SiLU x up
+    into one of the GEMMs (``glu_down``, ``gate_up_silu``); else gate|up, ``silu_mul``, the down partials."""
+    _check_rows("x", x)
+    assert gate_up_weight.dim() == 2 and gate_up_weight.shape[1] == x.shape[1] and gate_up_weight.shape[0] % 2 == 0, (
+        f"gate_up_weight must be [2 * inter, {x.shape[1]}], got {tuple(gate_up_weight.shape)}")
+    inter = gate_up_weight.shape[0] // 2
+    assert down_weight.dim() == 2 and down_weight.shape[1] == inter, (
+        f"down_weight must be [out, {inter}], got {tuple(down_weight.shape)}")
+    assert gate_up_weight.device == x.device and down_weight.device == x.device, "x and the weights must share a device"
+    fusion = mlp_fusion.MlpFusion.NONE
+    if (gate_up_bias is None and down_bias is None and x.device.type == "cuda"
+            and x.dtype in (torch.bfloat16, torch.float16) and gate_up_weight.dtype == down_weight.dtype == x.dtype
+            and gate_up_weight.is_contiguous() and down_weight.is_contiguous()):
+        fusion = mlp_fusion.ENGINE_FUSION
+    rows = x.shape[0]
+    if fusion is mlp_fusion.MlpFusion.GATE_UP_EPILOGUE:
+        config = gate_up_silu.choose_config(rows, inter, x.shape[1], num_sms(x.device))
+        if config is not None:
+            return linear_partials(gate_up_silu.gate_up_silu(x, gate_up_weight, config), down_weight, down_bias)
+    gate_up = linear(x, gate_up_weight, gate_up_bias)
+    if fusion is mlp_fusion.MlpFusion.DOWN_PROLOGUE:
+        config = glu_down.choose_config(rows, down_weight.shape[0], inter, num_sms(x.device))
+        if config is not None:
+            return glu_down.silu_mul_partials(gate_up, down_weight, config)
+    return linear_partials(silu_mul(gate_up), down_weight, down_bias)

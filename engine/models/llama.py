@@ -155,10 +155,10 @@ class MLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         assert self.gate_up_weight is not None, "call fuse_projections() first"
-        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
         # down(silu(gate) * up): [T, hidden], or its split-K partials [S, T, hidden] for the next
-        # add_rms_norm to sum (at decode sizes on the GPU possibly one kernel: prefixgate_kernels/glu_down.py)
-        return ops.silu_mul_linear_partials(gate_up, self.down_proj.weight, self.down_proj.bias)
+        # add_rms_norm to sum (at decode sizes on the GPU the activation may run inside one of the GEMMs:
+        # prefixgate_kernels/mlp_fusion.py)
+        return ops.mlp_partials(x, self.gate_up_weight, self.gate_up_bias, self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _project(self.down_proj, F.silu(_project(self.gate_proj, x)) * _project(self.up_proj, x))

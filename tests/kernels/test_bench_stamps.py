@@ -109,14 +109,17 @@ def test_rope_decode_chain_case_checks_both_ways():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
-def test_glu_down_chain_case_checks_and_times_both_ways():
-    """``--glu-down``'s flow on the interpreter with tiny shapes: the launcher's tiles and a given set,
-    each checked against the two kernels' sum, and both chains timed (by a stand-in timer)."""
+def test_mlp_fusion_chain_case_checks_and_times_every_form():
+    """``--mlp-fusion``'s flow on the interpreter with tiny shapes: the launchers' tiles and a given set of
+    each fusion, each checked against the unfused ops, and every chain timed (by a stand-in timer)."""
     gen = torch.Generator().manual_seed(3)
-    rows = kbench.glu_down_chain_case(gen, rows=(2,), layers=2, hidden=64, inter=256,
-                                      tiles=[None, (32, 64, 2, 4, 2)], device="cpu", timer=lambda fn: (fn(), 0.01)[1])
+    rows = kbench.mlp_fusion_chain_case(gen, rows=(2,), layers=2, hidden=256, inter=256,
+                                        down_tiles=[None, (32, 64, 2, 4, 2)], gate_up_tiles=[None, (32, 64, 4, 2)],
+                                        device="cpu", timer=lambda fn: (fn(), 0.01)[1])
     (row,) = rows
-    assert set(row["rel_err"]) == {"launcher bn64_bk256_s1_w4_st4", "bn32_bk64_s2_w4_st2"}
-    assert all(err < 2e-2 for err in row["rel_err"].values())
-    assert {"two_kernels/down", "two_kernels/mlp", "fused/mlp bn32_bk64_s2_w4_st2"} <= set(row["us"])
-    assert row["us"]["two_kernels/down"]["us_per_layer"] == pytest.approx(5.0)  # 0.01 ms over 2 layers
+    assert set(row["rel_err"]) == {"down_prologue launcher bn16_bk256_s1_w4_st4", "down_prologue bn32_bk64_s2_w4_st2",
+                                   "gate_up_epilogue launcher bn16_bk256_w4_st4", "gate_up_epilogue bn32_bk64_w4_st2"}
+    assert all(err < 2e-2 for err in row["rel_err"].values()), row["rel_err"]
+    assert {"unfused/mlp", "unfused/silu+down", "unfused/gate_up+silu", "down_prologue bn32_bk64_s2_w4_st2/mlp",
+            "gate_up_epilogue bn32_bk64_w4_st2/gate_up+silu"} <= set(row["us"])
+    assert row["us"]["unfused/mlp"]["us_per_layer"] == pytest.approx(5.0)  # 0.01 ms over 2 layers

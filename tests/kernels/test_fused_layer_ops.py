@@ -214,22 +214,59 @@ def test_glu_down_rules_and_the_op_off_the_gpu():
     from prefixgate_kernels import glu_down
 
     assert glu_down.choose_config(0, 4096, 14336, 132) is None  # no rows
-    assert glu_down.choose_config(33, 4096, 14336, 132) is None  # more rows than a launch takes
+    assert glu_down.choose_config(glu_down.MAX_ROWS + 1, 4096, 14336, 132) is None  # more rows than a launch takes
     assert glu_down.choose_config(8, 4096, 14000, 132) is None  # I not a multiple of the K tile
-    c = glu_down.choose_config(8, 4096, 14336, 132)
-    assert c is not None and (14336 // c.block_k) % c.split_k == 0 and 64 * c.split_k >= 2 * 132
+    # the down projection of a Llama-8B layer: whole-K programs of 16 columns, 256 of them (two an SM)
+    assert glu_down.choose_config(8, 4096, 14336, 132) == glu_down.GluDownConfig(16, 256, 1, num_stages=4)
+    assert glu_down.choose_config(1, 65536, 1024, 132).block_n == 64
     with pytest.raises(AssertionError, match="must split into"):
         glu_down.silu_mul_partials(torch.randn(2, 2 * 192), torch.randn(8, 192),
                                    glu_down.GluDownConfig(block_n=16, block_k=64, split_k=2))
-    # off the GPU the op is silu_mul then linear_partials: the [M, N] product
+
+
+def run_gate_up_silu_case(m, inter, k, dtype, seed, device="cpu", block_n=32, block_k=64):
+    """The gate|up projection with SiLU x up in its epilogue against silu_mul of the unfused product
+    (gate|up rounded to the dtype as the GEMM would store it)."""
+    from prefixgate_kernels import gate_up_silu
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(2 * inter, k, generator=gen) * 2 * k ** -0.5).to(device=device, dtype=dtype)
+    cfg = gate_up_silu.GateUpConfig(block_n=block_n, block_k=block_k, num_stages=2)
+    got = gate_up_silu.gate_up_silu(x, w, cfg)
+    want = ref.silu_mul((x.double() @ w.double().T).to(dtype))
+    assert got.shape == (m, inter) and got.dtype == dtype
+    assert rel_err(got, want) < tol(dtype)
+    return got
+
+
+@pytest.mark.parametrize("m,inter,k", [(1, 96, 256), (3, 72, 128), (16, 64, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gate_up_silu_matches_reference(m, inter, k, dtype):
+    run_gate_up_silu_case(m, inter, k, dtype, seed=m * inter + k)
+
+
+def test_gate_up_silu_rules():
+    from prefixgate_kernels import gate_up_silu
+
+    assert gate_up_silu.choose_config(0, 14336, 4096, 132) is None
+    assert gate_up_silu.choose_config(gate_up_silu.MAX_ROWS + 1, 14336, 4096, 132) is None
+    assert gate_up_silu.choose_config(8, 14336, 4000, 132) is None  # K not a multiple of the K tile
+    assert gate_up_silu.choose_config(8, 14336, 4096, 132) == gate_up_silu.GateUpConfig(32, 256, num_stages=3)
+    with pytest.raises(AssertionError, match="multiple of"):
+        gate_up_silu.gate_up_silu(torch.randn(2, 96), torch.randn(16, 96), gate_up_silu.GateUpConfig(16, 64))
+
+
+def test_mlp_partials_off_the_gpu_is_the_reference():
+    """Off the GPU (and with the fusion unset) the op is gate|up, silu_mul, linear_partials."""
     gen = torch.Generator().manual_seed(5)
-    gate_up, w = torch.randn(3, 2 * 48, generator=gen), torch.randn(16, 48, generator=gen)
-    got = triton_ops.silu_mul_linear_partials(gate_up, w)
-    assert got.shape == (3, 16) and rel_err(got, ref.silu_mul_linear_partials(gate_up, w)) < 1e-6
-    with pytest.raises(AssertionError, match="even number"):
-        triton_ops.silu_mul_linear_partials(torch.randn(2, 7), torch.randn(4, 3))
-    with pytest.raises(AssertionError, match="weight must be"):
-        triton_ops.silu_mul_linear_partials(torch.randn(2, 8), torch.randn(4, 8))
+    x, w_gu, w_down = torch.randn(3, 32, generator=gen), torch.randn(96, 32, generator=gen), torch.randn(16, 48, generator=gen)
+    got = triton_ops.mlp_partials(x, w_gu, None, w_down)
+    assert got.shape == (3, 16) and rel_err(got, ref.mlp_partials(x, w_gu, None, w_down)) < 1e-6
+    with pytest.raises(AssertionError, match="gate_up_weight must be"):
+        triton_ops.mlp_partials(x, torch.randn(95, 32), None, w_down)
+    with pytest.raises(AssertionError, match="down_weight must be"):
+        triton_ops.mlp_partials(x, w_gu, None, torch.randn(16, 47))
 
 
 def run_partials_norm_case(slices, tokens, hidden, dtype, seed, device="cpu"):
