@@ -562,17 +562,17 @@ def sec_decode_partials(dev, args, model, runner, bw) -> dict:
 
 
 def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
-    """The MLP's SiLU x up unfused, in the down GEMM's prologue and in the gate|up GEMM's epilogue
-    (``mlp_fusion.ENGINE_FUSION``), through ``decode_ab``."""
-    from prefixgate_kernels import mlp_fusion
+    """The gate|up GEMM storing SiLU x up itself (``gate_up_silu.ENGINE_MAX_ROWS``: 16, the default, and
+    32) against cuBLAS's gate|up then ``silu_mul`` (0), through ``decode_ab``."""
+    from prefixgate_kernels import gate_up_silu
 
-    default = mlp_fusion.ENGINE_FUSION
+    default = gate_up_silu.ENGINE_MAX_ROWS
 
-    def setter(fusion: mlp_fusion.MlpFusion) -> Callable[[], None]:
-        return lambda: setattr(mlp_fusion, "ENGINE_FUSION", fusion)
+    def setter(rows: int) -> Callable[[], None]:
+        return lambda: setattr(gate_up_silu, "ENGINE_MAX_ROWS", rows)
 
-    return decode_ab(dev, args, model, runner, bw, "mlp fusion", {f.value: setter(f) for f in mlp_fusion.MlpFusion},
-                     setter(default))
+    return decode_ab(dev, args, model, runner, bw, "gate|up + silu",
+                     {"off": setter(0), "on16": setter(16), "on32": setter(32)}, setter(default))
 
 
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:

@@ -1062,26 +1062,24 @@ def small_batch_tiles_case(gen, batches=(1, 8), context=2048, table_tokens=8448,
 
 
 
-# Tiles for mlp_fusion_chain_case; None: the launcher's, timed first. glu_down (block_n, block_k, split_k,
-# num_warps, num_stages): its launcher takes whole-K programs of 16 columns at the down projection;
-# session 19's call 1 timed split-K tiles of 64 x 256 (one program an SM): 4x slower than the two
-# kernels. gate_up_silu (block_n, block_k, num_warps, num_stages): 32 columns a half at I = 14,336.
-GLU_DOWN_TILES = [None, (16, 256, 1, 4, 3), (16, 256, 1, 4, 5), (32, 256, 1, 4, 3), (32, 128, 1, 4, 4),
-                  (16, 128, 1, 4, 6), (16, 512, 1, 4, 2), (16, 256, 2, 4, 4), (16, 256, 1, 8, 4),
-                  (64, 128, 16, 4, 4)]
+# (block_n, block_k, num_warps, num_stages) for gate_up_silu_chain_case; None: the launcher's
+# (gate_up_silu.choose_config: 32 columns a half at I = 14,336), timed first.
 GATE_UP_TILES = [None, (16, 256, 4, 4), (16, 256, 4, 3), (32, 256, 4, 2), (32, 128, 4, 4), (64, 128, 4, 3),
                  (16, 512, 4, 3), (32, 256, 8, 3), (64, 256, 8, 2)]
 
 
-def mlp_fusion_chain_case(gen, rows=(1, 8, 16), layers=32, hidden=4096, inter=14336, down_tiles=GLU_DOWN_TILES,
-                          gate_up_tiles=GATE_UP_TILES, device="cuda", timer=None) -> list[dict]:
-    """The decode step's MLP after its norm, ``layers`` of them in one CUDA graph: as the engine runs it
-    unfused (cuBLAS gate|up, ``silu_mul``, the down projection's split-K partials from one batched GEMM)
-    against SiLU x up in the down GEMM's prologue (``glu_down``) and in the gate|up GEMM's epilogue
-    (``gate_up_silu``), each at its tile sets; and the half each fusion replaces alone (silu + down,
-    gate|up + silu). Every fused launch checked against the unfused ops first. -> us a layer per
-    variant, and its weight bytes over the time as a share of copy."""
-    from prefixgate_kernels import gate_up_silu, glu_down, partial_gemm
+def gate_up_silu_chain_case(gen, rows=(1, 8, 16, 32), layers=32, hidden=4096, inter=14336, tiles=GATE_UP_TILES,
+                            device="cuda", timer=None) -> list[dict]:
+    """The decode step's MLP after its norm, ``layers`` of them in one CUDA graph: as the engine ran it
+    before session 19 (cuBLAS gate|up, ``silu_mul``, the down projection's split-K partials from one
+    batched GEMM) against the gate|up GEMM storing silu(gate) * up itself (``gate_up_silu``) at each
+    tile set; and the gate|up + SiLU half alone both ways. Every fused launch checked against the
+    unfused ops first (the same roundings: equal but for the GEMM's summation order). -> us a layer
+    per variant, and its weight bytes over the time as a share of copy.
+
+    Also measured in session 19 (calls 1-2, in the tree at ccfbd94): SiLU x up in the down GEMM's
+    prologue instead (``glu_down``), 2-7x slower than ``silu_mul`` plus cuBLAS at every tile set."""
+    from prefixgate_kernels import gate_up_silu, partial_gemm
 
     timer = timer or bench_graph
     on_gpu = torch.device(device).type == "cuda"
@@ -1104,49 +1102,29 @@ def mlp_fusion_chain_case(gen, rows=(1, 8, 16), layers=32, hidden=4096, inter=14
     out = []
     for m in rows:
         x = torch.randn(m, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-        gu = F.linear(x, w_gu[0])
-        act = triton_ops.silu_mul(gu)
-        two = down_partials(act, w_down[0])
-        two_sum = two.sum(0) if two.dim() == 3 else two.float()
+        act = triton_ops.silu_mul(F.linear(x, w_gu[0]))
         row: dict = {"rows": m, "layers": layers, "rel_err": {}, "us": {
             "unfused/mlp": timed(lambda x=x: [down_partials(triton_ops.silu_mul(F.linear(x, a)), b)
                                               for a, b in zip(w_gu, w_down)], down_bytes + gate_up_bytes),
-            "unfused/silu+down": timed(lambda gu=gu: [down_partials(triton_ops.silu_mul(gu), b) for b in w_down],
-                                       down_bytes),
             "unfused/gate_up+silu": timed(lambda x=x: [triton_ops.silu_mul(F.linear(x, a)) for a in w_gu],
                                           gate_up_bytes)}}
-        for spec in down_tiles:
-            cfg = glu_down.choose_config(m, hidden, inter, sms) if spec is None else glu_down.GluDownConfig(*spec)
-            if cfg is None:
-                continue
-            key = "down_prologue " + ("launcher " if spec is None else "") + (
-                f"bn{cfg.block_n}_bk{cfg.block_k}_s{cfg.split_k}_w{cfg.num_warps}_st{cfg.num_stages}")
-            try:
-                row["rel_err"][key] = rel_err(glu_down.silu_mul_partials(gu, w_down[0], cfg).sum(0), two_sum)
-                row["us"][f"{key}/silu+down"] = timed(
-                    lambda gu=gu, cfg=cfg: [glu_down.silu_mul_partials(gu, b, cfg) for b in w_down], down_bytes)
-                row["us"][f"{key}/mlp"] = timed(
-                    lambda x=x, cfg=cfg: [glu_down.silu_mul_partials(F.linear(x, a), b, cfg)
-                                          for a, b in zip(w_gu, w_down)], down_bytes + gate_up_bytes)
-            except Exception as e:  # noqa: BLE001  (a tile set that does not compile or fit is a finding)
-                row["us"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        for spec in gate_up_tiles:
+        for spec in tiles:
             cfg = gate_up_silu.choose_config(m, inter, hidden, sms) if spec is None else gate_up_silu.GateUpConfig(*spec)
             if cfg is None:
                 continue
-            key = "gate_up_epilogue " + ("launcher " if spec is None else "") + (
+            key = ("launcher " if spec is None else "") + (
                 f"bn{cfg.block_n}_bk{cfg.block_k}_w{cfg.num_warps}_st{cfg.num_stages}")
             try:
                 row["rel_err"][key] = rel_err(gate_up_silu.gate_up_silu(x, w_gu[0], cfg), act)
-                row["us"][f"{key}/gate_up+silu"] = timed(
+                row["us"][f"fused {key}/gate_up+silu"] = timed(
                     lambda x=x, cfg=cfg: [gate_up_silu.gate_up_silu(x, a, cfg) for a in w_gu], gate_up_bytes)
-                row["us"][f"{key}/mlp"] = timed(
+                row["us"][f"fused {key}/mlp"] = timed(
                     lambda x=x, cfg=cfg: [down_partials(gate_up_silu.gate_up_silu(x, a, cfg), b)
                                           for a, b in zip(w_gu, w_down)], down_bytes + gate_up_bytes)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001  (a tile set that does not compile or fit is a finding)
                 row["us"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
         out.append(row)
-        print(f"mlp fusion M={m}:", flush=True)
+        print(f"gate|up + silu M={m}:", flush=True)
         for k, v in row["us"].items():
             print(f"   {k}: " + (f"{v['us_per_layer']:.2f} us ({v['pct_copy']:.0f} %)" if v and "us_per_layer" in v
                                    else str(v)), flush=True)
@@ -1164,9 +1142,9 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                    "one-wave rule's, where they differ (split_rule_case)"),
     "small-batch-tiles": ("small_batch_tiles", small_batch_tiles_case, "the engine's decode launches at batch 1 "
                           "and 8, 32 in a graph, over tile sets x split counts (small_batch_tiles_case)"),
-    "mlp-fusion": ("mlp_fusion", mlp_fusion_chain_case, "the decode MLP after its norm, 32 layers in a graph: "
-                   "unfused against SiLU x up in the down GEMM's prologue and in the gate|up GEMM's epilogue "
-                   "(mlp_fusion_chain_case)"),
+    "gate-up-silu": ("gate_up_silu", gate_up_silu_chain_case, "the decode MLP after its norm, 32 layers in a "
+                     "graph: silu_mul after cuBLAS's gate|up against the gate|up GEMM storing SiLU x up "
+                     "(gate_up_silu_chain_case)"),
     "rope-decode": ("rope_decode", rope_decode_chain_case, "a decode step's RoPE + K/V write and attention, two "
                     "kernels a layer against one launch, 32 layers in a graph (rope_decode_chain_case)"),
 }

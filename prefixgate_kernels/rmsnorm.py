@@ -26,12 +26,12 @@ from prefixgate_kernels._common import next_pow2
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr,  # [T, H], or fp32 partials [PARTIALS, T, H] to be summed
+    x_ptr,  # [T, H] (PARTIALS = 0), or fp32 partials [PARTIALS, T, H] to be summed
     res_ptr,  # [T, H], read and rewritten in place when HAS_RESIDUAL
     w_ptr,  # [H]
     out_ptr,  # [T, H]
     stride_x, stride_r, stride_o,
-    stride_part,  # elements between two partials (PARTIALS > 1)
+    stride_part,  # elements between two partials (PARTIALS > 0)
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
@@ -41,7 +41,7 @@ def _add_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    if PARTIALS > 1:  # the projection's output is the sum of its slices, rounded as it would have been
+    if PARTIALS > 0:  # the projection's output is the sum of its slices, rounded as it would have been
         acc = tl.zeros([BLOCK], tl.float32)
         for p in tl.static_range(PARTIALS):
             acc += tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
@@ -60,8 +60,9 @@ def _add_rms_norm_kernel(
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    partials = x.shape[0] if x.dim() == 3 else 1
-    row_dtype = residual.dtype if partials > 1 else x.dtype  # partials are fp32; the row is the residual's
+    # partials (fp32, any count, one included) are summed and rounded to the residual's dtype, the row's
+    partials = x.shape[0] if x.dim() == 3 else 0
+    row_dtype = residual.dtype if partials else x.dtype
     tokens, hidden = x.shape[-2:]
     out = torch.empty((tokens, hidden), dtype=torch.promote_types(row_dtype, weight.dtype), device=x.device)
     if tokens == 0:
@@ -69,7 +70,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block = next_pow2(hidden)
     res = residual if residual is not None else x
     _add_rms_norm_kernel[(tokens,)](
-        x, res, weight, out, x.stride(-2), res.stride(0), out.stride(0), x.stride(0) if partials > 1 else 0,
+        x, res, weight, out, x.stride(-2), res.stride(0), out.stride(0), x.stride(0) if partials else 0,
         hidden, eps, HAS_RESIDUAL=residual is not None, PARTIALS=partials, BLOCK=block,
         num_warps=max(1, min(16, block // 256)),
     )

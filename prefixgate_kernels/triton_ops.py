@@ -22,9 +22,7 @@ from prefixgate_kernels import (
     block_copy,
     decode_attention,
     gate_up_silu,
-    glu_down,
     kv_write,
-    mlp_fusion,
     partial_gemm,
     prefill_attention,
     rmsnorm,
@@ -386,8 +384,8 @@ def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
                  down_weight: torch.Tensor, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The MLP after its norm, down(silu(x @ gate.T) * (x @ up.T)), as ``linear_partials`` returns it
     (fp32 partials [S, M, N] or the [M, N] product) for the next ``add_rms_norm``. For 16-bit CUDA
-    batches without biases, up to the fused kernel's rows, ``mlp_fusion.ENGINE_FUSION`` may put SiLU x up
-    into one of the GEMMs (``glu_down``, ``gate_up_silu``); else gate|up, ``silu_mul``, the down partials."""
+    batches of at most ``gate_up_silu.ENGINE_MAX_ROWS`` rows without a gate|up bias, the gate|up GEMM
+    stores silu(gate) * up itself (``prefixgate_kernels.gate_up_silu``); else gate|up, ``silu_mul``."""
     _check_rows("x", x)
     assert gate_up_weight.dim() == 2 and gate_up_weight.shape[1] == x.shape[1] and gate_up_weight.shape[0] % 2 == 0, (
         f"gate_up_weight must be [2 * inter, {x.shape[1]}], got {tuple(gate_up_weight.shape)}")
@@ -395,19 +393,11 @@ def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
     assert down_weight.dim() == 2 and down_weight.shape[1] == inter, (
         f"down_weight must be [out, {inter}], got {tuple(down_weight.shape)}")
     assert gate_up_weight.device == x.device and down_weight.device == x.device, "x and the weights must share a device"
-    fusion = mlp_fusion.MlpFusion.NONE
-    if (gate_up_bias is None and down_bias is None and x.device.type == "cuda"
-            and x.dtype in (torch.bfloat16, torch.float16) and gate_up_weight.dtype == down_weight.dtype == x.dtype
-            and gate_up_weight.is_contiguous() and down_weight.is_contiguous()):
-        fusion = mlp_fusion.ENGINE_FUSION
-    rows = x.shape[0]
-    if fusion is mlp_fusion.MlpFusion.GATE_UP_EPILOGUE:
-        config = gate_up_silu.choose_config(rows, inter, x.shape[1], num_sms(x.device))
-        if config is not None:
-            return linear_partials(gate_up_silu.gate_up_silu(x, gate_up_weight, config), down_weight, down_bias)
-    gate_up = linear(x, gate_up_weight, gate_up_bias)
-    if fusion is mlp_fusion.MlpFusion.DOWN_PROLOGUE:
-        config = glu_down.choose_config(rows, down_weight.shape[0], inter, num_sms(x.device))
-        if config is not None:
-            return glu_down.silu_mul_partials(gate_up, down_weight, config)
-    return linear_partials(silu_mul(gate_up), down_weight, down_bias)
+    config = None
+    if (gate_up_bias is None and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+            and gate_up_weight.dtype == x.dtype and gate_up_weight.is_contiguous()):
+        config = gate_up_silu.choose_config(x.shape[0], inter, x.shape[1], num_sms(x.device),
+                                            max_rows=gate_up_silu.ENGINE_MAX_ROWS)
+    act = silu_mul(linear(x, gate_up_weight, gate_up_bias)) if config is None else (
+        gate_up_silu.gate_up_silu(x, gate_up_weight, config))
+    return linear_partials(act, down_weight, down_bias)

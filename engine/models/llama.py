@@ -156,8 +156,8 @@ class MLP(nn.Module):
     def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         assert self.gate_up_weight is not None, "call fuse_projections() first"
         # down(silu(gate) * up): [T, hidden], or its split-K partials [S, T, hidden] for the next
-        # add_rms_norm to sum (at decode sizes on the GPU the activation may run inside one of the GEMMs:
-        # prefixgate_kernels/mlp_fusion.py)
+        # add_rms_norm to sum (at decode sizes on the GPU the gate|up GEMM stores silu(gate) * up itself:
+        # prefixgate_kernels/gate_up_silu.py)
         return ops.mlp_partials(x, self.gate_up_weight, self.gate_up_bias, self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

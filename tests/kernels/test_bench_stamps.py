@@ -109,17 +109,15 @@ def test_rope_decode_chain_case_checks_both_ways():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
-def test_mlp_fusion_chain_case_checks_and_times_every_form():
-    """``--mlp-fusion``'s flow on the interpreter with tiny shapes: the launchers' tiles and a given set of
-    each fusion, each checked against the unfused ops, and every chain timed (by a stand-in timer)."""
+def test_gate_up_silu_chain_case_checks_and_times_both_ways():
+    """``--gate-up-silu``'s flow on the interpreter with tiny shapes: the launcher's tiles and a given
+    set, each checked against the unfused ops, and every chain timed (by a stand-in timer)."""
     gen = torch.Generator().manual_seed(3)
-    rows = kbench.mlp_fusion_chain_case(gen, rows=(2,), layers=2, hidden=256, inter=256,
-                                        down_tiles=[None, (32, 64, 2, 4, 2)], gate_up_tiles=[None, (32, 64, 4, 2)],
-                                        device="cpu", timer=lambda fn: (fn(), 0.01)[1])
+    rows = kbench.gate_up_silu_chain_case(gen, rows=(2,), layers=2, hidden=256, inter=256, tiles=[None, (32, 64, 4, 2)],
+                                          device="cpu", timer=lambda fn: (fn(), 0.01)[1])
     (row,) = rows
-    assert set(row["rel_err"]) == {"down_prologue launcher bn16_bk256_s1_w4_st4", "down_prologue bn32_bk64_s2_w4_st2",
-                                   "gate_up_epilogue launcher bn16_bk256_w4_st4", "gate_up_epilogue bn32_bk64_w4_st2"}
+    assert set(row["rel_err"]) == {"launcher bn16_bk256_w4_st4", "bn32_bk64_w4_st2"}
     assert all(err < 2e-2 for err in row["rel_err"].values()), row["rel_err"]
-    assert {"unfused/mlp", "unfused/silu+down", "unfused/gate_up+silu", "down_prologue bn32_bk64_s2_w4_st2/mlp",
-            "gate_up_epilogue bn32_bk64_w4_st2/gate_up+silu"} <= set(row["us"])
+    assert {"unfused/mlp", "unfused/gate_up+silu", "fused bn32_bk64_w4_st2/mlp",
+            "fused launcher bn16_bk256_w4_st4/gate_up+silu"} <= set(row["us"])
     assert row["us"]["unfused/mlp"]["us_per_layer"] == pytest.approx(5.0)  # 0.01 ms over 2 layers
