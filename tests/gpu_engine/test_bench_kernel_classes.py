@@ -1,0 +1,20 @@
+"""benchmarks/engine_gpu.py's decode profile sorts a step's kernels into classes by name (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+engine_gpu = pytest.importorskip("benchmarks.engine_gpu")
+
+
+@pytest.mark.parametrize("name,cls", [
+    ("_gate_up_silu_kernel", "gemm"),  # the gate|up GEMM storing SiLU x up is a GEMM, not the activation
+    ("_silu_mul_kernel", "activation"),
+    ("nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNN", "gemm"),
+    ("_decode_split_kernel", "attention"),
+    ("_add_rms_norm_kernel", "norm"),
+    ("_rotary_write_kv_kernel", "rotary_kv_write"),
+    ("argmax_kernel", "other"),
+])
+def test_decode_kernel_class(name, cls):
+    assert engine_gpu.decode_kernel_class(name) == cls
