@@ -576,6 +576,21 @@ def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
                      {"off": setter(0), "on16": setter(16), "on32": setter(32)}, setter(default))
 
 
+def sec_decode_skinny(dev, args, model, runner, bw) -> dict:
+    """The weight-streaming Triton GEMM (``skinny_gemm.chain_config``'s tiles) for ``ops.linear`` at up
+    to 16 rows (in a decode step the q|k|v projection; gate|up runs in ``gate_up_silu``) against cuBLAS
+    (``skinny_gemm.ENGINE_MAX_ROWS = 0``, the default), through ``decode_ab``."""
+    from prefixgate_kernels import skinny_gemm
+
+    default = skinny_gemm.ENGINE_MAX_ROWS
+
+    def setter(rows: int) -> Callable[[], None]:
+        return lambda: setattr(skinny_gemm, "ENGINE_MAX_ROWS", rows)
+
+    return decode_ab(dev, args, model, runner, bw, "skinny linear", {"off": setter(0), "on16": setter(16)},
+                     setter(default))
+
+
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
     """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
     the default) against ``rotary_write_kv`` then the attention, through ``decode_ab``."""
@@ -1197,6 +1212,7 @@ def main() -> int:
     section("decode_partials", sec_decode_partials, dev, args, model, runner, bw)
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
+    section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)

@@ -15,6 +15,7 @@ Every kernel result is checked against prefixgate_kernels.reference on the GPU (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -1441,9 +1442,7 @@ def pdl_gemm_config(n: int, k: int, pdl: bool = False,
     gives two programs per SM; 256-wide K slices, three stages for 64-row tiles (80 KB of shared
     memory: 2 programs per SM; four would hold one), four otherwise."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bn = next((b for b in (64, 32) if triton.cdiv(n, b) >= 2 * sms), 16)
-    return skinny_gemm.SkinnyConfig(block_n=bn, block_k=256, split_k=1, num_stages=3 if bn == 64 else 4, pdl=pdl,
-                                    launch_next=launch_next)
+    return dataclasses.replace(skinny_gemm.chain_config(1, n, k, sms), pdl=pdl, launch_next=launch_next)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from prefixgate_kernels._common import cdiv, interpreting, next_pow2
 
 MAX_ROWS = 32  # above this cuBLAS's tiles amortise the weight read well enough
-# Rows up to which ``prefixgate_kernels.triton_ops.linear`` (the engine's fused path) takes this kernel: 0, off.
+# Rows up to which ``prefixgate_kernels.triton_ops.linear`` (the engine's fused path) takes this kernel,
+# at ``chain_config``'s tiles: 0, off.
 # Measured on the H200 inside the engine's CUDA graphs (session 2, run 3): the 8B decode step's GPU
 # time at batch 32 rose from 7.68 ms (cuBLAS) to 8.97 ms, at batch 1 from 4.87 to 5.45 ms, with the
 # untuned 64 x 256 tiles. benchmarks/kernels.py keeps measuring it (decode_gemms, graph replays) so
@@ -142,6 +143,19 @@ def choose_config(m: int, n: int, k: int, num_sms: int, max_rows: int = MAX_ROWS
     if m > max_rows or k % block_k:
         return None
     return SkinnyConfig(block_n, block_k, split_for(n, k, block_n, block_k, num_sms))
+
+
+def chain_config(m: int, n: int, k: int, num_sms: int, max_rows: int = MAX_ROWS) -> SkinnyConfig | None:
+    """Session 8's tiles for a GEMM among a decode step's others, which ``triton_ops.linear`` takes up to
+    ``ENGINE_MAX_ROWS`` rows: whole-K programs (no reduce kernel: one boundary a GEMM), the widest of
+    64 / 32 / 16 output columns that still gives two programs an SM, 256-wide K slices, three stages
+    at 64 columns and four otherwise (two programs an SM either way). None where the kernel does not
+    apply. ``gate_up_silu`` streams the gate|up projection with the same layout at 96 % of copy."""
+    block_k = 256
+    if not 0 < m <= max_rows or k % block_k:
+        return None
+    block_n = next((b for b in (64, 32) if cdiv(n, b) >= 2 * num_sms), 16)
+    return SkinnyConfig(block_n, block_k, 1, num_stages=3 if block_n == 64 else 4)
 
 
 def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, max_split: int = 8) -> int:

@@ -362,8 +362,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous()), "bias must be [out] contiguous"
     config = None
     if x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1 and x.device.type == "cuda":
-        config = skinny_gemm.choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device),
-                                           max_rows=skinny_gemm.ENGINE_MAX_ROWS)
+        config = skinny_gemm.chain_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device),
+                                          max_rows=skinny_gemm.ENGINE_MAX_ROWS)
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
     return skinny_gemm.skinny_linear(x, weight, bias, config)

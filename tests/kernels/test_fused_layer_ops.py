@@ -185,6 +185,11 @@ def test_skinny_gemm_config_rules():
     c = skinny_gemm.choose_config(32, 4096, 14336, 132)
     assert c is not None and (14336 // c.block_k) % c.split_k == 0
     assert triton_ops.linear(torch.randn(3, 40), torch.randn(8, 40)).shape == (3, 8)  # CPU: F.linear
+    # the engine's tiles: whole K, the widest columns still giving two programs an SM (q|k|v of an 8B layer: 16)
+    assert skinny_gemm.chain_config(1, 6144, 4096, 132) == skinny_gemm.SkinnyConfig(16, 256, 1, num_stages=4)
+    assert skinny_gemm.chain_config(8, 28672, 4096, 132) == skinny_gemm.SkinnyConfig(64, 256, 1, num_stages=3)
+    assert skinny_gemm.chain_config(17, 6144, 4096, 132, max_rows=16) is None
+    assert skinny_gemm.chain_config(1, 6144, 4000, 132) is None
 
 
 def run_gate_up_silu_case(m, inter, k, dtype, seed, device="cpu", block_n=32, block_k=64):

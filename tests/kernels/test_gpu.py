@@ -283,6 +283,20 @@ def test_mlp_partials_gpu(m, monkeypatch):
     assert fused.rel_err(got.sum(0) if got.dim() == 3 else got, exact) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 16])
+def test_linear_through_the_skinny_gemm_gpu(m, monkeypatch):
+    """``ops.linear`` with the weight-streaming GEMM switched on (q|k|v's shape, chain_config's tiles)."""
+    from prefixgate_kernels import skinny_gemm
+
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.randn(6144, 4096, generator=gen) * 4096 ** -0.5).to("cuda", torch.bfloat16)
+    monkeypatch.setattr(skinny_gemm, "ENGINE_MAX_ROWS", 16)
+    got = triton_ops.linear(x, w)
+    assert got.shape == (m, 6144) and got.dtype == torch.bfloat16
+    assert fused.rel_err(got, x.double() @ w.double().T) < 1e-2
+
+
 @pytest.mark.parametrize("m,block_n,launch_next", [(1, 16, 0), (8, 32, 1), (32, 64, 0), (3, 16, 1)])
 def test_skinny_gemm_gpu_pdl(m, block_n, launch_next):
     """Programmatic dependent launch: each GEMM of a chain consumes the previous one's output, so a
