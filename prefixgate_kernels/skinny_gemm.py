@@ -45,8 +45,9 @@ MAX_ROWS = 32  # above this cuBLAS's tiles amortise the weight read well enough
 # at ``chain_config``'s tiles: 0, off.
 # Measured on the H200 inside the engine's CUDA graphs (session 2, run 3): the 8B decode step's GPU
 # time at batch 32 rose from 7.68 ms (cuBLAS) to 8.97 ms, at batch 1 from 4.87 to 5.45 ms, with the
-# untuned 64 x 256 tiles. benchmarks/kernels.py keeps measuring it (decode_gemms, graph replays) so
-# that tiles can be tuned before it is switched on.
+# untuned 64 x 256 tiles. Session 19 (``chain_config``'s tiles, at <= 16 rows, where a decode step's only
+# ``linear`` is q|k|v): +0.02 to +0.06 ms a step at batch 1 and 8 (benchmarks/engine_gpu.py --sections
+# decode_skinny). benchmarks/kernels.py keeps measuring it (decode_gemms, graph replays).
 ENGINE_MAX_ROWS = 0
 
 
