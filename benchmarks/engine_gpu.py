@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -547,62 +548,55 @@ def decode_ab(dev, args, model, runner, bw, label: str, settings: dict[str, Call
     return {"runs": runs, "overlapped_over_floor": summary}
 
 
+def decode_ab_module_setting(dev, args, model, runner, bw, label: str, module: ModuleType, attr: str,
+                             values: dict[str, object]) -> dict:
+    """``decode_ab`` over the values of one module-level setting (``module.attr``: name -> value); the
+    setting's own value is put back at the end."""
+    default = getattr(module, attr)
+
+    def setter(value: object) -> Callable[[], None]:
+        return lambda: setattr(module, attr, value)
+
+    return decode_ab(dev, args, model, runner, bw, label, {name: setter(v) for name, v in values.items()},
+                     setter(default))
+
+
 def sec_decode_partials(dev, args, model, runner, bw) -> dict:
     """The o and down projections as split-K partials summed by the next add + RMSNorm
     (prefixgate_kernels/partial_gemm.py, the default) against cuBLAS's split-K GEMM and reduce kernel
-    (``partial_gemm.MAX_ROWS = 0``), through ``decode_ab``."""
+    (``partial_gemm.MAX_ROWS = 0``)."""
     from prefixgate_kernels import partial_gemm
 
-    default = partial_gemm.MAX_ROWS
-
-    def setter(rows: int) -> Callable[[], None]:
-        return lambda: setattr(partial_gemm, "MAX_ROWS", rows)
-
-    return decode_ab(dev, args, model, runner, bw, "partials", {"off": setter(0), "on": setter(default)},
-                     setter(default))
+    return decode_ab_module_setting(dev, args, model, runner, bw, "partials", partial_gemm, "MAX_ROWS",
+                                    {"off": 0, "on": partial_gemm.MAX_ROWS})
 
 
 def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
     """The gate|up GEMM storing SiLU x up itself (``gate_up_silu.ENGINE_MAX_ROWS``: 16, the default, and
-    32) against cuBLAS's gate|up then ``silu_mul`` (0), through ``decode_ab``."""
+    32) against cuBLAS's gate|up then ``silu_mul`` (0)."""
     from prefixgate_kernels import gate_up_silu
 
-    default = gate_up_silu.ENGINE_MAX_ROWS
-
-    def setter(rows: int) -> Callable[[], None]:
-        return lambda: setattr(gate_up_silu, "ENGINE_MAX_ROWS", rows)
-
-    return decode_ab(dev, args, model, runner, bw, "gate|up + silu",
-                     {"off": setter(0), "on16": setter(16), "on32": setter(32)}, setter(default))
+    return decode_ab_module_setting(dev, args, model, runner, bw, "gate|up + silu", gate_up_silu, "ENGINE_MAX_ROWS",
+                                    {"off": 0, "on16": 16, "on32": 32})
 
 
 def sec_decode_skinny(dev, args, model, runner, bw) -> dict:
     """The weight-streaming Triton GEMM (``skinny_gemm.chain_config``'s tiles) for ``ops.linear`` at up
     to 16 rows (in a decode step the q|k|v projection; gate|up runs in ``gate_up_silu``) against cuBLAS
-    (``skinny_gemm.ENGINE_MAX_ROWS = 0``, the default), through ``decode_ab``."""
+    (``skinny_gemm.ENGINE_MAX_ROWS = 0``, the default)."""
     from prefixgate_kernels import skinny_gemm
 
-    default = skinny_gemm.ENGINE_MAX_ROWS
-
-    def setter(rows: int) -> Callable[[], None]:
-        return lambda: setattr(skinny_gemm, "ENGINE_MAX_ROWS", rows)
-
-    return decode_ab(dev, args, model, runner, bw, "skinny linear", {"off": setter(0), "on16": setter(16)},
-                     setter(default))
+    return decode_ab_module_setting(dev, args, model, runner, bw, "skinny linear", skinny_gemm, "ENGINE_MAX_ROWS",
+                                    {"off": 0, "on16": 16})
 
 
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
     """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
-    the default) against ``rotary_write_kv`` then the attention, through ``decode_ab``."""
+    the default) against ``rotary_write_kv`` then the attention."""
     from prefixgate_kernels import decode_attention
 
-    default = decode_attention.FUSE_ROPE_WRITE
-
-    def setter(on: bool) -> Callable[[], None]:
-        return lambda: setattr(decode_attention, "FUSE_ROPE_WRITE", on)
-
-    return decode_ab(dev, args, model, runner, bw, "rope in decode", {"off": setter(False), "on": setter(True)},
-                     setter(default))
+    return decode_ab_module_setting(dev, args, model, runner, bw, "rope in decode", decode_attention,
+                                    "FUSE_ROPE_WRITE", {"off": False, "on": True})
 
 
 def pipelined_sweep(dev, runner, tables, ctx: int, steps: int) -> dict:
