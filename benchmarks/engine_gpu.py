@@ -580,6 +580,24 @@ def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
                                     {"off": 0, "on16": 16, "on32": 32})
 
 
+def sec_decode_qkv(dev, args, model, runner, bw) -> dict:
+    """The q|k|v projection as split-K fp32 partials that the decode attention sums as it loads the
+    row (``partial_gemm.QKV_SLICES``: 2 or 4 slices) against cuBLAS's one GEMM (1)."""
+    from prefixgate_kernels import partial_gemm
+
+    return decode_ab_module_setting(dev, args, model, runner, bw, "q|k|v partials", partial_gemm, "QKV_SLICES",
+                                    {"off": 1, "s2": 2, "s4": 4})
+
+
+def sec_decode_argmax(dev, args, model, runner, bw) -> dict:
+    """Greedy sampling's argmax through the one-launch kernel (``engine.sampling.GPU_ARGMAX``, the
+    default) against ``torch.argmax``; outside the step's graph, so the overlapped step shows it."""
+    from engine import sampling
+
+    return decode_ab_module_setting(dev, args, model, runner, bw, "argmax", sampling, "GPU_ARGMAX",
+                                    {"torch": False, "kernel": True})
+
+
 def sec_decode_skinny(dev, args, model, runner, bw) -> dict:
     """The weight-streaming Triton GEMM (``skinny_gemm.chain_config``'s tiles) for ``ops.linear`` at up
     to 16 rows (in a decode step the q|k|v projection; gate|up runs in ``gate_up_silu``) against cuBLAS
@@ -1207,6 +1225,8 @@ def main() -> int:
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
+    section("decode_qkv", sec_decode_qkv, dev, args, model, runner, bw)
+    section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)

@@ -1134,6 +1134,32 @@ def gate_up_silu_chain_case(gen, rows=(1, 8, 16, 32), layers=32, hidden=4096, in
 
 # Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
 # times, for --help)
+def argmax_case(gen, rows=(1, 8, 32, 128), vocab=128256) -> list[dict]:
+    """Greedy decoding's argmax over fp32 logits [B, V] as the sampler runs it after each decode step
+    (eagerly, outside the step's graph): ``torch.argmax`` (one block a row) against the one-launch
+    ``prefixgate_kernels.argmax`` (32 programs a row at Llama 3's V, the last merging; persistent
+    counters as the sampler keeps them), same indices checked."""
+    from prefixgate_kernels import argmax
+
+    out = []
+    for b in rows:
+        x = torch.randn(b, vocab, device="cuda", generator=gen) * 4
+        counters = torch.zeros(b, dtype=torch.int32, device="cuda")
+        same = bool(torch.equal(argmax.argmax_rows(x, counters), x.argmax(dim=-1)))
+        row: dict = {"rows": b, "vocab": vocab, "same_indices": same}
+        for name, fn in (("torch", lambda x=x: x.argmax(dim=-1)),
+                         ("triton", lambda x=x, c=counters: argmax.argmax_rows(x, c))):
+            graph_ms = bench_graph(fn)  # the device's time; eager adds the host's launch where it is longer
+            row[f"{name}_graph_us"] = None if graph_ms is None else graph_ms * 1e3
+            row[f"{name}_eager_us"] = bench(fn) * 1e3
+        if row["torch_graph_us"] and row["triton_graph_us"]:
+            row["speedup_graph"] = row["torch_graph_us"] / row["triton_graph_us"]
+        out.append(row)
+        print(f"argmax {b} x {vocab}: graph torch {row['torch_graph_us']} us, one launch {row['triton_graph_us']} us; "
+              f"eager {row['torch_eager_us']:.1f} / {row['triton_eager_us']:.1f} us; same indices {same}", flush=True)
+    return out
+
+
 SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
     "joined-heads": ("joined_heads", joined_heads_case, "the 9 / 3 head-dim-64 class with its KV heads read as one "
                      "row against per head, over tile sets and split counts (joined_heads_case)"),
@@ -1148,6 +1174,8 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                      "(gate_up_silu_chain_case)"),
     "rope-decode": ("rope_decode", rope_decode_chain_case, "a decode step's RoPE + K/V write and attention, two "
                     "kernels a layer against one launch, 32 layers in a graph (rope_decode_chain_case)"),
+    "argmax": ("argmax", argmax_case, "greedy decoding's argmax over [B, 128256] fp32 logits, torch's against "
+               "the one-launch kernel (argmax_case)"),
 }
 
 

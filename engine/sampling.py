@@ -24,6 +24,12 @@ import torch
 from engine.guided import GrammarCompiler, GuidedRow, apply_bitmask, bitmask_words
 from engine.host_to_device import to_device
 from engine.protocol import SamplingParams
+from prefixgate_kernels.argmax import argmax_rows
+
+# Greedy rows on a CUDA device take the one-launch argmax (prefixgate_kernels/argmax.py), which splits each
+# row over many SMs where ``torch.argmax`` reduces it in one block; False: torch's (the engine
+# benchmark's same-run baseline).
+GPU_ARGMAX = True
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the 63-bit seed space
 
@@ -75,6 +81,16 @@ class Sampler:
         else:
             self._shared.manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
+        # the GPU argmax's per-row counters: zero between launches, which all run on this sampler's stream
+        self._argmax_counters = torch.zeros(0, dtype=torch.int32, device=self.device)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] -> [N] int64, the first index of each row's maximum."""
+        if not (GPU_ARGMAX and logits.is_cuda and logits.stride(-1) == 1):
+            return logits.argmax(dim=-1)
+        if self._argmax_counters.numel() < logits.shape[0] or self._argmax_counters.device != logits.device:
+            self._argmax_counters = torch.zeros(max(256, logits.shape[0]), dtype=torch.int32, device=logits.device)
+        return argmax_rows(logits, self._argmax_counters)
 
     def release(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
@@ -186,7 +202,7 @@ class Sampler:
         if len(greedy_rows) == n:
             # the common case: one argmax, no index tensors (each is a pageable H2D copy and two
             # kernels of host time per step)
-            tokens = logits.argmax(dim=-1)
+            tokens = self._argmax(logits)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             if greedy_rows:

@@ -166,3 +166,93 @@ def test_fused_launch_needs_q_columns_of_qkv_rows():
     with pytest.raises(ValueError, match="q columns"):
         decode_attention.paged_decode(q, case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
                                       0.125, None, None, rope=rope)
+
+
+def sliced_case(case, slices, seed):
+    """The case's q|k|v rows as ``slices`` fp32 partials whose sum, added in the kernel's order and
+    rounded to the rows' dtype, replaces ``qkv``: -> (partials [S, B, N], the case with those rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = case["qkv"]
+    if qkv.dtype == torch.bfloat16 and INTERPRET:
+        # the interpreter truncates fp32 to bf16 where the GPU rounds to nearest: quarters in [-4, 4],
+        # whose sums bf16 holds exactly, so both agree (fp16 and the compiled tests take any values)
+        parts = torch.randint(-16, 17, (slices, *qkv.shape), generator=gen).float().div(4).to(qkv.device)
+    else:
+        parts = torch.randn((slices, *qkv.shape), generator=gen).to(qkv.device)
+    total = parts[0].clone()
+    for s in range(1, slices):
+        total += parts[s]
+    out = dict(case)
+    out["qkv"] = total.to(qkv.dtype)
+    return parts, out
+
+
+def run_sliced(c, parts, **launch):
+    head_dim = c["k_cache"].shape[3]
+    b = parts.shape[1]
+    q = parts[0, :, : c["q_heads"] * head_dim].view(b, c["q_heads"], head_dim)
+    rope = decode_attention.RopeWrite(c["cos"], c["sin"], c["slot_mapping"], c["k_bias"], slices=parts.shape[0],
+                                      slice_stride=parts.stride(0), dtype=c["qkv"].dtype)
+    return decode_attention.paged_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], 0.125,
+                                         c["k_scale"], c["v_scale"], rope=rope, **launch)
+
+
+def check_sliced_case(case, parts, exact=True, **launch):
+    """The launch that sums the q|k|v partials == the fused launch on their rounded sum: caches byte for
+    byte, output exactly (``exact=False``: within 1e-3, for compiled kernels)."""
+    plain, sliced = _copy_caches(case), _copy_caches(case)
+    out_plain = run_fused(plain, **launch)
+    out_sliced = run_sliced(sliced, parts, **launch)
+    assert out_sliced.dtype == case["qkv"].dtype
+    for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+        assert _same_bytes(sliced[name], plain[name]), f"{name}: the partials' launch wrote other bytes"
+    real = case["slot_mapping"] >= 0
+    if exact:
+        assert torch.equal(out_sliced[real], out_plain[real])
+    else:
+        assert rel_err(out_sliced[real], out_plain[real]) < 1e-3
+
+
+@needs_interpreter
+@pytest.mark.parametrize("slices", [2, 4])
+@pytest.mark.parametrize("kv_dtype,dtype,num_splits", [(torch.float16, torch.float16, 1),
+                                                       (torch.bfloat16, torch.bfloat16, 3),
+                                                       (ref.FP8_DTYPE, torch.bfloat16, 2)])
+def test_fused_rope_decode_sums_qkv_partials(slices, kv_dtype, dtype, num_splits):
+    """q|k|v as split-K partials (``RopeWrite.slices``): the kernel sums and rounds them as the rows'
+    dtype would hold them, then does exactly what the launch on those rows does."""
+    base = rope_decode_inputs(8, 2, 32, 16, kv_dtype, dtype, [37, 130, 16], seed=slices * 10 + num_splits,
+                              with_bias=kv_dtype == ref.FP8_DTYPE)
+    parts, case = sliced_case(base, slices, seed=slices)
+    check_sliced_case(case, parts, num_splits=num_splits)
+
+
+def test_qkv_partials_need_a_dtype_and_fp32_rows():
+    case = rope_decode_inputs(8, 2, 32, 16, torch.float16, torch.float16, [20], seed=1)
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        decode_attention.RopeWrite(case["cos"], case["sin"], case["slot_mapping"], slices=4, slice_stride=10)
+    q = case["qkv"][:, : 8 * 32].view(-1, 8, 32)  # fp16 rows announced as partials
+    rope = decode_attention.RopeWrite(case["cos"], case["sin"], case["slot_mapping"], slices=2,
+                                      slice_stride=case["qkv"].numel(), dtype=torch.float16)
+    with pytest.raises(ValueError, match="fp32 partials"):
+        decode_attention.paged_decode(q, case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
+                                      0.125, None, None, rope=rope)
+
+
+@needs_interpreter
+def test_qkv_decode_attention_op_off_the_gpu_is_the_reference():
+    """The op the engine's decode step calls, from the normed input: on the CPU the plain projection
+    (no partials: ``partial_gemm.slices_for`` cuts CUDA batches only), then the one launch."""
+    gen = torch.Generator().manual_seed(5)
+    case = rope_decode_inputs(8, 2, 32, 16, torch.float16, torch.float16, [40, 90, 3], seed=4)
+    x = torch.randn(4, 64, generator=gen).to(torch.float16)
+    w = (torch.randn(case["qkv"].shape[1], 64, generator=gen) * 0.125).to(torch.float16)
+    got, want = _copy_caches(case), _copy_caches(case)
+    args = lambda c: (c["cos"], c["sin"], c["k_cache"], c["v_cache"], c["slot_mapping"], c["q_heads"],  # noqa: E731
+                      c["block_tables"], c["seq_lens"], 0.125, c["k_scale"], c["v_scale"], c["k_bias"])
+    out = triton_ops.qkv_decode_attention(x, w, None, *args(got))
+    out_want = ref.qkv_decode_attention(x, w, None, *args(want))
+    real = case["slot_mapping"] >= 0
+    assert rel_err(out[real], out_want[real]) < 2e-3
+    with pytest.raises(AssertionError, match="qkv_weight"):
+        triton_ops.qkv_decode_attention(x, w[:, :32], None, *args(_copy_caches(case)))
