@@ -537,15 +537,21 @@ def decode_ab(dev, args, model, runner, bw, label: str, settings: dict[str, Call
         restore()
         runner.decode_graphs.capture()
     summary: dict[str, dict[str, list[float]]] = {}
+    gaps: dict[str, dict[str, list[float]]] = {}
     for run in runs:
         for row in run["sweep"]["rows"]:
             if "overlapped" in row:
                 per = summary.setdefault(str(row["batch"]), {})
                 per.setdefault(run["setting"], []).append(row["overlapped"]["step_over_floor"])
+                if "between_replays_us" in row["overlapped"]:
+                    gaps.setdefault(str(row["batch"]), {}).setdefault(run["setting"], []).append(
+                        row["overlapped"]["between_replays_us"])
     for b, per in summary.items():
         print(f"   {label} batch {b}: overlapped step / floor " + "  ".join(
-            f"{k} " + "/".join(f"{v:.3f}" for v in vals) for k, vals in per.items()), flush=True)
-    return {"runs": runs, "overlapped_over_floor": summary}
+            f"{k} " + "/".join(f"{v:.3f}" for v in vals) for k, vals in per.items())
+            + "; between replays us " + "  ".join(
+            f"{k} " + "/".join(f"{v:.0f}" for v in vals) for k, vals in gaps.get(b, {}).items()), flush=True)
+    return {"runs": runs, "overlapped_over_floor": summary, "between_replays_us": gaps}
 
 
 def decode_ab_module_setting(dev, args, model, runner, bw, label: str, module: ModuleType, attr: str,
@@ -580,15 +586,6 @@ def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
                                     {"off": 0, "on16": 16, "on32": 32})
 
 
-def sec_decode_qkv(dev, args, model, runner, bw) -> dict:
-    """The q|k|v projection as split-K fp32 partials that the decode attention sums as it loads the
-    row (``partial_gemm.QKV_SLICES``: 2 or 4 slices) against cuBLAS's one GEMM (1)."""
-    from prefixgate_kernels import partial_gemm
-
-    return decode_ab_module_setting(dev, args, model, runner, bw, "q|k|v partials", partial_gemm, "QKV_SLICES",
-                                    {"off": 1, "s2": 2, "s4": 4})
-
-
 def sec_decode_argmax(dev, args, model, runner, bw) -> dict:
     """Greedy sampling's argmax through the one-launch kernel (``engine.sampling.GPU_ARGMAX``, the
     default) against ``torch.argmax``; outside the step's graph, so the overlapped step shows it."""
@@ -596,6 +593,15 @@ def sec_decode_argmax(dev, args, model, runner, bw) -> dict:
 
     return decode_ab_module_setting(dev, args, model, runner, bw, "argmax", sampling, "GPU_ARGMAX",
                                     {"torch": False, "kernel": True})
+
+
+def sec_decode_input_copy(dev, args, model, runner, bw) -> dict:
+    """A decode step's static inputs in one host -> device copy (``cuda_graphs.SINGLE_INPUT_COPY``, the
+    default) against one copy per buffer (six), each on the stream between two replays."""
+    from engine import cuda_graphs
+
+    return decode_ab_module_setting(dev, args, model, runner, bw, "input copy", cuda_graphs, "SINGLE_INPUT_COPY",
+                                    {"per_buffer": False, "one": True})
 
 
 def sec_decode_skinny(dev, args, model, runner, bw) -> dict:
@@ -653,6 +659,10 @@ def pipelined_sweep(dev, runner, tables, ctx: int, steps: int) -> dict:
         log[-1][1].synchronize()
         dev_ms = [a.elapsed_time(z) for a, z in log[-steps:]]
         out["replay_device_ms"] = sum(dev_ms) / len(dev_ms)
+        # from one replay's end to the next one's start: the eager work between steps (the sampler's
+        # argmax and its copy to the host, the next step's input copies), plus any wait for the host
+        gaps = [z.elapsed_time(a2) for (_, z), (a2, _) in zip(log[-steps:-1], log[-steps + 1:])]
+        out["between_replays_us"] = 1e3 * sum(gaps) / len(gaps)
         # the last collect waits for one more step than the loop counts: compare per step
         out["gpu_idle_share"] = max(0.0, 1 - out["replay_device_ms"] / out["step_ms"])
     return out
@@ -1225,8 +1235,8 @@ def main() -> int:
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
-    section("decode_qkv", sec_decode_qkv, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)
+    section("decode_input_copy", sec_decode_input_copy, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)

@@ -43,6 +43,9 @@ from engine.host_to_device import to_device
 from engine.models.attention import AttentionMetadata, LayerCache
 
 PADDING_SLOT = -1  # write_kv skips slot -1: padded rows never touch the cache
+# A step's static inputs go to the device in one copy (True) or one per buffer (False: six DMAs on the
+# stream between two replays; the engine benchmark's same-run baseline, section decode_input_copy).
+SINGLE_INPUT_COPY = True
 
 
 @dataclass(frozen=True)
@@ -104,9 +107,11 @@ class DecodeGraphs:
         self.captured = device.type == "cuda"
         n, w = self.sizes[-1], max_blocks_per_seq
         i64, i32 = torch.int64, torch.int32
+        # the block tables last: a step copies the small buffers whole and the table's first rows, in
+        # one copy (StaticInputs.copy_through)
         self._inputs = StaticInputs({
             "input_ids": ((n,), i64), "positions": ((n,), i64), "slot_mapping": ((n,), i64),
-            "block_tables": ((n, w), i32), "seq_lens": ((n,), i32), "feed_src": ((n,), i64),
+            "seq_lens": ((n,), i32), "feed_src": ((n,), i64), "block_tables": ((n, w), i32),
         }, device)
         self._host, self._dev = self._inputs.host, self._inputs.dev
         self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)  # one new token per sequence
@@ -183,7 +188,10 @@ class DecodeGraphs:
         self._reset_padding_rows(0, n)
 
     def _dev_copy(self, n: int) -> None:
-        self._inputs.copy(dict.fromkeys(self._host, n))
+        if SINGLE_INPUT_COPY:
+            self._inputs.copy_through("block_tables", n)
+        else:
+            self._inputs.copy(dict.fromkeys(self._host, n))
 
     def fill(self, chunks: Sequence[SequenceChunk], feed: TokenFeed | None = None) -> int:
         """Write a decode batch into the static inputs; -> the padded size it runs at. ``feed``: rows

@@ -24,20 +24,15 @@ import torch
 
 MAX_ROWS = 32  # measured at 1, 8 and 32 rows; above that the step runs F.linear as before
 SLICES = 4  # the fastest at M = 1 (1.278 ms against 1.323 for 2 and 1.295 for 8), equal to 2 at 8 and 32
-# The decode step's q|k|v projection, whose partials the decode attention sums as it loads the rows
-# (``prefixgate_kernels.decode_attention.RopeWrite.slices``; 1: the plain GEMM). At one row cuBLAS runs
-# the 4,096 x 6,144 product as 96 tiles of 64 columns, fewer than the H200's 132 SMs.
-QKV_SLICES = 4
 
 
-def slices_for(rows: int, k: int, dtype: torch.dtype, has_bias: bool, on_cuda: bool, slices: int = SLICES) -> int:
-    """How many K slices (at most ``slices``) ``linear_partials`` cuts an [rows, k] x [n, k]^T product
-    into (1: none)."""
-    if slices <= 1 or not on_cuda or has_bias or dtype not in (torch.bfloat16, torch.float16):
+def slices_for(rows: int, k: int, dtype: torch.dtype, has_bias: bool, on_cuda: bool) -> int:
+    """How many K slices ``linear_partials`` cuts an [rows, k] x [n, k]^T product into (1: none)."""
+    if not on_cuda or has_bias or dtype not in (torch.bfloat16, torch.float16) or not 0 < rows <= MAX_ROWS:
         return 1
-    if not 0 < rows <= MAX_ROWS or k % (slices * 16):
+    if k % (SLICES * 16):
         return 1
-    return slices
+    return SLICES
 
 
 def sliced_partials(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:

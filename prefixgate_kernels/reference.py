@@ -273,32 +273,6 @@ def rotary_decode_attention(
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
-def qkv_decode_attention(
-    x: torch.Tensor,  # [B, hidden]: each sequence's new token, normed
-    qkv_weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None,
-    cos: torch.Tensor,  # [B, D] float32
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [B] int64, -1 = padding
-    num_q_heads: int,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32, including the new token
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_bias: torch.Tensor | None = None,
-    *,
-    context_lens: Sequence[int] | None = None,  # launch hints of the Triton op, unused here
-    merge_counters: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A decode step's attention from its normed input: the merged q|k|v projection (``linear``), then
-    ``rotary_decode_attention`` -> [B, Hq, D]."""
-    return rotary_decode_attention(linear(x, qkv_weight, qkv_bias), cos, sin, k_cache, v_cache, slot_mapping,
-                                   num_q_heads, block_tables, seq_lens, scale, k_scale, v_scale, k_bias)
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate | up columns) -> silu(gate) * up [T, I] in gate_up's dtype."""
     inter = gate_up.shape[-1] // 2

@@ -36,8 +36,7 @@ __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "paged_decode_attention", "paged_prefill_attention",
     "prefill_splits",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
-    "rms_norm", "add_rms_norm", "rotary_write_kv", "rotary_decode_attention", "qkv_decode_attention", "silu_mul", "linear",
-    "linear_partials", "mlp_partials",
+    "rms_norm", "add_rms_norm", "rotary_write_kv", "rotary_decode_attention", "silu_mul", "linear", "linear_partials",
 ]
 
 
@@ -314,56 +313,6 @@ def rotary_decode_attention(
     return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                                          context_lens=context_lens, merge_counters=merge_counters,
                                          rope=decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias) if fused else None)
-
-
-def qkv_decode_attention(
-    x: torch.Tensor,  # [B, hidden]: each sequence's new token, normed
-    qkv_weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None,
-    cos: torch.Tensor,  # [B, D] float32
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [B] int64, -1 = padding
-    num_q_heads: int,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32, including the new token
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_bias: torch.Tensor | None = None,
-    *,
-    context_lens: Sequence[int] | None = None,
-    merge_counters: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A decode step's attention from its normed input: the merged q|k|v projection, then
-    ``rotary_decode_attention`` -> [B, Hq, D]. Where ``partial_gemm.slices_for`` cuts the projection
-    (16-bit CUDA batches of decode size, no bias, ``partial_gemm.QKV_SLICES`` > 1) and the attention is
-    one launch, the projection is one batched GEMM of fp32 split-K partials that the attention kernel
-    sums as it loads the row (``decode_attention.RopeWrite.slices``): no reduce, and as many GEMM tiles
-    as slices times cuBLAS's own."""
-    _check_rows("x", x)
-    assert qkv_weight.dim() == 2 and qkv_weight.shape[1] == x.shape[1], (
-        f"qkv_weight must be [(Hq + 2 Hkv) * D, {x.shape[1]}], got {tuple(qkv_weight.shape)}")
-    assert qkv_weight.device == x.device, f"qkv_weight is on {qkv_weight.device}, x on {x.device}"
-    _, _, kv_heads, head_dim = k_cache.shape
-    slices = partial_gemm.slices_for(x.shape[0], x.shape[1], x.dtype, qkv_bias is not None, x.is_cuda,
-                                     partial_gemm.QKV_SLICES)
-    sliced = (slices > 1 and decode_attention.FUSE_ROPE_WRITE and qkv_weight.dtype == x.dtype
-              and x.is_contiguous() and qkv_weight.is_contiguous()
-              and decode_attention.joined_kv_heads(head_dim, kv_heads, k_cache.dtype) == 1)
-    if not sliced:
-        return rotary_decode_attention(linear(x, qkv_weight, qkv_bias), cos, sin, k_cache, v_cache, slot_mapping,
-                                       num_q_heads, block_tables, seq_lens, scale, k_scale, v_scale, k_bias,
-                                       context_lens=context_lens, merge_counters=merge_counters)
-    parts = partial_gemm.sliced_partials(x, qkv_weight, slices)  # [S, B, (Hq + 2 Hkv) * D] fp32
-    _check_rotary_inputs(parts[0], cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
-    q = parts[0, :, : num_q_heads * head_dim].view(x.shape[0], num_q_heads, head_dim)
-    _check_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, context_lens, merge_counters)
-    rope = decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias, slices=slices, slice_stride=parts.stride(0),
-                                      dtype=x.dtype)
-    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                                         context_lens=context_lens, merge_counters=merge_counters, rope=rope)
 
 
 def _check_rotary_inputs(

@@ -18,10 +18,8 @@ concatenated once at load, and three fused kernels from ``ops`` per layer step::
     linear(attention(q, cache), Wo) -> delta;  h = add_rms_norm(delta, residual)
     linear(silu_mul(linear(h, Wgate|up)), Wdown) -> delta
 
-A decode-only step calls ``qkv_decode_attention(h, Wqkv)`` instead of the projection, the RoPE +
-write and the attention: on the GPU one launch does the last two (prefixgate_kernels/decode_attention.py,
-``RopeWrite``), and where ``partial_gemm.QKV_SLICES`` cuts the projection, that launch also sums its
-split-K partials.
+A decode-only step calls ``rotary_decode_attention(qkv)`` instead of the RoPE + write and the
+attention: on the GPU one launch does both (prefixgate_kernels/decode_attention.py, ``RopeWrite``).
 
 ``ops.linear`` is cuBLAS. The o and down projections, whose only reader is the next
 ``add_rms_norm``, go through ``ops.linear_partials``: at decode-sized 16-bit batches on the GPU
@@ -116,14 +114,13 @@ class Attention(nn.Module):
         """x [T, hidden] normed; cos, sin [T, D] fp32 -> attention output projected [T, hidden]."""
         assert self.qkv_weight is not None, "call fuse_projections() first"
         t = x.shape[0]
-        if meta.decode_only:  # RoPE, the K/V write and the attention: one launch on the GPU (with the sum of
-            # the q|k|v projection's split-K partials where it is cut: prefixgate_kernels/partial_gemm.py)
-            out = ops.qkv_decode_attention(x, self.qkv_weight, self.qkv_bias, cos, sin, cache.k, cache.v,
-                                           meta.slot_mapping, self.num_heads, meta.block_tables, meta.seq_lens,
-                                           self.scale, cache.k_scale, cache.v_scale, cache.k_bias,
-                                           context_lens=meta.context_lens, merge_counters=meta.merge_counters)
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        if meta.decode_only:  # RoPE, the K/V write and the attention: one launch on the GPU
+            out = ops.rotary_decode_attention(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
+                                              meta.block_tables, meta.seq_lens, self.scale, cache.k_scale,
+                                              cache.v_scale, cache.k_bias, context_lens=meta.context_lens,
+                                              merge_counters=meta.merge_counters)
         else:
-            qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
             q = ops.rotary_write_kv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
                                     cache.k_scale, cache.v_scale, cache.k_bias)  # [T, Hq, D]; K/V now in the cache
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,

@@ -64,3 +64,18 @@ def test_copy_all_moves_every_buffer_and_copy_the_leading_rows_only():
     s.copy_all()
     for k in SHAPES:
         assert torch.equal(s.dev[k], s.host[k]), k
+
+
+def test_copy_through_moves_the_small_buffers_whole_and_the_last_ones_leading_rows():
+    s = StaticInputs({"ids": ((3,), torch.int64), "lens": ((3,), torch.int32), "table": ((4, 5), torch.int32)},
+                     torch.device("cpu"))
+    s.words("ids")[:] = array("q", [7, 8, 9])
+    s.words("lens")[:] = array("i", [1, 2, 3])
+    s.words("table")[:] = array("i", range(20))
+    s.copy_through("table", 2)
+    assert s.dev["ids"].tolist() == [7, 8, 9] and s.dev["lens"].tolist() == [1, 2, 3]
+    assert s.dev["table"].tolist() == [list(range(10))[:5], list(range(5, 10)), [0] * 5, [0] * 5]
+    s.copy_through("table", 9)  # more rows than the buffer has: all of them
+    assert s.dev["table"].tolist() == s.host["table"].tolist()
+    with pytest.raises(ValueError, match="last buffer"):
+        s.copy_through("lens", 1)

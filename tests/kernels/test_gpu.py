@@ -388,56 +388,6 @@ def test_linear_partials_gpu(m, n, k):
     assert triton_ops.linear_partials(x.float(), w.float()).shape == (m, n)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, ref.FP8_DTYPE])
-@pytest.mark.parametrize("slices", [2, 4])
-def test_fused_rope_decode_sums_qkv_partials_gpu(kv_dtype, slices):
-    """The decode launch summing q|k|v split-K partials, compiled at a Llama-8B layer's heads: caches byte
-    for byte as the launch on the rows they sum to (fp32, the kernel's order, rounded to nearest)."""
-    from tests.kernels import test_rope_decode as rope
-
-    base = rope.rope_decode_inputs(32, 8, 128, 16, kv_dtype, torch.bfloat16, [1, 17, 300, 2049, 33],
-                                   seed=slices, device="cuda", with_bias=kv_dtype == ref.FP8_DTYPE)
-    parts, case = rope.sliced_case(base, slices, seed=slices + 1)
-    rope.check_sliced_case(case, parts, exact=False)
-
-
-@pytest.mark.parametrize("m", [1, 8, 32])
-def test_qkv_decode_attention_gpu(m, monkeypatch):
-    """The op the engine's decode step calls, at a Llama-8B layer's shape: with the projection cut into
-    partials (``partial_gemm.QKV_SLICES``) as without (cuBLAS's rows), within bf16's rounding of the new
-    token's q|k|v (only the projection's summation order differs), and also inside a CUDA graph."""
-    from prefixgate_kernels import partial_gemm
-    from tests.kernels import test_rope_decode as rope
-
-    lens = [int(n) for n in torch.randint(1, 3000, (m,), generator=torch.Generator().manual_seed(m))]
-    case = rope.rope_decode_inputs(32, 8, 128, 16, torch.bfloat16, torch.bfloat16, lens, seed=m, device="cuda",
-                                   padded_row=False)
-    gen = torch.Generator().manual_seed(m + 1)
-    x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
-    w = (torch.randn(case["qkv"].shape[1], 4096, generator=gen) * 4096 ** -0.5).to("cuda", torch.bfloat16)
-
-    def run(c):
-        return triton_ops.qkv_decode_attention(x, w, None, c["cos"], c["sin"], c["k_cache"], c["v_cache"],
-                                               c["slot_mapping"], c["q_heads"], c["block_tables"], c["seq_lens"],
-                                               0.125, c["k_scale"], c["v_scale"], c["k_bias"])
-
-    plain, sliced = rope._copy_caches(case), rope._copy_caches(case)
-    monkeypatch.setattr(partial_gemm, "QKV_SLICES", 1)
-    want = run(plain)
-    monkeypatch.setattr(partial_gemm, "QKV_SLICES", 4)
-    got = run(sliced)
-    assert got.dtype == torch.bfloat16 and fused.rel_err(got, want) < 1e-2
-    for name in ("k_cache", "v_cache"):
-        assert fused.rel_err(sliced[name], plain[name]) < 1e-3
-    graph_case = rope._copy_caches(case)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(graph_case)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert fused.rel_err(captured, got) < 1e-3
-
-
 @pytest.mark.parametrize("rows", [1, 8, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_gpu(rows, dtype):
