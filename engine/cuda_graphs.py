@@ -14,15 +14,16 @@ with one launch. What makes that legal here:
 
 Static buffers (``N`` = the largest captured size, ``W`` = max blocks per sequence)::
 
-    input_ids    [N] int64        positions [N] int64       slot_mapping [N] int64 (-1 = padding)
-    block_tables [N, W] int32     seq_lens  [N] int32       cu_seqlens_q [N + 1] int32 (= arange)
-    feed_src     [N] int64        row i's input token is fed_tokens[feed_src[i]] (>= 0) instead of input_ids[i]
-    fed_tokens   [N] int64        the previous step's sampled tokens, copied on the device (overlapped steps)
+    tokens       [2N] int64       [0, N): the previous step's sampled tokens, copied on the device
+                                  (overlapped steps); [N, 2N): the host's input tokens, row i at N + i
+    token_src    [N] int64        row i's input token is tokens[token_src[i]]: N + i, or a fed row < N
+    positions    [N] int64        slot_mapping [N] int64 (-1 = padding)     seq_lens [N] int32
+    block_tables [N, W] int32     cu_seqlens_q [N + 1] int32 (= arange)
     logits       [n, V] float32 per captured size (graph outputs share one memory pool)
 
 Overlapped steps (engine/llm_engine.py) schedule step n+1 before step n's tokens reach the host:
-those rows' inputs are picked on the device inside the graph (``torch.where`` over ``feed_src``), so
-the host never waits for a token to launch the next step.
+those rows' inputs are picked on the device inside the graph (one gather over ``token_src``), so the
+host never waits for a token to launch the next step.
 
 Inputs are staged in pinned host memory and copied with ``non_blocking=True``; the only host
 synchronisation of a step is the caller reading the sampled tokens. On a CPU device (tests) the same
@@ -110,12 +111,13 @@ class DecodeGraphs:
         # the block tables last: a step copies the small buffers whole and the table's first rows, in
         # one copy (StaticInputs.copy_through)
         self._inputs = StaticInputs({
-            "input_ids": ((n,), i64), "positions": ((n,), i64), "slot_mapping": ((n,), i64),
-            "seq_lens": ((n,), i32), "feed_src": ((n,), i64), "block_tables": ((n, w), i32),
+            "tokens": ((2 * n,), i64), "token_src": ((n,), i64), "positions": ((n,), i64),
+            "slot_mapping": ((n,), i64), "seq_lens": ((n,), i32), "block_tables": ((n, w), i32),
         }, device)
         self._host, self._dev = self._inputs.host, self._inputs.dev
         self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)  # one new token per sequence
-        self._fed_tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        self._fed_tokens = self._dev["tokens"][:n]  # written on the device, after each step's input copy
+        self._own_rows = torch.arange(n, 2 * n, dtype=torch.int64)  # token_src of rows that read the host's token
         # the decode kernel's split-merge counters (prefixgate_kernels/decode_attention.py): one zeroed buffer that
         # every graph's launches share (replays are serial on one stream; the kernel leaves it zero)
         kv_heads = layer_caches[0].k.shape[2] if layer_caches else 1
@@ -146,8 +148,7 @@ class DecodeGraphs:
             decode_only=True,
             merge_counters=self._merge_counters,
         )
-        src = d["feed_src"][:n]
-        ids = torch.where(src >= 0, self._fed_tokens.gather(0, src.clamp(min=0)), d["input_ids"][:n])
+        ids = d["tokens"].gather(0, d["token_src"][:n])  # the host's token or a fed one, per row
         hidden = self.model(ids, d["positions"][:n], self.layer_caches, meta, self.ops)  # [n, H]
         return self.model.compute_logits(hidden)  # [n, V] float32
 
@@ -172,13 +173,13 @@ class DecodeGraphs:
 
     # --------------------------------------------------------------------------------- run
     def _reset_padding_rows(self, lo: int, hi: int) -> None:
-        h = self._host
-        h["input_ids"][lo:hi] = 0
+        h, n = self._host, self.sizes[-1]
+        h["tokens"][n + lo:n + hi] = 0
+        h["token_src"][lo:hi] = self._own_rows[lo:hi]
         h["positions"][lo:hi] = 0
         h["slot_mapping"][lo:hi] = PADDING_SLOT
         h["block_tables"][lo:hi, 0] = 0
         h["seq_lens"][lo:hi] = 1
-        h["feed_src"][lo:hi] = -1
         self._row_owner[lo:hi] = [None] * (hi - lo)
 
     def _reset_padding(self, n: int) -> None:
@@ -190,8 +191,8 @@ class DecodeGraphs:
     def _dev_copy(self, n: int) -> None:
         if SINGLE_INPUT_COPY:
             self._inputs.copy_through("block_tables", n)
-        else:
-            self._inputs.copy(dict.fromkeys(self._host, n))
+        else:  # the tokens whole (the host's half starts at N); the others' first n rows
+            self._inputs.copy({k: n for k in self._host if k != "tokens"})
 
     def fill(self, chunks: Sequence[SequenceChunk], feed: TokenFeed | None = None) -> int:
         """Write a decode batch into the static inputs; -> the padded size it runs at. ``feed``: rows
@@ -225,22 +226,25 @@ class DecodeGraphs:
             slots.append(c.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
             self._write_row(table, owner, i, c.request_id, c.block_table, n_blocks)
-        h["input_ids"][:b] = torch.tensor(ids, dtype=torch.int64)
+        n = self.sizes[-1]
+        h["tokens"][n:n + b] = torch.tensor(ids, dtype=torch.int64)
         h["positions"][:b] = torch.tensor(pos, dtype=torch.int64)
         h["slot_mapping"][:b] = torch.tensor(slots, dtype=torch.int64)
         h["seq_lens"][:b] = torch.tensor(lens, dtype=torch.int32)
-        src = [-1] * b
+        src = list(range(n, n + b))
+        fed: torch.Tensor | None = None
         if feed is not None:
-            tokens = feed.tokens
+            fed = feed.tokens
             picks = feed.src_rows
-            if tokens.shape[0] > self._fed_tokens.shape[0]:  # a larger eager step before: keep the fed rows only
-                tokens = tokens[to_device(picks, torch.long, tokens.device)]
+            if fed.shape[0] > n:  # a larger eager step before: keep the fed rows only
+                fed = fed[to_device(picks, torch.long, fed.device)]
                 picks = list(range(len(picks)))
-            self._fed_tokens[: tokens.shape[0]].copy_(tokens)  # device to device, queued before the replay
             for dst, s in zip(feed.dst_rows, picks):
                 src[dst] = s
-        h["feed_src"][:b] = torch.tensor(src, dtype=torch.int64)
+        h["token_src"][:b] = torch.tensor(src, dtype=torch.int64)
         self._dev_copy(size)
+        if fed is not None:  # device to device, after the input copy (which rewrites the whole tokens buffer)
+            self._fed_tokens[: fed.shape[0]].copy_(fed)
         return size
 
     @staticmethod

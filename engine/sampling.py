@@ -24,11 +24,13 @@ import torch
 from engine.guided import GrammarCompiler, GuidedRow, apply_bitmask, bitmask_words
 from engine.host_to_device import to_device
 from engine.protocol import SamplingParams
-from prefixgate_kernels.argmax import argmax_rows
 
 # Greedy rows on a CUDA device take the one-launch argmax (prefixgate_kernels/argmax.py), which splits each
 # row over many SMs where ``torch.argmax`` reduces it in one block; False: torch's (the engine
-# benchmark's same-run baseline).
+# benchmark's same-run baseline). The kernel's module is imported on the first GPU step, not with
+# this one, so importing the engine does not import triton.language: that import decorates Triton's
+# own helpers (tl.max, tl.sum, ...) in the mode TRITON_INTERPRET names at that moment, and the CPU
+# tests set it (for the interpreter) after the engine is imported.
 GPU_ARGMAX = True
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the 63-bit seed space
@@ -88,6 +90,8 @@ class Sampler:
         """logits [N, V] -> [N] int64, the first index of each row's maximum."""
         if not (GPU_ARGMAX and logits.is_cuda and logits.stride(-1) == 1):
             return logits.argmax(dim=-1)
+        from prefixgate_kernels.argmax import argmax_rows
+
         if self._argmax_counters.numel() < logits.shape[0] or self._argmax_counters.device != logits.device:
             self._argmax_counters = torch.zeros(max(256, logits.shape[0]), dtype=torch.int32, device=logits.device)
         return argmax_rows(logits, self._argmax_counters)

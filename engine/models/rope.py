@@ -43,16 +43,38 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_model_len: int) -> 
 
 
 class RotaryEmbedding:
-    """Applies RoPE to packed query/key tensors given each token's absolute position."""
+    """Applies RoPE to packed query/key tensors given each token's absolute position.
+
+    cos and sin of every position up to ``max_model_len`` are computed once, at construction, into one
+    [L, 2, D] fp32 table (``max_model_len`` x D x 8 bytes: 8.6 MB at 8K positions and head dim 128,
+    134 MB at 128K), as vLLM keeps its cos/sin cache: a step then gathers its positions' rows in one
+    kernel instead of computing them in five (cast, multiply, concatenate, cos, sin), each of which
+    was a node of every decode graph. The values are those ``compute`` gives (the same elementwise
+    ops), so a gathered row equals the row computed for that position alone.
+
+    The table runs to ``max_model_len`` rounded up to whole blocks of the largest block size
+    (``TABLE_ALIGN``): a CUDA graph's block tables hold whole blocks, so its padded capacity may reach
+    past ``max_model_len``, and an index past the table would be a device-side fault, not an error."""
+
+    TABLE_ALIGN = 128  # engine.config's largest block size
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_model_len: int, device: torch.device | str):
         self.inv_freq = inverse_frequencies(rope, head_dim, max_model_len).to(device)  # [D/2] fp32
+        rows = -(-max_model_len // self.TABLE_ALIGN) * self.TABLE_ALIGN
+        cos, sin = self.compute(torch.arange(rows, device=device))
+        self.table = torch.stack((cos[:, 0], sin[:, 0]), dim=1)  # [L, 2, D] fp32: row p = (cos, sin) at p
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, 1, D] float32 (computed once per forward, all layers)."""
+    def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> cos, sin [T, 1, D] float32, computed (transformers' ops)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         return emb.cos(), emb.sin()
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64, each below the table's rows -> cos, sin [T, 1, D] float32 (views of one
+        gathered [T, 2, D] tensor; once per forward, for all layers)."""
+        rows = self.table.index_select(0, positions)  # [T, 2, D]
+        return rows[:, 0:1], rows[:, 1:2]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ def test_graph_inputs_fed_on_the_device_equal_host_tokens(tmp_path):
            replace(chunks[2], token_ids=(PLACEHOLDER_TOKEN,))]
     got = graphs.run(fed, TokenFeed(prev, dst_rows=(0, 2), src_rows=(3, 1)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # the next step without a feed reads the host tokens again (feed_src reset)
+    # the next step without a feed reads the host tokens again (token_src back to the host rows)
     runner.kv_cache.copy_(snapshot)
     again = graphs.run(batch.chunks)
     torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
