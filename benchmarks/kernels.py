@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -1134,6 +1135,61 @@ def gate_up_silu_chain_case(gen, rows=(1, 8, 16, 32), layers=32, hidden=4096, in
 
 # Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
 # times, for --help)
+@triton.jit
+def _grid_barrier_kernel(counter_ptr, out_ptr, iters, NPROG: tl.constexpr):
+    """``iters`` grid-wide barriers among NPROG co-resident programs: each arrives (release add at GPU
+    scope, after bar.sync) and spins on acquire reads until all NPROG have arrived at barrier i. The
+    probe's own kernel (a persistent layer kernel would sync its phases so); the count it ends on is
+    checked. Compiled only: the interpreter runs programs one after another, so it would spin forever."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    for i in range(iters):
+        tl.debug_barrier()
+        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+        target = (i + 1) * NPROG
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+    if tl.program_id(0) == 0:
+        tl.store(out_ptr, seen)
+
+
+@triton.jit
+def _tick_kernel(out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 1)
+
+
+def grid_barrier_case(gen, iters: int = 1000, device: str = "cuda") -> dict:
+    """What a persistent decode-layer kernel would pay to sync its phases, against what a kernel
+    boundary costs the step now: the time of one grid-wide barrier (atomic arrive, spin on acquire
+    reads) among 1 or 2 programs an SM, as (one launch of ``iters`` barriers - one of none) / iters;
+    and the time per launch of ``iters`` back-to-back launches of a trivial kernel of the same grid in
+    one CUDA graph (each launch waits for the one before, as the step's kernels do)."""
+    sms = decode_attention.num_sms(torch.device(device))
+    out: dict = {"sms": sms, "iters": iters, "rows": []}
+    for per_sm in (1, 2):
+        nprog = sms * per_sm
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        seen = torch.zeros(1, dtype=torch.int32, device=device)
+
+        def launch(n: int, nprog=nprog, counter=counter, seen=seen) -> None:
+            counter.zero_()
+            _grid_barrier_kernel[(nprog,)](counter, seen, n, NPROG=nprog, num_warps=4)
+
+        launch(iters)
+        torch.cuda.synchronize()
+        ok = int(seen.item()) == iters * nprog
+        t_iters, t_none = bench(lambda: launch(iters)), bench(lambda: launch(0))
+        ticks = torch.zeros(nprog, dtype=torch.int32, device=device)
+        chain_ms = bench_graph(lambda nprog=nprog, ticks=ticks: [_tick_kernel[(nprog,)](ticks) for _ in range(iters)])
+        row = {"programs": nprog, "count_ok": ok, "barrier_us": 1e3 * (t_iters - t_none) / iters,
+               "launch_us_in_graph": None if chain_ms is None else 1e3 * chain_ms / iters}
+        out["rows"].append(row)
+        print(f"grid barrier, {nprog} programs: {row['barrier_us']:.2f} us a barrier (count ok {ok}); "
+              f"a kernel boundary in a graph {row['launch_us_in_graph']} us", flush=True)
+    return out
+
+
 def argmax_case(gen, rows=(1, 8, 32, 128), vocab=128256) -> list[dict]:
     """Greedy decoding's argmax over fp32 logits [B, V] as the sampler runs it after each decode step
     (eagerly, outside the step's graph): ``torch.argmax`` (one block a row) against the one-launch
@@ -1174,6 +1230,8 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                      "(gate_up_silu_chain_case)"),
     "rope-decode": ("rope_decode", rope_decode_chain_case, "a decode step's RoPE + K/V write and attention, two "
                     "kernels a layer against one launch, 32 layers in a graph (rope_decode_chain_case)"),
+    "grid-barrier": ("grid_barrier", grid_barrier_case, "one grid-wide barrier among 1 or 2 programs an SM "
+                     "against a kernel boundary in a CUDA graph (grid_barrier_case)"),
     "argmax": ("argmax", argmax_case, "greedy decoding's argmax over [B, 128256] fp32 logits, torch's against "
                "the one-launch kernel (argmax_case)"),
 }
