@@ -1133,8 +1133,7 @@ def gate_up_silu_chain_case(gen, rows=(1, 8, 16, 32), layers=32, hidden=4096, in
         print(f"   errors: {row['rel_err']}", flush=True)
     return out
 
-# Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
-# times, for --help)
+
 @triton.jit
 def _grid_barrier_kernel(counter_ptr, out_ptr, iters, NPROG: tl.constexpr):
     """``iters`` grid-wide barriers among NPROG co-resident programs: each arrives (release add at GPU
@@ -1216,6 +1215,8 @@ def argmax_case(gen, rows=(1, 8, 32, 128), vocab=128256) -> list[dict]:
     return out
 
 
+# Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
+# times, for --help)
 SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
     "joined-heads": ("joined_heads", joined_heads_case, "the 9 / 3 head-dim-64 class with its KV heads read as one "
                      "row against per head, over tile sets and split counts (joined_heads_case)"),
