@@ -1215,6 +1215,24 @@ def argmax_case(gen, rows=(1, 8, 32, 128), vocab=128256) -> list[dict]:
     return out
 
 
+# Programs of one or two warps (session 21). Nsight Compute on the 9 / 3 class's launches (call 1,
+# benchmarks/ncu_probe.py): fp8 issues on 48 % of its cycles with 0.8 eligible warps a scheduler, 20 %
+# of its stall samples at barriers and shared-memory reads, and its DRAM reads run at 2.1 TB/s: the
+# four warps of a program split a tile's tokens, so every row max and sum crosses warps through
+# shared memory behind a barrier. A one-warp program keeps its reductions in shuffles. No sweep had
+# timed fewer than four warps. (block_n, num_warps, num_stages).
+FEW_WARP_TILES = [(32, 1, 3), (64, 1, 2), (64, 1, 3), (32, 2, 3), (64, 2, 3), (128, 2, 5)]
+FEW_WARP_SPLITS = (4, 8, 16)
+FEW_WARP_SMALL_BATCH_TILES = [(64, 4, 2), (32, 1, 3), (64, 1, 2), (32, 2, 3), (64, 2, 2)]
+
+
+def few_warps_case(gen) -> dict:
+    """``odd_heads_sweep_case`` and ``small_batch_tiles_case`` over programs of one and two warps: the 9 / 3
+    class (bf16, fp8) and the engine's batch-1 and batch-8 decode launches, the launcher's own beside them."""
+    return {"odd_heads": odd_heads_sweep_case(gen, tiles=FEW_WARP_TILES, splits=FEW_WARP_SPLITS),
+            "small_batch": small_batch_tiles_case(gen, tiles=FEW_WARP_SMALL_BATCH_TILES)}
+
+
 # Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
 # times, for --help)
 SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
@@ -1233,6 +1251,8 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                     "kernels a layer against one launch, 32 layers in a graph (rope_decode_chain_case)"),
     "grid-barrier": ("grid_barrier", grid_barrier_case, "one grid-wide barrier among 1 or 2 programs an SM "
                      "against a kernel boundary in a CUDA graph (grid_barrier_case)"),
+    "few-warps": ("few_warps", few_warps_case, "decode programs of one and two warps: the 9 / 3 class and the "
+                  "engine's batch-1 / batch-8 launches (few_warps_case)"),
     "argmax": ("argmax", argmax_case, "greedy decoding's argmax over [B, 128256] fp32 logits, torch's against "
                "the one-launch kernel (argmax_case)"),
 }

@@ -1,0 +1,229 @@
+"""Hardware counters of the kernels that keep issue #19's last targets open, read with Nsight Compute.
+
+Twenty sessions timed these kernels from the outside (graph replays, variants, in-kernel stamps);
+none read the counters, which say *why* a kernel runs where it does: DRAM and L2 throughput against
+peak, the tensor pipe's share, occupancy, and what the warps wait on (the stall reasons). The
+targets, each one launch of the kernel as the launcher or the engine makes it:
+
+    d93_bf16 / d93_fp8     decode, 64 x 4K, 9 q / 3 kv heads of 64 (the class at fp8 / bf16 1.32)
+    dp64_bf16 / dp64_fp8   decode, 64 x 4K, 32 / 8 heads of 64 (read in pairs: fp8 / bf16 1.67)
+    d128_bf16 / d128_fp8   decode, 64 x 4K, 32 / 8 heads of 128 (fp8 / bf16 ~1.6)
+    b1_bf16 / b8_bf16      decode as a batch-1 / batch-8 engine graph launches it (2K live in an
+                           8,448-token table, split by length on the device, one counter buffer)
+    hit_bf16               prefill attention of the prefix hit: 512 new tokens over 7,680 cached
+    qkv_m1                 the q|k|v projection at one row (cuBLAS; 76 % of copy in the step)
+
+``python benchmarks/ncu_probe.py --target NAME`` launches one target (warm-up launches first, so the
+profiled one is compiled and its caches are in the state a step leaves them). ``--ncu`` runs every
+target under ``ncu`` (``--clock-control none``: the device's clocks are left alone) and writes, per
+target, the raw metrics as CSV and the SASS lines with their stall samples, then prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prefixgate_kernels import decode_attention, prefill_attention  # noqa: E402
+from prefixgate_kernels import reference as ref  # noqa: E402
+
+KERNEL_REGEX = r"regex:^(_decode_split_kernel|_prefill_kernel|nvjet.*|.*gemm.*|.*gemv.*)"
+WARMUP = 3  # launches before the profiled one
+
+
+def _paged(batch: int, kv_heads: int, head_dim: int, table_tokens: int, block_size: int, gen: torch.Generator):
+    """A shuffled paged bf16 cache [NB, BS, Hkv, D] for K and for V, and block tables [B, table_tokens / BS]."""
+    per_seq = table_tokens // block_size
+    nb = batch * per_seq
+    k = torch.randn(nb, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(nb, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tables = torch.randperm(nb, device="cuda", generator=gen).to(torch.int32).view(batch, per_seq).contiguous()
+    return k, v, tables
+
+
+def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (x.abs().amax().float() / ref.FP8_MAX).reshape(1)
+    return (x.float() / scale).clamp(-ref.FP8_MAX, ref.FP8_MAX).to(ref.FP8_DTYPE), scale
+
+
+def decode_target(batch: int, q_heads: int, kv_heads: int, head_dim: int, context: int, table_tokens: int,
+                  kv: str, engine_shaped: bool) -> Callable[[], torch.Tensor]:
+    """One decode launch. ``engine_shaped``: as a decode graph launches it (no host lengths, so the
+    kernel cuts each live context by the split count on the device; one persistent counter buffer)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, v, tables = _paged(batch, kv_heads, head_dim, table_tokens, 16, gen)
+    ks = vs = None
+    if kv == "fp8":
+        k, ks = _fp8(k)
+        v, vs = _fp8(v)
+    q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(head_dim)
+    host_lens = None if engine_shaped else [context] * batch
+    return lambda: decode_attention.paged_decode(q, k, v, tables, lens, scale, ks, vs, context_lens=host_lens,
+                                                 merge_counters=counters)
+
+
+def hit_target(cached: int = 7680, new: int = 512, q_heads: int = 32, kv_heads: int = 8,
+               head_dim: int = 128) -> Callable[[], torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    context = cached + new
+    k, v, tables = _paged(1, kv_heads, head_dim, context, 16, gen)
+    q = torch.randn(new, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, new], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([context], device="cuda", dtype=torch.int32)
+    return lambda: prefill_attention.paged_prefill(q, k, v, tables, cu, lens, 1 / math.sqrt(head_dim), None, None,
+                                                   context_lens=[context])
+
+
+def gemm_target(rows: int = 1, n: int = 6144, k: int = 4096) -> Callable[[], torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    return lambda: torch.nn.functional.linear(x, w)
+
+
+TARGETS: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
+    "d93_bf16": lambda: decode_target(64, 9, 3, 64, 4096, 4096, "bf16", False),
+    "d93_fp8": lambda: decode_target(64, 9, 3, 64, 4096, 4096, "fp8", False),
+    "dp64_bf16": lambda: decode_target(64, 32, 8, 64, 4096, 4096, "bf16", False),
+    "dp64_fp8": lambda: decode_target(64, 32, 8, 64, 4096, 4096, "fp8", False),
+    "d128_bf16": lambda: decode_target(64, 32, 8, 128, 4096, 4096, "bf16", False),
+    "d128_fp8": lambda: decode_target(64, 32, 8, 128, 4096, 4096, "fp8", False),
+    "b1_bf16": lambda: decode_target(1, 32, 8, 128, 2048, 8448, "bf16", True),
+    "b8_bf16": lambda: decode_target(8, 32, 8, 128, 2048, 8448, "bf16", True),
+    "hit_bf16": hit_target,
+    "qkv_m1": gemm_target,
+}
+
+# Raw metrics worth a line in the summary (Nsight Compute's names; missing ones are skipped), then
+# every metric whose name holds one of PATTERNS (the pipes' utilisation under names that differ
+# between ncu versions).
+SUMMARY_METRICS = [
+    ("gpu__time_duration.sum", "duration"),
+    ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "DRAM % peak"),
+    ("dram__bytes_read.sum", "DRAM read"),
+    ("lts__t_sector_hit_rate.pct", "L2 hit %"),
+    ("lts__throughput.avg.pct_of_peak_sustained_elapsed", "L2 % peak"),
+    ("l1tex__throughput.avg.pct_of_peak_sustained_active", "L1 % peak"),
+    ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "SM % peak"),
+    ("smsp__issue_active.avg.pct_of_peak_sustained_active", "issue slots busy %"),
+    ("sm__warps_active.avg.pct_of_peak_sustained_active", "achieved occupancy %"),
+    ("launch__occupancy_limit_registers", "blocks/SM by registers"),
+    ("launch__occupancy_limit_shared_mem", "blocks/SM by smem"),
+    ("launch__registers_per_thread", "registers/thread"),
+    ("launch__grid_size", "grid"),
+    ("smsp__inst_executed.sum", "instructions (warp)"),
+]
+PATTERNS = ("pipe_tensor", "pipe_fma_cycles", "pipe_alu_cycles", "pipe_xu", "pipe_lsu")
+STALL_RE = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)(?:_per_issue_active)?\.ratio$")
+
+
+def _run_one(name: str) -> None:
+    launch = TARGETS[name]()
+    for _ in range(WARMUP + 1):
+        launch()
+    torch.cuda.synchronize()
+
+
+def _raw_rows(text: str) -> list[dict[str, str]]:
+    """ncu's ``--page raw --csv`` output: a header row, a units row, then one row per kernel."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(rows) < 3:
+        return []
+    head = rows[0]
+    return [dict(zip(head, r)) for r in rows[2:]]
+
+
+def summarise(name: str, row: dict[str, str]) -> list[str]:
+    out = [f"== {name}: {row.get('Kernel Name', '?')[:60]}"]
+    for key, label in SUMMARY_METRICS:
+        if key in row and row[key] not in ("", "n/a"):
+            out.append(f"   {label:28s} {row[key]}")
+    for key, val in row.items():
+        if any(p in key for p in PATTERNS) and key.endswith("pct_of_peak_sustained_active") and val not in ("", "n/a"):
+            out.append(f"   {key:28s} {val}")
+    stalls = []
+    for key, val in row.items():
+        m = STALL_RE.match(key)
+        if m:
+            try:
+                stalls.append((float(val.replace(",", "")), m.group(1)))
+            except ValueError:
+                continue
+    stalls.sort(reverse=True)
+    if stalls:
+        out.append("   stalls (cycles per issued instruction): "
+                   + ", ".join(f"{n} {v:.2f}" for v, n in stalls[:7]))
+    return out
+
+
+def run_ncu(names: list[str], out_dir: Path, ncu: str) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    summary: list[str] = []
+    rc = 0
+    for name in names:
+        rep = Path("/tmp") / f"ncu_{name}"
+        cmd = [ncu, "--clock-control", "none", "--kernel-name", KERNEL_REGEX, "--launch-skip", str(WARMUP),
+               "--launch-count", "1", "--set", "full", "--import-source", "no", "-f", "-o", str(rep),
+               sys.executable, __file__, "--target", name]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        (out_dir / f"ncu_{name}.log").write_text(p.stdout[-20000:] + "\n" + p.stderr[-20000:], encoding="utf-8")
+        if p.returncode != 0 or not rep.with_suffix(".ncu-rep").exists():
+            summary.append(f"== {name}: ncu failed (rc {p.returncode}): {p.stderr.strip()[-300:]}")
+            rc = 1
+            continue
+        raw = subprocess.run([ncu, "--import", str(rep.with_suffix(".ncu-rep")), "--page", "raw", "--csv"],
+                             capture_output=True, text=True, check=False).stdout
+        (out_dir / f"ncu_{name}_raw.csv").write_text(raw, encoding="utf-8")
+        src = subprocess.run([ncu, "--import", str(rep.with_suffix(".ncu-rep")), "--page", "source", "--csv",
+                              "--print-source", "sass"], capture_output=True, text=True, check=False).stdout
+        (out_dir / f"ncu_{name}_sass.csv").write_text(src, encoding="utf-8")
+        rows = _raw_rows(raw)
+        summary.extend(summarise(name, rows[0]) if rows else [f"== {name}: no kernel row"])
+        print("\n".join(summary[-30:]), flush=True)
+    (out_dir / "ncu_summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
+    print("\n".join(summary), flush=True)
+    return rc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=sorted(TARGETS), help="launch one target (what ncu profiles)")
+    ap.add_argument("--ncu", action="store_true", help="profile every target (or --only) under ncu")
+    ap.add_argument("--only", default=None, help="comma-separated targets for --ncu")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    if args.target:
+        _run_one(args.target)
+        return 0
+    if args.ncu:
+        ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))),
+                                          None)
+        if ncu is None:
+            print("ncu not found", file=sys.stderr)
+            return 2
+        names = args.only.split(",") if args.only else list(TARGETS)
+        return run_ncu(names, Path(args.out), ncu)
+    ap.error("give --target NAME or --ncu")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
