@@ -98,85 +98,6 @@ def _stamp_sm(stamps_ptr, slot, after):
 # left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
 # the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
 # prefill+decode step took 2.1 s instead of 0.4 s, a 129-block table after 128-block ones).
-@triton.jit
-def _attend_keys(acc_a, acc_b, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, kvh, lo, hi, end,
-                 score_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                 stride_sb, stride_ss, stride_sh,
-                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KV_QUANT: tl.constexpr, DOT_TY: tl.constexpr, V_PAIRS: tl.constexpr, ROW_WIDTH: tl.constexpr):
-    """Online softmax of ``q`` over the keys [lo, hi) in tiles of BLOCK_N, from ``lo`` (tile-aligned).
-    ``MASKED``: keys at or past ``end`` are not there (the split's last, partial tile); otherwise every
-    tile is whole and nothing is masked. ``acc_a`` is the [GROUP_PAD, D] accumulator, or with
-    ``V_PAIRS`` the even output columns and ``acc_b`` the odd ones (else ``acc_b`` passes through).
-    ``score_scale``: the softmax scale times log2(e), times fp8's key scale."""
-    d = tl.arange(0, HEAD_DIM)
-    dh = tl.arange(0, HEAD_DIM // 2)
-    # the row's real width (ROW_WIDTH: MEMBERS * MEMBER_DIM when heads are joined, 3 x 64 = 192 of 256
-    # columns). Written as a compare of the arange with a constant, not of 2 * dh: the latter hid the
-    # V pairs' contiguity from Triton's analysis and turned their 16-byte cp.async into 2-byte loads
-    # (sm_90 PTX here; fp8 per head 20 % slower on the H200, session 17 call 1).
-    col_ok = d < ROW_WIDTH
-    pair_ok = dh < ROW_WIDTH // 2
-    for t0 in range(lo, hi, BLOCK_N):
-        toks = t0 + tl.arange(0, BLOCK_N)
-        slot = toks % BLOCK_SIZE
-        if MASKED:
-            tok_ok = toks < end
-            page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-            k_ok = tok_ok[:, None] & col_ok[None, :]
-            v_ok = k_ok
-            pair_mask = tok_ok[:, None] & pair_ok[None, :]
-        else:
-            page = tl.load(bt_row + toks // BLOCK_SIZE).to(tl.int64)
-            k_ok = col_ok[None, :]
-            v_ok = k_ok
-            pair_mask = pair_ok[None, :]
-        k_ptrs = k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        if MASKED or ROW_WIDTH < HEAD_DIM:
-            k = tl.load(k_ptrs, mask=k_ok, other=0.0)  # [BLOCK_N, D]
-        else:
-            k = tl.load(k_ptrs)
-        s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
-        if KV_QUANT == 2:
-            sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
-            if MASKED:
-                s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-            else:
-                s = s * tl.load(k_scale_ptr + sc_off)[None, :]
-        if MASKED:
-            s = tl.where(tok_ok[None, :], s * score_scale, float("-inf"))
-        else:
-            s = s * score_scale
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_QUANT == 2:
-            if MASKED:
-                p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-            else:
-                p = p * tl.load(v_scale_ptr + sc_off)[None, :]
-        v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
-        if V_PAIRS:
-            if MASKED or ROW_WIDTH < HEAD_DIM:
-                pairs = tl.load(v_ptr + v_row + dh[None, :], mask=pair_mask, other=0)  # [BLOCK_N, D/2] int16
-            else:
-                pairs = tl.load(v_ptr + v_row + dh[None, :])
-            v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
-            p16 = p.to(tl.float16)
-            acc_a = acc_a * alpha[:, None] + tl.dot(p16, v_even)
-            acc_b = acc_b * alpha[:, None] + tl.dot(p16, v_odd)
-        else:
-            if MASKED or ROW_WIDTH < HEAD_DIM:
-                v = tl.load(v_ptr + v_row + d[None, :], mask=v_ok, other=0.0)  # [BLOCK_N, D]
-            else:
-                v = tl.load(v_ptr + v_row + d[None, :])
-            acc_a = acc_a * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
-        m_i = m_new
-    return acc_a, acc_b, m_i, l_i
-
-
 @triton.jit(do_not_specialize=["stride_btb"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
@@ -265,6 +186,12 @@ def _decode_split_kernel(
     heads = kvh * GROUP + rows
     d = tl.arange(0, HEAD_DIM)
     dh = tl.arange(0, HEAD_DIM // 2)
+    # the row's real width (ROW_WIDTH: MEMBERS * MEMBER_DIM when heads are joined, 3 x 64 = 192 of 256
+    # columns). Written as a compare of the arange with a constant, not of 2 * dh: the latter hid the
+    # V pairs' contiguity from Triton's analysis and turned their 16-byte cp.async into 2-byte loads
+    # (sm_90 PTX here; fp8 per head 20 % slower on the H200, session 17 call 1).
+    col_ok = d < ROW_WIDTH
+    pair_ok = dh < ROW_WIDTH // 2
     if ROPE_WRITE:  # q|k|v row in, rotated q; the token's K / V into the cache by the split holding it
         row = q_ptr + b * stride_qb
         cos = tl.load(cos_ptr + b * stride_cos + d).to(q_ptr.dtype.element_ty).to(tl.float32)
@@ -286,36 +213,53 @@ def _decode_split_kernel(
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_TY)  # [GROUP_PAD, D]
 
-    score_scale = qk_scale
     if KV_QUANT == 1:
+        k_tensor_scale = tl.load(k_scale_ptr)
         v_tensor_scale = tl.load(v_scale_ptr)
-        score_scale = qk_scale * tl.load(k_scale_ptr)  # fp8's key scale: one multiply a score, not two
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     if V_PAIRS:
-        acc_a = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 0, 2, 4, ...
-        acc_b = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 1, 3, 5, ...
+        acc_e = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 0, 2, 4, ...
+        acc_o = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 1, 3, 5, ...
     else:
-        acc_a = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        acc_b = tl.zeros([GROUP_PAD, 2], tl.float32)  # unused: _attend_keys passes it through
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + b * stride_btb
-    # The split's whole tiles without masks, then its last, partial tile (none or one) with them: on
-    # the 9 / 3 class the masks were ~7 % of the issued instructions (selects, compares, predicated
-    # loads; Nsight Compute, session 21), and these launches issue on about half their cycles.
-    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
-    acc_a, acc_b, m_i, l_i = _attend_keys(
-        acc_a, acc_b, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, kvh, start, full_end, end,
-        score_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-        False, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, V_PAIRS, ROW_WIDTH)
-    acc_a, acc_b, m_i, l_i = _attend_keys(
-        acc_a, acc_b, m_i, l_i, q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, kvh, full_end, end, end,
-        score_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-        True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, V_PAIRS, ROW_WIDTH)
-    if V_PAIRS:
-        acc_e, acc_o = acc_a, acc_b
-    else:
-        acc = acc_a
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % BLOCK_SIZE
+        k = tl.load(
+            k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            mask=tok_ok[:, None] & col_ok[None, :], other=0.0,
+        )  # [BLOCK_N, D]
+        s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
+        if KV_QUANT == 1:
+            s = s * k_tensor_scale
+        if KV_QUANT == 2:
+            sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
+            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT == 2:
+            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
+        if V_PAIRS:
+            pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None] & pair_ok[None, :],
+                            other=0)  # [BLOCK_N, D/2] int16
+            v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
+            p16 = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
+        else:
+            v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
+        m_i = m_new
 
     if STAMPS:
         _stamp(stamps_ptr, stamp_row + 1, tl.max(l_i, 0))
