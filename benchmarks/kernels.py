@@ -34,7 +34,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
-from prefixgate_kernels import decode_attention, prefill_attention, skinny_gemm, tiled_gemm, triton_ops  # noqa: E402
+from prefixgate_kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
 from prefixgate_kernels import reference as ref  # noqa: E402
 
 DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
@@ -1233,59 +1233,6 @@ def few_warps_case(gen) -> dict:
             "small_batch": small_batch_tiles_case(gen, tiles=FEW_WARP_SMALL_BATCH_TILES)}
 
 
-# The prefill chunk's projections at the Llama-8B shape (session 21): cuBLAS against the tiled Triton
-# GEMM (prefixgate_kernels/tiled_gemm.py) at these tiles: (block_m, block_n, block_k, warps, stages).
-PREFILL_GEMM_SHAPES = {"o": (4096, 4096), "qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-PREFILL_GEMM_TILES = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4),
-                      (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)]
-
-
-def prefill_gemm_case(gen, rows=(512, 2048), shapes=PREFILL_GEMM_SHAPES, tiles=PREFILL_GEMM_TILES) -> list[dict]:
-    """Each projection of a prefill chunk of ``rows`` tokens, launched over enough weight copies in one
-    CUDA graph that L2 holds none of them from the previous launch (as the step's layers are), cuBLAS
-    (``F.linear``) against the tiled GEMM at each tile set; us a launch and TFLOP/s, each checked
-    against cuBLAS's output. The hit's 512-row step spends 1.18 ms in one of them at ~465 TFLOP/s."""
-    out = []
-    for m in rows:
-        for name, (n, k) in shapes.items():
-            copies = max(2, math.ceil(160e6 / (n * k * 2)))
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            flops = 2 * m * n * k
-            want = F.linear(x, ws[0])
-            row: dict = {"rows": m, "name": name, "n": n, "k": k, "copies": copies, "us": {}}
-
-            row["us"]["cublas"] = _chain_us(lambda w, x=x: F.linear(x, w), ws)
-            for bm, bn, bk, warps, stages in tiles:
-                t = tiled_gemm.GemmTiles(bm, bn, bk, warps, stages)
-                key = f"m{bm}n{bn}k{bk}w{warps}s{stages}"
-                try:
-                    err = rel_err(tiled_gemm.tiled_linear(x, ws[0], t), want)
-                    row["us"][key] = _chain_us(lambda w, x=x, t=t: tiled_gemm.tiled_linear(x, w, t), ws)
-                    row[f"{key}_rel_err"] = err
-                except Exception as e:  # noqa: BLE001  (a tile set past shared memory is a finding)
-                    row["us"][key] = None
-                    row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
-            timed_us = {k_: v for k_, v in row["us"].items() if v}
-            row["tflops"] = {k_: flops / (v * 1e-6) / 1e12 for k_, v in timed_us.items()}
-            best = min((k_ for k_ in timed_us if k_ != "cublas"), key=timed_us.get, default=None)
-            row["best_tiled"] = best
-            out.append(row)
-            print(f"prefill gemm {name} {m}x{n}x{k}: cublas {timed_us.get('cublas', 0):.1f} us "
-                  f"({row['tflops'].get('cublas', 0):.0f} TF/s); " + "  ".join(
-                      f"{k_} {v:.1f} ({row['tflops'][k_]:.0f})" for k_, v in timed_us.items() if k_ != "cublas"),
-                  flush=True)
-            ws.clear()
-            torch.cuda.empty_cache()
-    return out
-
-
-def _chain_us(fn, weights: list[torch.Tensor]) -> float | None:
-    """Microseconds a launch of ``fn(w)`` over every weight of ``weights`` in one CUDA graph."""
-    ms = bench_graph(lambda: [fn(w) for w in weights])
-    return None if ms is None else 1000 * ms / len(weights)
-
-
 # Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
 # times, for --help)
 SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
@@ -1306,8 +1253,6 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                      "against a kernel boundary in a CUDA graph (grid_barrier_case)"),
     "few-warps": ("few_warps", few_warps_case, "decode programs of one and two warps: the 9 / 3 class and the "
                   "engine's batch-1 / batch-8 launches (few_warps_case)"),
-    "prefill-gemm": ("prefill_gemm", prefill_gemm_case, "a prefill chunk's projections, cuBLAS against the tiled "
-                     "Triton GEMM over tile sets (prefill_gemm_case)"),
     "argmax": ("argmax", argmax_case, "greedy decoding's argmax over [B, 128256] fp32 logits, torch's against "
                "the one-launch kernel (argmax_case)"),
 }

@@ -19,7 +19,7 @@ import torch  # does not import triton
 if os.environ.get("PREFIXGATE_KERNELS_GPU") != "1" and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     for module in ("decode_attention", "prefill_attention", "kv_write", "block_copy", "rmsnorm", "rotary",
-                   "activation", "skinny_gemm", "gate_up_silu", "argmax", "tiled_gemm", "triton_ops",
+                   "activation", "skinny_gemm", "gate_up_silu", "argmax", "triton_ops",
                    "chacha20_poly1305"):
         name = f"prefixgate_kernels.{module}"
         if name in sys.modules:
