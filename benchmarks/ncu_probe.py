@@ -10,6 +10,9 @@ targets, each one launch of the kernel as the launcher or the engine makes it:
     d128_bf16 / d128_fp8   decode, 64 x 4K, 32 / 8 heads of 128 (fp8 / bf16 ~1.6)
     b1_bf16 / b8_bf16      decode as a batch-1 / batch-8 engine graph launches it (2K live in an
                            8,448-token table, split by length on the device, one counter buffer)
+    norm_m1, gate_up_silu_m1, o_partials_m1, down_partials_m1
+                           a batch-1 decode step's other launches (the norm over four fp32 partials,
+                           the gate|up GEMM storing SiLU x up, the o / down projections' partials)
     hit_bf16               prefill attention of the prefix hit: 512 new tokens over 7,680 cached
     qkv_m1                 the q|k|v projection at one row (cuBLAS; 76 % of copy in the step)
 
@@ -30,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prefixgate_kernels import decode_attention, prefill_attention  # noqa: E402
 from prefixgate_kernels import reference as ref  # noqa: E402
 
-KERNEL_REGEX = r"regex:^(_decode_split_kernel|_prefill_kernel|nvjet.*|.*gemm.*|.*gemv.*)"
+KERNEL_REGEX = r"regex:^(_decode_split_kernel|_prefill_kernel|_add_rms_norm_kernel|_gate_up_silu_kernel|nvjet.*|.*gemm.*|.*gemv.*)"
 WARMUP = 3  # launches before the profiled one
 
 
@@ -97,6 +101,34 @@ def gemm_target(rows: int = 1, n: int = 6144, k: int = 4096) -> Callable[[], tor
     return lambda: torch.nn.functional.linear(x, w)
 
 
+def step_target(name: str, rows: int = 1) -> Callable[[], torch.Tensor]:
+    """One of a batch-1 decode step's other launches at the 8B shape: the residual add + RMSNorm over
+    the o projection's four fp32 partials, the gate|up GEMM that stores SiLU x up, or the o / down
+    projection as four K slices' partials (one batched cuBLAS GEMM)."""
+    from prefixgate_kernels import triton_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter = 4096, 14336
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if name == "norm":
+        parts = torch.randn(4, rows, hidden, device="cuda", dtype=torch.float32, generator=gen)
+        res = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+        return lambda: triton_ops.add_rms_norm(parts, res, w, 1e-5)
+    if name == "gate_up":
+        from prefixgate_kernels import gate_up_silu
+        from prefixgate_kernels._common import num_sms
+
+        w = torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        config = gate_up_silu.choose_config(rows, inter, hidden, num_sms(x.device))
+        assert config is not None
+        return lambda: gate_up_silu.gate_up_silu(x, w, config)
+    k = hidden if name == "o" else inter
+    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(hidden, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    return lambda: triton_ops.linear_partials(a, w)
+
+
 TARGETS: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
     "d93_bf16": lambda: decode_target(64, 9, 3, 64, 4096, 4096, "bf16", False),
     "d93_fp8": lambda: decode_target(64, 9, 3, 64, 4096, 4096, "fp8", False),
@@ -108,6 +140,10 @@ TARGETS: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
     "b8_bf16": lambda: decode_target(8, 32, 8, 128, 2048, 8448, "bf16", True),
     "hit_bf16": hit_target,
     "qkv_m1": gemm_target,
+    "norm_m1": lambda: step_target("norm"),
+    "gate_up_silu_m1": lambda: step_target("gate_up"),
+    "o_partials_m1": lambda: step_target("o"),
+    "down_partials_m1": lambda: step_target("down"),
 }
 
 # Raw metrics worth a line in the summary (Nsight Compute's names; missing ones are skipped), then
@@ -199,6 +235,13 @@ def run_ncu(names: list[str], out_dir: Path, ncu: str) -> int:
         summary.extend(summarise(name, rows[0]) if rows else [f"== {name}: no kernel row"])
         print("\n".join(summary[-30:]), flush=True)
     (out_dir / "ncu_summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
+    # one archive of the per-target files: the device tool returns a bounded number of files a call
+    bundle = out_dir / "ncu_targets.tgz"
+    with tarfile.open(bundle, "w:gz") as tar:
+        for f in sorted(out_dir.glob("ncu_*")):
+            if f != bundle and f.suffix in (".csv", ".log"):
+                tar.add(f, arcname=f.name)
+                f.unlink()
     print("\n".join(summary), flush=True)
     return rc
 
