@@ -187,12 +187,15 @@ def _raw_rows(text: str) -> list[dict[str, str]]:
 
 
 def summarise(name: str, row: dict[str, str]) -> list[str]:
+    """The summary lines of one kernel's raw metrics: SUMMARY_METRICS, the pipes' average utilisation,
+    and the largest warp stall reasons (cycles a warp waits per issued instruction)."""
     out = [f"== {name}: {row.get('Kernel Name', '?')[:60]}"]
     for key, label in SUMMARY_METRICS:
         if key in row and row[key] not in ("", "n/a"):
             out.append(f"   {label:28s} {row[key]}")
     for key, val in row.items():
-        if any(p in key for p in PATTERNS) and key.endswith("pct_of_peak_sustained_active") and val not in ("", "n/a"):
+        if (any(p in key for p in PATTERNS) and ".avg." in key and key.endswith("pct_of_peak_sustained_active")
+                and val not in ("", "n/a")):
             out.append(f"   {key:28s} {val}")
     stalls = []
     for key, val in row.items():
@@ -207,6 +210,60 @@ def summarise(name: str, row: dict[str, str]) -> list[str]:
         out.append("   stalls (cycles per issued instruction): "
                    + ", ".join(f"{n} {v:.2f}" for v, n in stalls[:7]))
     return out
+
+
+def _sass_rows(text: str) -> list[dict[str, str]]:
+    """ncu's ``--page source --csv --print-source sass``: a kernel-name line, a header, one row an instruction."""
+    lines = text.splitlines()
+    rows = list(csv.reader(io.StringIO("\n".join(lines[1:]))))
+    if not rows:
+        return []
+    head = rows[0]
+    return [dict(zip(head, r)) for r in rows[1:] if len(r) == len(head)]
+
+
+def _count(row: dict[str, str], key: str) -> int:
+    try:
+        return int(row.get(key) or 0)
+    except ValueError:
+        return 0
+
+
+def summarise_sass(name: str, rows: list[dict[str, str]], top: int = 14) -> list[str]:
+    """Executed instructions by opcode (predicate stripped, modifiers dropped) with their share of the
+    stall samples, then the instructions holding the most samples and their two largest reasons."""
+    executed: dict[str, int] = {}
+    sampled: dict[str, int] = {}
+    total_ex = sum(_count(r, "Instructions Executed") for r in rows) or 1
+    total_samples = sum(_count(r, "Warp Stall Sampling (All Samples)") for r in rows) or 1
+    for r in rows:
+        text = re.sub(r"^@!?U?P\w+\s+", "", r.get("Source", "").strip())
+        op = text.split()[0].split(".")[0] if text else "?"
+        executed[op] = executed.get(op, 0) + _count(r, "Instructions Executed")
+        sampled[op] = sampled.get(op, 0) + _count(r, "Warp Stall Sampling (All Samples)")
+    out = [f"== {name}: {total_ex} warp instructions, {total_samples} stall samples; opcode: % executed, % samples"]
+    for op in sorted(executed, key=executed.get, reverse=True)[:top]:
+        out.append(f"   {op:10s} {100 * executed[op] / total_ex:5.1f} {100 * sampled[op] / total_samples:5.1f}")
+    reasons = [k for k in (rows[0] if rows else {}) if k.startswith("stall_") and "Not Issued" not in k]
+    hot = sorted(rows, key=lambda r: _count(r, "Warp Stall Sampling (All Samples)"), reverse=True)[:6]
+    for r in hot:
+        why = sorted(((_count(r, k), k[len("stall_"):]) for k in reasons), reverse=True)[:2]
+        out.append(f"   hot {100 * _count(r, 'Warp Stall Sampling (All Samples)') / total_samples:5.1f} % "
+                   f"{r.get('Source', '').strip()[:56]:56s} " + ", ".join(f"{k} {v}" for v, k in why if v))
+    return out
+
+
+def summarise_dir(folder: Path) -> list[str]:
+    """Every target's summary from the ``ncu_<target>_raw.csv`` / ``_sass.csv`` files in ``folder``."""
+    lines: list[str] = []
+    for raw in sorted(folder.glob("ncu_*_raw.csv")):
+        name = raw.name[len("ncu_"):-len("_raw.csv")]
+        rows = _raw_rows(raw.read_text(encoding="utf-8"))
+        lines.extend(summarise(name, rows[0]) if rows else [f"== {name}: no kernel row"])
+        sass = raw.with_name(f"ncu_{name}_sass.csv")
+        if sass.exists():
+            lines.extend(summarise_sass(name, _sass_rows(sass.read_text(encoding="utf-8"))))
+    return lines
 
 
 def run_ncu(names: list[str], out_dir: Path, ncu: str) -> int:
@@ -231,9 +288,7 @@ def run_ncu(names: list[str], out_dir: Path, ncu: str) -> int:
         src = subprocess.run([ncu, "--import", str(rep.with_suffix(".ncu-rep")), "--page", "source", "--csv",
                               "--print-source", "sass"], capture_output=True, text=True, check=False).stdout
         (out_dir / f"ncu_{name}_sass.csv").write_text(src, encoding="utf-8")
-        rows = _raw_rows(raw)
-        summary.extend(summarise(name, rows[0]) if rows else [f"== {name}: no kernel row"])
-        print("\n".join(summary[-30:]), flush=True)
+    summary.extend(summarise_dir(out_dir))
     (out_dir / "ncu_summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
     # one archive of the per-target files: the device tool returns a bounded number of files a call
     bundle = out_dir / "ncu_targets.tgz"
@@ -252,7 +307,12 @@ def main() -> int:
     ap.add_argument("--ncu", action="store_true", help="profile every target (or --only) under ncu")
     ap.add_argument("--only", default=None, help="comma-separated targets for --ncu")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--summarise", metavar="DIR", default=None,
+                    help="print the summary of a folder of ncu_<target>_raw.csv / _sass.csv files (no GPU needed)")
     args = ap.parse_args()
+    if args.summarise:
+        print("\n".join(summarise_dir(Path(args.summarise))))
+        return 0
     if args.target:
         _run_one(args.target)
         return 0
