@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefixgate_kernels import decode_attention, prefill_attention  # noqa: E402
-from prefixgate_kernels import reference as ref  # noqa: E402
+# The kernels are imported by the targets, on the GPU: the summaries (--summarise, the tests) need
+# neither them nor Triton.
 
 KERNEL_REGEX = r"regex:^(_decode_split_kernel|_prefill_kernel|_add_rms_norm_kernel|_gate_up_silu_kernel|nvjet.*|.*gemm.*|.*gemv.*)"
 WARMUP = 3  # launches before the profiled one
@@ -59,6 +59,8 @@ def _paged(batch: int, kv_heads: int, head_dim: int, table_tokens: int, block_si
 
 
 def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from prefixgate_kernels import reference as ref
+
     scale = (x.abs().amax().float() / ref.FP8_MAX).reshape(1)
     return (x.float() / scale).clamp(-ref.FP8_MAX, ref.FP8_MAX).to(ref.FP8_DTYPE), scale
 
@@ -67,6 +69,8 @@ def decode_target(batch: int, q_heads: int, kv_heads: int, head_dim: int, contex
                   kv: str, engine_shaped: bool) -> Callable[[], torch.Tensor]:
     """One decode launch. ``engine_shaped``: as a decode graph launches it (no host lengths, so the
     kernel cuts each live context by the split count on the device; one persistent counter buffer)."""
+    from prefixgate_kernels import decode_attention
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, v, tables = _paged(batch, kv_heads, head_dim, table_tokens, 16, gen)
     ks = vs = None
@@ -84,6 +88,8 @@ def decode_target(batch: int, q_heads: int, kv_heads: int, head_dim: int, contex
 
 def hit_target(cached: int = 7680, new: int = 512, q_heads: int = 32, kv_heads: int = 8,
                head_dim: int = 128) -> Callable[[], torch.Tensor]:
+    from prefixgate_kernels import prefill_attention
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     context = cached + new
     k, v, tables = _paged(1, kv_heads, head_dim, context, 16, gen)
