@@ -1233,6 +1233,60 @@ def few_warps_case(gen) -> dict:
             "small_batch": small_batch_tiles_case(gen, tiles=FEW_WARP_SMALL_BATCH_TILES)}
 
 
+# The prefill attention with the softmax overlapping the MMAs (prefixgate_kernels/prefill_overlap.py,
+# Gluon; session 21) against the launcher's paged_prefill: (label, sequences, cached, new, q heads,
+# kv heads, head dim); and its tile / ring variants (block_n, num_buf).
+OVERLAP_SHAPES = [("hit", 1, 7680, 512, 32, 8, 128), ("4x(8192+512)", 4, 8192, 512, 32, 8, 128),
+                  ("cold 2K", 1, 0, 2048, 32, 8, 128), ("hit hd64", 1, 7680, 512, 32, 8, 64)]
+OVERLAP_TILES = [(128, 2), (64, 3), (64, 4), (128, 3)]
+
+
+def overlap_prefill_case(gen, shapes=OVERLAP_SHAPES, tiles=OVERLAP_TILES) -> list[dict]:
+    """Each shape's prefill attention, the launcher's ``paged_prefill`` (its own tiles and splits) against
+    ``paged_prefill_overlap`` at each (block_n, ring slots), as CUDA-graph replays, each checked against
+    the reference; TFLOP/s of the causal work."""
+    out = []
+    for shape in shapes:
+        row = _overlap_row(gen, *shape, tiles=tiles)
+        out.append(row)
+        print(f"overlap prefill {row['label']}: " + "  ".join(
+            f"{k} {v['ms']:.4f} ms ({v['tflops']:.0f} TF/s, err {v['rel_err']:.1e})" if v.get("ms") else
+            f"{k} {v.get('error', 'no graph')[:80]}" for k, v in row.items() if isinstance(v, dict)), flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+def _overlap_row(gen, label, seqs, cached, new, q_heads, kv_heads, head_dim, tiles) -> dict:
+    from prefixgate_kernels.prefill_overlap import paged_prefill_overlap
+
+    context = cached + new
+    kv, tables, lens = paged_setup(seqs, kv_heads, head_dim, context, 16, gen)
+    k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
+    scale = 1 / math.sqrt(head_dim)
+    q = torch.randn(seqs * new, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.arange(0, seqs + 1, device="cuda", dtype=torch.int32) * new
+    want = ref.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+    flops = seqs * 4 * q_heads * head_dim * new * (cached + (new + 1) / 2)
+
+    def base() -> torch.Tensor:
+        return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
+                                               max_q_len=new, context_lens=[context] * seqs)
+    row: dict = {"label": label, "seqs": seqs, "cached": cached, "new": new, "head_dim": head_dim,
+                 "launcher": {"ms": bench_graph(base), "rel_err": rel_err(base(), want)}}
+    for bn, nbuf in tiles:
+        def overlap(bn=bn, nbuf=nbuf) -> torch.Tensor:
+            return paged_prefill_overlap(q, k_cache, v_cache, tables, cu, lens, scale, max_q_len=new, block_n=bn,
+                                         num_buf=nbuf)
+        try:
+            row[f"overlap_n{bn}_buf{nbuf}"] = {"rel_err": rel_err(overlap(), want), "ms": bench_graph(overlap)}
+        except Exception as e:  # noqa: BLE001  (a ring past shared memory is a finding)
+            row[f"overlap_n{bn}_buf{nbuf}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for v in row.values():
+        if isinstance(v, dict) and v.get("ms"):
+            v["tflops"] = flops / (v["ms"] * 1e-3) / 1e12
+    return row
+
+
 # Probes that run alone after the ceilings, each one case of ``gen`` only: flag -> (result key, case, what it
 # times, for --help)
 SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
@@ -1253,6 +1307,8 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                      "against a kernel boundary in a CUDA graph (grid_barrier_case)"),
     "few-warps": ("few_warps", few_warps_case, "decode programs of one and two warps: the 9 / 3 class and the "
                   "engine's batch-1 / batch-8 launches (few_warps_case)"),
+    "overlap-prefill": ("overlap_prefill", overlap_prefill_case, "the prefill attention whose softmax overlaps "
+                        "the MMAs (Gluon) against paged_prefill (overlap_prefill_case)"),
     "argmax": ("argmax", argmax_case, "greedy decoding's argmax over [B, 128256] fp32 logits, torch's against "
                "the one-launch kernel (argmax_case)"),
 }
