@@ -1235,10 +1235,11 @@ def few_warps_case(gen) -> dict:
 
 # The prefill attention with the softmax overlapping the MMAs (prefixgate_kernels/prefill_overlap.py,
 # Gluon; session 21) against the launcher's paged_prefill: (label, sequences, cached, new, q heads,
-# kv heads, head dim); and its tile / ring variants (block_n, num_buf).
+# kv heads, head dim); and its tile / ring variants (block_m, block_n, num_buf, num_warps): 128-row tiles
+# in two warpgroups (one program an SM), 64-row ones in one (two programs an SM, each overlapping the other).
 OVERLAP_SHAPES = [("hit", 1, 7680, 512, 32, 8, 128), ("4x(8192+512)", 4, 8192, 512, 32, 8, 128),
                   ("cold 2K", 1, 0, 2048, 32, 8, 128), ("hit hd64", 1, 7680, 512, 32, 8, 64)]
-OVERLAP_TILES = [(128, 2), (64, 3), (64, 4), (128, 3)]
+OVERLAP_TILES = [(128, 128, 2, 8), (128, 64, 3, 8), (64, 64, 2, 4), (64, 128, 2, 4), (64, 64, 3, 4)]
 
 
 def overlap_prefill_case(gen, shapes=OVERLAP_SHAPES, tiles=OVERLAP_TILES) -> list[dict]:
@@ -1273,14 +1274,15 @@ def _overlap_row(gen, label, seqs, cached, new, q_heads, kv_heads, head_dim, til
                                                max_q_len=new, context_lens=[context] * seqs)
     row: dict = {"label": label, "seqs": seqs, "cached": cached, "new": new, "head_dim": head_dim,
                  "launcher": {"ms": bench_graph(base), "rel_err": rel_err(base(), want)}}
-    for bn, nbuf in tiles:
-        def overlap(bn=bn, nbuf=nbuf) -> torch.Tensor:
-            return paged_prefill_overlap(q, k_cache, v_cache, tables, cu, lens, scale, max_q_len=new, block_n=bn,
-                                         num_buf=nbuf)
+    for bm, bn, nbuf, warps in tiles:
+        def overlap(bm=bm, bn=bn, nbuf=nbuf, warps=warps) -> torch.Tensor:
+            return paged_prefill_overlap(q, k_cache, v_cache, tables, cu, lens, scale, max_q_len=new, block_m=bm,
+                                         block_n=bn, num_buf=nbuf, num_warps=warps)
+        key = f"overlap_m{bm}n{bn}b{nbuf}w{warps}"
         try:
-            row[f"overlap_n{bn}_buf{nbuf}"] = {"rel_err": rel_err(overlap(), want), "ms": bench_graph(overlap)}
+            row[key] = {"rel_err": rel_err(overlap(), want), "ms": bench_graph(overlap)}
         except Exception as e:  # noqa: BLE001  (a ring past shared memory is a finding)
-            row[f"overlap_n{bn}_buf{nbuf}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            row[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     for v in row.values():
         if isinstance(v, dict) and v.get("ms"):
             v["tflops"] = flops / (v["ms"] * 1e-3) / 1e12

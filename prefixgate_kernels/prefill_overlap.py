@@ -114,15 +114,15 @@ def _prefill_overlap_kernel(
         bt_row = bt_ptr + b * stride_btb
         tok_base = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
 
-        # prologue: tiles 0 .. NUM_BUF - 2 in flight, the next tile's pages loaded
+        # prologue: tiles 0 .. NUM_BUF - 1 in flight (every ring slot), the next tile's pages loaded
         page = _pages(bt_row, tok_base, kv_end, BLOCK_SIZE)
-        for i in gl.static_range(NUM_BUF - 1):
+        for i in gl.static_range(NUM_BUF):
             _issue_tile(k_smem, v_smem, i, k_ptr, v_ptr, page, i * BLOCK_N + tok_base, d, kv_end, kv_head,
                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
             page = _pages(bt_row, (i + 1) * BLOCK_N + tok_base, kv_end, BLOCK_SIZE)
 
         # tile 0: scores and softmax; its P V waits for the loop (or the epilogue)
-        cp.wait_group(NUM_BUF - 2)
+        cp.wait_group(NUM_BUF - 1)
         gl.thread_barrier()
         fence_async_shared()
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
@@ -136,7 +136,8 @@ def _prefill_overlap_kernel(
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=O_LAYOUT)
 
         for j in range(1, n_tiles):
-            cp.wait_group(NUM_BUF - 2)  # tile j is in its slot
+            # issued so far: tiles 0 .. j + NUM_BUF - 2 (one a loop turn after the prologue); tile j is in
+            cp.wait_group(NUM_BUF - 2)
             gl.thread_barrier()
             fence_async_shared()
             s_tok = warpgroup_mma(q_smem, k_smem.index(j % NUM_BUF).permute((1, 0)), zero_s, use_acc=False,
@@ -152,7 +153,7 @@ def _prefill_overlap_kernel(
             m_i = m_new
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-            # slot (j - 1) % NUM_BUF is free (its V was just read): the tile NUM_BUF - 1 ahead goes there
+            # slot (j - 1) % NUM_BUF is free (its V was just read): tile j - 1 + NUM_BUF goes there
             gl.thread_barrier()
             nxt = j + NUM_BUF - 1
             _issue_tile(k_smem, v_smem, nxt % NUM_BUF, k_ptr, v_ptr, page, nxt * BLOCK_N + tok_base, d, kv_end,

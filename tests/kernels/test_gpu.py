@@ -407,9 +407,9 @@ def test_argmax_gpu(rows, dtype):
 
 
 @pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (64, 8, 16), (128, 1, 32)])
-@pytest.mark.parametrize("block_n,num_buf", [(128, 2), (64, 3)])
+@pytest.mark.parametrize("block_m,block_n,num_buf,num_warps", [(128, 128, 2, 8), (128, 64, 3, 8), (64, 64, 2, 4)])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
-def test_prefill_overlap_gpu(head_dim, group, block_size, block_n, num_buf, q_dtype):
+def test_prefill_overlap_gpu(head_dim, group, block_size, block_m, block_n, num_buf, num_warps, q_dtype):
     """The Gluon prefill whose softmax overlaps the MMAs (prefixgate_kernels/prefill_overlap.py) against
     the reference on fresh prompts: a fresh prompt, a long cached prefix under a few new tokens, one-token
     and empty chunks, tiles crossing the diagonal and the ends of blocks."""
@@ -429,6 +429,7 @@ def test_prefill_overlap_gpu(head_dim, group, block_size, block_n, num_buf, q_dt
     q = torch.randn(sum(new), 2 * group, head_dim, generator=gen).to("cuda", q_dtype)
     scale = 1 / math.sqrt(head_dim)
     want = ref.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
-    got = paged_prefill_overlap(q, k_cache, v_cache, tables, cu, lens, scale, block_n=block_n, num_buf=num_buf)
+    got = paged_prefill_overlap(q, k_cache, v_cache, tables, cu, lens, scale, block_m=block_m, block_n=block_n,
+                                num_buf=num_buf, num_warps=num_warps)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert rel_err(got, want) < (1e-2 if q_dtype == torch.bfloat16 else 2e-3)
