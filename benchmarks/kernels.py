@@ -1238,7 +1238,9 @@ def few_warps_case(gen) -> dict:
 # kv heads, head dim); and its tile / ring variants (block_m, block_n, num_buf, num_warps): 128-row tiles
 # in two warpgroups (one program an SM), 64-row ones in one (two programs an SM, each overlapping the other).
 OVERLAP_SHAPES = [("hit", 1, 7680, 512, 32, 8, 128), ("4x(8192+512)", 4, 8192, 512, 32, 8, 128),
-                  ("cold 2K", 1, 0, 2048, 32, 8, 128), ("hit hd64", 1, 7680, 512, 32, 8, 64)]
+                  ("cold 2K", 1, 0, 2048, 32, 8, 128), ("hit hd64", 1, 7680, 512, 32, 8, 64),
+                  ("4x(8192+512) hd64", 4, 8192, 512, 32, 8, 64), ("cold 2K hd64", 1, 0, 2048, 32, 8, 64),
+                  ("hit hd64 9/3", 1, 7680, 512, 9, 3, 64)]
 OVERLAP_TILES = [(128, 128, 2, 8), (128, 64, 3, 8), (64, 64, 2, 4), (64, 128, 2, 4), (64, 64, 3, 4)]
 
 

@@ -14,6 +14,8 @@ targets, each one launch of the kernel as the launcher or the engine makes it:
                            a batch-1 decode step's other launches (the norm over four fp32 partials,
                            the gate|up GEMM storing SiLU x up, the o / down projections' partials)
     hit_bf16               prefill attention of the prefix hit: 512 new tokens over 7,680 cached
+    hit_overlap, hit_hd64, hit_hd64_overlap
+                           the same through prefill_overlap (Gluon), and both at head dim 64
     qkv_m1                 the q|k|v projection at one row (cuBLAS; 76 % of copy in the step)
 
 ``python benchmarks/ncu_probe.py --target NAME`` launches one target (warm-up launches first, so the
@@ -44,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The kernels are imported by the targets, on the GPU: the summaries (--summarise, the tests) need
 # neither them nor Triton.
 
-KERNEL_REGEX = r"regex:^(_decode_split_kernel|_prefill_kernel|_add_rms_norm_kernel|_gate_up_silu_kernel|nvjet.*|.*gemm.*|.*gemv.*)"
+KERNEL_REGEX = r"regex:^(_decode_split_kernel|_prefill_kernel|_prefill_overlap_kernel|_add_rms_norm_kernel|_gate_up_silu_kernel|nvjet.*|.*gemm.*|.*gemv.*)"
 WARMUP = 3  # launches before the profiled one
 
 
@@ -87,7 +89,7 @@ def decode_target(batch: int, q_heads: int, kv_heads: int, head_dim: int, contex
 
 
 def hit_target(cached: int = 7680, new: int = 512, q_heads: int = 32, kv_heads: int = 8,
-               head_dim: int = 128) -> Callable[[], torch.Tensor]:
+               head_dim: int = 128, overlap: bool = False) -> Callable[[], torch.Tensor]:
     from prefixgate_kernels import prefill_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -96,6 +98,10 @@ def hit_target(cached: int = 7680, new: int = 512, q_heads: int = 32, kv_heads: 
     q = torch.randn(new, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     cu = torch.tensor([0, new], device="cuda", dtype=torch.int32)
     lens = torch.tensor([context], device="cuda", dtype=torch.int32)
+    if overlap:
+        from prefixgate_kernels.prefill_overlap import paged_prefill_overlap
+
+        return lambda: paged_prefill_overlap(q, k, v, tables, cu, lens, 1 / math.sqrt(head_dim))
     return lambda: prefill_attention.paged_prefill(q, k, v, tables, cu, lens, 1 / math.sqrt(head_dim), None, None,
                                                    context_lens=[context])
 
@@ -145,6 +151,9 @@ TARGETS: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
     "b1_bf16": lambda: decode_target(1, 32, 8, 128, 2048, 8448, "bf16", True),
     "b8_bf16": lambda: decode_target(8, 32, 8, 128, 2048, 8448, "bf16", True),
     "hit_bf16": hit_target,
+    "hit_overlap": lambda: hit_target(overlap=True),
+    "hit_hd64": lambda: hit_target(head_dim=64),
+    "hit_hd64_overlap": lambda: hit_target(head_dim=64, overlap=True),
     "qkv_m1": gemm_target,
     "norm_m1": lambda: step_target("norm"),
     "gate_up_silu_m1": lambda: step_target("gate_up"),
