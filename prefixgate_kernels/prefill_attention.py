@@ -321,6 +321,25 @@ def launch_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int
                              tiles.programs_per_sm)
 
 
+# The Gluon kernel whose softmax overlaps the P V MMA (prefixgate_kernels/prefill_overlap.py) takes the
+# unsplit 16-bit launches at head dim 64: graph replays on the H200 (session 21 calls 7-8), 32 / 8
+# heads, against this kernel: 1 x (7,680 + 512) 0.146 -> 0.135 ms, 4 x (8,192 + 512) 0.573 -> 0.424,
+# a cold 2K prompt 0.095 -> 0.080, at these tiles. At head dim 128 it only equals this kernel
+# (0.193 against 0.192 ms at the hit: 35 % more instructions a tile eat the overlap), and a launch
+# that splits (few heads, short chunks) stays here.
+PREFILL_OVERLAP = True  # the benchmarks' switch: False times this kernel where the Gluon one would run
+OVERLAP_HEAD_DIMS = (64,)
+OVERLAP_MIN_TOKENS = 128
+OVERLAP_TILES = {"block_m": 128, "block_n": 64, "num_buf": 3, "num_warps": 8}
+
+
+def uses_overlap(num_tokens: int, head_dim: int, q_dtype: torch.dtype, k_dtype: torch.dtype,
+                 v_dtype: torch.dtype) -> bool:
+    """Whether an unsplit GPU launch goes to ``prefill_overlap`` (16-bit, one dtype, a measured head dim)."""
+    return (PREFILL_OVERLAP and head_dim in OVERLAP_HEAD_DIMS and num_tokens >= OVERLAP_MIN_TOKENS
+            and q_dtype in (torch.bfloat16, torch.float16) and k_dtype == q_dtype and v_dtype == q_dtype)
+
+
 def paged_prefill(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D], any block stride
@@ -371,6 +390,12 @@ def paged_prefill(
                           if overridden else launch_splits(num_tokens, num_seqs, q_heads, longest, q.device))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
+    if (on_gpu and not overridden and num_splits == 1 and uses_overlap(num_tokens, head_dim, q.dtype, k_cache.dtype,
+                                                                       v_cache.dtype)):
+        from prefixgate_kernels.prefill_overlap import paged_prefill_overlap  # Gluon: compiled GPUs only
+
+        return paged_prefill_overlap(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                     max_q_len=max_q_len, **OVERLAP_TILES)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     if num_splits > 1:
         part_out = torch.empty(num_splits, num_tokens, q_heads, head_dim, dtype=torch.float32, device=q.device)
