@@ -333,10 +333,12 @@ OVERLAP_MIN_TOKENS = 128
 OVERLAP_TILES = {"block_m": 128, "block_n": 64, "num_buf": 3, "num_warps": 8}
 
 
-def uses_overlap(num_tokens: int, head_dim: int, q_dtype: torch.dtype, k_dtype: torch.dtype,
+def uses_overlap(num_tokens: int, head_dim: int, block_size: int, q_dtype: torch.dtype, k_dtype: torch.dtype,
                  v_dtype: torch.dtype) -> bool:
-    """Whether an unsplit GPU launch goes to ``prefill_overlap`` (16-bit, one dtype, a measured head dim)."""
+    """Whether an unsplit GPU launch goes to ``prefill_overlap``: 16-bit, one dtype, a measured head dim,
+    cache blocks that tile its key tiles whole."""
     return (PREFILL_OVERLAP and head_dim in OVERLAP_HEAD_DIMS and num_tokens >= OVERLAP_MIN_TOKENS
+            and OVERLAP_TILES["block_n"] % block_size == 0
             and q_dtype in (torch.bfloat16, torch.float16) and k_dtype == q_dtype and v_dtype == q_dtype)
 
 
@@ -390,8 +392,8 @@ def paged_prefill(
                           if overridden else launch_splits(num_tokens, num_seqs, q_heads, longest, q.device))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
-    if (on_gpu and not overridden and num_splits == 1 and uses_overlap(num_tokens, head_dim, q.dtype, k_cache.dtype,
-                                                                       v_cache.dtype)):
+    if (on_gpu and not overridden and num_splits == 1
+            and uses_overlap(num_tokens, head_dim, block_size, q.dtype, k_cache.dtype, v_cache.dtype)):
         from prefixgate_kernels.prefill_overlap import paged_prefill_overlap  # Gluon: compiled GPUs only
 
         return paged_prefill_overlap(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,

@@ -117,14 +117,16 @@ def test_prefill_tiles():
 
 def test_prefill_overlap_dispatch_rule(monkeypatch):
     """Which launches the Gluon kernel takes (prefill_attention.uses_overlap): 16-bit, one dtype, head dim
-    64, at least OVERLAP_MIN_TOKENS rows; the benchmarks' switch turns it off."""
+    64, at least OVERLAP_MIN_TOKENS rows, cache blocks that divide its key tiles; the benchmarks' switch
+    turns it off."""
     n = prefill_attention.OVERLAP_MIN_TOKENS
     bf, fp, f32 = torch.bfloat16, torch.float16, torch.float32
-    assert prefill_attention.uses_overlap(n, 64, bf, bf, bf)
-    assert prefill_attention.uses_overlap(4 * n, 64, fp, fp, fp)
-    assert not prefill_attention.uses_overlap(n - 1, 64, bf, bf, bf)  # a short chunk: 64-row tiles, splits
-    assert not prefill_attention.uses_overlap(n, 128, bf, bf, bf)  # measured equal at head dim 128
-    assert not prefill_attention.uses_overlap(n, 64, f32, f32, f32)
-    assert not prefill_attention.uses_overlap(n, 64, bf, ref.FP8_DTYPE, ref.FP8_DTYPE)
+    assert prefill_attention.uses_overlap(n, 64, 16, bf, bf, bf)
+    assert prefill_attention.uses_overlap(4 * n, 64, 32, fp, fp, fp)
+    assert not prefill_attention.uses_overlap(n - 1, 64, 16, bf, bf, bf)  # a short chunk: 64-row tiles, splits
+    assert not prefill_attention.uses_overlap(n, 128, 16, bf, bf, bf)  # measured equal at head dim 128
+    assert not prefill_attention.uses_overlap(n, 64, 128, bf, bf, bf)  # a block wider than a key tile
+    assert not prefill_attention.uses_overlap(n, 64, 16, f32, f32, f32)
+    assert not prefill_attention.uses_overlap(n, 64, 16, bf, ref.FP8_DTYPE, ref.FP8_DTYPE)
     monkeypatch.setattr(prefill_attention, "PREFILL_OVERLAP", False)
-    assert not prefill_attention.uses_overlap(n, 64, bf, bf, bf)
+    assert not prefill_attention.uses_overlap(n, 64, 16, bf, bf, bf)
