@@ -45,7 +45,11 @@ def body_limit(message: str, param: str | None = None) -> PydanticCustomError:
 
 
 def _where(path: tuple[str | int, ...]) -> str:
-    return ".".join(str(p) for p in path) or "body"
+    """A path for an error message. A key may itself hold a lone surrogate (the very thing being
+    refused): it is shown escaped (``\\ud800``), so the message can be encoded into the 400's JSON;
+    unescaped, the error's own text failed to encode (tests/gateway/test_front_door_cuts.py found it)."""
+    text = ".".join(str(p) for p in path) or "body"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def scan(value: Any, *, max_depth: int = MAX_DEPTH) -> BodyShape:

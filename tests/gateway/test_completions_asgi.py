@@ -92,6 +92,15 @@ def test_json_that_only_json_loads_takes_is_answered_as_before(served):
     lone = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}'
     r = client.post("/v1/chat/completions", content=lone, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    # the surrogate in a key: refused as such; and where a nesting refusal's path holds that key, the
+    # message shows it escaped, so the 400 itself can be encoded
+    head = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "\\ud800": '
+    r = client.post("/v1/chat/completions", content=head + b"1}", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    deep = head + b"[" * 70 + b"]" * 70 + b"}"
+    r = client.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "nested" in r.json()["error"]["message"] and "\\ud800" in r.json()["error"]["message"], r.text
     # a refused body with a bad key: the key is refused first, as on FastAPI's own routes
     r = client.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": "hi"}',
                     headers={"content-type": "application/json", "Authorization": "Bearer sk-wrong"})

@@ -250,6 +250,19 @@ _bodies = st.recursive(
     max_leaves=40)
 
 
+@pytest.mark.parametrize("value,max_depth,shown", [({"\ud800": []}, 1, "\\ud800"), ({"a": {"\udfff": [[1]]}}, 2, "a.\\udfff"),
+                                                   ({"a": {"\ud800": "x"}}, 4, "'a'")])
+def test_refusals_naming_a_surrogate_key_can_be_encoded(value, max_depth, shown):
+    """The case the hypothesis test below found: the path in a nesting refusal holds a key, and the key
+    a lone surrogate. The message shows it escaped, so the 400 it becomes can be written as UTF-8 (a
+    surrogate refusal names the container of the key)."""
+    with pytest.raises(PydanticCustomError) as caught:
+        scan(value, max_depth=max_depth)
+    message = caught.value.message()
+    message.encode("utf-8")
+    assert shown in message, message
+
+
 @settings(max_examples=500, deadline=None)
 @given(_bodies, st.integers(min_value=1, max_value=6))
 def test_scan_matches_the_walk_it_replaced(value: object, max_depth: int) -> None:
