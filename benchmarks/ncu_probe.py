@@ -283,7 +283,6 @@ def summarise_dir(folder: Path) -> list[str]:
 
 def run_ncu(names: list[str], out_dir: Path, ncu: str) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
     summary: list[str] = []
     rc = 0
     for name in names:
@@ -291,7 +290,7 @@ def run_ncu(names: list[str], out_dir: Path, ncu: str) -> int:
         cmd = [ncu, "--clock-control", "none", "--kernel-name", KERNEL_REGEX, "--launch-skip", str(WARMUP),
                "--launch-count", "1", "--set", "full", "--import-source", "no", "-f", "-o", str(rep),
                sys.executable, __file__, "--target", name]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
         (out_dir / f"ncu_{name}.log").write_text(p.stdout[-20000:] + "\n" + p.stderr[-20000:], encoding="utf-8")
         if p.returncode != 0 or not rep.with_suffix(".ncu-rep").exists():
             summary.append(f"== {name}: ncu failed (rc {p.returncode}): {p.stderr.strip()[-300:]}")

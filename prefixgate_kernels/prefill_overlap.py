@@ -37,8 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from prefixgate_kernels._common import cdiv
-
-LOG2E = 1.4426950408889634
+from prefixgate_kernels.prefill_attention import LOG2E
 
 
 @gluon.jit

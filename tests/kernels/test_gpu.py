@@ -413,23 +413,9 @@ def test_prefill_overlap_gpu(head_dim, group, block_size, block_m, block_n, num_
     """The Gluon prefill whose softmax overlaps the MMAs (prefixgate_kernels/prefill_overlap.py) against
     the reference on fresh prompts: a fresh prompt, a long cached prefix under a few new tokens, one-token
     and empty chunks, tiles crossing the diagonal and the ends of blocks."""
-    import math
-
     from prefixgate_kernels.prefill_overlap import paged_prefill_overlap
-    from tests.kernels.kernel_cases import make_block_tables, make_kv_cache, rel_err
 
-    cached, new = [0, 21, 3000, 5, 1000], [300, 7, 1, 0, 513]
-    gen = torch.Generator().manual_seed(head_dim * group + block_n)
-    seq_lens = [c + n for c, n in zip(cached, new)]
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2
-    k_cache, v_cache, _, _ = make_kv_cache(num_blocks, block_size, 2, head_dim, q_dtype, "cuda", gen)
-    tables = make_block_tables(seq_lens, block_size, num_blocks, gen, "cuda")
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(new), 2 * group, head_dim, generator=gen).to("cuda", q_dtype)
-    scale = 1 / math.sqrt(head_dim)
-    want = ref.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
-    got = paged_prefill_overlap(q, k_cache, v_cache, tables, cu, lens, scale, block_m=block_m, block_n=block_n,
-                                num_buf=num_buf, num_warps=num_warps)
-    assert got.shape == q.shape and got.dtype == q.dtype
-    assert rel_err(got, want) < (1e-2 if q_dtype == torch.bfloat16 else 2e-3)
+    def overlap(*args):
+        return paged_prefill_overlap(*args, block_m=block_m, block_n=block_n, num_buf=num_buf, num_warps=num_warps)
+    prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
+                     q_dtype=q_dtype, kv_heads=2, seed=head_dim * group + block_n, device="cuda", prefill=overlap)

@@ -17,8 +17,9 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, ref.FP8_DTYPE: 5e-3, torch.int
 
 
 def run_case(head_dim, group, block_size, cached, new, kv_dtype=None, q_dtype=torch.float16, kv_heads=2,
-             seed=0, device="cpu", **launch):
-    """cached[i] tokens already in the cache + new[i] new tokens (also in the cache) per sequence."""
+             seed=0, device="cpu", prefill=None, **launch):
+    """cached[i] tokens already in the cache + new[i] new tokens (also in the cache) per sequence.
+    ``prefill``: another kernel of ``paged_prefill``'s arguments (q .. scale) to check instead."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(cached, new)]
     num_blocks = sum((n + block_size - 1) // block_size for n in seq_lens) + 2
@@ -30,7 +31,9 @@ def run_case(head_dim, group, block_size, cached, new, kv_dtype=None, q_dtype=to
     q = torch.randn(sum(new), kv_heads * group, head_dim, generator=gen).to(device=device, dtype=q_dtype)
     scale = 1 / math.sqrt(head_dim)
     want = ref.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, ks, vs)
-    if launch:
+    if prefill is not None:
+        got = prefill(q, k_cache, v_cache, tables, cu, lens, scale)
+    elif launch:
         got = prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, ks, vs, **launch)
     else:
         got = triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, ks, vs)
