@@ -58,9 +58,9 @@ def _pages(bt_row, toks, kv_end, BLOCK_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _scores(s, qk_scale, n0, full_end, q_pos, seq_len, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
-    """Scores in the log2 domain, masked where a tile holds keys some row may not see."""
-    s = s * qk_scale
+def _masked(s, n0, full_end, q_pos, seq_len, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
+    """Raw scores, -inf where a tile holds keys some row may not see. The softmax scale is applied
+    inside the exponent's FMA (``s * qk_scale - m``) and to the row max, not as a pass of its own."""
     if n0 + BLOCK_N > full_end:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         ok = (cols[None, :] <= q_pos[:, None]) & (cols[None, :] < seq_len)
@@ -129,9 +129,9 @@ def _prefill_overlap_kernel(
         fence_async_shared()
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
-        s = _scores(s, qk_scale, 0, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
-        m_i = gl.max(s, axis=1)
-        p = gl.exp2(s - m_i[:, None])
+        s = _masked(s, 0, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
+        m_i = gl.max(s, axis=1) * qk_scale  # the log2-domain row max (qk_scale > 0)
+        p = gl.exp2(s * qk_scale - m_i[:, None])
         l_i = gl.sum(p, axis=1)
         alpha = gl.full([BLOCK_M], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
         p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
@@ -147,10 +147,10 @@ def _prefill_overlap_kernel(
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
             o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % NUM_BUF), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_tok,))  # Q K_j^T done; P_{j-1} V_{j-1} may still run
-            s = _scores(s, qk_scale, j * BLOCK_N, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            s = _masked(s, j * BLOCK_N, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
             alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[:, None])
+            p = gl.exp2(s * qk_scale - m_new[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
