@@ -41,14 +41,23 @@ from prefixgate_kernels.prefill_attention import LOG2E
 
 
 @gluon.jit
-def _issue_tile(k_smem, v_smem, slot, k_ptr, v_ptr, page, toks, d, kv_end, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: gl.constexpr):
-    """cp.async one K and one V tile (keys ``toks``, pages ``page``) into ring slot ``slot``, one commit group."""
+def _copy_tile(k_smem, v_smem, slot, k_ptr, v_ptr, page, toks, d, kv_end, kv_head,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: gl.constexpr):
+    """cp.async one K and one V tile (keys ``toks``, pages ``page``) into ring slot ``slot``; keys at or
+    past ``kv_end`` are zero-filled (a page's unwritten slots may hold anything, NaN included)."""
     ok = (toks < kv_end)[:, None]
     row_k = page * stride_kb + (toks % BLOCK_SIZE).to(gl.int64) * stride_ks + kv_head * stride_kh
     row_v = page * stride_vb + (toks % BLOCK_SIZE).to(gl.int64) * stride_vs + kv_head * stride_vh
     cp.async_copy_global_to_shared(k_smem.index(slot), k_ptr + row_k[:, None] + d[None, :], mask=ok)
     cp.async_copy_global_to_shared(v_smem.index(slot), v_ptr + row_v[:, None] + d[None, :], mask=ok)
+
+
+@gluon.jit
+def _issue_tile(k_smem, v_smem, slot, k_ptr, v_ptr, page, toks, d, kv_end, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: gl.constexpr):
+    """``_copy_tile`` as one commit group."""
+    _copy_tile(k_smem, v_smem, slot, k_ptr, v_ptr, page, toks, d, kv_end, kv_head,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
     cp.commit_group()
 
 

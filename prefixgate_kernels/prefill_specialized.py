@@ -1,0 +1,219 @@
+"""Paged prefill attention in warp-specialised partitions (Gluon, Hopper): a loader and two consumers.
+
+``prefill_overlap`` overlaps each tile's softmax with its previous P V inside one program whose eight
+warps also gather the K / V pages with cp.async, and a CTA-wide barrier every tile holds its two
+warpgroups in step: both run their softmax at the same time, and the tensor cores wait for them. At
+head dim 128 it only equals the Triton kernel (session 21-22, docs/gpu.md). Here the work is split the
+way FlashAttention-3 splits it, in three partitions of one 128-query-row program::
+
+    loader     (4 warps, few registers)   for each key tile: wait until its ring slot is free, cp.async the
+                                          tile's K and V pages into it (zero past the keys), arrive on ready
+    consumer 0 (4 warps, rows 0..63)      for each key tile: wait ready; S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+    consumer 1 (4 warps, rows 64..127)      issued async; softmax of S_j while P V runs; wait P V; free the
+                                          slot of tile j - 1 (an mbarrier both consumers arrive on)
+
+The consumers share only the ring: no CTA-wide barrier, so each warpgroup runs its own schedule and one's
+softmax can meet the other's MMAs. The keys a row may see are ``prefill_attention``'s (its cached prefix,
+then its new tokens causally). 16-bit caches, head dims 64 / 128, no KV splits; compiled only (Gluon has
+no interpreter), so its tests are GPU ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from prefixgate_kernels._common import cdiv
+from prefixgate_kernels.prefill_attention import LOG2E
+from prefixgate_kernels.prefill_overlap import _copy_tile, _masked, _pages
+
+WG_ROWS = 64  # query rows a consumer warpgroup owns (the wgmma's M)
+LOADER_WARPS = gl.constexpr(4)  # a warpgroup: registers are handed out by warpgroups
+
+
+@gluon.jit
+def _loader(k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, kv_end, n_tiles, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Fill the ring: tile t goes to slot t % NUM_BUF once both consumers have released that slot's
+    previous tile; its ``ready`` barrier completes when every loader thread's copies have landed."""
+    # four threads a key row (64 contiguous bytes an instruction), so a thread holds few rows and each row's
+    # address serves all of its vectors (its head-dim offsets are constants)
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+    tok_base = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    page = _pages(bt_row, tok_base, kv_end, BLOCK_SIZE)
+    for t in range(n_tiles):
+        slot = t % NUM_BUF
+        mbarrier.wait(empty.index(slot), ((t // NUM_BUF) & 1) ^ 1)  # a fresh barrier passes phase 1
+        _copy_tile(k_smem, v_smem, slot, k_ptr, v_ptr, page, t * BLOCK_N + tok_base, d, kv_end, kv_head,
+                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+        cp.mbarrier_arrive(ready.index(slot), increment_count=False)
+        page = _pages(bt_row, (t + 1) * BLOCK_N + tok_base, kv_end, BLOCK_SIZE)
+
+
+@gluon.jit
+def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len, m_start, prefix, seq_len,
+              h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Rows [m_start + HALF * 64, +64) of the program's tile against every key tile the loader brings:
+    S_j and P_{j-1} V_{j-1} in flight together, the softmax of S_j while P V runs."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    VEC: gl.constexpr = 8
+    COLS: gl.constexpr = HEAD_DIM // VEC
+    LD: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // COLS, COLS], [4, 1], [1, 0])
+
+    row0 = m_start + HALF * 64
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+    rows_ld = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+    q = gl.load(q_ptr + (q_lo + rows_ld).to(gl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=(rows_ld < q_len)[:, None], other=0.0)
+    my_q = q_smem.index(HALF)
+    my_q.store(q)
+    fence_async_shared()
+    q_pos = prefix + row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, S_LAYOUT))
+
+    # tile 0: scores and softmax; its P V waits for the loop (or the epilogue)
+    mbarrier.wait(ready.index(0), 0)
+    fence_async_shared()
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    s = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
+    s = _masked(s, 0, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
+    m_i = gl.max(s, axis=1) * qk_scale
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, axis=1)
+    alpha = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=O_LAYOUT)
+
+    for j in range(1, n_tiles):
+        slot = j % NUM_BUF
+        mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
+        fence_async_shared()
+        s_tok = warpgroup_mma(my_q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        prev = (j - 1) % NUM_BUF
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        s = _masked(s, j * BLOCK_N, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        mbarrier.arrive(empty.index(prev))  # tile j - 1's K and V are read: its slot may be refilled
+        p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
+
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % NUM_BUF), acc)
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    rows_o = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_LAYOUT))
+    d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
+    o_ptrs = out_ptr + (q_lo + rows_o).to(gl.int64)[:, None] * stride_ot + h * stride_oh + d_o[None, :]
+    gl.store(o_ptrs, acc.to(dtype), mask=(rows_o < q_len)[:, None])
+
+
+@gluon.jit
+def _prefill_specialized_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seq_lens_ptr, out_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
+    stride_ot, stride_oh,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    h = gl.program_id(0)
+    m_tile = gl.program_id(1)
+    b = gl.program_id(2)
+    q_lo = gl.load(cu_ptr + b)
+    q_len = gl.load(cu_ptr + b + 1) - q_lo
+    m_start = m_tile * (2 * 64)
+    if m_start < q_len:
+        seq_len = gl.load(seq_lens_ptr + b)
+        prefix = seq_len - q_len
+        kv_head = h // GROUP
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], Q_SMEM)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], KV_SMEM)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], KV_SMEM)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=4 * 32)  # every loader thread's cp.async arrival
+            mbarrier.init(empty.index(i), count=2)  # both consumers
+
+        kv_end = gl.minimum(seq_len, prefix + m_start + 2 * 64)
+        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+        full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N  # keys below it: every row of the tile sees them
+        bt_row = bt_ptr + b * stride_btb
+        # the two consumers' argument lists differ only in the half they own (tuples are spelled out:
+        # Gluon's frontend does not concatenate tuples holding constexprs)
+        gl.warp_specialize([
+            (_consumer, (q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len, m_start, prefix,
+                         seq_len, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                         0, HEAD_DIM, BLOCK_N, NUM_BUF)),
+            (_consumer, (q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len, m_start, prefix,
+                         seq_len, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                         1, HEAD_DIM, BLOCK_N, NUM_BUF)),
+            (_loader, (k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, kv_end, n_tiles, kv_head,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_BUF)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+
+def paged_prefill_specialized(
+    q: torch.Tensor,  # [T, Hq, D] bf16 / fp16
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    block_n: int = 128,
+    num_buf: int = 2,
+    consumer_regs: int = 232,
+    loader_regs: int = 40,
+) -> torch.Tensor:
+    """``prefill_attention.paged_prefill`` for 16-bit caches through the warp-specialised partitions
+    (CUDA only). A program is 128 query rows: two consumer warpgroups of 64 and a loader."""
+    num_tokens, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"16-bit q and cache of one dtype expected, got {q.dtype} / {k_cache.dtype}")
+    if head_dim not in (64, 128) or block_n % block_size or q_heads % kv_heads:
+        raise ValueError(f"head dim 64 / 128 and tiles of whole blocks expected (D {head_dim}, BS {block_size})")
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_smem = gl.NVMMASharedLayout.get_default_for([WG_ROWS, head_dim], gl_dtype)
+    kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype)
+    rows = max_q_len if max_q_len is not None else num_tokens
+    grid = (q_heads, cdiv(rows, 2 * WG_ROWS), block_tables.shape[0])
+    # registers: 12 warps share the file; the default partition (consumer 0) gets what the workers leave
+    maxnreg = (2 * consumer_regs + loader_regs) // 3 // 8 * 8
+    _prefill_specialized_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_BUF=num_buf,
+        Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4,
+        maxnreg=maxnreg,
+    )
+    return out
