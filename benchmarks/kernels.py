@@ -1242,8 +1242,8 @@ OVERLAP_SHAPES = [("hit", 1, 7680, 512, 32, 8, 128), ("4x(8192+512)", 4, 8192, 5
                   ("4x(8192+512) hd64", 4, 8192, 512, 32, 8, 64), ("cold 2K hd64", 1, 0, 2048, 32, 8, 64),
                   ("hit hd64 9/3", 1, 7680, 512, 9, 3, 64)]
 OVERLAP_TILES = [(128, 128, 2, 8), (128, 128, 3, 8), (128, 64, 3, 8), (64, 64, 2, 4), (64, 128, 2, 4), (64, 64, 3, 4)]
-# (key tile, ring slots) for the warp-specialised kernel (prefill_specialized), 128 query rows a program
-SPECIALIZED_TILES = [(128, 2), (128, 3), (64, 4)]
+# (key tile, ring slots, MMAs in turns) for the warp-specialised kernel (prefill_specialized), 128 query rows
+SPECIALIZED_TILES = [(128, 2, False), (128, 3, False), (64, 4, False), (128, 2, True), (128, 3, True), (64, 4, True)]
 
 
 def overlap_prefill_case(gen, shapes=OVERLAP_SHAPES, tiles=OVERLAP_TILES) -> list[dict]:
@@ -1293,11 +1293,11 @@ def _overlap_row(gen, label, seqs, cached, new, q_heads, kv_heads, head_dim, til
             row[key] = {"rel_err": rel_err(overlap(), want), "ms": bench_graph(overlap)}
         except Exception as e:  # noqa: BLE001  (a ring past shared memory is a finding)
             row[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    for bn, nbuf in SPECIALIZED_TILES:
-        def specialized(bn=bn, nbuf=nbuf) -> torch.Tensor:
+    for bn, nbuf, pp in SPECIALIZED_TILES:
+        def specialized(bn=bn, nbuf=nbuf, pp=pp) -> torch.Tensor:
             return paged_prefill_specialized(q, k_cache, v_cache, tables, cu, lens, scale, max_q_len=new, block_n=bn,
-                                             num_buf=nbuf)
-        key = f"specialized_n{bn}b{nbuf}"
+                                             num_buf=nbuf, pingpong=pp)
+        key = f"specialized_n{bn}b{nbuf}" + ("_pingpong" if pp else "")
         try:
             row[key] = {"rel_err": rel_err(specialized(), want), "ms": bench_graph(specialized)}
         except Exception as e:  # noqa: BLE001

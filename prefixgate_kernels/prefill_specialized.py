@@ -61,9 +61,24 @@ def _loader(k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, kv_end, n_tiles,
 
 
 @gluon.jit
-def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len, m_start, prefix, seq_len,
+def _take_turn(turn, k, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """With PINGPONG, the two consumers issue their MMAs in turns (FlashAttention-3's ping-pong): consumer
+    HALF's k-th issue waits for the other's k-th (consumer 0 goes first; a fresh barrier passes phase 1)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(HALF), (k & 1) ^ (1 - HALF))
+
+
+@gluon.jit
+def _pass_turn(turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - HALF))
+
+
+@gluon.jit
+def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len, m_start, prefix, seq_len,
               h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
+              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """Rows [m_start + HALF * 64, +64) of the program's tile against every key tile the loader brings:
     S_j and P_{j-1} V_{j-1} in flight together, the softmax of S_j while P V runs."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -90,7 +105,10 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len,
     mbarrier.wait(ready.index(0), 0)
     fence_async_shared()
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=S_LAYOUT)
-    s = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
+    _take_turn(turn, 0, HALF, PINGPONG)
+    s_tok = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _pass_turn(turn, HALF, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
     s = _masked(s, 0, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
     m_i = gl.max(s, axis=1) * qk_scale
     p = gl.exp2(s * qk_scale - m_i[:, None])
@@ -103,10 +121,12 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len,
         slot = j % NUM_BUF
         mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
         fence_async_shared()
-        s_tok = warpgroup_mma(my_q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
         prev = (j - 1) % NUM_BUF
+        _take_turn(turn, j, HALF, PINGPONG)
+        s_tok = warpgroup_mma(my_q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        _pass_turn(turn, HALF, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         s = _masked(s, j * BLOCK_N, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -119,7 +139,10 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len,
         p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
 
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-    acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % NUM_BUF), acc)
+    _take_turn(turn, n_tiles, HALF, PINGPONG)
+    o_tok = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % NUM_BUF), acc, is_async=True)
+    _pass_turn(turn, HALF, PINGPONG)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
     acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
     rows_o = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_LAYOUT))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
@@ -134,7 +157,7 @@ def _prefill_specialized_kernel(
     stride_ot, stride_oh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
 ):
     h = gl.program_id(0)
     m_tile = gl.program_id(1)
@@ -152,9 +175,12 @@ def _prefill_specialized_kernel(
         v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], KV_SMEM)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(ready.index(i), count=4 * 32)  # every loader thread's cp.async arrival
             mbarrier.init(empty.index(i), count=2)  # both consumers
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)  # the other consumer's issue (PINGPONG)
 
         kv_end = gl.minimum(seq_len, prefix + m_start + 2 * 64)
         n_tiles = gl.cdiv(kv_end, BLOCK_N)
@@ -163,12 +189,12 @@ def _prefill_specialized_kernel(
         # the two consumers' argument lists differ only in the half they own (tuples are spelled out:
         # Gluon's frontend does not concatenate tuples holding constexprs)
         gl.warp_specialize([
-            (_consumer, (q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len, m_start, prefix,
+            (_consumer, (q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len, m_start, prefix,
                          seq_len, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                         0, HEAD_DIM, BLOCK_N, NUM_BUF)),
-            (_consumer, (q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, q_lo, q_len, m_start, prefix,
+                         0, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG)),
+            (_consumer, (q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len, m_start, prefix,
                          seq_len, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                         1, HEAD_DIM, BLOCK_N, NUM_BUF)),
+                         1, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG)),
             (_loader, (k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, kv_end, n_tiles, kv_head,
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                        HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_BUF)),
@@ -189,6 +215,7 @@ def paged_prefill_specialized(
     num_buf: int = 2,
     consumer_regs: int = 232,
     loader_regs: int = 40,
+    pingpong: bool = False,
 ) -> torch.Tensor:
     """``prefill_attention.paged_prefill`` for 16-bit caches through the warp-specialised partitions
     (CUDA only). A program is 128 query rows: two consumer warpgroups of 64 and a loader."""
@@ -213,7 +240,7 @@ def paged_prefill_specialized(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_BUF=num_buf,
-        Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4,
-        maxnreg=maxnreg,
+        Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
+        num_warps=4, maxnreg=maxnreg,
     )
     return out

@@ -422,16 +422,18 @@ def test_prefill_overlap_gpu(head_dim, group, block_size, block_m, block_n, num_
 
 
 @pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (64, 8, 16), (128, 1, 32)])
-@pytest.mark.parametrize("block_n,num_buf", [(128, 2), (128, 3), (64, 4)])
+@pytest.mark.parametrize("block_n,num_buf,pingpong", [(128, 2, False), (128, 3, False), (64, 4, False),
+                                                     (128, 2, True), (64, 4, True)])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
-def test_prefill_specialized_gpu(head_dim, group, block_size, block_n, num_buf, q_dtype):
+def test_prefill_specialized_gpu(head_dim, group, block_size, block_n, num_buf, pingpong, q_dtype):
     """The warp-specialised Gluon prefill (prefixgate_kernels/prefill_specialized.py: a cp.async loader and
     two consumer warpgroups on an mbarrier ring) against the reference, on the overlap test's cases:
-    rings that wrap many times, a tile whose second warpgroup has no rows, one-token and empty chunks."""
+    rings that wrap many times, a tile whose second warpgroup has no rows, one-token and empty chunks; with
+    and without the consumers' MMAs issued in turns."""
     from prefixgate_kernels.prefill_specialized import paged_prefill_specialized
 
     def specialized(*args):
-        return paged_prefill_specialized(*args, block_n=block_n, num_buf=num_buf)
+        return paged_prefill_specialized(*args, block_n=block_n, num_buf=num_buf, pingpong=pingpong)
     prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
-                     q_dtype=q_dtype, kv_heads=2, seed=head_dim * group + block_n + num_buf, device="cuda",
+                     q_dtype=q_dtype, kv_heads=2, seed=head_dim * group + block_n + num_buf + pingpong, device="cuda",
                      prefill=specialized)
