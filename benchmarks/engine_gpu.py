@@ -1120,6 +1120,10 @@ def table(r: dict) -> str:
 
 
 def main() -> int:
+    # imported here, not with the module: tests import this module for its helpers, and triton.language
+    # must not be imported before they choose the interpreter (tests/engine_core/test_import_no_triton.py)
+    from prefixgate_kernels import prefill_attention
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/engine_gpu_h200.json)")
@@ -1130,7 +1134,12 @@ def main() -> int:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--mt-requests", type=int, default=64)
     ap.add_argument("--trace-dir", default=None, help="write the profiled prefix hit's Chrome trace here")
+    ap.add_argument("--prefill-attention", choices=[k.value for k in prefill_attention.PrefillKernel],
+                    default=prefill_attention.PREFILL_KERNEL.value,
+                    help="the kernel of unsplit 16-bit prefill launches where a Gluon one applies (an A/B: "
+                         "set before any graph is captured)")
     args = ap.parse_args()
+    prefill_attention.PREFILL_KERNEL = prefill_attention.PrefillKernel(args.prefill_attention)
     dev = args.device
     smoke = args.smoke
     # shapes (the --smoke values only check the flow)
@@ -1158,6 +1167,7 @@ def main() -> int:
                     "torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "prefill_attention": prefill_attention.PREFILL_KERNEL.value,
         "sections": {},
     }
     try:

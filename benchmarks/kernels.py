@@ -1277,12 +1277,12 @@ def _overlap_row(gen, label, seqs, cached, new, q_heads, kv_heads, head_dim, til
     def base() -> torch.Tensor:
         return prefill_attention.paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, None, None,
                                                max_q_len=new, context_lens=[context] * seqs)
-    held, prefill_attention.PREFILL_OVERLAP = prefill_attention.PREFILL_OVERLAP, False  # the Triton kernel
+    held, prefill_attention.PREFILL_KERNEL = prefill_attention.PREFILL_KERNEL, prefill_attention.PrefillKernel.TRITON
     try:
         row: dict = {"label": label, "seqs": seqs, "cached": cached, "new": new, "head_dim": head_dim,
                      "triton": {"ms": bench_graph(base), "rel_err": rel_err(base(), want)}}
     finally:
-        prefill_attention.PREFILL_OVERLAP = held
+        prefill_attention.PREFILL_KERNEL = held
     row["launcher"] = {"ms": bench_graph(base), "rel_err": rel_err(base(), want)}  # what the engine runs
     for bm, bn, nbuf, warps in tiles:
         def overlap(bm=bm, bn=bn, nbuf=nbuf, warps=warps) -> torch.Tensor:

@@ -25,6 +25,7 @@ exponent base and the partial is (0, lse = -inf), which the merge weights by zer
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -321,25 +322,37 @@ def launch_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int
                              tiles.programs_per_sm)
 
 
-# The Gluon kernel whose softmax overlaps the P V MMA (prefixgate_kernels/prefill_overlap.py) takes the
-# unsplit 16-bit launches at head dim 64: graph replays on the H200 (session 21 calls 7-8), 32 / 8
-# heads, against this kernel: 1 x (7,680 + 512) 0.146 -> 0.135 ms, 4 x (8,192 + 512) 0.573 -> 0.424,
-# a cold 2K prompt 0.095 -> 0.080, at these tiles. At head dim 128 it only equals this kernel
-# (0.193 against 0.192 ms at the hit: 35 % more instructions a tile eat the overlap), and a launch
-# that splits (few heads, short chunks) stays here.
-PREFILL_OVERLAP = True  # the benchmarks' switch: False times this kernel where the Gluon one would run
-OVERLAP_HEAD_DIMS = (64,)
-OVERLAP_MIN_TOKENS = 128
+class PrefillKernel(enum.Enum):
+    """The kernel an unsplit 16-bit GPU launch of at least ``GLUON_MIN_TOKENS`` rows runs (``gluon_kernel``)."""
+
+    TRITON = "triton"  # _prefill_kernel below: every dtype, splits, the CPU interpreter
+    OVERLAP = "overlap"  # prefixgate_kernels/prefill_overlap.py (Gluon): the softmax under P V in one program
+    SPECIALIZED = "specialized"  # prefixgate_kernels/prefill_specialized.py (Gluon): a loader, two consumers
+
+
+# The warp-specialised Gluon kernel takes the unsplit 16-bit launches at head dims 64 and 128: graph replays
+# on the H200 (session 22 call 2, docs/gpu.md), 32 / 8 heads, against this kernel: head dim 128 1 x (7,680 +
+# 512) 0.192 -> 0.133 ms, 4 x (8,192 + 512) 0.760 -> 0.579, a cold 2K prompt 0.133 -> 0.099; head dim 64
+# 0.147 -> 0.095, 0.574 -> 0.382, 0.095 -> 0.073 (the overlapped kernel, session 21's choice there: 0.131,
+# 0.395, 0.077), at these tiles. A launch that splits its keys (few heads, short chunks) stays here.
+PREFILL_KERNEL = PrefillKernel.SPECIALIZED  # the benchmarks' switch (kernels.py, engine_gpu.py --prefill-attention)
+GLUON_HEAD_DIMS = (64, 128)
+GLUON_MIN_TOKENS = 128
 OVERLAP_TILES = {"block_m": 128, "block_n": 64, "num_buf": 3, "num_warps": 8}
+SPECIALIZED_TILES = {"block_n": 128, "num_buf": 3, "pingpong": True}
 
 
-def uses_overlap(num_tokens: int, head_dim: int, block_size: int, q_dtype: torch.dtype, k_dtype: torch.dtype,
-                 v_dtype: torch.dtype) -> bool:
-    """Whether an unsplit GPU launch goes to ``prefill_overlap``: 16-bit, one dtype, a measured head dim,
-    cache blocks that tile its key tiles whole."""
-    return (PREFILL_OVERLAP and head_dim in OVERLAP_HEAD_DIMS and num_tokens >= OVERLAP_MIN_TOKENS
-            and OVERLAP_TILES["block_n"] % block_size == 0
-            and q_dtype in (torch.bfloat16, torch.float16) and k_dtype == q_dtype and v_dtype == q_dtype)
+def gluon_kernel(num_tokens: int, head_dim: int, block_size: int, q_dtype: torch.dtype, k_dtype: torch.dtype,
+                 v_dtype: torch.dtype) -> PrefillKernel:
+    """``PREFILL_KERNEL`` where an unsplit GPU launch fits it (16-bit, one dtype, a measured head dim, at
+    least ``GLUON_MIN_TOKENS`` rows, cache blocks that tile its key tiles whole), else ``TRITON``."""
+    kernel = PREFILL_KERNEL
+    tiles = {PrefillKernel.OVERLAP: OVERLAP_TILES, PrefillKernel.SPECIALIZED: SPECIALIZED_TILES}.get(kernel)
+    if (tiles is None or head_dim not in GLUON_HEAD_DIMS or num_tokens < GLUON_MIN_TOKENS
+            or tiles["block_n"] % block_size
+            or q_dtype not in (torch.bfloat16, torch.float16) or k_dtype != q_dtype or v_dtype != q_dtype):
+        return PrefillKernel.TRITON
+    return kernel
 
 
 def paged_prefill(
@@ -392,9 +405,16 @@ def paged_prefill(
                           if overridden else launch_splits(num_tokens, num_seqs, q_heads, longest, q.device))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
-    if (on_gpu and not overridden and num_splits == 1
-            and uses_overlap(num_tokens, head_dim, block_size, q.dtype, k_cache.dtype, v_cache.dtype)):
-        from prefixgate_kernels.prefill_overlap import paged_prefill_overlap  # Gluon: compiled GPUs only
+    gluon = (gluon_kernel(num_tokens, head_dim, block_size, q.dtype, k_cache.dtype, v_cache.dtype)
+             if on_gpu and not overridden and num_splits == 1 else PrefillKernel.TRITON)
+    if gluon is PrefillKernel.SPECIALIZED:
+        # Gluon: compiled GPUs only
+        from prefixgate_kernels.prefill_specialized import paged_prefill_specialized
+
+        return paged_prefill_specialized(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                         max_q_len=max_q_len, **SPECIALIZED_TILES)
+    if gluon is PrefillKernel.OVERLAP:
+        from prefixgate_kernels.prefill_overlap import paged_prefill_overlap
 
         return paged_prefill_overlap(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                      max_q_len=max_q_len, **OVERLAP_TILES)

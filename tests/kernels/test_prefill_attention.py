@@ -118,18 +118,29 @@ def test_prefill_tiles():
     assert tiles(4096, False).block_m == 16
 
 
-def test_prefill_overlap_dispatch_rule(monkeypatch):
-    """Which launches the Gluon kernel takes (prefill_attention.uses_overlap): 16-bit, one dtype, head dim
-    64, at least OVERLAP_MIN_TOKENS rows, cache blocks that divide its key tiles; the benchmarks' switch
-    turns it off."""
-    n = prefill_attention.OVERLAP_MIN_TOKENS
+def test_prefill_gluon_dispatch_rule(monkeypatch):
+    """Which launches a Gluon kernel takes (prefill_attention.gluon_kernel): 16-bit, one dtype, head dim 64
+    or 128, at least GLUON_MIN_TOKENS rows, cache blocks that divide the kernel's key tiles; the benchmarks'
+    switch picks the kernel or turns both off."""
+    pa = prefill_attention
+    n = pa.GLUON_MIN_TOKENS
     bf, fp, f32 = torch.bfloat16, torch.float16, torch.float32
-    assert prefill_attention.uses_overlap(n, 64, 16, bf, bf, bf)
-    assert prefill_attention.uses_overlap(4 * n, 64, 32, fp, fp, fp)
-    assert not prefill_attention.uses_overlap(n - 1, 64, 16, bf, bf, bf)  # a short chunk: 64-row tiles, splits
-    assert not prefill_attention.uses_overlap(n, 128, 16, bf, bf, bf)  # measured equal at head dim 128
-    assert not prefill_attention.uses_overlap(n, 64, 128, bf, bf, bf)  # a block wider than a key tile
-    assert not prefill_attention.uses_overlap(n, 64, 16, f32, f32, f32)
-    assert not prefill_attention.uses_overlap(n, 64, 16, bf, ref.FP8_DTYPE, ref.FP8_DTYPE)
-    monkeypatch.setattr(prefill_attention, "PREFILL_OVERLAP", False)
-    assert not prefill_attention.uses_overlap(n, 64, 16, bf, bf, bf)
+    assert pa.PREFILL_KERNEL is pa.PrefillKernel.SPECIALIZED  # the measured default
+    assert pa.gluon_kernel(n, 128, 16, bf, bf, bf) is pa.PrefillKernel.SPECIALIZED
+    assert pa.gluon_kernel(4 * n, 64, 32, fp, fp, fp) is pa.PrefillKernel.SPECIALIZED
+    assert pa.gluon_kernel(n, 128, 128, bf, bf, bf) is pa.PrefillKernel.SPECIALIZED  # one block a key tile
+    triton_cases = [
+        (n - 1, 64, 16, bf, bf, bf),  # a short chunk: 64-row tiles, splits
+        (n, 96, 16, bf, bf, bf),  # a head dim no Gluon kernel was measured at
+        (n, 128, 256, bf, bf, bf),  # a block wider than a key tile
+        (n, 64, 16, f32, f32, f32),
+        (n, 64, 16, bf, ref.FP8_DTYPE, ref.FP8_DTYPE),
+        (n, 64, 16, bf, fp, fp),
+    ]
+    for case in triton_cases:
+        assert pa.gluon_kernel(*case) is pa.PrefillKernel.TRITON, case
+    monkeypatch.setattr(pa, "PREFILL_KERNEL", pa.PrefillKernel.OVERLAP)
+    assert pa.gluon_kernel(n, 64, 16, bf, bf, bf) is pa.PrefillKernel.OVERLAP
+    assert pa.gluon_kernel(n, 64, 128, bf, bf, bf) is pa.PrefillKernel.TRITON  # its key tiles are 64 wide
+    monkeypatch.setattr(pa, "PREFILL_KERNEL", pa.PrefillKernel.TRITON)
+    assert pa.gluon_kernel(n, 64, 16, bf, bf, bf) is pa.PrefillKernel.TRITON
