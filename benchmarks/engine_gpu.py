@@ -438,7 +438,8 @@ def sec_decode_sweep(dev, args, model, runner, bw) -> dict:
 
 
 DECODE_KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match wins
-    ("attention", ("_decode_split_kernel", "_reduce_kernel", "_prefill_kernel", "_merge_kernel")),
+    ("attention", ("_decode_split_kernel", "_reduce_kernel", "_prefill_kernel", "_merge_kernel",
+                   "_prefill_overlap_kernel", "_prefill_specialized_kernel")),
     # the gate|up GEMM that stores SiLU x up (gate_up_silu) is a GEMM, before "silu" names an activation
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "_skinny_kernel", "_gate_up_silu_kernel")),
     ("norm", ("rms_norm",)),

@@ -17,11 +17,12 @@ ahead of its copy. Q is staged once in shared memory. The keys a row may see are
 ``prefill_attention`` (its cached prefix, then its new tokens causally); tiles wholly visible to every
 row skip the mask.
 
-16-bit caches, head dims 64 / 128, no KV splits. Measured on the H200 (session 21, docs/gpu.md): at
-head dim 64 8-26 % faster than the Triton kernel, which ``prefill_attention.paged_prefill`` therefore
-hands its unsplit launches there (``uses_overlap``); at head dim 128 equal (more instructions a tile
-eat the overlap), so those stay on Triton. Not for the CPU interpreter (Gluon compiles for the GPU
-only); its tests are compiled ones.
+16-bit caches, head dims 64 / 128, no KV splits. Measured on the H200 (sessions 21-22, docs/gpu.md): at
+head dim 64 8-26 % faster than the Triton kernel, at head dim 128 equal. The CTA-wide barrier each tile
+holds its two warpgroups in step, which ``prefill_specialized`` removes (a loader partition, two
+consumers): that kernel is 24-31 % faster at head dim 128 and takes the engine's launches
+(``prefill_attention.gluon_kernel``); this one stays as an A/B option (``PrefillKernel.OVERLAP``). Not
+for the CPU interpreter (Gluon compiles for the GPU only); its tests are compiled ones.
 """
 
 from __future__ import annotations
