@@ -13,9 +13,10 @@ targets, each one launch of the kernel as the launcher or the engine makes it:
     norm_m1, gate_up_silu_m1, o_partials_m1, down_partials_m1
                            a batch-1 decode step's other launches (the norm over four fp32 partials,
                            the gate|up GEMM storing SiLU x up, the o / down projections' partials)
-    hit_bf16               prefill attention of the prefix hit: 512 new tokens over 7,680 cached
-    hit_overlap, hit_hd64, hit_hd64_overlap
-                           the same through prefill_overlap (Gluon), and both at head dim 64
+    hit_bf16               prefill attention of the prefix hit: 512 new tokens over 7,680 cached, as the
+                           launcher runs it (since session 22 the warp-specialised Gluon kernel)
+    hit_triton, hit_overlap, hit_hd64, hit_hd64_overlap
+                           the same through the Triton kernel and prefill_overlap (Gluon), and at head dim 64
     qkv_m1                 the q|k|v projection at one row (cuBLAS; 76 % of copy in the step)
 
 ``python benchmarks/ncu_probe.py --target NAME`` launches one target (warm-up launches first, so the
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The kernels are imported by the targets, on the GPU: the summaries (--summarise, the tests) need
 # neither them nor Triton.
 
-KERNEL_REGEX = r"regex:^(_decode_split_kernel|_prefill_kernel|_prefill_overlap_kernel|_add_rms_norm_kernel|_gate_up_silu_kernel|nvjet.*|.*gemm.*|.*gemv.*)"
+KERNEL_REGEX = r"regex:^(_decode_split_kernel|_prefill_kernel|_prefill_overlap_kernel|_prefill_specialized_kernel|_add_rms_norm_kernel|_gate_up_silu_kernel|nvjet.*|.*gemm.*|.*gemv.*)"
 WARMUP = 3  # launches before the profiled one
 
 
@@ -89,8 +90,11 @@ def decode_target(batch: int, q_heads: int, kv_heads: int, head_dim: int, contex
 
 
 def hit_target(cached: int = 7680, new: int = 512, q_heads: int = 32, kv_heads: int = 8,
-               head_dim: int = 128, overlap: bool = False) -> Callable[[], torch.Tensor]:
+               head_dim: int = 128, overlap: bool = False, triton: bool = False) -> Callable[[], torch.Tensor]:
     from prefixgate_kernels import prefill_attention
+
+    if triton:  # the Triton kernel where the launcher would take a Gluon one (this process profiles one target)
+        prefill_attention.PREFILL_KERNEL = prefill_attention.PrefillKernel.TRITON
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     context = cached + new
@@ -151,6 +155,7 @@ TARGETS: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
     "b1_bf16": lambda: decode_target(1, 32, 8, 128, 2048, 8448, "bf16", True),
     "b8_bf16": lambda: decode_target(8, 32, 8, 128, 2048, 8448, "bf16", True),
     "hit_bf16": hit_target,
+    "hit_triton": lambda: hit_target(triton=True),
     "hit_overlap": lambda: hit_target(overlap=True),
     "hit_hd64": lambda: hit_target(head_dim=64),
     "hit_hd64_overlap": lambda: hit_target(head_dim=64, overlap=True),
