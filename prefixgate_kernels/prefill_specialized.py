@@ -13,9 +13,15 @@ way FlashAttention-3 splits it, in three partitions of one 128-query-row program
                                           slot of tile j - 1 (an mbarrier both consumers arrive on)
 
 The consumers share only the ring: no CTA-wide barrier, so each warpgroup runs its own schedule and one's
-softmax can meet the other's MMAs. The keys a row may see are ``prefill_attention``'s (its cached prefix,
-then its new tokens causally). 16-bit caches, head dims 64 / 128, no KV splits; compiled only (Gluon has
-no interpreter), so its tests are GPU ones.
+softmax can meet the other's MMAs; with ``PINGPONG`` they issue their MMAs in turns (two more mbarriers),
+FlashAttention-3's ping-pong. The keys a row may see are ``prefill_attention``'s (its cached prefix, then
+its new tokens causally). 16-bit caches, head dims 64 / 128, no KV splits; compiled only (Gluon has no
+interpreter), so its tests are GPU ones.
+
+Measured on the H200 (session 22, docs/gpu.md), graph replays at 32 / 8 heads: the prefix hit's attention
+(512 new tokens over 7,680 cached) at head dim 128 0.192 ms with the Triton kernel, 0.133 here at 128-key
+tiles, three ring slots and turns (500 TFLOP/s; two slots: 0.182); ``prefill_attention.paged_prefill``
+sends it every unsplit 16-bit launch of at least 128 rows at head dims 64 and 128 (``gluon_kernel``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from prefixgate_kernels._common import cdiv
 from prefixgate_kernels.prefill_attention import LOG2E
 from prefixgate_kernels.prefill_overlap import _copy_tile, _masked, _pages
 
-WG_ROWS = 64  # query rows a consumer warpgroup owns (the wgmma's M)
+WG_ROWS = gl.constexpr(64)  # query rows a consumer warpgroup owns (the wgmma's M); a program has two
 LOADER_WARPS = gl.constexpr(4)  # a warpgroup: registers are handed out by warpgroups
 
 
@@ -79,7 +85,7 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, 
               h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
               PINGPONG: gl.constexpr):
-    """Rows [m_start + HALF * 64, +64) of the program's tile against every key tile the loader brings:
+    """Rows [m_start + HALF * WG_ROWS, + WG_ROWS) of the program's tile against every key tile the loader brings:
     S_j and P_{j-1} V_{j-1} in flight together, the softmax of S_j while P V runs."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -91,20 +97,20 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, 
     COLS: gl.constexpr = HEAD_DIM // VEC
     LD: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // COLS, COLS], [4, 1], [1, 0])
 
-    row0 = m_start + HALF * 64
+    row0 = m_start + HALF * WG_ROWS
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
-    rows_ld = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+    rows_ld = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, LD))
     q = gl.load(q_ptr + (q_lo + rows_ld).to(gl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=(rows_ld < q_len)[:, None], other=0.0)
     my_q = q_smem.index(HALF)
     my_q.store(q)
     fence_async_shared()
-    q_pos = prefix + row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, S_LAYOUT))
+    q_pos = prefix + row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, S_LAYOUT))
 
     # tile 0: scores and softmax; its P V waits for the loop (or the epilogue)
     mbarrier.wait(ready.index(0), 0)
     fence_async_shared()
-    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=S_LAYOUT)
     _take_turn(turn, 0, HALF, PINGPONG)
     s_tok = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _pass_turn(turn, HALF, PINGPONG)
@@ -113,9 +119,9 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, 
     m_i = gl.max(s, axis=1) * qk_scale
     p = gl.exp2(s * qk_scale - m_i[:, None])
     l_i = gl.sum(p, axis=1)
-    alpha = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    alpha = gl.full([WG_ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
     p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=O_LAYOUT)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=O_LAYOUT)
 
     for j in range(1, n_tiles):
         slot = j % NUM_BUF
@@ -144,7 +150,7 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, 
     _pass_turn(turn, HALF, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
     acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
-    rows_o = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_LAYOUT))
+    rows_o = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
     o_ptrs = out_ptr + (q_lo + rows_o).to(gl.int64)[:, None] * stride_ot + h * stride_oh + d_o[None, :]
     gl.store(o_ptrs, acc.to(dtype), mask=(rows_o < q_len)[:, None])
@@ -164,25 +170,25 @@ def _prefill_specialized_kernel(
     b = gl.program_id(2)
     q_lo = gl.load(cu_ptr + b)
     q_len = gl.load(cu_ptr + b + 1) - q_lo
-    m_start = m_tile * (2 * 64)
+    m_start = m_tile * (2 * WG_ROWS)
     if m_start < q_len:
         seq_len = gl.load(seq_lens_ptr + b)
         prefix = seq_len - q_len
         kv_head = h // GROUP
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], Q_SMEM)
+        q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], KV_SMEM)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], KV_SMEM)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=4 * 32)  # every loader thread's cp.async arrival
+            mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)  # every loader thread's cp.async arrival
             mbarrier.init(empty.index(i), count=2)  # both consumers
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)  # the other consumer's issue (PINGPONG)
 
-        kv_end = gl.minimum(seq_len, prefix + m_start + 2 * 64)
+        kv_end = gl.minimum(seq_len, prefix + m_start + 2 * WG_ROWS)
         n_tiles = gl.cdiv(kv_end, BLOCK_N)
         full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N  # keys below it: every row of the tile sees them
         bt_row = bt_ptr + b * stride_btb
@@ -229,10 +235,10 @@ def paged_prefill_specialized(
     if num_tokens == 0:
         return out
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_smem = gl.NVMMASharedLayout.get_default_for([WG_ROWS, head_dim], gl_dtype)
+    q_smem = gl.NVMMASharedLayout.get_default_for([WG_ROWS.value, head_dim], gl_dtype)
     kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype)
     rows = max_q_len if max_q_len is not None else num_tokens
-    grid = (q_heads, cdiv(rows, 2 * WG_ROWS), block_tables.shape[0])
+    grid = (q_heads, cdiv(rows, 2 * WG_ROWS.value), block_tables.shape[0])
     # registers: 12 warps share the file; the default partition (consumer 0) gets what the workers leave
     maxnreg = (2 * consumer_regs + loader_regs) // 3 // 8 * 8
     _prefill_specialized_kernel[grid](
