@@ -1240,10 +1240,13 @@ def few_warps_case(gen) -> dict:
 OVERLAP_SHAPES = [("hit", 1, 7680, 512, 32, 8, 128), ("4x(8192+512)", 4, 8192, 512, 32, 8, 128),
                   ("cold 2K", 1, 0, 2048, 32, 8, 128), ("hit hd64", 1, 7680, 512, 32, 8, 64),
                   ("4x(8192+512) hd64", 4, 8192, 512, 32, 8, 64), ("cold 2K hd64", 1, 0, 2048, 32, 8, 64),
-                  ("hit hd64 9/3", 1, 7680, 512, 9, 3, 64)]
+                  ("hit hd64 9/3", 1, 7680, 512, 9, 3, 64), ("suffix 64", 1, 8128, 64, 32, 8, 128),
+                  ("suffix 64 hd64", 1, 8128, 64, 32, 8, 64)]
 OVERLAP_TILES = [(128, 128, 2, 8), (128, 128, 3, 8), (128, 64, 3, 8), (64, 64, 2, 4), (64, 128, 2, 4), (64, 64, 3, 4)]
 # (key tile, ring slots, MMAs in turns) for the warp-specialised kernel (prefill_specialized), 128 query rows
 SPECIALIZED_TILES = [(128, 2, False), (128, 3, False), (64, 4, False), (128, 2, True), (128, 3, True), (64, 4, True)]
+# its KV splits (at the launcher's tiles), for the launches the Triton kernel splits: few heads, short chunks
+SPECIALIZED_SPLITS = (2, 4, 8)
 
 
 def overlap_prefill_case(gen, shapes=OVERLAP_SHAPES, tiles=OVERLAP_TILES) -> list[dict]:
@@ -1302,6 +1305,14 @@ def _overlap_row(gen, label, seqs, cached, new, q_heads, kv_heads, head_dim, til
             row[key] = {"rel_err": rel_err(specialized(), want), "ms": bench_graph(specialized)}
         except Exception as e:  # noqa: BLE001
             row[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for splits in SPECIALIZED_SPLITS:
+        def split_run(splits=splits) -> torch.Tensor:
+            return paged_prefill_specialized(q, k_cache, v_cache, tables, cu, lens, scale, max_q_len=new,
+                                             **prefill_attention.SPECIALIZED_TILES, num_splits=splits)
+        try:
+            row[f"specialized_split{splits}"] = {"rel_err": rel_err(split_run(), want), "ms": bench_graph(split_run)}
+        except Exception as e:  # noqa: BLE001
+            row[f"specialized_split{splits}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     for v in row.values():
         if isinstance(v, dict) and v.get("ms"):
             v["tflops"] = flops / (v["ms"] * 1e-3) / 1e12

@@ -439,8 +439,15 @@ def paged_prefill(
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _merge_kernel[(num_tokens,)](
-            part_out, part_lse, out, num_tokens, q_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEADS_PAD=next_pow2(q_heads), HEAD_DIM=head_dim, num_warps=4,
-        )
+        merge_splits(part_out, part_lse, out)
     return out
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Combine the KV splits' partials (``part_out`` [S, T, Hq, D] fp32 holding o_s = acc / l, ``part_lse``
+    [S, T, Hq] holding m + log2 l, -inf for a row that saw no key of its split) into ``out`` [T, Hq, D]."""
+    num_splits, num_tokens, q_heads, head_dim = part_out.shape
+    _merge_kernel[(num_tokens,)](
+        part_out, part_lse, out, num_tokens, q_heads, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, HEADS_PAD=next_pow2(q_heads), HEAD_DIM=head_dim, num_warps=4,
+    )

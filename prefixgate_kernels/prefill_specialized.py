@@ -22,6 +22,11 @@ Measured on the H200 (session 22, docs/gpu.md), graph replays at 32 / 8 heads: t
 (512 new tokens over 7,680 cached) at head dim 128 0.192 ms with the Triton kernel, 0.133 here at 128-key
 tiles, three ring slots and turns (500 TFLOP/s; two slots: 0.182); ``prefill_attention.paged_prefill``
 sends it every unsplit 16-bit launch of at least 128 rows at head dims 64 and 128 (``gluon_kernel``).
+
+``num_splits`` > 1 shares each tile's keys out among that many programs (BLOCK_N-aligned shares, as the
+Triton kernel's splits), each writing (o / l, m + log2 l) partials that ``prefill_attention.merge_splits``
+combines. Written and compiled for sm_90 in session 22 without a device to run it: the launcher keeps its
+split launches on the Triton kernel until it has been measured (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from prefixgate_kernels._common import cdiv
-from prefixgate_kernels.prefill_attention import LOG2E
+from prefixgate_kernels.prefill_attention import LOG2E, merge_splits
 from prefixgate_kernels.prefill_overlap import _copy_tile, _masked, _pages
 
 WG_ROWS = gl.constexpr(64)  # query rows a consumer warpgroup owns (the wgmma's M); a program has two
@@ -46,16 +51,20 @@ LOADER_WARPS = gl.constexpr(4)  # a warpgroup: registers are handed out by warpg
 
 
 @gluon.jit
-def _loader(k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, kv_end, n_tiles, kv_head,
+def _loader(k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, key0, kv_end, n_tiles, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Fill the ring: tile t goes to slot t % NUM_BUF once both consumers have released that slot's
-    previous tile; its ``ready`` barrier completes when every loader thread's copies have landed."""
+            HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+            SPLIT: gl.constexpr):
+    """Fill the ring: tile t (keys from ``key0`` with SPLIT, else 0) goes to slot t % NUM_BUF once both
+    consumers have released that slot's previous tile; its ``ready`` barrier completes when every loader
+    thread's copies have landed. Keys at or past ``kv_end`` (the split's end with SPLIT) are zero-filled."""
     # four threads a key row (64 contiguous bytes an instruction), so a thread holds few rows and each row's
     # address serves all of its vectors (its head-dim offsets are constants)
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
     tok_base = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    if SPLIT:
+        tok_base += key0
     page = _pages(bt_row, tok_base, kv_end, BLOCK_SIZE)
     for t in range(n_tiles):
         slot = t % NUM_BUF
@@ -81,12 +90,36 @@ def _pass_turn(turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len, m_start, prefix, seq_len,
-              h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+def _consumer(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len,
+              m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot,
+              stride_oh, num_tokens, q_heads, split,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              PINGPONG: gl.constexpr):
-    """Rows [m_start + HALF * WG_ROWS, + WG_ROWS) of the program's tile against every key tile the loader brings:
-    S_j and P_{j-1} V_{j-1} in flight together, the softmax of S_j while P V runs."""
+              PINGPONG: gl.constexpr, SPLIT: gl.constexpr):
+    """A consumer partition. A split may hold no key of the tile (its share starts past the tile's last
+    key): then there is no tile to wait for, and the program wrote the split's empty partials already."""
+    if SPLIT:
+        if n_tiles > 0:
+            _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo,
+                     q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh,
+                     stride_ot, stride_oh, num_tokens, q_heads, split, HALF, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG,
+                     SPLIT)
+    else:
+        _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo,
+                 q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh,
+                 stride_ot, stride_oh, num_tokens, q_heads, split, HALF, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT)
+
+
+@gluon.jit
+def _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len,
+              m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot,
+              stride_oh, num_tokens, q_heads, split,
+              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+              PINGPONG: gl.constexpr, SPLIT: gl.constexpr):
+    """``_consumer``'s work: rows [m_start + HALF * WG_ROWS, + WG_ROWS) against every key tile the loader brings:
+    S_j and P_{j-1} V_{j-1} in flight together, the softmax of S_j while P V runs. Keys at or past
+    ``key_end`` are masked. With SPLIT the keys start at ``key0`` and the rows' partial (o / l, m + log2 l)
+    goes to the split's slice of the partials, for ``prefill_attention.merge_splits``; a row that sees no
+    key of its split leaves (0, -inf)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -115,9 +148,12 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, 
     s_tok = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _pass_turn(turn, HALF, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
-    s = _masked(s, 0, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
+    n0 = 0
+    if SPLIT:
+        n0 = key0
+    s = _masked(s, n0, full_end, q_pos, key_end, BLOCK_N, S_LAYOUT)
     m_i = gl.max(s, axis=1) * qk_scale
-    p = gl.exp2(s * qk_scale - m_i[:, None])
+    p = gl.exp2(s * qk_scale - _finite(m_i, SPLIT)[:, None])
     l_i = gl.sum(p, axis=1)
     alpha = gl.full([WG_ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
     p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
@@ -134,10 +170,14 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, 
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         _pass_turn(turn, HALF, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-        s = _masked(s, j * BLOCK_N, full_end, q_pos, seq_len, BLOCK_N, S_LAYOUT)
+        n0 = j * BLOCK_N
+        if SPLIT:
+            n0 += key0
+        s = _masked(s, n0, full_end, q_pos, key_end, BLOCK_N, S_LAYOUT)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
+        m_base = _finite(m_new, SPLIT)
+        alpha = gl.exp2(m_i - m_base)
+        p = gl.exp2(s * qk_scale - m_base[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=(o_tok,))
@@ -149,25 +189,63 @@ def _consumer(q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, 
     o_tok = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % NUM_BUF), acc, is_async=True)
     _pass_turn(turn, HALF, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
     rows_o = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
-    o_ptrs = out_ptr + (q_lo + rows_o).to(gl.int64)[:, None] * stride_ot + h * stride_oh + d_o[None, :]
-    gl.store(o_ptrs, acc.to(dtype), mask=(rows_o < q_len)[:, None])
+    if SPLIT:
+        seen = l_i > 0.0
+        lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        acc = acc / gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))[:, None]
+        _store_partial(part_out_ptr, part_lse_ptr, acc, lse, rows_o, d_o, q_lo, q_len, h, split, num_tokens, q_heads,
+                       HEAD_DIM)
+    else:
+        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        o_ptrs = out_ptr + (q_lo + rows_o).to(gl.int64)[:, None] * stride_ot + h * stride_oh + d_o[None, :]
+        gl.store(o_ptrs, acc.to(dtype), mask=(rows_o < q_len)[:, None])
 
 
 @gluon.jit
+def _finite(m, SPLIT: gl.constexpr):
+    """The exponent base of a row's running max: with SPLIT a row may have seen no key yet (-inf), and
+    -inf - -inf is NaN, so it counts as 0 there (its scores are -inf: every exponent is 0)."""
+    if SPLIT:
+        m = gl.where(m == float("-inf"), 0.0, m)
+    return m
+
+
+@gluon.jit
+def _store_partial(part_out_ptr, part_lse_ptr, o, lse, rows, d, q_lo, q_len, h, split, num_tokens, q_heads,
+                   HEAD_DIM: gl.constexpr):
+    """A split's partial rows: ``part_out`` [splits, T, Hq, D] fp32 and ``part_lse`` [splits, T, Hq] (log2),
+    the layout ``prefill_attention.merge_splits`` reads."""
+    idx = (split * num_tokens + q_lo + rows) * q_heads + h
+    ok = rows < q_len
+    gl.store(part_out_ptr + idx.to(gl.int64)[:, None] * HEAD_DIM + d[None, :], o, mask=ok[:, None])
+    gl.store(part_lse_ptr + gl.convert_layout(idx, lse.type.layout), lse,
+             mask=gl.convert_layout(ok, lse.type.layout))
+
+
+# The block table's row stride follows the longest context and the token / split counts change with every
+# step: left specialised (divisible by 16, equal to 1) they would compile new variants mid-run, as the Triton
+# prefill kernel once did (its comment says what that cost).
+@gluon.jit(do_not_specialize=["stride_btb", "num_tokens", "num_splits"])
 def _prefill_specialized_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seq_lens_ptr, out_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+    num_tokens, num_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
     stride_ot, stride_oh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):
     h = gl.program_id(0)
     m_tile = gl.program_id(1)
     b = gl.program_id(2)
+    # without SPLIT the partitions still take a split index and a first key, unused: they get ``b``, a value
+    # of the kernel's own (a literal or folded 0 captured by the partitions fails to lower in Triton 3.6)
+    split = b
+    if SPLIT:
+        b = gl.program_id(2) // num_splits
+        split = gl.program_id(2) % num_splits
     q_lo = gl.load(cu_ptr + b)
     q_len = gl.load(cu_ptr + b + 1) - q_lo
     m_start = m_tile * (2 * WG_ROWS)
@@ -175,6 +253,7 @@ def _prefill_specialized_kernel(
         seq_len = gl.load(seq_lens_ptr + b)
         prefix = seq_len - q_len
         kv_head = h // GROUP
+        q_heads = gl.num_programs(0)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], KV_SMEM)
@@ -189,21 +268,42 @@ def _prefill_specialized_kernel(
             mbarrier.init(turn.index(i), count=1)  # the other consumer's issue (PINGPONG)
 
         kv_end = gl.minimum(seq_len, prefix + m_start + 2 * WG_ROWS)
-        n_tiles = gl.cdiv(kv_end, BLOCK_N)
         full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N  # keys below it: every row of the tile sees them
         bt_row = bt_ptr + b * stride_btb
+        # the keys this program attends: all of [0, kv_end), or its split's BLOCK_N-aligned share
+        key0 = split  # unused without SPLIT
+        key_end = seq_len
+        load_end = kv_end
+        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+        if SPLIT:
+            split_keys = gl.cdiv(gl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+            key0 = split * split_keys
+            key_end = gl.minimum(key0 + split_keys, kv_end)
+            load_end = key_end
+            n_tiles = gl.maximum(gl.cdiv(key_end - key0, BLOCK_N), 0)
+            if n_tiles == 0:  # an empty split: (0, -inf) for the merge; the partitions find no tile
+                LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8],
+                                                    [num_warps, 1], [1, 0])
+                rows = m_start + gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, LD))
+                d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+                _store_partial(part_out_ptr, part_lse_ptr,
+                               gl.zeros([2 * WG_ROWS, HEAD_DIM], gl.float32, layout=LD),
+                               gl.full([2 * WG_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LD)),
+                               rows, d, q_lo, q_len, h, split, num_tokens, q_heads, HEAD_DIM)
         # the two consumers' argument lists differ only in the half they own (tuples are spelled out:
         # Gluon's frontend does not concatenate tuples holding constexprs)
         gl.warp_specialize([
-            (_consumer, (q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len, m_start, prefix,
-                         seq_len, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                         0, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG)),
-            (_consumer, (q_ptr, out_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len, m_start, prefix,
-                         seq_len, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                         1, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG)),
-            (_loader, (k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, kv_end, n_tiles, kv_head,
+            (_consumer, (q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn,
+                         q_lo, q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt,
+                         stride_qh, stride_ot, stride_oh, num_tokens, q_heads, split,
+                         0, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT)),
+            (_consumer, (q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn,
+                         q_lo, q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt,
+                         stride_qh, stride_ot, stride_oh, num_tokens, q_heads, split,
+                         1, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT)),
+            (_loader, (k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, key0, load_end, n_tiles, kv_head,
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                       HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_BUF)),
+                       HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_BUF, SPLIT)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -222,31 +322,45 @@ def paged_prefill_specialized(
     consumer_regs: int = 232,
     loader_regs: int = 40,
     pingpong: bool = False,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """``prefill_attention.paged_prefill`` for 16-bit caches through the warp-specialised partitions
-    (CUDA only). A program is 128 query rows: two consumer warpgroups of 64 and a loader."""
+    (CUDA only). A program is 128 query rows: two consumer warpgroups of 64 and a loader. With
+    ``num_splits`` > 1 each sequence's keys are shared out among that many programs per tile, whose
+    partials ``prefill_attention.merge_splits`` combines (as the Triton kernel's splits)."""
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"16-bit q and cache of one dtype expected, got {q.dtype} / {k_cache.dtype}")
     if head_dim not in (64, 128) or block_n % block_size or q_heads % kv_heads:
         raise ValueError(f"head dim 64 / 128 and tiles of whole blocks expected (D {head_dim}, BS {block_size})")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(num_splits, num_tokens, q_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # not read or written without splits
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_smem = gl.NVMMASharedLayout.get_default_for([WG_ROWS.value, head_dim], gl_dtype)
     kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype)
     rows = max_q_len if max_q_len is not None else num_tokens
-    grid = (q_heads, cdiv(rows, 2 * WG_ROWS.value), block_tables.shape[0])
+    grid = (q_heads, cdiv(rows, 2 * WG_ROWS.value), block_tables.shape[0] * num_splits)
     # registers: 12 warps share the file; the default partition (consumer 0) gets what the workers leave
     maxnreg = (2 * consumer_regs + loader_regs) // 3 // 8 * 8
     _prefill_specialized_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        num_tokens, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_BUF=num_buf,
         Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
-        num_warps=4, maxnreg=maxnreg,
+        SPLIT=split, num_warps=4, maxnreg=maxnreg,
     )
+    if split:
+        merge_splits(part_out, part_lse, out)
     return out

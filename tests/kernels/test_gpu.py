@@ -437,3 +437,18 @@ def test_prefill_specialized_gpu(head_dim, group, block_size, block_n, num_buf, 
     prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
                      q_dtype=q_dtype, kv_heads=2, seed=head_dim * group + block_n + num_buf + pingpong, device="cuda",
                      prefill=specialized)
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (64, 3, 16)])
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+def test_prefill_specialized_splits_gpu(head_dim, group, block_size, num_splits):
+    """The warp-specialised prefill with its keys shared out among ``num_splits`` programs a tile and merged
+    (prefill_attention.merge_splits) against the reference: splits that hold no key of a tile (16 splits
+    of a short prompt), rows that see no key of their split (the causal part), one-token and empty chunks."""
+    from prefixgate_kernels.prefill_specialized import paged_prefill_specialized
+
+    def specialized(*args):
+        return paged_prefill_specialized(*args, block_n=128, num_buf=3, pingpong=True, num_splits=num_splits)
+    prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
+                     q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim + group + num_splits, device="cuda",
+                     prefill=specialized)
