@@ -183,6 +183,18 @@ def _prefill_overlap_kernel(
         gl.store(o_ptrs, acc.to(dtype), mask=(rows_o < q_len)[:, None])
 
 
+def check_gluon_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> gl.dtype:
+    """What the Gluon prefills take (16-bit q and cache of one dtype, head dim 64 / 128, key tiles of whole
+    cache blocks, whole GQA groups): ValueError otherwise; the Gluon dtype of q."""
+    _, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"16-bit q and cache of one dtype expected, got {q.dtype} / {k_cache.dtype}")
+    if head_dim not in (64, 128) or block_n % block_size or q_heads % kv_heads:
+        raise ValueError(f"head dim 64 / 128 and tiles of whole blocks expected (D {head_dim}, BS {block_size})")
+    return gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+
 def paged_prefill_overlap(
     q: torch.Tensor,  # [T, Hq, D] bf16 / fp16
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
@@ -199,16 +211,12 @@ def paged_prefill_overlap(
     num_warps: int = 8,
 ) -> torch.Tensor:
     """``prefill_attention.paged_prefill`` for 16-bit caches through the overlapped schedule (CUDA only)."""
+    gl_dtype = check_gluon_prefill(q, k_cache, v_cache, block_n)
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"16-bit q and cache of one dtype expected, got {q.dtype} / {k_cache.dtype}")
-    if head_dim not in (64, 128) or block_n % block_size or q_heads % kv_heads:
-        raise ValueError(f"head dim 64 / 128 and tiles of whole blocks expected (D {head_dim}, BS {block_size})")
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_smem = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gl_dtype)
     kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype)
     grid = (q_heads, cdiv(max_q_len if max_q_len is not None else num_tokens, block_m), block_tables.shape[0])

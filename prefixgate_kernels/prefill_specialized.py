@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from prefixgate_kernels._common import cdiv
 from prefixgate_kernels.prefill_attention import LOG2E, merge_splits
-from prefixgate_kernels.prefill_overlap import _copy_tile, _masked, _pages
+from prefixgate_kernels.prefill_overlap import _copy_tile, _masked, _pages, check_gluon_prefill
 
 WG_ROWS = gl.constexpr(64)  # query rows a consumer warpgroup owns (the wgmma's M); a program has two
 LOADER_WARPS = gl.constexpr(4)  # a warpgroup: registers are handed out by warpgroups
@@ -97,13 +97,8 @@ def _consumer(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem
               PINGPONG: gl.constexpr, SPLIT: gl.constexpr):
     """A consumer partition. A split may hold no key of the tile (its share starts past the tile's last
     key): then there is no tile to wait for, and the program wrote the split's empty partials already."""
-    if SPLIT:
-        if n_tiles > 0:
-            _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo,
-                     q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh,
-                     stride_ot, stride_oh, num_tokens, q_heads, split, HALF, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG,
-                     SPLIT)
-    else:
+    go = n_tiles > 0 if SPLIT else True  # static without SPLIT: the measured kernel's code
+    if go:
         _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo,
                  q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh,
                  stride_ot, stride_oh, num_tokens, q_heads, split, HALF, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT)
@@ -328,12 +323,9 @@ def paged_prefill_specialized(
     (CUDA only). A program is 128 query rows: two consumer warpgroups of 64 and a loader. With
     ``num_splits`` > 1 each sequence's keys are shared out among that many programs per tile, whose
     partials ``prefill_attention.merge_splits`` combines (as the Triton kernel's splits)."""
+    gl_dtype = check_gluon_prefill(q, k_cache, v_cache, block_n)
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"16-bit q and cache of one dtype expected, got {q.dtype} / {k_cache.dtype}")
-    if head_dim not in (64, 128) or block_n % block_size or q_heads % kv_heads:
-        raise ValueError(f"head dim 64 / 128 and tiles of whole blocks expected (D {head_dim}, BS {block_size})")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q)
@@ -345,7 +337,6 @@ def paged_prefill_specialized(
         part_lse = torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # not read or written without splits
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_smem = gl.NVMMASharedLayout.get_default_for([WG_ROWS.value, head_dim], gl_dtype)
     kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype)
     rows = max_q_len if max_q_len is not None else num_tokens
