@@ -106,10 +106,10 @@ def _consumer(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem
 
 @gluon.jit
 def _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo, q_len,
-              m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot,
-              stride_oh, num_tokens, q_heads, split,
-              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              PINGPONG: gl.constexpr, SPLIT: gl.constexpr):
+             m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot,
+             stride_oh, num_tokens, q_heads, split,
+             HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+             PINGPONG: gl.constexpr, SPLIT: gl.constexpr):
     """``_consumer``'s work: rows [m_start + HALF * WG_ROWS, + WG_ROWS) against every key tile the loader brings:
     S_j and P_{j-1} V_{j-1} in flight together, the softmax of S_j while P V runs. Keys at or past
     ``key_end`` are masked. With SPLIT the keys start at ``key0`` and the rows' partial (o / l, m + log2 l)
