@@ -25,8 +25,10 @@ sends it every unsplit 16-bit launch of at least 128 rows at head dims 64 and 12
 
 ``num_splits`` > 1 shares each tile's keys out among that many programs (BLOCK_N-aligned shares, as the
 Triton kernel's splits), each writing (o / l, m + log2 l) partials that ``prefill_attention.merge_splits``
-combines. Written and compiled for sm_90 in session 22 without a device to run it: the launcher keeps its
-split launches on the Triton kernel until it has been measured (docs/gpu.md).
+combines. ``pack`` puts a KV head's q heads into a program's rows (row r: token ``r // group`` of q head
+``r % group``), so that each K / V tile is read once for the group. Both were written and compiled for sm_90
+in session 22 without a device to run them: the launcher uses neither until they have been measured
+(docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -94,14 +96,15 @@ def _consumer(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem
               m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot,
               stride_oh, num_tokens, q_heads, split,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              PINGPONG: gl.constexpr, SPLIT: gl.constexpr):
+              PINGPONG: gl.constexpr, SPLIT: gl.constexpr, RPT: gl.constexpr):
     """A consumer partition. A split may hold no key of the tile (its share starts past the tile's last
     key): then there is no tile to wait for, and the program wrote the split's empty partials already."""
     go = n_tiles > 0 if SPLIT else True  # static without SPLIT: the measured kernel's code
     if go:
         _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn, q_lo,
                  q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh,
-                 stride_ot, stride_oh, num_tokens, q_heads, split, HALF, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT)
+                 stride_ot, stride_oh, num_tokens, q_heads, split, HALF, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT,
+                 RPT)
 
 
 @gluon.jit
@@ -109,12 +112,13 @@ def _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem,
              m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt, stride_qh, stride_ot,
              stride_oh, num_tokens, q_heads, split,
              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-             PINGPONG: gl.constexpr, SPLIT: gl.constexpr):
-    """``_consumer``'s work: rows [m_start + HALF * WG_ROWS, + WG_ROWS) against every key tile the loader brings:
+             PINGPONG: gl.constexpr, SPLIT: gl.constexpr, RPT: gl.constexpr):
+    """``_consumer``'s work: rows [HALF * WG_ROWS, + WG_ROWS) of the program against every key tile the loader brings:
     S_j and P_{j-1} V_{j-1} in flight together, the softmax of S_j while P V runs. Keys at or past
     ``key_end`` are masked. With SPLIT the keys start at ``key0`` and the rows' partial (o / l, m + log2 l)
     goes to the split's slice of the partials, for ``prefill_attention.merge_splits``; a row that sees no
-    key of its split leaves (0, -inf)."""
+    key of its split leaves (0, -inf). Row r is token ``m_start + r // RPT`` of q head ``h + r % RPT``
+    (RPT > 1: a KV head's q heads packed into the rows, ``pack``), else token ``m_start + r`` of head ``h``."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -125,15 +129,23 @@ def _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem,
     COLS: gl.constexpr = HEAD_DIM // VEC
     LD: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // COLS, COLS], [4, 1], [1, 0])
 
-    row0 = m_start + HALF * WG_ROWS
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
-    rows_ld = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, LD))
-    q = gl.load(q_ptr + (q_lo + rows_ld).to(gl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=(rows_ld < q_len)[:, None], other=0.0)
+    if RPT == 1:
+        rows_ld = m_start + HALF * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, LD))
+        q = gl.load(q_ptr + (q_lo + rows_ld).to(gl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=(rows_ld < q_len)[:, None], other=0.0)
+    else:
+        r_ld = HALF * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, LD))
+        tok_ld = m_start + r_ld // RPT
+        q = gl.load(q_ptr + (q_lo + tok_ld).to(gl.int64)[:, None] * stride_qt + (h + r_ld % RPT)[:, None] * stride_qh
+                    + d[None, :], mask=(tok_ld < q_len)[:, None], other=0.0)
     my_q = q_smem.index(HALF)
     my_q.store(q)
     fence_async_shared()
-    q_pos = prefix + row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, S_LAYOUT))
+    if RPT == 1:
+        q_pos = prefix + m_start + HALF * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, S_LAYOUT))
+    else:
+        q_pos = prefix + m_start + (HALF * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, S_LAYOUT))) // RPT
 
     # tile 0: scores and softmax; its P V waits for the loop (or the epilogue)
     mbarrier.wait(ready.index(0), 0)
@@ -184,18 +196,25 @@ def _consume(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem,
     o_tok = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % NUM_BUF), acc, is_async=True)
     _pass_turn(turn, HALF, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
-    rows_o = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
+    r_o = HALF * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
     if SPLIT:
         seen = l_i > 0.0
         lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
         acc = acc / gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))[:, None]
-        _store_partial(part_out_ptr, part_lse_ptr, acc, lse, rows_o, d_o, q_lo, q_len, h, split, num_tokens, q_heads,
-                       HEAD_DIM)
-    else:
+        _store_partial(part_out_ptr, part_lse_ptr, acc, lse, m_start + r_o // RPT, h + r_o % RPT, d_o, q_lo, q_len,
+                       split, num_tokens, q_heads, HEAD_DIM)
+    elif RPT == 1:
+        rows_o = m_start + HALF * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
         acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
         o_ptrs = out_ptr + (q_lo + rows_o).to(gl.int64)[:, None] * stride_ot + h * stride_oh + d_o[None, :]
         gl.store(o_ptrs, acc.to(dtype), mask=(rows_o < q_len)[:, None])
+    else:
+        tok_o = m_start + r_o // RPT
+        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        o_ptrs = (out_ptr + (q_lo + tok_o).to(gl.int64)[:, None] * stride_ot + (h + r_o % RPT)[:, None] * stride_oh
+                  + d_o[None, :])
+        gl.store(o_ptrs, acc.to(dtype), mask=(tok_o < q_len)[:, None])
 
 
 @gluon.jit
@@ -208,12 +227,12 @@ def _finite(m, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _store_partial(part_out_ptr, part_lse_ptr, o, lse, rows, d, q_lo, q_len, h, split, num_tokens, q_heads,
+def _store_partial(part_out_ptr, part_lse_ptr, o, lse, toks, heads, d, q_lo, q_len, split, num_tokens, q_heads,
                    HEAD_DIM: gl.constexpr):
-    """A split's partial rows: ``part_out`` [splits, T, Hq, D] fp32 and ``part_lse`` [splits, T, Hq] (log2),
-    the layout ``prefill_attention.merge_splits`` reads."""
-    idx = (split * num_tokens + q_lo + rows) * q_heads + h
-    ok = rows < q_len
+    """A split's partial rows (row i: token ``toks[i]`` of q head ``heads[i]``): ``part_out`` [splits, T, Hq, D]
+    fp32 and ``part_lse`` [splits, T, Hq] (log2), the layout ``prefill_attention.merge_splits`` reads."""
+    idx = (split * num_tokens + q_lo + toks) * q_heads + heads
+    ok = toks < q_len
     gl.store(part_out_ptr + idx.to(gl.int64)[:, None] * HEAD_DIM + d[None, :], o, mask=ok[:, None])
     gl.store(part_lse_ptr + gl.convert_layout(idx, lse.type.layout), lse,
              mask=gl.convert_layout(ok, lse.type.layout))
@@ -230,7 +249,8 @@ def _prefill_specialized_kernel(
     stride_ot, stride_oh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
+    LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SPLIT: gl.constexpr, RPT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     h = gl.program_id(0)
     m_tile = gl.program_id(1)
@@ -243,12 +263,20 @@ def _prefill_specialized_kernel(
         split = gl.program_id(2) % num_splits
     q_lo = gl.load(cu_ptr + b)
     q_len = gl.load(cu_ptr + b + 1) - q_lo
-    m_start = m_tile * (2 * WG_ROWS)
+    # RPT > 1 (``pack``): the grid's first dimension is the KV head, and a program's 128 rows are 128 / RPT
+    # tokens of each of its RPT q heads (each K / V tile read once for the group); else one q head's tokens
+    TOK: gl.constexpr = 2 * WG_ROWS // RPT  # tokens a program
+    m_start = m_tile * TOK
     if m_start < q_len:
         seq_len = gl.load(seq_lens_ptr + b)
         prefix = seq_len - q_len
-        kv_head = h // GROUP
-        q_heads = gl.num_programs(0)
+        if RPT == 1:
+            kv_head = h // GROUP
+            q_heads = gl.num_programs(0)
+        else:
+            kv_head = h
+            h = h * GROUP  # the program's first q head
+            q_heads = gl.num_programs(0) * GROUP
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], KV_SMEM)
@@ -262,7 +290,7 @@ def _prefill_specialized_kernel(
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)  # the other consumer's issue (PINGPONG)
 
-        kv_end = gl.minimum(seq_len, prefix + m_start + 2 * WG_ROWS)
+        kv_end = gl.minimum(seq_len, prefix + m_start + TOK)
         full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N  # keys below it: every row of the tile sees them
         bt_row = bt_ptr + b * stride_btb
         # the keys this program attends: all of [0, kv_end), or its split's BLOCK_N-aligned share
@@ -279,23 +307,23 @@ def _prefill_specialized_kernel(
             if n_tiles == 0:  # an empty split: (0, -inf) for the merge; the partitions find no tile
                 LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8],
                                                     [num_warps, 1], [1, 0])
-                rows = m_start + gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, LD))
+                r = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, LD))
                 d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
                 _store_partial(part_out_ptr, part_lse_ptr,
                                gl.zeros([2 * WG_ROWS, HEAD_DIM], gl.float32, layout=LD),
                                gl.full([2 * WG_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LD)),
-                               rows, d, q_lo, q_len, h, split, num_tokens, q_heads, HEAD_DIM)
+                               m_start + r // RPT, h + r % RPT, d, q_lo, q_len, split, num_tokens, q_heads, HEAD_DIM)
         # the two consumers' argument lists differ only in the half they own (tuples are spelled out:
         # Gluon's frontend does not concatenate tuples holding constexprs)
         gl.warp_specialize([
             (_consumer, (q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn,
                          q_lo, q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt,
                          stride_qh, stride_ot, stride_oh, num_tokens, q_heads, split,
-                         0, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT)),
+                         0, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT, RPT)),
             (_consumer, (q_ptr, out_ptr, part_out_ptr, part_lse_ptr, q_smem, k_smem, v_smem, ready, empty, turn,
                          q_lo, q_len, m_start, prefix, key0, key_end, h, n_tiles, full_end, qk_scale, stride_qt,
                          stride_qh, stride_ot, stride_oh, num_tokens, q_heads, split,
-                         1, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT)),
+                         1, HEAD_DIM, BLOCK_N, NUM_BUF, PINGPONG, SPLIT, RPT)),
             (_loader, (k_ptr, v_ptr, k_smem, v_smem, ready, empty, bt_row, key0, load_end, n_tiles, kv_head,
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                        HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_BUF, SPLIT)),
@@ -318,16 +346,23 @@ def paged_prefill_specialized(
     loader_regs: int = 40,
     pingpong: bool = False,
     num_splits: int = 1,
+    pack: bool = False,
 ) -> torch.Tensor:
     """``prefill_attention.paged_prefill`` for 16-bit caches through the warp-specialised partitions
     (CUDA only). A program is 128 query rows: two consumer warpgroups of 64 and a loader. With
     ``num_splits`` > 1 each sequence's keys are shared out among that many programs per tile, whose
-    partials ``prefill_attention.merge_splits`` combines (as the Triton kernel's splits)."""
+    partials ``prefill_attention.merge_splits`` combines (as the Triton kernel's splits). ``pack`` puts a KV
+    head's q heads into one program's rows (128 / group tokens of each), so each K / V tile is read once for
+    the group; the group must divide 128."""
     gl_dtype = check_gluon_prefill(q, k_cache, v_cache, block_n)
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = q_heads // kv_heads
+    if pack and (2 * WG_ROWS.value) % group:
+        raise ValueError(f"pack needs a GQA group dividing {2 * WG_ROWS.value} rows, got {group}")
+    rpt = group if pack else 1
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
@@ -340,7 +375,7 @@ def paged_prefill_specialized(
     q_smem = gl.NVMMASharedLayout.get_default_for([WG_ROWS.value, head_dim], gl_dtype)
     kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype)
     rows = max_q_len if max_q_len is not None else num_tokens
-    grid = (q_heads, cdiv(rows, 2 * WG_ROWS.value), block_tables.shape[0] * num_splits)
+    grid = (q_heads // rpt, cdiv(rows * rpt, 2 * WG_ROWS.value), block_tables.shape[0] * num_splits)
     # registers: 12 warps share the file; the default partition (consumer 0) gets what the workers leave
     maxnreg = (2 * consumer_regs + loader_regs) // 3 // 8 * 8
     _prefill_specialized_kernel[grid](
@@ -348,9 +383,9 @@ def paged_prefill_specialized(
         num_tokens, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_BUF=num_buf,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_BUF=num_buf,
         Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
-        SPLIT=split, num_warps=4, maxnreg=maxnreg,
+        SPLIT=split, RPT=rpt, num_warps=4, maxnreg=maxnreg,
     )
     if split:
         merge_splits(part_out, part_lse, out)

@@ -452,3 +452,19 @@ def test_prefill_specialized_splits_gpu(head_dim, group, block_size, num_splits)
     prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
                      q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim + group + num_splits, device="cuda",
                      prefill=specialized)
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (64, 8, 32), (128, 1, 16), (64, 2, 16)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_prefill_specialized_packed_gpu(head_dim, group, block_size, num_splits):
+    """The warp-specialised prefill with a KV head's q heads packed into a program's rows (``pack``: 128 /
+    group tokens of each head, each K / V tile read once for the group), with and without splits, against
+    the reference: the token a row belongs to decides its causal mask, its output row and its partial."""
+    from prefixgate_kernels.prefill_specialized import paged_prefill_specialized
+
+    def specialized(*args):
+        return paged_prefill_specialized(*args, block_n=128, num_buf=3, pingpong=True, num_splits=num_splits,
+                                         pack=True)
+    prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
+                     q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim + group + num_splits + 7, device="cuda",
+                     prefill=specialized)
