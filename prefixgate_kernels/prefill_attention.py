@@ -342,6 +342,32 @@ OVERLAP_TILES = {"block_m": 128, "block_n": 64, "num_buf": 3, "num_warps": 8}
 SPECIALIZED_TILES = {"block_n": 128, "num_buf": 3, "pingpong": True}
 
 
+# Gluon (triton.experimental.gluon) is experimental and its API moves between releases (3.9 removed the
+# async_copy_global_to_shared these kernels call), and their MMAs are Hopper's wgmma (sm_90 only: Ampere
+# and Ada lack it, Blackwell replaced it). So they run where they were written and measured, Triton 3.6 on
+# an sm_90 GPU; anywhere else the Triton kernel takes their launches.
+GLUON_TRITON = (3, 6)
+GLUON_CAPABILITY = (9, 0)
+
+
+def gluon_supported(capability: tuple[int, int], triton_version: str) -> bool:
+    """Whether the Gluon prefills can run: an sm_90 device and the Triton release they were written for."""
+    major_minor = tuple(int(part) for part in triton_version.split(".")[:2] if part.isdigit())
+    return tuple(capability) == GLUON_CAPABILITY and major_minor == GLUON_TRITON
+
+
+_GLUON_ON: dict[torch.device, bool] = {}
+
+
+def gluon_runs_on(device: torch.device) -> bool:
+    """``gluon_supported`` for a CUDA device (cached per device: the capability query is a driver call)."""
+    if device.type != "cuda":
+        return False
+    if device not in _GLUON_ON:
+        _GLUON_ON[device] = gluon_supported(torch.cuda.get_device_capability(device), triton.__version__)
+    return _GLUON_ON[device]
+
+
 def gluon_kernel(num_tokens: int, head_dim: int, block_size: int, q_dtype: torch.dtype, k_dtype: torch.dtype,
                  v_dtype: torch.dtype) -> PrefillKernel:
     """``PREFILL_KERNEL`` where an unsplit GPU launch fits it (16-bit, one dtype, a measured head dim, at
@@ -406,7 +432,7 @@ def paged_prefill(
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
     gluon = (gluon_kernel(num_tokens, head_dim, block_size, q.dtype, k_cache.dtype, v_cache.dtype)
-             if on_gpu and not overridden and num_splits == 1 else PrefillKernel.TRITON)
+             if on_gpu and not overridden and num_splits == 1 and gluon_runs_on(q.device) else PrefillKernel.TRITON)
     if gluon is PrefillKernel.SPECIALIZED:
         # Gluon: compiled GPUs only
         from prefixgate_kernels.prefill_specialized import paged_prefill_specialized

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefixgate_kernels import prefill_attention, triton_ops
 from prefixgate_kernels import reference as ref
-from prefixgate_kernels import triton_ops
 from tests.kernels import test_decode_attention as decode
 from tests.kernels import test_fused_layer_ops as fused
 from tests.kernels import test_kv_write as kvw
@@ -18,6 +18,9 @@ from tests.kernels.kernel_cases import gpu_ready
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CUDA and compiled Triton")]
 KV_DTYPES = [None, ref.FP8_DTYPE, torch.int8]
+# the Gluon prefills' own tests: sm_90 and Triton 3.6 only (prefill_attention.gluon_supported)
+needs_gluon = pytest.mark.skipif(not gpu_ready() or not prefill_attention.gluon_runs_on(torch.device("cuda")),
+                                 reason="the Gluon prefills need an sm_90 GPU and Triton 3.6")
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -406,6 +409,7 @@ def test_argmax_gpu(rows, dtype):
         test_argmax.check_rows(x, counters)
 
 
+@needs_gluon
 @pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (64, 8, 16), (128, 1, 32)])
 @pytest.mark.parametrize("block_m,block_n,num_buf,num_warps", [(128, 128, 2, 8), (128, 64, 3, 8), (64, 64, 2, 4)])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
@@ -421,6 +425,7 @@ def test_prefill_overlap_gpu(head_dim, group, block_size, block_m, block_n, num_
                      q_dtype=q_dtype, kv_heads=2, seed=head_dim * group + block_n, device="cuda", prefill=overlap)
 
 
+@needs_gluon
 @pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (64, 8, 16), (128, 1, 32)])
 @pytest.mark.parametrize("block_n,num_buf,pingpong", [(128, 2, False), (128, 3, False), (64, 4, False),
                                                      (128, 2, True), (64, 4, True)])
@@ -439,6 +444,7 @@ def test_prefill_specialized_gpu(head_dim, group, block_size, block_n, num_buf, 
                      prefill=specialized)
 
 
+@needs_gluon
 @pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (64, 3, 16)])
 @pytest.mark.parametrize("num_splits", [2, 4, 16])
 def test_prefill_specialized_splits_gpu(head_dim, group, block_size, num_splits):
@@ -454,6 +460,7 @@ def test_prefill_specialized_splits_gpu(head_dim, group, block_size, num_splits)
                      prefill=specialized)
 
 
+@needs_gluon
 @pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (64, 8, 32), (128, 1, 16), (64, 2, 16)])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_prefill_specialized_packed_gpu(head_dim, group, block_size, num_splits):

@@ -118,6 +118,20 @@ def test_prefill_tiles():
     assert tiles(4096, False).block_m == 16
 
 
+def test_gluon_kernels_only_where_written():
+    """The Gluon prefills run on an sm_90 GPU under Triton 3.6 only (prefill_attention.gluon_supported): the
+    Gluon API moves between releases, and their wgmma exists on Hopper alone. Elsewhere the Triton kernel
+    takes their launches, so a fresh install on another GPU or Triton still prefills."""
+    ok = prefill_attention.gluon_supported
+    assert ok((9, 0), "3.6.0") and ok((9, 0), "3.6.1+git1234")
+    assert not ok((9, 0), "3.9.0")  # async_copy_global_to_shared removed
+    assert not ok((9, 0), "3.5.1")
+    assert not ok((8, 0), "3.6.0")  # A100: no wgmma
+    assert not ok((8, 9), "3.6.0")
+    assert not ok((10, 0), "3.6.0")  # Blackwell: tcgen05, not wgmma
+    assert not prefill_attention.gluon_runs_on(torch.device("cpu"))
+
+
 def test_prefill_gluon_dispatch_rule(monkeypatch):
     """Which launches a Gluon kernel takes (prefill_attention.gluon_kernel): 16-bit, one dtype, head dim 64
     or 128, at least GLUON_MIN_TOKENS rows, cache blocks that divide the kernel's key tiles; the benchmarks'
