@@ -1265,6 +1265,15 @@ def overlap_prefill_case(gen, shapes=OVERLAP_SHAPES, tiles=OVERLAP_TILES) -> lis
     return out
 
 
+def _checked_replay(run: Callable[[], torch.Tensor], want: torch.Tensor) -> dict:
+    """One variant's error against the reference and its graph-replay time, or why it could not run (a ring
+    past shared memory, a GQA group that cannot pack: findings, recorded, not fatal)."""
+    try:
+        return {"rel_err": rel_err(run(), want), "ms": bench_graph(run)}
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def _overlap_row(gen, label, seqs, cached, new, q_heads, kv_heads, head_dim, tiles) -> dict:
     from prefixgate_kernels.prefill_overlap import paged_prefill_overlap
     from prefixgate_kernels.prefill_specialized import paged_prefill_specialized
@@ -1292,29 +1301,18 @@ def _overlap_row(gen, label, seqs, cached, new, q_heads, kv_heads, head_dim, til
         def overlap(bm=bm, bn=bn, nbuf=nbuf, warps=warps) -> torch.Tensor:
             return paged_prefill_overlap(q, k_cache, v_cache, tables, cu, lens, scale, max_q_len=new, block_m=bm,
                                          block_n=bn, num_buf=nbuf, num_warps=warps)
-        key = f"overlap_m{bm}n{bn}b{nbuf}w{warps}"
-        try:
-            row[key] = {"rel_err": rel_err(overlap(), want), "ms": bench_graph(overlap)}
-        except Exception as e:  # noqa: BLE001  (a ring past shared memory is a finding)
-            row[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        row[f"overlap_m{bm}n{bn}b{nbuf}w{warps}"] = _checked_replay(overlap, want)
     for bn, nbuf, pp in SPECIALIZED_TILES:
         def specialized(bn=bn, nbuf=nbuf, pp=pp) -> torch.Tensor:
             return paged_prefill_specialized(q, k_cache, v_cache, tables, cu, lens, scale, max_q_len=new, block_n=bn,
                                              num_buf=nbuf, pingpong=pp)
-        key = f"specialized_n{bn}b{nbuf}" + ("_pingpong" if pp else "")
-        try:
-            row[key] = {"rel_err": rel_err(specialized(), want), "ms": bench_graph(specialized)}
-        except Exception as e:  # noqa: BLE001
-            row[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        row[f"specialized_n{bn}b{nbuf}" + ("_pingpong" if pp else "")] = _checked_replay(specialized, want)
     for splits, pack in [(n, False) for n in SPECIALIZED_SPLITS] + [(1, True), (4, True)]:
         def split_run(splits=splits, pack=pack) -> torch.Tensor:
             return paged_prefill_specialized(q, k_cache, v_cache, tables, cu, lens, scale, max_q_len=new,
                                              **prefill_attention.SPECIALIZED_TILES, num_splits=splits, pack=pack)
         key = "specialized" + ("_pack" if pack else "") + (f"_split{splits}" if splits > 1 else "")
-        try:
-            row[key] = {"rel_err": rel_err(split_run(), want), "ms": bench_graph(split_run)}
-        except Exception as e:  # noqa: BLE001  (a GQA group that does not divide 128 rows cannot pack)
-            row[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        row[key] = _checked_replay(split_run, want)
     for v in row.values():
         if isinstance(v, dict) and v.get("ms"):
             v["tflops"] = flops / (v["ms"] * 1e-3) / 1e12
