@@ -445,11 +445,7 @@ def paged_prefill(
         return paged_prefill_overlap(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                      max_q_len=max_q_len, **OVERLAP_TILES)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
-    if num_splits > 1:
-        part_out = torch.empty(num_splits, num_tokens, q_heads, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = placeholder(q.device, torch.float32)
+    part_out, part_lse = split_partials(num_splits, q)
     grid = (q_heads, cdiv(max_q_len, block_m), num_seqs * num_splits)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ks, vs, out, part_out, part_lse,
@@ -467,6 +463,17 @@ def paged_prefill(
     if num_splits > 1:
         merge_splits(part_out, part_lse, out)
     return out
+
+
+def split_partials(num_splits: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partials for queries ``q`` [T, Hq, D]: ``part_out`` [S, T, Hq, D] and ``part_lse``
+    [S, T, Hq], fp32; one split writes none, and gets a placeholder for both (one kernel signature)."""
+    if num_splits == 1:
+        holder = placeholder(q.device, torch.float32)
+        return holder, holder
+    num_tokens, q_heads, head_dim = q.shape
+    return (torch.empty(num_splits, num_tokens, q_heads, head_dim, dtype=torch.float32, device=q.device),
+            torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device))
 
 
 def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:

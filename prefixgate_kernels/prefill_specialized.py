@@ -44,8 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from prefixgate_kernels._common import cdiv, placeholder
-from prefixgate_kernels.prefill_attention import LOG2E, merge_splits
+from prefixgate_kernels._common import cdiv
+from prefixgate_kernels.prefill_attention import LOG2E, merge_splits, split_partials
 from prefixgate_kernels.prefill_overlap import _copy_tile, _masked, _pages, check_gluon_prefill
 
 WG_ROWS = gl.constexpr(64)  # query rows a consumer warpgroup owns (the wgmma's M); a program has two
@@ -367,11 +367,7 @@ def paged_prefill_specialized(
     if num_tokens == 0:
         return out
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(num_splits, num_tokens, q_heads, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = placeholder(q.device, torch.float32)  # not read or written without splits
+    part_out, part_lse = split_partials(num_splits, q)
     q_smem = gl.NVMMASharedLayout.get_default_for([WG_ROWS.value, head_dim], gl_dtype)
     kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype)
     rows = max_q_len if max_q_len is not None else num_tokens
