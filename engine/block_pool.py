@@ -15,7 +15,16 @@ Block life cycle::
   policy for a victim: a free, indexed *leaf* (tails go before their parents, so the index stays
   prefix-closed). Before a victim is reused ``on_evict`` sees it, so a lower tier can keep a copy.
 - Blocks are shared only through the index, so a shared block is always indexed, and every block
-  in use belongs to one namespace: that is what the per-tenant quota counts.
+  belongs to one namespace (the hash chain it is part of).
+- Quota charging (``used_by``): every reference is taken for a *holder*, the tenant key of the
+  request it is taken for (``TenantScope.tenant_key``; the block's namespace when the caller names
+  none, i.e. one tenant per namespace). A block in use counts once against each tenant holding a
+  reference to it, however many of that tenant's requests share it, and against no one once free
+  (evictable). So tenants sharing a namespace (share scope ``group:NAME``) each pay for the blocks
+  their own requests hold, shared ones included: one member can neither push another over its
+  quota nor run on another's blocks for free; and one tenant's namespaces (share scope ``user``)
+  all count against the same quota. ``Block.holder`` remembers the tenant that last took a
+  reference: an evicted block's spill is charged to it in the lower tiers.
 - ``register`` indexes a block that just filled. If its hash is already resident in another block
   (two requests computed the same prefix concurrently), the caller's reference moves to the
   resident block and the duplicate is freed, so the pool never holds one prefix twice.
@@ -84,10 +93,11 @@ class BlockPool:
         self._uncached = FreeBlockQueue()
         for block in self.blocks:
             self._uncached.append(block)
-        self._used_by_ns: Counter[bytes] = Counter()
+        # holder (tenant key) -> block id -> references it holds: len() is what its quota counts
+        self._holds: dict[bytes, dict[int, int]] = {}
         self._indexed_by_ns: Counter[bytes] = Counter()
-        # Retained blocks per namespace (block id -> deadline), to bound what one tenant may keep.
-        self._retained_by_ns: dict[bytes, dict[int, float]] = {}
+        # Retained blocks per holder (block id -> deadline), to bound what one tenant may keep.
+        self._retained_by: dict[bytes, dict[int, float]] = {}
         self.num_evictions = 0
 
     # ------------------------------------------------------------------ counts
@@ -108,26 +118,53 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_cnt
 
-    def used_by(self, namespace: bytes) -> int:
-        """Blocks in use (refcount > 0) by requests of ``namespace``: what its quota counts."""
-        return self._used_by_ns[namespace]
+    def used_by(self, holder: bytes) -> int:
+        """Distinct blocks ``holder`` (a tenant key) holds references to: what its quota counts."""
+        held = self._holds.get(holder)
+        return len(held) if held else 0
+
+    def usage_by_holder(self) -> dict[bytes, int]:
+        return {h: len(held) for h, held in self._holds.items() if held}
+
+    def count_not_held(self, block_ids: Sequence[int], holder: bytes) -> int:
+        """How many of ``block_ids`` ``holder`` holds no reference to: taking them adds that to its use."""
+        held = self._holds.get(holder)
+        if not held:
+            return len(block_ids)
+        return sum(1 for b in block_ids if b not in held)
 
     def indexed_by(self, namespace: bytes) -> int:
         """Indexed blocks (in use or evictable) of ``namespace``."""
         return self._indexed_by_ns[namespace]
 
-    def usage_by_namespace(self) -> dict[bytes, int]:
-        return {ns: n for ns, n in self._used_by_ns.items() if n}
+    def _take(self, holder: bytes, block: Block) -> None:
+        held = self._holds.get(holder)
+        if held is None:
+            held = self._holds[holder] = {}
+        held[block.block_id] = held.get(block.block_id, 0) + 1
+        block.holder = holder
+
+    def _drop(self, holder: bytes, block_id: int) -> None:
+        held = self._holds.get(holder)
+        refs = held.get(block_id, 0) if held else 0
+        if held is None or refs <= 0:
+            raise ValueError(f"block {block_id} is not held by this tenant")
+        if refs > 1:
+            held[block_id] = refs - 1
+        else:
+            del held[block_id]
 
     # ------------------------------------------------------------------ operations
 
-    def allocate(self, n: int, namespace: bytes) -> list[int] | None:
-        """``n`` fresh blocks (refcount 1) for ``namespace``, or ``None`` (and no change) if fewer
-        than ``n`` are free. May evict indexed blocks, tails first."""
+    def allocate(self, n: int, namespace: bytes, holder: bytes | None = None) -> list[int] | None:
+        """``n`` fresh blocks (refcount 1) of ``namespace`` held by ``holder`` (default: the
+        namespace), or ``None`` (and no change) if fewer than ``n`` are free. May evict indexed
+        blocks, tails first."""
         if n < 0:
             raise ValueError("n must be >= 0")
         if n > self.num_free:
             return None
+        holder = namespace if holder is None else holder
         out: list[int] = []
         for _ in range(n):
             block = self._uncached.popleft()
@@ -135,7 +172,7 @@ class BlockPool:
                 block = self._evict_one()
             block.ref_cnt = 1
             block.namespace = namespace
-            self._used_by_ns[namespace] += 1
+            self._take(holder, block)
             out.append(block.block_id)
         return out
 
@@ -148,7 +185,8 @@ class BlockPool:
             if self._on_evict is not None:
                 left = max(0.0, victim.retain_until - self.clock()) if victim.retain_until else 0.0
                 self._on_evict(EvictedBlock(BlockHash(victim.block_hash), victim.namespace, victim.depth,
-                                            victim.block_id, retained_for_s=left))
+                                            victim.block_id, retained_for_s=left,
+                                            holder=victim.holder or victim.namespace))
             self._unindex(victim)
             self.num_evictions += 1
             return victim
@@ -163,44 +201,46 @@ class BlockPool:
             if parent.num_children == 0 and parent.ref_cnt == 0:
                 self.policy.leaf_exposed(parent)
         if block.retain_until:
-            self._retained_by_ns.get(block.namespace, {}).pop(block.block_id, None)
+            for held in self._retained_by.values():  # few tenants; only for a retained block
+                held.pop(block.block_id, None)
             block.retain_until = 0.0
         block.block_hash = None
         block.parent = None
         block.depth = -1
         block.uses = 0
         block.namespace = None
+        block.holder = None
 
-    def touch(self, block_ids: Sequence[int], namespace: bytes) -> None:
-        """Take a reference on cached blocks (a prefix hit); evictable ones come back into use."""
-        blocks, revived = self.blocks, 0
+    def touch(self, block_ids: Sequence[int], namespace: bytes, holder: bytes | None = None) -> None:
+        """Take a reference for ``holder`` (default: the namespace) on cached blocks of ``namespace``
+        (a prefix hit); evictable ones come back into use."""
+        holder = namespace if holder is None else holder
+        blocks = self.blocks
         for block_id in block_ids:
             block = blocks[block_id]
             if block.block_hash is None or block.namespace != namespace:
-                self._used_by_ns[namespace] += revived  # the blocks before this one are taken
                 raise ValueError(f"block {block_id} is not an indexed block of this namespace")
             if block.ref_cnt == 0:
                 self.policy.discard(block)
-                revived += 1
             block.ref_cnt += 1
             block.uses += 1
-        # one counter update per call, not per block (a 7,680-token hit revives 480 blocks)
-        self._used_by_ns[namespace] += revived
+            self._take(holder, block)
 
-    def retain(self, block_ids: Sequence[int], until: float, limit: int) -> int:
+    def retain(self, block_ids: Sequence[int], until: float, limit: int, holder: bytes | None = None) -> int:
         """Keep the indexed blocks ``block_ids`` (one chain, head first) from eviction until ``until``
         (``clock`` time) while other victims exist; returns how many are retained now.
 
-        Call while the caller still holds the blocks. A namespace retains at most ``limit`` blocks
-        at once (expired retentions do not count): past it, the chain's tail is not retained, so
-        one tenant's retention cannot push every other tenant's cache out of HBM."""
+        Call while the caller still holds the blocks. ``holder`` (a tenant key; default: the
+        chain's namespace) retains at most ``limit`` blocks at once (expired retentions do not
+        count): past it, the chain's tail is not retained, so one tenant's retention cannot push
+        every other tenant's cache out of HBM."""
         if not block_ids:
             return 0
         now = self.clock()
         namespace = self.blocks[block_ids[0]].namespace
         if namespace is None:
             return 0
-        held = self._retained_by_ns.setdefault(namespace, {})
+        held = self._retained_by.setdefault(namespace if holder is None else holder, {})
         for block_id in [b for b, deadline in held.items() if deadline <= now]:
             del held[block_id]
         n = 0
@@ -215,35 +255,41 @@ class BlockPool:
             n += 1
         return n
 
-    def retained_by(self, namespace: bytes) -> int:
-        """Blocks of ``namespace`` whose retention has not ended."""
+    def retained_by(self, holder: bytes) -> int:
+        """Blocks ``holder`` (a tenant key, or a namespace used as one) retains, retention not ended."""
         now = self.clock()
-        return sum(1 for deadline in self._retained_by_ns.get(namespace, {}).values() if deadline > now)
+        return sum(1 for deadline in self._retained_by.get(holder, {}).values() if deadline > now)
 
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block. Freed in reverse so that, among blocks released
-        together, a sequence's tail is older than its head (evicted first under LRU)."""
-        blocks, push, released = self.blocks, self.policy.push, Counter[bytes]()
-        try:
-            for block_id in reversed(block_ids):
-                block = blocks[block_id]
-                if block.ref_cnt <= 0:
-                    raise ValueError(f"double free of block {block_id}")
-                block.ref_cnt -= 1
-                if block.ref_cnt:
-                    continue
-                assert block.namespace is not None
-                released[block.namespace] += 1
-                if block.block_hash is not None:
-                    push(block)
-                else:
-                    block.namespace = None
-                    self._uncached.append(block)
-        finally:
-            # one counter update per namespace, not per block (a finished 8,192-token request frees 513)
-            self._used_by_ns.subtract(released)
+    def retained_in(self, namespace: bytes) -> int:
+        """Blocks of ``namespace`` under a retention that has not ended (whoever retained them)."""
+        now = self.clock()
+        blocks = self.blocks
+        return len({b for held in self._retained_by.values() for b, deadline in held.items()
+                    if deadline > now and blocks[b].namespace == namespace})
 
-    def register(self, block_id: int, block_hash: BlockHash, depth: int, parent_id: int | None) -> int:
+    def free(self, block_ids: Sequence[int], holder: bytes | None = None) -> None:
+        """Drop one reference of ``holder`` (default: each block's namespace) on each block. Freed
+        in reverse so that, among blocks released together, a sequence's tail is older than its
+        head (evicted first under LRU)."""
+        blocks, push = self.blocks, self.policy.push
+        for block_id in reversed(block_ids):
+            block = blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block_id}")
+            assert block.namespace is not None
+            self._drop(block.namespace if holder is None else holder, block_id)
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            if block.block_hash is not None:
+                push(block)
+            else:
+                block.namespace = None
+                block.holder = None
+                self._uncached.append(block)
+
+    def register(self, block_id: int, block_hash: BlockHash, depth: int, parent_id: int | None,
+                 holder: bytes | None = None) -> int:
         """Index a block that just became full; returns the block id that now holds ``block_hash``.
 
         ``depth`` is its chain position and ``parent_id`` the block holding the previous hash of
@@ -251,6 +297,7 @@ class BlockPool:
         indexed elsewhere (another request computed the same prefix concurrently), the caller's
         reference moves there and ``block_id`` is freed: replace it in the block table by the
         returned id. With caching disabled nothing is indexed and ``block_id`` is returned.
+        ``holder``: the tenant key the caller's reference is held for (default: the namespace).
         """
         block = self.blocks[block_id]
         if block.ref_cnt < 1 or block.namespace is None:
@@ -262,8 +309,8 @@ class BlockPool:
         resident = self.index.get(block_hash)
         if resident is not None:
             assert block.ref_cnt == 1, "an unindexed block is never shared"
-            self.touch([resident], block.namespace)
-            self.free([block_id])
+            self.touch([resident], block.namespace, holder)
+            self.free([block_id], holder)
             return resident
         parent: Block | None = None
         if depth > 0:
@@ -307,7 +354,8 @@ class BlockPool:
         linked both ways and holds exactly the unreferenced unindexed blocks; evictable blocks are
         exactly the unreferenced indexed ones and the policy holds that many; free + used = total;
         the index maps every hash to the block that holds it and back; the index is prefix-closed
-        with correct child counts; per-namespace counts match.
+        with correct child counts; per-namespace indexed counts match; the holders' references
+        to each block add up to its refcount.
         """
 
         def fail(msg: str) -> None:
@@ -354,9 +402,13 @@ class BlockPool:
         for block in self.blocks:
             if block.num_children != children.get(block.block_id, 0):
                 fail(f"block {block.block_id}: num_children {block.num_children} != {children.get(block.block_id, 0)}")
-        used_ns: Counter[bytes] = Counter(b.namespace for b in self.blocks if b.ref_cnt > 0 and b.namespace)
-        if +used_ns != +self._used_by_ns:
-            fail(f"per-namespace use {dict(self._used_by_ns)} != {dict(used_ns)}")
+        held_refs: Counter[int] = Counter()
+        for held in self._holds.values():
+            held_refs.update(held)
+        for block in self.blocks:
+            if held_refs.get(block.block_id, 0) != block.ref_cnt:
+                fail(f"block {block.block_id}: holders' references {held_refs.get(block.block_id, 0)} "
+                     f"!= ref_cnt {block.ref_cnt}")
         idx_ns: Counter[bytes] = Counter(b.namespace for b in self.blocks if b.block_hash is not None and b.namespace)
         if +idx_ns != +self._indexed_by_ns:
             fail("per-namespace indexed counts are off")

@@ -47,7 +47,7 @@ class Block:
 
     __slots__ = (
         "block_id", "ref_cnt", "block_hash", "namespace", "depth", "parent", "num_children",
-        "uses", "priority", "version", "retain_until", "prev_free", "next_free",
+        "uses", "priority", "version", "retain_until", "prev_free", "next_free", "holder",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -55,6 +55,7 @@ class Block:
         self.ref_cnt = 0
         self.block_hash: bytes | None = None  # set while the block is in the prefix index
         self.namespace: bytes | None = None  # owner while in use or indexed
+        self.holder: bytes | None = None  # tenant key that last took a reference (its spill is charged to it)
         self.depth = -1  # position in its hash chain (0 = first block of a sequence)
         self.parent: Block | None = None  # the indexed block of the previous chain position
         self.num_children = 0  # indexed blocks whose parent this is

@@ -20,7 +20,9 @@ Every block the index gains (commit, a finished restore, an import) or loses (ev
 to the ``BlockEventObserver`` if one is given (``engine.kv_events`` publishes it to a fleet's router).
 
 Admission arithmetic (per-tenant HBM quota, free blocks, evictable blocks a hit revives) lives in
-``_fits`` only. A prefix in flight: ``admit`` marks the prompt blocks a request will compute
+``_fits`` only. Quotas are per tenant (``TenantScope.tenant_key``), never per namespace: every
+reference is taken for the requesting tenant, and a tenant is charged once for each distinct block
+its requests (and restores held for them) reference, shared or not (``engine.block_pool``). A prefix in flight: ``admit`` marks the prompt blocks a request will compute
 (``_computing``); ``commit`` and ``free`` unmark them. A later request of the same namespace whose
 next block is marked waits (``QueueReason.PREFIX_COMPUTING``) and hits the blocks once committed,
 instead of computing the same prefix a second time.
@@ -63,6 +65,7 @@ IDLE_RESTORE_WAIT_S = 0.05
 
 @dataclass
 class _Restore:
+    holder: bytes  # the requesting tenant's key: the references below are held for it
     hbm_ids: list[int]  # the request's HBM prefix, held so that allocating cannot evict it
     new_ids: list[int]  # fresh blocks the restored KV goes into
     hashes: tuple[BlockHash, ...]  # what goes into new_ids, in chain order
@@ -101,11 +104,13 @@ class KVCacheManager:
                                clock=clock)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self._tenants: dict[bytes, TenantScope] = {}  # who owns a namespace's blocks (for spills)
+        # (tenant key, namespace) -> its scope: whose evicted blocks are spilled, under which cipher and caps
+        self._tenants: dict[tuple[bytes, bytes], TenantScope] = {}
         self._computing: Counter[BlockHash] = Counter()  # prompt blocks running requests will compute
         self._computing_of: dict[str, list[BlockHash]] = {}  # request id -> its marks not committed yet
         self._restoring: dict[str, _Restore] = {}
-        self._holding: dict[str, list[int]] = {}  # request id -> restored prefix held until admission
+        # request id -> (tenant key, restored prefix held for it until admission)
+        self._holding: dict[str, tuple[bytes, list[int]]] = {}
         self._looked_up: set[tuple[str, int]] = set()  # (request id, preemptions) already looked up below
         self.restored_blocks = 0
 
@@ -135,32 +140,34 @@ class KVCacheManager:
     def num_indexed(self) -> int:
         return len(self._pool.index)
 
-    def used_by(self, namespace: bytes) -> int:
-        """HBM blocks in use by ``namespace`` (what its ``kv_block_quota`` counts)."""
-        return self._pool.used_by(namespace)
+    def used_by(self, tenant_key: bytes) -> int:
+        """HBM blocks the tenant ``tenant_key`` holds (what its ``kv_block_quota`` counts): each
+        distinct block its requests reference, in whichever of its namespaces, shared or not."""
+        return self._pool.used_by(tenant_key)
 
     def indexed_by(self, namespace: bytes) -> int:
         return self._pool.indexed_by(namespace)
 
-    def retained_by(self, namespace: bytes) -> int:
-        """HBM blocks of ``namespace`` whose explicit retention has not ended."""
-        return self._pool.retained_by(namespace)
+    def retained_by(self, tenant_key: bytes) -> int:
+        """HBM blocks the tenant ``tenant_key`` retains whose explicit retention has not ended."""
+        return self._pool.retained_by(tenant_key)
 
     def cached_blocks(self, namespace: bytes) -> dict[str, int]:
         """Blocks cached for ``namespace`` per tier (``hbm`` plus any lower tier) and ``retained``.
 
         Reads counters only; safe from another thread (a count may be one step old)."""
         lower = self._lower.blocks_of(namespace) if self._lower is not None else {}
-        return {"hbm": self._pool.indexed_by(namespace), **lower, "retained": self._pool.retained_by(namespace)}
+        return {"hbm": self._pool.indexed_by(namespace), **lower, "retained": self._pool.retained_in(namespace)}
 
     def blocks_by_tenant(self) -> dict[TierName, dict[str, int]]:
-        """Blocks each tenant (``metrics_label``; namespaces sharing a label are summed) holds per
+        """Blocks each tenant (``metrics_label``; tenants sharing a label are summed) holds per
         tier: HBM blocks in use (what ``kv_block_quota`` counts), and the lower tiers' blocks."""
+        labels = {key: tenant.metrics_label for (key, _ns), tenant in self._tenants.items()}
         hbm: dict[str, int] = {}
-        for namespace, tenant in self._tenants.items():
-            n = self._pool.used_by(namespace)
+        for key, label in labels.items():
+            n = self._pool.used_by(key)
             if n:
-                hbm[tenant.metrics_label] = hbm.get(tenant.metrics_label, 0) + n
+                hbm[label] = hbm.get(label, 0) + n
         out = {TierName.HBM: hbm}
         if self._lower is not None:
             out.update(self._lower.blocks_by_tenant())
@@ -197,13 +204,11 @@ class KVCacheManager:
         reason = self._fits(tenant, num_new_blocks, match.block_ids)
         if reason is not None:
             return reason
-        self._tenants[tenant.namespace] = tenant
-        self._pool.touch(match.block_ids, tenant.namespace)
-        new = self._pool.allocate(num_new_blocks, tenant.namespace)
+        self._remember(tenant)
+        self._pool.touch(match.block_ids, tenant.namespace, tenant.tenant_key)
+        new = self._pool.allocate(num_new_blocks, tenant.namespace, tenant.tenant_key)
         assert new is not None  # _fits counted free blocks
-        held = self._holding.pop(rid, None)
-        if held:  # the request now holds its restored prefix itself
-            self._pool.free(held)
+        self._release_held(rid)  # the request now holds its restored prefix itself
         if self.enable_caching:
             marks = list(req.block_hashes[match.num_blocks:])
             self._computing.update(marks)
@@ -216,19 +221,21 @@ class KVCacheManager:
         reason = self._fits(tenant, num_blocks, ())
         if reason is not None:
             return reason
-        new = self._pool.allocate(num_blocks, tenant.namespace)
+        new = self._pool.allocate(num_blocks, tenant.namespace, tenant.tenant_key)
         assert new is not None
         return new
 
-    def commit(self, request_id: str, block_table: Sequence[int], hashes: Sequence[BlockHash], start: int) -> list[int]:
-        """Index blocks ``start .. start+len(hashes)-1`` of ``block_table``, which just became full
-        (``hashes`` are theirs). Returns their ids: one differs where another request committed the
-        same hash first (the reference moved to that block); write them back into the table."""
+    def commit(self, request_id: str, tenant: TenantScope, block_table: Sequence[int],
+               hashes: Sequence[BlockHash], start: int) -> list[int]:
+        """Index blocks ``start .. start+len(hashes)-1`` of ``block_table`` (a request of ``tenant``),
+        which just became full (``hashes`` are theirs). Returns their ids: one differs where another
+        request committed the same hash first (the reference moved to that block); write them back
+        into the table."""
         out: list[int] = []
         with self._phase(CachePhase.REGISTER):
             parent = block_table[start - 1] if start > 0 else None
             for i, h in enumerate(hashes):
-                parent = self._pool.register(block_table[start + i], h, start + i, parent)
+                parent = self._pool.register(block_table[start + i], h, start + i, parent, tenant.tenant_key)
                 out.append(parent)
         self._unmark(request_id, len(hashes))
         # a returned id that differs from the table's names a block another request stored first
@@ -251,23 +258,31 @@ class KVCacheManager:
         kept = 0
         for span in spans:
             n = min(span.tokens // self.block_size, num_indexed, len(block_table))
-            kept = max(kept, self._pool.retain(block_table[:n], now + span.seconds, limit))
+            kept = max(kept, self._pool.retain(block_table[:n], now + span.seconds, limit, tenant.tenant_key))
         return kept
 
-    def free(self, request_id: str, block_table: Sequence[int]) -> None:
-        """The request finished, was aborted or preempted: drop its references, its in-flight
-        marks, and any restore or restored prefix the manager holds for it."""
+    def free(self, request_id: str, tenant: TenantScope, block_table: Sequence[int]) -> None:
+        """The request (of ``tenant``) finished, was aborted or preempted: drop its references, its
+        in-flight marks, and any restore or restored prefix the manager holds for it."""
         if block_table:
-            self._pool.free(block_table)
+            self._pool.free(block_table, tenant.tenant_key)
         self._unmark(request_id, None)
-        held = self._holding.pop(request_id, None)
-        if held:
-            self._pool.free(held)
+        self._release_held(request_id)
         restore = self._restoring.pop(request_id, None)
         if restore is not None:
             assert self._lower is not None
             self._lower.cancel_restore(request_id)
-            self._pool.free(restore.hbm_ids + restore.new_ids)
+            self._pool.free(restore.hbm_ids + restore.new_ids, restore.holder)
+
+    def _release_held(self, request_id: str) -> None:
+        """Drop the references on a restored prefix the manager held for ``request_id``."""
+        held = self._holding.pop(request_id, None)
+        if held is not None and held[1]:
+            self._pool.free(held[1], held[0])
+
+    def _remember(self, tenant: TenantScope) -> None:
+        """Keep ``tenant``'s scope for its blocks' spills (its cipher, its tier caps)."""
+        self._tenants[(tenant.tenant_key, tenant.namespace)] = tenant
 
     # ------------------------------------------------------------------ KV from another engine
 
@@ -300,24 +315,25 @@ class KVCacheManager:
         reason = self._fits(tenant, len(todo), ids[-1:])
         if reason is not None:
             return reason
-        self._tenants[tenant.namespace] = tenant
+        self._remember(tenant)
+        key = tenant.tenant_key
         parent = ids[-1] if ids else None
         if parent is not None:
-            self._pool.touch([parent], tenant.namespace)  # register needs an in-use parent
-        new = self._pool.allocate(len(todo), tenant.namespace)
+            self._pool.touch([parent], tenant.namespace, key)  # register needs an in-use parent
+        new = self._pool.allocate(len(todo), tenant.namespace, key)
         assert new is not None  # _fits counted free blocks
         kept: list[int] = []
         try:
             write(new, have)
             with self._phase(CachePhase.REGISTER):
                 for i, h in enumerate(todo):
-                    parent = self._pool.register(new[i], h, have + i, parent)
+                    parent = self._pool.register(new[i], h, have + i, parent, key)
                     kept.append(parent)
             self._stored([h for i, h in enumerate(todo) if kept[i] == new[i]])
         finally:
             # drop the references taken here: the blocks stay indexed (evictable) or, where
             # write failed before registering, go back to the free queue unindexed
-            self._pool.free(ids[-1:] + kept + new[len(kept):])
+            self._pool.free(ids[-1:] + kept + new[len(kept):], key)
         return len(todo)
 
     def resident_prefix(self, chain: Sequence[BlockHash]) -> int:
@@ -357,7 +373,7 @@ class KVCacheManager:
         with self._phase(CachePhase.TIER):
             self._lower.flush_spills(due_only=due_only)
             for req in waiting:
-                self._tenants[req.tenant.namespace] = req.tenant
+                self._remember(req.tenant)
             ids = {r.request_id for r in waiting}
             self._looked_up = {k for k in self._looked_up if k[0] in ids}
             self._finish_restores(0.0)
@@ -386,10 +402,11 @@ class KVCacheManager:
         if reason is not None:
             return
         hbm_ids = list(hbm.block_ids)
-        self._pool.touch(hbm_ids, tenant.namespace)
-        new_ids = self._pool.allocate(n, tenant.namespace)
+        key = tenant.tenant_key
+        self._pool.touch(hbm_ids, tenant.namespace, key)
+        new_ids = self._pool.allocate(n, tenant.namespace, key)
         assert new_ids is not None
-        self._restoring[rid] = _Restore(hbm_ids, new_ids, below[:n])
+        self._restoring[rid] = _Restore(key, hbm_ids, new_ids, below[:n])
         self._lower.start_restore(rid, tenant, below[:n], new_ids)
 
     def _finish_restores(self, timeout_s: float) -> None:
@@ -403,19 +420,20 @@ class KVCacheManager:
             with self._phase(CachePhase.REGISTER):
                 parent = r.hbm_ids[-1] if r.hbm_ids else None
                 for i in range(n):
-                    parent = self._pool.register(r.new_ids[i], r.hashes[i], len(r.hbm_ids) + i, parent)
+                    parent = self._pool.register(r.new_ids[i], r.hashes[i], len(r.hbm_ids) + i, parent, r.holder)
                     kept.append(parent)  # differs from new_ids[i] if the hash reappeared meanwhile
             self._stored([r.hashes[i] for i in range(n) if kept[len(r.hbm_ids) + i] == r.new_ids[i]])
             self.restored_blocks += n
             if r.new_ids[n:]:
-                self._pool.free(r.new_ids[n:])  # blocks whose restore failed: recomputed instead
+                self._pool.free(r.new_ids[n:], r.holder)  # blocks whose restore failed: recomputed instead
             if kept:
-                self._holding[done.request_id] = kept
+                self._holding[done.request_id] = (r.holder, kept)
 
     def _evicted(self, block: EvictedBlock) -> None:
         """The pool is about to reuse an indexed block: spill its bytes, then say it is gone."""
         if self._lower is not None:
-            tenant = self._tenants.get(block.namespace)
+            # spilled as the tenant that last held it: its cipher, charged to its tier caps
+            tenant = self._tenants.get((block.holder, block.namespace))
             if tenant is not None:
                 self._lower.spill(tenant, block)
         if self._events is not None:
@@ -442,18 +460,19 @@ class KVCacheManager:
     # ------------------------------------------------------------------ internals
 
     def _fits(self, tenant: TenantScope, num_new: int, hit_ids: Sequence[int]) -> QueueReason | None:
-        """The admission arithmetic: None if ``num_new`` fresh blocks plus the evictable blocks among
-        ``hit_ids`` (a hit takes them out of the free count) fit the tenant's quota and the pool."""
+        """The admission arithmetic: None if ``num_new`` fresh blocks plus the hit blocks
+        ``hit_ids`` fit the tenant's quota (charged: the hit blocks it does not hold yet, including
+        blocks another tenant's request holds) and the pool (taken from the free count: the
+        evictable hit blocks, which the hit revives)."""
         quota = tenant.kv_block_quota
-        used = self._pool.used_by(tenant.namespace) if quota is not None else 0
+        used = self._pool.used_by(tenant.tenant_key) if quota is not None else 0
         if self._fit_bounded(quota, used, num_new + len(hit_ids)):
-            # even were every hit block evictable it would fit: no need to count them (a 7,680-token
-            # hit is 480 refcount reads on the time to first token)
+            # even were every hit block evictable and new to the tenant it would fit: no need to
+            # count them (a 7,680-token hit is 480 refcount reads on the time to first token)
             return None
-        revived = self._count_evictable(hit_ids)
-        if quota is not None and used + num_new + revived > quota:
+        if quota is not None and used + num_new + self._pool.count_not_held(hit_ids, tenant.tenant_key) > quota:
             return QueueReason.TENANT_OVER_QUOTA
-        if num_new + revived > self._pool.num_free:
+        if num_new + self._count_evictable(hit_ids) > self._pool.num_free:
             return QueueReason.NO_KV_BLOCKS
         return None
 
@@ -488,7 +507,7 @@ class KVCacheManager:
         (restores under way, restored prefixes not yet admitted); and the in-flight marks."""
         tables = list(block_tables)
         tables += [r.hbm_ids + r.new_ids for r in self._restoring.values()]
-        tables += list(self._holding.values())
+        tables += [ids for _holder, ids in self._holding.values()]
         self._pool.check_integrity(tables)
         expected: Counter[BlockHash] = Counter()
         for marks in self._computing_of.values():

@@ -90,6 +90,8 @@ class EvictedBlock:
     # seconds left of its explicit retention (cache_control ttl & co) when it left HBM; 0 = none.
     # A duration, not a deadline: HBM keeps monotonic time, the tiers wall-clock time.
     retained_for_s: float = 0.0
+    # the tenant key that last held it (``BlockPool``'s holder): whose lower-tier caps its spill counts against
+    holder: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 The gateway talks to every engine — in-process, a remote node over HTTP — through the small
 ``EngineClient`` Protocol below, and a tenant reaches the engine only as a ``TenantScope``: an
-opaque namespace, a ``BlockCipher`` and a few quota numbers. Tenancy implements these Protocols
+opaque namespace (what its prompts share a cache with), an opaque tenant key (whose quotas and
+fair share they count against), a ``BlockCipher`` and a few quota numbers. Tenancy implements these Protocols
 structurally; the engine never imports tenancy or gateway code (import-linter enforces it).
 
 This module imports no torch, so the gateway can depend on it cheaply.
@@ -44,6 +45,12 @@ class TenantScope(Protocol):
     Attributes:
         namespace: the server-derived cache namespace (HMAC of tenant id and share scope). It
             seeds the prefix hash chain, so two namespaces never share a cache entry in any tier.
+            A sharing scope, not a tenant: one tenant may have many (share scope ``user``: one
+            per end user) and tenants may share one (share scope ``group:NAME``).
+        tenant_key: an opaque, stable id of the tenant (never a chain seed). Everything that is
+            per tenant is keyed by it, never by the namespace: the KV block quotas (HBM, and the
+            DRAM / NVMe tier caps), the scheduler's fair share (VTC counter, waiting queue) and
+            the choice of whose request is preempted to free quota.
         metrics_label: a bounded-cardinality label for Prometheus (never a raw end-user id).
         cipher: encrypts this tenant's blocks when they leave HBM; ``None`` disables spilling for
             this tenant (its evicted blocks are dropped, never written in clear).
@@ -56,6 +63,9 @@ class TenantScope(Protocol):
 
     @property
     def namespace(self) -> bytes: ...
+
+    @property
+    def tenant_key(self) -> bytes: ...
 
     @property
     def metrics_label(self) -> str: ...
@@ -81,7 +91,10 @@ class TenantScope(Protocol):
 
 @dataclass(frozen=True)
 class StaticTenantScope:
-    """A plain ``TenantScope`` for the CLI, tests and benchmarks (no tenancy database)."""
+    """A plain ``TenantScope`` for the CLI, tests, benchmarks and remote nodes (no tenancy database).
+
+    ``tenant_key`` left empty means one tenant per namespace: the key is the namespace itself
+    (what a node gets from a peer that sends no tenant key)."""
 
     namespace: bytes = b"default"
     metrics_label: str = "default"
@@ -91,6 +104,11 @@ class StaticTenantScope:
     ttft_target_s: float | None = None
     kv_block_quota_dram: int | None = None
     kv_block_quota_nvme: int | None = None
+    tenant_key: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not self.tenant_key:
+            object.__setattr__(self, "tenant_key", self.namespace)
 
 
 @dataclass(frozen=True)

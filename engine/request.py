@@ -108,7 +108,13 @@ class Request:
 
     @property
     def namespace(self) -> bytes:
+        """The cache scope: seeds the block hash chain (what the request may share a cache with)."""
         return self.tenant.namespace
+
+    @property
+    def tenant_key(self) -> bytes:
+        """Whose request this is: what quotas, fairness and preemption count by (never the namespace)."""
+        return self.tenant.tenant_key
 
     @property
     def num_prompt_tokens(self) -> int:

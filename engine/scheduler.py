@@ -21,6 +21,11 @@ and a batch-size cap (``max_num_seqs``)::
          admitted only if the cache manager finds its first chunk's blocks (free, within quota).
     3. every request still waiting records why (``QueueReason``).
 
+"Tenant" above is ``Request.tenant_key`` (``TenantScope.tenant_key``), never the namespace: a
+tenant whose end users each get a namespace (share scope ``user``) has one queue, one service
+counter and one quota, and tenants sharing a namespace (share scope ``group:NAME``) each keep
+their own.
+
 Blocks come only from the ``KVCacheManager`` (match, admit, grow, commit, free, poll_restores);
 the scheduler never touches the pool. Requests join and leave between steps (continuous
 batching). The scheduler owns no tensors; the result is an ``engine.batch.ScheduledBatch`` for the
@@ -79,9 +84,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
-        self.waiting: OrderedDict[bytes, deque[Request]] = OrderedDict()
+        self.waiting: OrderedDict[bytes, deque[Request]] = OrderedDict()  # tenant key -> its queue
         self.running: list[Request] = []
-        self.service: dict[bytes, float] = {}  # tokens served per tenant (VTC counters)
+        self.service: dict[bytes, float] = {}  # tokens served per tenant key (VTC counters)
         self.num_preemptions = 0
         self._admit_seq = itertools.count(1)
         self._finished: list[Request] = []  # finished in a step, blocks not yet freed (``finish``)
@@ -96,17 +101,17 @@ class Scheduler:
         return bool(self.running) or self.num_waiting > 0
 
     def add(self, request: Request) -> None:
-        ns = request.namespace
-        if not self.waiting.get(ns) and not any(r.namespace == ns for r in self.running):
+        key = request.tenant_key
+        if not self.waiting.get(key) and not any(r.tenant_key == key for r in self.running):
             # A tenant returning from idle starts at the least-served active tenant's counter, so
             # it can neither bank credit while idle nor be punished for service long ago.
             active = [self.service[t] for t in self._active_tenants() if t in self.service]
-            self.service[ns] = max(self.service.get(ns, 0.0), min(active, default=0.0))
-        self.waiting.setdefault(ns, deque()).append(request)
+            self.service[key] = max(self.service.get(key, 0.0), min(active, default=0.0))
+        self.waiting.setdefault(key, deque()).append(request)
         request.status = RequestStatus.WAITING
 
     def _active_tenants(self) -> set[bytes]:
-        return {ns for ns, q in self.waiting.items() if q} | {r.namespace for r in self.running}
+        return {key for key, q in self.waiting.items() if q} | {r.tenant_key for r in self.running}
 
     def remove(self, request: Request) -> None:
         """Take a request out of the scheduler and free its blocks now (``finish`` frees later:
@@ -145,7 +150,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            queue = self.waiting.get(request.namespace)
+            queue = self.waiting.get(request.tenant_key)
             if queue is not None and request in queue:
                 queue.remove(request)
 
@@ -153,7 +158,7 @@ class Scheduler:
         if request.retention:  # explicit cache control: mark the spans before letting go
             self.cache.retain(request.tenant, request.block_table, request.num_registered_blocks,
                               request.retention)
-        self.cache.free(request.request_id, request.block_table)
+        self.cache.free(request.request_id, request.tenant, request.block_table)
         request.block_table = []
         request.num_registered_blocks = 0
 
@@ -197,14 +202,14 @@ class Scheduler:
             stop_reason = QueueReason.NO_KV_BLOCKS  # admitting now would only preempt again
         else:
             stop_reason = self._admit(budget, now, out, chunks, over_quota, blocked)
-        for ns, queue in self.waiting.items():
+        for key, queue in self.waiting.items():
             for req in queue:
                 if self.cache.is_restoring(req.request_id):
                     req.queue_reason = QueueReason.RESTORING
                 elif req.request_id in blocked:
                     req.queue_reason = blocked[req.request_id]
                 else:
-                    req.queue_reason = QueueReason.TENANT_OVER_QUOTA if ns in over_quota else stop_reason
+                    req.queue_reason = QueueReason.TENANT_OVER_QUOTA if key in over_quota else stop_reason
         out.batch = ScheduledBatch(tuple(chunks))
         return out
 
@@ -219,18 +224,19 @@ class Scheduler:
                 req.block_table.extend(got)
                 break
             over_quota = got is QueueReason.TENANT_OVER_QUOTA
-            victim = self._pick_victim(pos, req.namespace if over_quota else None) or req
+            victim = self._pick_victim(pos, req.tenant_key if over_quota else None) or req
             self._preempt(victim, out)
             if victim is req:
                 return False
         return True
 
-    def _pick_victim(self, after: int, namespace: bytes | None) -> Request | None:
+    def _pick_victim(self, after: int, tenant_key: bytes | None) -> Request | None:
         """The last running request after position ``after`` (lowest priority, latest admitted),
-        of ``namespace`` if given (a quota is freed only by the same tenant's blocks)."""
+        of tenant ``tenant_key`` if given (a quota is freed only by the same tenant's references,
+        in whichever of its namespaces)."""
         for j in range(len(self.running) - 1, after, -1):
             cand = self.running[j]
-            if namespace is None or cand.namespace == namespace:
+            if tenant_key is None or cand.tenant_key == tenant_key:
                 return cand
         return None
 
@@ -241,7 +247,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         req.queue_reason = QueueReason.NO_KV_BLOCKS
-        self.waiting.setdefault(req.namespace, deque()).appendleft(req)
+        self.waiting.setdefault(req.tenant_key, deque()).appendleft(req)
         self.num_preemptions += 1
         out.preempted.append(req)
 
@@ -257,12 +263,12 @@ class Scheduler:
                 return QueueReason.TOKEN_BUDGET
             if len(self.running) >= self.max_num_seqs:
                 return QueueReason.BATCH_FULL
-            tenants = [ns for ns, q in self.waiting.items()
-                       if ns not in over_quota and any(r.request_id not in blocked for r in q)]
+            tenants = [key for key, q in self.waiting.items()
+                       if key not in over_quota and any(r.request_id not in blocked for r in q)]
             if not tenants:
                 return QueueReason.NO_KV_BLOCKS  # only over-quota or blocked requests (or none) remain
-            ns = min(tenants, key=lambda t: self._tenant_key(t))
-            queue = self.waiting[ns]
+            key = min(tenants, key=self._tenant_order)
+            queue = self.waiting[key]
             picked = self._pick_in_tenant(queue, blocked)
             if picked is None:
                 continue  # every request of this tenant is blocked now
@@ -271,7 +277,7 @@ class Scheduler:
             new_blocks = req.blocks_needed(match.cached_tokens + n) - match.num_blocks
             table = self.cache.admit(req, match, new_blocks)
             if table is QueueReason.TENANT_OVER_QUOTA:
-                over_quota.add(ns)
+                over_quota.add(key)
                 continue
             if table is QueueReason.NO_KV_BLOCKS:
                 return QueueReason.NO_KV_BLOCKS
@@ -322,18 +328,19 @@ class Scheduler:
             return None
         return min(matches, key=lambda mr: -mr[0].cached_tokens)  # min is stable: queue order on ties
 
-    def _tenant_key(self, ns: bytes) -> tuple[int, float, float]:
-        queue = self.waiting[ns]
+    def _tenant_order(self, key: bytes) -> tuple[int, float, float]:
+        """Sort key of a waiting tenant: priority class, earliest TTFT deadline, least service."""
+        queue = self.waiting[key]
         priority = max(r.tenant.priority for r in queue)
         deadline = min(r.ttft_deadline for r in queue)
-        return (-priority, deadline, self.service.get(ns, 0.0))
+        return (-priority, deadline, self.service.get(key, 0.0))
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput, chunks: list[SequenceChunk]) -> None:
         chunks.append(self._chunk(req, n))
         out.requests.append(req)
         out.num_tokens.append(n)
         # charged at once, so the next admission in this same step already sees it
-        self.service[req.namespace] = self.service.get(req.namespace, 0.0) + n
+        self.service[req.tenant_key] = self.service.get(req.tenant_key, 0.0) + n
 
     def _chunk(self, req: Request, n: int) -> SequenceChunk:
         start = req.num_computed_tokens
@@ -361,7 +368,7 @@ class Scheduler:
             start = req.num_registered_blocks
             if full > start:
                 req.block_table[start:full] = self.cache.commit(
-                    req.request_id, req.block_table, req.block_hashes[start:full], start
+                    req.request_id, req.tenant, req.block_table, req.block_hashes[start:full], start
                 )
                 req.num_registered_blocks = full
 

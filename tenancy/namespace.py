@@ -67,6 +67,13 @@ def namespace_for(secret: bytes, *, tenant_id: str, share_scope: str, key_id: st
     return derive(secret, "user-key", tenant_id, key_id)
 
 
+def tenant_key_for(secret: bytes, tenant_id: str) -> bytes:
+    """The engine's per-tenant key (quotas, fairness, tier caps): one per tenant, whatever its share
+    scope. Derived under its own label, so it never equals a namespace (it is not a chain seed, and
+    the NVMe tier may keep it on disk where no namespace is written in clear)."""
+    return derive(secret, "tenant-key", tenant_id)
+
+
 _LABEL_BAD = re.compile(r"[^A-Za-z0-9_.-]")
 
 

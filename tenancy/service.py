@@ -59,7 +59,7 @@ from tenancy.errors import (
 from tenancy.fsutil import fsync_dir
 from tenancy.ledger import QUARANTINE_FILENAME, LedgerStats, LedgerWriter
 from tenancy.miss_privacy import apply_miss_policy
-from tenancy.namespace import metrics_label, namespace_for, parse_share_scope
+from tenancy.namespace import metrics_label, namespace_for, parse_share_scope, tenant_key_for
 from tenancy.pricing import PriceBook
 from tenancy.quota import Limiter, RateLimiter, check_budget, period_bounds
 from tenancy.types import (
@@ -435,6 +435,7 @@ class TenancyService:
             namespace=namespace_for(
                 self._namespace_key, tenant_id=t.tenant_id, share_scope=t.share_scope, key_id=key_id, user=None
             ),
+            tenant_key=tenant_key_for(self._namespace_key, t.tenant_id),
             metrics_label=metrics_label(t.name),
             cipher=self._cipher(data_key_owner(t.tenant_id, t.share_scope)),
             priority=t.priority,
@@ -449,7 +450,9 @@ class TenancyService:
     def scope_for(self, ctx: TenantContext, user: str | None = None) -> TenantContext:
         """``ctx`` with the namespace of its share scope for end user ``user`` (the OpenAI ``user`` field).
 
-        Only ``share_scope == "user"`` changes the namespace; other scopes ignore ``user``.
+        Only ``share_scope == "user"`` changes the namespace; other scopes ignore ``user``. The
+        ``tenant_key`` stays the tenant's: every end user's requests count against one quota and
+        one fair share, however many namespaces they are cached in.
         """
         if parse_share_scope(ctx.share_scope)[0] != "user":
             return ctx

@@ -43,9 +43,10 @@ class Quotas:
 class TenantContext:
     """An authenticated caller: who it is, how its prompts are cached, and its limits.
 
-    The eight fields before the quota fields are the engine's ``TenantScope``. ``namespace`` is
+    The nine fields before the quota fields are the engine's ``TenantScope``. ``namespace`` is
     derived by the server (HMAC of tenant id and share scope); ``scope_for`` returns a copy whose
-    namespace is narrowed to one end user when ``share_scope == "user"``.
+    namespace is narrowed to one end user when ``share_scope == "user"``. ``tenant_key`` (HMAC of
+    the tenant id alone) never changes with the scope: the engine counts quotas and fairness by it.
     """
 
     tenant_id: str
@@ -57,6 +58,7 @@ class TenantContext:
     per_user_vars: tuple[str, ...]
     # -- TenantScope --
     namespace: bytes
+    tenant_key: bytes
     metrics_label: str
     cipher: TenantCipher | None = field(default=None, compare=False, repr=False)
     priority: int = 0

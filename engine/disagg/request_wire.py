@@ -3,7 +3,10 @@
 The prefill/decode split needs the whole request on the prefill node (sampling, tenant scope,
 guided grammar) to compute exactly the blocks the decode node will look up; generation itself goes
 through the OpenAI-compatible node API (``gateway.remote``). The tenant travels only as its
-server-derived namespace (hex): the node never sees keys or tenant ids, and holds no data key.
+server-derived namespace (hex) and its opaque tenant key (hex, ``tenant_key``: what the node's
+quotas and fair share count by): the node never sees API keys or tenant ids, and holds no data key.
+``tenant_key`` is optional on the wire: a request from a gateway that sends none is its namespace's
+own tenant, as before the key existed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def request_to_wire(req: GenerateRequest) -> dict[str, Any]:
         "model": req.model,
         "tenant": {
             "namespace": bytes(t.namespace).hex(),
+            "tenant_key": bytes(t.tenant_key).hex(),
             "metrics_label": t.metrics_label,
             "priority": t.priority,
             "kv_block_quota": t.kv_block_quota,
@@ -45,6 +49,7 @@ def request_from_wire(d: dict[str, Any]) -> GenerateRequest:
     t = d["tenant"]
     scope = StaticTenantScope(
         namespace=bytes.fromhex(t["namespace"]),
+        tenant_key=bytes.fromhex(t.get("tenant_key") or ""),  # "" = the namespace (an older peer)
         metrics_label=str(t.get("metrics_label") or "remote"),
         cipher=None,
         priority=int(t.get("priority") or 0),

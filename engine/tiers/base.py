@@ -44,7 +44,7 @@ class TenantCap:
     blocks: int | None = None
 
 
-TenantCapFn = Callable[[bytes], TenantCap]
+TenantCapFn = Callable[[bytes], TenantCap]  # a segment owner's (tenant key's) caps in one tier
 
 
 class TierError(Exception):
@@ -63,7 +63,11 @@ class SegmentMeta:
 
     Attributes:
         segment_id: unique in its tier (hex string; also the NVMe file name).
-        namespace: the tenant namespace that seeded the hash chain.
+        namespace: the tenant namespace that seeded the hash chain (what a lookup matches on).
+        owner: the tenant key charged for it (``TenantScope.tenant_key`` of the tenant whose
+            request last held the blocks in HBM): the per-tenant caps, block quotas and fair-share
+            floors count by owner, never by namespace. Empty = the namespace (one tenant per
+            namespace).
         tenant_label: bounded-cardinality label for metrics.
         hashes: the segment's block hashes, in chain order.
         block_bytes: plaintext bytes of one block (``kv_bytes_per_block`` of the runner).
@@ -88,6 +92,11 @@ class SegmentMeta:
     expires_s: float | None = None
     hits: int = 0
     retain_until_s: float | None = None
+    owner: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not self.owner:
+            self.owner = self.namespace
 
     @property
     def num_blocks(self) -> int:

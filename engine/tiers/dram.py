@@ -139,8 +139,8 @@ class DramTier(IndexedTierQueries):
         else:
             stored = PinnedBlob.copy_of(blob, self.host_buffer) if self.pin_memory else bytes(blob)
         with self._lock:
-            cap = self._tenant_cap(meta.namespace)
-            plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
+            cap = self._tenant_cap(meta.owner)
+            plan = self._index.plan_room(meta.owner, meta.nbytes, cap.bytes, self._clock(),
                                          need_blocks=meta.num_blocks, tenant_cap_blocks=cap.blocks)
             if isinstance(plan, str):
                 return PutResult(stored=False, reason=plan)

@@ -147,8 +147,9 @@ class TierHook:
         self._apply_quotas(tenant)
         if self._run:
             last = self._run[-1][1]
-            # one segment = one chain run with one retention status (its deadline is the run's)
-            if (last.namespace != block.namespace or block.depth != last.depth - 1
+            # one segment = one chain run of one owner (the tenant charged for it) with one
+            # retention status (its deadline is the run's)
+            if (last.namespace != block.namespace or last.holder != block.holder or block.depth != last.depth - 1
                     or (last.retained_for_s > 0) != (block.retained_for_s > 0)
                     or len(self._run) >= self.manager.max_segment_blocks):
                 self.flush_spills()
@@ -183,11 +184,12 @@ class TierHook:
 
     def _apply_quotas(self, tenant: TenantScope) -> None:
         quotas = (tenant.kv_block_quota_dram, tenant.kv_block_quota_nvme)
-        if self._quotas.get(tenant.namespace) == quotas:
+        key = tenant.tenant_key  # per tenant, whichever of its namespaces the block came from
+        if self._quotas.get(key) == quotas:
             return
-        self._quotas[tenant.namespace] = quotas
-        policy = self.manager.tenant_policy(tenant.namespace)
-        self.manager.set_tenant_policy(tenant.namespace, dataclasses.replace(
+        self._quotas[key] = quotas
+        policy = self.manager.tenant_policy(key)
+        self.manager.set_tenant_policy(key, dataclasses.replace(
             policy, dram_blocks=quotas[0], nvme_blocks=quotas[1]))
 
     def flush_spills(self, *, due_only: bool = False) -> None:

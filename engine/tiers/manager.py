@@ -236,28 +236,30 @@ class TierManager:
     def enabled(self) -> bool:
         return bool(self.tiers)
 
-    def set_tenant_policy(self, namespace: bytes, policy: TenantTierPolicy) -> None:
-        self._policies[namespace] = policy
+    def set_tenant_policy(self, tenant_key: bytes, policy: TenantTierPolicy) -> None:
+        """``policy`` for the tenant ``tenant_key`` (``TenantScope.tenant_key``): its caps hold
+        across all its namespaces."""
+        self._policies[tenant_key] = policy
 
-    def tenant_policy(self, namespace: bytes) -> TenantTierPolicy:
-        return self._policies.get(namespace, _DEFAULT_POLICY)
+    def tenant_policy(self, tenant_key: bytes) -> TenantTierPolicy:
+        return self._policies.get(tenant_key, _DEFAULT_POLICY)
 
     def _cap_fn(self, tier: TierName, capacity: int) -> Callable[[bytes], TenantCap]:
         share = int(capacity * self.max_tenant_fraction)
 
-        def cap(namespace: bytes) -> TenantCap:
-            p = self.tenant_policy(namespace)
+        def cap(owner: bytes) -> TenantCap:
+            p = self.tenant_policy(owner)
             explicit = p.dram_bytes if tier is TierName.DRAM else p.nvme_bytes
-            return TenantCap(share if explicit is None else min(share, explicit), self._block_cap(tier, namespace))
+            return TenantCap(share if explicit is None else min(share, explicit), self._block_cap(tier, owner))
 
         return cap
 
-    def _block_cap(self, tier: TierName, namespace: bytes) -> int | None:
-        p = self.tenant_policy(namespace)
+    def _block_cap(self, tier: TierName, tenant_key: bytes) -> int | None:
+        p = self.tenant_policy(tenant_key)
         return p.dram_blocks if tier is TierName.DRAM else p.nvme_blocks
 
-    def _ttl(self, namespace: bytes) -> float | None:
-        p = self._policies.get(namespace)
+    def _ttl(self, tenant_key: bytes) -> float | None:
+        p = self._policies.get(tenant_key)
         return self.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s
 
     # ---- demotion ------------------------------------------------------------------------------
@@ -266,7 +268,8 @@ class TierManager:
         """Spill a run of consecutive blocks of one hash chain; returns at once.
 
         Args:
-            tenant: the blocks' owner; its ``cipher`` encrypts them (``None``: they are dropped).
+            tenant: the blocks' owner; its ``cipher`` encrypts them (``None``: they are dropped),
+                its ``namespace`` keys them, its ``tenant_key`` is charged for them (caps, quotas).
             hashes: the run's block hashes, in chain order.
             data: the run's plaintext KV, ``len(hashes) * block_bytes`` bytes: ``bytes``, a
                 ``memoryview``, a CPU uint8 tensor ``[N, block_bytes]`` (the runner's export), or
@@ -366,7 +369,7 @@ class TierManager:
             self._skip(report, self.tiers[0].name, SkipReason.COST, len(hashes))
             return
         for tier in targets:
-            cap = self._block_cap(tier.name, tenant.namespace)
+            cap = self._block_cap(tier.name, tenant.tenant_key)
             if cap is not None and cap < len(hashes):
                 # More blocks than the tenant may keep here: its leading ones (a match needs them
                 # first) stay in this tier, the rest go on to the next one.
@@ -401,9 +404,10 @@ class TierManager:
             else:
                 blob = cipher.encrypt(host, aad)
         now = self._clock()
-        ttl = self._ttl(ns)
+        ttl = self._ttl(tenant.tenant_key)
         meta = SegmentMeta(uuid.uuid4().hex, ns, tenant.metrics_label, hashes, self.block_bytes, len(blob),
-                           now, now, None if ttl is None else now + ttl, retain_until_s=retain_until_s)
+                           now, now, None if ttl is None else now + ttl, retain_until_s=retain_until_s,
+                           owner=tenant.tenant_key)
         return meta, blob
 
     def _put(self, tier: DramTier | NvmeTier, sealed: tuple[SegmentMeta, bytes | PinnedBlob],

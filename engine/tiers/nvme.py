@@ -9,7 +9,9 @@ never read each other's blocks)::
 
 Nothing on disk names a namespace or a block hash in clear (``engine.tiers.index_seal``): rows
 recovered at start-up stay *sealed* (counted in capacity, matched by nothing) until a lookup for
-their namespace unseals them. Files are 0600 and directories 0700.
+their namespace unseals them. A row's owner (the tenant key its caps count it against) is kept as
+a tag too (``owner_tag``); a recovered segment counts against a stand-in owner until its tenant's
+next spill into this tier names the key again (rows from before owners were kept: their namespace). Files are 0600 and directories 0700.
 
 Damage is a cache miss and a count, never a failed start: an index SQLite cannot open (garbage over
 its header, a newer or older schema) is moved aside to ``index.sqlite.damaged-<time>`` and rebuilt
@@ -53,8 +55,11 @@ from engine.tiers.placement import ScoreFn, SegmentIndex, lru_score
 
 log = logging.getLogger("engine.tiers.nvme")
 
-INDEX_VERSION = 3  # PRAGMA user_version; 0/1 = the old index with raw namespaces and hashes
-_ADDED_IN = {3: "ALTER TABLE segments ADD COLUMN retain_until_s REAL"}  # v2 -> v3 keeps every row
+INDEX_VERSION = 4  # PRAGMA user_version; 0/1 = the old index with raw namespaces and hashes
+_ADDED_IN = {  # v2 -> v3 -> v4 keep every row
+    3: "ALTER TABLE segments ADD COLUMN retain_until_s REAL",
+    4: "ALTER TABLE segments ADD COLUMN owner_tag BLOB",
+}
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS segments (
     id            TEXT PRIMARY KEY,
@@ -68,12 +73,14 @@ CREATE TABLE IF NOT EXISTS segments (
     last_access_s REAL NOT NULL,
     expires_s     REAL,
     hits          INTEGER NOT NULL DEFAULT 0,
-    retain_until_s REAL                -- explicit retention (SegmentMeta.retain_until_s)
+    retain_until_s REAL,               -- explicit retention (SegmentMeta.retain_until_s)
+    owner_tag     BLOB                 -- IndexSealer.tag(owner); NULL (v3 rows): the namespace
 );
 CREATE INDEX IF NOT EXISTS segments_by_tag ON segments(ns_tag);
 """
 _SEGMENT_ID = re.compile(r"[0-9a-f]{8,64}")  # also a file name: nothing else may reach a path
 _SEALED_PREFIX = b"sealed:"  # the in-memory namespace of a segment whose namespace is not known yet
+_OWNER_PREFIX = b"owner-tag:"  # the in-memory owner of a recovered segment whose tenant key is not known yet
 _CHECKED_MAX = 100_000
 
 
@@ -149,6 +156,7 @@ class NvmeTier(IndexedTierQueries):
         self._sealed: dict[bytes, list[str]] = {}
         self._sealed_rows: dict[str, tuple[bytes, int]] = {}  # id -> (sealed hashes, hash_len)
         self._checked: set[bytes] = set()  # namespaces known to have no sealed segment
+        self._owner_sealed: dict[bytes, list[str]] = {}  # owner tag -> recovered segments charged to it
         self.damage = IndexDamage()
         # One connection shared by the worker threads, always used under self._lock.
         self._db = self._open_index()
@@ -187,7 +195,8 @@ class NvmeTier(IndexedTierQueries):
         try:
             rows = self._db.execute(
                 "SELECT id, ns_tag, tenant_label, hash_len, sealed, block_bytes, nbytes, created_s,"
-                " last_access_s, expires_s, hits, retain_until_s FROM segments ORDER BY created_s").fetchall()
+                " last_access_s, expires_s, hits, retain_until_s, owner_tag FROM segments"
+                " ORDER BY created_s").fetchall()
         except sqlite3.DatabaseError as exc:  # damage past the header: found only when read
             self._db.close()
             (self.root / "index.sqlite").replace(self.root / f"index.sqlite.damaged-{int(time.time())}")
@@ -203,6 +212,8 @@ class NvmeTier(IndexedTierQueries):
             self._index.add(meta)
             self._sealed.setdefault(bytes(row[1]), []).append(meta.segment_id)
             self._sealed_rows[meta.segment_id] = (bytes(row[4]), int(row[3]))
+            if meta.owner.startswith(_OWNER_PREFIX):
+                self._owner_sealed.setdefault(meta.owner[len(_OWNER_PREFIX):], []).append(meta.segment_id)
             kept += 1
         if bad_rows:
             self._db.executemany("DELETE FROM segments WHERE id = ?", [(s,) for s in bad_rows])
@@ -222,20 +233,22 @@ class NvmeTier(IndexedTierQueries):
 
     def _sealed_meta(self, row: tuple) -> SegmentMeta | None:
         """The in-memory stand-in of a recovered row, or None when the row cannot be right."""
-        sid, tag, label, hlen, sealed, bb, nbytes, created, last, expires, hits, retain = row
+        sid, tag, label, hlen, sealed, bb, nbytes, created, last, expires, hits, retain, owner_tag = row
         try:
             if not (isinstance(sid, str) and _SEGMENT_ID.fullmatch(sid) and isinstance(tag, bytes)
                     and isinstance(sealed, bytes) and isinstance(hlen, int) and 0 < hlen <= 64
                     and sealed and len(sealed) % hlen == 0 and isinstance(label, str)
                     and isinstance(bb, int) and bb > 0 and isinstance(nbytes, int) and nbytes > 0
-                    and isinstance(hits, int) and (retain is None or isinstance(retain, int | float))):
+                    and isinstance(hits, int) and (retain is None or isinstance(retain, int | float))
+                    and (owner_tag is None or (isinstance(owner_tag, bytes) and owner_tag))):
                 return None
             if self._path(sid).stat().st_size != nbytes:
                 return None
             masked = tuple(sealed[i:i + hlen] for i in range(0, len(sealed), hlen))
             return SegmentMeta(sid, _SEALED_PREFIX + tag, label, masked, bb, nbytes, float(created),
                                float(last), None if expires is None else float(expires), hits,
-                               None if retain is None else float(retain))
+                               None if retain is None else float(retain),
+                               owner=b"" if owner_tag is None else _OWNER_PREFIX + owner_tag)
         except (OSError, TypeError, ValueError):
             return None
 
@@ -284,9 +297,11 @@ class NvmeTier(IndexedTierQueries):
                 # a newer copy of these blocks exists already: this older one would shadow it
                 self._forget_locked(sid)
                 continue
+            # a row without an owner tag is charged to its namespace, now known
+            owner = namespace if masked.owner == masked.namespace else masked.owner
             meta = SegmentMeta(sid, namespace, masked.tenant_label, hashes, masked.block_bytes, masked.nbytes,
                                masked.created_s, masked.last_access_s, masked.expires_s, masked.hits,
-                               masked.retain_until_s)
+                               masked.retain_until_s, owner=owner)
             for orphan in self._index.add(meta):
                 self._remove_locked(orphan)
 
@@ -335,8 +350,9 @@ class NvmeTier(IndexedTierQueries):
         if not _SEGMENT_ID.fullmatch(meta.segment_id):
             raise ValueError(f"segment id {meta.segment_id!r} is not lower-case hex")
         with self._lock:  # cheap early refusal: no point writing a file that cannot be kept
-            cap = self._tenant_cap(meta.namespace)
-            plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
+            self._adopt_owner_locked(meta.owner)  # its recovered segments count against its caps
+            cap = self._tenant_cap(meta.owner)
+            plan = self._index.plan_room(meta.owner, meta.nbytes, cap.bytes, self._clock(),
                                          need_blocks=meta.num_blocks, tenant_cap_blocks=cap.blocks)
         if isinstance(plan, str):
             return PutResult(stored=False, reason=plan)
@@ -348,8 +364,8 @@ class NvmeTier(IndexedTierQueries):
             raise TierWriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
         with self._lock:
             # Re-plan: other writers may have filled the tier while this file was written.
-            cap = self._tenant_cap(meta.namespace)
-            plan = self._index.plan_room(meta.namespace, meta.nbytes, cap.bytes, self._clock(),
+            cap = self._tenant_cap(meta.owner)
+            plan = self._index.plan_room(meta.owner, meta.nbytes, cap.bytes, self._clock(),
                                          need_blocks=meta.num_blocks, tenant_cap_blocks=cap.blocks)
             if isinstance(plan, str):
                 path.unlink(missing_ok=True)
@@ -359,11 +375,11 @@ class NvmeTier(IndexedTierQueries):
             hlen = len(meta.hashes[0])
             try:
                 self._db.execute(
-                    "INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (meta.segment_id, self._sealer.tag(meta.namespace), meta.tenant_label, hlen,
                      self._sealer.seal(meta.namespace, meta.segment_id, meta.hashes),
                      meta.block_bytes, meta.nbytes, meta.created_s, meta.last_access_s, meta.expires_s,
-                     meta.hits, meta.retain_until_s))
+                     meta.hits, meta.retain_until_s, self._sealer.tag(meta.owner)))
             except sqlite3.Error as exc:  # the index went bad under us: this segment is not kept
                 path.unlink(missing_ok=True)
                 raise TierWriteError(f"cannot index {path.name}: {exc}") from exc
@@ -385,10 +401,22 @@ class NvmeTier(IndexedTierQueries):
             self._persist("UPDATE segments SET retain_until_s = ? WHERE id = ?",
                           (self._index.segments[sid].retain_until_s, sid))
 
+    def _adopt_owner_locked(self, owner: bytes) -> None:
+        """Charge the recovered segments whose owner tag is ``owner``'s to ``owner`` itself (once)."""
+        if not self._owner_sealed:
+            return
+        for sid in self._owner_sealed.pop(self._sealer.tag(owner), ()):
+            if sid in self._index.segments:
+                self._index.rekey_owner(sid, owner)
+
     def _remove_locked(self, segment_id: str) -> tuple[SegmentMeta, None] | None:
         meta = self._index.remove(segment_id)
         if meta is None:
             return None
+        if meta.owner.startswith(_OWNER_PREFIX):
+            pending = self._owner_sealed.get(meta.owner[len(_OWNER_PREFIX):])
+            if pending is not None and segment_id in pending:
+                pending.remove(segment_id)
         if meta.namespace.startswith(_SEALED_PREFIX):  # never unsealed: drop its bookkeeping too
             sealed = self._sealed.get(meta.namespace[len(_SEALED_PREFIX):])
             if sealed is not None and segment_id in sealed:

@@ -5,6 +5,9 @@ thread-safe: the owning tier holds its lock around every call.
 
 Eviction rule for ``plan_room(tenant, need)``, in order:
 
+Tenants are segment owners (``SegmentMeta.owner``, the tenant key), not namespaces: one tenant's
+namespaces share its caps and floor, and tenants sharing a namespace keep their own.
+
 1. The segment must fit the tier and the tenant's own caps (``tenant_cap_bytes``, and
    ``tenant_cap_blocks``: its ``kv_block_quota_dram`` / ``_nvme``); if the tenant would exceed a
    cap, only its own segments are candidates (lowest score, i.e. oldest, first) until it fits.
@@ -52,8 +55,8 @@ class SegmentIndex:
         self.segments: dict[str, SegmentMeta] = {}
         self._blocks: dict[tuple[bytes, BlockHash], BlockLocation] = {}
         self._live: dict[str, int] = {}  # segment id -> blocks of the map still pointing at it
-        self.usage: dict[bytes, int] = {}  # namespace -> bytes held
-        self.block_usage: dict[bytes, int] = {}  # namespace -> blocks held (segment sizes)
+        self.usage: dict[bytes, int] = {}  # owner (tenant key) -> bytes held
+        self.block_usage: dict[bytes, int] = {}  # owner (tenant key) -> blocks held (segment sizes)
         self._by_label: dict[str, int] = {}  # metrics label -> bytes held (kept for cheap stats)
         self._blocks_by_label: dict[str, int] = {}  # metrics label -> blocks held (the panel's use per tier)
         self.used_bytes = 0
@@ -92,8 +95,7 @@ class SegmentIndex:
             raise ValueError(f"segment {meta.segment_id} already stored")
         self.segments[meta.segment_id] = meta
         self._live[meta.segment_id] = 0
-        self.usage[meta.namespace] = self.usage.get(meta.namespace, 0) + meta.nbytes
-        self.block_usage[meta.namespace] = self.block_usage.get(meta.namespace, 0) + meta.num_blocks
+        self._charge(meta.owner, meta.nbytes, meta.num_blocks)
         self._by_label[meta.tenant_label] = self._by_label.get(meta.tenant_label, 0) + meta.nbytes
         self._blocks_by_label[meta.tenant_label] = self._blocks_by_label.get(meta.tenant_label, 0) + meta.num_blocks
         self.used_bytes += meta.nbytes
@@ -135,29 +137,38 @@ class SegmentIndex:
             loc = self._blocks.get(key)
             if loc is not None and loc.segment_id == segment_id:
                 del self._blocks[key]
-        left = self.usage[meta.namespace] - meta.nbytes
-        if left:
-            self.usage[meta.namespace] = left
-        else:
-            del self.usage[meta.namespace]
-        left_blocks = self.block_usage[meta.namespace] - meta.num_blocks
-        if left_blocks:
-            self.block_usage[meta.namespace] = left_blocks
-        else:
-            del self.block_usage[meta.namespace]
+        self._charge(meta.owner, -meta.nbytes, -meta.num_blocks)
         self._by_label[meta.tenant_label] -= meta.nbytes
         self._blocks_by_label[meta.tenant_label] -= meta.num_blocks
         self.used_bytes -= meta.nbytes
         return meta
 
+    def rekey_owner(self, segment_id: str, owner: bytes) -> None:
+        """Charge a stored segment to ``owner`` from now on (a recovered segment's owner found)."""
+        meta = self.segments[segment_id]
+        if meta.owner == owner:
+            return
+        self._charge(meta.owner, -meta.nbytes, -meta.num_blocks)
+        meta.owner = owner
+        self._charge(owner, meta.nbytes, meta.num_blocks)
+
+    def _charge(self, owner: bytes, nbytes: int, blocks: int) -> None:
+        """Add (or, negative, take back) bytes and blocks to ``owner``'s use; zero entries go."""
+        for usage, n in ((self.usage, nbytes), (self.block_usage, blocks)):
+            left = usage.get(owner, 0) + n
+            if left:
+                usage[owner] = left
+            else:
+                usage.pop(owner, None)
+
     # ---- the eviction rule ---------------------------------------------------------------------
     def plan_room(
-        self, namespace: bytes, need: int, tenant_cap_bytes: int | None, now_s: float,
+        self, owner: bytes, need: int, tenant_cap_bytes: int | None, now_s: float,
         *, need_blocks: int = 0, tenant_cap_blocks: int | None = None,
     ) -> list[str] | str:
         """Victims (segment ids, in eviction order) that make room for ``need`` more bytes
-        (``need_blocks`` blocks) of ``namespace``, or the reason it cannot be placed: "too_large"
-        or "quota".
+        (``need_blocks`` blocks) owned by ``owner`` (a tenant key), or the reason it cannot be
+        placed: "too_large" or "quota".
 
         Pure: evicts nothing itself.
         """
@@ -165,12 +176,12 @@ class SegmentIndex:
         if need > cap or (tenant_cap_blocks is not None and need_blocks > tenant_cap_blocks):
             return "too_large"
         usage = dict(self.usage)
-        tenants = set(usage) | {namespace}
+        tenants = set(usage) | {owner}
         floor = self.capacity_bytes * self.floor_fraction / len(tenants)
         free = self.capacity_bytes - self.used_bytes
-        own_over = usage.get(namespace, 0) + need - cap  # bytes of its own it must give up
+        own_over = usage.get(owner, 0) + need - cap  # bytes of its own it must give up
         own_over_blocks = (0 if tenant_cap_blocks is None
-                           else self.block_usage.get(namespace, 0) + need_blocks - tenant_cap_blocks)
+                           else self.block_usage.get(owner, 0) + need_blocks - tenant_cap_blocks)
         if free >= need and own_over <= 0 and own_over_blocks <= 0:
             return []
         ranked = self.eviction_order(now_s)
@@ -180,12 +191,12 @@ class SegmentIndex:
             for m in ranked:
                 if own_over <= 0 and own_over_blocks <= 0:
                     break
-                if m.namespace == namespace:
+                if m.owner == owner:
                     victims.append(m.segment_id)
                     own_over -= m.nbytes
                     own_over_blocks -= m.num_blocks
                     free += m.nbytes
-                    usage[namespace] -= m.nbytes
+                    usage[owner] -= m.nbytes
             if own_over > 0 or own_over_blocks > 0:
                 return "quota"
         # Pass 2: free bytes. One pass in score order is exact: eligibility only shrinks as
@@ -196,10 +207,10 @@ class SegmentIndex:
                 break
             if m.segment_id in chosen:
                 continue
-            if m.namespace == namespace or usage[m.namespace] > floor:
+            if m.owner == owner or usage[m.owner] > floor:
                 victims.append(m.segment_id)
                 free += m.nbytes
-                usage[m.namespace] -= m.nbytes
+                usage[m.owner] -= m.nbytes
         if free < need:
             return "quota"
         return victims
@@ -209,14 +220,14 @@ class SegmentIndex:
         assert self.used_bytes == sum(m.nbytes for m in self.segments.values())
         assert self.used_bytes <= self.capacity_bytes, (self.used_bytes, self.capacity_bytes)
         assert sum(self._blocks_by_label.values()) == sum(m.num_blocks for m in self.segments.values())
-        by_ns: dict[bytes, int] = {}
+        by_owner: dict[bytes, int] = {}
         for m in self.segments.values():
-            by_ns[m.namespace] = by_ns.get(m.namespace, 0) + m.nbytes
-        assert by_ns == self.usage, (by_ns, self.usage)
-        blocks_ns: dict[bytes, int] = {}
+            by_owner[m.owner] = by_owner.get(m.owner, 0) + m.nbytes
+        assert by_owner == self.usage, (by_owner, self.usage)
+        blocks_owner: dict[bytes, int] = {}
         for m in self.segments.values():
-            blocks_ns[m.namespace] = blocks_ns.get(m.namespace, 0) + m.num_blocks
-        assert blocks_ns == self.block_usage, (blocks_ns, self.block_usage)
+            blocks_owner[m.owner] = blocks_owner.get(m.owner, 0) + m.num_blocks
+        assert blocks_owner == self.block_usage, (blocks_owner, self.block_usage)
         by_label: dict[str, int] = {}
         for m in self.segments.values():
             by_label[m.tenant_label] = by_label.get(m.tenant_label, 0) + m.nbytes

@@ -7,6 +7,7 @@ import io
 import pytest
 
 from engine.disagg.api import derive_transfer_key
+from engine.disagg.request_wire import request_from_wire, request_to_wire
 from engine.disagg.wire import (
     ChainChecker,
     Chunk,
@@ -17,6 +18,7 @@ from engine.disagg.wire import (
     read_frame,
 )
 from engine.prefix_index import block_hashes
+from engine.protocol import GenerateRequest, StaticTenantScope
 
 LAYOUT = EngineLayout(model="tiny", dtype="float32", block_size=4, num_layers=2, block_bytes=8)
 KEY = derive_transfer_key("node-token")
@@ -123,3 +125,12 @@ def test_prefix_hashes_must_match_the_first_block():
     with pytest.raises(WireError) as err:  # claimed prefix that is not these tokens' parent: chain breaks
         receive(frame(chunk(0, 2, 2, prefix=(HASHES[1], HASHES[0]))), ChainChecker(LAYOUT))
     assert err.value.reason == "hash_chain"
+
+
+def test_the_request_wire_carries_the_tenant_key_and_accepts_a_peer_without_one():
+    scope = StaticTenantScope(namespace=b"\x01\x02", tenant_key=b"\xaa\xbb", kv_block_quota=10)
+    wire = request_to_wire(GenerateRequest("r", scope, prompt_token_ids=[1, 2, 3]))
+    back = request_from_wire(wire)
+    assert (back.tenant.namespace, back.tenant.tenant_key) == (b"\x01\x02", b"\xaa\xbb")
+    del wire["tenant"]["tenant_key"]  # what a gateway from before tenant keys sends
+    assert request_from_wire(wire).tenant.tenant_key == b"\x01\x02"  # its namespace is its tenant

@@ -52,9 +52,9 @@ class FreeLog:
         self.freed: list[str] = []
         real = engine.cache.free
 
-        def free(request_id, block_table):
+        def free(request_id, tenant, block_table):
             self.freed.append(request_id)
-            real(request_id, block_table)
+            real(request_id, tenant, block_table)
 
         monkeypatch.setattr(engine.cache, "free", free)
 

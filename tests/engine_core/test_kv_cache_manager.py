@@ -24,11 +24,11 @@ def test_admit_grow_commit_free_keep_exact_counts():
     assert m.num_blocks == 0 and not m.computing
     table = cache.admit(a, m, 3)
     assert isinstance(table, list) and len(table) == 3 and cache.num_used == 3
-    table[0:3] = cache.commit("a", table, a.block_hashes[0:3], 0)
+    table[0:3] = cache.commit("a", a.tenant, table, a.block_hashes[0:3], 0)
     extra = cache.grow(a.tenant, 1)
     assert isinstance(extra, list) and cache.num_used == 4
     cache.check_integrity([table + extra])
-    cache.free("a", table + extra)
+    cache.free("a", a.tenant, table + extra)
     assert cache.num_used == 0 and cache.num_evictable == 3 and cache.num_indexed == 3
     cache.check_integrity([])
     b = make_request("b", list(range(12)) + [99], block_size=BS)
@@ -58,9 +58,9 @@ def test_a_hit_counts_only_its_evictable_blocks_against_the_pool_and_the_quota()
         a = make_request("a", prompt, tenant=capped, block_size=BS)
         table = cache.admit(a, cache.match(a), 3)
         assert isinstance(table, list)
-        table[0:3] = cache.commit("a", table, a.block_hashes[0:3], 0)
+        table[0:3] = cache.commit("a", a.tenant, table, a.block_hashes[0:3], 0)
         if free_a:
-            cache.free("a", table)
+            cache.free("a", a.tenant, table)
         return cache, table
 
     def admit_b(cache: KVCacheManager, n: int, tenant=capped) -> object:
@@ -97,11 +97,11 @@ def test_a_prefix_being_computed_makes_a_later_request_wait_then_hit():
     b = make_request("b", shared + [3, 4], block_size=BS)
     table_a = cache.admit(a, cache.match(a), 11)
     assert isinstance(table_a, list)
-    table_a[0:4] = cache.commit("a", table_a, a.block_hashes[0:4], 0)  # first chunk: 4 blocks done
+    table_a[0:4] = cache.commit("a", a.tenant, table_a, a.block_hashes[0:4], 0)  # first chunk: 4 blocks done
     mb = cache.match(b)
     assert mb.num_blocks == 4 and mb.computing  # block 4 is a's next one
     assert cache.admit(b, mb, 7) is QueueReason.PREFIX_COMPUTING
-    table_a[4:10] = cache.commit("a", table_a, a.block_hashes[4:10], 4)
+    table_a[4:10] = cache.commit("a", a.tenant, table_a, a.block_hashes[4:10], 4)
     mb = cache.match(b)
     assert mb.num_blocks == 10 and not mb.computing
     cache.check_integrity([table_a])
@@ -117,7 +117,7 @@ def test_a_preempted_computer_releases_its_marks():
     b = make_request("b", range(41), block_size=BS)
     table_a = cache.admit(a, cache.match(a), 10)
     assert cache.match(b).computing
-    cache.free("a", table_a)  # preempted before committing anything
+    cache.free("a", a.tenant, table_a)  # preempted before committing anything
     assert not cache.match(b).computing
     cache.check_integrity([])
 

@@ -182,7 +182,7 @@ def test_on_evict_sees_each_eviction_before_reuse():
     a = fill(pool, b"x", list(range(8)))
     pool.free(a)
     pool.allocate(1, b"y")
-    assert seen == [EvictedBlock(block_hashes(b"x", list(range(8)), BS)[1], b"x", 1, a[1])]
+    assert seen == [EvictedBlock(block_hashes(b"x", list(range(8)), BS)[1], b"x", 1, a[1], holder=b"x")]
 
 
 def test_caching_disabled_indexes_nothing():

@@ -103,11 +103,11 @@ def test_manager_retain_keeps_a_span_bounded_by_a_quarter_of_the_pool():
     a = make_request("a", range(8 * BS), tenant=scope("a"), block_size=BS)
     table = cache.admit(a, cache.match(a), 8)
     assert isinstance(table, list)
-    table[:] = cache.commit("a", table, a.block_hashes[:8], 0)
+    table[:] = cache.commit("a", a.tenant, table, a.block_hashes[:8], 0)
     # a span of 5 full blocks, but without an HBM quota a tenant retains at most 16 // 4 blocks
     assert cache.retain(a.tenant, table, 8, (Retention(5 * BS + 2, 60.0),)) == 4
     assert cache.cached_blocks(b"a") == {"hbm": 8, "retained": 4}
-    cache.free("a", table)
+    cache.free("a", a.tenant, table)
     clock.t += 61
     assert cache.retained_by(b"a") == 0
     cache.check_integrity([])

@@ -54,8 +54,8 @@ def test_the_gateway_chain_is_the_chain_the_engine_commits_and_evicts():
     req = make_request("r1", prompt, tenant, block_size=4)
     table = mgr.admit(req, mgr.match(req), 4)
     assert isinstance(table, list)
-    mgr.commit("r1", table, req.block_hashes[:3], 0)
-    mgr.free("r1", table)
+    mgr.commit("r1", tenant, table, req.block_hashes[:3], 0)
+    mgr.free("r1", tenant, table)
     # what the router computes for the same tokens and namespace, with the engine's own cut
     assert events.stored == prefix_block_hashes(b"acme", prompt, 4) == list(req.block_hashes[:3])
     # another tenant's identical prompt names other blocks
@@ -64,7 +64,7 @@ def test_the_gateway_chain_is_the_chain_the_engine_commits_and_evicts():
     again = make_request("r2", prompt, tenant, block_size=4)
     t2 = mgr.admit(again, mgr.match(again), 4)
     assert mgr.match(again).num_blocks == 3 and len(events.stored) == 3
-    mgr.free("r2", t2)
+    mgr.free("r2", tenant, t2)
     # evicting the cached blocks reports each removal, tails first
     assert mgr.evict_all_cached() == 3
     assert sorted(events.removed) == sorted(events.stored)

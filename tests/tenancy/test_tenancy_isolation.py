@@ -39,6 +39,23 @@ def test_namespaces_follow_the_share_scope(svc: TenancyService) -> None:
     assert a.cipher.decrypt(blob, b"aad") is None
 
 
+def test_the_tenant_key_is_one_per_tenant_whatever_the_share_scope(svc: TenancyService) -> None:
+    """The engine counts quotas and fairness by ``tenant_key``: one per tenant, never a namespace."""
+    u = svc.authenticate(svc.create_tenant("u", share_scope="user").api_key)
+    second_key = svc.authenticate(svc.create_key("u").api_key)
+    alice, bob = svc.scope_for(u, "alice"), svc.scope_for(u, "bob")
+    assert alice.namespace != bob.namespace
+    assert alice.tenant_key == bob.tenant_key == svc.scope_for(second_key).tenant_key == u.tenant_key
+    g1 = svc.authenticate(svc.create_tenant("g1", share_scope="group:docs").api_key)
+    g2 = svc.authenticate(svc.create_tenant("g2", share_scope="group:docs").api_key)
+    assert g1.namespace == g2.namespace and g1.tenant_key != g2.tenant_key
+    # an opaque key of its own: never a namespace (it is not a chain seed, and may reach a disk)
+    t = svc.authenticate(svc.create_tenant("t").api_key)
+    keys = {u.tenant_key, g1.tenant_key, g2.tenant_key, t.tenant_key}
+    assert len(keys) == 4 and keys.isdisjoint({alice.namespace, bob.namespace, g1.namespace, t.namespace})
+    assert t.tenant_key != t.tenant_id.encode()
+
+
 def test_user_scope_without_a_user_is_isolated_per_key(svc: TenancyService) -> None:
     created = svc.create_tenant("u", share_scope="user")
     k2 = svc.create_key("u")

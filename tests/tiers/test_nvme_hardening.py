@@ -121,12 +121,12 @@ def test_impossible_rows_are_dropped_and_never_reach_a_path(tmp_path: Path) -> N
     victim.write_bytes(b"must survive")
     db = sqlite3.connect(root / "index.sqlite")
     good = db.execute("SELECT * FROM segments").fetchone()
-    db.execute("INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    db.execute("INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                ("../../victim", *good[1:]))
-    db.execute("INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-               ("ab" * 16, good[1], good[2], 0, good[4], 64, 100, 1.0, 1.0, None, 0, None))  # hash_len 0
-    db.execute("INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-               ("cd" * 16, "text", good[2], 32, "not bytes", 64, 100, 1.0, 1.0, None, 0, None))
+    db.execute("INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               ("ab" * 16, good[1], good[2], 0, good[4], 64, 100, 1.0, 1.0, None, 0, None, None))  # hash_len 0
+    db.execute("INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               ("cd" * 16, "text", good[2], 32, "not bytes", 64, 100, 1.0, 1.0, None, 0, None, None))
     db.commit()
     db.close()
     t = _tier(root)

@@ -85,3 +85,26 @@ def test_integrity_check_catches_corruption():
     idx.used_bytes += 1
     with pytest.raises(AssertionError):
         idx.check_integrity()
+
+
+def owned(sid: str, ns: bytes, owner: bytes, nbytes: int, last: float) -> SegmentMeta:
+    return SegmentMeta(sid, ns, owner.decode(), (f"{sid}-h0".encode(),), 8, nbytes, last, last, owner=owner)
+
+
+def test_caps_and_floors_count_by_owner_not_by_namespace():
+    idx = SegmentIndex(1000)
+    # tenant T's two end users (two namespaces) share T's block cap of 2: the third block is over it
+    idx.add(owned("u1", b"T/alice", b"T", 100, last=1))
+    idx.add(owned("u2", b"T/bob", b"T", 100, last=2))
+    assert idx.plan_room(b"T", 100, None, now_s=10, need_blocks=1, tenant_cap_blocks=2) == ["u1"]
+    # two tenants of one namespace (a share group) each have their own cap: G2 is not over G1's
+    idx.add(owned("g1", b"group", b"G1", 100, last=3))
+    idx.add(owned("g1b", b"group", b"G1", 100, last=4))
+    assert idx.plan_room(b"G2", 100, None, now_s=10, need_blocks=1, tenant_cap_blocks=2) == []
+    # one floor per owner: 3 owners with data + newcomer N -> floor 250; T (200) and G1 (200) are
+    # under it, so N cannot evict them even though their namespaces are many
+    idx.add(owned("x", b"X", b"X", 500, last=0))
+    assert idx.plan_room(b"N", 300, None, now_s=10) == ["x"]
+    idx.rekey_owner("x", b"T")
+    assert idx.usage[b"T"] == 700 and b"X" not in idx.usage
+    idx.check_integrity()

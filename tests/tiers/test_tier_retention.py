@@ -83,9 +83,10 @@ def test_nvme_keeps_retention_across_a_restart_and_migrates_a_v2_index(tmp_path)
     assert {sid: m.retain_until_s for sid, m in metas.items()} == {"aa" * 8: 5000.0, "bb" * 8: 3000.0}
     again.check_integrity()
     again.close()
-    # the index as the previous version wrote it: no retention column, user_version 2
+    # the index as version 2 wrote it: no retention (v3) nor owner (v4) column, user_version 2
     db = sqlite3.connect(tmp_path / "index.sqlite")
     db.execute("ALTER TABLE segments DROP COLUMN retain_until_s")
+    db.execute("ALTER TABLE segments DROP COLUMN owner_tag")
     db.execute("PRAGMA user_version = 2")
     db.commit()
     db.close()
@@ -179,3 +180,30 @@ def test_retention_below_hbm_ends_at_its_deadline(tmp_path, registry):
     assert manager.lookup(a.namespace, chain_of[:1]).num_blocks == 0
     assert manager.lookup(a.namespace, chain_of[2:3]).num_blocks == 1
     manager.close()
+
+
+def test_nvme_keeps_segment_owners_across_a_restart_and_charges_v3_rows_to_their_namespace(tmp_path):
+    now = [1000.0]
+    tier = _nvme(tmp_path, lambda: now[0])
+    owned = SegmentMeta("cc" * 8, b"A/alice", "t", (b"cc-h0",), 8, 100, 1000.0, 1000.0, owner=b"T")
+    tier.put(owned, b"z" * 100)
+    tier.close()
+    again = _nvme(tmp_path, lambda: now[0])
+    assert again.segments_of(b"A/alice") == ["cc" * 8]
+    assert again._index.segments["cc" * 8].owner != b"T"  # a stand-in until T spills again
+    again.put(SegmentMeta("dd" * 8, b"A/bob", "t", (b"dd-h0",), 8, 100, 1000.0, 1000.0, owner=b"T"), b"w" * 100)
+    assert {m.owner for m in again._index.segments.values()} == {b"T"}
+    assert again._index.usage == {b"T": 200}  # both end users' segments count against T's caps
+    again.check_integrity()
+    again.close()
+    # the index as version 3 wrote it: no owner column; its rows are charged to their namespace
+    db = sqlite3.connect(tmp_path / "index.sqlite")
+    db.execute("ALTER TABLE segments DROP COLUMN owner_tag")
+    db.execute("PRAGMA user_version = 3")
+    db.commit()
+    db.close()
+    migrated = _nvme(tmp_path, lambda: now[0])
+    assert migrated.segments_of(b"A/alice") == ["cc" * 8] and migrated.damage.total == 0
+    assert migrated._index.segments["cc" * 8].owner == b"A/alice"
+    migrated.check_integrity()
+    migrated.close()
