@@ -144,16 +144,6 @@ class BlockPool:
         held[block.block_id] = held.get(block.block_id, 0) + 1
         block.holder = holder
 
-    def _drop(self, holder: bytes, block_id: int) -> None:
-        held = self._holds.get(holder)
-        refs = held.get(block_id, 0) if held else 0
-        if held is None or refs <= 0:
-            raise ValueError(f"block {block_id} is not held by this tenant")
-        if refs > 1:
-            held[block_id] = refs - 1
-        else:
-            del held[block_id]
-
     # ------------------------------------------------------------------ operations
 
     def allocate(self, n: int, namespace: bytes, holder: bytes | None = None) -> list[int] | None:
@@ -216,6 +206,7 @@ class BlockPool:
         (a prefix hit); evictable ones come back into use."""
         holder = namespace if holder is None else holder
         blocks = self.blocks
+        held = self._holds.setdefault(holder, {})  # once per call: a 7,680-token hit takes 480 blocks
         for block_id in block_ids:
             block = blocks[block_id]
             if block.block_hash is None or block.namespace != namespace:
@@ -224,7 +215,8 @@ class BlockPool:
                 self.policy.discard(block)
             block.ref_cnt += 1
             block.uses += 1
-            self._take(holder, block)
+            held[block_id] = held.get(block_id, 0) + 1
+            block.holder = holder
 
     def retain(self, block_ids: Sequence[int], until: float, limit: int, holder: bytes | None = None) -> int:
         """Keep the indexed blocks ``block_ids`` (one chain, head first) from eviction until ``until``
@@ -272,12 +264,20 @@ class BlockPool:
         in reverse so that, among blocks released together, a sequence's tail is older than its
         head (evicted first under LRU)."""
         blocks, push = self.blocks, self.policy.push
+        callers = self._holds.get(holder) if holder is not None else None  # once per call, as in touch
         for block_id in reversed(block_ids):
             block = blocks[block_id]
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of block {block_id}")
             assert block.namespace is not None
-            self._drop(block.namespace if holder is None else holder, block_id)
+            held = callers if holder is not None else self._holds.get(block.namespace)
+            refs = held.get(block_id, 0) if held else 0
+            if refs <= 0:
+                raise ValueError(f"block {block_id} is not held by this tenant")
+            if refs > 1:
+                held[block_id] = refs - 1
+            else:
+                del held[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
