@@ -10,7 +10,11 @@ and a batch-size cap (``max_num_seqs``)::
          continues its next chunk); new blocks come from the cache manager; when none are free, or the
          tenant's KV quota would be exceeded, the lowest-priority, latest-admitted request is
          preempted by recompute (blocks freed, requeued at the front of its tenant's queue;
-         its full blocks stay indexed, so its readmission usually hits them).
+         its full blocks stay indexed, so its readmission usually hits them). A prefill chunk
+         whose tenant ranks behind another tenant's waiting request (by the key of step 2)
+         yields: it runs after step 2 with the budget admission leaves, so a tenant arriving
+         during another's burst of prompts is not queued behind the whole burst (decodes never
+         yield).
     2. waiting requests, while budget and batch slots remain, and nobody was preempted:
          tenant  = highest priority class, then earliest TTFT deadline (arrival + ttft_target_s),
                    then least service received (Virtual Token Counter fairness: a tenant with
@@ -183,11 +187,17 @@ class Scheduler:
         now = self.clock()
 
         self.running.sort(key=lambda r: (-r.tenant.priority, r.admit_seq))
+        waiting_order = self._waiting_order()
+        deferred: list[Request] = []  # prefills that yield to a waiting tenant ranked ahead of theirs
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncomputed_tokens, budget)
             if n == 0:  # defensive: a running request always has its newest token to compute
+                i += 1
+                continue
+            if n > 1 and self._yields(req, waiting_order):
+                deferred.append(req)
                 i += 1
                 continue
             if not self._grow(req, i, req.num_computed_tokens + n, out):
@@ -201,7 +211,8 @@ class Scheduler:
         if out.preempted:
             stop_reason = QueueReason.NO_KV_BLOCKS  # admitting now would only preempt again
         else:
-            stop_reason = self._admit(budget, now, out, chunks, over_quota, blocked)
+            stop_reason, budget = self._admit(budget, now, out, chunks, over_quota, blocked)
+        self._continue_deferred(deferred, budget, out, chunks)
         for key, queue in self.waiting.items():
             for req in queue:
                 if self.cache.is_restoring(req.request_id):
@@ -213,8 +224,47 @@ class Scheduler:
         out.batch = ScheduledBatch(tuple(chunks))
         return out
 
-    def _grow(self, req: Request, pos: int, context_len: int, out: SchedulerOutput) -> bool:
-        """Give ``req`` blocks for ``context_len`` tokens, preempting later requests if needed.
+    def _waiting_order(self) -> list[tuple[tuple[int, float, float], bytes]]:
+        """Waiting tenants, best first, by the key admission picks them by (``_tenant_order``)."""
+        return sorted((self._tenant_order(key), key) for key, queue in self.waiting.items() if queue)
+
+    def _yields(self, req: Request, waiting_order: list[tuple[tuple[int, float, float], bytes]]) -> bool:
+        """Whether running prefill ``req`` waits this step for another tenant's waiting request.
+
+        Running requests take the token budget before anyone is admitted, so without this a tenant
+        that arrives while another's burst is prefilling would wait for the whole burst: the
+        burst's prompts, admitted while nobody else waited, keep the budget until all are
+        computed. A prefill chunk (more than one token: decodes never wait) therefore goes after
+        admission when some other tenant's waiting request ranks strictly ahead of its own tenant
+        by admission's key (priority, then TTFT deadline, then VTC service); it still gets
+        whatever budget admission leaves (``_continue_deferred``)."""
+        mine = (-req.tenant.priority, req.ttft_deadline, self.service.get(req.tenant_key, 0.0))
+        for order, key in waiting_order:
+            if key != req.tenant_key:
+                return order < mine
+        return False
+
+    def _continue_deferred(self, deferred: list[Request], budget: int, out: SchedulerOutput,
+                           chunks: list[SequenceChunk]) -> None:
+        """Give the prefills that yielded to admission the budget it left, in running order. Growing
+        one may preempt only requests that have no chunk in this step yet (or itself)."""
+        emitted = {r.request_id for r in out.requests}
+        for req in deferred:
+            if budget <= 0:
+                return
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted meanwhile
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self._grow(req, self.running.index(req), req.num_computed_tokens + n, out, emitted):
+                continue
+            self._emit(req, n, out, chunks)
+            emitted.add(req.request_id)
+            budget -= n
+
+    def _grow(self, req: Request, pos: int, context_len: int, out: SchedulerOutput,
+              scheduled: set[str] | None = None) -> bool:
+        """Give ``req`` blocks for ``context_len`` tokens, preempting later requests if needed
+        (never one of ``scheduled``: those already have a chunk in this step).
 
         Returns False if ``req`` itself had to be preempted."""
         need = req.blocks_needed(context_len) - len(req.block_table)
@@ -224,19 +274,20 @@ class Scheduler:
                 req.block_table.extend(got)
                 break
             over_quota = got is QueueReason.TENANT_OVER_QUOTA
-            victim = self._pick_victim(pos, req.tenant_key if over_quota else None) or req
+            victim = self._pick_victim(pos, req.tenant_key if over_quota else None, scheduled) or req
             self._preempt(victim, out)
             if victim is req:
                 return False
         return True
 
-    def _pick_victim(self, after: int, tenant_key: bytes | None) -> Request | None:
+    def _pick_victim(self, after: int, tenant_key: bytes | None, scheduled: set[str] | None = None) -> Request | None:
         """The last running request after position ``after`` (lowest priority, latest admitted),
         of tenant ``tenant_key`` if given (a quota is freed only by the same tenant's references,
-        in whichever of its namespaces)."""
+        in whichever of its namespaces), and not among ``scheduled`` request ids."""
         for j in range(len(self.running) - 1, after, -1):
             cand = self.running[j]
-            if tenant_key is None or cand.tenant_key == tenant_key:
+            if (tenant_key is None or cand.tenant_key == tenant_key) and (
+                    scheduled is None or cand.request_id not in scheduled):
                 return cand
         return None
 
@@ -254,19 +305,19 @@ class Scheduler:
     def _admit(
         self, budget: int, now: float, out: SchedulerOutput, chunks: list[SequenceChunk],
         over_quota: set[bytes], blocked: dict[str, QueueReason],
-    ) -> QueueReason:
-        """Admit waiting requests; returns the reason the rest keep waiting. Tenants refused for
+    ) -> tuple[QueueReason, int]:
+        """Admit waiting requests; returns the reason the rest keep waiting and the budget left. Tenants refused for
         their KV quota are added to ``over_quota``; requests that wait for a reason of their own
         (a restore, a prefix being computed) to ``blocked``."""
         while True:
             if budget <= 0:
-                return QueueReason.TOKEN_BUDGET
+                return QueueReason.TOKEN_BUDGET, budget
             if len(self.running) >= self.max_num_seqs:
-                return QueueReason.BATCH_FULL
+                return QueueReason.BATCH_FULL, budget
             tenants = [key for key, q in self.waiting.items()
                        if key not in over_quota and any(r.request_id not in blocked for r in q)]
             if not tenants:
-                return QueueReason.NO_KV_BLOCKS  # only over-quota or blocked requests (or none) remain
+                return QueueReason.NO_KV_BLOCKS, budget  # only over-quota or blocked requests (or none) remain
             key = min(tenants, key=self._tenant_order)
             queue = self.waiting[key]
             picked = self._pick_in_tenant(queue, blocked)
@@ -280,7 +331,7 @@ class Scheduler:
                 over_quota.add(key)
                 continue
             if table is QueueReason.NO_KV_BLOCKS:
-                return QueueReason.NO_KV_BLOCKS
+                return QueueReason.NO_KV_BLOCKS, budget
             if isinstance(table, QueueReason):
                 blocked[req.request_id] = table
                 continue

@@ -197,3 +197,47 @@ def test_a_cold_request_is_not_starved_by_a_stream_of_prefix_hits():
         s.remove(out.requests[0])
     assert admitted[:MAX_BYPASS] == [f"hit{i}" for i in range(MAX_BYPASS)]
     assert admitted[MAX_BYPASS] == "cold"
+
+
+def _first_token_step(s: Scheduler, req, steps: int) -> int | None:
+    for step in range(1, steps + 1):
+        run_step(s)
+        if req.output_token_ids:
+            return step
+    return None
+
+
+def test_a_tenant_arriving_during_another_tenants_prefill_is_not_held_behind_it():
+    """A running prefill takes the budget before admission; when another tenant's waiting request
+    ranks ahead of its tenant (VTC service), the prefill yields this step's budget to admission and
+    keeps what admission leaves, so the newcomer's first token does not wait for the whole prompt."""
+    s = sched(num_blocks=128, budget=16)
+    long = make_request("long", range(200), scope("burst"), max_tokens=2)
+    s.add(long)
+    run_step(s)  # long: 16 of 200 prompt tokens
+    short = make_request("short", range(1000, 1008), scope("late"), max_tokens=2)
+    s.add(short)
+    assert _first_token_step(s, short, 4) is not None, "the newcomer waited behind the other tenant's prefill"
+    assert not long.output_token_ids and long.num_computed_tokens > 16  # it kept progressing meanwhile
+    # without another tenant waiting, a prefill takes the whole budget every step
+    solo = sched(num_blocks=128, budget=16)
+    alone = make_request("alone", range(200), scope("burst"))
+    solo.add(alone)
+    sizes = [run_step(solo).num_tokens for _ in range(3)]
+    assert sizes == [[16], [16], [16]]
+
+
+def test_a_yielding_prefill_gets_the_budget_admission_leaves_and_decodes_never_yield():
+    s = sched(num_blocks=128, budget=16)
+    dec = make_request("dec", range(300, 304), scope("late"), max_tokens=8)
+    s.add(dec)
+    run_step(s)  # dec prefilled (4 tokens), decodes from now on
+    long = make_request("long", range(200), scope("burst"))
+    s.add(long)
+    run_step(s)
+    s.add(make_request("short", range(1000, 1006), scope("late"), max_tokens=2))
+    for _ in range(3):
+        out = run_step(s)
+        by_id = dict(zip((r.request_id for r in out.requests), out.num_tokens, strict=True))
+        assert by_id.get("dec") == 1  # a decode is never held back
+        assert sum(out.num_tokens) == 16  # whatever admission leaves goes to the yielding prefill
