@@ -595,14 +595,17 @@ class LLMEngine:
             state.read_offset = len(state.tokens)
 
     def _apply_stop_strings(self, req: Request) -> bool:
-        """Truncate the text at the first stop string; True if one was found."""
+        """Truncate the text at the first stop string and record which one it was (Anthropic's
+        ``stop_sequence``); True if one was found. Two stops at the same place: the one listed first."""
         longest = max(len(s) for s in req.sampling.stop)
         # only the tail can hold a stop string that was not there before this token
         start = max(0, req.sent_text_len - longest)
-        hits = [i for i in (req.output_text.find(s, start) for s in req.sampling.stop) if i != -1]
+        hits = [(at, k) for k, at in enumerate(req.output_text.find(s, start) for s in req.sampling.stop) if at != -1]
         if not hits:
             return False
-        req.output_text = req.output_text[: min(hits)]
+        at, k = min(hits)
+        req.output_text = req.output_text[:at]
+        req.stop_sequence = req.sampling.stop[k]
         return True
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
@@ -647,6 +650,7 @@ class LLMEngine:
             cached_tokens=req.num_cached_tokens or 0,
             completion_tokens=len(req.output_token_ids),
             finish_reason=req.finish_reason,
+            stop_sequence=req.stop_sequence,
             queue_time_s=req.queue_time_s,
             ttft_s=req.ttft_s,
             token_times_s=times,

@@ -171,6 +171,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if len(self.stop) > 4:
             raise ValueError("at most 4 stop sequences are supported")
+        if "" in self.stop:  # it would match at once: callers drop empty stops (OpenAI ignores them)
+            raise ValueError("stop sequences must not be empty")
 
     @property
     def greedy(self) -> bool:
@@ -253,6 +255,9 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int
     finish_reason: FinishReason | None = None
+    # On the last output of a request that a stop string ended: that string (as the request listed
+    # it); None for every other ending (EOS, a stop token id, max_tokens) and on earlier outputs.
+    stop_sequence: str | None = None
     queue_time_s: float | None = None
     ttft_s: float | None = None
     token_times_s: tuple[float, ...] = ()

@@ -88,6 +88,7 @@ class Request:
     sent_logprob_count: int = 0
     detok: DetokenizerState | None = None
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
     error: str | None = None
 
     # the prompt as native int64 bytes when the caller has them (LLMEngine.prepare packs a prompt

@@ -27,7 +27,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
@@ -36,7 +36,7 @@ from gateway.errors import OpenAIError, invalid_request
 from gateway.formats import ChoiceText, sse
 from gateway.ingress import ScannedBody
 from gateway.pipeline import Prepared
-from gateway.schemas import MAX_NAME_CHARS
+from gateway.schemas import MAX_NAME_CHARS, null_means
 from promptlint.cache_control import Breakpoint
 
 BLOCK_TYPES = ("text", "image", "tool_use", "tool_result")
@@ -69,7 +69,7 @@ class MessagesRequest(ScannedBody):
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=0)
-    stream: bool = False
+    stream: Annotated[bool, null_means(False)] = False
     metadata: dict[str, Any] | None = None
 
 class CountTokensRequest(MessagesRequest):
@@ -193,15 +193,25 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | No
     return mapped
 
 
+def chat_parallel_tool_calls(choice: dict[str, Any] | None) -> bool | None:
+    """``tool_choice.disable_parallel_tool_use: true`` (on auto, any or tool) -> ``parallel_tool_calls: false``."""
+    if choice is None or choice.get("disable_parallel_tool_use") is None:
+        return None
+    disable = choice["disable_parallel_tool_use"]
+    if not isinstance(disable, bool):
+        raise invalid_request("Input should be a valid boolean", param="tool_choice.disable_parallel_tool_use")
+    return not disable
+
+
 def chat_body(req: MessagesRequest) -> dict[str, Any]:
     """The chat completions body a Messages request runs as."""
-    if req.top_k not in (None, 0):
-        raise invalid_request("top_k is not supported by this gateway; omit it", param="top_k")
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req.system, req.messages),
                             "max_tokens": req.max_tokens}
     user = (req.metadata or {}).get("user_id")
     for name, value in (("tools", chat_tools(req.tools)), ("tool_choice", chat_tool_choice(req.tool_choice)),
+                        ("parallel_tool_calls", chat_parallel_tool_calls(req.tool_choice)),
                         ("stop", req.stop_sequences), ("temperature", req.temperature), ("top_p", req.top_p),
+                        ("top_k", req.top_k or None),  # Anthropic's 0 is "off", as omitting it
                         ("user", user if isinstance(user, str) else None)):
         if value is not None:
             body[name] = value
@@ -256,7 +266,7 @@ class CacheUsage:
         }
 
 
-_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}  # a stop-string hit: "stop_sequence"
 
 
 class MessagesFormat:
@@ -281,8 +291,20 @@ class MessagesFormat:
         return CacheUsage.of(prompt, cached, self.written_upto, self.long_upto,
                              self.reported_creation()).as_dict(output)
 
+    def _stop_sequence(self) -> str | None:
+        """The stop sequence that ended the answer (the engine says which), if one did."""
+        return self.acc.stop_sequence.get(0)
+
     def _stop_reason(self, has_calls: bool) -> str:
-        return "tool_use" if has_calls else _STOP_REASONS.get(self.finish or "stop", "end_turn")
+        if has_calls:
+            return "tool_use"
+        if self._stop_sequence() is not None:
+            return "stop_sequence"
+        return _STOP_REASONS.get(self.finish or "stop", "end_turn")
+
+    def _ended_by(self, has_calls: bool) -> str | None:
+        """The message's ``stop_sequence``: set exactly when ``stop_reason`` is ``"stop_sequence"``."""
+        return None if has_calls else self._stop_sequence()
 
     def _tool_blocks(self) -> list[dict[str, Any]]:
         blocks = []
@@ -295,10 +317,10 @@ class MessagesFormat:
                            "name": c["function"]["name"], "input": args})
         return blocks
 
-    def _message(self, content: list[dict[str, Any]], stop_reason: str | None,
-                 usage: dict[str, Any]) -> dict[str, Any]:
+    def _message(self, content: list[dict[str, Any]], stop_reason: str | None, usage: dict[str, Any],
+                 stop_sequence: str | None = None) -> dict[str, Any]:
         return {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.prep.model,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": None, "usage": usage}
+                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
     def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
         self.acc = acc
@@ -307,7 +329,8 @@ class MessagesFormat:
         tools = self._tool_blocks()
         content = ([{"type": "text", "text": text}] if text or not tools else []) + tools
         return self._message(content, self._stop_reason(bool(tools)), self._usage(
-            usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]))
+            usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]),
+            self._ended_by(bool(tools)))
 
     # -- the stream -------------------------------------------------------------------------------
 
@@ -354,7 +377,7 @@ class MessagesFormat:
         full = self._usage(usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
                            usage["completion_tokens"])
         events += [{"type": "message_delta", "delta": {"stop_reason": self._stop_reason(bool(tools)),
-                                                       "stop_sequence": None}, "usage": full},
+                                                       "stop_sequence": self._ended_by(bool(tools))}, "usage": full},
                    {"type": "message_stop"}]
         return [self.frame(e) for e in events]
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from engine.protocol import GenerateRequest, Retention
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics, LiveStats
-from gateway.pipeline import Prepared, prepare
+from gateway.pipeline import Prepared, RequestFields, prepare
 from gateway.ports import QuotaExceededError, TenancyPort, TenantCtx
 from gateway.routes.completions import Parts, record_rejected
 from gateway.schemas import ChatCompletionRequest
@@ -66,12 +66,13 @@ def with_retention(request: GenerateRequest, spans: tuple[Retention, ...]) -> Ge
 
 
 async def prepare_door(chat: ChatCompletionRequest, ctx: TenantCtx, parts: Parts,
-                       retention: RetentionPlan | None = None) -> Prepared:
-    """``pipeline.prepare`` for a door's chat request; a refusal gets its ledger row and counts."""
+                       retention: RetentionPlan | None = None, fields: RequestFields | None = None) -> Prepared:
+    """``pipeline.prepare`` for a door's chat request; a refusal gets its ledger row and counts.
+    ``fields``: the door's names for the prompt and the output budget (chat's by default)."""
     tenancy, metrics, live = parts.tenancy, parts.metrics, parts.live
     try:
         prep = await prepare("chat", chat, ctx, tenancy=tenancy, router=parts.router, engine=parts.engine,
-                             settings=parts.settings, threads=parts.threads, tracker=parts.tracker)
+                             settings=parts.settings, threads=parts.threads, tracker=parts.tracker, fields=fields)
     except OpenAIError as err:  # a refusal: its one row, and counted by outcome
         record_rejected(tenancy, ctx, chat.model, "chat", err, metrics, live)
         raise

@@ -100,6 +100,7 @@ class ChoiceText:
         self.tool_deltas: dict[int, list[dict[str, Any]]] = defaultdict(list)
         self.logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         self.finish: dict[int, str | None] = {}
+        self.stop_sequence: dict[int, str | None] = {}  # the stop string that ended the choice, if one did
 
     def add(self, i: int, out: RequestOutput) -> ParsedDelta:
         """Take one increment; returns what it added (content outside tool-call tags, call deltas),
@@ -112,6 +113,7 @@ class ChoiceText:
         self.logprobs[i] += out.logprobs
         if out.finished:
             self.finish[i] = state.finish_reason(out)
+            self.stop_sequence[i] = out.stop_sequence
         return delta
 
     def tool_calls(self, i: int) -> list[dict[str, Any]]:

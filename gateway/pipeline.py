@@ -139,18 +139,55 @@ def _local_message(m: ChatMessage) -> dict[str, Any]:
     return d
 
 
-# OpenAI request fields outside the schema models that the local engine cannot honour: each gets a
-# 400 naming it (with what to use instead), never a silent drop. Bookkeeping fields that change
-# nothing about the output (metadata, store, service_tier, prompt_cache_key...) are tolerated.
-_UNSUPPORTED_LOCAL_EXTRAS = {
-    "functions": "use tools",
-    "function_call": "use tool_choice",
-    "audio": "this model outputs text only",
-    "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "this model does not reason in a separate channel",
-    "web_search_options": "web search is not available",
-    "min_p": "use top_p",
-    "repetition_penalty": "omit it",
+@dataclass(frozen=True)
+class Unsupported:
+    """A request field the local engine cannot honour: refused with ``hint`` unless its value is
+    absent (None) or one of ``harmless`` (the field's default: it asks for nothing different)."""
+
+    hint: str
+    harmless: tuple[object, ...] = ()
+
+    def refuses(self, value: object) -> bool:
+        # the type too: True == 1 in Python, but ``min_tokens: true`` is not the default 0
+        return value is not None and not any(type(value) is type(h) and value == h for h in self.harmless)
+
+
+_GUIDED = "use response_format (json_schema) or tools"
+# OpenAI and vLLM request fields outside the schema models that the local engine cannot honour: each
+# gets a 400 naming it (with what to use instead), never a silent drop. Bookkeeping fields that change
+# nothing about the output (metadata, store, service_tier, prompt_cache_key, priority...) are tolerated.
+UNSUPPORTED_LOCAL_EXTRAS: dict[str, Unsupported] = {
+    "functions": Unsupported("use tools"),
+    "function_call": Unsupported("use tool_choice"),
+    "audio": Unsupported("this model outputs text only"),
+    "prediction": Unsupported("predicted outputs are not supported"),
+    "reasoning_effort": Unsupported("this model does not reason in a separate channel"),
+    "web_search_options": Unsupported("web search is not available"),
+    "min_p": Unsupported("use top_p or top_k"),
+    "repetition_penalty": Unsupported("omit it"),
+    # vLLM's extras (sent through extra_body): top_k, stop_token_ids and ignore_eos are honoured
+    # (schemas._Common); these would change the output and are not implemented.
+    "min_tokens": Unsupported("omit it", harmless=(0,)),
+    "guided_json": Unsupported(_GUIDED),
+    "guided_regex": Unsupported(_GUIDED),
+    "guided_choice": Unsupported(_GUIDED),
+    "guided_grammar": Unsupported(_GUIDED),
+    "structured_outputs": Unsupported(_GUIDED),
+    "use_beam_search": Unsupported("beam search is not available", harmless=(False,)),
+    "length_penalty": Unsupported("beam search is not available", harmless=(1, 1.0)),
+    "bad_words": Unsupported("use logit_bias", harmless=([],)),
+    "allowed_token_ids": Unsupported("use logit_bias"),
+    "logits_processors": Unsupported("omit it"),
+    "include_stop_str_in_output": Unsupported("omit it", harmless=(False,)),
+    "skip_special_tokens": Unsupported("special tokens are always skipped", harmless=(True,)),
+    "spaces_between_special_tokens": Unsupported("omit it", harmless=(True,)),
+    "truncate_prompt_tokens": Unsupported("shorten the prompt"),
+    "prompt_logprobs": Unsupported("use logprobs"),
+    "chat_template": Unsupported("the model's own chat template is used"),
+    "chat_template_kwargs": Unsupported("the model's own chat template is used"),
+    "add_generation_prompt": Unsupported("omit it", harmless=(True,)),
+    "continue_final_message": Unsupported("omit it", harmless=(False,)),
+    "add_special_tokens": Unsupported("omit it", harmless=(False,)),
 }
 
 
@@ -160,9 +197,9 @@ def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) ->
         if getattr(req, name):
             raise invalid_request(f"{name} is not supported by this model; omit it or send 0", param=name)
     extras = req.model_extra or {}
-    for name, hint in _UNSUPPORTED_LOCAL_EXTRAS.items():
-        if extras.get(name) is not None:
-            raise invalid_request(f"{name} is not supported by this model: {hint}", param=name)
+    for name, unsupported in UNSUPPORTED_LOCAL_EXTRAS.items():
+        if unsupported.refuses(extras.get(name)):
+            raise invalid_request(f"{name} is not supported by this model: {unsupported.hint}", param=name)
     modalities = extras.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise invalid_request("modalities: this model outputs text only; send [\"text\"] or omit it",
@@ -224,7 +261,26 @@ def local_features(req: ChatCompletionRequest | CompletionRequest) -> LocalFeatu
             "named function: the output is either a tool call or JSON content", param="response_format")
     if guided is not None:  # JSON content is forced, so no tool call can appear in it
         tools = ToolPlan(tools=tools.tools, parse=False, guided=None)
-    return LocalFeatures(tools, guided or tools.guided, logprobs, bias)
+    grammar = guided or tools.guided
+    if grammar is not None and req.ignore_eos:
+        raise invalid_request(
+            "ignore_eos cannot be combined with response_format json_object/json_schema or a forced tool call: "
+            "the grammar ends the output with EOS", param="ignore_eos")
+    return LocalFeatures(tools, grammar, logprobs, bias)
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """What a front door calls the prompt and the output budget: the context-length error names them."""
+
+    prompt: str  # named when the prompt alone fills the context
+    max_tokens: str
+    overflow: str  # named when the prompt fits but not with the output asked for
+
+
+# OpenAI names the prompt's field even when max_tokens is what overflows (chat's "messages").
+CHAT_FIELDS = RequestFields(prompt="messages", max_tokens="max_tokens", overflow="messages")
+COMPLETION_FIELDS = RequestFields(prompt="prompt", max_tokens="max_tokens", overflow="prompt")
 
 
 def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:
@@ -280,14 +336,19 @@ async def prepare(
     settings: GatewaySettings,
     threads: TenantThreads,
     tracker: MissTracker | None = None,
+    fields: RequestFields | None = None,
 ) -> Prepared:
     """Bound, admit, canonicalize, route and size a request. Raises ``OpenAIError``.
+
+    ``fields``: what the client's API calls the prompt and the output budget (a door's own names,
+    e.g. the Responses API's ``input``/``max_output_tokens``); by default chat's or completions'.
 
     Order matters: everything before ``tenancy.admit`` is O(1) or already bounded by the body
     size; tokenization (seconds for a long prompt) runs after admission, off the event loop.
     With a ``tracker``, an admitted chat request is compared with its family's recent requests
     (the canonical body, as the backend will see it) to explain a cache break.
     """
+    fields = fields or (CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     scoped = tenancy.scope_for(ctx, req.user)
     prompts = req.prompts() if isinstance(req, CompletionRequest) else []
     max_tokens_asked = req.effective_max_tokens()
@@ -351,7 +412,7 @@ async def prepare(
             for inp in inputs:
                 ids = inp.get("prompt_token_ids")
                 if ids is not None and len(ids) >= max_len:
-                    raise _context_error(max_len, len(ids), asked or 0, kind)
+                    raise _prompt_too_long(max_len, len(ids), fields)
         # Tokenized once: the engine gets the ids and skips its own tokenization (issue 17).
         token_ids = await _tokenize(threads, scoped.tenant_id, backend.client, probes, kind)
         prompt_counts = [len(ids) for ids in token_ids]
@@ -362,10 +423,12 @@ async def prepare(
     longest = max(prompt_counts, default=0)
     if max_len:
         room = max_len - longest
+        if room < 1:
+            raise _prompt_too_long(max_len, longest, fields)
         if asked is None:
             asked = min(settings.default_max_tokens, room)
-        if room < 1 or asked > room:
-            raise _context_error(max_len, longest, asked or 0, kind)
+        elif asked > room:
+            raise _output_too_long(max_len, longest, asked, fields)
     max_tokens = asked or settings.default_max_tokens
 
     temperature = effective_temperature(1.0 if req.temperature is None else req.temperature)
@@ -377,8 +440,11 @@ async def prepare(
                     max_tokens=max_tokens,
                     temperature=temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=max(0, req.top_k or 0),  # vLLM's -1 = off, the engine's 0
                     seed=None if req.seed is None else req.seed + i,  # n samples must differ
                     stop=stops,
+                    stop_token_ids=tuple(req.stop_token_ids or ()),
+                    ignore_eos=req.ignore_eos,
                     logit_bias=features.logit_bias if features else (),
                     logprobs=features.logprobs if features else None,
                     guided=features.guided if features else None,
@@ -470,14 +536,24 @@ def _tokenize_all(engine: EngineClient, requests: list[GenerateRequest]) -> list
     return [engine.tokenize(r) for r in requests]
 
 
-def _context_error(max_len: int, prompt: int, asked: int, kind: str) -> OpenAIError:
+def _prompt_too_long(max_len: int, prompt: int, fields: RequestFields) -> OpenAIError:
+    """The prompt alone fills the context (whatever the output budget)."""
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {max_len} tokens. However, your {fields.prompt} resulted in "
+        f"{prompt} tokens, which leaves no room for the output. Please reduce the length of the {fields.prompt}.",
+        code="context_length_exceeded", param=fields.prompt,
+    )
+
+
+def _output_too_long(max_len: int, prompt: int, asked: int, fields: RequestFields) -> OpenAIError:
+    """The prompt fits, but not with the output budget the client asked for."""
     return OpenAIError(
         400,
         f"This model's maximum context length is {max_len} tokens. However, you requested "
-        f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). "
-        "Please reduce the length of the messages or completion.",
-        code="context_length_exceeded",
-        param="messages" if kind == "chat" else "prompt",
+        f"{prompt + asked} tokens ({prompt} in the {fields.prompt}, {asked} in {fields.max_tokens}). "
+        f"Please reduce the length of the {fields.prompt} or {fields.max_tokens}.",
+        code="context_length_exceeded", param=fields.overflow,
     )
 
 

@@ -9,6 +9,13 @@ cache and ledger as ``/v1/chat/completions``; ``ResponsesFormat`` shapes the res
     function_call items               -> an assistant message with tool_calls
     function_call_output items        -> tool messages
     tools [{"type": "function", ...}] -> chat tools
+    tool_choice {"type": "function", "name"} -> chat's {"type": "function", "function": {"name"}}
+    text.format text | json_object | json_schema {name, schema, strict} -> chat response_format
+    top_logprobs, include ["message.output_text.logprobs"] -> chat logprobs / top_logprobs
+
+Fields that would change the output and that this gateway cannot honour (``reasoning`` effort,
+``truncation: "auto"``, ``max_tool_calls``, ``background``, ``conversation``, ``prompt``, a
+``text.verbosity`` other than "medium") are refused with a 400 naming them, never dropped.
 
 Stream events, in the order the openai SDK's accumulator expects::
 
@@ -23,22 +30,76 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.protocol import RequestOutput
+from engine.protocol import MAX_TOP_LOGPROBS, RequestOutput, TokenLogprob
 from gateway.errors import OpenAIError, invalid_request
-from gateway.formats import ChoiceText, sse
+from gateway.formats import ChoiceText, chat_logprob, sse
 from gateway.ingress import ScannedBody
-from gateway.pipeline import Prepared
-from gateway.schemas import MAX_NAME_CHARS, now
+from gateway.pipeline import UNSUPPORTED_LOCAL_EXTRAS, Prepared, RequestFields
+from gateway.schemas import MAX_NAME_CHARS, now, null_means
+from gateway.tool_calls import check_schema
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
 _ROLES = ("user", "system", "developer", "assistant")
 # Responses content part -> chat content part (text for the local engine; images for providers)
 _TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+# The context-length error names the Responses fields.
+RESPONSES_FIELDS = RequestFields(prompt="input", max_tokens="max_output_tokens", overflow="max_output_tokens")
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# ``include`` values that add data about items this gateway never produces (built-in tool calls,
+# reasoning, input images): accepted, and nothing to add.
+_INCLUDE_NOTHING = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                    "message.input_image.image_url", "computer_call_output.output.image_url",
+                    "code_interpreter_call.outputs", "reasoning.encrypted_content")
+# Extra (vLLM-style) fields sent on to the chat request: the chat pipeline honours or refuses them.
+_CHAT_EXTRAS = ("top_k", "stop_token_ids", "ignore_eos", *UNSUPPORTED_LOCAL_EXTRAS)
+
+
+class TextFormat(BaseModel):
+    """``text.format``: plain text, any JSON object, or JSON valid for ``schema`` (enforced as chat's
+    ``response_format``)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # "schema" would shadow BaseModel.schema
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_has_a_name(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.json_schema is None):
+            raise ValueError("a json_schema format needs 'name' and 'schema'")
+        return self
+
+    def response_format(self) -> dict[str, Any] | None:
+        """Chat's ``response_format`` for this format (None: plain text, no constraint)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        spec = {"name": self.name, "schema": self.json_schema, "description": self.description, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class ResponseText(BaseModel):
+    """``text``: the output's format, and its verbosity (only "medium", the default, is honoured)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    format: TextFormat | None = None
+    verbosity: str | None = None
 
 
 class ResponsesRequest(ScannedBody):
@@ -54,14 +115,28 @@ class ResponsesRequest(ScannedBody):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    stream: bool = False
-    store: bool = True
+    stream: Annotated[bool, null_means(False)] = False
+    store: Annotated[bool, null_means(True)] = True
     previous_response_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_cache_retention: str | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: int | None = None
+    background: bool | None = None
+
+    def text_format(self) -> TextFormat | None:
+        return self.text.format if self.text is not None else None
+
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+
 
 def _chat_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
@@ -134,19 +209,71 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """Responses ``tool_choice`` -> chat's: the named function is flat here, nested under ``function`` there."""
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid_request(
+        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+        param="tool_choice")
+
+
+def _refuse(param: str, why: str) -> OpenAIError:
+    return invalid_request(f"{param}: {why}", param=param)
+
+
+def refuse_unsupported(req: ResponsesRequest) -> None:
+    """Fields that would change the output and cannot be honoured: a 400 naming each (never dropped)."""
+    if req.reasoning and any(v not in (None, "none") for v in req.reasoning.values()):
+        raise _refuse("reasoning", "this model does not reason in a separate channel; omit it")
+    if req.truncation == "auto":
+        raise _refuse("truncation", "'auto' is not supported: send 'disabled' (the default); an input over the "
+                                    "context is a 400")
+    if req.max_tool_calls is not None:
+        raise _refuse("max_tool_calls", "not supported; omit it (parallel_tool_calls: false allows one call)")
+    if req.background:
+        raise _refuse("background", "background responses are not supported; omit it or send false")
+    extras = req.model_extra or {}
+    for name, hint in (("conversation", "use previous_response_id"), ("prompt", "send instructions and input")):
+        if extras.get(name) is not None:
+            raise _refuse(name, f"not supported; {hint}")
+    if req.text is not None and req.text.verbosity not in (None, "medium"):
+        raise _refuse("text.verbosity", "only 'medium' (the default) is supported")
+    for i, item in enumerate(req.include or ()):
+        if item != LOGPROBS_INCLUDE and item not in _INCLUDE_NOTHING:
+            raise invalid_request(f"Invalid value: {item!r} is not a supported include value.", param=f"include[{i}]")
+
+
+def _response_format(fmt: TextFormat | None) -> dict[str, Any] | None:
+    if fmt is None:
+        return None
+    if fmt.json_schema is not None:  # checked here too, so that a bad schema names the Responses field
+        check_schema(fmt.json_schema, "text.format.schema")
+    return fmt.response_format()
+
+
 def chat_body(req: ResponsesRequest, history: list[dict[str, Any]], conversation: list[dict[str, Any]]) -> dict:
     """The chat completions body this request runs as. ``history`` is the stored conversation of
     ``previous_response_id``; ``conversation`` = history + this input (what gets stored)."""
+    refuse_unsupported(req)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     if not messages:
         raise invalid_request("input must not be empty", param="input")
     body: dict[str, Any] = {"model": req.model, "messages": messages}
-    for name, value in (("tools", chat_tools(req.tools)), ("tool_choice", req.tool_choice),
+    logprobs = req.wants_logprobs()
+    for name, value in (("tools", chat_tools(req.tools)), ("tool_choice", chat_tool_choice(req.tool_choice)),
                         ("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
                         ("top_p", req.top_p), ("user", req.user), ("prompt_cache_key", req.prompt_cache_key),
-                        ("parallel_tool_calls", req.parallel_tool_calls)):
+                        ("parallel_tool_calls", req.parallel_tool_calls),
+                        ("response_format", _response_format(req.text_format())),
+                        ("logprobs", True if logprobs else None),
+                        ("top_logprobs", (req.top_logprobs or 0) if logprobs else None)):
         if value is not None:
             body[name] = value
+    extras = req.model_extra or {}
+    body.update({name: extras[name] for name in _CHAT_EXTRAS if extras.get(name) is not None})
     if req.stream:
         body["stream"] = True
     return body
@@ -194,6 +321,8 @@ class ResponsesFormat:
         self.seq = 0
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []  # of the text, when asked for (include / top_logprobs)
+        self.logprobs_sent = 0  # how many rode on output_text.delta events so far
         self.calls = ChoiceText(prep)  # choice 0: tool calls parsed (local engine) or streamed (provider)
         self.finish: str | None = None
         self.started = False
@@ -201,13 +330,18 @@ class ResponsesFormat:
 
     # -- the response object ------------------------------------------------------------------
 
-    def _message_item(self, status: Literal["in_progress", "completed"], text: str | None) -> dict[str, Any]:
-        content = [] if text is None else [self._text_part(text)]
+    def _message_item(self, status: Literal["in_progress", "completed", "incomplete"],
+                      text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [self._text_part(text, self.logprobs)]
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
-    def _text_part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def _text_part(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": [chat_logprob(lp) for lp in logprobs]}
+
+    def _status(self) -> Literal["completed", "incomplete"]:
+        """Of the response and of its message: cut at max_output_tokens, both are incomplete (as at OpenAI)."""
+        return "incomplete" if self.finish == "length" else "completed"
 
     def _call_items(self) -> list[dict[str, Any]]:
         return [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"] or "call_" + uuid.uuid4().hex,
@@ -216,7 +350,7 @@ class ResponsesFormat:
 
     def _output(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         text = "".join(self.text)
-        items = [self._message_item("completed", text)] if text or not calls else []
+        items = [self._message_item(self._status(), text)] if text or not calls else []
         return [*items, *calls]
 
     def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -231,12 +365,18 @@ class ResponsesFormat:
             "top_p": 1.0 if r.top_p is None else r.top_p, "tools": r.tools or [],
             "tool_choice": r.tool_choice or "auto",
             "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
-            "store": r.store, "metadata": r.metadata or {}, "text": {"format": {"type": "text"}},
-            "truncation": "disabled", "prompt_cache_key": r.prompt_cache_key, "user": r.user,
+            "store": r.store, "metadata": r.metadata or {}, "text": self._text_echo(),
+            "top_logprobs": r.top_logprobs, "truncation": r.truncation or "disabled",
+            "prompt_cache_key": r.prompt_cache_key, "user": r.user,
         }
 
-    def _status(self) -> str:
-        return "incomplete" if self.finish == "length" else "completed"
+    def _text_echo(self) -> dict[str, Any]:
+        """The request's ``text`` as OpenAI echoes it: the format asked for (plain text by default)."""
+        fmt = self.req.text_format()
+        echo: dict[str, Any] = {"format": fmt.echo() if fmt is not None else {"type": "text"}}
+        if self.req.text is not None and self.req.text.verbosity is not None:
+            echo["verbosity"] = self.req.text.verbosity
+        return echo
 
     def _finished(self, usage: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
         response = self._response(self._status(), self._output(calls), responses_usage(usage))
@@ -245,6 +385,7 @@ class ResponsesFormat:
 
     def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
         self.text = acc.text.get(0, [])
+        self.logprobs = acc.logprobs.get(0, []) if self.req.wants_logprobs() else []
         self.calls = acc
         self.finish = acc.finish.get(0)
         return self._finished(usage, self._call_items())
@@ -272,14 +413,24 @@ class ResponsesFormat:
             events += [self._event("response.created", response=pending),
                        self._event("response.in_progress", response=pending)]
         content = self.calls.add(0, out).content  # text outside <tool_call> tags
+        if self.req.wants_logprobs():
+            self.logprobs += out.logprobs
         if content:
             if not self.msg_open:
                 events += self._open_message()
             self.text.append(content)
-            events.append(self._event("response.output_text.delta", **self._ids(), delta=content, logprobs=[]))
+            events.append(self._event("response.output_text.delta", **self._ids(), delta=content,
+                                      logprobs=self._unsent_logprobs()))
         if out.finished:
             self.finish = self.calls.finish.get(0)
         return events
+
+    def _unsent_logprobs(self) -> list[dict[str, Any]]:
+        """Logprobs of the tokens since the last delta (a token's text may reach the client later
+        than its logprob: text is held back while it could still be a stop string's start)."""
+        fresh = self.logprobs[self.logprobs_sent:]
+        self.logprobs_sent = len(self.logprobs)
+        return [chat_logprob(lp) for lp in fresh]
 
     def frame(self, chunk: dict[str, Any]) -> bytes:
         return sse(chunk, chunk["type"])
@@ -291,10 +442,12 @@ class ResponsesFormat:
             events += self._open_message()  # an empty answer is still one (empty) message
         if self.msg_open:
             text = "".join(self.text)
-            events += [self._event("response.output_text.done", **self._ids(), text=text, logprobs=[]),
-                       self._event("response.content_part.done", **self._ids(), part=self._text_part(text)),
+            logprobs = [chat_logprob(lp) for lp in self.logprobs]
+            events += [self._event("response.output_text.done", **self._ids(), text=text, logprobs=logprobs),
+                       self._event("response.content_part.done", **self._ids(),
+                                   part=self._text_part(text, self.logprobs)),
                        self._event("response.output_item.done", output_index=0,
-                                   item=self._message_item("completed", text))]
+                                   item=self._message_item(self._status(), text))]
         base = 1 if self.msg_open else 0
         for k, call in enumerate(calls):
             index = base + k

@@ -3,7 +3,8 @@
 Unknown top-level fields are kept (``extra="allow"``) because OpenAI tolerates new fields and
 upstream providers may understand them. Every sampling and output field OpenAI defines is either
 honoured by the local engine (tools and ``tool_choice``, ``response_format``, ``logprobs`` /
-``top_logprobs``, ``logit_bias``; see docs/gateway.md) or rejected in
+``top_logprobs``, ``logit_bias``, vLLM's ``top_k`` / ``stop_token_ids`` / ``ignore_eos``; see
+docs/gateway.md) or rejected in
 ``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter
 (``presence_penalty``, ``frequency_penalty``, ``echo``, ``suffix``, ``best_of``, and extra fields
 such as ``functions``, ``audio``, ``reasoning_effort``): never silently dropped. Extra fields that
@@ -13,9 +14,9 @@ change nothing in the output (``metadata``, ``store``...) are accepted.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from gateway.ingress import ScannedBody, body_limit
 
@@ -23,11 +24,19 @@ from gateway.ingress import ScannedBody, body_limit
 # that a rejected request cannot store megabytes (issue 16.9). OpenAI caps `user` at 256 too.
 MAX_NAME_CHARS = 256
 MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def null_means(default: object) -> BeforeValidator:
+    """An explicit JSON ``null`` read as the field's default. OpenAI declares ``n``, ``stream``,
+    ``echo``, ``store``... nullable, and proxies and serialised clients send ``null`` for "unset";
+    the field itself keeps its plain type for every reader."""
+    return BeforeValidator(lambda value: default if value is None else value)
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: Annotated[bool, null_means(False)] = False
 
 
 class _Common(ScannedBody):
@@ -37,10 +46,10 @@ class _Common(ScannedBody):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    n: int = Field(1, ge=1)
+    n: Annotated[int, null_means(1)] = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: Annotated[bool, null_means(False)] = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -48,15 +57,35 @@ class _Common(ScannedBody):
     logit_bias: dict[str, float] | None = None  # token id (as a string key) -> bias in [-100, 100]
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # vLLM's sampling extras that the engine honours (engine.protocol.SamplingParams): top_k (-1 or
+    # 0 = off), stop_token_ids (each ends the output, as EOS does), ignore_eos (generate past EOS).
+    top_k: int | None = Field(None, ge=-1)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: Annotated[bool, null_means(False)] = False
+
     @field_validator("stop")
     @classmethod
     def _short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """Empty stop strings are dropped, as OpenAI and vLLM ignore them (one would end every output at once)."""
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > 4:
             raise body_limit("stop accepts at most 4 sequences", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise body_limit(f"each stop sequence may have at most {MAX_STOP_CHARS} characters", "stop")
-        return stop
+        kept = [s for s in stops if s]
+        if not kept:
+            return None
+        return kept[0] if isinstance(stop, str) else kept
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _few_stop_token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None:
+            if len(ids) > MAX_STOP_TOKEN_IDS:  # each is checked against every generated token
+                raise body_limit(f"stop_token_ids accepts at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+            if any(t < 0 for t in ids):
+                raise body_limit("stop_token_ids must be token ids >= 0", "stop_token_ids")
+        return ids
 
 
     def stop_list(self) -> tuple[str, ...]:
@@ -105,7 +134,7 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: Annotated[bool, null_means(False)] = False
     suffix: str | None = None
     best_of: int | None = None
 

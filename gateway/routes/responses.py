@@ -19,6 +19,7 @@ from gateway.pipeline import Accounting
 from gateway.ports import TenancyPort, TenantCtx
 from gateway.responder import respond
 from gateway.responses_api import (
+    RESPONSES_FIELDS,
     ResponsesFormat,
     ResponsesRequest,
     chat_body,
@@ -69,7 +70,7 @@ async def create_response(
             raise invalid_request(str(exc), param=exc.param) from None
         conversation = history + input_messages(body)
         chat = chat_request(chat_body(body, history, conversation))
-    prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(retention))
+    prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(retention), fields=RESPONSES_FIELDS)
     prep.request_id = new_response_id()
 
     def keep(response: dict[str, Any]) -> None:

@@ -121,6 +121,25 @@ def test_stop_string_text_is_cut_and_never_streamed():
     assert all(stop not in o.new_text for o in res["outs"])
 
 
+def test_the_stop_string_that_ended_the_output_is_reported():
+    p = prompt(3, 12)
+    full = bytes(reference_generate(p, 30)).decode()
+    first, later = full[10:13], full[20:23]
+    assert full.index(first) < full.index(later)
+    engine, _ = make_engine()
+    res = run_all_single(engine, "which", p, max_tokens=30, stop=(later, first))
+    assert res["text"] == full[:full.index(first)]
+    assert res["outs"][-1].stop_sequence == first  # the earliest hit, not the first listed
+    assert all(o.stop_sequence is None for o in res["outs"][:-1])
+    plain = run_all_single(engine, "len", p, max_tokens=4)
+    assert plain["outs"][-1].finish_reason == "length" and plain["outs"][-1].stop_sequence is None
+
+
+def test_an_empty_stop_string_is_refused_by_the_sampling_params():
+    with pytest.raises(ValueError, match="must not be empty"):
+        SamplingParams(stop=("",))
+
+
 def test_stop_token_ids_eos_and_ignore_eos():
     eos_after = {5}
 
