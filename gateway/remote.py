@@ -4,7 +4,8 @@ A node is any server that speaks the OpenAI-compatible API that vLLM speaks::
 
     POST /v1/completions        {"model", "prompt": [token ids] | "text", "cache_salt": <namespace hex>,
                                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                                 "stop_token_ids", "ignore_eos", "logit_bias", "priority",
+                                 "stop_token_ids", "ignore_eos", "logit_bias",
+                                 "priority", "prefixgate_tenant" (PrefixGate nodes only),
                                  "stream": true, "stream_options": {"include_usage": true},
                                  "return_token_ids": true}
     POST /v1/chat/completions   the same with "messages" (and "tools") instead of "prompt"
@@ -104,9 +105,11 @@ class NodeState:
     cached_tokens_reported: bool | None = None
 
 
-def request_body(request: GenerateRequest, model: str | None, *, priority: bool = False) -> tuple[str, dict[str, Any]]:
-    """The OpenAI-compatible path and JSON body for ``request``. ``priority``: send the tenant's
-    priority (a PrefixGate node; vLLM refuses it unless started with priority scheduling).
+def request_body(request: GenerateRequest, model: str | None, *, prefixgate_node: bool = False) -> tuple[str, dict[str, Any]]:
+    """The OpenAI-compatible path and JSON body for ``request``. ``prefixgate_node``: also send what
+    only a PrefixGate node reads: the tenant's priority (vLLM refuses it unless started with
+    priority scheduling) and its opaque tenant key (``prefixgate_tenant``, hex), so the node counts
+    fairness and quotas per tenant, not per namespace.
 
     Raises ``InvalidRequestError`` for what this API cannot carry (logprobs objects, grammars)."""
     s = request.sampling
@@ -133,8 +136,10 @@ def request_body(request: GenerateRequest, model: str | None, *, priority: bool 
         body["ignore_eos"] = True
     if s.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
-    if priority and request.tenant.priority:
+    if prefixgate_node and request.tenant.priority:
         body["priority"] = request.tenant.priority
+    if prefixgate_node and request.tenant.tenant_key != request.tenant.namespace:
+        body["prefixgate_tenant"] = bytes(request.tenant.tenant_key).hex()
     if request.messages is not None:
         body["messages"] = list(request.messages)
         if request.tools:
@@ -185,7 +190,7 @@ class RemoteEngineClient:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         prefixgate = any(c.owned_by == "prefixgate" for c in self._models)
-        path, body = request_body(request, self._served_model(request), priority=prefixgate)
+        path, body = request_body(request, self._served_model(request), prefixgate_node=prefixgate)
         start = time.perf_counter()
         try:
             async with self._http.stream("POST", path, json=body) as resp:

@@ -103,6 +103,8 @@ class _NodeBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=512)
+    # the sending gateway's opaque tenant key (hex): quotas and fairness per tenant, not per namespace
+    prefixgate_tenant: str | None = Field(None, min_length=2, max_length=128, pattern=r"^(?:[0-9a-fA-F]{2})+$")
     priority: int = 0
     return_token_ids: bool = False
 
@@ -115,8 +117,9 @@ class _NodeBody(BaseModel):
             logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()))
 
     def scope(self) -> StaticTenantScope:
+        key = bytes.fromhex(self.prefixgate_tenant) if self.prefixgate_tenant else b""  # b"": the namespace
         return StaticTenantScope(namespace=namespace_of(self.cache_salt), metrics_label="remote", cipher=None,
-                                 priority=self.priority)
+                                 priority=self.priority, tenant_key=key)
 
 
 class NodeCompletionBody(_NodeBody):

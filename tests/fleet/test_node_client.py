@@ -156,3 +156,21 @@ def test_unpriced_is_tokens_and_no_money() -> None:
     assert by_model["gpt-4o"]["cost_usd"] == 0.5 and rep["totals"]["cost_usd"] == 0.5
     line = next(x for x in render_table(rep).splitlines() if x.lstrip().startswith("acme") and "self" in x)
     assert " - " in line and "unpriced" in line
+
+
+def test_only_a_prefixgate_node_gets_the_tenant_key_and_the_node_counts_by_it() -> None:
+    """A node's quotas and fairness go by the sending gateway's tenant key (one per tenant, whatever
+    its share scope), not by ``cache_salt``; vLLM never sees the field."""
+    from gateway.remote import request_body
+    from gateway.routes.internal import NodeCompletionBody
+
+    tenant = StaticTenantScope(namespace=b"\x01\x02", tenant_key=b"\xab" * 4)
+    req = GenerateRequest(request_id="r", tenant=tenant, sampling=SamplingParams(max_tokens=1), prompt_token_ids=[1])
+    _, to_vllm = request_body(req, "m")
+    _, to_node = request_body(req, "m", prefixgate_node=True)
+    assert "prefixgate_tenant" not in to_vllm and to_node["prefixgate_tenant"] == "abababab"
+    scope = NodeCompletionBody.model_validate({"prompt": [1], **to_node}).scope()
+    assert scope.namespace == b"\x01\x02" and scope.tenant_key == b"\xab" * 4
+    # a gateway that sends no key (an older one): one tenant per namespace, as before
+    plain = NodeCompletionBody.model_validate({"prompt": [1], "cache_salt": "0102"}).scope()
+    assert plain.tenant_key == plain.namespace == b"\x01\x02"

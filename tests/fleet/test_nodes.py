@@ -91,6 +91,13 @@ def test_node_errors_are_openai_errors(nodes) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=2, n=2)
     assert err.value.code == "invalid_node_request"
+    with pytest.raises(openai.BadRequestError) as err:  # the sending gateway's tenant key is hex
+        client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=1,
+                                  extra_body={"cache_salt": SALT_A, "prefixgate_tenant": "not hex"})
+    assert err.value.code == "invalid_node_request"
+    ok = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=1,
+                                   extra_body={"cache_salt": SALT_A, "prefixgate_tenant": "cd" * 32})
+    assert ok.usage.completion_tokens == 1
     # a tenant key (or none) on the same path is the public API, never the node's
     r = httpx.post(f"{nodes[0]}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=30, trust_env=False)
     assert r.status_code == 401
