@@ -67,10 +67,20 @@ def lark_grammar(spec: GuidedSpec) -> str:
     if isinstance(schema, dict):
         schema = {"x-guidance": _JSON_OPTIONS, **schema}
     body = f"%json {json.dumps(schema)}"
-    pieces = " ".join(x for x in (json.dumps(spec.prefix) if spec.prefix else "", "value",
-                                   json.dumps(spec.suffix) if spec.suffix else "") if x)
-    start = f"start: item+\nitem: {pieces}" if spec.repeat else f"start: {pieces}"
-    return f"{start}\nvalue: {body}\n"
+    item = " ".join(x for x in (_literal(spec.prefix), "value", _literal(spec.suffix)) if x)
+    if spec.max_items == 1:
+        return f"start: {item}\nvalue: {body}\n"
+    # The separator goes between items, never after one: EOS stays allowed after every complete
+    # item, so the grammar never pushes the model into another one; the bound stops a model that
+    # keeps repeating itself.
+    more = f"({_literal(spec.separator)} item){{0,{spec.max_items - 1}}}" if spec.separator else \
+        f"item{{0,{spec.max_items - 1}}}"
+    return f"start: item {more}\nitem: {item}\nvalue: {body}\n"
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Lark string literal ("" for none)."""
+    return json.dumps(text) if text else ""
 
 
 class GrammarCompiler:

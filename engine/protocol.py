@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
+MAX_GUIDED_ITEMS = 64  # GuidedSpec.max_items: a bounded repetition keeps the compiled grammar small
 
 
 @runtime_checkable
@@ -97,20 +98,25 @@ class StaticTenantScope:
 class GuidedSpec:
     """A grammar the output must follow, enforced token by token while decoding (engine.guided).
 
-    The output is ``prefix`` + one JSON value matching ``json_schema`` + ``suffix``, then EOS.
+    The output is an item, ``prefix`` + one JSON value matching ``json_schema`` + ``suffix``,
+    then EOS; with ``max_items`` > 1, one to ``max_items`` items with ``separator`` between two
+    of them (only between: EOS is allowed after every complete item, so nothing forces another).
     ``json_schema`` is the schema's JSON text (``'{"type": "object"}'`` for any JSON object);
-    ``prefix``/``suffix`` are literal text (a tool-call wrapper such as ``<tool_call>\\n``).
-    Frozen and hashable: equal specs share one compiled grammar.
+    ``prefix``/``suffix``/``separator`` are literal text (a tool-call wrapper such as
+    ``<tool_call>\\n``). Frozen and hashable: equal specs share one compiled grammar.
     """
 
     json_schema: str
     prefix: str = ""
     suffix: str = ""
-    repeat: bool = False  # the whole prefix+value+suffix may repeat (several tool calls)
+    max_items: int = 1  # several tool calls: up to this many items
+    separator: str = ""  # between two items
 
     def __post_init__(self) -> None:
         if not self.json_schema:
             raise ValueError("a guided spec needs a JSON schema")
+        if not 1 <= self.max_items <= MAX_GUIDED_ITEMS:
+            raise ValueError(f"max_items must be in [1, {MAX_GUIDED_ITEMS}], got {self.max_items}")
 
 
 @dataclass(frozen=True)

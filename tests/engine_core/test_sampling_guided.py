@@ -253,3 +253,39 @@ def test_one_schema_is_compiled_once_for_concurrent_admissions(engine):
     assert grammars.compiles == before + 1
     if out["finish"] == "stop":
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
+
+
+# ------------------------------------------------------------------ several items
+
+def _allowed(row, bitmask_size: int, ids: list[int]) -> set[int]:
+    """The tokens among ``ids`` that ``row``'s mask allows next."""
+    mask = torch.zeros(bitmask_size, dtype=torch.int32)
+    row.fill(mask)
+    return {t for t in ids if (int(mask[t // 32]) >> (t % 32)) & 1}
+
+
+def test_several_items_end_after_any_complete_one_and_stop_at_max_items(engine):
+    """``max_items`` > 1 (tool_choice required with parallel calls): EOS is allowed after every
+    complete item, so nothing forces another, the separator comes only between items, and after
+    ``max_items`` items only EOS is left (the grammar once allowed ``item+`` with a trailing
+    newline: a model repeated one call until max_tokens)."""
+    spec = GuidedSpec(json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                              "required": ["a"], "additionalProperties": False}),
+                      prefix="<c>", suffix="</c>", max_items=3, separator="\n")
+    grammars = engine.runner.grammars
+    grammars.check(spec)
+    eos = engine.runner.spec.eos_token_ids[0]
+    tok = engine.runner.tokenizer
+    newline, other = tok.encode("\n")[0], tok.encode("<c>")[0]
+    words = bitmask_words(engine.vocab_size)
+    row = grammars.matcher(spec)
+    assert eos not in _allowed(row, words, [eos])  # nothing yet: at least one item
+    out: list[int] = []
+    for n in range(1, 4):
+        out += tok.encode(('\n' if n > 1 else '') + '<c>{"a":' + str(n) + '}</c>')
+        row.sync(out)
+        allowed = _allowed(row, words, [eos, newline, other])
+        assert eos in allowed, f"EOS after item {n}"
+        assert other not in allowed, "the next item only after the separator"
+        assert (newline in allowed) == (n < 3), f"a separator after item {n}"
+

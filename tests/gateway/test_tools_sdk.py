@@ -28,6 +28,7 @@ from gateway_fakes import FakeEngine, FakeTenancy, LoopbackServer  # noqa: E402
 from engine.protocol import GenerateRequest, RequestOutput  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
+from gateway.tool_calls import MAX_PARALLEL_CALLS  # noqa: E402
 from tenancy.service import TenancyService  # noqa: E402
 from tests.serverutil import serve_tiny, stop  # noqa: E402
 
@@ -281,3 +282,20 @@ def test_a_schema_the_grammar_engine_refuses_is_a_400_before_the_stream_starts(c
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=stream, **kw)
     ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------ forced calls end
+
+def test_required_with_parallel_calls_ends_within_the_bound(client):
+    """Parallel calls allowed (the SDK's default): whatever this random model does, the turn is one
+    to MAX_PARALLEL_CALLS valid calls ending with "tool_calls", never a run to max_tokens (the
+    grammar was ``item+``: unbounded, so a model that never chose EOS ran to "length")."""
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                       tool_choice="required", temperature=0, max_tokens=512)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert 1 <= len(choice.message.tool_calls) <= MAX_PARALLEL_CALLS
+    for call in choice.message.tool_calls:
+        tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), _params(tool))
+
