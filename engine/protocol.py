@@ -12,9 +12,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class OutputFailure(Enum):
+    """Why a request finished with ``finish_reason="error"``, where the caller can act on it
+    (``RequestOutput.failure``; None for an engine fault)."""
+
+    # The grammar reached a state from which no token can continue the output (llguidance's
+    # error state: for example a required property that refers back to its own object forces
+    # an endless value). The output so far is not valid for the schema; the schema is the cause.
+    GRAMMAR_DEAD_END = "grammar_dead_end"
+
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
 MAX_GUIDED_ITEMS = 64  # GuidedSpec.max_items: a bounded repetition keeps the compiled grammar small
@@ -246,6 +258,7 @@ class RequestOutput:
     token_times_s: tuple[float, ...] = ()
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new text token, when the sampling asked for them
+    failure: OutputFailure | None = None  # with finish_reason "error": a cause the caller can act on
 
 
 class EngineError(Exception):
@@ -267,6 +280,14 @@ class InvalidRequestError(EngineError):
 
     status = 400
     code = "invalid_request_error"
+
+
+class UnenforceableSchemaError(InvalidRequestError):
+    """A guided request's JSON schema cannot be enforced while decoding: refused when its grammar
+    is compiled (or its forced start fails), or found when the grammar dead-ends mid-output
+    (``OutputFailure.GRAMMAR_DEAD_END``)."""
+
+    code = "unenforceable_schema"
 
 
 class EngineOverloadedError(EngineError):
