@@ -85,8 +85,11 @@ class StepResult:
     """What the runner returns for one batch: a token per chunk (None where sample=False).
 
     ``logprobs``: the sampled token's raw log-probability per chunk; ``top_logprobs``: per chunk,
-    (token id, logprob) of the most likely tokens when its request asked for them, else None."""
+    (token id, logprob) of the most likely tokens when its request asked for them, else None;
+    ``grammar_dead_ends``: per chunk, why its grammar could not continue (engine.guided), else None
+    (empty: none did)."""
 
     sampled_token_ids: Sequence[int | None]
     logprobs: Sequence[float | None] = ()
     top_logprobs: Sequence[tuple[tuple[int, float], ...] | None] = ()
+    grammar_dead_ends: Sequence[str | None] = ()

@@ -4,12 +4,17 @@
     -------------------------            ------------------------------------------------
     GrammarCompiler.check(spec)          GuidedRow.sync(output_token_ids)   catch up / roll back
       spec -> Lark grammar text          GuidedRow.fill(bitmask row)        allowed tokens, 1 bit each
-      validate under LLParserLimits      apply_bitmask(logits, bitmask)     disallowed -> -inf
-      build a prototype matcher          (sampled token is consumed at the next sync)
+      validate under LLParserLimits      GuidedRow.dead_end()               llguidance's error state?
+      build a prototype matcher          apply_bitmask(logits, bitmask)     disallowed -> -inf
+      follow its forced start            (sampled token is consumed at the next sync)
       within a wall-clock bound          first step: GrammarCompiler.matcher = prototype.deep_copy()
       -> ValueError (a 400)
       the compile (or its refusal) is
       cached per spec: done once
+
+A dead end (the matcher in its error state, where it allows only EOS) travels with the sampled
+token (``SampledRow.grammar_dead_end``), and the engine ends that request with
+``OutputFailure.GRAMMAR_DEAD_END`` instead of a normal stop: its output does not match the schema.
 
 Building a matcher is the expensive part (0.1-0.5 s for a schema with thousands of
 alternatives, measured here), so it happens at admission, off the engine thread; the engine
@@ -67,10 +72,20 @@ def lark_grammar(spec: GuidedSpec) -> str:
     if isinstance(schema, dict):
         schema = {"x-guidance": _JSON_OPTIONS, **schema}
     body = f"%json {json.dumps(schema)}"
-    pieces = " ".join(x for x in (json.dumps(spec.prefix) if spec.prefix else "", "value",
-                                   json.dumps(spec.suffix) if spec.suffix else "") if x)
-    start = f"start: item+\nitem: {pieces}" if spec.repeat else f"start: {pieces}"
-    return f"{start}\nvalue: {body}\n"
+    item = " ".join(x for x in (_literal(spec.prefix), "value", _literal(spec.suffix)) if x)
+    if spec.max_items == 1:
+        return f"start: {item}\nvalue: {body}\n"
+    # The separator goes between items, never after one: EOS stays allowed after every complete
+    # item, so the grammar never pushes the model into another one; the bound stops a model that
+    # keeps repeating itself.
+    more = f"({_literal(spec.separator)} item){{0,{spec.max_items - 1}}}" if spec.separator else \
+        f"item{{0,{spec.max_items - 1}}}"
+    return f"start: item {more}\nitem: {item}\nvalue: {body}\n"
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Lark string literal ("" for none)."""
+    return json.dumps(text) if text else ""
 
 
 class GrammarCompiler:
@@ -152,12 +167,30 @@ class GrammarCompiler:
         proto = llguidance.LLMatcher(tokenizer, grammar, limits=_limits(), log_level=0)
         if proto.is_error():
             raise ValueError(f"the JSON schema cannot be enforced while decoding: {_reason(proto.get_error())}")
+        failure = _forced_start_failure(proto)
+        if failure is not None:
+            raise ValueError("the JSON schema cannot be enforced while decoding: the grammar fails on the text "
+                             "every output must start with (for example, a required property that refers back "
+                             f"to its own object forces an endless value): {failure}")
         return proto
 
     def matcher(self, spec: GuidedSpec) -> GuidedRow:
         """A fresh matcher for one request: a copy of the prototype ``check`` built (rebuilt here
         only if the cache dropped it since)."""
         return GuidedRow(self._compile(spec).result().deep_copy())
+
+
+def _forced_start_failure(proto: llguidance.LLMatcher) -> str | None:
+    """Why the grammar fails along the tokens it forces from its start (followed on a copy), or
+    None. Those tokens are every output's start, whatever the model samples, so such a grammar
+    would dead-end in every request: it is refused at admission instead. Cheap: a normal start
+    forces a few tokens (~0.1 ms); a self-recursive required property forces ``{"c":{"c":...``
+    until llguidance's item limit stops it (~30 ms, once per schema: the refusal is cached)."""
+    probe = proto.deep_copy()
+    forced = probe.compute_ff_tokens()
+    if forced and not probe.is_error():
+        probe.consume_tokens(forced)
+    return _reason(probe.get_error()) if probe.is_error() else None
 
 
 _WHERE = re.compile(r"^at \d+\(\d+\): ")
@@ -198,6 +231,12 @@ class GuidedRow:
             # matcher enters its error state and from then on allows only EOS
             self._matcher.consume_token(int(t))
             done.append(int(t))
+
+    def dead_end(self) -> str | None:
+        """Why no token can continue the output, or None while the grammar can go on. In its error
+        state (a limit hit, e.g. a value the schema forces without end) llguidance's mask allows
+        only EOS: the output would end there, incomplete, looking like a normal stop."""
+        return _reason(self._matcher.get_error()) if self._matcher.is_error() else None
 
     def fill(self, bitmask_row: torch.Tensor) -> None:
         """Write the allowed-token bits of the next step into ``bitmask_row`` (int32, CPU, contiguous)."""

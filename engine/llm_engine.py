@@ -67,9 +67,11 @@ from engine.protocol import (
     GenerateRequest,
     GuidedSpec,
     InvalidRequestError,
+    OutputFailure,
     PromptTooLongError,
     RequestOutput,
     TokenLogprob,
+    UnenforceableSchemaError,
 )
 from engine.request import PLACEHOLDER_TOKEN, DetokenizerState, Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -128,8 +130,13 @@ class _Launched:
     launched_at: float  # perf_counter
 
 
-# One chunk's sampled token as the runner reported it: (raw logprob, top alternatives or None).
-_TokenInfo = tuple[float | None, tuple[tuple[int, float], ...] | None]
+@dataclass(frozen=True)
+class _TokenInfo:
+    """One chunk's sampled token as the runner reported it, beyond the id."""
+
+    logprob: float | None  # raw log-probability
+    top: tuple[tuple[int, float], ...] | None  # top alternatives, when asked for
+    grammar_dead_end: str | None = None  # the grammar could not continue (engine.guided): why
 
 
 class LLMEngine:
@@ -274,7 +281,7 @@ class LLMEngine:
             try:
                 self.runner.check_grammar(sp.guided)
             except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
+                raise UnenforceableSchemaError(str(exc)) from None
         if sp.logprobs is not None:
             # the token-bytes table is built on first use (~1 s for a 100k vocabulary): here, on
             # the admitting thread, rather than in the middle of a step
@@ -552,6 +559,9 @@ class LLMEngine:
         req.append_output_token(token, now)  # hashes the block this token filled, if any
         self.cache_timer.add(CachePhase.HASH, time.thread_time() - t0)
         sp = req.sampling
+        if info is not None and info.grammar_dead_end is not None:
+            self._fail_grammar(req, info.grammar_dead_end)
+            return
         reason: FinishReason | None = None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             reason = "stop"  # the stop token is returned as an id but not as text
@@ -566,9 +576,16 @@ class LLMEngine:
         if reason is not None:
             self._finish(req, reason)
 
+    def _fail_grammar(self, req: Request, why: str) -> None:
+        """End a guided request whose grammar dead-ended: its output does not match the schema, so
+        it must not look like a normal stop (the token sampled, EOS, is the mask's only choice)."""
+        req.error = f"the output reached a point where the JSON schema's grammar cannot continue: {why}"
+        req.failure = OutputFailure.GRAMMAR_DEAD_END
+        self._finish(req, "error")
+
     def _record_logprob(self, req: Request, token: int, info: _TokenInfo | None) -> None:
         """Keep the token's logprob entry (text tokens only: a stop token has no text to score)."""
-        logprob, top = info if info is not None else (None, None)
+        logprob, top = (info.logprob, info.top) if info is not None else (None, None)
         top = top or ()
         ids = [token, *(t for t, _ in top)]
         with self._tokenizer_lock:
@@ -656,6 +673,7 @@ class LLMEngine:
             token_times_s=times,
             error=req.error,
             logprobs=new_logprobs,
+            failure=req.failure,
         )
 
     # ------------------------------------------------------------------ state
@@ -776,7 +794,9 @@ def _first_outside(ids: list[int], packed: bytes | None, size: int) -> int | Non
 
 
 def _token_infos(result: StepResult, n: int) -> list[_TokenInfo | None]:
-    """Per chunk (logprob, top alternatives) from a runner's result (runners may omit them)."""
+    """Per chunk (logprob, top alternatives, grammar dead end) from a runner's result (runners
+    may omit them)."""
     lps = list(result.logprobs) or [None] * n
     tops = list(result.top_logprobs) or [None] * n
-    return [(lp, top) for lp, top in zip(lps, tops)]
+    dead = list(result.grammar_dead_ends) or [None] * n
+    return [_TokenInfo(lp, top, why) for lp, top, why in zip(lps, tops, dead)]

@@ -363,6 +363,7 @@ class ModelRunner:
             sampled_token_ids=[p.token_id if p else None for p in picks],
             logprobs=[p.logprob if p else None for p in picks],
             top_logprobs=[p.top if p else None for p in picks],
+            grammar_dead_ends=[p.grammar_dead_end if p else None for p in picks],
         )
 
     # ------------------------------------------------------------------------------ prompts

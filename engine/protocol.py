@@ -13,11 +13,24 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+
+class OutputFailure(Enum):
+    """Why a request finished with ``finish_reason="error"``, where the caller can act on it
+    (``RequestOutput.failure``; None for an engine fault)."""
+
+    # The grammar reached a state from which no token can continue the output (llguidance's
+    # error state: for example a required property that refers back to its own object forces
+    # an endless value). The output so far is not valid for the schema; the schema is the cause.
+    GRAMMAR_DEAD_END = "grammar_dead_end"
+
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
+MAX_GUIDED_ITEMS = 64  # GuidedSpec.max_items: a bounded repetition keeps the compiled grammar small
 
 
 @runtime_checkable
@@ -115,20 +128,25 @@ class StaticTenantScope:
 class GuidedSpec:
     """A grammar the output must follow, enforced token by token while decoding (engine.guided).
 
-    The output is ``prefix`` + one JSON value matching ``json_schema`` + ``suffix``, then EOS.
+    The output is an item, ``prefix`` + one JSON value matching ``json_schema`` + ``suffix``,
+    then EOS; with ``max_items`` > 1, one to ``max_items`` items with ``separator`` between two
+    of them (only between: EOS is allowed after every complete item, so nothing forces another).
     ``json_schema`` is the schema's JSON text (``'{"type": "object"}'`` for any JSON object);
-    ``prefix``/``suffix`` are literal text (a tool-call wrapper such as ``<tool_call>\\n``).
-    Frozen and hashable: equal specs share one compiled grammar.
+    ``prefix``/``suffix``/``separator`` are literal text (a tool-call wrapper such as
+    ``<tool_call>\\n``). Frozen and hashable: equal specs share one compiled grammar.
     """
 
     json_schema: str
     prefix: str = ""
     suffix: str = ""
-    repeat: bool = False  # the whole prefix+value+suffix may repeat (several tool calls)
+    max_items: int = 1  # several tool calls: up to this many items
+    separator: str = ""  # between two items
 
     def __post_init__(self) -> None:
         if not self.json_schema:
             raise ValueError("a guided spec needs a JSON schema")
+        if not 1 <= self.max_items <= MAX_GUIDED_ITEMS:
+            raise ValueError(f"max_items must be in [1, {MAX_GUIDED_ITEMS}], got {self.max_items}")
 
 
 @dataclass(frozen=True)
@@ -263,6 +281,7 @@ class RequestOutput:
     token_times_s: tuple[float, ...] = ()
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new text token, when the sampling asked for them
+    failure: OutputFailure | None = None  # with finish_reason "error": a cause the caller can act on
 
 
 class EngineError(Exception):
@@ -284,6 +303,14 @@ class InvalidRequestError(EngineError):
 
     status = 400
     code = "invalid_request_error"
+
+
+class UnenforceableSchemaError(InvalidRequestError):
+    """A guided request's JSON schema cannot be enforced while decoding: refused when its grammar
+    is compiled (or its forced start fails), or found when the grammar dead-ends mid-output
+    (``OutputFailure.GRAMMAR_DEAD_END``)."""
+
+    code = "unenforceable_schema"
 
 
 class EngineOverloadedError(EngineError):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from engine.kv_types import BlockHash, QueueReason
 from engine.prefix_index import block_hashes, packed_block_hashes
-from engine.protocol import FinishReason, Retention, SamplingParams, TenantScope
+from engine.protocol import FinishReason, OutputFailure, Retention, SamplingParams, TenantScope
 
 if TYPE_CHECKING:
     from engine.protocol import TokenLogprob
@@ -90,6 +90,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
     error: str | None = None
+    failure: OutputFailure | None = None  # with finish_reason "error": a cause the caller can act on
 
     # the prompt as native int64 bytes when the caller has them (LLMEngine.prepare packs a prompt
     # while validating it): its block hashes are then taken from them instead of packing it again

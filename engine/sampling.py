@@ -68,6 +68,7 @@ class SampledRow:
     token_id: int
     logprob: float | None  # None where the request asked for no logprobs (sample_rows)
     top: tuple[tuple[int, float], ...] | None = None
+    grammar_dead_end: str | None = None  # the row's grammar could not continue (why); its token is EOS
 
 
 class Sampler:
@@ -115,13 +116,15 @@ class Sampler:
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
         outputs: Sequence[Sequence[int]],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, dict[int, str]]:
         """Logits with each row's logit_bias added and its grammar mask applied (a copy only
-        when some row has either; rows without them are untouched)."""
+        when some row has either; rows without them are untouched), and the rows whose grammar
+        is at a dead end (row -> why)."""
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         guided = [i for i, p in enumerate(params) if p.guided is not None]
+        dead_ends: dict[int, str] = {}
         if not biased and not guided:
-            return logits
+            return logits, dead_ends
         logits = logits.clone()
         for i in biased:
             ids = to_device([t for t, _ in params[i].logit_bias], torch.long, logits.device)
@@ -134,11 +137,14 @@ class Sampler:
                 row = self._guided_row(request_ids[i], params[i])
                 row.sync(outputs[i])
                 row.fill(bitmask[r])
+                why = row.dead_end()
+                if why is not None:
+                    dead_ends[i] = why
             idx = to_device(guided, torch.long, logits.device)
             rows = logits[idx]
             apply_bitmask(rows, bitmask)
             logits[idx] = rows
-        return logits
+        return logits, dead_ends
 
     def _generator(self, request_id: str, params: SamplingParams, step: int) -> torch.Generator:
         if params.seed is None:
@@ -201,7 +207,7 @@ class Sampler:
         n = logits.shape[0]
         assert len(params) == len(request_ids) == len(steps) == len(outputs) == n, "one SamplingParams per row"
         raw = logits
-        logits = self._constrain(logits, params, request_ids, outputs)
+        logits, dead_ends = self._constrain(logits, params, request_ids, outputs)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy_rows) == n:
             # the common case: one argmax, no index tensors (each is a pageable H2D copy and two
@@ -232,7 +238,7 @@ class Sampler:
             k = max(wants, default=0)
             if k:
                 top_values, top_ids = torch.topk(log_probs, k, dim=-1)
-        return PendingRows(tokens, scored, wants, picked, top_values, top_ids)
+        return PendingRows(tokens, scored, wants, picked, top_values, top_ids, dead_ends)
 
 
 class PendingRows:
@@ -240,8 +246,10 @@ class PendingRows:
     lists after ``rows()`` (which waits only for this step's copies, not for work queued later)."""
 
     def __init__(self, tokens: torch.Tensor, scored: list[int], wants: list[int],
-                 picked: torch.Tensor | None, top_values: torch.Tensor | None, top_ids: torch.Tensor | None) -> None:
+                 picked: torch.Tensor | None, top_values: torch.Tensor | None, top_ids: torch.Tensor | None,
+                 dead_ends: dict[int, str] | None = None) -> None:
         self.tokens = tokens
+        self._dead_ends = dead_ends or {}
         self._scored, self._wants = scored, wants
         on_gpu = tokens.device.type == "cuda"
         # non_blocking D2H lands in pinned memory; the event marks when it is there. A blocking
@@ -269,4 +277,5 @@ class PendingRows:
             for r, (i, want) in enumerate(zip(self._scored, self._wants)):
                 if want:
                     tops[i] = tuple(zip(ids_l[r][:want], values_l[r][:want]))
-        return [SampledRow(t, lp, top) for t, lp, top in zip(token_list, chosen, tops)]
+        return [SampledRow(t, lp, top, self._dead_ends.get(i))
+                for i, (t, lp, top) in enumerate(zip(token_list, chosen, tops))]

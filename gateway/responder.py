@@ -15,7 +15,7 @@ from types import TracebackType
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from engine.protocol import EngineError, RequestOutput
+from engine.protocol import EngineError, OutputFailure, RequestOutput, UnenforceableSchemaError
 from gateway.errors import OpenAIError
 from gateway.formats import ChatFormat, ChoiceText, CompletionFormat, WireFormat
 from gateway.pipeline import Accounting, Prepared, engine_failure, run_choices
@@ -28,12 +28,24 @@ class OutputError(EngineError):
 
 
 def _check(out: RequestOutput) -> None:
+    if out.failure is OutputFailure.GRAMMAR_DEAD_END:  # the schema's fault, not the server's: a 400
+        raise UnenforceableSchemaError(out.error or "the JSON schema's grammar could not continue the output")
     if out.finish_reason == "error" or out.error:
         raise OutputError(out.error or "the engine failed while generating")
     if out.finish_reason == "abort":  # only the engine aborts on its own (e.g. shutting down)
         exc = OutputError("the engine stopped this request (it is shutting down); retry")
         exc.status, exc.code = 503, "engine_unavailable"
         raise exc
+
+
+def _client_error(prep: Prepared, exc: BaseException) -> OpenAIError:
+    """``exc`` as the error the client sees. A schema the engine cannot enforce names the field it
+    came from: the forced tool call's ``tools`` when tool calls are parsed (a JSON
+    ``response_format`` turns parsing off), else ``response_format``."""
+    error = engine_failure(exc)
+    if isinstance(exc, UnenforceableSchemaError) and error.param is None:
+        error.param = "tools" if prep.tool_parsing else "response_format"
+    return error
 
 
 async def respond(prep: Prepared, router: Router, acct: Accounting, receive: Receive,
@@ -97,7 +109,7 @@ class EventStream(Response):
                     if first is not None:
                         _check(first[1])
                 except Exception as exc:  # noqa: BLE001 - nothing sent yet: a real status line
-                    refusal, status = engine_failure(exc), "error"
+                    refusal, status = _client_error(prep, exc), "error"
                 if refusal is None:
                     status = await self._events(send, outputs, first)
         finally:
@@ -122,7 +134,7 @@ class EventStream(Response):
                 await _send_events(send, fmt, i, out)
             tail = fmt.tail(acct.usage_dict())
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, as OpenAI does
-            status, tail = "error", fmt.error_frames(engine_failure(exc))
+            status, tail = "error", fmt.error_frames(_client_error(prep, exc))
         # The tail (usage, [DONE]) ends the body in the same message: one write, not one per frame.
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
         return status
@@ -219,7 +231,7 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireForm
         return _client_gone()
     if failure is not None:
         acct.record("error")
-        raise engine_failure(failure)
+        raise _client_error(prep, failure)
     # Build the whole response before the row says "ok": a response that cannot be rendered is an error.
     try:
         usage = acct.usage_dict()

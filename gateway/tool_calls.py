@@ -17,9 +17,11 @@ with the whole text, so streamed and non-streamed results are the same.
     ``none``      the tools are not shown to the model and nothing is parsed
     ``auto``      tools shown; the model decides; its output is parsed
     ``required``  a grammar forces one or more calls of the given tools, arguments valid per schema
+                  (at most ``MAX_PARALLEL_CALLS``; one when ``parallel_tool_calls`` is false)
     named         a grammar forces one call of that function
 ``required``/named are enforced by constrained decoding (engine.guided), so they hold for any
-model, even random weights.
+model, even random weights. Between two calls the grammar puts exactly one newline and after
+each complete call it allows the end of the turn, so the model decides how many calls it makes.
 """
 
 from __future__ import annotations
@@ -36,8 +38,16 @@ from engine.protocol import GuidedSpec
 from gateway.errors import invalid_request
 
 MAX_CALL_SCHEMA_BYTES = 64 * 1024  # the engine's grammar bound (engine.guided.MAX_SCHEMA_BYTES)
+# The most calls a ``required`` turn may make with parallel calls allowed. A bound, because a weak
+# model at temperature 0 can repeat one call until max_tokens (SmolLM2-135M made 7 identical
+# 28-token calls and ran into max_tokens 200 under the old unbounded grammar). 8, because a turn
+# that needs more loses nothing: the agent runs these, sends the results, and the model calls
+# again in its next turn; a model stuck in a loop stops after 8 copies (~230 tokens for a small
+# call) instead of at max_tokens.
+MAX_PARALLEL_CALLS = 8
 TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"
+CALL_SEPARATOR = "\n"  # between two calls of a forced turn (the Hermes templates' layout)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _NAME_FIELD = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS_FIELD = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -133,18 +143,18 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
     if tool_choice == "auto":
         return ToolPlan(tools=list(tools or []), parse=True, guided=None)
     if tool_choice == "required":
-        chosen, repeat = functions, parallel is not False
+        chosen, max_calls = functions, (1 if parallel is False else MAX_PARALLEL_CALLS)
     elif (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
           and isinstance(tool_choice.get("function"), dict)):
         name = tool_choice["function"].get("name")
         if name not in names:
             raise invalid_request(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-        chosen, repeat = [functions[names.index(name)]], False
+        chosen, max_calls = [functions[names.index(name)]], 1
     else:
         raise invalid_request(
             "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
             param="tool_choice")
-    guided = _call_grammar(chosen, repeat)
+    guided = _call_grammar(chosen, max_calls)
     if len(guided.json_schema.encode()) > MAX_CALL_SCHEMA_BYTES:
         raise invalid_request(f"the tools' parameter schemas are larger than {MAX_CALL_SCHEMA_BYTES} bytes in all",
                               param="tools")
@@ -181,7 +191,8 @@ def _rename_refs(node: Any, tag: str) -> Any:
     return node
 
 
-def _call_grammar(functions: list[dict[str, Any]], repeat: bool) -> GuidedSpec:
+def _call_grammar(functions: list[dict[str, Any]], max_calls: int) -> GuidedSpec:
+    """One to ``max_calls`` ``<tool_call>`` blocks, each one call object of ``functions``."""
     calls, defs = [], {}
     for i, fn in enumerate(functions):
         call, d = _call_schema(fn, f"tool{i}")
@@ -190,8 +201,8 @@ def _call_grammar(functions: list[dict[str, Any]], repeat: bool) -> GuidedSpec:
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if defs:
         schema = {**schema, "$defs": defs}
-    return GuidedSpec(json_schema=json.dumps(schema), prefix=TOOL_START + "\n",
-                      suffix="\n" + TOOL_END + ("\n" if repeat else ""), repeat=repeat)
+    return GuidedSpec(json_schema=json.dumps(schema), prefix=TOOL_START + "\n", suffix="\n" + TOOL_END,
+                      max_items=max_calls, separator=CALL_SEPARATOR if max_calls > 1 else "")
 
 
 # --------------------------------------------------------------------------- output parsing
@@ -240,13 +251,71 @@ class _ValueScanner:
             self.done = self.depth == 0
 
 
+class _CallEnd:
+    """Finds a call's closing tag: the first ``</tool_call>`` outside a JSON string, fed the call's
+    body as it grows (it resumes where it stopped).
+
+    Outside a string, valid JSON holds only structure, numbers, literals and whitespace, never a
+    ``<``: so for a valid call object a tag outside a string can only come after the object has
+    ended, and a tag inside a string (an argument that mentions ``</tool_call>``) is text. This is
+    exact for valid JSON and still finds the tag after invalid JSON (unbalanced braces: the call
+    is then given back as content). A raw control character ends a string: a JSON string cannot
+    hold one, so the body is invalid there, and an unclosed quote must not swallow the tag."""
+
+    def __init__(self) -> None:
+        self.pos = 0  # where the next scan starts
+        self.in_string = False
+        self.escape = False
+        self.partial_tag = False  # the scan stopped at a possible start of the tag (at ``pos``)
+
+    def find(self, body: str) -> int:
+        """Index of the closing tag in ``body``, or -1 (not yet)."""
+        self.partial_tag = False
+        i, n = self.pos, len(body)
+        while i < n:
+            ch = body[i]
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"' or ch < " ":
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch == "<":
+                if body.startswith(TOOL_END, i):
+                    self.pos = i
+                    return i
+                if TOOL_END.startswith(body[i:]):  # the tag may be arriving: look again with more text
+                    self.partial_tag = True
+                    break
+            i += 1
+        self.pos = i
+        return -1
+
+
+def _could_start_a_call(body: str) -> bool:
+    """Whether an unclosed call's text is (a cut-off start of) a call object, not other text."""
+    text = body.lstrip()
+    return not text or text.startswith("{")
+
+
 class ToolCallParser:
-    """Incremental Hermes-style tool-call parser for one choice. ``feed`` then ``finish``."""
+    """Incremental Hermes-style tool-call parser for one choice. ``feed`` then ``finish``.
+
+    Content is the text outside the tags, with two exceptions: whitespace alone between the
+    output's start or a call's end and the next call (or the output's end, once a call was
+    made) is layout, not content, and the first characters of a tag left unfinished at the end
+    (an output cut inside ``<tool_call>``, or inside a call object before its name) are dropped:
+    the model was starting a call, and that text is not an answer."""
 
     def __init__(self) -> None:
         self._buf = ""
         self._in_call = False
         self.num_calls = 0
+        self._in_gap = True  # only whitespace since the output's start or the last call's end
+        self._blank = ""  # that whitespace, held back
         self._reset_call()
 
     def _reset_call(self) -> None:
@@ -254,10 +323,21 @@ class ToolCallParser:
         self._args_start: int | None = None  # index in _buf where the arguments value begins
         self._args_sent = 0  # characters of the arguments value already sent
         self._scanner: _ValueScanner | None = None
+        self._end = _CallEnd()
 
     @property
     def called(self) -> bool:
         return self.num_calls > 0
+
+    def _content(self, text: str, out: ParsedDelta) -> None:
+        """Text outside the tags: whitespace in a gap is held back until something else comes."""
+        if not text:
+            return
+        if self._in_gap and text.isspace():
+            self._blank += text
+            return
+        out.content += self._blank + text
+        self._blank, self._in_gap = "", False
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
@@ -267,15 +347,16 @@ class ToolCallParser:
                 at = self._buf.find(TOOL_START)
                 if at < 0:
                     keep = _held_back(self._buf, TOOL_START)
-                    out.content += self._buf[: len(self._buf) - keep]
+                    self._content(self._buf[: len(self._buf) - keep], out)
                     self._buf = self._buf[len(self._buf) - keep :]
                     return out
-                out.content += self._buf[:at]
+                self._content(self._buf[:at], out)
+                self._blank = ""  # whitespace before a call is layout
                 self._buf = self._buf[at + len(TOOL_START) :]
                 self._in_call = True
                 self._reset_call()
                 continue
-            end = self._buf.find(TOOL_END)
+            end = self._end.find(self._buf)
             body = self._buf if end < 0 else self._buf[:end]
             self._stream_call(body, out)
             if end < 0:
@@ -289,11 +370,17 @@ class ToolCallParser:
         out = ParsedDelta()
         if self._in_call:
             body, self._buf = self._buf, ""
+            self._end.find(body)
+            if self._end.partial_tag:  # cut inside the closing tag
+                body = body[: self._end.pos]
             self._stream_call(body, out)
             self._close_call(body, out, closed=False)
             self._in_call = False
         else:
-            out.content, self._buf = self._buf, ""
+            self._buf = ""  # at most the start of an opening tag (held back): never content
+        if self._in_gap and not self.called:  # an output of whitespace alone stays what it was
+            out.content += self._blank
+        self._blank = ""
         return out
 
     # ------------------------------------------------------------------ one call
@@ -353,8 +440,10 @@ class ToolCallParser:
             call = None
         ok = isinstance(call, dict) and isinstance(call.get("name"), str)
         if not self._name_sent:
+            if not ok and not closed and _could_start_a_call(body):
+                return  # the output ended inside a call's first characters: nothing to report
             if not ok:  # not a call after all: give the text back as content
-                out.content += TOOL_START + body + (TOOL_END if closed else "")
+                self._content(TOOL_START + body + (TOOL_END if closed else ""), out)
                 return
             out.tool_calls.append(self._header(call["name"]))
             self._name_sent = True
@@ -363,6 +452,7 @@ class ToolCallParser:
             text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
             out.tool_calls.append(self._args_delta(text))
         self.num_calls += 1
+        self._in_gap, self._blank = True, ""
 
 
 def merge_tool_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

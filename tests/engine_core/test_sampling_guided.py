@@ -22,8 +22,10 @@ from engine.protocol import (
     GenerateRequest,
     GuidedSpec,
     InvalidRequestError,
+    OutputFailure,
     SamplingParams,
     StaticTenantScope,
+    UnenforceableSchemaError,
 )
 from engine.sampling import Sampler
 
@@ -253,3 +255,72 @@ def test_one_schema_is_compiled_once_for_concurrent_admissions(engine):
     assert grammars.compiles == before + 1
     if out["finish"] == "stop":
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
+
+
+# ------------------------------------------------------------------ several items; dead ends
+
+def _allowed(row, bitmask_size: int, ids: list[int]) -> set[int]:
+    """The tokens among ``ids`` that ``row``'s mask allows next."""
+    mask = torch.zeros(bitmask_size, dtype=torch.int32)
+    row.fill(mask)
+    return {t for t in ids if (int(mask[t // 32]) >> (t % 32)) & 1}
+
+
+def test_several_items_end_after_any_complete_one_and_stop_at_max_items(engine):
+    """``max_items`` > 1 (tool_choice required with parallel calls): EOS is allowed after every
+    complete item, so nothing forces another, the separator comes only between items, and after
+    ``max_items`` items only EOS is left (the grammar once allowed ``item+`` with a trailing
+    newline: a model repeated one call until max_tokens)."""
+    spec = GuidedSpec(json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                              "required": ["a"], "additionalProperties": False}),
+                      prefix="<c>", suffix="</c>", max_items=3, separator="\n")
+    grammars = engine.runner.grammars
+    grammars.check(spec)
+    eos = engine.runner.spec.eos_token_ids[0]
+    tok = engine.runner.tokenizer
+    newline, other = tok.encode("\n")[0], tok.encode("<c>")[0]
+    words = bitmask_words(engine.vocab_size)
+    row = grammars.matcher(spec)
+    assert eos not in _allowed(row, words, [eos])  # nothing yet: at least one item
+    out: list[int] = []
+    for n in range(1, 4):
+        out += tok.encode(('\n' if n > 1 else '') + '<c>{"a":' + str(n) + '}</c>')
+        row.sync(out)
+        allowed = _allowed(row, words, [eos, newline, other])
+        assert eos in allowed, f"EOS after item {n}"
+        assert other not in allowed, "the next item only after the separator"
+        assert (newline in allowed) == (n < 3), f"a separator after item {n}"
+
+
+RECURSIVE = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+             "$ref": "#/$defs/n"}
+
+
+def test_a_schema_whose_forced_start_fails_is_refused_at_admission(engine):
+    """Every value of RECURSIVE is ``{"c":{"c":...`` without end: the grammar forces it from the
+    start, so it would dead-end in every request (it once ended as a normal "stop" after ``{"``)."""
+    with pytest.raises(UnenforceableSchemaError, match="cannot be enforced.*refers back to its own object") as info:
+        engine.add_request(req("rec", guided=GuidedSpec(json_schema=json.dumps(RECURSIVE))))
+    assert info.value.status == 400 and "\n" not in str(info.value)
+    assert not engine.has_unfinished()
+
+
+def test_a_grammar_dead_end_while_decoding_is_an_error_not_a_stop(engine):
+    """A schema whose start is free (an integer, or the endless object) compiles; once the model
+    picks ``{`` (here +100 logit_bias) the grammar dead-ends and its mask allows only EOS. That
+    EOS must not read as a normal stop with an incomplete value: the request ends with
+    finish_reason "error" and OutputFailure.GRAMMAR_DEAD_END."""
+    spec = GuidedSpec(json_schema=json.dumps({"$defs": RECURSIVE["$defs"],
+                                              "anyOf": [{"type": "integer"}, {"$ref": "#/$defs/n"}]}))
+    brace = engine.runner.tokenizer.encode("{")[0]
+    engine.add_request(req("dead", guided=spec, max_tokens=32, logit_bias=((brace, 100.0),)))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "error" and last.failure is OutputFailure.GRAMMAR_DEAD_END
+    assert "grammar cannot continue" in (last.error or "")
+    assert last.completion_tokens < 32
+    engine.check_integrity()
+    ok = run(engine, req("after", guided=spec, max_tokens=16))["after"]  # the next request is unaffected
+    assert ok["finish"] in ("stop", "length")

@@ -11,7 +11,14 @@ from gateway.errors import OpenAIError
 from gateway.pipeline import local_features
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.structured_output import guided_for_response_format
-from gateway.tool_calls import TOOL_END, TOOL_START, ToolCallParser, merge_tool_deltas, plan_tools
+from gateway.tool_calls import (
+    MAX_PARALLEL_CALLS,
+    TOOL_END,
+    TOOL_START,
+    ToolCallParser,
+    merge_tool_deltas,
+    plan_tools,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -36,7 +43,7 @@ def parse(text: str, step: int) -> tuple[str, list[dict], list[dict]]:
 @pytest.mark.parametrize("step", [1, 2, 3, 5, 7, 64, 10_000])
 def test_streamed_pieces_give_the_same_calls_as_the_whole_text(step):
     content, deltas, calls = parse(OUTPUT, step)
-    assert content == "Let me check. \n"
+    assert content == "Let me check. "  # the newline between the calls is layout, not content
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": 'Pa}r"is', "days": [1, 2]}
     # the arguments are the model's own text, byte for byte, whatever the split
@@ -79,6 +86,53 @@ def test_other_layouts_are_parsed_when_the_call_closes():
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
 
 
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 64, 10_000])
+def test_a_closing_tag_inside_an_argument_string_is_text(step):
+    """Only a tag outside a JSON string ends a call: an argument may mention ``</tool_call>``."""
+    args = '{"html": "a </tool_call> b \\" </tool_call", "n": 1}'
+    text = f'{TOOL_START}\n{{"name": "get_time", "arguments": {args}}}\n{TOOL_END}\n{TOOL_START}\n' \
+           f'{{"name": "get_time", "arguments": {{}}}}\n{TOOL_END}'
+    content, _, calls = parse(text, step)
+    assert content == ""
+    assert [c["function"]["arguments"] for c in calls] == [args, "{}"]
+    assert json.loads(calls[0]["function"]["arguments"])["html"] == 'a </tool_call> b " </tool_call'
+
+
+def test_a_closing_tag_after_invalid_json_still_ends_the_call():
+    """Unbalanced JSON (or an unclosed string, which a raw newline ends) does not swallow the tag
+    and the text after it: the call ends there (its name was out already, so it counts, with the
+    arguments as written), and what follows is content as before."""
+    for body in ('{"name": "f", "arguments": {"a": 1}', '{"name": "f", "arguments": {"a": "x}}'):
+        content, _, calls = parse(f"{TOOL_START}\n{body}\n{TOOL_END} done", 3)
+        assert content == " done" and [c["function"]["name"] for c in calls] == ["f"]
+    content, _, calls = parse(f'{TOOL_START}\n{{"oops": "x}}\n{TOOL_END} done', 3)  # not a call at all
+    assert calls == [] and content == f'{TOOL_START}\n{{"oops": "x}}\n{TOOL_END} done'
+
+
+@pytest.mark.parametrize("step", [1, 4, 10_000])
+def test_whitespace_between_and_around_calls_is_not_content(step):
+    call = f'{TOOL_START}\n{{"name": "get_time", "arguments": {{}}}}\n{TOOL_END}'
+    content, _, calls = parse(f"\n{call}\n\n{call}\n", step)
+    assert content == "" and len(calls) == 2
+    content, _, calls = parse(f"{call}\nDone.", step)  # text after a call keeps its leading newline
+    assert content == "\nDone." and len(calls) == 1
+    assert parse(" \n ", step)[0] == " \n "  # no call: the output is unchanged
+
+
+@pytest.mark.parametrize("step", [1, 3, 10_000])
+def test_an_output_cut_inside_a_tag_leaves_no_content(step):
+    """A length cut while the model writes a tag, or a call before its name is complete: that text
+    is the start of a call, not an answer (it was flushed as content: audit finding 2)."""
+    call = f'{TOOL_START}\n{{"name": "get_time", "arguments": {{}}}}\n{TOOL_END}'
+    for cut in (f"{call}\n<tool_c", f"{call}\n{TOOL_START}\n{{\"na", f"{call}\n{TOOL_START}"):
+        content, _, calls = parse(cut, step)
+        assert content == "" and len(calls) == 1, cut
+    content, _, calls = parse("Let me look. <tool_ca", step)  # tool_choice auto: the same
+    assert content == "Let me look. " and calls == []
+    content, _, calls = parse(call[:-3], step)  # cut inside the closing tag: the call still counts
+    assert content == "" and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
+
+
 def test_tool_choice_plans():
     assert plan_tools(None, None, None).tools is None
     none = plan_tools([WEATHER], "none", None)
@@ -86,14 +140,16 @@ def test_tool_choice_plans():
     auto = plan_tools([WEATHER], None, None)
     assert auto.tools == [WEATHER] and auto.parse and auto.guided is None
     named = plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None)
-    assert named.parse and named.guided is not None and not named.guided.repeat
+    assert named.parse and named.guided is not None and named.guided.max_items == 1
     schema = json.loads(named.guided.json_schema)
     jsonschema.validate({"name": "get_time", "arguments": {}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "get_weather", "arguments": {"city": "x"}}, schema)
     required = plan_tools([WEATHER, TIME], "required", None)
-    assert required.guided.repeat and required.guided.prefix == TOOL_START + "\n"
-    assert not plan_tools([WEATHER, TIME], "required", False).guided.repeat
+    assert required.guided.prefix == TOOL_START + "\n" and required.guided.suffix == "\n" + TOOL_END
+    # several calls, bounded, one newline between two (none after the last: the turn may end there)
+    assert required.guided.max_items == MAX_PARALLEL_CALLS and required.guided.separator == "\n"
+    assert plan_tools([WEATHER, TIME], "required", False).guided.max_items == 1
 
 
 def test_tool_refs_are_renamed_under_one_root():
@@ -164,7 +220,8 @@ def test_split_request_wire_carries_grammar_bias_and_logprobs():
     from engine.protocol import GenerateRequest, GuidedSpec, SamplingParams, StaticTenantScope
 
     sampling = SamplingParams(logit_bias=((3, -100.0), (7, 5.0)), logprobs=2,
-                              guided=GuidedSpec(json_schema='{"type": "object"}', prefix="<a>", suffix="</a>", repeat=True))
+                              guided=GuidedSpec(json_schema='{"type": "object"}', prefix="<a>", suffix="</a>",
+                                                max_items=3, separator="\n"))
     req = GenerateRequest(request_id="r", tenant=StaticTenantScope(namespace=b"ns"), sampling=sampling, prompt="x")
     back = request_from_wire(_json.loads(_json.dumps(request_to_wire(req))))
     assert back.sampling == sampling

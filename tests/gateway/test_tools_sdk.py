@@ -28,6 +28,7 @@ from gateway_fakes import FakeEngine, FakeTenancy, LoopbackServer  # noqa: E402
 from engine.protocol import GenerateRequest, RequestOutput  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
+from gateway.tool_calls import MAX_PARALLEL_CALLS  # noqa: E402
 from tenancy.service import TenancyService  # noqa: E402
 from tests.serverutil import serve_tiny, stop  # noqa: E402
 
@@ -274,6 +275,7 @@ def test_a_schema_the_grammar_engine_refuses_is_a_400_before_the_stream_starts(c
     assert err.value.status_code == 400
     body = err.value.body
     assert isinstance(body, dict) and body["type"] == "invalid_request_error"
+    assert body["param"] == where and body["code"] == "unenforceable_schema"  # the field the schema came from
     assert "cannot be enforced" in body["message"] and '"not"' in body["message"]
     assert "\n" not in body["message"] and "x-guidance" not in body["message"]  # one line, no grammar dump
     # the same schema again: refused again (from the cached refusal), and the server keeps serving
@@ -281,3 +283,66 @@ def test_a_schema_the_grammar_engine_refuses_is_a_400_before_the_stream_starts(c
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=stream, **kw)
     ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------ forced calls end; grammar dead ends
+
+def test_required_with_parallel_calls_ends_within_the_bound(client):
+    """Parallel calls allowed (the SDK's default): whatever this random model does, the turn is one
+    to MAX_PARALLEL_CALLS valid calls ending with "tool_calls", never a run to max_tokens (the
+    grammar was ``item+``: unbounded, so a model that never chose EOS ran to "length")."""
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                       tool_choice="required", temperature=0, max_tokens=512)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert 1 <= len(choice.message.tool_calls) <= MAX_PARALLEL_CALLS
+    for call in choice.message.tool_calls:
+        tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), _params(tool))
+
+
+RECURSIVE = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+             "$ref": "#/$defs/n"}
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_a_schema_without_a_finite_value_is_a_400_naming_its_field(client, stream, where):
+    """Audit finding 8: this schema compiles, but every value is ``{"c":{"c":...`` without end; it
+    was answered 200 with ``{"`` and finish_reason "stop". The grammar's forced start now fails at
+    admission: a 400 before the stream starts, naming the field the schema came from."""
+    kw = (_json_schema(RECURSIVE) if where == "response_format" else
+          dict(tools=[{"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}], tool_choice="required"))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, stream=stream, **kw)
+    assert err.value.param == where and err.value.code == "unenforceable_schema"
+    assert "refers back to its own object" in err.value.message
+
+
+def test_a_grammar_dead_end_mid_output_is_an_error_not_a_stop(client, tiny_model_dir):
+    """An integer, or the endless object: the schema compiles and its start is free; +100 on ``{``
+    makes the model take the object, where the grammar dead-ends (its mask allows only EOS). A
+    whole response is a 400 naming response_format; a stream, already 200, ends with the in-band
+    error event; never finish_reason "stop" with invalid JSON."""
+    from transformers import AutoTokenizer
+
+    brace = AutoTokenizer.from_pretrained(tiny_model_dir).encode("{", add_special_tokens=False)[0]
+    schema = {"$defs": RECURSIVE["$defs"], "anyOf": [{"type": "integer"}, {"$ref": "#/$defs/n"}]}
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0, logit_bias={str(brace): 100},
+              **_json_schema(schema))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kw)
+    assert err.value.param == "response_format" and err.value.code == "unenforceable_schema"
+    assert "cannot continue" in err.value.message
+
+    text = ""
+    with pytest.raises(openai.APIError) as err:
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            assert not chunk.choices or chunk.choices[0].finish_reason is None
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+    assert text.startswith("{") and err.value.code == "unenforceable_schema"
+    assert err.value.body["param"] == "response_format"
