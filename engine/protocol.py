@@ -242,6 +242,20 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new text token, when the sampling asked for them
 
 
+@dataclass(frozen=True)
+class AbortReport:
+    """How far an aborted request got with its prompt, as the engine that ran it knows.
+
+    ``prefilled_tokens``: prompt tokens whose K/V the request held when it stopped (read from the
+    prefix cache or computed); the full blocks among them stay in the cache after the abort, so a
+    prefill cut short before the first token is still work done (and billed). ``cached_tokens``:
+    how many of those were read from the cache rather than computed. Both 0: it never ran.
+    """
+
+    prefilled_tokens: int
+    cached_tokens: int
+
+
 class EngineError(Exception):
     """Base for errors a caller can act on. ``status`` is the HTTP status it maps to."""
 
@@ -284,7 +298,9 @@ class EngineClient(Protocol):
     - ``generate`` yields increments until one with ``finished=True``; raises ``EngineError``
       subclasses for requests that cannot start (prompt too long, overloaded). Cancelling the
       iterator (client disconnect) aborts the request and frees its blocks.
-    - ``abort`` is idempotent; unknown ids are ignored.
+    - ``abort`` is idempotent; unknown ids are ignored. It returns the request's ``AbortReport``
+      (an unknown or finished id: what the engine last knew of it, else nothing done), or None
+      when this client cannot tell (a remote node, an upstream provider).
     - ``health`` is cheap and never raises; ``stats`` returns a JSON-serialisable snapshot.
     """
 
@@ -292,7 +308,7 @@ class EngineClient(Protocol):
         """An async generator (``async def`` with ``yield``) in implementations."""
         ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str) -> AbortReport | None: ...
 
     async def health(self) -> bool: ...
 
