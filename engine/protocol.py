@@ -45,6 +45,9 @@ class TenantScope(Protocol):
         namespace: the server-derived cache namespace (HMAC of tenant id and share scope). It
             seeds the prefix hash chain, so two namespaces never share a cache entry in any tier.
         metrics_label: a bounded-cardinality label for Prometheus (never a raw end-user id).
+        tenant_key: names the tenant itself (its id), whatever its share scope and name: what
+            per-tenant engine figures shown back to a tenant are keyed by. Labels are cut names,
+            so two tenants (or a deleted tenant and a new one of its name) can share a label.
         cipher: encrypts this tenant's blocks when they leave HBM; ``None`` disables spilling for
             this tenant (its evicted blocks are dropped, never written in clear).
         priority: larger is served first among waiting requests (0 = default class).
@@ -59,6 +62,9 @@ class TenantScope(Protocol):
 
     @property
     def metrics_label(self) -> str: ...
+
+    @property
+    def tenant_key(self) -> str: ...
 
     @property
     def cipher(self) -> BlockCipher | None: ...
@@ -91,6 +97,11 @@ class StaticTenantScope:
     ttft_target_s: float | None = None
     kv_block_quota_dram: int | None = None
     kv_block_quota_nvme: int | None = None
+    tenant_key: str = ""  # "": keyed by the label (without tenancy the label is all there is)
+
+    def __post_init__(self) -> None:
+        if not self.tenant_key:
+            object.__setattr__(self, "tenant_key", self.metrics_label)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,11 @@ class TenantContext:
     user: str | None = None  # the end user this context was scoped to, if any
 
     @property
+    def tenant_key(self) -> str:
+        """``TenantScope.tenant_key``: the tenant id (never reused, unlike a name or its label)."""
+        return self.tenant_id
+
+    @property
     def rpm(self) -> int | None:
         return self.quotas.rpm
 
