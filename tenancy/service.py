@@ -45,7 +45,7 @@ from tenancy.crypto import (
     read_secret_file,
     write_secret_file,
 )
-from tenancy.database import DatabaseTarget, DatabaseUnavailableError, resolve_database
+from tenancy.database import DatabaseTarget, DatabaseUnavailableError, ErrorKind, resolve_database
 from tenancy.errors import (
     AuthenticationError,
     ConflictError,
@@ -129,6 +129,11 @@ def data_key_owner(tenant_id: str, share_scope: str) -> str:
     """Whose data key encrypts this tenant's spilled KV: its own, or its share group's (shared cache)."""
     kind, group = parse_share_scope(share_scope)
     return f"group:{group}" if kind == "group" else f"tenant:{tenant_id}"
+
+
+def _tenant_gone() -> AuthenticationError:
+    """A cached key whose tenant has since been deleted: refused like an unknown key (HTTP 401)."""
+    return AuthenticationError("Incorrect API key provided: its tenant has been deleted.")
 
 
 class TenancyService:
@@ -590,9 +595,22 @@ class TenancyService:
     # -- stored responses (the Responses API) -------------------------------------------------
 
     def save_response(self, ctx: TenantContext, response_id: str, body: dict[str, Any]) -> None:
-        """Keep ``body`` (the response and the conversation behind it) for ``ctx``'s tenant."""
+        """Keep ``body`` (the response and the conversation behind it) for ``ctx``'s tenant.
+
+        Raises AuthenticationError when the tenant is gone: deleted (by another process, the CLI)
+        while its key was still in this process's auth cache. Its key is then as unknown as any,
+        and no data key is made again for it (``_cipher`` would create one for a missing owner)."""
         with self._lock:
-            responses.save(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id, body)
+            if store.get_tenant(self._db, tenant_id=ctx.tenant_id) is None:
+                raise _tenant_gone()
+            cipher = self._response_cipher(ctx)
+            try:
+                responses.save(self._db, cipher, ctx.tenant_id, response_id, body)
+            except Exception as exc:  # deleted between the check and the INSERT: its foreign key fails
+                if self._db.classify(exc) is ErrorKind.REFUSED and store.get_tenant(
+                        self._db, tenant_id=ctx.tenant_id) is None:
+                    raise _tenant_gone() from None
+                raise
 
     def load_response(self, ctx: TenantContext, response_id: str) -> dict[str, Any] | None:
         """The stored body, or None when this tenant has no response with that id (another tenant's included)."""
