@@ -58,7 +58,7 @@ from tenancy.errors import (
 )
 from tenancy.fsutil import fsync_dir
 from tenancy.ledger import QUARANTINE_FILENAME, LedgerStats, LedgerWriter
-from tenancy.miss_privacy import apply_miss_policy
+from tenancy.miss_privacy import apply_miss_policy, keyed_family
 from tenancy.namespace import metrics_label, namespace_for, parse_share_scope
 from tenancy.pricing import PriceBook
 from tenancy.quota import Limiter, RateLimiter, check_budget, period_bounds
@@ -169,9 +169,11 @@ class TenancyService:
         self._lock = threading.RLock()
         self._db = self.database.connect()
         try:
+            # The KEK first: a home whose kek.key is bad (or not this database's) fails before a
+            # fresh server.secret is written next to it.
+            self._kek = self._load_checked_kek()
             self._secret = keymod.ServerSecret.load(self.home)
             self._pepper = self._secret.pepper
-            self._kek = self._load_checked_kek()
             self._check_server_secret()
             self._namespace_key = self._load_namespace_key()
             self._miss_family_key = hmac.new(self._namespace_key, b"prefixgate/miss-family/v1", hashlib.sha256).digest()
@@ -675,12 +677,15 @@ class TenancyService:
     def delete_tenant(self, name: str) -> TenantInfo:
         """Delete the tenant and its keys and shred its data key: KV it spilled can never be decrypted again.
 
-        Its ledger rows are kept (billing history). Share-group data keys are shared and survive.
+        Its ledger rows are kept (billing history), scrubbed of the prompt text and clear families of
+        cache-miss explanations it chose to keep (``store.scrub_miss_data``). Share-group data keys survive.
         """
         info = self._require(name)
         owner = f"tenant:{info.tenant_id}"
+        self._flush_for_read()  # its queued usage rows first: they are scrubbed with the rest
         with self._lock:
-            store.delete_tenant(self._db, info.tenant_id, owner)
+            store.delete_tenant(self._db, info.tenant_id, owner,
+                                lambda family: keyed_family(self._miss_family_key, info.tenant_id, family))
             # secure_delete zeroed the row in the new page version; truncating the WAL drops old ones.
             self._db.shred_freed_pages()
             cipher = self._ciphers.pop(owner, None)
