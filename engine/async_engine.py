@@ -8,7 +8,9 @@
                                                  step() while requests are unfinished
     await per-request asyncio.Queue  ◄─────────  loop.call_soon_threadsafe(queue.put_nowait, out)
     iterator cancelled (client gone)
-                   queue "abort" + wake ───────► engine.abort(id): blocks freed
+                   queue "abort" + wake ───────► engine.abort(id): blocks freed; how far its
+                                                 prompt got kept for ``abort``'s caller
+    await abort(id)  ◄─────────────────────────  its AbortReport (between two steps)
                                                  idle: sleeps on an Event (never busy-spins)
 
 Only the engine thread touches the ``LLMEngine`` after construction (tokenization in
@@ -19,15 +21,16 @@ snapshot the thread publishes after every step, so it never waits for a step to 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.protocol import (
+    AbortReport,
     EngineError,
     EngineOverloadedError,
     GenerateRequest,
@@ -40,6 +43,12 @@ from engine.request import Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Reports of requests stopped while nobody read their stream (the consumer had closed it): kept for
+# the ``abort`` call that follows; past this many the oldest go (a caller that never asked).
+_KEPT_REPORTS = 4096
+# How long ``abort`` waits for the engine thread (one step, normally) before answering "unknown".
+_ABORT_REPORT_WAIT_S = 10.0
 
 
 class EngineShutDownError(EngineError):
@@ -58,6 +67,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._calls: list[tuple[Callable[[LLMEngine], Any], Future[Any]]] = []  # run between steps
+        self._reports: OrderedDict[str, AbortReport] = OrderedDict()  # engine thread only
         self._wake = threading.Event()
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
@@ -107,10 +117,18 @@ class AsyncEngine:
             if not finished:
                 self._wake.set()
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> AbortReport | None:
+        """Stop the request and return how far its prompt got, once the engine thread has taken the
+        abort (between two steps). None when that takes over ``_ABORT_REPORT_WAIT_S`` or the engine
+        is shutting down; the abort itself goes ahead either way."""
         with self._lock:
-            self._aborts.append(request_id)
+            self._aborts.append(request_id)  # after any add still queued: the request never starts
+        future = self.call_in_engine_thread(lambda engine: self._report_abort(engine, request_id))
         self._wake.set()
+        try:  # shielded: a timeout must not cancel the call before the engine thread runs it
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), _ABORT_REPORT_WAIT_S)
+        except (TimeoutError, EngineShutDownError):
+            return None
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -152,14 +170,42 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, out: RequestOutput) -> bool:
+        """Hand ``out`` to its stream; False when nobody reads it any more."""
         with self._lock:
             target = self._streams.get(out.request_id)
         if target is None:
-            return  # the consumer went away; its abort is queued
+            return False  # the consumer went away; its abort is queued
         loop, queue = target
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
+        try:
             loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:  # the consumer's loop is closed
+            return False
+        return True
+
+    def _keep_report(self, request_id: str, report: AbortReport) -> None:
+        self._reports[request_id] = report
+        if len(self._reports) > _KEPT_REPORTS:
+            self._reports.popitem(last=False)
+
+    def _stop(self, engine: LLMEngine, request_id: str) -> AbortReport | None:
+        """Abort ``request_id`` if the engine holds it; its report, kept when no stream takes the
+        final output (the consumer closed it, so only ``abort``'s caller can still ask)."""
+        req = engine.requests.get(request_id)
+        if req is None:
+            return None
+        report = prefill_report(req)
+        out = engine.abort(request_id)
+        if out is None or not self._deliver(out):
+            self._keep_report(request_id, report)
+        return report
+
+    def _report_abort(self, engine: LLMEngine, request_id: str) -> AbortReport:
+        """``abort``'s work on the engine thread: stop the request, or find what its earlier stop
+        (the stream's own abort) or its unread last output left; nothing known = nothing done."""
+        report = self._stop(engine, request_id)
+        kept = self._reports.pop(request_id, None)
+        return report or kept or AbortReport(prefilled_tokens=0, cached_tokens=0)
 
     def _run(self) -> None:
         engine = self.engine
@@ -180,9 +226,7 @@ class AsyncEngine:
                 except EngineError as exc:
                     self._deliver(_failed(req, str(exc)))
             for request_id in aborts:
-                out = engine.abort(request_id)
-                if out is not None:
-                    self._deliver(out)
+                self._stop(engine, request_id)
             if self._stopping:
                 for request_id in list(engine.requests):
                     out = engine.abort(request_id)
@@ -202,11 +246,19 @@ class AsyncEngine:
                 engine.release_finished()
                 self._snapshot = engine.stats()  # before delivery: a consumer sees state at least this new
                 for out in outputs:
-                    self._deliver(out)
+                    if not self._deliver(out) and out.finished:  # finished as its consumer left
+                        self._keep_report(out.request_id, AbortReport(out.prompt_tokens, out.cached_tokens))
             else:
                 self._snapshot = engine.stats()
                 self._wake.wait()
                 self._wake.clear()
+
+
+def prefill_report(req: Request) -> AbortReport:
+    """How far ``req`` got with its prompt: tokens whose K/V it holds (committed by a step that ran,
+    or read from the cache at admission), of which read from the cache."""
+    prefilled = min(req.num_computed_tokens, req.num_prompt_tokens)
+    return AbortReport(prefilled_tokens=prefilled, cached_tokens=min(req.num_cached_tokens or 0, prefilled))
 
 
 def _failed(req: Request, error: str) -> RequestOutput:

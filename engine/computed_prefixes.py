@@ -11,7 +11,7 @@ would instead count only requests with no hit at all, and the deepest block woul
 request's own tail (distinct almost every time). Requests that computed no full prompt block (a
 full hit, or a prompt shorter than a block) count nothing: they cost at most one block.
 
-How: one space-saving counter (Metwally, Agrawal, El Abbadi 2005) per tenant label, ``capacity``
+How: one space-saving counter (Metwally, Agrawal, El Abbadi 2005) per tenant, ``capacity``
 entries each. Counts only grow by one, so the "stream summary" (keys grouped by count) makes
 every update O(1): a tracked key moves to the next count's group; an untracked key, when the table
 is full, replaces the oldest key of the smallest count and inherits that count (+1) as its
@@ -110,30 +110,35 @@ class SpaceSaving(Generic[K]):
 
 
 class ComputedPrefixes:
-    """Per tenant label, a ``SpaceSaving`` of the leading computed block hash (see the module doc).
+    """Per tenant, a ``SpaceSaving`` of the leading computed block hash (see the module doc).
 
-    Labels are ``TenantScope.metrics_label`` values (bounded by tenancy), so memory is at most
-    labels x ``capacity`` entries.
+    Keyed by ``TenantScope.tenant_key`` (in hex: one per tenant), not by the metrics label: labels are cut
+    names, and two tenants sharing one must never see each other's counts. Keys are bounded by
+    tenancy, so memory is at most tenants x ``capacity`` entries.
     """
 
     def __init__(self, capacity: int = 32) -> None:
         self.capacity = capacity
-        self._by_label: dict[str, SpaceSaving[bytes]] = {}
+        self._by_tenant: dict[str, SpaceSaving[bytes]] = {}
+        self._labels: dict[str, str] = {}  # tenant key -> its metrics label, for display
 
-    def observe(self, label: str, block_hashes: list[bytes], num_prompt_tokens: int, num_cached_tokens: int,
-                block_size: int) -> None:
+    def observe(self, tenant_key: str, label: str, block_hashes: list[bytes], num_prompt_tokens: int,
+                num_cached_tokens: int, block_size: int) -> None:
         """Count the first full prompt block computed by one request (nothing if it computed none)."""
         first = num_cached_tokens // block_size
         if first >= num_prompt_tokens // block_size or first >= len(block_hashes):
             return
-        counter = self._by_label.get(label)
+        counter = self._by_tenant.get(tenant_key)
         if counter is None:
-            counter = self._by_label[label] = SpaceSaving(self.capacity)
+            counter = self._by_tenant[tenant_key] = SpaceSaving(self.capacity)
+        self._labels[tenant_key] = label
         counter.add(block_hashes[first])
 
-    def top(self, n: int = 10, hex_chars: int = 12) -> dict[str, list[dict[str, int | str]]]:
-        """JSON-ready: label -> its ``n`` most computed prefixes as ``{"hash": hex prefix, "count",
-        "error"}`` (a short hex prefix of the hash: never tokens or text)."""
-        return {label: [{"hash": h.key.hex()[:hex_chars], "count": h.count, "error": h.error}
-                        for h in counter.top(n)]
-                for label, counter in self._by_label.items()}
+    def top(self, n: int = 10, hex_chars: int = 12) -> dict[str, dict[str, str | list[dict[str, int | str]]]]:
+        """JSON-ready: tenant key -> ``{"tenant": label, "prefixes": [...]}``, its ``n`` most computed
+        prefixes as ``{"hash": hex prefix, "count", "error"}`` (a short hex prefix of the hash: never
+        tokens or text)."""
+        return {key: {"tenant": self._labels[key],
+                      "prefixes": [{"hash": h.key.hex()[:hex_chars], "count": h.count, "error": h.error}
+                                   for h in counter.top(n)]}
+                for key, counter in self._by_tenant.items()}

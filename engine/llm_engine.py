@@ -376,8 +376,8 @@ class LLMEngine:
                 self._queried[label] += req.num_prompt_tokens
                 self._hit[label] += req.num_cached_tokens or 0
                 self.metrics.observe_admission(label, req.num_prompt_tokens, req.num_cached_tokens or 0)
-                self.computed_prefixes.observe(label, req.block_hashes, req.num_prompt_tokens,
-                                               req.num_cached_tokens or 0, self.block_size)
+                self.computed_prefixes.observe(req.tenant.tenant_key.hex(), label, req.block_hashes,
+                                               req.num_prompt_tokens, req.num_cached_tokens or 0, self.block_size)
 
     def _run_sync(self, step: SchedulerOutput) -> list[RequestOutput]:
         """Run one scheduled step to its tokens (execute, commit, append, outputs)."""
@@ -757,8 +757,8 @@ class LLMEngine:
                 label: {"prompt_tokens_queried": q, "prompt_tokens_hit": self._hit[label]}
                 for label, q in self._queried.items()
             },
-            # per tenant label: the leading computed block hash (hex prefix) of the requests that
-            # computed most often the same prefix (engine.computed_prefixes)
+            # per tenant key (its label alongside): the leading computed block hash (hex prefix) of
+            # the requests that computed most often the same prefix (engine.computed_prefixes)
             "computed_prefixes": self.computed_prefixes.top(),
         }
 

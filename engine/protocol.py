@@ -63,7 +63,9 @@ class TenantScope(Protocol):
         tenant_key: an opaque, stable id of the tenant (never a chain seed). Everything that is
             per tenant is keyed by it, never by the namespace: the KV block quotas (HBM, and the
             DRAM / NVMe tier caps), the scheduler's fair share (VTC counter, waiting queue) and
-            the choice of whose request is preempted to free quota.
+            the choice of whose request is preempted to free quota, and the per-tenant figures
+            shown back to a tenant (labels are cut names: two tenants, or a deleted tenant and a
+            new one of its name, can share one).
         metrics_label: a bounded-cardinality label for Prometheus (never a raw end-user id).
         cipher: encrypts this tenant's blocks when they leave HBM; ``None`` disables spilling for
             this tenant (its evicted blocks are dropped, never written in clear).
@@ -284,6 +286,20 @@ class RequestOutput:
     failure: OutputFailure | None = None  # with finish_reason "error": a cause the caller can act on
 
 
+@dataclass(frozen=True)
+class AbortReport:
+    """How far an aborted request got with its prompt, as the engine that ran it knows.
+
+    ``prefilled_tokens``: prompt tokens whose K/V the request held when it stopped (read from the
+    prefix cache or computed); the full blocks among them stay in the cache after the abort, so a
+    prefill cut short before the first token is still work done (and billed). ``cached_tokens``:
+    how many of those were read from the cache rather than computed. Both 0: it never ran.
+    """
+
+    prefilled_tokens: int
+    cached_tokens: int
+
+
 class EngineError(Exception):
     """Base for errors a caller can act on. ``status`` is the HTTP status it maps to."""
 
@@ -334,7 +350,9 @@ class EngineClient(Protocol):
     - ``generate`` yields increments until one with ``finished=True``; raises ``EngineError``
       subclasses for requests that cannot start (prompt too long, overloaded). Cancelling the
       iterator (client disconnect) aborts the request and frees its blocks.
-    - ``abort`` is idempotent; unknown ids are ignored.
+    - ``abort`` is idempotent; unknown ids are ignored. It returns the request's ``AbortReport``
+      (an unknown or finished id: what the engine last knew of it, else nothing done), or None
+      when this client cannot tell (a remote node, an upstream provider).
     - ``health`` is cheap and never raises; ``stats`` returns a JSON-serialisable snapshot.
     """
 
@@ -342,7 +360,7 @@ class EngineClient(Protocol):
         """An async generator (``async def`` with ``yield``) in implementations."""
         ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str) -> AbortReport | None: ...
 
     async def health(self) -> bool: ...
 

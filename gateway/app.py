@@ -61,7 +61,7 @@ log = logging.getLogger("prefixgate.gateway")
 
 # Routes whose refused bodies count against the rate limit (the ones that do the costly work).
 # Bodies refused by the schema here still take a rate-limit place (the doors run as chat requests).
-_CHARGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+_CHARGED_PATHS = frozenset(completions.KIND_OF_PATH)
 
 
 class BodySizeLimit:

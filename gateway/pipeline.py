@@ -24,6 +24,7 @@ from urllib.parse import quote
 import anyio
 
 from engine.protocol import (
+    AbortReport,
     EngineClient,
     EngineError,
     GenerateRequest,
@@ -557,13 +558,18 @@ def _output_too_long(max_len: int, prompt: int, asked: int, fields: RequestField
     )
 
 
-def run_choices(prep: Prepared, router: Router, *, one_task: bool = False
+# Told, for each choice aborted before it finished, how far its engine got with the prompt.
+AbortSink = Callable[[int, AbortReport | None], None]
+
+
+def run_choices(prep: Prepared, router: Router, *, one_task: bool = False, on_abort: AbortSink | None = None
                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run every choice concurrently and yield ``(choice_index, output)`` as they arrive.
 
     An ``EngineError`` from any choice propagates. However the consumer stops (finished, error,
     client disconnect = cancellation), every unfinished engine request is cancelled and aborted,
-    which frees its KV blocks.
+    which frees its KV blocks; ``on_abort`` (``Accounting.aborted``) gets each one's ``AbortReport``
+    before the generator closes, so the ledger row bills a prefill that ran but never answered.
 
     ``one_task``: the consumer iterates this generator from one task only; then a single choice
     runs in that task (``_run_one``) instead of in a pump task feeding a queue. A backend's
@@ -573,11 +579,12 @@ def run_choices(prep: Prepared, router: Router, *, one_task: bool = False
     one that re-yields it: a generator layer costs Python calls per output and per request (issue #17).
     """
     if one_task and len(prep.requests) == 1:
-        return _run_one(prep, router)
-    return _run_all(prep, router)
+        return _run_one(prep, router, on_abort)
+    return _run_all(prep, router, on_abort)
 
 
-async def _run_all(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _run_all(prep: Prepared, router: Router, on_abort: AbortSink | None = None
+                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``run_choices`` for any number of choices: one pump task each, merged through a queue."""
     used: dict[int, Backend] = {}  # the backend each choice ended on (after any failover)
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -629,12 +636,16 @@ async def _run_all(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, R
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-                for i, gr in enumerate(prep.requests):
-                    if i not in finished:
-                        await used.get(i, prep.backend).client.abort(gr.request_id)
+                unfinished = [i for i in range(len(prep.requests)) if i not in finished]
+                reports = await asyncio.gather(*(used.get(i, prep.backend).client.abort(prep.requests[i].request_id)
+                                                 for i in unfinished))
+            if on_abort is not None:
+                for i, report in zip(unfinished, reports):
+                    on_abort(i, report)
 
 
-async def _run_one(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _run_one(prep: Prepared, router: Router, on_abort: AbortSink | None = None
+                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``run_choices`` for one choice, in the caller's task: same failover, same abort on leaving.
 
     ``Router.track`` and ``aclosing`` are written out (try/finally): as context managers they cost
@@ -666,7 +677,9 @@ async def _run_one(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, R
         finally:
             if not finished:  # shielded, as in run_choices: the abort must reach the engine
                 with anyio.CancelScope(shield=True):
-                    await backend.client.abort(gr.request_id)
+                    report = await backend.client.abort(gr.request_id)
+                if on_abort is not None:
+                    on_abort(0, report)
     finally:
         tracked.inflight -= 1
 
@@ -684,6 +697,8 @@ class Accounting:
         self.ttft: float | None = None
         self.last: dict[int, RequestOutput] = {}
         self.completion_seen: dict[int, int] = {}
+        # Choices aborted before they finished: how far their engine got (None: it cannot tell).
+        self.stopped: dict[int, AbortReport | None] = {}
         self.recorded = False
         self.settled = False
         # Prompt tokens written to a prompt cache, from (prompt, cached): what a provider reported,
@@ -710,12 +725,12 @@ class Accounting:
         cached tokens. Without a retention the engine caches too, but nobody asked for a write."""
         block = max(1, self.prep.block_size)
         written = 0
-        for i, out in self.last.items():
-            if i % self.prep.n or i >= len(self.prep.requests):
+        for i, (prompt_i, cached_i) in self._prompts(client_left=True).items():
+            if i >= len(self.prep.requests):
                 continue
             keep = max((r.tokens for r in self.prep.requests[i].retention), default=0)
-            upto = min(keep, out.prompt_tokens) // block * block
-            written += max(0, upto - out.cached_tokens)
+            upto = min(keep, prompt_i) // block * block
+            written += max(0, upto - cached_i)
         return max(0, min(written, prompt - cached))
 
     def observe(self, i: int, out: RequestOutput) -> None:
@@ -724,13 +739,32 @@ class Accounting:
         self.last[i] = out
         self.completion_seen[i] = max(self.completion_seen.get(i, 0), out.completion_tokens)
 
-    def usage(self) -> tuple[int, int, int]:
+    def aborted(self, i: int, report: AbortReport | None) -> None:
+        """``run_choices``' ``on_abort``: choice ``i`` stopped unfinished, its engine's report."""
+        self.stopped[i] = report
+
+    def _prompts(self, *, client_left: bool) -> dict[int, tuple[int, int]]:
+        """(prompt, cached) tokens of choice 0 of each prompt: from its last output, else, for a
+        choice aborted before its first output, from how far its prefill got (``AbortReport``: the
+        engine's own count, exact to the step and split into cached and computed). A backend that
+        cannot tell (a node, a provider) bills, when the client left, the prompt tokens counted here
+        at preparation with none cached: the prefill may well have run, and nothing says what it hit."""
+        rows = {i: (out.prompt_tokens, out.cached_tokens) for i, out in self.last.items() if i % self.prep.n == 0}
+        for i, report in self.stopped.items():
+            if i % self.prep.n or i in rows:
+                continue
+            if report is not None:
+                rows[i] = (report.prefilled_tokens, report.cached_tokens)
+            elif client_left and i < len(self.prep.requests):
+                rows[i] = (len(self.prep.requests[i].prompt_token_ids or ()), 0)
+        return rows
+
+    def usage(self, *, client_left: bool = False) -> tuple[int, int, int]:
         """Prompt and cached tokens count once per prompt (choice 0 of it); completions add up."""
         prompt = cached = 0
-        for i, out in self.last.items():
-            if i % self.prep.n == 0:
-                prompt += out.prompt_tokens
-                cached += out.cached_tokens
+        for prompt_i, cached_i in self._prompts(client_left=client_left).values():
+            prompt += prompt_i
+            cached += cached_i
         # A provider can report cache reads its prompt count does not cover; never claim more hits than prompt.
         return prompt, min(cached, prompt), sum(self.completion_seen.values())
 
@@ -763,7 +797,7 @@ class Accounting:
 
     def _record(self, status: str) -> None:
         prep = self.prep
-        prompt, cached, completion = self.usage()
+        prompt, cached, completion = self.usage(client_left=status == "aborted")
         latency = time.perf_counter() - self.start
         # The ledger and the price use the model that did the work: for a provider route that is the
         # provider's model (priced from litellm's map), not the alias the client sent.

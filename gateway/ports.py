@@ -110,32 +110,33 @@ def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0, database_url: str
                                redis_url=redis_url)
 
 
-def quota_error(exc: Exception) -> OpenAIError:
-    """Map ``QuotaExceededError`` to a 429 the openai SDK understands.
+# QuotaExceededError.kind -> the error ``type`` OpenAI gives that refusal.
+_QUOTA_TYPES = {"rate": "requests", "tokens": "tokens", "budget": "insufficient_quota"}
 
-    A rate or token-rate limit that waiting can cure is retried by the SDK (``retry-after``). An
-    exhausted budget (``insufficient_quota``), or a request too large for the quota on its own
-    (no ``retry_after_s``), says ``x-should-retry: false`` so the SDK does not retry, as OpenAI does.
+
+def quota_error(exc: QuotaExceededError) -> OpenAIError:
+    """Map ``QuotaExceededError`` to a 429 in OpenAI's shape: ``type`` ``requests`` (rpm), ``tokens``
+    (tpm) or ``insufficient_quota`` (budget), ``code`` ``rate_limit_exceeded`` / ``insufficient_quota``.
+
+    ``Retry-After`` is the wait rounded up to whole seconds, the figure the message gives, whenever
+    one is known (a budget's: until its period ends). A rate limit that waiting can cure is retried
+    by the SDK; an exhausted budget, or a request too large for the quota on its own (no wait can
+    help), says ``x-should-retry: false`` so the SDK does not retry, as OpenAI does.
     """
-    kind = getattr(exc, "kind", "rate")
-    message = getattr(exc, "message", None) or str(exc)
-    retry = getattr(exc, "retry_after_s", None)
-    if kind == "budget":
-        return OpenAIError(429, message, code="insufficient_quota", type="insufficient_quota",
-                           headers={"x-should-retry": "false"})
-    if retry is None:
-        return OpenAIError(429, message, code="rate_limit_exceeded", type="requests",
-                           headers={"x-should-retry": "false"})
-    headers = {"retry-after": str(max(1, int(round(retry))))}
-    return OpenAIError(429, message, code="rate_limit_exceeded", type="requests", headers=headers)
+    headers: dict[str, str] = {}
+    retry = exc.retry_after_whole_s
+    if retry is not None:
+        headers["retry-after"] = str(retry)
+    if exc.kind == "budget" or retry is None:
+        headers["x-should-retry"] = "false"
+    return OpenAIError(429, exc.message, code=exc.code, type=_QUOTA_TYPES[exc.kind], headers=headers)
 
 
-def tenancy_error(exc: Exception) -> OpenAIError:
+def tenancy_error(exc: TenancyError) -> OpenAIError:
     """Any other tenancy error: it carries its own HTTP ``status`` and OpenAI ``code``."""
     if isinstance(exc, QuotaExceededError):
         return quota_error(exc)
-    status = int(getattr(exc, "status", 400) or 400)
-    return OpenAIError(status, str(exc), code=getattr(exc, "code", None))
+    return OpenAIError(exc.status, str(exc), code=exc.code)
 
 
 def canonicalize(body: dict[str, Any], mode: str, per_user_vars: Any = ()) -> CanonResult:

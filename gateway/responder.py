@@ -103,7 +103,7 @@ class EventStream(Response):
         try:
             # aclosing: leaving early (disconnect, error) must close run_choices now, which aborts the
             # engine requests, before the ledger row is written below.
-            async with aclosing(run_choices(prep, self.router, one_task=True)) as outputs:
+            async with aclosing(run_choices(prep, self.router, one_task=True, on_abort=acct.aborted)) as outputs:
                 try:
                     first = await anext(outputs, None)
                     if first is not None:
@@ -219,7 +219,7 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireForm
     failure: Exception | None = None
     with ClientWatch(receive) as watch:
         try:
-            async with aclosing(run_choices(prep, router, one_task=True)) as outputs:  # all in this task
+            async with aclosing(run_choices(prep, router, one_task=True, on_abort=acct.aborted)) as outputs:
                 async for i, out in outputs:
                     _check(out)
                     acct.observe(i, out)

@@ -6,6 +6,7 @@ table of its own.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 QuotaKind = Literal["rate", "tokens", "budget"]
@@ -53,6 +54,18 @@ class QuotaExceededError(TenancyError):
         self.retry_after_s = retry_after_s
         # OpenAI uses "rate_limit_exceeded" for rpm/tpm and "insufficient_quota" for money.
         self.code = "insufficient_quota" if kind == "budget" else "rate_limit_exceeded"
+
+    @property
+    def retry_after_whole_s(self) -> int | None:
+        """``retry_after_s`` rounded up to whole seconds (at least 1), as ``Retry-After`` carries it
+        and the message says it: a client that waits that long is admitted (rounding to nearest
+        could send it back early, into another 429)."""
+        return None if self.retry_after_s is None else retry_whole_seconds(self.retry_after_s)
+
+
+def retry_whole_seconds(wait_s: float) -> int:
+    """A wait in whole seconds, rounded up, at least 1 (what ``Retry-After`` can say)."""
+    return max(1, math.ceil(wait_s))
 
 
 class NotFoundError(TenancyError):

@@ -12,7 +12,6 @@ so a request refused for tokens does not also eat a request slot.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
-from tenancy.errors import QuotaExceededError
+from tenancy.errors import QuotaExceededError, retry_whole_seconds
 from tenancy.types import Quotas
 
 
@@ -76,7 +75,7 @@ def rate_error(quotas: Quotas, estimated_tokens: int, kind: str, wait: float | N
     """The error for a refusal by the ``kind`` ("rpm" | "tpm") bucket (``wait`` None: never fits)."""
     if kind == "rpm":
         return QuotaExceededError("rate", f"Rate limit reached: {quotas.rpm} requests per minute. "
-                                          f"Retry in {_ceil(wait)} s.", retry_after_s=wait)
+                                          f"Retry in {_whole(wait)} s.", retry_after_s=wait)
     if wait is None:
         return QuotaExceededError(
             "tokens",
@@ -87,7 +86,7 @@ def rate_error(quotas: Quotas, estimated_tokens: int, kind: str, wait: float | N
     return QuotaExceededError(
         "tokens",
         f"Rate limit reached: {quotas.tpm} tokens per minute "
-        f"(this request needs about {estimated_tokens}). Retry in {_ceil(wait)} s.",
+        f"(this request needs about {estimated_tokens}). Retry in {_whole(wait)} s.",
         retry_after_s=wait,
     )
 
@@ -137,11 +136,24 @@ def check_budget(quotas: Quotas, spent_usd: float, now: datetime) -> None:
     retry = max(0.0, (end - now).total_seconds())
     raise QuotaExceededError(
         "budget",
-        f"Budget exhausted: ${spent_usd:.4f} spent of ${quotas.budget_usd:.2f} this {quotas.budget_period} "
+        f"Budget exhausted: {usd(spent_usd)} spent of {usd(quotas.budget_usd)} this {quotas.budget_period} "
         f"(resets {end.strftime('%Y-%m-%d %H:%M')} UTC).",
         retry_after_s=retry,
     )
 
 
-def _ceil(x: float | None) -> int:
-    return 0 if x is None else math.ceil(x)
+def usd(amount: float) -> str:
+    """``$`` and the amount with cents, and with the digits below a cent that it has (four
+    significant ones at most): a $0.00005 budget must not print as $0.00."""
+    if amount == 0 or abs(amount) >= 1:
+        return f"${amount:.2f}"
+    decimals = 2
+    while decimals < 12 and abs(amount) < 10 ** (3 - decimals):  # four significant digits shown
+        decimals += 1
+    text = f"{amount:.{decimals}f}".rstrip("0")
+    whole, _, cents = text.partition(".")
+    return f"${whole}.{cents.ljust(2, '0')}"
+
+
+def _whole(wait: float | None) -> int:
+    return 0 if wait is None else retry_whole_seconds(wait)

@@ -45,7 +45,7 @@ from tenancy.crypto import (
     read_secret_file,
     write_secret_file,
 )
-from tenancy.database import DatabaseTarget, DatabaseUnavailableError, resolve_database
+from tenancy.database import DatabaseTarget, DatabaseUnavailableError, ErrorKind, resolve_database
 from tenancy.errors import (
     AuthenticationError,
     ConflictError,
@@ -58,7 +58,7 @@ from tenancy.errors import (
 )
 from tenancy.fsutil import fsync_dir
 from tenancy.ledger import QUARANTINE_FILENAME, LedgerStats, LedgerWriter
-from tenancy.miss_privacy import apply_miss_policy
+from tenancy.miss_privacy import apply_miss_policy, keyed_family
 from tenancy.namespace import metrics_label, namespace_for, parse_share_scope, tenant_key_for
 from tenancy.pricing import PriceBook
 from tenancy.quota import Limiter, RateLimiter, check_budget, period_bounds
@@ -131,6 +131,11 @@ def data_key_owner(tenant_id: str, share_scope: str) -> str:
     return f"group:{group}" if kind == "group" else f"tenant:{tenant_id}"
 
 
+def _tenant_gone() -> AuthenticationError:
+    """A cached key whose tenant has since been deleted: refused like an unknown key (HTTP 401)."""
+    return AuthenticationError("Incorrect API key provided: its tenant has been deleted.")
+
+
 class TenancyService:
     """Tenants, keys, quotas, envelope encryption and the usage ledger behind one object."""
 
@@ -164,9 +169,11 @@ class TenancyService:
         self._lock = threading.RLock()
         self._db = self.database.connect()
         try:
+            # The KEK first: a home whose kek.key is bad (or not this database's) fails before a
+            # fresh server.secret is written next to it.
+            self._kek = self._load_checked_kek()
             self._secret = keymod.ServerSecret.load(self.home)
             self._pepper = self._secret.pepper
-            self._kek = self._load_checked_kek()
             self._check_server_secret()
             self._namespace_key = self._load_namespace_key()
             self._miss_family_key = hmac.new(self._namespace_key, b"prefixgate/miss-family/v1", hashlib.sha256).digest()
@@ -593,9 +600,22 @@ class TenancyService:
     # -- stored responses (the Responses API) -------------------------------------------------
 
     def save_response(self, ctx: TenantContext, response_id: str, body: dict[str, Any]) -> None:
-        """Keep ``body`` (the response and the conversation behind it) for ``ctx``'s tenant."""
+        """Keep ``body`` (the response and the conversation behind it) for ``ctx``'s tenant.
+
+        Raises AuthenticationError when the tenant is gone: deleted (by another process, the CLI)
+        while its key was still in this process's auth cache. Its key is then as unknown as any,
+        and no data key is made again for it (``_cipher`` would create one for a missing owner)."""
         with self._lock:
-            responses.save(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id, body)
+            if store.get_tenant(self._db, tenant_id=ctx.tenant_id) is None:
+                raise _tenant_gone()
+            cipher = self._response_cipher(ctx)
+            try:
+                responses.save(self._db, cipher, ctx.tenant_id, response_id, body)
+            except Exception as exc:  # deleted between the check and the INSERT: its foreign key fails
+                if self._db.classify(exc) is ErrorKind.REFUSED and store.get_tenant(
+                        self._db, tenant_id=ctx.tenant_id) is None:
+                    raise _tenant_gone() from None
+                raise
 
     def load_response(self, ctx: TenantContext, response_id: str) -> dict[str, Any] | None:
         """The stored body, or None when this tenant has no response with that id (another tenant's included)."""
@@ -660,12 +680,15 @@ class TenancyService:
     def delete_tenant(self, name: str) -> TenantInfo:
         """Delete the tenant and its keys and shred its data key: KV it spilled can never be decrypted again.
 
-        Its ledger rows are kept (billing history). Share-group data keys are shared and survive.
+        Its ledger rows are kept (billing history), scrubbed of the prompt text and clear families of
+        cache-miss explanations it chose to keep (``store.scrub_miss_data``). Share-group data keys survive.
         """
         info = self._require(name)
         owner = f"tenant:{info.tenant_id}"
+        self._flush_for_read()  # its queued usage rows first: they are scrubbed with the rest
         with self._lock:
-            store.delete_tenant(self._db, info.tenant_id, owner)
+            store.delete_tenant(self._db, info.tenant_id, owner,
+                                lambda family: keyed_family(self._miss_family_key, info.tenant_id, family))
             # secure_delete zeroed the row in the new page version; truncating the WAL drops old ones.
             self._db.shred_freed_pages()
             cipher = self._ciphers.pop(owner, None)

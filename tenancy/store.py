@@ -12,7 +12,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tenancy.database import Database
@@ -146,12 +146,37 @@ def list_tenants(db: Database) -> list[TenantInfo]:
     return [tenant_from_row(r) for r in db.query("SELECT * FROM tenants ORDER BY name")]
 
 
-def delete_tenant(db: Database, tenant_id: str, data_key_owner: str) -> None:
-    """Delete the tenant, its keys (cascade) and its data key, in one transaction."""
+def delete_tenant(db: Database, tenant_id: str, data_key_owner: str, keyed_family: Callable[[str], str]) -> None:
+    """Delete the tenant, its keys (cascade) and its data key, and scrub the client data its usage
+    rows kept (``scrub_miss_data``), in one transaction."""
     with db.transaction():
         db.execute("DELETE FROM data_keys WHERE owner = ?", [data_key_owner])
         if db.execute("DELETE FROM tenants WHERE id = ?", [tenant_id]) == 0:
             raise NotFoundError(f"no tenant with id {tenant_id!r}")
+        scrub_miss_data(db, tenant_id, keyed_family)
+
+
+def scrub_miss_data(db: Database, tenant_id: str, keyed_family: Callable[[str], str]) -> None:
+    """The usage rows of a deleted tenant stay (billing history), without what a tenant with
+    ``store_miss_context`` kept in clear: the prompt text before a cache break (``miss_context``,
+    set to NULL) and the clear family (``miss_family``, replaced by its keyed form, which still
+    groups but names no end user or prompt). Quarantined rows (their JSON) get the same."""
+    db.execute("UPDATE usage SET miss_context = NULL WHERE tenant_id = ? AND miss_context IS NOT NULL", [tenant_id])
+    families = db.query("SELECT DISTINCT miss_family FROM usage WHERE tenant_id = ? AND miss_family IS NOT NULL",
+                        [tenant_id])
+    for family in (r["miss_family"] for r in families):
+        keyed = keyed_family(family)
+        if keyed != family:
+            db.execute("UPDATE usage SET miss_family = ? WHERE tenant_id = ? AND miss_family = ?",
+                       [keyed, tenant_id, family])
+    for r in db.query("SELECT id, row_json FROM usage_quarantine WHERE tenant_id = ?", [tenant_id]):
+        row = json.loads(r["row_json"])
+        if not isinstance(row, dict):
+            continue
+        row["miss_context"] = None
+        if isinstance(row.get("miss_family"), str):
+            row["miss_family"] = keyed_family(row["miss_family"])
+        db.execute("UPDATE usage_quarantine SET row_json = ? WHERE id = ?", [json.dumps(row, ensure_ascii=True), r["id"]])
 
 
 def insert_key(db: Database, tenant_id: str, key_id: str, key_hash: bytes) -> None:

@@ -44,7 +44,14 @@ from engine.disagg.wire import Chunk, EngineLayout
 from engine.kv_types import BlockHash, QueueReason
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.protocol import GenerateRequest, InvalidRequestError, ModelCard, RequestOutput, StaticTenantScope
+from engine.protocol import (
+    AbortReport,
+    GenerateRequest,
+    InvalidRequestError,
+    ModelCard,
+    RequestOutput,
+    StaticTenantScope,
+)
 from engine.request import Request
 
 
@@ -118,8 +125,8 @@ class DisaggEngine:
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return self.inner.generate(request)
 
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
+    async def abort(self, request_id: str) -> AbortReport | None:
+        return await self.inner.abort(request_id)
 
     async def health(self) -> bool:
         return await self.inner.health()

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gateway.cli.http_args import api_key, gateway_url
 from gateway.cli.main import CLIError, resolve_home
 
 _WORKLOADS = ("system_prompts", "chat", "agents", "rag", "random")
@@ -94,6 +95,10 @@ def _size(value: str | None, flag: str) -> str | None:
 
 
 def run_bench_cmd(args: argparse.Namespace) -> int:
+    if args.url is not None:  # before anything starts: a bad one is one line, not httpx's traceback
+        gateway_url(args.url)
+    for key in args.api_keys:
+        api_key(key, "--api-key")
     try:
         from gateway.bench import replay as wl
         from gateway.bench.traces import TraceSizes

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from gateway.cli.http_args import api_key, gateway_url
 from gateway.cli.main import CLIError
 
 
@@ -38,19 +39,21 @@ def register(subparsers, common: argparse.ArgumentParser) -> None:
 
 
 def _key(args: argparse.Namespace) -> str:
-    key = args.key or os.environ.get("PREFIXGATE_API_KEY")
+    if args.key:
+        return api_key(args.key, "--key")
+    key = os.environ.get("PREFIXGATE_API_KEY")
     if not key:
         raise CLIError("no API key: pass --key or set PREFIXGATE_API_KEY")
-    return key
+    return api_key(key, "$PREFIXGATE_API_KEY")
 
 
 def _call(method: str, args: argparse.Namespace, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
     import httpx
 
-    url = args.url.rstrip("/") + path
+    url = gateway_url(args.url).rstrip("/") + path
+    headers = {"Authorization": f"Bearer {_key(args)}"}
     try:
-        r = httpx.request(method, url, json=body, headers={"Authorization": f"Bearer {_key(args)}"}, timeout=600,
-                          trust_env=False)
+        r = httpx.request(method, url, json=body, headers=headers, timeout=600, trust_env=False)
     except httpx.HTTPError as exc:
         raise CLIError(f"cannot reach {url}: {exc}") from None
     try:
@@ -60,6 +63,8 @@ def _call(method: str, args: argparse.Namespace, path: str, body: dict[str, Any]
     if r.status_code >= 400:
         message = (answer.get("error") or {}).get("message") if isinstance(answer, dict) else None
         raise CLIError(f"{url}: HTTP {r.status_code}: {message or answer}")
+    if not isinstance(answer, dict):
+        raise CLIError(f"{url} answered {answer!r}, not a PrefixGate JSON object")
     return answer
 
 
@@ -69,6 +74,8 @@ def _warm(args: argparse.Namespace) -> int:
         body = json.loads(raw)
     except OSError as exc:
         raise CLIError(f"cannot read {args.file}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CLIError(f"{args.file} is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise CLIError(f"{args.file} is not valid JSON: {exc}") from None
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
@@ -89,6 +96,8 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(answer))
         return 0
+    if not {"tenant", "total_tokens", "retained_tokens", "tokens"} <= answer.keys():
+        raise CLIError(f"{args.url} answered {answer!r}, not a PrefixGate /v1/cache answer")
     print(f"tenant {answer['tenant']}: {answer['total_tokens']} cached tokens "
           f"({answer['retained_tokens']} retained)")
     for tier, tokens in answer["tokens"].items():

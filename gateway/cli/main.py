@@ -4,7 +4,9 @@ Subcommands live in sibling modules named ``*_cmd.py``; each defines
 ``register(subparsers, common)`` where ``common`` is a parent parser carrying ``--home``, and sets
 ``func`` on its parser. Discovery keeps this file free of a list that every feature must edit.
 
-User errors raise ``CLIError``: one line on stderr and exit status 2, like argparse's own errors.
+User errors raise ``CLIError``: one line on stderr and exit status 2. Argparse's own errors (a bad
+type, a missing argument, an unknown choice) take the same form through ``OneLineParser``, which
+every subcommand's parser is (argparse builds subparsers of the parent's class); ``--help`` is unchanged.
 
 One home rule for every command (``make serve`` included, so the README's sequence works from any
 shell): ``--home``, else ``$PREFIXGATE_HOME``, else the user's data directory. A command that creates
@@ -19,12 +21,25 @@ import os
 import pkgutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import gateway.cli as cli_pkg
 
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line, ``prefixgate: error: ...``, exit 2:
+    the same as every ``CLIError`` (argparse's own prints the usage block first). The subcommand
+    is named after the prefix (``prefixgate: error: tenant quota set: argument --rpm: ...``)."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.partition(" ")[2]
+        where = f"{command}: " if command else ""
+        print(f"prefixgate: error: {where}{' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)
 
 
 def default_home() -> tuple[Path, str]:
@@ -59,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Subcommands inherit --home with a SUPPRESSed default: a nested parser's default would otherwise
     # overwrite the value of `prefixgate --home X serve` with None.
-    common = argparse.ArgumentParser(add_help=False)
+    common = OneLineParser(add_help=False)
     common.add_argument("--home", default=argparse.SUPPRESS, help=home_help)
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="prefixgate",
         description="PrefixGate: a multi-tenant prompt-cache gateway for LLM serving.",
     )

@@ -20,10 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.protocol import CacheInspector
 from gateway.deps import EngineDep, TenancyDep, TenantDep
-from gateway.door import chat_request, prepare_door, whole_prompt_for
+from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request
 from gateway.pipeline import Accounting, engine_failure, run_choices
-from gateway.routes.completions import PartsDep
+from gateway.routes.completions import PartsDep, record_rejected
 from gateway.schemas import MAX_NAME_CHARS
 from promptlint.cache_control import RETENTION_SECONDS, TTL_SECONDS
 
@@ -63,24 +63,29 @@ async def cache_usage(request: Request, ctx: TenantDep, tenancy: TenancyDep, eng
 @router.post("/cache/warm")
 async def warm(body: WarmRequest, ctx: TenantDep, parts: PartsDep) -> Any:
     tenancy, router_, engine, metrics, live = parts.tenancy, parts.router, parts.engine, parts.metrics, parts.live
-    _inspector(engine)
-    chat_body: dict[str, Any] = {"model": body.model, "messages": body.messages, "max_tokens": 1,
-                                 "temperature": 0}
-    if body.tools:
-        chat_body["tools"] = body.tools
-    if body.user:
-        chat_body["user"] = body.user
+    # Refusals are counted and charged like every door's (issue 16.9): its ledger row, its rpm slot.
+    with refusals_counted(tenancy, ctx, body.model, metrics, live):
+        _inspector(engine)
+        chat_body: dict[str, Any] = {"model": body.model, "messages": body.messages, "max_tokens": 1,
+                                     "temperature": 0}
+        if body.tools:
+            chat_body["tools"] = body.tools
+        if body.user:
+            chat_body["user"] = body.user
+        chat = chat_request(chat_body)
     seconds = WARM_TTLS[body.ttl]
-    prep = await prepare_door(chat_request(chat_body), ctx, parts, retention=whole_prompt_for(seconds))
+    prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(seconds))
     if prep.backend.kind != "local":
-        raise invalid_request(f"model {body.model!r} is not served by the local engine; only its cache can be warmed",
-                              param="model")
+        err = invalid_request(f"model {body.model!r} is not served by the local engine; only its cache can be "
+                              "warmed", param="model")
+        record_rejected(tenancy, ctx, body.model, "chat", err, metrics, live)  # admitted: its rpm slot is taken
+        raise err
     block = int((await engine.stats()).get("block_size") or 16) if engine is not None else 16
     acct = Accounting(prep, tenancy, metrics, live)
     # the full blocks of the prompt this run wrote: the ledger's cache_creation_tokens too
     acct.cache_writes = lambda prompt, cached: max(0, prompt // block * block - cached)
     try:
-        async with aclosing(run_choices(prep, router_)) as outputs:
+        async with aclosing(run_choices(prep, router_, on_abort=acct.aborted)) as outputs:
             async for i, out in outputs:
                 acct.observe(i, out)
     except Exception as exc:  # noqa: BLE001 - reported as the error the client sees

@@ -41,15 +41,17 @@ def record_rejected(tenancy: TenancyPort, ctx: TenantCtx, model: str, kind: str,
     ))
 
 
-# The Responses and Messages doors run as chat requests (gateway.door).
-_KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat",
-                 "/v1/messages": "chat"}
+# The paths whose refused requests (an invalid body included) are counted in the ledger and take a
+# place in the rate limit (issue 16.9), with the kind of request each runs as: the Responses and
+# Messages doors and cache warming run as chat requests (gateway.door).
+KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat",
+                "/v1/messages": "chat", "/v1/cache/warm": "chat"}
 
 
 def record_invalid_body(request: Request, err: OpenAIError) -> None:
     """A completion body that failed validation after its key was authenticated: one ledger row and
     the same counts as any refused request (the model is unknown: the body did not parse)."""
-    kind = _KIND_OF_PATH.get(request.url.path)
+    kind = KIND_OF_PATH.get(request.url.path)
     ctx = getattr(request.state, "tenant", None)
     if kind is None or ctx is None:
         return

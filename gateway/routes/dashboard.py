@@ -97,17 +97,18 @@ def _cache_pays(request: Request) -> dict[str, Any]:
             "pays": None if saved is None else saved > c["cache_manage_seconds"]}
 
 
-def _computed_prefixes(engine_stats: dict[str, Any], only_label: str | None, top: int = 10) -> list[dict[str, Any]]:
-    """The engine's most recomputed prefixes (``stats()["computed_prefixes"]``: per tenant label, a
-    block-hash prefix with its count), most first; only ``only_label``'s when given.
+def _computed_prefixes(engine_stats: dict[str, Any], only_tenant: str | None, top: int = 10) -> list[dict[str, Any]]:
+    """The engine's most recomputed prefixes (``stats()["computed_prefixes"]``: per tenant key, the
+    tenant key in hex, its label and block-hash prefixes with their counts), most first; only the
+    tenant whose key is ``only_tenant`` when given (never by label: two tenants may share one).
 
     Named by hash alone: the gateway knows a request's template family but the engine's hashes are
     of token blocks it never sees, so the two cannot be joined here (the family list is separate).
     """
-    rows = [{"tenant": label, "hash": e["hash"], "count": e["count"], "error": e["error"]}
-            for label, entries in (engine_stats.get("computed_prefixes") or {}).items()
-            if only_label is None or label == only_label
-            for e in entries]
+    rows = [{"tenant": entry["tenant"], "hash": e["hash"], "count": e["count"], "error": e["error"]}
+            for key, entry in (engine_stats.get("computed_prefixes") or {}).items()
+            if only_tenant is None or key == only_tenant
+            for e in entry["prefixes"]]
     rows.sort(key=lambda r: (-r["count"], r["tenant"], r["hash"]))
     return rows[:top]
 
@@ -178,7 +179,7 @@ async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, t
         "series": series.series(window) if admin else None,
         "ledger": {"since": since.isoformat(), **_ledger_view(report)},
         "cache": {"most_computed": live.most_computed(only),
-                  "computed_prefixes": _computed_prefixes(engine_stats, None if admin else ctx.metrics_label),
+                  "computed_prefixes": _computed_prefixes(engine_stats, None if admin else ctx.tenant_key.hex()),
                   **(_cache_pays(request) if admin else {})},
         "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy, live, request.app.state.registry)),
     }

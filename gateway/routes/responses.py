@@ -16,7 +16,7 @@ from gateway.deps import TenancyDep, TenantDep
 from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting
-from gateway.ports import TenancyPort, TenantCtx
+from gateway.ports import TenancyError, TenancyPort, TenantCtx, tenancy_error
 from gateway.responder import respond
 from gateway.responses_api import (
     RESPONSES_FIELDS,
@@ -76,9 +76,13 @@ async def create_response(
     def keep(response: dict[str, Any]) -> None:
         # One indexed INSERT, on the loop: a follow-up sent the moment the client has the response
         # must find it (a background write would race it).
-        if body.store:
+        if not body.store:
+            return
+        try:
             store.save_response(ctx, response["id"], {
                 "response": response, "conversation": conversation_after(conversation, response["output"])})
+        except TenancyError as exc:  # the tenant was deleted while its key was cached: a 401, not a 500
+            raise tenancy_error(exc) from None
 
     fmt = ResponsesFormat(prep, body, keep)
     return await respond(prep, router_, Accounting(prep, tenancy, metrics, live), request.receive, fmt,

@@ -85,14 +85,43 @@ def test_tenant_delete_of_an_unknown_tenant_fails_before_asking(capsys, home, mo
     ("report", "--tenant", SURROGATE),
     ("serve", "--port", "99999999"),
     ("serve", "--port", "-1"),
+    # argparse's own errors: one line too, without its usage block (OneLineParser)
+    ("tenant", "quota", "set", "acme", "--rpm", "-5"),
+    ("tenant", "quota", "set", "acme", "--budget-usd", "nan"),
+    ("tenant", "quota", "set", "acme", "--kv-blocks", "0"),
+    ("tenant", "create", "x", "--canon", "wrong"),
+    ("tenant", "create", "x", "--ttft-target", "0"),
+    ("tenant", "create", "x", "--cache-retention", "0"),
+    ("tenant", "create", "-x"),
+    ("tenant",),
+    ("nosuch",),
+    # commands that call a running gateway: a bad URL or key fails before any request
+    ("cache", "show", "--key", "pg-é"),
+    ("cache", "show", "--key", "pg-x", "--url", "http://[::1"),
+    ("cache", "show", "--key", "pg-x", "--url", "ftp://example"),
+    ("bench", "--url", "http://[::1", "--api-key", "pg-x"),
+    ("bench", "--url", "http://127.0.0.1:9", "--api-key", "pg-é"),
 ])
 def test_bad_values_are_one_line_and_exit_2(capsys, home, argv):
     code, _, err = run(capsys, "--home", str(home), *argv)
     assert code == 2, (argv, err)
     assert "Traceback" not in err, err
-    # One error line; argparse's own errors come after its usage block, as every argparse CLI does.
-    message = [ln for ln in err.strip().splitlines() if not ln.startswith(("usage:", " "))]
-    assert len(message) == 1 and message[0].startswith("prefixgate") and "error" in message[0], err
+    lines = error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("prefixgate: error: "), err
+
+
+def test_usage_errors_name_the_subcommand_and_help_keeps_its_usage(capsys, home):
+    code, _, err = run(capsys, "--home", str(home), "tenant", "quota", "set", "acme", "--rpm", "-5")
+    assert code == 2 and err.startswith("prefixgate: error: tenant quota set: argument --rpm:"), err
+    code, out, _ = run(capsys, "tenant", "quota", "set", "--help")
+    assert code == 0 and out.startswith("usage: prefixgate tenant quota set")
+
+
+def test_cache_warm_of_a_file_that_is_not_utf8_is_one_line(capsys, home, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe{}")
+    code, _, err = run(capsys, "--home", str(home), "cache", "warm", str(bad), "--key", "pg-x")
+    assert code == 2 and error_lines(err) == [f"prefixgate: error: {bad} is not UTF-8 text"], err
 
 
 def test_the_limit_bound_is_what_sqlite_stores(capsys, home):

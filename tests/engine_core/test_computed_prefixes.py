@@ -60,14 +60,26 @@ def test_computed_prefixes_count_the_first_computed_full_block():
     hashes: list = []
     extend_block_hashes(b"ns", list(range(40)), 8, hashes)  # 5 full blocks of 8
     c = ComputedPrefixes(capacity=4)
-    c.observe("acme", hashes, 43, 0, 8)  # nothing cached: block 0
-    c.observe("acme", hashes, 43, 16, 8)  # 2 blocks hit: block 2
-    c.observe("acme", hashes, 43, 0, 8)
-    c.observe("acme", hashes, 43, 40, 8)  # every full block hit: counts nothing
-    c.observe("beta", hashes[:1], 7, 0, 8)  # shorter than a block: counts nothing
+    c.observe("t1", "acme", hashes, 43, 0, 8)  # nothing cached: block 0
+    c.observe("t1", "acme", hashes, 43, 16, 8)  # 2 blocks hit: block 2
+    c.observe("t1", "acme", hashes, 43, 0, 8)
+    c.observe("t1", "acme", hashes, 43, 40, 8)  # every full block hit: counts nothing
+    c.observe("t2", "beta", hashes[:1], 7, 0, 8)  # shorter than a block: counts nothing
     top = c.top(hex_chars=12)
-    assert top == {"acme": [{"hash": hashes[0].hex()[:12], "count": 2, "error": 0},
-                            {"hash": hashes[2].hex()[:12], "count": 1, "error": 0}]}
+    assert top == {"t1": {"tenant": "acme", "prefixes": [{"hash": hashes[0].hex()[:12], "count": 2, "error": 0},
+                                                         {"hash": hashes[2].hex()[:12], "count": 1, "error": 0}]}}
+
+
+def test_computed_prefixes_are_kept_per_tenant_key_not_per_label():
+    """Two tenants whose names are cut to the same metrics label keep separate counters."""
+    hashes: list = []
+    extend_block_hashes(b"ns", list(range(16)), 8, hashes)
+    c = ComputedPrefixes(capacity=4)
+    c.observe("id-victim", "abcdefghij", hashes, 16, 0, 8)
+    c.observe("id-snoop", "abcdefghij", hashes, 16, 8, 8)
+    top = c.top(hex_chars=12)
+    assert top["id-victim"]["prefixes"] == [{"hash": hashes[0].hex()[:12], "count": 1, "error": 0}]
+    assert top["id-snoop"]["prefixes"] == [{"hash": hashes[1].hex()[:12], "count": 1, "error": 0}]
 
 
 def test_engine_stats_name_the_prefix_prefill_recomputes_by_hash_per_tenant():
@@ -80,12 +92,14 @@ def test_engine_stats_name_the_prefix_prefill_recomputes_by_hash_per_tenant():
     run_all(engine)
     want: list = []
     extend_block_hashes(b"acme", shared[: 3 * BS], BS, want)
-    got = engine.stats()["computed_prefixes"]
-    assert got["acme"] == [{"hash": want[0].hex()[:12], "count": 3, "error": 0}]
-    assert [e["count"] for e in got["beta"]] == [1]
+    got = engine.stats()["computed_prefixes"]  # keyed by tenant key in hex (a plain scope's: its namespace)
+    acme, beta = b"acme".hex(), b"beta".hex()
+    assert got[acme] == {"tenant": "acme", "prefixes": [{"hash": want[0].hex()[:12], "count": 3, "error": 0}]}
+    assert [e["count"] for e in got[beta]["prefixes"]] == [1]
     # caching on: the repeats hit, so only the first request computed the shared prefix
     engine, _ = make_engine(caching=True)
     for i in range(3):
         engine.add_request(greq(f"a{i}", shared, max_tokens=2, tenant=scope("acme")))
         run_all(engine)
-    assert engine.stats()["computed_prefixes"] == {"acme": [{"hash": want[0].hex()[:12], "count": 1, "error": 0}]}
+    assert engine.stats()["computed_prefixes"] == {
+        acme: {"tenant": "acme", "prefixes": [{"hash": want[0].hex()[:12], "count": 1, "error": 0}]}}

@@ -241,3 +241,40 @@ def test_serve_metrics_flags(tmp_path, monkeypatch):
     assert settings.metrics_token == "tok-1" and settings.metrics_public
     monkeypatch.setenv("PREFIXGATE_METRICS_TOKEN", "tok-2")
     assert build_settings(parser.parse_args(["serve", "--model", "none"]), tmp_path).metrics_token == "tok-2"
+
+
+@pytest.fixture
+def tiny_engine(tiny_model_dir):
+    from engine.config import EngineConfig
+    from engine.launch import build_engine
+
+    engine = build_engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=128))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def test_recomputed_prefixes_are_filtered_by_tenant_id_not_by_the_label(tmp_path, tiny_engine):
+    """The engine counts recomputed prefixes per tenant id: a tenant sharing another's 32-character
+    label, or re-created under a deleted tenant's name, sees none of its rows."""
+    svc = TenancyService.open(tmp_path / "home")
+    keys = {"a": svc.create_tenant(LONG_A).api_key, "b": svc.create_tenant(LONG_B).api_key,
+            "admin": svc.create_tenant("ops", admin=True).api_key}
+    try:
+        with TestClient(create_app(GatewaySettings(), engine=tiny_engine, tenancy=svc)) as client:
+            for _ in range(2):
+                assert client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"])).status_code == 200
+
+            def prefixes(key: str) -> list[dict]:
+                return client.get("/dashboard/data", headers=auth(key)).json()["cache"]["computed_prefixes"]
+
+            own = prefixes(keys["a"])
+            assert own and {r["tenant"] for r in own} == {LONG_A[:32]}
+            assert prefixes(keys["admin"]) == own
+            assert prefixes(keys["b"]) == []  # same label, another tenant
+            svc.delete_tenant(LONG_A)
+            again = svc.create_tenant(LONG_A).api_key
+            assert prefixes(again) == []  # the deleted tenant's counts are not the new one's
+    finally:
+        svc.close()

@@ -214,11 +214,18 @@ def test_rate_limit_and_budget_429(parts):
     tenancy.quota_error = QuotaExceededError("rate", "Rate limit reached: 10 requests per minute", 2.2)
     resp = client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
     assert_openai_error(resp, 429, code="rate_limit_exceeded")
-    assert resp.headers["retry-after"] == "2" and "x-should-retry" not in resp.headers
-    tenancy.quota_error = QuotaExceededError("budget", "Monthly budget of $5.00 is exhausted", None)
+    # rounded up: waiting 2 s would come back 0.2 s early, into another 429
+    assert resp.headers["retry-after"] == "3" and "x-should-retry" not in resp.headers
+    assert resp.json()["error"]["type"] == "requests"
+    tenancy.quota_error = QuotaExceededError("tokens", "Rate limit reached: 1000 tokens per minute", 0.4)
+    resp = client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
+    assert_openai_error(resp, 429, code="rate_limit_exceeded")
+    assert resp.json()["error"]["type"] == "tokens" and resp.headers["retry-after"] == "1"  # OpenAI's type
+    tenancy.quota_error = QuotaExceededError("budget", "Monthly budget of $5.00 is exhausted", 3600.5)
     resp = client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
     assert_openai_error(resp, 429, code="insufficient_quota")
-    assert resp.headers["x-should-retry"] == "false"
+    assert resp.json()["error"]["type"] == "insufficient_quota"
+    assert resp.headers["x-should-retry"] == "false" and resp.headers["retry-after"] == "3601"  # the period's end
     tenancy.quota_error = QuotaExceededError("tokens", "This request alone exceeds 1000 tokens per minute", None)
     resp = client.post("/v1/chat/completions", json=CHAT, headers=auth(keys["a"]))
     assert_openai_error(resp, 429, code="rate_limit_exceeded")

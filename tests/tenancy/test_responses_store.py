@@ -3,7 +3,12 @@ sealed with the tenant's data key, gone with the tenant; and the tenant's cache_
 
 from __future__ import annotations
 
-from tenancy.service import TenancyService
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tenancy.service import AuthenticationError, TenancyService
 from tests.fleetutil import read_rows
 
 
@@ -33,3 +38,22 @@ def test_cache_retention_setting_round_trips(svc: TenancyService) -> None:
     assert svc.authenticate(key).cache_retention_s == 3600.0
     svc.update_tenant("acme", cache_retention_s=None)
     assert svc.get_tenant_by_name("acme").cache_retention_s is None
+
+
+def test_saving_for_a_tenant_deleted_by_another_process_is_an_unknown_key(
+        home: Path, open_service: Callable[..., TenancyService]) -> None:
+    """The gateway still holds the key in its auth cache when the CLI deletes the tenant: saving a
+    response is then an AuthenticationError (a 401), never a foreign-key failure, and no data key
+    is made again for the deleted tenant."""
+    gateway, cli = open_service(home, auth_cache_ttl_s=60), open_service(home)
+    try:
+        ctx = gateway.authenticate(cli.create_tenant("gone").api_key)
+        gateway.save_response(ctx, "resp_1", {"response": {"id": "resp_1"}})
+        cli.delete_tenant("gone")
+        with pytest.raises(AuthenticationError, match="tenant has been deleted"):
+            gateway.save_response(ctx, "resp_2", {"response": {"id": "resp_2"}})
+        assert read_rows(gateway, "SELECT id FROM responses") == []
+        assert read_rows(gateway, "SELECT owner FROM data_keys WHERE owner = ?", [f"tenant:{ctx.tenant_id}"]) == []
+    finally:
+        gateway.close()
+        cli.close()

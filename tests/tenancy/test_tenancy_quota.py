@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 
 from tenancy.errors import QuotaExceededError
-from tenancy.quota import RateLimiter, period_bounds
+from tenancy.quota import RateLimiter, check_budget, period_bounds, rate_error, usd
 from tenancy.service import TenancyService
 from tenancy.types import Quotas, UsageRecord
 
@@ -127,3 +127,22 @@ def test_period_bounds() -> None:
     assert period_bounds("day", now) == (datetime(2026, 12, 31, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC))
     with pytest.raises(ValueError):
         period_bounds("week", now)
+
+
+@pytest.mark.parametrize("wait", [19.0000001, 19.5, 19.9999, 0.2])
+def test_the_retry_time_is_rounded_up_in_the_message_and_for_the_header(wait: float) -> None:
+    """A client that waits the whole seconds it is told must be admitted: never rounded down."""
+    for kind in ("rpm", "tpm"):
+        e = rate_error(Quotas(rpm=3, tpm=1000), 600, kind, wait)
+        assert wait <= e.retry_after_whole_s < max(wait, 1) + 1
+        assert f"Retry in {e.retry_after_whole_s} s." in e.message
+
+
+def test_a_budget_refusal_prints_amounts_under_a_cent_and_knows_when_it_resets() -> None:
+    now = datetime(2026, 3, 4, 22, 30, tzinfo=UTC)
+    with pytest.raises(QuotaExceededError) as err:
+        check_budget(Quotas(budget_usd=0.00005, budget_period="day"), 0.0000532, now)
+    assert "$0.0000532 spent of $0.00005 this day" in err.value.message
+    assert err.value.retry_after_whole_s == 90 * 60  # to midnight UTC
+    assert [usd(x) for x in (0, 5, 12.5, 0.5, 0.05, 0.123456)] == ["$0.00", "$5.00", "$12.50", "$0.50", "$0.05",
+                                                                   "$0.1235"]
