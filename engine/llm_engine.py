@@ -70,6 +70,7 @@ from engine.protocol import (
     OutputFailure,
     PromptTooLongError,
     RequestOutput,
+    RequestPart,
     TokenLogprob,
     UnenforceableSchemaError,
 )
@@ -229,10 +230,12 @@ class LLMEngine:
         """Tokenize and validate; raises ``EngineError`` subclasses for requests that cannot run."""
         ids, packed = self._tokenize(request)
         if not ids:
-            raise InvalidRequestError("the prompt is empty after tokenization")
+            raise InvalidRequestError("the prompt is empty after tokenization", part=RequestPart.PROMPT,
+                                      code="empty_prompt")
         bad = _first_outside(ids, packed, self.vocab_size)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                      part=RequestPart.PROMPT, code="invalid_value")
         self._check_sampling(request)
         max_tokens = request.sampling.max_tokens
         total = len(ids) + max_tokens
@@ -276,7 +279,8 @@ class LLMEngine:
         sp = request.sampling
         bad = [t for t, _ in sp.logit_bias if t >= self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                      part=RequestPart.LOGIT_BIAS, code="invalid_value")
         if sp.guided is not None:
             try:
                 self.runner.check_grammar(sp.guided)

@@ -300,11 +300,23 @@ class AbortReport:
     cached_tokens: int
 
 
+class RequestPart(Enum):
+    """The part of a ``GenerateRequest`` an error is about. The engine knows the part, not the
+    field the client wrote it in: the caller names it in its own API's terms (the prompt is chat's
+    ``messages``, completions' ``prompt``, the Responses API's ``input``)."""
+
+    PROMPT = "prompt"  # prompt / prompt_token_ids / messages
+    LOGIT_BIAS = "logit_bias"  # SamplingParams.logit_bias
+    GUIDED = "guided"  # SamplingParams.guided: the grammar of a response format or a forced tool call
+
+
 class EngineError(Exception):
-    """Base for errors a caller can act on. ``status`` is the HTTP status it maps to."""
+    """Base for errors a caller can act on. ``status`` is the HTTP status it maps to; ``part``, when
+    set, the part of the request at fault (None: the request as a whole, or the server)."""
 
     status: int = 500
     code: str = "engine_error"
+    part: RequestPart | None = None
 
 
 class PromptTooLongError(EngineError):
@@ -312,13 +324,24 @@ class PromptTooLongError(EngineError):
 
     status = 400
     code = "context_length_exceeded"
+    part = RequestPart.PROMPT
 
 
 class InvalidRequestError(EngineError):
-    """The request cannot be served as given (empty prompt, token id outside the vocabulary...)."""
+    """The request cannot be served as given (empty prompt, token id outside the vocabulary...).
+
+    ``code`` says what is wrong (``invalid_value``, ``empty_prompt``...; ``invalid_request`` when
+    nothing more precise applies) and ``part`` where, so that the client's error names its field."""
 
     status = 400
-    code = "invalid_request_error"
+    code = "invalid_request"
+
+    def __init__(self, message: str, *, part: RequestPart | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        if part is not None:
+            self.part = part
+        if code is not None:
+            self.code = code
 
 
 class UnenforceableSchemaError(InvalidRequestError):
@@ -327,6 +350,7 @@ class UnenforceableSchemaError(InvalidRequestError):
     (``OutputFailure.GRAMMAR_DEAD_END``)."""
 
     code = "unenforceable_schema"
+    part = RequestPart.GUIDED
 
 
 class EngineOverloadedError(EngineError):

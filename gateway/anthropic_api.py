@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, StrictBool
 
 from engine.protocol import RequestOutput
 from gateway.errors import OpenAIError, invalid_request
@@ -69,7 +69,7 @@ class MessagesRequest(ScannedBody):
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=0)
-    stream: Annotated[bool, null_means(False)] = False
+    stream: Annotated[StrictBool, null_means(False)] = False
     metadata: dict[str, Any] | None = None
 
 class CountTokensRequest(MessagesRequest):

@@ -13,7 +13,7 @@ FastAPI's default ``{"detail": ...}`` shape never reaches a client.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.protocol import EngineError
+from engine.protocol import EngineError, RequestPart
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -73,11 +73,38 @@ def invalid_request(message: str, *, param: str | None = None, code: str | None 
     return OpenAIError(400, message, param=param, code=code)
 
 
-def from_engine_error(exc: EngineError) -> OpenAIError:
-    """Map an engine error to the status it declares (400 too long, 503 overloaded, ...)."""
-    status = getattr(exc, "status", 500) or 500
+# The field each part of a request is in when nobody says otherwise (completions' names). A grammar
+# has none: it comes from response_format or from a forced tool call, which only the caller knows.
+_ENGINE_PARAMS: dict[RequestPart, str] = {RequestPart.PROMPT: "prompt", RequestPart.LOGIT_BIAS: "logit_bias"}
+
+
+def from_engine_error(exc: EngineError, names: Mapping[RequestPart, str] | None = None) -> OpenAIError:
+    """Map an engine error to the status it declares (400 too long, 503 overloaded, ...) and its
+    code, naming the field at fault: ``names`` says what the client's API calls each part of the
+    request (chat's prompt is ``messages``); a part it leaves out keeps its default name."""
+    status = exc.status or 500
     headers = {"retry-after": "1"} if status == 503 else None
-    return OpenAIError(status, str(exc) or exc.code, code=getattr(exc, "code", None), headers=headers)
+    param = None
+    if exc.part is not None:
+        param = names.get(exc.part) if names and exc.part in names else _ENGINE_PARAMS.get(exc.part)
+    return OpenAIError(status, str(exc) or exc.code, code=exc.code, param=param, headers=headers)
+
+
+# Pydantic puts the union member it tried into an error's location, after the field: a request
+# whose ``content`` is neither a string nor a list fails at ``messages.0.content.str`` and
+# ``...content.list[dict[str,any]]``. The client wrote ``messages.0.content``; these tags are left out
+# of ``param``. A member is a bare type name, or has brackets or a hyphen (``list[int]``,
+# ``function-after[...]``, ``constrained-str``), which no request field's name has.
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "bytes", "none", "list", "dict", "tuple", "set", "any"})
+
+
+def _is_union_member(part: str | int) -> bool:
+    return isinstance(part, str) and (part in _TYPE_NAMES or "[" in part or "-" in part)
+
+
+def client_path(loc: tuple[str | int, ...]) -> str | None:
+    """A pydantic error location as the dotted path of the field the client wrote (None: the body)."""
+    return ".".join(str(p) for p in loc if p != "body" and not _is_union_member(p)) or None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
@@ -86,7 +113,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if not errors:
         return "invalid request body", None, None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         detail = ctx.get("error", "could not parse the body")
@@ -95,10 +121,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
             None,
             "invalid_json",
         )
-    param = ".".join(loc) or None
+    param = client_path(tuple(first.get("loc", ())))
     if first.get("type") == "body_limit":  # gateway.ingress: depth, lone surrogates, sizes
         ctx = first.get("ctx") or {}
-        return f"Invalid request: {ctx.get('message')}.", param or ctx.get("param"), "invalid_value"
+        named = ctx.get("param")
+        if named and (param is None or named.startswith(f"{param}.")):  # a validator named a field inside its own
+            param = named
+        return f"Invalid request: {ctx.get('message')}.", param, "invalid_value"
     msg = first.get("msg", "invalid value")
     if param is None:  # the body as a whole: not a JSON object (or sent without a JSON content type)
         return (

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -30,6 +31,7 @@ from engine.protocol import (
     GenerateRequest,
     GuidedSpec,
     RequestOutput,
+    RequestPart,
     Retention,
     SamplingParams,
 )
@@ -61,6 +63,28 @@ _PROVIDER_PASSTHROUGH = ("tool_choice", "response_format", "presence_penalty", "
                          "top_logprobs", "logit_bias", "parallel_tool_calls", "reasoning_effort")
 
 
+@dataclass(frozen=True)
+class RequestFields:
+    """What a front door calls the prompt, the output budget and the output format: the
+    context-length error and the engine's errors name them."""
+
+    prompt: str  # named when the prompt alone fills the context, or the engine refuses it
+    max_tokens: str
+    overflow: str  # named when the prompt fits but not with the output asked for
+    response_format: str = "response_format"  # named when its schema's grammar is refused
+
+    def engine_params(self) -> dict[RequestPart, str]:
+        """The names ``errors.from_engine_error`` gives the parts of an engine request. A grammar is
+        left out: whether it came from the response format or a forced tool call is the caller's
+        to say (``responder``)."""
+        return {RequestPart.PROMPT: self.prompt, RequestPart.LOGIT_BIAS: "logit_bias"}
+
+
+# OpenAI names the prompt's field even when max_tokens is what overflows (chat's "messages").
+CHAT_FIELDS = RequestFields(prompt="messages", max_tokens="max_tokens", overflow="messages")
+COMPLETION_FIELDS = RequestFields(prompt="prompt", max_tokens="max_tokens", overflow="prompt")
+
+
 @dataclass
 class Prepared:
     kind: str  # "chat" | "completion"
@@ -87,6 +111,8 @@ class Prepared:
     price_as: str | None = None
     # The engine's KV block size: a retained prompt writes (and is later read back in) full blocks.
     block_size: int = 16
+    # What the client's API calls the request's fields: the engine's errors name them.
+    fields: RequestFields = CHAT_FIELDS
 
     @property
     def headers(self) -> dict[str, str]:
@@ -124,19 +150,26 @@ def provider_message(message: Mapping[str, object]) -> dict[str, object]:
     return {name: value for name, value in message.items() if value is not None}
 
 
-def _local_message(m: ChatMessage) -> dict[str, Any]:
-    """A message as the local engine's chat template takes it: text parts joined, others refused."""
+def _part_text(i: int, j: int, role: str, part: dict[str, Any]) -> str:
+    """The text of content part ``j`` of message ``i``. An assistant's earlier ``refusal`` part
+    (OpenAI's history shape for a refused turn) is what that assistant said: its text, as the
+    Responses door reads it too. Anything else but text is refused (images, audio, files)."""
+    kind = part.get("type")
+    if kind == "text":
+        return part.get("text", "")
+    if kind == "refusal" and role == "assistant":
+        return part["refusal"]  # a string: schemas.ChatMessage checked it
+    raise invalid_request(
+        f"content part type {kind!r} is not supported by this model in a {role} message; send text parts only",
+        param=f"messages.{i}.content.{j}.type",
+    )
+
+
+def _local_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    """Message ``i`` as the local engine's chat template takes it: text parts joined, others refused."""
     d = m.model_dump(exclude_none=True)
     if isinstance(d.get("content"), list):
-        texts = []
-        for part in d["content"]:
-            if part.get("type") != "text":
-                raise invalid_request(
-                    f"content part type {part.get('type')!r} is not supported by this model; send text parts only",
-                    param="messages",
-                )
-            texts.append(part.get("text", ""))
-        d["content"] = "".join(texts)
+        d["content"] = "".join(_part_text(i, j, m.role, part) for j, part in enumerate(d["content"]))
     return d
 
 
@@ -227,6 +260,12 @@ class LocalFeatures:
     logit_bias: tuple[tuple[int, float], ...]
 
 
+# A token id as a JSON object key: ASCII digits, no sign, no leading zero. Python's int() also takes
+# " 12 ", "1_0", "+5", "012" and other scripts' digits; each is then a second spelling of a token id,
+# so two keys could name one token and one bias would silently replace the other.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
+
+
 def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     if not raw:
         return ()
@@ -234,12 +273,11 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         raise invalid_request(f"logit_bias accepts at most {_MAX_LOGIT_BIAS} tokens", param="logit_bias")
     out = []
     for key, bias in raw.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        if token < 0:
-            raise invalid_request(f"logit_bias token id must be >= 0, got {token}", param="logit_bias")
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise invalid_request(
+                f"logit_bias keys must be token ids: non-negative integers in decimal digits, without a sign, "
+                f"spaces or leading zeros; got {key!r}", param="logit_bias", code="invalid_value")
+        token = int(key)
         if not -100.0 <= bias <= 100.0:
             raise invalid_request(f"logit_bias values must be in [-100, 100], got {bias}", param="logit_bias")
         out.append((token, float(bias)))
@@ -268,20 +306,6 @@ def local_features(req: ChatCompletionRequest | CompletionRequest) -> LocalFeatu
             "ignore_eos cannot be combined with response_format json_object/json_schema or a forced tool call: "
             "the grammar ends the output with EOS", param="ignore_eos")
     return LocalFeatures(tools, grammar, logprobs, bias)
-
-
-@dataclass(frozen=True)
-class RequestFields:
-    """What a front door calls the prompt and the output budget: the context-length error names them."""
-
-    prompt: str  # named when the prompt alone fills the context
-    max_tokens: str
-    overflow: str  # named when the prompt fits but not with the output asked for
-
-
-# OpenAI names the prompt's field even when max_tokens is what overflows (chat's "messages").
-CHAT_FIELDS = RequestFields(prompt="messages", max_tokens="max_tokens", overflow="messages")
-COMPLETION_FIELDS = RequestFields(prompt="prompt", max_tokens="max_tokens", overflow="prompt")
 
 
 def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:
@@ -357,7 +381,7 @@ async def prepare(
     try:
         _check_size(kind, req, settings, len(prompts) or 1, text_chars)
         if isinstance(req, CompletionRequest) and not prompts:
-            raise invalid_request("prompt must not be empty", param="prompt")
+            raise invalid_request("prompt must not be empty", param="prompt", code="empty_prompt")  # as the engine's
     except OpenAIError:
         _charge_rejected(tenancy, scoped)
         raise
@@ -398,7 +422,7 @@ async def prepare(
     if isinstance(req, ChatCompletionRequest) and features is None:  # a provider: the canonical body as sent
         inputs = [{"messages": [provider_message(m) for m in canon.body["messages"]], "tools": canon.body.get("tools")}]
     elif isinstance(req, ChatCompletionRequest):
-        inputs = [{"messages": [_local_message(m) for m in req.messages], "tools": features.tools.tools}]
+        inputs = [{"messages": [_local_message(i, m) for i, m in enumerate(req.messages)], "tools": features.tools.tools}]
     else:
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
@@ -476,7 +500,7 @@ async def prepare(
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
         canon_applied=canon.applied, tenant=scoped, miss_tracker=tracker, miss=miss,
         tool_parsing=bool(features and features.tools.parse), logprobs=features.logprobs if features else None,
-        price_as=_route_price(router, req.model), block_size=settings.block_size,
+        price_as=_route_price(router, req.model), block_size=settings.block_size, fields=fields,
     )
 
 
@@ -828,12 +852,13 @@ class Accounting:
             family=prep.miss.family if prep.miss is not None else None, spill_encrypted=t.cipher is not None))
 
 
-def engine_failure(exc: BaseException) -> OpenAIError:
-    """An exception from ``run_choices`` as the error the client sees."""
+def engine_failure(exc: BaseException, fields: RequestFields | None = None) -> OpenAIError:
+    """An exception from ``run_choices`` as the error the client sees; ``fields``: what the client's
+    API calls the request's fields (the prompt: ``messages``, ``prompt``, ``input``)."""
     from gateway.errors import from_engine_error
 
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineError):
-        return from_engine_error(exc)
+        return from_engine_error(exc, fields.engine_params() if fields is not None else None)
     return OpenAIError(500, "The server had an error while processing your request.", code="internal_error")

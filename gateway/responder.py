@@ -41,10 +41,11 @@ def _check(out: RequestOutput) -> None:
 def _client_error(prep: Prepared, exc: BaseException) -> OpenAIError:
     """``exc`` as the error the client sees. A schema the engine cannot enforce names the field it
     came from: the forced tool call's ``tools`` when tool calls are parsed (a JSON
-    ``response_format`` turns parsing off), else ``response_format``."""
-    error = engine_failure(exc)
+    ``response_format`` turns parsing off), else the door's response format field; the engine's
+    other errors name the door's own fields (``engine_failure``)."""
+    error = engine_failure(exc, prep.fields)
     if isinstance(exc, UnenforceableSchemaError) and error.param is None:
-        error.param = "tools" if prep.tool_parsing else "response_format"
+        error.param = "tools" if prep.tool_parsing else prep.fields.response_format
     return error
 
 

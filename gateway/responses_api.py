@@ -33,14 +33,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from engine.protocol import MAX_TOP_LOGPROBS, RequestOutput, TokenLogprob
 from gateway.errors import OpenAIError, invalid_request
 from gateway.formats import ChoiceText, chat_logprob, sse
 from gateway.ingress import ScannedBody
 from gateway.pipeline import UNSUPPORTED_LOCAL_EXTRAS, Prepared, RequestFields
-from gateway.schemas import MAX_NAME_CHARS, now, null_means
+from gateway.schemas import MAX_NAME_CHARS, SCHEMA_NAME_PATTERN, now, null_means
 from gateway.tool_calls import check_schema
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -50,7 +50,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 # The context-length error names the Responses fields.
-RESPONSES_FIELDS = RequestFields(prompt="input", max_tokens="max_output_tokens", overflow="max_output_tokens")
+RESPONSES_FIELDS = RequestFields(prompt="input", max_tokens="max_output_tokens", overflow="max_output_tokens",
+                                 response_format="text.format")
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # ``include`` values that add data about items this gateway never produces (built-in tool calls,
@@ -69,10 +70,10 @@ class TextFormat(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    name: str | None = Field(None, pattern=SCHEMA_NAME_PATTERN)  # OpenAI's rule: 1-64 of [a-zA-Z0-9_-]
     json_schema: dict[str, Any] | None = Field(None, alias="schema")  # "schema" would shadow BaseModel.schema
     description: str | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @model_validator(mode="after")
     def _schema_has_a_name(self) -> TextFormat:
@@ -115,21 +116,21 @@ class ResponsesRequest(ScannedBody):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    stream: Annotated[bool, null_means(False)] = False
-    store: Annotated[bool, null_means(True)] = True
+    stream: Annotated[StrictBool, null_means(False)] = False
+    store: Annotated[StrictBool, null_means(True)] = True
     previous_response_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_cache_retention: str | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     metadata: dict[str, str] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: ResponseText | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: int | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
 
     def text_format(self) -> TextFormat | None:
         return self.text.format if self.text is not None else None

@@ -13,10 +13,11 @@ change nothing in the output (``metadata``, ``store``...) are accepted.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal, TypedDict
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
 from gateway.ingress import ScannedBody, body_limit
 
@@ -25,6 +26,13 @@ from gateway.ingress import ScannedBody, body_limit
 MAX_NAME_CHARS = 256
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's rule for the name of a response format's schema (chat's json_schema.name, the Responses
+# API's text.format.name).
+SCHEMA_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+# Boolean fields are StrictBool: JSON true or false only. Pydantic's lax mode would read "yes",
+# "on", "1" or 0 as booleans, which OpenAI refuses; a client sending them has a bug worth a 400.
 
 
 def null_means(default: object) -> BeforeValidator:
@@ -36,7 +44,7 @@ def null_means(default: object) -> BeforeValidator:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: Annotated[bool, null_means(False)] = False
+    include_usage: Annotated[StrictBool, null_means(False)] = False
 
 
 class _Common(ScannedBody):
@@ -49,7 +57,7 @@ class _Common(ScannedBody):
     n: Annotated[int, null_means(1)] = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: Annotated[bool, null_means(False)] = False
+    stream: Annotated[StrictBool, null_means(False)] = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -61,7 +69,7 @@ class _Common(ScannedBody):
     # 0 = off), stop_token_ids (each ends the output, as EOS does), ignore_eos (generate past EOS).
     top_k: int | None = Field(None, ge=-1)
     stop_token_ids: list[int] | None = None
-    ignore_eos: Annotated[bool, null_means(False)] = False
+    ignore_eos: Annotated[StrictBool, null_means(False)] = False
 
     @field_validator("stop")
     @classmethod
@@ -106,7 +114,8 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts_are_text(cls, content: Any) -> Any:
-        """A part of type "text" carries a string (a number or object there used to be a 500)."""
+        """A part of type "text" carries a string (a number or object there used to be a 500), and so
+        does a "refusal" part (an assistant's refused turn, in the history)."""
         if isinstance(content, list):
             for i, part in enumerate(content):
                 kind = part.get("type")
@@ -114,6 +123,8 @@ class ChatMessage(BaseModel):
                     raise body_limit(f"content part {i} needs a string 'type'", "content")
                 if kind == "text" and not isinstance(part.get("text"), str):
                     raise body_limit(f"content part {i} of type 'text' needs a string 'text'", "content")
+                if kind == "refusal" and not isinstance(part.get("refusal"), str):
+                    raise body_limit(f"content part {i} of type 'refusal' needs a string 'refusal'", "content")
         return content
 
 
@@ -122,10 +133,28 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_is_named(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A format says its ``type`` (``{}`` asked for nothing and was taken as text), and a JSON
+        schema's ``name`` follows OpenAI's rule, as OpenAI refuses both whatever the backend."""
+        if fmt is None:
+            return None
+        if not isinstance(fmt.get("type"), str):
+            raise body_limit("response_format needs a 'type': 'text', 'json_object' or 'json_schema'",
+                             "response_format.type")
+        spec = fmt.get("json_schema")
+        if fmt["type"] == "json_schema" and isinstance(spec, dict):
+            name = spec.get("name")
+            if not isinstance(name, str) or not re.fullmatch(SCHEMA_NAME_PATTERN, name):
+                raise body_limit("response_format.json_schema.name must be 1 to 64 letters, digits, underscores "
+                                 "or dashes", "response_format.json_schema.name")
+        return fmt
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -134,7 +163,7 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: Annotated[bool, null_means(False)] = False
+    echo: Annotated[StrictBool, null_means(False)] = False
     suffix: str | None = None
     best_of: int | None = None
 

@@ -1,5 +1,6 @@
 """Anthropic's Messages API on the wire: ``stop_reason: "stop_sequence"`` with the sequence that matched,
-``disable_parallel_tool_use``, ``top_k``, an explicit ``stream: null`` (the gateway audit's findings 4-6).
+``disable_parallel_tool_use``, ``top_k``, an explicit ``stream: null`` (the gateway audit's findings 4-6),
+``stream`` a JSON boolean and no blank text block next to tool calls (finding 10).
 
 Against a real ``prefixgate serve --model tiny`` through the anthropic SDK. The random-weight model
 cannot answer anything: the stop sequence is cut from its own greedy answer, which reruns identically."""
@@ -71,3 +72,23 @@ def test_an_explicit_stream_null_means_not_streamed(server):
                                          "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("application/json") and r.json()["type"] == "message"
+
+
+def test_a_stream_that_is_not_a_boolean_is_refused(server):
+    r = poster(*server)("/v1/messages", {"model": "tiny", "max_tokens": 2, "stream": "yes",
+                                         "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"].startswith("stream")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_blank_text_block_next_to_tool_calls(claude, stream):
+    kw = dict(model="tiny", max_tokens=256, extra_body=GREEDY, tools=[CLOCK], tool_choice={"type": "any"},
+              messages=[{"role": "user", "content": "What time is it in UTC and in CET?"}])
+    if stream:
+        with claude.messages.stream(**kw) as events:
+            r = events.get_final_message()
+    else:
+        r = claude.messages.create(**kw)
+    assert r.stop_reason == "tool_use" and [b for b in r.content if b.type == "tool_use"]
+    assert not [b for b in r.content if b.type == "text" and not b.text.strip()], r.content

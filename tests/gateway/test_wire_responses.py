@@ -1,6 +1,7 @@
 """The Responses API on the wire: ``text.format`` enforced and echoed, logprobs, the flat named
 ``tool_choice``, refusals of fields that would change the output, explicit nulls, the context-length
-error's fields, the message item of a cut output (the gateway audit's findings 1, 3, 4, 9 and 10).
+error's fields, the message item of a cut output, what a 400 names, no blank message next to tool
+calls (the gateway audit's findings 1, 3, 4, 9 and 10).
 
 Against a real ``prefixgate serve --model tiny`` through the openai SDK and raw HTTP. The
 random-weight model cannot answer anything, so each check holds for any model: a forced JSON value
@@ -89,6 +90,8 @@ def test_json_object_format_and_the_plain_text_default(oai):
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format.schema"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "my city", "schema": SCHEMA}}}, "text.format.name"),
+    ({"text": {"format": {}}}, "text.format.type"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"truncation": "auto"}, "truncation"),
@@ -175,3 +178,40 @@ def test_context_length_errors_name_input_and_max_output_tokens(server, post):
     err = error_of(post("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": max_len}),
                    "max_output_tokens")
     assert "in the input" in err["message"] and f"{max_len} in max_output_tokens" in err["message"]
+
+
+# -- #10 what a 400 names; no blank message item next to tool calls -----------------------------------------
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": 5}, "input"),  # not "input.str": pydantic's union member is left out
+    ({"stream": "yes"}, "stream"),
+    ({"store": "no"}, "store"),
+    ({"parallel_tool_calls": 1, "tools": [WEATHER]}, "parallel_tool_calls"),
+])
+def test_param_is_the_field_the_client_wrote(post, body, param):
+    error_of(post("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 2, **body}), param)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_grammar_engine_refuses_names_text_format(post, stream):
+    unenforceable = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}
+    err = error_of(post("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 2, "stream": stream,
+                                          "text": {"format": {"type": "json_schema", "name": "x",
+                                                              "schema": unenforceable}}}), "text.format")
+    assert err["code"] == "unenforceable_schema"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_blank_message_item_next_to_tool_calls(oai, stream):
+    kw = dict(model="tiny", input="Weather and time in Paris?", tools=[WEATHER, CLOCK], tool_choice="required",
+              max_output_tokens=256, temperature=0)
+    if stream:
+        events = list(oai.responses.create(**kw, stream=True))
+        assert not [e for e in events if e.type == "response.output_text.delta" and not e.delta.strip()]
+        r = events[-1].response
+    else:
+        r = oai.responses.create(**kw)
+    assert [o.type for o in r.output if o.type == "function_call"]
+    blank = [o for o in r.output if o.type == "message" and not "".join(c.text for c in o.content).strip()]
+    assert not blank, r.output
