@@ -35,8 +35,8 @@ def test_stored_and_evicted_blocks_reach_the_gateways_index():
         def one_round(rid: str) -> None:
             req = make_request(rid, prompt, scope("acme"), block_size=4)
             table = mgr.admit(req, mgr.match(req), 4)
-            mgr.commit(rid, table, req.block_hashes[:3], 0)
-            mgr.free(rid, table)
+            mgr.commit(rid, req.tenant, table, req.block_hashes[:3], 0)
+            mgr.free(rid, req.tenant, table)
 
         n = 0
         while not index.prefix_lengths(chain, ["node:a"])["node:a"] and n < 100:

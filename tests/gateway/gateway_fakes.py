@@ -126,6 +126,7 @@ class FakeCtx:
     canon_mode: str = "off"
     per_user_vars: tuple[str, ...] = ()
     namespace: bytes = b""
+    tenant_key: bytes = b""  # TenantScope.tenant_key: one per tenant, never its namespace
     metrics_label: str = ""
     cipher: Any = None
     priority: int = 0
@@ -152,6 +153,7 @@ class FakeTenancy:
         key = f"sk-{name}"
         self.keys[key] = FakeCtx(tenant_id=f"t-{name}", name=name, key_id=f"k-{name}", is_admin=admin,
                                  canon_mode=canon_mode, namespace=hashlib.sha256(name.encode()).digest(),
+                                 tenant_key=hashlib.sha256(b"tenant-key:" + name.encode()).digest(),
                                  metrics_label=name)
         return key
 
