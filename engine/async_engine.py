@@ -255,9 +255,9 @@ class AsyncEngine:
 
 
 def prefill_report(req: Request) -> AbortReport:
-    """How far ``req`` got with its prompt: tokens whose K/V it holds (committed by a step that ran,
-    or read from the cache at admission), of which read from the cache."""
-    prefilled = min(req.num_computed_tokens, req.num_prompt_tokens)
+    """How far ``req`` got with its prompt: tokens whose K/V it holds or held before a preemption
+    (committed by a step that ran, or read from the cache at admission), of which read from the cache."""
+    prefilled = max(min(req.num_computed_tokens, req.num_prompt_tokens), req.num_prompt_tokens_reached)
     return AbortReport(prefilled_tokens=prefilled, cached_tokens=min(req.num_cached_tokens or 0, prefilled))
 
 

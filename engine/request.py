@@ -72,6 +72,9 @@ class Request:
     num_registered_blocks: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    # the furthest its prompt's K/V ever got (a preemption resets num_computed_tokens, not this):
+    # what an abort before the first token bills (engine.async_engine.prefill_report)
+    num_prompt_tokens_reached: int = 0
     queue_reason: QueueReason | None = None
     num_preemptions: int = 0
     num_bypassed: int = 0  # times a later request with a longer cached prefix was admitted first

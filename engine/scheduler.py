@@ -415,6 +415,8 @@ class Scheduler:
             if req.is_finished or req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += n
+            req.num_prompt_tokens_reached = max(req.num_prompt_tokens_reached,
+                                                min(req.num_computed_tokens, req.num_prompt_tokens))
             full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
             start = req.num_registered_blocks
             if full > start:

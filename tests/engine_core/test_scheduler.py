@@ -241,3 +241,20 @@ def test_a_yielding_prefill_gets_the_budget_admission_leaves_and_decodes_never_y
         by_id = dict(zip((r.request_id for r in out.requests), out.num_tokens, strict=True))
         assert by_id.get("dec") == 1  # a decode is never held back
         assert sum(out.num_tokens) == 16  # whatever admission leaves goes to the yielding prefill
+
+
+def test_a_preempted_request_still_reports_the_prompt_it_had_computed():
+    """An abort bills the prompt tokens a request prefilled (engine.async_engine.prefill_report); a
+    preemption resets the computed count, not the work done, so the report keeps the furthest point."""
+    from engine.async_engine import prefill_report
+
+    s = sched(num_blocks=5, budget=100)
+    a = make_request("a", range(8), arrival_time=0.0)
+    b = make_request("b", range(100, 108), arrival_time=1.0)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prompts computed
+    out = run_step(s)
+    assert out.preempted == [b] and b.num_computed_tokens == 0
+    report = prefill_report(b)
+    assert (report.prefilled_tokens, report.cached_tokens) == (8, 0)
