@@ -202,7 +202,14 @@ class TierManager:
             d = self.nvme.damage
             for kind, n in (("index_reset", d.index_reset), ("bad_rows", d.bad_rows), ("junk_entries", d.junk_entries)):
                 self.metrics.nvme_damage.labels(kind).inc(n)
+        segment_bytes = max_segment_blocks * block_bytes
         for tier in self.tiers:
+            if tier.capacity_bytes < segment_bytes:
+                # spills go in runs of up to max_segment_blocks: a tier smaller than one refuses
+                # most of them ("too_large"), which would otherwise show only as skipped spills
+                log.warning("the %s KV tier (%d MiB) is smaller than one spill segment (%d blocks, %d MiB): "
+                            "most spills will be refused as too large; give it at least a few segments",
+                            tier.name, tier.capacity_bytes >> 20, max_segment_blocks, -(-segment_bytes >> 20))
             self.metrics.capacity.labels(tier.name).set(tier.capacity_bytes)
             self.metrics.bytes_used.labels(tier.name).set(tier.used_bytes)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-tier")

@@ -379,3 +379,20 @@ def test_with_tenancys_cipher_and_crypto_shredding(make_manager, registry):
     match, res = restore_all(m, acme, hs)
     assert match.num_blocks == 6 and res.num_blocks == 0
     assert metric(registry, "prefixgate_tier_auth_failures_total", tier="nvme", tenant="acme") == 1
+
+
+def test_a_tier_smaller_than_one_spill_segment_is_warned_about(caplog):
+    """Spills go in segments of up to max_segment_blocks blocks; a tier that cannot hold one refuses
+    most of them as too large, which start-up says instead of leaving it to the skipped counter."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="engine.tiers.manager"):
+        small = TierManager(model_id="x", block_size=16, block_bytes=1 << 16, dram_bytes=1 << 20, pin_memory=False)
+        small.close()
+    assert any("dram KV tier" in r.getMessage() and "smaller than one spill segment" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.tiers.manager"):
+        roomy = TierManager(model_id="x", block_size=16, block_bytes=1 << 16, dram_bytes=8 << 20, pin_memory=False)
+        roomy.close()
+    assert not [r for r in caplog.records if "spill segment" in r.getMessage()]
