@@ -139,8 +139,11 @@ def test_metrics_need_the_metrics_token_or_an_admin_key(panel, tmp_path):
     assert client.get("/metrics").status_code == 401
     assert client.post("/v1/chat/completions", json=CHAT, headers=auth("sk-nobody")).status_code == 401
     scrape = client.get("/metrics", headers=auth("scrape-token")).text
-    assert "prefixgate_gateway_unauthenticated_requests_total 1.0" in scrape
+    # /metrics' own 401s count like any route's (audit operator F5): a Prometheus without its token shows
+    assert "prefixgate_gateway_unauthenticated_requests_total 2.0" in scrape
     assert client.get("/metrics", headers=auth("wrong")).json()["error"]["code"] == "invalid_api_key"
+    scrape = client.get("/metrics", headers=auth("scrape-token")).text
+    assert "prefixgate_gateway_unauthenticated_requests_total 3.0" in scrape
     denied = client.get("/metrics", headers=auth(keys["other"]))
     assert denied.status_code == 403 and denied.json()["error"]["code"] == "permission_denied"
     for credential in ("scrape-token", keys["admin"]):
