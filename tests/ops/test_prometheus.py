@@ -178,14 +178,15 @@ def _grafana_expr(panel_id: int, legend: str) -> str:
     dash = json.loads(DASHBOARD.read_text())
     panel = next(p for p in dash["panels"] if p["id"] == panel_id)
     expr = next(t["expr"] for t in panel["targets"] if t.get("legendFormat") == legend)
-    return expr.replace("$__rate_interval", "5m")
+    return expr.replace("$__rate_interval", "5m").replace("$tenant", ".*")
 
 
 @needs_promtool
 def test_grafana_fleet_queries_add_up_per_engine(tmp_path):
     """Two engines (one full, one idle; different block sizes and speeds): the KV bytes panel is the
     sum of each engine's own bytes (not the product of fleet sums: 2 nodes read 4x the truth), and
-    "prefill saved" prices each engine's hits at its own prefill seconds per token."""
+    "prefill saved" prices each engine's hits at its own prefill seconds per token; "unit cost" and
+    "saved" per 1M tokens divide by the same tokens (audit operator F2, F4)."""
     a, b = 'instance="node-a:8000"', 'instance="node-b:8000"'
     series = {
         # node-a: 30 used + 10 evictable of 100 blocks of 16 tokens, 1000 B/token; node-b: 5 + 5 of 20
@@ -201,6 +202,11 @@ def test_grafana_fleet_queries_add_up_per_engine(tmp_path):
         f"prefixgate_prefill_tokens_total{{{a}}}": "0+60x10", f"prefixgate_prefill_seconds_total{{{a}}}": "0+6x10",
         f'prefixgate_prompt_tokens_hit_total{{tenant="acme",{b}}}': "0+60x10",
         f"prefixgate_prefill_tokens_total{{{b}}}": "0+600x10", f"prefixgate_prefill_seconds_total{{{b}}}": "0+6x10",
+        # tenant acme, per minute: 0.6 USD spent and 0.6 saved over 360 prompt + 240 completion tokens
+        'prefixgate_gateway_cost_usd_total{tenant="acme"}': "0+0.6x10",
+        'prefixgate_gateway_saved_usd_total{tenant="acme"}': "0+0.6x10",
+        'prefixgate_gateway_prompt_tokens_total{tenant="acme",backend="local"}': "0+360x10",
+        'prefixgate_gateway_completion_tokens_total{tenant="acme",backend="local"}': "0+240x10",
     }
     hbm_bytes = 40 * 16 * 1000 + 10 * 32 * 500  # 800,000 B
     saved_s_per_s = (600 * 0.1 + 60 * 0.01) / 60  # 1.01 s of prefill saved per second
@@ -214,6 +220,11 @@ def test_grafana_fleet_queries_add_up_per_engine(tmp_path):
                  "exp_samples": [{"labels": "{}", "value": hbm_bytes}]},
                 {"expr": f"round({_grafana_expr(16, 'prefill saved')}, 0.0001)", "eval_time": "8m",
                  "exp_samples": [{"labels": "{}", "value": round(saved_s_per_s, 4)}]},
+                # cost and saving per 1M tokens share one denominator, prompt + completion (as the panel)
+                {"expr": f"round({_grafana_expr(17, '{{tenant}}')})", "eval_time": "8m",
+                 "exp_samples": [{"labels": '{tenant="acme"}', "value": 1000}]},
+                {"expr": f"round({_grafana_expr(18, '{{tenant}}')})", "eval_time": "8m",
+                 "exp_samples": [{"labels": '{tenant="acme"}', "value": 1000}]},
                 {"expr": _grafana_expr(10, "HBM held {{instance}}"), "eval_time": "8m",
                  "exp_samples": [{"labels": f"{{{a}}}", "value": 0.4}, {"labels": f"{{{b}}}", "value": 0.5}]},
             ],
