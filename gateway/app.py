@@ -3,7 +3,8 @@
 Everything a request needs hangs off ``app.state`` (settings, engine, tenancy, router, metrics
 registry) and is reached through ``gateway.deps``. The lifespan builds what was not injected —
 the local engine from ``settings.model_dir``, tenancy from ``settings.home``, clients for the
-configured routes — and closes all of it on shutdown (flushing the usage ledger).
+configured routes — and closes all of it on shutdown (flushing the usage ledger), after the
+requests in flight have ended and written their ledger rows (gateway/shutdown.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from gateway.routes.ops import FleetCollector, LedgerCollector
 from gateway.routing import Backend, BackendKind, Route, Router
 from gateway.routing_policy import RoutingPolicy
 from gateway.settings import GatewaySettings
+from gateway.shutdown import STOP_WINDOW_S, InFlight, InFlightMiddleware
 from gateway.startup_heap import freeze_startup_heap, thaw_startup_heap
 from gateway.tenant_threads import TenantThreads
 from gateway.timeseries import TimeSeries
@@ -190,6 +192,17 @@ async def _sample_forever(series: TimeSeries) -> None:
         await asyncio.sleep(series.step_s)
 
 
+async def _finish_requests(inflight: InFlight) -> None:
+    """Stop what is still in flight and wait (bounded) for those requests' ledger rows."""
+    inflight.begin_draining()
+    stopped = inflight.stop_all()
+    if stopped:
+        log.warning("shutdown: stopping %d request(s) still in flight", stopped)
+    if not await inflight.wait_idle(STOP_WINDOW_S):
+        log.error("shutdown: %d request(s) did not end within %.0f s; their ledger rows may be missing",
+                  len(inflight), STOP_WINDOW_S)
+
+
 def create_app(
     settings: GatewaySettings,
     *,
@@ -226,6 +239,9 @@ def create_app(
         try:
             yield
         finally:
+            # Requests still in flight (a server that did not drain, or uvicorn's last-resort cancel)
+            # must write their ledger rows before the engine and the ledger close below.
+            await _finish_requests(app.state.inflight)
             if owned_engine is not None:
                 thaw_startup_heap()
             sampler.cancel()
@@ -284,4 +300,7 @@ def create_app(
     app.add_middleware(CompletionRoutes, state=app.state, overrides=app.dependency_overrides)
     app.add_middleware(NodeApiMiddleware, state=app.state)  # node calls: the OpenAI API, node token (docs/nodes.md)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    # Outermost: every request counts as in flight until its handler (and its ledger row) is done.
+    app.state.inflight = InFlight()
+    app.add_middleware(InFlightMiddleware, inflight=app.state.inflight)
     return app

@@ -1,6 +1,6 @@
 """Turn a prepared request into an HTTP response: SSE stream or one JSON body.
 
-Cleanup contract: whatever happens — normal end, engine error, client disconnect — the engine
+Cleanup contract: whatever happens — normal end, engine error, client disconnect, shutdown — the engine
 requests are aborted if unfinished (``run_choices``) and exactly one ledger row is written with
 status ok / error / aborted (``Accounting.record``).
 """
@@ -20,6 +20,7 @@ from gateway.errors import OpenAIError
 from gateway.formats import ChatFormat, ChoiceText, CompletionFormat, WireFormat
 from gateway.pipeline import Accounting, Prepared, engine_failure, run_choices
 from gateway.routing import Router
+from gateway.shutdown import current_stop, shutdown_error
 from gateway.wire_json import utf8_json
 
 
@@ -101,9 +102,10 @@ class EventStream(Response):
         prep, acct = self.prep, self.acct
         status = "aborted"  # if the client leaves, this task is cancelled before status changes
         refusal: OpenAIError | None = None
+        stop = current_stop()
         try:
-            # aclosing: leaving early (disconnect, error) must close run_choices now, which aborts the
-            # engine requests, before the ledger row is written below.
+            # aclosing: leaving early (disconnect, error, shutdown) must close run_choices now, which
+            # aborts the engine requests, before the stream's end and the ledger row below.
             async with aclosing(run_choices(prep, self.router, one_task=True, on_abort=acct.aborted)) as outputs:
                 try:
                     first = await anext(outputs, None)
@@ -113,6 +115,16 @@ class EventStream(Response):
                     refusal, status = _client_error(prep, exc), "error"
                 if refusal is None:
                     status = await self._events(send, outputs, first)
+        except asyncio.CancelledError:
+            # The shutdown's grace period is over (gateway/shutdown.py): end the stream properly,
+            # the row stays "aborted". Any other cancellation (client gone, hard stop) goes on.
+            if stop is None or not stop.claim():
+                raise
+            if self.started:
+                await send({"type": "http.response.body", "body": b"".join(self.fmt.error_frames(shutdown_error())),
+                            "more_body": False})
+            else:
+                refusal = shutdown_error()
         finally:
             acct.record(status)
         if refusal is not None:
@@ -227,6 +239,12 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireForm
                     acc.add(i, out)
         except Exception as exc:  # noqa: BLE001 - answered below, unless the client has left
             failure = exc
+        except asyncio.CancelledError:
+            acct.record("aborted")  # before the lifespan closes the ledger, however the cancel ends
+            stop = current_stop()
+            if not watch.gone and stop is not None and stop.claim():  # the shutdown's grace is over
+                raise shutdown_error() from None
+            raise
     if watch.gone:  # the client disconnected: leaving run_choices aborted the engine requests
         acct.record("aborted")
         return _client_gone()

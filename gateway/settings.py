@@ -10,6 +10,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     metrics_token_env = "PREFIXGATE_METRICS_TOKEN"  # Prometheus scrapes /metrics with this bearer token
     database_url = "postgresql://prefixgate@db:5432/prefixgate"  # shared state of a fleet (default: SQLite under --home)
     redis_url = "redis://redis:6379/0"  # fleet-wide rpm/tpm limits, budgets and revocation (default: per process)
+    shutdown_grace_s = 30       # SIGTERM: requests in flight may finish for this long, then are stopped
 
     [engine]                    # the in-process engine; omit `model` for a gateway-only process
     model = "smol"              # SmolLM2-135M-Instruct (the default), "tiny", or a checkpoint directory
@@ -198,6 +199,8 @@ class GatewaySettings(BaseModel):
     routes: tuple[RouteConfig, ...] = ()
     node_token: str | None = None  # shared secret of the engine-node API (None = this is no node)
     node_probe_interval_s: float = Field(2.0, gt=0.0)  # GET /health of every engine node this often
+    # SIGTERM: requests in flight get this long to finish; then they are stopped (aborted rows).
+    shutdown_grace_s: float = Field(30.0, ge=0.0)
     # /metrics: a bearer token for Prometheus (None = admin keys only), or no auth at all (opt-in)
     metrics_token: str | None = None
     metrics_public: bool = False

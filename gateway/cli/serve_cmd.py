@@ -58,6 +58,18 @@ def _int_flag(flag: str, value: str | None, minimum: int, maximum: int | None = 
     return number
 
 
+def _seconds_flag(flag: str, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise CLIError(f"{flag} must be a number of seconds, got {value!r}") from None
+    if not 0 <= seconds < float("inf"):
+        raise CLIError(f"{flag} must be >= 0 seconds, got {value}")
+    return seconds
+
+
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", default=None, help="TCP port (default 8000)")
@@ -90,6 +102,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="redis://HOST:PORT/0: fleet-wide rate limits, budgets and revocation "
                         "(default: per process; also `redis_url` in [server])")
+    p.add_argument("--shutdown-grace-s", default=None, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long requests in flight may finish before they are stopped "
+                        "(default 30; also `shutdown_grace_s` in [server])")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -187,7 +202,8 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes),
              "database_url": getattr(args, "database_url", None), "redis_url": getattr(args, "redis_url", None),
-             "role": getattr(args, "role", None), "kv_port": _int_flag("--kv-port", getattr(args, "kv_port", None), 0)}
+             "role": getattr(args, "role", None), "kv_port": _int_flag("--kv-port", getattr(args, "kv_port", None), 0),
+             "shutdown_grace_s": _seconds_flag("--shutdown-grace-s", getattr(args, "shutdown_grace_s", None))}
     values.update({k: v for k, v in flags.items() if v is not None})
     values.update(engine_flag_values(args))
     if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
@@ -270,10 +286,13 @@ def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] 
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.shutdown import STOP_WINDOW_S, DrainingServer
 
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    # uvicorn's own cancel is the last resort, after the drain has stopped what was left.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                            timeout_graceful_shutdown=settings.shutdown_grace_s + STOP_WINDOW_S)
+    server = DrainingServer(config, app.state.inflight, settings.shutdown_grace_s)
     where = f"http://{settings.host}:{settings.port}"
     ready = f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}"
     announcer = threading.Thread(target=_announce_when_healthy, args=(server, _probe_url(settings), ready, banner),

@@ -36,7 +36,7 @@ from gateway.deps import EngineDep, LiveStatsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import LiveStats
 from gateway.ports import TenantDirectory, tenant_metrics_label
-from gateway.timeseries import WINDOWS, TimeSeries, frame_from_registry, tenant_blocks
+from gateway.timeseries import WINDOWS, TimeSeries, read_registry, tenant_blocks
 
 router = APIRouter(tags=["dashboard"])
 
@@ -84,17 +84,24 @@ def _ledger_view(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cache_pays(request: Request) -> dict[str, Any]:
-    """The cache's own cost against the prefill it saved, engine-wide, from the /metrics registry.
+    """The local engine's cache cost against the prefill its hits saved, from the /metrics registry.
 
-    Saved prefill time = hit tokens x (prefill seconds / prefill tokens computed) of this process.
+    Saved prefill time = the local engine's hit tokens (``prefixgate_prompt_tokens_hit_total``) x
+    its prefill seconds per computed token. Cached tokens a remote backend reported (a provider,
+    an engine node) are not counted: they were not priced at this engine's prefill speed and this
+    engine's cache did not pay for them. Grafana's "prefill saved" is the same formula per engine.
     """
-    frame = frame_from_registry(request.app.state.registry, time.time())
-    c = frame.counters
-    hit = c["cached_tokens"]
-    per_token = c["prefill_seconds"] / c["prefill_tokens"] if c["prefill_tokens"] else None
+    samples = read_registry(request.app.state.registry)
+
+    def total(name: str) -> float:
+        return sum(value for _, value in samples.get(name, ()))
+
+    hit, cache_seconds = total("prefixgate_prompt_tokens_hit_total"), total("prefixgate_cache_manage_seconds_total")
+    prefill_tokens, prefill_seconds = total("prefixgate_prefill_tokens_total"), total("prefixgate_prefill_seconds_total")
+    per_token = prefill_seconds / prefill_tokens if prefill_tokens else None
     saved = hit * per_token if per_token is not None else None
-    return {"cache_seconds": c["cache_manage_seconds"], "prefill_seconds_saved": saved,
-            "pays": None if saved is None else saved > c["cache_manage_seconds"]}
+    return {"cache_seconds": cache_seconds, "prefill_seconds_saved": saved,
+            "pays": None if saved is None else saved > cache_seconds}
 
 
 def _computed_prefixes(engine_stats: dict[str, Any], only_tenant: str | None, top: int = 10) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gateway.deps import EngineDep, SettingsDep, TenancyDep, bearer_key
 from gateway.errors import OpenAIError
+from gateway.metrics import GatewayMetrics
 from gateway.node_health import node_status
 from gateway.ports import AuthenticationError, FleetStatusSource, LedgerStatsSource, TenancyPort
 
@@ -102,9 +103,12 @@ class LedgerCollector:
                                 value=float(stats.queued))
 
 
-def _authorize_scrape(tenancy: TenancyPort, token: str | None, key: str | None) -> None:
-    """A metrics token or an admin key; anything else is refused in the OpenAI error shape."""
+def _authorize_scrape(tenancy: TenancyPort, token: str | None, key: str | None, metrics: GatewayMetrics) -> None:
+    """A metrics token or an admin key; anything else is refused in the OpenAI error shape. A 401
+    is counted in ``prefixgate_gateway_unauthenticated_requests_total`` as on every route: a
+    Prometheus whose token is wrong shows on the panel's 401 series."""
     if key is None:
+        metrics.unauthenticated.inc()
         raise OpenAIError(401, "/metrics needs Authorization: Bearer <metrics token or admin API key>.",
                           code="invalid_api_key", type="authentication_error")
     if token and hmac.compare_digest(key.encode(), token.encode()):
@@ -112,6 +116,7 @@ def _authorize_scrape(tenancy: TenancyPort, token: str | None, key: str | None) 
     try:
         ctx = tenancy.authenticate(key)
     except AuthenticationError:
+        metrics.unauthenticated.inc()
         raise OpenAIError(401, "Incorrect metrics token or API key.", code="invalid_api_key",
                           type="authentication_error") from None
     if not ctx.is_admin:
@@ -123,6 +128,6 @@ def _authorize_scrape(tenancy: TenancyPort, token: str | None, key: str | None) 
 async def metrics(request: Request, settings: SettingsDep, tenancy: TenancyDep,
                   authorization: Annotated[str | None, Header()] = None) -> Response:
     if not settings.metrics_public:
-        _authorize_scrape(tenancy, settings.metrics_token, bearer_key(authorization))
+        _authorize_scrape(tenancy, settings.metrics_token, bearer_key(authorization), request.app.state.metrics)
     # One registry holds the engine's collectors and the gateway's (create_app hands it to the engine).
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

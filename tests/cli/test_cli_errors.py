@@ -85,6 +85,9 @@ def test_tenant_delete_of_an_unknown_tenant_fails_before_asking(capsys, home, mo
     ("report", "--tenant", SURROGATE),
     ("serve", "--port", "99999999"),
     ("serve", "--port", "-1"),
+    ("serve", "--shutdown-grace-s", "-1"),
+    ("serve", "--shutdown-grace-s", "soon"),
+    ("serve", "--shutdown-grace-s", "inf"),
     # argparse's own errors: one line too, without its usage block (OneLineParser)
     ("tenant", "quota", "set", "acme", "--rpm", "-5"),
     ("tenant", "quota", "set", "acme", "--budget-usd", "nan"),

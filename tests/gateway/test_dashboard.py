@@ -139,8 +139,11 @@ def test_metrics_need_the_metrics_token_or_an_admin_key(panel, tmp_path):
     assert client.get("/metrics").status_code == 401
     assert client.post("/v1/chat/completions", json=CHAT, headers=auth("sk-nobody")).status_code == 401
     scrape = client.get("/metrics", headers=auth("scrape-token")).text
-    assert "prefixgate_gateway_unauthenticated_requests_total 1.0" in scrape
+    # /metrics' own 401s count like any route's (audit operator F5): a Prometheus without its token shows
+    assert "prefixgate_gateway_unauthenticated_requests_total 2.0" in scrape
     assert client.get("/metrics", headers=auth("wrong")).json()["error"]["code"] == "invalid_api_key"
+    scrape = client.get("/metrics", headers=auth("scrape-token")).text
+    assert "prefixgate_gateway_unauthenticated_requests_total 3.0" in scrape
     denied = client.get("/metrics", headers=auth(keys["other"]))
     assert denied.status_code == 403 and denied.json()["error"]["code"] == "permission_denied"
     for credential in ("scrape-token", keys["admin"]):
@@ -278,3 +281,41 @@ def test_recomputed_prefixes_are_filtered_by_tenant_id_not_by_the_label(tmp_path
             assert prefixes(again) == []  # the deleted tenant's counts are not the new one's
     finally:
         svc.close()
+
+
+def test_cache_pays_counts_only_the_local_engines_hits(tmp_path, tiny_model_dir, monkeypatch):
+    """"Does the cache pay" prices hit tokens at the local engine's prefill seconds per token, so it
+    counts the local engine's hits only: cached tokens a provider route reports (here an upstream
+    PrefixGate over the fake engine) are no saving of this engine's (audit operator F3)."""
+    from gateway_fakes import FakeTenancy, LoopbackServer
+
+    from gateway.settings import RouteConfig
+
+    monkeypatch.setenv("PG_TEST_UPSTREAM_KEY", "sk-upstream")
+    up_tenancy = FakeTenancy()
+    up_tenancy.keys["sk-upstream"] = up_tenancy.keys.pop(up_tenancy.add("gatewayco"))
+    route = RouteConfig(model="up-tiny", provider="openai/tiny", api_key_env="PG_TEST_UPSTREAM_KEY",
+                        max_model_len=256, transport="direct", api_base="http://127.0.0.1:9/v1")
+    svc = TenancyService.open(tmp_path / "home")
+    keys = {"acme": svc.create_tenant("acme").api_key, "admin": svc.create_tenant("ops", admin=True).api_key}
+    try:
+        with LoopbackServer(create_app(GatewaySettings(), engine=FakeEngine(), tenancy=up_tenancy)) as up:
+            route = route.model_copy(update={"api_base": f"{up.url}/v1"})
+            settings = GatewaySettings(model="tiny", model_dir=tiny_model_dir, kv_blocks=128, routes=(route,),
+                                       metrics_token="scrape-token")
+            with TestClient(create_app(settings, tenancy=svc)) as client:
+                for model in ("tiny", "tiny", "up-tiny", "up-tiny", "up-tiny"):
+                    r = client.post("/v1/chat/completions", json={**CHAT, "model": model}, headers=auth(keys["acme"]))
+                    assert r.status_code == 200, r.text
+                scrape = client.get("/metrics", headers=auth("scrape-token")).text
+                cache = client.get("/dashboard/data", headers=auth(keys["admin"])).json()["cache"]
+    finally:
+        svc.close()
+    engine_hits = metric(scrape, "prefixgate_prompt_tokens_hit_total", tenant="acme")
+    reported = metric(scrape, "prefixgate_gateway_cached_tokens_total", tenant="acme", backend="direct:openai/tiny")
+    assert engine_hits > 0 and reported > 0  # both kinds of cached tokens were there to be mixed up
+    def unlabelled(name: str) -> float:
+        return float(re.search(rf"^{name} (\S+)$", scrape, re.MULTILINE).group(1))
+
+    per_token = unlabelled("prefixgate_prefill_seconds_total") / unlabelled("prefixgate_prefill_tokens_total")
+    assert cache["prefill_seconds_saved"] == pytest.approx(engine_hits * per_token, rel=1e-6)

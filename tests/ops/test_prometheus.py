@@ -172,3 +172,65 @@ def test_prometheus_answers_every_grafana_query(scraped):
                    "prefixgate_waiting_requests", "prefixgate_kv_blocks_used", "prefixgate_tier_bytes_used",
                    "prefixgate_cache_manage_seconds_total", "prefixgate_gateway_cost_usd_total"):
         assert needed in names, needed
+
+
+def _grafana_expr(panel_id: int, legend: str) -> str:
+    dash = json.loads(DASHBOARD.read_text())
+    panel = next(p for p in dash["panels"] if p["id"] == panel_id)
+    expr = next(t["expr"] for t in panel["targets"] if t.get("legendFormat") == legend)
+    return expr.replace("$__rate_interval", "5m").replace("$tenant", ".*")
+
+
+@needs_promtool
+def test_grafana_fleet_queries_add_up_per_engine(tmp_path):
+    """Two engines (one full, one idle; different block sizes and speeds): the KV bytes panel is the
+    sum of each engine's own bytes (not the product of fleet sums: 2 nodes read 4x the truth), and
+    "prefill saved" prices each engine's hits at its own prefill seconds per token; "unit cost" and
+    "saved" per 1M tokens divide by the same tokens (audit operator F2, F4)."""
+    a, b = 'instance="node-a:8000"', 'instance="node-b:8000"'
+    series = {
+        # node-a: 30 used + 10 evictable of 100 blocks of 16 tokens, 1000 B/token; node-b: 5 + 5 of 20
+        # blocks of 32 tokens, 500 B/token (free blocks include the evictable ones)
+        f"prefixgate_kv_blocks_used{{{a}}}": "30x10", f"prefixgate_kv_blocks_evictable{{{a}}}": "10x10",
+        f"prefixgate_kv_blocks_free{{{a}}}": "70x10", f"prefixgate_kv_blocks_free{{{b}}}": "15x10",
+        f"prefixgate_kv_block_size{{{a}}}": "16x10", f"prefixgate_kv_bytes_per_token{{{a}}}": "1000x10",
+        f"prefixgate_kv_blocks_used{{{b}}}": "5x10", f"prefixgate_kv_blocks_evictable{{{b}}}": "5x10",
+        f"prefixgate_kv_block_size{{{b}}}": "32x10", f"prefixgate_kv_bytes_per_token{{{b}}}": "500x10",
+        # per minute: node-a hits 600 tokens, computes 60 in 6 s (0.1 s/token); node-b hits 60 and
+        # computes 600 in 6 s (0.01 s/token)
+        f'prefixgate_prompt_tokens_hit_total{{tenant="acme",{a}}}': "0+600x10",
+        f"prefixgate_prefill_tokens_total{{{a}}}": "0+60x10", f"prefixgate_prefill_seconds_total{{{a}}}": "0+6x10",
+        f'prefixgate_prompt_tokens_hit_total{{tenant="acme",{b}}}': "0+60x10",
+        f"prefixgate_prefill_tokens_total{{{b}}}": "0+600x10", f"prefixgate_prefill_seconds_total{{{b}}}": "0+6x10",
+        # tenant acme, per minute: 0.6 USD spent and 0.6 saved over 360 prompt + 240 completion tokens
+        'prefixgate_gateway_cost_usd_total{tenant="acme"}': "0+0.6x10",
+        'prefixgate_gateway_saved_usd_total{tenant="acme"}': "0+0.6x10",
+        'prefixgate_gateway_prompt_tokens_total{tenant="acme",backend="local"}': "0+360x10",
+        'prefixgate_gateway_completion_tokens_total{tenant="acme",backend="local"}': "0+240x10",
+    }
+    hbm_bytes = 40 * 16 * 1000 + 10 * 32 * 500  # 800,000 B
+    saved_s_per_s = (600 * 0.1 + 60 * 0.01) / 60  # 1.01 s of prefill saved per second
+    case = {
+        "rule_files": [str(RULES)], "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [{"series": name, "values": values} for name, values in series.items()],
+            "promql_expr_test": [
+                {"expr": _grafana_expr(11, "HBM held"), "eval_time": "8m",
+                 "exp_samples": [{"labels": "{}", "value": hbm_bytes}]},
+                {"expr": f"round({_grafana_expr(16, 'prefill saved')}, 0.0001)", "eval_time": "8m",
+                 "exp_samples": [{"labels": "{}", "value": round(saved_s_per_s, 4)}]},
+                # cost and saving per 1M tokens share one denominator, prompt + completion (as the panel)
+                {"expr": f"round({_grafana_expr(17, '{{tenant}}')})", "eval_time": "8m",
+                 "exp_samples": [{"labels": '{tenant="acme"}', "value": 1000}]},
+                {"expr": f"round({_grafana_expr(18, '{{tenant}}')})", "eval_time": "8m",
+                 "exp_samples": [{"labels": '{tenant="acme"}', "value": 1000}]},
+                {"expr": _grafana_expr(10, "HBM held {{instance}}"), "eval_time": "8m",
+                 "exp_samples": [{"labels": f"{{{a}}}", "value": 0.4}, {"labels": f"{{{b}}}", "value": 0.5}]},
+            ],
+        }],
+    }
+    (tmp_path / "grafana.test.yml").write_text(yaml.safe_dump(case))
+    unit = subprocess.run([PROMTOOL, "test", "rules", "grafana.test.yml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit.stdout + unit.stderr
