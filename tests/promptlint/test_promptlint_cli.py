@@ -155,6 +155,11 @@ def test_config_select_ignore_and_per_file_ignores(run_cli, tmp_path):
         '[tool.promptlint]\n[tool.promptlint.per-file-ignores]\n"prompts/PC001_*" = ["PC001"]\n')
     # config is found from a subdirectory too
     assert _codes(run_cli("check", ".", "--format", "json", cwd=tmp_path / "prompts")) == ["PC002"]
+    # paths with ".." are normalised before matching
+    assert _codes(run_cli("check", "../prompts", "--format", "json", cwd=tmp_path / "prompts")) == ["PC002"]
+    assert _codes(run_cli("check", "prompts/../prompts", "--format", "json", cwd=tmp_path)) == ["PC002"]
+    (tmp_path / "pyproject.toml").write_text('[tool.promptlint]\nexclude = ["prompts/PC002_*"]\n')
+    assert _codes(run_cli("check", "../prompts", "--format", "json", cwd=tmp_path / "prompts")) == ["PC001"]
 
 
 def test_config_fail_under_and_model(run_cli, tmp_path):
