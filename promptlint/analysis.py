@@ -72,8 +72,7 @@ def is_movable(doc: PromptDoc, e: Element) -> bool:
     movable = doc.meta.get("movable") or []
     if isinstance(movable, list) and e.name in movable:
         return True
-    lines = doc.raw.split("\n")
-    return 0 < e.line <= len(lines) and bool(_MOVABLE.search(lines[e.line - 1]))
+    return bool(_MOVABLE.search(doc.line_text(e.line)))
 
 
 def move_hint(doc: PromptDoc, e: Element) -> str:

@@ -112,15 +112,11 @@ def _check(args: argparse.Namespace) -> int:
 def _add_live_findings(report, path: Path, config) -> None:
     """Attach ``--from-usage`` miss records to the files they came from (see ``promptlint.from_usage``)."""
     from promptlint.from_usage import attribute, load_misses
+    from promptlint.linter import attach_findings
 
     misses = load_misses(path)
     got = attribute(report, misses)
-    by_path = {}
-    for r in report.files:
-        by_path.setdefault(r.path, r)
-    for f in got.findings:
-        if config.enabled(f.code):
-            by_path[f.path].findings.append(f)
+    attach_findings(report, got.findings, config)
     if got.unmatched:
         rules = sorted({str(r.get("rule")) for r in got.unmatched})
         print(f"promptlint: {len(got.unmatched)} of {len(misses)} miss record(s) matched no linted file "

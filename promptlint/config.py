@@ -15,6 +15,7 @@ Any unknown key, unknown code or wrong type is a usage error (exit 2), never sil
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -53,8 +54,10 @@ class Config:
         return severity != "info" or any(code.startswith(p) for p in self.select)
 
     def _relative(self, path: Path) -> str:
+        # abspath, not Path.absolute(): it collapses "..", so "../prompts/x" from a subdirectory
+        # is "prompts/x" below the root and the patterns match (without following symlinks).
         try:
-            return path.absolute().relative_to(self.root.absolute()).as_posix()
+            return Path(os.path.abspath(path)).relative_to(os.path.abspath(self.root)).as_posix()
         except ValueError:
             return path.as_posix()
 

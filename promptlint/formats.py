@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 from typing import Any
+from urllib.parse import quote
 
 from promptlint import __version__
 from promptlint.linter import Report
@@ -58,12 +60,15 @@ def _text(report: Report, savings: Savings | None, fail_under: float | None) -> 
         )
     if fail_under is not None and report.score < fail_under:
         out.append(f"Score {report.score:.1f} is below --fail-under {fail_under:g}")
+    score_failed = fail_under is not None and report.score < fail_under
     if findings:
         info = sum(f.severity == "info" for f in findings)
         notes = [f"{fixable} fixable with --fix"] if fixable else []
         if info:
             notes.append(f"{info} info-level, which fail the run only when selected")
         out.append(f"Found {len(findings)} finding(s)" + (f" ({'; '.join(notes)})." if notes else "."))
+    elif score_failed:
+        out.append("No findings, but the score check failed.")
     else:
         out.append("All checks passed!")
     return "\n".join(out) + "\n"
@@ -182,7 +187,7 @@ def sarif_dict(report: Report) -> dict[str, Any]:
                         "locations": [
                             {
                                 "physicalLocation": {
-                                    "artifactLocation": {"uri": f.path},
+                                    "artifactLocation": {"uri": _uri_reference(f.path)},
                                     "region": {"startLine": f.line, "startColumn": f.column},
                                 }
                             }
@@ -196,25 +201,40 @@ def sarif_dict(report: Report) -> dict[str, Any]:
     }
 
 
+def _uri_reference(path: str) -> str:
+    """A relative path as an RFC 3986 URI reference: a space or '#' in a file name would otherwise
+    read as the end of the URI or a fragment. '/' stays a path separator."""
+    return quote(path, safe="/")
+
+
 def _sarif(report: Report, savings: Savings | None, fail_under: float | None) -> str:
     return json.dumps(sarif_dict(report), indent=2) + "\n"
 
 
+# Characters XML 1.0 cannot hold, even escaped (C0 controls but tab/newline/CR, surrogates, U+FFFE/F).
+_XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_text(s: str) -> str:
+    """``s`` with each character XML cannot carry written as a visible escape (``\\x0b``)."""
+    return _XML_ILLEGAL.sub(lambda m: f"\\x{ord(m.group()):02x}", s)
+
+
 def _junit(report: Report, savings: Savings | None, fail_under: float | None) -> str:
     rules = all_rules()
-    findings = report.findings
     suites = ET.Element("testsuites", name="promptlint", tests=str(len(report.files)),
                         failures=str(sum(1 for r in report.files if r.findings)))
     suite = ET.SubElement(suites, "testsuite", name="promptlint", tests=str(len(report.files)),
                           failures=str(sum(1 for r in report.files if r.findings)), errors="0")
     for r in report.files:
-        case = ET.SubElement(suite, "testcase", classname="promptlint", name=r.path)
-        mine = [f for f in findings if f.path == r.path]
+        # One case per linted unit: a file, or one SDK call of a Python file with that call's findings.
+        case = ET.SubElement(suite, "testcase", classname="promptlint", name=_xml_text(_row_name(r)))
+        mine = sorted(r.findings, key=lambda f: (f.line, f.column, f.code))
         if mine:
             fail = ET.SubElement(case, "failure", message=f"{len(mine)} finding(s)", type=mine[0].code)
-            fail.text = "\n".join(
+            fail.text = _xml_text("\n".join(
                 f"{f.path}:{f.line}:{f.column}: {f.code} {rules[f.code].name}: {f.message}" for f in mine
-            )
+            ))
         if r.doc is not None:
             props = ET.SubElement(case, "properties")
             ET.SubElement(props, "property", name="score", value=f"{r.doc.score:.1f}")

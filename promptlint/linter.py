@@ -90,6 +90,21 @@ def _keep(f: Finding, raw: str | None, path: Path, config: Config, cache: dict) 
     return True
 
 
+def attach_findings(report: Report, findings: list[Finding], config: Config) -> None:
+    """Attach findings made after linting (``--from-usage``) to the files they name, through the same
+    filter as the rules' own: select/ignore, per-file-ignores and ``noqa`` comments."""
+    by_path: dict[str, FileResult] = {}
+    for r in report.files:
+        by_path.setdefault(r.path, r)
+    cache: dict = {}
+    for f in findings:
+        res = by_path[f.path]
+        raw = res.doc.raw if res.doc is not None else None
+        path = res.doc.path if res.doc is not None else Path(res.path)
+        if _keep(f, raw, path, config, cache):
+            res.findings.append(f)
+
+
 def declared_model(doc: PromptDoc) -> str | None:
     """The model a file names for itself: a request's ``"model"``, or a template's front-matter ``model``."""
     value = (doc.body or {}).get("model") if doc.kind == "request" else doc.meta.get("model")

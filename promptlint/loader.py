@@ -24,6 +24,7 @@ import yaml
 from promptlint.cache_control import marked_positions
 from promptlint.model import DynClass, Element, Finding, PromptDoc
 from promptlint.parse import LineIndex, split_text
+from promptlint.positions import JsonPath, JsonPositions, StringPositions, YamlPositions
 
 TEMPLATE_EXTS = {".txt", ".md", ".prompt", ".j2", ".jinja", ".jinja2"}
 REQUEST_EXTS = {".json", ".yaml", ".yml"}
@@ -212,7 +213,9 @@ def _var_classes(meta: dict[str, Any]) -> tuple[dict[str, DynClass], dict[str, i
     return classes, sizes
 
 
-def _load_template(path: Path, shown: str, raw: str, meta: dict[str, Any] | None, body_line: int) -> PromptDoc:
+def _load_template(
+    path: Path, shown: str, raw: str, meta: dict[str, Any] | None, body_line: int, index: LineIndex | None = None,
+) -> PromptDoc:
     if meta is None:
         meta, body, body_line = _split_front_matter(raw)
     else:
@@ -227,7 +230,7 @@ def _load_template(path: Path, shown: str, raw: str, meta: dict[str, Any] | None
         _check_expressions(body, body_line)
     classes, _ = _var_classes(meta)
     role = str(meta.get("role", "system"))
-    elements = split_text(body, role, LineIndex(body, body_line), syntax, classes)
+    elements = split_text(body, role, index or LineIndex(body, body_line), syntax, classes)
     for e in elements:
         if e.dyn == "static":  # a variable the author declared constant
             e.dyn = None
@@ -280,24 +283,80 @@ def _load_data_file(path: Path, shown: str, raw: str, ext: str) -> PromptDoc:
             raise _Invalid(f"invalid JSON: {exc.msg}", exc.lineno, exc.colno) from None
         except RecursionError:  # json's C scanner recurses per nesting level (~1000 max)
             raise _Invalid("invalid JSON: nested too deeply to be a prompt file", 1, 1) from None
+        positions: StringPositions = JsonPositions(raw, body)
     else:
-        try:
-            body = yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
-            raise _Invalid(f"invalid YAML: {getattr(exc, 'problem', None) or exc}", line, col) from None
-        except RecursionError:
-            raise _Invalid("invalid YAML: nested too deeply to be a prompt file", 1, 1) from None
+        body, root = _parse_yaml(raw)
+        positions = YamlPositions(raw, root)
     if not isinstance(body, dict):
         raise NotAPrompt("not a prompt file: expected a mapping with messages, system, tools or template")
     for key in ("template", "prompt"):
         if isinstance(body.get(key), str) and "messages" not in body:
             meta = {k: v for k, v in body.items() if k != key}
-            return _load_template(path, shown, body[key], meta, _locate(raw, body[key], 0, ext)[0])
+            index = positions.index_for((key,)) or LineIndex(body[key], _locate(raw, body[key], 0, ext)[0])
+            return _load_template(path, shown, body[key], meta, index.at(0)[0], index)
     if not any(k in body for k in ("messages", "system", "tools")):
         raise NotAPrompt("not a prompt file: no 'messages', 'system', 'tools' or 'template' key")
-    return _request_doc(path, shown, raw, body, ext)
+    return _request_doc(path, shown, raw, body, ext, positions)
+
+
+# A YAML alias repeats a whole subtree without repeating its text: nine nested levels of nine aliases
+# are a few hundred bytes that expand to 9**9 strings ("billion laughs"). Anything that walks or
+# serialises the document (the tools' JSON, the token count) would hang, then run out of memory.
+# A prompt file's expanded size is close to its own size; this budget leaves room for honest reuse
+# (a shared schema under an anchor) and refuses the rest before anything expands it.
+_EXPANSION_FACTOR = 8
+_EXPANSION_FLOOR = 1_000_000
+
+
+def _parse_yaml(raw: str) -> tuple[Any, yaml.Node | None]:
+    """(parsed document, its node tree). Raises ``_Invalid`` for bad YAML or runaway alias expansion."""
+    loader = yaml.SafeLoader(raw)
+    try:
+        root = loader.get_single_node()
+        body = loader.construct_document(root) if root is not None else None
+        _check_expansion(body, max(_EXPANSION_FLOOR, _EXPANSION_FACTOR * len(raw)))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
+        raise _Invalid(f"invalid YAML: {getattr(exc, 'problem', None) or exc}", line, col) from None
+    except RecursionError:
+        raise _Invalid("invalid YAML: nested too deeply to be a prompt file", 1, 1) from None
+    finally:
+        loader.dispose()
+    return body, root
+
+
+def _check_expansion(body: Any, budget: int) -> None:
+    """Refuse a document whose aliases expand beyond ``budget`` (characters plus nodes) or loop.
+
+    Each distinct container is sized once (aliases share the Python object), so this costs the
+    size of the file, not of the expansion."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(value: Any) -> int:
+        if isinstance(value, str):
+            return len(value) + 1
+        if not isinstance(value, dict | list):
+            return 1
+        key = id(value)
+        if key in sizes:
+            return sizes[key]
+        if key in open_:
+            raise _Invalid("invalid YAML: an alias refers to a node that contains it (a recursive document)")
+        open_.add(key)
+        children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > budget:
+                raise _Invalid(f"invalid YAML: its aliases expand to more than {budget:,} characters; "
+                               "not a prompt file (an alias bomb?)")
+        open_.discard(key)
+        sizes[key] = total
+        return total
+
+    size(body)
 
 
 def _locate(raw: str, text: str, cursor: int, ext: str) -> tuple[int, int]:
@@ -330,7 +389,9 @@ def _text_blocks(content: Any, where: str) -> list[tuple[str, int | None]]:
     raise _Invalid(f"{where} must be a string or a list of content blocks")
 
 
-def _request_doc(path: Path, shown: str, raw: str, body: dict[str, Any], ext: str) -> PromptDoc:
+def _request_doc(
+    path: Path, shown: str, raw: str, body: dict[str, Any], ext: str, positions: StringPositions,
+) -> PromptDoc:
     meta = body.get("promptlint") if isinstance(body.get("promptlint"), dict) else {}
     messages = body.get("messages", [])
     if not isinstance(messages, list):
@@ -350,36 +411,88 @@ def _request_doc(path: Path, shown: str, raw: str, body: dict[str, Any], ext: st
         key = '"tools"' if ext == ".json" else "tools:"
         pos = raw.find(key)
         line = raw.count("\n", 0, pos) + 1 if pos >= 0 else 1
-        elements.append(Element(json.dumps(tools, ensure_ascii=False), "tools", line, 1, is_tools=True,
-                                name="tools", breakpoint=any(("tools", None, k) in marks for k in range(len(tools)))))
-    blocks: list[tuple[str, str, str, bool]] = []  # (role, text, where, cache_control)
+        for i, tool in enumerate(tools):
+            elements.extend(_tool_elements(tool, i, line, positions, classes, ("tools", None, i) in marks))
+    blocks: list[tuple[str, str, JsonPath, bool]] = []  # (role, text, where, cache_control)
     for text, j in _text_blocks(body.get("system"), "system"):
-        blocks.append(("system", text, "system", j is not None and ("system", None, j) in marks))
+        blocks.append(("system", text, _block_path(body.get("system"), ("system",), j),
+                       j is not None and ("system", None, j) in marks))
     for i, m in enumerate(messages):
         for text, j in _text_blocks(m.get("content"), f"messages[{i}].content"):
-            blocks.append((m["role"], text, f"messages[{i}]", ("messages", i, j) in marks))
-    lines = []
-    for _, text, _, _ in blocks:
-        line, cursor = _locate(raw, text, cursor, ext)
-        lines.append(line)
-    split = [
-        split_text(text, role, _line_index_for(text, line, ext), "auto", classes)
-        for (role, text, _, _), line in zip(blocks, lines)
-    ]
+            blocks.append((m["role"], text, _block_path(m.get("content"), ("messages", i, "content"), j),
+                           ("messages", i, j) in marks))
+    indexes: list[LineIndex] = []
+    for _, text, where, _ in blocks:
+        index = positions.index_for(where)
+        if index is None:  # a string the position map does not know: the first match from the cursor
+            line, cursor = _locate(raw, text, cursor, ext)
+            index = _line_index_for(text, line, ext)
+        indexes.append(index)
+    split = [split_text(text, role, index, "auto", classes) for (role, text, _, _), index in zip(blocks, indexes)]
     # A file whose messages hold template variables is a request template: its variables are the
     # dynamic parts. Otherwise it is a sample request, whose last user message is the input.
     has_placeholders = any(e.dyn is not None and not e.literal for parts in split for e in parts)
     last_user = max((k for k, b in enumerate(blocks) if b[0] == "user"), default=None)
-    for k, ((role, text, _where, cc), line, parts) in enumerate(zip(blocks, lines, split)):
+    for k, ((role, text, _where, cc), index, parts) in enumerate(zip(blocks, indexes, split)):
+        line, column = index.at(0)
         if not has_placeholders and k == last_user:
             # A sample request: its last user message is the per-request input.
-            elements.append(Element(text, role, line, 1, dyn="input", name="last user message", breakpoint=cc))
+            elements.append(Element(text, role, line, column, dyn="input", name="last user message", breakpoint=cc))
             continue
         if not parts:
-            parts = [Element("", role, line)]
+            parts = [Element("", role, line, column)]
         parts[-1].breakpoint = cc
         elements.extend(parts)
     return PromptDoc(path, shown, "request", raw, meta, elements, body=body)
+
+
+def _block_path(content: Any, where: JsonPath, j: int | None) -> JsonPath:
+    """The path of a content block's text: the content itself, a string part, or a part's ``text``."""
+    if j is None:
+        return where
+    return (*where, j) if isinstance(content[j], str) else (*where, j, "text")
+
+
+def _tool_elements(
+    tool: Any, i: int, line: int, positions: StringPositions, classes: dict[str, DynClass], marked: bool,
+) -> list[Element]:
+    """One tool definition as prompt elements: its JSON as static text, cut where a string in it
+    (a description, a schema's enum or default) holds a dynamic value. Tools open the prefix, so a
+    timestamp in a description defeats the cache like one at the top of the system prompt."""
+    text = json.dumps(tool, ensure_ascii=False)
+    out: list[Element] = []
+    pos = 0
+    for where, value in _strings_of(tool, ("tools", i)):
+        index = positions.index_for(where) or LineIndex(value, line)
+        parts = split_text(value, "tools", index, "auto", classes)
+        if not any(p.dyn is not None for p in parts):
+            continue
+        at = text.find(json.dumps(value, ensure_ascii=False), pos)
+        if at < 0:
+            continue
+        start_line, start_col = index.at(0)
+        out.append(Element(text[pos : at + 1], "tools", start_line, start_col, is_tools=True, name="tools"))
+        for p in parts:
+            p.is_tools = True
+            p.name = p.name or "tools"
+        out.extend(parts)
+        pos = at + len(json.dumps(value, ensure_ascii=False)) - 1
+    end_line, end_col = out[-1].line if out else line, out[-1].column if out else 1
+    out.append(Element(text[pos:], "tools", end_line, end_col, is_tools=True, name="tools", breakpoint=marked))
+    return out
+
+
+def _strings_of(value: Any, path: JsonPath) -> Iterator[tuple[JsonPath, str]]:
+    """Every string value (not key) under ``value``, in serialisation order, with its path."""
+    stack: list[tuple[JsonPath, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            yield where, item
+        elif isinstance(item, dict):
+            stack.extend(((*where, k), v) for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend(((*where, n), v) for n, v in reversed(list(enumerate(item))))
 
 
 def _line_index_for(text: str, line: int, ext: str) -> LineIndex:

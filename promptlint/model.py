@@ -66,6 +66,14 @@ class PromptDoc:
     static_tokens: int = 0
     total_tokens: int = 0
     static_after: list[int] = field(default_factory=list)
+    _lines: list[str] | None = field(default=None, repr=False, compare=False)
+
+    def line_text(self, line: int) -> str:
+        """The raw file's 1-based ``line`` ("" past the end). Split once: rules ask per finding,
+        and a split per question made a 100k-line template quadratic."""
+        if self._lines is None:
+            self._lines = self.raw.split("\n")
+        return self._lines[line - 1] if 0 < line <= len(self._lines) else ""
 
     @property
     def first_dynamic(self) -> int | None:

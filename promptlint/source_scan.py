@@ -343,7 +343,9 @@ class _CallScan:
 
     def static(self, text: str, role: str, node: ast.AST, first_line: int | None = None) -> list[Element]:
         line = first_line or getattr(node, "lineno", 1)
-        out = split_text(text, role, LineIndex(text, line), "none")
+        # A string on one physical line has only escaped newlines ("\\n"): it all stays on that line.
+        indexed = text.replace("\n", " ") if _one_line(node) else text
+        out = split_text(text, role, LineIndex(indexed, line), "none")
         for e in out:
             if e.literal and e.name == "date":  # a date written into code is a constant (as in templates)
                 e.dyn, e.literal = None, False
@@ -357,7 +359,7 @@ class _CallScan:
         for value in node.values:
             if isinstance(value, ast.Constant) and isinstance(value.value, str):
                 out += self.static(value.value, role, node, line)
-                line += value.value.count("\n")
+                line += value.value.count("\n") if not _one_line(node) else 0
             elif isinstance(value, ast.FormattedValue):
                 e = self.dynamic(value.value, None, role)
                 e.text, e.line = "{" + ast.unparse(value.value) + "}", line
@@ -394,6 +396,12 @@ class _CallScan:
         name = _expr_name(node) or text[:40]
         return Element(text if len(text) <= 60 else text[:57] + "...", role, getattr(node, "lineno", 1),
                        getattr(node, "col_offset", 0) + 1, dyn=cls or classify_expr(node), name=name)
+
+
+def _one_line(node: ast.AST) -> bool:
+    """Whether a string literal sits on one physical line (its newlines, if any, are escapes)."""
+    line = getattr(node, "lineno", None)
+    return line is not None and getattr(node, "end_lineno", line) == line
 
 
 def _expr_name(node: ast.AST) -> str:

@@ -30,7 +30,8 @@ FIXABLE = True
 def check(doc, ctx):
     for i, e in enumerate(doc.elements):
         if e.dyn == "per-user" and doc.static_after[i] >= MIN_STATIC_AFTER:
-            where = "in the system prompt" if e.role in ("system", "developer") else f"in a {e.role} message"
+            where = ("in a tool definition" if e.is_tools else "in the system prompt"
+                     if e.role in ("system", "developer") else f"in a {e.role} message")
             yield finding(
                 doc, e, CODE, SEVERITY,
                 f"per-user value {shown(e)} {where} precedes {doc.static_after[i]} static tokens, so each "

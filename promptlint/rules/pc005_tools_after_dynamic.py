@@ -53,6 +53,8 @@ def check(doc, ctx):
         return
     cut = doc.elements[first]
     for e in doc.elements[first + 1 :]:
+        if e.is_tools:
+            continue  # the rest of a tool list cut by a value inside it: PC001/2/3 report that value
         m = _TOOLS_BLOCK.search(e.text) if e.dyn is None and _maybe_tools(e.text) else None
         if m is None:
             continue

@@ -17,7 +17,7 @@ Fix:
 """
 
 from promptlint.analysis import finding
-from promptlint.cache_control import MAX_BREAKPOINTS
+from promptlint.cache_control import MAX_BREAKPOINTS, count_marks
 
 CODE = "PC011"
 NAME = "too-many-cache-breakpoints"
@@ -27,10 +27,14 @@ FIXABLE = False
 
 
 def check(doc, ctx):
-    marks = [e for e in doc.elements if e.breakpoint]
-    if len(marks) > MAX_BREAKPOINTS:
+    marked = [e for e in doc.elements if e.breakpoint]
+    # The request itself is the count (the gateway's parser, the one Anthropic's limit applies to);
+    # elements only say where the marks sit.
+    count = count_marks(doc.body) if doc.body is not None else len(marked)
+    if count > MAX_BREAKPOINTS and marked:
+        where = marked[MAX_BREAKPOINTS] if len(marked) > MAX_BREAKPOINTS else marked[-1]
         yield finding(
-            doc, marks[MAX_BREAKPOINTS], CODE, SEVERITY,
-            f"{len(marks)} cache_control breakpoints; Anthropic accepts at most {MAX_BREAKPOINTS} "
+            doc, where, CODE, SEVERITY,
+            f"{count} cache_control breakpoints; Anthropic accepts at most {MAX_BREAKPOINTS} "
             f"(this is number {MAX_BREAKPOINTS + 1})",
         )

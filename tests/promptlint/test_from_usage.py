@@ -117,3 +117,22 @@ def test_prompt_cache_key_family_matches_the_template_by_name(run_cli, tmp_path)
     live = [f for f in json.loads(res.out)["findings"] if f["message"].startswith("live traffic")]
     # Attributed to support.txt, at its first dynamic value ({timestamp}, line 5).
     assert [(f["path"].rsplit("/", 1)[-1], f["code"], f["line"]) for f in live] == [("support.txt", "PC002", 5)]
+
+
+def test_live_findings_honour_noqa_and_per_file_ignores(run_cli, tmp_path):
+    prompts, misses = _setup(tmp_path)
+    usage = str(_write(tmp_path, misses))
+
+    def live_codes():
+        res = run_cli("check", "prompts", "--from-usage", usage, "--format", "json", cwd=tmp_path)
+        return sorted(f["code"] for f in json.loads(res.out)["findings"] if f["message"].startswith("live traffic"))
+
+    assert live_codes() == ["PC002", "PC003"]
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.promptlint]\n[tool.promptlint.per-file-ignores]\n"prompts/greeter.txt" = ["PC003"]\n')
+    assert live_codes() == ["PC002"]
+    support = prompts / "support.txt"
+    lines = support.read_text().split("\n")
+    lines[4] += "  # promptlint: noqa[PC002]"
+    support.write_text("\n".join(lines))
+    assert live_codes() == []

@@ -102,6 +102,37 @@ def test_junit_is_xml_with_a_case_per_file(run_cli):
     assert failed == ["tests/promptlint/fixtures/PC006/bad.txt"]
 
 
+def test_junit_is_well_formed_with_control_characters_and_one_case_per_sdk_call(run_cli, tmp_path):
+    (tmp_path / "a.txt").write_text("Hi {{ user\x0bname }}.\n" + "Static rules for everyone. " * 20)
+    root = ET.fromstring(run_cli("check", "a.txt", "--format", "junit", cwd=tmp_path).out)
+    assert "\\x0b" in root.find("./testsuite/testcase/failure").text
+    app = tmp_path / "app.py"
+    app.write_text((FIXTURES / "source" / "app.py").read_text())
+    res = run_cli("check", "app.py", "--format", "junit", cwd=tmp_path)
+    cases = ET.fromstring(res.out).findall("./testsuite/testcase")
+    assert len(cases) > 1 and len({c.get("name") for c in cases}) == len(cases)
+    listed = [line for c in cases if c.find("failure") is not None for line in c.find("failure").text.split("\n")]
+    total = json.loads(run_cli("check", "app.py", "--format", "json", cwd=tmp_path).out)["findings"]
+    assert sorted(listed) == sorted(f"{f['path']}:{f['line']}:{f['column']}: {f['code']} {f['name']}: {f['message']}"
+                                    for f in total)
+
+
+def test_sarif_uri_is_percent_encoded(run_cli, tmp_path):
+    (tmp_path / "my prompts").mkdir()
+    (tmp_path / "my prompts" / "a#1.txt").write_text("Today is {current_date}.\n" + "Static rules. " * 30)
+    sarif = json.loads(run_cli("check", "my prompts", "--format", "sarif", cwd=tmp_path).out)
+    uris = {loc["physicalLocation"]["artifactLocation"]["uri"]
+            for r in sarif["runs"][0]["results"] for loc in r["locations"]}
+    assert uris == {"my%20prompts/a%231.txt"}
+
+
+def test_text_report_says_the_score_failed(run_cli, tmp_path):
+    (tmp_path / "a.txt").write_text(("Static rules. " * 30).strip() + "\nQuestion: {question}\n")
+    res = run_cli("check", "a.txt", "--fail-under", "100", cwd=tmp_path)
+    assert res.code == 1 and "All checks passed" not in res.out and "score check failed" in res.out
+    assert "All checks passed!" in run_cli("check", "a.txt", cwd=tmp_path).out
+
+
 def test_exit_codes(run_cli, tmp_path):
     good = FIXTURES / "PC001" / "good.txt"
     assert run_cli("check", str(good)).code == 0
@@ -155,6 +186,11 @@ def test_config_select_ignore_and_per_file_ignores(run_cli, tmp_path):
         '[tool.promptlint]\n[tool.promptlint.per-file-ignores]\n"prompts/PC001_*" = ["PC001"]\n')
     # config is found from a subdirectory too
     assert _codes(run_cli("check", ".", "--format", "json", cwd=tmp_path / "prompts")) == ["PC002"]
+    # paths with ".." are normalised before matching
+    assert _codes(run_cli("check", "../prompts", "--format", "json", cwd=tmp_path / "prompts")) == ["PC002"]
+    assert _codes(run_cli("check", "prompts/../prompts", "--format", "json", cwd=tmp_path)) == ["PC002"]
+    (tmp_path / "pyproject.toml").write_text('[tool.promptlint]\nexclude = ["prompts/PC002_*"]\n')
+    assert _codes(run_cli("check", "../prompts", "--format", "json", cwd=tmp_path / "prompts")) == ["PC001"]
 
 
 def test_config_fail_under_and_model(run_cli, tmp_path):

@@ -141,7 +141,8 @@ def test_request_shapes(tmp_path):
     doc = load(p, named=True)
     assert isinstance(doc, PromptDoc) and doc.kind == "request"
     assert [(e.role, e.dyn, e.breakpoint, e.is_tools) for e in doc.elements] == [
-        ("tools", None, False, True), ("system", None, True, False), ("user", "input", False, False)]
+        ("tools", None, False, True), ("tools", None, False, True), ("system", None, True, False),
+        ("user", "input", False, False)]
     # A request whose messages hold variables is a template: variables, not the last message, are dynamic.
     templated = {"messages": [{"role": "system", "content": "Rules."}, {"role": "user", "content": "Q: {{ question }}"}]}
     p.write_text(json.dumps(templated))

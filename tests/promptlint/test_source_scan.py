@@ -112,3 +112,28 @@ def test_invalid_python_is_pc000_at_its_line(tmp_path):
 def test_history_slice_is_pc012(run_cli):
     data = _check(run_cli, FIXTURES / "PC012" / "bad.py")
     assert [(f["code"], f["line"]) for f in data["findings"]] == [("PC012", 10)]
+
+
+def test_escaped_newlines_keep_values_on_their_physical_line(run_cli, tmp_path):
+    # "\n" escapes are not line breaks in the file: the value and a noqa on its line share one line.
+    src = tmp_path / "esc.py"
+    policy = "Follow the refund policy. Escalate outages to on-call. Never share internal notes. " * 3
+    src.write_text(textwrap.dedent(f'''\
+        import datetime
+        from openai import OpenAI
+
+        client = OpenAI()
+        POLICY = "{policy}"
+
+
+        def answer(question):
+            system = f"You are Acme's agent.\\nRules follow.\\nToday is {{datetime.datetime.now()}}.\\n" + POLICY
+            return client.chat.completions.create(
+                model="gpt-4o",
+                messages=[{{"role": "system", "content": system}}, {{"role": "user", "content": question}}],
+            )
+        '''))
+    found = [f for f in _check(run_cli, src)["findings"] if f["code"] == "PC002"]
+    assert [f["line"] for f in found] == [9]
+    src.write_text(src.read_text().replace("+ POLICY\n", "+ POLICY  # promptlint: noqa[PC002]\n"))
+    assert not [f for f in _check(run_cli, src)["findings"] if f["code"] == "PC002"]
