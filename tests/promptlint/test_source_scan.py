@@ -112,3 +112,26 @@ def test_invalid_python_is_pc000_at_its_line(tmp_path):
 def test_history_slice_is_pc012(run_cli):
     data = _check(run_cli, FIXTURES / "PC012" / "bad.py")
     assert [(f["code"], f["line"]) for f in data["findings"]] == [("PC012", 10)]
+
+
+def test_joining_or_formatting_a_set_into_a_prompt_is_pc013(run_cli, tmp_path):
+    path = tmp_path / "tags.py"
+    path.write_text(textwrap.dedent('''\
+        from openai import OpenAI
+
+        client = OpenAI()
+
+
+        def tagged(question, tags):
+            tagset = set(tags)
+            joined = "Allowed topics: " + ", ".join(tagset)
+            shown = f"Tags: {tagset}"
+            stable = "Sorted: " + ", ".join(sorted(tagset))
+            system = joined + shown + stable
+            return client.chat.completions.create(
+                model="gpt-4o",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            )
+        '''))
+    found = [f for f in _check(run_cli, path)["findings"] if f["code"] == "PC013"]
+    assert [(f["line"], f["column"]) for f in found] == [(8, 35), (9, 22)]
