@@ -11,17 +11,16 @@ Everything a rule needs about *where* the cacheable prefix ends is computed here
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from promptlint.model import Element, Finding, PromptDoc, Severity
+from promptlint.moves import is_marked, refusal
 from promptlint.tokens import TokenCounter, cache_minimum
 
 # Expected size of a value when the template does not say (front matter ``vars: {x: {tokens: N}}``).
 DEFAULT_DYNAMIC_TOKENS = {"volatile": 12, "per-user": 8, "input": 200, "placeholder": 50, "control": 0}
 # Static text shorter than this after a dynamic value is not worth a finding (a closing tag, "Answer:").
 MIN_STATIC_AFTER = 16
-_MOVABLE = re.compile(r"promptlint:\s*movable\b")
 
 
 @dataclass(frozen=True)
@@ -66,19 +65,27 @@ def measure(doc: PromptDoc, ctx: LintContext) -> None:
 
 
 def is_movable(doc: PromptDoc, e: Element) -> bool:
-    """Whether the template marks this value's line as safe to move to the end (``--fix`` may)."""
-    if doc.kind != "template":
-        return False
-    movable = doc.meta.get("movable") or []
-    if isinstance(movable, list) and e.name in movable:
-        return True
-    return bool(_MOVABLE.search(doc.line_text(e.line)))
+    """Whether the template marks this value's line as safe to move to the end and ``--fix`` can
+    move it without changing the template's meaning (see :mod:`promptlint.moves`)."""
+    return is_marked(doc, e) and not refusal(doc, e)
 
 
 def move_hint(doc: PromptDoc, e: Element) -> str:
-    """The hint that unlocks ``--fix`` for a template value it may not move yet ("" when none applies)."""
-    if doc.kind != "template" or is_movable(doc, e) or doc.path.suffix.lower() in (".json", ".yaml", ".yml"):
+    """How ``--fix`` could move a template value, or why it will not ("" when it will)."""
+    if doc.kind != "template" or doc.path.suffix.lower() in (".json", ".yaml", ".yml"):
         return ""
+    if is_marked(doc, e):
+        why = refusal(doc, e)
+        return f"; it is marked movable, but --fix leaves it: {why}" if why else ""
+    if e.block:
+        return (f"; --fix cannot move it on its own: it lies inside `{{% {e.block} %}}` and would then render "
+                "for every request (move the whole block, or mark the block's opening line `promptlint: movable`)")
+    if e.dyn == "control" and e.text.startswith("{{"):
+        return ""  # a mustache section: --fix does not move sections
+    if e.dyn == "control":
+        # Only the line mark: --fix moves the whole block from the marked opening line to its end tag.
+        return ("; or, if the whole block may go last, mark its opening line `{# promptlint: movable #}` and "
+                "--fix moves the block")
     return (f"; or, if that line may go last, mark it `promptlint: movable` (in a comment your renderer strips, "
             f"or front matter `movable: [{e.name or 'var'}]`) and --fix moves it")
 

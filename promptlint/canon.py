@@ -8,10 +8,13 @@ request so that its leading part is byte-stable:
 ``off``
     the request unchanged (still a new object).
 ``safe`` (meaning-preserving)
-    tools sorted by name, tool and response schemas with recursively sorted keys, ``\\r\\n`` -> ``\\n``
-    and whitespace stripped at the outer edges of each message's text (never on a trailing assistant
-    message, which may be a deliberate prefill). Text parts of one message concatenate, so only the
-    edges of the whole run are stripped: ``"What is the weather "`` + ``"in Paris?"`` keeps its space.
+    tools sorted by name (a ``cache_control`` mark on the last tool moves to the new last tool; a list
+    with a mark on another tool is left unsorted), tool and response schemas with recursively sorted
+    keys (except the field names under a response schema's ``properties``, whose order is the order
+    the model writes them in), ``\\r\\n`` -> ``\\n`` and whitespace stripped at the outer edges of
+    each message's text (never on a trailing assistant message, which may be a deliberate prefill).
+    Text parts of one message concatenate, so only the edges of the whole run are stripped:
+    ``"What is the weather "`` + ``"in Paris?"`` keeps its space.
 ``reorder``
     ``safe`` plus: lines of system/developer messages that hold dynamic values (timestamps, dates,
     times, UUIDs, request ids, and ``key: value`` lines of the tenant's per-user variables) move into
@@ -262,6 +265,21 @@ def _sorted_keys(value: Any) -> Any:
     return value
 
 
+def _sorted_schema_keys(value: Any) -> Any:
+    """``_sorted_keys`` for a JSON schema, except that the names under ``properties`` keep their order:
+    OpenAI Structured Outputs generate an object's fields in its schema's key order, so sorting
+    ``{"reasoning", "answer"}`` would make the model answer before it reasons (a change of meaning)."""
+    if isinstance(value, dict):
+        return {
+            k: ({name: _sorted_schema_keys(sub) for name, sub in value[k].items()}
+                if k == "properties" and isinstance(value[k], dict) else _sorted_schema_keys(value[k]))
+            for k in sorted(value, key=str)
+        }
+    if isinstance(value, list):
+        return [_sorted_schema_keys(v) for v in value]
+    return value
+
+
 def _key_order_differs(a: Any, b: Any) -> bool:
     """Whether two equal JSON values differ in dict key order anywhere (== ignores order)."""
     if isinstance(a, dict):
@@ -282,18 +300,47 @@ def tool_name(tool: Any) -> str:
     return ""
 
 
+def _has_breakpoint(tool: Any) -> bool:
+    return isinstance(tool, dict) and tool.get("cache_control") is not None
+
+
+def tool_sort_blocker(tools: list[Any]) -> str:
+    """Why sorting ``tools`` would change what is cached ("" when sorting is safe).
+
+    An Anthropic ``cache_control`` mark on a tool caches every tool up to it. A mark on the last tool
+    (the usual "cache all tools") stays meaningful after a sort if it moves to the new last tool; a
+    mark on any other tool would cover a different set of tools, so such a list is not sorted."""
+    marked = [i for i, t in enumerate(tools) if _has_breakpoint(t)]
+    if marked and marked != [len(tools) - 1]:
+        names = ", ".join(tool_name(tools[i]) or f"#{i}" for i in marked)
+        return (f"a cache_control breakpoint on tool {names} (not the last tool) would cover a different "
+                "set of tools after sorting")
+    return ""
+
+
 def _sort_tools(body: dict, applied: list[str]) -> None:
     changed = False
     for field in ("tools", "functions"):
         tools = body.get(field)
-        if isinstance(tools, list) and len(tools) > 1:
+        if isinstance(tools, list) and len(tools) > 1 and not tool_sort_blocker(tools):
             # Stable sort: tools without a name sort first, in their original order.
             ordered = sorted(tools, key=tool_name)
             if [id(t) for t in ordered] != [id(t) for t in tools]:
-                body[field] = ordered
+                body[field] = _keep_last_breakpoint(tools, ordered)
                 changed = True
     if changed:
         applied.append("tools-sorted")
+
+
+def _keep_last_breakpoint(tools: list[Any], ordered: list[Any]) -> list[Any]:
+    """Move a ``cache_control`` mark from the formerly last tool to the new last tool, so that the
+    breakpoint still caches all the tools (the tool objects are the caller's own: copied, not edited)."""
+    if not _has_breakpoint(tools[-1]) or ordered[-1] is tools[-1]:
+        return ordered
+    mark = tools[-1]["cache_control"]
+    moved = [{k: v for k, v in t.items() if k != "cache_control"} if t is tools[-1] else t for t in ordered]
+    moved[-1] = {**moved[-1], "cache_control": mark}
+    return moved
 
 
 def _canonical_schemas(body: dict, applied: list[str]) -> None:
@@ -309,7 +356,7 @@ def _canonical_schemas(body: dict, applied: list[str]) -> None:
         applied.append("tool-schemas-canonical")
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and isinstance(fmt.get("json_schema"), dict):
-        canon = _sorted_keys(fmt["json_schema"])
+        canon = _sorted_schema_keys(fmt["json_schema"])
         if _key_order_differs(fmt["json_schema"], canon):
             body["response_format"] = {**fmt, "json_schema": canon}
             applied.append("response-schema-canonical")

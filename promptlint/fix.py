@@ -6,7 +6,9 @@
   (a YAML dump would drop them).
 - Templates: lines holding a value that the template marks as movable (``promptlint: movable`` on
   the line, or front matter ``movable: [var, ...]``) and that a PC001/PC002/PC003 finding flagged
-  move, in order, to the end of the template.
+  move, in order, to the end of the template. A marked Jinja block tag moves with its whole block; a
+  line inside a block, one that binds a name, or one that also holds an unmarked value stays, with a
+  ``not fixed`` note saying why (:mod:`promptlint.moves`). A result that does not parse is not written.
 
 Every fix is idempotent: a second run finds nothing to change.
 
@@ -29,6 +31,8 @@ import yaml
 from promptlint.canon import canonicalize
 from promptlint.linter import FileResult
 from promptlint.loader import REQUEST_EXTS
+from promptlint.model import PromptDoc
+from promptlint.moves import plan
 
 _MOVE_CODES = {"PC001", "PC002", "PC003"}
 _YAML_COMMENT = re.compile(r"^\s*#|\s#", re.MULTILINE)
@@ -108,21 +112,38 @@ def _fix_template(result: FileResult, lines_to_move: set[int], roots: Sequence[P
     if doc.path.suffix.lower() in REQUEST_EXTS:
         # The template is a string inside YAML/JSON: moving raw lines could break the document.
         return ["not fixed: move the marked lines by hand in a YAML/JSON template"]
+    move = plan(doc, lines_to_move)
+    notes = [f"not fixed: line {line} stays: {why}" for line, why in sorted(move.refused.items())]
+    if not move.units:
+        return notes
     all_lines = doc.raw.split("\n")
     head, body = all_lines[: doc.body_line - 1], all_lines[doc.body_line - 1 :]
-    idx = sorted(n - doc.body_line for n in lines_to_move if 0 <= n - doc.body_line < len(body))
-    if not idx:
-        return []
-    moved = [body[i] for i in idx]
-    rest = [x for i, x in enumerate(body) if i not in set(idx)]
+    moving = {n - doc.body_line for u in move.units for n in range(u.first, u.last + 1)}
+    moved = [x for i, x in enumerate(body) if i in moving]
+    rest = [x for i, x in enumerate(body) if i not in moving]
     while rest and not rest[-1].strip():
         rest.pop()
-    # Already at the end (after trailing blank lines): nothing to do. This keeps --fix idempotent.
-    tail = body[: len(body)]
-    while tail and not tail[-1].strip():
-        tail.pop()
-    if tail[-len(moved) :] == moved:
-        return []
     new_body = rest + moved + [""]
-    _write(doc.path, "\n".join(head + new_body), roots)
-    return [f"moved line {doc.body_line + i} to the end" for i in idx]
+    # Already at the end (up to trailing blank lines): nothing to do. This keeps --fix idempotent.
+    if "\n".join(new_body).rstrip() == "\n".join(body).rstrip():
+        return notes
+    new_text = "\n".join(head + new_body)
+    if _breaks_jinja(doc, "\n".join(new_body)):
+        return [*notes, "not fixed: moving the marked lines would leave an invalid Jinja template"]
+    _write(doc.path, new_text, roots)
+    done = [f"moved line {u.first} to the end" if u.first == u.last else f"moved lines {u.first}-{u.last} to the end"
+            for u in move.units]
+    return [*done, *notes]
+
+
+def _breaks_jinja(doc: PromptDoc, new_body: str) -> bool:
+    """A last guard: the rewritten body of a Jinja template must still parse."""
+    if str(doc.meta.get("syntax", "auto")) not in ("auto", "jinja") or not ("{%" in new_body or "{#" in new_body):
+        return False
+    import jinja2  # deferred: only a Jinja --fix pays for it
+
+    try:
+        jinja2.Environment().parse(new_body)
+    except jinja2.TemplateSyntaxError:
+        return True
+    return False

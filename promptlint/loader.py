@@ -221,9 +221,8 @@ def _load_template(
     else:
         body = raw
     ext = path.suffix.lower()
-    syntax = str(meta.get("syntax", "auto"))
-    if syntax not in ("auto", "jinja", "format", "dollar", "none"):
-        raise _Invalid(f"front matter 'syntax' must be auto, jinja, format, dollar or none, not {syntax!r}")
+    # A Jinja file is read as Jinja: ``$HOME`` or ``{answer: string}`` in it is literal text.
+    syntax = _syntax(meta, "jinja" if ext in JINJA_EXTS else "auto", "front matter 'syntax'")
     if "{%" in body or "{#" in body:
         _check_jinja(body, body_line)
     elif ext in JINJA_EXTS or syntax == "jinja":
@@ -239,6 +238,13 @@ def _load_template(
             # times and ids written into a file are what a rendered prompt was captured with.
             e.dyn, e.literal = None, False
     return PromptDoc(path, shown, "template", raw, meta, elements, body_line=body_line)
+
+
+def _syntax(meta: dict[str, Any], default: str, where: str) -> str:
+    syntax = str(meta.get("syntax", default))
+    if syntax not in ("auto", "jinja", "format", "dollar", "none"):
+        raise _Invalid(f"{where} must be auto, jinja, format, dollar or none, not {syntax!r}")
+    return syntax
 
 
 _JINJA_ENV = None
@@ -428,14 +434,16 @@ def _request_doc(
             line, cursor = _locate(raw, text, cursor, ext)
             index = _line_index_for(text, line, ext)
         indexes.append(index)
-    split = [split_text(text, role, index, "auto", classes) for (role, text, _, _), index in zip(blocks, indexes)]
-    # A file whose messages hold template variables is a request template: its variables are the
-    # dynamic parts. Otherwise it is a sample request, whose last user message is the input.
-    has_placeholders = any(e.dyn is not None and not e.literal for parts in split for e in parts)
+    syntax = _syntax(meta, "auto", "promptlint.syntax")
+    split = [split_text(text, role, index, syntax, classes) for (role, text, _, _), index in zip(blocks, indexes)]
+    # The last user message is the request's input unless it holds a template variable itself (then
+    # its variables are the input). Decided by that message alone: a stray ``${HOME}`` in another
+    # message of a sample request must not turn the real question into cacheable static text.
     last_user = max((k for k, b in enumerate(blocks) if b[0] == "user"), default=None)
+    input_is_literal = last_user is not None and not any(e.dyn is not None and not e.literal for e in split[last_user])
     for k, ((role, text, _where, cc), index, parts) in enumerate(zip(blocks, indexes, split)):
         line, column = index.at(0)
-        if not has_placeholders and k == last_user:
+        if input_is_literal and k == last_user:
             # A sample request: its last user message is the per-request input.
             elements.append(Element(text, role, line, column, dyn="input", name="last user message", breakpoint=cc))
             continue

@@ -46,6 +46,9 @@ class Element:
     is_tools: bool = False
     breakpoint: bool = False  # an Anthropic cache_control breakpoint ends here
     literal: bool = False  # a value written out in the file (a date, ``user: Alice``), not a variable
+    # The innermost Jinja block this element lies in (``if is_beta``), "" at the top level: a line in a
+    # block renders only when the block does, so it may not move out of it on its own.
+    block: str = ""
     tokens: int = 0
 
 

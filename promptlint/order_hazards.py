@@ -4,7 +4,8 @@ A prefix cache hits only on identical bytes. Three common ways application code 
 between two requests that mean the same thing:
 
 - ``random.shuffle(tools)`` / ``random.sample(examples, k)``: a new order every call;
-- iterating a set (``for t in set(names)``, ``list({...})``, ``[f(x) for x in some_set]``): the order
+- iterating a set (``for t in set(names)``, ``list({...})``, ``[f(x) for x in some_set]``,
+  ``", ".join(some_set)``, ``str(some_set)``, ``f"{some_set}"``): the order
   of ``str`` elements changes between processes (hash randomization), so every worker caches its own;
 - ``json.dumps(obj)`` without ``sort_keys=True``: key order follows however ``obj`` was built.
 
@@ -37,6 +38,9 @@ def find_order_hazards(tree: ast.Module) -> list[OrderHazard]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             found += _call_hazards(node, set_names)
+        elif isinstance(node, ast.FormattedValue) and _is_set(node.value, set_names):
+            found.append(_at(node.value, f"formatting {_src(node.value)} into a string",
+                             "a set's order changes between processes (hash randomization)"))
         elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension) and _is_set(node.iter, set_names):
             found.append(_at(node.iter, f"iterating {_src(node.iter)}",
                              "a set's order changes between processes (hash randomization)"))
@@ -53,6 +57,11 @@ def _call_hazards(call: ast.Call, set_names: set[str]) -> list[OrderHazard]:
     if len(name) == 1 and name[0] in _ORDER_TAKERS and call.args and _is_set(call.args[0], set_names):
         return [_at(call, f"{name[0]}({_src(call.args[0])})",
                     "a set's order changes between processes (hash randomization)")]
+    # ``", ".join(tags)`` (or ``sep.join(tags)``) and ``str(tags)``: the set's order becomes the text.
+    is_join = isinstance(call.func, ast.Attribute) and call.func.attr == "join" and len(call.args) == 1
+    if (is_join or name == ["str"]) and call.args and _is_set(call.args[0], set_names):
+        what = f"{_src(call.func)}({_src(call.args[0])})"
+        return [_at(call, what, "a set's order changes between processes (hash randomization)")]
     return []
 
 

@@ -4,6 +4,9 @@ A template's text is cut at every placeholder (Jinja ``{{ x }}``/``{% if %}``, `
 every literal dynamic value (``canon.find_dynamic_spans``) and every ``user_name: Alice``-style line of
 a per-user key. Each cut becomes a dynamic :class:`Element` classified by what it holds (see
 ``model.DynClass``): the rules then reason over element order alone.
+
+Each syntax is read by its own rules: in ``str.format`` templates ``{{``/``}}`` are literal braces;
+the text of a Jinja ``{% raw %}`` block is literal; a mustache comment ``{{! ... }}`` renders nothing.
 """
 
 from __future__ import annotations
@@ -71,11 +74,17 @@ _PLACEHOLDER_RE = re.compile(
     r"|\{(?<!\{\{)(?P<fmt>[A-Za-z_][\w.]*(?:\[[^\]{}\n]*\])?)(?:![rsa])?(?::[^{}\n]*)?\}(?!\})",
     re.DOTALL,
 )
+# ``str.format`` / LangChain f-string templates: a replacement field. ``{{`` and ``}}`` are escaped
+# braces there (literal text), which ``_format_fields`` skips before trying this.
+_FORMAT_FIELD_RE = re.compile(r"\{(?P<fmt>[A-Za-z_][\w.]*(?:\[[^\]{}\n]*\])?)(?:![rsa])?(?::[^{}\n]*)?\}")
+_RAW_END = re.compile(r"\{%-?\s*endraw\s*-?%\}")
 _SYNTAX_GROUPS = {
     "jinja": {"jcomment", "jexpr", "jstmt"},
-    "format": {"fmt", "jexpr"},  # ``{{var}}`` (mustache) is allowed in format-style templates too
+    "format": {"fmt"},
     "dollar": {"dbrace", "dollar"},
 }
+# Jinja statements that open a block closed by ``end<name>`` (``set`` only in its block form, without ``=``).
+_BLOCK_STATEMENTS = {"for", "if", "macro", "call", "filter", "with", "autoescape", "block", "trans", "set"}
 # Jinja statements after which the rendered text depends on data.
 _CONTROL_STATEMENTS = {"if", "elif", "else", "for", "include", "call", "macro", "import", "from", "extends"}
 _IDENT = re.compile(r"[A-Za-z_]\w*")
@@ -84,41 +93,108 @@ _NEWLINE = re.compile(r"\n")
 
 def _placeholder(m: re.Match[str]) -> tuple[DynClass, str] | None:
     """Classify one placeholder match; ``None`` for text that renders to nothing (comments, ``set``)."""
-    if m.group("jcomment") is not None:
+    groups = m.groupdict()
+    if groups.get("jcomment") is not None:
         return None
-    if (expr := m.group("jexpr")) is not None:
+    if (expr := groups.get("jexpr")) is not None:
+        if expr.startswith(("!", "/")):  # mustache comment ``{{! note }}`` / section end ``{{/items}}``
+            return None
+        if expr.startswith(("#", "^", ">")):  # mustache section, inverted section, partial
+            return "control", expr
         ident = _IDENT.search(expr)
         name = ident.group() if ident else expr.strip()
         if _VOLATILE_CALL.search(expr):
             return "volatile", name
         return classify_name(expr.split("|")[0]), name
-    if (stmt := m.group("jstmt")) is not None:
+    if (stmt := groups.get("jstmt")) is not None:
         if stmt in _CONTROL_STATEMENTS:
             rest = m.group("jrest").strip()
             return "control", f"{stmt} {rest}".strip()
         return None
-    name = m.group("dbrace") or m.group("dollar") or m.group("fmt")
+    name = groups.get("dbrace") or groups.get("dollar") or groups.get("fmt")
+    assert name is not None, "placeholder regex matched no alternative"
     return classify_name(name), name
 
 
-def _placeholders(text: str):
+def _placeholders(text: str, syntax: str):
+    """The placeholder matches of ``text`` under ``syntax``'s own rules, in order."""
+    if syntax == "format":
+        return _format_fields(text)
+    return _template_placeholders(text, jinja=syntax in ("auto", "jinja"))
+
+
+def _template_placeholders(text: str, jinja: bool):
     """``_PLACEHOLDER_RE.finditer(text)``, but only tried where a ``{`` or ``$`` is: every placeholder
-    starts with one, and a regex alternation scans slowly through the long static text between."""
+    starts with one, and a regex alternation scans slowly through the long static text between.
+    The text of a Jinja ``{% raw %}...{% endraw %}`` block is literal: only its two tags are matched."""
     pos = 0
     while (i := find_any(text, "{$", pos)) >= 0:
         m = _PLACEHOLDER_RE.match(text, i)
         if m is None:
             pos = i + 1
-        else:
+            continue
+        yield m
+        pos = max(m.end(), i + 1)
+        if jinja and m.group("jstmt") == "raw" and (end := _RAW_END.search(text, pos)) is not None:
+            yield end  # matches no named group of the scanner: renders nothing
+            pos = end.end()
+
+
+def _format_fields(text: str):
+    """The replacement fields of a ``str.format`` template, read left to right as ``str.format`` does:
+    ``{{`` and ``}}`` are literal braces, so ``{{"answer": ...}}`` holds no field and ``{{{x}}}`` one."""
+    pos = 0
+    while (i := find_any(text, "{}", pos)) >= 0:
+        if text.startswith("{{", i) or text.startswith("}}", i):
+            pos = i + 2
+        elif text[i] == "{" and (m := _FORMAT_FIELD_RE.match(text, i)) is not None:
             yield m
-            pos = max(m.end(), i + 1)
+            pos = m.end()
+        else:
+            pos = i + 1
 
 
 def _style(m: re.Match[str]) -> str:
+    groups = m.groupdict()
     for group in ("jcomment", "jexpr", "jstmt", "dbrace", "dollar", "fmt"):
-        if m.group(group) is not None:
+        if groups.get(group) is not None:
             return group
-    raise AssertionError("placeholder regex matched no alternative")
+    return "jstmt"  # an ``{% endraw %}`` tag (``_RAW_END``)
+
+
+class _BlockMap:
+    """Offset -> the innermost Jinja block open there, from the statements met in text order."""
+
+    def __init__(self) -> None:
+        self._stack: list[str] = []
+        self._at: list[int] = [0]
+        self._block: list[str] = [""]
+
+    def statement(self, m: re.Match[str]) -> None:
+        stmt, rest = m.group("jstmt"), m.group("jrest").strip()
+        if stmt.startswith("end") and self._stack:
+            self._stack.pop()
+        elif stmt in _BLOCK_STATEMENTS and not (stmt == "set" and "=" in rest):
+            self._stack.append(f"{stmt} {rest}".strip())
+        else:
+            return
+        self._at.append(m.end())
+        self._block.append(self._stack[-1] if self._stack else "")
+
+    def section(self, m: re.Match[str]) -> None:
+        """A mustache section: ``{{#items}}``/``{{^items}}`` opens one, ``{{/items}}`` closes it."""
+        expr = m.group("jexpr")
+        if expr.startswith("/") and self._stack:
+            self._stack.pop()
+        elif expr.startswith(("#", "^")):
+            self._stack.append(m.group().strip("{} "))
+        else:
+            return
+        self._at.append(m.end())
+        self._block.append(self._stack[-1] if self._stack else "")
+
+    def at(self, offset: int) -> str:
+        return self._block[bisect_right(self._at, offset) - 1]
 
 
 class LineIndex:
@@ -148,10 +224,16 @@ def split_text(
     """
     allowed = None if syntax == "auto" else _SYNTAX_GROUPS.get(syntax, set())
     cuts: list[tuple[int, int, DynClass, str, bool]] = []
-    for m in _placeholders(text):
-        if allowed is not None and _style(m) not in allowed:
+    blocks = _BlockMap()
+    for m in _placeholders(text, syntax):
+        style = _style(m)
+        if allowed is not None and style not in allowed:
             continue
-        got = _placeholder(m)
+        if style == "jstmt" and m.re is _PLACEHOLDER_RE:
+            blocks.statement(m)
+        elif style == "jexpr":
+            blocks.section(m)
+        got = None if m.re is _RAW_END else _placeholder(m)
         if got is None:
             cuts.append((m.start(), m.end(), "placeholder", "", False))  # renders to nothing: drop the text
             continue
@@ -175,14 +257,15 @@ def split_text(
     for start, end, cls, name, is_literal in cuts:
         if start > pos:
             line, col = lines.at(offset + pos)
-            elements.append(Element(text[pos:start], role, line, col))
+            elements.append(Element(text[pos:start], role, line, col, block=blocks.at(pos)))
         if name:  # a dropped comment/set has no name and adds no element
             line, col = lines.at(offset + start)
-            elements.append(Element(text[start:end], role, line, col, dyn=cls, name=name, literal=is_literal))
+            elements.append(Element(text[start:end], role, line, col, dyn=cls, name=name, literal=is_literal,
+                                    block=blocks.at(start)))
         pos = end
     if pos < len(text):
         line, col = lines.at(offset + pos)
-        elements.append(Element(text[pos:], role, line, col))
+        elements.append(Element(text[pos:], role, line, col, block=blocks.at(pos)))
     return elements
 
 

@@ -15,10 +15,13 @@ Example:
 Fix:
     Sort tools by name and serialise schemas with sorted keys (``json.dumps(..., sort_keys=True)``).
     ``promptlint check --fix`` rewrites the file that way (only order changes); the gateway's
-    ``safe`` canonicalization does the same per request.
+    ``safe`` canonicalization does the same per request. A ``cache_control`` mark on the last tool
+    moves to the new last tool; a list with a mark on another tool is not sorted (the mark would
+    then cache a different set of tools). The field names under a response schema's
+    ``properties`` keep their order: it is the order the model writes the fields in.
 """
 
-from promptlint.canon import canonicalize, tool_name
+from promptlint.canon import canonicalize, tool_name, tool_sort_blocker
 from promptlint.model import Finding
 
 CODE = "PC004"
@@ -36,11 +39,18 @@ def check(doc, ctx):
         return
     applied = canonicalize(probe, "safe").applied
     line = next((e.line for e in doc.elements if e.is_tools), 1)
+    tools = doc.body.get("tools") or doc.body.get("functions") or []
+    names = ", ".join(tool_name(t) for t in tools) if isinstance(tools, list) else ""
+    blocker = tool_sort_blocker(tools) if isinstance(tools, list) else ""
     if "tools-sorted" in applied:
-        names = ", ".join(tool_name(t) for t in doc.body.get("tools") or doc.body.get("functions") or [])
         yield Finding(CODE, doc.display, line, 1,
                       f"tools are not sorted by name ({names}); any other order is a different prefix",
                       SEVERITY, True)
+    elif blocker and [tool_name(t) for t in tools] != sorted(tool_name(t) for t in tools):
+        yield Finding(CODE, doc.display, line, 1,
+                      f"tools are not sorted by name ({names}); any other order is a different prefix. "
+                      f"--fix does not sort them: {blocker}; sort them by hand and put the breakpoint on "
+                      "the last tool", SEVERITY, False)
     if "tool-schemas-canonical" in applied or "response-schema-canonical" in applied:
         what = "tool schemas" if "tool-schemas-canonical" in applied else "the response schema"
         yield Finding(CODE, doc.display, line, 1,

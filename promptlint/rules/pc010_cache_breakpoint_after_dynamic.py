@@ -2,8 +2,9 @@
 
 What:
     A ``cache_control`` breakpoint sits on or after a block that holds a volatile value, a per-user
-    value or a template variable, so the cached prefix it writes includes that value. (A breakpoint
-    on the last user message, the usual multi-turn pattern, is fine.)
+    value, a template variable or the request's input (``{{documents}}``), so the cached prefix it
+    writes includes that value. (Input in the last user message, with a breakpoint on it, is the
+    usual multi-turn pattern and is fine.)
 
 Why:
     The breakpoint pays the cache-write premium (1.25x input price) on every request, and the entry
@@ -27,11 +28,23 @@ SUMMARY = "a cache_control breakpoint comes after dynamic content"
 FIXABLE = False
 
 
+def _last_user_message(doc) -> range:
+    """Indices of the elements of the last user message (the trailing run of ``user`` elements)."""
+    last = max((i for i, e in enumerate(doc.elements) if e.role == "user"), default=-1)
+    first = last
+    while first > 0 and doc.elements[first - 1].role == "user":
+        first -= 1
+    return range(first, last + 1)
+
+
 def check(doc, ctx):
+    exempt = _last_user_message(doc)
     first_dyn = None
     late = []
-    for e in doc.elements:
-        if first_dyn is None and e.dyn in ("volatile", "per-user", "placeholder", "control"):
+    for i, e in enumerate(doc.elements):
+        # Any dynamic value counts, the request's input ({{documents}}, {{question}}) included, except
+        # in the last user message: a breakpoint there is the usual multi-turn pattern.
+        if first_dyn is None and e.dyn is not None and i not in exempt:
             first_dyn = e
         if e.breakpoint and first_dyn is not None:
             late.append(e)

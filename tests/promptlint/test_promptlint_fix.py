@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import yaml
 
 from tests.promptlint.promptlint_paths import EXAMPLES, FIXTURES
@@ -102,3 +103,122 @@ def test_fix_respects_front_matter_movable(run_cli, tmp_path):
     assert res.code == 0, res.out + res.err
     assert path.read_text().rstrip().endswith("Current date: {{ current_date }}")
     assert path.read_text().startswith("---\nmovable: [current_date]\n---\nYou are Acme")
+
+
+def _parses_as_jinja(text: str) -> bool:
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return True
+
+
+_STATIC = ("You are the support agent of Acme. Follow the refund policy, escalate outages, never share "
+           "internal notes, keep answers short.\n") * 3
+
+
+@pytest.mark.parametrize("mark", ["front-matter", "comment"])
+def test_fix_moves_a_marked_jinja_block_whole_and_stays_valid(run_cli, tmp_path, mark):
+    """The audit's repro: marking the ``{% for %}`` line movable used to move that line alone, leaving
+    an ``{% endfor %}`` without its ``{% for %}`` (PC000), and a second --fix said "nothing to fix"."""
+    src = (EXAMPLES / "rag" / "answer_v1.j2").read_text()
+    if mark == "front-matter":
+        text = "---\nmovable: [for doc in documents]\n---\n" + src
+    else:
+        text = "---\nrole: system\n---\n" + src.replace("{% for doc in documents %}", "{% for doc in documents %}{# promptlint: movable #}")
+    path = tmp_path / "answer.j2"
+    path.write_text(text)
+    res = run_cli("check", str(path), "--fix", "--format", "json")
+    assert "moved lines 6-9 to the end" in res.err, res.err
+    after = path.read_text()
+    assert _parses_as_jinja(after.split("---\n", 2)[2])
+    assert "PC000" not in {f["code"] for f in json.loads(res.out)["findings"]}
+    block = after.rstrip().split("\n")[-4:]
+    assert block[0].startswith("{% for doc in documents %}") and block[-1] == "{% endfor %}"
+    assert sorted(text.strip().split("\n")) == sorted(after.strip().split("\n"))
+    again = run_cli("check", str(path), "--fix")
+    assert "nothing to fix" in again.err and path.read_text() == after
+
+
+def test_pc001_hint_on_a_block_tag_names_the_mark_that_fix_honours(run_cli, tmp_path):
+    path = _copy(EXAMPLES / "rag" / "answer_v1.j2", tmp_path)
+    found = json.loads(run_cli("check", str(path), "--format", "json").out)["findings"]
+    pc001 = next(f for f in found if f["code"] == "PC001")
+    assert "movable: [for doc in documents]" not in pc001["message"]
+    assert "mark its opening line `{# promptlint: movable #}` and --fix moves the block" in pc001["message"]
+
+
+def test_fix_never_moves_a_line_out_of_its_block(run_cli, tmp_path):
+    """A marked line inside ``{% if is_beta %}`` moved to the end would render for everyone."""
+    text = "{% if is_beta %}\nBeta build as of {{ today }} {# promptlint: movable #}\n{% endif %}\n" + _STATIC
+    text += "Question: {{ question }}\n"
+    path = tmp_path / "cond.j2"
+    path.write_text(text)
+    res = run_cli("check", str(path), "--fix", "--format", "json")
+    assert path.read_text() == text and "nothing to fix" in res.err
+    pc002 = next(f for f in json.loads(res.out)["findings"] if f["code"] == "PC002")
+    assert not pc002["fixable"]
+    assert "it is marked movable, but --fix leaves it: it lies inside `{% if is_beta %}" in pc002["message"]
+
+
+def test_fix_does_not_drag_an_unmarked_value_along(run_cli, tmp_path):
+    text = "---\nmovable: [current_date]\n---\nHello {user_name}, today is {current_date}.\n" + _STATIC
+    path = tmp_path / "two.txt"
+    path.write_text(text)
+    res = run_cli("check", str(path), "--fix", "--format", "json")
+    assert path.read_text() == text
+    found = json.loads(res.out)["findings"]
+    assert {f["code"] for f in found} == {"PC002", "PC003"}  # user_name's PC003 is still reported
+    pc002 = next(f for f in found if f["code"] == "PC002")
+    assert "line 4 also holds {user_name}, which is not marked movable" in pc002["message"]
+
+
+def test_fix_keeps_the_response_schema_field_order(run_cli, tmp_path):
+    """OpenAI Structured Outputs write fields in schema order: reasoning must stay before answer."""
+    body = {
+        "model": "gpt-4o",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "grade", "strict": True, "schema": {
+            "type": "object", "additionalProperties": False, "required": ["reasoning", "answer"],
+            "properties": {"reasoning": {"type": "string"}, "answer": {"type": "string"}}}}},
+        "messages": [{"role": "system", "content": _STATIC}, {"role": "user", "content": "grade this"}],
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(body, indent=2))
+    res = run_cli("check", str(path), "--fix")
+    after = json.loads(path.read_text())
+    schema = after["response_format"]["json_schema"]["schema"]
+    assert list(schema["properties"]) == ["reasoning", "answer"]
+    assert list(schema) == sorted(schema)  # other keys are still canonical
+    assert after["response_format"] == body["response_format"] and res.code == 0
+
+
+def _anthropic_tools(marked: list[int]) -> dict:
+    # keys already in canonical order: only the tool order is in question
+    tools = [{"description": f"{name} tool", "input_schema": {"type": "object"}, "name": name}
+             for name in ("search_code", "read_file", "list_dir")]
+    for i in marked:
+        tools[i] = dict(sorted({**tools[i], "cache_control": {"type": "ephemeral"}}.items()))
+    return {"model": "claude-sonnet-4-5", "tools": tools, "system": _STATIC,
+            "messages": [{"role": "user", "content": "Review my diff"}]}
+
+
+def test_fix_sorting_tools_keeps_the_breakpoint_on_the_last_tool(run_cli, tmp_path):
+    path = tmp_path / "anth.json"
+    path.write_text(json.dumps(_anthropic_tools([2]), indent=2))
+    res = run_cli("check", str(path), "--fix")
+    assert "tools-sorted" in res.err
+    tools = json.loads(path.read_text())["tools"]
+    assert [t["name"] for t in tools] == ["list_dir", "read_file", "search_code"]
+    assert [i for i, t in enumerate(tools) if "cache_control" in t] == [2]  # still covers every tool
+
+
+def test_fix_does_not_sort_tools_when_a_breakpoint_sits_before_the_last(run_cli, tmp_path):
+    path = tmp_path / "anth.json"
+    text = json.dumps(_anthropic_tools([1]), indent=2)
+    path.write_text(text)
+    res = run_cli("check", str(path), "--fix", "--format", "json")
+    assert path.read_text() == text
+    pc004 = next(f for f in json.loads(res.out)["findings"] if f["code"] == "PC004")
+    assert not pc004["fixable"] and "--fix does not sort them: a cache_control breakpoint on tool read_file" in pc004["message"]

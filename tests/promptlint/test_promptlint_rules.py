@@ -95,3 +95,66 @@ def test_rules_lists_every_code(run_cli):
     res = run_cli("rules")
     assert res.code == 0
     assert [line.split()[0] for line in res.out.splitlines()] == CODES
+
+
+_POLICY = ("You are the support agent of Acme. Follow the refund policy, escalate outages to on-call, never "
+           "share internal notes, keep answers short and polite.\n") * 3
+
+
+@pytest.mark.parametrize(
+    ("name", "first_line"),
+    [
+        # str.format / LangChain: ``{{`` and ``}}`` are literal braces
+        ("langchain.txt", '---\nsyntax: format\n---\nReply with JSON like {{"answer": "...", "sources": []}}.'),
+        # Jinja raw blocks are literal text
+        ("raw.j2", "{% raw %}Users write templates like {{ name }} and {{ today }}.{% endraw %}"),
+        # a mustache comment renders nothing
+        ("mustache.txt", "{{! internal note: keep this prompt in sync with v2 }}"),
+        # in a Jinja file, $HOME and {answer: string} are text
+        ("shell.j2", "Explain that $HOME and ${PATH} are set by the shell."),
+        ("shape.j2", "Return an object like {answer: string}."),
+    ],
+)
+def test_literal_braces_and_dollars_are_not_placeholders(run_cli, tmp_path, name, first_line):
+    question = "Question: {question}" if name.startswith("langchain") else "Question: {{ question }}"
+    path = tmp_path / name
+    path.write_text(f"{first_line}\n{_POLICY}{question}\n")
+    found = [f for f in _findings(run_cli, path) if f["severity"] != "info"]
+    assert found == []
+
+
+def _fewshot_request(after_user: str) -> dict:
+    return {"model": "gpt-4o", "messages": [
+        {"role": "system", "content": _POLICY},
+        {"role": "user", "content": "How do I see hidden files?"},
+        {"role": "system", "content": after_user * 10},
+    ]}
+
+
+def test_a_stray_dollar_var_does_not_turn_a_sample_request_into_a_template(run_cli, tmp_path):
+    """The user's real question is the input whatever another message holds: PC006 still fires."""
+    example = "Example 1:\nQ: how do I list files?\nA: use ls -la in the ${HOME}.\n"
+    path = tmp_path / "fewshot.json"
+    path.write_text(json.dumps(_fewshot_request(example), indent=2))
+    found = _findings(run_cli, path)
+    pc006 = [f for f in found if f["code"] == "PC006"]
+    assert len(pc006) == 1 and "How do I see hidden files?" in pc006[0]["message"]
+
+
+def test_pc010_breakpoint_after_retrieved_documents(run_cli, tmp_path):
+    body = {"model": "claude-sonnet-4", "system": [
+        {"type": "text", "text": "Context documents: {{documents}}"},
+        {"type": "text", "text": _POLICY, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": "{{question}}"}]}
+    path = tmp_path / "docs.json"
+    path.write_text(json.dumps(body, indent=2))
+    pc010 = [f for f in _findings(run_cli, path) if f["code"] == "PC010"]
+    assert len(pc010) == 1 and "{{documents}}" in pc010[0]["message"] and pc010[0]["line"] == 10
+
+
+def test_pc010_breakpoint_on_the_last_user_message_input_is_fine(run_cli, tmp_path):
+    body = {"model": "claude-sonnet-4", "system": _POLICY, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "{{question}}", "cache_control": {"type": "ephemeral"}}]}]}
+    path = tmp_path / "turn.json"
+    path.write_text(json.dumps(body, indent=2))
+    assert "PC010" not in {f["code"] for f in _findings(run_cli, path)}

@@ -137,3 +137,26 @@ def test_escaped_newlines_keep_values_on_their_physical_line(run_cli, tmp_path):
     assert [f["line"] for f in found] == [9]
     src.write_text(src.read_text().replace("+ POLICY\n", "+ POLICY  # promptlint: noqa[PC002]\n"))
     assert not [f for f in _check(run_cli, src)["findings"] if f["code"] == "PC002"]
+
+
+def test_joining_or_formatting_a_set_into_a_prompt_is_pc013(run_cli, tmp_path):
+    path = tmp_path / "tags.py"
+    path.write_text(textwrap.dedent('''\
+        from openai import OpenAI
+
+        client = OpenAI()
+
+
+        def tagged(question, tags):
+            tagset = set(tags)
+            joined = "Allowed topics: " + ", ".join(tagset)
+            shown = f"Tags: {tagset}"
+            stable = "Sorted: " + ", ".join(sorted(tagset))
+            system = joined + shown + stable
+            return client.chat.completions.create(
+                model="gpt-4o",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            )
+        '''))
+    found = [f for f in _check(run_cli, path)["findings"] if f["code"] == "PC013"]
+    assert [(f["line"], f["column"]) for f in found] == [(8, 35), (9, 22)]
