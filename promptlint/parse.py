@@ -14,7 +14,14 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 
-from promptlint.canon import DIGITS, find_any, find_dynamic_spans, lines_with, per_user_line_pattern
+from promptlint.canon import (
+    DIGITS,
+    ForwardFinder,
+    find_any,
+    find_dynamic_spans,
+    lines_with,
+    per_user_line_pattern,
+)
 from promptlint.model import DynClass, Element
 
 # Variable-name vocabularies; matched against the name's words (split on _ . - and camelCase).
@@ -128,7 +135,8 @@ def _template_placeholders(text: str, jinja: bool):
     starts with one, and a regex alternation scans slowly through the long static text between.
     The text of a Jinja ``{% raw %}...{% endraw %}`` block is literal: only its two tags are matched."""
     pos = 0
-    while (i := find_any(text, "{$", pos)) >= 0:
+    finder = ForwardFinder(text, "{$")
+    while (i := finder.find(pos)) >= 0:
         m = _PLACEHOLDER_RE.match(text, i)
         if m is None:
             pos = i + 1
@@ -144,7 +152,8 @@ def _format_fields(text: str):
     """The replacement fields of a ``str.format`` template, read left to right as ``str.format`` does:
     ``{{`` and ``}}`` are literal braces, so ``{{"answer": ...}}`` holds no field and ``{{{x}}}`` one."""
     pos = 0
-    while (i := find_any(text, "{}", pos)) >= 0:
+    finder = ForwardFinder(text, "{}")
+    while (i := finder.find(pos)) >= 0:
         if text.startswith("{{", i) or text.startswith("}}", i):
             pos = i + 2
         elif text[i] == "{" and (m := _FORMAT_FIELD_RE.match(text, i)) is not None:

@@ -105,3 +105,16 @@ def test_reorder_system_prompt_is_byte_stable_across_dynamic_values(slots):
         return json.dumps(head).encode()
 
     assert prefix(0) == prefix(1)
+
+
+@given(st.text(alphabet="ab{$}\n", max_size=60), st.lists(st.integers(0, 70), max_size=12), st.sampled_from(["{$", "{}", "$"]))
+@settings(max_examples=300, deadline=None)
+def test_forward_finder_answers_as_find_any_at_increasing_positions(text, steps, chars):
+    """The scanners' loops ask for positions that never decrease; the finder remembers each
+    character's next index (one search per character, not one per call) and must answer exactly
+    as ``find_any`` does at every position."""
+    from promptlint.canon import ForwardFinder, find_any
+
+    finder = ForwardFinder(text, chars)
+    for pos in sorted(steps):
+        assert finder.find(pos) == find_any(text, chars, pos)
