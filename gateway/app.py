@@ -216,6 +216,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned_engine = owned_tenancy = None
+        app.state.inflight.reopen()
         if app.state.engine is None:
             owned_engine = app.state.engine = _build_local_engine(settings, registry)
             if owned_engine is not None:

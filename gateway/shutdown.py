@@ -97,6 +97,12 @@ class InFlight:
     def begin_draining(self) -> None:
         self.draining = True
 
+    def reopen(self) -> None:
+        """The app's lifespan starts (again): serve. An app object may be started and stopped more
+        than once (an embedding host, a test client per test); a past shutdown must not refuse the
+        next run's requests."""
+        self.draining = False
+
     def stop_all(self) -> int:
         """Cancel every request still in flight (the grace period is over); how many there were."""
         running = [r for r in self._requests if not r.requested]

@@ -165,3 +165,16 @@ def test_draining_server_says_so_on_health_and_refuses_new_requests(app_with_fak
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "server_shutting_down"
         assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_app_started_again_after_a_shutdown_serves(app_with_fakes):
+    """A shutdown leaves the app draining; the next lifespan (an embedding host restarting it, a test
+    client per test) must serve again, not refuse every request as shutting down."""
+    app, key = app_with_fakes
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(2):
+        with TestClient(app) as client:
+            assert client.get("/health").status_code == 200
+            answer = client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json=chat)
+            assert answer.status_code == 200, answer.text
+        assert app.state.inflight.draining  # the lifespan's end drained it
