@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from wire_server import FORCED, error_of, poster, tiny_server
+from wire_server import FORCED, error_of
 
 from engine.models.tiny import TINY_DIMS
 
@@ -20,22 +20,6 @@ VOCAB = TINY_DIMS["vocab_size"]  # the first token id outside the vocabulary
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Write something"}], "max_tokens": 2}
 COMPLETION = {"model": "tiny", "prompt": "Write something", "max_tokens": 2}
 BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from tiny_server(tmp_path_factory.mktemp("pg-wire-errors"))
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    url, key = server
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def post(server):
-    return poster(*server)
 
 
 # -- the engine's refusals name their field ---------------------------------------------------------------

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import anthropic
 import pytest
-from wire_server import poster, tiny_server
+from wire_server import poster
 
 from gateway.anthropic_api import MessagesRequest, chat_body
 
 CLOCK = {"name": "get_time", "input_schema": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
                                               "required": ["tz"], "additionalProperties": False}}
 GREEDY = {"temperature": 0}  # sent as extra_body: this SDK's create() takes no temperature argument
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from tiny_server(tmp_path_factory.mktemp("pg-wire-messages"))
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pydantic
 import pytest
-from wire_server import error_of, max_model_len, poster, tiny_server
+from wire_server import error_of, max_model_len
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12}, "population": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -32,22 +31,6 @@ class City(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     city: str = pydantic.Field(max_length=12)
     population: int = pydantic.Field(ge=0, le=99)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from tiny_server(tmp_path_factory.mktemp("pg-wire-responses"))
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    url, key = server
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def post(server):
-    return poster(*server)
 
 
 # -- #1 text.format -------------------------------------------------------------------------------------

@@ -7,30 +7,13 @@ reruns identically, and a +100 logit_bias makes greedy emit that token (so a tes
 
 from __future__ import annotations
 
-import openai
 import pytest
-from wire_server import FORCED, error_of, max_model_len, poster, tiny_server
+from wire_server import FORCED, error_of, max_model_len
 
 from engine.models.tiny import ENCODING, TINY_DIMS
 from engine.models.tokenizer_build import build_tokenizer
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Write something"}], "max_tokens": 6}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from tiny_server(tmp_path_factory.mktemp("pg-wire-sampling"))
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    url, key = server
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def post(server):
-    return poster(*server)
 
 
 # -- #6 vLLM-style sampling extras: honoured or refused ------------------------------------------------
