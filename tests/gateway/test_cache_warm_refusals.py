@@ -5,26 +5,14 @@ error) and takes a place in the tenant's rate limit (issue 16.9), whether the bo
 from __future__ import annotations
 
 import httpx
-import pytest
 from gateway_fakes import LoopbackServer
 
-from engine.config import EngineConfig
-from engine.launch import build_engine
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, RouteConfig
 from tenancy.service import TenancyService
 from tests.fleetutil import read_rows
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
-
-
-@pytest.fixture
-def tiny_engine(tiny_model_dir):
-    engine = build_engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64))
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
 
 
 def test_warm_refusals_are_in_the_ledger_and_take_rpm(tmp_path, tiny_engine, monkeypatch):

@@ -246,18 +246,6 @@ def test_serve_metrics_flags(tmp_path, monkeypatch):
     assert build_settings(parser.parse_args(["serve", "--model", "none"]), tmp_path).metrics_token == "tok-2"
 
 
-@pytest.fixture
-def tiny_engine(tiny_model_dir):
-    from engine.config import EngineConfig
-    from engine.launch import build_engine
-
-    engine = build_engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=128))
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-
-
 def test_recomputed_prefixes_are_filtered_by_tenant_id_not_by_the_label(tmp_path, tiny_engine):
     """The engine counts recomputed prefixes per tenant id: a tenant sharing another's 32-character
     label, or re-created under a deleted tenant's name, sees none of its rows."""
