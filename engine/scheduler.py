@@ -187,7 +187,7 @@ class Scheduler:
         now = self.clock()
 
         self.running.sort(key=lambda r: (-r.tenant.priority, r.admit_seq))
-        waiting_order = self._waiting_order()
+        waiting_order: list[tuple[tuple[int, float, float], bytes]] | None = None  # on the first prefill chunk
         deferred: list[Request] = []  # prefills that yield to a waiting tenant ranked ahead of theirs
         i = 0
         while i < len(self.running) and budget > 0:
@@ -196,10 +196,13 @@ class Scheduler:
             if n == 0:  # defensive: a running request always has its newest token to compute
                 i += 1
                 continue
-            if n > 1 and self._yields(req, waiting_order):
-                deferred.append(req)
-                i += 1
-                continue
+            if n > 1 and self.waiting:  # decode-only steps never rank the waiting tenants
+                if waiting_order is None:
+                    waiting_order = self._waiting_order()
+                if self._yields(req, waiting_order):
+                    deferred.append(req)
+                    i += 1
+                    continue
             if not self._grow(req, i, req.num_computed_tokens + n, out):
                 continue  # req itself was preempted; running[i] is now the next request
             self._emit(req, n, out, chunks)
