@@ -137,13 +137,6 @@ class BlockPool:
         """Indexed blocks (in use or evictable) of ``namespace``."""
         return self._indexed_by_ns[namespace]
 
-    def _take(self, holder: bytes, block: Block) -> None:
-        held = self._holds.get(holder)
-        if held is None:
-            held = self._holds[holder] = {}
-        held[block.block_id] = held.get(block.block_id, 0) + 1
-        block.holder = holder
-
     # ------------------------------------------------------------------ operations
 
     def allocate(self, n: int, namespace: bytes, holder: bytes | None = None) -> list[int] | None:
@@ -155,6 +148,7 @@ class BlockPool:
         if n > self.num_free:
             return None
         holder = namespace if holder is None else holder
+        held = self._holds.setdefault(holder, {})  # once per call, as in touch
         out: list[int] = []
         for _ in range(n):
             block = self._uncached.popleft()
@@ -162,7 +156,8 @@ class BlockPool:
                 block = self._evict_one()
             block.ref_cnt = 1
             block.namespace = namespace
-            self._take(holder, block)
+            block.holder = holder
+            held[block.block_id] = 1  # a fresh block: nobody held it
             out.append(block.block_id)
         return out
 
