@@ -79,8 +79,10 @@ def main() -> int:
     shutil.copytree(HERE / "prompts", prompts)
     template = prompts / "support.txt"
     sh("-m", "gateway.cli.main", "model", "init-tiny", "--home", str(home))
-    key = json.loads(sh("-m", "gateway.cli.main", "tenant", "create", "shop", "--canon", "off", "--json",
-                        "--home", str(home)).stdout)["api_key"]
+    # --store-miss-context: the ledger keeps the text around each break (off by default), which is what
+    # `promptlint --from-usage` matches against the template in step 3.
+    key = json.loads(sh("-m", "gateway.cli.main", "tenant", "create", "shop", "--canon", "off",
+                        "--store-miss-context", "--json", "--home", str(home)).stdout)["api_key"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
