@@ -8,11 +8,12 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     max_body_bytes = "4MiB"
     node_token_env = "PREFIXGATE_NODE_TOKEN"   # makes this process an engine node (docs/nodes.md)
     metrics_token_env = "PREFIXGATE_METRICS_TOKEN"  # Prometheus scrapes /metrics with this bearer token
+    # $PREFIXGATE_DATABASE_URL / $PREFIXGATE_REDIS_URL beat these two, a flag beats both
     database_url = "postgresql://prefixgate@db:5432/prefixgate"  # shared state of a fleet (default: SQLite under --home)
     redis_url = "redis://redis:6379/0"  # fleet-wide rpm/tpm limits, budgets and revocation (default: per process)
     shutdown_grace_s = 30       # SIGTERM: requests in flight may finish for this long, then are stopped
 
-    [engine]                    # the in-process engine; omit `model` for a gateway-only process
+    [engine]                    # the in-process engine; model = "none" for a gateway-only process
     model = "smol"              # SmolLM2-135M-Instruct (the default), "tiny", or a checkpoint directory
     device = "cpu"
     dtype = "auto"              # compute: auto (fp32 on CPU, bf16 on CUDA) / bf16 / fp16 / fp32
@@ -22,6 +23,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     max_num_seqs = 64           # most requests in one running batch
     max_num_batched_tokens = 2048
     prefill_graph_tokens = 512  # CUDA: one-sequence prefill steps up to this many tokens from graphs (0 = off)
+    max_model_len = 8192        # longest context served (default: the model's, capped by the KV pool)
     threads = 2                 # torch CPU threads (default: torch's choice)
     dram_bytes = "1GiB"
 
@@ -38,7 +40,11 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     node_token_env = "PREFIXGATE_NODE_TOKEN"   # omit for a keyless node (vLLM without --api-key)
     price = "unpriced"          # tokens, no money; or a litellm cost-map model to price as
 
-Secrets never live in the file: routes name the environment variable that holds them.
+Secrets never live in the file: ``node_token_env``, ``metrics_token_env`` and a route's ``api_key_env`` /
+``node_token_env`` name the environment variable that holds them, and a named variable that is unset
+or empty fails start-up. ``node_token`` / ``metrics_token`` themselves (and ``home`` / ``model_dir``,
+which the command line resolves) are refused in a file. [server] and [engine] are one namespace: a key
+is read from either section; the split is for the reader.
 """
 
 from __future__ import annotations
@@ -189,6 +195,9 @@ class GatewaySettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=8)
     prefill_graph_tokens: int = Field(512, ge=0)  # EngineConfig.prefill_graph_tokens (0 = eager prefill)
+    # Longest context served (prompt + output); None = the model's own, capped by the KV pool. On CUDA it
+    # is also the width of the captured block tables (docs/gpu.md): set it to what you serve.
+    max_model_len: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1)
     dram_bytes: int = 0
     nvme_dir: Path | None = None
@@ -242,7 +251,7 @@ class GatewaySettings(BaseModel):
             model_dir=self.model_dir, device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
             block_size=self.block_size, num_kv_blocks=self.kv_blocks, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, prefill_graph_tokens=self.prefill_graph_tokens,
-            num_threads=self.threads,
+            max_model_len=self.max_model_len, num_threads=self.threads,
             dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
             enable_prefix_caching=self.prefix_caching, kv_events_endpoint=self.kv_events_endpoint,
             model_id=self.model if self.model and self.model != str(self.model_dir) else None,
@@ -262,8 +271,17 @@ class GatewaySettings(BaseModel):
         if self.role != "both" and self.model_dir is None:
             raise ValueError(f"role {self.role} needs a local engine (--model DIR or tiny)")
         if self.role != "both" and not self.node_token:
-            raise ValueError(f"role {self.role} needs a node token (--node-token-env): the KV transfer key "
-                             "is derived from it and the split's node calls are authenticated with it")
+            raise ValueError(f"role {self.role} needs a node token (--node-token-env VAR, or node_token_env in "
+                             "[server]): the KV transfer key is derived from it and the split's node calls are "
+                             "authenticated with it")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_settings_agree(self) -> GatewaySettings:
+        """The engine's own checks (max_num_batched_tokens >= block_size, prefill_graph_tokens != 1, ...),
+        run here so that ``prefixgate serve`` reports them before it loads the model, not after."""
+        if self.model_dir is not None:
+            self.engine_config()  # raises ValueError
         return self
 
     @model_validator(mode="after")
@@ -318,15 +336,57 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if not isinstance(part, dict):
             raise ValueError(f"config file {path}: [{section}] must be a table")
         flat.update(part)
-    token_env = flat.pop("node_token_env", None)
-    if token_env:
-        flat["node_token"] = os.environ.get(token_env)
-    metrics_env = flat.pop("metrics_token_env", None)
-    if metrics_env:
-        flat["metrics_token"] = os.environ.get(metrics_env)
+    _refuse_command_line_only_keys(path, flat)
+    for env_key, secret_key in SECRET_ENV_KEYS.items():
+        var = flat.pop(env_key, None)
+        if var:
+            flat[secret_key] = _secret_from_env(path, env_key, var)
     if "routes" in raw:
+        _check_route_env_vars(path, raw["routes"])
         flat["routes"] = raw["routes"]
     unknown = set(raw) - {"server", "engine", "routes"}
     if unknown:
         raise ValueError(f"config file {path}: unknown sections {sorted(unknown)}")
     return flat
+
+
+# `[server]` keys naming the environment variable of a secret -> the setting that holds its value.
+SECRET_ENV_KEYS = {"node_token_env": "node_token", "metrics_token_env": "metrics_token"}
+# Settings a config file may not hold: secrets (their *_env key names the variable instead), and what
+# the command line resolves itself (the state directory, the checkpoint directory behind `model`).
+_NOT_FILE_KEYS = {
+    "node_token": "a secret is not read from the file: name its environment variable with node_token_env",
+    "metrics_token": "a secret is not read from the file: name its environment variable with metrics_token_env",
+    "home": "the state directory is --home (or $PREFIXGATE_HOME), not a config key",
+    "model_dir": "name the checkpoint with `model` (a directory, 'smol' or 'tiny')",
+}
+_ROUTE_ENV_KEYS = ("api_key_env", "node_token_env")
+
+
+def _refuse_command_line_only_keys(path: Path, flat: dict[str, Any]) -> None:
+    for key, why in _NOT_FILE_KEYS.items():
+        if key in flat:
+            raise ValueError(f"config file {path}: `{key}`: {why}")
+
+
+def _secret_from_env(path: Path, key: str, var: str) -> str:
+    """The value of the variable a ``*_env`` key names; an unset or empty one fails start-up, as the
+    flags do: a node whose token did not reach its environment must not start as a non-node."""
+    value = os.environ.get(str(var))
+    if not value:
+        raise ValueError(f"config file {path}: {key} = {var!r}: that environment variable is empty or unset")
+    return value
+
+
+def _check_route_env_vars(path: Path, routes: Any) -> None:
+    """A route's ``api_key_env`` / ``node_token_env`` must name a set variable (omit the key for a
+    keyless upstream). ``tenant_api_key_envs`` is exempt: a tenant without its own key uses the shared one."""
+    if not isinstance(routes, list):
+        return  # the settings model reports the wrong shape
+    for route in routes:
+        if not isinstance(route, dict):
+            continue
+        for key in _ROUTE_ENV_KEYS:
+            var = route.get(key)
+            if var:
+                _secret_from_env(path, f"route {route.get('model')!r}: {key}", var)

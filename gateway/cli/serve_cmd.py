@@ -81,6 +81,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
     p.add_argument("--config", default=None, help="TOML or YAML file with [server], [engine], [[routes]]")
     p.add_argument("--kv-blocks", default=None, help="KV blocks on the device (default: sized by the engine)")
+    p.add_argument("--max-model-len", default=None, metavar="TOKENS",
+                   help="longest context served, prompt + output (default: the model's, capped by the KV cache)")
     p.add_argument("--dram-bytes", default=None, help="CPU DRAM tier size, e.g. 8GiB (default 0: off)")
     p.add_argument("--nvme-dir", default=None, help="directory of the NVMe tier (default <home>/nvme)")
     p.add_argument("--nvme-bytes", default=None, help="NVMe tier size, e.g. 100GiB")
@@ -98,10 +100,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="serve /metrics without authentication (only on a listener tenants cannot reach)")
     p.add_argument("--database-url", default=None, metavar="URL",
                    help="postgresql://USER@HOST:PORT/DB: tenants, keys and the ledger shared by a fleet of gateways "
-                        "(default: the SQLite file under --home; also `database_url` in [server])")
+                        "(default $PREFIXGATE_DATABASE_URL, then `database_url` in [server], "
+                        "else the SQLite file under --home)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="redis://HOST:PORT/0: fleet-wide rate limits, budgets and revocation "
-                        "(default: per process; also `redis_url` in [server])")
+                        "(default $PREFIXGATE_REDIS_URL, then `redis_url` in [server], else per process)")
     p.add_argument("--shutdown-grace-s", default=None, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long requests in flight may finish before they are stopped "
                         "(default 30; also `shutdown_grace_s` in [server])")
@@ -201,7 +204,9 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
              "device": args.device, "kv_blocks": _int_flag("--kv-blocks", args.kv_blocks, 2),
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes),
-             "database_url": getattr(args, "database_url", None), "redis_url": getattr(args, "redis_url", None),
+             "max_model_len": _int_flag("--max-model-len", getattr(args, "max_model_len", None), 1),
+             "database_url": getattr(args, "database_url", None) or _env_url("PREFIXGATE_DATABASE_URL"),
+             "redis_url": getattr(args, "redis_url", None) or _env_url("PREFIXGATE_REDIS_URL"),
              "role": getattr(args, "role", None), "kv_port": _int_flag("--kv-port", getattr(args, "kv_port", None), 0),
              "shutdown_grace_s": _seconds_flag("--shutdown-grace-s", getattr(args, "shutdown_grace_s", None))}
     values.update({k: v for k, v in flags.items() if v is not None})
@@ -228,24 +233,33 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
         raise CLIError(f"--device must be cpu or cuda[:N], got {device!r}")
     if port_hint is not None:
         _check_port_free(str(values.get("host", "127.0.0.1")), int(values.get("port", 8000)), port_hint)
-    database_url = values.get("database_url")
-    if database_url is not None and not isinstance(database_url, str):
-        raise CLIError(f"invalid setting database_url: must be a string, got {database_url!r}")
-    _check_tenancy(home, database_url)  # before the model: a bad URL must not wait for a checkpoint
-    model = values.get("model", "smol")
-    if model == "none":
-        values["model"], values["model_dir"] = None, None
-    else:
-        values["model"], values["model_dir"] = resolve_model(str(model), home)
     values["home"] = home
     if values.get("nvme_bytes") and not values.get("nvme_dir"):  # the NVMe tier lives under --home by default
         values["nvme_dir"] = home / "nvme"
+    model = values.get("model", "smol")
+    # Every setting is checked before anything is opened or loaded: a typo must not wait seconds for
+    # SmolLM2's conversion. The checkpoint's name stands in for its directory until it is resolved.
+    stand_in = (None, None) if model == "none" else (str(model), Path(str(model)))
+    _settings({**values, "model": stand_in[0], "model_dir": stand_in[1]})
+    _check_tenancy(home, values.get("database_url"))  # before the model: a bad URL must not wait for a checkpoint
+    values["model"], values["model_dir"] = (None, None) if model == "none" else resolve_model(str(model), home)
+    return _settings(values)
+
+
+def _env_url(var: str) -> str | None:
+    """$PREFIXGATE_DATABASE_URL / $PREFIXGATE_REDIS_URL, read as the admin commands read them (empty = unset)."""
+    return os.environ.get(var) or None
+
+
+def _settings(values: dict[str, Any]) -> GatewaySettings:
+    """``GatewaySettings(**values)``; the first validation error as one CLIError line."""
     try:
         return GatewaySettings(**values)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ())) or "config"
-        raise CLIError(f"invalid setting {where}: {err.get('msg')}") from None
+        message = str(err.get("msg", "")).removeprefix("Value error, ")
+        raise CLIError(f"invalid setting {where}: {message}") from None
 
 
 def _check_checkpoint(path: Path) -> None:

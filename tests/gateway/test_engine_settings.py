@@ -55,3 +55,36 @@ def test_bad_engine_keys_in_a_config_file_are_named(tmp_path):
     cfg.write_text("[engine]\nblock_size = 12\n")
     with pytest.raises(ValueError, match="block_size"):
         GatewaySettings(**read_config_file(cfg))
+
+
+@pytest.mark.parametrize("engine_keys, message", [
+    ("max_num_batched_tokens = 8", "max_num_batched_tokens >= block_size"),
+    ("prefill_graph_tokens = 1", "prefill_graph_tokens must be 0 (off) or >= 2"),
+    ('max_body = "1MiB"', "max_body"),
+])
+def test_bad_engine_settings_are_reported_before_the_model_is_resolved(tmp_path, capsys, engine_keys, message):
+    """A checkpoint that does not exist would be reported first if the model were resolved first; and
+    without `model` (SmolLM2, converted under the home) nothing is converted before the error."""
+    cfg = tmp_path / "pg.toml"
+    for model_line in (f'model = "{tmp_path / "no-such-checkpoint"}"\n', ""):
+        cfg.write_text(f"[engine]\n{model_line}{engine_keys}\n")
+        assert main(["serve", "--home", str(tmp_path), "--config", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / "models").exists()
+
+
+def test_max_model_len_from_the_config_file_reaches_the_served_model(tmp_path, tiny_model_dir):
+    from engine.launch import build_engine
+
+    cfg = tmp_path / "pg.toml"
+    cfg.write_text(f'[engine]\nmodel = "{tiny_model_dir}"\nkv_blocks = 64\nmax_model_len = 200\n')
+    settings = build_settings(build_parser().parse_args(["serve", "--config", str(cfg)]), tmp_path)
+    flagged = build_settings(build_parser().parse_args(["serve", "--config", str(cfg), "--max-model-len", "96"]),
+                             tmp_path)
+    assert flagged.engine_config().max_model_len == 96  # the flag beats the file
+    engine = build_engine(settings.engine_config())
+    try:
+        assert [card.max_model_len for card in engine.models()] == [200]
+    finally:
+        engine.shutdown()

@@ -17,6 +17,7 @@ from gateway.upstream import normalize_usage
 
 def test_toml_and_yaml_config(tmp_path, monkeypatch):
     monkeypatch.setenv("PG_NODE_TOKEN", "s3cret")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")  # a named variable must be set (test_config_env_vars.py)
     toml = tmp_path / "gw.toml"
     toml.write_text(
         '[server]\nport = 9001\nmax_body_bytes = "1MiB"\nnode_token_env = "PG_NODE_TOKEN"\n'
@@ -61,6 +62,7 @@ def test_config_errors_are_clear(tmp_path):
     (["--model", "/no/such/dir"], "not a checkpoint directory"),
     (["--config", "/no/such.toml"], "cannot read config file"),
     (["--model", "none", "--node-token-env", "PG_UNSET_TOKEN_VAR"], "PG_UNSET_TOKEN_VAR"),
+    (["--model", "none", "--max-model-len", "0"], "--max-model-len must be >= 1"),
 ])
 def test_serve_flag_errors_exit_2_with_one_line(tmp_path, capsys, flags, message):
     assert main(["serve", "--home", str(tmp_path), *flags]) == 2
