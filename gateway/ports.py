@@ -1,7 +1,8 @@
-"""Thin adapters to the sibling packages the gateway depends on (tenancy, promptlint.canon, engine.launch).
+"""Thin adapters to the sibling packages the request path depends on (tenancy, promptlint.canon).
 
-Everything the gateway needs from them goes through this one module, so the rest of the gateway
-codes against small Protocols and tests can inject fakes. The ledger row is tenancy's own
+The request path codes against the small Protocols here, so that tests can inject fakes; the CLI,
+``gateway.app`` (engines through ``engine.launch``) and a few modules import the siblings' public
+modules directly, within the allow-lists of ``.importlinter``. The ledger row is tenancy's own
 ``UsageRecord`` and the errors are tenancy's, so real and fake tenancy take and raise the same types.
 """
 
