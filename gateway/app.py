@@ -33,9 +33,9 @@ from gateway.fleet_index import FleetIndex
 from gateway.kv_event_subscriber import EventSource, KVEventSubscriber
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
-from gateway.node_health import probe_forever
+from gateway.node_health import NodeCollector, probe_forever, probe_once
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
-from gateway.remote import RemoteEngineClient
+from gateway.remote import NodeTimeouts, RemoteEngineClient
 from gateway.routes import (
     cache,
     completions,
@@ -50,7 +50,7 @@ from gateway.routes import (
 from gateway.routes.completions_asgi import CompletionRoutes, replaying
 from gateway.routes.internal import NodeApiMiddleware, NodeDrain, install_drain_signal
 from gateway.routes.ops import FleetCollector, LedgerCollector
-from gateway.routing import Backend, BackendKind, Route, Router
+from gateway.routing import Backend, BackendKind, OutlierPolicy, Route, Router
 from gateway.routing_policy import RoutingPolicy
 from gateway.settings import GatewaySettings
 from gateway.shutdown import STOP_WINDOW_S, InFlight, InFlightMiddleware
@@ -130,26 +130,29 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
         elif rc.prefill_nodes:
             pd_metrics = pd_metrics or DisaggMetrics(registry if registry is not None else CollectorRegistry())
             policy = SplitPolicy(min_split_tokens=rc.split_min_tokens, max_prefill_queue=rc.max_prefill_queue)
-            backends = [Backend(f"node:{url}", BackendKind.NODE, DisaggEngineClient(url, rc.prefill_nodes, rc.node_token,
-                                                                          policy=policy, metrics=pd_metrics), "")
-                        for url in rc.nodes]
+            backends = [Backend(f"node:{name}", BackendKind.NODE, DisaggEngineClient(url, rc.prefill_nodes, rc.node_token,
+                                                                           policy=policy, metrics=pd_metrics), "")
+                        for name, url in zip(rc.names_of_nodes, rc.nodes, strict=True)]
         else:
             tokenizer = None
             if rc.tokenizer:  # one per pool, shared by its clients (RouteConfig checked the directory)
                 from engine.prompt_tokenizer import PromptTokenizer
 
                 tokenizer = PromptTokenizer.from_dir(rc.tokenizer)
-            backends = [Backend(f"node:{url}", BackendKind.NODE, RemoteEngineClient(url, rc.node_token, tokenizer=tokenizer),
+            timeouts = NodeTimeouts(connect=settings.node_connect_timeout_s, read=settings.node_read_timeout_s)
+            backends = [Backend(f"node:{name}", BackendKind.NODE,
+                                RemoteEngineClient(url, rc.node_token, timeouts=timeouts, tokenizer=tokenizer),
                                 "", tokenizer_here=tokenizer is not None)
-                        for url in rc.nodes]
+                        for name, url in zip(rc.names_of_nodes, rc.nodes, strict=True)]
         routes.append(Route(rc.model, backends, max_model_len=rc.max_model_len, extra={"price": rc.price}))
         if rc.kv_events:  # RouteConfig checked: one endpoint per node
-            sources += [EventSource(f"node:{url}", ep) for url, ep in zip(rc.nodes, rc.kv_events, strict=True)]
+            sources += [EventSource(b.label, ep) for b, ep in zip(backends, rc.kv_events, strict=True)]
     index = FleetIndex(settings.fleet_index_max_blocks, settings.fleet_index_ttl_s)
     return Router(routes, policy=RoutingPolicy(settings.routing_policy), load_factor=settings.load_factor,
                   epsilon=settings.route_epsilon, prefix_bytes=settings.route_prefix_bytes,
                   prefix_tokens=settings.route_prefix_tokens, block_size=settings.route_block_size,
-                  index=index, events=KVEventSubscriber(index, sources) if sources else None)
+                  index=index, events=KVEventSubscriber(index, sources) if sources else None,
+                  outliers=OutlierPolicy(settings.node_cooldown_failures, settings.node_cooldown_s))
 
 
 def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> EngineClient | None:
@@ -225,12 +228,9 @@ def create_app(
             owned_tenancy = app.state.tenancy = open_tenancy(
                 settings.home, auth_cache_ttl_s=settings.auth_cache_ttl_s,
                 database_url=settings.database_url, redis_url=settings.redis_url)
-        for client in app.state.router.all_clients():
-            if isinstance(client, RemoteEngineClient):
-                try:
-                    await client.refresh_models()
-                except Exception as exc:  # noqa: BLE001 - a node may start later; routing still works
-                    log.warning("engine node %s: cannot list models yet: %r", client.base_url, exc)
+        # The first probe round: model lists, and one log line per node that is not fit yet (down,
+        # or refusing the node token); a node may start later, routing still works.
+        await probe_once(app.state.router, settings.node_probe_interval_s)
         app.state.router.start_events()
         sampler = asyncio.create_task(_sample_forever(app.state.timeseries))
         prober = asyncio.create_task(probe_forever(app.state.router, settings.node_probe_interval_s))
@@ -272,6 +272,7 @@ def create_app(
     # Cache-miss explanations (bounded memory, per tenant), on the local engine's block grid.
     app.state.miss_tracker = MissTracker(block_size=settings.block_size)
     app.state.router = build_router(settings, registry)
+    registry.register(NodeCollector(app.state.router))  # node up/down, failovers, cool-downs, kv_aware picks
     app.state.tenant_threads = TenantThreads(
         workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
 

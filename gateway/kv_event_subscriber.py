@@ -33,7 +33,7 @@ log = logging.getLogger("prefixgate.kv_events")
 
 @dataclass(frozen=True)
 class EventSource:
-    """A node's label (``node:<url>``, the router's name for it) and its KV event endpoint."""
+    """A node's label (``node:<name>``, the router's name for it) and its KV event endpoint."""
 
     node: str
     endpoint: str

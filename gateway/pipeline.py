@@ -47,7 +47,7 @@ from gateway.ports import (
     canonicalize,
     quota_error,
 )
-from gateway.remote import NodeUnavailableError
+from gateway.remote import NodeFailure
 from gateway.routing import Backend, Router
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Usage, now, usage_dict
 from gateway.settings import GatewaySettings
@@ -607,6 +607,21 @@ def run_choices(prep: Prepared, router: Router, *, one_task: bool = False, on_ab
     return _run_all(prep, router, on_abort)
 
 
+def _node_failed(prep: Prepared, router: Router, backend: Backend, exc: NodeFailure, started: bool) -> Backend | None:
+    """Record ``backend``'s failure and pick where the request goes now: another node of the pool
+    when nothing was generated yet, else None (the caller raises ``exc.for_tenant``)."""
+    router.record_failure(prep.model, backend, exc.fault, str(exc))
+    return None if started else router.failover(prep.model, backend, exc.fault)
+
+
+def _move(prep: Prepared, alternative: Backend) -> None:
+    """The request now runs on ``alternative``: the in-flight count, the ``x-prefixgate-backend``
+    header, the ledger row and the metrics follow it (they read ``prep.backend``)."""
+    prep.backend.inflight -= 1
+    alternative.inflight += 1
+    prep.backend = alternative
+
+
 async def _run_all(prep: Prepared, router: Router, on_abort: AbortSink | None = None
                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``run_choices`` for any number of choices: one pump task each, merged through a queue."""
@@ -625,21 +640,25 @@ async def _run_all(prep: Prepared, router: Router, on_abort: AbortSink | None = 
                     await queue.put((i, out))
             except asyncio.CancelledError:
                 raise
-            except NodeUnavailableError as exc:
+            except NodeFailure as exc:
                 # Nothing was generated yet: another node of the pool can take the request.
-                alternative = None if started else router.failover(prep.model, backend)
+                alternative = _node_failed(prep, router, backend, exc, started)
                 if alternative is None:
-                    await queue.put((i, exc))
+                    await queue.put((i, exc.for_tenant(backend.name)))
                     return
+                if prep.backend is backend:
+                    _move(prep, alternative)
                 backend = alternative
                 continue
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
                 await queue.put((i, exc))
                 return
+            router.record_success(backend)
             await queue.put((i, None))
             return
 
-    with router.track(prep.backend):
+    prep.backend.inflight += 1  # Router.track, on whichever node ends up serving (``_move``)
+    try:
         tasks = [asyncio.create_task(pump(i, gr)) for i, gr in enumerate(prep.requests)]
         done = 0
         try:
@@ -666,6 +685,8 @@ async def _run_all(prep: Prepared, router: Router, on_abort: AbortSink | None = 
             if on_abort is not None:
                 for i, report in zip(unfinished, reports):
                     on_abort(i, report)
+    finally:
+        prep.backend.inflight -= 1
 
 
 async def _run_one(prep: Prepared, router: Router, on_abort: AbortSink | None = None
@@ -673,11 +694,12 @@ async def _run_one(prep: Prepared, router: Router, on_abort: AbortSink | None = 
     """``run_choices`` for one choice, in the caller's task: same failover, same abort on leaving.
 
     ``Router.track`` and ``aclosing`` are written out (try/finally): as context managers they cost
-    nine Python calls a request (issue #17); the order of the exits is theirs."""
+    nine Python calls a request (issue #17); the order of the exits is theirs. The in-flight count
+    moves with a failover (``_move``)."""
     gr = prep.requests[0]
-    backend = tracked = prep.backend
+    backend = prep.backend
     finished = False
-    tracked.inflight += 1  # Router.track: in flight on the backend the request was routed to
+    backend.inflight += 1  # Router.track: in flight on the backend that serves the request
     try:
         try:
             while True:
@@ -691,12 +713,14 @@ async def _run_one(prep: Prepared, router: Router, on_abort: AbortSink | None = 
                             yield 0, out
                     finally:
                         await outputs.aclose()  # aclosing's exit: before the failover and before the abort
+                    router.record_success(backend)
                     return
-                except NodeUnavailableError:
+                except NodeFailure as exc:
                     # Nothing was generated yet: another node of the pool can take the request.
-                    alternative = None if started else router.failover(prep.model, backend)
+                    alternative = _node_failed(prep, router, backend, exc, started)
                     if alternative is None:
-                        raise
+                        raise exc.for_tenant(backend.name) from exc
+                    _move(prep, alternative)
                     backend = alternative
         finally:
             if not finished:  # shielded, as in run_choices: the abort must reach the engine
@@ -705,7 +729,7 @@ async def _run_one(prep: Prepared, router: Router, on_abort: AbortSink | None = 
                 if on_abort is not None:
                     on_abort(0, report)
     finally:
-        tracked.inflight -= 1
+        prep.backend.inflight -= 1
 
 
 class Accounting:

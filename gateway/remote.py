@@ -21,15 +21,21 @@ ids, so the node computes exactly the tokens the router hashed. Every call strea
 Usage: ``prompt_tokens_details.cached_tokens`` when the node reports it. vLLM reports it only when
 started with ``--enable-prompt-tokens-details``; a node whose usage lacks the field is marked
 ``cached_tokens_reported = False`` (shown in ``/health``), and its hits count as 0.
+
+Failures of the node rather than of the request are ``NodeFailure``s, by ``NodeFault``: refused or
+lost connection, draining, the gateway's node token refused (401/403), HTTP 5xx or an error inside
+the stream, no byte within the read timeout (``NodeTimeouts``). The pipeline moves such a request to
+another node before its first token and the router counts them (``Router.record_failure``); the
+tenant's error names the node by its configured name and never repeats what the node answered.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -52,21 +58,99 @@ _BY_CODE: dict[str, type[EngineError]] = {
     EngineOverloadedError.code: EngineOverloadedError,
 }
 HEALTH_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 5.0  # NodeTimeouts' defaults (GatewaySettings.node_connect_timeout_s / node_read_timeout_s)
+READ_TIMEOUT_S = 120.0
 
 
-class NodeUnavailableError(EngineError):
+@dataclass(frozen=True)
+class NodeTimeouts:
+    """How long the gateway waits on a node: ``connect`` for the TCP connection; ``read`` for the
+    node's next bytes, i.e. the response's first byte (queueing + prefill on the node) and every gap
+    between stream chunks. A node past either limit fails the request (``NodeTimeoutError``)."""
+
+    connect: float = CONNECT_TIMEOUT_S
+    read: float = READ_TIMEOUT_S
+
+
+class NodeFault(StrEnum):
+    """Why a node failed a request. The first three take it out of rotation at once (``Router.record_failure``);
+    the last two count toward its cool-down (a node may fail one request and serve the next)."""
+
+    UNREACHABLE = "unreachable"  # connection refused / reset, not reachable
+    DRAINING = "draining"  # the node said it takes no new requests
+    AUTH = "auth"  # the node rejected the gateway's node token (401/403)
+    SERVER_ERROR = "server_error"  # HTTP 5xx, or an error inside its stream
+    TIMEOUT = "timeout"  # no byte within NodeTimeouts.read
+
+
+class NodeFailure(EngineError):
+    """The node failed, not the request: before the first output another node of the pool may take it.
+
+    ``str(exc)`` is the detail for the gateway's log (it may name the node's URL and repeat what the
+    node said); the tenant sees ``for_tenant(node_name)``, which names the node by its configured
+    name and repeats nothing of the node's answer (a 401's text can quote the gateway's token)."""
+
+    status = 502
+    code = "node_error"
+    fault = NodeFault.SERVER_ERROR
+
+    def tenant_message(self, node: str) -> str:
+        return f"Engine node {node!r} failed while serving this request."
+
+    def for_tenant(self, node: str) -> EngineError:
+        exc = EngineError(self.tenant_message(node))
+        exc.status, exc.code = self.status, self.code
+        return exc
+
+
+class NodeUnavailableError(NodeFailure):
     """The node could not take the request (unreachable, draining): another node may."""
 
     status = 503
     code = "node_unavailable"
+    fault = NodeFault.UNREACHABLE
+
+    def tenant_message(self, node: str) -> str:
+        return f"Engine node {node!r} is unavailable; retry later."
 
 
 class NodeDrainingError(NodeUnavailableError):
     code = "node_draining"
+    fault = NodeFault.DRAINING
+
+    def tenant_message(self, node: str) -> str:
+        return f"Engine node {node!r} is draining and takes no new requests; retry later."
+
+
+class NodeTimeoutError(NodeFailure):
+    status = 504
+    code = "node_timeout"
+    fault = NodeFault.TIMEOUT
+
+    def tenant_message(self, node: str) -> str:
+        return f"Engine node {node!r} did not answer in time."
+
+
+class NodeServerError(NodeFailure):
+    """HTTP 5xx from the node (other than the codes the engine defines), or an error in its stream."""
+
+
+class NodeAuthError(NodeFailure):
+    """The node refused the *gateway's* node token: the operator's configuration, not the tenant's key."""
+
+    code = "upstream_auth_failed"
+    fault = NodeFault.AUTH
+    LOG_TEXT = "rejected the gateway's node token"
+
+    def tenant_message(self, node: str) -> str:
+        return (f"Engine node {node!r} rejected the gateway's credentials: the gateway's node configuration is "
+                "wrong, not your API key. The operator has to fix it.")
 
 
 def _error_from_response(status: int, body: bytes) -> EngineError:
     """A node's HTTP error (OpenAI error JSON, or anything else) as the matching ``EngineError``."""
+    if status in (401, 403):  # never keep the body: a node's 401 text may quote the gateway's token
+        return NodeAuthError(f"{NodeAuthError.LOG_TEXT} (HTTP {status})")
     try:
         err = json.loads(body)["error"]
         message, code = str(err.get("message")), err.get("code")
@@ -79,6 +163,8 @@ def _error_from_response(status: int, body: bytes) -> EngineError:
         cls = PromptTooLongError
     if cls is not None:
         return cls(message)
+    if status >= 500:
+        return NodeServerError(f"HTTP {status} {code or ''}: {message}")
     exc = EngineError(message)
     exc.status = status if status >= 400 else 502
     exc.code = code if isinstance(code, str) and code else "node_error"
@@ -87,9 +173,14 @@ def _error_from_response(status: int, body: bytes) -> EngineError:
 
 def _stream_error(base_url: str, err: Any) -> EngineError:
     message = err.get("message") if isinstance(err, Mapping) else err
-    exc = EngineError(f"engine node {base_url} failed mid-stream: {message}")
-    exc.status, exc.code = 502, "node_error"
-    return exc
+    return NodeServerError(f"engine node {base_url} failed mid-stream: {message}")
+
+
+def _transport_error(base_url: str, exc: httpx.TransportError) -> NodeFailure:
+    """An httpx failure as the fault it is: no answer in time, or no connection at all."""
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return NodeTimeoutError(f"engine node {base_url} timed out: {exc!r}")
+    return NodeUnavailableError(f"engine node {base_url} unreachable: {exc!r}")
 
 
 @dataclass
@@ -99,7 +190,7 @@ class NodeState:
     healthy: bool = True  # the last probe answered 200 (True until a probe says otherwise)
     draining: bool = False  # the node said it takes no new requests
     last_probe_at: float | None = None
-    last_error: str | None = None
+    last_error: str | None = None  # why the last probe found it unfit (None: it was fit)
     # None = no finished request seen yet; False = the node's usage has no prompt_tokens_details
     # (vLLM without --enable-prompt-tokens-details): its cache hits are not known, recorded as 0.
     cached_tokens_reported: bool | None = None
@@ -157,25 +248,30 @@ def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
 
 
 class RemoteEngineClient:
-    """Talks to one node at ``base_url``; ``token`` (None = a keyless node) goes as a Bearer token."""
+    """Talks to one node at ``base_url``; ``token`` (None = a keyless node) goes as a Bearer token.
+    ``timeouts``: how long to wait for a connection and for the node's next bytes (``NodeTimeouts``);
+    ``timeout_s``, when given, is the read timeout alone (the prefill/decode split's clients)."""
 
-    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 600.0,
-                 tokenizer: PromptTokenizer | None = None) -> None:
+    def __init__(self, base_url: str, token: str | None, *, timeouts: NodeTimeouts | None = None,
+                 timeout_s: float | None = None, tokenizer: PromptTokenizer | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         # The pool's tokenizer in this process (RouteConfig.tokenizer): the gateway renders prompts
         # and sends ids; None = the node tokenizes (chat goes as messages).
         self.tokenizer = tokenizer
         # No key, no header: a vLLM started without --api-key must not see "Authorization: Bearer None".
         self._headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._timeout = httpx.Timeout(timeout_s, connect=5.0)
+        limits = timeouts or NodeTimeouts()
+        read = timeout_s if timeout_s is not None else limits.read
+        self._timeout = httpx.Timeout(read, connect=limits.connect)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout,
                                        trust_env=False)
         self._models: list[ModelCard] = []
         self.state = NodeState()
 
-    async def refresh_models(self) -> list[ModelCard]:
-        """Fetch the node's model cards (``models()`` returns the last fetched list)."""
-        resp = await self._http.get("/v1/models")
+    async def refresh_models(self, timeout_s: float | None = None) -> list[ModelCard]:
+        """Fetch the node's model cards (``models()`` returns the last fetched list); ``timeout_s``:
+        this call's read timeout (None: the client's)."""
+        resp = await self._http.get("/v1/models", timeout=timeout_s or httpx.USE_CLIENT_DEFAULT)
         resp.raise_for_status()
         self._models = [ModelCard(id=str(c["id"]), max_model_len=int(c.get("max_model_len") or 0),
                                   owned_by=str(c.get("owned_by") or "node"))
@@ -202,7 +298,7 @@ class RemoteEngineClient:
                 async for out in self._outputs(request.request_id, resp, start):
                     yield out
         except httpx.TransportError as exc:
-            raise NodeUnavailableError(f"engine node {self.base_url} unreachable: {exc!r}") from exc
+            raise _transport_error(self.base_url, exc) from exc
 
     async def _outputs(self, rid: str, resp: httpx.Response, start: float) -> AsyncIterator[RequestOutput]:
         """Server-sent chunks -> one output per text delta, then a final one with the usage."""
@@ -239,7 +335,9 @@ class RemoteEngineClient:
         return None  # the closed stream is the abort: both vLLM and PrefixGate nodes stop on disconnect
 
     async def probe(self) -> bool:
-        """``GET /health``: updates ``state`` (healthy, draining) and returns whether to send work here."""
+        """``GET /health``, then the authenticated ``GET /v1/models``: updates ``state`` (healthy,
+        draining, why not) and returns whether to send work here. The second call is what finds a
+        node that refuses the gateway's node token: its ``/health`` needs no token and says 200."""
         self.state.last_probe_at = time.time()
         try:
             resp = await self._http.get("/health", timeout=HEALTH_TIMEOUT_S)
@@ -255,10 +353,22 @@ class RemoteEngineClient:
         self.state.draining = draining
         self.state.healthy = resp.status_code == 200
         self.state.last_error = None if self.state.healthy else f"HTTP {resp.status_code}"
-        if self.state.healthy and not self._models:
-            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError, TypeError):
-                await self.refresh_models()
+        if self.state.healthy:
+            await self._probe_models()
         return self.state.healthy
+
+    async def _probe_models(self) -> None:
+        """Refresh the model list with the node token; a 401/403 marks the node unfit (the one fault
+        ``/health`` cannot show), any other failure leaves the list as it was."""
+        try:
+            await self.refresh_models(HEALTH_TIMEOUT_S)
+        except httpx.HTTPStatusError as exc:
+            status = exc.response.status_code
+            if status in (401, 403):
+                self.state.healthy = False
+                self.state.last_error = f"{NodeAuthError.LOG_TEXT} (HTTP {status}): check the route's node_token_env"
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            pass
 
     async def health(self) -> bool:
         return await self.probe()

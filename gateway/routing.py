@@ -14,15 +14,21 @@ the node that already holds that prefix's KV blocks::
     node  = the route's policy (gateway.routing_policy): prefix_hash (default, stateless),
             kv_aware (the fleet index fed by the nodes' KV events, within a load bound),
             least_loaded or round_robin
-    down:  a node that refused a connection is skipped for DOWN_S seconds and its index entries
-           are dropped (all down: try them all)
+    down:  a node that refused a connection, is draining or refused the node token is skipped for
+           DOWN_S seconds and its index entries are dropped (all down: try them all)
+    cool-down (passive health, as Envoy's outlier detection and LiteLLM's router do it): a node
+           whose requests fail ``OutlierPolicy.failures`` times in a row (HTTP 5xx, errors in the
+           stream, no answer within the read timeout) is skipped for ``cooldown_s``, then tried
+           again; one more failure then sends it back at once, one success resets the count
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +40,7 @@ from engine.protocol import EngineClient, ModelCard
 from gateway.errors import OpenAIError
 from gateway.fleet_index import FleetIndex
 from gateway.kv_event_subscriber import KVEventSubscriber
+from gateway.remote import NodeFault
 from gateway.routing_policy import (
     RoutingPolicy,
     kv_aware_choice,
@@ -45,6 +52,27 @@ from gateway.routing_policy import (
 
 ROUTE_BLOCK_BYTES = 256
 DOWN_S = 10.0
+# Faults that take a node out at once: it will fail the next request the same way.
+IMMEDIATE_FAULTS = frozenset({NodeFault.UNREACHABLE, NodeFault.DRAINING, NodeFault.AUTH})
+
+log = logging.getLogger("prefixgate.gateway")
+
+
+@dataclass(frozen=True)
+class OutlierPolicy:
+    """Passive health: ``failures`` consecutive failed requests put a node in a ``cooldown_s`` cool-down."""
+
+    failures: int = 3
+    cooldown_s: float = 30.0
+
+
+@dataclass
+class PassiveHealth:
+    """What a node's own requests said of it (``Router.record_failure`` / ``record_success``)."""
+
+    consecutive_failures: int = 0
+    cooldown_until: float = 0.0  # time.monotonic() before which the node is skipped
+    last_failure: str | None = None  # the last failure's fault and detail (for /health)
 
 
 class BackendKind(StrEnum):
@@ -57,7 +85,8 @@ class BackendKind(StrEnum):
 class Backend:
     """One concrete place to send a request; every kind is driven through ``client.generate``.
 
-    label: bounded-cardinality name for metrics and the ledger ("local", "node:<url>", "litellm:<provider>").
+    label: bounded-cardinality name for metrics, the ledger and the ``x-prefixgate-backend`` header
+        ("local", "node:<name>" with the node's configured name, never its URL, "litellm:<provider>").
     target_model: the model name the backend itself expects.
     The properties say what differs between kinds, so callers ask for a behaviour, not a kind.
     """
@@ -67,8 +96,15 @@ class Backend:
     client: EngineClient
     target_model: str
     inflight: int = 0
-    down_until: float = 0.0  # time.monotonic() before which the node is skipped
+    down_until: float = 0.0  # time.monotonic() before which the node is skipped (probe, refused connection)
     tokenizer_here: bool = False  # a node pool whose tokenizer the gateway loaded (RouteConfig.tokenizer)
+    passive: PassiveHealth = field(default_factory=PassiveHealth)
+    announced_up: bool = True  # what the log last said (node_health.probe_once logs each change once)
+
+    @property
+    def name(self) -> str:
+        """The operator's name for it: the label after its kind ("gpu-a" of "node:gpu-a")."""
+        return self.label.partition(":")[2] or self.label
 
     @property
     def tokenizes_here(self) -> bool:
@@ -90,7 +126,12 @@ class Backend:
 
     @property
     def up(self) -> bool:
-        return time.monotonic() >= self.down_until
+        now = time.monotonic()
+        return now >= self.down_until and now >= self.passive.cooldown_until
+
+    @property
+    def cooldown_left_s(self) -> float:
+        return max(0.0, self.passive.cooldown_until - time.monotonic())
 
 
 @dataclass
@@ -164,7 +205,8 @@ class Router:
     def __init__(self, routes: Sequence[Route], *, policy: RoutingPolicy = RoutingPolicy.PREFIX_HASH,
                  load_factor: float = 2.0, epsilon: float = 0.25, prefix_bytes: int = 1024,
                  prefix_tokens: int = 256, block_size: int = DEFAULT_BLOCK_SIZE, max_route_blocks: int = 512,
-                 index: FleetIndex | None = None, events: KVEventSubscriber | None = None) -> None:
+                 index: FleetIndex | None = None, events: KVEventSubscriber | None = None,
+                 outliers: OutlierPolicy | None = None) -> None:
         self.routes = {r.model: r for r in routes}
         self.policy = policy
         self.load_factor = load_factor
@@ -177,8 +219,15 @@ class Router:
         self.events = events
         self._turn: dict[str, int] = {}
         self._local_backend: Backend | None = None
-        self.routed_prefix_blocks = 0  # kv_aware: index-predicted prefix blocks of the chosen nodes
+        self.outliers = outliers or OutlierPolicy()
+        # Read by /metrics (node_health.NodeCollector): pool picks, and kv_aware's index-predicted
+        # prefix blocks on the chosen nodes (per pick: how much of the prompt the index expects cached).
+        self.routed_prefix_blocks = 0
         self.routed_requests = 0
+        # (route, node label, fault) -> count: every failure a request saw, and those moved elsewhere.
+        self.failures: Counter[tuple[str, str, str]] = Counter()
+        self.failovers: Counter[tuple[str, str, str]] = Counter()
+        self.cooldowns: Counter[tuple[str, str]] = Counter()
 
     def start_events(self) -> None:
         if self.events is not None:
@@ -265,13 +314,36 @@ class Router:
             cards[route.model] = ModelCard(id=route.model, max_model_len=max_len)
         return list(cards.values())
 
-    def failover(self, model: str, failed: Backend) -> Backend | None:
-        """Mark ``failed`` down (its fleet-index entries dropped: it may come back empty) and return
-        the least-loaded other node of ``model``'s pool, if any."""
-        self.mark_down(failed, DOWN_S)
+    def failover(self, model: str, failed: Backend, fault: NodeFault = NodeFault.UNREACHABLE) -> Backend | None:
+        """The least-loaded other node of ``model``'s pool that is up, if any, for a request ``failed``
+        could not serve (``record_failure`` has taken ``failed`` out, or counted the failure)."""
         route = self.routes.get(model)
         others = [b for b in (route.backends if route else []) if b is not failed and b.up]
-        return min(others, key=lambda b: b.inflight) if others else None
+        if not others:
+            return None
+        self.failovers[(model, failed.label, fault.value)] += 1
+        return min(others, key=lambda b: b.inflight)
+
+    def record_failure(self, model: str, backend: Backend, fault: NodeFault, detail: str) -> None:
+        """A request of ``backend`` failed with ``fault``. Unreachable, draining, refused token: out
+        for DOWN_S at once (its fleet-index entries dropped: it may come back empty). HTTP 5xx and
+        timeouts: counted; ``outliers.failures`` in a row start a cool-down."""
+        self.failures[(model, backend.label, fault.value)] += 1
+        passive = backend.passive
+        passive.consecutive_failures += 1
+        passive.last_failure = f"{fault.value}: {detail}"
+        if fault in IMMEDIATE_FAULTS:
+            self.mark_down(backend, DOWN_S)
+            return
+        log.warning("engine node %s of route %s: request failed (%s, %d in a row): %s", backend.name, model,
+                    fault.value, passive.consecutive_failures, detail)
+        if passive.consecutive_failures >= self.outliers.failures:
+            passive.cooldown_until = time.monotonic() + self.outliers.cooldown_s
+            self.cooldowns[(model, backend.label)] += 1
+
+    def record_success(self, backend: Backend) -> None:
+        """A request of ``backend`` finished: its run of failures is over."""
+        backend.passive.consecutive_failures = 0
 
     def mark_down(self, backend: Backend, seconds: float) -> None:
         """Skip ``backend`` for ``seconds`` and forget what the fleet index says it holds: a node

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -60,6 +61,24 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import COMPUTE_DTYPES, DTYPE_ALIASES, KV_DTYPES, EngineConfig, parse_size
+
+_NODE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # safe in a header, a metric label and a log line
+
+
+def node_url_problem(url: str) -> str | None:
+    """What is wrong with an engine node's base URL (None: nothing): it must be http(s)://host[:port]."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError on a port that is not a number in 0-65535
+    except ValueError as exc:
+        return f"is not a valid URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://"
+    if not parts.hostname:
+        return "has no host"
+    if port == 0:
+        return "has port 0"
+    return None
 
 
 def _size(value: Any) -> int:
@@ -91,6 +110,9 @@ class RouteConfig(BaseModel):
     shared_api_key: bool = True
     extra_body: dict[str, Any] = Field(default_factory=dict)
     nodes: tuple[str, ...] = ()
+    # What tenants, metrics and the ledger call each node (in the order of `nodes`): the
+    # `x-prefixgate-backend` header says `node:<name>`, never the node's URL. Empty = "<model>-1", ...
+    node_names: tuple[str, ...] = ()
     node_token_env: str | None = None
     # Prefill/decode split (docs/disaggregation.md): `nodes` are decode nodes, fed by these prefill nodes.
     prefill_nodes: tuple[str, ...] = ()
@@ -125,6 +147,19 @@ class RouteConfig(BaseModel):
                                  "(a checkpoint directory with tokenizer.json or tokenizer_config.json)")
             if importlib.util.find_spec("transformers") is None:
                 raise ValueError(f"route {self.model!r}: `tokenizer` needs transformers: pip install 'prefixgate[engine]'")
+        for url in (*self.nodes, *self.prefill_nodes):
+            problem = node_url_problem(url)
+            if problem:
+                raise ValueError(f"route {self.model!r}: node URL {url!r} {problem}")
+        if self.node_names:
+            if len(self.node_names) != len(self.nodes):
+                raise ValueError(f"route {self.model!r}: `node_names` needs one name per node, in the order of `nodes`")
+            bad = [n for n in self.node_names if not _NODE_NAME.fullmatch(n)]
+            if bad:
+                raise ValueError(f"route {self.model!r}: node name {bad[0]!r} must be 1-64 letters, digits, "
+                                 "'.', '_' or '-'")
+            if len(set(self.node_names)) != len(self.node_names):
+                raise ValueError(f"route {self.model!r}: `node_names` must be distinct")
         if self.kv_events and len(self.kv_events) != len(self.nodes):
             raise ValueError(f"route {self.model!r}: `kv_events` needs one endpoint per node, in the order of `nodes`")
         if bool(self.provider) == bool(self.nodes):
@@ -138,6 +173,11 @@ class RouteConfig(BaseModel):
                 f"route {self.model!r}: transport = \"direct\" needs provider = \"openai/<model>\" and an api_base"
             )
         return self
+
+    @property
+    def names_of_nodes(self) -> tuple[str, ...]:
+        """Each node's name: ``node_names``, or ``<model>-1``, ``<model>-2``... in the order of ``nodes``."""
+        return self.node_names or tuple(f"{self.model}-{i}" for i in range(1, len(self.nodes) + 1))
 
     @property
     def hosted_openai(self) -> bool:
@@ -208,6 +248,13 @@ class GatewaySettings(BaseModel):
     routes: tuple[RouteConfig, ...] = ()
     node_token: str | None = None  # shared secret of the engine-node API (None = this is no node)
     node_probe_interval_s: float = Field(2.0, gt=0.0)  # GET /health of every engine node this often
+    # Engine nodes' requests (docs/nodes.md): connect timeout; read timeout = the longest wait for a
+    # node's next bytes (its first byte, then each gap in its stream); passive health: this many
+    # failed requests in a row (5xx, timeouts) take a node out for node_cooldown_s.
+    node_connect_timeout_s: float = Field(5.0, gt=0.0)
+    node_read_timeout_s: float = Field(120.0, gt=0.0)
+    node_cooldown_failures: int = Field(3, ge=1)
+    node_cooldown_s: float = Field(30.0, ge=0.0)
     # SIGTERM: requests in flight get this long to finish; then they are stopped (aborted rows).
     shutdown_grace_s: float = Field(30.0, ge=0.0)
     # /metrics: a bearer token for Prometheus (None = admin keys only), or no auth at all (opt-in)

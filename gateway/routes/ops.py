@@ -2,7 +2,9 @@
 
 ``/health`` also says which store the tenancy state is in and, with ``--redis-url``, whether Redis
 answers: ``{"status": "degraded", "limits": "local", ...}`` (still HTTP 200: the gateway serves, with
-per-process limits) while it does not, ``"limits": "redis"`` again once it does.
+per-process limits) while it does not, ``"limits": "redis"`` again once it does. With engine nodes it
+lists them, and says ``"degraded"`` (HTTP 200: the gateway's other routes serve) with the routes in
+``"routes_down"`` while every node of a route is out of rotation.
 
 ``/metrics`` carries every tenant's requests, tokens, cost and latency, so it is not public by
 default: a scrape authenticates with ``Authorization: Bearer <metrics token>`` (the token is read
@@ -25,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.deps import EngineDep, SettingsDep, TenancyDep, bearer_key
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics
-from gateway.node_health import node_status
+from gateway.node_health import node_status, routes_without_nodes
 from gateway.ports import AuthenticationError, FleetStatusSource, LedgerStatsSource, TenancyPort
 
 router = APIRouter(tags=["ops"])
@@ -49,6 +51,11 @@ async def health(request: Request, engine: EngineDep) -> Any:
     nodes = node_status(request.app.state.router)
     if nodes:  # engine nodes behind this gateway: in rotation or not, and whether they report cache hits
         body["nodes"] = nodes
+        down = routes_without_nodes(request.app.state.router)
+        if down:
+            body["routes_down"] = down
+            if ok:
+                body["status"] = "degraded"
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

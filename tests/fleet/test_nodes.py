@@ -5,6 +5,10 @@ real openai SDK; a real gateway (own home, real SQLite ledger) in front of them.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -16,6 +20,7 @@ import pytest
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, RouteConfig
 from tenancy.service import TenancyService
+from tests.fleet.faulty_node import FaultyNode
 from tests.gateway.gateway_fakes import LoopbackServer
 from tests.serverutil import free_port, serve_tiny, stop
 
@@ -112,7 +117,8 @@ def gateway(tmp_path: Path, nodes, monkeypatch):
     key = svc.create_tenant("acme").api_key
     svc.close()
     dead = f"http://127.0.0.1:{free_port()}"
-    route = RouteConfig(model="tiny", nodes=(dead, *nodes), node_token_env=TOKEN_ENV, price="unpriced")
+    route = RouteConfig(model="tiny", nodes=(dead, *nodes), node_names=("dead", "first", "second"),
+                        node_token_env=TOKEN_ENV, price="unpriced")
     settings = GatewaySettings(home=home, routes=(route,), node_probe_interval_s=0.3)
     with LoopbackServer(create_app(settings)) as srv:
         yield srv.url, key, home, dead
@@ -137,18 +143,19 @@ def test_through_the_gateway_unpriced_tokens_reach_the_ledger_and_a_dead_node_is
     url, key, home, dead = gateway
     _until(lambda: {n["url"]: n["healthy"] for n in _health(url)["nodes"]} == {dead: False, **dict.fromkeys(nodes, True)},
            "the probe sees the dead node down and both nodes up")
+    assert _health(url)["status"] == "ok"  # one node of three down: the route still serves
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
     used = set()
     for i in range(6):  # different prompts spread over the nodes; none reaches the dead one
         messages = [MESSAGES[0], {"role": "user", "content": f"question {i}"}]
         r = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=2)
         used.add(r.headers["x-prefixgate-backend"])
-    assert used and f"node:{dead}" not in used
+    assert used and "node:dead" not in used
     again = client.chat.completions.create(model="tiny", messages=[MESSAGES[0], {"role": "user", "content": "question 0"}],
                                            max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
-    seen = {n["url"]: n["cached_tokens"] for n in _health(url)["nodes"]}
-    assert all(seen[b.removeprefix("node:")] == "reported" for b in used) and seen[dead] == "unknown"
+    seen = {n["name"]: n["cached_tokens"] for n in _health(url)["nodes"]}
+    assert all(seen[b.removeprefix("node:")] == "reported" for b in used) and seen["dead"] == "unknown"
     def rows() -> list[dict]:
         svc = TenancyService.open(home)
         try:
@@ -194,7 +201,7 @@ def test_draining_a_node_finishes_its_stream_and_sends_new_requests_elsewhere(ga
     for i in range(5):
         r = client.chat.completions.with_raw_response.create(
             model="tiny", messages=[{"role": "user", "content": f"draining {i} " * 10}], max_tokens=1)
-        assert r.headers["x-prefixgate-backend"] == f"node:{second}"
+        assert r.headers["x-prefixgate-backend"] == "node:second"
     _until(lambda: any(n["draining"] for n in _health(url)["nodes"] if n["url"] == first), "/health says draining")
     httpx.post(f"{first}/internal/v1/drain", json={"draining": False}, headers=NODE, timeout=10, trust_env=False)
     assert httpx.get(f"{first}/health", timeout=10, trust_env=False).status_code == 200
@@ -228,3 +235,213 @@ def test_sigusr1_drains_a_node(nodes) -> None:
         r = httpx.post(f"{nodes[1]}/internal/v1/drain", json={"draining": False}, headers=NODE, timeout=10,
                        trust_env=False)
         assert r.json() == {"draining": False, "inflight": 0}
+
+
+# -- nodes that fail: the wrong token, 5xx, hangs; what tenants, /health, /metrics and the log see --------
+
+
+WRONG_TOKEN = "feedfacecafebeef" + "0123456789abcdef" * 3  # a token the node does not accept
+WRONG_ENV = "PG_FLEET_WRONG_NODE_TOKEN"
+
+
+@contextlib.contextmanager
+def _gateway_for(tmp_path: Path, route: RouteConfig, **server):
+    """A gateway (own home, one tenant, public /metrics) for ``route``: yields (url, key, app, home)."""
+    home = tmp_path / "gw"
+    svc = TenancyService.open(home)
+    key = svc.create_tenant("acme").api_key
+    svc.close()
+    settings = GatewaySettings(home=home, routes=(route,), metrics_public=True, **server)
+    app = create_app(settings)
+    with LoopbackServer(app) as srv:
+        yield srv.url, key, app, home
+
+
+def _sdk(url: str, key: str, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
+def _ask(url: str, key: str, i: int = 0, **kw):
+    """One chat completion with its raw response (headers)."""
+    return _sdk(url, key).chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": f"question {i}"}], max_tokens=2, **kw)
+
+
+def _metric(url: str, name: str, **labels: str) -> float | None:
+    """The value of one Prometheus sample of the gateway's /metrics (None: absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    for line in text.splitlines():
+        named = line.startswith((name + "{", name + " "))
+        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _backends(home: Path) -> list[str]:
+    with sqlite3.connect(home / "prefixgate.db") as conn:
+        return [b for (b,) in conn.execute("SELECT backend FROM usage ORDER BY created_at")]
+
+
+def _node_lines(caplog, name: str, what: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f"engine node {name} " in r.getMessage() and what in r.getMessage()]
+
+
+def test_a_node_refusing_the_gateways_token_is_not_the_tenants_key_failing(nodes, tmp_path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="prefixgate.gateway")
+    monkeypatch.setenv(WRONG_ENV, WRONG_TOKEN)
+    route = RouteConfig(model="tiny", nodes=(nodes[0],), node_names=("gpu-a",), node_token_env=WRONG_ENV,
+                        price="unpriced")
+    with _gateway_for(tmp_path, route, node_probe_interval_s=0.2) as (url, key, _, home):
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as err:  # 502: the gateway's fault, not the key's
+                if stream:
+                    list(_sdk(url, key).chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True))
+                else:
+                    _ask(url, key)
+            body = err.value.body
+            assert err.value.status_code == 502 and body["code"] == "upstream_auth_failed"
+            assert body["type"] == "server_error" and "gpu-a" in body["message"]
+            text = json.dumps(body)
+            assert WRONG_TOKEN[:4] not in text and "Incorrect API key" not in text and nodes[0] not in text
+        # /health: the node is out, with the reason; the route has no node left
+        health = _health(url)
+        (node,) = health["nodes"]
+        assert node["name"] == "gpu-a" and node["healthy"] is False and "node token" in node["last_error"]
+        assert health["status"] == "degraded" and health["routes_down"] == ["tiny"]
+        time.sleep(1.0)  # five more probe rounds: still one line
+        lines = _node_lines(caplog, "gpu-a", "out of rotation")
+        assert len(lines) == 1 and "node token" in lines[0] and WRONG_TOKEN[:4] not in lines[0]
+        assert _metric(url, "prefixgate_gateway_node_up", node="node:gpu-a") == 0.0
+
+
+def test_a_failover_is_credited_to_the_node_that_answered(nodes, tmp_path, monkeypatch) -> None:
+    """A broken node (HTTP 500, healthy /health) and a real one, round robin: every request is served
+    by the real node, and the header, the ledger rows, the metrics and the in-flight count say so."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    broken = FaultyNode("error")
+    with LoopbackServer(broken.app) as bad:
+        route = RouteConfig(model="tiny", nodes=(bad.url, nodes[0]), node_names=("broken", "good"),
+                            node_token_env=TOKEN_ENV, price="unpriced")
+        with _gateway_for(tmp_path, route, routing_policy="round_robin", node_cooldown_failures=100) as (
+                url, key, app, home):
+            for i in range(4):
+                r = _ask(url, key, i)
+                assert r.headers["x-prefixgate-backend"] == "node:good"
+            assert broken.calls == 2  # round robin sent two of the four there first
+            _until(lambda: len(_backends(home)) == 4, "4 ledger rows")
+            assert _backends(home) == ["node:good"] * 4
+            assert _metric(url, "prefixgate_gateway_requests_total", backend="node:good", outcome="ok") == 4
+            assert _metric(url, "prefixgate_gateway_requests_total", backend="node:broken") is None
+            assert _metric(url, "prefixgate_gateway_node_failovers_total", node="node:broken",
+                           fault="server_error") == 2
+            # a long stream that failed over: in flight on the node serving it, not on the broken one
+            bad_b, good_b = app.state.router.routes["tiny"].backends
+            stream = _sdk(url, key).completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=400,
+                                                       stream=True, extra_body={"ignore_eos": True})
+            next(iter(stream))
+            assert (bad_b.inflight, good_b.inflight) == (0, 1) and broken.calls == 3
+            stream.close()
+            _until(lambda: good_b.inflight == 0, "the closed stream left the node")
+            assert bad_b.inflight == 0
+
+
+def test_a_request_moved_off_a_node_gone_away_is_credited_to_the_node_that_served_it(nodes, tmp_path,
+                                                                                      monkeypatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    leaving = FaultyNode("ok")
+    srv = LoopbackServer(leaving.app).__enter__()
+    route = RouteConfig(model="tiny", nodes=(srv.url, nodes[0]), node_names=("gone", "good"),
+                        node_token_env=TOKEN_ENV, price="unpriced")
+    with _gateway_for(tmp_path, route, routing_policy="round_robin", node_probe_interval_s=60) as (url, key, _, home):
+        srv.__exit__(None, None, None)  # after the start-up probe: the router still counts on it
+        r = _ask(url, key)  # round robin's first pick is the gone node: refused, failed over
+        assert r.headers["x-prefixgate-backend"] == "node:good"
+        _until(lambda: len(_backends(home)) == 1, "the ledger row")
+        assert _backends(home) == ["node:good"]
+        assert _metric(url, "prefixgate_gateway_node_failovers_total", node="node:gone", fault="unreachable") == 1
+
+
+def test_a_node_failing_requests_is_cooled_down_then_tried_again(nodes, tmp_path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="prefixgate.gateway")
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    broken = FaultyNode("error")
+    with LoopbackServer(broken.app) as bad:
+        route = RouteConfig(model="tiny", nodes=(bad.url, nodes[0]), node_names=("broken", "good"),
+                            node_token_env=TOKEN_ENV, price="unpriced")
+        with _gateway_for(tmp_path, route, routing_policy="round_robin", node_probe_interval_s=0.2,
+                          node_cooldown_failures=2, node_cooldown_s=2.0) as (url, key, _, _home):
+            i = 0
+            while broken.calls < 2:  # every request succeeds: the failures are failed over
+                assert _ask(url, key, i).headers["x-prefixgate-backend"] == "node:good"
+                i += 1
+            node = {n["name"]: n for n in _health(url)["nodes"]}["broken"]
+            assert node["healthy"] is False and node["consecutive_failures"] == 2 and node["cooldown_s"] > 0
+            assert "server_error" in node["last_failure"] and _health(url)["status"] == "ok"
+            for j in range(4):  # cooling down: not asked at all
+                _ask(url, key, 100 + j)
+            assert broken.calls == 2
+            assert _metric(url, "prefixgate_gateway_node_cooldowns_total", node="node:broken") == 1
+            assert _metric(url, "prefixgate_gateway_node_up", node="node:broken") == 0
+            _until(lambda: len(_node_lines(caplog, "broken", "back in rotation")) == 1, "the cool-down ends")
+            assert len(_node_lines(caplog, "broken", "out of rotation")) == 1
+            for j in range(2):  # tried again; its one more failure sends it straight back
+                assert _ask(url, key, 200 + j).headers["x-prefixgate-backend"] == "node:good"
+            assert broken.calls == 3 and {n["name"]: n for n in _health(url)["nodes"]}["broken"]["cooldown_s"] > 0
+
+
+def test_a_node_that_does_not_answer_in_time_is_failed_over(nodes, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    stuck = FaultyNode("hang")
+    with LoopbackServer(stuck.app) as hung:
+        route = RouteConfig(model="tiny", nodes=(hung.url, nodes[0]), node_names=("stuck", "good"),
+                            node_token_env=TOKEN_ENV, price="unpriced")
+        with _gateway_for(tmp_path, route, routing_policy="round_robin", node_read_timeout_s=0.5) as (
+                url, key, _, _home):
+            for i in range(2):  # the client waits 10 s; the gateway gives the node 0.5 s, then asks another
+                r = _sdk(url, key, timeout=10).chat.completions.with_raw_response.create(
+                    model="tiny", messages=[{"role": "user", "content": f"q {i}"}], max_tokens=2)
+                assert r.headers["x-prefixgate-backend"] == "node:good"
+            assert stuck.calls >= 1
+            assert _metric(url, "prefixgate_gateway_node_failures_total", node="node:stuck", fault="timeout") >= 1
+
+
+def test_tenants_see_node_names_never_node_urls_or_what_a_node_said(tmp_path) -> None:
+    broken = FaultyNode("error")
+    with LoopbackServer(broken.app) as bad:
+        dead = f"http://127.0.0.1:{free_port()}"
+        route = RouteConfig(model="tiny", nodes=(bad.url,), node_names=("gpu-b",), price="unpriced")
+        with _gateway_for(tmp_path, route) as (url, key, _, _home):
+            with pytest.raises(openai.InternalServerError) as err:
+                _ask(url, key)
+            assert err.value.status_code == 502 and err.value.body["code"] == "node_error"
+            text = json.dumps(err.value.body)
+            assert "gpu-b" in text and "CUDA" not in text and "secret-node-path" not in text and bad.url not in text
+    route = RouteConfig(model="tiny", nodes=(dead,), price="unpriced")  # default name: "<model>-1"
+    with _gateway_for(tmp_path / "2", route) as (url, key, _, _home):
+        with pytest.raises(openai.InternalServerError) as err:
+            _ask(url, key)
+        assert err.value.status_code == 503 and err.value.body["code"] == "node_unavailable"
+        assert "tiny-1" in err.value.body["message"] and "127.0.0.1" not in json.dumps(err.value.body)
+
+
+def test_a_node_going_down_and_coming_back_is_one_log_line_each_and_a_gauge(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="prefixgate.gateway")
+    node = FaultyNode("ok")
+    with LoopbackServer(node.app) as srv:
+        route = RouteConfig(model="tiny", nodes=(srv.url,), node_names=("flaky",), price="unpriced")
+        with _gateway_for(tmp_path, route, node_probe_interval_s=0.1) as (url, key, _, _home):
+            assert _ask(url, key).headers["x-prefixgate-backend"] == "node:flaky"
+            assert _metric(url, "prefixgate_gateway_node_up", route="tiny", node="node:flaky") == 1
+            assert _metric(url, "prefixgate_gateway_routed_requests_total") is not None
+            node.health = 503
+            _until(lambda: _metric(url, "prefixgate_gateway_node_up", node="node:flaky") == 0, "the probe sees it down")
+            time.sleep(0.5)
+            assert len(_node_lines(caplog, "flaky", "out of rotation")) == 1
+            assert _health(url)["status"] == "degraded"
+            node.health = 200
+            _until(lambda: _metric(url, "prefixgate_gateway_node_up", node="node:flaky") == 1, "back up")
+            time.sleep(0.5)
+            assert len(_node_lines(caplog, "flaky", "back in rotation")) == 1
+            assert len(_node_lines(caplog, "flaky", "out of rotation")) == 1
+            assert _health(url)["status"] == "ok"

@@ -10,6 +10,7 @@ from engine.block_hashing import prefix_block_hashes
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gateway.fleet_index import FleetIndex
+from gateway.remote import NodeFault
 from gateway.routing import Backend, BackendKind, Route, Router, prompt_token_ids
 from gateway.routing_policy import RoutingPolicy, kv_aware_choice, within_load_bound
 from tests.engine_core.engine_core_fakes import make_request, scope
@@ -181,6 +182,7 @@ def test_router_policies_on_a_pool():
     assert kv.resolve("m", None, b"u", body) is not None  # another namespace: a different chain
     assert kv.route_key(b"u", body).chain[0] != chain[0]
     # a node that failed is marked down and its entries dropped
+    kv.record_failure("m", backends[1], NodeFault.UNREACHABLE, "refused")
     assert kv.failover("m", backends[1]) is not None
     assert kv.index.blocks_of(backends[1].label) == 0 and kv.resolve("m", None, b"t", body) is not backends[1]
 
@@ -231,7 +233,7 @@ def test_route_config_wants_one_event_endpoint_per_node_and_routes_without_event
     fed = build_router(GatewaySettings(routing_policy="kv_aware", routes=(
         RouteConfig(model="m", nodes=("http://a", "http://b"), kv_events=("tcp://a:1", "tcp://b:1")),)))
     assert fed.policy is RoutingPolicy.KV_AWARE
-    assert [s.node for s in fed.events.sources] == ["node:http://a", "node:http://b"]
+    assert [s.node for s in fed.events.sources] == ["node:m-1", "node:m-2"]  # the default node names
 
 
 def test_kv_event_endpoints_must_be_zmq_addresses():

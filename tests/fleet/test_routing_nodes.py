@@ -59,7 +59,7 @@ def test_a_request_goes_to_the_node_that_holds_its_prefix_and_tenants_stay_apart
     app = create_app(settings)
     with LoopbackServer(app) as gw:
         router = app.state.router
-        labels = [f"node:{u}" for u, _ in kv_nodes]
+        labels = [f"node:tiny-{i}" for i in range(1, len(kv_nodes) + 1)]  # the default node names
         clients = {n: openai.OpenAI(base_url=f"{gw.url}/v1", api_key=k, max_retries=0) for n, k in keys.items()}
         served = 0
         for family in range(4):
@@ -104,7 +104,7 @@ def test_a_pool_with_a_tokenizer_routes_chat_on_the_nodes_block_chain(kv_nodes, 
     settings = GatewaySettings(home=home, routes=(route,), routing_policy="kv_aware", route_prefix_tokens=256)
     tokenizer = PromptTokenizer.from_dir(tiny_model_dir)
     scope = StaticTenantScope(namespace=namespace, metrics_label="acme")
-    labels = [f"node:{u}" for u, _ in kv_nodes]
+    labels = [f"node:tiny-{i}" for i in range(1, len(kv_nodes) + 1)]  # the default node names
     app = create_app(settings)
     with LoopbackServer(app) as gw:
         router = app.state.router

@@ -32,7 +32,7 @@ from gateway.anthropic_api import MessagesRequest
 from gateway.app import create_app
 from gateway.ingress import BodyShape, scan
 from gateway.pipeline import Prepared, new_request_id
-from gateway.remote import NodeUnavailableError
+from gateway.remote import NodeFailure, NodeFault, NodeUnavailableError
 from gateway.responses_api import ResponsesRequest
 from gateway.routes.completions import Parts
 from gateway.routing import Backend, BackendKind, Router
@@ -243,11 +243,14 @@ def test_request_models_have_no_private_attributes() -> None:
 
 
 async def _old_run_one(prep: Prepared, router: Router) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The previous ``pipeline._run_one``, with its context managers."""
+    """The previous ``pipeline._run_one``, with its context managers (the in-flight count follows a
+    failover: ``pipeline._move``)."""
     gr = prep.requests[0]
     backend = prep.backend
     finished = False
-    with router.track(prep.backend):
+    with contextlib.ExitStack() as tracked:
+        prep.backend.inflight += 1
+        tracked.callback(lambda: setattr(prep.backend, "inflight", prep.backend.inflight - 1))
         try:
             while True:
                 started = False
@@ -257,11 +260,14 @@ async def _old_run_one(prep: Prepared, router: Router) -> AsyncIterator[tuple[in
                             started = True
                             finished = finished or out.finished
                             yield 0, out
+                    router.record_success(backend)
                     return
-                except NodeUnavailableError:
-                    alternative = None if started else router.failover(prep.model, backend)
+                except NodeFailure as exc:
+                    router.record_failure(prep.model, backend, exc.fault, str(exc))
+                    alternative = None if started else router.failover(prep.model, backend, exc.fault)
                     if alternative is None:
-                        raise
+                        raise exc.for_tenant(backend.name) from exc
+                    pipeline._move(prep, alternative)
                     backend = alternative
         finally:
             if not finished:
@@ -302,8 +308,8 @@ class _LoggedRouter(Router):
         super().__init__([])
         self.log, self.alternative = log, alternative
 
-    def failover(self, model: str, failed: Backend) -> Backend | None:
-        self.log.append(f"failover from {failed.label}")
+    def failover(self, model: str, failed: Backend, fault: NodeFault = NodeFault.UNREACHABLE) -> Backend | None:
+        self.log.append(f"failover from {failed.label} ({fault})")
         alternative, self.alternative = self.alternative, None  # one other node
         return alternative
 
@@ -324,8 +330,7 @@ def test_run_one_does_what_it_did_with_its_context_managers(first: str, second: 
         other = None
         if second is not None:
             b = _Node("b", log, second)
-            b.routed = routed
-            other = Backend("node:b", BackendKind.NODE, b, "m")
+            other = b.routed = Backend("node:b", BackendKind.NODE, b, "m")
         prep = Prepared(kind="chat", request_id="r", created=0, model="m", requests=[gr], n=1, stream=False,
                         include_usage=False, canon_applied=(), tenant=ctx, backend=routed)
 
@@ -333,13 +338,14 @@ def test_run_one_does_what_it_did_with_its_context_managers(first: str, second: 
             outputs = worker(prep, _LoggedRouter(log, other))
             try:
                 async for _, out in outputs:
-                    log.append(f"got {out.new_text} inflight={routed.inflight}")
+                    log.append(f"got {out.new_text} inflight={routed.inflight}/{other.inflight if other else '-'}")
                     if leave_after is not None:
                         await outputs.aclose()
                         break
             except Exception as exc:  # noqa: BLE001 - logged and compared
                 log.append(f"raised {type(exc).__name__}")
-            log.append(f"after inflight={routed.inflight}")
+            log.append(f"after inflight={routed.inflight}/{other.inflight if other else '-'} "
+                       f"backend={prep.backend.label}")
 
         asyncio.run(consume())
         return log

@@ -68,7 +68,7 @@ def test_remote_nodes_cache_aware_routing(node_pool):
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         used = [i for i, e in enumerate(engines) if e.requests]
         assert len(used) == 1 and len(engines[used[0]].requests) == 2
-        assert first.headers["x-prefixgate-backend"] == f"node:{servers[used[0]].url}"
+        assert first.headers["x-prefixgate-backend"] == f"node:tiny-{used[0] + 1}"  # its name, not its URL
         # the node got the server-derived namespace, never a key or tenant id
         sent = engines[used[0]].requests[0]
         assert sent.tenant.namespace == tenancy.keys[keys[0]].namespace and sent.tenant.cipher is None

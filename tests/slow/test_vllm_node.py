@@ -194,7 +194,7 @@ def test_a_vllm_nodes_kv_events_reach_the_index_under_the_routers_own_chain(vllm
         client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
         router = app.state.router
         chain = prefix_block_hashes(namespace, prompt, 32)
-        label = f"node:{vllm_node}"
+        label = "node:tiny-1"  # the route's default node name
         assert wait_for(lambda: router.index.prefix_lengths(chain, [label])[label] == len(chain), 30), (
             f"vLLM's events did not land under the router's chain: {router.events.stats[label]}, "
             f"untranslatable runs {router.events.translators[label].untranslatable}")
