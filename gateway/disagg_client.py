@@ -105,7 +105,6 @@ class DisaggEngineClient(RemoteEngineClient):
         self._prefills = [_PrefillNode(u.rstrip("/"), httpx.AsyncClient(base_url=u.rstrip("/"), headers=self._headers,
                                                                           timeout=self._timeout))
                           for u in prefill_urls]
-        self._receiver: str | None = None
         self.last_placement: tuple[Placement, str] | None = None
 
     async def _post(self, http: httpx.AsyncClient, path: str, body: dict) -> dict:
@@ -121,18 +120,12 @@ class DisaggEngineClient(RemoteEngineClient):
         d = await self._post(self._http, "/internal/v1/kv/lookup", request_to_wire(request))
         return LookupResult(**d)
 
-    async def _receiver_address(self) -> str:
-        if self._receiver is None:
-            try:
-                resp = await self._http.get("/internal/v1/kv/receiver")
-                resp.raise_for_status()
-            except httpx.HTTPError as exc:
-                raise NodeUnavailableError(f"decode node {self.base_url}: no KV receiver ({exc!r})") from exc
-            address = resp.json().get("address")
-            if not address:
-                raise NodeUnavailableError(f"decode node {self.base_url} has no KV receiver (serve --role decode)")
-            self._receiver = str(address)
-        return self._receiver
+    def _receiver_address(self, look: LookupResult) -> str:
+        """Where the prefill node sends the blocks: the receiver the decode node named in this very
+        lookup (never a cached one: a restarted node listens on a fresh KV port)."""
+        if not look.receiver:
+            raise NodeUnavailableError(f"decode node {self.base_url} has no KV receiver (serve --role decode)")
+        return look.receiver
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         look = await self.lookup(request)  # raises the node's EngineError (prompt too long ...) as usual
@@ -142,7 +135,7 @@ class DisaggEngineClient(RemoteEngineClient):
         self.metrics.decisions.labels(placement.value, reason).inc()
         prefill_cached: int | None = None
         if placement is Placement.SPLIT:
-            prefill_cached = await self._handoff(node, request, look.cached_tokens)
+            prefill_cached = await self._handoff(node, request, look)
         t_decode = time.perf_counter()
         first = True
         async for out in super().generate(request):
@@ -153,15 +146,14 @@ class DisaggEngineClient(RemoteEngineClient):
                 out = dataclasses.replace(out, cached_tokens=min(prefill_cached, out.cached_tokens))
             yield out
 
-    async def _handoff(self, node: _PrefillNode, request: GenerateRequest, decode_cached: int) -> int | None:
+    async def _handoff(self, node: _PrefillNode, request: GenerateRequest, look: LookupResult) -> int | None:
         """Prefill on ``node`` and move the blocks; the prefill node's cache hit, or None when the
         decode node must compute the prompt itself (then its own hit is what the tenant got)."""
         node.inflight += 1
         try:
-            address = await self._receiver_address()
             d = await self._post(node.http, "/internal/v1/kv/prefill",
-                                 {"request": request_to_wire(request), "address": address,
-                                  "skip_tokens": decode_cached})
+                                 {"request": request_to_wire(request), "address": self._receiver_address(look),
+                                  "skip_tokens": look.cached_tokens})
         except Exception as exc:  # noqa: BLE001 - any prefill failure means: recompute on the decode node
             reason = exc.code if isinstance(exc, EngineError) else type(exc).__name__
             self.metrics.failures.labels(reason).inc()

@@ -76,6 +76,9 @@ class LookupResult:
     cached_tokens: int  # its HBM prefix hit for this request now
     running: int
     waiting: int
+    # its KV receiver's address now ("" = none): read on every lookup, so that a node restarted on
+    # another KV port (--kv-port 0 picks a fresh one) gets its very next split
+    receiver: str = ""
 
 
 @runtime_checkable
@@ -83,7 +86,8 @@ class KVHandoff(Protocol):
     """What a node of a split topology offers beyond ``EngineClient`` (``engine.disagg.node.DisaggEngine``).
 
     - ``lookup`` tokenizes the request and matches it in this engine's prefix index (no blocks
-      are taken); raises ``EngineError`` for requests that cannot run.
+      are taken), and says where its KV receiver listens now; raises ``EngineError`` for requests
+      that cannot run.
     - ``prefill_and_send`` runs the request's prompt here (reusing this engine's prefix cache),
       then sends its full prompt blocks to the receiver at ``address`` ("host:port"); it returns
       after the receiver answered or the transfer failed (never raises for a failed transfer:

@@ -160,10 +160,12 @@ class DisaggEngine:
     async def lookup(self, request: GenerateRequest) -> LookupResult:
         req = await asyncio.to_thread(self.inner.engine.prepare, request)  # prepare is thread-safe
 
+        receiver = self.receiver_address() or ""
+
         def match(engine: LLMEngine) -> LookupResult:
             m = engine.cache.match(req)
             return LookupResult(req.num_prompt_tokens, m.cached_tokens, len(engine.scheduler.running),
-                                engine.scheduler.num_waiting)
+                                engine.scheduler.num_waiting, receiver)
 
         return await asyncio.wrap_future(self.inner.call_in_engine_thread(match))
 

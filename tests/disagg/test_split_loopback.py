@@ -15,6 +15,8 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -32,6 +34,16 @@ HEADERS = {"authorization": f"Bearer {TOKEN}"}
 PROMPT = [int(t) for t in range(1000, 1000 + 150)]  # 150 tokens = 9 full blocks of 16 + 6
 
 
+class Nodes(NamedTuple):
+    prefill_url: str
+    decode_url: str
+    procs: list  # [prefill, decode]: a test that restarts a node puts its new process here
+    homes: list[Path]
+
+
+NODE_FLAGS = ("--node-token-env", "PD_NODE_TOKEN")
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     homes = [tmp_path_factory.mktemp(n) for n in ("prefill", "decode")]
@@ -39,7 +51,7 @@ def nodes(tmp_path_factory):
     shutil.copytree(homes[0] / "models", homes[1] / "models")
     procs = []
     with ThreadPoolExecutor(2) as pool:  # the two model loads overlap
-        futures = [pool.submit(serve_tiny, home, "--role", role, "--node-token-env", "PD_NODE_TOKEN", env=ENV)
+        futures = [pool.submit(serve_tiny, home, "--role", role, *NODE_FLAGS, env=ENV)
                    for home, role in zip(homes, ("prefill", "decode"))]
         started = [f.result() for f in futures if f.exception() is None]
         procs = [proc for _, proc in started]
@@ -47,7 +59,7 @@ def nodes(tmp_path_factory):
         if len(started) != 2:
             raise RuntimeError(f"a node did not start: {[f.exception() for f in futures]}")
         (prefill_url, _), (decode_url, _) = started
-        yield prefill_url, decode_url, procs
+        yield Nodes(prefill_url, decode_url, procs, homes)
     finally:
         for p in procs:
             stop(p)
@@ -86,7 +98,7 @@ def lookup(url: str, gr: GenerateRequest) -> int:
 
 
 def test_split_output_equals_single_engine_and_cached_tokens_are_true(nodes):
-    prefill_url, decode_url, _ = nodes
+    prefill_url, decode_url, *_ = nodes
     from gateway.remote import RemoteEngineClient
 
     async def run():
@@ -125,7 +137,7 @@ def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
     from gateway_fakes import LoopbackServer
 
-    prefill_url, decode_url, _ = nodes
+    prefill_url, decode_url, *_ = nodes
     monkeypatch.setenv("PD_NODE_TOKEN", TOKEN)
     svc = open_tenancy(tmp_path)
     key, other = svc.create_tenant("acme").api_key, svc.create_tenant("beta").api_key
@@ -156,7 +168,7 @@ def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes
 
 
 def test_blocks_the_decode_node_holds_are_named_not_sent(nodes):
-    prefill_url, decode_url, _ = nodes
+    prefill_url, decode_url, *_ = nodes
     head = [int(t) for t in range(7000, 7000 + 144)]  # 9 blocks
     prompt = head + [int(t) for t in range(8000, 8000 + 150)]  # 294 tokens: 18 full cacheable blocks
     from gateway.remote import RemoteEngineClient
@@ -238,7 +250,7 @@ def receiver_of(decode_url: str) -> str:
 
 
 def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
-    prefill_url, decode_url, _ = nodes
+    prefill_url, decode_url, *_ = nodes
     prompt = [int(t) for t in range(3000, 3000 + 150)]
     gr = req("c1", b"tenant-c", prompt)
     # tiny model chunks of 16 blocks: the whole 9-block prompt is one chunk; flip a byte deep in its payload
@@ -266,8 +278,40 @@ def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
     assert integrity(decode_url)["ok"]
 
 
+def restart_decode(nodes: Nodes, *flags: str) -> None:
+    """Stop the decode node and start it again on the same HTTP address (its KV port: any free one)."""
+    stop(nodes.procs[1])
+    _, proc = serve_tiny(nodes.homes[1], "--role", "decode", *NODE_FLAGS, *flags, env=ENV,
+                         port=urlsplit(nodes.decode_url).port)
+    nodes.procs[1] = proc
+
+
+def test_a_decode_node_restarted_on_another_kv_port_gets_the_next_split(nodes):
+    prefill_url, decode_url, *_ = nodes
+    registry = CollectorRegistry()
+    client = DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
+                                metrics=DisaggMetrics(registry))
+    before = receiver_of(decode_url)
+    after_gr = req("rs2", b"tenant-rs", [int(t) for t in range(9000, 9000 + 150)])
+
+    async def run():
+        try:
+            await collect(client, req("rs1", b"tenant-rs", [int(t) for t in range(8500, 8500 + 150)]))
+            restart_decode(nodes)  # blocks this loop: nothing else runs on it
+            assert receiver_of(decode_url) != before  # a fresh free port, as after any restart with --kv-port 0
+            return await collect(client, after_gr), client.last_placement
+        finally:
+            await client.aclose()
+
+    _, placement = asyncio.run(run())
+    assert placement == (Placement.SPLIT, "long_uncached_prompt")
+    assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
+    assert lookup(decode_url, after_gr) == 144  # the blocks reached the new process
+    assert integrity(decode_url)["ok"]
+
+
 def test_prefill_killed_mid_transfer_leaks_nothing(nodes, tmp_path):  # last: it kills the module's prefill node
-    prefill_url, decode_url, procs = nodes
+    prefill_url, decode_url, procs, _ = nodes
     prompt = [int(t) for t in range(5000, 5000 + 600)]  # 37 blocks: 3 chunks, the stall is in the second
     gr = req("k1", b"tenant-k", prompt)
     stats = httpx.get(f"{decode_url}/internal/v1/stats", headers=HEADERS, timeout=10, trust_env=False).json()
