@@ -33,7 +33,6 @@ import hashlib
 import hmac
 import mmap
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from engine.disagg.transport import (
     DEFAULT_BLOCKS_PER_CHUNK,
     OutgoingTransfer,
     SocketSource,
+    connect_receiver,
     parse_address,
     report_from_ack,
     send_all,
@@ -253,8 +253,8 @@ class SharedBufferTransport:
             shared = self.share(staging)
             ranges = split_blocks(transfer.num_blocks, self.blocks_per_chunk)
             digests = keyed_digests(self.key, shared.data, self.blocks_per_chunk * bb)  # one sync for all chunks
-            with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock, nonce = connect_receiver(self.host, self.port, self.timeout_s)
+            with sock:
                 skip = len(transfer.prefix)
                 for seq, r in enumerate(ranges):
                     lo, n = r.start * bb, len(r) * bb
@@ -262,9 +262,9 @@ class SharedBufferTransport:
                     chunk = Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace,
                                   skip + r.start, transfer.hashes[r.start:r.stop], transfer.tokens[r.start:r.stop],
                                   (0, self.layout.num_layers), b"", transfer.prefix if seq == 0 else (), ref)
-                    send_all(sock, encode_chunk(self.key, self.layout, chunk))
+                    send_all(sock, encode_chunk(self.key, nonce, self.layout, chunk))
                     sent_blocks, sent_bytes = sent_blocks + len(r), sent_bytes + n
-                _kind, ack, _ = read_frame(SocketSource(sock), self.key, max_payload=0)
+                _kind, ack, _ = read_frame(SocketSource(sock), self.key, nonce, max_payload=0)
         except (OSError, EOFError, WireError, RuntimeError) as exc:
             return TransferReport(TransferStatus.FAILED, sent_blocks, 0, sent_bytes, time.perf_counter() - t0,
                                   f"{type(exc).__name__}: {exc}")

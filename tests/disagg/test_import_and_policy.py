@@ -95,7 +95,7 @@ def transfer(n: int) -> OutgoingTransfer:
     return OutgoingTransfer("x", b"t", LONG[:n], tokens, memoryview(bytes(range(256)) * (n // 4 + 1))[: n * 64])
 
 
-def serve(outcome) -> tuple[KVReceiver, list]:
+def serve(outcome, **limits) -> tuple[KVReceiver, list]:
     got: list = []
 
     def importer(chunk, chain) -> Future:
@@ -104,7 +104,7 @@ def serve(outcome) -> tuple[KVReceiver, list]:
         f.set_result(outcome(chunk))
         return f
 
-    return KVReceiver("127.0.0.1", 0, KEY, LAYOUT, importer, TransferMetrics(CollectorRegistry())), got
+    return KVReceiver("127.0.0.1", 0, KEY, LAYOUT, importer, TransferMetrics(CollectorRegistry()), **limits), got
 
 
 def test_socket_transport_delivers_chunks_in_order_and_reads_the_ack():
@@ -158,17 +158,18 @@ def test_unreachable_receiver_is_a_failed_report_not_an_exception():
 
 
 def test_an_oversized_chunk_claim_is_refused_before_its_payload_is_read():
-    import socket
     import struct
 
-    from engine.disagg.transport import SocketSource, parse_address
-    from engine.disagg.wire import FrameKind, read_frame
+    from engine.disagg.transport import SocketSource, connect_receiver, parse_address
+    from engine.disagg.wire import FrameKind, _prefix_mac, read_frame
 
     rx, got = serve(lambda c: ImportOutcome(0, 0))
     try:
-        with socket.create_connection(parse_address(rx.address)) as s:
-            s.sendall(struct.pack(">4sBBIQ", b"PGKV", 1, int(FrameKind.CHUNK), 2, 1 << 40) + b"{}")
-            kind, ack, _ = read_frame(SocketSource(s), KEY, max_payload=0)
+        s, nonce = connect_receiver(*parse_address(rx.address), timeout_s=10)
+        with s:  # a sender with the key, claiming more than one chunk may carry
+            prefix = struct.pack(">4sBBIQ", b"PGKV", 2, int(FrameKind.CHUNK), 2, 1 << 40)
+            s.sendall(prefix + _prefix_mac(KEY, nonce, prefix) + b"{}")
+            kind, ack, _ = read_frame(SocketSource(s), KEY, nonce, max_payload=0)
     finally:
         rx.close()
     assert kind is FrameKind.ACK and ack["status"] == "rejected" and ack["reason"] == "too_large" and got == []

@@ -13,6 +13,7 @@ import contextlib
 import shutil
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -275,6 +276,53 @@ def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
 
     (ids, cached), (ref_ids, _) = asyncio.run(run())
     assert ids == ref_ids and cached == 0  # recomputed on the decode node, same greedy tokens
+    assert integrity(decode_url)["ok"]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_idle_connections_without_the_token_neither_block_a_split_nor_cost_memory(nodes):
+    """The audit's attack: connections that send a frame prefix claiming a full 256-block chunk, then nothing."""
+    import struct
+
+    prefill_url, decode_url, procs, _ = nodes
+    stats = httpx.get(f"{decode_url}/internal/v1/stats", headers=HEADERS, timeout=10, trust_env=False).json()
+    max_chunk = 256 * int(stats["kv_bytes_per_token"] * stats["block_size"])
+    host, port = receiver_of(decode_url).rsplit(":", 1)
+    rss_before = rss_bytes(procs[1].pid)
+    idle = []
+    for _ in range(24):  # more than the receiver's 16 transfer slots
+        s = socket.create_connection((host, int(port)))
+        s.sendall(struct.pack(">4sBBIQ", b"PGKV", 1, 1, 2, max_chunk) + b"{}")
+        idle.append(s)
+    registry = CollectorRegistry()
+    gr = req("dos1", b"tenant-dos", [int(t) for t in range(11000, 11000 + 150)])
+
+    async def run():
+        client = DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
+                                    metrics=DisaggMetrics(registry))
+        try:
+            await collect(client, gr)
+            return client.last_placement
+        finally:
+            await client.aclose()
+
+    try:
+        time.sleep(0.5)  # every connection accepted and read (the old receiver allocated its claim here)
+        grown = rss_bytes(procs[1].pid) - rss_before
+        placement = asyncio.run(run())
+    finally:
+        for s in idle:
+            s.close()
+    assert grown < 4 * max_chunk, f"{grown} bytes more for {len(idle)} idle connections"
+    assert placement == (Placement.SPLIT, "long_uncached_prompt")
+    assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
+    assert lookup(decode_url, gr) == 144  # the transfer got through
     assert integrity(decode_url)["ok"]
 
 
