@@ -163,7 +163,7 @@ def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) 
         from engine.disagg.api import DisaggConfig, Role
 
         disagg = DisaggConfig(Role(settings.role), settings.node_token or "", kv_host=settings.host,
-                              kv_port=settings.kv_port)
+                              kv_port=settings.kv_port, kv_advertise_host=settings.kv_advertise_host or "")
     return build_engine(config, registry=registry, disagg=disagg)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from engine.disagg.api import LookupResult
+from engine.disagg.api import WILDCARD_HOSTS, LookupResult, receiver_host, with_receiver_host
 from engine.disagg.request_wire import request_to_wire
 from engine.protocol import EngineError, GenerateRequest, RequestOutput
 from gateway.remote import NodeUnavailableError, RemoteEngineClient, _error_from_response
@@ -86,6 +86,16 @@ class DisaggMetrics:
             buckets=(1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 5e10), registry=r)
 
 
+def reachable_receiver(advertised: str, node_url: str) -> str:
+    """A receiver advertised on a wildcard host (a decode node bound to 0.0.0.0 or :: without
+    ``--kv-advertise-host``) is reached at the host this gateway reaches the node at; any other
+    address is passed on as the node gave it."""
+    if receiver_host(advertised) not in WILDCARD_HOSTS:
+        return advertised
+    host = httpx.URL(node_url).host
+    return with_receiver_host(advertised, host) if host else advertised
+
+
 @dataclass
 class _PrefillNode:
     url: str
@@ -125,7 +135,7 @@ class DisaggEngineClient(RemoteEngineClient):
         lookup (never a cached one: a restarted node listens on a fresh KV port)."""
         if not look.receiver:
             raise NodeUnavailableError(f"decode node {self.base_url} has no KV receiver (serve --role decode)")
-        return look.receiver
+        return reachable_receiver(look.receiver, self.base_url)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         look = await self.lookup(request)  # raises the node's EngineError (prompt too long ...) as usual

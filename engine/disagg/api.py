@@ -114,12 +114,30 @@ class KVHandoff(Protocol):
     async def stats(self) -> dict[str, Any]: ...
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # a bind address, not one a peer can connect to
+
+
+def receiver_host(address: str) -> str:
+    """The host of a receiver address ``host:port[;extras]`` (IPv6 without its brackets)."""
+    return address.split(";", 1)[0].rpartition(":")[0].strip("[]")
+
+
+def with_receiver_host(address: str, host: str) -> str:
+    """``address`` (``host:port[;extras]``) with its host replaced by ``host``; port and extras kept."""
+    base, sep, extras = address.partition(";")
+    port = base.rpartition(":")[2]
+    host = host.strip("[]")
+    return f"{f'[{host}]' if ':' in host else host}:{port}{sep}{extras}"
+
+
 @dataclass(frozen=True)
 class DisaggConfig:
     """How ``engine.launch.build_engine`` sets up a split-topology role.
 
     node_token: the shared node token; the transfer MAC key is derived from it.
     kv_host / kv_port: where a decode engine's receiver listens (port 0 = any free port).
+    kv_advertise_host: the host prefill nodes connect to, advertised instead of ``kv_host`` ("" =
+        ``kv_host``; when that is a wildcard, the gateway puts in the host it reaches the node at).
     blocks_per_chunk: blocks per transfer chunk (one MAC each).
     """
 
@@ -128,6 +146,7 @@ class DisaggConfig:
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
     blocks_per_chunk: int = 16
+    kv_advertise_host: str = ""
 
     def __post_init__(self) -> None:
         if self.role is not Role.BOTH and not self.node_token:

@@ -35,6 +35,7 @@ from engine.disagg.api import (
     TransferReport,
     TransferStatus,
     derive_transfer_key,
+    with_receiver_host,
 )
 from engine.disagg.metrics import TransferMetrics
 from engine.disagg.receiver import ImportOutcome, KVReceiver
@@ -150,12 +151,16 @@ class DisaggEngine:
     # ------------------------------------------------------------------ KVHandoff
 
     def receiver_address(self) -> str | None:
-        """host:port, advertising CUDA IPC from this host when this engine is on a GPU (a prefill
-        engine on the same host then sends device to device; any other sender ignores it)."""
+        """host:port (the host: ``kv_advertise_host`` when set, else the bound one), advertising
+        CUDA IPC from this host when this engine is on a GPU (a prefill engine on the same host
+        then sends device to device; any other sender ignores it)."""
         if self.receiver is None:
             return None
         on_gpu = str(self.runner.device).startswith("cuda")
-        return advertise(self.receiver.address, (CUDA_IPC,) if on_gpu else ())
+        address = self.receiver.address
+        if self.config.kv_advertise_host:
+            address = with_receiver_host(address, self.config.kv_advertise_host)
+        return advertise(address, (CUDA_IPC,) if on_gpu else ())
 
     async def lookup(self, request: GenerateRequest) -> LookupResult:
         req = await asyncio.to_thread(self.inner.engine.prepare, request)  # prepare is thread-safe

@@ -18,7 +18,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_types import QueueReason
 from engine.prefix_index import block_hashes
 from engine.protocol import StaticTenantScope
-from gateway.disagg_client import Placement, SplitPolicy
+from gateway.disagg_client import Placement, SplitPolicy, reachable_receiver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine_core"))
 import contextlib
@@ -84,6 +84,16 @@ def test_split_policy():
     assert p.decide(LookupResult(1000, 0, 3, 0), 1) == (Placement.SPLIT, "long_uncached_prompt")
     idle = SplitPolicy(split_when_decode_idle=False)
     assert idle.decide(LookupResult(1000, 0, 0, 0), 0) == (Placement.COLOCATED, "decode_idle")
+
+
+def test_a_receiver_on_a_wildcard_host_is_reached_where_the_gateway_reaches_its_node():
+    # a decode node bound to 0.0.0.0 / :: without --kv-advertise-host: that host is nowhere to connect to
+    assert reachable_receiver("0.0.0.0:8202", "http://10.0.0.5:8102") == "10.0.0.5:8202"
+    assert reachable_receiver("[::]:8202;shared=cuda_ipc;host=ab12", "http://[fd00::5]:8102") == \
+        "[fd00::5]:8202;shared=cuda_ipc;host=ab12"
+    assert reachable_receiver("0.0.0.0:8202", "http://decode-1.internal:8102") == "decode-1.internal:8202"
+    # a concrete host (bound, or --kv-advertise-host) is the node's to choose: passed on as given
+    assert reachable_receiver("10.1.1.1:8202", "http://10.0.0.5:8102") == "10.1.1.1:8202"
 
 
 LAYOUT = EngineLayout("tiny", "float32", BS, 2, 64)

@@ -28,3 +28,13 @@ def test_settings_validation(tmp_path):
     assert GatewaySettings(role="decode", model="tiny", model_dir=tmp_path, node_token="t").kv_port == 0
     with pytest.raises(ValidationError, match="prefill_nodes` needs `nodes`"):
         RouteConfig(model="m", provider="openai/x", prefill_nodes=("http://p",))
+
+
+def test_a_kv_advertise_host_that_is_no_host_exits_2_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gateway.cli.main", "serve", "--home", str(tmp_path), "--model", "none",
+                        "--kv-advertise-host", "10.0.0.5:8202"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = error_lines(r.stderr)
+    assert len(lines) == 1 and "kv_advertise_host" in lines[0]
+    assert GatewaySettings(kv_advertise_host="fd00::5").kv_advertise_host == "fd00::5"

@@ -358,6 +358,27 @@ def test_a_decode_node_restarted_on_another_kv_port_gets_the_next_split(nodes):
     assert integrity(decode_url)["ok"]
 
 
+def test_a_decode_node_advertises_its_kv_advertise_host(nodes):
+    prefill_url, decode_url, *_ = nodes
+    restart_decode(nodes, "--kv-advertise-host", "localhost")  # bound to 127.0.0.1, reached by name
+    assert receiver_of(decode_url).startswith("localhost:")
+    registry = CollectorRegistry()
+    gr = req("adv1", b"tenant-adv", [int(t) for t in range(12000, 12000 + 150)])
+
+    async def run():
+        client = DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
+                                    metrics=DisaggMetrics(registry))
+        try:
+            await collect(client, gr)
+            return client.last_placement
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(run()) == (Placement.SPLIT, "long_uncached_prompt")
+    assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
+    assert lookup(decode_url, gr) == 144
+
+
 def test_prefill_killed_mid_transfer_leaks_nothing(nodes, tmp_path):  # last: it kills the module's prefill node
     prefill_url, decode_url, procs, _ = nodes
     prompt = [int(t) for t in range(5000, 5000 + 600)]  # 37 blocks: 3 chunks, the stall is in the second
