@@ -172,13 +172,21 @@ class DisaggEngineClient(RemoteEngineClient):
             node.inflight -= 1
         transfer = d["transfer"]
         self.metrics.ttft_part.labels("prefill").observe(float(d["prefill_s"]))
-        self.metrics.ttft_part.labels("transfer").observe(float(transfer["seconds"]))
         self.metrics.transfer_bytes.inc(int(transfer["bytes_sent"]))
-        if transfer["seconds"] > 0:
-            self.metrics.transfer_bandwidth.observe(transfer["bytes_sent"] / transfer["seconds"])
         if transfer["status"] != "imported":
             self.metrics.failures.labels(f"transfer_{transfer['status']}").inc()
+        self._observe_transfer(transfer)
         return int(d["cached_tokens"])
+
+    def _observe_transfer(self, transfer: dict) -> None:
+        """Time and bandwidth of a transfer that reached the receiver; a failed one (no connection,
+        broken mid-way) would fill the low buckets with failures, and its TTFT part was recomputed."""
+        if transfer["status"] == "failed":
+            return
+        seconds, sent = float(transfer["seconds"]), int(transfer["bytes_sent"])
+        self.metrics.ttft_part.labels("transfer").observe(seconds)
+        if seconds > 0 and sent > 0:
+            self.metrics.transfer_bandwidth.observe(sent / seconds)
 
     async def aclose(self) -> None:
         for p in self._prefills:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import socket
 import threading
@@ -277,6 +278,39 @@ def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
     (ids, cached), (ref_ids, _) = asyncio.run(run())
     assert ids == ref_ids and cached == 0  # recomputed on the decode node, same greedy tokens
     assert integrity(decode_url)["ok"]
+
+
+class DeadReceiverClient(DisaggEngineClient):
+    """The decode node's real lookup, naming a receiver nobody listens at (a stale address)."""
+
+    async def lookup(self, request):
+        look = await super().lookup(request)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"
+        return dataclasses.replace(look, receiver=dead)
+
+
+def test_a_failed_transfer_is_not_measured_as_a_transfer(nodes):
+    prefill_url, decode_url, *_ = nodes
+    registry = CollectorRegistry()
+    gr = req("fail1", b"tenant-fail", [int(t) for t in range(13000, 13000 + 150)])
+
+    async def run():
+        client = DeadReceiverClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
+                                    metrics=DisaggMetrics(registry))
+        try:
+            return await collect(client, gr)
+        finally:
+            await client.aclose()
+
+    ids, _ = asyncio.run(run())
+    assert len(ids) == 12  # the decode node computed the prompt itself
+    value = registry.get_sample_value
+    assert value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) == 1
+    assert value("prefixgate_pd_ttft_part_seconds_count", {"part": "prefill"}) == 1  # the prefill did run
+    assert not value("prefixgate_pd_ttft_part_seconds_count", {"part": "transfer"})
+    assert not value("prefixgate_pd_transfer_bandwidth_bytes_per_second_count")
 
 
 def rss_bytes(pid: int) -> int:
