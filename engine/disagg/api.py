@@ -36,7 +36,7 @@ def derive_transfer_key(node_token: str) -> bytes:
 class TransferStatus(enum.StrEnum):
     IMPORTED = "imported"  # every block the sender had is now indexed on the decode engine
     PARTIAL = "partial"  # a leading part was imported; the rest is a miss (recomputed there)
-    REFUSED = "refused"  # the decode engine had no room (out of KV blocks / tenant quota)
+    REFUSED = "refused"  # the decode engine had no room (out of KV blocks)
     REJECTED = "rejected"  # a chunk failed a check (MAC, hashes, dtype, layers, size): a miss
     FAILED = "failed"  # the connection broke or the peer was unreachable
 

@@ -86,9 +86,19 @@ def export_prefix(engine: LLMEngine, runner: ModelRunner, req: Request, skip_blo
                           export(match.block_ids[skip:]))
 
 
+def import_scope(chunk: Chunk) -> StaticTenantScope:
+    """Who an import is for: the chunk's tenant key, as the decode node's own node calls for that
+    tenant carry it (``prefixgate_tenant``), so imported blocks are held and charged as theirs. No
+    quota: node calls carry none, so refusing an import would only make this node compute and hold
+    the same blocks; it is refused only when out of blocks. ``remote`` as the label, as on every
+    node call."""
+    return StaticTenantScope(namespace=chunk.namespace, tenant_key=chunk.tenant_key, metrics_label="remote",
+                             cipher=None)
+
+
 def import_chunk(engine: LLMEngine, runner: ModelRunner, chunk: Chunk, chain: tuple[BlockHash, ...]) -> ImportOutcome:
     """Engine thread: index a verified chunk's blocks under their hashes (the tenant's own chain)."""
-    tenant = StaticTenantScope(namespace=chunk.namespace, metrics_label="remote", cipher=None)
+    tenant = import_scope(chunk)
     bb = runner.kv_bytes_per_block
     if isinstance(chunk.payload, torch.Tensor):  # landed from a shared buffer, on this engine's device
         data: torch.Tensor | None = chunk.payload.view(chunk.num_blocks, bb)
@@ -207,7 +217,8 @@ class DisaggEngine:
         staging: memoryview | torch.Tensor = (memoryview(exported.staging.numpy()).cast("B")
                                               if transport.staging_device == "cpu" else exported.staging)
         return transport.send(OutgoingTransfer(request.request_id, bytes(request.tenant.namespace),
-                                               exported.hashes, exported.tokens, staging, exported.prefix))
+                                               exported.hashes, exported.tokens, staging, exported.prefix,
+                                               bytes(request.tenant.tenant_key)))
 
     async def check_integrity(self) -> str:
         """"" if the cache manager's invariants hold (no leaked or double-held block), else why not."""

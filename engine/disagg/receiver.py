@@ -53,7 +53,7 @@ MAX_BLOCKS_PER_CHUNK = 256  # the most blocks one chunk may carry (DisaggConfig.
 @dataclass(frozen=True)
 class ImportOutcome:
     """What importing one chunk did: ``resident`` of its blocks are now indexed (``imported`` of
-    them newly); ``refused`` says why the rest could not be (out of blocks, tenant quota), else ""."""
+    them newly); ``refused`` says why the rest could not be (out of blocks), else ""."""
 
     resident: int
     imported: int

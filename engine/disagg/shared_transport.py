@@ -29,6 +29,7 @@ engines on one GPU or on two GPUs of one host (the copy is then a peer copy over
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import mmap
@@ -261,7 +262,8 @@ class SharedBufferTransport:
                     ref = SharedRef(shared.kind, shared.handle(), lo, n, digests[seq])
                     chunk = Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace,
                                   skip + r.start, transfer.hashes[r.start:r.stop], transfer.tokens[r.start:r.stop],
-                                  (0, self.layout.num_layers), b"", transfer.prefix if seq == 0 else (), ref)
+                                  (0, self.layout.num_layers), b"", transfer.prefix if seq == 0 else (), ref,
+                                  transfer.tenant_key)
                     send_all(sock, encode_chunk(self.key, nonce, self.layout, chunk))
                     sent_blocks, sent_bytes = sent_blocks + len(r), sent_bytes + n
                 _kind, ack, _ = read_frame(SocketSource(sock), self.key, nonce, max_payload=0)
@@ -362,8 +364,7 @@ class TensorLanding:
             raise WireError("shared_copy", f"{type(exc).__name__}: {exc}") from None
         if not same:
             raise WireError("bad_digest")
-        return Chunk(chunk.transfer_id, chunk.seq, chunk.last, chunk.namespace, chunk.first_block, chunk.hashes,
-                     chunk.tokens, chunk.layers, local, chunk.prefix, ref)
+        return dataclasses.replace(chunk, payload=local)
 
     def close(self) -> None:
         if self.device.type == "cuda":

@@ -58,6 +58,7 @@ class OutgoingTransfer:
     tokens: tuple[tuple[int, ...], ...]
     staging: memoryview | SizedBuffer
     prefix: tuple[BlockHash, ...] = ()
+    tenant_key: bytes = b""  # who the receiver holds the blocks for ("" = the namespace)
 
     @property
     def num_blocks(self) -> int:
@@ -173,7 +174,8 @@ def chunks_of(transfer: OutgoingTransfer, layout: EngineLayout, blocks_per_chunk
     return [
         Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace, skip + r.start,
               transfer.hashes[r.start:r.stop], transfer.tokens[r.start:r.stop], (0, layout.num_layers),
-              transfer.staging[r.start * bb : r.stop * bb], transfer.prefix if seq == 0 else ())
+              transfer.staging[r.start * bb : r.stop * bb], transfer.prefix if seq == 0 else (),
+              tenant_key=transfer.tenant_key)
         for seq, r in enumerate(ranges)
     ]
 

@@ -15,7 +15,8 @@ connection, and the ack cannot be either.
 
     chunk header = {"transfer_id", "seq", "last", "model", "namespace" (hex), "first_block",
                     "hashes" [hex], "tokens" [[ids of block i]...], "layers" [lo, hi],
-                    "dtype", "block_bytes", "prefix_hashes" [hex] (seq 0 only)}
+                    "dtype", "block_bytes", "prefix_hashes" [hex] (seq 0 only),
+                    "tenant_key" (hex; absent = the namespace is the tenant)}
     chunk payload = the chunk's blocks back to back, one block = ``block_bytes`` bytes
                     (the model runner's export layout: all layers' K and V of the block)
     shared chunk  = the same header plus "shared": {"kind", "handle", "offset", "nbytes", "digest"}
@@ -121,6 +122,7 @@ class Chunk:
     payload: bytes | bytearray | memoryview | SizedBuffer
     prefix: tuple[BlockHash, ...] = ()  # seq 0 only: hashes of blocks 0..first_block-1 (held by the receiver)
     shared: SharedRef | None = None  # the bytes stay in the sender's shared buffer (payload empty until landed)
+    tenant_key: bytes = b""  # the tenant the blocks are held and charged for on import ("" = the namespace)
 
     @property
     def num_blocks(self) -> int:
@@ -164,6 +166,8 @@ def encode_chunk(key: bytes, nonce: bytes, layout: EngineLayout, chunk: Chunk) -
         "layers": list(chunk.layers), "dtype": layout.dtype, "block_bytes": layout.block_bytes,
         "prefix_hashes": [h.hex() for h in chunk.prefix],
     }
+    if chunk.tenant_key and chunk.tenant_key != chunk.namespace:
+        header["tenant_key"] = chunk.tenant_key.hex()
     if chunk.shared is not None:
         header["shared"] = chunk.shared.to_json()
         return encode_frame(key, nonce, FrameKind.CHUNK, header)
@@ -244,6 +248,7 @@ class ChainChecker:
         self.layout = layout
         self.transfer_id: str | None = None
         self.namespace: bytes | None = None
+        self.tenant_key: bytes | None = None
         self.next_seq = 0
         self.next_block = 0
         self.chain: list[BlockHash] = []  # every verified hash so far, from block 0
@@ -254,6 +259,7 @@ class ChainChecker:
             transfer_id = str(header["transfer_id"])
             seq, first = int(header["seq"]), int(header["first_block"])
             namespace = bytes.fromhex(header["namespace"])
+            tenant_key = bytes.fromhex(header.get("tenant_key") or "") or namespace  # none sent: the namespace's own
             hashes = tuple(BlockHash(bytes.fromhex(h)) for h in header["hashes"])
             tokens = tuple(tuple(int(t) for t in block) for block in header["tokens"])
             lo, hi = (int(x) for x in header["layers"])
@@ -272,13 +278,13 @@ class ChainChecker:
         if (lo, hi) != (0, lay.num_layers):
             raise WireError("layers", f"[{lo}, {hi}) but this engine needs all {lay.num_layers} layers per block")
         if self.transfer_id is None:
-            self.transfer_id, self.namespace = transfer_id, namespace
+            self.transfer_id, self.namespace, self.tenant_key = transfer_id, namespace, tenant_key
             if len(prefix) != first or any(len(h) != 32 for h in prefix):
                 raise WireError("bad_header", f"{len(prefix)} prefix hashes for a transfer starting at block {first}")
             self.chain, self.next_block = list(prefix), first
         elif prefix:
             raise WireError("bad_header", "prefix_hashes after the first chunk")
-        if transfer_id != self.transfer_id or namespace != self.namespace:
+        if transfer_id != self.transfer_id or namespace != self.namespace or tenant_key != self.tenant_key:
             raise WireError("mixed_transfer")
         if seq != self.next_seq or first != self.next_block:
             raise WireError("out_of_order", f"seq {seq} block {first}, expected {self.next_seq} / {self.next_block}")
@@ -297,7 +303,8 @@ class ChainChecker:
         self.chain.extend(hashes)
         self.next_seq += 1
         self.next_block += len(hashes)
-        return Chunk(transfer_id, seq, last, namespace, first, hashes, tokens, (lo, hi), payload, prefix, shared)
+        return Chunk(transfer_id, seq, last, namespace, first, hashes, tokens, (lo, hi), payload, prefix, shared,
+                     tenant_key)
 
 
 def _shared_ref(d: dict[str, Any]) -> SharedRef:

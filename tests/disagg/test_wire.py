@@ -168,3 +168,15 @@ def test_forged_sizes_are_rejected_after_the_prefix_alone():
     with pytest.raises(WireError) as err:
         read_frame(source, KEY, NONCE, max_payload=1 << 31)
     assert err.value.reason == "bad_mac" and source.read == PREFIX_BYTES + MAC_BYTES
+
+
+def test_the_tenant_key_travels_with_the_transfer_and_cannot_change_in_it():
+    checker = ChainChecker(LAYOUT)
+    a = receive(frame(chunk(0, 0, 2, tenant_key=b"\xaa\xbb")), checker)
+    b = receive(frame(chunk(1, 2, 1, tenant_key=b"\xaa\xbb")), checker)
+    assert a.tenant_key == b.tenant_key == b"\xaa\xbb"
+    with pytest.raises(WireError) as err:  # a later chunk of the transfer claiming another tenant
+        receive(frame(chunk(2, 3, 1, tenant_key=b"\xcc")), checker)
+    assert err.value.reason == "mixed_transfer"
+    # a sender that names no tenant key (the namespace is the tenant, or an older sender)
+    assert receive(frame(chunk(0, 0, 1)), ChainChecker(LAYOUT)).tenant_key == NS
