@@ -129,7 +129,8 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
             backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]
         elif rc.prefill_nodes:
             pd_metrics = pd_metrics or DisaggMetrics(registry if registry is not None else CollectorRegistry())
-            policy = SplitPolicy(min_split_tokens=rc.split_min_tokens, max_prefill_queue=rc.max_prefill_queue)
+            policy = SplitPolicy(min_split_tokens=rc.split_min_tokens, max_prefill_queue=rc.max_prefill_queue,
+                                 split_when_decode_idle=rc.split_when_decode_idle)
             backends = [Backend(f"node:{url}", BackendKind.NODE, DisaggEngineClient(url, rc.prefill_nodes, rc.node_token,
                                                                           policy=policy, metrics=pd_metrics), "")
                         for url in rc.nodes]

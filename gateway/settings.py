@@ -93,6 +93,7 @@ class RouteConfig(BaseModel):
     prefill_nodes: tuple[str, ...] = ()
     split_min_tokens: int = Field(256, ge=1)  # uncached prompt tokens below which a request stays colocated
     max_prefill_queue: int = Field(8, ge=1)
+    split_when_decode_idle: bool = True  # False: a decode node running and queueing nothing prefills itself
     max_model_len: int | None = None  # advertised in /v1/models for providers; nodes report their own
     # "litellm" (any provider) or "direct": a keep-alive HTTP client straight to an OpenAI-compatible
     # api_base, skipping litellm's per-call work (the gateway's added latency in front of vLLM/SGLang).
