@@ -86,6 +86,14 @@ class DisaggMetrics:
             buckets=(1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 5e10), registry=r)
 
 
+def _with_lookup_usage(out: RequestOutput, look: LookupResult, prefill_cached: int | None) -> RequestOutput:
+    """A streamed output before the node's final usage, carrying the prompt the lookup counted (and
+    the hit it saw, bounded by the prefill node's after a split): a stream that ends early (client
+    gone, decode node lost) is billed the prompt that was prefilled, not 0."""
+    cached = look.cached_tokens if prefill_cached is None else min(prefill_cached, look.cached_tokens)
+    return dataclasses.replace(out, prompt_tokens=look.prompt_tokens, cached_tokens=cached)
+
+
 def reachable_receiver(advertised: str, node_url: str) -> str:
     """A receiver advertised on a wildcard host (a decode node bound to 0.0.0.0 or :: without
     ``--kv-advertise-host``) is reached at the host this gateway reaches the node at; any other
@@ -152,7 +160,9 @@ class DisaggEngineClient(RemoteEngineClient):
             if first and out.new_token_ids and prefill_cached is not None:
                 self.metrics.ttft_part.labels("first_decode").observe(time.perf_counter() - t_decode)
             first = first and not out.new_token_ids
-            if prefill_cached is not None:
+            if not out.finished:
+                out = _with_lookup_usage(out, look, prefill_cached)
+            elif prefill_cached is not None:
                 out = dataclasses.replace(out, cached_tokens=min(prefill_cached, out.cached_tokens))
             yield out
 

@@ -280,6 +280,27 @@ def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
     assert integrity(decode_url)["ok"]
 
 
+def test_every_streamed_output_carries_the_prompt_so_an_early_end_is_billed_for_it(nodes):
+    """A node reports usage only in its last chunk; the ledger bills an aborted or failed stream by
+    its last output, which must then say what was prefilled (the lookup counted it)."""
+    prefill_url, decode_url, *_ = nodes
+    prompt = [int(t) for t in range(14000, 14000 + 150)]
+
+    async def run():
+        client = split_client(prefill_url, decode_url)
+        try:
+            outs = [[out async for out in client.generate(req(rid, b"tenant-bill", prompt))] for rid in ("b1", "b2")]
+            return outs, client.last_placement
+        finally:
+            await client.aclose()
+
+    (split, again), placement = asyncio.run(run())
+    assert placement == (Placement.COLOCATED, "cached_on_decode")
+    assert all((o.prompt_tokens, o.cached_tokens) == (150, 0) for o in split)  # cold: the prefill node computed it
+    assert all(o.prompt_tokens == 150 for o in again)
+    assert [o.cached_tokens for o in again[:-1]] == [144] * (len(again) - 1) and again[-1].cached_tokens == 144
+
+
 class DeadReceiverClient(DisaggEngineClient):
     """The decode node's real lookup, naming a receiver nobody listens at (a stale address)."""
 
