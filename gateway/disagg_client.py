@@ -17,6 +17,7 @@ engine computed for this request (the transferred ones were paid for on the pref
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import time
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from engine.disagg.api import WILDCARD_HOSTS, LookupResult, receiver_host, with_receiver_host
 from engine.disagg.request_wire import request_to_wire
 from engine.protocol import EngineError, GenerateRequest, RequestOutput
-from gateway.remote import NodeUnavailableError, RemoteEngineClient, _error_from_response
+from gateway.remote import HEALTH_TIMEOUT_S, NodeUnavailableError, RemoteEngineClient, _error_from_response
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -109,6 +110,22 @@ class _PrefillNode:
     url: str
     http: httpx.AsyncClient
     inflight: int = 0
+    healthy: bool | None = None  # None: not probed yet
+    last_error: str | None = None
+
+    async def probe(self) -> bool:
+        """``GET /health`` (what ``/health`` shows of it, and whether the split picks it)."""
+        try:
+            resp = await self.http.get("/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            self.healthy, self.last_error = False, repr(exc)
+            return False
+        self.healthy = resp.status_code == 200
+        self.last_error = None if self.healthy else f"HTTP {resp.status_code}"
+        return self.healthy
+
+    def status(self) -> dict[str, object]:
+        return {"url": self.url, "healthy": self.healthy, "inflight": self.inflight, "last_error": self.last_error}
 
 
 class DisaggEngineClient(RemoteEngineClient):
@@ -147,7 +164,7 @@ class DisaggEngineClient(RemoteEngineClient):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         look = await self.lookup(request)  # raises the node's EngineError (prompt too long ...) as usual
-        node = min(self._prefills, key=lambda p: p.inflight)
+        node = self._least_loaded_prefill()
         placement, reason = self.policy.decide(look, node.inflight)
         self.last_placement = (placement, reason)
         self.metrics.decisions.labels(placement.value, reason).inc()
@@ -197,6 +214,20 @@ class DisaggEngineClient(RemoteEngineClient):
         self.metrics.ttft_part.labels("transfer").observe(seconds)
         if seconds > 0 and sent > 0:
             self.metrics.transfer_bandwidth.observe(sent / seconds)
+
+    def _least_loaded_prefill(self) -> _PrefillNode:
+        """The least-loaded prefill node among those the last probe did not find down (all of
+        them when every one is down: the attempt then counts as a failure and falls back)."""
+        up = [p for p in self._prefills if p.healthy is not False] or self._prefills
+        return min(up, key=lambda p: p.inflight)
+
+    async def probe(self) -> bool:
+        """The decode node's health (what routes requests here), and the prefill nodes' too."""
+        ok, *_ = await asyncio.gather(super().probe(), *(p.probe() for p in self._prefills))
+        return ok
+
+    def prefill_status(self) -> list[dict[str, object]]:
+        return [p.status() for p in self._prefills]
 
     async def aclose(self) -> None:
         for p in self._prefills:

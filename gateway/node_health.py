@@ -12,6 +12,7 @@ import asyncio
 import logging
 from typing import Any
 
+from gateway.disagg_client import DisaggEngineClient
 from gateway.remote import RemoteEngineClient
 from gateway.routing import Backend, Router
 
@@ -53,6 +54,9 @@ def node_status(router: Router) -> list[dict[str, Any]]:
     for model, backend, client in node_backends(router):
         s = client.state
         cached = {None: "unknown", True: "reported", False: "unreported"}[s.cached_tokens_reported]
-        out.append({"route": model, "url": client.base_url, "healthy": s.healthy and backend.up,
-                    "draining": s.draining, "cached_tokens": cached, "last_error": s.last_error})
+        entry = {"route": model, "url": client.base_url, "healthy": s.healthy and backend.up,
+                 "draining": s.draining, "cached_tokens": cached, "last_error": s.last_error}
+        if isinstance(client, DisaggEngineClient):  # a decode node: the prefill nodes that feed it
+            entry["prefill_nodes"] = client.prefill_status()
+        out.append(entry)
     return out

@@ -169,6 +169,47 @@ def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes
     assert 'prefixgate_pd_decisions_total{placement="colocated",reason="cached_on_decode"} 1.0' in metrics
 
 
+def test_health_lists_a_split_routes_prefill_nodes_and_the_split_skips_a_down_one(nodes, tmp_path, monkeypatch):
+    import sys
+
+    import openai
+
+    from gateway.app import create_app
+    from gateway.ports import open_tenancy
+    from gateway.settings import GatewaySettings, RouteConfig
+    from tests.serverutil import free_port, wait_for
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+    from gateway_fakes import LoopbackServer
+
+    prefill_url, decode_url, *_ = nodes
+    dead = f"http://127.0.0.1:{free_port()}"  # listed first: without its probe it would be picked first
+    monkeypatch.setenv("PD_NODE_TOKEN", TOKEN)
+    svc = open_tenancy(tmp_path)
+    key = svc.create_tenant("hp").api_key
+    svc.flush()
+    svc.close()
+    route = RouteConfig(model="tiny", nodes=(decode_url,), prefill_nodes=(dead, prefill_url),
+                        node_token_env="PD_NODE_TOKEN", split_min_tokens=32)
+    settings = GatewaySettings(home=tmp_path, routes=(route,), node_probe_interval_s=0.2, metrics_token="pd-metrics")
+    with LoopbackServer(create_app(settings)) as srv:
+        def prefills() -> list[dict]:
+            body = httpx.get(f"{srv.url}/health", timeout=10, trust_env=False).json()
+            return body["nodes"][0].get("prefill_nodes") or []
+
+        assert wait_for(lambda: all(p["healthy"] is not None for p in prefills()), timeout=20)
+        status = {p["url"]: p["healthy"] for p in prefills()}
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
+        client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": "You answer questions about the health of prefill nodes. " * 6},
+            {"role": "user", "content": "Which one is up?"}])
+        metrics = httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer pd-metrics"},
+                            trust_env=False).text
+    assert status == {dead: False, prefill_url: True}
+    assert 'prefixgate_pd_decisions_total{placement="split",reason="long_uncached_prompt"} 1.0' in metrics
+    assert "prefixgate_pd_failures_total{" not in metrics  # the down prefill node was not tried
+
+
 def test_blocks_the_decode_node_holds_are_named_not_sent(nodes):
     prefill_url, decode_url, *_ = nodes
     head = [int(t) for t in range(7000, 7000 + 144)]  # 9 blocks
