@@ -129,7 +129,8 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
             backends = [Backend(f"{rc.transport}:{rc.provider}", BackendKind.PROVIDER, client, rc.provider)]
         elif rc.prefill_nodes:
             pd_metrics = pd_metrics or DisaggMetrics(registry if registry is not None else CollectorRegistry())
-            policy = SplitPolicy(min_split_tokens=rc.split_min_tokens, max_prefill_queue=rc.max_prefill_queue)
+            policy = SplitPolicy(min_split_tokens=rc.split_min_tokens, max_prefill_queue=rc.max_prefill_queue,
+                                 split_when_decode_idle=rc.split_when_decode_idle)
             backends = [Backend(f"node:{name}", BackendKind.NODE, DisaggEngineClient(url, rc.prefill_nodes, rc.node_token,
                                                                            policy=policy, metrics=pd_metrics), "")
                         for name, url in zip(rc.names_of_nodes, rc.nodes, strict=True)]
@@ -166,7 +167,7 @@ def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) 
         from engine.disagg.api import DisaggConfig, Role
 
         disagg = DisaggConfig(Role(settings.role), settings.node_token or "", kv_host=settings.host,
-                              kv_port=settings.kv_port)
+                              kv_port=settings.kv_port, kv_advertise_host=settings.kv_advertise_host or "")
     return build_engine(config, registry=registry, disagg=disagg)
 
 

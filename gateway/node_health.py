@@ -23,6 +23,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gateway.disagg_client import DisaggEngineClient
 from gateway.remote import RemoteEngineClient
 from gateway.routing import Backend, Router
 
@@ -94,11 +95,14 @@ def node_status(router: Router) -> list[dict[str, Any]]:
     for model, backend, client in node_backends(router):
         s = client.state
         cached = {None: "unknown", True: "reported", False: "unreported"}[s.cached_tokens_reported]
-        out.append({"route": model, "name": backend.name, "url": client.base_url,
-                    "healthy": serving(backend, client), "draining": s.draining, "cached_tokens": cached,
-                    "last_error": s.last_error, "last_failure": backend.passive.last_failure,
-                    "consecutive_failures": backend.passive.consecutive_failures,
-                    "cooldown_s": round(backend.cooldown_left_s, 1)})
+        entry = {"route": model, "name": backend.name, "url": client.base_url,
+                 "healthy": serving(backend, client), "draining": s.draining, "cached_tokens": cached,
+                 "last_error": s.last_error, "last_failure": backend.passive.last_failure,
+                 "consecutive_failures": backend.passive.consecutive_failures,
+                 "cooldown_s": round(backend.cooldown_left_s, 1)}
+        if isinstance(client, DisaggEngineClient):  # a decode node: the prefill nodes that feed it
+            entry["prefill_nodes"] = client.prefill_status()
+        out.append(entry)
     return out
 
 

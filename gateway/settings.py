@@ -49,7 +49,9 @@ is read from either section; the split is for the reader.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import ipaddress
 import os
 import re
 import tomllib
@@ -118,6 +120,7 @@ class RouteConfig(BaseModel):
     prefill_nodes: tuple[str, ...] = ()
     split_min_tokens: int = Field(256, ge=1)  # uncached prompt tokens below which a request stays colocated
     max_prefill_queue: int = Field(8, ge=1)
+    split_when_decode_idle: bool = True  # False: a decode node running and queueing nothing prefills itself
     max_model_len: int | None = None  # advertised in /v1/models for providers; nodes report their own
     # "litellm" (any provider) or "direct": a keep-alive HTTP client straight to an OpenAI-compatible
     # api_base, skipping litellm's per-call work (the gateway's added latency in front of vLLM/SGLang).
@@ -244,6 +247,8 @@ class GatewaySettings(BaseModel):
     nvme_bytes: int = 0
     role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode split role of the local engine
     kv_port: int = Field(0, ge=0, le=65535)  # a decode engine's KV receiver port (0 = any free port)
+    # the host prefill nodes reach that receiver at (None = the bound host; a wildcard bind: the gateway's)
+    kv_advertise_host: str | None = None
     prefix_caching: bool = True  # False = every request computes its whole prompt (benchmark baseline)
     routes: tuple[RouteConfig, ...] = ()
     node_token: str | None = None  # shared secret of the engine-node API (None = this is no node)
@@ -344,6 +349,13 @@ class GatewaySettings(BaseModel):
                              "pip install 'prefixgate[fleet]'")
         return self
 
+    @field_validator("kv_advertise_host")
+    @classmethod
+    def _a_host(cls, v: str | None) -> str | None:
+        if v is not None and not is_host(v):
+            raise ValueError(f"must be a host name or an IP address (no port), got {v!r}")
+        return v
+
     @field_validator("dram_bytes", "nvme_bytes", "max_body_bytes", mode="before")
     @classmethod
     def _sizes(cls, v: Any) -> Any:
@@ -357,6 +369,14 @@ class GatewaySettings(BaseModel):
         if dup:
             raise ValueError(f"duplicate route model names: {sorted(dup)}")
         return routes
+
+
+def is_host(value: str) -> bool:
+    """A DNS name or an IPv4/IPv6 address (IPv6 with or without brackets); never a host:port."""
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(value.removeprefix("[").removesuffix("]"))
+        return True
+    return bool(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", value))
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -50,14 +50,15 @@ def free_port() -> int:
 
 
 def serve_tiny(home: Path, *flags: str, env: dict[str, str] | None = None,
-               timeout: float = 180.0) -> tuple[str, subprocess.Popen]:
+               timeout: float = 180.0, port: int | None = None) -> tuple[str, subprocess.Popen]:
     """Start ``serve --model tiny`` under ``home`` with extra ``flags`` and wait for ``/health``.
 
     Returns ``(url, proc)``; stop it with :func:`stop`. ``env`` is added to this process's
-    environment. Raises RuntimeError (with the server's last output) if it exits or is not
-    healthy within ``timeout`` seconds; the process is killed then.
+    environment. ``port``: listen there (a restart on the same address) instead of a free port.
+    Raises RuntimeError (with the server's last output) if it exits or is not healthy within
+    ``timeout`` seconds; the process is killed then.
     """
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost",
                 "PREFIXGATE_METRICS_TOKEN": METRICS_TOKEN, **(env or {})}

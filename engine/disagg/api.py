@@ -36,7 +36,7 @@ def derive_transfer_key(node_token: str) -> bytes:
 class TransferStatus(enum.StrEnum):
     IMPORTED = "imported"  # every block the sender had is now indexed on the decode engine
     PARTIAL = "partial"  # a leading part was imported; the rest is a miss (recomputed there)
-    REFUSED = "refused"  # the decode engine had no room (out of KV blocks / tenant quota)
+    REFUSED = "refused"  # the decode engine had no room (out of KV blocks)
     REJECTED = "rejected"  # a chunk failed a check (MAC, hashes, dtype, layers, size): a miss
     FAILED = "failed"  # the connection broke or the peer was unreachable
 
@@ -76,6 +76,9 @@ class LookupResult:
     cached_tokens: int  # its HBM prefix hit for this request now
     running: int
     waiting: int
+    # its KV receiver's address now ("" = none): read on every lookup, so that a node restarted on
+    # another KV port (--kv-port 0 picks a fresh one) gets its very next split
+    receiver: str = ""
 
 
 @runtime_checkable
@@ -83,7 +86,8 @@ class KVHandoff(Protocol):
     """What a node of a split topology offers beyond ``EngineClient`` (``engine.disagg.node.DisaggEngine``).
 
     - ``lookup`` tokenizes the request and matches it in this engine's prefix index (no blocks
-      are taken); raises ``EngineError`` for requests that cannot run.
+      are taken), and says where its KV receiver listens now; raises ``EngineError`` for requests
+      that cannot run.
     - ``prefill_and_send`` runs the request's prompt here (reusing this engine's prefix cache),
       then sends its full prompt blocks to the receiver at ``address`` ("host:port"); it returns
       after the receiver answered or the transfer failed (never raises for a failed transfer:
@@ -110,12 +114,30 @@ class KVHandoff(Protocol):
     async def stats(self) -> dict[str, Any]: ...
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # a bind address, not one a peer can connect to
+
+
+def receiver_host(address: str) -> str:
+    """The host of a receiver address ``host:port[;extras]`` (IPv6 without its brackets)."""
+    return address.split(";", 1)[0].rpartition(":")[0].strip("[]")
+
+
+def with_receiver_host(address: str, host: str) -> str:
+    """``address`` (``host:port[;extras]``) with its host replaced by ``host``; port and extras kept."""
+    base, sep, extras = address.partition(";")
+    port = base.rpartition(":")[2]
+    host = host.strip("[]")
+    return f"{f'[{host}]' if ':' in host else host}:{port}{sep}{extras}"
+
+
 @dataclass(frozen=True)
 class DisaggConfig:
     """How ``engine.launch.build_engine`` sets up a split-topology role.
 
     node_token: the shared node token; the transfer MAC key is derived from it.
     kv_host / kv_port: where a decode engine's receiver listens (port 0 = any free port).
+    kv_advertise_host: the host prefill nodes connect to, advertised instead of ``kv_host`` ("" =
+        ``kv_host``; when that is a wildcard, the gateway puts in the host it reaches the node at).
     blocks_per_chunk: blocks per transfer chunk (one MAC each).
     """
 
@@ -124,6 +146,7 @@ class DisaggConfig:
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
     blocks_per_chunk: int = 16
+    kv_advertise_host: str = ""
 
     def __post_init__(self) -> None:
         if self.role is not Role.BOTH and not self.node_token:

@@ -35,6 +35,7 @@ from engine.disagg.api import (
     TransferReport,
     TransferStatus,
     derive_transfer_key,
+    with_receiver_host,
 )
 from engine.disagg.metrics import TransferMetrics
 from engine.disagg.receiver import ImportOutcome, KVReceiver
@@ -85,9 +86,19 @@ def export_prefix(engine: LLMEngine, runner: ModelRunner, req: Request, skip_blo
                           export(match.block_ids[skip:]))
 
 
+def import_scope(chunk: Chunk) -> StaticTenantScope:
+    """Who an import is for: the chunk's tenant key, as the decode node's own node calls for that
+    tenant carry it (``prefixgate_tenant``), so imported blocks are held and charged as theirs. No
+    quota: node calls carry none, so refusing an import would only make this node compute and hold
+    the same blocks; it is refused only when out of blocks. ``remote`` as the label, as on every
+    node call."""
+    return StaticTenantScope(namespace=chunk.namespace, tenant_key=chunk.tenant_key, metrics_label="remote",
+                             cipher=None)
+
+
 def import_chunk(engine: LLMEngine, runner: ModelRunner, chunk: Chunk, chain: tuple[BlockHash, ...]) -> ImportOutcome:
     """Engine thread: index a verified chunk's blocks under their hashes (the tenant's own chain)."""
-    tenant = StaticTenantScope(namespace=chunk.namespace, metrics_label="remote", cipher=None)
+    tenant = import_scope(chunk)
     bb = runner.kv_bytes_per_block
     if isinstance(chunk.payload, torch.Tensor):  # landed from a shared buffer, on this engine's device
         data: torch.Tensor | None = chunk.payload.view(chunk.num_blocks, bb)
@@ -150,20 +161,26 @@ class DisaggEngine:
     # ------------------------------------------------------------------ KVHandoff
 
     def receiver_address(self) -> str | None:
-        """host:port, advertising CUDA IPC from this host when this engine is on a GPU (a prefill
-        engine on the same host then sends device to device; any other sender ignores it)."""
+        """host:port (the host: ``kv_advertise_host`` when set, else the bound one), advertising
+        CUDA IPC from this host when this engine is on a GPU (a prefill engine on the same host
+        then sends device to device; any other sender ignores it)."""
         if self.receiver is None:
             return None
         on_gpu = str(self.runner.device).startswith("cuda")
-        return advertise(self.receiver.address, (CUDA_IPC,) if on_gpu else ())
+        address = self.receiver.address
+        if self.config.kv_advertise_host:
+            address = with_receiver_host(address, self.config.kv_advertise_host)
+        return advertise(address, (CUDA_IPC,) if on_gpu else ())
 
     async def lookup(self, request: GenerateRequest) -> LookupResult:
         req = await asyncio.to_thread(self.inner.engine.prepare, request)  # prepare is thread-safe
 
+        receiver = self.receiver_address() or ""
+
         def match(engine: LLMEngine) -> LookupResult:
             m = engine.cache.match(req)
             return LookupResult(req.num_prompt_tokens, m.cached_tokens, len(engine.scheduler.running),
-                                engine.scheduler.num_waiting)
+                                engine.scheduler.num_waiting, receiver)
 
         return await asyncio.wrap_future(self.inner.call_in_engine_thread(match))
 
@@ -200,7 +217,8 @@ class DisaggEngine:
         staging: memoryview | torch.Tensor = (memoryview(exported.staging.numpy()).cast("B")
                                               if transport.staging_device == "cpu" else exported.staging)
         return transport.send(OutgoingTransfer(request.request_id, bytes(request.tenant.namespace),
-                                               exported.hashes, exported.tokens, staging, exported.prefix))
+                                               exported.hashes, exported.tokens, staging, exported.prefix,
+                                               bytes(request.tenant.tenant_key)))
 
     async def check_integrity(self) -> str:
         """"" if the cache manager's invariants hold (no leaked or double-held block), else why not."""

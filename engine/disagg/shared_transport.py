@@ -29,11 +29,11 @@ engines on one GPU or on two GPUs of one host (the copy is then a peer copy over
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import mmap
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,6 +47,7 @@ from engine.disagg.transport import (
     DEFAULT_BLOCKS_PER_CHUNK,
     OutgoingTransfer,
     SocketSource,
+    connect_receiver,
     parse_address,
     report_from_ack,
     send_all,
@@ -253,18 +254,19 @@ class SharedBufferTransport:
             shared = self.share(staging)
             ranges = split_blocks(transfer.num_blocks, self.blocks_per_chunk)
             digests = keyed_digests(self.key, shared.data, self.blocks_per_chunk * bb)  # one sync for all chunks
-            with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock, nonce = connect_receiver(self.host, self.port, self.timeout_s)
+            with sock:
                 skip = len(transfer.prefix)
                 for seq, r in enumerate(ranges):
                     lo, n = r.start * bb, len(r) * bb
                     ref = SharedRef(shared.kind, shared.handle(), lo, n, digests[seq])
                     chunk = Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace,
                                   skip + r.start, transfer.hashes[r.start:r.stop], transfer.tokens[r.start:r.stop],
-                                  (0, self.layout.num_layers), b"", transfer.prefix if seq == 0 else (), ref)
-                    send_all(sock, encode_chunk(self.key, self.layout, chunk))
+                                  (0, self.layout.num_layers), b"", transfer.prefix if seq == 0 else (), ref,
+                                  transfer.tenant_key)
+                    send_all(sock, encode_chunk(self.key, nonce, self.layout, chunk))
                     sent_blocks, sent_bytes = sent_blocks + len(r), sent_bytes + n
-                _kind, ack, _ = read_frame(SocketSource(sock), self.key, max_payload=0)
+                _kind, ack, _ = read_frame(SocketSource(sock), self.key, nonce, max_payload=0)
         except (OSError, EOFError, WireError, RuntimeError) as exc:
             return TransferReport(TransferStatus.FAILED, sent_blocks, 0, sent_bytes, time.perf_counter() - t0,
                                   f"{type(exc).__name__}: {exc}")
@@ -362,8 +364,7 @@ class TensorLanding:
             raise WireError("shared_copy", f"{type(exc).__name__}: {exc}") from None
         if not same:
             raise WireError("bad_digest")
-        return Chunk(chunk.transfer_id, chunk.seq, chunk.last, chunk.namespace, chunk.first_block, chunk.hashes,
-                     chunk.tokens, chunk.layers, local, chunk.prefix, ref)
+        return dataclasses.replace(chunk, payload=local)
 
     def close(self) -> None:
         if self.device.type == "cuda":

@@ -34,6 +34,7 @@ from engine.disagg.wire import (
     WireError,
     encode_chunk,
     read_frame,
+    read_hello,
     split_blocks,
 )
 from engine.kv_types import BlockHash
@@ -57,6 +58,7 @@ class OutgoingTransfer:
     tokens: tuple[tuple[int, ...], ...]
     staging: memoryview | SizedBuffer
     prefix: tuple[BlockHash, ...] = ()
+    tenant_key: bytes = b""  # who the receiver holds the blocks for ("" = the namespace)
 
     @property
     def num_blocks(self) -> int:
@@ -77,10 +79,13 @@ class KVTransport(Protocol):
 
 
 class SocketSource:
-    """``wire.ByteSource`` over a connected socket."""
+    """``wire.ByteSource`` over a connected socket. With a ``deadline`` (``time.monotonic()``),
+    every read must be done by then, however the peer paces its bytes (a peer that sends one byte
+    a minute cannot hold the connection past it): ``TimeoutError`` after."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, deadline: float | None = None) -> None:
         self.sock = sock
+        self.deadline = deadline
 
     def read_exactly(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -90,10 +95,26 @@ class SocketSource:
     def read_into(self, buf: bytearray) -> None:
         view, got = memoryview(buf), 0
         while got < len(buf):
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"deadline passed after {got} of {len(buf)} bytes")
+                self.sock.settimeout(left)
             k = self.sock.recv_into(view[got:])
             if k == 0:
                 raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
             got += k
+
+
+def connect_receiver(host: str, port: int, timeout_s: float) -> tuple[socket.socket, bytes]:
+    """A connection to a KV receiver and the nonce of its hello (every frame's MAC covers it)."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, read_hello(SocketSource(sock))
+    except BaseException:
+        sock.close()
+        raise
 
 
 CUDA_IPC = "cuda_ipc"
@@ -153,7 +174,8 @@ def chunks_of(transfer: OutgoingTransfer, layout: EngineLayout, blocks_per_chunk
     return [
         Chunk(transfer.transfer_id, seq, seq == len(ranges) - 1, transfer.namespace, skip + r.start,
               transfer.hashes[r.start:r.stop], transfer.tokens[r.start:r.stop], (0, layout.num_layers),
-              transfer.staging[r.start * bb : r.stop * bb], transfer.prefix if seq == 0 else ())
+              transfer.staging[r.start * bb : r.stop * bb], transfer.prefix if seq == 0 else (),
+              tenant_key=transfer.tenant_key)
         for seq, r in enumerate(ranges)
     ]
 
@@ -173,14 +195,14 @@ class SocketTransport:
         t0 = time.perf_counter()
         sent_blocks = sent_bytes = 0
         try:
-            with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock, nonce = connect_receiver(self.host, self.port, self.timeout_s)
+            with sock:
                 for chunk in chunks_of(transfer, self.layout, self.blocks_per_chunk):
-                    parts = encode_chunk(self.key, self.layout, chunk)
+                    parts = encode_chunk(self.key, nonce, self.layout, chunk)
                     send_all(sock, parts)
                     sent_blocks += chunk.num_blocks
                     sent_bytes += sum(memoryview(p).nbytes for p in parts)
-                _kind, ack, _ = read_frame(SocketSource(sock), self.key, max_payload=0)
+                _kind, ack, _ = read_frame(SocketSource(sock), self.key, nonce, max_payload=0)
         except (OSError, EOFError, WireError) as exc:
             return TransferReport(TransferStatus.FAILED, sent_blocks, 0, sent_bytes, time.perf_counter() - t0,
                                   f"{type(exc).__name__}: {exc}")

@@ -91,6 +91,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", default=None, choices=["both", "prefill", "decode"],
                    help="prefill/decode split role of the local engine (default both; needs --node-token-env)")
     p.add_argument("--kv-port", default=None, help="a decode engine's KV receiver port (default 0: any free port)")
+    p.add_argument("--kv-advertise-host", default=None, metavar="HOST",
+                   help="the host prefill nodes connect to for that receiver (default: --host; when that is "
+                        "0.0.0.0 or ::, the host the gateway reaches this node at)")
     p.add_argument("--node-token-env", default=None,
                    help="environment variable holding the shared token that enables the internal node API")
     p.add_argument("--metrics-token-env", default=None,
@@ -208,6 +211,7 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
              "database_url": getattr(args, "database_url", None) or _env_url("PREFIXGATE_DATABASE_URL"),
              "redis_url": getattr(args, "redis_url", None) or _env_url("PREFIXGATE_REDIS_URL"),
              "role": getattr(args, "role", None), "kv_port": _int_flag("--kv-port", getattr(args, "kv_port", None), 0),
+             "kv_advertise_host": getattr(args, "kv_advertise_host", None),
              "shutdown_grace_s": _seconds_flag("--shutdown-grace-s", getattr(args, "shutdown_grace_s", None))}
     values.update({k: v for k, v in flags.items() if v is not None})
     values.update(engine_flag_values(args))

@@ -1,6 +1,7 @@
 """The split topology's node calls (``/internal/v1/kv/*``), beside the node API and behind its token.
 
-    POST /internal/v1/kv/lookup    {request}                -> {"prompt_tokens", "cached_tokens", "running", "waiting"}
+    POST /internal/v1/kv/lookup    {request}                -> {"prompt_tokens", "cached_tokens", "running", "waiting",
+                                                                "receiver": "host:port" | ""}
     POST /internal/v1/kv/prefill   {"request", "address", "skip_tokens"?} -> HandoffReport as JSON (prefill role only)
     GET  /internal/v1/kv/receiver                           -> {"address": "host:port" | null}
     GET  /internal/v1/kv/integrity                          -> {"ok", "error", "kv_blocks_used"}

@@ -18,7 +18,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_types import QueueReason
 from engine.prefix_index import block_hashes
 from engine.protocol import StaticTenantScope
-from gateway.disagg_client import Placement, SplitPolicy
+from gateway.disagg_client import Placement, SplitPolicy, reachable_receiver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine_core"))
 import contextlib
@@ -86,6 +86,16 @@ def test_split_policy():
     assert idle.decide(LookupResult(1000, 0, 0, 0), 0) == (Placement.COLOCATED, "decode_idle")
 
 
+def test_a_receiver_on_a_wildcard_host_is_reached_where_the_gateway_reaches_its_node():
+    # a decode node bound to 0.0.0.0 / :: without --kv-advertise-host: that host is nowhere to connect to
+    assert reachable_receiver("0.0.0.0:8202", "http://10.0.0.5:8102") == "10.0.0.5:8202"
+    assert reachable_receiver("[::]:8202;shared=cuda_ipc;host=ab12", "http://[fd00::5]:8102") == \
+        "[fd00::5]:8202;shared=cuda_ipc;host=ab12"
+    assert reachable_receiver("0.0.0.0:8202", "http://decode-1.internal:8102") == "decode-1.internal:8202"
+    # a concrete host (bound, or --kv-advertise-host) is the node's to choose: passed on as given
+    assert reachable_receiver("10.1.1.1:8202", "http://10.0.0.5:8102") == "10.1.1.1:8202"
+
+
 LAYOUT = EngineLayout("tiny", "float32", BS, 2, 64)
 KEY = derive_transfer_key("tok")
 
@@ -95,7 +105,7 @@ def transfer(n: int) -> OutgoingTransfer:
     return OutgoingTransfer("x", b"t", LONG[:n], tokens, memoryview(bytes(range(256)) * (n // 4 + 1))[: n * 64])
 
 
-def serve(outcome) -> tuple[KVReceiver, list]:
+def serve(outcome, **limits) -> tuple[KVReceiver, list]:
     got: list = []
 
     def importer(chunk, chain) -> Future:
@@ -104,7 +114,7 @@ def serve(outcome) -> tuple[KVReceiver, list]:
         f.set_result(outcome(chunk))
         return f
 
-    return KVReceiver("127.0.0.1", 0, KEY, LAYOUT, importer, TransferMetrics(CollectorRegistry())), got
+    return KVReceiver("127.0.0.1", 0, KEY, LAYOUT, importer, TransferMetrics(CollectorRegistry()), **limits), got
 
 
 def test_socket_transport_delivers_chunks_in_order_and_reads_the_ack():
@@ -158,17 +168,18 @@ def test_unreachable_receiver_is_a_failed_report_not_an_exception():
 
 
 def test_an_oversized_chunk_claim_is_refused_before_its_payload_is_read():
-    import socket
     import struct
 
-    from engine.disagg.transport import SocketSource, parse_address
-    from engine.disagg.wire import FrameKind, read_frame
+    from engine.disagg.transport import SocketSource, connect_receiver, parse_address
+    from engine.disagg.wire import FrameKind, _prefix_mac, read_frame
 
     rx, got = serve(lambda c: ImportOutcome(0, 0))
     try:
-        with socket.create_connection(parse_address(rx.address)) as s:
-            s.sendall(struct.pack(">4sBBIQ", b"PGKV", 1, int(FrameKind.CHUNK), 2, 1 << 40) + b"{}")
-            kind, ack, _ = read_frame(SocketSource(s), KEY, max_payload=0)
+        s, nonce = connect_receiver(*parse_address(rx.address), timeout_s=10)
+        with s:  # a sender with the key, claiming more than one chunk may carry
+            prefix = struct.pack(">4sBBIQ", b"PGKV", 2, int(FrameKind.CHUNK), 2, 1 << 40)
+            s.sendall(prefix + _prefix_mac(KEY, nonce, prefix) + b"{}")
+            kind, ack, _ = read_frame(SocketSource(s), KEY, nonce, max_payload=0)
     finally:
         rx.close()
     assert kind is FrameKind.ACK and ack["status"] == "rejected" and ack["reason"] == "too_large" and got == []

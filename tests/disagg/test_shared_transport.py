@@ -255,3 +255,30 @@ def test_runner_blocks_round_trip_through_a_shared_buffer_into_another_runner(ti
     assert report.status is TransferStatus.IMPORTED and landed == [9, 10, 11]
     assert torch.equal(b.export_blocks([9, 10, 11]), a.export_blocks([1, 2, 3]))
     assert not torch.equal(b.export_blocks([9]), b.export_blocks([5]))  # the import wrote real KV
+
+
+def test_an_import_is_held_for_the_tenant_key_the_transfer_carries():
+    """Over the shared buffer (the chunk is rebuilt around its landed bytes): the tenant key stays,
+    and the import's scope is that tenant's, without a quota (node calls carry none)."""
+    import dataclasses
+
+    from engine.disagg.node import import_scope
+
+    chunks: list = []
+
+    def importer(chunk, chain) -> Future:
+        chunks.append(chunk)
+        f: Future = Future()
+        f.set_result(ImportOutcome(chunk.num_blocks, chunk.num_blocks))
+        return f
+
+    rx = KVReceiver("127.0.0.1", 0, KEY, LAYOUT, importer, TransferMetrics(CollectorRegistry()),
+                    landing=landing_for(KEY, "cpu"))
+    try:
+        t = dataclasses.replace(transfer(blocks(3)), tenant_key=b"tenant-key-a")
+        assert HostShmTransport(rx.address, KEY, LAYOUT).send(t).status is TransferStatus.IMPORTED
+    finally:
+        rx.close()
+    scope = import_scope(chunks[0])
+    assert chunks[0].tenant_key == b"tenant-key-a" and chunks[0].shared is not None
+    assert (scope.namespace, scope.tenant_key, scope.kv_block_quota) == (b"t", b"tenant-key-a", None)

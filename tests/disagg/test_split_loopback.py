@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -32,6 +36,16 @@ HEADERS = {"authorization": f"Bearer {TOKEN}"}
 PROMPT = [int(t) for t in range(1000, 1000 + 150)]  # 150 tokens = 9 full blocks of 16 + 6
 
 
+class Nodes(NamedTuple):
+    prefill_url: str
+    decode_url: str
+    procs: list  # [prefill, decode]: a test that restarts a node puts its new process here
+    homes: list[Path]
+
+
+NODE_FLAGS = ("--node-token-env", "PD_NODE_TOKEN")
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     homes = [tmp_path_factory.mktemp(n) for n in ("prefill", "decode")]
@@ -39,7 +53,7 @@ def nodes(tmp_path_factory):
     shutil.copytree(homes[0] / "models", homes[1] / "models")
     procs = []
     with ThreadPoolExecutor(2) as pool:  # the two model loads overlap
-        futures = [pool.submit(serve_tiny, home, "--role", role, "--node-token-env", "PD_NODE_TOKEN", env=ENV)
+        futures = [pool.submit(serve_tiny, home, "--role", role, *NODE_FLAGS, env=ENV)
                    for home, role in zip(homes, ("prefill", "decode"))]
         started = [f.result() for f in futures if f.exception() is None]
         procs = [proc for _, proc in started]
@@ -47,7 +61,7 @@ def nodes(tmp_path_factory):
         if len(started) != 2:
             raise RuntimeError(f"a node did not start: {[f.exception() for f in futures]}")
         (prefill_url, _), (decode_url, _) = started
-        yield prefill_url, decode_url, procs
+        yield Nodes(prefill_url, decode_url, procs, homes)
     finally:
         for p in procs:
             stop(p)
@@ -86,7 +100,7 @@ def lookup(url: str, gr: GenerateRequest) -> int:
 
 
 def test_split_output_equals_single_engine_and_cached_tokens_are_true(nodes):
-    prefill_url, decode_url, _ = nodes
+    prefill_url, decode_url, *_ = nodes
     from gateway.remote import RemoteEngineClient
 
     async def run():
@@ -125,7 +139,7 @@ def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
     from gateway_fakes import LoopbackServer
 
-    prefill_url, decode_url, _ = nodes
+    prefill_url, decode_url, *_ = nodes
     monkeypatch.setenv("PD_NODE_TOKEN", TOKEN)
     svc = open_tenancy(tmp_path)
     key, other = svc.create_tenant("acme").api_key, svc.create_tenant("beta").api_key
@@ -155,8 +169,49 @@ def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes
     assert 'prefixgate_pd_decisions_total{placement="colocated",reason="cached_on_decode"} 1.0' in metrics
 
 
+def test_health_lists_a_split_routes_prefill_nodes_and_the_split_skips_a_down_one(nodes, tmp_path, monkeypatch):
+    import sys
+
+    import openai
+
+    from gateway.app import create_app
+    from gateway.ports import open_tenancy
+    from gateway.settings import GatewaySettings, RouteConfig
+    from tests.serverutil import free_port, wait_for
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+    from gateway_fakes import LoopbackServer
+
+    prefill_url, decode_url, *_ = nodes
+    dead = f"http://127.0.0.1:{free_port()}"  # listed first: without its probe it would be picked first
+    monkeypatch.setenv("PD_NODE_TOKEN", TOKEN)
+    svc = open_tenancy(tmp_path)
+    key = svc.create_tenant("hp").api_key
+    svc.flush()
+    svc.close()
+    route = RouteConfig(model="tiny", nodes=(decode_url,), prefill_nodes=(dead, prefill_url),
+                        node_token_env="PD_NODE_TOKEN", split_min_tokens=32)
+    settings = GatewaySettings(home=tmp_path, routes=(route,), node_probe_interval_s=0.2, metrics_token="pd-metrics")
+    with LoopbackServer(create_app(settings)) as srv:
+        def prefills() -> list[dict]:
+            body = httpx.get(f"{srv.url}/health", timeout=10, trust_env=False).json()
+            return body["nodes"][0].get("prefill_nodes") or []
+
+        assert wait_for(lambda: all(p["healthy"] is not None for p in prefills()), timeout=20)
+        status = {p["url"]: p["healthy"] for p in prefills()}
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
+        client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": "You answer questions about the health of prefill nodes. " * 6},
+            {"role": "user", "content": "Which one is up?"}])
+        metrics = httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer pd-metrics"},
+                            trust_env=False).text
+    assert status == {dead: False, prefill_url: True}
+    assert 'prefixgate_pd_decisions_total{placement="split",reason="long_uncached_prompt"} 1.0' in metrics
+    assert "prefixgate_pd_failures_total{" not in metrics  # the down prefill node was not tried
+
+
 def test_blocks_the_decode_node_holds_are_named_not_sent(nodes):
-    prefill_url, decode_url, _ = nodes
+    prefill_url, decode_url, *_ = nodes
     head = [int(t) for t in range(7000, 7000 + 144)]  # 9 blocks
     prompt = head + [int(t) for t in range(8000, 8000 + 150)]  # 294 tokens: 18 full cacheable blocks
     from gateway.remote import RemoteEngineClient
@@ -238,7 +293,7 @@ def receiver_of(decode_url: str) -> str:
 
 
 def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
-    prefill_url, decode_url, _ = nodes
+    prefill_url, decode_url, *_ = nodes
     prompt = [int(t) for t in range(3000, 3000 + 150)]
     gr = req("c1", b"tenant-c", prompt)
     # tiny model chunks of 16 blocks: the whole 9-block prompt is one chunk; flip a byte deep in its payload
@@ -266,8 +321,162 @@ def test_corrupted_chunk_is_rejected_and_recomputed(nodes):
     assert integrity(decode_url)["ok"]
 
 
+def test_every_streamed_output_carries_the_prompt_so_an_early_end_is_billed_for_it(nodes):
+    """A node reports usage only in its last chunk; the ledger bills an aborted or failed stream by
+    its last output, which must then say what was prefilled (the lookup counted it)."""
+    prefill_url, decode_url, *_ = nodes
+    prompt = [int(t) for t in range(14000, 14000 + 150)]
+
+    async def run():
+        client = split_client(prefill_url, decode_url)
+        try:
+            outs = [[out async for out in client.generate(req(rid, b"tenant-bill", prompt))] for rid in ("b1", "b2")]
+            return outs, client.last_placement
+        finally:
+            await client.aclose()
+
+    (split, again), placement = asyncio.run(run())
+    assert placement == (Placement.COLOCATED, "cached_on_decode")
+    assert all((o.prompt_tokens, o.cached_tokens) == (150, 0) for o in split)  # cold: the prefill node computed it
+    assert all(o.prompt_tokens == 150 for o in again)
+    assert [o.cached_tokens for o in again[:-1]] == [144] * (len(again) - 1) and again[-1].cached_tokens == 144
+
+
+class DeadReceiverClient(DisaggEngineClient):
+    """The decode node's real lookup, naming a receiver nobody listens at (a stale address)."""
+
+    async def lookup(self, request):
+        look = await super().lookup(request)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"
+        return dataclasses.replace(look, receiver=dead)
+
+
+def test_a_failed_transfer_is_not_measured_as_a_transfer(nodes):
+    prefill_url, decode_url, *_ = nodes
+    registry = CollectorRegistry()
+    gr = req("fail1", b"tenant-fail", [int(t) for t in range(13000, 13000 + 150)])
+
+    async def run():
+        client = DeadReceiverClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
+                                    metrics=DisaggMetrics(registry))
+        try:
+            return await collect(client, gr)
+        finally:
+            await client.aclose()
+
+    ids, _ = asyncio.run(run())
+    assert len(ids) == 12  # the decode node computed the prompt itself
+    value = registry.get_sample_value
+    assert value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) == 1
+    assert value("prefixgate_pd_ttft_part_seconds_count", {"part": "prefill"}) == 1  # the prefill did run
+    assert not value("prefixgate_pd_ttft_part_seconds_count", {"part": "transfer"})
+    assert not value("prefixgate_pd_transfer_bandwidth_bytes_per_second_count")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_idle_connections_without_the_token_neither_block_a_split_nor_cost_memory(nodes):
+    """The audit's attack: connections that send a frame prefix claiming a full 256-block chunk, then nothing."""
+    import struct
+
+    prefill_url, decode_url, procs, _ = nodes
+    stats = httpx.get(f"{decode_url}/internal/v1/stats", headers=HEADERS, timeout=10, trust_env=False).json()
+    max_chunk = 256 * int(stats["kv_bytes_per_token"] * stats["block_size"])
+    host, port = receiver_of(decode_url).rsplit(":", 1)
+    rss_before = rss_bytes(procs[1].pid)
+    idle = []
+    for _ in range(24):  # more than the receiver's 16 transfer slots
+        s = socket.create_connection((host, int(port)))
+        s.sendall(struct.pack(">4sBBIQ", b"PGKV", 1, 1, 2, max_chunk) + b"{}")
+        idle.append(s)
+    registry = CollectorRegistry()
+    gr = req("dos1", b"tenant-dos", [int(t) for t in range(11000, 11000 + 150)])
+
+    async def run():
+        client = DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
+                                    metrics=DisaggMetrics(registry))
+        try:
+            await collect(client, gr)
+            return client.last_placement
+        finally:
+            await client.aclose()
+
+    try:
+        time.sleep(0.5)  # every connection accepted and read (the old receiver allocated its claim here)
+        grown = rss_bytes(procs[1].pid) - rss_before
+        placement = asyncio.run(run())
+    finally:
+        for s in idle:
+            s.close()
+    assert grown < 4 * max_chunk, f"{grown} bytes more for {len(idle)} idle connections"
+    assert placement == (Placement.SPLIT, "long_uncached_prompt")
+    assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
+    assert lookup(decode_url, gr) == 144  # the transfer got through
+    assert integrity(decode_url)["ok"]
+
+
+def restart_decode(nodes: Nodes, *flags: str) -> None:
+    """Stop the decode node and start it again on the same HTTP address (its KV port: any free one)."""
+    stop(nodes.procs[1])
+    _, proc = serve_tiny(nodes.homes[1], "--role", "decode", *NODE_FLAGS, *flags, env=ENV,
+                         port=urlsplit(nodes.decode_url).port)
+    nodes.procs[1] = proc
+
+
+def test_a_decode_node_restarted_on_another_kv_port_gets_the_next_split(nodes):
+    prefill_url, decode_url, *_ = nodes
+    registry = CollectorRegistry()
+    client = DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
+                                metrics=DisaggMetrics(registry))
+    before = receiver_of(decode_url)
+    after_gr = req("rs2", b"tenant-rs", [int(t) for t in range(9000, 9000 + 150)])
+
+    async def run():
+        try:
+            await collect(client, req("rs1", b"tenant-rs", [int(t) for t in range(8500, 8500 + 150)]))
+            restart_decode(nodes)  # blocks this loop: nothing else runs on it
+            assert receiver_of(decode_url) != before  # a fresh free port, as after any restart with --kv-port 0
+            return await collect(client, after_gr), client.last_placement
+        finally:
+            await client.aclose()
+
+    _, placement = asyncio.run(run())
+    assert placement == (Placement.SPLIT, "long_uncached_prompt")
+    assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
+    assert lookup(decode_url, after_gr) == 144  # the blocks reached the new process
+    assert integrity(decode_url)["ok"]
+
+
+def test_a_decode_node_advertises_its_kv_advertise_host(nodes):
+    prefill_url, decode_url, *_ = nodes
+    restart_decode(nodes, "--kv-advertise-host", "localhost")  # bound to 127.0.0.1, reached by name
+    assert receiver_of(decode_url).startswith("localhost:")
+    registry = CollectorRegistry()
+    gr = req("adv1", b"tenant-adv", [int(t) for t in range(12000, 12000 + 150)])
+
+    async def run():
+        client = DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
+                                    metrics=DisaggMetrics(registry))
+        try:
+            await collect(client, gr)
+            return client.last_placement
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(run()) == (Placement.SPLIT, "long_uncached_prompt")
+    assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
+    assert lookup(decode_url, gr) == 144
+
+
 def test_prefill_killed_mid_transfer_leaks_nothing(nodes, tmp_path):  # last: it kills the module's prefill node
-    prefill_url, decode_url, procs = nodes
+    prefill_url, decode_url, procs, _ = nodes
     prompt = [int(t) for t in range(5000, 5000 + 600)]  # 37 blocks: 3 chunks, the stall is in the second
     gr = req("k1", b"tenant-k", prompt)
     stats = httpx.get(f"{decode_url}/internal/v1/stats", headers=HEADERS, timeout=10, trust_env=False).json()

@@ -9,6 +9,8 @@ import pytest
 from engine.disagg.api import derive_transfer_key
 from engine.disagg.request_wire import request_from_wire, request_to_wire
 from engine.disagg.wire import (
+    MAC_BYTES,
+    PREFIX_BYTES,
     ChainChecker,
     Chunk,
     EngineLayout,
@@ -22,6 +24,7 @@ from engine.protocol import GenerateRequest, StaticTenantScope
 
 LAYOUT = EngineLayout(model="tiny", dtype="float32", block_size=4, num_layers=2, block_bytes=8)
 KEY = derive_transfer_key("node-token")
+NONCE = bytes(range(16))  # the receiver's hello on a connection
 NS = b"tenant-a"
 TOKENS = list(range(100, 116))  # 4 blocks of 4
 HASHES = tuple(block_hashes(NS, TOKENS, 4))
@@ -51,11 +54,11 @@ def chunk(seq: int, first: int, n: int, **over) -> Chunk:
 
 
 def frame(c: Chunk, layout: EngineLayout = LAYOUT, key: bytes = KEY) -> bytes:
-    return b"".join(bytes(p) for p in encode_chunk(key, layout, c))
+    return b"".join(bytes(p) for p in encode_chunk(key, NONCE, layout, c))
 
 
-def receive(data: bytes, checker: ChainChecker, key: bytes = KEY) -> Chunk:
-    kind, header, payload = read_frame(Source(data), key, max_payload=1 << 20)
+def receive(data: bytes, checker: ChainChecker, key: bytes = KEY, nonce: bytes = NONCE) -> Chunk:
+    kind, header, payload = read_frame(Source(data), key, nonce, max_payload=1 << 20)
     assert kind is FrameKind.CHUNK
     return checker.check(header, payload)
 
@@ -134,3 +137,46 @@ def test_the_request_wire_carries_the_tenant_key_and_accepts_a_peer_without_one(
     assert (back.tenant.namespace, back.tenant.tenant_key) == (b"\x01\x02", b"\xaa\xbb")
     del wire["tenant"]["tenant_key"]  # what a gateway from before tenant keys sends
     assert request_from_wire(wire).tenant.tenant_key == b"\x01\x02"  # its namespace is its tenant
+
+
+def test_a_frame_is_bound_to_its_connection():
+    # a frame recorded on one connection (nonce) replayed on another fails its prefix MAC
+    with pytest.raises(WireError) as err:
+        receive(frame(chunk(0, 0, 2)), ChainChecker(LAYOUT), nonce=bytes(16))
+    assert err.value.reason == "bad_mac"
+
+
+class CountingSource(Source):
+    """Counts what the reader asked for; a payload read (``read_into``) is a failure here."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.read = 0
+
+    def read_exactly(self, n: int) -> bytes:
+        self.read += n
+        return super().read_exactly(n)
+
+    def read_into(self, buf: bytearray) -> None:
+        raise AssertionError(f"allocated and read a {len(buf)}-byte payload before authenticating it")
+
+
+def test_forged_sizes_are_rejected_after_the_prefix_alone():
+    data = bytearray(frame(chunk(0, 0, 2)))
+    data[10:18] = (1 << 30).to_bytes(8, "big")  # payload_len: a claim of 1 GiB
+    source = CountingSource(bytes(data))
+    with pytest.raises(WireError) as err:
+        read_frame(source, KEY, NONCE, max_payload=1 << 31)
+    assert err.value.reason == "bad_mac" and source.read == PREFIX_BYTES + MAC_BYTES
+
+
+def test_the_tenant_key_travels_with_the_transfer_and_cannot_change_in_it():
+    checker = ChainChecker(LAYOUT)
+    a = receive(frame(chunk(0, 0, 2, tenant_key=b"\xaa\xbb")), checker)
+    b = receive(frame(chunk(1, 2, 1, tenant_key=b"\xaa\xbb")), checker)
+    assert a.tenant_key == b.tenant_key == b"\xaa\xbb"
+    with pytest.raises(WireError) as err:  # a later chunk of the transfer claiming another tenant
+        receive(frame(chunk(2, 3, 1, tenant_key=b"\xcc")), checker)
+    assert err.value.reason == "mixed_transfer"
+    # a sender that names no tenant key (the namespace is the tenant, or an older sender)
+    assert receive(frame(chunk(0, 0, 1)), ChainChecker(LAYOUT)).tenant_key == NS
