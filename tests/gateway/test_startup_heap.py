@@ -20,7 +20,10 @@ def test_frozen_objects_are_not_walked_until_thawed():
     gone = weakref.ref(n)
     try:
         frozen = freeze_startup_heap()
-        assert frozen.objects == gc.get_freeze_count() > 0
+        # Frozen objects can only leave the permanent generation (freed by refcount, in any of the
+        # process's threads: earlier tests' daemon threads free theirs at any time), never join it
+        # without another freeze: the count reported is the most there can be, not an exact match later.
+        assert frozen.objects >= gc.get_freeze_count() > 0.99 * frozen.objects
         del n
         gc.collect()
         assert gone() is not None  # frozen: full collections do not look at it
