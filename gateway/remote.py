@@ -6,8 +6,8 @@ A node is any server that speaks the OpenAI-compatible API that vLLM speaks::
                                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                                  "stop_token_ids", "ignore_eos", "logit_bias",
                                  "priority", "prefixgate_tenant" (PrefixGate nodes only),
-                                 "stream": true, "stream_options": {"include_usage": true},
-                                 "return_token_ids": true}
+                                 "stream": true, "return_token_ids": true,
+                                 "stream_options": {"include_usage": true, "continuous_usage_stats": true}}
     POST /v1/chat/completions   the same with "messages" (and "tools") instead of "prompt"
     GET  /v1/models             {"data": [{"id", "max_model_len"}]}
     GET  /health                200 = serving; 503 = unhealthy or draining (PrefixGate nodes)
@@ -20,7 +20,12 @@ ids, so the node computes exactly the tokens the router hashed. Every call strea
 
 Usage: ``prompt_tokens_details.cached_tokens`` when the node reports it. vLLM reports it only when
 started with ``--enable-prompt-tokens-details``; a node whose usage lacks the field is marked
-``cached_tokens_reported = False`` (shown in ``/health``), and its hits count as 0.
+``cached_tokens_reported = False`` (shown in ``/health``), and its hits count as 0. The gateway asks
+for vLLM's ``continuous_usage_stats`` (usage so far in every chunk; vLLM leaves the cached tokens
+out of it, a PrefixGate node sends them): every output then carries the prompt (and cached) tokens
+the node counted, so a stream that ends early (the client gone, the node failing) is billed for the
+prompt the node prefilled. A node that ignores the option reports usage only at the end; until then
+the outputs carry the prompt the gateway tokenized (none: 0) with nothing cached.
 
 Failures of the node rather than of the request are ``NodeFailure``s, by ``NodeFault``: refused or
 lost connection, draining, the gateway's node token refused (401/403), HTTP 5xx or an error inside
@@ -211,7 +216,8 @@ def request_body(request: GenerateRequest, model: str | None, *, prefixgate_node
     body: dict[str, Any] = {
         "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
         "cache_salt": bytes(request.tenant.namespace).hex(),
-        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "return_token_ids": True,
     }
     if model:
         body["model"] = model
@@ -245,6 +251,26 @@ def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
     if not isinstance(details, Mapping) or details.get("cached_tokens") is None:
         return None
     return int(details["cached_tokens"])
+
+
+@dataclass
+class PromptSoFar:
+    """The prompt and cached tokens of one node stream, as known before its end: what the gateway
+    tokenized (0 when the node tokenizes), replaced by the node's own counts from the first chunk
+    whose usage has them (continuous usage stats). What an output before the final one carries, so
+    that a stream cut short bills the prompt the node prefilled rather than none."""
+
+    prompt: int
+    cached: int = 0
+
+    def update(self, usage: Mapping[str, Any]) -> None:
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int) and prompt > 0:
+            self.prompt = prompt
+        cached = _cached_tokens(usage)
+        if cached is not None:
+            self.cached = cached
+        self.cached = min(self.cached, self.prompt)
 
 
 class RemoteEngineClient:
@@ -295,16 +321,20 @@ class RemoteEngineClient:
                     if isinstance(err, NodeDrainingError):
                         self.state.draining = True
                     raise err
-                async for out in self._outputs(request.request_id, resp, start):
+                async for out in self._outputs(request, resp, start):
                     yield out
         except httpx.TransportError as exc:
             raise _transport_error(self.base_url, exc) from exc
 
-    async def _outputs(self, rid: str, resp: httpx.Response, start: float) -> AsyncIterator[RequestOutput]:
-        """Server-sent chunks -> one output per text delta, then a final one with the usage."""
+    async def _outputs(self, request: GenerateRequest, resp: httpx.Response,
+                       start: float) -> AsyncIterator[RequestOutput]:
+        """Server-sent chunks -> one output per text delta, then a final one with the usage. Each
+        output carries the prompt and cached tokens known so far (``PromptSoFar``)."""
+        rid = request.request_id
         ttft: float | None = None
         finish: Any = None
         usage: Mapping[str, Any] | None = None
+        known = PromptSoFar(len(request.prompt_token_ids or ()))
         seen = 0
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -313,6 +343,8 @@ class RemoteEngineClient:
             if "error" in chunk:  # vLLM reports a failure after the 200 inside the stream
                 raise _stream_error(self.base_url, chunk["error"])
             usage = chunk.get("usage") or usage
+            if chunk.get("usage"):  # continuous_usage_stats: the node's counts, before this chunk's tokens
+                known.update(chunk["usage"])
             for choice in chunk.get("choices") or ():
                 delta = choice.get("delta")
                 text = (delta.get("content") if isinstance(delta, Mapping) else choice.get("text")) or ""
@@ -321,11 +353,11 @@ class RemoteEngineClient:
                 if text or ids:
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     seen += max(len(ids), 1)
-                    yield RequestOutput(rid, ids, text, False, 0, 0, seen, ttft_s=ttft)
+                    yield RequestOutput(rid, ids, text, False, known.prompt, known.cached, seen, ttft_s=ttft)
         usage = usage or {}
         cached = _cached_tokens(usage)
         self.state.cached_tokens_reported = cached is not None
-        prompt = int(usage.get("prompt_tokens") or 0)
+        prompt = int(usage.get("prompt_tokens") or known.prompt)
         completion = int(usage.get("completion_tokens") or seen)
         reason = finish if finish in ("stop", "length", "tool_calls", "abort") else "stop"
         yield RequestOutput(rid, (), "", True, prompt, min(cached or 0, prompt), completion,

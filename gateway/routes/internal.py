@@ -6,6 +6,7 @@ gateway; every other request goes on to the public, tenant-authenticated API unc
 
     POST /v1/completions        prompt = token ids or text, cache_salt = the tenant namespace (hex)
     POST /v1/chat/completions   messages (+ tools), cache_salt as above
+                                stream_options: {"include_usage", "continuous_usage_stats"} as vLLM
     GET  /v1/models             {"object": "list", "data": [{"id", "max_model_len", ...}]}
     POST /internal/v1/drain     {"draining": true|false} -> {"draining", "inflight"}   (default true)
     GET  /internal/v1/stats     the engine's stats (running, waiting, KV blocks...)
@@ -81,7 +82,17 @@ class NodeDrain:
 
 
 class StreamOptions(BaseModel):
+    """vLLM's ``stream_options``: ``include_usage`` adds a usage chunk at the end;
+    ``continuous_usage_stats`` (with ``include_usage``, as in vLLM) also puts the usage so far in
+    every chunk, so a caller whose stream ends early (aborted, failed) still knows the prompt and
+    cached tokens the prefill counted. Off by default: OpenAI clients do not expect it."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class _NodeBody(BaseModel):
@@ -160,7 +171,10 @@ class _Shape:
         return {"id": self.id, "object": kind + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.model}
 
-    def delta(self, text: str, ids: tuple[int, ...], finish: str | None) -> dict[str, Any]:
+    def delta(self, text: str, ids: tuple[int, ...], finish: str | None,
+              usage_so_far: RequestOutput | None = None) -> dict[str, Any]:
+        """One stream chunk; ``usage_so_far``: the output whose counts the chunk carries as its
+        ``usage`` (continuous usage stats), None for none (the field is left out, as vLLM does)."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if self.chat:
             choice["delta"] = {"content": text} if text else {}
@@ -168,7 +182,10 @@ class _Shape:
             choice.update(text=text, logprobs=None)
         if self.token_ids:
             choice["token_ids"] = list(ids)
-        return {**self._head(True), "choices": [choice]}
+        chunk = {**self._head(True), "choices": [choice]}
+        if usage_so_far is not None:
+            chunk["usage"] = _usage(usage_so_far)
+        return chunk
 
     def usage_chunk(self, last: RequestOutput) -> dict[str, Any]:
         return {**self._head(True), "choices": [], "usage": _usage(last)}
@@ -248,7 +265,7 @@ def build_node_app(state: State) -> FastAPI:
                 await stream.aclose()  # a gone gateway aborts the request here
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options or StreamOptions()
 
             async def chunks() -> AsyncIterator[bytes]:
                 # aclosing: a gateway gone mid-stream closes this generator, and that must reach the
@@ -257,8 +274,9 @@ def build_node_app(state: State) -> FastAPI:
                     async for out in outs:
                         if out.new_text or out.new_token_ids or out.finished:
                             yield _sse(shape.delta(out.new_text, out.new_token_ids,
-                                                   (out.finish_reason or "stop") if out.finished else None))
-                        if out.finished and include_usage:
+                                                   (out.finish_reason or "stop") if out.finished else None,
+                                                   out if options.continuous else None))
+                        if out.finished and options.include_usage:
                             yield _sse(shape.usage_chunk(out))
                 yield b"data: [DONE]\n\n"
 

@@ -1,8 +1,11 @@
 """A real HTTP server in an engine node's shape that fails on demand, next to real nodes in a pool.
 
 PrefixGate and vLLM nodes cannot be made to answer 500 or to hang at will; this one can, and it
-switches at run time (``behaviour``, ``health``): ``"ok"`` streams a two-token completion, ``"error"``
-answers HTTP 500 with an internal message a tenant must never see, ``"hang"`` never answers. Its
+switches at run time (``behaviour``, ``health``): ``"ok"`` streams a one-token completion with its
+usage at the end (as a vLLM that ignores ``continuous_usage_stats``), ``"error"`` answers HTTP 500
+with an internal message a tenant must never see, ``"hang"`` never answers, ``"cut"`` streams one
+token (with the usage so far, ``CUT_USAGE``, when asked for ``continuous_usage_stats``) and then an
+error inside the stream, as a node that fails after its prefill ran. Its
 ``/health`` answers ``health`` (200 by default: a node whose completions fail while its health
 endpoint says fine, the case only passive health catches). ``calls`` counts completion requests.
 """
@@ -18,6 +21,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 INTERNAL_TEXT = "CUDA out of memory at /srv/secret-node-path"  # what the 500 says; no tenant may see it
+CUT_USAGE = {"prompt_tokens": 37, "completion_tokens": 1, "total_tokens": 38,
+             "prompt_tokens_details": {"cached_tokens": 16}}  # what "cut" reports before it fails
 
 
 class FaultyNode:
@@ -39,7 +44,7 @@ class FaultyNode:
         return JSONResponse({"data": [{"id": "tiny", "max_model_len": 2048, "owned_by": "prefixgate"}]})
 
     async def _completion(self, request: Request):
-        await request.body()
+        body = json.loads(await request.body())
         self.calls += 1
         if self.behaviour == "hang":
             await asyncio.sleep(3600)
@@ -53,4 +58,11 @@ class FaultyNode:
             yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}) + "\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        async def cut():
+            chunk: dict = {"choices": [{"index": 0, "text": " ok", "token_ids": [7], "finish_reason": None}]}
+            if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                chunk["usage"] = CUT_USAGE
+            yield "data: " + json.dumps(chunk) + "\n\n"
+            yield "data: " + json.dumps({"error": {"message": INTERNAL_TEXT, "type": "server_error"}}) + "\n\n"
+
+        return StreamingResponse(cut() if self.behaviour == "cut" else events(), media_type="text/event-stream")

@@ -93,6 +93,10 @@ def test_node_client_sends_no_authorization_and_sees_cached_tokens_unreported(ke
     assert "priority" not in body  # vLLM refuses it unless started with priority scheduling
     assert outs[0].new_token_ids == (42,) and outs[-1].finished and outs[-1].prompt_tokens == 7
     assert outs[-1].cached_tokens == 0
+    # asked for the usage so far in every chunk; a server that ignores the option (usage at the end
+    # only) still works, and until its end the outputs carry the prompt the gateway sent, none cached
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert (outs[0].prompt_tokens, outs[0].cached_tokens) == (3, 0)
 
 
 def test_a_gateway_says_when_a_node_does_not_report_cached_tokens(keyless, tmp_path) -> None:

@@ -20,7 +20,7 @@ import pytest
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, RouteConfig
 from tenancy.service import TenancyService
-from tests.fleet.faulty_node import FaultyNode
+from tests.fleet.faulty_node import CUT_USAGE, FaultyNode
 from tests.gateway.gateway_fakes import LoopbackServer
 from tests.serverutil import free_port, serve_tiny, stop
 
@@ -86,6 +86,43 @@ def test_a_node_streams_sse_with_usage_and_token_ids(nodes) -> None:
         extra_body={"cache_salt": SALT_A})
     got = list(stream)
     assert got[-1].usage is not None and got[-1].usage.completion_tokens == 3
+
+
+def _node_stream(url: str, path: str, prompt: dict, stream_options: dict | None) -> list[dict]:
+    """The chunks (before ``[DONE]``) of one streamed node call of 4 tokens with token ids."""
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "cache_salt": SALT_A,
+            "stream": True, "return_token_ids": True, **prompt}
+    if stream_options is not None:
+        body["stream_options"] = stream_options
+    r = httpx.post(f"{url}{path}", json=body, headers=NODE, timeout=60, trust_env=False)
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize(("path", "prompt"), [("/v1/completions", {"prompt": PROMPT_IDS}),
+                                              ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk_and_only_when_asked(nodes, path, prompt) -> None:
+    # the default (what OpenAI clients expect): usage only in the last chunk
+    *plain, last = _node_stream(nodes[0], path, prompt, {"include_usage": True})
+    assert plain and all("usage" not in c for c in plain) and last["usage"]["completion_tokens"] == 4
+    # asked for: every chunk carries the prompt as the prefill counted it (here partly cached by the
+    # call above) and the completion tokens up to that chunk
+    *deltas, tail = _node_stream(nodes[0], path, prompt, {"include_usage": True, "continuous_usage_stats": True})
+    final = tail["usage"]
+    assert tail["choices"] == [] and final["completion_tokens"] == 4 and final["prompt_tokens"] > 0
+    assert final["prompt_tokens_details"]["cached_tokens"] > 0
+    so_far = 0
+    for chunk in deltas:
+        so_far += len(chunk["choices"][0]["token_ids"])
+        usage = chunk["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (final["prompt_tokens"], so_far)
+        assert usage["prompt_tokens_details"] == final["prompt_tokens_details"]
+        assert usage["total_tokens"] == final["prompt_tokens"] + so_far
+    assert deltas and so_far == 4
+    for options in (None, {"continuous_usage_stats": True}):  # without include_usage, as vLLM: no usage at all
+        assert all("usage" not in c for c in _node_stream(nodes[0], path, prompt, options))
 
 
 def test_node_errors_are_openai_errors(nodes) -> None:
@@ -168,6 +205,32 @@ def test_through_the_gateway_unpriced_tokens_reach_the_ledger_and_a_dead_node_is
     (row,) = rows()
     assert row["requests"] == 7 and row["cached_tokens"] > 0 and row["priced_as"] == "unpriced"
     assert row["cost_usd"] is None and row["saved_usd"] is None  # tokens, no money
+
+
+def _ledger(home: Path) -> list[tuple[str, int, int]]:
+    """(status, prompt_tokens, cached_tokens) of every ledger row, oldest first."""
+    with sqlite3.connect(home / "prefixgate.db") as conn:
+        return list(conn.execute("SELECT status, prompt_tokens, cached_tokens FROM usage ORDER BY created_at"))
+
+
+def test_a_stream_the_client_aborts_is_billed_the_prompt_the_node_prefilled(gateway) -> None:
+    """Chat through a node route without a gateway tokenizer: the node tokenizes, so only the node's
+    usage says how long the prompt was; it sends it in every chunk (continuous usage stats)."""
+    url, key, home, _ = gateway
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+    messages = [MESSAGES[0], {"role": "user", "content": "Tell me a long story about a stream cut short."}]
+    done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert done.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=400, stream=True,
+                                            extra_body={"ignore_eos": True})
+    next(c for c in stream if c.choices and c.choices[0].delta.content)  # the first tokens, then the client leaves
+    stream.close()
+    _until(lambda: len(_ledger(home)) == 2, "both ledger rows committed", timeout=30)
+    ok, aborted = _ledger(home)
+    assert ok == ("ok", done.usage.prompt_tokens, done.usage.prompt_tokens_details.cached_tokens)
+    status, prompt, cached = aborted
+    assert status == "aborted" and prompt == done.usage.prompt_tokens
+    assert 0 < cached <= prompt  # the same prefix again, on the same node: its hit is billed as such
 
 
 def test_draining_a_node_finishes_its_stream_and_sends_new_requests_elsewhere(gateway, nodes) -> None:
@@ -344,6 +407,21 @@ def test_a_failover_is_credited_to_the_node_that_answered(nodes, tmp_path, monke
             stream.close()
             _until(lambda: good_b.inflight == 0, "the closed stream left the node")
             assert bad_b.inflight == 0
+
+
+def test_a_node_failing_mid_stream_bills_the_prompt_it_reported(tmp_path) -> None:
+    """A node that fails after its prefill ran and its first token went out: the request is not moved
+    (its tokens were sent) and its ledger row has the prompt and cache hit the node reported so far."""
+    cutting = FaultyNode("cut")
+    with LoopbackServer(cutting.app) as srv:
+        route = RouteConfig(model="tiny", nodes=(srv.url,), node_names=("cutting",), price="unpriced")
+        with _gateway_for(tmp_path, route) as (url, key, _, home):
+            stream = _sdk(url, key).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True)
+            with pytest.raises(openai.APIError):
+                list(stream)
+            _until(lambda: len(_ledger(home)) == 1, "the ledger row")
+    assert _ledger(home) == [("error", CUT_USAGE["prompt_tokens"], CUT_USAGE["prompt_tokens_details"]["cached_tokens"])]
 
 
 def test_a_request_moved_off_a_node_gone_away_is_credited_to_the_node_that_served_it(nodes, tmp_path,
