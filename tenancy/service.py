@@ -45,7 +45,7 @@ from tenancy.crypto import (
     read_secret_file,
     write_secret_file,
 )
-from tenancy.database import DatabaseTarget, DatabaseUnavailableError, ErrorKind, resolve_database
+from tenancy.database import Database, DatabaseTarget, DatabaseUnavailableError, ErrorKind, resolve_database
 from tenancy.errors import (
     AuthenticationError,
     ConflictError,
@@ -129,6 +129,12 @@ def data_key_owner(tenant_id: str, share_scope: str) -> str:
     """Whose data key encrypts this tenant's spilled KV: its own, or its share group's (shared cache)."""
     kind, group = parse_share_scope(share_scope)
     return f"group:{group}" if kind == "group" else f"tenant:{tenant_id}"
+
+
+def _deleted_owner(db: Database, owner: str) -> bool:
+    """True when ``owner`` is a tenant's own data key (``tenant:<id>``) and that tenant is gone."""
+    kind, _, tenant_id = owner.partition(":")
+    return kind == "tenant" and store.get_tenant(db, tenant_id=tenant_id) is None
 
 
 def _tenant_gone() -> AuthenticationError:
@@ -355,14 +361,20 @@ class TenancyService:
             )
 
     def _cipher(self, owner: str) -> TenantCipher:
-        """The cipher for a data-key owner, unwrapping (or creating) its data key once per process."""
+        """The cipher for a data-key owner, unwrapping (or creating) its data key once per process.
+
+        A tenant's own key is made lazily too (a tenant in a share group gets it with its first stored
+        response), but never for a tenant that no longer exists: ``delete_tenant`` shredded that key,
+        and a key cached in this process's auth cache must not bring it back (AuthenticationError)."""
         with self._lock:
             cipher = self._ciphers.get(owner)
             if cipher is not None:
                 return cipher
             wrapped = store.get_wrapped_key(self._db, owner)
             if wrapped is None:
-                with self._db.transaction():
+                with self._db.transaction():  # the writer lock: a concurrent delete_tenant waits or has committed
+                    if _deleted_owner(self._db, owner):
+                        raise _tenant_gone()
                     kek = self._kek_for_wrapping()
                     store.insert_wrapped_key_if_absent(self._db, owner, kek.wrap(new_data_key(), owner))
                     wrapped = store.get_wrapped_key(self._db, owner)
@@ -604,10 +616,9 @@ class TenancyService:
 
         Raises AuthenticationError when the tenant is gone: deleted (by another process, the CLI)
         while its key was still in this process's auth cache. Its key is then as unknown as any,
-        and no data key is made again for it (``_cipher`` would create one for a missing owner)."""
+        and no data key is made again for it (``_cipher`` refuses a deleted tenant's owner too)."""
         with self._lock:
-            if store.get_tenant(self._db, tenant_id=ctx.tenant_id) is None:
-                raise _tenant_gone()
+            self._require_live_tenant(ctx)
             cipher = self._response_cipher(ctx)
             try:
                 responses.save(self._db, cipher, ctx.tenant_id, response_id, body)
@@ -618,16 +629,26 @@ class TenancyService:
                 raise
 
     def load_response(self, ctx: TenantContext, response_id: str) -> dict[str, Any] | None:
-        """The stored body, or None when this tenant has no response with that id (another tenant's included)."""
+        """The stored body, or None when this tenant has no response with that id (another tenant's included).
+        AuthenticationError when the tenant is gone (as ``save_response``)."""
         with self._lock:
+            self._require_live_tenant(ctx)
             return responses.load(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id)
+
+    def _require_live_tenant(self, ctx: TenantContext) -> None:
+        """Refuse a context whose tenant was deleted (by another process) while its key stayed in
+        this process's auth cache: its key is then as unknown as any (HTTP 401)."""
+        if store.get_tenant(self._db, tenant_id=ctx.tenant_id) is None:
+            raise _tenant_gone()
 
     def _response_cipher(self, ctx: TenantContext) -> TenantCipher:
         """The tenant's own data key (not a share group's): its stored responses die with it."""
         return self._cipher(f"tenant:{ctx.tenant_id}")
 
     def delete_response(self, ctx: TenantContext, response_id: str) -> bool:
+        """True when this tenant's response was deleted; AuthenticationError when the tenant is gone."""
         with self._lock:
+            self._require_live_tenant(ctx)
             return responses.delete(self._db, ctx.tenant_id, response_id)
 
     # -- administration ------------------------------------------------------------------------
