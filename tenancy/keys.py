@@ -31,8 +31,9 @@ class ServerSecret:
     raw: bytes
 
     @classmethod
-    def load(cls, home: Path) -> ServerSecret:
-        raw, _ = load_or_create_secret(home / SECRET_FILENAME, what="server secret")
+    def load(cls, home: Path, *, create: bool = True) -> ServerSecret:
+        """``home/server.secret``, created if absent and ``create`` (else SecretFileMissingError)."""
+        raw, _ = load_or_create_secret(home / SECRET_FILENAME, what="server secret", create=create)
         return cls(raw)
 
     @property
