@@ -149,6 +149,9 @@ class AsyncEngine:
         bs = self.engine.block_size
         return {tier: n * bs for tier, n in self.engine.cached_blocks(tenant.namespace).items()}
 
+    def tenant_blocks(self, tenant: TenantScope) -> dict[str, int]:
+        return self.engine.blocks_held(tenant.tenant_key)
+
     def call_in_engine_thread(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the engine thread between two steps (KV imports and exports of the
         prefill/decode split: the only thread that may touch the cache manager and the runner)."""

@@ -159,6 +159,14 @@ class KVCacheManager:
         lower = self._lower.blocks_of(namespace) if self._lower is not None else {}
         return {"hbm": self._pool.indexed_by(namespace), **lower, "retained": self._pool.retained_in(namespace)}
 
+    def blocks_held(self, tenant_key: bytes) -> dict[str, int]:
+        """Blocks the tenant ``tenant_key`` holds per tier (``hbm``: what its ``kv_block_quota``
+        counts, plus any lower tier): its own, never another's sharing its metrics label.
+
+        Reads counters only; safe from another thread (a count may be one step old)."""
+        lower = self._lower.blocks_held(tenant_key) if self._lower is not None else {}
+        return {"hbm": self._pool.used_by(tenant_key), **lower}
+
     def blocks_by_tenant(self) -> dict[TierName, dict[str, int]]:
         """Blocks each tenant (``metrics_label``; tenants sharing a label are summed) holds per
         tier: HBM blocks in use (what ``kv_block_quota`` counts), and the lower tiers' blocks."""

@@ -201,4 +201,9 @@ class LowerTier(Protocol):
         """Blocks held per tier (DRAM, NVMe) per tenant ``metrics_label``; in-memory, no I/O."""
         ...
 
+    def blocks_held(self, tenant_key: bytes) -> dict[str, int]:
+        """Blocks the one tenant ``tenant_key`` holds per tier (``{"dram": n, "nvme": m}`` for the
+        enabled ones); like ``blocks_of``, called from any thread, reading counters under the tiers' locks."""
+        ...
+
     def close(self) -> None: ...

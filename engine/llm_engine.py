@@ -726,6 +726,10 @@ class LLMEngine:
         Reads counters only; safe from another thread (a count may be one step old)."""
         return self.cache.cached_blocks(namespace)
 
+    def blocks_held(self, tenant_key: bytes) -> dict[str, int]:
+        """Blocks the tenant ``tenant_key`` holds per tier now; safe from another thread (as ``cached_blocks``)."""
+        return self.cache.blocks_held(tenant_key)
+
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (what ``AsyncEngine.stats`` returns)."""
         queried = sum(self._queried.values())

@@ -409,7 +409,12 @@ class CacheInspector(Protocol):
     """An engine that can say what it holds for one tenant (the in-process engine does).
 
     ``cache_usage`` returns prompt tokens cached per tier (``"hbm"``, and ``"dram"``/``"nvme"``
-    where enabled) and ``"retained"``: tokens of HBM blocks under explicit retention. Cheap; never raises.
+    where enabled) and ``"retained"``: tokens of HBM blocks under explicit retention, for the
+    tenant's namespace. ``tenant_blocks`` returns the KV blocks charged to the tenant
+    (``tenant.tenant_key``) per tier now, which its block quotas count: its own only, whatever its
+    metrics label (two tenants may share one). Both cheap; never raise.
     """
 
     def cache_usage(self, tenant: TenantScope) -> dict[str, int]: ...
+
+    def tenant_blocks(self, tenant: TenantScope) -> dict[str, int]: ...

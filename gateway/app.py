@@ -35,6 +35,7 @@ from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.node_health import NodeCollector, probe_forever, probe_once
 from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
+from gateway.query_credentials import QueryCredentialRefusal
 from gateway.remote import NodeTimeouts, RemoteEngineClient
 from gateway.routes import (
     cache,
@@ -303,6 +304,7 @@ def create_app(
     app.add_middleware(CompletionRoutes, state=app.state, overrides=app.dependency_overrides)
     app.add_middleware(NodeApiMiddleware, state=app.state)  # node calls: the OpenAI API, node token (docs/nodes.md)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(QueryCredentialRefusal)  # a key in the URL: 401 before anything reads the request
     # Outermost: every request counts as in flight until its handler (and its ledger row) is done.
     app.state.inflight = InFlight()
     app.add_middleware(InFlightMiddleware, inflight=app.state.inflight)

@@ -78,8 +78,9 @@ def encode_key(raw: bytes) -> str:
 
 
 def write_secret_file(path: Path, raw: bytes) -> None:
-    """Write ``raw`` (base64) to ``path`` atomically with mode 0600: tmp file, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``raw`` (base64) to ``path`` atomically with mode 0600: tmp file, fsync, rename.
+    A missing directory is created 0700."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -102,16 +103,32 @@ def read_secret_file(path: Path, *, what: str) -> bytes:
     return decode_key(text, what=f"{what} {path}")
 
 
-def load_or_create_secret(path: Path, *, what: str) -> tuple[bytes, bool]:
-    """Read a 32-byte secret from ``path``; create it (random, 0600) if absent.
+class SecretFileMissingError(KeyMaterialError):
+    """A secret file is absent where the database says one is already in use (``create=False``)."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(f"the {what} file {path} is missing")
+        self.path = path
+        self.what = what
+
+
+def load_or_create_secret(path: Path, *, what: str, create: bool = True) -> tuple[bytes, bool]:
+    """Read a 32-byte secret from ``path``; create it (random, 0600) if absent and ``create``.
 
     Returns ``(secret, created)``. Creation is atomic and first-wins across processes (a complete
     temp file is hard-linked into place, which fails if the name exists), so two processes starting
     on a fresh home agree on one secret. Creation warns on stderr because losing this file loses
     whatever it protects, so the operator must know it now exists and should be backed up.
+
+    ``create=False`` (the database already records this secret's fingerprint): a missing file raises
+    SecretFileMissingError and nothing is written, so restoring the backup overwrites nothing. An
+    existing file that other users may read is accepted with one warning naming it and its mode.
     """
     if path.exists():
+        warn_if_others_may_read(path, what=what)
         return read_secret_file(path, what=what), False
+    if not create:
+        raise SecretFileMissingError(path, what)
     raw = secrets.token_bytes(KEY_BYTES)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{secrets.token_hex(4)}")
     write_secret_file(tmp, raw)
@@ -122,12 +139,35 @@ def load_or_create_secret(path: Path, *, what: str) -> tuple[bytes, bool]:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
-    message = f"created a new {what} at {path} (mode 0600); back it up: without it the data it protects is lost"
-    if log.hasHandlers():  # the host app configured logging: go through it
+    _warn(f"created a new {what} at {path} (mode 0600); back it up: without it the data it protects is lost")
+    return raw, True
+
+
+_warned_loose: set[Path] = set()  # one warning per file per process (the KEK is re-read after a rotation)
+
+
+def warn_if_others_may_read(path: Path, *, what: str) -> None:
+    """Warn once when ``path`` grants its group or other users any access (mode & 0o077).
+
+    A warning, not a refusal (ssh refuses): a home restored from a backup or a volume mounted with
+    wide modes must still start, but the operator must know the secret is exposed."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return  # the read that follows reports it
+    if not mode & 0o077 or path in _warned_loose:
+        return
+    _warned_loose.add(path)
+    _warn(f"the {what} file {path} has mode {mode:04o}: users other than its owner may read it; "
+          f"run: chmod 600 {path}")
+
+
+def _warn(message: str) -> None:
+    """One warning line: through logging when the host app configured it, else on stderr."""
+    if log.hasHandlers():
         log.warning(message)
     else:
         print(f"prefixgate: warning: {message}", file=sys.stderr)
-    return raw, True
 
 
 class KeyEncryptionKey:
@@ -146,13 +186,14 @@ class KeyEncryptionKey:
         return cls(secrets.token_bytes(KEY_BYTES), source=source)
 
     @classmethod
-    def load(cls, home: Path) -> KeyEncryptionKey:
-        """$PREFIXGATE_KEK (hex/base64), else $PREFIXGATE_KEK_FILE, else home/kek.key (created if absent)."""
+    def load(cls, home: Path, *, create: bool = True) -> KeyEncryptionKey:
+        """$PREFIXGATE_KEK (hex/base64), else $PREFIXGATE_KEK_FILE, else home/kek.key (created if
+        absent and ``create``; else SecretFileMissingError)."""
         env = os.environ.get(KEK_ENV)
         if env:
             return cls(decode_key(env, what=f"${KEK_ENV}"), source="env")
         path = kek_path(home)
-        raw, _ = load_or_create_secret(path, what="key-encryption key (KEK)")
+        raw, _ = load_or_create_secret(path, what="key-encryption key (KEK)", create=create)
         return cls(raw, source=str(path))
 
     @property

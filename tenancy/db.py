@@ -158,7 +158,7 @@ def connect(path: Path, *, busy_timeout_s: float = 10.0) -> sqlite_utils.Databas
     access with their own lock. ``busy_timeout_s``: how long a statement waits for another
     connection's write lock before "database is locked".
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not path.exists():
         # Key hashes and wrapped data keys live here: owner-only, like the KEK. SQLite gives the
         # -wal and -shm files the same mode as the database file.

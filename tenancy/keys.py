@@ -31,8 +31,9 @@ class ServerSecret:
     raw: bytes
 
     @classmethod
-    def load(cls, home: Path) -> ServerSecret:
-        raw, _ = load_or_create_secret(home / SECRET_FILENAME, what="server secret")
+    def load(cls, home: Path, *, create: bool = True) -> ServerSecret:
+        """``home/server.secret``, created if absent and ``create`` (else SecretFileMissingError)."""
+        raw, _ = load_or_create_secret(home / SECRET_FILENAME, what="server secret", create=create)
         return cls(raw)
 
     @property
@@ -80,6 +81,20 @@ def verify_key(pepper: bytes, api_key: str, stored_hash: bytes) -> bool:
     return hmac.compare_digest(hash_key(pepper, api_key), stored_hash)
 
 
+_SHOWN_TAIL = 4  # characters of a foreign key's end an error may show (as OpenAI's "sk-...abcd")
+
+
 def redact(api_key: str) -> str:
-    """What an error message may show of a key: its prefix (at most 11 chars) and stars."""
-    return api_key[: len(KEY_PREFIX) + KEY_ID_HEX] + "****" if api_key else "<empty>"
+    """What an error message (which clients log) may show of a key that did not authenticate.
+
+    Our own key shape: its public key id (``pg-1a2b3c4d****``, what ``key list`` prints; 11 of at
+    least 44 characters). Anything else (a short secret, another provider's key pasted by mistake):
+    only its last 4 characters, and only when that is at most a third of it (``****abcd``), else
+    nothing (``****``), so no short secret is ever echoed whole and no key's readable prefix is."""
+    if not api_key:
+        return "<empty>"
+    if parse_key_id(api_key) is not None:
+        return api_key[: len(KEY_PREFIX) + KEY_ID_HEX] + "****"
+    if len(api_key) >= 3 * _SHOWN_TAIL:
+        return "****" + api_key[-_SHOWN_TAIL:]
+    return "****"

@@ -12,7 +12,9 @@
 
 State lives under ``home``: ``prefixgate.db`` (SQLite, WAL; or PostgreSQL with ``database_url``),
 ``kek.key`` (unless $PREFIXGATE_KEK) and ``server.secret`` (both 0600, created on first run with a
-warning on stderr). With ``redis_url`` the rpm/tpm buckets, budgets and revocations are fleet-wide.
+warning on stderr; never created for a database that already records one: a missing file is then an
+error; a file others may read is accepted with a warning). The home is created 0700. With
+``redis_url`` the rpm/tpm buckets, budgets and revocations are fleet-wide.
 
 Thread-safety: every method may be called from any thread. One connection, guarded by a lock,
 serves the request path (auth misses, budget refreshes, admin calls); the ledger writer has its
@@ -37,7 +39,9 @@ from typing import TYPE_CHECKING, Any
 from tenancy import keys as keymod
 from tenancy import responses, store
 from tenancy.crypto import (
+    KEK_ENV,
     KeyEncryptionKey,
+    SecretFileMissingError,
     TenantCipher,
     encode_key,
     kek_path,
@@ -45,7 +49,7 @@ from tenancy.crypto import (
     read_secret_file,
     write_secret_file,
 )
-from tenancy.database import DatabaseTarget, DatabaseUnavailableError, ErrorKind, resolve_database
+from tenancy.database import Database, DatabaseTarget, DatabaseUnavailableError, ErrorKind, resolve_database
 from tenancy.errors import (
     AuthenticationError,
     ConflictError,
@@ -131,6 +135,12 @@ def data_key_owner(tenant_id: str, share_scope: str) -> str:
     return f"group:{group}" if kind == "group" else f"tenant:{tenant_id}"
 
 
+def _deleted_owner(db: Database, owner: str) -> bool:
+    """True when ``owner`` is a tenant's own data key (``tenant:<id>``) and that tenant is gone."""
+    kind, _, tenant_id = owner.partition(":")
+    return kind == "tenant" and store.get_tenant(db, tenant_id=tenant_id) is None
+
+
 def _tenant_gone() -> AuthenticationError:
     """A cached key whose tenant has since been deleted: refused like an unknown key (HTTP 401)."""
     return AuthenticationError("Incorrect API key provided: its tenant has been deleted.")
@@ -172,7 +182,7 @@ class TenancyService:
             # The KEK first: a home whose kek.key is bad (or not this database's) fails before a
             # fresh server.secret is written next to it.
             self._kek = self._load_checked_kek()
-            self._secret = keymod.ServerSecret.load(self.home)
+            self._secret = self._load_server_secret()
             self._pepper = self._secret.pepper
             self._check_server_secret()
             self._namespace_key = self._load_namespace_key()
@@ -204,7 +214,7 @@ class TenancyService:
         """Open (creating on first run) the state under ``home``: db, KEK, server secret.
         ``database_url`` / ``redis_url`` as in ``__init__``."""
         home = Path(home).expanduser()
-        home.mkdir(parents=True, exist_ok=True)
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)  # secrets and the database: the owner's only
         return cls(home, auth_cache_ttl_s=auth_cache_ttl_s, **kwargs)
 
     def __enter__(self) -> TenancyService:
@@ -226,13 +236,40 @@ class TenancyService:
         before it writes ``kek.key.new`` until its commit, so this never mistakes a rotation in
         progress for a dead one.
         """
-        kek = KeyEncryptionKey.load(self.home)
+        kek = self._load_kek()
         pending = self._pending_kek_path()
         with self._lock:
             if kek.source != "env" and pending.exists():
                 with self._db.transaction():
                     return self._reconcile_kek(kek, pending)
             return self._reconcile_kek(kek, None)
+
+    def _stored_fingerprint(self, meta_key: str) -> str | None:
+        with self._lock:
+            return store.get_meta(self._db, meta_key)
+
+    def _load_kek(self) -> KeyEncryptionKey:
+        """The KEK. Its file is created only for a database that records no KEK yet (a first run):
+        a missing ``kek.key`` next to data encrypted under one is refused, and no new file is left
+        behind for the operator to overwrite when restoring the backup."""
+        stored = self._stored_fingerprint(_KEK_FINGERPRINT)
+        try:
+            return KeyEncryptionKey.load(self.home, create=stored is None)
+        except SecretFileMissingError as exc:
+            raise KeyMaterialError(
+                f"{exc}, but this database's data keys are wrapped by a KEK (fingerprint {stored}); restore "
+                f"{exc.path.name} from a backup or set ${KEK_ENV} (no new KEK was created)") from None
+
+    def _load_server_secret(self) -> keymod.ServerSecret:
+        """The server secret; created only for a database that records none yet (as ``_load_kek``)."""
+        stored = self._stored_fingerprint(_SECRET_FINGERPRINT)
+        try:
+            return keymod.ServerSecret.load(self.home, create=stored is None)
+        except SecretFileMissingError as exc:
+            raise KeyMaterialError(
+                f"{exc}, but this database's API keys were made with a server secret (fingerprint {stored}); "
+                f"restore {exc.path.name} from a backup or copy it from a gateway that shares this database "
+                "(no new secret was created)") from None
 
     def _reconcile_kek(self, kek: KeyEncryptionKey, pending: Path | None) -> KeyEncryptionKey:
         store.set_meta_if_absent(self._db, _KEK_FINGERPRINT, kek.fingerprint)  # first run: adopt this KEK
@@ -308,7 +345,7 @@ class TenancyService:
         stored = store.get_meta(self._db, _KEK_FINGERPRINT)
         if stored == self._kek.fingerprint:
             return self._kek
-        candidates = [KeyEncryptionKey.load(self.home)]
+        candidates = [self._load_kek()]
         pending = self._pending_kek_path()
         if candidates[0].source != "env" and pending.exists():  # rotation committed, file not yet renamed
             candidates.append(KeyEncryptionKey(read_secret_file(pending, what="pending KEK"),
@@ -355,14 +392,20 @@ class TenancyService:
             )
 
     def _cipher(self, owner: str) -> TenantCipher:
-        """The cipher for a data-key owner, unwrapping (or creating) its data key once per process."""
+        """The cipher for a data-key owner, unwrapping (or creating) its data key once per process.
+
+        A tenant's own key is made lazily too (a tenant in a share group gets it with its first stored
+        response), but never for a tenant that no longer exists: ``delete_tenant`` shredded that key,
+        and a key cached in this process's auth cache must not bring it back (AuthenticationError)."""
         with self._lock:
             cipher = self._ciphers.get(owner)
             if cipher is not None:
                 return cipher
             wrapped = store.get_wrapped_key(self._db, owner)
             if wrapped is None:
-                with self._db.transaction():
+                with self._db.transaction():  # the writer lock: a concurrent delete_tenant waits or has committed
+                    if _deleted_owner(self._db, owner):
+                        raise _tenant_gone()
                     kek = self._kek_for_wrapping()
                     store.insert_wrapped_key_if_absent(self._db, owner, kek.wrap(new_data_key(), owner))
                     wrapped = store.get_wrapped_key(self._db, owner)
@@ -604,10 +647,9 @@ class TenancyService:
 
         Raises AuthenticationError when the tenant is gone: deleted (by another process, the CLI)
         while its key was still in this process's auth cache. Its key is then as unknown as any,
-        and no data key is made again for it (``_cipher`` would create one for a missing owner)."""
+        and no data key is made again for it (``_cipher`` refuses a deleted tenant's owner too)."""
         with self._lock:
-            if store.get_tenant(self._db, tenant_id=ctx.tenant_id) is None:
-                raise _tenant_gone()
+            self._require_live_tenant(ctx)
             cipher = self._response_cipher(ctx)
             try:
                 responses.save(self._db, cipher, ctx.tenant_id, response_id, body)
@@ -618,16 +660,26 @@ class TenancyService:
                 raise
 
     def load_response(self, ctx: TenantContext, response_id: str) -> dict[str, Any] | None:
-        """The stored body, or None when this tenant has no response with that id (another tenant's included)."""
+        """The stored body, or None when this tenant has no response with that id (another tenant's included).
+        AuthenticationError when the tenant is gone (as ``save_response``)."""
         with self._lock:
+            self._require_live_tenant(ctx)
             return responses.load(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id)
+
+    def _require_live_tenant(self, ctx: TenantContext) -> None:
+        """Refuse a context whose tenant was deleted (by another process) while its key stayed in
+        this process's auth cache: its key is then as unknown as any (HTTP 401)."""
+        if store.get_tenant(self._db, tenant_id=ctx.tenant_id) is None:
+            raise _tenant_gone()
 
     def _response_cipher(self, ctx: TenantContext) -> TenantCipher:
         """The tenant's own data key (not a share group's): its stored responses die with it."""
         return self._cipher(f"tenant:{ctx.tenant_id}")
 
     def delete_response(self, ctx: TenantContext, response_id: str) -> bool:
+        """True when this tenant's response was deleted; AuthenticationError when the tenant is gone."""
         with self._lock:
+            self._require_live_tenant(ctx)
             return responses.delete(self._db, ctx.tenant_id, response_id)
 
     # -- administration ------------------------------------------------------------------------

@@ -306,6 +306,9 @@ class TierHook:
     def blocks_by_tenant(self) -> dict[TierName, dict[str, int]]:
         return self.manager.blocks_by_tenant()
 
+    def blocks_held(self, tenant_key: bytes) -> dict[str, int]:
+        return self.manager.blocks_held(tenant_key)
+
     def close(self) -> None:
         self.flush_spills()
         self.manager.close()

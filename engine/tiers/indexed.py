@@ -45,6 +45,11 @@ class IndexedTierQueries:
         with self._lock:
             return sum(len(self._index.segments[sid].hashes) for sid in self._index.of_namespace(namespace))
 
+    def blocks_owned(self, owner: bytes) -> int:
+        """KV blocks this tier charges to ``owner`` (a tenant key): what its block quota here counts."""
+        with self._lock:
+            return self._index.block_usage.get(owner, 0)
+
     @property
     def used_bytes(self) -> int:
         return self._index.used_bytes

@@ -589,6 +589,11 @@ class TierManager:
         return dropped
 
     # ---- introspection -------------------------------------------------------------------------
+    def blocks_held(self, tenant_key: bytes) -> dict[str, int]:
+        """Blocks the tenant ``tenant_key`` holds per lower tier (``{"dram": n, "nvme": m}`` for the
+        enabled ones): one tenant's, never summed with another's that shares its metrics label."""
+        return {t.name: t.blocks_owned(tenant_key) for t in self.tiers}
+
     def blocks_by_tenant(self) -> dict[TierName, dict[str, int]]:
         """Blocks each tenant (metrics label) holds in each tier: what its DRAM / NVMe block quota counts."""
         return {TierName(tier.name): tier.stats().blocks_by_tenant for tier in self.tiers}

@@ -486,8 +486,15 @@ def _connect_index(path: Path) -> sqlite3.Connection:
 
 
 def _private_dir(path: Path, *, up_to: Path) -> None:
-    """Create ``path`` (and its missing parents below ``up_to``) as 0700; tighten ones that exist."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` and every missing parent as 0700 (``mkdir(parents=True)`` gives the parents
+    the default mode: ``<nvme_dir>`` and ``kv-v1`` would be 0755); tighten the existing ones below
+    ``up_to``. Existing directories above it (``nvme_dir`` may be a mount point) are left alone."""
+    for missing in [p for p in (*reversed(path.parents), path) if not p.exists()]:
+        try:
+            missing.mkdir(mode=0o700)
+        except FileExistsError:  # another process made it first: tightened below if it is ours
+            continue
+        os.chmod(missing, 0o700)  # exact, whatever the umask
     p = path
     while p != up_to and up_to in p.parents:
         os.chmod(p, 0o700)

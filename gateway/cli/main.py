@@ -58,7 +58,7 @@ def resolve_home(value: str | None) -> Path:
     if home.is_dir():
         return home
     try:
-        home.mkdir(parents=True, exist_ok=True)
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)  # it will hold the secrets and the database
     except OSError as exc:
         raise CLIError(f"cannot create home directory {home}: {exc.strerror}") from None
     # stderr: stdout may be --json that a script parses.

@@ -304,12 +304,14 @@ def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] 
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.query_credentials import install_access_log_redaction
     from gateway.shutdown import STOP_WINDOW_S, DrainingServer
 
     app = create_app(settings)
     # uvicorn's own cancel is the last resort, after the drain has stopped what was left.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s + STOP_WINDOW_S)
+    install_access_log_redaction()  # after uvicorn.Config: it sets up the access logger
     server = DrainingServer(config, app.state.inflight, settings.shutdown_grace_s)
     where = f"http://{settings.host}:{settings.port}"
     ready = f"PrefixGate on {where}  model={settings.model or '-'}  device={settings.device}  home={settings.home}"

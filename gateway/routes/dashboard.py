@@ -16,9 +16,11 @@ the display label, which two tenants may share) and no engine-wide series.
      "isolation": [{"tenant", "share_scope", "spill_encrypted", "quotas", "kv_blocks_used",
                     "last_key_created_at"}]}
 
-``kv_blocks_used`` = ``{"hbm", "dram", "nvme"}``: the blocks the tenant holds in each tier now, read
-from the engine's ``prefixgate_kv_tenant_blocks`` gauge by the tenant's metrics label (so two tenants
-whose names share the first 32 characters share the figure, as they share the label).
+``kv_blocks_used`` = ``{"hbm", "dram", "nvme"}``: the blocks the tenant holds in each tier now. A
+tenant key's own row asks the local engine for the blocks charged to its tenant key (the identity its
+block quotas count), so another tenant whose name shares its first 32 characters never shows in it.
+The admin view reads every tenant's from the engine's ``prefixgate_kv_tenant_blocks`` gauge by
+metrics label: there two tenants sharing a label show the same, summed, figure.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 
+from engine.protocol import CacheInspector
 from gateway.deps import EngineDep, LiveStatsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import LiveStats
@@ -132,7 +135,13 @@ def _isolation_row(name: str, share_scope: str, encrypted: bool | None, quotas: 
     }
 
 
-def _isolation(ctx: Any, tenancy: Any, live: LiveStats, registry: Any) -> list[dict[str, Any]]:
+def _own_blocks(ctx: Any, engine: Any) -> dict[str, int]:
+    """The caller's blocks per tier, by its tenant key (never by its label, which another tenant
+    may share); none without a local engine (a remote node's blocks are not this process's)."""
+    return engine.tenant_blocks(ctx) if isinstance(engine, CacheInspector) else {}
+
+
+def _isolation(ctx: Any, tenancy: Any, live: LiveStats, registry: Any, engine: Any) -> list[dict[str, Any]]:
     """Share scope, spill encryption, quotas and the newest API key of each visible tenant.
 
     Encryption is a property of an authenticated context (its cipher): known for the caller and
@@ -144,10 +153,10 @@ def _isolation(ctx: Any, tenancy: Any, live: LiveStats, registry: Any) -> list[d
     for k in tenancy.list_keys(None if ctx.is_admin else ctx.name):
         if k.revoked_at is None:
             keys[k.tenant_id] = max(keys.get(k.tenant_id, 0.0), k.created_at)
-    used = tenant_blocks(registry)
     if not ctx.is_admin:
         return [_isolation_row(ctx.name, ctx.share_scope, ctx.cipher is not None, ctx.quotas, keys.get(ctx.tenant_id),
-                               used.get(ctx.metrics_label, {}))]
+                               _own_blocks(ctx, engine))]
+    used = tenant_blocks(registry)
     seen = {**live.spill_encrypted(), ctx.tenant_id: ctx.cipher is not None}
     return [_isolation_row(t.name, t.share_scope, seen.get(t.tenant_id), t.quotas, keys.get(t.tenant_id),
                            used.get(tenant_metrics_label(t.name), {}))
@@ -188,5 +197,5 @@ async def dashboard_data(request: Request, ctx: TenantDep, live: LiveStatsDep, t
         "cache": {"most_computed": live.most_computed(only),
                   "computed_prefixes": _computed_prefixes(engine_stats, None if admin else ctx.tenant_key.hex()),
                   **(_cache_pays(request) if admin else {})},
-        "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy, live, request.app.state.registry)),
+        "isolation": await anyio.to_thread.run_sync(lambda: _isolation(ctx, tenancy, live, request.app.state.registry, engine)),
     }

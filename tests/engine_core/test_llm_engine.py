@@ -277,6 +277,9 @@ class RecordingLowerTier:
     def blocks_by_tenant(self) -> dict:
         return {}
 
+    def blocks_held(self, tenant_key) -> dict:
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -188,7 +188,7 @@ class FakeTenancy:
 class LoopbackServer:
     """A real uvicorn server for ``app`` on a free loopback port, in a background thread."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, log_level: str = "warning") -> None:
         import socket
         import threading
 
@@ -199,7 +199,7 @@ class LoopbackServer:
         self.port = sock.getsockname()[1]
         sock.close()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level=log_level, lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -1,7 +1,8 @@
 """The isolation table's "used / quota" per tier against a real ``prefixgate serve`` (tiny model,
 24 HBM blocks, a DRAM tier, real tenancy with a DRAM block quota): the panel's current use of each
-tier is the engine's ``prefixgate_kv_tenant_blocks`` gauge for the tenant's metrics label, and a
-tenant's DRAM use stays within its quota.
+tier is the engine's ``prefixgate_kv_tenant_blocks`` gauge for the tenant's metrics label (admin
+view) or the engine's count for the tenant's own key (a tenant's own row), and a tenant's DRAM use
+stays within its quota.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from tenancy.service import TenancyService
 from tests.gateway.test_dashboard import metric
 from tests.serverutil import scrape, serve_tiny, stop
 
+# Two names sharing their first 32 characters: one metrics label (tenancy.namespace.metrics_label).
+VICTIM, ATTACKER = "megacorp-production-eu-west-1-aaa-victim", "megacorp-production-eu-west-1-aaa-attacker"
 SYSTEM = "You are the support assistant of ExampleCo. Answer briefly and only about our products. " * 3
 
 
@@ -25,7 +28,8 @@ def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("tier-use-home")
     with TenancyService.open(home) as svc:
         keys = {"acme": svc.create_tenant("acme", kv_blocks_dram=5).api_key,
-                "beta": svc.create_tenant("beta").api_key, "ops": svc.create_tenant("ops", admin=True).api_key}
+                "beta": svc.create_tenant("beta").api_key, "ops": svc.create_tenant("ops", admin=True).api_key,
+                **{name: svc.create_tenant(name).api_key for name in (VICTIM, ATTACKER)}}
         svc.flush()
     url, proc = serve_tiny(home, "--kv-blocks", "24", "--dram-bytes", "32MiB", timeout=300)
     try:
@@ -56,6 +60,29 @@ def test_current_use_per_tier_is_the_engine_gauge(served):
     own = httpx.get(f"{url}/dashboard/data", headers={"Authorization": f"Bearer {keys['acme']}"},
                     trust_env=False, timeout=30).json()
     assert [r["kv_blocks_used"] for r in own["isolation"]] == [used]
+
+
+def _own_isolation_row(url: str, key: str) -> dict:
+    data = httpx.get(f"{url}/dashboard/data", headers={"Authorization": f"Bearer {key}"}, trust_env=False,
+                     timeout=30).json()
+    (row,) = data["isolation"]
+    return row
+
+
+def test_a_tenant_sharing_another_ones_label_sees_only_its_own_blocks(served):
+    """Audit finding 3: the attacker, whose name shares its first 32 characters with the victim's,
+    read the victim's blocks per tier in its own row. Its row now counts its tenant key's blocks."""
+    url, keys = served
+    victim = openai.OpenAI(base_url=f"{url}/v1", api_key=keys[VICTIM], max_retries=0, timeout=60)
+    for i in range(8):  # distinct prefixes: HBM evicts them into DRAM
+        victim.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "system", "content": f"Victim {i}. " + SYSTEM}, {"role": "user", "content": "hi"}])
+    time.sleep(1.0)  # demotions finish on the tier's workers
+    victim.chat.completions.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "ok"}])
+    own = _own_isolation_row(url, keys[VICTIM])["kv_blocks_used"]
+    assert own["dram"] > 0, own  # the victim holds blocks the attacker must not see
+    attacker = _own_isolation_row(url, keys[ATTACKER])
+    assert attacker["tenant"] == ATTACKER and attacker["kv_blocks_used"] == {"hbm": 0, "dram": 0, "nvme": 0}
 
 
 def test_prefixes_computed_most_are_engine_block_hashes_never_text(served):

@@ -52,3 +52,17 @@ def test_a_stream_ends_with_an_unknown_key_error(deleted):
     errors = [e for e in events if e["type"] == "error"]
     assert errors and errors[0]["code"] == "invalid_api_key"
     assert events[-1]["type"] == "response.failed"
+
+
+def test_reading_deleting_or_continuing_a_stored_response_is_a_401(deleted):
+    """Audit finding 2 over HTTP: GET, DELETE and ``previous_response_id`` of the deleted tenant
+    are 401s like any unknown key (not 404s), and none makes a data key for it again."""
+    url, key, gateway = deleted
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+    calls = (lambda: client.responses.retrieve("resp_1"), lambda: client.responses.delete("resp_1"),
+             lambda: client.responses.create(model="tiny", input="more", previous_response_id="resp_1"))
+    for call in calls:
+        with pytest.raises(openai.AuthenticationError) as err:
+            call()
+        assert err.value.code == "invalid_api_key"
+    assert [r["owner"] for r in read_rows(gateway, "SELECT owner FROM data_keys") if r["owner"].startswith("tenant:")] == []

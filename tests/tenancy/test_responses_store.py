@@ -57,3 +57,27 @@ def test_saving_for_a_tenant_deleted_by_another_process_is_an_unknown_key(
     finally:
         gateway.close()
         cli.close()
+
+
+@pytest.mark.parametrize("share_scope", ["tenant", "group:team"])
+def test_reading_or_deleting_for_a_deleted_tenant_makes_no_data_key_again(
+        home: Path, open_service: Callable[..., TenancyService], share_scope: str) -> None:
+    """Audit finding 2: the CLI deletes the tenant while the gateway still caches its key. The
+    gateway's in-memory data key is then gone (a sweep dropped it, or, in a share group, the tenant's
+    own key was never loaded): GET / DELETE of a stored response and ``previous_response_id`` must be
+    a 401 like any unknown key, and must not create a new data key row for the deleted tenant."""
+    gateway, cli = open_service(home, auth_cache_ttl_s=60), open_service(home)
+    try:
+        ctx = gateway.authenticate(cli.create_tenant("gone", share_scope=share_scope).api_key)
+        cli.delete_tenant("gone")
+        with pytest.raises(AuthenticationError):
+            gateway.authenticate("pg-00000000_" + "x" * 43)  # a miss sweeps the in-memory keys of deleted owners
+        own_key = [f"tenant:{ctx.tenant_id}"]
+        for call in (gateway.load_response, gateway.delete_response):
+            with pytest.raises(AuthenticationError, match="tenant has been deleted"):
+                call(ctx, "resp_1")
+            assert read_rows(gateway, "SELECT owner FROM data_keys WHERE owner = ?", own_key) == []
+        assert own_key[0] not in gateway._ciphers  # and no key material is kept in memory for it
+    finally:
+        gateway.close()
+        cli.close()

@@ -61,6 +61,21 @@ def test_a_wrong_secret_with_a_real_key_id_is_rejected_without_echoing_it(svc: T
     assert parse_key_id(forged) == created.key_id
 
 
+@pytest.mark.parametrize("bad, shown, hidden", [
+    ("hunter2", "****.", "hunter"),  # short: nothing of it
+    ("sk-proj-SUPERSECRET0123456789abcd", "****abcd.", "sk-proj-SUP"),  # foreign: its last 4 at most
+    ("pg-1a2b3c4d_short", "****hort.", "pg-1a2b"),  # our prefix but not our shape: a foreign key
+    ("hunter2hunte", "****unte.", "hunter2"),  # 12 characters: the last 4 are a third
+    ("hunter2hunt", "****.", "hunt"),  # 11: a third is less than 4
+])
+def test_a_bad_key_is_echoed_at_most_by_a_third_of_it(svc: TenancyService, bad: str, shown: str, hidden: str) -> None:
+    """Audit finding 6: the first 11 characters of any key were echoed, so a short secret came back whole."""
+    with pytest.raises(AuthenticationError) as err:
+        svc.authenticate(bad)
+    message = str(err.value)
+    assert message.endswith(shown) and hidden not in message, message
+
+
 def test_revocation_through_the_service_is_immediate(svc: TenancyService) -> None:
     created = svc.create_tenant("acme")
     svc.authenticate(created.api_key)  # now cached

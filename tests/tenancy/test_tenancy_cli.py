@@ -62,6 +62,22 @@ def test_user_errors_are_one_line_on_stderr_with_exit_2(capsys, home: Path) -> N
         assert "Traceback" not in err
 
 
+def test_a_missing_kek_is_one_line_exit_2_and_leaves_no_new_file(capsys, tmp_path: Path) -> None:
+    """Audit findings 4 and 5 through the CLI: the home it creates is 0700; with ``kek.key`` moved
+    away, ``tenant list`` says the file is missing (one line, exit 2) and writes no new one."""
+    home = tmp_path / "new" / "home"
+    old_umask = os.umask(0o022)
+    try:
+        assert run(capsys, "--home", str(home), "tenant", "create", "acme")[0] == 0
+    finally:
+        os.umask(old_umask)
+    assert home.stat().st_mode & 0o777 == 0o700
+    (home / "kek.key").rename(home / "kek.key.orig")
+    code, _, err = run(capsys, "--home", str(home), "tenant", "list")
+    assert code == 2 and err.count("\n") == 1 and "kek.key is missing" in err, err
+    assert not (home / "kek.key").exists() and "created a new" not in err
+
+
 def test_argparse_rejects_bad_quota_values_with_exit_2(capsys, home: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--home", str(home), "tenant", "quota", "set", "acme", "--rpm", "-3"])

@@ -276,3 +276,51 @@ def test_first_run_creates_the_kek_with_a_warning(home: Path, capsys, caplog) ->
     caplog.clear()
     TenancyService.open(home).close()
     assert "key-encryption key" not in capsys.readouterr().err + caplog.text
+
+
+@pytest.mark.parametrize("filename, words", [("kek.key", r"key-encryption key \(KEK\)"), ("server.secret", "server secret")])
+def test_a_missing_secret_next_to_encrypted_data_is_refused_and_none_is_created(
+        home: Path, open_service, filename: str, words: str) -> None:
+    """Audit finding 4 (SQLite and PostgreSQL): the database records the KEK's / secret's
+    fingerprint, so a missing file is an error naming it, and no new random file is left in the
+    home (restoring the backup must not mean overwriting one); the backup then opens as before."""
+    with open_service(home) as svc:
+        key = svc.create_tenant("acme").api_key
+    backup = home / f"{filename}.orig"
+    (home / filename).rename(backup)
+    with pytest.raises(KeyMaterialError, match=f"the {words} file .*{filename} is missing") as err:
+        open_service(home)
+    assert "\n" not in str(err.value) and "fingerprint" in str(err.value)
+    assert sorted(p.name for p in home.iterdir() if p.name.startswith(filename)) == [backup.name]
+    backup.rename(home / filename)
+    with open_service(home) as svc:
+        assert svc.authenticate(key).name == "acme"
+
+
+def test_secret_files_others_may_read_get_one_warning_each(home: Path, capsys, caplog) -> None:
+    """Audit finding 5: accepted (a restored backup must start), with one line per file naming it
+    and its mode; none once they are 0600."""
+    TenancyService.open(home).close()
+    for name in ("kek.key", "server.secret"):
+        (home / name).chmod(0o644)
+    capsys.readouterr()
+    caplog.clear()
+    TenancyService.open(home).close()
+    said = (capsys.readouterr().err + caplog.text).splitlines()
+    for name in ("kek.key", "server.secret"):
+        lines = [line for line in said if str(home / name) in line]
+        assert len(lines) == 1 and "mode 0644" in lines[0] and f"chmod 600 {home / name}" in lines[0], said
+    for name in ("kek.key", "server.secret"):
+        (home / name).chmod(0o600)
+    caplog.clear()
+    TenancyService.open(home).close()
+    assert "mode 0" not in capsys.readouterr().err + caplog.text
+
+
+def test_the_home_the_service_creates_is_0700(tmp_path: Path) -> None:
+    old_umask = os.umask(0o022)
+    try:
+        TenancyService.open(tmp_path / "home").close()
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "home").stat().st_mode & 0o777 == 0o700

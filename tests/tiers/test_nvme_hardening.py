@@ -53,6 +53,22 @@ def test_the_index_on_disk_holds_no_namespace_and_no_block_hash(tmp_path: Path) 
         assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
 
 
+def test_every_directory_the_tier_creates_is_0700_and_one_it_did_not_create_is_left_alone(tmp_path: Path) -> None:
+    """Audit finding 5: ``<nvme_dir>`` and ``kv-v1`` (the parents of the tier's own directory,
+    created on first use) were 0755 under the usual umask; a mount point that exists keeps its mode."""
+    mount = tmp_path / "mnt"
+    mount.mkdir(mode=0o755)
+    mount.chmod(0o755)
+    old_umask = os.umask(0o022)
+    try:
+        _tier(mount / "nvme" / "kv-v1" / "tiny").close()
+    finally:
+        os.umask(old_umask)
+    for d in (mount / "nvme", mount / "nvme" / "kv-v1", mount / "nvme" / "kv-v1" / "tiny"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert stat.S_IMODE(mount.stat().st_mode) == 0o755
+
+
 def test_blocks_are_found_after_a_restart_only_with_the_same_key_and_namespace(tmp_path: Path) -> None:
     ns, other = b"n" * 32, b"o" * 32
     root = tmp_path / "kv"
