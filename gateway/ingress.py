@@ -28,6 +28,11 @@ MAX_DEPTH = 64
 # Entries of one list that holds text or objects (prompts, messages, tools, enum values); checked
 # before the walk visits them, so 300,000 one-letter prompts cost one len().
 MAX_ITEMS = 4096
+# Integers in all-integer lists (token-id prompts) in one body: such a list skips the item bound above
+# (a prompt of ids is long by nature), so this bounds them before any model is built. 262,144 is the
+# default max_prompt_chars (1 M characters) at ~4 characters a token; the pipeline then counts each id
+# as 4 characters against the configured max_prompt_chars, and each prompt against max_model_len.
+MAX_TOKEN_IDS = 262_144
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -37,6 +42,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 class BodyShape:
     depth: int
     chars: int  # characters in every string, keys included
+    token_ids: int = 0  # integers in all-integer lists (token-id prompts)
 
 
 def body_limit(message: str, param: str | None = None) -> PydanticCustomError:
@@ -62,6 +68,7 @@ def scan(value: Any, *, max_depth: int = MAX_DEPTH) -> BodyShape:
     """
     texts: list[str] = []
     deepest = 0
+    token_ids = 0
     stack: list[_Entry] = [(value, 1, None, None)]
     while stack:
         entry = stack.pop()
@@ -85,6 +92,10 @@ def scan(value: Any, *, max_depth: int = MAX_DEPTH) -> BodyShape:
         elif isinstance(item, list):
             # token ids and numbers need no visit: skipping them keeps a 1M-id prompt at C speed
             if item and type(item[0]) is int and all(type(child) is int for child in item):
+                token_ids += len(item)
+                if token_ids > MAX_TOKEN_IDS:
+                    where = _where(_path_of(entry)[:1])
+                    raise body_limit(f"the request holds more than {MAX_TOKEN_IDS} token ids", where)
                 continue
             if len(item) > MAX_ITEMS:
                 where = _where(_path_of(entry))
@@ -97,7 +108,7 @@ def scan(value: Any, *, max_depth: int = MAX_DEPTH) -> BodyShape:
     if any(map(_SURROGATE.search, texts)):
         where = _where(_surrogate_path(value))
         raise body_limit(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text", where)
-    return BodyShape(deepest, sum(map(len, texts)))
+    return BodyShape(deepest, sum(map(len, texts)), token_ids)
 
 
 # A container on scan's stack: (value, depth, the parent's entry, the key or index in the parent).
@@ -161,6 +172,7 @@ class ScannedBody(BaseModel):
         model = handler(data)
         if shape is not None:
             model.__dict__[_TEXT_CHARS] = shape.chars
+            model.__dict__[_TOKEN_IDS] = shape.token_ids
         return model
 
     @property
@@ -168,5 +180,12 @@ class ScannedBody(BaseModel):
         """Characters in every string of the body as received (0 for a model not built from a dict)."""
         return self.__dict__.get(_TEXT_CHARS, 0)
 
+    @property
+    def token_ids(self) -> int:
+        """Integers in all-integer lists of the body as received (token-id prompts; 0 for a model not
+        built from a dict)."""
+        return self.__dict__.get(_TOKEN_IDS, 0)
 
-_TEXT_CHARS = "_text_chars"  # ScannedBody's entry in a model's __dict__ (underscore: never a field name)
+
+_TEXT_CHARS = "_text_chars"  # ScannedBody's entries in a model's __dict__ (underscore: never a field name)
+_TOKEN_IDS = "_token_ids"

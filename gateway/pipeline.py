@@ -284,8 +284,10 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def local_features(req: ChatCompletionRequest | CompletionRequest) -> LocalFeatures:
-    """Tools, structured output, logprobs and logit_bias as the engine takes them. 400s name the field."""
+def local_features(req: ChatCompletionRequest | CompletionRequest,
+                   response_format: str = "response_format") -> LocalFeatures:
+    """Tools, structured output, logprobs and logit_bias as the engine takes them. 400s name the field
+    (``response_format``: what the client's API calls it, ``text.format`` on /v1/responses)."""
     bias = _logit_bias(req.logit_bias)
     if isinstance(req, CompletionRequest):
         return LocalFeatures(ToolPlan(tools=None, parse=False, guided=None), None, req.logprobs, bias)
@@ -293,7 +295,7 @@ def local_features(req: ChatCompletionRequest | CompletionRequest) -> LocalFeatu
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    guided = guided_for_response_format(req.response_format)
+    guided = guided_for_response_format(req.response_format, response_format)
     if guided is not None and tools.guided is not None:
         raise invalid_request(
             "response_format json_object/json_schema cannot be combined with tool_choice 'required' or a "
@@ -320,16 +322,26 @@ def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, setti
     """The work a request asks for, bounded before any of it is done (issue 16.2)."""
     param = "messages" if kind == "chat" else "prompt"
     if req.n > settings.max_n:
-        raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n")
+        raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n",
+                              code="integer_above_max_value")
     if prompts > settings.max_prompts:
-        raise invalid_request(f"at most {settings.max_prompts} prompts per request, got {prompts}", param=param)
+        raise invalid_request(f"at most {settings.max_prompts} prompts per request, got {prompts}", param=param,
+                              code="array_above_max_length")
     if prompts * req.n > settings.max_choices:
         raise invalid_request(
-            f"prompts x n must be at most {settings.max_choices}, got {prompts} x {req.n}", param="n")
-    if text_chars > settings.max_prompt_chars:
+            f"prompts x n must be at most {settings.max_choices}, got {prompts} x {req.n}", param="n",
+            code="integer_above_max_value")
+    weight = text_chars + CHARS_PER_TOKEN * req.token_ids
+    if weight > settings.max_prompt_chars:
+        ids = f" and {req.token_ids} token ids ({CHARS_PER_TOKEN} characters each)" if req.token_ids else ""
         raise invalid_request(
-            f"the request holds {text_chars} characters of text; the limit is {settings.max_prompt_chars}",
+            f"the request holds {text_chars} characters of text{ids}; the limit is {settings.max_prompt_chars}",
             param=param, code="request_too_large")
+
+
+# Characters a token stands for in the bounds and the admission estimate (as for providers): a token
+# id in a prompt counts as this much text against max_prompt_chars, and as one token in the estimate.
+CHARS_PER_TOKEN = 4
 
 
 # Text below this is canonicalized inline: a thread hop costs more than the work (~1 ms at 64k chars).
@@ -388,7 +400,7 @@ async def prepare(
     choices = (len(prompts) or 1) * req.n
     # Admission before any costly work, on an estimate (~4 characters a token, as for providers);
     # the ledger row records the real counts.
-    estimated = text_chars // 4 + (max_tokens_asked or settings.default_max_tokens) * choices
+    estimated = text_chars // CHARS_PER_TOKEN + req.token_ids + (max_tokens_asked or settings.default_max_tokens) * choices
     try:
         tenancy.admit(scoped, estimated_tokens=estimated)
     except QuotaExceededError as exc:
@@ -415,7 +427,7 @@ async def prepare(
         extra = {k: canon.body[k] for k in _PROVIDER_PASSTHROUGH if k in canon.body}
     else:
         _reject_unsupported_local(req)
-        features = local_features(req)
+        features = local_features(req, fields.response_format)
 
     request_id = new_request_id(kind)
     inputs: list[dict[str, Any]]

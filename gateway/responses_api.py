@@ -41,7 +41,7 @@ from gateway.formats import ChoiceText, chat_logprob, sse
 from gateway.ingress import ScannedBody
 from gateway.pipeline import UNSUPPORTED_LOCAL_EXTRAS, Prepared, RequestFields
 from gateway.schemas import MAX_NAME_CHARS, SCHEMA_NAME_PATTERN, now, null_means
-from gateway.tool_calls import check_schema
+from gateway.structured_output import guided_for_response_format
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
 _ROLES = ("user", "system", "developer", "assistant")
@@ -250,9 +250,10 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
 def _response_format(fmt: TextFormat | None) -> dict[str, Any] | None:
     if fmt is None:
         return None
-    if fmt.json_schema is not None:  # checked here too, so that a bad schema names the Responses field
-        check_schema(fmt.json_schema, "text.format.schema")
-    return fmt.response_format()
+    response_format = fmt.response_format()
+    # checked here too (its size first), so that a bad schema names the Responses field
+    guided_for_response_format(response_format, "text.format")
+    return response_format
 
 
 def chat_body(req: ResponsesRequest, history: list[dict[str, Any]], conversation: list[dict[str, Any]]) -> dict:

@@ -17,7 +17,7 @@ import re
 import time
 from typing import Annotated, Any, Literal, TypedDict
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from gateway.ingress import ScannedBody, body_limit
 
@@ -161,7 +161,10 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Left to right with strict ids: each shape is tried once, so a list of 200,000 ids costs one
+    # list[StrictInt] pass (~10 ms) where the smart union tried every member, lax and strict (~5x).
+    # Strict: "1" or 1.0 is not a token id (lax mode turned ["1", "2"] into ids, not two prompts).
+    prompt: Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]], Field(union_mode="left_to_right")]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: Annotated[StrictBool, null_means(False)] = False
     suffix: str | None = None

@@ -198,9 +198,10 @@ def test_scope_marker_line_is_cached_per_namespace_and_still_differs() -> None:
 # -- the ingress scan: the same shape and the same errors as the walk it replaced ----------------------
 
 def _scan_before(value: object, *, max_depth: int = MAX_DEPTH) -> BodyShape:
-    """gateway.ingress.scan as it was at af5c657 (the oracle)."""
+    """gateway.ingress.scan as it was at af5c657 (the oracle), plus the count of token ids."""
     texts: list[str] = []
     deepest = 0
+    token_ids = 0
     stack: list[tuple[object, int, tuple[str | int, ...]]] = [(value, 1, ())]
     while stack:
         item, depth, path = stack.pop()
@@ -221,6 +222,7 @@ def _scan_before(value: object, *, max_depth: int = MAX_DEPTH) -> BodyShape:
         elif isinstance(item, list):
             # token ids and numbers need no visit: skipping them keeps a 1M-id prompt at C speed
             if all(type(child) is int for child in item):
+                token_ids += len(item)
                 continue
             if len(item) > MAX_ITEMS:
                 raise body_limit(f"'{_where(path)}' has {len(item)} entries; at most {MAX_ITEMS} are accepted",
@@ -233,7 +235,7 @@ def _scan_before(value: object, *, max_depth: int = MAX_DEPTH) -> BodyShape:
     if any(map(_SURROGATE.search, texts)):
         where = _where(_surrogate_path(value))
         raise body_limit(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text", where)
-    return BodyShape(deepest, sum(map(len, texts)))
+    return BodyShape(deepest, sum(map(len, texts)), token_ids)
 
 
 def _scan_outcome(scanner: Callable[..., BodyShape], value: object, max_depth: int) -> object:
