@@ -18,6 +18,10 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 EvictionPolicyName = Literal["cost", "lru"]
+# Default ``max_mixed_prefill_tokens`` on a CPU device: a step of 2,048 prefill tokens takes seconds
+# on a CPU, and every decode riding in it waits that long; a 256-token step costs ~1/8 of that and
+# keeps the prefill throughput (measured in docs/engine.md, "Prefill cap in shared steps").
+CPU_MIXED_PREFILL_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,11 @@ class EngineConfig:
         (CUDA) or ``cpu_kv_bytes`` (CPU).
     max_num_seqs: most requests in one running batch.
     max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
+    max_mixed_prefill_tokens: most prefill tokens in a step that more than one request may share
+        (bounds a decode's time per token, and a newcomer's wait, under other requests' long
+        prompts); a lone request's prefill still gets ``max_num_batched_tokens``. None = the
+        device's default (``CPU_MIXED_PREFILL_TOKENS`` on CPU, no cap on CUDA), 0 = no cap (every
+        step may fill ``max_num_batched_tokens`` with prefill).
     enable_prefix_caching: off = every request computes its whole prompt (for comparisons).
     eviction_policy: "cost" (reuse frequency x recompute cost) or "lru".
     max_waiting: most queued requests before generate() raises EngineOverloadedError.
@@ -60,6 +69,7 @@ class EngineConfig:
     cpu_kv_bytes: int = 256 * 1024 * 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_mixed_prefill_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicyName = "cost"
@@ -94,6 +104,8 @@ class EngineConfig:
             raise ValueError("kv_memory_fraction must be in [0.05, 0.98]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens >= block_size")
+        if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens < 0:
+            raise ValueError(f"max_mixed_prefill_tokens must be >= 0 (0 = no cap), got {self.max_mixed_prefill_tokens}")
         if self.prefill_graph_tokens < 0 or self.prefill_graph_tokens == 1:
             raise ValueError(f"prefill_graph_tokens must be 0 (off) or >= 2, got {self.prefill_graph_tokens}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -103,6 +115,15 @@ class EngineConfig:
         for name in ("dram_bytes", "nvme_bytes", "cpu_kv_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+
+    @property
+    def mixed_prefill_cap(self) -> int | None:
+        """The scheduler's ``max_mixed_prefill_tokens``: None = no cap. On CUDA a 2,048-token
+        prefill step takes tens of milliseconds and the GPU's prefill throughput needs full steps,
+        so only a CPU device gets a cap by default."""
+        if self.max_mixed_prefill_tokens is None:
+            return CPU_MIXED_PREFILL_TOKENS if self.device == "cpu" else None
+        return self.max_mixed_prefill_tokens or None
 
     @property
     def resolved_model_id(self) -> str:

@@ -178,7 +178,8 @@ class LLMEngine:
             events=kv_events,
             clock=clock,
         )
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, clock)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, clock,
+                                   max_mixed_prefill_tokens=config.mixed_prefill_cap)
         spec_len = int(runner.spec.max_model_len)
         # Advertise (and admit) only what the KV pool can hold: one sequence may fill every block.
         pool_len = self.cache.num_blocks * runner.block_size

@@ -25,6 +25,13 @@ and a batch-size cap (``max_num_seqs``)::
          admitted only if the cache manager finds its first chunk's blocks (free, within quota).
     3. every request still waiting records why (``QueueReason``).
 
+A step that more than one request may share (more than one running, or anyone waiting) carries at
+most ``max_mixed_prefill_tokens`` prefill tokens (``StepBudget``; decodes count only against
+``max_num_batched_tokens``): on a CPU a step of 2,048 prefill tokens takes seconds, and every decode
+in it, and every request arriving meanwhile, would wait that long for its next token. Prefills still
+progress in every such step (the earliest admitted first), and a lone request's prefill gets the
+whole ``max_num_batched_tokens``.
+
 "Tenant" above is ``Request.tenant_key`` (``TenantScope.tenant_key``), never the namespace: a
 tenant whose end users each get a namespace (share scope ``user``) has one queue, one service
 counter and one quota, and tenants sharing a namespace (share scope ``group:NAME``) each keep
@@ -54,6 +61,36 @@ MAX_BYPASS = 8
 
 
 @dataclass
+class StepBudget:
+    """The tokens one step may still carry (``tokens``) and, of those, the prefill tokens
+    (``prefill_tokens``: fewer than ``tokens`` in a shared step). A chunk of one token (a decode)
+    counts only against ``tokens``: decodes are what the prefill cap protects."""
+
+    tokens: int
+    prefill_tokens: int
+
+    @property
+    def exhausted(self) -> bool:
+        return self.tokens <= 0
+
+    @property
+    def prefill_exhausted(self) -> bool:
+        return self.tokens <= 0 or self.prefill_tokens <= 0
+
+    def grant(self, uncomputed: int) -> int:
+        """Tokens a request with ``uncomputed`` tokens left to compute gets in this step."""
+        if uncomputed <= 1:
+            return min(uncomputed, self.tokens)
+        return max(0, min(uncomputed, self.tokens, self.prefill_tokens))
+
+    def spend(self, uncomputed: int, n: int) -> None:
+        """Charge a chunk of ``n`` tokens of a request that had ``uncomputed`` left."""
+        self.tokens -= n
+        if uncomputed > 1:
+            self.prefill_tokens -= n
+
+
+@dataclass
 class SchedulerOutput:
     """One step: the batch for the runner plus which request each chunk belongs to."""
 
@@ -74,6 +111,8 @@ class Scheduler:
     max_num_seqs: most running requests.
     max_num_batched_tokens: tokens per step (prefill chunks + decodes).
     clock: monotonic time source (tests pass a fake one).
+    max_mixed_prefill_tokens: most prefill tokens in a step that more than one request may share
+        (see the module docstring); None = no cap beyond the step's budget.
     """
 
     def __init__(
@@ -82,11 +121,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         clock: Callable[[], float] = time.monotonic,
+        max_mixed_prefill_tokens: int | None = None,
     ) -> None:
+        if max_mixed_prefill_tokens is not None and max_mixed_prefill_tokens < 1:
+            raise ValueError(f"max_mixed_prefill_tokens must be >= 1 or None, got {max_mixed_prefill_tokens}")
         self.cache = cache
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens
         self.clock = clock
         self.waiting: OrderedDict[bytes, deque[Request]] = OrderedDict()  # tenant key -> its queue
         self.running: list[Request] = []
@@ -179,7 +222,6 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
         self.release_finished()  # before anyone grows or is admitted: they may need those blocks
         out = SchedulerOutput(ScheduledBatch(()), [], [])
         chunks: list[SequenceChunk] = []
@@ -187,26 +229,25 @@ class Scheduler:
         now = self.clock()
 
         self.running.sort(key=lambda r: (-r.tenant.priority, r.admit_seq))
-        waiting_order: list[tuple[tuple[int, float, float], bytes]] | None = None  # on the first prefill chunk
-        deferred: list[Request] = []  # prefills that yield to a waiting tenant ranked ahead of theirs
+        yielding = self._yielding_prefills()  # prefills that wait for a waiting tenant ranked ahead
+        budget = self._step_budget(shared=len(self.running) + self.num_waiting > 1)
+        deferred: list[Request] = []  # the yielding prefills, in running order
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and not budget.exhausted:
             req = self.running[i]
-            n = min(req.num_uncomputed_tokens, budget)
-            if n == 0:  # defensive: a running request always has its newest token to compute
+            uncomputed = req.num_uncomputed_tokens
+            n = budget.grant(uncomputed)
+            if n == 0:  # the prefill cap is spent (or, defensively, nothing is left to compute)
                 i += 1
                 continue
-            if n > 1 and self.waiting:  # decode-only steps never rank the waiting tenants
-                if waiting_order is None:
-                    waiting_order = self._waiting_order()
-                if self._yields(req, waiting_order):
-                    deferred.append(req)
-                    i += 1
-                    continue
+            if req.request_id in yielding:
+                deferred.append(req)
+                i += 1
+                continue
             if not self._grow(req, i, req.num_computed_tokens + n, out):
                 continue  # req itself was preempted; running[i] is now the next request
             self._emit(req, n, out, chunks)
-            budget -= n
+            budget.spend(uncomputed, n)
             i += 1
 
         over_quota: set[bytes] = set()
@@ -214,7 +255,7 @@ class Scheduler:
         if out.preempted:
             stop_reason = QueueReason.NO_KV_BLOCKS  # admitting now would only preempt again
         else:
-            stop_reason, budget = self._admit(budget, now, out, chunks, over_quota, blocked)
+            stop_reason = self._admit(budget, now, out, chunks, over_quota, blocked)
         self._continue_deferred(deferred, budget, out, chunks)
         for key, queue in self.waiting.items():
             for req in queue:
@@ -226,6 +267,23 @@ class Scheduler:
                     req.queue_reason = QueueReason.TENANT_OVER_QUOTA if key in over_quota else stop_reason
         out.batch = ScheduledBatch(tuple(chunks))
         return out
+
+    def _step_budget(self, shared: bool) -> StepBudget:
+        """The step's budget; a step that more than one request may share carries at most
+        ``max_mixed_prefill_tokens`` prefill tokens (a lone request's prefill gets them all)."""
+        tokens = self.max_num_batched_tokens
+        if shared and self.max_mixed_prefill_tokens is not None:
+            return StepBudget(tokens, min(tokens, self.max_mixed_prefill_tokens))
+        return StepBudget(tokens, tokens)
+
+    def _yielding_prefills(self) -> set[str]:
+        """Ids of the running prefills that yield this step to another tenant's waiting request
+        (``_yields``). Decode-only batches never rank the waiting tenants."""
+        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        if not prefills or not self.waiting:
+            return set()
+        order = self._waiting_order()
+        return {r.request_id for r in prefills if self._yields(r, order)}
 
     def _waiting_order(self) -> list[tuple[tuple[int, float, float], bytes]]:
         """Waiting tenants, best first, by the key admission picks them by (``_tenant_order``)."""
@@ -247,22 +305,23 @@ class Scheduler:
                 return order < mine
         return False
 
-    def _continue_deferred(self, deferred: list[Request], budget: int, out: SchedulerOutput,
+    def _continue_deferred(self, deferred: list[Request], budget: StepBudget, out: SchedulerOutput,
                            chunks: list[SequenceChunk]) -> None:
         """Give the prefills that yielded to admission the budget it left, in running order. Growing
         one may preempt only requests that have no chunk in this step yet (or itself)."""
         emitted = {r.request_id for r in out.requests}
         for req in deferred:
-            if budget <= 0:
+            if budget.prefill_exhausted:
                 return
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted meanwhile
-            n = min(req.num_uncomputed_tokens, budget)
+            uncomputed = req.num_uncomputed_tokens
+            n = budget.grant(uncomputed)
             if not self._grow(req, self.running.index(req), req.num_computed_tokens + n, out, emitted):
                 continue
             self._emit(req, n, out, chunks)
             emitted.add(req.request_id)
-            budget -= n
+            budget.spend(uncomputed, n)
 
     def _grow(self, req: Request, pos: int, context_len: int, out: SchedulerOutput,
               scheduled: set[str] | None = None) -> bool:
@@ -306,35 +365,36 @@ class Scheduler:
         out.preempted.append(req)
 
     def _admit(
-        self, budget: int, now: float, out: SchedulerOutput, chunks: list[SequenceChunk],
+        self, budget: StepBudget, now: float, out: SchedulerOutput, chunks: list[SequenceChunk],
         over_quota: set[bytes], blocked: dict[str, QueueReason],
-    ) -> tuple[QueueReason, int]:
-        """Admit waiting requests; returns the reason the rest keep waiting and the budget left. Tenants refused for
+    ) -> QueueReason:
+        """Admit waiting requests, spending ``budget``; returns the reason the rest keep waiting. Tenants refused for
         their KV quota are added to ``over_quota``; requests that wait for a reason of their own
         (a restore, a prefix being computed) to ``blocked``."""
         while True:
-            if budget <= 0:
-                return QueueReason.TOKEN_BUDGET, budget
+            if budget.prefill_exhausted:  # a newcomer's first chunk is a prefill
+                return QueueReason.TOKEN_BUDGET
             if len(self.running) >= self.max_num_seqs:
-                return QueueReason.BATCH_FULL, budget
+                return QueueReason.BATCH_FULL
             tenants = [key for key, q in self.waiting.items()
                        if key not in over_quota and any(r.request_id not in blocked for r in q)]
             if not tenants:
-                return QueueReason.NO_KV_BLOCKS, budget  # only over-quota or blocked requests (or none) remain
+                return QueueReason.NO_KV_BLOCKS  # only over-quota or blocked requests (or none) remain
             key = min(tenants, key=self._tenant_order)
             queue = self.waiting[key]
             picked = self._pick_in_tenant(queue, blocked)
             if picked is None:
                 continue  # every request of this tenant is blocked now
             match, req = picked
-            n = min(req.num_tokens - match.cached_tokens, budget)
+            uncomputed = req.num_tokens - match.cached_tokens
+            n = budget.grant(uncomputed)
             new_blocks = req.blocks_needed(match.cached_tokens + n) - match.num_blocks
             table = self.cache.admit(req, match, new_blocks)
             if table is QueueReason.TENANT_OVER_QUOTA:
                 over_quota.add(key)
                 continue
             if table is QueueReason.NO_KV_BLOCKS:
-                return QueueReason.NO_KV_BLOCKS, budget
+                return QueueReason.NO_KV_BLOCKS
             if isinstance(table, QueueReason):
                 blocked[req.request_id] = table
                 continue
@@ -356,7 +416,7 @@ class Scheduler:
             self.running.append(req)
             self._emit(req, n, out, chunks)
             out.admitted.append(req)
-            budget -= n
+            budget.spend(uncomputed, n)
 
     def _pick_in_tenant(
         self, queue: deque[Request], blocked: dict[str, QueueReason]

@@ -22,6 +22,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     block_size = 16             # tokens per KV block (8/16/32/64/128)
     max_num_seqs = 64           # most requests in one running batch
     max_num_batched_tokens = 2048
+    max_mixed_prefill_tokens = 256  # prefill tokens of a shared step (default: 256 on CPU, no cap on CUDA; 0 = no cap)
     prefill_graph_tokens = 512  # CUDA: one-sequence prefill steps up to this many tokens from graphs (0 = off)
     max_model_len = 8192        # longest context served (default: the model's, capped by the KV pool)
     threads = 2                 # torch CPU threads (default: torch's choice)
@@ -237,6 +238,8 @@ class GatewaySettings(BaseModel):
     block_size: Literal[8, 16, 32, 64, 128] = 16
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=8)
+    # EngineConfig.max_mixed_prefill_tokens: None = the device's default (CPU 256, CUDA no cap), 0 = no cap
+    max_mixed_prefill_tokens: int | None = Field(None, ge=0)
     prefill_graph_tokens: int = Field(512, ge=0)  # EngineConfig.prefill_graph_tokens (0 = eager prefill)
     # Longest context served (prompt + output); None = the model's own, capped by the KV pool. On CUDA it
     # is also the width of the captured block tables (docs/gpu.md): set it to what you serve.
@@ -302,7 +305,8 @@ class GatewaySettings(BaseModel):
         return EngineConfig(
             model_dir=self.model_dir, device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
             block_size=self.block_size, num_kv_blocks=self.kv_blocks, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, prefill_graph_tokens=self.prefill_graph_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_mixed_prefill_tokens=self.max_mixed_prefill_tokens,
+            prefill_graph_tokens=self.prefill_graph_tokens,
             max_model_len=self.max_model_len, num_threads=self.threads,
             dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
             enable_prefix_caching=self.prefix_caching, kv_events_endpoint=self.kv_events_endpoint,

@@ -10,8 +10,9 @@ from engine.scheduler import Scheduler
 BS = 4
 
 
-def sched(num_blocks=64, max_num_seqs=8, budget=64, policy="lru") -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BS, eviction_policy=policy), max_num_seqs, budget, clock=lambda: 100.0)
+def sched(num_blocks=64, max_num_seqs=8, budget=64, policy="lru", mixed_cap=None) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BS, eviction_policy=policy), max_num_seqs, budget, clock=lambda: 100.0,
+                     max_mixed_prefill_tokens=mixed_cap)
 
 
 def run_step(s: Scheduler, token: int = 7):
@@ -241,6 +242,50 @@ def test_a_yielding_prefill_gets_the_budget_admission_leaves_and_decodes_never_y
         by_id = dict(zip((r.request_id for r in out.requests), out.num_tokens, strict=True))
         assert by_id.get("dec") == 1  # a decode is never held back
         assert sum(out.num_tokens) == 16  # whatever admission leaves goes to the yielding prefill
+
+
+def test_a_step_with_decodes_carries_at_most_the_mixed_prefill_cap_and_the_prefill_still_progresses():
+    """Issue: another request's decode rode in steps of max_num_batched_tokens prefill tokens
+    (seconds on a CPU), so its time per token was set by other tenants' prompt sizes. While a decode
+    runs, prefill chunks share at most max_mixed_prefill_tokens per step, and still get a chunk
+    every step; once nobody decodes, the prefill takes the whole budget again."""
+    s = sched(num_blocks=128, budget=64, mixed_cap=12)
+    dec = make_request("dec", range(300, 304), scope("victim"), max_tokens=6)
+    s.add(dec)
+    run_step(s)  # dec's prompt; it decodes from now on
+    long = make_request("long", range(200), scope("burst"), max_tokens=2)
+    s.add(long)
+    for _ in range(5):  # dec decodes in each of these steps (its last token comes at the 6th)
+        out = run_step(s)
+        by_id = dict(zip((r.request_id for r in out.requests), out.num_tokens, strict=True))
+        assert by_id.get("dec") == 1
+        assert 1 <= by_id.get("long", 0) <= 12, by_id
+    assert len(dec.output_token_ids) == 6
+    s.remove(dec)  # it finished
+    out = run_step(s)  # nobody decodes any more: the prefill gets the whole budget
+    assert out.num_tokens == [64]
+
+
+def test_a_lone_prefill_gets_the_whole_budget_under_a_mixed_cap():
+    s = sched(num_blocks=128, budget=64, mixed_cap=12)
+    s.add(make_request("alone", range(200), scope("burst")))
+    assert [run_step(s).num_tokens for _ in range(3)] == [[64], [64], [64]]
+
+
+def test_a_waiting_newcomer_caps_the_prefill_steps_it_waits_behind():
+    """While another request waits, a running prefill's steps are capped too, so the newcomer's
+    first token waits for steps of at most the cap, not of the whole budget."""
+    s = sched(num_blocks=128, budget=64, mixed_cap=12)
+    long = make_request("long", range(200), scope("burst"), max_tokens=2)
+    s.add(long)
+    run_step(s)  # alone: the whole budget
+    short = make_request("short", range(1000, 1006), scope("late"), max_tokens=2)
+    s.add(short)
+    out = run_step(s)  # late starts at burst's counter: not ahead yet, but the step is capped
+    assert out.num_tokens == [12]
+    out = run_step(s)  # burst has been served more now: it yields, and short is admitted first
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens, strict=True)] == [("short", 6), ("long", 6)]
+    assert short.output_token_ids
 
 
 def test_a_preempted_request_still_reports_the_prompt_it_had_computed():

@@ -16,13 +16,25 @@ def test_config_file_engine_keys_are_accepted_and_passed_to_the_engine(tmp_path,
         f'model = "{tiny_model_dir}"\n'
         'dtype = "bf16"\nkv_dtype = "int8"\nblock_size = 32\n'
         "max_num_batched_tokens = 512\nmax_num_seqs = 8\nthreads = 1\nprefill_graph_tokens = 256\n"
+        "max_mixed_prefill_tokens = 64\n"
     )
     args = build_parser().parse_args(["serve", "--config", str(cfg)])
     engine = build_settings(args, tmp_path).engine_config()
     assert (engine.dtype, engine.kv_dtype, engine.block_size) == ("bfloat16", "int8", 32)
     assert (engine.max_num_batched_tokens, engine.max_num_seqs, engine.num_threads) == (512, 8, 1)
     assert engine.prefill_graph_tokens == 256
+    assert engine.mixed_prefill_cap == 64
     assert engine.model_dir == tiny_model_dir
+
+
+def test_the_mixed_prefill_cap_defaults_by_device_and_0_turns_it_off(tmp_path):
+    """CPU steps of max_num_batched_tokens prefill take seconds: capped by default; CUDA keeps full steps."""
+    from engine.config import CPU_MIXED_PREFILL_TOKENS, EngineConfig
+
+    assert EngineConfig(model_dir=tmp_path).mixed_prefill_cap == CPU_MIXED_PREFILL_TOKENS
+    assert EngineConfig(model_dir=tmp_path, device="cuda").mixed_prefill_cap is None
+    assert EngineConfig(model_dir=tmp_path, max_mixed_prefill_tokens=0).mixed_prefill_cap is None
+    assert EngineConfig(model_dir=tmp_path, device="cuda", max_mixed_prefill_tokens=512).mixed_prefill_cap == 512
 
 
 def test_flags_override_the_config_file(tmp_path, tiny_model_dir):
@@ -60,6 +72,7 @@ def test_bad_engine_keys_in_a_config_file_are_named(tmp_path):
 @pytest.mark.parametrize("engine_keys, message", [
     ("max_num_batched_tokens = 8", "max_num_batched_tokens >= block_size"),
     ("prefill_graph_tokens = 1", "prefill_graph_tokens must be 0 (off) or >= 2"),
+    ("max_mixed_prefill_tokens = -1", "max_mixed_prefill_tokens"),
     ('max_body = "1MiB"', "max_body"),
 ])
 def test_bad_engine_settings_are_reported_before_the_model_is_resolved(tmp_path, capsys, engine_keys, message):
