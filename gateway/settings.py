@@ -12,6 +12,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     database_url = "postgresql://prefixgate@db:5432/prefixgate"  # shared state of a fleet (default: SQLite under --home)
     redis_url = "redis://redis:6379/0"  # fleet-wide rpm/tpm limits, budgets and revocation (default: per process)
     shutdown_grace_s = 30       # SIGTERM: requests in flight may finish for this long, then are stopped
+    header_timeout_s = 10       # a request's line and headers must arrive within this; max_connections = 4096
 
     [engine]                    # the in-process engine; model = "none" for a gateway-only process
     model = "smol"              # SmolLM2-135M-Instruct (the default), "tiny", or a checkpoint directory
@@ -265,6 +266,11 @@ class GatewaySettings(BaseModel):
     node_cooldown_s: float = Field(30.0, ge=0.0)
     # SIGTERM: requests in flight get this long to finish; then they are stopped (aborted rows).
     shutdown_grace_s: float = Field(30.0, ge=0.0)
+    # Connections (gateway/connection_limits.py): a request's line and headers must arrive within
+    # header_timeout_s (a client trickling them is closed), and at most max_connections are open (more
+    # are closed on accept, so the process's file descriptors stay bounded).
+    header_timeout_s: float = Field(10.0, gt=0.0)
+    max_connections: int = Field(4096, ge=1)
     # /metrics: a bearer token for Prometheus (None = admin keys only), or no auth at all (opt-in)
     metrics_token: str | None = None
     metrics_public: bool = False

@@ -304,13 +304,15 @@ def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] 
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.connection_limits import protocol_class
     from gateway.query_credentials import install_access_log_redaction
     from gateway.shutdown import STOP_WINDOW_S, DrainingServer
 
     app = create_app(settings)
     # uvicorn's own cancel is the last resort, after the drain has stopped what was left.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                            timeout_graceful_shutdown=settings.shutdown_grace_s + STOP_WINDOW_S)
+                            timeout_graceful_shutdown=settings.shutdown_grace_s + STOP_WINDOW_S,
+                            http=protocol_class(settings.header_timeout_s, settings.max_connections))
     install_access_log_redaction()  # after uvicorn.Config: it sets up the access logger
     server = DrainingServer(config, app.state.inflight, settings.shutdown_grace_s)
     where = f"http://{settings.host}:{settings.port}"
