@@ -14,7 +14,7 @@
                                                  idle: sleeps on an Event (never busy-spins)
 
 Only the engine thread touches the ``LLMEngine`` after construction (tokenization in
-``generate``/``count_prompt_tokens`` is guarded by the engine's tokenizer lock). ``stats`` reads a
+``generate``/``count_prompt_tokens`` borrows its own tokenizer copy: ``engine.tokenizer_pool``). ``stats`` reads a
 snapshot the thread publishes after every step, so it never waits for a step to end.
 """
 
@@ -71,8 +71,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
-        # One thread: the engine's tokenizer lock lets one encode run at a time anyway; the gateway
-        # bounds how many of these one tenant queues (gateway.tenant_threads).
+        # One thread for prepare() of requests that need it (text prompts, grammars, logprobs); the
+        # gateway tokenizes in its own per-tenant threads (gateway.tenant_threads) and hands ids.
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixgate-tokenize")
         self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
         self._thread.start()

@@ -10,7 +10,8 @@
       within a wall-clock bound          first step: GrammarCompiler.matcher = prototype.deep_copy()
       -> ValueError (a 400)
       the compile (or its refusal) is
-      cached per spec: done once
+      cached per (namespace, spec): done
+      once per namespace
 
 A dead end (the matcher in its error state, where it allows only EOS) travels with the sampled
 token (``SampledRow.grammar_dead_end``), and the engine ends that request with
@@ -40,8 +41,9 @@ import concurrent.futures
 import json
 import re
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.hf
@@ -56,7 +58,13 @@ MAX_SCHEMA_BYTES = 64 * 1024
 _LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                max_lexer_states=100_000)
 COMPILE_TIMEOUT_S = 5.0
-_CACHE_SIZE = 256  # compiles kept (one per distinct spec): prototype matchers and refusals
+_CACHE_SIZE = 256  # compiles kept (one per namespace and distinct spec): prototype matchers and refusals
+COMPILE_WORKERS = 2
+# Compiles one tenant may run at once. A compile that outlives its request's timeout keeps running
+# (llguidance cannot be interrupted) and keeps counting against its tenant until it ends, so one
+# tenant's slow schemas occupy at most this many of the COMPILE_WORKERS: the others stay free for
+# every other tenant. Its further compiles wait in its own queue, holding no worker.
+COMPILES_PER_TENANT = 1
 
 # Compact JSON (no free whitespace): otherwise a weak model can fill max_tokens with blanks.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -88,8 +96,20 @@ def _literal(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
+@dataclass
+class _TenantCompiles:
+    """One tenant's compiles: how many are running and the ones waiting for its turn."""
+
+    running: int = 0
+    queued: deque[tuple[GuidedSpec, concurrent.futures.Future[llguidance.LLMatcher]]] = field(default_factory=deque)
+
+
 class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer. Thread-safe.
+
+    The cache key is the whole spec, its ``owner`` included: a grammar one namespace compiled is
+    never a hit for another (its compile time would tell that someone used the schema; the prefix
+    cache is salted the same way), and a refusal is cached the same way.
 
     Building llguidance's view of the vocabulary takes 1-5 s for a 100k vocabulary and holds the
     GIL for most of it: the serving engine builds it at start (``AsyncEngine`` ->
@@ -102,11 +122,13 @@ class GrammarCompiler:
         self._eos = eos_token_id
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-        self._cache_lock = threading.Lock()
-        # spec -> its compile (a future: running, a prototype matcher, or the ValueError refusing it)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="grammar")
+        self._cache_lock = threading.Lock()  # guards the cache, the tenants' queues and the counters
+        # spec -> its compile (a future: queued, running, a prototype matcher, or the ValueError refusing it)
         self._prototypes: OrderedDict[GuidedSpec, concurrent.futures.Future[llguidance.LLMatcher]] = OrderedDict()
-        self.compiles = 0  # grammars built so far (each distinct spec once while it stays cached)
+        self._tenants: dict[str, _TenantCompiles] = {}  # only tenants with a compile running or queued
+        self.compiles = 0  # grammars built so far (each distinct spec once per namespace while it stays cached)
+        self.cache_hits = 0  # checks answered by a compile already started or done
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -135,22 +157,67 @@ class GrammarCompiler:
             raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
         self.warm_up()  # outside the timed part: the bound is the grammar's, not the vocabulary's
         try:
-            self._compile(spec).result(timeout=timeout_s)
+            self.submit(spec).result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             raise ValueError(f"the grammar did not compile within {timeout_s:g} s; simplify the schema") from None
+        except concurrent.futures.CancelledError:
+            raise ValueError("the grammar's compile was dropped from the cache before it started "
+                             "(many other schemas since); retry") from None
 
-    def _compile(self, spec: GuidedSpec) -> concurrent.futures.Future[llguidance.LLMatcher]:
-        """The compile of ``spec``: the one already started (or finished, or refused), else a new one."""
+    def submit(self, spec: GuidedSpec) -> concurrent.futures.Future[llguidance.LLMatcher]:
+        """The compile of ``spec``: the one already queued, running, finished or refused for its
+        owner's namespace, else a new one, started now or queued behind its tenant's own."""
         with self._cache_lock:
             fut = self._prototypes.get(spec)
             if fut is not None:
                 self._prototypes.move_to_end(spec)
+                self.cache_hits += 1
                 return fut
-            fut = self._pool.submit(self._build, spec)
+            fut = concurrent.futures.Future()
             self._prototypes[spec] = fut
+            tenant = self._tenants.setdefault(_tenant_of(spec), _TenantCompiles())
+            if tenant.running < COMPILES_PER_TENANT:
+                self._start(spec, fut, tenant)
+            else:
+                tenant.queued.append((spec, fut))
             while len(self._prototypes) > _CACHE_SIZE:
-                self._prototypes.popitem(last=False)  # a running compile finishes; only its entry goes
+                # a running compile finishes; a queued one is cancelled (its tenant's queue skips it)
+                self._prototypes.popitem(last=False)[1].cancel()
             return fut
+
+    def compiling(self, tenant: str) -> tuple[int, int]:
+        """(running, queued) compiles of ``tenant`` (a ``GrammarOwner.tenant``; "" for specs without one)."""
+        with self._cache_lock:
+            t = self._tenants.get(tenant)
+            return (t.running, len(t.queued)) if t is not None else (0, 0)
+
+    def _start(self, spec: GuidedSpec, fut: concurrent.futures.Future[llguidance.LLMatcher],
+               tenant: _TenantCompiles) -> None:
+        """Run the compile in a worker, counted against ``tenant`` until it ends (caller holds _cache_lock)."""
+        tenant.running += 1
+        self._pool.submit(self._run, spec, fut)
+
+    def _run(self, spec: GuidedSpec, fut: concurrent.futures.Future[llguidance.LLMatcher]) -> None:
+        try:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(self._build(spec))
+                except BaseException as exc:  # noqa: BLE001 - the refusal (or a bug) goes to the waiters
+                    fut.set_exception(exc)
+        finally:
+            self._next_of(_tenant_of(spec))
+
+    def _next_of(self, key: str) -> None:
+        """A compile of tenant ``key`` ended: start its next queued one (cancelled ones skipped)."""
+        with self._cache_lock:
+            tenant = self._tenants[key]
+            tenant.running -= 1
+            while tenant.queued and tenant.running < COMPILES_PER_TENANT:
+                spec, fut = tenant.queued.popleft()
+                if not fut.cancelled():
+                    self._start(spec, fut, tenant)
+            if not tenant.running and not tenant.queued:
+                del self._tenants[key]
 
     def _build(self, spec: GuidedSpec) -> llguidance.LLMatcher:
         """A validated matcher in its start state; ValueError (a one-line reason) if it cannot be."""
@@ -175,9 +242,18 @@ class GrammarCompiler:
         return proto
 
     def matcher(self, spec: GuidedSpec) -> GuidedRow:
-        """A fresh matcher for one request: a copy of the prototype ``check`` built (rebuilt here
-        only if the cache dropped it since)."""
-        return GuidedRow(self._compile(spec).result().deep_copy())
+        """A fresh matcher for one request: a copy of the prototype ``check`` built (rebuilt here,
+        on the caller's thread and uncached, only if the cache dropped it since: never queued
+        behind the tenant's other compiles)."""
+        with self._cache_lock:
+            fut = self._prototypes.get(spec)
+        if fut is None or fut.cancelled():
+            return GuidedRow(self._build(spec))
+        return GuidedRow(fut.result().deep_copy())
+
+
+def _tenant_of(spec: GuidedSpec) -> str:
+    return spec.owner.tenant if spec.owner is not None else ""
 
 
 def _forced_start_failure(proto: llguidance.LLMatcher) -> str | None:

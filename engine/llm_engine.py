@@ -45,7 +45,6 @@ Thread-safety: none. ``AsyncEngine`` drives one ``LLMEngine`` from a single thre
 
 from __future__ import annotations
 
-import threading
 import time
 from array import array
 from collections import Counter
@@ -62,20 +61,24 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_types import BlockEventObserver, CachePhase, LowerTier
 from engine.metrics import CacheTimer, EngineMetrics
+from engine.prompt_bounds import PromptBounds
 from engine.protocol import (
     FinishReason,
     GenerateRequest,
+    GrammarOwner,
     GuidedSpec,
     InvalidRequestError,
     OutputFailure,
     PromptTooLongError,
     RequestOutput,
     RequestPart,
+    SamplingParams,
     TokenLogprob,
     UnenforceableSchemaError,
 )
 from engine.request import PLACEHOLDER_TOKEN, DetokenizerState, Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokenizer_pool import TokenizerPool
 
 # Trailing prompt tokens kept as detokenization context (leading-space and merge rules).
 _DETOK_CONTEXT = 5
@@ -87,6 +90,8 @@ class Runner(Protocol):
 
     spec: Any  # has vocab_size, max_model_len, eos_token_ids
     tokenizer: Any  # encode(text) -> list[int]; decode(ids, skip_special_tokens=...) -> str
+    tokenizers: TokenizerPool[Any]  # copies of ``tokenizer``, one per thread using it at a time
+    max_token_chars: int  # characters of the vocabulary's longest token (engine.prompt_bounds)
     block_size: int
     num_kv_blocks: int
     kv_bytes_per_block: int
@@ -191,7 +196,8 @@ class LLMEngine:
         self._queried: Counter[str] = Counter()  # prompt tokens looked up, per metrics label
         self._hit: Counter[str] = Counter()  # of which served from cache
         self.computed_prefixes = ComputedPrefixes()  # the prefixes prefill recomputes most, per label
-        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        # Checked before any render or encode: a prompt that cannot fit costs no tokenizer time.
+        self.prompt_bounds = PromptBounds(self.max_model_len, runner.max_token_chars)
         self._published: dict[str, float] = {}  # totals already added to the Prometheus counters
         self.prefill_tokens = 0
         self.prefill_time_s = 0.0
@@ -222,10 +228,13 @@ class LLMEngine:
         conversion packs them anyway; the block hashes reuse the bytes)."""
         if request.prompt_token_ids is not None:
             return _int_list_packed(request.prompt_token_ids)
-        with self._tokenizer_lock:
-            if request.messages is not None:
-                return list(self.runner.render_prompt(request.messages, request.tools)), None
-            return list(self.runner.tokenizer.encode(request.prompt)), None
+        self.prompt_bounds.check(request)
+        # No engine-wide lock: the runner's render and the encode below each borrow a private
+        # tokenizer copy, so one tenant's long render never holds up another's (engine.tokenizer_pool).
+        if request.messages is not None:
+            return list(self.runner.render_prompt(request.messages, request.tools)), None
+        with self.runner.tokenizers.borrow() as tok:
+            return list(tok.encode(request.prompt)), None
 
     def prepare(self, request: GenerateRequest) -> Request:
         """Tokenize and validate; raises ``EngineError`` subclasses for requests that cannot run."""
@@ -237,8 +246,9 @@ class LLMEngine:
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                                       part=RequestPart.PROMPT, code="invalid_value")
-        self._check_sampling(request)
-        max_tokens = request.sampling.max_tokens
+        sampling = _with_grammar_owner(request)
+        self._check_sampling(sampling)
+        max_tokens = sampling.max_tokens
         total = len(ids) + max_tokens
         if total > self.max_model_len:
             raise PromptTooLongError(
@@ -263,7 +273,7 @@ class LLMEngine:
             request_id=request.request_id,
             tenant=request.tenant,
             prompt_token_ids=ids,
-            sampling=request.sampling,
+            sampling=sampling,
             block_size=self.block_size,
             eos_token_ids=self.eos_token_ids,
             arrival_time=self.clock(),
@@ -275,9 +285,8 @@ class LLMEngine:
         req.detok = DetokenizerState(tokens=list(ctx), prefix_offset=0, read_offset=len(ctx))
         return req
 
-    def _check_sampling(self, request: GenerateRequest) -> None:
+    def _check_sampling(self, sp: SamplingParams) -> None:
         """Token ids in logit_bias must exist; a grammar must compile within its bounds."""
-        sp = request.sampling
         bad = [t for t, _ in sp.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
@@ -593,8 +602,7 @@ class LLMEngine:
         logprob, top = (info.logprob, info.top) if info is not None else (None, None)
         top = top or ()
         ids = [token, *(t for t, _ in top)]
-        with self._tokenizer_lock:
-            raw = self.runner.token_bytes(ids)
+        raw = self.runner.token_bytes(ids)  # llguidance's table: immutable once built, safe to share
         text = [b.decode("utf-8", errors="replace") for b in raw]
         req.output_logprobs.append(TokenLogprob(
             token_id=token, token=text[0], token_bytes=tuple(raw[0]),
@@ -606,8 +614,7 @@ class LLMEngine:
         state = req.detok
         assert state is not None
         state.tokens.append(token)
-        tok = self.runner.tokenizer
-        with self._tokenizer_lock:  # prepare() may be encoding on another thread
+        with self.runner.tokenizers.borrow() as tok:  # not the one a prepare() thread may be encoding with
             prefix_text = tok.decode(state.tokens[state.prefix_offset : state.read_offset], skip_special_tokens=True)
             full_text = tok.decode(state.tokens[state.prefix_offset :], skip_special_tokens=True)
         # U+FFFD at the end = a multi-byte character split across tokens: wait for the rest
@@ -771,6 +778,17 @@ class LLMEngine:
             "computed_prefixes": self.computed_prefixes.top(),
         }
 
+
+
+def _with_grammar_owner(request: GenerateRequest) -> SamplingParams:
+    """The request's sampling, its grammar (if any) owned by the request's tenant: the compile
+    cache is per namespace and the compile limit per tenant (engine.guided), whatever the
+    caller put there."""
+    sp = request.sampling
+    if sp.guided is None:
+        return sp
+    owner = GrammarOwner(cache_scope=request.tenant.namespace.hex(), tenant=request.tenant.tenant_key.hex())
+    return dc_replace(sp, guided=dc_replace(sp.guided, owner=owner))
 
 
 def _int_list_packed(values: Sequence[int]) -> tuple[list[int], bytes | None]:

@@ -39,9 +39,11 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model
 from engine.models.spec import ArchConfig, ModelSpec, parse_checkpoint_config, read_special_ids
 from engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
+from engine.prompt_bounds import longest_token_chars
 from engine.protocol import GuidedSpec, SamplingParams
 from engine.sampling import PendingRows, Sampler
 from engine.step_inputs import positions_and_slots
+from engine.tokenizer_pool import TokenizerPool
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -105,6 +107,9 @@ class ModelRunner:
         self.tokenizer: PreTrainedTokenizerBase = (
             tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(config.model_dir)
         )
+        # Tokenizing threads each borrow a copy (engine.tokenizer_pool), never one shared object.
+        self.tokenizers = TokenizerPool(self.tokenizer)
+        self.max_token_chars = longest_token_chars(self.tokenizer.get_vocab())  # engine.prompt_bounds
         eos, bos = read_special_ids(config.model_dir)
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -374,7 +379,8 @@ class ModelRunner:
         for messages the template cannot render."""
         if not self.tokenizer.chat_template:
             raise ValueError(f"the checkpoint at {self.config.model_dir} has no chat template")
-        return render_chat_ids(self.tokenizer, messages, tools)
+        with self.tokenizers.borrow() as tok:
+            return render_chat_ids(tok, messages, tools)
 
     # ------------------------------------------------------------------------- block moves
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:

@@ -13,13 +13,13 @@ text, never as control tokens), so a chat request rendered here and one rendered
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.models.chat_render import render_chat_ids
 from engine.protocol import GenerateRequest
+from engine.tokenizer_pool import TokenizerPool
 
 
 class TokenizerLoadError(ValueError):
@@ -28,12 +28,13 @@ class TokenizerLoadError(ValueError):
 
 class PromptTokenizer:
     """``tokenize(request)`` exactly as ``LLMEngine.tokenize`` does it: the given ids, the chat
-    template for messages (+ tools), or the tokenizer for text. Thread-safe (one lock: HF fast
-    tokenizers must not be used from two threads at once)."""
+    template for messages (+ tools), or the tokenizer for text. Thread-safe, with no lock held
+    while one runs: each thread borrows its own copy (``engine.tokenizer_pool``; one HF fast
+    tokenizer must not be used from two threads at once), so two tenants tokenize in parallel."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, source: str) -> None:
         self._tokenizer = tokenizer
-        self._lock = threading.Lock()
+        self._copies = TokenizerPool(tokenizer)
         self.source = source
 
     @classmethod
@@ -55,9 +56,9 @@ class PromptTokenizer:
     def tokenize(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:
             return [int(t) for t in request.prompt_token_ids]
-        with self._lock:
+        if request.messages is not None and not self._tokenizer.chat_template:
+            raise ValueError(f"the tokenizer at {self.source} has no chat template")
+        with self._copies.borrow() as tok:
             if request.messages is not None:
-                if not self._tokenizer.chat_template:
-                    raise ValueError(f"the tokenizer at {self.source} has no chat template")
-                return list(render_chat_ids(self._tokenizer, request.messages, request.tools))
-            return list(self._tokenizer.encode(request.prompt or ""))
+                return list(render_chat_ids(tok, request.messages, request.tools))
+            return list(tok.encode(request.prompt or ""))

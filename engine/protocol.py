@@ -127,6 +127,20 @@ class StaticTenantScope:
 
 
 @dataclass(frozen=True)
+class GrammarOwner:
+    """Whose compiled grammar a ``GuidedSpec`` names (set by the engine at admission, from the
+    request's tenant scope; hex strings so that a spec stays JSON-serializable).
+
+    ``cache_scope`` (the cache namespace) keys the compile cache, as it salts the prefix cache:
+    a grammar compiled for one namespace is never a cache hit for another, so its compile time
+    tells nothing about another tenant's schemas. ``tenant`` (the tenant key) bounds how many
+    compiles one tenant runs at once (``engine.guided``)."""
+
+    cache_scope: str
+    tenant: str
+
+
+@dataclass(frozen=True)
 class GuidedSpec:
     """A grammar the output must follow, enforced token by token while decoding (engine.guided).
 
@@ -143,6 +157,7 @@ class GuidedSpec:
     suffix: str = ""
     max_items: int = 1  # several tool calls: up to this many items
     separator: str = ""  # between two items
+    owner: GrammarOwner | None = None  # the engine's, from the request's tenant (never the client's)
 
     def __post_init__(self) -> None:
         if not self.json_schema:

@@ -63,7 +63,8 @@ def request_from_wire(d: dict[str, Any]) -> GenerateRequest:
     if "logit_bias" in s:
         s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
     if s.get("guided") is not None:
-        s["guided"] = GuidedSpec(**s["guided"])
+        # the owner is the receiving engine's to set (from the tenant scope above), never the peer's
+        s["guided"] = GuidedSpec(**{k: v for k, v in s["guided"].items() if k != "owner"})
     return GenerateRequest(
         request_id=str(d["request_id"]),
         tenant=scope,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from engine.batch import ScheduledBatch, StepResult
 from engine.protocol import StaticTenantScope
 from engine.request import Request
+from engine.tokenizer_pool import TokenizerPool
 
 VOCAB = 256
 EOS = 0
@@ -67,6 +68,8 @@ class FakeRunner:
     def __post_init__(self) -> None:
         self.spec = FakeSpec(max_model_len=self.max_model_len)
         self.tokenizer = ByteTokenizer()
+        self.tokenizers = TokenizerPool(self.tokenizer)
+        self.max_token_chars = 1  # one byte a token: a character is at least one
         self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(self.num_kv_blocks)]
         self.batches: list[ScheduledBatch] = []
         self.released: list[str] = []

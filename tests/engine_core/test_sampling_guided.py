@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -20,6 +21,7 @@ from engine.launch import build_llm_engine
 from engine.llm_engine import LLMEngine
 from engine.protocol import (
     GenerateRequest,
+    GrammarOwner,
     GuidedSpec,
     InvalidRequestError,
     OutputFailure,
@@ -63,9 +65,10 @@ def run(engine: LLMEngine, *requests: GenerateRequest) -> dict[str, dict]:
     return done
 
 
-def req(rid: str, prompt: str = "Give me the weather:", **sampling) -> GenerateRequest:
+def req(rid: str, prompt: str = "Give me the weather:", tenant: StaticTenantScope | None = None,
+        **sampling) -> GenerateRequest:
     sampling.setdefault("temperature", 0.0)
-    return GenerateRequest(request_id=rid, tenant=StaticTenantScope(), prompt=prompt,
+    return GenerateRequest(request_id=rid, tenant=tenant or StaticTenantScope(), prompt=prompt,
                            sampling=SamplingParams(**sampling))
 
 
@@ -245,7 +248,8 @@ def test_an_unenforceable_schema_is_refused_at_admission_in_one_line_and_compile
 def test_one_schema_is_compiled_once_for_concurrent_admissions(engine):
     import concurrent.futures
 
-    spec = GuidedSpec(json_schema=json.dumps({**SCHEMA, "title": "concurrent"}))
+    # owned as the engine owns a request's grammar: StaticTenantScope()'s namespace and tenant
+    spec = _owned(GuidedSpec(json_schema=json.dumps({**SCHEMA, "title": "concurrent"})), StaticTenantScope())
     grammars = engine.runner.grammars
     before = grammars.compiles
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -255,6 +259,59 @@ def test_one_schema_is_compiled_once_for_concurrent_admissions(engine):
     assert grammars.compiles == before + 1
     if out["finish"] == "stop":
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
+
+
+def _owned(spec: GuidedSpec, scope: StaticTenantScope) -> GuidedSpec:
+    return replace(spec, owner=GrammarOwner(cache_scope=scope.namespace.hex(), tenant=scope.tenant_key.hex()))
+
+
+def _slow_spec(title: str, scope: StaticTenantScope) -> GuidedSpec:
+    """A schema whose compile takes ~0.3 s here (1,500 optional properties; the audit's slowest)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1500)},
+              "additionalProperties": False, "title": title}
+    return _owned(GuidedSpec(json_schema=json.dumps(schema)), scope)
+
+
+ALICE = StaticTenantScope(namespace=b"ns-alice", tenant_key=b"alice")
+BOB = StaticTenantScope(namespace=b"ns-bob", tenant_key=b"bob")
+
+
+def test_another_tenants_compiled_schema_is_a_cache_miss(engine):
+    """Audit (security 1): the compile cache was process-wide, so bob's request with the schema
+    alice had just used compiled faster (25 vs 48 ms): a timing oracle for alice's schemas. Now
+    the cache is per namespace: bob's request compiles the schema anew, alice's again is a hit."""
+    spec = GuidedSpec(json_schema=json.dumps({**SCHEMA, "title": "alice's secret product codes"}))
+    grammars = engine.runner.grammars
+    before = grammars.compiles
+    engine.prepare(req("alice-1", guided=spec, tenant=ALICE))  # admission: where the grammar is checked
+    assert grammars.compiles == before + 1
+    hits = grammars.cache_hits
+    engine.prepare(req("bob-1", guided=spec, tenant=BOB))
+    assert (grammars.compiles, grammars.cache_hits) == (before + 2, hits), "bob's check must not hit alice's compile"
+    engine.prepare(req("alice-2", guided=spec, tenant=ALICE))
+    assert (grammars.compiles, grammars.cache_hits) == (before + 2, hits + 1)
+
+
+def test_one_tenant_runs_one_compile_at_a_time_and_leaves_a_worker_to_the_others(engine):
+    """Audit (security 1, related): two shared compile workers, and a compile keeps running after
+    its request's 5 s timeout, so one tenant's slow schemas could occupy both and every other
+    tenant's schema would time out. Now a tenant runs one compile at a time (counted until it
+    ends, timed out or not) and its others queue without a worker: bob's compile, asked after
+    four of alice's, ends before alice's last one (before: alice's four took both workers and
+    bob's waited behind them, finishing last)."""
+    grammars = engine.runner.grammars
+    alices = [grammars.submit(_slow_spec(f"a{i}", ALICE)) for i in range(4)]
+    assert grammars.compiling(ALICE.tenant_key.hex()) == (1, 3)
+    with pytest.raises(ValueError, match="did not compile within"):  # a timed-out request: still counted
+        grammars.check(_slow_spec("a4", ALICE), timeout_s=0.001)
+    assert grammars.compiling(ALICE.tenant_key.hex()) == (1, 4)
+    grammars.check(_slow_spec("b", BOB))
+    assert not alices[-1].done(), "bob's compile must not wait for alice's queue"
+    running, _ = grammars.compiling(ALICE.tenant_key.hex())
+    assert running == 1
+    for fut in alices:
+        fut.result(timeout=120)
+    assert grammars.compiling(BOB.tenant_key.hex()) == (0, 0)
 
 
 # ------------------------------------------------------------------ several items; dead ends

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ScheduledBatch, StepResult
+from engine.tokenizer_pool import TokenizerPool
 
 EMPTY = -1
 
@@ -58,6 +59,8 @@ class TokenKVRunner:
         self.kv_bytes_per_block = block_size * 4
         self.spec = Spec()
         self.tokenizer = ByteTokenizer()
+        self.tokenizers = TokenizerPool(self.tokenizer)
+        self.max_token_chars = 1  # one byte a token: a character is at least one
         self.kv = torch.full((num_kv_blocks, block_size), EMPTY, dtype=torch.int32)  # [blocks, slots]
         self.exported = self.imported = self.gathered = 0
 
