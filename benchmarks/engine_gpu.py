@@ -64,6 +64,9 @@ SMALL_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers
 SMOKE_8B = {**SMALL_SHAPE, "num_hidden_layers": 2, "vocab_size": 2048}  # --smoke stand-in for the 8B shape
 
 
+ID_VOCAB = 1 << 17  # ids IdTokenizer can stand for: 131,072 >= Llama 3's 128,256
+
+
 class IdTokenizer:
     """Random-weight models have no vocabulary: token ids are the text (the engine detokenizes)."""
 
@@ -77,6 +80,11 @@ class IdTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(f" {int(i)}" for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id as ``decode`` writes it, for every id a Llama 3 vocabulary (128,256) can
+        hold: the runner reads the longest entry for its prompt bound (engine.prompt_bounds)."""
+        return {f" {i}": i for i in range(ID_VOCAB)}
 
 
 class TimedRunner:

@@ -83,6 +83,9 @@ SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers":
 MODES = ("plain", "gpu_chacha", "cpu_chacha", "cpu_aes")
 
 
+ID_VOCAB = 1 << 17  # ids IdTokenizer can stand for: 131,072 >= Llama 3's 128,256
+
+
 class IdTokenizer:
     """Random-weight models have no vocabulary: token ids are the text."""
 
@@ -94,6 +97,11 @@ class IdTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(f" {int(i)}" for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id as ``decode`` writes it, for every id a Llama 3 vocabulary (128,256) can
+        hold: the runner reads the longest entry for its prompt bound (engine.prompt_bounds)."""
+        return {f" {i}": i for i in range(ID_VOCAB)}
 
 
 class PlainCopyOpener:

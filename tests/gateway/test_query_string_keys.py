@@ -52,7 +52,10 @@ def test_a_key_in_the_query_string_is_a_401_and_is_masked_in_the_access_log(serv
         assert error["code"] == "invalid_api_key" and error["param"] == param
         assert "Authorization header" in error["message"] and key not in error["message"]
     logged = [line for line in lines if "/v1/models" in line]
-    assert len(logged) == 2 and all(f"{param}=***" in line and "limit=5" in line for line in logged), logged
+    # Masked: this module's filter writes `param=***`; once litellm is imported in the process (other
+    # tests' provider routes) its own log redaction may have replaced the pair with REDACTED first.
+    assert len(logged) == 2 and all("limit=5" in line and (f"{param}=***" in line or "REDACTED" in line)
+                                    for line in logged), logged
     assert not any(key.split("_", 1)[1] in line for line in lines)
 
 
@@ -68,3 +71,11 @@ def test_other_query_parameters_and_header_keys_still_work(served):
     r = httpx.get(f"{url}/v1/models", params={"limit": "5"}, headers={"Authorization": f"Bearer {key}"},
                   trust_env=False)
     assert r.status_code == 200 and any("/v1/models?limit=5 " in line for line in lines)
+
+
+def test_the_access_log_filter_masks_only_credential_values():
+    from gateway.query_credentials import mask_credentials
+
+    assert mask_credentials("/v1/models?limit=5&api_key=pg-abc&Token=x%20y") == "/v1/models?limit=5&api_key=***&Token=***"
+    assert mask_credentials("/v1/models?limit=5&after=k") == "/v1/models?limit=5&after=k"
+    assert mask_credentials("/v1/models") == "/v1/models"

@@ -35,6 +35,10 @@ class IdTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(str(i) for i in ids)
 
+    def get_vocab(self):
+        """Token text -> id, as the runner reads a vocabulary (its prompt bound: the longest entry)."""
+        return {str(i): i for i in range(SHAPE["vocab_size"])}
+
 
 def small_arch(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps(llama_config_dict(**SHAPE)), encoding="utf-8")
