@@ -396,8 +396,22 @@ def test_idle_connections_without_the_token_neither_block_a_split_nor_cost_memor
         s = socket.create_connection((host, int(port)))
         s.sendall(struct.pack(">4sBBIQ", b"PGKV", 1, 1, 2, max_chunk) + b"{}")
         idle.append(s)
-    registry = CollectorRegistry()
     gr = req("dos1", b"tenant-dos", [int(t) for t in range(11000, 11000 + 150)])
+    try:
+        time.sleep(0.5)  # every connection accepted and read (the old receiver allocated its claim here)
+        grown = rss_bytes(procs[1].pid) - rss_before
+        placement, registry = split_once(decode_url, prefill_url, gr)
+    finally:
+        for s in idle:
+            s.close()
+    assert grown < 4 * max_chunk, f"{grown} bytes more for {len(idle)} idle connections"
+    assert placement == (Placement.SPLIT, "long_uncached_prompt")
+    assert_imported(decode_url, registry, gr)  # the transfer got through
+
+
+def split_once(decode_url: str, prefill_url: str, gr) -> tuple[tuple[Placement, str] | None, CollectorRegistry]:
+    """One request through a fresh split client: where it was placed, and the client's metrics."""
+    registry = CollectorRegistry()
 
     async def run():
         client = DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
@@ -408,17 +422,13 @@ def test_idle_connections_without_the_token_neither_block_a_split_nor_cost_memor
         finally:
             await client.aclose()
 
-    try:
-        time.sleep(0.5)  # every connection accepted and read (the old receiver allocated its claim here)
-        grown = rss_bytes(procs[1].pid) - rss_before
-        placement = asyncio.run(run())
-    finally:
-        for s in idle:
-            s.close()
-    assert grown < 4 * max_chunk, f"{grown} bytes more for {len(idle)} idle connections"
-    assert placement == (Placement.SPLIT, "long_uncached_prompt")
+    return asyncio.run(run()), registry
+
+
+def assert_imported(decode_url: str, registry: CollectorRegistry, gr) -> None:
+    """No transfer failed, the decode node holds the prompt's 144 full-block tokens, its pool is sound."""
     assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
-    assert lookup(decode_url, gr) == 144  # the transfer got through
+    assert lookup(decode_url, gr) == 144
     assert integrity(decode_url)["ok"]
 
 
@@ -449,30 +459,17 @@ def test_a_decode_node_restarted_on_another_kv_port_gets_the_next_split(nodes):
 
     _, placement = asyncio.run(run())
     assert placement == (Placement.SPLIT, "long_uncached_prompt")
-    assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
-    assert lookup(decode_url, after_gr) == 144  # the blocks reached the new process
-    assert integrity(decode_url)["ok"]
+    assert_imported(decode_url, registry, after_gr)  # the blocks reached the new process
 
 
 def test_a_decode_node_advertises_its_kv_advertise_host(nodes):
     prefill_url, decode_url, *_ = nodes
     restart_decode(nodes, "--kv-advertise-host", "localhost")  # bound to 127.0.0.1, reached by name
     assert receiver_of(decode_url).startswith("localhost:")
-    registry = CollectorRegistry()
     gr = req("adv1", b"tenant-adv", [int(t) for t in range(12000, 12000 + 150)])
-
-    async def run():
-        client = DisaggEngineClient(decode_url, [prefill_url], TOKEN, policy=SplitPolicy(min_split_tokens=32),
-                                    metrics=DisaggMetrics(registry))
-        try:
-            await collect(client, gr)
-            return client.last_placement
-        finally:
-            await client.aclose()
-
-    assert asyncio.run(run()) == (Placement.SPLIT, "long_uncached_prompt")
-    assert registry.get_sample_value("prefixgate_pd_failures_total", {"reason": "transfer_failed"}) is None
-    assert lookup(decode_url, gr) == 144
+    placement, registry = split_once(decode_url, prefill_url, gr)
+    assert placement == (Placement.SPLIT, "long_uncached_prompt")
+    assert_imported(decode_url, registry, gr)
 
 
 def test_prefill_killed_mid_transfer_leaks_nothing(nodes, tmp_path):  # last: it kills the module's prefill node
