@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -132,26 +132,23 @@ class NodeCollector:
             for model, backend, client in nodes:
                 up.add_metric([model, backend.label], 1.0 if serving(backend, client) else 0.0)
             yield up
-        failures = CounterMetricFamily("prefixgate_gateway_node_failures",
-                                       "Requests an engine node failed, by fault (unreachable, draining, auth, "
-                                       "server_error, timeout)", labels=["route", "node", "fault"])
-        for (model, label, fault), n in router.failures.items():
-            failures.add_metric([model, label, fault], float(n))
-        yield failures
-        failovers = CounterMetricFamily("prefixgate_gateway_node_failovers",
-                                        "Requests moved to another node before their first token, by the node "
-                                        "that failed and its fault", labels=["route", "node", "fault"])
-        for (model, label, fault), n in router.failovers.items():
-            failovers.add_metric([model, label, fault], float(n))
-        yield failovers
-        cooldowns = CounterMetricFamily("prefixgate_gateway_node_cooldowns",
-                                        "Cool-downs started (consecutive failed requests)", labels=["route", "node"])
-        for (model, label), n in router.cooldowns.items():
-            cooldowns.add_metric([model, label], float(n))
-        yield cooldowns
+        yield _counter("prefixgate_gateway_node_failures", "Requests an engine node failed, by fault (unreachable, "
+                       "draining, auth, server_error, timeout)", ["route", "node", "fault"], router.failures)
+        yield _counter("prefixgate_gateway_node_failovers", "Requests moved to another node before their first "
+                       "token, by the node that failed and its fault", ["route", "node", "fault"], router.failovers)
+        yield _counter("prefixgate_gateway_node_cooldowns", "Cool-downs started (consecutive failed requests)",
+                       ["route", "node"], router.cooldowns)
         yield CounterMetricFamily("prefixgate_gateway_routed_requests",
                                   "Requests the router placed on a node of a pool", value=float(router.routed_requests))
         yield CounterMetricFamily("prefixgate_gateway_routed_prefix_blocks",
                                   "kv_aware: prompt-prefix KV blocks the fleet index said the chosen node held "
                                   "(over routed_requests: the expected cache hit per pick)",
                                   value=float(router.routed_prefix_blocks))
+
+
+def _counter(name: str, documentation: str, labels: list[str], counts: Mapping[tuple[str, ...], int]) -> Metric:
+    """A counter family with one sample per key of ``counts`` (the key is the label values)."""
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for values, n in counts.items():
+        family.add_metric(list(values), float(n))
+    return family
