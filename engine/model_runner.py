@@ -44,6 +44,7 @@ from engine.protocol import GuidedSpec, SamplingParams
 from engine.sampling import PendingRows, Sampler
 from engine.step_inputs import positions_and_slots
 from engine.tokenizer_pool import TokenizerPool
+from prefixgate_kernels.launch_layout import CacheLayout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -184,6 +185,7 @@ class ModelRunner:
                 self.model, self.layer_caches, self.ops, self.block_size,
                 max_blocks_per_seq=-(-arch.max_model_len // self.block_size), q_heads=arch.num_heads,
                 sizes=prefill_graph_sizes(graph_tokens), device=torch_device,
+                layout=CacheLayout.of(self.dtype, self.layer_caches[0].k),
             )
             self.prefill_graphs.capture()
 

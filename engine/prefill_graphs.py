@@ -19,7 +19,8 @@ What makes one capture valid for many steps (as for decode, engine/cuda_graphs.p
   leave most SMs idle) is fixed at capture, but the kernel divides each sequence's keys among the
   splits at run time, so any split count is correct for any context and only speed depends on it.
   Each size is captured once per split count the eager launcher would pick for some context up to
-  the longest (``ops.prefill_splits``), and a step replays the graph of its own context's choice.
+  the longest (``ops.prefill_splits``, told the cache's layout: a split launch the warp-specialised
+  kernel takes splits over its own tiles), and a step replays the graph of its own context's choice.
 
 Graphs of different sizes share one memory pool (captured largest first); each keeps its own
 [1, V] logits output, which the next replay of that graph overwrites: sample it before the next
@@ -43,6 +44,7 @@ from engine.cuda_graphs import PADDING_SLOT, padded_batch_size
 from engine.graph_inputs import StaticInputs, capture_graph
 from engine.models.attention import AttentionMetadata, LayerCache
 from engine.step_inputs import position_and_slot_arrays
+from prefixgate_kernels.launch_layout import CacheLayout
 
 
 def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -102,6 +104,7 @@ class PrefillGraphs:
         q_heads: int,
         sizes: tuple[int, ...],
         device: torch.device,
+        layout: CacheLayout | None = None,
     ) -> None:
         if not sizes or min(sizes) < 2:
             raise ValueError(f"prefill graph sizes must be >= 2 tokens, got {sizes}")
@@ -110,6 +113,8 @@ class PrefillGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_context = max_blocks_per_seq * block_size
         self.q_heads = q_heads
+        # the cache the attention reads: which kernel takes a split launch, and so its split count
+        self.layout = layout
         self.sizes = tuple(sorted(set(sizes)))
         self.device = device
         self.captured = device.type == "cuda"
@@ -137,7 +142,7 @@ class PrefillGraphs:
 
     # ------------------------------------------------------------------------------ policy
     def _splits_for(self, tokens: int, context: int) -> int:
-        return self.ops.prefill_splits(tokens, 1, self.q_heads, max(1, context), self.device)
+        return self.ops.prefill_splits(tokens, 1, self.q_heads, max(1, context), self.device, self.layout)
 
     def _split_hints(self, tokens: int) -> dict[int, int]:
         """Every split count the launcher picks for ``tokens`` rows at some context up to the

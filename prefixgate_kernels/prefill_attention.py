@@ -36,6 +36,7 @@ import triton.language as tl
 
 from prefixgate_kernels._common import cdiv, dot_dtype, kv_code, next_pow2, num_sms, placeholder, scale_args
 from prefixgate_kernels._dot import exact_dot, exact_dot_acc
+from prefixgate_kernels.launch_layout import CacheLayout
 
 LOG2E = 1.4426950408889634
 
@@ -312,18 +313,19 @@ def splits_for_launch(num_tokens: int, num_seqs: int, q_heads: int, max_context:
     return choose_prefill_splits(q_tiles, q_heads, max_context, num_sms, programs_per_sm)
 
 
-def launch_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
+def launch_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device,
+                  layout: CacheLayout | None = None) -> int:
     """The split count ``paged_prefill`` launches with its default tiles when the longest of its
-    ``context_lens`` is ``max_context``. A CUDA graph captured with a context hint replays that launch
-    for any context (the kernel divides each sequence's keys among the splits at run time), so a graph
-    runner keys its graphs by this (engine/prefill_graphs.py)."""
-    tiles = choose_prefill_tiles(num_tokens, device.type == "cuda")
-    return splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device), tiles.block_m,
-                             tiles.programs_per_sm)
+    ``context_lens`` is ``max_context`` (``plan_prefill``: give the cache's ``layout`` where a Gluon kernel may
+    take the launch). A CUDA graph captured with a context hint replays that launch for any context (the
+    kernel divides each sequence's keys among the splits at run time), so a graph runner keys its graphs
+    by this (engine/prefill_graphs.py)."""
+    return plan_prefill(num_tokens, num_seqs, q_heads, max_context, device, layout).splits
 
 
 class PrefillKernel(enum.Enum):
-    """The kernel an unsplit 16-bit GPU launch of at least ``GLUON_MIN_TOKENS`` rows runs (``gluon_kernel``)."""
+    """The kernel a 16-bit GPU launch runs (``gluon_kernel``): unsplit of at least ``GLUON_MIN_TOKENS`` rows,
+    or split of at least ``GLUON_SPLIT_MIN_TOKENS`` (the specialised kernel only)."""
 
     TRITON = "triton"  # _prefill_kernel below: every dtype, splits, the CPU interpreter
     OVERLAP = "overlap"  # prefixgate_kernels/prefill_overlap.py (Gluon): the softmax under P V in one program
@@ -334,10 +336,18 @@ class PrefillKernel(enum.Enum):
 # on the H200 (session 22 call 2, docs/gpu.md), 32 / 8 heads, against this kernel: head dim 128 1 x (7,680 +
 # 512) 0.192 -> 0.133 ms, 4 x (8,192 + 512) 0.760 -> 0.579, a cold 2K prompt 0.133 -> 0.099; head dim 64
 # 0.147 -> 0.095, 0.574 -> 0.382, 0.095 -> 0.073 (the overlapped kernel, session 21's choice there: 0.131,
-# 0.395, 0.077), at these tiles. A launch that splits its keys (few heads, short chunks) stays here.
+# 0.395, 0.077), at these tiles.
+# Its split form takes the launches Triton would split (few heads, short chunks over long prefixes),
+# splitting over its own 128-row tiles (session 24 call 1, graph replays against Triton's split launches):
+# head dim 64 9 / 3 heads 1 x (7,680 + 512) 0.0676 -> 0.0526 ms at 8 splits (its own pick; 0.0575 at 4), a
+# 64-token suffix over 8,128 cached at 32 / 8 heads 0.0491 -> 0.0446 at 4 splits (head dim 64 0.0354 ->
+# 0.0341). Where its own tiles would not split (a short chunk whose heads fill the GPU) Triton keeps it:
+# its unsplit form on 64 rows (half a program) was not measured faster (0.1228 ms on that suffix).
 PREFILL_KERNEL = PrefillKernel.SPECIALIZED  # the benchmarks' switch (kernels.py, engine_gpu.py --prefill-attention)
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_MIN_TOKENS = 128
+GLUON_SPLIT_MIN_TOKENS = 64
+SPECIALIZED_ROWS = 128  # a program's query rows: two consumer warpgroups of 64
 OVERLAP_TILES = {"block_m": 128, "block_n": 64, "num_buf": 3, "num_warps": 8}
 SPECIALIZED_TILES = {"block_n": 128, "num_buf": 3, "pingpong": True}
 
@@ -369,16 +379,55 @@ def gluon_runs_on(device: torch.device) -> bool:
 
 
 def gluon_kernel(num_tokens: int, head_dim: int, block_size: int, q_dtype: torch.dtype, k_dtype: torch.dtype,
-                 v_dtype: torch.dtype) -> PrefillKernel:
-    """``PREFILL_KERNEL`` where an unsplit GPU launch fits it (16-bit, one dtype, a measured head dim, at
-    least ``GLUON_MIN_TOKENS`` rows, cache blocks that tile its key tiles whole), else ``TRITON``."""
+                 v_dtype: torch.dtype, *, split: bool = False) -> PrefillKernel:
+    """``PREFILL_KERNEL`` where a GPU launch fits it (16-bit, one dtype, a measured head dim, cache blocks
+    that tile its key tiles whole, at least ``GLUON_MIN_TOKENS`` rows), else ``TRITON``. A ``split`` launch
+    fits the specialised kernel alone (the overlapped one has no split form), from
+    ``GLUON_SPLIT_MIN_TOKENS`` rows."""
     kernel = PREFILL_KERNEL
     tiles = {PrefillKernel.OVERLAP: OVERLAP_TILES, PrefillKernel.SPECIALIZED: SPECIALIZED_TILES}.get(kernel)
-    if (tiles is None or head_dim not in GLUON_HEAD_DIMS or num_tokens < GLUON_MIN_TOKENS
+    min_tokens = GLUON_SPLIT_MIN_TOKENS if split else GLUON_MIN_TOKENS
+    if (tiles is None or head_dim not in GLUON_HEAD_DIMS or num_tokens < min_tokens
+            or (split and kernel is not PrefillKernel.SPECIALIZED)
             or tiles["block_n"] % block_size
             or q_dtype not in (torch.bfloat16, torch.float16) or k_dtype != q_dtype or v_dtype != q_dtype):
         return PrefillKernel.TRITON
     return kernel
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The kernel a launch runs and its KV split count."""
+
+    kernel: PrefillKernel
+    splits: int
+
+
+def plan_prefill(num_tokens: int, num_seqs: int, q_heads: int, max_context: int | None, device: torch.device,
+                 layout: CacheLayout | None) -> PrefillPlan:
+    """What ``paged_prefill`` launches at its default tiles for ``num_tokens`` new tokens of ``num_seqs``
+    sequences, the longest context after the step being ``max_context`` (None: no hint, no split).
+
+    Triton's tiles decide whether the launch splits at all (``choose_prefill_splits``: a grid that leaves
+    SMs idle). Where it does, and the specialised Gluon kernel fits (``gluon_kernel(split=True)``), that
+    kernel takes it with the split count its own 128-row tiles ask for, one program an SM; should those
+    ask for none, Triton keeps the launch. An unsplit launch goes to the Gluon kernel that fits, if any.
+    ``layout`` None (a caller that does not describe its cache) or a device the Gluon kernels do not run
+    on: Triton."""
+    on_gpu = device.type == "cuda"
+    tiles = choose_prefill_tiles(num_tokens, on_gpu)
+    splits = 1
+    if max_context is not None:
+        splits = splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device), tiles.block_m,
+                                   tiles.programs_per_sm)
+    if layout is None or not gluon_runs_on(device):
+        return PrefillPlan(PrefillKernel.TRITON, splits)
+    kernel = gluon_kernel(num_tokens, layout.head_dim, layout.block_size, layout.q_dtype, layout.kv_dtype,
+                          layout.kv_dtype, split=splits > 1)
+    if kernel is PrefillKernel.TRITON or splits == 1:
+        return PrefillPlan(kernel, splits)
+    own = splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device), SPECIALIZED_ROWS, 1)
+    return PrefillPlan(kernel, own) if own > 1 else PrefillPlan(PrefillKernel.TRITON, splits)
 
 
 def paged_prefill(
@@ -406,7 +455,8 @@ def paged_prefill(
     the device costs a host sync (~0.1 ms, measured) while surplus tiles exit after two loads.
     ``context_lens`` (host ints, each sequence's context after this chunk, as the scheduler knows
     it) lets ``choose_prefill_splits`` split a launch that would leave the GPU idle; without it,
-    or with ``num_splits`` given, no guess is made (one split unless told).
+    or with ``num_splits`` given, no guess is made (one split unless told). At the default tiles the
+    kernel and its splits are ``plan_prefill``'s.
     """
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -423,23 +473,32 @@ def paged_prefill(
     block_n = block_n if block_n is not None else tiles.block_n
     if num_warps is None:
         num_warps = tiles.num_warps if not overridden else (8 if block_m >= 128 else 4)
-    if num_splits is None:
-        num_splits = 1
-        if context_lens is not None and len(context_lens) == num_seqs:
-            longest = max(int(n) for n in context_lens)
-            num_splits = (splits_for_launch(num_tokens, num_seqs, q_heads, longest, num_sms(q.device), block_m, 1)
-                          if overridden else launch_splits(num_tokens, num_seqs, q_heads, longest, q.device))
+    longest = max(int(n) for n in context_lens) if context_lens is not None and len(context_lens) == num_seqs else None
+    if overridden or not on_gpu:
+        # the benchmarks' tile sweeps and the interpreter: Triton, split as those tiles ask
+        kernel = PrefillKernel.TRITON
+        if num_splits is None:
+            per_sm = 1 if overridden else tiles.programs_per_sm
+            num_splits = 1 if longest is None else splits_for_launch(
+                num_tokens, num_seqs, q_heads, longest, num_sms(q.device), block_m, per_sm)
+    elif num_splits is None:
+        layout = CacheLayout.of(q.dtype, k_cache) if k_cache.dtype == v_cache.dtype else None
+        plan = plan_prefill(num_tokens, num_seqs, q_heads, longest, q.device, layout)
+        kernel, num_splits = plan.kernel, plan.splits
+    else:
+        # a caller's own split count: the Gluon kernel for an unsplit launch that fits it, Triton's splits
+        # otherwise (the benchmarks time Triton's split launches by this)
+        kernel = (gluon_kernel(num_tokens, head_dim, block_size, q.dtype, k_cache.dtype, v_cache.dtype)
+                  if num_splits == 1 and gluon_runs_on(q.device) else PrefillKernel.TRITON)
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     code = kv_code(k_cache)
-    gluon = (gluon_kernel(num_tokens, head_dim, block_size, q.dtype, k_cache.dtype, v_cache.dtype)
-             if on_gpu and not overridden and num_splits == 1 and gluon_runs_on(q.device) else PrefillKernel.TRITON)
-    if gluon is PrefillKernel.SPECIALIZED:
+    if kernel is PrefillKernel.SPECIALIZED:
         # Gluon: compiled GPUs only
         from prefixgate_kernels.prefill_specialized import paged_prefill_specialized
 
         return paged_prefill_specialized(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                         max_q_len=max_q_len, **SPECIALIZED_TILES)
-    if gluon is PrefillKernel.OVERLAP:
+                                         max_q_len=max_q_len, num_splits=num_splits, **SPECIALIZED_TILES)
+    if kernel is PrefillKernel.OVERLAP:
         from prefixgate_kernels.prefill_overlap import paged_prefill_overlap
 
         return paged_prefill_overlap(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from prefixgate_kernels import partial_gemm
+from prefixgate_kernels.launch_layout import CacheLayout
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -168,7 +169,8 @@ def paged_prefill_attention(
     return out
 
 
-def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
+def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device,
+                   layout: CacheLayout | None = None) -> int:
     """KV splits of a prefill launch (``prefixgate_kernels.triton_ops.prefill_splits``): these ops never split."""
     return 1
 

@@ -30,6 +30,7 @@ from prefixgate_kernels import (
     skinny_gemm,
 )
 from prefixgate_kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache, num_sms
+from prefixgate_kernels.launch_layout import CacheLayout
 from prefixgate_kernels.reference import FP8_DTYPE, dequantize, is_quantized, quantize  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -147,11 +148,14 @@ def paged_prefill_attention(
     )
 
 
-def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device) -> int:
+def prefill_splits(num_tokens: int, num_seqs: int, q_heads: int, max_context: int, device: torch.device,
+                   layout: CacheLayout | None = None) -> int:
     """How many KV splits ``paged_prefill_attention`` launches for ``num_tokens`` new tokens of
-    ``num_seqs`` sequences when the longest context (its ``context_lens`` hint) is ``max_context``."""
+    ``num_seqs`` sequences when the longest context (its ``context_lens`` hint) is ``max_context``, on a
+    cache of ``layout`` (which decides whether a Gluon kernel, with its own tiles, takes the launch; None:
+    Triton's count)."""
     assert num_tokens >= 1 and num_seqs >= 1 and q_heads >= 1 and max_context >= 1, "sizes must be >= 1"
-    return prefill_attention.launch_splits(num_tokens, num_seqs, q_heads, max_context, device)
+    return prefill_attention.launch_splits(num_tokens, num_seqs, q_heads, max_context, device, layout)
 
 
 def write_kv(

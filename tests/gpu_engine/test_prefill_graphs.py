@@ -23,13 +23,13 @@ from tests.gpu_engine.helpers import GREEDY, SHAPE, IdTokenizer
 LONG = 4096  # tokens of context: long enough that a short step's attention splits on a GPU
 
 
-def long_runner(tmp_path, device: str, **config) -> ModelRunner:
-    """helpers.small_runner's model with a 4K context and a cache that holds one such sequence."""
-    (tmp_path / "config.json").write_text(json.dumps(llama_config_dict(**{**SHAPE, "max_position_embeddings": LONG})),
-                                          encoding="utf-8")
+def long_runner(tmp_path, device: str, dtype: str = "float32", shape: dict | None = None, **config) -> ModelRunner:
+    """helpers.small_runner's model (or ``shape``) with a 4K context and a cache that holds one such sequence."""
+    dims = {**SHAPE, **(shape or {}), "max_position_embeddings": LONG}
+    (tmp_path / "config.json").write_text(json.dumps(llama_config_dict(**dims)), encoding="utf-8")
     arch = parse_checkpoint_config(tmp_path)
-    model = build_random_model(arch, device, torch.float32, seed=0, std=0.05)
-    cfg = EngineConfig(model_dir=tmp_path, device=device, dtype="float32", num_kv_blocks=LONG // 16 + 8,
+    model = build_random_model(arch, device, getattr(torch, dtype), seed=0, std=0.05)
+    cfg = EngineConfig(model_dir=tmp_path, device=device, dtype=dtype, num_kv_blocks=LONG // 16 + 8,
                        block_size=16, max_num_seqs=4, **config)
     return ModelRunner(cfg, arch=arch, tokenizer=IdTokenizer(), model=model)
 
@@ -121,19 +121,14 @@ def test_padded_prefill_matches_eager_and_padding_writes_nothing(tmp_path):
 
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graph_prefill_equals_eager_gpu(tmp_path):
-    """Captured one-sequence prefill steps (2-200 tokens, contexts to 4K, every split count the
-    graphs hold) give the eager path's logits and cache, and the runner takes the graph path."""
-    runner = long_runner(tmp_path, "cuda", prefill_graph_tokens=256)
+def _check_graph_steps(runner: ModelRunner, steps, tol: float) -> list[PrefillGraphKey]:
+    """Each (new tokens, cached tokens) step replayed from its graph against the eager path: logits and
+    cache within ``tol``, the graph path taken once, bracketed on the device; returns the steps' keys."""
     graphs = runner.prefill_graphs
-    assert graphs is not None and graphs.sizes == (64, 128, 256)
-    assert max(max(h) for h in graphs._hints.values()) > 1, "a 4K context must split a 64-row step on a GPU"
     rng = random.Random(11)
     table = rng.sample(range(runner.num_kv_blocks), LONG // 16)
-    seen: set[PrefillGraphKey] = set()
-    for n, cached in ((2, 100), (21, 700), (64, 3000), (100, 1500), (200, 3800), (5, 4000), (64, 90)):
+    seen: list[PrefillGraphKey] = []
+    for n, cached in steps:
         prefix = [rng.randrange(500) for _ in range(cached)]
         suffix = [rng.randrange(500) for _ in range(n)]
         step = ScheduledBatch([chunk(suffix, cached, table)])
@@ -148,9 +143,45 @@ def test_graph_prefill_equals_eager_gpu(tmp_path):
         (record,) = graphs.replay_log  # one replay, bracketed on the device
         graphs.replay_log = None
         assert record.device_ms() > 0.0 and record.fill_s > 0.0 and record.launch_s > 0.0
-        seen.add(graphs.key_for(step.chunks[0]))
-        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(runner.kv_cache, after_eager, rtol=1e-4, atol=1e-4)
+        seen.append(graphs.key_for(step.chunks[0]))
+        torch.testing.assert_close(graphed, eager, rtol=tol, atol=tol)
+        torch.testing.assert_close(runner.kv_cache, after_eager, rtol=tol, atol=tol)
         runner.kv_cache.copy_(before)
-        assert runner.execute(step).sampled_token_ids == eager.argmax(-1).tolist()
-    assert len({k.splits for k in seen}) > 1, f"only one split count exercised: {seen}"
+        assert runner.execute(step).sampled_token_ids == graphed.argmax(-1).tolist()
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_prefill_equals_eager_gpu(tmp_path):
+    """Captured one-sequence prefill steps (2-200 tokens, contexts to 4K, every split count the
+    graphs hold) give the eager path's logits and cache, and the runner takes the graph path."""
+    runner = long_runner(tmp_path, "cuda", prefill_graph_tokens=256)
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.sizes == (64, 128, 256)
+    assert max(max(h) for h in graphs._hints.values()) > 1, "a 4K context must split a 64-row step on a GPU"
+    steps = ((2, 100), (21, 700), (64, 3000), (100, 1500), (200, 3800), (5, 4000), (64, 90))
+    seen = _check_graph_steps(runner, steps, 1e-4)
+    assert len({k.splits for k in seen}) > 1, f"only one split count exercised: {set(seen)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_prefill_on_the_specialised_kernel_gpu(tmp_path):
+    """A bf16 model at head dim 64 with few heads: the graphs' split launches are the warp-specialised
+    kernel's at its own split count (prefill_attention.plan_prefill, told the cache's layout by the runner),
+    and replay as the eager path computes them."""
+    from prefixgate_kernels import prefill_attention as pa
+
+    if not pa.gluon_runs_on(torch.device("cuda")):
+        pytest.skip("the Gluon prefills need an sm_90 GPU and Triton 3.6")
+    shape = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    runner = long_runner(tmp_path, "cuda", dtype="bfloat16", shape=shape, prefill_graph_tokens=256)
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.layout is not None and graphs.layout.head_dim == 64
+    steps = ((64, 3000), (100, 1500), (200, 3800), (128, 2500), (70, 4000))
+    keys = _check_graph_steps(runner, steps, 2e-2)
+    plans = [pa.plan_prefill(key.tokens, 1, 4, n + cached, torch.device("cuda"), graphs.layout)
+             for key, (n, cached) in zip(keys, steps)]
+    assert [key.splits for key in keys] == [plan.splits for plan in plans]
+    assert any(p.kernel is pa.PrefillKernel.SPECIALIZED and p.splits > 1 for p in plans), plans

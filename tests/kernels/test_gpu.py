@@ -10,6 +10,7 @@ import torch
 
 from prefixgate_kernels import prefill_attention, triton_ops
 from prefixgate_kernels import reference as ref
+from prefixgate_kernels.launch_layout import CacheLayout
 from tests.kernels import test_decode_attention as decode
 from tests.kernels import test_fused_layer_ops as fused
 from tests.kernels import test_kv_write as kvw
@@ -458,6 +459,21 @@ def test_prefill_specialized_splits_gpu(head_dim, group, block_size, num_splits)
     prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
                      q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim + group + num_splits, device="cuda",
                      prefill=specialized)
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim,group,block_size,q_dtype", [(64, 3, 16, torch.bfloat16), (128, 4, 32, torch.float16)])
+@pytest.mark.parametrize("cached,new", [([8100], [100]), ([8128], [64]), ([8000, 3000, 5], [100, 70, 0])])
+def test_prefill_launcher_splits_on_specialized_gpu(head_dim, group, block_size, q_dtype, cached, new):
+    """The launcher's own choice from a length hint where Triton would split (two KV heads: a few programs
+    over a long prefix): the warp-specialised kernel takes the launch at its own split count
+    (prefill_attention.plan_prefill, asserted so that this test checks that path), against the reference."""
+    lens = [c + n for c, n in zip(cached, new)]
+    layout = CacheLayout(head_dim, block_size, q_dtype, q_dtype)
+    plan = prefill_attention.plan_prefill(sum(new), len(new), 2 * group, max(lens), torch.device("cuda"), layout)
+    assert plan.kernel is prefill_attention.PrefillKernel.SPECIALIZED and plan.splits > 1, plan
+    prefill.run_case(head_dim, group, block_size, cached=cached, new=new, q_dtype=q_dtype, kv_heads=2,
+                     seed=head_dim + group + sum(new), device="cuda", context_lens=lens)
 
 
 @needs_gluon

@@ -9,6 +9,7 @@ import torch
 
 from prefixgate_kernels import prefill_attention, triton_ops
 from prefixgate_kernels import reference as ref
+from prefixgate_kernels.launch_layout import CacheLayout
 from tests.kernels.kernel_cases import INTERPRET, make_block_tables, make_kv_cache, rel_err
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
@@ -109,6 +110,49 @@ def test_prefill_split_choice():
     assert prefill_attention.choose_prefill_splits(1, 8, 65536, h200) == 16
     # 64-row tiles (two programs per SM) for a step of at most 64 tokens: 8 splits of 1K keys
     assert prefill_attention.choose_prefill_splits(1, 32, 8192, h200, programs_per_sm=2) == 8
+
+
+def test_prefill_plan_sends_split_launches_to_the_specialised_kernel(monkeypatch):
+    """plan_prefill on an H200 (132 SMs, the Gluon kernels runnable): a launch Triton would split goes to
+    the warp-specialised kernel at the split count its own 128-row tiles ask for, where it fits (16-bit,
+    head dim 64 / 128, blocks dividing 128, at least 64 rows); the unsplit rule stays as it was."""
+    pa = prefill_attention
+    monkeypatch.setattr(pa, "gluon_runs_on", lambda device: device.type == "cuda")
+    monkeypatch.setattr(pa, "num_sms", lambda device: 132 if device.type == "cuda" else 4)
+    gpu = torch.device("cuda")  # a description only: nothing is allocated on it
+    bf, fp = torch.bfloat16, torch.float16
+    spec, triton_kernel = pa.PrefillKernel.SPECIALIZED, pa.PrefillKernel.TRITON
+
+    def plan(tokens, heads, context, layout, seqs=1):
+        return pa.plan_prefill(tokens, seqs, heads, context, gpu, layout)
+
+    hd64, hd128 = CacheLayout(64, 16, bf, bf), CacheLayout(128, 16, bf, bf)
+    # the 9 / 3-head hit (Llama-3.2-1B-like at head dim 64): 4 tiles x 9 heads, Triton splits 8 ways; the
+    # specialised tiles are the same 128 rows, so the same count
+    assert plan(512, 9, 8192, hd64) == pa.PrefillPlan(spec, 8)
+    # a 64-token suffix over 8,128 cached: Triton's 64-row tiles (two an SM) split 8 ways, the specialised
+    # kernel's 128-row tiles (one an SM) 4
+    assert plan(64, 32, 8192, hd128) == pa.PrefillPlan(spec, 4)
+    assert pa.launch_splits(64, 1, 32, 8192, gpu) == 8  # no layout: Triton's count, as before
+    assert pa.launch_splits(64, 1, 32, 8192, gpu, hd128) == 4
+    # two sequences: 2 + 1 tiles a head
+    assert plan(170, 6, 8200, CacheLayout(64, 32, fp, fp), seqs=2) == pa.PrefillPlan(spec, 4)
+    # unsplit launches: the 32-head hit fills the GPU; no hint, no split
+    assert plan(512, 32, 8192, hd128) == pa.PrefillPlan(spec, 1)
+    assert plan(512, 9, None, hd64) == pa.PrefillPlan(spec, 1)
+    assert plan(100, 9, None, hd64) == pa.PrefillPlan(triton_kernel, 1)  # unsplit needs 128 rows
+    # split launches the specialised kernel does not fit: Triton at its own count
+    for layout, tokens in ((CacheLayout(128, 16, bf, ref.FP8_DTYPE), 64), (CacheLayout(96, 16, bf, bf), 64),
+                           (CacheLayout(128, 256, bf, bf), 64), (hd128, 48), (None, 64)):
+        assert plan(tokens, 32, 8192, layout) == pa.PrefillPlan(triton_kernel, 8), (layout, tokens)
+    # Triton's 64-row tiles split (100 programs in a 264-program wave) where the specialised ones would not
+    # (a 132-program wave): Triton keeps the launch
+    assert plan(64, 100, 2048, hd128) == pa.PrefillPlan(triton_kernel, 2)
+    # the overlapped kernel has no split form
+    monkeypatch.setattr(pa, "PREFILL_KERNEL", pa.PrefillKernel.OVERLAP)
+    assert plan(64, 32, 8192, hd128) == pa.PrefillPlan(triton_kernel, 8)
+    # off the GPU nothing changes
+    assert pa.plan_prefill(64, 1, 32, 8192, torch.device("cpu"), hd128).kernel is triton_kernel
 
 
 def test_prefill_tiles():
