@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
 from prefixgate_kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
 from prefixgate_kernels import reference as ref  # noqa: E402
+from prefixgate_kernels.launch_layout import CacheLayout  # noqa: E402
 
 DECODE_SHAPES = [  # (batch, q_heads, kv_heads, head_dim, context, block_size)
     (64, 32, 8, 128, 4096, 16),
@@ -1819,7 +1820,10 @@ def suffix_sweep(gen, news=(16, 64, 128, 256, 512), head_dims=(128, 64), context
             got = launch()
             torch.cuda.synchronize()
             row["launcher"]["first_call_s"] = time.perf_counter() - t_first
-            row["launcher"]["splits"] = prefill_attention.launch_splits(new, 1, q_heads, context, q.device)
+            plan = prefill_attention.plan_prefill(new, 1, q_heads, context, q.device,
+                                                  CacheLayout.of(q.dtype, k_cache))
+            row["launcher"]["splits"] = plan.splits
+            row["launcher"]["kernel"] = plan.kernel.value
             row["launcher"]["rel_err"] = rel_err(got, want)
             row["launcher"]["ms"] = bench_graph(launch)
             row["launcher"]["eager_ms"] = bench(launch)
