@@ -11,7 +11,8 @@
       -> ValueError (a 400)
       the compile (or its refusal) is
       cached per (namespace, spec): done
-      once per namespace
+      once per namespace; the cache is
+      shared fairly among tenants
 
 A dead end (the matcher in its error state, where it allows only EOS) travels with the sampled
 token (``SampledRow.grammar_dead_end``), and the engine ends that request with
@@ -58,13 +59,19 @@ MAX_SCHEMA_BYTES = 64 * 1024
 _LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                max_lexer_states=100_000)
 COMPILE_TIMEOUT_S = 5.0
-_CACHE_SIZE = 256  # compiles kept (one per namespace and distinct spec): prototype matchers and refusals
+# Finished compiles kept in all (one per namespace and distinct spec: prototype matchers and
+# refusals), shared fairly among tenants (_FairCache). Compiles queued or running are not in it.
+_CACHE_SIZE = 256
 COMPILE_WORKERS = 2
 # Compiles one tenant may run at once. A compile that outlives its request's timeout keeps running
 # (llguidance cannot be interrupted) and keeps counting against its tenant until it ends, so one
 # tenant's slow schemas occupy at most this many of the COMPILE_WORKERS: the others stay free for
 # every other tenant. Its further compiles wait in its own queue, holding no worker.
 COMPILES_PER_TENANT = 1
+# Compiles one tenant may have waiting in that queue. A compile outlives its request's timeout, so
+# without a bound a tenant sending slow schemas would pile up work that runs long after its
+# requests are gone; beyond it a new schema is refused at once (CompileQueueFullError, a 429).
+COMPILES_QUEUED_PER_TENANT = 8
 
 # Compact JSON (no free whitespace): otherwise a weak model can fill max_tokens with blanks.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -96,12 +103,85 @@ def _literal(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
+_Compile = concurrent.futures.Future[llguidance.LLMatcher]
+
+
+class CompileQueueFullError(ValueError):
+    """The spec's tenant already has ``COMPILES_QUEUED_PER_TENANT`` compiles waiting for its turn: a
+    new spec is refused at once rather than queued (the engine answers 429: retry shortly)."""
+
+
 @dataclass
 class _TenantCompiles:
     """One tenant's compiles: how many are running and the ones waiting for its turn."""
 
     running: int = 0
-    queued: deque[tuple[GuidedSpec, concurrent.futures.Future[llguidance.LLMatcher]]] = field(default_factory=deque)
+    queued: deque[tuple[GuidedSpec, _Compile]] = field(default_factory=deque)
+
+
+class _FairCache:
+    """Finished compiles (prototype matchers and refusals), ``capacity`` in all, least recently used
+    first within each tenant. Over capacity, the tenant holding the most entries gives up its least
+    recently used one (a tie: the inserting tenant if it is one of them, else the one whose entry
+    was used longest ago). So a tenant holding no more than its fair share (capacity / tenants
+    holding entries) never loses an entry to another tenant's inserts, a tenant that sends many
+    distinct schemas evicts its own, and a lone tenant gets plain LRU over the whole capacity.
+    Not thread-safe: the caller holds its lock."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("the grammar cache needs room for at least one compile")
+        self.capacity = capacity
+        # tenant -> spec -> (when last used, the finished compile); oldest first
+        self._tenants: dict[str, OrderedDict[GuidedSpec, tuple[int, _Compile]]] = {}
+        self._size = 0
+        self._clock = 0  # use order across tenants: the tie-break between equally large tenants
+
+    def __len__(self) -> int:
+        return self._size
+
+    def held(self, tenant: str) -> int:
+        """How many entries ``tenant`` holds."""
+        entries = self._tenants.get(tenant)
+        return len(entries) if entries is not None else 0
+
+    def get(self, spec: GuidedSpec) -> _Compile | None:
+        """The compile of ``spec``, now its tenant's most recently used one; None if not kept."""
+        entries = self._tenants.get(_tenant_of(spec))
+        if entries is None or spec not in entries:
+            return None
+        _, fut = entries.pop(spec)
+        entries[spec] = (self._tick(), fut)
+        return fut
+
+    def put(self, spec: GuidedSpec, fut: _Compile) -> None:
+        """Keep ``fut`` (finished) for ``spec``, evicting per the fair-share rule while over capacity."""
+        tenant = _tenant_of(spec)
+        entries = self._tenants.setdefault(tenant, OrderedDict())
+        if entries.pop(spec, None) is None:
+            self._size += 1
+        entries[spec] = (self._tick(), fut)
+        while self._size > self.capacity:
+            self._evict_oldest_of(self._largest(inserter=tenant))
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _largest(self, inserter: str) -> str:
+        """The tenant that gives up an entry: the one holding the most (ties as the class says)."""
+        def rank(tenant: str) -> tuple[int, bool, int]:
+            entries = self._tenants[tenant]
+            oldest_use, _ = next(iter(entries.values()))
+            return len(entries), tenant == inserter, -oldest_use
+        return max(self._tenants, key=rank)
+
+    def _evict_oldest_of(self, tenant: str) -> None:
+        entries = self._tenants[tenant]
+        entries.popitem(last=False)  # finished: nobody waits on it (a later ``matcher`` rebuilds it)
+        self._size -= 1
+        if not entries:
+            del self._tenants[tenant]
 
 
 class GrammarCompiler:
@@ -111,21 +191,31 @@ class GrammarCompiler:
     never a hit for another (its compile time would tell that someone used the schema; the prefix
     cache is salted the same way), and a refusal is cached the same way.
 
+    One tenant never costs another its compiles: finished ones are kept ``cache_size`` in all and
+    evicted from the tenant holding the most (``_FairCache``), so a tenant sending many distinct
+    schemas evicts its own; a compile queued or running is never evicted (its waiters always get
+    its result); and a tenant runs ``COMPILES_PER_TENANT`` compiles at once, with at most
+    ``COMPILES_QUEUED_PER_TENANT`` more waiting (beyond that, ``CompileQueueFullError``).
+
     Building llguidance's view of the vocabulary takes 1-5 s for a 100k vocabulary and holds the
     GIL for most of it: the serving engine builds it at start (``AsyncEngine`` ->
     ``LLMEngine.warm_up``); elsewhere (tests, benchmarks) it happens on first use.
     """
 
-    def __init__(self, hf_tokenizer: object, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, hf_tokenizer: object, vocab_size: int, eos_token_id: int | None,
+                 cache_size: int = _CACHE_SIZE) -> None:
         self._hf = hf_tokenizer
         self.vocab_size = vocab_size
         self._eos = eos_token_id
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="grammar")
-        self._cache_lock = threading.Lock()  # guards the cache, the tenants' queues and the counters
-        # spec -> its compile (a future: queued, running, a prototype matcher, or the ValueError refusing it)
-        self._prototypes: OrderedDict[GuidedSpec, concurrent.futures.Future[llguidance.LLMatcher]] = OrderedDict()
+        self._cache_lock = threading.Lock()  # guards the two maps below, the tenants' queues and the counters
+        # spec -> its compile while queued or running (at most COMPILES_PER_TENANT +
+        # COMPILES_QUEUED_PER_TENANT a tenant); then it moves to _done, under the lock, before its
+        # waiters wake: a spec is always in exactly one of the two until _done evicts it
+        self._pending: dict[GuidedSpec, _Compile] = {}
+        self._done = _FairCache(cache_size)  # spec -> its finished compile: a prototype matcher or the ValueError
         self._tenants: dict[str, _TenantCompiles] = {}  # only tenants with a compile running or queued
         self.compiles = 0  # grammars built so far (each distinct spec once per namespace while it stays cached)
         self.cache_hits = 0  # checks answered by a compile already started or done
@@ -148,7 +238,8 @@ class GrammarCompiler:
         return [tok.decode_bytes([t]) for t in token_ids]
 
     def check(self, spec: GuidedSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
-        """Raise ValueError (with the reason) unless ``spec`` compiles within the bounds.
+        """Raise ValueError (with the reason) unless ``spec`` compiles within the bounds;
+        ``CompileQueueFullError`` (a ValueError) at once if its tenant has too many compiles waiting.
 
         Each distinct spec is compiled once: its compile (running, done, or refused) is shared by
         every request that names it, so a burst of requests with one schema, or a refused schema
@@ -160,29 +251,31 @@ class GrammarCompiler:
             self.submit(spec).result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             raise ValueError(f"the grammar did not compile within {timeout_s:g} s; simplify the schema") from None
-        except concurrent.futures.CancelledError:
-            raise ValueError("the grammar's compile was dropped from the cache before it started "
-                             "(many other schemas since); retry") from None
 
-    def submit(self, spec: GuidedSpec) -> concurrent.futures.Future[llguidance.LLMatcher]:
+    def submit(self, spec: GuidedSpec) -> _Compile:
         """The compile of ``spec``: the one already queued, running, finished or refused for its
-        owner's namespace, else a new one, started now or queued behind its tenant's own."""
+        owner's namespace, else a new one, started now or queued behind its tenant's own
+        (``CompileQueueFullError`` when that queue is full: nothing is queued then)."""
         with self._cache_lock:
-            fut = self._prototypes.get(spec)
+            fut = self._pending.get(spec)
+            if fut is None:
+                fut = self._done.get(spec)
             if fut is not None:
-                self._prototypes.move_to_end(spec)
                 self.cache_hits += 1
                 return fut
-            fut = concurrent.futures.Future()
-            self._prototypes[spec] = fut
-            tenant = self._tenants.setdefault(_tenant_of(spec), _TenantCompiles())
-            if tenant.running < COMPILES_PER_TENANT:
-                self._start(spec, fut, tenant)
-            else:
+            key = _tenant_of(spec)
+            tenant = self._tenants.get(key) or _TenantCompiles()
+            must_wait = tenant.running >= COMPILES_PER_TENANT
+            if must_wait and len(tenant.queued) >= COMPILES_QUEUED_PER_TENANT:
+                raise CompileQueueFullError(
+                    f"too many of your JSON schemas are waiting to compile ({COMPILES_QUEUED_PER_TENANT} queued "
+                    "behind the one compiling); retry when they are done")
+            self._tenants[key] = tenant
+            fut = self._pending[spec] = concurrent.futures.Future()
+            if must_wait:
                 tenant.queued.append((spec, fut))
-            while len(self._prototypes) > _CACHE_SIZE:
-                # a running compile finishes; a queued one is cancelled (its tenant's queue skips it)
-                self._prototypes.popitem(last=False)[1].cancel()
+            else:
+                self._start(spec, fut, tenant)
             return fut
 
     def compiling(self, tenant: str) -> tuple[int, int]:
@@ -191,31 +284,41 @@ class GrammarCompiler:
             t = self._tenants.get(tenant)
             return (t.running, len(t.queued)) if t is not None else (0, 0)
 
-    def _start(self, spec: GuidedSpec, fut: concurrent.futures.Future[llguidance.LLMatcher],
-               tenant: _TenantCompiles) -> None:
+    def cached(self, tenant: str) -> int:
+        """Finished compiles of ``tenant`` (a ``GrammarOwner.tenant``) the cache keeps."""
+        with self._cache_lock:
+            return self._done.held(tenant)
+
+    def _start(self, spec: GuidedSpec, fut: _Compile, tenant: _TenantCompiles) -> None:
         """Run the compile in a worker, counted against ``tenant`` until it ends (caller holds _cache_lock)."""
         tenant.running += 1
         self._pool.submit(self._run, spec, fut)
 
-    def _run(self, spec: GuidedSpec, fut: concurrent.futures.Future[llguidance.LLMatcher]) -> None:
+    def _run(self, spec: GuidedSpec, fut: _Compile) -> None:
+        result: llguidance.LLMatcher | None = None
+        error: BaseException | None = None
         try:
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(self._build(spec))
-                except BaseException as exc:  # noqa: BLE001 - the refusal (or a bug) goes to the waiters
-                    fut.set_exception(exc)
+            result = self._build(spec)
+        except BaseException as exc:  # noqa: BLE001 - the refusal (or a bug) goes to the waiters
+            error = exc
+        try:
+            self._finish(spec)
         finally:
-            self._next_of(_tenant_of(spec))
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
 
-    def _next_of(self, key: str) -> None:
-        """A compile of tenant ``key`` ended: start its next queued one (cancelled ones skipped)."""
+    def _finish(self, spec: GuidedSpec) -> None:
+        """``spec``'s compile ended: keep it in the cache (before its waiters wake, so ``matcher``
+        finds it there) and start its tenant's next queued compile."""
+        key = _tenant_of(spec)
         with self._cache_lock:
+            self._done.put(spec, self._pending.pop(spec))
             tenant = self._tenants[key]
             tenant.running -= 1
             while tenant.queued and tenant.running < COMPILES_PER_TENANT:
-                spec, fut = tenant.queued.popleft()
-                if not fut.cancelled():
-                    self._start(spec, fut, tenant)
+                self._start(*tenant.queued.popleft(), tenant)
             if not tenant.running and not tenant.queued:
                 del self._tenants[key]
 
@@ -246,7 +349,9 @@ class GrammarCompiler:
         on the caller's thread and uncached, only if the cache dropped it since: never queued
         behind the tenant's other compiles)."""
         with self._cache_lock:
-            fut = self._prototypes.get(spec)
+            fut = self._pending.get(spec)
+            if fut is None:
+                fut = self._done.get(spec)
         if fut is None or fut.cancelled():
             return GuidedRow(self._build(spec))
         return GuidedRow(fut.result().deep_copy())

@@ -58,6 +58,7 @@ import numpy as np
 from engine.batch import ScheduledBatch, StepResult
 from engine.computed_prefixes import ComputedPrefixes
 from engine.config import EngineConfig
+from engine.guided import CompileQueueFullError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_types import BlockEventObserver, CachePhase, LowerTier
 from engine.metrics import CacheTimer, EngineMetrics
@@ -66,6 +67,7 @@ from engine.protocol import (
     FinishReason,
     GenerateRequest,
     GrammarOwner,
+    GrammarQueueFullError,
     GuidedSpec,
     InvalidRequestError,
     OutputFailure,
@@ -103,7 +105,8 @@ class Runner(Protocol):
     def release(self, request_id: str) -> None: ...
 
     def check_grammar(self, spec: GuidedSpec) -> None:
-        """Raise ValueError unless ``spec`` compiles within the runner's bounds."""
+        """Raise ValueError unless ``spec`` compiles within the runner's bounds
+        (``engine.guided.CompileQueueFullError`` when its tenant has too many compiles waiting)."""
         ...
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
@@ -294,6 +297,8 @@ class LLMEngine:
         if sp.guided is not None:
             try:
                 self.runner.check_grammar(sp.guided)
+            except CompileQueueFullError as exc:  # too many in flight: retry, the schema may be fine
+                raise GrammarQueueFullError(str(exc)) from None
             except ValueError as exc:
                 raise UnenforceableSchemaError(str(exc)) from None
         if sp.logprobs is not None:

@@ -327,11 +327,13 @@ class RequestPart(Enum):
 
 class EngineError(Exception):
     """Base for errors a caller can act on. ``status`` is the HTTP status it maps to; ``part``, when
-    set, the part of the request at fault (None: the request as a whole, or the server)."""
+    set, the part of the request at fault (None: the request as a whole, or the server);
+    ``retry_after_s``, when set, the seconds to wait before retrying (the ``Retry-After`` header)."""
 
     status: int = 500
     code: str = "engine_error"
     part: RequestPart | None = None
+    retry_after_s: int | None = None
 
 
 class PromptTooLongError(EngineError):
@@ -366,6 +368,17 @@ class UnenforceableSchemaError(InvalidRequestError):
 
     code = "unenforceable_schema"
     part = RequestPart.GUIDED
+
+
+class GrammarQueueFullError(EngineError):
+    """The tenant already has the most grammar compiles waiting that one tenant may
+    (``engine.guided.COMPILES_QUEUED_PER_TENANT``): a new schema is refused before any work is
+    queued. Too many in flight, not a bad request: a 429 to retry shortly, as OpenAI's clients expect."""
+
+    status = 429
+    code = "grammar_queue_full"
+    part = RequestPart.GUIDED
+    retry_after_s = 1
 
 
 class EngineOverloadedError(EngineError):

@@ -79,11 +79,13 @@ _ENGINE_PARAMS: dict[RequestPart, str] = {RequestPart.PROMPT: "prompt", RequestP
 
 
 def from_engine_error(exc: EngineError, names: Mapping[RequestPart, str] | None = None) -> OpenAIError:
-    """Map an engine error to the status it declares (400 too long, 503 overloaded, ...) and its
-    code, naming the field at fault: ``names`` says what the client's API calls each part of the
+    """Map an engine error to the status it declares (400 too long, 429 too many grammar compiles
+    waiting, 503 overloaded, ...), its code and its ``Retry-After`` (the error's own, else 1 s for a
+    503), naming the field at fault: ``names`` says what the client's API calls each part of the
     request (chat's prompt is ``messages``); a part it leaves out keeps its default name."""
     status = exc.status or 500
-    headers = {"retry-after": "1"} if status == 503 else None
+    retry_after = exc.retry_after_s if exc.retry_after_s is not None else (1 if status == 503 else None)
+    headers = {"retry-after": str(retry_after)} if retry_after is not None else None
     param = None
     if exc.part is not None:
         param = names.get(exc.part) if names and exc.part in names else _ENGINE_PARAMS.get(exc.part)

@@ -49,6 +49,7 @@ from engine.protocol import (
     EngineError,
     EngineOverloadedError,
     GenerateRequest,
+    GrammarQueueFullError,
     InvalidRequestError,
     ModelCard,
     PromptTooLongError,
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # transformers is the engine extra's; a gateway-only install 
 _BY_CODE: dict[str, type[EngineError]] = {
     PromptTooLongError.code: PromptTooLongError,
     EngineOverloadedError.code: EngineOverloadedError,
+    GrammarQueueFullError.code: GrammarQueueFullError,  # keeps its retry hint
 }
 HEALTH_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0  # NodeTimeouts' defaults (GatewaySettings.node_connect_timeout_s / node_read_timeout_s)

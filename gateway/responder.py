@@ -15,7 +15,13 @@ from types import TracebackType
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from engine.protocol import EngineError, OutputFailure, RequestOutput, UnenforceableSchemaError
+from engine.protocol import (
+    EngineError,
+    GrammarQueueFullError,
+    OutputFailure,
+    RequestOutput,
+    UnenforceableSchemaError,
+)
 from gateway.errors import OpenAIError
 from gateway.formats import ChatFormat, ChoiceText, CompletionFormat, WireFormat
 from gateway.pipeline import Accounting, Prepared, engine_failure, run_choices
@@ -40,12 +46,13 @@ def _check(out: RequestOutput) -> None:
 
 
 def _client_error(prep: Prepared, exc: BaseException) -> OpenAIError:
-    """``exc`` as the error the client sees. A schema the engine cannot enforce names the field it
-    came from: the forced tool call's ``tools`` when tool calls are parsed (a JSON
-    ``response_format`` turns parsing off), else the door's response format field; the engine's
-    other errors name the door's own fields (``engine_failure``)."""
+    """``exc`` as the error the client sees. A schema the engine cannot enforce (or cannot compile
+    yet: too many of the tenant's waiting) names the field it came from: the forced tool call's
+    ``tools`` when tool calls are parsed (a JSON ``response_format`` turns parsing off), else the
+    door's response format field; the engine's other errors name the door's own fields
+    (``engine_failure``)."""
     error = engine_failure(exc, prep.fields)
-    if isinstance(exc, UnenforceableSchemaError) and error.param is None:
+    if isinstance(exc, (UnenforceableSchemaError, GrammarQueueFullError)) and error.param is None:
         error.param = "tools" if prep.tool_parsing else prep.fields.response_format
     return error
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import replace
 
 import jsonschema
@@ -16,12 +17,19 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.guided import apply_bitmask, bitmask_words
+from engine.guided import (
+    COMPILES_QUEUED_PER_TENANT,
+    CompileQueueFullError,
+    GrammarCompiler,
+    apply_bitmask,
+    bitmask_words,
+)
 from engine.launch import build_llm_engine
 from engine.llm_engine import LLMEngine
 from engine.protocol import (
     GenerateRequest,
     GrammarOwner,
+    GrammarQueueFullError,
     GuidedSpec,
     InvalidRequestError,
     OutputFailure,
@@ -381,3 +389,105 @@ def test_a_grammar_dead_end_while_decoding_is_an_error_not_a_stop(engine):
     engine.check_integrity()
     ok = run(engine, req("after", guided=spec, max_tokens=16))["after"]  # the next request is unaffected
     assert ok["finish"] in ("stop", "length")
+
+
+# ------------------------------------------------------------------ the compile cache is fair among tenants
+
+class GatedCompiler(GrammarCompiler):
+    """The engine's real compiler (llguidance, the tiny model's tokenizer) whose compiles wait for
+    ``gate`` before building: which compiles are running, queued or finished is then the test's to
+    say, never the clock's."""
+
+    def __init__(self, engine: LLMEngine, cache_size: int) -> None:
+        super().__init__(engine.runner.tokenizer, engine.vocab_size, engine.runner.spec.eos_token_ids[0],
+                         cache_size=cache_size)
+        self.gate = threading.Event()
+
+    def _build(self, spec: GuidedSpec):
+        assert self.gate.wait(timeout=60), "the test never opened the gate"
+        return super()._build(spec)
+
+
+@pytest.fixture
+def gated(engine):
+    """Makes ``GatedCompiler``s; opens their gates at the end, so a failed test leaves no worker waiting."""
+    made: list[GatedCompiler] = []
+
+    def make(cache_size: int) -> GatedCompiler:
+        made.append(GatedCompiler(engine, cache_size))
+        return made[-1]
+
+    yield make
+    for compiler in made:
+        compiler.gate.set()
+
+
+def _small_spec(title: str, scope: StaticTenantScope) -> GuidedSpec:
+    """A distinct schema that compiles in milliseconds."""
+    return _owned(GuidedSpec(json_schema=json.dumps({**SCHEMA, "title": title})), scope)
+
+
+def test_a_tenants_flood_of_schemas_does_not_evict_another_tenants_compile(gated):
+    """Audit (fairness): one LRU of 256 compiles served every tenant, so alice sending many distinct
+    schemas pushed bob's compiled schema out and bob's next request paid its compile again (up to
+    the 5 s bound). Now the cache evicts from the tenant holding the most: alice's flood evicts
+    alice's own, and bob's schema is still a hit."""
+    grammars = gated(cache_size=4)
+    grammars.gate.set()
+    bobs = _small_spec("bob's", BOB)
+    grammars.check(bobs)
+    for i in range(12):
+        grammars.check(_small_spec(f"alice {i}", ALICE))
+    compiles, hits = grammars.compiles, grammars.cache_hits
+    grammars.check(bobs)
+    assert (grammars.compiles, grammars.cache_hits) == (compiles, hits + 1), "bob's compile must still be cached"
+    assert (grammars.cached(ALICE.tenant_key.hex()), grammars.cached(BOB.tenant_key.hex())) == (3, 1)
+    grammars.check(_small_spec("alice 0", ALICE))  # alice's oldest went first: compiled again
+    assert grammars.compiles == compiles + 1
+
+
+def test_another_tenants_inserts_never_cancel_a_queued_compile(gated):
+    """Audit (fairness): evicting the oldest entry cancelled it when it was a compile still queued
+    behind its tenant's running one, so alice's new schemas made bob's waiting request fail ("the
+    grammar's compile was dropped from the cache before it started"). Now only finished compiles
+    are evicted: bob's queued compile runs and his request gets its grammar."""
+    grammars = gated(cache_size=2)
+    bob_running = grammars.submit(_small_spec("bob 0", BOB))
+    bob_queued = _small_spec("bob 1", BOB)
+    waiting = grammars.submit(bob_queued)
+    alices = [grammars.submit(_small_spec(f"alice {i}", ALICE)) for i in range(3)]  # 5 compiles, room for 2
+    assert grammars.compiling(BOB.tenant_key.hex()) == (1, 1)
+    assert not waiting.cancelled()
+    grammars.gate.set()
+    for fut in (bob_running, waiting, *alices):
+        fut.result(timeout=60)
+    grammars.check(bob_queued)  # bob's request: its compile is there, not dropped
+    grammars.matcher(bob_queued)
+    # finished, each holds its fair share of the two places
+    assert (grammars.cached(ALICE.tenant_key.hex()), grammars.cached(BOB.tenant_key.hex())) == (1, 1)
+
+
+def test_a_tenants_compile_queue_is_bounded_and_the_engine_answers_429(engine, gated, monkeypatch):
+    """Audit (fairness): a tenant's compiles beyond the one running waited in an unbounded queue,
+    and a compile outlives its request's timeout: a tenant could pile up compiles that ran long
+    after its requests had gone. Now a tenant has at most COMPILES_QUEUED_PER_TENANT waiting; a new
+    schema beyond them is refused at once (the engine: a 429 to retry), one already queued is
+    still shared, and other tenants are unaffected."""
+    grammars = gated(cache_size=64)
+    monkeypatch.setattr(engine.runner, "grammars", grammars)  # the engine's admission checks with it
+    alice = ALICE.tenant_key.hex()
+    alices = [grammars.submit(_small_spec(f"alice {i}", ALICE)) for i in range(1 + COMPILES_QUEUED_PER_TENANT)]
+    assert grammars.compiling(alice) == (1, COMPILES_QUEUED_PER_TENANT)
+    with pytest.raises(CompileQueueFullError, match="waiting to compile"):
+        grammars.check(_small_spec("one more", ALICE))
+    with pytest.raises(GrammarQueueFullError, match="waiting to compile") as info:
+        engine.prepare(req("alice-over", tenant=ALICE, guided=GuidedSpec(json_schema=json.dumps(SCHEMA))))
+    assert (info.value.status, info.value.code, info.value.retry_after_s) == (429, "grammar_queue_full", 1)
+    assert grammars.compiling(alice) == (1, COMPILES_QUEUED_PER_TENANT), "nothing queued for a refusal"
+    assert grammars.submit(_small_spec("alice 3", ALICE)) is alices[3]  # already queued: shared, not refused
+    bobs = grammars.submit(_small_spec("bob's", BOB))
+    assert grammars.compiling(BOB.tenant_key.hex()) == (1, 0)
+    grammars.gate.set()
+    for fut in (*alices, bobs):
+        fut.result(timeout=60)
+    grammars.check(_small_spec("one more", ALICE))  # the queue drained: accepted again

@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope
+from engine.protocol import GenerateRequest, GrammarQueueFullError, SamplingParams, StaticTenantScope
 from gateway.app import create_app
+from gateway.errors import from_engine_error
 from gateway.remote import RemoteEngineClient
 from gateway.settings import GatewaySettings, RouteConfig
 from tenancy.pricing import UNPRICED, PriceBook
@@ -178,3 +179,27 @@ def test_only_a_prefixgate_node_gets_the_tenant_key_and_the_node_counts_by_it() 
     # a gateway that sends no key (an older one): one tenant per namespace, as before
     plain = NodeCompletionBody.model_validate({"prompt": [1], "cache_salt": "0102"}).scope()
     assert plain.tenant_key == plain.namespace == b"\x01\x02"
+
+
+def test_a_nodes_full_grammar_queue_comes_back_as_a_429_with_its_retry_hint() -> None:
+    """A PrefixGate node refuses a schema when its tenant has the most grammar compiles waiting: a
+    429 ``grammar_queue_full`` with ``Retry-After``. The gateway in front must answer its client the
+    same (it once rebuilt an anonymous error: the 429 without the retry hint)."""
+    refusal = from_engine_error(GrammarQueueFullError("too many of your JSON schemas are waiting to compile; retry"))
+    node = Starlette(routes=[Route("/v1/completions", lambda _: refusal.response(), methods=["POST"])])
+
+    async def run() -> None:
+        client = RemoteEngineClient(url, None)
+        try:
+            req = GenerateRequest(request_id="r", tenant=StaticTenantScope(), prompt_token_ids=[1, 2, 3],
+                                  sampling=SamplingParams(max_tokens=1))
+            [o async for o in client.generate(req)]
+        finally:
+            await client.aclose()
+
+    with LoopbackServer(node) as srv:
+        url = srv.url
+        with pytest.raises(GrammarQueueFullError) as info:
+            asyncio.run(run())
+    answer = from_engine_error(info.value)
+    assert (answer.status, answer.code, answer.headers) == (429, "grammar_queue_full", {"retry-after": "1"})

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.protocol import (
+    EngineError,
     EngineOverloadedError,
     GenerateRequest,
     ModelCard,
@@ -45,6 +46,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.delay_s = delay_s
         self.overloaded = overloaded
+        self.refusal: EngineError | None = None  # raised by generate() before it starts, when set
         self.cache: set[bytes] = set()
         self.vocab: dict[str, int] = {}
         self.aborted: list[str] = []
@@ -63,6 +65,8 @@ class FakeEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.overloaded:
             raise EngineOverloadedError("engine queue is full")
+        if self.refusal is not None:
+            raise self.refusal
         tokens = render(request)
         if len(tokens) + request.sampling.max_tokens > self.max_model_len:
             raise PromptTooLongError(f"prompt of {len(tokens)} tokens is too long")

@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from gateway_fakes import FakeEngine, FakeTenancy
 
+from engine.protocol import GrammarQueueFullError
 from gateway.app import create_app
 from gateway.deps import get_engine, get_tenancy
 from gateway.ports import QuotaExceededError
@@ -252,6 +253,21 @@ def test_engine_errors_map_to_status(parts):
     assert_openai_error(stream, 503, code="engine_overloaded")
     assert stream.headers["retry-after"] == "1"
     assert len(tenancy.rows) == rows + 1 and tenancy.rows[-1].status == "error"
+
+
+def test_a_tenants_full_grammar_queue_is_a_429_to_retry_naming_the_schema(parts):
+    """The engine refuses a schema when the tenant already has the most compiles waiting
+    (``GrammarQueueFullError``): too many in flight, not a bad request, so a 429 rate_limit_error
+    with ``Retry-After`` (the openai SDK retries it) that names the field the schema came from,
+    whole or streamed."""
+    client, engine, _, keys = parts
+    engine.refusal = GrammarQueueFullError("too many of your JSON schemas are waiting to compile; retry")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    for stream in (False, True):
+        resp = client.post("/v1/chat/completions", json={**body, "stream": stream}, headers=auth(keys["a"]))
+        err = assert_openai_error(resp, 429, code="grammar_queue_full", param="response_format")
+        assert err["type"] == "rate_limit_error" and resp.headers["retry-after"] == "1"
 
 
 def test_client_cache_salt_is_ignored(parts):
