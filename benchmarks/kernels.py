@@ -1702,12 +1702,11 @@ def prefill_case(gen, ceil: dict, quick: bool, full_sweeps: bool = False, batch=
                                                                              scale, context_lens=hint))
     row["TFLOPs"] = flops / (ms * 1e-3) / 1e12
     row["pct_matmul"] = row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = prefill_attention.choose_prefill_tiles(batch * new, True)
     row["tiles"] = {"block_m": tiles.block_m, "block_n": tiles.block_n, "num_warps": tiles.num_warps,
                     "programs_per_sm": tiles.programs_per_sm}
-    row["num_splits"] = prefill_attention.splits_for_launch(batch * new, batch, q_heads, context, sms, tiles.block_m,
-                                                            tiles.programs_per_sm)
+    plan = prefill_attention.plan_prefill(batch * new, batch, q_heads, context, q.device, CacheLayout.of(q.dtype, k_cache))
+    row["num_splits"], row["kernel"] = plan.splits, plan.kernel.value  # what the launches above ran
     row["no_hint_ms"] = bench(lambda: triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale))
     if sweep_splits:
         split_ms = {}
