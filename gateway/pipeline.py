@@ -808,10 +808,12 @@ class Accounting:
         choice aborted before its first output, from how far its prefill got (``AbortReport``: the
         engine's own count, exact to the step and split into cached and computed). A backend that
         cannot tell (a node, a provider) bills, when the client left, the prompt tokens counted here
-        at preparation with none cached: the prefill may well have run, and nothing says what it hit."""
+        at preparation with none cached: the prefill may well have run, and nothing says what it hit.
+        That holds too for a choice whose outputs so far reported no prompt (a provider reports usage
+        only at its stream's end): a prompt is never empty, so 0 means not reported yet."""
         rows = {i: (out.prompt_tokens, out.cached_tokens) for i, out in self.last.items() if i % self.prep.n == 0}
         for i, report in self.stopped.items():
-            if i % self.prep.n or i in rows:
+            if i % self.prep.n or rows.get(i, (0, 0))[0] > 0:
                 continue
             if report is not None:
                 rows[i] = (report.prefilled_tokens, report.cached_tokens)

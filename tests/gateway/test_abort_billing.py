@@ -124,3 +124,42 @@ def test_a_backend_that_cannot_report_bills_the_tokenized_prompt():
     (row,) = tenancy.rows
     tokenized = len(render(engine.tokenized[0]))  # what the gateway counted when it prepared the request
     assert row.status == "aborted" and row.prompt_tokens == tokenized > 0 and row.cached_tokens == 0
+
+
+class UsageAtEndEngine(FakeEngine):
+    """A provider's stream: its first token comes with no usage (prompt_tokens 0), which a provider
+    reports only in its last chunk; then it goes quiet."""
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        yield RequestOutput(request.request_id, (), " first", False, 0, 0, 1)
+        self.started.set()
+        await asyncio.sleep(30)
+
+
+def test_a_stream_cut_after_its_first_token_without_usage_bills_the_tokenized_prompt():
+    engine, tenancy = UsageAtEndEngine(), FakeTenancy()
+    engine.started = threading.Event()
+    key = tenancy.add("acme")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "one two three four five six"}],
+            "max_tokens": 4, "stream": True}
+    with LoopbackServer(create_app(GatewaySettings(), engine=engine, tenancy=tenancy)) as srv:
+        sock = _send_and_hold(srv.port, key, chat)
+        assert engine.started.wait(10)
+        assert b"first" in _read_until(sock, b"first")  # the client saw its first token
+        sock.close()
+        assert wait_for(lambda: tenancy.rows, timeout=10)
+    (row,) = tenancy.rows
+    tokenized = len(render(engine.tokenized[0]))
+    assert row.status == "aborted" and row.prompt_tokens == tokenized > 0 and row.cached_tokens == 0
+    assert row.completion_tokens == 1
+
+
+def _read_until(sock: socket.socket, marker: bytes, timeout_s: float = 10.0) -> bytes:
+    sock.settimeout(timeout_s)
+    seen = b""
+    while marker not in seen:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        seen += chunk
+    return seen
