@@ -163,6 +163,18 @@ def render(request: Request, error: OpenAIError) -> JSONResponse:
     return error.response()
 
 
+def refused_body(request: Request, exc: RequestValidationError, on_invalid_body: RejectedHook | None
+                 ) -> JSONResponse:
+    """The 400 for a body that failed validation, after telling ``on_invalid_body`` of it."""
+    error = validation_error(exc)
+    if on_invalid_body is not None:
+        try:
+            on_invalid_body(request, error)
+        except Exception:  # noqa: BLE001 - counting must never change the client's answer
+            log.exception("could not record a refused request")
+    return render(request, error)
+
+
 def install_error_handlers(app: FastAPI, on_invalid_body: RejectedHook | None = None) -> None:
     """Route every exception type the app can raise to the OpenAI envelope.
 
@@ -175,15 +187,11 @@ def install_error_handlers(app: FastAPI, on_invalid_body: RejectedHook | None = 
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
         return render(request, exc)
 
+    app.state.on_invalid_body = on_invalid_body  # the raw-ASGI doors refuse large bodies themselves
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = validation_error(exc)
-        if on_invalid_body is not None:
-            try:
-                on_invalid_body(request, error)
-            except Exception:  # noqa: BLE001 - counting must never change the client's answer
-                log.exception("could not record a refused request")
-        return render(request, error)
+        return refused_body(request, exc, on_invalid_body)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

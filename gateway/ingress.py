@@ -15,6 +15,7 @@ The body-size limit (``app.BodySizeLimit``) caps bytes; this caps what bytes can
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,105 @@ def _surrogate_path(value: Any) -> tuple[str | int, ...]:
         elif isinstance(item, list):
             stack.extend((child, (*path, i)) for i, child in enumerate(item))
     return ()
+
+
+# The token-id bound decided on the raw bytes, before any JSON decode (``excess_token_ids``). A
+# 4 MiB body of ids is ~2 M integers: decoding them into Python objects, before ``scan`` could count
+# them, held the GIL for a second or more and stalled every other tenant's stream (the DoS audit).
+#
+# Why the count below is exact (the same number ``scan`` counts) for every valid JSON object:
+# - Strings are blanked first (``_JSON_STRING``, each becomes ``""``), so a comma, bracket or digit
+#   inside text never counts. The pattern cannot fail to match from a quote (an unterminated string
+#   runs to the end of the body), so the blanking is one linear pass with no retries.
+# - Outside strings, JSON holds only structure, numbers, ``true``/``false``/``null`` and whitespace.
+#   A list whose bytes are only digits, ``-``, ``,`` and whitespace (``_INT_LIST``) is then exactly
+#   an all-integer list (a float needs ``.``, ``e`` or ``E``; a nested value needs a bracket or a
+#   quote) or an empty one (``_EMPTY_LIST``), and a non-empty one holds one more integer than it has
+#   commas. That is what ``scan`` counts: the integers of every all-integer list in the body.
+# - Cheap upper bounds skip all of it for almost every body: each id takes a digit and is followed
+#   by a ``,`` or a ``]``, so a body of at most 2 x MAX_TOKEN_IDS bytes, or with at most
+#   MAX_TOKEN_IDS commas and closing brackets in all, cannot hold more than MAX_TOKEN_IDS ids. Then
+#   the same count on the raw bytes, strings not blanked, is an upper bound too: text can only add
+#   lists that look like ids (``"[1,2]"``), never hide a real one (a match cannot cross a quote), so
+#   strings are blanked only for a body whose raw count is over the bound. That keeps the one pass
+#   whose cost grows with the number of strings away from bodies of many short strings.
+# The regex passes cost ~0.5 us per list and per string they replace (the pieces ``re.sub``
+# builds): a body of more than _MAX_PIECES lists and strings is left to the parser and ``scan``, as
+# before (in the worker thread), rather than counted here at up to half a second a body.
+# A body that is not valid JSON may be counted wrongly; it is refused either way (a 400 from the
+# parser or from here). The one valid body counted higher than ``scan`` counts is one with a key
+# repeated, whose earlier value the parser reads and then drops: refusing that is wanted.
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\[\s\S]?[^"\\]*+)*+(?:"|\Z)')
+_INT_LIST = re.compile(rb"\[[0-9, \t\n\r-]*+\]")
+_EMPTY_LIST = re.compile(rb"\[[ \t\n\r]*+\]")
+_MAX_PIECES = 65_536
+_OBJECT_START = re.compile(rb"[ \t\n\r]*\{")  # scan runs on objects only: anything else fails as before
+# One token of the walk that names the field (``_field_with_most_ids``): a string, an all-integer
+# list, or a structural byte; everything else (numbers, literals, whitespace) is skipped.
+_TOKEN = re.compile(rb'(?P<string>"[^"\\]*+(?:\\[\s\S]?[^"\\]*+)*+(?:"|\Z))|(?P<ints>\[[0-9, \t\n\r-]*+\])|[\[\]{}:]')
+
+
+def excess_token_ids(body: bytes) -> PydanticCustomError | None:
+    """``scan``'s refusal of a body holding more than MAX_TOKEN_IDS token ids, decided on ``body``'s
+    bytes before it is parsed (see the comment above for why the count is exact), or None.
+
+    Costs two ``bytes.count`` passes for a body that cannot hold that many ids, and a few regex passes
+    in C (~15 ms for a 4 MiB prompt of ids) for one that might; only a refused body is walked again,
+    token by token (a prompt of ids is a handful of tokens), to name its field.
+    """
+    if len(body) <= 2 * MAX_TOKEN_IDS or body.count(b",") + body.count(b"]") <= MAX_TOKEN_IDS:
+        return None
+    if body.count(b"[") + body.count(b'"') // 2 > _MAX_PIECES or not _OBJECT_START.match(body):
+        return None
+    if _int_list_items(body) <= MAX_TOKEN_IDS:
+        return None
+    if _int_list_items(_JSON_STRING.sub(b'""', body)) <= MAX_TOKEN_IDS:
+        return None
+    return body_limit(f"the request holds more than {MAX_TOKEN_IDS} token ids", _field_with_most_ids(body))
+
+
+def _int_list_items(body: bytes) -> int:
+    """Integers in the all-integer lists of ``body``: exact once its strings are blanked (all ``""``),
+    an upper bound before."""
+    rest, lists = _INT_LIST.subn(b"", body)
+    empty = len(_EMPTY_LIST.findall(body))
+    return body.count(b",") - rest.count(b",") + lists - empty
+
+
+# Tokens the naming walk reads at most (a refused body only; ~0.1 s of Python, which lets other threads
+# run every 5 ms): a prompt of ids is a handful of tokens, a body that passed the _MAX_PIECES gate fewer.
+_NAMING_TOKENS = 4 * _MAX_PIECES
+
+
+def _field_with_most_ids(body: bytes) -> str | None:
+    """The top-level key whose value holds the most token ids (the first of equals): the field to
+    name in the refusal (``scan`` names the one it was counting when the total went over, which for
+    the usual body, one prompt of ids, is the same). None where it cannot tell (not JSON, or more
+    than ``_NAMING_TOKENS`` strings, lists and brackets to walk)."""
+    depth, candidate, key = 0, b"", b""
+    counts: dict[bytes, int] = {}
+    for n, token in enumerate(_TOKEN.finditer(body)):
+        if n == _NAMING_TOKENS:  # braces and colons are not gated: not worth more walking to name a field
+            return None
+        text = token[0]
+        if token["string"] is not None:
+            candidate = text if depth == 1 else candidate
+        elif token["ints"] is not None:
+            if depth >= 1 and text.strip(b"[] \t\n\r"):
+                counts[key] = counts.get(key, 0) + text.count(b",") + 1
+        elif text == b":":
+            key = candidate if depth == 1 else key
+        else:
+            depth += 1 if text in b"[{" else -1
+    return _decoded_key(max(counts, key=counts.__getitem__)) if counts else None
+
+
+def _decoded_key(raw: bytes) -> str | None:
+    try:
+        key = json.loads(raw)
+    except ValueError:
+        return None
+    return _where((key,)) if isinstance(key, str) else None
 
 
 # Below this a temperature is greedy decoding (as in vLLM): dividing logits by 1e-300 gave inf/nan

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
+from functools import partial
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from engine.protocol import CacheInspector
 from gateway.deps import EngineDep, TenancyDep, TenantDep
-from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
+from gateway.door import chat_request, prepare_door, refusals_counted, translated, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request
+from gateway.ingress import ScannedBody
 from gateway.pipeline import Accounting, engine_failure, run_choices
 from gateway.routes.completions import PartsDep, record_rejected
-from gateway.schemas import MAX_NAME_CHARS
+from gateway.schemas import MAX_NAME_CHARS, ChatCompletionRequest
 from promptlint.cache_control import RETENTION_SECONDS, TTL_SECONDS
 
 router = APIRouter(prefix="/v1", tags=["cache"])
@@ -32,7 +34,7 @@ router = APIRouter(prefix="/v1", tags=["cache"])
 WARM_TTLS: dict[str, float] = {**TTL_SECONDS, "24h": float(RETENTION_SECONDS["24h"] or 86400.0)}
 
 
-class WarmRequest(BaseModel):
+class WarmRequest(ScannedBody):  # scanned (depth, text, size) like every door's body
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
@@ -60,19 +62,23 @@ async def cache_usage(request: Request, ctx: TenantDep, tenancy: TenancyDep, eng
             "total_tokens": sum(tokens.values())}
 
 
+def _as_chat(body: WarmRequest) -> ChatCompletionRequest:
+    """The chat request that warms ``body``'s prompt: one greedy output token."""
+    chat_body: dict[str, Any] = {"model": body.model, "messages": body.messages, "max_tokens": 1, "temperature": 0}
+    if body.tools:
+        chat_body["tools"] = body.tools
+    if body.user:
+        chat_body["user"] = body.user
+    return chat_request(chat_body)
+
+
 @router.post("/cache/warm")
 async def warm(body: WarmRequest, ctx: TenantDep, parts: PartsDep) -> Any:
     tenancy, router_, engine, metrics, live = parts.tenancy, parts.router, parts.engine, parts.metrics, parts.live
     # Refusals are counted and charged like every door's (issue 16.9): its ledger row, its rpm slot.
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
         _inspector(engine)
-        chat_body: dict[str, Any] = {"model": body.model, "messages": body.messages, "max_tokens": 1,
-                                     "temperature": 0}
-        if body.tools:
-            chat_body["tools"] = body.tools
-        if body.user:
-            chat_body["user"] = body.user
-        chat = chat_request(chat_body)
+        chat = await translated(body.text_chars, ctx, parts, partial(_as_chat, body))
     seconds = WARM_TTLS[body.ttl]
     prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(seconds))
     if prep.backend.kind != "local":

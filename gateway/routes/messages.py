@@ -31,12 +31,13 @@ from gateway.deps import (
     TenancyDep,
     bearer_key,
 )
-from gateway.door import chat_request, prepare_door, refusals_counted, with_retention
+from gateway.door import chat_request, prepare_door, refusals_counted, translated, with_retention
 from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting, Prepared
 from gateway.ports import AuthenticationError, TenantCtx
 from gateway.responder import respond
 from gateway.routes.completions import PartsDep
+from gateway.schemas import ChatCompletionRequest
 from gateway.upstream import ProviderOutput
 from promptlint.cache_control import Breakpoint, CacheControlError, parse_breakpoints
 
@@ -97,17 +98,22 @@ def _breakpoint_tokens(engine: EngineClient, prep: Prepared, body: MessagesReque
     return _common_prefix(ids, full)
 
 
+def _as_chat(body: MessagesRequest) -> tuple[list[Breakpoint], ChatCompletionRequest]:
+    """The body's cache breakpoints (checked: a bad one is a 400) and the chat request it becomes."""
+    try:
+        breakpoints = parse_breakpoints(body.model_dump())
+    except CacheControlError as exc:
+        raise invalid_request(str(exc), param=exc.param) from None
+    return breakpoints, chat_request(chat_body(body))
+
+
 @router.post("/messages/count_tokens")
 async def count_tokens(
     body: CountTokensRequest, ctx: AnthropicTenantDep, parts: PartsDep) -> Any:
     """The prompt's tokens as the local engine counts them (admitted like a request, not run, no ledger row)."""
     tenancy, metrics, live = parts.tenancy, parts.metrics, parts.live
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
-        try:
-            parse_breakpoints(body.model_dump())
-        except CacheControlError as exc:
-            raise invalid_request(str(exc), param=exc.param) from None
-        chat = chat_request(chat_body(body))
+        _, chat = await translated(body.text_chars, ctx, parts, partial(_as_chat, body))
     prep = await prepare_door(chat, ctx, parts)
     if prep.backend.kind != "local":
         raise invalid_request(f"model {body.model!r} is not served by the local engine; its tokens cannot be "
@@ -120,11 +126,7 @@ async def create_message(
     body: MessagesRequest, request: Request, ctx: AnthropicTenantDep, parts: PartsDep) -> Any:
     tenancy, router_, engine, metrics, live = parts.tenancy, parts.router, parts.engine, parts.metrics, parts.live
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
-        try:
-            breakpoints = parse_breakpoints(body.model_dump())
-        except CacheControlError as exc:
-            raise invalid_request(str(exc), param=exc.param) from None
-        chat = chat_request(chat_body(body))
+        breakpoints, chat = await translated(body.text_chars, ctx, parts, partial(_as_chat, body))
     prep = await prepare_door(chat, ctx, parts)
     written_upto = long_upto = 0
     if breakpoints and prep.backend.kind == "local" and engine is not None:

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 from fastapi import APIRouter, Request
 
 from gateway.deps import TenancyDep, TenantDep
-from gateway.door import chat_request, prepare_door, refusals_counted, whole_prompt_for
+from gateway.door import chat_request, prepare_door, refusals_counted, translated, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request, render
 from gateway.pipeline import Accounting
 from gateway.ports import TenancyError, TenancyPort, TenantCtx, tenancy_error
@@ -29,6 +29,7 @@ from gateway.responses_api import (
     not_found,
 )
 from gateway.routes.completions import PartsDep
+from gateway.schemas import ChatCompletionRequest
 from promptlint.cache_control import CacheControlError, retention_seconds
 
 router = APIRouter(prefix="/v1", tags=["responses"])
@@ -51,6 +52,13 @@ def _store(tenancy: TenancyPort) -> ResponseStore:
     return tenancy
 
 
+def _as_chat(body: ResponsesRequest, history: list[dict[str, Any]]
+             ) -> tuple[list[dict[str, Any]], ChatCompletionRequest]:
+    """The conversation so far with this request's input, and the chat request it becomes."""
+    conversation = history + input_messages(body)
+    return conversation, chat_request(chat_body(body, history, conversation))
+
+
 @router.post("/responses")
 async def create_response(
     body: ResponsesRequest, request: Request, ctx: TenantDep, parts: PartsDep) -> Any:
@@ -68,8 +76,7 @@ async def create_response(
             retention = retention_seconds(body.prompt_cache_retention)
         except CacheControlError as exc:
             raise invalid_request(str(exc), param=exc.param) from None
-        conversation = history + input_messages(body)
-        chat = chat_request(chat_body(body, history, conversation))
+        conversation, chat = await translated(body.text_chars, ctx, parts, partial(_as_chat, body, history))
     prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(retention), fields=RESPONSES_FIELDS)
     prep.request_id = new_response_id()
 
