@@ -11,14 +11,19 @@ import asyncio
 import json
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import jsonschema
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.disagg.api import DisaggConfig, Role
+from engine.disagg.metrics import TransferMetrics
+from engine.disagg.node import DisaggEngine
 from engine.guided import (
     COMPILES_QUEUED_PER_TENANT,
     CompileQueueFullError,
@@ -588,3 +593,29 @@ def test_awaited_compiles_keep_their_errors_and_are_never_cancelled(async_engine
     assert not shared.cancelled() and shared.exception() is None, "a waiter giving up cancelled the shared compile"
     assert grammars.submit(_owned(spec, ALICE)) is shared  # still the one compile, now cached
 
+
+def test_a_split_nodes_lookup_never_holds_a_shared_thread_through_a_compile(async_engine):
+    """Audit (isolation): a prefill/decode node's KV lookup prepared the request in the event
+    loop's default executor, waiting there for a guided request's compile (up to 5 s): alice's
+    slow schemas held those threads, which every tenant's lookups and KV sends share. Now the
+    compile is awaited on the event loop: with the executor at one thread (a full pool), bob's
+    lookup answers while alice's compile is held, and alice's once it ends."""
+    eng, grammars = async_engine
+    node = DisaggEngine(eng, eng.engine.runner, DisaggConfig(Role.PREFILL, node_token="t"),
+                        TransferMetrics(CollectorRegistry()))
+    alice = req("alice", tenant=ALICE, guided=GuidedSpec(json_schema=json.dumps(SCHEMA)))
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        alice_lookup = asyncio.create_task(node.lookup(alice))
+        await asyncio.wait_for(_until_compiling(grammars, ALICE, (1, 0)), 30)
+        bob = await asyncio.wait_for(node.lookup(req("bob", tenant=BOB)), 30)
+        alice_waited = not alice_lookup.done()
+        grammars.gate.set()
+        (alice_out,) = await asyncio.wait_for(asyncio.gather(alice_lookup, return_exceptions=True), 30)
+        return bob, alice_waited, alice_out
+
+    bob, alice_waited, alice_out = asyncio.run(main())
+    assert bob.prompt_tokens > 0
+    assert alice_waited, f"bob's lookup waited for alice's compile; alice got {alice_out!r}"
+    assert alice_out.prompt_tokens > 0
