@@ -51,7 +51,7 @@ def sampler_bench(runner, device: str, rows: int, iters: int) -> list[dict]:
     sampler = runner.sampler
     vocab = runner.spec.vocab_size
     spec = GuidedSpec(json_schema=json.dumps(SCHEMA))
-    runner.check_grammar(spec)
+    runner.grammars.check(spec)
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(device)
     free, guided = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, guided=spec)
     prefix = runner.tokenizer.encode('{"city":"Oslo","rain":')  # a mid-value state: a real mask

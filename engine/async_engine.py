@@ -3,7 +3,8 @@
     event loop (gateway)                         engine thread
     ---------------------                        -------------
     generate(req): prepare (tokenize, validate:
-                   in the tokenizer thread for text)
+                   in the prepare thread for text;
+                   a grammar's compile awaited here)
                    queue "add" + wake  ───────►  drain adds/aborts
                                                  step() while requests are unfinished
     await per-request asyncio.Queue  ◄─────────  loop.call_soon_threadsafe(queue.put_nowait, out)
@@ -28,7 +29,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from engine.llm_engine import LLMEngine
+from engine.guided import await_compiled
+from engine.llm_engine import LLMEngine, PreparedRequest, grammar_refusals
 from engine.protocol import (
     AbortReport,
     EngineError,
@@ -71,8 +73,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
-        # One thread for prepare() of requests that need it (text prompts, grammars, logprobs); the
+        # One thread for prepare of requests that need it (text prompts, grammars, logprobs); the
         # gateway tokenizes in its own per-tenant threads (gateway.tenant_threads) and hands ids.
+        # A grammar's compile is waited for on the event loop, never here (``_prepare``).
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixgate-tokenize")
         self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
         self._thread.start()
@@ -82,15 +85,7 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
-        # Tokenizing text can take seconds, and compiling a grammar (or the first token-bytes table)
-        # a while: both in the tokenizer thread, so the event loop keeps serving (issue 16.2). Token
-        # ids alone only need a bounds check, which is cheaper than the thread hop.
-        if (request.prompt_token_ids is None or request.sampling.guided is not None
-                or request.sampling.logprobs is not None):
-            loop = asyncio.get_running_loop()
-            req = await loop.run_in_executor(self._tokenizer, self.engine.prepare, request)
-        else:
-            req = self.engine.prepare(request)  # raises PromptTooLongError & co before anything is queued
+        req = await self._prepare(request)  # raises PromptTooLongError & co before anything is queued
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._lock:
@@ -116,6 +111,23 @@ class AsyncEngine:
                     self._aborts.append(request.request_id)
             if not finished:
                 self._wake.set()
+
+    async def _prepare(self, request: GenerateRequest) -> Request:
+        """Tokenize and validate in the prepare thread, then wait for a guided request's grammar
+        here, on the event loop.
+
+        Text can take seconds to tokenize: in that thread, so the event loop keeps serving (issue
+        16.2); token ids alone only need a bounds check, cheaper than the thread hop. The thread
+        only starts a grammar's compile (per-tenant compile workers, engine.guided): a compile may
+        take up to ``grammar_timeout_s`` (5 s), and waited for in that one thread, one tenant's slow
+        schemas would put every other tenant's request behind them."""
+        if (request.prompt_token_ids is None or request.sampling.guided is not None
+                or request.sampling.logprobs is not None):
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self._tokenizer, self.engine.prepare_nowait, request)
+        else:
+            prepared = self.engine.prepare_nowait(request)
+        return await grammar_compiled(self.engine, prepared)
 
     async def abort(self, request_id: str) -> AbortReport | None:
         """Stop the request and return how far its prompt got, once the engine thread has taken the
@@ -255,6 +267,16 @@ class AsyncEngine:
                 self._snapshot = engine.stats()
                 self._wake.wait()
                 self._wake.clear()
+
+
+async def grammar_compiled(engine: LLMEngine, prepared: PreparedRequest) -> Request:
+    """``prepared``'s request once its grammar (if any) has compiled, waited for on the event loop:
+    a thread waiting there would be one that another tenant's request may need. Refusals as
+    ``LLMEngine.prepare`` raises them (400 ``unenforceable_schema``, 429 ``grammar_queue_full``)."""
+    if prepared.grammar is not None:
+        with grammar_refusals():
+            await await_compiled(prepared.grammar, engine.grammar_timeout_s)
+    return prepared.request
 
 
 def prefill_report(req: Request) -> AbortReport:

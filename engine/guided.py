@@ -1,8 +1,8 @@
 """Grammar-constrained decoding with llguidance: compile a ``GuidedSpec``, mask logits per step.
 
-    admission (worker thread)            every step (engine thread, per guided row only)
-    -------------------------            ------------------------------------------------
-    GrammarCompiler.check(spec)          GuidedRow.sync(output_token_ids)   catch up / roll back
+    admission (compile worker)           every step (engine thread, per guided row only)
+    --------------------------           ------------------------------------------------
+    GrammarCompiler.admit(spec)          GuidedRow.sync(output_token_ids)   catch up / roll back
       spec -> Lark grammar text          GuidedRow.fill(bitmask row)        allowed tokens, 1 bit each
       validate under LLParserLimits      GuidedRow.dead_end()               llguidance's error state?
       build a prototype matcher          apply_bitmask(logits, bitmask)     disallowed -> -inf
@@ -13,6 +13,10 @@
       cached per (namespace, spec): done
       once per namespace; the cache is
       shared fairly among tenants
+
+The request's admitter waits for its compile, bounded by COMPILE_TIMEOUT_S: ``AsyncEngine`` on its
+event loop (``await_compiled``), holding no thread, so its prepare thread never waits on one tenant's
+grammar; a synchronous caller in its own thread (``check``, ``wait_compiled``).
 
 A dead end (the matcher in its error state, where it allows only EOS) travels with the sampled
 token (``SampledRow.grammar_dead_end``), and the engine ends that request with
@@ -38,6 +42,7 @@ re-run after a failed batch. A request's matcher therefore always agrees with it
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import re
@@ -103,7 +108,31 @@ def _literal(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
-_Compile = concurrent.futures.Future[llguidance.LLMatcher]
+# One spec's compile: queued, running, its prototype matcher, or its refusal (a ValueError). Shared
+# by every request naming the spec: a waiter gives up on it (timeout, client gone), never cancels it.
+GrammarCompile = concurrent.futures.Future[llguidance.LLMatcher]
+
+
+def _timed_out(timeout_s: float) -> ValueError:
+    return ValueError(f"the grammar did not compile within {timeout_s:g} s; simplify the schema")
+
+
+def wait_compiled(compile_: GrammarCompile, timeout_s: float) -> None:
+    """Block until ``compile_`` is done; its refusal (ValueError) re-raised, or ValueError after
+    ``timeout_s`` (the compile goes on, counted against its tenant, and stays shared)."""
+    try:
+        compile_.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise _timed_out(timeout_s) from None
+
+
+async def await_compiled(compile_: GrammarCompile, timeout_s: float) -> None:
+    """``wait_compiled`` on an event loop, holding no thread while the grammar compiles. Shielded:
+    a timeout or a cancelled caller (its client gone) must not cancel a compile other requests share."""
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compile_)), timeout_s)
+    except TimeoutError:
+        raise _timed_out(timeout_s) from None
 
 
 class CompileQueueFullError(ValueError):
@@ -116,7 +145,7 @@ class _TenantCompiles:
     """One tenant's compiles: how many are running and the ones waiting for its turn."""
 
     running: int = 0
-    queued: deque[tuple[GuidedSpec, _Compile]] = field(default_factory=deque)
+    queued: deque[tuple[GuidedSpec, GrammarCompile]] = field(default_factory=deque)
 
 
 class _FairCache:
@@ -133,7 +162,7 @@ class _FairCache:
             raise ValueError("the grammar cache needs room for at least one compile")
         self.capacity = capacity
         # tenant -> spec -> (when last used, the finished compile); oldest first
-        self._tenants: dict[str, OrderedDict[GuidedSpec, tuple[int, _Compile]]] = {}
+        self._tenants: dict[str, OrderedDict[GuidedSpec, tuple[int, GrammarCompile]]] = {}
         self._size = 0
         self._clock = 0  # use order across tenants: the tie-break between equally large tenants
 
@@ -145,7 +174,7 @@ class _FairCache:
         entries = self._tenants.get(tenant)
         return len(entries) if entries is not None else 0
 
-    def get(self, spec: GuidedSpec) -> _Compile | None:
+    def get(self, spec: GuidedSpec) -> GrammarCompile | None:
         """The compile of ``spec``, now its tenant's most recently used one; None if not kept."""
         entries = self._tenants.get(_tenant_of(spec))
         if entries is None or spec not in entries:
@@ -154,7 +183,7 @@ class _FairCache:
         entries[spec] = (self._tick(), fut)
         return fut
 
-    def put(self, spec: GuidedSpec, fut: _Compile) -> None:
+    def put(self, spec: GuidedSpec, fut: GrammarCompile) -> None:
         """Keep ``fut`` (finished) for ``spec``, evicting per the fair-share rule while over capacity."""
         tenant = _tenant_of(spec)
         entries = self._tenants.setdefault(tenant, OrderedDict())
@@ -214,7 +243,7 @@ class GrammarCompiler:
         # spec -> its compile while queued or running (at most COMPILES_PER_TENANT +
         # COMPILES_QUEUED_PER_TENANT a tenant); then it moves to _done, under the lock, before its
         # waiters wake: a spec is always in exactly one of the two until _done evicts it
-        self._pending: dict[GuidedSpec, _Compile] = {}
+        self._pending: dict[GuidedSpec, GrammarCompile] = {}
         self._done = _FairCache(cache_size)  # spec -> its finished compile: a prototype matcher or the ValueError
         self._tenants: dict[str, _TenantCompiles] = {}  # only tenants with a compile running or queued
         self.compiles = 0  # grammars built so far (each distinct spec once per namespace while it stays cached)
@@ -244,15 +273,19 @@ class GrammarCompiler:
         Each distinct spec is compiled once: its compile (running, done, or refused) is shared by
         every request that names it, so a burst of requests with one schema, or a refused schema
         sent again, costs one compile, and ``matcher`` later copies that compile's prototype."""
+        wait_compiled(self.admit(spec), timeout_s)
+
+    def admit(self, spec: GuidedSpec) -> GrammarCompile:
+        """``check`` without the wait: ``spec``'s compile, started, queued or found (``submit``),
+        for the caller to wait on (``wait_compiled``, or ``await_compiled`` on an event loop). Raises
+        at once, waiting on nothing, for a schema over ``MAX_SCHEMA_BYTES`` (ValueError) or a full
+        tenant queue (``CompileQueueFullError``)."""
         if len(spec.json_schema.encode()) > MAX_SCHEMA_BYTES:
             raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
-        self.warm_up()  # outside the timed part: the bound is the grammar's, not the vocabulary's
-        try:
-            self.submit(spec).result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise ValueError(f"the grammar did not compile within {timeout_s:g} s; simplify the schema") from None
+        self.warm_up()  # before the timed wait: the bound is the grammar's, not the vocabulary's
+        return self.submit(spec)
 
-    def submit(self, spec: GuidedSpec) -> _Compile:
+    def submit(self, spec: GuidedSpec) -> GrammarCompile:
         """The compile of ``spec``: the one already queued, running, finished or refused for its
         owner's namespace, else a new one, started now or queued behind its tenant's own
         (``CompileQueueFullError`` when that queue is full: nothing is queued then)."""
@@ -289,12 +322,12 @@ class GrammarCompiler:
         with self._cache_lock:
             return self._done.held(tenant)
 
-    def _start(self, spec: GuidedSpec, fut: _Compile, tenant: _TenantCompiles) -> None:
+    def _start(self, spec: GuidedSpec, fut: GrammarCompile, tenant: _TenantCompiles) -> None:
         """Run the compile in a worker, counted against ``tenant`` until it ends (caller holds _cache_lock)."""
         tenant.running += 1
         self._pool.submit(self._run, spec, fut)
 
-    def _run(self, spec: GuidedSpec, fut: _Compile) -> None:
+    def _run(self, spec: GuidedSpec, fut: GrammarCompile) -> None:
         result: llguidance.LLMatcher | None = None
         error: BaseException | None = None
         try:

@@ -40,7 +40,7 @@ was scheduled before step n's tokens were read). When a call schedules again aft
 returned: admission then gets them in the same call, as it did.
 
 Thread-safety: none. ``AsyncEngine`` drives one ``LLMEngine`` from a single thread; only
-``prepare()`` (tokenization and validation) may be called from other threads.
+``prepare()`` and ``prepare_nowait()`` (tokenization and validation) may be called from other threads.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from __future__ import annotations
 import time
 from array import array
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from dataclasses import replace as dc_replace
 from typing import Any, Protocol, runtime_checkable
@@ -58,7 +59,7 @@ import numpy as np
 from engine.batch import ScheduledBatch, StepResult
 from engine.computed_prefixes import ComputedPrefixes
 from engine.config import EngineConfig
-from engine.guided import CompileQueueFullError
+from engine.guided import COMPILE_TIMEOUT_S, CompileQueueFullError, GrammarCompile, wait_compiled
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_types import BlockEventObserver, CachePhase, LowerTier
 from engine.metrics import CacheTimer, EngineMetrics
@@ -104,9 +105,10 @@ class Runner(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
-    def check_grammar(self, spec: GuidedSpec) -> None:
-        """Raise ValueError unless ``spec`` compiles within the runner's bounds
-        (``engine.guided.CompileQueueFullError`` when its tenant has too many compiles waiting)."""
+    def admit_grammar(self, spec: GuidedSpec) -> GrammarCompile:
+        """``spec``'s compile, started or found, not waited for (``engine.guided``); ValueError at
+        once for a spec refused without compiling (``CompileQueueFullError`` when its tenant has
+        too many compiles waiting)."""
         ...
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
@@ -137,6 +139,14 @@ class _Launched:
     handle: Any  # the runner's LaunchedStep
     needs_host_tokens: bool  # a grammar row: schedule the next step only after collecting this one
     launched_at: float  # perf_counter
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """``LLMEngine.prepare_nowait``'s answer: the request, valid but for its grammar's compile."""
+
+    request: Request
+    grammar: GrammarCompile | None  # a guided request's compile, to wait on (under grammar_refusals)
 
 
 @dataclass(frozen=True)
@@ -201,6 +211,7 @@ class LLMEngine:
         self.computed_prefixes = ComputedPrefixes()  # the prefixes prefill recomputes most, per label
         # Checked before any render or encode: a prompt that cannot fit costs no tokenizer time.
         self.prompt_bounds = PromptBounds(self.max_model_len, runner.max_token_chars)
+        self.grammar_timeout_s = COMPILE_TIMEOUT_S  # how long admission waits for a grammar's compile
         self._published: dict[str, float] = {}  # totals already added to the Prometheus counters
         self.prefill_tokens = 0
         self.prefill_time_s = 0.0
@@ -240,7 +251,19 @@ class LLMEngine:
             return list(tok.encode(request.prompt)), None
 
     def prepare(self, request: GenerateRequest) -> Request:
-        """Tokenize and validate; raises ``EngineError`` subclasses for requests that cannot run."""
+        """Tokenize and validate; raises ``EngineError`` subclasses for requests that cannot run.
+        Waits here, in the caller's thread, for a guided request's grammar to compile."""
+        prepared = self.prepare_nowait(request)
+        if prepared.grammar is not None:
+            with grammar_refusals():
+                wait_compiled(prepared.grammar, self.grammar_timeout_s)
+        return prepared.request
+
+    def prepare_nowait(self, request: GenerateRequest) -> PreparedRequest:
+        """``prepare`` without waiting for the grammar's compile: it is started (or found) and
+        returned for the caller to wait on, for at most ``grammar_timeout_s``, under
+        ``grammar_refusals``. ``AsyncEngine`` awaits it on its event loop, so its one prepare
+        thread never waits on a tenant's grammar."""
         ids, packed = self._tokenize(request)
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization", part=RequestPart.PROMPT,
@@ -250,7 +273,7 @@ class LLMEngine:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                                       part=RequestPart.PROMPT, code="invalid_value")
         sampling = _with_grammar_owner(request)
-        self._check_sampling(sampling)
+        grammar = self._check_sampling(sampling)
         max_tokens = sampling.max_tokens
         total = len(ids) + max_tokens
         if total > self.max_model_len:
@@ -286,25 +309,24 @@ class LLMEngine:
         self.cache_timer.add(CachePhase.HASH, time.thread_time() - t0)
         ctx = ids[-_DETOK_CONTEXT:]
         req.detok = DetokenizerState(tokens=list(ctx), prefix_offset=0, read_offset=len(ctx))
-        return req
+        return PreparedRequest(req, grammar)
 
-    def _check_sampling(self, sp: SamplingParams) -> None:
-        """Token ids in logit_bias must exist; a grammar must compile within its bounds."""
+    def _check_sampling(self, sp: SamplingParams) -> GrammarCompile | None:
+        """Token ids in logit_bias must exist; a grammar's compile starts (its result: the caller's
+        to wait for), refused at once when its tenant has too many waiting or it is too large."""
         bad = [t for t, _ in sp.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                       part=RequestPart.LOGIT_BIAS, code="invalid_value")
+        grammar = None
         if sp.guided is not None:
-            try:
-                self.runner.check_grammar(sp.guided)
-            except CompileQueueFullError as exc:  # too many in flight: retry, the schema may be fine
-                raise GrammarQueueFullError(str(exc)) from None
-            except ValueError as exc:
-                raise UnenforceableSchemaError(str(exc)) from None
+            with grammar_refusals():
+                grammar = self.runner.admit_grammar(sp.guided)
         if sp.logprobs is not None:
             # the token-bytes table is built on first use (~1 s for a 100k vocabulary): here, on
             # the admitting thread, rather than in the middle of a step
             self.runner.token_bytes(())
+        return grammar
 
     def add_request(self, request: GenerateRequest | Request) -> Request:
         req = request if isinstance(request, Request) else self.prepare(request)
@@ -783,6 +805,18 @@ class LLMEngine:
             "computed_prefixes": self.computed_prefixes.top(),
         }
 
+
+
+@contextmanager
+def grammar_refusals() -> Iterator[None]:
+    """A grammar's refusal (``engine.guided``'s ValueErrors) as the request's error: too many
+    compiles waiting is a 429 to retry (the schema may be fine), anything else a 400."""
+    try:
+        yield
+    except CompileQueueFullError as exc:
+        raise GrammarQueueFullError(str(exc)) from None
+    except ValueError as exc:
+        raise UnenforceableSchemaError(str(exc)) from None
 
 
 def _with_grammar_owner(request: GenerateRequest) -> SamplingParams:

@@ -31,7 +31,7 @@ from engine.batch import BlockCopy, ScheduledBatch, SequenceChunk, StepResult
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, TokenFeed, graph_batch_sizes
 from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
-from engine.guided import GrammarCompiler
+from engine.guided import GrammarCompile, GrammarCompiler
 from engine.host_to_device import host_tensor, tensor_to_device, to_device
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
 from engine.models.chat_render import render_chat_ids
@@ -512,9 +512,9 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
 
-    def check_grammar(self, spec: GuidedSpec) -> None:
-        """Raise ValueError unless ``spec`` compiles within the bounds (engine.guided)."""
-        self.grammars.check(spec)
+    def admit_grammar(self, spec: GuidedSpec) -> GrammarCompile:
+        """``spec``'s compile, not waited for (``engine.guided.GrammarCompiler.admit``)."""
+        return self.grammars.admit(spec)
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         return self.grammars.token_bytes(token_ids)

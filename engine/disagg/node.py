@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, grammar_compiled
 from engine.disagg.api import (
     DisaggConfig,
     HandoffReport,
@@ -173,7 +173,7 @@ class DisaggEngine:
         return advertise(address, (CUDA_IPC,) if on_gpu else ())
 
     async def lookup(self, request: GenerateRequest) -> LookupResult:
-        req = await asyncio.to_thread(self.inner.engine.prepare, request)  # prepare is thread-safe
+        req = await self._prepare(request)
 
         receiver = self.receiver_address() or ""
 
@@ -197,7 +197,7 @@ class DisaggEngine:
         if last.finish_reason == "error":
             raise InvalidRequestError(f"prefill failed: {last.error}")
         self.metrics.prefill_seconds.observe(prefill_s)
-        req = await asyncio.to_thread(self.inner.engine.prepare, request)  # tokenize off the engine thread
+        req = await self._prepare(request)
         transport = choose_transport(address, self._key, self.layout, device=str(self.runner.device),
                                      blocks_per_chunk=self.config.blocks_per_chunk)
         on_device = transport.staging_device != "cpu"
@@ -210,6 +210,13 @@ class DisaggEngine:
             self.metrics.failures.labels("send", report.status.value).inc()
         self._count(f"sent_{report.status.value}")
         return HandoffReport(last.prompt_tokens, last.cached_tokens, prefill_s, report)
+
+    async def _prepare(self, request: GenerateRequest) -> Request:
+        """Tokenize off the engine thread (prepare is thread-safe); a grammar's compile is awaited
+        here, not in that thread: waiting there, one tenant's slow schemas held the default
+        executor's threads that every tenant's requests and KV sends share."""
+        engine = self.inner.engine
+        return await grammar_compiled(engine, await asyncio.to_thread(engine.prepare_nowait, request))
 
     def _send(self, request: GenerateRequest, exported: ExportedPrefix, transport: KVTransport) -> TransferReport:
         if not exported.hashes:

@@ -102,7 +102,7 @@ class FakeRunner:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
-    def check_grammar(self, spec) -> None:
+    def admit_grammar(self, spec):
         raise ValueError("the fake runner has no grammar support")
 
     def token_bytes(self, token_ids) -> list[bytes]:

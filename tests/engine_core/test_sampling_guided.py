@@ -7,16 +7,23 @@ still parse and validate, which is what these tests check.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import jsonschema
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.disagg.api import DisaggConfig, Role
+from engine.disagg.metrics import TransferMetrics
+from engine.disagg.node import DisaggEngine
 from engine.guided import (
     COMPILES_QUEUED_PER_TENANT,
     CompileQueueFullError,
@@ -24,7 +31,7 @@ from engine.guided import (
     apply_bitmask,
     bitmask_words,
 )
-from engine.launch import build_llm_engine
+from engine.launch import build_engine, build_llm_engine
 from engine.llm_engine import LLMEngine
 from engine.protocol import (
     GenerateRequest,
@@ -491,3 +498,124 @@ def test_a_tenants_compile_queue_is_bounded_and_the_engine_answers_429(engine, g
     for fut in (*alices, bobs):
         fut.result(timeout=60)
     grammars.check(_small_spec("one more", ALICE))  # the queue drained: accepted again
+
+
+# ------------------------------------------------------------------ AsyncEngine: a held compile holds up nobody else
+
+@pytest.fixture
+def async_engine(tiny_model_dir, monkeypatch):
+    """A serving ``AsyncEngine`` (the real composition root) whose grammars compile behind a gate."""
+    eng = build_engine(EngineConfig(model_dir=tiny_model_dir, block_size=16, num_kv_blocks=64))
+    grammars = GatedCompiler(eng.engine, cache_size=64)
+    monkeypatch.setattr(eng.engine.runner, "grammars", grammars)  # admission checks with it
+    monkeypatch.setattr(eng.engine.runner.sampler, "grammars", grammars)  # and the sampler copies its compiles
+    try:
+        yield eng, grammars
+    finally:
+        grammars.gate.set()
+        eng.shutdown()
+
+
+async def _collect(eng: AsyncEngine, request: GenerateRequest) -> tuple[list[int], str | None]:
+    ids: list[int] = []
+    finish = None
+    async for out in eng.generate(request):
+        ids += out.new_token_ids
+        finish = out.finish_reason
+    return ids, finish
+
+
+async def _until_compiling(grammars: GrammarCompiler, scope: StaticTenantScope, expected: tuple[int, int]) -> None:
+    while grammars.compiling(scope.tenant_key.hex()) != expected:
+        await asyncio.sleep(0.005)
+
+
+def test_a_tenants_held_compile_never_delays_another_tenants_request(async_engine):
+    """Audit (isolation): ``AsyncEngine`` prepared requests on one thread, and a guided request's
+    prepare waited there for its grammar's compile (up to the 5 s bound): bob's requests queued
+    behind each of alice's slow schemas, his TTFT growing by up to 5 s per schema. Now the compile
+    is awaited on the event loop: while alice's compile is held, bob's text request and his
+    token-id request with logprobs (both go through the prepare thread) finish, and alice's request
+    runs once its compile ends."""
+    eng, grammars = async_engine
+    alice = req("alice", tenant=ALICE, max_tokens=24, guided=GuidedSpec(json_schema=json.dumps(SCHEMA)))
+    bob_text = req("bob-text", tenant=BOB, max_tokens=3)
+    bob_ids = GenerateRequest("bob-ids", BOB, SamplingParams(max_tokens=3, temperature=0.0, logprobs=1),
+                              prompt_token_ids=[5, 6, 7, 8])
+
+    async def main():
+        alice_task = asyncio.create_task(_collect(eng, alice))
+        await asyncio.wait_for(_until_compiling(grammars, ALICE, (1, 0)), 30)  # held at the gate
+        bobs = await asyncio.wait_for(asyncio.gather(_collect(eng, bob_text), _collect(eng, bob_ids)), 30)
+        alice_waited = not alice_task.done() and grammars.compiling(ALICE.tenant_key.hex()) == (1, 0)
+        grammars.gate.set()
+        (alice_out,) = await asyncio.wait_for(asyncio.gather(alice_task, return_exceptions=True), 30)
+        return bobs, alice_waited, alice_out
+
+    bobs, alice_waited, alice_out = asyncio.run(main())
+    assert [len(ids) for ids, _ in bobs] == [3, 3]
+    assert alice_waited, f"bob's requests waited for alice's compile; alice got {alice_out!r}"
+    alice_ids, alice_finish = alice_out
+    assert alice_finish in ("stop", "length") and alice_ids
+
+
+def test_awaited_compiles_keep_their_errors_and_are_never_cancelled(async_engine):
+    """The compile awaited on the event loop answers as the prepare thread's wait did: past the
+    bound a 400 ``unenforceable_schema`` with the same message, a full tenant queue a 429, a
+    refused schema its 400; neither a timeout nor a client gone cancels the compile, which other
+    requests share: it finishes, and the same schema is then a cache hit."""
+    eng, grammars = async_engine
+    eng.engine.grammar_timeout_s = 0.2
+    spec = GuidedSpec(json_schema=json.dumps(SCHEMA))
+
+    async def main():
+        with pytest.raises(UnenforceableSchemaError, match=r"did not compile within 0\.2 s; simplify the schema") as late:
+            await _collect(eng, req("late", tenant=ALICE, max_tokens=4, guided=spec))
+        gone = asyncio.create_task(_collect(eng, req("gone", tenant=ALICE, max_tokens=4, guided=spec)))
+        await asyncio.sleep(0.05)
+        gone.cancel()  # the client went away while its grammar compiled
+        for i in range(COMPILES_QUEUED_PER_TENANT):
+            grammars.submit(_small_spec(f"alice {i}", ALICE))
+        with pytest.raises(GrammarQueueFullError, match="waiting to compile") as full:
+            await _collect(eng, req("full", tenant=ALICE, max_tokens=4,
+                                    guided=GuidedSpec(json_schema=json.dumps({**SCHEMA, "title": "one more"}))))
+        shared = grammars.submit(_owned(spec, ALICE))  # the compile "late" and "gone" waited on
+        grammars.gate.set()
+        ok = await asyncio.wait_for(_collect(eng, req("ok", tenant=ALICE, max_tokens=4, guided=spec)), 30)
+        with pytest.raises(UnenforceableSchemaError, match="cannot be enforced") as bad:
+            await _collect(eng, req("bad", tenant=BOB, guided=GuidedSpec(json_schema='{"type": "no such type"}')))
+        return late.value, full.value, bad.value, gone.cancelled(), shared, ok
+
+    late, full, bad, gone_cancelled, shared, (ok_ids, _) = asyncio.run(main())
+    assert (late.status, late.code, bad.status, bad.code) == (400, "unenforceable_schema", 400, "unenforceable_schema")
+    assert (full.status, full.code, full.retry_after_s) == (429, "grammar_queue_full", 1)
+    assert gone_cancelled and ok_ids
+    assert not shared.cancelled() and shared.exception() is None, "a waiter giving up cancelled the shared compile"
+    assert grammars.submit(_owned(spec, ALICE)) is shared  # still the one compile, now cached
+
+
+def test_a_split_nodes_lookup_never_holds_a_shared_thread_through_a_compile(async_engine):
+    """Audit (isolation): a prefill/decode node's KV lookup prepared the request in the event
+    loop's default executor, waiting there for a guided request's compile (up to 5 s): alice's
+    slow schemas held those threads, which every tenant's lookups and KV sends share. Now the
+    compile is awaited on the event loop: with the executor at one thread (a full pool), bob's
+    lookup answers while alice's compile is held, and alice's once it ends."""
+    eng, grammars = async_engine
+    node = DisaggEngine(eng, eng.engine.runner, DisaggConfig(Role.PREFILL, node_token="t"),
+                        TransferMetrics(CollectorRegistry()))
+    alice = req("alice", tenant=ALICE, guided=GuidedSpec(json_schema=json.dumps(SCHEMA)))
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        alice_lookup = asyncio.create_task(node.lookup(alice))
+        await asyncio.wait_for(_until_compiling(grammars, ALICE, (1, 0)), 30)
+        bob = await asyncio.wait_for(node.lookup(req("bob", tenant=BOB)), 30)
+        alice_waited = not alice_lookup.done()
+        grammars.gate.set()
+        (alice_out,) = await asyncio.wait_for(asyncio.gather(alice_lookup, return_exceptions=True), 30)
+        return bob, alice_waited, alice_out
+
+    bob, alice_waited, alice_out = asyncio.run(main())
+    assert bob.prompt_tokens > 0
+    assert alice_waited, f"bob's lookup waited for alice's compile; alice got {alice_out!r}"
+    assert alice_out.prompt_tokens > 0
