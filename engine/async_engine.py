@@ -3,8 +3,9 @@
     event loop (gateway)                         engine thread
     ---------------------                        -------------
     generate(req): prepare (tokenize, validate:
-                   in the prepare thread for text;
-                   a grammar's compile awaited here)
+                   in its tenant's prepare lane for
+                   text; a grammar's compile awaited
+                   here)
                    queue "add" + wake  ───────►  drain adds/aborts
                                                  step() while requests are unfinished
     await per-request asyncio.Queue  ◄─────────  loop.call_soon_threadsafe(queue.put_nowait, out)
@@ -14,8 +15,9 @@
     await abort(id)  ◄─────────────────────────  its AbortReport (between two steps)
                                                  idle: sleeps on an Event (never busy-spins)
 
-Only the engine thread touches the ``LLMEngine`` after construction (tokenization in
-``generate``/``count_prompt_tokens`` borrows its own tokenizer copy: ``engine.tokenizer_pool``). ``stats`` reads a
+Only the engine thread touches the ``LLMEngine`` after construction, but for ``prepare_nowait``
+(thread-safe: tokenization in the prepare lanes and ``count_prompt_tokens`` borrows its own
+tokenizer copy, ``engine.tokenizer_pool``; the grammar compiler and the cache timer lock). ``stats`` reads a
 snapshot the thread publishes after every step, so it never waits for a step to end.
 """
 
@@ -26,7 +28,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.guided import await_compiled
@@ -38,10 +40,12 @@ from engine.protocol import (
     GenerateRequest,
     InvalidRequestError,
     ModelCard,
+    PrepareQueueFullError,
     RequestOutput,
     TenantScope,
 )
 from engine.request import Request
+from engine.tenant_lanes import LaneFullError, LanesClosedError, TenantLanes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,10 +77,13 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._snapshot: dict[str, Any] = engine.stats()
-        # One thread for prepare of requests that need it (text prompts, grammars, logprobs); the
-        # gateway tokenizes in its own per-tenant threads (gateway.tenant_threads) and hands ids.
-        # A grammar's compile is waited for on the event loop, never here (``_prepare``).
-        self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixgate-tokenize")
+        # Threads that prepare the requests that need it (text prompts, grammars, logprobs), one
+        # at a time per tenant (engine.tenant_lanes): a gateway tokenizes in its own per-tenant
+        # threads and hands ids, but a node's, the CLI's and a library caller's text comes here.
+        # A grammar's compile is waited for on the event loop, never in a lane (``prepare``).
+        self._lanes = TenantLanes(workers=engine.config.prepare_workers,
+                                  queued_per_tenant=engine.config.prepare_queued_per_tenant,
+                                  name="prefixgate-prepare")
         self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
         self._thread.start()
 
@@ -85,7 +92,7 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
-        req = await self._prepare(request)  # raises PromptTooLongError & co before anything is queued
+        req = await self.prepare(request)  # raises PromptTooLongError & co before anything is queued
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._lock:
@@ -112,22 +119,43 @@ class AsyncEngine:
             if not finished:
                 self._wake.set()
 
-    async def _prepare(self, request: GenerateRequest) -> Request:
-        """Tokenize and validate in the prepare thread, then wait for a guided request's grammar
-        here, on the event loop.
+    async def prepare(self, request: GenerateRequest) -> Request:
+        """Tokenize and validate in the request's tenant's prepare lane, then wait for a guided
+        request's grammar here, on the event loop. Raises what ``LLMEngine.prepare`` raises, and
+        ``PrepareQueueFullError`` (429) when its tenant has too many requests waiting there.
 
-        Text can take seconds to tokenize: in that thread, so the event loop keeps serving (issue
-        16.2); token ids alone only need a bounds check, cheaper than the thread hop. The thread
-        only starts a grammar's compile (per-tenant compile workers, engine.guided): a compile may
-        take up to ``grammar_timeout_s`` (5 s), and waited for in that one thread, one tenant's slow
-        schemas would put every other tenant's request behind them."""
+        Text can take seconds to tokenize: off the event loop, so it keeps serving (issue 16.2),
+        and in the tenant's own lane, so one tenant's 1 s chat render never queues another's
+        request behind it; token ids alone only need a bounds check, cheaper than the thread hop.
+        The lane only starts a grammar's compile (per-tenant compile workers, engine.guided): a
+        compile may take up to ``grammar_timeout_s`` (5 s), and waited for in the lane, it would
+        hold a prepare thread that other tenants need."""
         if (request.prompt_token_ids is None or request.sampling.guided is not None
                 or request.sampling.logprobs is not None):
-            loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._tokenizer, self.engine.prepare_nowait, request)
+            prepared = await self._in_lane(request)
         else:
             prepared = self.engine.prepare_nowait(request)
         return await grammar_compiled(self.engine, prepared)
+
+    async def _in_lane(self, request: GenerateRequest) -> PreparedRequest:
+        """``prepare_nowait(request)`` in its tenant's lane; a caller that goes away while it waits
+        there takes it out of the queue (cancelling the awaited future cancels the lane's job)."""
+        try:
+            job = self._lanes.submit(request.tenant.tenant_key, self.engine.prepare_nowait, request)
+        except LaneFullError:
+            raise PrepareQueueFullError(
+                f"too many of your requests are waiting to be prepared ({self.engine.config.prepare_queued_per_tenant} "
+                "queued behind the one being tokenized); retry when they are done") from None
+        except LanesClosedError:
+            raise EngineShutDownError("the engine is shutting down") from None
+        try:
+            return await asyncio.wrap_future(job)
+        except LanesClosedError:
+            raise EngineShutDownError("the engine is shutting down") from None
+
+    def preparing(self, tenant: TenantScope) -> tuple[int, int]:
+        """(being prepared, waiting for that) requests of ``tenant`` in its prepare lane."""
+        return self._lanes.load(tenant.tenant_key)
 
     async def abort(self, request_id: str) -> AbortReport | None:
         """Stop the request and return how far its prompt got, once the engine thread has taken the
@@ -181,7 +209,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
-        self._tokenizer.shutdown(wait=False, cancel_futures=True)
+        self._lanes.close()
 
     # ------------------------------------------------------------------ engine thread
 

@@ -44,6 +44,10 @@ class EngineConfig:
     enable_prefix_caching: off = every request computes its whole prompt (for comparisons).
     eviction_policy: "cost" (reuse frequency x recompute cost) or "lru".
     max_waiting: most queued requests before generate() raises EngineOverloadedError.
+    prepare_workers: threads that prepare requests (chat render, tokenization, validation) off the
+        event loop; each tenant uses at most one at a time (engine.tenant_lanes).
+    prepare_queued_per_tenant: most requests of one tenant waiting behind its one being prepared;
+        more: generate() raises PrepareQueueFullError (429).
     seed: seeds the model's random weights where a test builds one, and default sampling.
     num_threads: torch intra-op threads for CPU compute (process-wide); None = torch's default.
     use_cuda_graphs: on a CUDA device, replay decode steps (and one-sequence prefill steps of up to
@@ -74,6 +78,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicyName = "cost"
     max_waiting: int = 4096
+    prepare_workers: int = 4
+    prepare_queued_per_tenant: int = 64
     use_cuda_graphs: bool = True
     prefill_graph_tokens: int = 512
     dram_bytes: int = 0
@@ -92,6 +98,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {'/'.join(COMPUTE_DTYPES)} (or bf16/fp16/fp32), got {self.dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {'/'.join(KV_DTYPES)} (or bf16/fp16/fp32), got {self.kv_dtype!r}")
+        if self.prepare_workers < 1 or self.prepare_queued_per_tenant < 0:
+            raise ValueError(f"prepare_workers must be >= 1 and prepare_queued_per_tenant >= 0, got "
+                             f"{self.prepare_workers} and {self.prepare_queued_per_tenant}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.nvme_dir is not None:

@@ -15,7 +15,7 @@
       shared fairly among tenants
 
 The request's admitter waits for its compile, bounded by COMPILE_TIMEOUT_S: ``AsyncEngine`` on its
-event loop (``await_compiled``), holding no thread, so its prepare thread never waits on one tenant's
+event loop (``await_compiled``), holding no thread, so its prepare lanes never wait on one tenant's
 grammar; a synchronous caller in its own thread (``check``, ``wait_compiled``).
 
 A dead end (the matcher in its error state, where it allows only EOS) travels with the sampled

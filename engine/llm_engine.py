@@ -262,8 +262,10 @@ class LLMEngine:
     def prepare_nowait(self, request: GenerateRequest) -> PreparedRequest:
         """``prepare`` without waiting for the grammar's compile: it is started (or found) and
         returned for the caller to wait on, for at most ``grammar_timeout_s``, under
-        ``grammar_refusals``. ``AsyncEngine`` awaits it on its event loop, so its one prepare
-        thread never waits on a tenant's grammar."""
+        ``grammar_refusals``. ``AsyncEngine`` awaits it on its event loop, so its prepare lanes
+        never wait on a tenant's grammar. Thread-safe: ``AsyncEngine`` calls it from several
+        prepare threads at once (each render or encode borrows its own tokenizer copy; the
+        grammar compiler and the cache timer take their own locks; the rest reads only)."""
         ids, packed = self._tokenize(request)
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization", part=RequestPart.PROMPT,

@@ -381,6 +381,16 @@ class GrammarQueueFullError(EngineError):
     retry_after_s = 1
 
 
+class PrepareQueueFullError(EngineError):
+    """The tenant already has the most requests waiting to be prepared (rendered, tokenized) that
+    one tenant may (``EngineConfig.prepare_queued_per_tenant``, behind its one being prepared): a
+    new one is refused before any work is queued. Too many in flight: a 429 to retry shortly."""
+
+    status = 429
+    code = "prepare_queue_full"
+    retry_after_s = 1
+
+
 class EngineOverloadedError(EngineError):
     """The engine's waiting queue is full; retry later."""
 

@@ -14,8 +14,8 @@ So each concurrent user borrows its own deep copy::
             ◄─ returned to the free list on exit (no lock held while it is used)
 
 Copies are made on demand and kept: their number is the peak number of threads tokenizing at
-once (the gateway's tokenize workers, the engine's prepare thread and its step thread: a few),
-each the size of the tokenizer (tens of MB for a 100k vocabulary). The chat template's compiled
+once (the gateway's tokenize workers, the engine's ``prepare_workers`` lane threads and its step
+thread: a few), each the size of the tokenizer (tens of MB for a 100k vocabulary). The chat template's compiled
 Jinja object is cached by ``transformers`` per template text and is safe to render from several
 threads (every render has its own context). The Rust encoder releases the GIL, so two tenants'
 encodes really run at the same time; a Jinja render is Python and shares the GIL.

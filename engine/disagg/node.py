@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.async_engine import AsyncEngine, grammar_compiled
+from engine.async_engine import AsyncEngine
 from engine.disagg.api import (
     DisaggConfig,
     HandoffReport,
@@ -212,11 +212,11 @@ class DisaggEngine:
         return HandoffReport(last.prompt_tokens, last.cached_tokens, prefill_s, report)
 
     async def _prepare(self, request: GenerateRequest) -> Request:
-        """Tokenize off the engine thread (prepare is thread-safe); a grammar's compile is awaited
-        here, not in that thread: waiting there, one tenant's slow schemas held the default
-        executor's threads that every tenant's requests and KV sends share."""
-        engine = self.inner.engine
-        return await grammar_compiled(engine, await asyncio.to_thread(engine.prepare_nowait, request))
+        """Tokenize off the engine thread, in the request's tenant's prepare lane, and await a
+        grammar's compile on the event loop (``AsyncEngine.prepare``). Done in the event loop's
+        default executor, the threads every tenant's lookups and KV sends share, one tenant's
+        long renders or slow schemas held them all."""
+        return await self.inner.prepare(request)
 
     def _send(self, request: GenerateRequest, exported: ExportedPrefix, transport: KVTransport) -> TransferReport:
         if not exported.hashes:
