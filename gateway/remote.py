@@ -52,6 +52,7 @@ from engine.protocol import (
     GrammarQueueFullError,
     InvalidRequestError,
     ModelCard,
+    PrepareQueueFullError,
     PromptTooLongError,
     RequestOutput,
 )
@@ -63,6 +64,7 @@ _BY_CODE: dict[str, type[EngineError]] = {
     PromptTooLongError.code: PromptTooLongError,
     EngineOverloadedError.code: EngineOverloadedError,
     GrammarQueueFullError.code: GrammarQueueFullError,  # keeps its retry hint
+    PrepareQueueFullError.code: PrepareQueueFullError,  # likewise
 }
 HEALTH_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0  # NodeTimeouts' defaults (GatewaySettings.node_connect_timeout_s / node_read_timeout_s)

@@ -17,7 +17,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine.protocol import GenerateRequest, GrammarQueueFullError, SamplingParams, StaticTenantScope
+from engine.protocol import (
+    EngineError,
+    GenerateRequest,
+    GrammarQueueFullError,
+    PrepareQueueFullError,
+    SamplingParams,
+    StaticTenantScope,
+)
 from gateway.app import create_app
 from gateway.errors import from_engine_error
 from gateway.remote import RemoteEngineClient
@@ -181,11 +188,13 @@ def test_only_a_prefixgate_node_gets_the_tenant_key_and_the_node_counts_by_it() 
     assert plain.tenant_key == plain.namespace == b"\x01\x02"
 
 
-def test_a_nodes_full_grammar_queue_comes_back_as_a_429_with_its_retry_hint() -> None:
-    """A PrefixGate node refuses a schema when its tenant has the most grammar compiles waiting: a
-    429 ``grammar_queue_full`` with ``Retry-After``. The gateway in front must answer its client the
-    same (it once rebuilt an anonymous error: the 429 without the retry hint)."""
-    refusal = from_engine_error(GrammarQueueFullError("too many of your JSON schemas are waiting to compile; retry"))
+@pytest.mark.parametrize("error", [GrammarQueueFullError, PrepareQueueFullError])
+def test_a_nodes_full_tenant_queue_comes_back_as_a_429_with_its_retry_hint(error: type[EngineError]) -> None:
+    """A PrefixGate node refuses a schema when its tenant has the most grammar compiles waiting, and
+    a request when its tenant has the most waiting to be prepared (tokenized): a 429
+    (``grammar_queue_full``, ``prepare_queue_full``) with ``Retry-After``. The gateway in front must
+    answer its client the same (it once rebuilt an anonymous error: the 429 without the retry hint)."""
+    refusal = from_engine_error(error("too many of your requests are waiting; retry"))
     node = Starlette(routes=[Route("/v1/completions", lambda _: refusal.response(), methods=["POST"])])
 
     async def run() -> None:
@@ -199,7 +208,7 @@ def test_a_nodes_full_grammar_queue_comes_back_as_a_429_with_its_retry_hint() ->
 
     with LoopbackServer(node) as srv:
         url = srv.url
-        with pytest.raises(GrammarQueueFullError) as info:
+        with pytest.raises(error) as info:
             asyncio.run(run())
     answer = from_engine_error(info.value)
-    assert (answer.status, answer.code, answer.headers) == (429, "grammar_queue_full", {"retry-after": "1"})
+    assert (answer.status, answer.code, answer.headers) == (429, error.code, {"retry-after": "1"})
