@@ -320,7 +320,7 @@ def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:
 def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings,
                 prompts: int, text_chars: int) -> None:
     """The work a request asks for, bounded before any of it is done (issue 16.2)."""
-    param = "messages" if kind == "chat" else "prompt"
+    param = CHAT_FIELDS.prompt if kind == "chat" else COMPLETION_FIELDS.prompt
     if req.n > settings.max_n:
         raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n",
                               code="integer_above_max_value")
@@ -331,11 +331,17 @@ def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, setti
         raise invalid_request(
             f"prompts x n must be at most {settings.max_choices}, got {prompts} x {req.n}", param="n",
             code="integer_above_max_value")
-    weight = text_chars + CHARS_PER_TOKEN * req.token_ids
-    if weight > settings.max_prompt_chars:
-        ids = f" and {req.token_ids} token ids ({CHARS_PER_TOKEN} characters each)" if req.token_ids else ""
+    check_prompt_chars(text_chars, req.token_ids, settings.max_prompt_chars, param)
+
+
+def check_prompt_chars(text_chars: int, token_ids: int, max_prompt_chars: int, param: str) -> None:
+    """The bound on a body's text (``max_prompt_chars``, each token id counting as CHARS_PER_TOKEN
+    characters): a 400 ``request_too_large`` naming ``param``. The chat pipeline checks it on the
+    body it runs; a door checks it on its own body first, before translating it (``door.translated``)."""
+    if text_chars + CHARS_PER_TOKEN * token_ids > max_prompt_chars:
+        ids = f" and {token_ids} token ids ({CHARS_PER_TOKEN} characters each)" if token_ids else ""
         raise invalid_request(
-            f"the request holds {text_chars} characters of text{ids}; the limit is {settings.max_prompt_chars}",
+            f"the request holds {text_chars} characters of text{ids}; the limit is {max_prompt_chars}",
             param=param, code="request_too_large")
 
 
