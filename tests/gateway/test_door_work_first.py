@@ -1,12 +1,15 @@
-"""A door's body costs no translation it is refused after (the DoS audit's many-small-strings
-bodies), on a real uvicorn over loopback: the Responses and Messages doors (and count_tokens)
-refuse a body over ``max_prompt_chars`` from the character count of the body as sent, before
-translating it into a chat request. The translation and the chat body's validation were tenths of
-a second of pure Python for 3 MB of small parts, holding the GIL against every other tenant's
-stream, for a body refused anyway.
+"""A large body costs the event loop nothing, and a door's body no translation it is refused after
+(the DoS audit's many-small-strings bodies), on a real uvicorn over loopback:
+
+- the Responses and Messages doors (and count_tokens) refuse a body over ``max_prompt_chars`` from
+  the character count of the body as sent, before translating it into a chat request: the
+  translation and the chat body's validation were tenths of a second of pure Python for 3 MB of
+  small parts, holding the GIL against every other tenant's stream, for a body refused anyway;
+- ``pipeline.prepare``'s whole-body steps (the request's dump, the engine's messages, the miss
+  tracker's render) run in the tenant's worker thread for a body over 64k characters.
 
 Where work ran is seen by wrapping the function that does it: each call records whether its thread
-runs an event loop (the scan of a body, which every request schema calls first).
+runs an event loop (the scan of a body, which every request schema calls first; a model's dump).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from gateway_fakes import FakeEngine, LoopbackServer
 import gateway.ingress
 from gateway.app import create_app
 from gateway.ingress import scan
+from gateway.miss_tracker import MissTracker
 from gateway.routes.completions_asgi import OFF_LOOP_BYTES
+from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.settings import GatewaySettings
 from tenancy.service import TenancyService
 from tests.fleetutil import read_rows
@@ -127,3 +132,49 @@ def test_a_door_body_within_the_bound_is_served(served, scans):
     r = _post(url, key, "/v1/responses", json.dumps(body).encode())
     assert r.status_code == 200 and r.json()["object"] == "response", r.text
     assert len(scans) == 2  # the door's body and the chat body it became
+
+
+@pytest.fixture
+def roomy(tmp_path):
+    """A gateway whose engine takes long prompts: a large request runs all the way through prepare."""
+    tenancy, key, server = _serve(tmp_path, GatewaySettings(), FakeEngine(max_model_len=200_000))
+    try:
+        with server as srv:
+            yield srv.url, key
+    finally:
+        tenancy.close()
+
+
+@pytest.fixture
+def body_work(monkeypatch):
+    """Where each whole-body step of ``prepare`` ran: the request's dump, a message's dump (the engine's
+    messages), the miss tracker's look at the prompt. True for the event loop's thread."""
+    seen: list[bool] = []
+    for cls, name in ((ChatCompletionRequest, "model_dump"), (CompletionRequest, "model_dump"),
+                      (ChatMessage, "model_dump"), (MissTracker, "observe")):
+        monkeypatch.setattr(cls, name, _recording(seen, getattr(cls, name)))
+    return seen
+
+
+def _chat(parts: int) -> bytes:
+    content = [{"type": "text", "text": f"word{i} "} for i in range(parts)]
+    return json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}).encode()
+
+
+def _completion(words: int) -> bytes:
+    return json.dumps({"model": "tiny", "max_tokens": 2, "prompt": " ".join(["word"] * words)}).encode()
+
+
+@pytest.mark.parametrize("path, large, small", [
+    ("/v1/chat/completions", _chat(4_000), _chat(10)),  # 4,000 parts, 84k characters as sent
+    ("/v1/completions", _completion(20_000), _completion(10)),  # 100k characters
+])
+def test_prepare_walks_a_large_body_off_the_event_loop(roomy, body_work, path, large, small):
+    url, key = roomy
+    r = _post(url, key, path, small)
+    assert r.status_code == 200, r.text
+    assert body_work and all(body_work)  # a small body: inline, cheaper than a thread hop
+    body_work.clear()
+    r = _post(url, key, path, large)
+    assert r.status_code == 200, r.text
+    assert body_work and not any(body_work), body_work  # every whole-body step in the tenant's worker thread
