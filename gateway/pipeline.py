@@ -17,9 +17,10 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import anyio
@@ -55,8 +56,11 @@ from gateway.structured_output import guided_for_response_format
 from gateway.tenant_threads import TenantThreads
 from gateway.tool_calls import ToolPlan, plan_tools
 from gateway.upstream import ProviderOutput, UpstreamRequest
+from promptlint.canon import CanonResult
 
 log = logging.getLogger("prefixgate.gateway")
+
+T = TypeVar("T")
 
 # Fields that only an upstream provider can honour; forwarded to it as-is.
 _PROVIDER_PASSTHROUGH = ("tool_choice", "response_format", "presence_penalty", "frequency_penalty", "logprobs",
@@ -320,7 +324,7 @@ def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:
 def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings,
                 prompts: int, text_chars: int) -> None:
     """The work a request asks for, bounded before any of it is done (issue 16.2)."""
-    param = "messages" if kind == "chat" else "prompt"
+    param = CHAT_FIELDS.prompt if kind == "chat" else COMPLETION_FIELDS.prompt
     if req.n > settings.max_n:
         raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n",
                               code="integer_above_max_value")
@@ -331,11 +335,17 @@ def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, setti
         raise invalid_request(
             f"prompts x n must be at most {settings.max_choices}, got {prompts} x {req.n}", param="n",
             code="integer_above_max_value")
-    weight = text_chars + CHARS_PER_TOKEN * req.token_ids
-    if weight > settings.max_prompt_chars:
-        ids = f" and {req.token_ids} token ids ({CHARS_PER_TOKEN} characters each)" if req.token_ids else ""
+    check_prompt_chars(text_chars, req.token_ids, settings.max_prompt_chars, param)
+
+
+def check_prompt_chars(text_chars: int, token_ids: int, max_prompt_chars: int, param: str) -> None:
+    """The bound on a body's text (``max_prompt_chars``, each token id counting as CHARS_PER_TOKEN
+    characters): a 400 ``request_too_large`` naming ``param``. The chat pipeline checks it on the
+    body it runs; a door checks it on its own body first, before translating it (``door.translated``)."""
+    if text_chars + CHARS_PER_TOKEN * token_ids > max_prompt_chars:
+        ids = f" and {token_ids} token ids ({CHARS_PER_TOKEN} characters each)" if token_ids else ""
         raise invalid_request(
-            f"the request holds {text_chars} characters of text{ids}; the limit is {settings.max_prompt_chars}",
+            f"the request holds {text_chars} characters of text{ids}; the limit is {max_prompt_chars}",
             param=param, code="request_too_large")
 
 
@@ -344,8 +354,35 @@ def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, setti
 CHARS_PER_TOKEN = 4
 
 
-# Text below this is canonicalized inline: a thread hop costs more than the work (~1 ms at 64k chars).
-_INLINE_CANON_CHARS = 65_536
+# A body with more characters of text than this has its whole-body steps in ``prepare`` (the dump,
+# canonicalization, the engine's messages, the miss tracker's render) run in the tenant's worker
+# thread; below it they run inline: a thread hop costs more than the work (~1 ms at 64k characters).
+_INLINE_CHARS = 65_536
+
+
+async def _sized(large: bool, threads: TenantThreads, tenant_id: str, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)``: in the tenant's worker thread for a ``large`` body, inline for a small one.
+    A dump of 3 MB of small parts is ~15 ms of C that holds the GIL: on the event loop every other
+    tenant's stream waited for it (the DoS audit's many-small-strings bodies)."""
+    if large:
+        return await threads.run(tenant_id, fn, *args)
+    return fn(*args)
+
+
+def _canonical(req: ChatCompletionRequest | CompletionRequest, mode: str, per_user_vars: Sequence[str]) -> CanonResult:
+    """The body as the backend will see it: the request dumped, the client's salt dropped, canonicalized."""
+    body = req.model_dump(exclude_unset=True)
+    body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
+    return canonicalize(body, mode, per_user_vars)
+
+
+def _chat_inputs(req: ChatCompletionRequest, canonical: dict[str, Any], features: LocalFeatures | None
+                 ) -> list[dict[str, Any]]:
+    """The one prompt of a chat request as the backend takes it: a provider the canonical body's
+    messages as sent, the local engine the validated messages with their text parts joined."""
+    if features is None:
+        return [{"messages": [provider_message(m) for m in canonical["messages"]], "tools": canonical.get("tools")}]
+    return [{"messages": [_local_message(i, m) for i, m in enumerate(req.messages)], "tools": features.tools.tools}]
 
 
 async def _tokenize(threads: TenantThreads, tenant_id: str, engine: EngineClient,
@@ -406,19 +443,16 @@ async def prepare(
     except QuotaExceededError as exc:
         raise quota_error(exc) from None
 
-    body = req.model_dump(exclude_unset=True)
-    body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
     # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
     mode = scoped.canon_mode if kind == "chat" else "off"
     per_user_vars = scoped.per_user_vars
-    if mode != "off" and text_chars > _INLINE_CANON_CHARS:  # reorder's regexes are linear in the text
-        canon = await threads.run(scoped.tenant_id, canonicalize, body, mode, per_user_vars)
-    else:
-        canon = canonicalize(body, mode, per_user_vars)
+    large = text_chars > _INLINE_CHARS  # reorder's regexes, and every step below that walks the body
+    tid = scoped.tenant_id
+    canon = await _sized(large, threads, tid, _canonical, req, mode, per_user_vars)
     backend = router.resolve(req.model, engine, scoped.namespace, canon.body)
     if canon.applied and isinstance(req, ChatCompletionRequest) and not backend.takes_openai_fields:
         # The local engine reads the validated fields; a provider takes the canonical body's own dicts.
-        req = _with_canonical_fields(req, canon.body)
+        req = await _sized(large, threads, tid, _with_canonical_fields, req, canon.body)
     stops = req.stop_list()
     extra: dict[str, object] = {}
     features: LocalFeatures | None = None
@@ -431,10 +465,8 @@ async def prepare(
 
     request_id = new_request_id(kind)
     inputs: list[dict[str, Any]]
-    if isinstance(req, ChatCompletionRequest) and features is None:  # a provider: the canonical body as sent
-        inputs = [{"messages": [provider_message(m) for m in canon.body["messages"]], "tools": canon.body.get("tools")}]
-    elif isinstance(req, ChatCompletionRequest):
-        inputs = [{"messages": [_local_message(i, m) for i, m in enumerate(req.messages)], "tools": features.tools.tools}]
+    if isinstance(req, ChatCompletionRequest):
+        inputs = await _sized(large, threads, tid, _chat_inputs, req, canon.body, features)
     else:
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
@@ -505,7 +537,8 @@ async def prepare(
     miss = None
     if tracker is not None and kind == "chat":
         ids = inputs[0].get("prompt_token_ids") if backend.tokenizes_here else None  # the cache's own tokens
-        miss = tracker.observe(scoped.tenant_id, canon.body, token_ids=ids, per_user_vars=tuple(per_user_vars))
+        observe = partial(tracker.observe, token_ids=ids, per_user_vars=tuple(per_user_vars))
+        miss = await _sized(large, threads, tid, observe, scoped.tenant_id, canon.body)  # renders the prompt
     opts = req.stream_options
     return Prepared(
         kind=kind, request_id=request_id, created=now(), model=req.model, backend=backend, requests=requests,

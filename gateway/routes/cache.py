@@ -78,7 +78,7 @@ async def warm(body: WarmRequest, ctx: TenantDep, parts: PartsDep) -> Any:
     # Refusals are counted and charged like every door's (issue 16.9): its ledger row, its rpm slot.
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
         _inspector(engine)
-        chat = await translated(body.text_chars, ctx, parts, partial(_as_chat, body))
+        chat = await translated(body, ctx, parts, partial(_as_chat, body))
     seconds = WARM_TTLS[body.ttl]
     prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(seconds))
     if prep.backend.kind != "local":

@@ -113,7 +113,7 @@ async def count_tokens(
     """The prompt's tokens as the local engine counts them (admitted like a request, not run, no ledger row)."""
     tenancy, metrics, live = parts.tenancy, parts.metrics, parts.live
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
-        _, chat = await translated(body.text_chars, ctx, parts, partial(_as_chat, body))
+        _, chat = await translated(body, ctx, parts, partial(_as_chat, body))
     prep = await prepare_door(chat, ctx, parts)
     if prep.backend.kind != "local":
         raise invalid_request(f"model {body.model!r} is not served by the local engine; its tokens cannot be "
@@ -126,7 +126,7 @@ async def create_message(
     body: MessagesRequest, request: Request, ctx: AnthropicTenantDep, parts: PartsDep) -> Any:
     tenancy, router_, engine, metrics, live = parts.tenancy, parts.router, parts.engine, parts.metrics, parts.live
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
-        breakpoints, chat = await translated(body.text_chars, ctx, parts, partial(_as_chat, body))
+        breakpoints, chat = await translated(body, ctx, parts, partial(_as_chat, body))
     prep = await prepare_door(chat, ctx, parts)
     written_upto = long_upto = 0
     if breakpoints and prep.backend.kind == "local" and engine is not None:
