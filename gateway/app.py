@@ -276,7 +276,8 @@ def create_app(
     app.state.router = build_router(settings, registry)
     registry.register(NodeCollector(app.state.router))  # node up/down, failovers, cool-downs, kv_aware picks
     app.state.tenant_threads = TenantThreads(
-        workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads))
+        workers=settings.worker_threads, per_tenant=min(settings.worker_threads_per_tenant, settings.worker_threads),
+        queued_per_tenant=settings.worker_queue_per_tenant)
 
     def _on_invalid_body(request: Request, error: OpenAIError) -> None:
         """A body the schema refuses still takes a place in its tenant's rate limit (issue 16.9),

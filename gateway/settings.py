@@ -285,6 +285,8 @@ class GatewaySettings(BaseModel):
     # Threads for tokenization and large canonicalizations, and how many one tenant may hold at once.
     worker_threads: int = Field(2, ge=1)
     worker_threads_per_tenant: int = Field(1, ge=1)
+    # A tenant's steps waiting for its threads, beyond which its next request is refused (429).
+    worker_queue_per_tenant: int = Field(64, ge=0)
     auth_cache_ttl_s: float = 5.0
     # Node choice: hash this many bytes of the canonical prompt with the namespace (the shared prefix).
     route_prefix_bytes: int = Field(1024, ge=16)

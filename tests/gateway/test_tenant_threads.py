@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from gateway.errors import OpenAIError
 from gateway.tenant_threads import TenantThreads
 
 
@@ -43,3 +44,36 @@ def test_exceptions_come_back_and_bad_bounds_are_refused() -> None:
     asyncio.run(main())
     with pytest.raises(ValueError):
         TenantThreads(workers=1, per_tenant=2)
+
+
+def test_a_tenants_waiting_steps_are_bounded() -> None:
+    """Past ``per_tenant`` running and ``queued_per_tenant`` waiting, a tenant's next step is refused
+    at once (429, nothing queued); another tenant is served; the place frees when a step ends or its
+    caller leaves."""
+    async def main() -> None:
+        threads = TenantThreads(workers=2, per_tenant=1, queued_per_tenant=2)
+        release = threading.Event()
+
+        def blocked() -> str:
+            release.wait(10)
+            return "done"
+
+        held = [asyncio.create_task(threads.run("hog", blocked)) for _ in range(3)]
+        while threads.pending("hog") < 3:
+            await asyncio.sleep(0.01)
+        with pytest.raises(OpenAIError) as refused:
+            await threads.run("hog", blocked)
+        assert refused.value.status == 429 and refused.value.code == "too_many_pending_requests"
+        assert refused.value.headers == {"retry-after": "1"}
+        assert threads.pending("hog") == 3
+        assert await asyncio.wait_for(threads.run("quiet", lambda: "quiet"), 10) == "quiet"
+        held[2].cancel()  # a waiting caller leaves: its place is free again
+        await asyncio.gather(held[2], return_exceptions=True)
+        assert threads.pending("hog") == 2
+        again = asyncio.create_task(threads.run("hog", blocked))
+        await asyncio.sleep(0.05)
+        release.set()
+        assert await asyncio.gather(held[0], held[1], again) == ["done"] * 3
+        assert threads.pending("hog") == 0
+
+    asyncio.run(main())
