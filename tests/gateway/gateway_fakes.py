@@ -28,6 +28,15 @@ from gateway.ports import AuthenticationError, QuotaExceededError
 BLOCK = 4
 
 
+def on_event_loop() -> bool:
+    """Whether the calling thread runs an event loop (the gateway's own thread, not a worker)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def render(req: GenerateRequest) -> list[str]:
     if req.prompt_token_ids is not None:
         return [str(t) for t in req.prompt_token_ids]

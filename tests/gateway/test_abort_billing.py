@@ -110,8 +110,10 @@ class SlowStartEngine(FakeEngine):
             yield out
 
 
-def test_a_backend_that_cannot_report_bills_the_tokenized_prompt():
-    engine, tenancy = SlowStartEngine(), FakeTenancy()
+def _leave_streaming_chat(engine: FakeEngine, *, after_first_token: bool) -> tuple[object, int]:
+    """A streamed chat the client leaves once ``engine`` started it (and, if asked, once the first
+    token arrived): the request's one ledger row, and the prompt tokens the gateway counted for it."""
+    tenancy = FakeTenancy()
     engine.started = threading.Event()
     key = tenancy.add("acme")
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "one two three four five six"}],
@@ -119,10 +121,16 @@ def test_a_backend_that_cannot_report_bills_the_tokenized_prompt():
     with LoopbackServer(create_app(GatewaySettings(), engine=engine, tenancy=tenancy)) as srv:
         sock = _send_and_hold(srv.port, key, chat)
         assert engine.started.wait(10)
+        if after_first_token:
+            assert b"first" in _read_until(sock, b"first")  # the client saw its first token
         sock.close()
         assert wait_for(lambda: tenancy.rows, timeout=10)
     (row,) = tenancy.rows
-    tokenized = len(render(engine.tokenized[0]))  # what the gateway counted when it prepared the request
+    return row, len(render(engine.tokenized[0]))  # what the gateway counted when it prepared the request
+
+
+def test_a_backend_that_cannot_report_bills_the_tokenized_prompt():
+    row, tokenized = _leave_streaming_chat(SlowStartEngine(), after_first_token=False)
     assert row.status == "aborted" and row.prompt_tokens == tokenized > 0 and row.cached_tokens == 0
 
 
@@ -137,19 +145,7 @@ class UsageAtEndEngine(FakeEngine):
 
 
 def test_a_stream_cut_after_its_first_token_without_usage_bills_the_tokenized_prompt():
-    engine, tenancy = UsageAtEndEngine(), FakeTenancy()
-    engine.started = threading.Event()
-    key = tenancy.add("acme")
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "one two three four five six"}],
-            "max_tokens": 4, "stream": True}
-    with LoopbackServer(create_app(GatewaySettings(), engine=engine, tenancy=tenancy)) as srv:
-        sock = _send_and_hold(srv.port, key, chat)
-        assert engine.started.wait(10)
-        assert b"first" in _read_until(sock, b"first")  # the client saw its first token
-        sock.close()
-        assert wait_for(lambda: tenancy.rows, timeout=10)
-    (row,) = tenancy.rows
-    tokenized = len(render(engine.tokenized[0]))
+    row, tokenized = _leave_streaming_chat(UsageAtEndEngine(), after_first_token=True)
     assert row.status == "aborted" and row.prompt_tokens == tokenized > 0 and row.cached_tokens == 0
     assert row.completion_tokens == 1
 

@@ -14,13 +14,12 @@ runs an event loop (the scan of a body, which every request schema calls first; 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 
 import httpx
 import pytest
-from gateway_fakes import FakeEngine, LoopbackServer
+from gateway_fakes import FakeEngine, LoopbackServer, on_event_loop
 
 import gateway.ingress
 from gateway.app import create_app
@@ -40,17 +39,9 @@ PARTS = 2_000
 TEXT = "abcdefghij"
 
 
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 def _recording(seen: list[bool], fn: Callable) -> Callable:
     def recorded(*args: object, **kwargs: object) -> object:
-        seen.append(_on_event_loop())
+        seen.append(on_event_loop())
         return fn(*args, **kwargs)
     return recorded
 

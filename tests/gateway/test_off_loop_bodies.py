@@ -12,14 +12,13 @@ first on the parsed body: each call records whether its thread runs an event loo
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import anthropic
 import httpx
 import openai
 import pytest
-from gateway_fakes import FakeEngine, LoopbackServer
+from gateway_fakes import FakeEngine, LoopbackServer, on_event_loop
 
 import gateway.ingress
 from gateway.app import create_app
@@ -32,21 +31,13 @@ from tests.fleetutil import read_rows
 PAD = "z" * (OFF_LOOP_BYTES + 1000)  # an extra field (the doors keep unknown fields) that makes a body large
 
 
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 @pytest.fixture
 def scans(monkeypatch):
     """Where each body scan ran: True for the event loop's thread, False for a worker thread."""
     seen: list[bool] = []
 
     def recorded(value: object, **kwargs: int) -> BodyShape:
-        seen.append(_on_event_loop())
+        seen.append(on_event_loop())
         return scan(value, **kwargs)
 
     monkeypatch.setattr(gateway.ingress, "scan", recorded)
