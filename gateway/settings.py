@@ -242,6 +242,9 @@ class GatewaySettings(BaseModel):
     # EngineConfig.max_mixed_prefill_tokens: None = the device's default (CPU 256, CUDA no cap), 0 = no cap
     max_mixed_prefill_tokens: int | None = Field(None, ge=0)
     prefill_graph_tokens: int = Field(512, ge=0)  # EngineConfig.prefill_graph_tokens (0 = eager prefill)
+    # EngineConfig.prepare_workers / prepare_queued_per_tenant: the engine's per-tenant prepare lanes
+    prepare_workers: int = Field(4, ge=1)
+    prepare_queued_per_tenant: int = Field(64, ge=0)
     # Longest context served (prompt + output); None = the model's own, capped by the KV pool. On CUDA it
     # is also the width of the captured block tables (docs/gpu.md): set it to what you serve.
     max_model_len: int | None = Field(None, ge=1)
@@ -315,6 +318,7 @@ class GatewaySettings(BaseModel):
             block_size=self.block_size, num_kv_blocks=self.kv_blocks, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_mixed_prefill_tokens=self.max_mixed_prefill_tokens,
             prefill_graph_tokens=self.prefill_graph_tokens,
+            prepare_workers=self.prepare_workers, prepare_queued_per_tenant=self.prepare_queued_per_tenant,
             max_model_len=self.max_model_len, num_threads=self.threads,
             dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
             enable_prefix_caching=self.prefix_caching, kv_events_endpoint=self.kv_events_endpoint,

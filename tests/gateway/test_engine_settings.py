@@ -73,6 +73,7 @@ def test_bad_engine_keys_in_a_config_file_are_named(tmp_path):
     ("max_num_batched_tokens = 8", "max_num_batched_tokens >= block_size"),
     ("prefill_graph_tokens = 1", "prefill_graph_tokens must be 0 (off) or >= 2"),
     ("max_mixed_prefill_tokens = -1", "max_mixed_prefill_tokens"),
+    ("prepare_workers = 0", "prepare_workers"),
     ('max_body = "1MiB"', "max_body"),
 ])
 def test_bad_engine_settings_are_reported_before_the_model_is_resolved(tmp_path, capsys, engine_keys, message):
@@ -101,3 +102,10 @@ def test_max_model_len_from_the_config_file_reaches_the_served_model(tmp_path, t
         assert [card.max_model_len for card in engine.models()] == [200]
     finally:
         engine.shutdown()
+
+
+def test_prepare_lane_settings_reach_the_engine_config(tmp_path):
+    cfg = tmp_path / "pg.toml"
+    cfg.write_text("[engine]\nprepare_workers = 2\nprepare_queued_per_tenant = 5\n")
+    config = GatewaySettings(model_dir=tmp_path, **read_config_file(cfg)).engine_config()
+    assert (config.prepare_workers, config.prepare_queued_per_tenant) == (2, 5)
