@@ -390,7 +390,7 @@ async def _tokenize(threads: TenantThreads, tenant_id: str, engine: EngineClient
     """Tokenize through the engine's chat template; a prompt it cannot render is the client's error."""
     try:
         return await threads.run(tenant_id, _tokenize_all, engine, requests)
-    except EngineError:
+    except (EngineError, OpenAIError):  # the engine's own errors; the pool's 429 (too many waiting)
         raise
     except Exception as exc:  # noqa: BLE001 - template/tokenizer errors carry the useful message
         raise invalid_request(

@@ -250,7 +250,10 @@ class CompletionRoutes:
         except RequestValidationError as exc:  # its 400, counted as FastAPI's handler counts it
             await refused_body(request, exc, self.state.on_invalid_body)(request.scope, request.receive, send)
             return
-        except OpenAIError as err:
+        except OpenAIError as err:  # FastAPI's plain 400, or the pool's 429 (too many of the tenant's waiting)
+            hook = self.state.on_invalid_body
+            if hook is not None:  # a refused request after authentication: its ledger row and counts
+                hook(request, err)
             await render(request, err)(request.scope, request.receive, send)
             return
         await self._serve(door, parsed, request, ctx, tenancy, send)

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
+from gateway_fakes import FakeEngine, FakeTenancy, LoopbackServer
 
+from gateway.app import create_app
 from gateway.errors import OpenAIError
+from gateway.settings import GatewaySettings
 from gateway.tenant_threads import TenantThreads
 
 
@@ -77,3 +82,35 @@ def test_a_tenants_waiting_steps_are_bounded() -> None:
         assert threads.pending("hog") == 0
 
     asyncio.run(main())
+
+
+class HeldTokenizer(FakeEngine):
+    """Tokenizing (in the gateway's worker thread) waits for ``release`` once ``holding`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release, self.holding = threading.Event(), threading.Event()
+
+    def tokenize(self, request):
+        self.holding.set()
+        self.release.wait(10)
+        return super().tokenize(request)
+
+
+def test_a_full_tenant_queue_reaches_the_client_as_a_429():
+    """The pool's refusal is a 429 with its code and Retry-After through the chat door, not wrapped
+    into the 400 a template error gets; the refusal gets its ledger row."""
+    engine, tenancy = HeldTokenizer(), FakeTenancy()
+    key = tenancy.add("acme")
+    settings = GatewaySettings(worker_threads=2, worker_queue_per_tenant=0)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {key}"}
+    with LoopbackServer(create_app(settings, engine=engine, tenancy=tenancy)) as srv, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, f"{srv.url}/v1/chat/completions", json=chat, headers=headers, timeout=30)
+        assert engine.holding.wait(10)  # the tenant's one slot is taken
+        refused = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, headers=headers, timeout=30)
+        engine.release.set()
+        assert first.result().status_code == 200
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "too_many_pending_requests"
+    assert [row.status for row in tenancy.rows].count("error") == 1
