@@ -47,6 +47,7 @@ import concurrent.futures
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -245,6 +246,9 @@ class GrammarCompiler:
         # waiters wake: a spec is always in exactly one of the two until _done evicts it
         self._pending: dict[GuidedSpec, GrammarCompile] = {}
         self._done = _FairCache(cache_size)  # spec -> its finished compile: a prototype matcher or the ValueError
+        # spec -> its compile while anything holds it (a request's ``Request.grammar``, the maps
+        # above): weak, so an entry goes with the last request that held it, with no release to miss
+        self._held: weakref.WeakValueDictionary[GuidedSpec, GrammarCompile] = weakref.WeakValueDictionary()
         self._tenants: dict[str, _TenantCompiles] = {}  # only tenants with a compile running or queued
         self.compiles = 0  # grammars built so far (each distinct spec once per namespace while it stays cached)
         self.cache_hits = 0  # checks answered by a compile already started or done
@@ -305,6 +309,7 @@ class GrammarCompiler:
                     "behind the one compiling); retry when they are done")
             self._tenants[key] = tenant
             fut = self._pending[spec] = concurrent.futures.Future()
+            self._held[spec] = fut
             if must_wait:
                 tenant.queued.append((spec, fut))
             else:
@@ -378,13 +383,16 @@ class GrammarCompiler:
         return proto
 
     def matcher(self, spec: GuidedSpec) -> GuidedRow:
-        """A fresh matcher for one request: a copy of the prototype ``check`` built (rebuilt here,
-        on the caller's thread and uncached, only if the cache dropped it since: never queued
-        behind the tenant's other compiles)."""
+        """A fresh matcher for one request: a copy of the prototype ``check`` built. The compile is
+        found while it is cached or while a request holds it (``Request.grammar``: an admitted
+        request always does, so the engine thread never compiles for it); rebuilt here, on the
+        caller's thread and uncached, only for a spec nothing holds any more."""
         with self._cache_lock:
             fut = self._pending.get(spec)
             if fut is None:
                 fut = self._done.get(spec)
+            if fut is None:
+                fut = self._held.get(spec)
         if fut is None or fut.cancelled():
             return GuidedRow(self._build(spec))
         return GuidedRow(fut.result().deep_copy())

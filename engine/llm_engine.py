@@ -311,6 +311,7 @@ class LLMEngine:
         self.cache_timer.add(CachePhase.HASH, time.thread_time() - t0)
         ctx = ids[-_DETOK_CONTEXT:]
         req.detok = DetokenizerState(tokens=list(ctx), prefix_offset=0, read_offset=len(ctx))
+        req.grammar = grammar  # kept alive with the request: its matcher is a copy of this compile
         return PreparedRequest(req, grammar)
 
     def _check_sampling(self, sp: SamplingParams) -> GrammarCompile | None:

@@ -8,6 +8,7 @@ still parse and validate, which is what these tests check.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import threading
@@ -451,6 +452,34 @@ def test_a_tenants_flood_of_schemas_does_not_evict_another_tenants_compile(gated
     assert (grammars.cached(ALICE.tenant_key.hex()), grammars.cached(BOB.tenant_key.hex())) == (3, 1)
     grammars.check(_small_spec("alice 0", ALICE))  # alice's oldest went first: compiled again
     assert grammars.compiles == compiles + 1
+
+
+def test_a_compile_a_request_holds_is_never_rebuilt_after_eviction(gated):
+    """Audit: a compile the fair cache evicted between a request's admission and its first step was
+    built again on the engine thread (no timeout, every tenant's step waiting). A request holds its
+    compile (``Request.grammar``), and the compiler finds a held compile by spec; once nothing holds
+    it the entry goes (weakly held: no release to miss)."""
+    grammars = gated(cache_size=1)
+    grammars.gate.set()
+    first = _small_spec("alice 0", ALICE)
+    held = grammars.admit(first)  # what LLMEngine.prepare_nowait keeps in Request.grammar
+    held.result(timeout=60)
+    grammars.check(_small_spec("alice 1", ALICE))  # one place: alice 0 is evicted
+    assert grammars.cached(ALICE.tenant_key.hex()) == 1
+    compiles = grammars.compiles
+    grammars.matcher(first)
+    assert grammars.compiles == compiles, "a held compile must not be built again"
+    del held
+    gc.collect()
+    grammars.matcher(first)  # nothing holds it now: built again, on the caller's thread
+    assert grammars.compiles == compiles + 1
+
+
+def test_a_prepared_guided_request_holds_its_compile(engine):
+    prepared = engine.prepare_nowait(GenerateRequest(
+        request_id="held", tenant=ALICE, prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=4, guided=GuidedSpec(json_schema=json.dumps(SCHEMA)))))
+    assert prepared.grammar is not None and prepared.request.grammar is prepared.grammar
 
 
 def test_another_tenants_inserts_never_cancel_a_queued_compile(gated):
