@@ -297,6 +297,8 @@ class GrammarCompiler:
             fut = self._pending.get(spec)
             if fut is None:
                 fut = self._done.get(spec)
+            if fut is None:  # evicted, but a live request still holds it: share it, not compile again
+                fut = self._held.get(spec)
             if fut is not None:
                 self.cache_hits += 1
                 return fut

@@ -426,7 +426,10 @@ def plan_prefill(num_tokens: int, num_seqs: int, q_heads: int, max_context: int 
                           layout.kv_dtype, split=splits > 1)
     if kernel is PrefillKernel.TRITON or splits == 1:
         return PrefillPlan(kernel, splits)
-    own = splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device), SPECIALIZED_ROWS, 1)
+    # from 65 rows on Triton's tiles are the specialised kernel's (128 rows, one an SM): the same count
+    same_tiles = (tiles.block_m, tiles.programs_per_sm) == (SPECIALIZED_ROWS, 1)
+    own = splits if same_tiles else splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device),
+                                                      SPECIALIZED_ROWS, 1)
     return PrefillPlan(kernel, own) if own > 1 else PrefillPlan(PrefillKernel.TRITON, splits)
 
 

@@ -469,6 +469,7 @@ def test_a_compile_a_request_holds_is_never_rebuilt_after_eviction(gated):
     compiles = grammars.compiles
     grammars.matcher(first)
     assert grammars.compiles == compiles, "a held compile must not be built again"
+    assert grammars.admit(first) is held and grammars.compiles == compiles  # another request shares it
     del held
     gc.collect()
     grammars.matcher(first)  # nothing holds it now: built again, on the caller's thread
