@@ -34,19 +34,20 @@ T = TypeVar("T")
 OFF_LOOP_CHARS = 65_536
 
 
-async def translated(body: ScannedBody, ctx: TenantCtx, parts: Parts, translate: Callable[[], T]) -> T:
+async def translated(body: ScannedBody, ctx: TenantCtx, parts: Parts, translate: Callable[[], T],
+                     fields: RequestFields = CHAT_FIELDS) -> T:
     """``translate()`` (a door's ``body`` to chat, and its validation as a chat body), once ``body``
     is known to be within ``max_prompt_chars``: inline for a small body, in the tenant's worker
     thread for a large one.
 
     The character bound is checked on the body as sent, with the 400 the chat pipeline gives (its
-    param ``messages`` included), before the translation: that walks and rebuilds the whole body,
+    param the door's prompt field, ``fields.prompt``), before the translation: that walks and rebuilds the whole body,
     and ``chat_request`` validates it again, tenths of a second of pure Python for 3 MB of small
     parts. Run in a worker thread, it still held the GIL against the event loop, and every other
     tenant's stream waited for a body that was then refused for its size anyway (the DoS audit).
     The chat pipeline checks the bound again on the chat body, which a stored conversation
     (``previous_response_id``) can make longer than the body sent."""
-    check_prompt_chars(body.text_chars, body.token_ids, parts.settings.max_prompt_chars, CHAT_FIELDS.prompt)
+    check_prompt_chars(body.text_chars, body.token_ids, parts.settings.max_prompt_chars, fields.prompt)
     if body.text_chars <= OFF_LOOP_CHARS:
         return translate()
     return await parts.threads.run(ctx.tenant_id, translate)

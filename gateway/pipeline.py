@@ -321,10 +321,10 @@ def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:
         tenancy.admit(scoped, estimated_tokens=0)
 
 
-def _check_size(kind: str, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings,
-                prompts: int, text_chars: int) -> None:
-    """The work a request asks for, bounded before any of it is done (issue 16.2)."""
-    param = CHAT_FIELDS.prompt if kind == "chat" else COMPLETION_FIELDS.prompt
+def _check_size(req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings, prompts: int,
+                text_chars: int, param: str) -> None:
+    """The work a request asks for, bounded before any of it is done (issue 16.2); ``param`` is the
+    prompt's field as the client named it (``messages``, ``prompt``, or a door's own, ``input``)."""
     if req.n > settings.max_n:
         raise invalid_request(f"n must be at most {settings.max_n}, got {req.n}", param="n",
                               code="integer_above_max_value")
@@ -428,7 +428,7 @@ async def prepare(
     max_tokens_asked = req.effective_max_tokens()
     text_chars = req.text_chars  # read once: a pydantic private attribute is a Python-level __getattr__
     try:
-        _check_size(kind, req, settings, len(prompts) or 1, text_chars)
+        _check_size(req, settings, len(prompts) or 1, text_chars, fields.prompt)
         if isinstance(req, CompletionRequest) and not prompts:
             raise invalid_request("prompt must not be empty", param="prompt", code="empty_prompt")  # as the engine's
     except OpenAIError:

@@ -76,7 +76,7 @@ async def create_response(
             retention = retention_seconds(body.prompt_cache_retention)
         except CacheControlError as exc:
             raise invalid_request(str(exc), param=exc.param) from None
-        conversation, chat = await translated(body, ctx, parts, partial(_as_chat, body, history))
+        conversation, chat = await translated(body, ctx, parts, partial(_as_chat, body, history), RESPONSES_FIELDS)
     prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(retention), fields=RESPONSES_FIELDS)
     prep.request_id = new_response_id()
 

@@ -89,8 +89,9 @@ COUNT = {"model": "tiny", "messages": MESSAGES["messages"]}
 
 
 def _openai_refusal(chars: int) -> dict:
+    """The Responses API's refusal: its param is that API's prompt field, ``input``."""
     return {"error": {"message": f"the request holds {chars} characters of text; the limit is {MAX_CHARS}",
-                      "type": "invalid_request_error", "param": "messages", "code": "request_too_large"}}
+                      "type": "invalid_request_error", "param": "input", "code": "request_too_large"}}
 
 
 def _anthropic_refusal(chars: int) -> dict:
