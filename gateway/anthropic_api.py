@@ -384,3 +384,6 @@ class MessagesFormat:
     def error_frames(self, error: OpenAIError) -> list[bytes]:
         return [sse(error_body(error), "error")]
 
+    async def finalize(self) -> None:
+        """Nothing: a message is not kept."""
+

@@ -131,7 +131,10 @@ class WireFormat(Protocol):
 
     ``chunks`` turns one engine increment into zero or more events; ``frame`` encodes one;
     ``tail`` gives the frames after the last increment (usage, terminator) and ``error_frames``
-    the in-band error once the status line has gone out."""
+    the in-band error once the status line has gone out. ``finalize`` is awaited after ``whole`` or
+    ``tail`` and before what they made is sent: the door's own work on the finished response (the
+    Responses door stores it, off the event loop, so a follow-up sent the moment the client has
+    the response finds it); an error it raises is the request's."""
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]: ...
 
@@ -142,6 +145,8 @@ class WireFormat(Protocol):
     def error_frames(self, error: OpenAIError) -> list[bytes]: ...
 
     def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]: ...
+
+    async def finalize(self) -> None: ...
 
 
 class _Format:
@@ -161,6 +166,9 @@ class _Format:
 
     def error_frames(self, error: OpenAIError) -> list[bytes]:
         return [sse(error.body()), b"data: [DONE]\n\n"]
+
+    async def finalize(self) -> None:
+        """Nothing: a chat or completions response is not kept."""
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {

@@ -153,6 +153,7 @@ class EventStream(Response):
                 acct.observe(i, out)
                 await _send_events(send, fmt, i, out)
             tail = fmt.tail(acct.usage_dict())
+            await fmt.finalize()
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, as OpenAI does
             status, tail = "error", fmt.error_frames(_client_error(prep, exc))
         # The tail (usage, [DONE]) ends the body in the same message: one write, not one per frame.
@@ -263,6 +264,7 @@ async def _whole(prep: Prepared, router: Router, acct: Accounting, fmt: WireForm
         usage = acct.usage_dict()
         acct.settle()  # cached tokens and the settled break feed the headers
         response = WholeResponse(fmt.whole(acc, usage), headers=prep.headers)
+        await fmt.finalize()
     except BaseException:
         acct.record("error")
         raise

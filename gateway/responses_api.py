@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
@@ -307,18 +307,20 @@ def conversation_after(conversation: list[dict[str, Any]], output: list[dict[str
     return [*conversation, turn]
 
 
-Completed = Callable[[dict[str, Any]], None]
+Completed = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class ResponsesFormat:
     """Engine increments of one choice -> a Responses object, or its stream of typed events.
 
-    ``on_complete(response)`` runs once with the finished response object (to store it)."""
+    ``on_complete(response)`` is awaited once with the finished response object (to store it), in
+    ``finalize``: after ``whole`` or ``tail`` built it, before it is sent."""
 
     def __init__(self, prep: Prepared, req: ResponsesRequest, on_complete: Completed) -> None:
         self.prep = prep
         self.req = req
         self.on_complete = on_complete
+        self.completed: dict[str, Any] | None = None  # the finished response, once built
         self.created_at = now()
         self.seq = 0
         self.msg_id = "msg_" + uuid.uuid4().hex
@@ -382,8 +384,12 @@ class ResponsesFormat:
 
     def _finished(self, usage: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
         response = self._response(self._status(), self._output(calls), responses_usage(usage))
-        self.on_complete(response)
+        self.completed = response
         return response
+
+    async def finalize(self) -> None:
+        if self.completed is not None:
+            await self.on_complete(self.completed)
 
     def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
         self.text = acc.text.get(0, [])

@@ -44,12 +44,15 @@ class TenantThreads:
         # the event loop alone, so no lock).
         self._pending: dict[str, int] = {}
 
-    async def run(self, tenant_id: str, fn: Callable[..., T], *args: object) -> T:
+    async def run(self, tenant_id: str, fn: Callable[..., T], *args: object, refusable: bool = True) -> T:
         """``fn(*args)`` in a worker thread, once ``tenant_id`` has a free slot and the pool a free
         worker. Raises ``OpenAIError`` (429) at once when the tenant already has ``per_tenant``
-        steps running and ``queued_per_tenant`` waiting."""
+        steps running and ``queued_per_tenant`` waiting, unless ``refusable`` is False: a step that
+        finishes work already done (storing a generated response) waits its turn but is never
+        refused, so the bound on new work cannot throw an answer away. Such a step holds no body
+        that was not already held, so it adds nothing the bound exists to cap."""
         pending = self._pending.get(tenant_id, 0)
-        if pending >= self._per_tenant + self._queued_per_tenant:
+        if refusable and pending >= self._per_tenant + self._queued_per_tenant:
             raise OpenAIError(429, f"too many of your requests are waiting to be prepared ({pending}); retry shortly",
                               code="too_many_pending_requests", headers={"retry-after": "1"})
         self._pending[tenant_id] = pending + 1

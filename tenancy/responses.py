@@ -30,8 +30,13 @@ def _aad(tenant_id: str, response_id: str) -> bytes:
     return b"prefixgate.response.v1\0" + tenant_id.encode() + b"\0" + response_id.encode()
 
 
-def save(db: Database, cipher: Sealer, tenant_id: str, response_id: str, body: dict[str, Any]) -> None:
-    sealed = cipher.encrypt(json.dumps(body, separators=(",", ":")).encode(), _aad(tenant_id, response_id))
+def seal(cipher: Sealer, tenant_id: str, response_id: str, body: dict[str, Any]) -> bytes:
+    """``body`` as JSON, sealed for (tenant, id). No database: the caller runs this outside any lock
+    the database needs (a stored conversation can be megabytes: tens of milliseconds of work)."""
+    return cipher.encrypt(json.dumps(body, separators=(",", ":")).encode(), _aad(tenant_id, response_id))
+
+
+def insert(db: Database, tenant_id: str, response_id: str, sealed: bytes) -> None:
     # Ids are random; the WHERE still keeps a colliding id from ever overwriting another tenant's row.
     db.execute("INSERT INTO responses (id, tenant_id, created_at, body) VALUES (?, ?, ?, ?) "
                "ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, body = excluded.body "
@@ -39,12 +44,16 @@ def save(db: Database, cipher: Sealer, tenant_id: str, response_id: str, body: d
                [response_id, tenant_id, time.time(), sealed])
 
 
-def load(db: Database, cipher: Sealer, tenant_id: str, response_id: str) -> dict[str, Any] | None:
+def sealed_body(db: Database, tenant_id: str, response_id: str) -> bytes | None:
+    """The sealed body of this tenant's response ``response_id``, or None."""
     rows = db.query("SELECT body FROM responses WHERE id = ? AND tenant_id = ?", [response_id, tenant_id])
-    if not rows:
-        return None
-    plain = cipher.decrypt(bytes(rows[0]["body"]), _aad(tenant_id, response_id))
-    return json.loads(plain) if plain is not None else None  # a failed tag is "not found", never served
+    return bytes(rows[0]["body"]) if rows else None
+
+
+def open_body(cipher: Sealer, tenant_id: str, response_id: str, sealed: bytes) -> dict[str, Any] | None:
+    """The body ``seal`` sealed; None when its tag fails (never served). No database, as ``seal``."""
+    plain = cipher.decrypt(sealed, _aad(tenant_id, response_id))
+    return json.loads(plain) if plain is not None else None
 
 
 def delete(db: Database, tenant_id: str, response_id: str) -> bool:

@@ -645,15 +645,21 @@ class TenancyService:
     def save_response(self, ctx: TenantContext, response_id: str, body: dict[str, Any]) -> None:
         """Keep ``body`` (the response and the conversation behind it) for ``ctx``'s tenant.
 
+        The body is serialized and sealed outside the service's lock: a conversation can be
+        megabytes, and the lock is the one the event loop takes on an authentication miss and a
+        budget check, so another tenant's request must not wait on this one's JSON and AES.
+
         Raises AuthenticationError when the tenant is gone: deleted (by another process, the CLI)
         while its key was still in this process's auth cache. Its key is then as unknown as any,
         and no data key is made again for it (``_cipher`` refuses a deleted tenant's owner too)."""
         with self._lock:
             self._require_live_tenant(ctx)
             cipher = self._response_cipher(ctx)
+        sealed = responses.seal(cipher, ctx.tenant_id, response_id, body)
+        with self._lock:
             try:
-                responses.save(self._db, cipher, ctx.tenant_id, response_id, body)
-            except Exception as exc:  # deleted between the check and the INSERT: its foreign key fails
+                responses.insert(self._db, ctx.tenant_id, response_id, sealed)
+            except Exception as exc:  # deleted since the check: the INSERT's foreign key fails
                 if self._db.classify(exc) is ErrorKind.REFUSED and store.get_tenant(
                         self._db, tenant_id=ctx.tenant_id) is None:
                     raise _tenant_gone() from None
@@ -661,10 +667,13 @@ class TenancyService:
 
     def load_response(self, ctx: TenantContext, response_id: str) -> dict[str, Any] | None:
         """The stored body, or None when this tenant has no response with that id (another tenant's included).
-        AuthenticationError when the tenant is gone (as ``save_response``)."""
+        AuthenticationError when the tenant is gone (as ``save_response``). Opened and parsed outside
+        the lock, as ``save_response`` seals."""
         with self._lock:
             self._require_live_tenant(ctx)
-            return responses.load(self._db, self._response_cipher(ctx), ctx.tenant_id, response_id)
+            cipher = self._response_cipher(ctx)
+            sealed = responses.sealed_body(self._db, ctx.tenant_id, response_id)
+        return None if sealed is None else responses.open_body(cipher, ctx.tenant_id, response_id, sealed)
 
     def _require_live_tenant(self, ctx: TenantContext) -> None:
         """Refuse a context whose tenant was deleted (by another process) while its key stayed in

@@ -80,14 +80,16 @@ async def create_response(
     prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(retention), fields=RESPONSES_FIELDS)
     prep.request_id = new_response_id()
 
-    def keep(response: dict[str, Any]) -> None:
-        # One indexed INSERT, on the loop: a follow-up sent the moment the client has the response
-        # must find it (a background write would race it).
+    async def keep(response: dict[str, Any]) -> None:
+        # Awaited before the response is sent: a follow-up sent the moment the client has the
+        # response must find it (a background write would race it). In the tenant's worker thread:
+        # the conversation can be megabytes to serialize and seal, which on the event loop stalled
+        # every other tenant's stream. Never refused by the tenant's queue bound: the answer exists.
         if not body.store:
             return
+        record = {"response": response, "conversation": conversation_after(conversation, response["output"])}
         try:
-            store.save_response(ctx, response["id"], {
-                "response": response, "conversation": conversation_after(conversation, response["output"])})
+            await threads.run(ctx.tenant_id, store.save_response, ctx, response["id"], record, refusable=False)
         except TenancyError as exc:  # the tenant was deleted while its key was cached: a 401, not a 500
             raise tenancy_error(exc) from None
 

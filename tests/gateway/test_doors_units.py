@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -96,12 +97,18 @@ def _outputs() -> list[RequestOutput]:
 
 def test_responses_stream_parses_local_tool_calls_out_of_the_text():
     stored: list[dict] = []
-    fmt = ResponsesFormat(_tool_prep(), ResponsesRequest(model="tiny", input="weather?"), stored.append)
+
+    async def keep(response: dict) -> None:
+        stored.append(response)
+
+    fmt = ResponsesFormat(_tool_prep(), ResponsesRequest(model="tiny", input="weather?"), keep)
     events = [e for out in _outputs() for e in fmt.chunks(0, out)]
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert "<tool" not in text and text.strip() == "Let me check."
     fmt.tail({"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
               "prompt_tokens_details": {"cached_tokens": 0}})
+    assert not stored  # kept in finalize, which the responder awaits before sending the tail
+    asyncio.run(fmt.finalize())
     calls = [item for item in stored[0]["output"] if item["type"] == "function_call"]
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
 

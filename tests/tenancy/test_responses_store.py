@@ -3,11 +3,14 @@ sealed with the tenant's data key, gone with the tenant; and the tenant's cache_
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tenancy import responses
 from tenancy.service import AuthenticationError, TenancyService
 from tests.fleetutil import read_rows
 
@@ -81,3 +84,34 @@ def test_reading_or_deleting_for_a_deleted_tenant_makes_no_data_key_again(
     finally:
         gateway.close()
         cli.close()
+
+
+@pytest.mark.parametrize("step", ["seal", "open_body"])
+def test_sealing_and_opening_run_outside_the_service_lock(svc: TenancyService, monkeypatch, step: str) -> None:
+    """A stored conversation can be megabytes of JSON to seal or open. The service's lock is the one
+    an authentication miss and a budget check take on the event loop, so while one tenant's body is
+    being sealed (or opened) another tenant's first request authenticates without waiting for it."""
+    a = svc.authenticate(svc.create_tenant("a").api_key)
+    key_b = svc.create_tenant("b").api_key
+    svc.save_response(a, "resp_1", {"response": {"id": "resp_1"}})
+    inside, release = threading.Event(), threading.Event()
+    real = getattr(responses, step)
+
+    def held(*args: object) -> object:
+        inside.set()
+        release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(responses, step, held)
+    work = (svc.save_response, (a, "resp_2", {"response": {"id": "resp_2"}})) if step == "seal" else \
+        (svc.load_response, (a, "resp_1"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pending = pool.submit(*work[:1], *work[1])
+        assert inside.wait(30)
+        try:
+            other = pool.submit(svc.authenticate, key_b)  # an auth cache miss: takes the lock
+            assert other.result(timeout=10).name == "b"
+        finally:
+            release.set()
+        pending.result(timeout=30)
+    assert svc.load_response(a, "resp_2" if step == "seal" else "resp_1") is not None
