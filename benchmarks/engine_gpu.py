@@ -604,6 +604,16 @@ def sec_decode_argmax(dev, args, model, runner, bw) -> dict:
                                     {"torch": False, "kernel": True})
 
 
+def sec_decode_norm(dev, args, model, runner, bw) -> dict:
+    """The residual add + RMSNorm loading its weight with the row, before the reduction's barrier
+    (``rmsnorm.WEIGHT_FIRST``, the default), against after it, where the product uses it (a second
+    memory round trip in each of the step's 65 norms)."""
+    from prefixgate_kernels import rmsnorm
+
+    return decode_ab_module_setting(dev, args, model, runner, bw, "norm weight", rmsnorm, "WEIGHT_FIRST",
+                                    {"after": False, "first": True})
+
+
 def sec_decode_input_copy(dev, args, model, runner, bw) -> dict:
     """A decode step's static inputs in one host -> device copy (``cuda_graphs.SINGLE_INPUT_COPY``, the
     default) against one copy per buffer (six), each on the stream between two replays."""
@@ -1142,6 +1152,9 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers in the decode section")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--mt-requests", type=int, default=64)
+    ap.add_argument("--kv-memory-fraction", type=float, default=0.45,
+                    help="of the free HBM for the KV pool (0.45 leaves room for transformers beside it; an "
+                         "80 GB card needs ~0.7 for the decode sweep's batch 128 x 2K, with --no-hf)")
     ap.add_argument("--trace-dir", default=None, help="write the profiled prefix hit's Chrome trace here")
     ap.add_argument("--prefill-attention", choices=[k.value for k in prefill_attention.PrefillKernel],
                     default=prefill_attention.PREFILL_KERNEL.value,
@@ -1230,7 +1243,7 @@ def main() -> int:
         except Exception as exc:
             traceback.print_exc()
             result["model"]["hf_error"] = f"{type(exc).__name__}: {exc}"
-    config = EngineConfig(model_dir=Path("random-llama-3.1-8b-shape"), device=dev, kv_memory_fraction=0.45,
+    config = EngineConfig(model_dir=Path("random-llama-3.1-8b-shape"), device=dev, kv_memory_fraction=args.kv_memory_fraction,
                           num_kv_blocks=None if dev.startswith("cuda") else 4096, max_num_seqs=64,
                           max_num_batched_tokens=16384 if not smoke else 256, max_model_len=max_len,
                           use_cuda_graphs=not args.no_graphs)
@@ -1256,6 +1269,7 @@ def main() -> int:
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)
     section("decode_input_copy", sec_decode_input_copy, dev, args, model, runner, bw)
+    section("decode_norm", sec_decode_norm, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)
