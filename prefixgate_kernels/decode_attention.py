@@ -98,6 +98,38 @@ def _stamp_sm(stamps_ptr, slot, after):
 # left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
 # the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
 # prefill+decode step took 2.1 s instead of 0.4 s, a 129-block table after 128-block ones).
+@triton.jit
+def _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh, k_col, v_col,
+                stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
+                stride_sb, stride_ss, stride_sh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr, MEMBER_DIM: tl.constexpr, MEMBERS: tl.constexpr,
+                ROPE_WRITE: tl.constexpr, HAS_K_BIAS: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """A program's query rows ``[GROUP_PAD, D]`` in q's dtype: loaded, rotated from the q|k|v row
+    (``ROPE_WRITE``, which also writes the step's token K / V where this program's split [start, end)
+    holds position ``seq_len - 1``), or spread over their members' columns (``MEMBER_DIM`` > 0)."""
+    if ROPE_WRITE:  # q|k|v row in, rotated q; the token's K / V into the cache by the split holding it
+        row = q_ptr + b * stride_qb
+        cos = tl.load(cos_ptr + b * stride_cos + d).to(q_ptr.dtype.element_ty).to(tl.float32)
+        sin = tl.load(sin_ptr + b * stride_sin + d).to(q_ptr.dtype.element_ty).to(tl.float32)
+        q = _rope_tile(row, heads, d, row_ok[:, None] & (d < HEAD_DIM)[None, :], cos, sin, HEAD_DIM)
+        slot_id = tl.load(slot_mapping_ptr + b)
+        writes = (seq_len - 1 >= start) & (seq_len - 1 < end) & (slot_id >= 0)
+        _write_token_kv(row, cos, sin, slot_id, writes, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr,
+                        kvh, k_col, v_col, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
+                        stride_sb, stride_ss, stride_sh, HEAD_DIM, BLOCK_SIZE, KV_QUANT, SOFT_FP8, HAS_K_BIAS)
+        # the writer's stores are seen by its own threads' loads below (bar.sync orders a CTA's global
+        # accesses); the other splits never read the token's slot
+        tl.debug_barrier()
+    elif MEMBER_DIM > 0:  # row r belongs to member r // (GROUP / MEMBERS): its values in that member's columns
+        own_cols = (d // MEMBER_DIM)[None, :] == (rows // (GROUP // MEMBERS))[:, None]
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + (d % MEMBER_DIM)[None, :],
+                    mask=row_ok[:, None] & own_cols, other=0.0)
+    else:
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    return q
+
+
 @triton.jit(do_not_specialize=["stride_btb"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
@@ -148,6 +180,7 @@ def _decode_split_kernel(
     ROPE_WRITE: tl.constexpr = False,
     HAS_K_BIAS: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
+    QUERY_FIRST: tl.constexpr = True,
 ):
     """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
     adjacent heads of the cache read as one row of ``MEMBERS * MEMBER_DIM`` values (``joined_kv_heads``),
@@ -177,8 +210,6 @@ def _decode_split_kernel(
     else:
         split_len = _split_length(seq_len, split_tokens, NUM_SPLITS, BLOCK_N)
         start = split * split_len
-        if start >= seq_len:
-            return
         end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -192,25 +223,24 @@ def _decode_split_kernel(
     # (sm_90 PTX here; fp8 per head 20 % slower on the H200, session 17 call 1).
     col_ok = d < ROW_WIDTH
     pair_ok = dh < ROW_WIDTH // 2
-    if ROPE_WRITE:  # q|k|v row in, rotated q; the token's K / V into the cache by the split holding it
-        row = q_ptr + b * stride_qb
-        cos = tl.load(cos_ptr + b * stride_cos + d).to(q_ptr.dtype.element_ty).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_sin + d).to(q_ptr.dtype.element_ty).to(tl.float32)
-        q = _rope_tile(row, heads, d, row_ok[:, None] & (d < HEAD_DIM)[None, :], cos, sin, HEAD_DIM)
-        slot_id = tl.load(slot_mapping_ptr + b)
-        writes = (seq_len - 1 >= start) & (seq_len - 1 < end) & (slot_id >= 0)
-        _write_token_kv(row, cos, sin, slot_id, writes, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr,
-                        kvh, k_col, v_col, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
-                        stride_sb, stride_ss, stride_sh, HEAD_DIM, BLOCK_SIZE, KV_QUANT, SOFT_FP8, HAS_K_BIAS)
-        # the writer's stores are seen by its own threads' loads below (bar.sync orders a CTA's global
-        # accesses); the other splits never read the token's slot
-        tl.debug_barrier()
-    elif MEMBER_DIM > 0:  # row r belongs to member r // (GROUP / MEMBERS): its values in that member's columns
-        own_cols = (d // MEMBER_DIM)[None, :] == (rows // (GROUP // MEMBERS))[:, None]
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + (d % MEMBER_DIM)[None, :],
-                    mask=row_ok[:, None] & own_cols, other=0.0)
-    else:
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    # The query rows (and with ROPE_WRITE the token's K / V write) before the empty split's exit: after
+    # it, their loads waited for the sequence length's (a branch on it), two memory round trips in a
+    # row where one does (QUERY_FIRST; an empty split then loads its rows for nothing and stores none).
+    if QUERY_FIRST:
+        q = _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos,
+                        stride_sin, slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh,
+                        k_col, v_col, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws,
+                        stride_vwh, stride_sb, stride_ss, stride_sh, GROUP, HEAD_DIM, BLOCK_SIZE, KV_QUANT,
+                        MEMBER_DIM, MEMBERS, ROPE_WRITE, HAS_K_BIAS, SOFT_FP8)
+    if NUM_SPLITS > 1:  # noqa: SIM102 - a compile-time test around a run-time one (one split never exits)
+        if start >= seq_len:
+            return
+    if not QUERY_FIRST:
+        q = _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos,
+                        stride_sin, slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh,
+                        k_col, v_col, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws,
+                        stride_vwh, stride_sb, stride_ss, stride_sh, GROUP, HEAD_DIM, BLOCK_SIZE, KV_QUANT,
+                        MEMBER_DIM, MEMBERS, ROPE_WRITE, HAS_K_BIAS, SOFT_FP8)
     q = q.to(DOT_TY)  # [GROUP_PAD, D]
 
     if KV_QUANT == 1:
@@ -737,7 +767,7 @@ def paged_decode(
         scale * LOG2E, plan.split_tokens,
         q_st[0], q_st[1], k_st[0], k_st[1], k_st[2], v_st[0], v_st[1], v_st[2],
         block_tables.stride(0), *sc_strides, o_st[0], o_st[1],
-        STAMPS=stamps is not None, ROPE_WRITE=rope is not None,
+        STAMPS=stamps is not None, ROPE_WRITE=rope is not None, QUERY_FIRST=QUERY_FIRST,
         HAS_K_BIAS=rope is not None and rope.k_bias is not None, SOFT_FP8=rope is not None and interpreting(),
         **plan.options,
     )
@@ -749,6 +779,11 @@ def paged_decode(
         )
     return out
 
+
+# Load a program's query rows before its split's empty-exit check (the default), or after it: the engine
+# benchmark's ``decode_query_first`` section times both (read at each launch: set it before a graph is
+# captured).
+QUERY_FIRST = True
 
 # ``prefixgate_kernels.triton_ops.rotary_decode_attention`` launches one kernel (RoPE and the K/V write inside the
 # decode attention) when True, ``rotary_write_kv`` and then the attention when False: the same-run
