@@ -604,26 +604,6 @@ def sec_decode_argmax(dev, args, model, runner, bw) -> dict:
                                     {"torch": False, "kernel": True})
 
 
-def sec_decode_norm(dev, args, model, runner, bw) -> dict:
-    """The residual add + RMSNorm loading its weight with the row, before the reduction's barrier
-    (``rmsnorm.WEIGHT_FIRST``, the default), against after it, where the product uses it (a second
-    memory round trip in each of the step's 65 norms)."""
-    from prefixgate_kernels import rmsnorm
-
-    return decode_ab_module_setting(dev, args, model, runner, bw, "norm weight", rmsnorm, "WEIGHT_FIRST",
-                                    {"after": False, "first": True})
-
-
-def sec_decode_query_first(dev, args, model, runner, bw) -> dict:
-    """The decode attention loading its query rows (and writing the token's K / V) before a split's
-    empty-exit check (``decode_attention.QUERY_FIRST``, the default), against after it, where those
-    loads waited for the sequence length's: one memory round trip less in each split launch."""
-    from prefixgate_kernels import decode_attention
-
-    return decode_ab_module_setting(dev, args, model, runner, bw, "query first", decode_attention, "QUERY_FIRST",
-                                    {"after": False, "first": True})
-
-
 def sec_decode_input_copy(dev, args, model, runner, bw) -> dict:
     """A decode step's static inputs in one host -> device copy (``cuda_graphs.SINGLE_INPUT_COPY``, the
     default) against one copy per buffer (six), each on the stream between two replays."""
@@ -1279,8 +1259,6 @@ def main() -> int:
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)
     section("decode_input_copy", sec_decode_input_copy, dev, args, model, runner, bw)
-    section("decode_norm", sec_decode_norm, dev, args, model, runner, bw)
-    section("decode_query_first", sec_decode_query_first, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)
     section("tenants", sec_tenants, dev, args, config, runner)

@@ -180,7 +180,6 @@ def _decode_split_kernel(
     ROPE_WRITE: tl.constexpr = False,
     HAS_K_BIAS: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
-    QUERY_FIRST: tl.constexpr = True,
 ):
     """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
     adjacent heads of the cache read as one row of ``MEMBERS * MEMBER_DIM`` values (``joined_kv_heads``),
@@ -225,22 +224,16 @@ def _decode_split_kernel(
     pair_ok = dh < ROW_WIDTH // 2
     # The query rows (and with ROPE_WRITE the token's K / V write) before the empty split's exit: after
     # it, their loads waited for the sequence length's (a branch on it), two memory round trips in a
-    # row where one does (QUERY_FIRST; an empty split then loads its rows for nothing and stores none).
-    if QUERY_FIRST:
-        q = _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos,
-                        stride_sin, slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh,
-                        k_col, v_col, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws,
-                        stride_vwh, stride_sb, stride_ss, stride_sh, GROUP, HEAD_DIM, BLOCK_SIZE, KV_QUANT,
-                        MEMBER_DIM, MEMBERS, ROPE_WRITE, HAS_K_BIAS, SOFT_FP8)
+    # row where one does (an empty split loads its rows for nothing and stores none). Measured in
+    # session 26: ~0.2 us a split launch on the H100.
+    q = _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                    slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh, k_col, v_col,
+                    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
+                    stride_sb, stride_ss, stride_sh, GROUP, HEAD_DIM, BLOCK_SIZE, KV_QUANT, MEMBER_DIM, MEMBERS,
+                    ROPE_WRITE, HAS_K_BIAS, SOFT_FP8)
     if NUM_SPLITS > 1:  # noqa: SIM102 - a compile-time test around a run-time one (one split never exits)
         if start >= seq_len:
             return
-    if not QUERY_FIRST:
-        q = _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos,
-                        stride_sin, slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh,
-                        k_col, v_col, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws,
-                        stride_vwh, stride_sb, stride_ss, stride_sh, GROUP, HEAD_DIM, BLOCK_SIZE, KV_QUANT,
-                        MEMBER_DIM, MEMBERS, ROPE_WRITE, HAS_K_BIAS, SOFT_FP8)
     q = q.to(DOT_TY)  # [GROUP_PAD, D]
 
     if KV_QUANT == 1:
@@ -767,7 +760,7 @@ def paged_decode(
         scale * LOG2E, plan.split_tokens,
         q_st[0], q_st[1], k_st[0], k_st[1], k_st[2], v_st[0], v_st[1], v_st[2],
         block_tables.stride(0), *sc_strides, o_st[0], o_st[1],
-        STAMPS=stamps is not None, ROPE_WRITE=rope is not None, QUERY_FIRST=QUERY_FIRST,
+        STAMPS=stamps is not None, ROPE_WRITE=rope is not None,
         HAS_K_BIAS=rope is not None and rope.k_bias is not None, SOFT_FP8=rope is not None and interpreting(),
         **plan.options,
     )
@@ -779,11 +772,6 @@ def paged_decode(
         )
     return out
 
-
-# Load a program's query rows before its split's empty-exit check (the default), or after it: the engine
-# benchmark's ``decode_query_first`` section times both (read at each launch: set it before a graph is
-# captured).
-QUERY_FIRST = True
 
 # ``prefixgate_kernels.triton_ops.rotary_decode_attention`` launches one kernel (RoPE and the K/V write inside the
 # decode attention) when True, ``rotary_write_kv`` and then the attention when False: the same-run

@@ -23,11 +23,6 @@ import triton.language as tl
 
 from prefixgate_kernels._common import next_pow2
 
-# Load the weight with the row, before the reduction (the default), or after it, where it is used: the
-# engine benchmark's ``decode_norm`` section times both (read at each launch, so set it before a graph
-# is captured).
-WEIGHT_FIRST = True
-
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -42,16 +37,14 @@ def _add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WEIGHT_FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     # The weight first, with the row's own loads: placed after the sum of squares (where it is used), it
-    # was issued only after that reduction's barrier, a second memory round trip in a launch that is
-    # nothing but round trips (one row at a decode step; the compiled PTX showed the load after bar.sync).
-    if WEIGHT_FIRST:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # was issued only after that reduction's barrier (the compiled PTX showed the load after bar.sync), a
+    # second memory round trip; measured in session 26: ~0.1 us a norm on the H100.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PARTIALS > 0:  # the projection's output is the sum of its slices, rounded as it would have been
         acc = tl.zeros([BLOCK], tl.float32)
         for p in tl.static_range(PARTIALS):
@@ -66,8 +59,6 @@ def _add_rms_norm_kernel(
     x32 = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
     y = (x32 * inv_rms).to(res_ptr.dtype.element_ty).to(tl.float32)  # the row's dtype (res is x without one)
-    if not WEIGHT_FIRST:  # the order before session 26, kept for the engine benchmark's A/B (decode_norm)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,7 +75,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _add_rms_norm_kernel[(tokens,)](
         x, res, weight, out, x.stride(-2), res.stride(0), out.stride(0), x.stride(0) if partials else 0,
         hidden, eps, HAS_RESIDUAL=residual is not None, PARTIALS=partials, BLOCK=block,
-        WEIGHT_FIRST=WEIGHT_FIRST, num_warps=max(1, min(16, block // 256)),
+        num_warps=max(1, min(16, block // 256)),
     )
     return out
 

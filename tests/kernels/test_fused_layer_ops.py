@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prefixgate_kernels import reference as ref
-from prefixgate_kernels import rmsnorm, triton_ops
+from prefixgate_kernels import triton_ops
 from tests.kernels.kernel_cases import INTERPRET, make_kv_cache
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
@@ -258,15 +258,6 @@ def run_partials_norm_case(slices, tokens, hidden, dtype, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_add_rms_norm_sums_partials(slices, tokens, hidden, dtype):
     run_partials_norm_case(slices, tokens, hidden, dtype, seed=slices * tokens + hidden)
-
-
-@pytest.mark.parametrize("weight_first", [False, True])
-def test_add_rms_norm_either_weight_load_order(monkeypatch, weight_first):
-    """The engine benchmark's A/B of where the weight is loaded (``rmsnorm.WEIGHT_FIRST``) compares two
-    launches of the same arithmetic: both match the reference, with partials and without."""
-    monkeypatch.setattr(rmsnorm, "WEIGHT_FIRST", weight_first)
-    run_partials_norm_case(4, 3, 300, torch.float16, seed=11 + weight_first)
-    run_norm_case(3, 300, torch.float16, True, seed=13 + weight_first)
 
 
 def test_add_rms_norm_rejects_bad_partials():

@@ -126,13 +126,10 @@ def test_fused_rope_decode_quantized_cache(kv_dtype, num_splits):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("query_first", [False, True])
-def test_fused_rope_decode_either_query_order_with_empty_splits(monkeypatch, query_first):
-    """The query rows loaded before the empty-split exit (``QUERY_FIRST``, the default) or after it:
-    the same cache bytes and outputs, with splits past short contexts (1 and 2 tokens over 4 splits)
-    that load their rows and exit without a store."""
-    monkeypatch.setattr(decode_attention, "QUERY_FIRST", query_first)
-    case = rope_decode_inputs(4, 2, 32, 16, torch.float16, torch.float16, [1, 70, 2, 33], seed=21 + query_first)
+def test_fused_rope_decode_with_empty_splits():
+    """Splits past short contexts (1 and 2 tokens over 4 splits) load their query rows before they
+    find their split empty, and exit without a store: the cache bytes and outputs are the two kernels'."""
+    case = rope_decode_inputs(4, 2, 32, 16, torch.float16, torch.float16, [1, 70, 2, 33], seed=21)
     check_fused_case(case, 2e-3, num_splits=4)
 
 
