@@ -41,9 +41,9 @@ async def translated(body: ScannedBody, ctx: TenantCtx, parts: Parts, translate:
     thread for a large one.
 
     The character bound is checked on the body as sent, with the 400 the chat pipeline gives (its
-    param the door's prompt field, ``fields.prompt``), before the translation: that walks and rebuilds the whole body,
-    and ``chat_request`` validates it again, tenths of a second of pure Python for 3 MB of small
-    parts. Run in a worker thread, it still held the GIL against the event loop, and every other
+    param the door's own prompt field, ``fields.prompt``), before the translation: that walks and
+    rebuilds the whole body, and ``chat_request`` validates it again, tenths of a second of pure
+    Python for 3 MB of small parts. Run in a worker thread, it still held the GIL against the event loop, and every other
     tenant's stream waited for a body that was then refused for its size anyway (the DoS audit).
     The chat pipeline checks the bound again on the chat body, which a stored conversation
     (``previous_response_id``) can make longer than the body sent."""

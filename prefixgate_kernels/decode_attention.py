@@ -94,10 +94,6 @@ def _stamp_sm(stamps_ptr, slot, after):
     tl.store(stamps_ptr + slot, sm.to(tl.int64))
 
 
-# The block table's row stride is its width, which changes with the longest context in the batch:
-# left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
-# the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
-# prefill+decode step took 2.1 s instead of 0.4 s, a 129-block table after 128-block ones).
 @triton.jit
 def _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos, stride_sin,
                 slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh, k_col, v_col,
@@ -130,6 +126,10 @@ def _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, 
     return q
 
 
+# The block table's row stride is its width, which changes with the longest context in the batch:
+# left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
+# the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
+# prefill+decode step took 2.1 s instead of 0.4 s, a 129-block table after 128-block ones).
 @triton.jit(do_not_specialize=["stride_btb"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
