@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,6 +62,7 @@ SMALL_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers
                "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096, "rms_norm_eps": 1e-5,
                "rope_theta": 10000.0, "max_position_embeddings": 2048}
 SMOKE_8B = {**SMALL_SHAPE, "num_hidden_layers": 2, "vocab_size": 2048}  # --smoke stand-in for the 8B shape
+T = TypeVar("T")
 
 
 ID_VOCAB = 1 << 17  # ids IdTokenizer can stand for: 131,072 >= Llama 3's 128,256
@@ -773,14 +774,12 @@ def sec_prefix(dev, args, config, runner) -> dict:
     hit_started_at = []  # epoch seconds, to line the hits up with a clock/power log taken beside the run
     for i in range(5):
         timed.steps.clear()
-        if graphs is not None:
-            graphs.replay_log = []
         hit_started_at.append(time.time())
-        hits.append(run_requests(engine, [GenerateRequest(f"p{i + 1}", StaticTenantScope(), greedy(1),
-                                                          prompt_token_ids=prompt(head))]))
+        hit, log = with_replays(graphs, lambda i=i: run_requests(engine, [GenerateRequest(
+            f"p{i + 1}", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head))]))
+        hits.append(hit)
         runner_ms.append(1e3 * sum(st[0] for st in timed.steps))
         if graphs is not None:
-            log = take_replays(graphs)
             replay_ms.append(sum(rec.device_ms() for rec in log))
             fill_ms.append(1e3 * sum(rec.fill_s for rec in log))
             launch_ms.append(1e3 * sum(rec.launch_s for rec in log))
@@ -797,14 +796,13 @@ def sec_prefix(dev, args, config, runner) -> dict:
         h = [g.randrange(vocab) for _ in range(cached_len)]
         cold_at = time.time()
         c = run_requests(engine, [GenerateRequest(f"c{i}", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(h))])
-        if graphs is not None:
-            graphs.replay_log = []
         hit_at = time.time()
-        hr = run_requests(engine, [GenerateRequest(f"h{i}", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(h))])
+        hr, log = with_replays(graphs, lambda i=i, h=h: run_requests(engine, [GenerateRequest(
+            f"h{i}", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(h))]))
         pair = {"cold_ms": 1e3 * next(iter(c["ttft"].values())), "hit_ms": 1e3 * next(iter(hr["ttft"].values())),
                 "hit_cached": next(iter(hr["cached"].values())), "cold_started_at": cold_at, "hit_started_at": hit_at}
         if graphs is not None:
-            pair["hit_replay_ms"] = sum(rec.device_ms() for rec in take_replays(graphs))
+            pair["hit_replay_ms"] = sum(rec.device_ms() for rec in log)
         pair["speedup"] = pair["cold_ms"] / pair["hit_ms"]
         pairs.append(pair)
     cold_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in colds)
@@ -848,12 +846,11 @@ def sec_prefix(dev, args, config, runner) -> dict:
     # with the launcher's kernels than with Triton's while the kernel alone was faster: device or host?)
     short, short_replay_ms = [], []
     for i in range(3):
+        hit, log = with_replays(graphs, lambda i=i: run_requests(engine, [GenerateRequest(
+            f"s{i + 1}", StaticTenantScope(), greedy(1), prompt_token_ids=prompt(head2))]))
+        short.append(hit)
         if graphs is not None:
-            graphs.replay_log = []
-        short.append(run_requests(engine, [GenerateRequest(f"s{i + 1}", StaticTenantScope(), greedy(1),
-                                                           prompt_token_ids=prompt(head2))]))
-        if graphs is not None:
-            short_replay_ms.append(sum(rec.device_ms() for rec in take_replays(graphs)))
+            short_replay_ms.append(sum(rec.device_ms() for rec in log))
     short_ms = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in short)
     out["short_suffix"] = {"cached_tokens": [next(iter(r["cached"].values())) for r in short],
                            "hit_ttft_ms": short_ms, "speedup": cold_ms[len(cold_ms) // 2] / short_ms[len(short_ms) // 2],
@@ -868,6 +865,14 @@ def sec_prefix(dev, args, config, runner) -> dict:
                                                            prompt_token_ids=prompt(head2))]) for i in range(3)]
         out["short_suffix"]["eager_hit_ttft_ms"] = sorted(1e3 * r["ttft"][next(iter(r["ttft"]))] for r in eager)
     return out
+
+
+def with_replays(graphs: PrefillGraphs | None, run: Callable[[], T]) -> tuple[T, list[ReplayRecord]]:
+    """``run()``'s result and the prefill graph replays it made (none without graphs)."""
+    if graphs is None:
+        return run(), []
+    graphs.replay_log = []
+    return run(), take_replays(graphs)
 
 
 def take_replays(graphs: PrefillGraphs) -> list[ReplayRecord]:

@@ -103,10 +103,11 @@ def test_sealing_and_opening_run_outside_the_service_lock(svc: TenancyService, m
         return real(*args)
 
     monkeypatch.setattr(responses, step, held)
-    work = (svc.save_response, (a, "resp_2", {"response": {"id": "resp_2"}})) if step == "seal" else \
-        (svc.load_response, (a, "resp_1"))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        pending = pool.submit(*work[:1], *work[1])
+        if step == "seal":
+            pending = pool.submit(svc.save_response, a, "resp_2", {"response": {"id": "resp_2"}})
+        else:
+            pending = pool.submit(svc.load_response, a, "resp_1")
         assert inside.wait(30)
         try:
             other = pool.submit(svc.authenticate, key_b)  # an auth cache miss: takes the lock
