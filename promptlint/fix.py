@@ -1,9 +1,11 @@
 """``--fix``: safe, meaning-preserving rewrites only, and a list of what changed.
 
-- Request files with a fixable finding (PC004, PC009): the ``safe`` canonical form from
-  :mod:`promptlint.canon` (tools sorted by name, schema keys sorted, message edges trimmed), written
-  back as JSON with the file's indentation. YAML files are rewritten only if they hold no comments
-  (a YAML dump would drop them).
+- Request files: for each rule with a fix that reported on the file, the ``safe`` canonical form
+  from :mod:`promptlint.canon` of the keys that rule checks: PC004 its tools and schemas (sorted by
+  name, keys sorted), PC009 its messages (edges trimmed). A rule that is off for the file (not
+  selected, ignored, per-file-ignored, ``noqa``) reports nothing there, so its fix never runs.
+  Written back as JSON with the file's indentation. YAML files are rewritten only if they hold no
+  comments (a YAML dump would drop them).
 - Templates: lines holding a value that the template marks as movable (``promptlint: movable`` on
   the line, or front matter ``movable: [var, ...]``) and that a PC001/PC002/PC003 finding flagged
   move, in order, to the end of the template. A marked Jinja block tag moves with its whole block; a
@@ -23,18 +25,24 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import yaml
 
-from promptlint.canon import canonicalize
+from promptlint.canon import CanonResult, canonicalize
 from promptlint.linter import FileResult
 from promptlint.loader import REQUEST_EXTS
 from promptlint.model import PromptDoc
 from promptlint.moves import plan
+from promptlint.rules import pc004_unstable_tool_order, pc009_unstable_whitespace
 
 _MOVE_CODES = {"PC001", "PC002", "PC003"}
+# Rule -> the request keys its fix canonicalizes: the keys the rule itself checks, and no others.
+_REQUEST_FIXES: dict[str, tuple[str, ...]] = {
+    pc004_unstable_tool_order.CODE: pc004_unstable_tool_order.CANON_KEYS,
+    pc009_unstable_whitespace.CODE: pc009_unstable_whitespace.CANON_KEYS,
+}
 _YAML_COMMENT = re.compile(r"^\s*#|\s#", re.MULTILINE)
 
 
@@ -48,13 +56,12 @@ def fix_file(result: FileResult, roots: Sequence[Path] = (Path("."),)) -> list[s
     ``roots`` are the paths named on the command line: only files inside them are written.
     """
     doc = result.doc
-    fixable = [f for f in result.findings if f.fixable]
-    if doc is None or not fixable or doc.kind == "source":
+    if doc is None or doc.kind == "source":
         return []  # source files are never rewritten: the fix is a code change
     try:
         if doc.kind == "request":
             return _fix_request(result, roots)
-        return _fix_template(result, {f.line for f in fixable if f.code in _MOVE_CODES}, roots)
+        return _fix_template(result, {f.line for f in result.findings if f.fixable and f.code in _MOVE_CODES}, roots)
     except _Refused as exc:
         return [f"not fixed: {exc}"]
 
@@ -90,7 +97,7 @@ def _indent(raw: str) -> int:
 def _fix_request(result: FileResult, roots: Sequence[Path]) -> list[str]:
     doc = result.doc
     assert doc is not None and doc.body is not None
-    res = canonicalize(doc.body, "safe")
+    res = _canonical_parts(doc.body, {f.code for f in result.findings})
     if not res.applied:
         return []
     ext = doc.path.suffix.lower()
@@ -102,6 +109,19 @@ def _fix_request(result: FileResult, roots: Sequence[Path]) -> list[str]:
         text = yaml.safe_dump(res.body, sort_keys=False, allow_unicode=True, width=10_000)
     _write(doc.path, text, roots)
     return list(res.applied)
+
+
+def _canonical_parts(body: dict, reported: Collection[str]) -> CanonResult:
+    """``body`` with the keys of each reported rule in ``_REQUEST_FIXES`` canonicalized, the rest as
+    it was (a key keeps its place in the file)."""
+    new = dict(body)
+    applied: list[str] = []
+    for code, keys in _REQUEST_FIXES.items():
+        if code in reported:
+            res = canonicalize({k: body[k] for k in keys if k in body}, "safe")
+            new.update(res.body)
+            applied.extend(res.applied)
+    return CanonResult(new, tuple(applied))
 
 
 def _fix_template(result: FileResult, lines_to_move: set[int], roots: Sequence[Path]) -> list[str]:

@@ -29,12 +29,14 @@ NAME = "unstable-tool-order"
 SEVERITY = "warning"
 SUMMARY = "tools unsorted or schema keys in a non-canonical order"
 FIXABLE = True
+# The request keys this rule checks, and the only ones its fix (their ``safe`` canonical form) rewrites.
+CANON_KEYS = ("tools", "functions", "response_format")
 
 
 def check(doc, ctx):
     if doc.body is None:
         return
-    probe = {k: doc.body[k] for k in ("tools", "functions", "response_format") if k in doc.body}
+    probe = {k: doc.body[k] for k in CANON_KEYS if k in doc.body}
     if not probe:
         return
     applied = canonicalize(probe, "safe").applied

@@ -28,6 +28,8 @@ NAME = "unstable-whitespace"
 SEVERITY = "info"
 SUMMARY = "line endings, trailing or invisible whitespace in the prefix"
 FIXABLE = True
+# The request keys this rule checks, and the only ones its fix (their ``safe`` canonical form) rewrites.
+CANON_KEYS = ("messages",)
 
 _INVISIBLE = re.compile("[\u200b\u200c\u200d\u2060\ufeff\u00a0]")
 _TRAILING = re.compile(r"[ \t]+\r?$")
@@ -38,7 +40,7 @@ def check(doc, ctx):
         return  # the raw text is Python code, not the prompt; its whitespace is the code's business
     if doc.kind == "request":
         if doc.body is not None and "whitespace-normalized" in canonicalize(
-            {"messages": doc.body.get("messages", [])}, "safe"
+            {k: doc.body[k] for k in CANON_KEYS if k in doc.body}, "safe"
         ).applied:
             line = next((e.line for e in doc.elements if not e.is_tools), 1)
             yield Finding(CODE, doc.display, line, 1,

@@ -222,3 +222,42 @@ def test_fix_does_not_sort_tools_when_a_breakpoint_sits_before_the_last(run_cli,
     assert path.read_text() == text
     pc004 = next(f for f in json.loads(res.out)["findings"] if f["code"] == "PC004")
     assert not pc004["fixable"] and "--fix does not sort them: a cache_control breakpoint on tool read_file" in pc004["message"]
+
+
+def _unsorted_tools_and_trailing_space() -> dict:
+    body = json.loads((FIXTURES / "PC004" / "bad.json").read_text())
+    body["messages"][0]["content"] += "   "  # PC009: trailing whitespace at the message's edge
+    return body
+
+
+@pytest.mark.parametrize("how", ["--ignore", "per-file-ignores", "noqa-file"])
+def test_fix_never_applies_the_fix_of_a_rule_that_is_off(run_cli, tmp_path, how):
+    """The audit's repro: with PC004 ignored, --fix still sorted the tools (it canonicalized the whole
+    request for the PC009 finding). Each step runs only for a rule reported on that file."""
+    body = _unsorted_tools_and_trailing_space()
+    args = []
+    if how == "--ignore":
+        args = ["--ignore", "PC004"]
+    elif how == "per-file-ignores":
+        config = tmp_path / "pyproject.toml"
+        config.write_text('[tool.promptlint.per-file-ignores]\n"req.json" = ["PC004"]\n')
+        args = ["--config", str(config)]
+    else:
+        body["promptlint"] = {"note": "promptlint: noqa-file[PC004]"}
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps(body, indent=2))
+    res = run_cli("check", str(path), "--fix", *args, cwd=tmp_path)
+    assert "whitespace-normalized" in res.err and "tools-sorted" not in res.err, res.err
+    assert "tool-schemas-canonical" not in res.err
+    after = json.loads(path.read_text())
+    assert after["tools"] == body["tools"] and list(after["tools"][0]) == list(body["tools"][0])  # order kept
+    assert after["messages"][0]["content"] == body["messages"][0]["content"].rstrip()
+
+
+def test_fix_leaves_message_whitespace_alone_when_pc009_is_off(run_cli, tmp_path):
+    body = _unsorted_tools_and_trailing_space()
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps(body, indent=2))
+    res = run_cli("check", str(path), "--fix", "--ignore", "PC009")
+    assert "tools-sorted" in res.err and "whitespace-normalized" not in res.err, res.err
+    assert json.loads(path.read_text())["messages"] == body["messages"]
