@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from promptlint.loader import REQUEST_EXTS
 from promptlint.model import Element, Finding, PromptDoc, Severity
 from promptlint.moves import is_marked, refusal
 from promptlint.tokens import TokenCounter, cache_minimum
@@ -72,11 +73,13 @@ def is_movable(doc: PromptDoc, e: Element) -> bool:
 
 def move_hint(doc: PromptDoc, e: Element) -> str:
     """How ``--fix`` could move a template value, or why it will not ("" when it will)."""
-    if doc.kind != "template" or doc.path.suffix.lower() in (".json", ".yaml", ".yml"):
+    if doc.kind != "template":
         return ""
     if is_marked(doc, e):
         why = refusal(doc, e)
         return f"; it is marked movable, but --fix leaves it: {why}" if why else ""
+    if doc.path.suffix.lower() in REQUEST_EXTS:
+        return ""  # --fix moves no line of a template inside a YAML/JSON file: no mark to suggest
     if e.block:
         return (f"; --fix cannot move it on its own: it lies inside `{{% {e.block} %}}` and would then render "
                 "for every request (move the whole block, or mark the block's opening line `promptlint: movable`)")

@@ -31,8 +31,8 @@ from pathlib import Path
 import yaml
 
 from promptlint.canon import CanonResult, canonicalize
+from promptlint.fixability import rewrite_refusal
 from promptlint.linter import FileResult
-from promptlint.loader import REQUEST_EXTS
 from promptlint.model import PromptDoc
 from promptlint.moves import plan
 from promptlint.rules import pc004_unstable_tool_order, pc009_unstable_whitespace
@@ -43,7 +43,6 @@ _REQUEST_FIXES: dict[str, tuple[str, ...]] = {
     pc004_unstable_tool_order.CODE: pc004_unstable_tool_order.CANON_KEYS,
     pc009_unstable_whitespace.CODE: pc009_unstable_whitespace.CANON_KEYS,
 }
-_YAML_COMMENT = re.compile(r"^\s*#|\s#", re.MULTILINE)
 
 
 class _Refused(Exception):
@@ -57,7 +56,7 @@ def fix_file(result: FileResult, roots: Sequence[Path] = (Path("."),)) -> list[s
     """
     doc = result.doc
     if doc is None or doc.kind == "source":
-        return []  # source files are never rewritten: the fix is a code change
+        return []  # source files are never rewritten (fixability.rewrite_refusal): the fix is a code change
     try:
         if doc.kind == "request":
             return _fix_request(result, roots)
@@ -100,12 +99,12 @@ def _fix_request(result: FileResult, roots: Sequence[Path]) -> list[str]:
     res = _canonical_parts(doc.body, {f.code for f in result.findings})
     if not res.applied:
         return []
-    ext = doc.path.suffix.lower()
-    if ext == ".json":
+    refusal = rewrite_refusal(doc)
+    if refusal:
+        return [f"not fixed ({', '.join(res.applied)}): {refusal}"]
+    if doc.path.suffix.lower() == ".json":
         text = json.dumps(res.body, indent=_indent(doc.raw), ensure_ascii=False) + "\n"
     else:
-        if _YAML_COMMENT.search(doc.raw):
-            return [f"not fixed ({', '.join(res.applied)}): YAML with comments would lose them; fix by hand"]
         text = yaml.safe_dump(res.body, sort_keys=False, allow_unicode=True, width=10_000)
     _write(doc.path, text, roots)
     return list(res.applied)
@@ -129,9 +128,6 @@ def _fix_template(result: FileResult, lines_to_move: set[int], roots: Sequence[P
     assert doc is not None
     if not lines_to_move:
         return []
-    if doc.path.suffix.lower() in REQUEST_EXTS:
-        # The template is a string inside YAML/JSON: moving raw lines could break the document.
-        return ["not fixed: move the marked lines by hand in a YAML/JSON template"]
     move = plan(doc, lines_to_move)
     notes = [f"not fixed: line {line} stays: {why}" for line, why in sorted(move.refused.items())]
     if not move.units:

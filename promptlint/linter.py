@@ -10,12 +10,13 @@ Suppressions, most local first:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from promptlint.analysis import LintContext, measure
 from promptlint.config import Config
 from promptlint.errors import UsageError
+from promptlint.fixability import rewrite_refusal
 from promptlint.loader import discover, load
 from promptlint.model import Finding, PromptDoc
 from promptlint.rules import all_rules
@@ -162,6 +163,9 @@ def lint(paths: list[Path], config: Config, model: str | None = None, skip_non_p
         raw = res.doc.raw if res.doc is not None else None
         path = res.doc.path if res.doc is not None else Path(res.path)
         res.findings = [f for f in res.findings if _keep(f, raw, path, config, cache)]
+        if res.doc is not None and rewrite_refusal(res.doc):
+            # The rule has a fix for this kind of finding, but --fix never rewrites this file.
+            res.findings = [replace(f, fixable=False) for f in res.findings]
     results.sort(key=lambda r: (r.path, r.doc.body_line if r.doc is not None else 0))
     return Report(results, ctx.model, ctx.counter.encoding)
 

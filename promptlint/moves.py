@@ -9,6 +9,8 @@ new place and leaves a valid template behind:
   ``{{ }}``/``{# #}``/``{% raw %}`` construct spanning lines is never cut;
 - a unit that binds a name (``set``, ``macro``, ``import``, ``from``, ``extends``, ``block``) stays:
   lines after it may use the name;
+- nothing moves in a template that is a string inside a YAML/JSON file: its raw lines are the
+  document's, and moving them could break it;
 - a unit whose lines also hold a value that is not marked movable stays: moving ``Hello {user_name},
   today is {current_date}.`` for ``current_date`` would drag ``user_name`` along.
 """
@@ -19,6 +21,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from promptlint.loader import REQUEST_EXTS
 from promptlint.model import Element, PromptDoc
 
 _MOVABLE = re.compile(r"promptlint:\s*movable\b")
@@ -63,6 +66,10 @@ def is_marked(doc: PromptDoc, e: Element) -> bool:
 
 def plan(doc: PromptDoc, marked_lines: Iterable[int]) -> MovePlan:
     """The units to move for the marked lines (file line numbers), and the lines refused with why."""
+    if doc.path.suffix.lower() in REQUEST_EXTS:
+        # The template is a string inside YAML/JSON: moving raw lines could break the document.
+        return MovePlan(refused=dict.fromkeys(marked_lines, "the template is a string inside a YAML/JSON file, "
+                                              "where moving raw lines could break the document; move it by hand"))
     body = doc.raw.split("\n")[doc.body_line - 1 :]
     structure = _structure(doc, body)
     out = MovePlan()

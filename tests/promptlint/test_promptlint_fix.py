@@ -261,3 +261,37 @@ def test_fix_leaves_message_whitespace_alone_when_pc009_is_off(run_cli, tmp_path
     res = run_cli("check", str(path), "--fix", "--ignore", "PC009")
     assert "tools-sorted" in res.err and "whitespace-normalized" not in res.err, res.err
     assert json.loads(path.read_text())["messages"] == body["messages"]
+
+
+def test_a_yaml_request_with_comments_offers_no_fix(run_cli, tmp_path):
+    """--fix leaves a commented YAML file alone, so its PC004 is neither [*] nor counted as fixable."""
+    body = json.loads((FIXTURES / "PC004" / "bad.json").read_text())
+    path = tmp_path / "commented.yaml"
+    text = "# tools for the calendar agent\n" + yaml.safe_dump(body, sort_keys=False)
+    path.write_text(text)
+    found = json.loads(run_cli("check", str(path), "--format", "json").out)["findings"]
+    assert [(f["code"], f["fixable"]) for f in found] == [("PC004", False), ("PC004", False)]
+    report = run_cli("check", str(path)).out
+    assert "[*]" not in report and "fixable with --fix" not in report
+    res = run_cli("check", str(path), "--fix")
+    assert "not fixed (tools-sorted, tool-schemas-canonical): YAML with comments" in res.err
+    assert path.read_text() == text
+    # the same request without the comment is fixable, and fixed
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(body, sort_keys=False))
+    found = json.loads(run_cli("check", str(plain), "--format", "json").out)["findings"]
+    assert [f["fixable"] for f in found] == [True, True]
+
+
+def test_a_marked_line_of_a_template_inside_yaml_is_not_offered_as_fixable(run_cli, tmp_path):
+    """--fix never moves raw lines inside a YAML/JSON file (it could break the document): the marked
+    line's finding says so instead of promising a fix."""
+    path = tmp_path / "tpl.yaml"
+    text = ("movable: [current_date]\ntemplate: |\n  Current date: {{ current_date }}\n"
+            + "".join(f"  {line}\n" for line in _STATIC.strip().split("\n")) + "  Question: {{ question }}\n")
+    path.write_text(text)
+    res = run_cli("check", str(path), "--format", "json")
+    pc002 = next(f for f in json.loads(res.out)["findings"] if f["code"] == "PC002")
+    assert not pc002["fixable"] and "--fix leaves it" in pc002["message"] and "YAML/JSON" in pc002["message"]
+    res = run_cli("check", str(path), "--fix")
+    assert "nothing to fix" in res.err and path.read_text() == text

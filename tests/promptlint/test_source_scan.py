@@ -73,8 +73,10 @@ def test_literal_tools_in_source_are_checked_for_order(run_cli, tmp_path):
             return litellm.completion(model="gpt-4o", tools=TOOLS, messages=[{"role": "user", "content": q}])
     '''))
     data = _check(run_cli, src)
-    assert [(f["code"], f["fixable"]) for f in data["findings"]] == [("PC004", True)]
-    # --fix never rewrites source code, even for a "fixable" finding.
+    # --fix never rewrites source code, so the finding is not offered as fixable (no [*], not counted).
+    assert [(f["code"], f["fixable"]) for f in data["findings"]] == [("PC004", False)]
+    text = run_cli("check", str(src)).out
+    assert "[*]" not in text and "fixable with --fix" not in text
     before = src.read_text()
     run_cli("check", str(src), "--fix")
     assert src.read_text() == before
