@@ -28,14 +28,14 @@ import re
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-import yaml
-
 from promptlint.canon import CanonResult, canonicalize
 from promptlint.fixability import rewrite_refusal
+from promptlint.line_ends import restore_line_ends, without_line_ends
 from promptlint.linter import FileResult
 from promptlint.model import PromptDoc
 from promptlint.moves import plan
 from promptlint.rules import pc004_unstable_tool_order, pc009_unstable_whitespace
+from promptlint.yaml_form import dump_like
 
 _MOVE_CODES = {"PC001", "PC002", "PC003"}
 # Rule -> the request keys its fix canonicalizes: the keys the rule itself checks, and no others.
@@ -96,7 +96,7 @@ def _indent(raw: str) -> int:
 def _fix_request(result: FileResult, roots: Sequence[Path]) -> list[str]:
     doc = result.doc
     assert doc is not None and doc.body is not None
-    res = _canonical_parts(doc.body, {f.code for f in result.findings})
+    res = _canonical_parts(doc, {f.code for f in result.findings})
     if not res.applied:
         return []
     refusal = rewrite_refusal(doc)
@@ -105,14 +105,17 @@ def _fix_request(result: FileResult, roots: Sequence[Path]) -> list[str]:
     if doc.path.suffix.lower() == ".json":
         text = json.dumps(res.body, indent=_indent(doc.raw), ensure_ascii=False) + "\n"
     else:
-        text = yaml.safe_dump(res.body, sort_keys=False, allow_unicode=True, width=10_000)
+        text = dump_like(res.body, doc.raw)
     _write(doc.path, text, roots)
     return list(res.applied)
 
 
-def _canonical_parts(body: dict, reported: Collection[str]) -> CanonResult:
-    """``body`` with the keys of each reported rule in ``_REQUEST_FIXES`` canonicalized, the rest as
-    it was (a key keeps its place in the file)."""
+def _canonical_parts(doc: PromptDoc, reported: Collection[str]) -> CanonResult:
+    """The request with the keys of each reported rule in ``_REQUEST_FIXES`` canonicalized, the rest
+    as it was (a key keeps its place in the file). The newline a YAML block scalar ends with is the
+    format's, not a message edge: it is set aside and put back, so ``content: |`` stays a ``|`` block."""
+    assert doc.body is not None
+    body = without_line_ends(doc.body, doc.block_line_ends)
     new = dict(body)
     applied: list[str] = []
     for code, keys in _REQUEST_FIXES.items():
@@ -120,6 +123,7 @@ def _canonical_parts(body: dict, reported: Collection[str]) -> CanonResult:
             res = canonicalize({k: body[k] for k in keys if k in body}, "safe")
             new.update(res.body)
             applied.extend(res.applied)
+    restore_line_ends(new, doc.block_line_ends)
     return CanonResult(new, tuple(applied))
 
 

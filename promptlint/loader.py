@@ -22,6 +22,7 @@ import pathspec
 import yaml
 
 from promptlint.cache_control import marked_positions
+from promptlint.line_ends import is_block_line_end
 from promptlint.model import DynClass, Element, Finding, PromptDoc
 from promptlint.parse import LineIndex, split_text
 from promptlint.positions import JsonPath, JsonPositions, StringPositions, YamlPositions
@@ -451,7 +452,9 @@ def _request_doc(
             parts = [Element("", role, line, column)]
         parts[-1].breakpoint = cc
         elements.extend(parts)
-    return PromptDoc(path, shown, "request", raw, meta, elements, body=body)
+    line_ends = frozenset(where for _, text, where, _ in blocks
+                          if where[0] == "messages" and is_block_line_end(text) and positions.is_block_scalar(where))
+    return PromptDoc(path, shown, "request", raw, meta, elements, body=body, block_line_ends=line_ends)
 
 
 def _block_path(content: Any, where: JsonPath, j: int | None) -> JsonPath:

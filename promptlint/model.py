@@ -14,6 +14,8 @@ Severity = Literal["error", "warning", "info"]
 #   placeholder - any other template variable
 #   control   - a Jinja if/for/include: what follows may differ between requests
 DynClass = Literal["volatile", "per-user", "input", "placeholder", "control"]
+# Where a string sits in a parsed request: ("messages", 0, "content"), ("tools", 1, "function", "name").
+JsonPath = tuple[str | int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,9 @@ class PromptDoc:
     meta: dict[str, Any] = field(default_factory=dict)  # front matter / non-prompt keys
     elements: list[Element] = field(default_factory=list)
     body: dict[str, Any] | None = None  # the parsed request (request files)
+    # Message texts whose final "\n" is the line end of a YAML block scalar (``content: |``): the
+    # format's, not whitespace the author typed (see ``promptlint.line_ends``).
+    block_line_ends: frozenset[JsonPath] = frozenset()
     body_line: int = 1  # line where the template body starts (after front matter)
     # filled by measure():
     prefix_tokens: int = 0

@@ -19,9 +19,8 @@ from typing import Any, Protocol
 
 import yaml
 
+from promptlint.model import JsonPath
 from promptlint.parse import LineIndex
-
-JsonPath = tuple[str | int, ...]
 
 _JSON_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"', re.DOTALL)
 _JSON_ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|.)", re.DOTALL)
@@ -32,6 +31,9 @@ _YAML_SINGLE_ESCAPE = re.compile(r"''")
 class StringPositions(Protocol):
     def index_for(self, path: JsonPath) -> LineIndex | None:
         """Physical positions of the string at ``path``; ``None`` when it cannot be found."""
+
+    def is_block_scalar(self, path: JsonPath) -> bool:
+        """Whether the string at ``path`` is written as a YAML block scalar (``|`` or ``>``)."""
 
 
 class PhysicalIndex(LineIndex):
@@ -124,6 +126,9 @@ class JsonPositions:
         value, start, end = self._spans[path]
         return PhysicalIndex(self._file, value, _pieces(self._raw, start, end, _JSON_ESCAPE))
 
+    def is_block_scalar(self, path: JsonPath) -> bool:
+        return False  # JSON has only quoted strings
+
 
 # --- YAML --------------------------------------------------------------------------------------------
 
@@ -148,6 +153,10 @@ class YamlPositions:
             else:
                 return None
         return node if isinstance(node, yaml.ScalarNode) else None
+
+    def is_block_scalar(self, path: JsonPath) -> bool:
+        node = self._node(path)
+        return node is not None and node.style in ("|", ">")
 
     def index_for(self, path: JsonPath) -> LineIndex | None:
         node = self._node(path)

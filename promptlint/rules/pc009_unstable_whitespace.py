@@ -3,7 +3,8 @@
 What:
     The prefix contains ``\\r\\n`` line endings, trailing spaces/tabs, or invisible characters
     (zero-width space, non-breaking space, BOM, word joiner); or a request's messages carry
-    leading/trailing whitespace or ``\\r\\n`` that canonical form would strip.
+    leading/trailing whitespace or ``\\r\\n`` that canonical form would strip. The newline that ends a
+    YAML block scalar (``content: |``) is the format's line end, not such whitespace.
 
 Why:
     These bytes are invisible in review but not to the tokenizer. A checkout with ``autocrlf``, an
@@ -21,6 +22,7 @@ Fix:
 import re
 
 from promptlint.canon import canonicalize
+from promptlint.line_ends import without_line_ends
 from promptlint.model import Finding
 
 CODE = "PC009"
@@ -39,9 +41,12 @@ def check(doc, ctx):
     if doc.kind == "source":
         return  # the raw text is Python code, not the prompt; its whitespace is the code's business
     if doc.kind == "request":
-        if doc.body is not None and "whitespace-normalized" in canonicalize(
-            {k: doc.body[k] for k in CANON_KEYS if k in doc.body}, "safe"
-        ).applied:
+        if doc.body is None:
+            return
+        # Judged without the newline a YAML block scalar (`content: |`) ends with: the format's line
+        # end, the same bytes on every load, not whitespace the author typed (promptlint.line_ends).
+        probe = without_line_ends({k: doc.body[k] for k in CANON_KEYS if k in doc.body}, doc.block_line_ends)
+        if "whitespace-normalized" in canonicalize(probe, "safe").applied:
             line = next((e.line for e in doc.elements if not e.is_tools), 1)
             yield Finding(CODE, doc.display, line, 1,
                           "message text has leading/trailing whitespace or \\r\\n line endings; clients that "

@@ -295,3 +295,96 @@ def test_a_marked_line_of_a_template_inside_yaml_is_not_offered_as_fixable(run_c
     assert not pc002["fixable"] and "--fix leaves it" in pc002["message"] and "YAML/JSON" in pc002["message"]
     res = run_cli("check", str(path), "--fix")
     assert "nothing to fix" in res.err and path.read_text() == text
+
+
+_YAML_PROMPT = """\
+model: gpt-4o
+tools:
+  - type: function
+    function:
+      name: search_orders
+      description: |
+        Search the customer's orders by date or status.
+        Returns at most ten orders, newest first.
+      parameters:
+        type: object
+        properties:
+          status:
+            type: string
+  - type: function
+    function:
+      name: cancel_order
+      description: Cancel one order that has not shipped yet.
+      parameters:
+        type: object
+        properties:
+          order_id:
+            type: string
+messages:
+  - role: system
+    content: |
+      You are the order assistant of Acme.
+
+      Answer from the order data only; never guess a delivery date.
+      Keep answers under five sentences.
+  - role: user
+    content: Where is my last order?
+"""
+
+
+def test_a_block_scalars_own_final_newline_is_not_a_finding(run_cli, tmp_path):
+    """`content: |` ends its text with the block's own line end: the same bytes on every load, not
+    whitespace noise, so PC009 (even selected) has nothing to report and --fix nothing to change."""
+    path = tmp_path / "plain.yaml"
+    path.write_text("model: gpt-4o\nmessages:\n  - role: system\n    content: |\n      You help.\n"
+                    "      Be brief.\n      Cite the policy.\n  - role: user\n    content: Hi\n")
+    before = path.read_text()
+    assert yaml.safe_load(before)["messages"][0]["content"].endswith("policy.\n")
+    res = run_cli("check", str(path), "--select", "PC009", "--fix", "--format", "json")
+    assert json.loads(res.out)["findings"] == [] and "nothing to fix" in res.err, res.err
+    assert path.read_text() == before
+    # The same newline typed into a JSON string, or blank lines kept by `|+`, are still findings.
+    kept = tmp_path / "keep.yaml"
+    kept.write_text(before.replace("content: |", "content: |+").replace("policy.\n", "policy.\n\n"))
+    found = json.loads(run_cli("check", str(kept), "--select", "PC009", "--format", "json").out)["findings"]
+    assert [f["code"] for f in found] == ["PC009"]
+    typed = tmp_path / "typed.json"
+    typed.write_text(json.dumps(yaml.safe_load(before)))
+    found = json.loads(run_cli("check", str(typed), "--select", "PC009", "--format", "json").out)["findings"]
+    assert [f["code"] for f in found] == ["PC009"]
+
+
+def test_fix_of_a_yaml_prompt_keeps_its_block_scalars(run_cli, tmp_path):
+    """The audit's repro: --fix rewrote `content: |` into a single-quoted scalar with doubled blank
+    lines. Sorting the tools must keep the block style and what every string says."""
+    path = tmp_path / "orders.yaml"
+    path.write_text(_YAML_PROMPT)
+    before = yaml.safe_load(_YAML_PROMPT)
+    res = run_cli("check", str(path), "--fix")
+    assert "tools-sorted" in res.err and "whitespace-normalized" not in res.err, res.err
+    after_text = path.read_text()
+    after = yaml.safe_load(after_text)
+    assert after["messages"] == before["messages"]  # the system prompt's text, final newline included
+    assert [t["function"]["name"] for t in after["tools"]] == ["cancel_order", "search_orders"]
+    assert {t["function"]["name"]: t for t in after["tools"]} == {t["function"]["name"]: t for t in before["tools"]}
+    assert "    content: |\n      You are the order assistant of Acme.\n\n      Answer" in after_text
+    assert "description: |\n" in after_text and ": '" not in after_text and ': "' not in after_text
+    assert after_text.startswith("model: gpt-4o\ntools:\n  - function:\n")  # the file's sequence indentation
+    again = run_cli("check", str(path), "--fix", "--select", "PC")
+    assert "nothing to fix" in again.err and path.read_text() == after_text
+
+
+def test_fix_of_yaml_message_whitespace_keeps_block_style(run_cli, tmp_path):
+    """A real PC009 finding (trailing spaces) in a file with a block scalar: only that edge changes,
+    and the block stays a block with its own line end."""
+    path = tmp_path / "orders.yaml"
+    path.write_text(_YAML_PROMPT.replace("Where is my last order?", "'Where is my last order?   '"))
+    res = run_cli("check", str(path), "--fix", "--ignore", "PC004")
+    assert "whitespace-normalized" in res.err and "tools-sorted" not in res.err, res.err
+    after_text = path.read_text()
+    after = yaml.safe_load(after_text)
+    assert after["messages"][1]["content"] == "Where is my last order?"
+    assert after["messages"][0]["content"] == yaml.safe_load(_YAML_PROMPT)["messages"][0]["content"]
+    assert "    content: |\n      You are the order assistant" in after_text
+    again = run_cli("check", str(path), "--fix", "--ignore", "PC004")
+    assert "nothing to fix" in again.err and path.read_text() == after_text
