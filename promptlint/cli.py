@@ -13,6 +13,7 @@ error (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -73,8 +74,9 @@ def _check(args: argparse.Namespace) -> int:
 
     if args.fail_under is not None and not 0 <= args.fail_under <= 100:
         raise UsageError("--fail-under must be between 0 and 100")
-    if args.volume is not None and args.volume < 0:
-        raise UsageError("--volume must be a non-negative number of requests per day")
+    # NaN fails every comparison, so `volume < 0` let `--volume nan` (and 1e400, read as inf) through.
+    if args.volume is not None and not (math.isfinite(args.volume) and args.volume >= 0):
+        raise UsageError(f"--volume must be a finite, non-negative number of requests per day, got {args.volume:g}")
     config = with_cli_codes(load_config(args.config), args.select, args.ignore)
     report = lint(args.paths, config, args.model, args.skip_non_prompts)
     if args.fix:

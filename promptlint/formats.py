@@ -123,8 +123,17 @@ def report_dict(report: Report, savings: Savings | None = None) -> dict[str, Any
     return data
 
 
+def _strict_json(data: dict[str, Any]) -> str:
+    """JSON that every parser reads: a NaN or infinity (which ``json.dumps`` writes as the invalid
+    ``NaN``/``Infinity`` by default) is an error here, never output. The flags are checked before."""
+    try:
+        return json.dumps(data, indent=2, allow_nan=False) + "\n"
+    except ValueError as exc:
+        raise ValueError(f"refusing to write invalid JSON: {exc}") from None
+
+
 def _json(report: Report, savings: Savings | None, fail_under: float | None) -> str:
-    return json.dumps(report_dict(report, savings), indent=2) + "\n"
+    return _strict_json(report_dict(report, savings))
 
 
 def _escape_data(s: str) -> str:
@@ -208,7 +217,7 @@ def _uri_reference(path: str) -> str:
 
 
 def _sarif(report: Report, savings: Savings | None, fail_under: float | None) -> str:
-    return json.dumps(sarif_dict(report), indent=2) + "\n"
+    return _strict_json(sarif_dict(report))
 
 
 # Characters XML 1.0 cannot hold, even escaped (C0 controls but tab/newline/CR, surrogates, U+FFFE/F).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -92,7 +93,7 @@ def estimate(report: Report, volume: float) -> Savings:
         now = cached_tokens(r.doc.prefix_tokens, report.model)
         ideal = cached_tokens(r.doc.static_tokens, report.model)
         per_file[r.path] = (now * per_token_month, max(0, ideal - now) * per_token_month)
-    return Savings(
-        report.model, volume, p_in, p_read,
-        sum(s for s, _ in per_file.values()), sum(x for _, x in per_file.values()), per_file,
-    )
+    saved, left = sum(s for s, _ in per_file.values()), sum(x for _, x in per_file.values())
+    if not (math.isfinite(saved) and math.isfinite(left)):  # a finite --volume near 1e308 still overflows
+        raise UsageError(f"--volume {volume:g} is too large: the monthly estimate overflows")
+    return Savings(report.model, volume, p_in, p_read, saved, left, per_file)

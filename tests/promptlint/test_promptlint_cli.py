@@ -257,6 +257,30 @@ def test_volume_estimates_money_from_litellm_prices(run_cli):
     assert res.code == 2 and "no price for model 'no-such-model'" in res.err
 
 
+@pytest.mark.parametrize("volume", ["nan", "NaN", "inf", "-inf", "1e400", "-1", "1e307"])
+def test_volume_must_be_a_finite_non_negative_number(run_cli, volume):
+    """``--volume nan`` (or 1e400, which float() reads as inf) used to print NaN/Infinity in JSON,
+    which no JSON parser accepts, and ``$nan/month`` in text; 1e307 overflows the monthly sum."""
+    for fmt in ("json", "text"):
+        res = run_cli("check", str(FIXTURES / "PC007" / "good"), "--format", fmt, f"--volume={volume}")
+        assert res.code == 2 and res.out == "", (volume, res.out)
+        assert res.err.count("\n") == 1 and res.err.startswith("promptlint: error: --volume"), res.err
+
+
+def test_json_writers_never_emit_nan_or_infinity(run_cli):
+    """A last guard behind the flag checks: a non-finite number is an error, never invalid JSON."""
+    from promptlint.config import Config
+    from promptlint.formats import render
+    from promptlint.linter import lint
+    from promptlint.pricing import Savings
+
+    report = lint([FIXTURES / "PC007" / "good"], Config())
+    for bad in (float("nan"), float("inf")):
+        savings = Savings("gpt-4o", bad, 2.5e-06, 1.25e-06, bad, 0.0, {})
+        with pytest.raises(ValueError, match="JSON"):
+            render(report, "json", savings)
+
+
 def test_module_entry_point_sets_up_tiktoken_itself():
     env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}
     proc = subprocess.run(
