@@ -17,21 +17,36 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from promptlint.errors import UsageError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line, ``promptlint: error: ...``, exit 2: the
+    same as every ``UsageError`` (argparse's own prints the usage block first). The subcommand is
+    named after the prefix (``promptlint: error: check: argument --format: ...``); ``--help`` is
+    unchanged. The gateway CLI has the same class, but promptlint imports nothing from its siblings
+    (.importlinter), so it keeps this one of its own."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.partition(" ")[2]
+        where = f"{command}: " if command else ""
+        print(f"promptlint: error: {where}{' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
     from promptlint import __version__
     from promptlint.formats import FORMATS
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(  # its subparsers are OneLineParsers too (argparse uses the parent's class)
         prog="promptlint",
         description="Find prompt structures that defeat prefix caching (timestamps in the system prompt, "
         "unsorted tools, user names before instructions, ...).",
     )
     parser.add_argument("--version", action="version", version=f"promptlint {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     check = sub.add_parser("check", help="lint prompt templates and chat request files")
     check.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files or directories")
     check.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
@@ -157,11 +172,7 @@ def _rules(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
-        return 2
+    args = _parser().parse_args(argv)  # every command sets func; a missing one is a usage error
     try:
         code = args.func(args)
         sys.stdout.flush()  # inside the try: a reader that left shows up here, not at interpreter exit

@@ -151,6 +151,38 @@ def test_exit_codes(run_cli, tmp_path):
     assert res.code == 0 and "no prompt files found" in res.err
 
 
+@pytest.mark.parametrize("argv", [
+    (),
+    ("bogus",),
+    ("check",),
+    ("check", "prompts", "--format", "xml"),
+    ("check", "prompts", "--volume", "lots"),
+    ("check", "prompts", "--volume", "-inf"),  # argparse reads it as a flag: "expected one argument"
+    ("check", "prompts", "--no-such-flag"),
+    ("rule",),
+    ("rules", "--format", "html"),
+])
+def test_usage_errors_are_one_line_on_stderr(run_cli, argv):
+    """docs/promptlint.md: "2 usage or configuration error (one line on stderr)"; argparse's own
+    errors printed its usage block first."""
+    res = run_cli(*argv)
+    assert res.code == 2 and res.out == "", (argv, res.out)
+    assert res.err.count("\n") == 1 and res.err.startswith("promptlint: error: "), (argv, res.err)
+    assert "usage:" not in res.err
+
+
+def test_usage_error_of_the_real_command_names_the_subcommand_and_help_still_prints():
+    cmd = [sys.executable, "-m", "promptlint"]
+    res = subprocess.run([*cmd, "check", "--format", "xml", "prompts"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.startswith("promptlint: error: check: argument --format: invalid choice: 'xml'"), res.stderr
+    assert res.stderr.count("\n") == 1
+    for argv in (["--help"], ["check", "--help"]):
+        res = subprocess.run([*cmd, *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stdout.startswith("usage: promptlint") and res.stderr == ""
+
+
 def test_text_output_lists_findings_and_scores(run_cli):
     res = run_cli("check", str(FIXTURES / "PC002"))
     assert res.code == 1
