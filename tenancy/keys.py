@@ -58,16 +58,26 @@ def visible_prefix(key_id: str) -> str:
     return f"{KEY_PREFIX}{key_id}"
 
 
+def _is_key_id(text: str) -> bool:
+    return len(text) == KEY_ID_HEX and all(c in "0123456789abcdef" for c in text)
+
+
 def parse_key_id(api_key: str) -> str | None:
     """The key id inside ``api_key``, or None when it does not have our shape."""
     if not api_key.startswith(KEY_PREFIX):
         return None
     key_id, sep, rest = api_key[len(KEY_PREFIX) :].partition("_")
-    if not sep or len(key_id) != KEY_ID_HEX or len(rest) < 32:
-        return None
-    if any(c not in "0123456789abcdef" for c in key_id):
+    if not sep or len(rest) < 32 or not _is_key_id(key_id):
         return None
     return key_id
+
+
+def named_key_id(text: str) -> str | None:
+    """The key id that an administrator's ``text`` names without the secret: the id itself
+    (``1a2b3c4d``, what ``key list`` prints) or the visible prefix (``pg-1a2b3c4d``). None for
+    anything else; a whole key is :func:`parse_key_id`'s."""
+    bare = text.removeprefix(KEY_PREFIX)
+    return bare if _is_key_id(bare) else None
 
 
 def hash_key(pepper: bytes, api_key: str) -> bytes:

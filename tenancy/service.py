@@ -771,14 +771,39 @@ class TenancyService:
         with self._lock:
             return store.list_keys(self._db, tenant_id)
 
-    def revoke_key(self, key_id: str) -> None:
-        """Revoke at once in this process; other processes stop accepting it within their TTL."""
-        if key_id.startswith(keymod.KEY_PREFIX):
-            key_id = key_id[len(keymod.KEY_PREFIX) :]
+    def revoke_key(self, key: str) -> str:
+        """Revoke the API key that ``key`` names, at once in this process; other processes stop
+        accepting it within their TTL. Returns its key id.
+
+        ``key`` is the key id, its visible prefix ``pg-<id>``, or the whole API key (an admin pastes
+        the key that leaked). A whole key must be that key: one whose secret does not match is no key
+        at all, and revoking the key whose id it carries would cut off the wrong client.
+
+        Raises:
+            NotFoundError: no such key, or ``key`` names none. The message shows at most the key id,
+                never a secret (errors end up in shell history and CI logs).
+        """
+        key_id = keymod.parse_key_id(key)
+        if key_id is not None:
+            self._require_secret(key_id, key)
+        else:
+            key_id = keymod.named_key_id(key)
+        if key_id is None:
+            raise NotFoundError("not an API key id: pass the key id `prefixgate key list` prints (8 hex "
+                                "characters), its pg-<id> prefix or the whole API key")
         with self._lock:
             tenant_id = store.revoke_key(self._db, key_id)
             self._forget_tenant(tenant_id)
         self._publish(FleetEvent.REVOKED, tenant_id)
+        return key_id
+
+    def _require_secret(self, key_id: str, api_key: str) -> None:
+        """Refuse a whole key whose secret is not the stored one (an unknown id is the store's error)."""
+        with self._lock:
+            found = store.key_with_tenant(self._db, key_id)
+        if found is not None and not keymod.verify_key(self._pepper, api_key, bytes(found[0]["key_hash"])):
+            raise NotFoundError(f"the key given is not API key {keymod.visible_prefix(key_id)}: its secret does "
+                                f"not match, so nothing was revoked (to revoke that key anyway, pass its id {key_id})")
 
     def _forget_tenant(self, tenant_id: str) -> None:
         with self._lock:

@@ -256,9 +256,9 @@ def cmd_key_list(args: argparse.Namespace) -> int:
 
 def cmd_key_revoke(args: argparse.Namespace) -> int:
     with open_service(args) as svc:
-        svc.revoke_key(args.key_id)
-    _emit(args, {"revoked": True, "key_id": args.key_id},
-          f"revoked {args.key_id}; running gateways stop accepting it within their auth cache TTL (5 s default)")
+        key_id = svc.revoke_key(args.key)  # the id, never the argument: it may be the whole secret key
+    _emit(args, {"revoked": True, "key_id": key_id},
+          f"revoked {key_id}; running gateways stop accepting it within their auth cache TTL (5 s default)")
     return 0
 
 
@@ -350,8 +350,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = ksub.add_parser("list", parents=parents, help="list API keys (prefixes only)")
     p.add_argument("tenant", nargs="?")
     p.set_defaults(func=cmd_key_list)
-    p = ksub.add_parser("revoke", parents=parents, help="revoke an API key by its id (or pg-<id> prefix)")
-    p.add_argument("key_id")
+    p = ksub.add_parser("revoke", parents=parents,
+                        help="revoke an API key by its id, its pg-<id> prefix or the whole key")
+    p.add_argument("key", metavar="KEY_ID", help="the key id `key list` prints, pg-<id>, or the whole API key")
     p.set_defaults(func=cmd_key_revoke)
 
     kek = subparsers.add_parser("kek", help="manage the key-encryption key")

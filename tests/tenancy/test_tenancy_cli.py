@@ -128,6 +128,48 @@ def test_key_create_list_revoke(capsys, home: Path) -> None:
     assert keys[first["key_id"]]["revoked_at"] is not None and keys[second["key_id"]]["revoked_at"] is None
 
 
+def _secret(api_key: str) -> str:
+    """The part of a ``pg-<id>_<secret>`` key that must never be printed."""
+    return api_key.partition("_")[2]
+
+
+def test_key_revoke_takes_the_whole_key_and_prints_only_its_id(capsys, home: Path) -> None:
+    """The audit's repro: `key revoke pg-133e6627_GKwh...` said "no API key with id '133e6627_GKwh...'"
+    and so printed most of the secret. The whole key names its key id (the part between pg- and _)."""
+    h = ["--home", str(home)]
+    first = json.loads(run(capsys, *h, "tenant", "create", "acme", "--json")[1])
+    second = json.loads(run(capsys, *h, "key", "create", "acme", "--json")[1])
+    code, out, err = run(capsys, *h, "key", "revoke", first["api_key"])
+    assert code == 0 and f"revoked {first['key_id']};" in out, err
+    assert _secret(first["api_key"]) not in out + err
+    code, out, err = run(capsys, *h, "key", "revoke", first["api_key"], "--json")  # twice: still revoked
+    assert code == 0 and json.loads(out) == {"revoked": True, "key_id": first["key_id"]}
+    keys = {k["key_id"]: k for k in json.loads(run(capsys, *h, "key", "list", "--json")[1])}
+    assert keys[first["key_id"]]["revoked_at"] is not None and keys[second["key_id"]]["revoked_at"] is None
+    with TenancyService.open(home) as svc:
+        assert svc.authenticate(second["api_key"]).key_id == second["key_id"]
+
+
+@pytest.mark.parametrize("kind", ["forged", "unknown", "truncated", "foreign"])
+def test_key_revoke_errors_never_print_a_secret(capsys, home: Path, kind: str) -> None:
+    h = ["--home", str(home)]
+    created = json.loads(run(capsys, *h, "tenant", "create", "acme", "--json")[1])
+    key_id, secret = created["key_id"], _secret(created["api_key"])
+    given, said = {
+        # the real id with another secret: not this key, so this key is not revoked
+        "forged": (f"pg-{key_id}_{secret[::-1]}", f"API key pg-{key_id}"),
+        "unknown": (f"pg-0000abcd_{secret}", "no API key with id '0000abcd'"),
+        "truncated": (created["api_key"][:20], "not an API key id"),
+        "foreign": ("sk-proj-" + secret, "not an API key id"),
+    }[kind]
+    code, out, err = run(capsys, *h, "key", "revoke", given)
+    assert code == 2 and out == "" and err.count("\n") == 1 and said in err, err
+    for chunk in (secret[:8], secret[-8:], secret[::-1][:8]):  # what each case gave of a secret
+        assert chunk not in err, err
+    keys = json.loads(run(capsys, *h, "key", "list", "--json")[1])
+    assert keys[0]["revoked_at"] is None
+
+
 def test_tenant_delete_and_kek_rotate(capsys, home: Path) -> None:
     h = ["--home", str(home)]
     created = json.loads(run(capsys, *h, "tenant", "create", "acme", "--json")[1])
