@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="PrefixGate: a multi-tenant prompt-cache gateway for LLM serving.",
     )
     parser.add_argument("--home", default=None, help=home_help)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # required: no command is a usage error like any other (one line), not help on stdout with exit 2.
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for mod in sorted(pkgutil.iter_modules(cli_pkg.__path__), key=lambda m: m.name):
         if mod.name.endswith("_cmd"):
             importlib.import_module(f"gateway.cli.{mod.name}").register(subparsers, common)
@@ -100,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad is not None:  # bytes from the shell that are not UTF-8 reach SQLite and files as surrogates
         print(f"prefixgate: error: argument {bad} is not valid UTF-8 text", file=sys.stderr)
         return 2
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
+    try:  # every command's parser sets func (an action a command requires is a usage error before this)
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # inside the try: a reader that left shows up here, not at interpreter exit
         return code

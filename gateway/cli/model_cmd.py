@@ -21,7 +21,7 @@ def _add_home(parser: argparse.ArgumentParser) -> None:
 def register(subparsers, common: argparse.ArgumentParser) -> None:
     model = subparsers.add_parser("model", help="manage local model checkpoints")
     _add_home(model)
-    actions = model.add_subparsers(dest="model_command", metavar="ACTION")
+    actions = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     init = actions.add_parser(
         "init-tiny",
         help="build the tiny random-weight default model (real cl100k_base tokenizer; generates random text)",
@@ -41,12 +41,6 @@ def register(subparsers, common: argparse.ArgumentParser) -> None:
     smol.add_argument("--force", action="store_true", help="convert again even if a complete checkpoint is there")
     smol.add_argument("--json", action="store_true", help='print {"path", "built", "model_id"} as JSON')
     smol.set_defaults(func=_init_smol)
-    model.set_defaults(func=lambda args: _no_action(model))
-
-
-def _no_action(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
 
 
 def _init_tiny(args: argparse.Namespace) -> int:

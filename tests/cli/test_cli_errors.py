@@ -113,6 +113,33 @@ def test_bad_values_are_one_line_and_exit_2(capsys, home, argv):
     assert len(lines) == 1 and lines[0].startswith("prefixgate: error: "), err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    ((), "prefixgate: error: the following arguments are required: COMMAND"),
+    (("model",), "prefixgate: error: model: the following arguments are required: ACTION"),
+    (("tenant",), "prefixgate: error: tenant: the following arguments are required: ACTION"),
+    (("cache",), "prefixgate: error: cache: the following arguments are required: ACTION"),
+])
+def test_a_missing_command_or_action_is_one_line_on_stderr(capsys, home, argv, message):
+    """`prefixgate` and `prefixgate model` printed their help on stdout with exit 2 and nothing on
+    stderr, while `prefixgate tenant` gave the one-line error: now all do the latter."""
+    code, out, err = run(capsys, "--home", str(home), *argv)
+    assert (code, out, err) == (2, "", message + "\n")
+
+
+def test_home_is_taken_by_every_command_that_keeps_state_and_not_by_cache(capsys, home):
+    """docs: `--home` on serve, dev-serve, bench, generate, model, tenant, key, kek and report; the
+    cache commands talk to a running gateway (--url, --key) and keep nothing under a home."""
+    for argv in (("serve",), ("dev-serve",), ("bench",), ("generate",), ("model", "init-tiny"),
+                 ("model", "init-smol"), ("tenant", "list"), ("key", "list"), ("kek", "rotate"), ("report",)):
+        code, out, _ = run(capsys, *argv, "--home", str(home), "--help")
+        assert code == 0 and "--home" in out, argv
+    for action in ("warm", "show"):
+        code, out, _ = run(capsys, "cache", action, "--help")
+        assert code == 0 and "--home" not in out and "--url" in out
+    text = (REPO / "docs" / "tenancy.md").read_text() + (REPO / "README.md").read_text()
+    assert "`cache warm` and `cache show` take no `--home`" in text
+
+
 def test_usage_errors_name_the_subcommand_and_help_keeps_its_usage(capsys, home):
     code, _, err = run(capsys, "--home", str(home), "tenant", "quota", "set", "acme", "--rpm", "-5")
     assert code == 2 and err.startswith("prefixgate: error: tenant quota set: argument --rpm:"), err
