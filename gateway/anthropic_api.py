@@ -24,6 +24,7 @@ Stream events: message_start, content_block_start, ping, content_block_delta...,
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,10 +48,16 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 503: "overloaded_error", 529: "overloaded_error"}
 
 
+# A list index in an OpenAI ``param`` (``messages[0].content``); Anthropic writes it dotted (``messages.0.content``).
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
 def error_body(err: OpenAIError) -> dict[str, Any]:
-    """An ``OpenAIError`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    """An ``OpenAIError`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``. The
+    field at fault leads the message, in Anthropic's dotted form, as its own errors name it."""
     kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
-    message = f"{err.param}: {err.message}" if err.param and not err.message.startswith(err.param) else err.message
+    param = _INDEX.sub(r".\1", err.param) if err.param else None
+    message = f"{param}: {err.message}" if param and not err.message.startswith(param) else err.message
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 

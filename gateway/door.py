@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from engine.protocol import GenerateRequest, Retention
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError, validation_error
 from gateway.ingress import ScannedBody
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.pipeline import CHAT_FIELDS, Prepared, RequestFields, check_prompt_chars, prepare
@@ -54,15 +54,12 @@ async def translated(body: ScannedBody, ctx: TenantCtx, parts: Parts, translate:
 
 
 def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    """Validate a translated body; a field that fails is the client's (400), never a 500."""
+    """Validate a translated body; a field that fails is the client's (400, worded as the chat
+    route's), never a 500."""
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        ctx = first.get("ctx") or {}
-        message = ctx.get("message") if first.get("type") == "body_limit" else first.get("msg")
-        raise invalid_request(f"Invalid value at '{param}': {message}.", param=param) from None
+        raise validation_error(exc) from None
 
 
 @contextlib.contextmanager

@@ -13,12 +13,13 @@ FastAPI's default ``{"detail": ...}`` shape never reaches a client.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol import EngineError, RequestPart
@@ -92,9 +93,16 @@ def from_engine_error(exc: EngineError, names: Mapping[RequestPart, str] | None 
     return OpenAIError(status, str(exc) or exc.code, code=exc.code, param=param, headers=headers)
 
 
+def field_path(parts: Iterable[str | int]) -> str:
+    """A field's path as OpenAI writes it in ``param``: keys dotted, list indices in brackets
+    (``messages[0].content[1].type``, ``tools[0].function.parameters``, ``input[2].call_id``).
+    Every path the gateway reports is built here or written in this form."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if i else p for i, p in enumerate(parts))
+
+
 # Pydantic puts the union member it tried into an error's location, after the field: a request
 # whose ``content`` is neither a string nor a list fails at ``messages.0.content.str`` and
-# ``...content.list[dict[str,any]]``. The client wrote ``messages.0.content``; these tags are left out
+# ``...content.list[dict[str,any]]``. The client wrote ``messages[0].content``; these tags are left out
 # of ``param``. A member is a bare type name, or has brackets or a hyphen (``list[int]``,
 # ``function-after[...]``, ``constrained-str``), which no request field's name has.
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "bytes", "none", "list", "dict", "tuple", "set", "any"})
@@ -105,11 +113,11 @@ def _is_union_member(part: str | int) -> bool:
 
 
 def client_path(loc: tuple[str | int, ...]) -> str | None:
-    """A pydantic error location as the dotted path of the field the client wrote (None: the body)."""
-    return ".".join(str(p) for p in loc if p != "body" and not _is_union_member(p)) or None
+    """A pydantic error location as the path of the field the client wrote (None: the body)."""
+    return field_path(p for p in loc if p != "body" and not _is_union_member(p)) or None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
+def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None, str | None]:
     """First pydantic error -> (message, param, code). Malformed JSON gets its own code."""
     errors = exc.errors()
     if not errors:
@@ -127,9 +135,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if first.get("type") == "body_limit":  # gateway.ingress: depth, lone surrogates, sizes
         ctx = first.get("ctx") or {}
         named = ctx.get("param")
-        if named and (param is None or named.startswith(f"{param}.")):  # a validator named a field inside its own
+        if named and (param is None or named.startswith((f"{param}.", f"{param}["))):  # a validator named a field inside its own
             param = named
-        return f"Invalid request: {ctx.get('message')}.", param, "invalid_value"
+        return f"Invalid request: {ctx.get('message')}.", param, ctx.get("code") or "invalid_value"
     msg = first.get("msg", "invalid value")
     if param is None:  # the body as a whole: not a JSON object (or sent without a JSON content type)
         return (
@@ -143,7 +151,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     return f"Invalid value{where}: {msg}.", param, "invalid_value"
 
 
-def validation_error(exc: RequestValidationError) -> OpenAIError:
+def validation_error(exc: RequestValidationError | ValidationError) -> OpenAIError:
+    """The 400 for a body that failed validation: FastAPI's (a route's body) or pydantic's own (a
+    door's translated chat body, ``door.chat_request``), worded alike."""
     message, param, code = _validation_message(exc)
     return OpenAIError(400, message, param=param, code=code)
 

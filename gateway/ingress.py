@@ -23,6 +23,8 @@ from typing import Any
 from pydantic import BaseModel, model_validator
 from pydantic_core import PydanticCustomError
 
+from gateway.errors import field_path
+
 # Deeper than any real JSON schema a tool declares (OpenAI documents 5 levels for strict schemas),
 # far below the ~1000 frames at which a recursive walk fails.
 MAX_DEPTH = 64
@@ -46,16 +48,19 @@ class BodyShape:
     token_ids: int = 0  # integers in all-integer lists (token-id prompts)
 
 
-def body_limit(message: str, param: str | None = None) -> PydanticCustomError:
-    """A validation error that the gateway reports as a 400 naming ``param``."""
-    return PydanticCustomError("body_limit", "{message}", {"message": message, "param": param})
+def body_limit(message: str, param: str | None = None, code: str | None = None) -> PydanticCustomError:
+    """A validation error that the gateway reports as a 400 naming ``param``, with OpenAI's ``code``
+    (``invalid_value`` unless one is given)."""
+    context = {"message": message, "param": param} if code is None else {"message": message, "param": param,
+                                                                          "code": code}
+    return PydanticCustomError("body_limit", "{message}", context)
 
 
 def _where(path: tuple[str | int, ...]) -> str:
     """A path for an error message. A key may itself hold a lone surrogate (the very thing being
     refused): it is shown escaped (``\\ud800``), so the message can be encoded into the 400's JSON;
     unescaped, the error's own text failed to encode (tests/gateway/test_front_door_cuts.py found it)."""
-    text = ".".join(str(p) for p in path) or "body"
+    text = field_path(path) or "body"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 

@@ -68,14 +68,45 @@ _PROVIDER_PASSTHROUGH = ("tool_choice", "response_format", "presence_penalty", "
 
 
 @dataclass(frozen=True)
+class MessageSource:
+    """Where a door's client wrote one chat message: ``path`` (``input[2]``, ``instructions``), and
+    whether its content parts are the client's own, one for one (part j at ``{path}.content[j]``)."""
+
+    path: str
+    parts: bool = False
+
+
+@dataclass(frozen=True)
+class MessagePaths:
+    """Where the client wrote the chat messages a request runs with, so that a refused content part
+    is named as the client sent it: chat's ``messages[i].content[j]``, or a door's own
+    (``input[2].content[0]`` on /v1/responses), never a path in a chat body the client never saw."""
+
+    sources: tuple[MessageSource, ...] = ()  # one per message; () = chat's own messages
+    part_types: tuple[tuple[str, str], ...] = ()  # (chat part type, the door's name for it)
+
+    def part(self, i: int, j: int, field: str) -> str:
+        """The path of ``field`` of content part ``j`` of message ``i``."""
+        if i >= len(self.sources):
+            return f"messages[{i}].content[{j}].{field}"
+        source = self.sources[i]
+        return f"{source.path}.content[{j}].{field}" if source.parts else source.path
+
+    def part_type(self, kind: str) -> str:
+        """A chat part type by the door's name (a Responses ``input_image`` runs as ``image_url``)."""
+        return next((theirs for ours, theirs in self.part_types if ours == kind), kind)
+
+
+@dataclass(frozen=True)
 class RequestFields:
-    """What a front door calls the prompt, the output budget and the output format: the
-    context-length error and the engine's errors name them."""
+    """What a front door calls the prompt, the output budget, the output format and the messages:
+    the context-length error, the engine's errors and a refused content part name them."""
 
     prompt: str  # named when the prompt alone fills the context, or the engine refuses it
     max_tokens: str
     overflow: str  # named when the prompt fits but not with the output asked for
     response_format: str = "response_format"  # named when its schema's grammar is refused
+    messages: MessagePaths = MessagePaths()
 
     def engine_params(self) -> dict[RequestPart, str]:
         """The names ``errors.from_engine_error`` gives the parts of an engine request. A grammar is
@@ -154,26 +185,27 @@ def provider_message(message: Mapping[str, object]) -> dict[str, object]:
     return {name: value for name, value in message.items() if value is not None}
 
 
-def _part_text(i: int, j: int, role: str, part: dict[str, Any]) -> str:
+def _part_text(i: int, j: int, role: str, part: dict[str, Any], paths: MessagePaths) -> str:
     """The text of content part ``j`` of message ``i``. An assistant's earlier ``refusal`` part
     (OpenAI's history shape for a refused turn) is what that assistant said: its text, as the
-    Responses door reads it too. Anything else but text is refused (images, audio, files)."""
+    Responses door reads it too. Anything else but text is refused (images, audio, files), named
+    as the client wrote it (``paths``)."""
     kind = part.get("type")
     if kind == "text":
         return part.get("text", "")
     if kind == "refusal" and role == "assistant":
         return part["refusal"]  # a string: schemas.ChatMessage checked it
     raise invalid_request(
-        f"content part type {kind!r} is not supported by this model in a {role} message; send text parts only",
-        param=f"messages.{i}.content.{j}.type",
+        f"content part type {paths.part_type(str(kind))!r} is not supported by this model in a {role} message; "
+        "send text parts only", param=paths.part(i, j, "type"),
     )
 
 
-def _local_message(i: int, m: ChatMessage) -> dict[str, Any]:
+def _local_message(i: int, m: ChatMessage, paths: MessagePaths) -> dict[str, Any]:
     """Message ``i`` as the local engine's chat template takes it: text parts joined, others refused."""
     d = m.model_dump(exclude_none=True)
     if isinstance(d.get("content"), list):
-        d["content"] = "".join(_part_text(i, j, m.role, part) for j, part in enumerate(d["content"]))
+        d["content"] = "".join(_part_text(i, j, m.role, part, paths) for j, part in enumerate(d["content"]))
     return d
 
 
@@ -376,26 +408,27 @@ def _canonical(req: ChatCompletionRequest | CompletionRequest, mode: str, per_us
     return canonicalize(body, mode, per_user_vars)
 
 
-def _chat_inputs(req: ChatCompletionRequest, canonical: dict[str, Any], features: LocalFeatures | None
-                 ) -> list[dict[str, Any]]:
+def _chat_inputs(req: ChatCompletionRequest, canonical: dict[str, Any], features: LocalFeatures | None,
+                 paths: MessagePaths) -> list[dict[str, Any]]:
     """The one prompt of a chat request as the backend takes it: a provider the canonical body's
     messages as sent, the local engine the validated messages with their text parts joined."""
     if features is None:
         return [{"messages": [provider_message(m) for m in canonical["messages"]], "tools": canonical.get("tools")}]
-    return [{"messages": [_local_message(i, m) for i, m in enumerate(req.messages)], "tools": features.tools.tools}]
+    messages = [_local_message(i, m, paths) for i, m in enumerate(req.messages)]
+    return [{"messages": messages, "tools": features.tools.tools}]
 
 
 async def _tokenize(threads: TenantThreads, tenant_id: str, engine: EngineClient,
-                    requests: list[GenerateRequest], kind: str) -> list[list[int]]:
-    """Tokenize through the engine's chat template; a prompt it cannot render is the client's error."""
+                    requests: list[GenerateRequest], prompt: str) -> list[list[int]]:
+    """Tokenize through the engine's chat template; a prompt it cannot render is the client's error,
+    naming its field as the client's API calls it (``prompt``: ``messages``, ``input``)."""
     try:
         return await threads.run(tenant_id, _tokenize_all, engine, requests)
     except (EngineError, OpenAIError):  # the engine's own errors; the pool's 429 (too many waiting)
         raise
     except Exception as exc:  # noqa: BLE001 - template/tokenizer errors carry the useful message
         raise invalid_request(
-            f"the model's chat template could not render this request: {exc}",
-            param="messages" if kind == "chat" else "prompt",
+            f"the model's chat template could not render this request: {exc}", param=prompt,
         ) from None
 
 
@@ -466,7 +499,7 @@ async def prepare(
     request_id = new_request_id(kind)
     inputs: list[dict[str, Any]]
     if isinstance(req, ChatCompletionRequest):
-        inputs = await _sized(large, threads, tid, _chat_inputs, req, canon.body, features)
+        inputs = await _sized(large, threads, tid, _chat_inputs, req, canon.body, features, fields.messages)
     else:
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
@@ -483,7 +516,7 @@ async def prepare(
                 if ids is not None and len(ids) >= max_len:
                     raise _prompt_too_long(max_len, len(ids), fields)
         # Tokenized once: the engine gets the ids and skips its own tokenization (issue 17).
-        token_ids = await _tokenize(threads, scoped.tenant_id, backend.client, probes, kind)
+        token_ids = await _tokenize(threads, scoped.tenant_id, backend.client, probes, fields.prompt)
         prompt_counts = [len(ids) for ids in token_ids]
         inputs = [{"prompt_token_ids": ids} for ids in token_ids]
         if backend.tokenizer_here and token_ids:

@@ -77,6 +77,9 @@ def test_anthropic_error_shape():
     body = error_body(OpenAIError(429, "slow down", code="rate_limit_exceeded"))
     assert body == {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
     assert error_body(OpenAIError(503, "busy"))["error"]["type"] == "overloaded_error"
+    # the gateway's param is OpenAI's (brackets); Anthropic's messages name the field dotted
+    named = error_body(OpenAIError(400, "bad part", param="messages[1].content[0].type"))
+    assert named["error"]["message"] == "messages.1.content.0.type: bad part"
 
 
 def _tool_prep() -> Prepared:

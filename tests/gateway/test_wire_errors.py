@@ -64,7 +64,8 @@ def test_canonical_logit_bias_keys_are_honoured(oai):
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"stop": 5}, "stop"),
     ("/v1/chat/completions", {"tool_choice": 5}, "tool_choice"),
     ("/v1/completions", {"prompt": 5}, "prompt"),
@@ -98,10 +99,10 @@ def test_an_assistant_refusal_part_is_rendered_as_its_text(oai):
 
 
 @pytest.mark.parametrize(("messages", "param"), [
-    ([{"role": "user", "content": [{"type": "refusal", "refusal": REFUSED}]}], "messages.0.content.0.type"),
-    (_history([{"type": "refusal", "refusal": 5}]), "messages.1.content"),
-    (_history([{"type": "refusal"}]), "messages.1.content"),
-    (_history([{"type": "input_audio", "input_audio": {}}]), "messages.1.content.0.type"),
+    ([{"role": "user", "content": [{"type": "refusal", "refusal": REFUSED}]}], "messages[0].content[0].type"),
+    (_history([{"type": "refusal", "refusal": 5}]), "messages[1].content"),
+    (_history([{"type": "refusal"}]), "messages[1].content"),
+    (_history([{"type": "input_audio", "input_audio": {}}]), "messages[1].content[0].type"),
 ])
 def test_refusal_parts_outside_an_assistants_history_are_refused(post, messages, param):
     error_of(post("/v1/chat/completions", {**CHAT, "messages": messages}), param)
