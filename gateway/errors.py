@@ -74,6 +74,18 @@ def invalid_request(message: str, *, param: str | None = None, code: str | None 
     return OpenAIError(400, message, param=param, code=code)
 
 
+# OpenAI's two codes for a refused parameter, so that a client can tell "drop this field" from "send
+# another value": a parameter this model cannot honour at all (accepted only at a value that asks for
+# nothing: presence_penalty 0, min_tokens 0), and one it honours, asked for a value it cannot
+# (verbosity "low" where it writes as "medium", modalities other than ["text"]).
+def unsupported_parameter(message: str, param: str) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code="unsupported_parameter")
+
+
+def unsupported_value(message: str, param: str) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code="unsupported_value")
+
+
 # The field each part of a request is in when nobody says otherwise (completions' names). A grammar
 # has none: it comes from response_format or from a forced tool call, which only the caller knows.
 _ENGINE_PARAMS: dict[RequestPart, str] = {RequestPart.PROMPT: "prompt", RequestPart.LOGIT_BIAS: "logit_bias"}

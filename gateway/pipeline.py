@@ -36,7 +36,7 @@ from engine.protocol import (
     Retention,
     SamplingParams,
 )
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError, invalid_request, unsupported_parameter, unsupported_value
 from gateway.ingress import effective_temperature
 from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_status
 from gateway.miss_tracker import MissRecord, MissTracker, Observation, header_value, usage_fields
@@ -261,26 +261,33 @@ UNSUPPORTED_LOCAL_EXTRAS: dict[str, Unsupported] = {
 }
 
 
+def refuse_verbosity(verbosity: object, param: str) -> None:
+    """OpenAI's ``verbosity`` (chat) and ``text.verbosity`` (/v1/responses): this model writes as it
+    writes, which is what "medium", the default, asks for; "low" or "high" would be silently ignored."""
+    if verbosity is not None and verbosity != "medium":
+        raise unsupported_value(f"{param}: only 'medium' (the default) is supported", param)
+
+
 def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """Parameters the local engine cannot honour get a 400 naming them (never a silent drop)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise invalid_request(f"{name} is not supported by this model; omit it or send 0", param=name)
+    """Parameters the local engine cannot honour get a 400 naming them (never a silent drop), with
+    OpenAI's code: ``unsupported_parameter``, or ``unsupported_value`` for a value of one it honours."""
+    for name, penalty in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)):
+        if penalty:
+            raise unsupported_parameter(f"{name} is not supported by this model; omit it or send 0", name)
     extras = req.model_extra or {}
     for name, unsupported in UNSUPPORTED_LOCAL_EXTRAS.items():
         if unsupported.refuses(extras.get(name)):
-            raise invalid_request(f"{name} is not supported by this model: {unsupported.hint}", param=name)
+            raise unsupported_parameter(f"{name} is not supported by this model: {unsupported.hint}", name)
     modalities = extras.get("modalities")
     if modalities is not None and modalities != ["text"]:
-        raise invalid_request("modalities: this model outputs text only; send [\"text\"] or omit it",
-                              param="modalities")
+        raise unsupported_value("modalities: this model outputs text only; send [\"text\"] or omit it", "modalities")
     if isinstance(req, CompletionRequest):
         if req.echo:
-            raise invalid_request("echo is not supported by this model", param="echo")
+            raise unsupported_parameter("echo is not supported by this model", "echo")
         if req.suffix:
-            raise invalid_request("suffix is not supported by this model", param="suffix")
+            raise unsupported_parameter("suffix is not supported by this model", "suffix")
         if req.best_of not in (None, 1, req.n):
-            raise invalid_request("best_of is not supported by this model", param="best_of")
+            raise unsupported_value("best_of is not supported by this model other than 1 or equal to n", "best_of")
 
 
 _MAX_LOGIT_BIAS = 1024  # entries; each is a tensor write per step

@@ -36,10 +36,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from engine.protocol import MAX_TOP_LOGPROBS, RequestOutput, TokenLogprob
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError, invalid_request, unsupported_parameter, unsupported_value
 from gateway.formats import ChoiceText, chat_logprob, sse
 from gateway.ingress import ScannedBody
-from gateway.pipeline import UNSUPPORTED_LOCAL_EXTRAS, Prepared, RequestFields
+from gateway.pipeline import UNSUPPORTED_LOCAL_EXTRAS, Prepared, RequestFields, refuse_verbosity
 from gateway.schemas import MAX_NAME_CHARS, SCHEMA_NAME_PATTERN, now, null_means
 from gateway.structured_output import guided_for_response_format
 
@@ -222,16 +222,17 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 
 def _refuse(param: str, why: str) -> OpenAIError:
-    return invalid_request(f"{param}: {why}", param=param)
+    return unsupported_parameter(f"{param}: {why}", param)
 
 
 def refuse_unsupported(req: ResponsesRequest) -> None:
-    """Fields that would change the output and cannot be honoured: a 400 naming each (never dropped)."""
+    """Fields that would change the output and cannot be honoured: a 400 naming each (never dropped),
+    ``unsupported_parameter``, or ``unsupported_value`` for a value of a field that is honoured."""
     if req.reasoning and any(v not in (None, "none") for v in req.reasoning.values()):
         raise _refuse("reasoning", "this model does not reason in a separate channel; omit it")
     if req.truncation == "auto":
-        raise _refuse("truncation", "'auto' is not supported: send 'disabled' (the default); an input over the "
-                                    "context is a 400")
+        raise unsupported_value("truncation: 'auto' is not supported: send 'disabled' (the default); an input "
+                                "over the context is a 400", "truncation")
     if req.max_tool_calls is not None:
         raise _refuse("max_tool_calls", "not supported; omit it (parallel_tool_calls: false allows one call)")
     if req.background:
@@ -240,8 +241,8 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     for name, hint in (("conversation", "use previous_response_id"), ("prompt", "send instructions and input")):
         if extras.get(name) is not None:
             raise _refuse(name, f"not supported; {hint}")
-    if req.text is not None and req.text.verbosity not in (None, "medium"):
-        raise _refuse("text.verbosity", "only 'medium' (the default) is supported")
+    if req.text is not None:
+        refuse_verbosity(req.text.verbosity, "text.verbosity")
     for i, item in enumerate(req.include or ()):
         if item != LOGPROBS_INCLUDE and item not in _INCLUDE_NOTHING:
             raise invalid_request(f"Invalid value: {item!r} is not a supported include value.", param=f"include[{i}]")

@@ -160,3 +160,35 @@ def test_real_booleans_are_accepted(post):
     assert r.status_code == 200, r.text
     r = post("/v1/completions", {**COMPLETION, "echo": False, "stream": False})
     assert r.status_code == 200, r.text
+
+
+# -- a refused parameter carries OpenAI's code ---------------------------------------------------------------
+
+RESPONSES = {"model": "tiny", "input": "Write something", "max_output_tokens": 2}
+
+
+@pytest.mark.parametrize(("path", "extra", "param", "code"), [
+    ("/v1/chat/completions", {"presence_penalty": 1}, "presence_penalty", "unsupported_parameter"),
+    ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_parameter"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
+    ("/v1/chat/completions", {"min_tokens": 3}, "min_tokens", "unsupported_parameter"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "unsupported_value"),
+    ("/v1/completions", {"echo": True}, "echo", "unsupported_parameter"),
+    ("/v1/completions", {"suffix": "end"}, "suffix", "unsupported_parameter"),
+    ("/v1/completions", {"best_of": 3}, "best_of", "unsupported_value"),
+    ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
+    ("/v1/responses", {"background": True}, "background", "unsupported_parameter"),
+    ("/v1/responses", {"truncation": "auto"}, "truncation", "unsupported_value"),
+    ("/v1/responses", {"text": {"verbosity": "low"}}, "text.verbosity", "unsupported_value"),
+    ("/v1/responses", {"min_p": 0.1}, "min_p", "unsupported_parameter"),
+])
+def test_a_refused_parameter_carries_openais_code(post, path, extra, param, code):
+    body = {**BODIES, "/v1/responses": RESPONSES}[path]
+    assert error_of(post(path, {**body, **extra}), param)["code"] == code
+
+
+def test_the_sdk_reads_unsupported_parameter(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(**CHAT, presence_penalty=0.5)
+    assert err.value.code == "unsupported_parameter" and err.value.param == "presence_penalty"
