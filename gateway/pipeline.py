@@ -281,13 +281,15 @@ def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) ->
     modalities = extras.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise unsupported_value("modalities: this model outputs text only; send [\"text\"] or omit it", "modalities")
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise unsupported_parameter("echo is not supported by this model", "echo")
-        if req.suffix:
-            raise unsupported_parameter("suffix is not supported by this model", "suffix")
-        if req.best_of not in (None, 1, req.n):
-            raise unsupported_value("best_of is not supported by this model other than 1 or equal to n", "best_of")
+    if req.echo:  # completions' field, which vLLM also takes on chat (the last message repeated)
+        raise unsupported_parameter("echo is not supported by this model", "echo")
+    if isinstance(req, ChatCompletionRequest):
+        refuse_verbosity(extras.get("verbosity"), "verbosity")
+        return
+    if req.suffix:
+        raise unsupported_parameter("suffix is not supported by this model", "suffix")
+    if req.best_of not in (None, 1, req.n):
+        raise unsupported_value("best_of is not supported by this model other than 1 or equal to n", "best_of")
 
 
 _MAX_LOGIT_BIAS = 1024  # entries; each is a tensor write per step
@@ -332,13 +334,14 @@ def local_features(req: ChatCompletionRequest | CompletionRequest,
     """Tools, structured output, logprobs and logit_bias as the engine takes them. 400s name the field
     (``response_format``: what the client's API calls it, ``text.format`` on /v1/responses)."""
     bias = _logit_bias(req.logit_bias)
-    if isinstance(req, CompletionRequest):
-        return LocalFeatures(ToolPlan(tools=None, parse=False, guided=None), None, req.logprobs, bias)
+    guided = guided_for_response_format(req.response_format, response_format)
+    if isinstance(req, CompletionRequest):  # a raw prompt: no tools; JSON forced from its first token
+        _refuse_ignore_eos_with(guided, req.ignore_eos)
+        return LocalFeatures(ToolPlan(tools=None, parse=False, guided=None), guided, req.logprobs, bias)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    guided = guided_for_response_format(req.response_format, response_format)
     if guided is not None and tools.guided is not None:
         raise invalid_request(
             "response_format json_object/json_schema cannot be combined with tool_choice 'required' or a "
@@ -346,11 +349,16 @@ def local_features(req: ChatCompletionRequest | CompletionRequest,
     if guided is not None:  # JSON content is forced, so no tool call can appear in it
         tools = ToolPlan(tools=tools.tools, parse=False, guided=None)
     grammar = guided or tools.guided
-    if grammar is not None and req.ignore_eos:
+    _refuse_ignore_eos_with(grammar, req.ignore_eos)
+    return LocalFeatures(tools, grammar, logprobs, bias)
+
+
+def _refuse_ignore_eos_with(grammar: GuidedSpec | None, ignore_eos: bool) -> None:
+    """A grammar's last token is EOS (the value, or the call, is complete): it cannot go on past it."""
+    if grammar is not None and ignore_eos:
         raise invalid_request(
             "ignore_eos cannot be combined with response_format json_object/json_schema or a forced tool call: "
             "the grammar ends the output with EOS", param="ignore_eos")
-    return LocalFeatures(tools, grammar, logprobs, bias)
 
 
 def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:

@@ -7,7 +7,8 @@ honoured by the local engine (tools and ``tool_choice``, ``response_format``, ``
 docs/gateway.md) or rejected in
 ``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter
 (``presence_penalty``, ``frequency_penalty``, ``echo``, ``suffix``, ``best_of``, and extra fields
-such as ``functions``, ``audio``, ``reasoning_effort``): never silently dropped. Extra fields that
+such as ``functions``, ``audio``, ``reasoning_effort``, chat's ``verbosity`` other than "medium"):
+never silently dropped. Extra fields that
 change nothing in the output (``metadata``, ``store``...) are accepted.
 """
 
@@ -70,6 +71,12 @@ class _Common(ScannedBody):
     top_k: int | None = Field(None, ge=-1)
     stop_token_ids: list[int] | None = None
     ignore_eos: Annotated[StrictBool, null_means(False)] = False
+    # Refused by the local engine on both doors (pipeline._reject_unsupported_local); a field here, on
+    # chat too, so that it is read as a JSON boolean as on completions ("yes" is a 400).
+    echo: Annotated[StrictBool, null_means(False)] = False
+    # JSON output enforced while decoding (gateway.structured_output): OpenAI's chat field, which vLLM
+    # takes on completions too; a raw prompt is constrained as a chat prompt is.
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -84,6 +91,24 @@ class _Common(ScannedBody):
         if not kept:
             return None
         return kept[0] if isinstance(stop, str) else kept
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_is_named(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A format says its ``type`` (``{}`` asked for nothing and was taken as text), and a JSON
+        schema's ``name`` follows OpenAI's rule, as OpenAI refuses both whatever the backend."""
+        if fmt is None:
+            return None
+        if not isinstance(fmt.get("type"), str):
+            raise body_limit("response_format needs a 'type': 'text', 'json_object' or 'json_schema'",
+                             "response_format.type")
+        spec = fmt.get("json_schema")
+        if fmt["type"] == "json_schema" and isinstance(spec, dict):
+            name = spec.get("name")
+            if not isinstance(name, str) or not re.fullmatch(SCHEMA_NAME_PATTERN, name):
+                raise body_limit("response_format.json_schema.name must be 1 to 64 letters, digits, underscores "
+                                 "or dashes", "response_format.json_schema.name")
+        return fmt
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -134,27 +159,8 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = None
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-
-    @field_validator("response_format")
-    @classmethod
-    def _format_is_named(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A format says its ``type`` (``{}`` asked for nothing and was taken as text), and a JSON
-        schema's ``name`` follows OpenAI's rule, as OpenAI refuses both whatever the backend."""
-        if fmt is None:
-            return None
-        if not isinstance(fmt.get("type"), str):
-            raise body_limit("response_format needs a 'type': 'text', 'json_object' or 'json_schema'",
-                             "response_format.type")
-        spec = fmt.get("json_schema")
-        if fmt["type"] == "json_schema" and isinstance(spec, dict):
-            name = spec.get("name")
-            if not isinstance(name, str) or not re.fullmatch(SCHEMA_NAME_PATTERN, name):
-                raise body_limit("response_format.json_schema.name must be 1 to 64 letters, digits, underscores "
-                                 "or dashes", "response_format.json_schema.name")
-        return fmt
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -166,7 +172,6 @@ class CompletionRequest(_Common):
     # Strict: "1" or 1.0 is not a token id (lax mode turned ["1", "2"] into ids, not two prompts).
     prompt: Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]], Field(union_mode="left_to_right")]
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: Annotated[StrictBool, null_means(False)] = False
     suffix: str | None = None
     best_of: int | None = None
 
