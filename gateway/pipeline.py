@@ -385,6 +385,14 @@ def _check_size(req: ChatCompletionRequest | CompletionRequest, settings: Gatewa
     check_prompt_chars(text_chars, req.token_ids, settings.max_prompt_chars, param)
 
 
+def _check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """``stream_options`` only on a stream, as OpenAI and vLLM refuse it (in their words): on a whole
+    response its ``include_usage`` would ask for a usage chunk that never comes."""
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                              param="stream_options", code="invalid_value")
+
+
 def check_prompt_chars(text_chars: int, token_ids: int, max_prompt_chars: int, param: str) -> None:
     """The bound on a body's text (``max_prompt_chars``, each token id counting as CHARS_PER_TOKEN
     characters): a 400 ``request_too_large`` naming ``param``. The chat pipeline checks it on the
@@ -476,6 +484,7 @@ async def prepare(
     max_tokens_asked = req.effective_max_tokens()
     text_chars = req.text_chars  # read once: a pydantic private attribute is a Python-level __getattr__
     try:
+        _check_stream_options(req)
         _check_size(req, settings, len(prompts) or 1, text_chars, fields.prompt)
         if isinstance(req, CompletionRequest) and not prompts:
             raise invalid_request("prompt must not be empty", param="prompt", code="empty_prompt")  # as the engine's

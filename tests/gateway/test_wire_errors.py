@@ -156,7 +156,9 @@ def test_a_boolean_field_takes_only_true_false_or_null(post, path, extra, param)
 
 def test_real_booleans_are_accepted(post):
     r = post("/v1/chat/completions", {**CHAT, "stream": False, "logprobs": False, "parallel_tool_calls": True,
-                                      "ignore_eos": False, "stream_options": {"include_usage": True}})
+                                      "ignore_eos": False, "echo": False})
+    assert r.status_code == 200, r.text
+    r = post("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200, r.text
     r = post("/v1/completions", {**COMPLETION, "echo": False, "stream": False})
     assert r.status_code == 200, r.text

@@ -104,3 +104,32 @@ def test_completions_response_format_text_is_plain_text(post):
     r = post("/v1/completions", {**COMPLETION, "temperature": 0, "response_format": {"type": "text"}})
     plain = post("/v1/completions", {**COMPLETION, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+# -- stream_options needs stream --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, None, "absent"])
+@pytest.mark.parametrize("path", list(BODIES))
+def test_stream_options_without_stream_is_refused(post, path, stream):
+    body = {**BODIES[path], "stream_options": {"include_usage": True}}
+    if stream != "absent":
+        body["stream"] = stream
+    err = error_of(post(path, body), "stream_options")
+    assert err["message"] == "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+
+
+def test_the_sdk_gets_the_stream_options_400(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(**CHAT, stream=False, stream_options={"include_usage": True})
+    assert err.value.param == "stream_options"
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(**COMPLETION, stream_options={"include_usage": True})
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_stream_options_on_a_stream_and_null_without_one_are_accepted(post, path):
+    assert post(path, {**BODIES[path], "stream_options": None}).status_code == 200
+    streamed = post(path, {**BODIES[path], "stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert '"usage"' not in streamed.text  # include_usage: null is the default, false

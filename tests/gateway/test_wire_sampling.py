@@ -80,7 +80,7 @@ def test_vllm_extras_at_their_defaults_are_accepted(post):
 
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-                              "n": None, "stream": None, "stream_options": {"include_usage": None}}),
+                              "n": None, "stream": None, "stream_options": None}),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "echo": None, "stream": None, "n": None}),
 ])
 def test_an_explicit_null_means_the_default(post, path, body):
