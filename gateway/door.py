@@ -77,7 +77,8 @@ def refusals_counted(tenancy: TenancyPort, ctx: TenantCtx, model: str, metrics: 
 
 
 def whole_prompt_for(seconds: float | None) -> RetentionPlan | None:
-    """A plan that keeps the whole prompt for ``seconds`` (OpenAI ``prompt_cache_retention``)."""
+    """A plan that keeps the whole prompt for ``seconds`` (a warmed prompt's ``ttl``; OpenAI's
+    ``prompt_cache_retention`` is the chat pipeline's own)."""
     if seconds is None:
         return None
     return lambda ids: (Retention(len(ids), seconds),)

@@ -56,6 +56,7 @@ from gateway.structured_output import guided_for_response_format
 from gateway.tenant_threads import TenantThreads
 from gateway.tool_calls import ToolPlan, plan_tools
 from gateway.upstream import ProviderOutput, UpstreamRequest
+from promptlint.cache_control import CacheControlError, retention_seconds
 from promptlint.canon import CanonResult
 
 log = logging.getLogger("prefixgate.gateway")
@@ -385,6 +386,18 @@ def _check_size(req: ChatCompletionRequest | CompletionRequest, settings: Gatewa
     check_prompt_chars(text_chars, req.token_ids, settings.max_prompt_chars, param)
 
 
+def _retention_asked(req: ChatCompletionRequest | CompletionRequest) -> float | None:
+    """Seconds to keep the whole prompt cached, from OpenAI's ``prompt_cache_retention`` (chat, and
+    /v1/responses, which runs as chat): None for none asked or ``"in_memory"`` (the default policy).
+    Legacy completions has no such field, at OpenAI as here: there it is an unknown field, ignored."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    try:
+        return retention_seconds(req.prompt_cache_retention)
+    except CacheControlError as exc:
+        raise invalid_request(str(exc), param=exc.param, code="invalid_value") from None
+
+
 def _check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> None:
     """``stream_options`` only on a stream, as OpenAI and vLLM refuse it (in their words): on a whole
     response its ``include_usage`` would ask for a usage chunk that never comes."""
@@ -485,6 +498,7 @@ async def prepare(
     text_chars = req.text_chars  # read once: a pydantic private attribute is a Python-level __getattr__
     try:
         _check_stream_options(req)
+        retain_s = _retention_asked(req)
         _check_size(req, settings, len(prompts) or 1, text_chars, fields.prompt)
         if isinstance(req, CompletionRequest) and not prompts:
             raise invalid_request("prompt must not be empty", param="prompt", code="empty_prompt")  # as the engine's
@@ -586,9 +600,10 @@ async def prepare(
             else:
                 requests.append(GenerateRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model, **inp))
 
-    keep_s = scoped.cache_retention_s  # the tenant's explicit cache control (#24.3)
-    if keep_s and backend.honours_retention:
-        requests = [replace(r, retention=(Retention(len(r.prompt_token_ids or ()), keep_s),))
+    # Explicit cache control: the request's own (prompt_cache_retention), then the tenant's (#24.3).
+    keep = tuple(seconds for seconds in (retain_s, scoped.cache_retention_s) if seconds)
+    if keep and backend.honours_retention:
+        requests = [replace(r, retention=tuple(Retention(len(r.prompt_token_ids or ()), s) for s in keep))
                     for r in requests]
 
     miss = None

@@ -269,6 +269,7 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]], conversation
     for name, value in (("tools", chat_tools(req.tools)), ("tool_choice", chat_tool_choice(req.tool_choice)),
                         ("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
                         ("top_p", req.top_p), ("user", req.user), ("prompt_cache_key", req.prompt_cache_key),
+                        ("prompt_cache_retention", req.prompt_cache_retention),
                         ("parallel_tool_calls", req.parallel_tool_calls),
                         ("response_format", _response_format(req.text_format())),
                         ("logprobs", True if logprobs else None),

@@ -161,6 +161,9 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # "24h" keeps the prompt cached, "in_memory" is the default policy; checked and honoured in
+    # gateway.pipeline (for /v1/responses too, which runs as chat), anything else a 400 there.
+    prompt_cache_retention: str | None = None
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -13,8 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 from fastapi import APIRouter, Request
 
 from gateway.deps import TenancyDep, TenantDep
-from gateway.door import chat_request, prepare_door, refusals_counted, translated, whole_prompt_for
-from gateway.errors import OpenAIError, invalid_request, render
+from gateway.door import chat_request, prepare_door, refusals_counted, translated
+from gateway.errors import OpenAIError, render
 from gateway.pipeline import Accounting
 from gateway.ports import TenancyError, TenancyPort, TenantCtx, tenancy_error
 from gateway.responder import respond
@@ -30,7 +30,6 @@ from gateway.responses_api import (
 )
 from gateway.routes.completions import PartsDep
 from gateway.schemas import ChatCompletionRequest
-from promptlint.cache_control import CacheControlError, retention_seconds
 
 router = APIRouter(prefix="/v1", tags=["responses"])
 
@@ -72,12 +71,9 @@ async def create_response(
                               param="previous_response_id", code="previous_response_not_found")
         history = stored["conversation"]
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
-        try:
-            retention = retention_seconds(body.prompt_cache_retention)
-        except CacheControlError as exc:
-            raise invalid_request(str(exc), param=exc.param) from None
         conversation, chat = await translated(body, ctx, parts, partial(_as_chat, body, history), RESPONSES_FIELDS)
-    prep = await prepare_door(chat, ctx, parts, retention=whole_prompt_for(retention), fields=RESPONSES_FIELDS)
+    # prompt_cache_retention rides on the chat request: checked and honoured as on chat (pipeline)
+    prep = await prepare_door(chat, ctx, parts, fields=RESPONSES_FIELDS)
     prep.request_id = new_response_id()
 
     async def keep(response: dict[str, Any]) -> None:

@@ -32,7 +32,8 @@ def home(tmp_path_factory):
 @pytest.fixture(scope="module")
 def keys(home):
     with TenancyService.open(home) as svc:
-        made = {name: svc.create_tenant(name).api_key for name in ("acme", "oai", "flood", "warm", "writer", "plain")}
+        made = {name: svc.create_tenant(name).api_key
+                for name in ("acme", "oai", "flood", "warm", "writer", "plain", "chat24", "in-memory", "legacy")}
         made["keeper"] = svc.create_tenant("keeper", cache_retention_s=3600).api_key  # the tenant setting
         svc.flush()
     return made
@@ -167,3 +168,53 @@ def test_cli_cache_warm_and_show(server, keys, tmp_path):
     wrong = subprocess.run([sys.executable, "-m", "gateway.cli.main", "cache", "show", "--url", server,
                             "--key", "pg-wrong"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2 and "HTTP 401" in wrong.stderr
+
+
+def _retained(url: str, key: str) -> int:
+    r = httpx.get(f"{url}/v1/cache", headers={"Authorization": f"Bearer {key}"}, trust_env=False, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["retained_tokens"]
+
+
+def test_chat_completions_honour_prompt_cache_retention_as_responses_do(server, keys):
+    """The openai SDK sends prompt_cache_retention on chat.completions too: "24h" retains the prompt
+    (GET /v1/cache) and counts its cache writes, as on /v1/responses; "in_memory" is the default policy;
+    legacy completions has no such field (at OpenAI as here), so there it is an unknown field, ignored."""
+    messages = [{"role": "system", "content": "Care guide of ExampleCo: oil the hinges yearly, dust weekly. " * 3},
+                {"role": "user", "content": "How often do I oil the hinges?"}]
+
+    def client(name: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{server}/v1", api_key=keys[name], max_retries=0, timeout=120)
+
+    assert _retained(server, keys["chat24"]) == 0
+    r = client("chat24").chat.completions.create(model="tiny", messages=messages, max_tokens=1,
+                                                 prompt_cache_retention="24h")
+    assert _retained(server, keys["chat24"]) >= 16 and r.usage.prompt_tokens >= 16
+    assert _written(server, keys["chat24"]) >= 16
+    client("in-memory").chat.completions.create(model="tiny", messages=messages, max_tokens=1,
+                                                prompt_cache_retention="in_memory")
+    assert _retained(server, keys["in-memory"]) == 0
+    client("legacy").completions.create(model="tiny", prompt=messages[0]["content"], max_tokens=1,
+                                        extra_body={"prompt_cache_retention": "24h"})
+    assert _retained(server, keys["legacy"]) == 0
+
+
+def test_a_bad_prompt_cache_retention_is_one_400_on_chat_and_responses(server, keys):
+    headers = {"Authorization": f"Bearer {keys['plain']}"}
+    bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+              "/v1/responses": {"input": "x", "max_output_tokens": 1}}
+    errors = []
+    for path, body in bodies.items():
+        r = httpx.post(f"{server}{path}", headers=headers, trust_env=False, timeout=60,
+                       json={"model": "tiny", **body, "prompt_cache_retention": "bogus"})
+        assert r.status_code == 400, r.text
+        errors.append(r.json()["error"])
+    assert errors[0] == errors[1], errors
+    assert errors[0]["param"] == "prompt_cache_retention" and errors[0]["code"] == "invalid_value"
+    assert "'in_memory' and '24h'" in errors[0]["message"]
+    with pytest.raises(openai.BadRequestError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key=keys["plain"], max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1, prompt_cache_retention="1w")
+    ok = httpx.post(f"{server}/v1/completions", headers=headers, trust_env=False, timeout=60,
+                    json={"model": "tiny", "prompt": "x", "max_tokens": 1, "prompt_cache_retention": "bogus"})
+    assert ok.status_code == 200, ok.text  # not a completions field: unknown, tolerated
