@@ -109,9 +109,13 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
         if kind not in BLOCK_TYPES:
             raise invalid_request(
                 f"Input tag {kind!r} found using 'type' does not match any of the expected tags: "
-                f"{', '.join(map(repr, BLOCK_TYPES))}", param=f"{where}.{j}.type")
+                f"{', '.join(map(repr, BLOCK_TYPES))}", param=f"{where}[{j}].type")
         if kind == "text" and not isinstance(block.get("text"), str):
-            raise invalid_request("Field required", param=f"{where}.{j}.text")
+            raise invalid_request("Field required", param=f"{where}[{j}].text")
+        if kind in ("tool_use", "tool_result"):  # chat needs the ids to pair a result with its call
+            key = "id" if kind == "tool_use" else "tool_use_id"
+            if not isinstance(block.get(key), str):
+                raise invalid_request("Field required", param=f"{where}[{j}].{key}")
     return content
 
 
@@ -122,13 +126,19 @@ def _tool_result_text(block: dict[str, Any]) -> str:
     return str(content)
 
 
-def _user_messages(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _user_messages(blocks: list[dict[str, Any]], called: set[str], where: str) -> list[dict[str, Any]]:
+    """A user turn's blocks: a tool message per ``tool_result`` (each answering one of the ``called``
+    ids of the assistant's earlier ``tool_use`` blocks), then its text and images as one message."""
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
-    for b in blocks:
+    for j, b in enumerate(blocks):
         if b["type"] == "tool_result":
-            out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
-                        "content": _tool_result_text(b)})
+            if b["tool_use_id"] not in called:  # Anthropic refuses it too; chat would, naming its own message
+                raise invalid_request(
+                    f"unexpected `tool_use_id` found in `tool_result` blocks: {b['tool_use_id']}. Each "
+                    "`tool_result` block must have a corresponding `tool_use` block in a previous message.",
+                    param=f"{where}[{j}].tool_use_id")
+            out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": _tool_result_text(b)})
         elif b["type"] == "text":
             parts.append(_text_part(b))
         elif b["type"] == "image":
@@ -149,14 +159,14 @@ def _assistant_message(blocks: list[dict[str, Any]]) -> dict[str, Any]:
         if b["type"] == "text":
             parts.append(_text_part(b))
         elif b["type"] == "tool_use":
-            calls.append({"id": str(b.get("id", "")), "type": "function",
+            calls.append({"id": b["id"], "type": "function",
                           "function": {"name": str(b.get("name", "")), "arguments": json.dumps(b.get("input", {}))}})
         else:
             raise invalid_request(f"an assistant message cannot hold a {b['type']!r} block", param="messages")
-    message: dict[str, Any] = {"role": "assistant", "content": _flat(parts) if parts else None}
     if calls:
-        message["tool_calls"] = calls
-    return message
+        return {"role": "assistant", "content": _flat(parts) if parts else None, "tool_calls": calls}
+    # a turn of no blocks (an empty prefill) said nothing: "", since chat wants content or tool calls
+    return {"role": "assistant", "content": _flat(parts) if parts else ""}
 
 
 def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -164,12 +174,18 @@ def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str,
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _flat([_text_part(b) for b in _blocks(system, "system")])})
+    called: set[str] = set()  # the ids of the tool_use blocks so far
     for i, m in enumerate(messages):
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise invalid_request(f"Input should be 'user' or 'assistant', got {role!r}", param=f"messages.{i}.role")
-        blocks = _blocks(m.get("content"), f"messages.{i}.content")
-        out += _user_messages(blocks) if role == "user" else [_assistant_message(blocks)]
+            raise invalid_request(f"Input should be 'user' or 'assistant', got {role!r}", param=f"messages[{i}].role")
+        blocks = _blocks(m.get("content"), f"messages[{i}].content")
+        if role == "user":
+            out += _user_messages(blocks, called, f"messages[{i}].content")
+        else:
+            turn = _assistant_message(blocks)
+            called.update(call["id"] for call in turn.get("tool_calls", ()))
+            out.append(turn)
     return out
 
 
@@ -179,7 +195,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t.get("name"), str):
-            raise invalid_request("Field required", param=f"tools.{i}.name")
+            raise invalid_request("Field required", param=f"tools[{i}].name")
         fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
         if t.get("description"):
             fn["description"] = t["description"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
@@ -39,7 +40,14 @@ from engine.protocol import MAX_TOP_LOGPROBS, RequestOutput, TokenLogprob
 from gateway.errors import OpenAIError, invalid_request, unsupported_parameter, unsupported_value
 from gateway.formats import ChoiceText, chat_logprob, sse
 from gateway.ingress import ScannedBody
-from gateway.pipeline import UNSUPPORTED_LOCAL_EXTRAS, Prepared, RequestFields, refuse_verbosity
+from gateway.pipeline import (
+    UNSUPPORTED_LOCAL_EXTRAS,
+    MessagePaths,
+    MessageSource,
+    Prepared,
+    RequestFields,
+    refuse_verbosity,
+)
 from gateway.schemas import MAX_NAME_CHARS, SCHEMA_NAME_PATTERN, now, null_means
 from gateway.structured_output import guided_for_response_format
 
@@ -160,13 +168,47 @@ def _chat_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     return parts
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's ``input`` as chat messages. Raises ``OpenAIError`` (400) naming the bad item."""
+@dataclass
+class ChatInput:
+    """A Responses ``input`` as chat messages, and where in ``input`` each one came from: the chat
+    pipeline's refusals then name the client's item (``pipeline.MessagePaths``), not a chat message."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[MessageSource] = field(default_factory=list)
+
+    def add(self, message: dict[str, Any], source: MessageSource) -> None:
+        self.messages.append(message)
+        self.sources.append(source)
+
+
+def _string_field(item: dict[str, Any], name: str, where: str) -> str:
+    """``item[name]``, which OpenAI requires to be a string: else a 400 naming ``{where}.{name}``."""
+    value = item.get(name)
+    if isinstance(value, str):
+        return value
+    if value is None:
+        raise invalid_request(f"Missing required parameter: '{where}.{name}'.", param=f"{where}.{name}",
+                              code="missing_required_parameter")
+    raise invalid_request(f"Invalid type for '{where}.{name}': expected a string, but got {type(value).__name__}.",
+                          param=f"{where}.{name}", code="invalid_type")
+
+
+def _call_ids(conversation: Sequence[dict[str, Any]]) -> set[str]:
+    """The ids of the tool calls that the assistant turns of a (stored) conversation made."""
+    return {call["id"] for m in conversation if m.get("role") == "assistant" for call in m.get("tool_calls") or ()}
+
+
+def input_messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()) -> ChatInput:
+    """The request's ``input`` as chat messages, continuing ``history`` (the stored conversation of
+    ``previous_response_id``, whose calls a ``function_call_output`` may answer). Raises
+    ``OpenAIError`` (400) naming the bad item, so that the chat request it becomes is valid."""
+    turns = ChatInput()
     if req.input is None:
-        return []
+        return turns
     if isinstance(req.input, str):
-        return [{"role": "user", "content": req.input}]
-    messages: list[dict[str, Any]] = []
+        turns.add({"role": "user", "content": req.input}, MessageSource("input"))
+        return turns
+    called = _call_ids(history)
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -176,24 +218,50 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 raise invalid_request(
                     f"Invalid value: {role!r}. Supported values are: {', '.join(map(repr, _ROLES))}.",
                     param=f"{where}.role")
-            messages.append({"role": role, "content": _chat_content(item.get("content"), f"{where}.content")})
+            content = _chat_content(item.get("content"), f"{where}.content")
+            turns.add({"role": role, "content": content}, MessageSource(where, parts=True))  # part j = part j
         elif kind == "function_call":
-            call = {"id": str(item.get("call_id") or item.get("id") or ""), "type": "function",
-                    "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))}}
-            last = messages[-1] if messages else None
+            call = {"id": _string_field(item, "call_id", where), "type": "function",
+                    "function": {"name": _string_field(item, "name", where),
+                                 "arguments": _string_field(item, "arguments", where)}}
+            called.add(call["id"])
+            last = turns.messages[-1] if turns.messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                turns.add({"role": "assistant", "content": None, "tool_calls": [call]}, MessageSource(where))
         elif kind == "function_call_output":
+            call_id = _string_field(item, "call_id", where)
+            if call_id not in called:  # OpenAI's words; chat would refuse the tool message it becomes
+                raise invalid_request(f"No tool call found for function call output with call_id {call_id}.",
+                                      param=f"{where}.call_id")
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
-            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
+            turns.add({"role": "tool", "tool_call_id": call_id, "content": text}, MessageSource(where))
         else:
             raise invalid_request(
                 f"Invalid value: {kind!r}. Supported values are: {', '.join(map(repr, ITEM_TYPES))}.",
                 param=f"{where}.type")
-    return messages
+    return turns
+
+
+# The chat part types a Responses part runs as, by the Responses name (a refusal names the client's).
+_PART_TYPES = (("image_url", "input_image"),)
+
+
+def request_fields(req: ResponsesRequest, history: int, turns: ChatInput) -> RequestFields:
+    """``RESPONSES_FIELDS`` with where each message of the chat request came from, in ``chat_body``'s
+    order: ``instructions``, the ``history`` messages of ``previous_response_id``, then ``input``."""
+    lead = [MessageSource("instructions")] if req.instructions else []
+    sources = (*lead, *[MessageSource("previous_response_id")] * history, *turns.sources)
+    return replace(RESPONSES_FIELDS, messages=MessagePaths(sources, _PART_TYPES))
+
+
+def resumed(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stored conversation as a follow-up continues it. Rows written before chat refused an
+    assistant turn with neither content nor tool calls hold one for an empty output: it said ""."""
+    return [{**m, "content": ""} if m.get("role") == "assistant" and m.get("content") is None
+            and not m.get("tool_calls") else m for m in conversation]
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -303,7 +371,7 @@ def conversation_after(conversation: list[dict[str, Any]], output: list[dict[str
     calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
              for o in output if o["type"] == "function_call"]
     text = "".join(p["text"] for o in output if o["type"] == "message" for p in o["content"])
-    turn: dict[str, Any] = {"role": "assistant", "content": text or None}
+    turn: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:
         turn["tool_calls"] = calls
     return [*conversation, turn]

@@ -18,7 +18,16 @@ import re
 import time
 from typing import Annotated, Any, Literal, TypedDict
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from gateway.ingress import ScannedBody, body_limit
 
@@ -127,14 +136,33 @@ class _Common(ScannedBody):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str  # the JSON text the model wrote, as OpenAI sends it back (never parsed here)
+
+
+class ToolCall(BaseModel):
+    """An assistant's earlier tool call, in the history, with OpenAI's required fields: a malformed
+    entry is a 400 naming its field here, not the chat template's failure to render it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None  # legacy: an assistant's earlier call (stands for content)
 
     @field_validator("content")
     @classmethod
@@ -153,6 +181,36 @@ class ChatMessage(BaseModel):
         return content
 
 
+# Roles whose message says something only through its content (an assistant's may be its tool calls;
+# a legacy "function" message is left as OpenAI left it).
+_CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
+def _check_history(messages: list[ChatMessage]) -> None:
+    """What OpenAI refuses in a conversation, refused here too whatever the backend, each a 400 naming
+    the field (the local chat template rendered them as something the client never sent): a message
+    without content (an assistant's may have tool calls instead), a tool message without
+    ``tool_call_id``, or answering no call an earlier assistant message made."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.content is None and m.role in _CONTENT_REQUIRED:
+            raise body_limit(f"messages with role '{m.role}' must have a 'content'", f"messages[{i}].content",
+                             code="missing_required_parameter")
+        if m.role == "assistant":
+            if m.content is None and not m.tool_calls and m.function_call is None:
+                raise body_limit("messages with role 'assistant' must have a 'content' unless they have "
+                                 "'tool_calls' or 'function_call'", f"messages[{i}].content",
+                                 code="missing_required_parameter")
+            called.update(call.id for call in m.tool_calls or ())
+        elif m.role == "tool":
+            if m.tool_call_id is None:
+                raise body_limit("messages with role 'tool' must have a 'tool_call_id'",
+                                 f"messages[{i}].tool_call_id", code="missing_required_parameter")
+            if m.tool_call_id not in called:  # OpenAI's words (and spelling), which clients may match on
+                raise body_limit("messages with role 'tool' must be a response to a preceeding message with "
+                                 "'tool_calls'", f"messages[{i}].tool_call_id")
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -164,6 +222,11 @@ class ChatCompletionRequest(_Common):
     # "24h" keeps the prompt cached, "in_memory" is the default policy; checked and honoured in
     # gateway.pipeline (for /v1/responses too, which runs as chat), anything else a 400 there.
     prompt_cache_retention: str | None = None
+
+    @model_validator(mode="after")
+    def _history_holds_together(self) -> ChatCompletionRequest:
+        _check_history(self.messages)
+        return self
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

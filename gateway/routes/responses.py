@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from gateway.deps import TenancyDep, TenantDep
 from gateway.door import chat_request, prepare_door, refusals_counted, translated
 from gateway.errors import OpenAIError, render
-from gateway.pipeline import Accounting
+from gateway.pipeline import Accounting, RequestFields
 from gateway.ports import TenancyError, TenancyPort, TenantCtx, tenancy_error
 from gateway.responder import respond
 from gateway.responses_api import (
@@ -27,6 +27,8 @@ from gateway.responses_api import (
     input_messages,
     new_response_id,
     not_found,
+    request_fields,
+    resumed,
 )
 from gateway.routes.completions import PartsDep
 from gateway.schemas import ChatCompletionRequest
@@ -52,10 +54,12 @@ def _store(tenancy: TenancyPort) -> ResponseStore:
 
 
 def _as_chat(body: ResponsesRequest, history: list[dict[str, Any]]
-             ) -> tuple[list[dict[str, Any]], ChatCompletionRequest]:
-    """The conversation so far with this request's input, and the chat request it becomes."""
-    conversation = history + input_messages(body)
-    return conversation, chat_request(chat_body(body, history, conversation))
+             ) -> tuple[list[dict[str, Any]], ChatCompletionRequest, RequestFields]:
+    """The conversation so far with this request's input, the chat request it becomes, and the
+    Responses names of its fields (where each of its messages came from)."""
+    turns = input_messages(body, history)
+    conversation = history + turns.messages
+    return conversation, chat_request(chat_body(body, history, conversation)), request_fields(body, len(history), turns)
 
 
 @router.post("/responses")
@@ -69,11 +73,12 @@ async def create_response(
         if stored is None:
             raise OpenAIError(400, f"Previous response with id '{body.previous_response_id}' not found.",
                               param="previous_response_id", code="previous_response_not_found")
-        history = stored["conversation"]
+        history = resumed(stored["conversation"])
     with refusals_counted(tenancy, ctx, body.model, metrics, live):
-        conversation, chat = await translated(body, ctx, parts, partial(_as_chat, body, history), RESPONSES_FIELDS)
+        conversation, chat, fields = await translated(body, ctx, parts, partial(_as_chat, body, history),
+                                                      RESPONSES_FIELDS)
     # prompt_cache_retention rides on the chat request: checked and honoured as on chat (pipeline)
-    prep = await prepare_door(chat, ctx, parts, fields=RESPONSES_FIELDS)
+    prep = await prepare_door(chat, ctx, parts, fields=fields)
     prep.request_id = new_response_id()
 
     async def keep(response: dict[str, Any]) -> None:

@@ -9,10 +9,17 @@ import pytest
 
 from engine.protocol import RequestOutput
 from gateway.anthropic_api import CacheUsage, MessagesFormat, MessagesRequest, chat_body, error_body
+from gateway.door import chat_request
 from gateway.errors import OpenAIError
 from gateway.formats import ChoiceText
 from gateway.pipeline import Prepared
-from gateway.responses_api import ResponsesFormat, ResponsesRequest, input_messages
+from gateway.responses_api import (
+    ResponsesFormat,
+    ResponsesRequest,
+    conversation_after,
+    input_messages,
+    resumed,
+)
 from gateway.responses_api import chat_body as responses_chat_body
 from gateway.routing import Backend, BackendKind
 
@@ -25,8 +32,10 @@ def test_responses_items_become_chat_messages():
         {"type": "function_call_output", "call_id": "c1", "output": "rain"},
         {"type": "function_call_output", "call_id": "c2", "output": {"sky": "sun"}},
     ]})
-    msgs = input_messages(req)
+    turns = input_messages(req)
+    msgs = turns.messages
     assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool"]
+    assert [s.path for s in turns.sources] == ["input[0]", "input[1]", "input[3]", "input[4]"]
     assert [c["id"] for c in msgs[1]["tool_calls"]] == ["c1", "c2"]  # parallel calls: one assistant turn
     assert msgs[3]["content"] == '{"sky": "sun"}'
     body = responses_chat_body(req, [], msgs)
@@ -42,6 +51,47 @@ def test_responses_bad_items_name_the_field(item, param):
     with pytest.raises(OpenAIError) as exc:
         input_messages(ResponsesRequest.model_validate({"model": "m", "input": [item]}))
     assert exc.value.status == 400 and exc.value.param == param
+
+
+CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("item, param", [
+    ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[1].call_id"),
+    ({"type": "function_call", "call_id": "c1", "arguments": "{}"}, "input[1].name"),
+    ({**CALL, "arguments": {"a": 1}}, "input[1].arguments"),
+    ({"type": "function_call_output", "output": "x"}, "input[1].call_id"),
+    ({"type": "function_call_output", "call_id": "c2", "output": "x"}, "input[1].call_id"),
+])
+def test_responses_call_items_must_pair_up_as_chat_requires(item, param):
+    """function_call items carry OpenAI's required strings, and an output answers a call made before
+    (in this input or the stored conversation): the chat request they become is then valid."""
+    with pytest.raises(OpenAIError) as exc:
+        input_messages(ResponsesRequest.model_validate({"model": "m", "input": [{"role": "user", "content": "x"},
+                                                                                 item, CALL]}))
+    assert exc.value.status == 400 and exc.value.param == param, exc.value.message
+
+
+def test_responses_output_may_answer_a_call_of_the_stored_conversation():
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    req = ResponsesRequest.model_validate({"model": "m", "input": [
+        {"type": "function_call_output", "call_id": "c9", "output": "42"}]})
+    assert input_messages(req, history).messages == [{"role": "tool", "tool_call_id": "c9", "content": "42"}]
+
+
+def test_an_empty_output_is_continued_as_empty_text():
+    """A response of no text and no calls is stored as an assistant turn of "" (chat refuses a turn of
+    neither content nor tool calls); a row stored with None before that reads as "" too."""
+    stored = conversation_after([{"role": "user", "content": "x"}], [
+        {"type": "message", "content": [{"type": "output_text", "text": ""}]}])
+    assert stored[-1] == {"role": "assistant", "content": ""}
+    old = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]
+    follow = [*resumed(old), {"role": "user", "content": "again?"}]
+    assert chat_request({"model": "m", "messages": follow}).messages[1].content == ""
+    called = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert resumed(called) == called
 
 
 def test_messages_blocks_become_chat_messages_tool_results_first():

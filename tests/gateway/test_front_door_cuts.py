@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from gateway_fakes import FakeEngine, FakeTenancy
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel, ConfigDict
 from pydantic_core import PydanticCustomError
 
 from engine.protocol import EngineError, GenerateRequest, RequestOutput, SamplingParams
@@ -45,7 +46,7 @@ from gateway.ports import canonicalize
 from gateway.responder import WholeResponse
 from gateway.routes.completions import Parts
 from gateway.routing import Backend, BackendKind, Router
-from gateway.schemas import ChatCompletionRequest, ChatMessage, usage_dict
+from gateway.schemas import ChatCompletionRequest, usage_dict
 from gateway.settings import GatewaySettings, RouteConfig
 from gateway.upstream import (
     DirectOpenAIClient,
@@ -98,12 +99,26 @@ def _prepare(body: dict[str, Any], canon_mode: str) -> Prepared:
                                settings=parts.settings, threads=parts.threads, tracker=parts.tracker))
 
 
+class _ChatMessageBefore(BaseModel):
+    """``schemas.ChatMessage`` as it was at the cut, kept as the oracle: its ``tool_calls`` were plain
+    dicts, so ``exclude_none`` dropped None at a message's top level only. (Since then the calls are
+    typed models, whose own dump would drop the None inside a call too: not what a provider gets.)"""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
 def _before(body: dict[str, Any], canon_mode: str) -> tuple[list[dict[str, Any]], Any]:
     """What prepare sent a provider before the cut: the canonical messages validated again into
     ``ChatMessage``s and dumped with ``exclude_none``; the tools of the canonical body."""
     req = ChatCompletionRequest.model_validate(copy.deepcopy(body))
     canon = canonicalize(req.model_dump(exclude_unset=True), canon_mode, ())
-    messages = [ChatMessage.model_validate(m).model_dump(exclude_none=True) for m in canon.body["messages"]]
+    messages = [_ChatMessageBefore.model_validate(m).model_dump(exclude_none=True) for m in canon.body["messages"]]
     return messages, canon.body.get("tools", req.tools)
 
 
@@ -124,7 +139,7 @@ def test_provider_messages_are_the_validated_dump(canon_mode: str, with_tools: b
 
 def test_provider_message_drops_top_level_none_only() -> None:
     message = {"role": "user", "content": "hi", "name": None, "x": {"y": None}, "parts": [None]}
-    assert provider_message(message) == ChatMessage.model_validate(message).model_dump(exclude_none=True)
+    assert provider_message(message) == _ChatMessageBefore.model_validate(message).model_dump(exclude_none=True)
     assert provider_message(message) == {"role": "user", "content": "hi", "x": {"y": None}, "parts": [None]}
 
 
