@@ -8,8 +8,8 @@ docs/gateway.md) or rejected in
 ``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter
 (``presence_penalty``, ``frequency_penalty``, ``echo``, ``suffix``, ``best_of``, and extra fields
 such as ``functions``, ``audio``, ``reasoning_effort``, chat's ``verbosity`` other than "medium"):
-never silently dropped. Extra fields that
-change nothing in the output (``metadata``, ``store``...) are accepted.
+never silently dropped. Extra fields that change nothing in the output (``metadata``, ``store``...)
+are accepted. A chat history is checked as OpenAI checks it (``_check_history``), whatever the backend.
 """
 
 from __future__ import annotations
