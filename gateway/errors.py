@@ -125,7 +125,11 @@ def _is_union_member(part: str | int) -> bool:
 
 
 def client_path(loc: tuple[str | int, ...]) -> str | None:
-    """A pydantic error location as the path of the field the client wrote (None: the body)."""
+    """A pydantic error location as the path of the field the client wrote (None: the body). FastAPI
+    starts a URL parameter's location with where it came from (``query.limit``): OpenAI names the
+    parameter alone (``limit``), as it names a body field without ``body``."""
+    if loc and loc[0] in ("query", "path"):
+        loc = loc[1:]
     return field_path(p for p in loc if p != "body" and not _is_union_member(p)) or None
 
 

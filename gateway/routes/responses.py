@@ -1,4 +1,5 @@
-"""``POST /v1/responses``, ``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}`` (the Responses API).
+"""``POST /v1/responses``, ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``,
+``DELETE /v1/responses/{id}`` (the Responses API).
 
 The request is translated to chat (``gateway.responses_api``) and runs through the chat pipeline:
 same admission, canonicalization, tenant-isolated cache and ledger row. Stored responses live in
@@ -8,9 +9,9 @@ the tenancy database keyed on (id, tenant): another tenant's id is simply not fo
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Annotated, Any, Protocol, runtime_checkable
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from gateway.deps import TenancyDep, TenantDep
 from gateway.door import chat_request, prepare_door, refusals_counted, translated
@@ -30,6 +31,7 @@ from gateway.responses_api import (
     request_fields,
     resumed,
 )
+from gateway.responses_items import Order, input_items, not_kept, page
 from gateway.routes.completions import PartsDep
 from gateway.schemas import ChatCompletionRequest
 
@@ -88,7 +90,8 @@ async def create_response(
         # every other tenant's stream. Never refused by the tenant's queue bound: the answer exists.
         if not body.store:
             return
-        record = {"response": response, "conversation": conversation_after(conversation, response["output"])}
+        record = {"response": response, "conversation": conversation_after(conversation, response["output"]),
+                  "input_items": input_items(body)}
         try:
             await threads.run(ctx.tenant_id, store.save_response, ctx, response["id"], record, refusable=False)
         except TenancyError as exc:  # the tenant was deleted while its key was cached: a 401, not a 500
@@ -106,6 +109,21 @@ async def get_response(response_id: str, request: Request, ctx: TenantDep, tenan
     if stored is None:
         raise not_found(response_id)
     return stored["response"]
+
+
+@router.get("/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, ctx: TenantDep, tenancy: TenancyDep,
+                           after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                           order: Order = "desc") -> Any:
+    """The items the response was given as ``input`` (``include`` is accepted and adds nothing: none
+    of its values names a field an input item here lacks)."""
+    stored = await request.app.state.tenant_threads.run(ctx.tenant_id, _store(tenancy).load_response, ctx,
+                                                        response_id)
+    if stored is None:
+        raise not_found(response_id)
+    if "input_items" not in stored:
+        raise not_kept(response_id)
+    return page(stored["input_items"], after=after, limit=limit, order=order)
 
 
 @router.delete("/responses/{response_id}")

@@ -288,3 +288,42 @@ def test_a_doors_own_refusals_get_ledger_rows(server, home, tenants):
     while _error_rows(home, tenants["beta"]) < before + 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _error_rows(home, tenants["beta"]) == before + 2
+
+
+def test_input_items_list_what_the_response_was_given(server, tenants):
+    client = oai(server, tenants["acme"])
+    given = [
+        {"role": "user", "content": "When does the Oslo store open?"},
+        {"type": "function_call", "id": "fc_mine", "call_id": "call_7", "name": "get_hours",
+         "arguments": '{"store": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_7", "output": "9 to 17"},
+        {"role": "user", "content": [{"type": "input_text", "text": "And Bergen?"}]},
+    ]
+    first = client.responses.create(model="tiny", instructions=SYSTEM, input="Hello", max_output_tokens=2)
+    r = client.responses.create(model="tiny", input=given, previous_response_id=first.id, max_output_tokens=2)
+    newest_first = client.responses.input_items.list(r.id)
+    items = list(newest_first)
+    # this response's own input, newest first: not the instructions, not the previous response's turns
+    assert [i.type for i in items] == ["message", "function_call_output", "function_call", "message"]
+    assert items[0].content[0].text == "And Bergen?" and items[3].content[0].type == "input_text"
+    assert items[3].content[0].text == "When does the Oslo store open?" and items[3].role == "user"
+    assert items[2].id == "fc_mine" and items[2].call_id == "call_7" and items[1].output == "9 to 17"
+    assert len({i.id for i in items}) == 4 and items[0].id.startswith("msg_")
+    assert newest_first.first_id == items[0].id and newest_first.last_id == items[-1].id
+    assert not newest_first.has_more
+    # paged oldest first, two at a time, as the SDK's auto-pagination follows `after`
+    pages = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert pages.has_more and [i.id for i in pages.data] == [items[3].id, items[2].id]
+    assert [i.id for i in pages] == [i.id for i in reversed(items)]
+    assert [i.type for i in client.responses.input_items.list(first.id)] == ["message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.input_items.list(r.id, limit=101)
+    assert bad.value.body["param"] == "limit"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.input_items.list(r.id, after="msg_nowhere")
+    assert bad.value.body["param"] == "after"
+    with pytest.raises(openai.NotFoundError):
+        oai(server, tenants["beta"]).responses.input_items.list(r.id)
+    unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(unstored.id)
