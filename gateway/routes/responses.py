@@ -1,5 +1,5 @@
 """``POST /v1/responses``, ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``,
-``DELETE /v1/responses/{id}`` (the Responses API).
+``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}`` (the Responses API).
 
 The request is translated to chat (``gateway.responses_api``) and runs through the chat pipeline:
 same admission, canonicalization, tenant-isolated cache and ledger row. Stored responses live in
@@ -124,6 +124,19 @@ async def list_input_items(response_id: str, request: Request, ctx: TenantDep, t
     if "input_items" not in stored:
         raise not_kept(response_id)
     return page(stored["input_items"], after=after, limit=limit, order=order)
+
+
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request, ctx: TenantDep, tenancy: TenancyDep) -> Any:
+    """OpenAI cancels only a ``background: true`` response, which this server refuses to create: a
+    stored response is finished, so cancelling it is a 400, as OpenAI answers for one not in the
+    background (an unknown id a 404)."""
+    stored = await request.app.state.tenant_threads.run(ctx.tenant_id, _store(tenancy).load_response, ctx,
+                                                        response_id)
+    if stored is None:
+        raise not_found(response_id)
+    raise OpenAIError(400, "Only responses created with background set to true can be cancelled.",
+                      param="response_id", code="invalid_value")
 
 
 @router.delete("/responses/{response_id}")

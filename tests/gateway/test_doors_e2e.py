@@ -327,3 +327,9 @@ def test_input_items_list_what_the_response_was_given(server, tenants):
     unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list(unstored.id)
+    # a finished (never background) response cannot be cancelled; an unknown one is not found
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.cancel(r.id)
+    assert "background" in bad.value.message
+    with pytest.raises(openai.NotFoundError):
+        oai(server, tenants["beta"]).responses.cancel(r.id)
