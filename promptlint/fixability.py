@@ -10,18 +10,30 @@ promise only what ``--fix`` does.
 
 from __future__ import annotations
 
-import re
+import yaml
 
 from promptlint.model import PromptDoc
 
-# Conservative: " #" inside a quoted string counts too; a file is then left for a human to fix.
-_YAML_COMMENT = re.compile(r"^\s*#|\s#", re.MULTILINE)
+
+def has_yaml_comment(raw: str) -> bool:
+    """Whether the YAML text ``raw`` holds a comment: a ``#`` outside every scalar. PyYAML's scanner
+    drops comments but reports where each scalar (plain, quoted or block) starts and ends, so a ``#``
+    inside text ("Ticket #42", ``'a # b'``, a ``|`` block) is not taken for one. Text the scanner
+    cannot read counts as commented: the file is then left for a human to fix."""
+    if "#" not in raw:
+        return False
+    try:
+        spans = [(t.start_mark.index, t.end_mark.index) for t in yaml.scan(raw) if isinstance(t, yaml.ScalarToken)]
+    except yaml.YAMLError:
+        return True
+    hashes = (i for i, c in enumerate(raw) if c == "#")
+    return any(not any(start <= i < end for start, end in spans) for i in hashes)
 
 
 def rewrite_refusal(doc: PromptDoc) -> str:
     """Why ``--fix`` never rewrites ``doc``'s file ("" when it may)."""
     if doc.kind == "source":
         return "source files are never rewritten: the fix is a change to the code"
-    if doc.kind == "request" and doc.path.suffix.lower() != ".json" and _YAML_COMMENT.search(doc.raw):
+    if doc.kind == "request" and doc.path.suffix.lower() != ".json" and has_yaml_comment(doc.raw):
         return "YAML with comments would lose them; fix by hand"
     return ""

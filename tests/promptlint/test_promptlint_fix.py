@@ -8,6 +8,7 @@ import shutil
 import pytest
 import yaml
 
+from promptlint.fixability import has_yaml_comment
 from tests.promptlint.promptlint_paths import EXAMPLES, FIXTURES
 
 
@@ -281,6 +282,34 @@ def test_a_yaml_request_with_comments_offers_no_fix(run_cli, tmp_path):
     plain.write_text(yaml.safe_dump(body, sort_keys=False))
     found = json.loads(run_cli("check", str(plain), "--format", "json").out)["findings"]
     assert [f["fixable"] for f in found] == [True, True]
+
+
+def test_a_hash_inside_yaml_text_is_not_a_comment(run_cli, tmp_path):
+    """"Ticket #42" in a message, a quoted '#', a hash in a | block: text, not comments, so the file
+    stays fixable and --fix keeps every one of them."""
+    body = json.loads((FIXTURES / "PC004" / "bad.json").read_text())
+    body["messages"] = [{"role": "system", "content": "Ticket #42 is open.\nAnswer with # headings."},
+                        {"role": "user", "content": "a # b"}]
+    path = tmp_path / "hashes.yaml"
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    found = json.loads(run_cli("check", str(path), "--format", "json").out)["findings"]
+    assert found and all(f["fixable"] for f in found if f["code"] == "PC004")
+    res = run_cli("check", str(path), "--fix")
+    assert "tools-sorted" in res.err and "YAML with comments" not in res.err, res.err
+    assert yaml.safe_load(path.read_text())["messages"] == body["messages"]
+
+
+@pytest.mark.parametrize(("text", "commented"), [
+    ("a: 1  # why\n", True),
+    ("# header\na: 1\n", True),
+    ("a: |\n  # not a comment: block text\n", False),
+    ("a: 'x # y'\nb: \"#\"\nc: x#y\n", False),
+    ("a: [1, 2]  # flow, then a comment\n", True),
+    ("a: 'unclosed # quote\n", True),  # unreadable: left for a human
+    ("a: 1\n", False),
+])
+def test_yaml_comment_detection(text: str, commented: bool) -> None:
+    assert has_yaml_comment(text) is commented
 
 
 def test_a_marked_line_of_a_template_inside_yaml_is_not_offered_as_fixable(run_cli, tmp_path):
