@@ -102,12 +102,19 @@ async def create_response(
                          render_error=partial(render, request))
 
 
-@router.get("/responses/{response_id}")
-async def get_response(response_id: str, request: Request, ctx: TenantDep, tenancy: TenancyDep) -> Any:
+async def _stored(response_id: str, request: Request, ctx: TenantCtx, tenancy: TenancyPort) -> dict[str, Any]:
+    """The caller's tenant's stored response (decrypted in its worker thread); another tenant's, an
+    unknown or an unstored id is a 404."""
     stored = await request.app.state.tenant_threads.run(ctx.tenant_id, _store(tenancy).load_response, ctx,
                                                         response_id)
     if stored is None:
         raise not_found(response_id)
+    return stored
+
+
+@router.get("/responses/{response_id}")
+async def get_response(response_id: str, request: Request, ctx: TenantDep, tenancy: TenancyDep) -> Any:
+    stored = await _stored(response_id, request, ctx, tenancy)
     return stored["response"]
 
 
@@ -117,10 +124,7 @@ async def list_input_items(response_id: str, request: Request, ctx: TenantDep, t
                            order: Order = "desc") -> Any:
     """The items the response was given as ``input`` (``include`` is accepted and adds nothing: none
     of its values names a field an input item here lacks)."""
-    stored = await request.app.state.tenant_threads.run(ctx.tenant_id, _store(tenancy).load_response, ctx,
-                                                        response_id)
-    if stored is None:
-        raise not_found(response_id)
+    stored = await _stored(response_id, request, ctx, tenancy)
     if "input_items" not in stored:
         raise not_kept(response_id)
     return page(stored["input_items"], after=after, limit=limit, order=order)
@@ -131,10 +135,7 @@ async def cancel_response(response_id: str, request: Request, ctx: TenantDep, te
     """OpenAI cancels only a ``background: true`` response, which this server refuses to create: a
     stored response is finished, so cancelling it is a 400, as OpenAI answers for one not in the
     background (an unknown id a 404)."""
-    stored = await request.app.state.tenant_threads.run(ctx.tenant_id, _store(tenancy).load_response, ctx,
-                                                        response_id)
-    if stored is None:
-        raise not_found(response_id)
+    await _stored(response_id, request, ctx, tenancy)  # a 404 first, as for any other id
     raise OpenAIError(400, "Only responses created with background set to true can be cancelled.",
                       param="response_id", code="invalid_value")
 
