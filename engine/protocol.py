@@ -174,6 +174,9 @@ class SamplingParams:
     range -100..100); ids are checked against the vocabulary when the engine admits the request.
     ``logprobs``: None = no logprobs; k >= 0 = the sampled token's logprob plus the k most likely
     alternatives at each step. ``guided``: a grammar the output must follow.
+    ``presence_penalty`` / ``frequency_penalty``: OpenAI's (-2..2), subtracted from a token's logit
+    once if it appears among the tokens generated so far / once per time it appears there (the
+    prompt's tokens are not counted, as in vLLM).
     """
 
     max_tokens: int = 16
@@ -187,8 +190,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     guided: GuidedSpec | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        for name, penalty in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            if not -2.0 <= penalty <= 2.0:  # also refuses NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {penalty}")
         for token_id, bias in self.logit_bias:
             if token_id < 0:
                 raise ValueError(f"logit_bias token id must be >= 0, got {token_id}")
@@ -212,6 +220,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits depend on the tokens generated so far (presence or frequency penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)

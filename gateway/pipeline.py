@@ -272,9 +272,6 @@ def refuse_verbosity(verbosity: object, param: str) -> None:
 def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Parameters the local engine cannot honour get a 400 naming them (never a silent drop), with
     OpenAI's code: ``unsupported_parameter``, or ``unsupported_value`` for a value of one it honours."""
-    for name, penalty in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)):
-        if penalty:
-            raise unsupported_parameter(f"{name} is not supported by this model; omit it or send 0", name)
     extras = req.model_extra or {}
     for name, unsupported in UNSUPPORTED_LOCAL_EXTRAS.items():
         if unsupported.refuses(extras.get(name)):
@@ -588,6 +585,8 @@ async def prepare(
                     logit_bias=features.logit_bias if features else (),
                     logprobs=features.logprobs if features else None,
                     guided=features.guided if features else None,
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
                 )
             except ValueError as exc:
                 raise invalid_request(str(exc)) from None

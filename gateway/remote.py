@@ -5,6 +5,7 @@ A node is any server that speaks the OpenAI-compatible API that vLLM speaks::
     POST /v1/completions        {"model", "prompt": [token ids] | "text", "cache_salt": <namespace hex>,
                                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                                  "stop_token_ids", "ignore_eos", "logit_bias",
+                                 "presence_penalty", "frequency_penalty" (when not 0),
                                  "priority", "prefixgate_tenant" (PrefixGate nodes only),
                                  "stream": true, "return_token_ids": true,
                                  "stream_options": {"include_usage": true, "continuous_usage_stats": true}}
@@ -237,6 +238,10 @@ def request_body(request: GenerateRequest, model: str | None, *, prefixgate_node
         body["ignore_eos"] = True
     if s.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
     if prefixgate_node and request.tenant.priority:
         body["priority"] = request.tenant.priority
     if prefixgate_node and request.tenant.tenant_key != request.tenant.namespace:

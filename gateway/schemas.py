@@ -3,11 +3,10 @@
 Unknown top-level fields are kept (``extra="allow"``) because OpenAI tolerates new fields and
 upstream providers may understand them. Every sampling and output field OpenAI defines is either
 honoured by the local engine (tools and ``tool_choice``, ``response_format``, ``logprobs`` /
-``top_logprobs``, ``logit_bias``, vLLM's ``top_k`` / ``stop_token_ids`` / ``ignore_eos``; see
-docs/gateway.md) or rejected in
-``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter
-(``presence_penalty``, ``frequency_penalty``, ``echo``, ``suffix``, ``best_of``, and extra fields
-such as ``functions``, ``audio``, ``reasoning_effort``, chat's ``verbosity`` other than "medium"):
+``top_logprobs``, ``logit_bias``, ``presence_penalty`` / ``frequency_penalty``, vLLM's ``top_k`` /
+``stop_token_ids`` / ``ignore_eos``; see docs/gateway.md) or rejected in
+``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter (``echo``,
+``suffix``, ``best_of``, and extra fields such as ``functions``, ``audio``, ``reasoning_effort``, chat's ``verbosity`` other than "medium"):
 never silently dropped. Extra fields that change nothing in the output (``metadata``, ``store``...)
 are accepted. A chat history is checked as OpenAI checks it (``_check_history``), whatever the backend.
 """

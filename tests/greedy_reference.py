@@ -49,3 +49,24 @@ def assert_greedy_agrees(got: list[int], ref: GreedyReference, tie: float = NEAR
     assert len(got) == len(ref), (len(got), len(ref))
     upto = min(first_near_tie(ref, tie) + 1, len(ref))
     assert got[:upto] == ref[:upto], (got, list(ref), ref.margins)
+
+
+def hf_penalised_greedy(model, prompt: list[int], max_new: int, presence: float, frequency: float) -> GreedyReference:
+    """Greedy decoding with OpenAI's presence / frequency penalties, by hand on ``transformers``' full
+    forward at every step: logit - count * frequency - [count > 0] * presence, where count is how often
+    the token appears among the tokens generated so far (not the prompt's). Margins are of the
+    penalised logits, the ones the choice is made on."""
+    ids = list(prompt)
+    counts = torch.zeros(model.config.vocab_size, dtype=torch.float32)
+    tokens, margins = [], []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float().cpu()
+            logits = logits - counts * frequency - (counts > 0).float() * presence
+            top2 = torch.topk(logits, 2)
+            token = int(top2.indices[0])
+            margins.append(float(top2.values[0] - top2.values[1]))
+            tokens.append(token)
+            counts[token] += 1
+            ids.append(token)
+    return GreedyReference(tokens, margins)

@@ -110,6 +110,8 @@ class _NodeBody(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -125,7 +127,8 @@ class _NodeBody(BaseModel):
             max_tokens=self.max_tokens, temperature=effective_temperature(self.temperature), top_p=self.top_p,
             top_k=max(self.top_k, 0), seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
-            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()))
+            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
     def scope(self) -> StaticTenantScope:
         key = bytes.fromhex(self.prefixgate_tenant) if self.prefixgate_tenant else b""  # b"": the namespace

@@ -188,6 +188,22 @@ def test_only_a_prefixgate_node_gets_the_tenant_key_and_the_node_counts_by_it() 
     assert plain.tenant_key == plain.namespace == b"\x01\x02"
 
 
+def test_penalties_reach_a_node_and_come_back_as_the_same_sampling() -> None:
+    """presence / frequency penalties cross to vLLM and PrefixGate nodes under OpenAI's names; a zero
+    penalty is not sent (vLLM's default is the same), and the node rebuilds the sampling it was sent."""
+    from gateway.remote import request_body
+    from gateway.routes.internal import NodeCompletionBody
+
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, presence_penalty=0.5, frequency_penalty=-1.25)
+    req = GenerateRequest(request_id="r", tenant=StaticTenantScope(), sampling=sampling, prompt_token_ids=[1])
+    _, to_vllm = request_body(req, "m")
+    assert to_vllm["presence_penalty"] == 0.5 and to_vllm["frequency_penalty"] == -1.25
+    _, to_node = request_body(req, "m", prefixgate_node=True)
+    assert NodeCompletionBody.model_validate({"prompt": [1], **to_node}).sampling() == sampling
+    plain = GenerateRequest(request_id="p", tenant=StaticTenantScope(), sampling=SamplingParams(), prompt_token_ids=[1])
+    assert "presence_penalty" not in request_body(plain, "m")[1]
+
+
 @pytest.mark.parametrize("error", [GrammarQueueFullError, PrepareQueueFullError])
 def test_a_nodes_full_tenant_queue_comes_back_as_a_429_with_its_retry_hint(error: type[EngineError]) -> None:
     """A PrefixGate node refuses a schema when its tenant has the most grammar compiles waiting, and

@@ -170,8 +170,7 @@ RESPONSES = {"model": "tiny", "input": "Write something", "max_output_tokens": 2
 
 
 @pytest.mark.parametrize(("path", "extra", "param", "code"), [
-    ("/v1/chat/completions", {"presence_penalty": 1}, "presence_penalty", "unsupported_parameter"),
-    ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_parameter"),
+    ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
     ("/v1/chat/completions", {"min_tokens": 3}, "min_tokens", "unsupported_parameter"),
@@ -192,5 +191,17 @@ def test_a_refused_parameter_carries_openais_code(post, path, extra, param, code
 
 def test_the_sdk_reads_unsupported_parameter(oai):
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(**CHAT, presence_penalty=0.5)
-    assert err.value.code == "unsupported_parameter" and err.value.param == "presence_penalty"
+        oai.chat.completions.create(**CHAT, reasoning_effort="high")
+    assert err.value.code == "unsupported_parameter" and err.value.param == "reasoning_effort"
+
+
+def test_penalties_are_served_in_openais_range(oai):
+    """presence / frequency penalties are honoured (tests/engine_core/test_penalties.py checks the tokens);
+    outside OpenAI's [-2, 2] they are a 400 naming the field."""
+    out = oai.chat.completions.create(**CHAT, presence_penalty=0.5, frequency_penalty=-0.5)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert oai.completions.create(**COMPLETION, presence_penalty=2, frequency_penalty=2).choices
+    for field in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(**CHAT, **{field: 2.5})
+        assert err.value.param == field
