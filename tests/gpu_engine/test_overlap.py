@@ -58,7 +58,10 @@ def _requests(stop_token: int | None = None, stop_text: str | None = None) -> li
     shared = _prompt(0, 20) + [7, 8, 9]  # a prefix hit on a0's first block
     second = [GenerateRequest("b0", t, replace(g, max_tokens=1), prompt_token_ids=shared),
               GenerateRequest("b1", t, SamplingParams(max_tokens=7, temperature=0.8, seed=11),
-                              prompt_token_ids=_prompt(5, 33))]
+                              prompt_token_ids=_prompt(5, 33)),
+              # penalties count the outputs on the device: fed steps must count the fed token
+              GenerateRequest("b2", t, replace(g, max_tokens=10, presence_penalty=-2.0, frequency_penalty=1.5),
+                              prompt_token_ids=_prompt(6, 25))]
     third = [GenerateRequest("c0", t, replace(g, max_tokens=12, stop_token_ids=(stop_token,) if stop_token else ()),
                              prompt_token_ids=_prompt(2, 34)),  # a2's prompt: a full prefix hit
              GenerateRequest("c1", t, replace(g, max_tokens=12, stop=(stop_text,) if stop_text else ()),
