@@ -50,8 +50,8 @@ def metadata_filter(params: QueryParams) -> dict[str, str]:
     Any other ``metadata`` parameter is a 400 naming ``metadata``."""
     wanted: dict[str, str] = {}
     for name, value in params.multi_items():
-        if not name.startswith("metadata"):
-            continue
+        if name != "metadata" and not name.startswith("metadata["):
+            continue  # another parameter (FastAPI reads the known ones; unknown ones are tolerated)
         match = _METADATA_PARAM.fullmatch(name)
         if match is None:
             raise invalid_request(f"Invalid query parameter '{name}': filter on metadata as metadata[key]=value.",

@@ -190,6 +190,9 @@ def test_bad_metadata_and_message_paging_are_400s(server, tenants):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.update(made.id, metadata=metadata)
         assert err.value.body["param"] == "metadata"
+        with pytest.raises(openai.BadRequestError) as err:  # the Responses API shares the bounds
+            client.responses.create(model="tiny", input="Too much", max_output_tokens=1, metadata=metadata)
+        assert err.value.body["param"] == "metadata"
     _ask(client, "At the bounds", store=True, metadata={f"{i:064d}": "v" * 512 for i in range(16)})
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.update(made.id, metadata={}, extra_body={"model": "other"})
