@@ -39,6 +39,7 @@ from gateway.query_credentials import QueryCredentialRefusal
 from gateway.remote import NodeTimeouts, RemoteEngineClient
 from gateway.routes import (
     cache,
+    chat_store,
     completions,
     dashboard,
     disagg,
@@ -298,7 +299,7 @@ def create_app(
     async def _tenancy(request: Request, exc: TenancyError) -> JSONResponse:
         return render(request, tenancy_error(exc))
 
-    for module in (completions, responses, messages, cache, models, usage, ops, dashboard, disagg):
+    for module in (completions, chat_store, responses, messages, cache, models, usage, ops, dashboard, disagg):
         app.include_router(module.router)
     app.state.node_drain = NodeDrain()
     # The completion routes' fast path, inside the node API and the body limit (docs/gateway.md).

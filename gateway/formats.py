@@ -22,6 +22,7 @@ increments), and a choice that called a tool and stopped ends with ``finish_reas
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from engine.protocol import RequestOutput, TokenLogprob
@@ -186,12 +187,16 @@ class _Format:
 
 
 class ChatFormat(_Format):
+    """Chat's whole response and stream. A stream's choices are also gathered as they go out
+    (``acc``: the same parsing the chunks come from, done once), so the completion it sent can be
+    built whole at its end, as ``StoredChatFormat`` keeps it."""
+
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, prep: Prepared) -> None:
         super().__init__(prep)
         self._started: set[int] = set()
-        self._states: dict[int, _ChoiceState] = {}
+        self.acc = ChoiceText(prep)
 
     def _logprobs(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any] | None:
         if self.prep.logprobs is None:
@@ -204,8 +209,7 @@ class ChatFormat(_Format):
             self._started.add(i)
             result.append(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-        state = self._states.get(i) or self._states.setdefault(i, _ChoiceState(self.prep.tool_parsing))
-        parsed = state.split(out)
+        parsed = self.acc.add(i, out)
         if parsed.content or parsed.tool_calls or out.logprobs:
             delta: dict[str, Any] = {}
             if parsed.content:
@@ -216,7 +220,7 @@ class ChatFormat(_Format):
                                         "finish_reason": None}]))
         if out.finished:
             result.append(self._chunk([{"index": i, "delta": {}, "logprobs": None,
-                                        "finish_reason": state.finish_reason(out)}]))
+                                        "finish_reason": self.acc.finish[i]}]))
         return result
 
     def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]:
@@ -235,6 +239,33 @@ class ChatFormat(_Format):
             "id": self.prep.request_id, "object": "chat.completion", "created": self.prep.created,
             "model": self.prep.model, "system_fingerprint": None, "choices": choices, "usage": usage,
         }
+
+
+Keep = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class StoredChatFormat(ChatFormat):
+    """Chat with ``store: true``: ``keep(completion)`` is awaited once with the ``chat.completion``
+    object the client gets (a stream's, built from what it sent), after ``whole`` or ``tail`` and
+    before it is sent, so a retrieve sent the moment the client has it finds it. A stream that
+    fails or is left before its end keeps nothing."""
+
+    def __init__(self, prep: Prepared, keep: Keep) -> None:
+        super().__init__(prep)
+        self._keep = keep
+        self._completed: dict[str, Any] | None = None
+
+    def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]:
+        self._completed = super().whole(acc, usage)
+        return self._completed
+
+    def tail(self, usage: Usage) -> list[bytes]:
+        self._completed = super().whole(self.acc, usage)
+        return super().tail(usage)
+
+    async def finalize(self) -> None:
+        if self._completed is not None:
+            await self._keep(self._completed)
 
 
 class CompletionFormat(_Format):

@@ -48,7 +48,7 @@ from gateway.pipeline import (
     RequestFields,
     refuse_verbosity,
 )
-from gateway.schemas import MAX_NAME_CHARS, SCHEMA_NAME_PATTERN, now, null_means
+from gateway.schemas import MAX_NAME_CHARS, SCHEMA_NAME_PATTERN, Metadata, now, null_means
 from gateway.structured_output import guided_for_response_format
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -130,7 +130,7 @@ class ResponsesRequest(ScannedBody):
     prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_cache_retention: str | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     parallel_tool_calls: StrictBool | None = None
     text: ResponseText | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -15,12 +15,14 @@ item id the client chose must come back as it was.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Any
 
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError
+from gateway.paging import Order
+from gateway.paging import page as paged
 from gateway.responses_api import ResponsesRequest
 
-Order = Literal["asc", "desc"]
+__all__ = ["Order", "input_items", "not_kept", "page"]
 # The id prefix OpenAI gives each kind of item.
 _ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
 
@@ -63,15 +65,8 @@ def _id_of(item: dict[str, Any], kind: str) -> str:
 
 def page(items: list[dict[str, Any]], *, after: str | None, limit: int, order: Order) -> dict[str, Any]:
     """One page of ``items`` (stored oldest first) as OpenAI's list object."""
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise invalid_request(f"No input item with id '{after}' in this response.", param="after")
-        ordered = ordered[ids.index(after) + 1:]
-    data = ordered[:limit]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
+    return paged(items, after=after, limit=limit, order=order,
+                 unknown_after=f"No input item with id '{after}' in this response.")
 
 
 def not_kept(response_id: str) -> OpenAIError:

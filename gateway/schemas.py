@@ -6,9 +6,11 @@ honoured by the local engine (tools and ``tool_choice``, ``response_format``, ``
 ``top_logprobs``, ``logit_bias``, ``presence_penalty`` / ``frequency_penalty``, vLLM's ``top_k`` /
 ``stop_token_ids`` / ``ignore_eos``; see docs/gateway.md) or rejected in
 ``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter (``echo``,
-``suffix``, ``best_of``, and extra fields such as ``functions``, ``audio``, ``reasoning_effort``, chat's ``verbosity`` other than "medium"):
-never silently dropped. Extra fields that change nothing in the output (``metadata``, ``store``...)
-are accepted. A chat history is checked as OpenAI checks it (``_check_history``), whatever the backend.
+``suffix``, ``best_of``, and extra fields such as ``functions``, ``audio``, ``reasoning_effort``,
+chat's ``verbosity`` other than "medium"): never silently dropped. Extra fields that change nothing
+in the output (``service_tier``...) are accepted; chat's ``store`` keeps the completion
+(``gateway.chat_store``) with its ``metadata``. A chat history is checked as OpenAI checks it
+(``_check_history``), whatever the backend.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -38,6 +41,32 @@ MAX_STOP_TOKEN_IDS = 1024
 # OpenAI's rule for the name of a response format's schema (chat's json_schema.name, the Responses
 # API's text.format.name).
 SCHEMA_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+# OpenAI's bounds on ``metadata`` (chat completions and their update, the Responses API): a
+# stored object keeps it, and a list route filters on it, so the bounds are checked at ingress.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+def _bounded_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise body_limit(f"metadata accepts at most {MAX_METADATA_PAIRS} key-value pairs, got {len(metadata)}",
+                         "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise body_limit(f"a metadata key may have at most {MAX_METADATA_KEY_CHARS} characters, "
+                             f"got one of {len(key)}", "metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise body_limit(f"a metadata value may have at most {MAX_METADATA_VALUE_CHARS} characters, "
+                             f"got one of {len(value)}", "metadata")
+    return metadata
+
+
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_bounded_metadata)]
 
 
 # Boolean fields are StrictBool: JSON true or false only. Pydantic's lax mode would read "yes",
@@ -221,6 +250,10 @@ class ChatCompletionRequest(_Common):
     # "24h" keeps the prompt cached, "in_memory" is the default policy; checked and honoured in
     # gateway.pipeline (for /v1/responses too, which runs as chat), anything else a 400 there.
     prompt_cache_retention: str | None = None
+    # Keep the completion and its input messages for the tenant (gateway.chat_store); off by
+    # default, as at OpenAI. Metadata is kept with it; sent without store it changes nothing.
+    store: Annotated[StrictBool, null_means(False)] = False
+    metadata: Metadata = None
 
     @model_validator(mode="after")
     def _history_holds_together(self) -> ChatCompletionRequest:

@@ -23,6 +23,10 @@ v4 adds ``responses`` (id PK, tenant_id -> tenants ON DELETE CASCADE, created_at
 Responses-API response, JSON sealed with the tenant's data key) and the tenant setting
 ``cache_retention_s``.
 
+v6 adds ``chat_completions`` (id PK, tenant_id -> tenants ON DELETE CASCADE, created_at, model,
+head and messages: a stored chat completion and its input messages, each JSON sealed with the
+tenant's data key).
+
 ``tenancy.pg_store`` keeps the same numbered migrations for PostgreSQL.
 """
 
@@ -147,7 +151,22 @@ def _v5(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE usage ADD COLUMN cache_creation_tokens INTEGER NOT NULL DEFAULT 0")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3, _v4, _v5]
+def _v6(db: sqlite_utils.Database) -> None:
+    """Stored chat completions (``store: true`` on ``/v1/chat/completions``): one tenant's, deleted
+    with it, the completion and its input messages sealed apart (``tenancy.chat_completions``). The
+    index serves the list route's order (created_at, then id) within a tenant."""
+    db.execute("""CREATE TABLE chat_completions (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        model TEXT NOT NULL,
+        head BLOB NOT NULL,
+        messages BLOB NOT NULL
+    )""")
+    db.execute("CREATE INDEX chat_completions_tenant ON chat_completions(tenant_id, created_at, id)")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

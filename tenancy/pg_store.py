@@ -2,7 +2,7 @@
 
 Every gateway, CLI and ledger writer opens its own connection (autocommit outside transactions).
 Migrations mirror ``tenancy.db``'s versions one for one (v1 base tables, v2 miss columns, v3
-quarantine, v4 responses, v5 cache-creation tokens), with PostgreSQL types: BYTEA for key material, DOUBLE PRECISION for times and money,
+quarantine, v4 responses, v5 cache-creation tokens, v6 stored chat completions), with PostgreSQL types: BYTEA for key material, DOUBLE PRECISION for times and money,
 BIGINT for limits and token counts. Each runs in one transaction holding an advisory lock together
 with its ``schema_version`` row, so gateways starting at once apply it exactly once.
 
@@ -110,7 +110,18 @@ _V4 = [  # stored Responses-API responses (sealed with the tenant's data key); c
 _V5 = [  # prompt tokens written to a prompt cache (tenancy.db._v5)
     "ALTER TABLE usage ADD COLUMN cache_creation_tokens BIGINT NOT NULL DEFAULT 0",
 ]
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5]
+_V6 = [  # stored chat completions (tenancy.db._v6)
+    """CREATE TABLE chat_completions (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        created_at DOUBLE PRECISION NOT NULL,
+        model TEXT NOT NULL,
+        head BYTEA NOT NULL,
+        messages BYTEA NOT NULL
+    )""",
+    "CREATE INDEX chat_completions_tenant ON chat_completions(tenant_id, created_at, id)",
+]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -30,10 +30,21 @@ def _aad(tenant_id: str, response_id: str) -> bytes:
     return b"prefixgate.response.v1\0" + tenant_id.encode() + b"\0" + response_id.encode()
 
 
+def seal_json(cipher: Sealer, body: object, aad: bytes) -> bytes:
+    """``body`` as compact JSON, sealed under ``aad`` (what the stored chat completions seal with too)."""
+    return cipher.encrypt(json.dumps(body, separators=(",", ":")).encode(), aad)
+
+
+def open_json(cipher: Sealer, sealed: bytes, aad: bytes) -> Any:
+    """The JSON value ``seal_json`` sealed under ``aad``; None when its tag fails (never served)."""
+    plain = cipher.decrypt(sealed, aad)
+    return json.loads(plain) if plain is not None else None
+
+
 def seal(cipher: Sealer, tenant_id: str, response_id: str, body: dict[str, Any]) -> bytes:
     """``body`` as JSON, sealed for (tenant, id). No database: the caller runs this outside any lock
     the database needs (a stored conversation can be megabytes: tens of milliseconds of work)."""
-    return cipher.encrypt(json.dumps(body, separators=(",", ":")).encode(), _aad(tenant_id, response_id))
+    return seal_json(cipher, body, _aad(tenant_id, response_id))
 
 
 def insert(db: Database, tenant_id: str, response_id: str, sealed: bytes) -> None:
@@ -52,8 +63,8 @@ def sealed_body(db: Database, tenant_id: str, response_id: str) -> bytes | None:
 
 def open_body(cipher: Sealer, tenant_id: str, response_id: str, sealed: bytes) -> dict[str, Any] | None:
     """The body ``seal`` sealed; None when its tag fails (never served). No database, as ``seal``."""
-    plain = cipher.decrypt(sealed, _aad(tenant_id, response_id))
-    return json.loads(plain) if plain is not None else None
+    body: dict[str, Any] | None = open_json(cipher, sealed, _aad(tenant_id, response_id))
+    return body
 
 
 def delete(db: Database, tenant_id: str, response_id: str) -> bool:

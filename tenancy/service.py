@@ -31,13 +31,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tenancy import chat_completions, responses, store
 from tenancy import keys as keymod
-from tenancy import responses, store
 from tenancy.crypto import (
     KEK_ENV,
     KeyEncryptionKey,
@@ -67,6 +68,8 @@ from tenancy.namespace import metrics_label, namespace_for, parse_share_scope, t
 from tenancy.pricing import PriceBook
 from tenancy.quota import Limiter, RateLimiter, check_budget, period_bounds
 from tenancy.types import (
+    ChatCompletionPage,
+    ChatCompletionQuery,
     CreatedKey,
     CreatedTenant,
     FleetEvent,
@@ -74,6 +77,7 @@ from tenancy.types import (
     Price,
     Quotas,
     SharedLimitsStatus,
+    StoredChatCompletion,
     TenantContext,
     TenantInfo,
     UsageRecord,
@@ -139,6 +143,12 @@ def _deleted_owner(db: Database, owner: str) -> bool:
     """True when ``owner`` is a tenant's own data key (``tenant:<id>``) and that tenant is gone."""
     kind, _, tenant_id = owner.partition(":")
     return kind == "tenant" and store.get_tenant(db, tenant_id=tenant_id) is None
+
+
+def _has_metadata(completion: dict[str, Any], wanted: Mapping[str, str]) -> bool:
+    """Whether the completion's metadata holds every pair of ``wanted`` (OpenAI's list filter)."""
+    metadata = completion.get("metadata") or {}
+    return all(metadata.get(key) == value for key, value in wanted.items())
 
 
 def _tenant_gone() -> AuthenticationError:
@@ -690,6 +700,105 @@ class TenancyService:
         with self._lock:
             self._require_live_tenant(ctx)
             return responses.delete(self._db, ctx.tenant_id, response_id)
+
+    # -- stored chat completions (store: true on /v1/chat/completions) -------------------------
+    # The same store, lock discipline and key as the stored responses above: SQL under the lock,
+    # JSON and AES outside it, the tenant's own data key, a deleted tenant refused (401).
+
+    def save_chat_completion(self, ctx: TenantContext, stored: StoredChatCompletion) -> None:
+        """Keep ``stored`` for ``ctx``'s tenant (a re-save of its own id replaces it).
+        AuthenticationError when the tenant is gone, as ``save_response``."""
+        with self._lock:
+            self._require_live_tenant(ctx)
+            cipher = self._response_cipher(ctx)
+        cid = stored.completion_id
+        head = chat_completions.seal(cipher, "head", ctx.tenant_id, cid, stored.completion)
+        messages = chat_completions.seal(cipher, "messages", ctx.tenant_id, cid, stored.messages)
+        with self._lock:
+            try:
+                chat_completions.insert(self._db, ctx.tenant_id, cid, stored.model, head, messages)
+            except Exception as exc:  # deleted since the check: the INSERT's foreign key fails
+                if self._db.classify(exc) is ErrorKind.REFUSED and store.get_tenant(
+                        self._db, tenant_id=ctx.tenant_id) is None:
+                    raise _tenant_gone() from None
+                raise
+
+    def load_chat_completion(self, ctx: TenantContext, completion_id: str) -> dict[str, Any] | None:
+        """The stored ``chat.completion`` object, or None when this tenant has none with that id
+        (another tenant's included)."""
+        with self._lock:
+            self._require_live_tenant(ctx)
+            cipher = self._response_cipher(ctx)
+            sealed = chat_completions.sealed_part(self._db, "head", ctx.tenant_id, completion_id)
+        if sealed is None:
+            return None
+        completion: dict[str, Any] | None = chat_completions.open_part(cipher, "head", ctx.tenant_id,
+                                                                       completion_id, sealed)
+        return completion
+
+    def chat_completion_messages(self, ctx: TenantContext, completion_id: str) -> list[dict[str, Any]] | None:
+        """The stored input messages of this tenant's completion ``completion_id``, or None."""
+        with self._lock:
+            self._require_live_tenant(ctx)
+            cipher = self._response_cipher(ctx)
+            sealed = chat_completions.sealed_part(self._db, "messages", ctx.tenant_id, completion_id)
+        if sealed is None:
+            return None
+        messages: list[dict[str, Any]] | None = chat_completions.open_part(cipher, "messages", ctx.tenant_id,
+                                                                           completion_id, sealed)
+        return messages
+
+    def list_chat_completions(self, ctx: TenantContext, query: ChatCompletionQuery) -> ChatCompletionPage | None:
+        """One page of this tenant's stored completions; None when ``query.after`` names none of them.
+
+        ``model`` is filtered in SQL; the metadata filter needs each head opened, so rows are read
+        in batches of one page (under the lock) and opened outside it until the page is full: with
+        no metadata filter, one batch. A head that fails its tag is skipped (never served)."""
+        with self._lock:
+            self._require_live_tenant(ctx)
+            cipher = self._response_cipher(ctx)
+            cursor = None
+            if query.after is not None:
+                cursor = chat_completions.cursor_of(self._db, ctx.tenant_id, query.after)
+                if cursor is None:
+                    return None
+        wanted = query.limit + 1  # one more than the page: whether there is a next one
+        found: list[dict[str, Any]] = []
+        while len(found) < wanted:
+            with self._lock:
+                batch = chat_completions.heads_after(self._db, ctx.tenant_id, after=cursor, order=query.order,
+                                                     model=query.model, limit=wanted)
+            for row in batch:
+                completion = chat_completions.open_part(cipher, "head", ctx.tenant_id, row.completion_id, row.head)
+                if completion is not None and _has_metadata(completion, query.metadata):
+                    found.append(completion)
+            if len(batch) < wanted:
+                break
+            cursor = batch[-1].cursor
+        return ChatCompletionPage(found[:query.limit], has_more=len(found) > query.limit)
+
+    def update_chat_completion_metadata(self, ctx: TenantContext, completion_id: str,
+                                        metadata: dict[str, str]) -> dict[str, Any] | None:
+        """Replace the stored completion's ``metadata`` (nothing else changes); the updated object,
+        or None when this tenant has no such completion. Two updates at once: the later write wins."""
+        completion = self.load_chat_completion(ctx, completion_id)
+        if completion is None:
+            return None
+        completion = {**completion, "metadata": metadata}
+        with self._lock:
+            cipher = self._response_cipher(ctx)
+        head = chat_completions.seal(cipher, "head", ctx.tenant_id, completion_id, completion)
+        with self._lock:
+            self._require_live_tenant(ctx)
+            if not chat_completions.replace_head(self._db, ctx.tenant_id, completion_id, head):
+                return None  # deleted since it was read
+        return completion
+
+    def delete_chat_completion(self, ctx: TenantContext, completion_id: str) -> bool:
+        """True when this tenant's stored completion was deleted; AuthenticationError when the tenant is gone."""
+        with self._lock:
+            self._require_live_tenant(ctx)
+            return chat_completions.delete(self._db, ctx.tenant_id, completion_id)
 
     # -- administration ------------------------------------------------------------------------
 

@@ -7,8 +7,9 @@ names), so ``engine/`` never imports tenancy and tenancy never imports ``engine/
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from tenancy.crypto import TenantCipher
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 CanonMode = Literal["off", "safe", "reorder"]
 BudgetPeriod = Literal["day", "month"]
 UsageStatus = Literal["ok", "error", "aborted"]
+
+ListOrder = Literal["asc", "desc"]
 
 CANON_MODES: tuple[str, ...] = ("off", "safe", "reorder")
 BUDGET_PERIODS: tuple[str, ...] = ("day", "month")
@@ -235,3 +238,43 @@ class SharedLimitsStatus:
     connected: bool
     fallbacks: int
     last_error: str | None
+
+
+@dataclass(frozen=True)
+class StoredChatCompletion:
+    """A chat completion created with ``store: true``: the ``chat.completion`` object as the client
+    got it (whole or assembled from its stream), with its ``metadata``, and the request's input
+    messages in OpenAI's stored-message shape (each with its id). ``model`` is the completion's."""
+
+    completion_id: str
+    model: str
+    completion: dict[str, Any]
+    messages: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ChatCompletionQuery:
+    """One page of a tenant's stored chat completions, as ``GET /v1/chat/completions`` asks for it:
+    oldest first (``asc``) or newest first, after the completion ``after``, only those of ``model``
+    and carrying every pair of ``metadata``."""
+
+    after: str | None = None
+    limit: int = 20
+    order: ListOrder = "asc"
+    model: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.order not in ("asc", "desc"):
+            raise ValueError(f"order must be 'asc' or 'desc', got {self.order!r}")
+
+
+@dataclass(frozen=True)
+class ChatCompletionPage:
+    """The stored ``chat.completion`` objects of one page, in the query's order; ``has_more``: a
+    later page has at least one."""
+
+    completions: list[dict[str, Any]]
+    has_more: bool

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions`` and ``POST /v1/completions``."""
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``; a chat request with ``store: true``
+is kept for its tenant (``gateway.chat_store``; read back through ``gateway.routes.chat_store``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.datastructures import State
 from starlette.types import Receive
 
 from engine.protocol import EngineClient
+from gateway.chat_store import chat_store, storing_format
 from gateway.deps import EngineDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics, LiveStats, RequestSample, outcome_of_error
@@ -98,7 +100,9 @@ async def handle(kind: str, body: ChatCompletionRequest | CompletionRequest, ctx
     """One completion request, authenticated and validated: prepared, run and answered. ``receive``
     is the request's ASGI receive (its body read), watched for a disconnect."""
     tenancy, metrics, live = parts.tenancy, parts.metrics, parts.live
+    storing = isinstance(body, ChatCompletionRequest) and body.store
     try:
+        store = chat_store(tenancy) if storing else None  # before any work: a store that cannot keep it refuses
         prep = await prepare(kind, body, ctx, tenancy=tenancy, router=parts.router, engine=parts.engine,
                              settings=parts.settings, threads=parts.threads, tracker=parts.tracker)
     except OpenAIError as err:  # a refusal: its one row, and counted by outcome
@@ -107,7 +111,10 @@ async def handle(kind: str, body: ChatCompletionRequest | CompletionRequest, ctx
     except Exception:  # a bug: the request still gets its one row (a 500)
         record_rejected(tenancy, ctx, body.model, kind, OpenAIError(500, "internal error"), metrics, live)
         raise
-    return await respond(prep, parts.router, Accounting(prep, tenancy, metrics, live), receive)
+    fmt = None  # the chat or completions format of the kind
+    if store is not None and isinstance(body, ChatCompletionRequest):
+        fmt = storing_format(prep, body, ctx, store, parts.threads)
+    return await respond(prep, parts.router, Accounting(prep, tenancy, metrics, live), receive, fmt)
 
 
 # These two routes are also served by ``gateway.routes.completions_asgi`` in front of FastAPI (the

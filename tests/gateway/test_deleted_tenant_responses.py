@@ -66,3 +66,26 @@ def test_reading_deleting_or_continuing_a_stored_response_is_a_401(deleted):
             call()
         assert err.value.code == "invalid_api_key"
     assert [r["owner"] for r in read_rows(gateway, "SELECT owner FROM data_keys") if r["owner"].startswith("tenant:")] == []
+
+
+def test_storing_or_reading_a_chat_completion_is_a_401(deleted):
+    """The same for stored chat completions: a whole or streamed ``store: true`` chat request, and
+    every read of the store, is a 401 like an unknown key, and no data key is made again."""
+    url, key, gateway = deleted
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+    hello = [{"role": "user", "content": "hello"}]
+    calls = (lambda: client.chat.completions.create(model="tiny", messages=hello, store=True),
+             lambda: client.chat.completions.retrieve("chatcmpl-1"),
+             lambda: client.chat.completions.list(),
+             lambda: client.chat.completions.update("chatcmpl-1", metadata={"k": "v"}),
+             lambda: client.chat.completions.delete("chatcmpl-1"),
+             lambda: client.chat.completions.messages.list("chatcmpl-1"))
+    for call in calls:
+        with pytest.raises(openai.AuthenticationError) as err:
+            call()
+        assert err.value.code == "invalid_api_key"
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                      json={"model": "tiny", "messages": hello, "stream": True, "store": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["code"] == "invalid_api_key" and events[-1] == "[DONE]"
+    assert [r["owner"] for r in read_rows(gateway, "SELECT owner FROM data_keys") if r["owner"].startswith("tenant:")] == []
