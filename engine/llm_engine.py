@@ -634,6 +634,11 @@ class LLMEngine:
         reason: FinishReason | None = None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             reason = "stop"  # the stop token is returned as an id but not as text
+            if sp.logprobs is not None and sp.prompt_logprobs is not None:
+                # A scored request (echo with logprobs) reads one entry per token, prompt and output
+                # alike: lm-eval slices its continuation by position, so a missing last entry would
+                # drop a continuation token from the sum (vLLM lists the stop token there too).
+                self._record_logprob(req, token, info)
         else:
             if sp.logprobs is not None:
                 self._record_logprob(req, token, info)
@@ -653,7 +658,8 @@ class LLMEngine:
         self._finish(req, "error")
 
     def _record_logprob(self, req: Request, token: int, info: _TokenInfo | None) -> None:
-        """Keep the token's logprob entry (text tokens only: a stop token has no text to score)."""
+        """Keep the token's logprob entry (text tokens only, but for a scored request's stop token:
+        ``_append_token``)."""
         logprob, top = (info.logprob, info.top) if info is not None else (None, None)
         top = top or ()
         ids = [token, *(t for t, _ in top)]

@@ -9,6 +9,8 @@ that bounds the logits' memory. Tolerances, never float equality: the engine's b
 from the reference's.
 """
 
+from dataclasses import replace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -169,6 +171,22 @@ def test_scoring_beside_a_plain_request(base_engine, hf_model, prompt):
     assert all(o.prompt_logprobs is None for o in outs["p"])
     assert [t for o in outs["p"] for t in o.new_token_ids] == [t for o in alone for t in o.new_token_ids]
     assert_matches(only_prompt_logprobs(outs["s"]), prompt, reference(hf_model, prompt), k=3)
+
+
+def test_a_scored_request_lists_its_stop_token(base_engine, prompt):
+    """With prompt scores, every output token has an entry, EOS included (one per token, prompt and
+    output, is what a loglikelihood caller slices); a plain logprobs request's EOS has none."""
+    eos = base_engine.eos_token_ids[0]
+    forced = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1, logit_bias=((eos, 100.0),))
+    scored = GenerateRequest("s", StaticTenantScope(), replace(forced, prompt_logprobs=1),
+                             prompt_token_ids=prompt)
+    plain = GenerateRequest("p", StaticTenantScope(namespace=b"p"), forced, prompt_token_ids=prompt)
+    outs = run_all(engine_like(base_engine), [scored, plain])
+    for rid, listed in (("s", 1), ("p", 0)):
+        assert [t for o in outs[rid] for t in o.new_token_ids] == [eos]
+        assert outs[rid][-1].finish_reason == "stop"
+        entries = [lp for o in outs[rid] for lp in o.logprobs]
+        assert len(entries) == listed and all(lp.token_id == eos for lp in entries)
 
 
 def test_a_one_token_prompt_has_nothing_to_score(base_engine, prompt):
