@@ -27,7 +27,7 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -131,7 +131,7 @@ class AsyncEngine:
         compile may take up to ``grammar_timeout_s`` (5 s), and waited for in the lane, it would
         hold a prepare thread that other tenants need."""
         if (request.prompt_token_ids is None or request.sampling.guided is not None
-                or request.sampling.logprobs is not None):
+                or request.sampling.logprobs is not None or request.sampling.prompt_logprobs is not None):
             prepared = await self._in_lane(request)
         else:
             prepared = self.engine.prepare_nowait(request)
@@ -184,6 +184,9 @@ class AsyncEngine:
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         return self.engine.tokenize(request)
+
+    def decode_prompt(self, token_ids: Sequence[int]) -> str:
+        return self.engine.decode_prompt(token_ids)
 
     def cache_usage(self, tenant: TenantScope) -> dict[str, int]:
         bs = self.engine.block_size

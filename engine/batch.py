@@ -39,6 +39,16 @@ class SequenceChunk:
         sample: sample a next token after this chunk (last prefill chunk, or a decode step).
         sampling: the request's sampling parameters.
         output_token_ids: tokens generated so far (for seeded, reproducible sampling offsets).
+        prompt_targets: the prompt tokens this chunk's positions predict, for a request that scores
+            its prompt (``SamplingParams.prompt_logprobs``): row j (position start_pos + j) scores
+            ``prompt_targets[j]``, the prompt token at start_pos + j + 1. Shorter than the chunk
+            where it reaches the prompt's end; empty = score nothing.
+
+    Which prompt tokens a chunk scores (P prompt tokens, chunk of n tokens at start_pos s)::
+
+        positions   s      s+1     ...   s+n-1          | next chunk starts at s+n
+        scores      tok s+1  tok s+2 ...  tok s+n       (the last row scores the next chunk's first)
+        up to       tok P-1  (the first prompt token, tok 0, has no predecessor: never scored)
     """
 
     request_id: str
@@ -48,6 +58,7 @@ class SequenceChunk:
     sample: bool
     sampling: SamplingParams
     output_token_ids: Sequence[int] = ()
+    prompt_targets: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -81,15 +92,26 @@ class ScheduledBatch:
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """One chunk's prompt scores: per row of ``SequenceChunk.prompt_targets``, the target's raw
+    logprob and the ``sampling.prompt_logprobs`` most likely (token id, logprob) pairs there."""
+
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What the runner returns for one batch: a token per chunk (None where sample=False).
 
     ``logprobs``: the sampled token's raw log-probability per chunk; ``top_logprobs``: per chunk,
     (token id, logprob) of the most likely tokens when its request asked for them, else None;
     ``grammar_dead_ends``: per chunk, why its grammar could not continue (engine.guided), else None
-    (empty: none did)."""
+    (empty: none did); ``prompt_scores``: per chunk, the scores of its ``prompt_targets``, else None
+    (empty: no chunk had targets)."""
 
     sampled_token_ids: Sequence[int | None]
     logprobs: Sequence[float | None] = ()
     top_logprobs: Sequence[tuple[tuple[int, float], ...] | None] = ()
     grammar_dead_ends: Sequence[str | None] = ()
+    prompt_scores: Sequence[PromptScores | None] = ()

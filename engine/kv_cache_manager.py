@@ -187,8 +187,9 @@ class KVCacheManager:
     # ------------------------------------------------------------------ the scheduler's calls
 
     def match(self, req: CacheRequest) -> MatchResult:
-        """The request's cached prefix in HBM (empty with caching off)."""
-        if not self.enable_caching:
+        """The request's cached prefix in HBM (empty with caching off, or for a request that does
+        not read the cache: ``CacheRequest.reads_prefix_cache``)."""
+        if not self.enable_caching or not req.reads_prefix_cache:
             return EMPTY_MATCH
         with self._phase(CachePhase.MATCH):
             m = self._pool.index.match_hashes(req.block_hashes, req.num_tokens)
@@ -395,7 +396,7 @@ class KVCacheManager:
         assert self._lower is not None
         rid, tenant = req.request_id, req.tenant
         key = (rid, req.num_preemptions)
-        if rid in self._restoring or rid in self._holding or key in self._looked_up:
+        if rid in self._restoring or rid in self._holding or key in self._looked_up or not req.reads_prefix_cache:
             return
         self._looked_up.add(key)
         hbm = self.match(req)

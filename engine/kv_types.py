@@ -120,6 +120,12 @@ class CacheRequest(Protocol):
     @property
     def num_preemptions(self) -> int: ...
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False: the request must compute its prompt (it scores every position), so it gets no
+        hit in any tier; what it computes is still indexed."""
+        ...
+
 
 @runtime_checkable
 class CacheObserver(Protocol):

@@ -56,7 +56,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from engine.batch import ScheduledBatch, StepResult
+from engine.batch import PromptScores, ScheduledBatch, SequenceChunk, StepResult
 from engine.computed_prefixes import ComputedPrefixes
 from engine.config import EngineConfig
 from engine.guided import COMPILE_TIMEOUT_S, CompileQueueFullError, GrammarCompile, wait_compiled
@@ -72,6 +72,7 @@ from engine.protocol import (
     GuidedSpec,
     InvalidRequestError,
     OutputFailure,
+    PromptLogprobs,
     PromptTooLongError,
     RequestOutput,
     RequestPart,
@@ -156,6 +157,7 @@ class _TokenInfo:
     logprob: float | None  # raw log-probability
     top: tuple[tuple[int, float], ...] | None  # top alternatives, when asked for
     grammar_dead_end: str | None = None  # the grammar could not continue (engine.guided): why
+    prompt: PromptScores | None = None  # the chunk's prompt_targets scored (SamplingParams.prompt_logprobs)
 
 
 class LLMEngine:
@@ -236,6 +238,18 @@ class LLMEngine:
     def tokenize(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids: chat template for messages, tokenizer for text, or as given."""
         return self._tokenize(request)[0]
+
+    def decode_prompt(self, token_ids: Sequence[int]) -> str:
+        """The text of prompt ids, special tokens included (``engine.protocol.PromptDecoder``);
+        ``InvalidRequestError`` for an id outside the vocabulary, as ``prepare`` would refuse it.
+        Thread-safe as ``tokenize`` (a borrowed tokenizer copy)."""
+        ids, packed = _int_list_packed(token_ids)
+        bad = _first_outside(ids, packed, self.vocab_size)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                      part=RequestPart.PROMPT, code="invalid_value")
+        with self.runner.tokenizers.borrow() as tok:
+            return str(tok.decode(ids, skip_special_tokens=False))
 
     def _tokenize(self, request: GenerateRequest) -> tuple[list[int], bytes | None]:
         """``tokenize``, with the ids packed as int64 bytes when they were given as integers (the
@@ -325,7 +339,7 @@ class LLMEngine:
         if sp.guided is not None:
             with grammar_refusals():
                 grammar = self.runner.admit_grammar(sp.guided)
-        if sp.logprobs is not None:
+        if sp.logprobs is not None or sp.prompt_logprobs is not None:
             # the token-bytes table is built on first use (~1 s for a 100k vocabulary): here, on
             # the admitting thread, rather than in the middle of a step
             self.runner.token_bytes(())
@@ -446,14 +460,17 @@ class LLMEngine:
         for req, chunk, result, info in zip(step.requests, step.batch.chunks, results, infos):
             if req.is_finished and req not in failed:
                 continue
-            if chunk.sample and not req.is_finished:
+            if not req.is_finished:
                 try:
-                    self._append_token(req, result, now, info)  # type: ignore[arg-type]
+                    if info is not None and info.prompt is not None:
+                        self._record_prompt_scores(req, chunk, info.prompt)
+                    if chunk.sample:
+                        self._take_sampled(req, result, now, info)  # type: ignore[arg-type]
                 except Exception as exc:  # a bad token or detokenizer failure fails only this request
                     req.error = f"{type(exc).__name__}: {exc}"
                     self._finish(req, "error")
-            elif not req.is_finished:
-                continue
+                if not chunk.sample and not req.is_finished:
+                    continue  # a prefill chunk before the last: nothing to send yet
             out = self._output(req)
             if out is not None:
                 outputs.append(out)
@@ -593,6 +610,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tokens, text, stopping
 
+    def _take_sampled(self, req: Request, token: int | None, now: float, info: _TokenInfo | None) -> None:
+        """The token sampled after the request's newest position; with ``max_tokens`` 0 the prompt
+        alone was asked for (it is computed now, and scored if asked): the pick is dropped."""
+        if req.sampling.max_tokens == 0:
+            self._finish(req, "length")
+            return
+        self._append_token(req, token, now, info)
+
     def _append_token(self, req: Request, token: int | None, now: float, info: _TokenInfo | None = None) -> None:
         if token is None:
             raise RuntimeError("runner sampled no token for a chunk with sample=True")
@@ -609,6 +634,11 @@ class LLMEngine:
         reason: FinishReason | None = None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             reason = "stop"  # the stop token is returned as an id but not as text
+            if sp.logprobs is not None and sp.prompt_logprobs is not None:
+                # A scored request (echo with logprobs) reads one entry per token, prompt and output
+                # alike: lm-eval slices its continuation by position, so a missing last entry would
+                # drop a continuation token from the sum (vLLM lists the stop token there too).
+                self._record_logprob(req, token, info)
         else:
             if sp.logprobs is not None:
                 self._record_logprob(req, token, info)
@@ -628,7 +658,8 @@ class LLMEngine:
         self._finish(req, "error")
 
     def _record_logprob(self, req: Request, token: int, info: _TokenInfo | None) -> None:
-        """Keep the token's logprob entry (text tokens only: a stop token has no text to score)."""
+        """Keep the token's logprob entry (text tokens only, but for a scored request's stop token:
+        ``_append_token``)."""
         logprob, top = (info.logprob, info.top) if info is not None else (None, None)
         top = top or ()
         ids = [token, *(t for t, _ in top)]
@@ -639,6 +670,42 @@ class LLMEngine:
             logprob=float("nan") if logprob is None else float(logprob),
             top=tuple((text[j + 1], tuple(raw[j + 1]), float(lp)) for j, (_, lp) in enumerate(top)),
         ))
+
+    def _record_prompt_scores(self, req: Request, chunk: SequenceChunk, scores: PromptScores) -> None:
+        """Keep the scores of the chunk's prompt targets that are next in line: row j scores prompt
+        token ``chunk.start_pos + j + 1``. Rows already kept (the request was preempted and computes
+        its prompt again) are skipped, so the list stays one entry per token, in prompt order."""
+        skip = len(req.prompt_scores) - chunk.start_pos  # prompt_scores[i] is prompt token i + 1
+        if skip < 0:
+            raise RuntimeError(f"prompt scores of {req.request_id} skip from token {len(req.prompt_scores) + 1} "
+                               f"to {chunk.start_pos + 1}")
+        targets = list(chunk.prompt_targets[skip:])
+        if not targets:
+            return
+        if len(scores.logprobs) != len(chunk.prompt_targets):
+            raise RuntimeError(f"runner scored {len(scores.logprobs)} of {len(chunk.prompt_targets)} prompt targets")
+        tops = scores.top[skip:]
+        ids = targets + [t for top in tops for t, _ in top]
+        raw = self.runner.token_bytes(ids)
+        at = len(targets)
+        for j, (token, logprob, top) in enumerate(zip(targets, scores.logprobs[skip:], tops)):
+            alternatives = []
+            for _, lp in top:
+                alternatives.append((raw[at].decode("utf-8", errors="replace"), tuple(raw[at]), float(lp)))
+                at += 1
+            req.prompt_scores.append(TokenLogprob(
+                token_id=token, token=raw[j].decode("utf-8", errors="replace"), token_bytes=tuple(raw[j]),
+                logprob=float(logprob), top=tuple(alternatives)))
+
+    def _prompt_logprobs(self, req: Request) -> PromptLogprobs | None:
+        """The scored prompt, once: with the first output after every prompt token was scored."""
+        if req.sent_prompt_logprobs or req.sampling.prompt_logprobs is None or req.prompt_scoring_left:
+            return None
+        req.sent_prompt_logprobs = True
+        first = req.prompt_token_ids[0]
+        raw = self.runner.token_bytes([first])[0]
+        return PromptLogprobs(first_token_id=first, first_token=raw.decode("utf-8", errors="replace"),
+                              first_token_bytes=tuple(raw), scored=tuple(req.prompt_scores))
 
     def _detokenize(self, req: Request, token: int) -> None:
         state = req.detok
@@ -716,6 +783,7 @@ class LLMEngine:
             error=req.error,
             logprobs=new_logprobs,
             failure=req.failure,
+            prompt_logprobs=self._prompt_logprobs(req) if req.finish_reason != "error" else None,
         )
 
     # ------------------------------------------------------------------ state
@@ -863,9 +931,10 @@ def _first_outside(ids: list[int], packed: bytes | None, size: int) -> int | Non
 
 
 def _token_infos(result: StepResult, n: int) -> list[_TokenInfo | None]:
-    """Per chunk (logprob, top alternatives, grammar dead end) from a runner's result (runners
+    """Per chunk (logprob, top alternatives, grammar dead end, prompt scores) from a runner's result (runners
     may omit them)."""
     lps = list(result.logprobs) or [None] * n
     tops = list(result.top_logprobs) or [None] * n
     dead = list(result.grammar_dead_ends) or [None] * n
-    return [_TokenInfo(lp, top, why) for lp, top, why in zip(lps, tops, dead)]
+    prompt = list(result.prompt_scores) or [None] * n
+    return [_TokenInfo(lp, top, why, scores) for lp, top, why, scores in zip(lps, tops, dead, prompt)]

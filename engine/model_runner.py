@@ -22,7 +22,7 @@ stream so that tier transfers overlap the compute stream. CPU behaviour is uncha
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -40,6 +40,7 @@ from engine.models.loader import build_model
 from engine.models.spec import ArchConfig, ModelSpec, parse_checkpoint_config, read_special_ids
 from engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from engine.prompt_bounds import longest_token_chars
+from engine.prompt_scoring import PendingScores, score_prompt_rows
 from engine.protocol import GuidedSpec, SamplingParams
 from engine.sampling import PendingRows, Sampler
 from engine.step_inputs import positions_and_slots
@@ -68,6 +69,18 @@ class LaunchedStep:
     chunks: Sequence[SequenceChunk]
     pending: PendingRows | None
     sampled_row: Mapping[int, int]
+    prompt_scores: Mapping[int, PendingScores] = field(default_factory=dict)  # chunk index -> its scores
+
+
+def _last_rows(batch: ScheduledBatch) -> list[int]:
+    """Each sampled chunk's last row in the packed batch, from host-side token counts: indexing
+    meta.cu_seqlens_q (a device tensor) would cost one host sync per sampled chunk."""
+    last, end = [], 0
+    for c in batch.chunks:
+        end += c.num_tokens
+        if c.sample:
+            last.append(end - 1)
+    return last
 
 
 def _packed_rows(data: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -311,6 +324,13 @@ class ModelRunner:
                 and prefill.accepts(batch.chunks[0]):
             logits = prefill.run(batch.chunks[0])  # [1, V], a view of the graph's output
             return logits if batch.chunks[0].sample else logits[:0]
+        hidden = self._eager_hidden(batch, feed)  # [T, hidden]
+        if not all_logits:
+            hidden = hidden[to_device(_last_rows(batch), torch.long, hidden.device)]
+        return self.model.compute_logits(hidden)
+
+    def _eager_hidden(self, batch: ScheduledBatch, feed: TokenFeed | None) -> torch.Tensor:
+        """The eager forward (K/V written) -> hidden states [T, hidden] of every position."""
         input_ids, positions, meta = self._prepare(batch.chunks)
         if feed is not None:
             starts, at = [], 0
@@ -320,17 +340,29 @@ class ModelRunner:
             dst = to_device([starts[i] for i in feed.dst_rows], torch.long, input_ids.device)
             src = to_device(list(feed.src_rows), torch.long, input_ids.device)
             input_ids[dst] = feed.tokens[src]
-        hidden = self.model(input_ids, positions, self.layer_caches, meta, self.ops)  # [T, hidden]
-        if not all_logits:
-            # each sampled chunk's last row, from host-side token counts: indexing meta.cu_seqlens_q
-            # (a device tensor) would cost one host sync per sampled chunk
-            last, end = [], 0
-            for c in batch.chunks:
-                end += c.num_tokens
-                if c.sample:
-                    last.append(end - 1)
-            hidden = hidden[to_device(last, torch.long, hidden.device)]
-        return self.model.compute_logits(hidden)
+        return self.model(input_ids, positions, self.layer_caches, meta, self.ops)  # [T, hidden]
+
+    @torch.inference_mode()
+    def forward_scoring(self, batch: ScheduledBatch, feed: TokenFeed | None = None
+                        ) -> tuple[torch.Tensor, dict[int, PendingScores]]:
+        """``forward(batch)`` for a batch where some chunk has ``prompt_targets``: the sampled rows'
+        logits [S, V] float32, and per such chunk (by index) its targets' scores on the device.
+
+        Always eager, as ``all_logits`` is (a graph returns only last-position logits), but never
+        the whole [T, V]: the scored rows go through the vocabulary a slice at a time
+        (``engine.prompt_scoring``)."""
+        self.copy_blocks(batch.block_copies)
+        hidden = self._eager_hidden(batch, feed)  # [T, hidden]
+        scores: dict[int, PendingScores] = {}
+        start = 0
+        for i, c in enumerate(batch.chunks):
+            if c.prompt_targets:
+                rows = hidden[start : start + len(c.prompt_targets)]  # [R, hidden]: row j before target j
+                scores[i] = score_prompt_rows(rows, c.prompt_targets, c.sampling.prompt_logprobs or 0,
+                                              self.model.compute_logits)
+            start += c.num_tokens
+        sampled = hidden[to_device(_last_rows(batch), torch.long, hidden.device)]  # [S, hidden]
+        return self.model.compute_logits(sampled), scores
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         return self.collect(self.launch(batch))
@@ -351,14 +383,18 @@ class ModelRunner:
             if after is None or after.pending is None:
                 raise ValueError("a token feed needs the launched step it reads from")
             token_feed = TokenFeed(after.pending.tokens, [i for i, _ in feed], [after.sampled_row[j] for _, j in feed])
-        logits = self.forward(batch, feed=token_feed)  # [S, V]
+        scores: dict[int, PendingScores] = {}
+        if any(c.prompt_targets for c in batch.chunks):
+            logits, scores = self.forward_scoring(batch, token_feed)  # [S, V]
+        else:
+            logits = self.forward(batch, feed=token_feed)  # [S, V]
         sampled = [c for c in batch.chunks if c.sample]
         pending = self.sampler.sample_rows_async(
             logits, [c.sampling for c in sampled], [c.request_id for c in sampled],
             [c.output_token_ids for c in sampled],
         ) if sampled else None
         rows = [i for i, c in enumerate(batch.chunks) if c.sample]
-        return LaunchedStep(batch.chunks, pending, {chunk: row for row, chunk in enumerate(rows)})
+        return LaunchedStep(batch.chunks, pending, {chunk: row for row, chunk in enumerate(rows)}, scores)
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step's picks -> its StepResult (what ``execute`` returns)."""
@@ -366,11 +402,14 @@ class ModelRunner:
             return StepResult(sampled_token_ids=[], logprobs=[])
         rows = iter(step.pending.rows() if step.pending is not None else ())
         picks = [next(rows) if c.sample else None for c in step.chunks]
+        scores = step.prompt_scores
         return StepResult(
             sampled_token_ids=[p.token_id if p else None for p in picks],
             logprobs=[p.logprob if p else None for p in picks],
             top_logprobs=[p.top if p else None for p in picks],
             grammar_dead_ends=[p.grammar_dead_end if p else None for p in picks],
+            prompt_scores=[scores[i].to_host() if i in scores else None
+                           for i in range(len(step.chunks))] if scores else (),
         )
 
     # ------------------------------------------------------------------------------ prompts

@@ -177,6 +177,13 @@ class SamplingParams:
     ``presence_penalty`` / ``frequency_penalty``: OpenAI's (-2..2), subtracted from a token's logit
     once if it appears among the tokens generated so far / once per time it appears there (the
     prompt's tokens are not counted, as in vLLM).
+    ``prompt_logprobs``: None = the prompt is not scored; k >= 0 = every prompt token after the first
+    gets its logprob given the tokens before it, plus the k most likely alternatives at its position
+    (``RequestOutput.prompt_logprobs``). Scoring needs every prompt position's logits, which a
+    prefix-cache hit does not have: such a request computes its whole prompt (no prefix reuse; its
+    blocks are still cached for later requests).
+    ``max_tokens`` 0 computes the prompt and generates nothing (finish reason "length"): what a
+    caller that only scores the prompt asks for.
     """
 
     max_tokens: int = 16
@@ -192,6 +199,7 @@ class SamplingParams:
     guided: GuidedSpec | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name, penalty in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
@@ -204,8 +212,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top prompt logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -288,6 +298,22 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """A request's prompt scored token by token (``SamplingParams.prompt_logprobs``).
+
+    The first prompt token has nothing before it and so no logprob (OpenAI and vLLM report
+    ``null``): only its id and text are here. ``scored`` holds every later prompt token in order,
+    its logprob under the model given the tokens before it, and the top alternatives at its
+    position (``TokenLogprob``: raw distribution, as for output tokens).
+    """
+
+    first_token_id: int
+    first_token: str
+    first_token_bytes: tuple[int, ...]
+    scored: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One streamed increment of a request (the last one has ``finished=True``).
 
@@ -312,6 +338,9 @@ class RequestOutput:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new text token, when the sampling asked for them
     failure: OutputFailure | None = None  # with finish_reason "error": a cause the caller can act on
+    # The prompt scored (SamplingParams.prompt_logprobs): once, on the request's first output, and
+    # only when every prompt token was scored (never a partial prompt); None on every other output.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -453,6 +482,17 @@ class EngineClient(Protocol):
         tokenizer in this process (remote node, upstream provider) raises ``NotImplementedError``.
         """
         ...
+
+
+@runtime_checkable
+class PromptDecoder(Protocol):
+    """An engine that can turn prompt token ids back into text (the in-process engine can).
+
+    ``decode_prompt`` returns the text of ``token_ids`` as the model's tokenizer decodes it, special
+    tokens included (what vLLM echoes for a token-id prompt). Blocking (a long prompt takes
+    milliseconds): call it off the event loop. Thread-safe."""
+
+    def decode_prompt(self, token_ids: Sequence[int]) -> str: ...
 
 
 @runtime_checkable

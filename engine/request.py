@@ -91,6 +91,10 @@ class Request:
     sent_token_count: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # text tokens, when sampling.logprobs is set
     sent_logprob_count: int = 0
+    # sampling.prompt_logprobs: prompt tokens 1, 2, ... scored so far, in order (token 0 has no
+    # predecessor), and whether they went out (once, complete, with the first output)
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
     detok: DetokenizerState | None = None
     finish_reason: FinishReason | None = None
     stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
@@ -130,6 +134,18 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prompt_scoring_left(self) -> bool:
+        """The request scores its prompt (``sampling.prompt_logprobs``) and some token is not scored yet."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_scores) < self.num_prompt_tokens - 1
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether cached blocks may stand in for computing its prompt: not while prompt tokens are
+        left to score, as a cached position has K/V but no logits (vLLM skips the lookup for such
+        requests too). Its computed blocks are still indexed for later requests."""
+        return not self.prompt_scoring_left
 
     @property
     def num_tokens(self) -> int:

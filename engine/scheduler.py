@@ -458,6 +458,10 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> SequenceChunk:
         start = req.num_computed_tokens
+        targets: tuple[int, ...] = ()
+        if req.prompt_scoring_left and start + 1 < req.num_prompt_tokens:
+            # row j predicts token start + j + 1, up to the prompt's last (engine.batch.SequenceChunk)
+            targets = req.token_slice(start + 1, min(n, req.num_prompt_tokens - 1 - start))
         return SequenceChunk(
             request_id=req.request_id,
             token_ids=req.token_slice(start, n),
@@ -466,6 +470,7 @@ class Scheduler:
             sample=start + n == req.num_tokens,
             sampling=req.sampling,
             output_token_ids=tuple(req.output_token_ids),
+            prompt_targets=targets,
         )
 
     # ------------------------------------------------------------------ after the step

@@ -17,15 +17,20 @@ increments), and a choice that called a tool and stopped ends with ``finish_reas
 "tool_calls"``. Logprobs ride in the chunk of the tokens they score: chat
 ``choices[].logprobs.content[]`` ({token, logprob, bytes, top_logprobs}), completions the legacy
 ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+
+Completions' ``echo`` (``Prepared.echo``): a choice's text starts with its prompt, and with logprobs
+its logprobs object starts with the prompt's tokens (the engine's ``RequestOutput.prompt_logprobs``),
+the first of them with ``null`` for its logprob and top logprobs, as OpenAI's legacy API and vLLM
+answer. Streaming, the prompt rides in the choice's first chunk, before its first completion text.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from engine.protocol import RequestOutput, TokenLogprob
+from engine.protocol import PromptLogprobs, RequestOutput, TokenLogprob
 from gateway.errors import OpenAIError
 from gateway.pipeline import Prepared
 from gateway.schemas import Usage
@@ -53,18 +58,27 @@ def chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
     }
 
 
-def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The completions ``logprobs`` object; ``offset``: characters of text before these tokens."""
-    offsets = []
+def legacy_logprobs(entries: Sequence[TokenLogprob], offset: int, prompt: PromptLogprobs | None = None
+                    ) -> dict[str, Any]:
+    """The completions ``logprobs`` object; ``offset``: characters of text before these tokens.
+    ``prompt`` (echo): the prompt's tokens first, its first token scored ``null``."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    if prompt is not None:
+        tokens.append(prompt.first_token)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        entries = [*prompt.scored, *entries]
     for lp in entries:
+        tokens.append(lp.token)
+        token_logprobs.append(lp.logprob)
+        top_logprobs.append({t: v for t, _, v in lp.top})
+    offsets = []
+    for token in tokens:
         offsets.append(offset)
-        offset += len(lp.token)
-    return {
-        "tokens": [lp.token for lp in entries],
-        "token_logprobs": [lp.logprob for lp in entries],
-        "top_logprobs": [{t: v for t, _, v in lp.top} for lp in entries],
-        "text_offset": offsets,
-    }
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
 class _ChoiceState:
@@ -100,6 +114,7 @@ class ChoiceText:
         self.text: dict[int, list[str]] = defaultdict(list)
         self.tool_deltas: dict[int, list[dict[str, Any]]] = defaultdict(list)
         self.logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # the scored prompt (completions' echo)
         self.finish: dict[int, str | None] = {}
         self.stop_sequence: dict[int, str | None] = {}  # the stop string that ended the choice, if one did
 
@@ -112,6 +127,8 @@ class ChoiceText:
             self.text[i].append(delta.content)
         self.tool_deltas[i] += delta.tool_calls
         self.logprobs[i] += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = out.prompt_logprobs
         if out.finished:
             self.finish[i] = state.finish_reason(out)
             self.stop_sequence[i] = out.stop_sequence
@@ -274,24 +291,37 @@ class CompletionFormat(_Format):
     def __init__(self, prep: Prepared) -> None:
         super().__init__(prep)
         self._offsets: dict[int, int] = defaultdict(int)  # characters of logprob tokens sent per choice
+        self._echoed: set[int] = set()  # choices whose prompt went out (echo)
 
-    def _logprobs(self, i: int, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, i: int, entries: Sequence[TokenLogprob],
+                  prompt: PromptLogprobs | None = None) -> dict[str, Any] | None:
         if self.prep.logprobs is None:
             return None
-        obj = legacy_logprobs(list(entries), self._offsets[i])
-        self._offsets[i] += sum(len(lp.token) for lp in entries)
+        obj = legacy_logprobs(entries, self._offsets[i], prompt)
+        self._offsets[i] += sum(len(token) for token in obj["tokens"])
         return obj
 
+    def _echo(self, i: int) -> str:
+        """Choice ``i``'s prompt text the first time it is asked for with echo on, else ""."""
+        echo = self.prep.echo
+        if echo is None or i in self._echoed:
+            return ""
+        self._echoed.add(i)
+        return echo[i // self.prep.n]
+
     def chunks(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
-        if not out.new_text and not out.finished and not out.logprobs:
+        prompt = self._echo(i)
+        if not prompt and not out.new_text and not out.finished and not out.logprobs:
             return []
         reason = finish_reason(out) if out.finished else None
-        return [self._chunk([{"index": i, "text": out.new_text, "logprobs": self._logprobs(i, out.logprobs),
+        logprobs = self._logprobs(i, out.logprobs, out.prompt_logprobs)
+        return [self._chunk([{"index": i, "text": prompt + out.new_text, "logprobs": logprobs,
                               "finish_reason": reason}])]
 
     def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]:
         choices = [
-            {"index": i, "text": "".join(acc.text[i]), "logprobs": self._logprobs(i, acc.logprobs[i]),
+            {"index": i, "text": self._echo(i) + "".join(acc.text[i]),
+             "logprobs": self._logprobs(i, acc.logprobs[i], acc.prompt_logprobs.get(i)),
              "finish_reason": acc.finish.get(i)}
             for i in range(len(self.prep.requests))
         ]

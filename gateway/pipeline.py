@@ -31,6 +31,7 @@ from engine.protocol import (
     EngineError,
     GenerateRequest,
     GuidedSpec,
+    PromptDecoder,
     RequestOutput,
     RequestPart,
     Retention,
@@ -149,6 +150,8 @@ class Prepared:
     block_size: int = 16
     # What the client's API calls the request's fields: the engine's errors name them.
     fields: RequestFields = CHAT_FIELDS
+    # Completions' echo: each prompt's text, which its choices start with (choice i: prompt i // n).
+    echo: tuple[str, ...] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -253,7 +256,7 @@ UNSUPPORTED_LOCAL_EXTRAS: dict[str, Unsupported] = {
     "skip_special_tokens": Unsupported("special tokens are always skipped", harmless=(True,)),
     "spaces_between_special_tokens": Unsupported("omit it", harmless=(True,)),
     "truncate_prompt_tokens": Unsupported("shorten the prompt"),
-    "prompt_logprobs": Unsupported("use logprobs"),
+    "prompt_logprobs": Unsupported("on /v1/completions send echo: true with logprobs"),
     "chat_template": Unsupported("the model's own chat template is used"),
     "chat_template_kwargs": Unsupported("the model's own chat template is used"),
     "add_generation_prompt": Unsupported("omit it", harmless=(True,)),
@@ -279,9 +282,9 @@ def _reject_unsupported_local(req: ChatCompletionRequest | CompletionRequest) ->
     modalities = extras.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise unsupported_value("modalities: this model outputs text only; send [\"text\"] or omit it", "modalities")
-    if req.echo:  # completions' field, which vLLM also takes on chat (the last message repeated)
-        raise unsupported_parameter("echo is not supported by this model", "echo")
     if isinstance(req, ChatCompletionRequest):
+        if req.echo:  # completions' field (OpenAI has none on chat; vLLM's repeats the last message)
+            raise unsupported_parameter("echo is not supported on chat completions; use /v1/completions", "echo")
         refuse_verbosity(extras.get("verbosity"), "verbosity")
         return
     if req.suffix:
@@ -301,6 +304,8 @@ class LocalFeatures:
     guided: GuidedSpec | None
     logprobs: int | None
     logit_bias: tuple[tuple[int, float], ...]
+    # completions' echo with logprobs: the prompt is scored too (its top-k as logprobs asks)
+    prompt_logprobs: int | None = None
 
 
 # A token id as a JSON object key: ASCII digits, no sign, no leading zero. Python's int() also takes
@@ -335,7 +340,8 @@ def local_features(req: ChatCompletionRequest | CompletionRequest,
     guided = guided_for_response_format(req.response_format, response_format)
     if isinstance(req, CompletionRequest):  # a raw prompt: no tools; JSON forced from its first token
         _refuse_ignore_eos_with(guided, req.ignore_eos)
-        return LocalFeatures(ToolPlan(tools=None, parse=False, guided=None), guided, req.logprobs, bias)
+        prompt_logprobs = req.logprobs if req.echo else None
+        return LocalFeatures(ToolPlan(tools=None, parse=False, guided=None), guided, req.logprobs, bias, prompt_logprobs)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -505,7 +511,8 @@ async def prepare(
     choices = (len(prompts) or 1) * req.n
     # Admission before any costly work, on an estimate (~4 characters a token, as for providers);
     # the ledger row records the real counts.
-    estimated = text_chars // CHARS_PER_TOKEN + req.token_ids + (max_tokens_asked or settings.default_max_tokens) * choices
+    output_budget = settings.default_max_tokens if max_tokens_asked is None else max_tokens_asked
+    estimated = text_chars // CHARS_PER_TOKEN + req.token_ids + output_budget * choices
     try:
         tenancy.admit(scoped, estimated_tokens=estimated)
     except QuotaExceededError as exc:
@@ -566,7 +573,7 @@ async def prepare(
             asked = min(settings.default_max_tokens, room)
         elif asked > room:
             raise _output_too_long(max_len, longest, asked, fields)
-    max_tokens = asked or settings.default_max_tokens
+    max_tokens = settings.default_max_tokens if asked is None else asked  # 0: echo's prompt alone
 
     temperature = effective_temperature(1.0 if req.temperature is None else req.temperature)
     requests: list[GenerateRequest] = []
@@ -587,6 +594,7 @@ async def prepare(
                     guided=features.guided if features else None,
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
+                    prompt_logprobs=features.prompt_logprobs if features else None,
                 )
             except ValueError as exc:
                 raise invalid_request(str(exc)) from None
@@ -610,13 +618,16 @@ async def prepare(
         ids = inputs[0].get("prompt_token_ids") if backend.tokenizes_here else None  # the cache's own tokens
         observe = partial(tracker.observe, token_ids=ids, per_user_vars=tuple(per_user_vars))
         miss = await _sized(large, threads, tid, observe, scoped.tenant_id, canon.body)  # renders the prompt
+    echo = None
+    if isinstance(req, CompletionRequest) and req.echo:
+        echo = await _echo_texts(threads, tid, backend.client, req.prompts(), fields)
     opts = req.stream_options
     return Prepared(
         kind=kind, request_id=request_id, created=now(), model=req.model, backend=backend, requests=requests,
         n=req.n, stream=req.stream, include_usage=bool(req.stream and opts and opts.include_usage),
         canon_applied=canon.applied, tenant=scoped, miss_tracker=tracker, miss=miss,
         tool_parsing=bool(features and features.tools.parse), logprobs=features.logprobs if features else None,
-        price_as=_route_price(router, req.model), block_size=settings.block_size, fields=fields,
+        price_as=_route_price(router, req.model), block_size=settings.block_size, fields=fields, echo=echo,
     )
 
 
@@ -653,6 +664,25 @@ def new_request_id(kind: str) -> str:
         batch = _ids = _id_batch()
         digits = next(batch)
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + digits
+
+
+async def _echo_texts(threads: TenantThreads, tenant_id: str, client: EngineClient,
+                      prompts: Sequence[str | list[int]], fields: RequestFields) -> tuple[str, ...]:
+    """Each prompt's text as echo returns it: the client's own text, or token ids decoded by the
+    engine (special tokens included, as vLLM echoes them), off the event loop."""
+    if all(isinstance(p, str) for p in prompts):
+        return tuple(p for p in prompts if isinstance(p, str))
+    if not isinstance(client, PromptDecoder):
+        raise unsupported_value("echo of a token-id prompt needs the model's tokenizer, which this route does not "
+                                "have here; send the prompt as text", "echo")
+
+    def decode_all() -> tuple[str, ...]:
+        return tuple(p if isinstance(p, str) else client.decode_prompt(p) for p in prompts)
+
+    try:
+        return await threads.run(tenant_id, decode_all)
+    except EngineError as exc:  # an id outside the vocabulary: the prompt's 400, as the engine gives it
+        raise engine_failure(exc, fields) from None
 
 
 def _with_canonical_fields(req: ChatCompletionRequest, canonical: dict[str, Any]) -> ChatCompletionRequest:

@@ -212,10 +212,13 @@ def request_body(request: GenerateRequest, model: str | None, *, prefixgate_node
     priority scheduling) and its opaque tenant key (``prefixgate_tenant``, hex), so the node counts
     fairness and quotas per tenant, not per namespace.
 
-    Raises ``InvalidRequestError`` for what this API cannot carry (logprobs objects, grammars)."""
+    Raises ``InvalidRequestError`` for what this API cannot carry (logprobs objects, prompt logprobs,
+    grammars)."""
     s = request.sampling
     if s.guided is not None:
         raise InvalidRequestError("response_format / guided output is not supported on engine-node routes")
+    if s.prompt_logprobs is not None:  # the node API answers no prompt logprobs back to this client
+        raise InvalidRequestError("prompt logprobs (echo with logprobs) are not supported on engine-node routes")
     if s.logprobs is not None:
         raise InvalidRequestError("logprobs are not supported on engine-node routes")
     body: dict[str, Any] = {

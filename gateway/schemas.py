@@ -4,13 +4,13 @@ Unknown top-level fields are kept (``extra="allow"``) because OpenAI tolerates n
 upstream providers may understand them. Every sampling and output field OpenAI defines is either
 honoured by the local engine (tools and ``tool_choice``, ``response_format``, ``logprobs`` /
 ``top_logprobs``, ``logit_bias``, ``presence_penalty`` / ``frequency_penalty``, vLLM's ``top_k`` /
-``stop_token_ids`` / ``ignore_eos``; see docs/gateway.md) or rejected in
-``gateway.pipeline._reject_unsupported_local`` with a 400 that names the parameter (``echo``,
-``suffix``, ``best_of``, and extra fields such as ``functions``, ``audio``, ``reasoning_effort``,
-chat's ``verbosity`` other than "medium"): never silently dropped. Extra fields that change nothing
-in the output (``service_tier``...) are accepted; chat's ``store`` keeps the completion
-(``gateway.chat_store``) with its ``metadata``. A chat history is checked as OpenAI checks it
-(``_check_history``), whatever the backend.
+``stop_token_ids`` / ``ignore_eos``, and completions' ``echo`` with prompt logprobs; see
+docs/gateway.md) or rejected in ``gateway.pipeline._reject_unsupported_local`` with a 400 that names
+the parameter (chat's ``echo``, ``suffix``, ``best_of``, and extra fields such as ``functions``,
+``audio``, ``reasoning_effort``, chat's ``verbosity`` other than "medium"): never silently dropped.
+Extra fields that change nothing in the output (``service_tier``...) are accepted; chat's ``store``
+keeps the completion (``gateway.chat_store``) with its ``metadata``. A chat history is checked as
+OpenAI checks it (``_check_history``), whatever the backend.
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ class _Common(ScannedBody):
     top_k: int | None = Field(None, ge=-1)
     stop_token_ids: list[int] | None = None
     ignore_eos: Annotated[StrictBool, null_means(False)] = False
-    # Refused by the local engine on both doors (pipeline._reject_unsupported_local); a field here, on
-    # chat too, so that it is read as a JSON boolean as on completions ("yes" is a 400).
+    # Completions: the prompt before the completion (and its logprobs, with logprobs). Chat has no echo
+    # at OpenAI and refuses it (pipeline._reject_unsupported_local); a field here, on chat too, so that
+    # it is read as a JSON boolean as on completions ("yes" is a 400).
     echo: Annotated[StrictBool, null_means(False)] = False
     # JSON output enforced while decoding (gateway.structured_output): OpenAI's chat field, which vLLM
     # takes on completions too; a raw prompt is constrained as a chat prompt is.
@@ -272,6 +273,15 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
     best_of: int | None = None
+    # 0 = the prompt alone, which only echo returns (OpenAI's legacy API and vLLM take it so)
+    max_tokens: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _nothing_to_return(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise body_limit("max_tokens must be at least 1; 0 is accepted only with echo (the prompt alone)",
+                             "max_tokens")
+        return self
 
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -31,7 +31,10 @@ def test_engine_config_validates():
 
 def test_sampling_params_reject_bad_values():
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
+    assert SamplingParams(max_tokens=0).max_tokens == 0  # the prompt only (echo, scoring)
+    with pytest.raises(ValueError, match="prompt logprobs"):
+        SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     assert SamplingParams(temperature=0).greedy

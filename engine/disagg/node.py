@@ -188,7 +188,8 @@ class DisaggEngine:
         if self.role is not Role.PREFILL:
             raise InvalidRequestError(f"this engine's role is {self.role.value}; only a prefill engine sends KV")
         t0 = time.perf_counter()
-        one = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=1, stop=()))
+        one = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=1, stop=(),
+                                                                                 prompt_logprobs=None))
         last: RequestOutput | None = None
         async for out in self.inner.generate(one):
             last = out

@@ -8,7 +8,7 @@ import pytest
 from gateway_fakes import FakeEngine
 
 from engine.disagg.request_wire import request_from_wire, request_to_wire
-from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope
+from engine.protocol import GenerateRequest, InvalidRequestError, SamplingParams, StaticTenantScope
 from gateway.cli.main import main
 from gateway.routing import Backend, BackendKind, choose, rendezvous_order, routing_key
 from gateway.settings import GatewaySettings, RouteConfig, read_config_file
@@ -127,6 +127,19 @@ def test_split_request_wire_round_trip():
     back = request_from_wire(request_to_wire(req))
     assert back.tenant.namespace == b"\x01\x02" and back.tenant.priority == 2 and back.tenant.cipher is None
     assert back.sampling == req.sampling and list(back.messages) == list(req.messages) and back.model == "m"
+
+
+def test_prompt_logprobs_cross_the_split_wire_and_are_refused_on_node_routes():
+    """A scored request reaches a prefill/decode node whole (its sampling round-trips), but the node's
+    OpenAI API has no way to send prompt logprobs back: the node route refuses it, never drops it."""
+    from gateway.remote import request_body
+
+    req = GenerateRequest(request_id="r", tenant=StaticTenantScope(), prompt_token_ids=[1, 2, 3],
+                          sampling=SamplingParams(max_tokens=0, prompt_logprobs=2))
+    back = request_from_wire(request_to_wire(req))
+    assert back.sampling.prompt_logprobs == 2 and back.sampling.max_tokens == 0
+    with pytest.raises(InvalidRequestError, match="prompt logprobs"):
+        request_body(req, "m")
 
 
 def test_serve_settings_from_flags_and_file(tmp_path):

@@ -175,7 +175,7 @@ RESPONSES = {"model": "tiny", "input": "Write something", "max_output_tokens": 2
     ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
     ("/v1/chat/completions", {"min_tokens": 3}, "min_tokens", "unsupported_parameter"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "unsupported_value"),
-    ("/v1/completions", {"echo": True}, "echo", "unsupported_parameter"),
+    ("/v1/chat/completions", {"echo": True}, "echo", "unsupported_parameter"),
     ("/v1/completions", {"suffix": "end"}, "suffix", "unsupported_parameter"),
     ("/v1/completions", {"best_of": 3}, "best_of", "unsupported_value"),
     ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),

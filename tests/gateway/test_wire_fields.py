@@ -1,6 +1,6 @@
 """Chat and completions on the wire: fields that would change the output are honoured or refused,
-never silently dropped (the openai-SDK audit's findings 2 and 3). ``echo`` is refused on chat as on
-completions; ``verbosity`` is refused on chat as ``text.verbosity`` is on /v1/responses;
+never silently dropped (the openai-SDK audit's findings 2 and 3). ``echo`` is refused on chat (OpenAI
+has none there) and honoured on completions (test_wire_echo.py); ``verbosity`` is refused on chat as ``text.verbosity`` is on /v1/responses;
 ``response_format`` is enforced on completions as on chat; ``stream_options`` needs ``stream``.
 
 Against a real ``prefixgate serve --model tiny`` through the openai SDK and raw HTTP. The
@@ -27,10 +27,12 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
 # -- echo ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", list(BODIES))
-def test_echo_is_refused_on_both_doors_in_the_same_words(post, path):
-    err = error_of(post(path, {**BODIES[path], "echo": True}), "echo")
-    assert err["code"] == "unsupported_parameter" and err["message"] == "echo is not supported by this model"
+def test_echo_is_refused_on_chat_and_honoured_on_completions(post):
+    err = error_of(post("/v1/chat/completions", {**CHAT, "echo": True}), "echo")
+    assert err["code"] == "unsupported_parameter"
+    assert err["message"] == "echo is not supported on chat completions; use /v1/completions"
+    r = post("/v1/completions", {**COMPLETION, "echo": True})  # the rest: test_wire_echo.py
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(COMPLETION["prompt"]), r.text
 
 
 def test_echo_at_its_default_is_accepted_on_chat_and_must_be_a_boolean(post):
