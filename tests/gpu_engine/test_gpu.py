@@ -87,3 +87,44 @@ def test_bf16_decode_with_split_k_partials_matches_without(tmp_path, monkeypatch
     without = run(False)
     assert with_partials.argmax(-1).tolist() == without.argmax(-1).tolist()
     torch.testing.assert_close(with_partials, without, rtol=0.02, atol=0.02)
+
+
+
+def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
+    """Prompt logprobs through the engine on CUDA (chunked prefill, overlapped steps, decode graphs
+    after it, a plain request batched beside it) against ``transformers``' forward of the whole
+    prompt on the same device, ``log_softmax``: each scored token and the top alternatives."""
+    import transformers
+
+    from engine.config import EngineConfig
+    from engine.launch import build_llm_engine
+    from engine.protocol import GenerateRequest, SamplingParams, StaticTenantScope
+
+    engine = build_llm_engine(EngineConfig(model_dir=tiny_model_dir, device="cuda", dtype="float32",
+                                           block_size=16, num_kv_blocks=128, max_num_batched_tokens=32))
+    assert engine.overlap_steps
+    tok = engine.runner.tokenizer
+    prompt = tok.encode("The refund policy says that items may be returned within thirty days. " * 5)
+    assert len(prompt) > 64  # three chunks or more
+    t = StaticTenantScope()
+    engine.add_request(GenerateRequest("scored", t, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                                   prompt_logprobs=3), prompt_token_ids=prompt))
+    engine.add_request(GenerateRequest("plain", t, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                       prompt_token_ids=tok.encode("A short unrelated prompt about Lisbon")))
+    scores = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "scored" and out.prompt_logprobs is not None:
+                assert scores is None  # once, whole
+                scores = out.prompt_logprobs
+    engine.check_integrity()
+    assert scores is not None and [lp.token_id for lp in scores.scored] == prompt[1:]
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda").eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1)[:-1].cpu()
+    got = torch.tensor([lp.logprob for lp in scores.scored])
+    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert torch.allclose(got, want, atol=2e-3), float((got - want).abs().max())
+    got_top = torch.tensor([[v for _, _, v in lp.top] for lp in scores.scored])
+    assert torch.allclose(got_top, torch.topk(ref, 3, dim=-1).values, atol=2e-3)
