@@ -206,6 +206,11 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+# The sampling of every row of the hand-made decode sweeps (``decode_batch``, ``pipelined_sweep``);
+# ``sec_decode_penalties`` swaps it for penalised rows.
+SWEEP_SAMPLING = greedy(1)
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
@@ -389,7 +394,7 @@ def hf_forward_prefill_s(hf, ids: torch.Tensor, per_call: int) -> float:
 def decode_batch(tables: list[list[int]], context: int, step: int, vocab: int) -> ScheduledBatch:
     """One decode step of len(tables) sequences at position ``context + step`` (hand-made: no engine)."""
     return ScheduledBatch(tuple(
-        SequenceChunk(f"sweep{i}", [(31 * i + 7 * step) % vocab], context + step, tables[i], True, greedy(1))
+        SequenceChunk(f"sweep{i}", [(31 * i + 7 * step) % vocab], context + step, tables[i], True, SWEEP_SAMPLING)
         for i in range(len(tables))))
 
 
@@ -596,6 +601,15 @@ def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
                                     {"off": 0, "on16": 16, "on32": 32})
 
 
+def sec_decode_penalties(dev, args, model, runner, bw) -> dict:
+    """Every row of the decode sweeps with presence and frequency penalties (0.5 each: per step, the
+    rows' counts gathered from the device table, the penalty subtracted, the picks scattered back;
+    engine/penalties.py) against plain greedy rows: what penalised requests cost a batch."""
+    penalised = replace(greedy(1), presence_penalty=0.5, frequency_penalty=0.5)
+    return decode_ab_module_setting(dev, args, model, runner, bw, "penalties", sys.modules[__name__], "SWEEP_SAMPLING",
+                                    {"greedy": greedy(1), "penalised": penalised})
+
+
 def sec_decode_argmax(dev, args, model, runner, bw) -> dict:
     """Greedy sampling's argmax through the one-launch kernel (``engine.sampling.GPU_ARGMAX``, the
     default) against ``torch.argmax``; outside the step's graph, so the overlapped step shows it."""
@@ -644,7 +658,7 @@ def pipelined_sweep(dev, runner, tables, ctx: int, steps: int) -> dict:
 
     def batch(st: int) -> ScheduledBatch:
         return ScheduledBatch(tuple(SequenceChunk(f"sweep{i}", [-1] if st else [(31 * i) % vocab], ctx + steps + 4 + st,
-                                                  tables[i], True, greedy(1)) for i in range(b)))
+                                                  tables[i], True, SWEEP_SAMPLING) for i in range(b)))
 
     # positions past the synchronous sweep's (its K/V stays as it was); two warm-up launches
     prev = runner.launch(batch(0))
@@ -1281,6 +1295,7 @@ def main() -> int:
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)
+    section("decode_penalties", sec_decode_penalties, dev, args, model, runner, bw)
     section("decode_input_copy", sec_decode_input_copy, dev, args, model, runner, bw)
     section("prefix", sec_prefix, dev, args, config, runner)
     section("capacity", sec_capacity, dev, args, config, arch, model, runner)

@@ -8,12 +8,9 @@ renormalised distribution. Rows without bias or grammar skip those steps (no cop
 Log-probabilities (the sampled token's, and the top-k alternatives when a request asks) are of
 the model's raw distribution, before bias, mask and temperature, as vLLM reports them.
 
-Penalties need the counts of the tokens generated so far. With overlapped steps the host does not
-know a row's newest token when it launches the next step (the device feeds it), so the counts live
-on the device, one [V] vector per penalised request: built from the request's known outputs the
-first time this sampler sees it (a decode node continuing a prefill node's request), then bumped by
-each token this sampler picks for it, in stream order, without a host sync. A penalised row
-therefore never makes the engine wait for its tokens, as a grammar row must.
+Penalties read the counts of each penalised request's generated tokens, which live on the device
+(``engine.penalties``: overlapped steps launch step n+1 before the host has step n's pick), so a
+penalised row never makes the engine wait for its tokens, as a grammar row must.
 
 Reproducibility: a request with ``seed`` draws from its own ``torch.Generator``, re-seeded at
 every step from ``(seed, step)`` where step = tokens generated so far. A draw is then a pure
@@ -30,6 +27,7 @@ import torch
 
 from engine.guided import GrammarCompiler, GuidedRow, apply_bitmask, bitmask_words
 from engine.host_to_device import to_device
+from engine.penalties import OutputCounts
 from engine.protocol import SamplingParams
 
 # Greedy rows on a CUDA device take the one-launch argmax (prefixgate_kernels/argmax.py), which splits each
@@ -91,7 +89,7 @@ class Sampler:
         else:
             self._shared.manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
-        self._counts: dict[str, torch.Tensor] = {}  # penalised requests: output token counts [V] float32
+        self._output_counts = OutputCounts(self.device)  # penalised requests' generated-token counts
         # the GPU argmax's per-row counters: zero between launches, which all run on this sampler's stream
         self._argmax_counters = torch.zeros(0, dtype=torch.int32, device=self.device)
 
@@ -108,27 +106,7 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
         self._guided.pop(request_id, None)
-        self._counts.pop(request_id, None)
-
-    def _output_counts(self, request_id: str, outputs: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-        """The request's output token counts on the device (module docstring: built once from the known
-        outputs, then kept current by ``_count_picks``)."""
-        counts = self._counts.get(request_id)
-        if counts is None:
-            known = [t for t in outputs if 0 <= t < vocab]  # never a placeholder: none exists before a first pick here
-            counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-            if known:
-                counts.index_add_(0, to_device(known, torch.long, device),
-                                  torch.ones(len(known), dtype=torch.float32, device=device))
-            self._counts[request_id] = counts
-        return counts
-
-    def _count_picks(self, tokens: torch.Tensor, params: Sequence[SamplingParams], request_ids: Sequence[str]) -> None:
-        """Add each penalised row's pick to its counts, on the device (queued behind the pick)."""
-        for i, p in enumerate(params):
-            if p.penalised:
-                counts = self._counts[request_ids[i]]
-                counts.index_add_(0, tokens[i : i + 1], torch.ones(1, dtype=torch.float32, device=counts.device))
+        self._output_counts.release(request_id)
 
     def _guided_row(self, request_id: str, params: SamplingParams) -> GuidedRow:
         row = self._guided.get(request_id)
@@ -145,26 +123,26 @@ class Sampler:
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
         outputs: Sequence[Sequence[int]],
-    ) -> tuple[torch.Tensor, dict[int, str]]:
+    ) -> tuple[torch.Tensor, dict[int, str], tuple[torch.Tensor, torch.Tensor] | None]:
         """Logits with each row's logit_bias added, its penalties subtracted and its grammar mask
         applied (a copy only when some row has one of them; rows without them are untouched), and the
-        rows whose grammar is at a dead end (row -> why)."""
+        rows whose grammar is at a dead end (row -> why), and for penalised rows (row ids, count slots)
+        on the device, for ``OutputCounts.count`` once the picks are made."""
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalised = [i for i, p in enumerate(params) if p.penalised]
         guided = [i for i, p in enumerate(params) if p.guided is not None]
         dead_ends: dict[int, str] = {}
+        counted: tuple[torch.Tensor, torch.Tensor] | None = None
         if not biased and not penalised and not guided:
-            return logits, dead_ends
+            return logits, dead_ends, counted
         logits = logits.clone()
         for i in biased:
             ids = to_device([t for t, _ in params[i].logit_bias], torch.long, logits.device)
             bias = to_device([b for _, b in params[i].logit_bias], logits.dtype, logits.device)
             logits[i].index_add_(0, ids, bias)
-        for i in penalised:
-            p = params[i]
-            counts = self._output_counts(request_ids[i], outputs[i], logits.shape[-1], logits.device)
-            # OpenAI's definition: logit - count * frequency_penalty - [count > 0] * presence_penalty
-            logits[i] -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+        if penalised:
+            slots = self._output_counts.penalise(logits, penalised, params, request_ids, outputs)
+            counted = (to_device(penalised, torch.long, logits.device), slots)
         if guided:
             vocab = logits.shape[-1]
             bitmask = torch.empty((len(guided), bitmask_words(vocab)), dtype=torch.int32)
@@ -179,7 +157,7 @@ class Sampler:
             rows = logits[idx]
             apply_bitmask(rows, bitmask)
             logits[idx] = rows
-        return logits, dead_ends
+        return logits, dead_ends, counted
 
     def _generator(self, request_id: str, params: SamplingParams, step: int) -> torch.Generator:
         if params.seed is None:
@@ -242,7 +220,7 @@ class Sampler:
         n = logits.shape[0]
         assert len(params) == len(request_ids) == len(steps) == len(outputs) == n, "one SamplingParams per row"
         raw = logits
-        logits, dead_ends = self._constrain(logits, params, request_ids, outputs)
+        logits, dead_ends, counted = self._constrain(logits, params, request_ids, outputs)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy_rows) == n:
             # the common case: one argmax, no index tensors (each is a pageable H2D copy and two
@@ -273,7 +251,9 @@ class Sampler:
             k = max(wants, default=0)
             if k:
                 top_values, top_ids = torch.topk(log_probs, k, dim=-1)
-        self._count_picks(tokens, params, request_ids)
+        if counted is not None:
+            rows, slots = counted
+            self._output_counts.count(slots, tokens[rows])
         return PendingRows(tokens, scored, wants, picked, top_values, top_ids, dead_ends)
 
 

@@ -107,3 +107,35 @@ def test_engine_greedy_with_penalties_matches_the_reference(base_engine, hf_mode
             plain = hf_penalised_greedy(hf_model, prompts[name], N_NEW, 0.0, 0.0)
             upto = min(first_near_tie(reference), first_near_tie(plain)) + 1
             assert reference[:upto] != plain[:upto], name
+
+
+def test_output_counts_grow_reuse_slots_and_keep_every_requests_counts():
+    """Twenty requests (the table starts at 8 slots and doubles), each with its own known outputs;
+    released slots are reused zeroed; the picks land in their own rows only."""
+    from engine.penalties import OutputCounts
+
+    counts = OutputCounts(torch.device("cpu"))
+    vocab = 7
+    params = [SamplingParams(frequency_penalty=1.0)] * 20
+    ids = [f"r{i}" for i in range(20)]
+    outputs = [[i % vocab] * (i % 3) for i in range(20)]
+    logits = torch.zeros((20, vocab))
+    slots = counts.penalise(logits, list(range(20)), params, ids, outputs)
+    assert counts.tracked == 20
+    for i in range(20):  # each row lost its own outputs' counts, nothing else
+        want = torch.zeros(vocab)
+        want[i % vocab] -= i % 3
+        assert torch.equal(logits[i], want), i
+    picks = torch.tensor([(i + 1) % vocab for i in range(20)])
+    counts.count(slots, picks)
+    again = torch.zeros((20, vocab))
+    counts.penalise(again, list(range(20)), params, ids, [[]] * 20)  # known now: outputs are not re-read
+    for i in range(20):
+        want = torch.zeros(vocab)
+        want[i % vocab] -= i % 3
+        want[(i + 1) % vocab] -= 1
+        assert torch.equal(again[i], want), i
+    counts.release("r3")
+    fresh = torch.zeros((1, vocab))
+    counts.penalise(fresh, [0], params[:1], ["new"], [[]])
+    assert counts.tracked == 20 and torch.equal(fresh, torch.zeros((1, vocab)))  # r3's slot, zeroed

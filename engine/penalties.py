@@ -1,0 +1,88 @@
+"""OpenAI's presence and frequency penalties, for every penalised row of a step in a fixed handful of
+device ops.
+
+A penalised request's logits depend on how often each token appears among its generated tokens.
+With overlapped steps the host launches step n+1 before it knows step n's pick (the device feeds
+it), so the counts cannot be rebuilt from the host's token lists: they live on the device, one
+row of a shared [slots, V] float32 table per penalised request, bumped by each pick in stream order.
+A request's row is built from its known outputs the first time it is seen (a decode node continuing
+a prefill node's request), and freed for reuse when it finishes (``release``).
+
+Per step, whatever the number of penalised rows: one gather of their count rows, the penalty
+arithmetic on [P, V], one indexed write into the logits, and after the pick one accumulating
+scatter of the picks into the table. A per-row loop would be ~5 launches a row: at 32 penalised
+rows ~160 small kernels between two decode graphs, which every request in the batch would wait for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.host_to_device import to_device
+from engine.protocol import SamplingParams
+
+
+class OutputCounts:
+    """Per penalised request, its output tokens' counts on the device (the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._table = torch.zeros((0, 0), dtype=torch.float32, device=device)  # [slots, V]
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
+
+    @property
+    def tracked(self) -> int:
+        return len(self._slot)
+
+    def release(self, request_id: str) -> None:
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _slot_for(self, request_id: str, outputs: Sequence[int], vocab: int) -> int:
+        slot = self._slot.get(request_id)
+        if slot is not None:
+            return slot
+        if self._table.shape[1] != vocab:
+            if self._slot:
+                raise ValueError(f"a vocabulary of {vocab} tokens in a table of {self._table.shape[1]}")
+            self._table = torch.zeros((0, vocab), dtype=torch.float32, device=self.device)
+            self._free.clear()
+        if not self._free:  # grow by doubling: a copy now and then, never one per request
+            old = self._table.shape[0]
+            grown = torch.zeros((max(8, 2 * old), vocab), dtype=torch.float32, device=self.device)
+            grown[:old] = self._table
+            self._table = grown
+            self._free.extend(range(grown.shape[0] - 1, old - 1, -1))
+        slot = self._slot[request_id] = self._free.pop()
+        row = self._table[slot]
+        row.zero_()
+        known = [t for t in outputs if 0 <= t < vocab]  # never a placeholder: none exists before a first pick here
+        if known:
+            row.index_add_(0, to_device(known, torch.long, self.device),
+                           torch.ones(len(known), dtype=torch.float32, device=self.device))
+        return slot
+
+    def penalise(self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+                 request_ids: Sequence[str], outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Subtract each listed row's penalties from ``logits`` [N, V] in place (OpenAI's formula:
+        logit - count x frequency_penalty - [count > 0] x presence_penalty) -> the rows' slots [P]
+        on the device, for ``count`` after the pick."""
+        vocab = logits.shape[-1]
+        slots = [self._slot_for(request_ids[i], outputs[i], vocab) for i in rows]
+        slot_ids = to_device(slots, torch.long, self.device)
+        row_ids = to_device(list(rows), torch.long, logits.device)
+        frequency = to_device([params[i].frequency_penalty for i in rows], torch.float32, logits.device)
+        presence = to_device([params[i].presence_penalty for i in rows], torch.float32, logits.device)
+        counts = self._table[slot_ids]  # [P, V]
+        penalty = counts * frequency[:, None] + (counts > 0).to(torch.float32) * presence[:, None]
+        logits.index_put_((row_ids,), logits[row_ids] - penalty.to(logits.dtype))
+        return slot_ids
+
+    def count(self, slot_ids: torch.Tensor, picks: torch.Tensor) -> None:
+        """Add the picks [P] (device int64) to their slots' counts, queued behind the pick."""
+        ones = torch.ones(picks.shape[0], dtype=torch.float32, device=self.device)
+        self._table.index_put_((slot_ids, picks), ones, accumulate=True)
