@@ -43,6 +43,8 @@ class SequenceChunk:
             its prompt (``SamplingParams.prompt_logprobs``): row j (position start_pos + j) scores
             ``prompt_targets[j]``, the prompt token at start_pos + j + 1. Shorter than the chunk
             where it reaches the prompt's end; empty = score nothing.
+        prompt_token_ids: the request's whole prompt, on a sampled chunk of a request with a
+            ``repetition_penalty`` (its prompt's tokens are penalised too); empty otherwise.
 
     Which prompt tokens a chunk scores (P prompt tokens, chunk of n tokens at start_pos s)::
 
@@ -59,6 +61,7 @@ class SequenceChunk:
     sampling: SamplingParams
     output_token_ids: Sequence[int] = ()
     prompt_targets: Sequence[int] = ()
+    prompt_token_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:

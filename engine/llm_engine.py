@@ -642,8 +642,11 @@ class LLMEngine:
         else:
             if sp.logprobs is not None:
                 self._record_logprob(req, token, info)
+            text_before = len(req.output_text)
             self._detokenize(req, token)
-            if sp.stop and self._apply_stop_strings(req):
+            # under min_tokens a stop string does not end the output yet, nor later if it ended in the
+            # text of a token before the min_tokens-th (vLLM's rule: only new text is searched)
+            if sp.stop and len(req.output_token_ids) >= sp.min_tokens and self._apply_stop_strings(req, text_before):
                 reason = "stop"
         if reason is None and (len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
@@ -720,13 +723,15 @@ class LLMEngine:
             state.prefix_offset = state.read_offset
             state.read_offset = len(state.tokens)
 
-    def _apply_stop_strings(self, req: Request) -> bool:
-        """Truncate the text at the first stop string and record which one it was (Anthropic's
-        ``stop_sequence``); True if one was found. Two stops at the same place: the one listed first."""
-        longest = max(len(s) for s in req.sampling.stop)
-        # only the tail can hold a stop string that was not there before this token
-        start = max(0, req.sent_text_len - longest)
-        hits = [(at, k) for k, at in enumerate(req.output_text.find(s, start) for s in req.sampling.stop) if at != -1]
+    def _apply_stop_strings(self, req: Request, text_before: int) -> bool:
+        """Truncate the text at the first stop string that ends in this token's text (past
+        ``text_before`` characters) and record which one it was (Anthropic's ``stop_sequence``); True
+        if one was found. Two stops at the same place: the one listed first."""
+        # a stop string that ends past text_before starts at text_before - len + 1 or later; one that
+        # ended earlier was found at its own token (or, under min_tokens, is not to be found)
+        text = req.output_text
+        hits = [(at, k) for k, at in enumerate(text.find(s, max(0, text_before - len(s) + 1)) for s in req.sampling.stop)
+                if at != -1]
         if not hits:
             return False
         at, k = min(hits)

@@ -148,7 +148,7 @@ class ModelRunner:
             self.model = build_model(arch, config.model_dir, torch_device, self.dtype)
         self.ops = select_ops(torch_device)
         self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, eos[0] if eos else None)
-        self.sampler = Sampler(torch_device, grammars=self.grammars)
+        self.sampler = Sampler(torch_device, grammars=self.grammars, eos_token_ids=eos)
 
         layer_shape = (arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         elems = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
@@ -391,7 +391,7 @@ class ModelRunner:
         sampled = [c for c in batch.chunks if c.sample]
         pending = self.sampler.sample_rows_async(
             logits, [c.sampling for c in sampled], [c.request_id for c in sampled],
-            [c.output_token_ids for c in sampled],
+            [c.output_token_ids for c in sampled], [c.prompt_token_ids for c in sampled],
         ) if sampled else None
         rows = [i for i, c in enumerate(batch.chunks) if c.sample]
         return LaunchedStep(batch.chunks, pending, {chunk: row for row, chunk in enumerate(rows)}, scores)

@@ -1,12 +1,18 @@
-"""OpenAI's presence and frequency penalties, for every penalised row of a step in a fixed handful of
-device ops.
+"""OpenAI's presence and frequency penalties and vLLM's repetition penalty, for every penalised row
+of a step in a fixed handful of device ops.
 
 A penalised request's logits depend on how often each token appears among its generated tokens.
 With overlapped steps the host launches step n+1 before it knows step n's pick (the device feeds
 it), so the counts cannot be rebuilt from the host's token lists: they live on the device, one
 row of a shared [slots, V] float32 table per penalised request, bumped by each pick in stream order.
 A request's row is built from its known outputs the first time it is seen (a decode node continuing
-a prefill node's request), and freed for reuse when it finishes (``release``).
+a prefill node's request), and freed for reuse when it finishes (``release``). The repetition penalty
+also reads which tokens the prompt holds: a [slots, V] bool table beside the counts, built at the
+same first sight from the prompt (``SequenceChunk.prompt_token_ids``).
+
+The order and arithmetic are vLLM's: on the raw logits, a seen token's (prompt or output) logit is
+divided by ``repetition_penalty`` where positive and multiplied where not; then OpenAI's
+``logit - count x frequency_penalty - [count > 0] x presence_penalty`` on the output's counts.
 
 Per step, whatever the number of penalised rows: one gather of their count rows, the penalty
 arithmetic on [P, V], one indexed write into the logits, and after the pick one accumulating
@@ -29,7 +35,8 @@ class OutputCounts:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._table = torch.zeros((0, 0), dtype=torch.float32, device=device)  # [slots, V]
+        self._table = torch.zeros((0, 0), dtype=torch.float32, device=device)  # [slots, V] output counts
+        self._in_prompt = torch.zeros((0, 0), dtype=torch.bool, device=device)  # [slots, V]
         self._slot: dict[str, int] = {}
         self._free: list[int] = []
 
@@ -42,7 +49,7 @@ class OutputCounts:
         if slot is not None:
             self._free.append(slot)
 
-    def _slot_for(self, request_id: str, outputs: Sequence[int], vocab: int) -> int:
+    def _slot_for(self, request_id: str, outputs: Sequence[int], prompt: Sequence[int], vocab: int) -> int:
         slot = self._slot.get(request_id)
         if slot is not None:
             return slot
@@ -50,13 +57,17 @@ class OutputCounts:
             if self._slot:
                 raise ValueError(f"a vocabulary of {vocab} tokens in a table of {self._table.shape[1]}")
             self._table = torch.zeros((0, vocab), dtype=torch.float32, device=self.device)
+            self._in_prompt = torch.zeros((0, vocab), dtype=torch.bool, device=self.device)
             self._free.clear()
         if not self._free:  # grow by doubling: a copy now and then, never one per request
             old = self._table.shape[0]
-            grown = torch.zeros((max(8, 2 * old), vocab), dtype=torch.float32, device=self.device)
-            grown[:old] = self._table
-            self._table = grown
-            self._free.extend(range(grown.shape[0] - 1, old - 1, -1))
+            slots = max(8, 2 * old)
+            table = torch.zeros((slots, vocab), dtype=torch.float32, device=self.device)
+            table[:old] = self._table
+            in_prompt = torch.zeros((slots, vocab), dtype=torch.bool, device=self.device)
+            in_prompt[:old] = self._in_prompt
+            self._table, self._in_prompt = table, in_prompt
+            self._free.extend(range(slots - 1, old - 1, -1))
         slot = self._slot[request_id] = self._free.pop()
         row = self._table[slot]
         row.zero_()
@@ -64,22 +75,33 @@ class OutputCounts:
         if known:
             row.index_add_(0, to_device(known, torch.long, self.device),
                            torch.ones(len(known), dtype=torch.float32, device=self.device))
+        seen = self._in_prompt[slot]
+        seen.zero_()
+        if prompt:
+            seen[to_device([t for t in prompt if 0 <= t < vocab], torch.long, self.device)] = True
         return slot
 
     def penalise(self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
-                 request_ids: Sequence[str], outputs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Subtract each listed row's penalties from ``logits`` [N, V] in place (OpenAI's formula:
-        logit - count x frequency_penalty - [count > 0] x presence_penalty) -> the rows' slots [P]
-        on the device, for ``count`` after the pick."""
+                 request_ids: Sequence[str], outputs: Sequence[Sequence[int]],
+                 prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Apply each listed row's penalties to ``logits`` [N, V] in place (the module docstring's
+        order and arithmetic) -> the rows' slots [P] on the device, for ``count`` after the pick.
+        ``prompts[i]``: row i's prompt where it has a repetition penalty (read at first sight only)."""
         vocab = logits.shape[-1]
-        slots = [self._slot_for(request_ids[i], outputs[i], vocab) for i in rows]
+        slots = [self._slot_for(request_ids[i], outputs[i], prompts[i], vocab) for i in rows]
         slot_ids = to_device(slots, torch.long, self.device)
         row_ids = to_device(list(rows), torch.long, logits.device)
+        counts = self._table[slot_ids]  # [P, V]
+        picked = logits[row_ids].float()  # [P, V]
+        repetition = [params[i].repetition_penalty for i in rows]
+        if any(r != 1.0 for r in repetition):
+            rp = to_device(repetition, torch.float32, logits.device)[:, None]
+            seen = (counts > 0) | self._in_prompt[slot_ids]
+            picked = torch.where(seen, torch.where(picked > 0, picked / rp, picked * rp), picked)
         frequency = to_device([params[i].frequency_penalty for i in rows], torch.float32, logits.device)
         presence = to_device([params[i].presence_penalty for i in rows], torch.float32, logits.device)
-        counts = self._table[slot_ids]  # [P, V]
-        penalty = counts * frequency[:, None] + (counts > 0).to(torch.float32) * presence[:, None]
-        logits.index_put_((row_ids,), logits[row_ids] - penalty.to(logits.dtype))
+        picked -= counts * frequency[:, None] + (counts > 0).to(torch.float32) * presence[:, None]
+        logits.index_put_((row_ids,), picked.to(logits.dtype))
         return slot_ids
 
     def count(self, slot_ids: torch.Tensor, picks: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ This module imports no torch, so the gateway can depend on it cheaply.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -177,6 +178,12 @@ class SamplingParams:
     ``presence_penalty`` / ``frequency_penalty``: OpenAI's (-2..2), subtracted from a token's logit
     once if it appears among the tokens generated so far / once per time it appears there (the
     prompt's tokens are not counted, as in vLLM).
+    ``repetition_penalty`` (vLLM's; > 0, 1 = off): a token seen in the prompt or the output so far has
+    its logit divided by it where positive, multiplied where not; applied before the two above.
+    ``min_p`` (vLLM's; 0..1, 0 = off): when sampling, tokens less likely than ``min_p`` times the most
+    likely one are dropped (after temperature, before top-k / top-p). ``min_tokens`` (vLLM's): EOS and
+    ``stop_token_ids`` cannot be picked, and stop strings do not end the output, until that many
+    tokens are generated (not with a grammar, which ends its output with EOS).
     ``prompt_logprobs``: None = the prompt is not scored; k >= 0 = every prompt token after the first
     gets its logprob given the tokens before it, plus the k most likely alternatives at its position
     (``RequestOutput.prompt_logprobs``). Scoring needs every prompt position's logits, which a
@@ -199,12 +206,23 @@ class SamplingParams:
     guided: GuidedSpec | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name, penalty in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             if not -2.0 <= penalty <= 2.0:  # also refuses NaN
                 raise ValueError(f"{name} must be in [-2, 2], got {penalty}")
+        if not 0.0 < self.repetition_penalty < math.inf:  # also refuses NaN
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.min_tokens and self.guided is not None:
+            raise ValueError("min_tokens cannot be combined with a grammar, which ends its output with EOS")
         for token_id, bias in self.logit_bias:
             if token_id < 0:
                 raise ValueError(f"logit_bias token id must be >= 0, got {token_id}")
@@ -233,8 +251,8 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        """Whether the logits depend on the tokens generated so far (presence or frequency penalty)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether the logits depend on the tokens seen so far (a presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Pick the next token of each sampled sequence from its last-position logits.
 
-Per row, in order: ``logit_bias`` added, the presence / frequency penalties subtracted, the grammar
-mask applied (guided rows: disallowed tokens -> -inf, engine.guided), then greedy (argmax) when ``temperature == 0`` or
-``top_k == 1``; otherwise temperature, top-k, top-p (nucleus) filtering and a draw from the
-renormalised distribution. Rows without bias or grammar skip those steps (no copy, no mask).
+Per row, in order: ``logit_bias`` added, the repetition / presence / frequency penalties applied,
+EOS and stop tokens banned while fewer than ``min_tokens`` are generated, the grammar mask applied
+(guided rows: disallowed tokens -> -inf, engine.guided), then greedy (argmax) when
+``temperature == 0`` or ``top_k == 1``; otherwise temperature, min-p, top-k, top-p (nucleus) filtering and a draw from the
+renormalised distribution. Rows without any of these skip those steps (no copy, no mask).
 
 Log-probabilities (the sampled token's, and the top-k alternatives when a request asks) are of
 the model's raw distribution, before bias, mask and temperature, as vLLM reports them.
@@ -20,6 +21,7 @@ the prompt cannot change it. Requests without a seed share the sampler's generat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +67,14 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """logits [V] float32 -> logits with tokens less likely than ``min_p`` x the most likely one set
+    to -inf (vLLM's min-p; 0 keeps all). In log space: logit < max + log(min_p)."""
+    if min_p <= 0.0:
+        return logits
+    return logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
+
+
 @dataclass(frozen=True)
 class SampledRow:
     """One row's pick: the token, its raw log-probability and, when asked, the top alternatives
@@ -78,10 +88,12 @@ class SampledRow:
 
 class Sampler:
     def __init__(self, device: torch.device | str, seed: int | None = None,
-                 grammars: GrammarCompiler | None = None):
-        """``grammars`` compiles guided requests' grammars; without it a guided request fails."""
+                 grammars: GrammarCompiler | None = None, eos_token_ids: Sequence[int] = ()):
+        """``grammars`` compiles guided requests' grammars; without it a guided request fails.
+        ``eos_token_ids``: the model's end tokens, which ``min_tokens`` holds back."""
         self.device = torch.device(device)
         self.grammars = grammars
+        self.eos_token_ids = tuple(eos_token_ids)
         self._guided: dict[str, GuidedRow] = {}
         self._shared = torch.Generator(device=self.device)
         if seed is None:
@@ -122,18 +134,23 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
+        steps: Sequence[int],
         outputs: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int]],
     ) -> tuple[torch.Tensor, dict[int, str], tuple[torch.Tensor, torch.Tensor] | None]:
-        """Logits with each row's logit_bias added, its penalties subtracted and its grammar mask
-        applied (a copy only when some row has one of them; rows without them are untouched), and the
-        rows whose grammar is at a dead end (row -> why), and for penalised rows (row ids, count slots)
-        on the device, for ``OutputCounts.count`` once the picks are made."""
+        """Logits with each row's logit_bias added, its penalties applied, its end tokens banned
+        under ``min_tokens`` and its grammar mask applied (a copy only when some row has one of them;
+        rows without them are untouched), and the rows whose grammar is at a dead end (row -> why),
+        and for penalised rows (row ids, count slots) on the device, for ``OutputCounts.count`` once
+        the picks are made."""
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalised = [i for i, p in enumerate(params) if p.penalised]
+        # steps counts a placeholder (the pick still on the device) as generated, which it is
+        held_back = [i for i, p in enumerate(params) if p.min_tokens > steps[i]]
         guided = [i for i, p in enumerate(params) if p.guided is not None]
         dead_ends: dict[int, str] = {}
         counted: tuple[torch.Tensor, torch.Tensor] | None = None
-        if not biased and not penalised and not guided:
+        if not biased and not penalised and not held_back and not guided:
             return logits, dead_ends, counted
         logits = logits.clone()
         for i in biased:
@@ -141,8 +158,16 @@ class Sampler:
             bias = to_device([b for _, b in params[i].logit_bias], logits.dtype, logits.device)
             logits[i].index_add_(0, ids, bias)
         if penalised:
-            slots = self._output_counts.penalise(logits, penalised, params, request_ids, outputs)
+            slots = self._output_counts.penalise(logits, penalised, params, request_ids, outputs, prompts)
             counted = (to_device(penalised, torch.long, logits.device), slots)
+        if held_back:
+            vocab = logits.shape[-1]
+            pairs = [(i, t) for i in held_back
+                     for t in {*params[i].stop_token_ids, *(() if params[i].ignore_eos else self.eos_token_ids)}
+                     if 0 <= t < vocab]
+            if pairs:
+                logits[to_device([i for i, _ in pairs], torch.long, logits.device),
+                       to_device([t for _, t in pairs], torch.long, logits.device)] = float("-inf")
         if guided:
             vocab = logits.shape[-1]
             bitmask = torch.empty((len(guided), bitmask_words(vocab)), dtype=torch.int32)
@@ -179,7 +204,8 @@ class Sampler:
 
         For rows without a grammar (the grammar needs the output tokens: ``sample_rows``)."""
         assert all(p.guided is None for p in params), "guided rows need their output tokens: use sample_rows"
-        rows = self._sample(logits, params, request_ids, steps, [()] * len(params), all_logprobs=True).rows()
+        rows = self._sample(logits, params, request_ids, steps, [()] * len(params), [()] * len(params),
+                            all_logprobs=True).rows()
         return [r.token_id for r in rows], [float(r.logprob) for r in rows]  # type: ignore[arg-type]
 
     def sample_rows(
@@ -188,10 +214,11 @@ class Sampler:
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
         outputs: Sequence[Sequence[int]],  # tokens generated so far, per row
+        prompts: Sequence[Sequence[int]] | None = None,  # per row, for a repetition penalty (else ())
     ) -> list[SampledRow]:
         """-> one ``SampledRow`` per logits row (grammar, bias and top logprobs included); the
         sampled token's logprob only for rows whose params set ``logprobs`` (else None)."""
-        return self.sample_rows_async(logits, params, request_ids, outputs).rows()
+        return self.sample_rows_async(logits, params, request_ids, outputs, prompts).rows()
 
     def sample_rows_async(
         self,
@@ -199,12 +226,14 @@ class Sampler:
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
         outputs: Sequence[Sequence[int]],  # tokens generated so far, per row
+        prompts: Sequence[Sequence[int]] | None = None,  # per row, for a repetition penalty (else ())
     ) -> PendingRows:
         """``sample_rows`` without the host sync: the picks stay on the device (``tokens``, which a
         next step may read as its input) and travel to the host behind the step; ``rows()`` waits
         for them. Everything that reads ``logits`` is queued here, so the caller may overwrite them
         (the next graph replay) right after."""
-        return self._sample(logits, params, request_ids, [len(o) for o in outputs], outputs)
+        return self._sample(logits, params, request_ids, [len(o) for o in outputs], outputs,
+                            prompts if prompts is not None else [()] * len(params))
 
     def _sample(
         self,
@@ -213,14 +242,16 @@ class Sampler:
         request_ids: Sequence[str],
         steps: Sequence[int],
         outputs: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int]],
         all_logprobs: bool = False,
     ) -> PendingRows:
         """``all_logprobs``: the sampled token's logprob for every row; else only for rows whose
         params ask for logprobs (the others get None)."""
         n = logits.shape[0]
-        assert len(params) == len(request_ids) == len(steps) == len(outputs) == n, "one SamplingParams per row"
+        assert len(params) == len(request_ids) == len(steps) == len(outputs) == len(prompts) == n, \
+            "one SamplingParams per row"
         raw = logits
-        logits, dead_ends, counted = self._constrain(logits, params, request_ids, outputs)
+        logits, dead_ends, counted = self._constrain(logits, params, request_ids, steps, outputs, prompts)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy_rows) == n:
             # the common case: one argmax, no index tensors (each is a pageable H2D copy and two
@@ -234,7 +265,7 @@ class Sampler:
             for i, p in enumerate(params):
                 if p.greedy:
                     continue
-                row = filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+                row = filter_top_k_top_p(filter_min_p(logits[i] / p.temperature, p.min_p), p.top_k, p.top_p)
                 probs = torch.softmax(row, dim=-1)
                 gen = self._generator(request_ids[i], p, steps[i])
                 tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]

@@ -462,15 +462,19 @@ class Scheduler:
         if req.prompt_scoring_left and start + 1 < req.num_prompt_tokens:
             # row j predicts token start + j + 1, up to the prompt's last (engine.batch.SequenceChunk)
             targets = req.token_slice(start + 1, min(n, req.num_prompt_tokens - 1 - start))
+        sample = start + n == req.num_tokens
         return SequenceChunk(
             request_id=req.request_id,
             token_ids=req.token_slice(start, n),
             start_pos=start,
             block_table=tuple(req.block_table),
-            sample=start + n == req.num_tokens,
+            sample=sample,
             sampling=req.sampling,
             output_token_ids=tuple(req.output_token_ids),
             prompt_targets=targets,
+            # the prompt itself (not a copy) where the sampler may need it: a repetition penalty's
+            # first pick builds the request's seen-token row from it (engine.penalties)
+            prompt_token_ids=req.prompt_token_ids if sample and req.sampling.repetition_penalty != 1.0 else (),
         )
 
     # ------------------------------------------------------------------ after the step

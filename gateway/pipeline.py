@@ -227,6 +227,9 @@ class Unsupported:
 
 
 _GUIDED = "use response_format (json_schema) or tools"
+# vLLM's sampling extras the local engine honours (fields of schemas._Common): a door that translates its
+# own body into a chat request (/v1/responses) carries them over with the ones refused below.
+HONOURED_VLLM_EXTRAS = ("top_k", "stop_token_ids", "ignore_eos", "min_p", "repetition_penalty", "min_tokens")
 # OpenAI and vLLM request fields outside the schema models that the local engine cannot honour: each
 # gets a 400 naming it (with what to use instead), never a silent drop. Bookkeeping fields that change
 # nothing about the output (metadata, store, service_tier, prompt_cache_key, priority...) are tolerated.
@@ -237,11 +240,9 @@ UNSUPPORTED_LOCAL_EXTRAS: dict[str, Unsupported] = {
     "prediction": Unsupported("predicted outputs are not supported"),
     "reasoning_effort": Unsupported("this model does not reason in a separate channel"),
     "web_search_options": Unsupported("web search is not available"),
-    "min_p": Unsupported("use top_p or top_k"),
-    "repetition_penalty": Unsupported("omit it"),
-    # vLLM's extras (sent through extra_body): top_k, stop_token_ids and ignore_eos are honoured
-    # (schemas._Common); these would change the output and are not implemented.
-    "min_tokens": Unsupported("omit it", harmless=(0,)),
+    # vLLM's extras (sent through extra_body): top_k, stop_token_ids, ignore_eos, min_p,
+    # repetition_penalty and min_tokens are honoured (schemas._Common); these would change the output
+    # and are not implemented.
     "guided_json": Unsupported(_GUIDED),
     "guided_regex": Unsupported(_GUIDED),
     "guided_choice": Unsupported(_GUIDED),
@@ -340,6 +341,7 @@ def local_features(req: ChatCompletionRequest | CompletionRequest,
     guided = guided_for_response_format(req.response_format, response_format)
     if isinstance(req, CompletionRequest):  # a raw prompt: no tools; JSON forced from its first token
         _refuse_ignore_eos_with(guided, req.ignore_eos)
+        _refuse_min_tokens_with(guided, req.min_tokens)
         prompt_logprobs = req.logprobs if req.echo else None
         return LocalFeatures(ToolPlan(tools=None, parse=False, guided=None), guided, req.logprobs, bias, prompt_logprobs)
     if req.top_logprobs is not None and not req.logprobs:
@@ -354,6 +356,7 @@ def local_features(req: ChatCompletionRequest | CompletionRequest,
         tools = ToolPlan(tools=tools.tools, parse=False, guided=None)
     grammar = guided or tools.guided
     _refuse_ignore_eos_with(grammar, req.ignore_eos)
+    _refuse_min_tokens_with(grammar, req.min_tokens)
     return LocalFeatures(tools, grammar, logprobs, bias)
 
 
@@ -363,6 +366,14 @@ def _refuse_ignore_eos_with(grammar: GuidedSpec | None, ignore_eos: bool) -> Non
         raise invalid_request(
             "ignore_eos cannot be combined with response_format json_object/json_schema or a forced tool call: "
             "the grammar ends the output with EOS", param="ignore_eos")
+
+
+def _refuse_min_tokens_with(grammar: GuidedSpec | None, min_tokens: int | None) -> None:
+    """A grammar may end its output at any length with EOS, which min_tokens would forbid."""
+    if grammar is not None and min_tokens:
+        raise invalid_request(
+            "min_tokens cannot be combined with response_format json_object/json_schema or a forced tool call: "
+            "the grammar ends the output with EOS", param="min_tokens")
 
 
 def _charge_rejected(tenancy: TenancyPort, scoped: TenantCtx) -> None:
@@ -546,6 +557,9 @@ async def prepare(
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in req.prompts()]
 
     asked = req.effective_max_tokens()
+    if req.min_tokens and asked is not None and req.min_tokens > asked:  # a defaulted budget clamps it below
+        raise invalid_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({asked})",
+                              param="min_tokens", code="invalid_value")
     max_len = router.max_model_len(backend) if backend.tokenizes_here else None
     prompt_counts: list[int] = []
     if backend.tokenizes_here:
@@ -594,6 +608,9 @@ async def prepare(
                     guided=features.guided if features else None,
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    min_p=req.min_p or 0.0,
+                    min_tokens=min(req.min_tokens or 0, max_tokens),
                     prompt_logprobs=features.prompt_logprobs if features else None,
                 )
             except ValueError as exc:

@@ -5,7 +5,8 @@ A node is any server that speaks the OpenAI-compatible API that vLLM speaks::
     POST /v1/completions        {"model", "prompt": [token ids] | "text", "cache_salt": <namespace hex>,
                                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                                  "stop_token_ids", "ignore_eos", "logit_bias",
-                                 "presence_penalty", "frequency_penalty" (when not 0),
+                                 "presence_penalty", "frequency_penalty", "min_p", "min_tokens" (when not 0),
+                                 "repetition_penalty" (when not 1),
                                  "priority", "prefixgate_tenant" (PrefixGate nodes only),
                                  "stream": true, "return_token_ids": true,
                                  "stream_options": {"include_usage": true, "continuous_usage_stats": true}}
@@ -245,6 +246,12 @@ def request_body(request: GenerateRequest, model: str | None, *, prefixgate_node
         body["presence_penalty"] = s.presence_penalty
     if s.frequency_penalty:
         body["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = s.repetition_penalty
+    if s.min_p:
+        body["min_p"] = s.min_p
+    if s.min_tokens:
+        body["min_tokens"] = s.min_tokens
     if prefixgate_node and request.tenant.priority:
         body["priority"] = request.tenant.priority
     if prefixgate_node and request.tenant.tenant_key != request.tenant.namespace:

@@ -41,6 +41,7 @@ from gateway.errors import OpenAIError, invalid_request, unsupported_parameter, 
 from gateway.formats import ChoiceText, chat_logprob, sse
 from gateway.ingress import ScannedBody
 from gateway.pipeline import (
+    HONOURED_VLLM_EXTRAS,
     UNSUPPORTED_LOCAL_EXTRAS,
     MessagePaths,
     MessageSource,
@@ -68,7 +69,7 @@ _INCLUDE_NOTHING = ("file_search_call.results", "web_search_call.results", "web_
                     "message.input_image.image_url", "computer_call_output.output.image_url",
                     "code_interpreter_call.outputs", "reasoning.encrypted_content")
 # Extra (vLLM-style) fields sent on to the chat request: the chat pipeline honours or refuses them.
-_CHAT_EXTRAS = ("top_k", "stop_token_ids", "ignore_eos", *UNSUPPORTED_LOCAL_EXTRAS)
+_CHAT_EXTRAS = (*HONOURED_VLLM_EXTRAS, *UNSUPPORTED_LOCAL_EXTRAS)
 
 
 class TextFormat(BaseModel):

@@ -104,10 +104,15 @@ class _Common(ScannedBody):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # vLLM's sampling extras that the engine honours (engine.protocol.SamplingParams): top_k (-1 or
-    # 0 = off), stop_token_ids (each ends the output, as EOS does), ignore_eos (generate past EOS).
+    # 0 = off), stop_token_ids (each ends the output, as EOS does), ignore_eos (generate past EOS),
+    # min_p (0 = off), repetition_penalty (1 = off), min_tokens (EOS, stop tokens and stop strings
+    # held back until that many tokens are out).
     top_k: int | None = Field(None, ge=-1)
     stop_token_ids: list[int] | None = None
     ignore_eos: Annotated[StrictBool, null_means(False)] = False
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(None, ge=0)
     # Completions: the prompt before the completion (and its logprobs, with logprobs). Chat has no echo
     # at OpenAI and refuses it (pipeline._reject_unsupported_local); a field here, on chat too, so that
     # it is read as a JSON boolean as on completions ("yes" is a 400).

@@ -51,17 +51,24 @@ def assert_greedy_agrees(got: list[int], ref: GreedyReference, tie: float = NEAR
     assert got[:upto] == ref[:upto], (got, list(ref), ref.margins)
 
 
-def hf_penalised_greedy(model, prompt: list[int], max_new: int, presence: float, frequency: float) -> GreedyReference:
-    """Greedy decoding with OpenAI's presence / frequency penalties, by hand on ``transformers``' full
-    forward at every step: logit - count * frequency - [count > 0] * presence, where count is how often
-    the token appears among the tokens generated so far (not the prompt's). Margins are of the
-    penalised logits, the ones the choice is made on."""
+def hf_penalised_greedy(model, prompt: list[int], max_new: int, presence: float, frequency: float,
+                        repetition: float = 1.0) -> GreedyReference:
+    """Greedy decoding with vLLM's repetition penalty and OpenAI's presence / frequency penalties, by
+    hand on ``transformers``' full forward at every step: first a token seen in the prompt or the
+    output has its logit divided by ``repetition`` where positive, multiplied where not; then
+    logit - count * frequency - [count > 0] * presence, where count is how often the token appears
+    among the tokens generated so far (not the prompt's). Margins are of the penalised logits, the
+    ones the choice is made on."""
     ids = list(prompt)
     counts = torch.zeros(model.config.vocab_size, dtype=torch.float32)
+    in_prompt = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    in_prompt[torch.tensor(prompt)] = True
     tokens, margins = [], []
     with torch.no_grad():
         for _ in range(max_new):
             logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float().cpu()
+            seen = in_prompt | (counts > 0)
+            logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
             logits = logits - counts * frequency - (counts > 0).float() * presence
             top2 = torch.topk(logits, 2)
             token = int(top2.indices[0])

@@ -112,6 +112,9 @@ class _NodeBody(BaseModel):
     logit_bias: dict[str, float] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -128,7 +131,8 @@ class _NodeBody(BaseModel):
             top_k=max(self.top_k, 0), seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens)
 
     def scope(self) -> StaticTenantScope:
         key = bytes.fromhex(self.prefixgate_tenant) if self.prefixgate_tenant else b""  # b"": the namespace

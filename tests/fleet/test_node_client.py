@@ -188,20 +188,23 @@ def test_only_a_prefixgate_node_gets_the_tenant_key_and_the_node_counts_by_it() 
     assert plain.tenant_key == plain.namespace == b"\x01\x02"
 
 
-def test_penalties_reach_a_node_and_come_back_as_the_same_sampling() -> None:
+def test_penalties_and_vllm_extras_reach_a_node_and_come_back_as_the_same_sampling() -> None:
     """presence / frequency penalties cross to vLLM and PrefixGate nodes under OpenAI's names; a zero
     penalty is not sent (vLLM's default is the same), and the node rebuilds the sampling it was sent."""
     from gateway.remote import request_body
     from gateway.routes.internal import NodeCompletionBody
 
-    sampling = SamplingParams(max_tokens=3, temperature=0.0, presence_penalty=0.5, frequency_penalty=-1.25)
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, presence_penalty=0.5, frequency_penalty=-1.25,
+                              repetition_penalty=1.1, min_p=0.05, min_tokens=2)
     req = GenerateRequest(request_id="r", tenant=StaticTenantScope(), sampling=sampling, prompt_token_ids=[1])
     _, to_vllm = request_body(req, "m")
     assert to_vllm["presence_penalty"] == 0.5 and to_vllm["frequency_penalty"] == -1.25
+    assert (to_vllm["repetition_penalty"], to_vllm["min_p"], to_vllm["min_tokens"]) == (1.1, 0.05, 2)
     _, to_node = request_body(req, "m", prefixgate_node=True)
     assert NodeCompletionBody.model_validate({"prompt": [1], **to_node}).sampling() == sampling
     plain = GenerateRequest(request_id="p", tenant=StaticTenantScope(), sampling=SamplingParams(), prompt_token_ids=[1])
-    assert "presence_penalty" not in request_body(plain, "m")[1]
+    sent = request_body(plain, "m")[1]
+    assert not {"presence_penalty", "repetition_penalty", "min_p", "min_tokens"} & set(sent)
 
 
 @pytest.mark.parametrize("error", [GrammarQueueFullError, PrepareQueueFullError])

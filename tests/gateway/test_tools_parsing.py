@@ -228,12 +228,12 @@ def test_split_request_wire_carries_grammar_bias_and_logprobs():
 
 
 @pytest.mark.parametrize("field", ["functions", "function_call", "audio", "prediction", "reasoning_effort",
-                                   "web_search_options", "min_p", "repetition_penalty"])
+                                   "web_search_options", "logits_processors", "allowed_token_ids"])
 def test_openai_fields_the_local_engine_cannot_honour_are_400s(field):
     from gateway.pipeline import _reject_unsupported_local
 
     with pytest.raises(OpenAIError) as err:
-        _reject_unsupported_local(chat(**{field: {"x": 1} if field != "min_p" else 0.1}))
+        _reject_unsupported_local(chat(**{field: {"x": 1}}))
     assert err.value.status == 400 and err.value.param == field
     with pytest.raises(OpenAIError):
         _reject_unsupported_local(chat(modalities=["text", "audio"]))

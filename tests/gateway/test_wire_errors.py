@@ -170,10 +170,10 @@ RESPONSES = {"model": "tiny", "input": "Write something", "max_output_tokens": 2
 
 
 @pytest.mark.parametrize(("path", "extra", "param", "code"), [
-    ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter"),
+    ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", "unsupported_parameter"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
-    ("/v1/chat/completions", {"min_tokens": 3}, "min_tokens", "unsupported_parameter"),
+    ("/v1/chat/completions", {"truncate_prompt_tokens": 3}, "truncate_prompt_tokens", "unsupported_parameter"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "unsupported_value"),
     ("/v1/chat/completions", {"echo": True}, "echo", "unsupported_parameter"),
     ("/v1/completions", {"suffix": "end"}, "suffix", "unsupported_parameter"),
@@ -182,7 +182,7 @@ RESPONSES = {"model": "tiny", "input": "Write something", "max_output_tokens": 2
     ("/v1/responses", {"background": True}, "background", "unsupported_parameter"),
     ("/v1/responses", {"truncation": "auto"}, "truncation", "unsupported_value"),
     ("/v1/responses", {"text": {"verbosity": "low"}}, "text.verbosity", "unsupported_value"),
-    ("/v1/responses", {"min_p": 0.1}, "min_p", "unsupported_parameter"),
+    ("/v1/responses", {"guided_regex": "a+"}, "guided_regex", "unsupported_parameter"),
 ])
 def test_a_refused_parameter_carries_openais_code(post, path, extra, param, code):
     body = {**BODIES, "/v1/responses": RESPONSES}[path]

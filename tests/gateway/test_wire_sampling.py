@@ -47,8 +47,10 @@ def test_ignore_eos_generates_past_eos(oai):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"min_tokens": 4}, "min_tokens"),
-    ({"min_tokens": True}, "min_tokens"),
+    ({"min_tokens": 4}, "min_tokens"),  # more than max_tokens (2)
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"guided_regex": "a+"}, "guided_regex"),
@@ -59,7 +61,7 @@ def test_ignore_eos_generates_past_eos(oai):
     ({"top_k": -2}, "top_k"),
 ])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_vllm_extras_that_are_not_implemented_are_refused(post, path, extra, param):
+def test_vllm_extras_that_are_not_implemented_or_out_of_range_are_refused(post, path, extra, param):
     body = CHAT if path == "/v1/chat/completions" else {"model": "tiny", "prompt": "Hi"}
     error_of(post(path, {**body, "max_tokens": 2, **extra}), param)
 
@@ -69,8 +71,46 @@ def test_ignore_eos_with_a_grammar_is_refused(post):
              "ignore_eos")
 
 
+def test_min_tokens_holds_back_a_stop_token(oai):
+    """+100 makes greedy pick FORCED, which is also a stop token: under min_tokens 3 it is banned for the
+    first three tokens, then picked and ends the output (vLLM's min_tokens)."""
+    kw = dict(model="tiny", prompt="Hello", max_tokens=6, temperature=0, logit_bias={str(FORCED): 100})
+    stopped = oai.completions.create(**kw, extra_body={"stop_token_ids": [FORCED]})
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    held = oai.completions.create(**kw, extra_body={"stop_token_ids": [FORCED], "min_tokens": 3})
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+
+
+def test_min_p_of_one_keeps_only_the_top_token(oai):
+    """min_p 1 drops every token less likely than the most likely one: sampling at any temperature and
+    seed is then greedy."""
+    greedy = oai.chat.completions.create(**CHAT, temperature=0).choices[0].message.content
+    for seed in (1, 2):
+        hot = oai.chat.completions.create(**CHAT, temperature=1.5, seed=seed, extra_body={"min_p": 1.0})
+        assert hot.choices[0].message.content == greedy
+
+
+def test_responses_carry_the_vllm_extras_to_the_engine(post):
+    """/v1/responses runs as a chat request: vLLM's extras in its body reach the sampler (min_p 1 makes
+    a hot sample greedy), not dropped on the way."""
+    body = {"model": "tiny", "input": "Write something", "max_output_tokens": 6}
+
+    def text(extra: dict) -> str:
+        r = post("/v1/responses", {**body, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["output"][0]["content"][0]["text"]
+
+    assert text({"temperature": 1.5, "min_p": 1.0}) == text({"temperature": 0})
+
+
+def test_min_tokens_with_a_grammar_is_refused(post):
+    error_of(post("/v1/chat/completions", {**CHAT, "min_tokens": 2, "response_format": {"type": "json_object"}}),
+             "min_tokens")
+
+
 def test_vllm_extras_at_their_defaults_are_accepted(post):
-    r = post("/v1/chat/completions", {**CHAT, "min_tokens": 0, "skip_special_tokens": True, "top_k": -1,
+    r = post("/v1/chat/completions", {**CHAT, "min_tokens": 0, "min_p": 0, "repetition_penalty": 1,
+                                      "skip_special_tokens": True, "top_k": -1,
                                       "include_stop_str_in_output": False, "ignore_eos": None, "priority": 0})
     assert r.status_code == 200, r.text
 
