@@ -602,10 +602,11 @@ def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
 
 
 def sec_decode_penalties(dev, args, model, runner, bw) -> dict:
-    """Every row of the decode sweeps with presence and frequency penalties (0.5 each: per step, the
-    rows' counts gathered from the device table, the penalty subtracted, the picks scattered back;
-    engine/penalties.py) against plain greedy rows: what penalised requests cost a batch."""
-    penalised = replace(greedy(1), presence_penalty=0.5, frequency_penalty=0.5)
+    """Every row of the decode sweeps with presence and frequency penalties (0.5 each) and a repetition
+    penalty (1.1): per step, the rows' counts and prompt rows gathered from the device tables, the
+    penalties applied, the picks scattered back (engine/penalties.py); against plain greedy rows:
+    what penalised requests cost a batch."""
+    penalised = replace(greedy(1), presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
     return decode_ab_module_setting(dev, args, model, runner, bw, "penalties", sys.modules[__name__], "SWEEP_SAMPLING",
                                     {"greedy": greedy(1), "penalised": penalised})
 
