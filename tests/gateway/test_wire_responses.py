@@ -83,7 +83,7 @@ def test_json_object_format_and_the_plain_text_default(oai):
     ({"conversation": "conv_1"}, "conversation"),
     ({"include": ["message.output_text.logprobs", "telepathy"]}, "include[1]"),
     ({"top_logprobs": 21}, "top_logprobs"),
-    ({"min_p": 0.1}, "min_p"),  # the chat path's refusals reach this door too
+    ({"use_beam_search": True}, "use_beam_search"),  # the chat path's refusals reach this door too
     ({"tool_choice": {"type": "web_search_preview"}, "tools": [WEATHER]}, "tool_choice"),
 ])
 def test_fields_that_would_change_the_output_are_refused(post, body, param):
