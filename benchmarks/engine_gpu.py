@@ -603,12 +603,23 @@ def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
 
 def sec_decode_penalties(dev, args, model, runner, bw) -> dict:
     """Every row of the decode sweeps with presence and frequency penalties (0.5 each) and a repetition
-    penalty (1.1): per step, the rows' counts and prompt rows gathered from the device tables, the
-    penalties applied, the picks scattered back (engine/penalties.py); against plain greedy rows:
-    what penalised requests cost a batch."""
+    penalty (1.1), applied by the Triton kernels (``engine.penalties.GPU_PENALTIES``, the default) and by
+    torch's ops, against plain greedy rows: what penalised requests cost a batch."""
+    from engine import penalties
+
+    module = sys.modules[__name__]
     penalised = replace(greedy(1), presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
-    return decode_ab_module_setting(dev, args, model, runner, bw, "penalties", sys.modules[__name__], "SWEEP_SAMPLING",
-                                    {"greedy": greedy(1), "penalised": penalised})
+
+    def setting(sampling: SamplingParams, kernels: bool) -> Callable[[], None]:
+        def apply() -> None:
+            module.SWEEP_SAMPLING = sampling
+            penalties.GPU_PENALTIES = kernels
+        return apply
+
+    return decode_ab(dev, args, model, runner, bw, "penalties",
+                     {"greedy": setting(greedy(1), True), "kernels": setting(penalised, True),
+                      "torch": setting(penalised, False)},
+                     setting(greedy(1), True))
 
 
 def sec_decode_argmax(dev, args, model, runner, bw) -> dict:

@@ -29,7 +29,7 @@ import torch
 
 from engine.guided import GrammarCompiler, GuidedRow, apply_bitmask, bitmask_words
 from engine.host_to_device import to_device
-from engine.penalties import OutputCounts
+from engine.penalties import OutputCounts, PenalisedRows
 from engine.protocol import SamplingParams
 
 # Greedy rows on a CUDA device take the one-launch argmax (prefixgate_kernels/argmax.py), which splits each
@@ -137,19 +137,18 @@ class Sampler:
         steps: Sequence[int],
         outputs: Sequence[Sequence[int]],
         prompts: Sequence[Sequence[int]],
-    ) -> tuple[torch.Tensor, dict[int, str], tuple[torch.Tensor, torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor, dict[int, str], PenalisedRows | None]:
         """Logits with each row's logit_bias added, its penalties applied, its end tokens banned
         under ``min_tokens`` and its grammar mask applied (a copy only when some row has one of them;
         rows without them are untouched), and the rows whose grammar is at a dead end (row -> why),
-        and for penalised rows (row ids, count slots) on the device, for ``OutputCounts.count`` once
-        the picks are made."""
+        and the penalised rows, for ``OutputCounts.count`` once the picks are made."""
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalised = [i for i, p in enumerate(params) if p.penalised]
         # steps counts a placeholder (the pick still on the device) as generated, which it is
         held_back = [i for i, p in enumerate(params) if p.min_tokens > steps[i]]
         guided = [i for i, p in enumerate(params) if p.guided is not None]
         dead_ends: dict[int, str] = {}
-        counted: tuple[torch.Tensor, torch.Tensor] | None = None
+        counted: PenalisedRows | None = None
         if not biased and not penalised and not held_back and not guided:
             return logits, dead_ends, counted
         logits = logits.clone()
@@ -158,8 +157,7 @@ class Sampler:
             bias = to_device([b for _, b in params[i].logit_bias], logits.dtype, logits.device)
             logits[i].index_add_(0, ids, bias)
         if penalised:
-            slots = self._output_counts.penalise(logits, penalised, params, request_ids, outputs, prompts)
-            counted = (to_device(penalised, torch.long, logits.device), slots)
+            counted = self._output_counts.penalise(logits, penalised, params, request_ids, outputs, prompts)
         if held_back:
             vocab = logits.shape[-1]
             pairs = [(i, t) for i in held_back
@@ -283,8 +281,7 @@ class Sampler:
             if k:
                 top_values, top_ids = torch.topk(log_probs, k, dim=-1)
         if counted is not None:
-            rows, slots = counted
-            self._output_counts.count(slots, tokens[rows])
+            self._output_counts.count(counted, tokens)
         return PendingRows(tokens, scored, wants, picked, top_values, top_ids, dead_ends)
 
 

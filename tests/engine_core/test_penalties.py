@@ -182,14 +182,14 @@ def test_output_counts_grow_reuse_slots_and_keep_every_requests_counts():
     ids = [f"r{i}" for i in range(20)]
     outputs = [[i % vocab] * (i % 3) for i in range(20)]
     logits = torch.zeros((20, vocab))
-    slots = counts.penalise(logits, list(range(20)), params, ids, outputs, [()] * 20)
+    counted = counts.penalise(logits, list(range(20)), params, ids, outputs, [()] * 20)
     assert counts.tracked == 20
     for i in range(20):  # each row lost its own outputs' counts, nothing else
         want = torch.zeros(vocab)
         want[i % vocab] -= i % 3
         assert torch.equal(logits[i], want), i
     picks = torch.tensor([(i + 1) % vocab for i in range(20)])
-    counts.count(slots, picks)
+    counts.count(counted, picks)  # picks by row
     again = torch.zeros((20, vocab))
     counts.penalise(again, list(range(20)), params, ids, [[]] * 20, [()] * 20)  # known now: outputs are not re-read
     for i in range(20):

@@ -491,3 +491,18 @@ def test_prefill_specialized_packed_gpu(head_dim, group, block_size, num_splits)
     prefill.run_case(head_dim, group, block_size, cached=[0, 21, 3000, 5, 1000], new=[300, 7, 1, 0, 513],
                      q_dtype=torch.bfloat16, kv_heads=2, seed=head_dim + group + num_splits + 7, device="cuda",
                      prefill=specialized)
+
+
+@pytest.mark.parametrize(("rows", "penalised"), [(1, 1), (32, 5), (32, 32)])
+def test_penalty_kernels_gpu(rows, penalised):
+    """The sampling penalties compiled, at Llama 3's vocabulary, against the torch reference on the same
+    device: bit for bit (the division rounded to nearest, no fused multiply-add); the picks counted."""
+    from prefixgate_kernels import penalties
+    from tests.kernels import test_penalty_kernels
+
+    test_penalty_kernels.check_case(rows * 7 + penalised, rows, 128256, 64, penalised, device="cuda")
+    table = torch.zeros(8, 128256, device="cuda")
+    index = torch.tensor([[0, 1], [6, 2]], dtype=torch.int64, device="cuda")
+    picks = torch.tensor([128255, 7], dtype=torch.int64, device="cuda")
+    penalties.count_picks(table, index, picks)
+    assert table[6, 128255].item() == 1.0 and table[2, 7].item() == 1.0 and table.sum().item() == 2.0
