@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tenancy import report
+from tenancy.db import SCHEMA_VERSION
 from tenancy.pricing import PriceBook
 from tenancy.service import TenancyService
 from tenancy.types import UsageRecord
@@ -69,16 +70,18 @@ def test_a_v4_ledger_gains_the_column_and_keeps_its_rows(home, open_service) -> 
     try:  # put the store back to v4, as the previous release left it, with one row of its own
         with db.transaction():
             db.execute("ALTER TABLE usage DROP COLUMN cache_creation_tokens")
-            db.execute("DELETE FROM schema_version WHERE version = 5")
+            db.execute("DROP TABLE chat_completions")  # v6's, which a v4 store has not either
+            db.execute("DELETE FROM schema_version WHERE version >= 5")
             db.execute("INSERT INTO usage (request_id, tenant_id, key_id, model, backend, prompt_tokens, cached_tokens,"
                        " completion_tokens, status, created_at, cost_usd, saved_usd, priced_as)"
                        " VALUES ('old', ?, 'k', 'm', 'local', 10, 5, 1, 'ok', 1.0, 0.0, 0.0, 'm')", [tenant_id])
     finally:
         db.close()
     svc.close()
-    again = open_service(home)  # migrates v4 -> v5
+    again = open_service(home)  # migrates v4 -> v5 -> the latest
     try:
-        assert [v["version"] for v in read_rows(again, "SELECT version FROM schema_version ORDER BY version")][-1] == 5
+        assert [v["version"] for v in read_rows(again, "SELECT version FROM schema_version ORDER BY version")] == \
+            list(range(1, SCHEMA_VERSION + 1))
         assert read_rows(again, "SELECT request_id, cache_creation_tokens FROM usage") == [
             {"request_id": "old", "cache_creation_tokens": 0}]
         assert again.report()["totals"]["cache_creation_tokens"] == 0
