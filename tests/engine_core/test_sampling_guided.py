@@ -132,6 +132,18 @@ def test_logit_bias_plus_100_makes_greedy_emit_the_token(engine):
     assert banned["ids"][0] != plain["ids"][0]
 
 
+def test_logit_bias_of_several_rows_lands_on_each_rows_own_tokens():
+    """The biases of a step's rows go out in one scatter: each row gets its own, an unbiased row none."""
+    sampler = Sampler("cpu", seed=0)
+    logits = torch.zeros(3, 6)
+    params = [SamplingParams(temperature=0.0, logit_bias=((4, 5.0), (1, 2.0))), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias=((2, 3.0), (4, -1.0)), logprobs=0)]
+    rows = sampler.sample_rows(logits, params, ["a", "b", "c"], [[], [], []])
+    assert [r.token_id for r in rows] == [4, 0, 2]
+    assert rows[2].logprob == pytest.approx(-math.log(6))  # logprobs stay those of the raw logits
+    assert torch.equal(logits, torch.zeros(3, 6))  # the caller's logits are not written
+
+
 def test_logit_bias_validation():
     with pytest.raises(ValueError, match=r"\[-100, 100\]"):
         SamplingParams(logit_bias=((5, 101.0),))
