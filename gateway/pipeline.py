@@ -545,6 +545,10 @@ async def prepare(
     if backend.takes_openai_fields:
         # From the canonical body: canon's rewrites (a response_format schema's key order) reach the provider.
         extra = {k: canon.body[k] for k in _PROVIDER_PASSTHROUGH if k in canon.body}
+        if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+            # the gateway echoes the prompt's text itself; its logprobs only an engine here can score
+            raise unsupported_value("echo with logprobs needs the prompt scored, which this model's provider route "
+                                    "does not return; send echo without logprobs, or use a local model", "echo")
     else:
         _reject_unsupported_local(req)
         features = local_features(req, fields.response_format)

@@ -167,6 +167,14 @@ def test_provider_route_to_openai_compatible_upstream(monkeypatch, transport):
                                headers=h)
             assert comp.status_code == 200, comp.text
             assert comp.json()["choices"][0]["text"] == " w0 w1"
+            # echo: the gateway prepends the prompt; its scores no provider returns, so with logprobs a 400
+            echoed = client.post("/v1/completions", json={"model": "up-tiny", "prompt": "a b c", "max_tokens": 2,
+                                                          "echo": True}, headers=h)
+            assert echoed.status_code == 200 and echoed.json()["choices"][0]["text"] == "a b c w0 w1", echoed.text
+            scored = client.post("/v1/completions", json={"model": "up-tiny", "prompt": "a b c", "max_tokens": 2,
+                                                          "echo": True, "logprobs": 1}, headers=h)
+            assert scored.status_code == 400 and scored.json()["error"]["param"] == "echo"
+            assert scored.json()["error"]["code"] == "unsupported_value"
             # an upstream 400 (context too long there) stays a 400 here
             too_long = client.post("/v1/chat/completions", json={**body, "max_tokens": 255}, headers=h)
             assert too_long.status_code == 400 and too_long.json()["error"]["message"]
