@@ -173,6 +173,23 @@ def test_scoring_beside_a_plain_request(base_engine, hf_model, prompt):
     assert_matches(only_prompt_logprobs(outs["s"]), prompt, reference(hf_model, prompt), k=3)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_scoring_survives_preemption(base_engine, hf_model, prompt, overlap):
+    """Two scoring requests whose prompts and outputs cannot both fit the pool: the scheduler preempts
+    one mid-flight, and when it runs again its prompt is recomputed without a prefix hit for the
+    positions still to score; each ends with every prompt token scored once, as one forward scores it."""
+    other = prompt[5:] + prompt[:5]
+    config = EngineConfig(model_dir=base_engine.config.model_dir, block_size=16, max_num_batched_tokens=32,
+                          overlap_steps=overlap)
+    blocks = -(-(len(prompt) + 24) // 16)  # one request's whole life
+    engine = LLMEngine(config, base_engine.runner, num_blocks=blocks + 3)
+    outs = run_all(engine, [scoring("a", prompt, k=1, max_tokens=24), scoring("b", other, k=1, max_tokens=24)])
+    assert engine.scheduler.num_preemptions > 0, "the pool must be too small for both"
+    assert_matches(only_prompt_logprobs(outs["a"]), prompt, reference(hf_model, prompt), k=1)
+    assert_matches(only_prompt_logprobs(outs["b"]), other, reference(hf_model, other), k=1)
+    assert sum(len(o.new_token_ids) for o in outs["a"]) == sum(len(o.new_token_ids) for o in outs["b"]) == 24
+
+
 def test_a_scored_request_lists_its_stop_token(base_engine, prompt):
     """With prompt scores, every output token has an entry, EOS included (one per token, prompt and
     output, is what a loglikelihood caller slices); a plain logprobs request's EOS has none."""
