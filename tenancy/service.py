@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -666,10 +666,15 @@ class TenancyService:
             self._require_live_tenant(ctx)
             cipher = self._response_cipher(ctx)
         sealed = responses.seal(cipher, ctx.tenant_id, response_id, body)
+        self._insert_for_tenant(ctx, lambda: responses.insert(self._db, ctx.tenant_id, response_id, sealed))
+
+    def _insert_for_tenant(self, ctx: TenantContext, insert: Callable[[], None]) -> None:
+        """Run ``insert`` (rows of ``ctx``'s tenant) under the lock; a tenant deleted since it was
+        checked makes the INSERT's foreign key fail, which is then the deleted tenant's 401."""
         with self._lock:
             try:
-                responses.insert(self._db, ctx.tenant_id, response_id, sealed)
-            except Exception as exc:  # deleted since the check: the INSERT's foreign key fails
+                insert()
+            except Exception as exc:
                 if self._db.classify(exc) is ErrorKind.REFUSED and store.get_tenant(
                         self._db, tenant_id=ctx.tenant_id) is None:
                     raise _tenant_gone() from None
@@ -714,14 +719,8 @@ class TenancyService:
         cid = stored.completion_id
         head = chat_completions.seal(cipher, "head", ctx.tenant_id, cid, stored.completion)
         messages = chat_completions.seal(cipher, "messages", ctx.tenant_id, cid, stored.messages)
-        with self._lock:
-            try:
-                chat_completions.insert(self._db, ctx.tenant_id, cid, stored.model, head, messages)
-            except Exception as exc:  # deleted since the check: the INSERT's foreign key fails
-                if self._db.classify(exc) is ErrorKind.REFUSED and store.get_tenant(
-                        self._db, tenant_id=ctx.tenant_id) is None:
-                    raise _tenant_gone() from None
-                raise
+        self._insert_for_tenant(
+            ctx, lambda: chat_completions.insert(self._db, ctx.tenant_id, cid, stored.model, head, messages))
 
     def load_chat_completion(self, ctx: TenantContext, completion_id: str) -> dict[str, Any] | None:
         """The stored ``chat.completion`` object, or None when this tenant has none with that id
