@@ -541,10 +541,12 @@ async def prepare(
         req = await _sized(large, threads, tid, _with_canonical_fields, req, canon.body)
     stops = req.stop_list()
     extra: dict[str, object] = {}
+    body_extras: dict[str, object] = {}
     features: LocalFeatures | None = None
     if backend.takes_openai_fields:
         # From the canonical body: canon's rewrites (a response_format schema's key order) reach the provider.
         extra = {k: canon.body[k] for k in _PROVIDER_PASSTHROUGH if k in canon.body}
+        body_extras = {k: canon.body[k] for k in HONOURED_VLLM_EXTRAS if canon.body.get(k) is not None}
         if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
             # the gateway echoes the prompt's text itself; its logprobs only an engine here can score
             raise unsupported_value("echo with logprobs needs the prompt scored, which this model's provider route "
@@ -623,7 +625,7 @@ async def prepare(
             model = backend.target_model or None
             if backend.takes_openai_fields:  # the same generate() call, with what only a provider reads
                 requests.append(UpstreamRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model,
-                                                passthrough=extra, incremental=req.stream,
+                                                passthrough=extra, body_extras=body_extras, incremental=req.stream,
                                                 tenant_name=scoped.name, **inp))
             else:
                 requests.append(GenerateRequest(request_id=rid, tenant=scoped, sampling=sampling, model=model, **inp))

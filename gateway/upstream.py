@@ -49,10 +49,14 @@ class UpstreamRequest(GenerateRequest):
     same ``generate(request)`` call.
 
     passthrough: OpenAI fields forwarded as they are (tool_choice, response_format, ...).
+    body_extras: fields the OpenAI SDK has no parameter for (vLLM's sampling extras: top_k, min_p,
+        ...), sent in the request body as the client sent them (litellm's ``extra_body``): an upstream
+        that honours them does, one that does not refuses them; never silently dropped here.
     incremental: stream from the upstream (the client asked to stream); False makes one whole call.
     """
 
     passthrough: Mapping[str, Any] = field(default_factory=dict)
+    body_extras: Mapping[str, Any] = field(default_factory=dict)
     incremental: bool = True
     tenant_name: str | None = None  # picks the tenant's own upstream key where the route has one
 
@@ -168,7 +172,7 @@ class ProviderClient:
             params["seed"] = s.seed
         if s.stop:
             params["stop"] = list(s.stop)
-        extra_body = dict(self.extra_body)
+        extra_body = {**(request.body_extras if isinstance(request, UpstreamRequest) else {}), **self.extra_body}
         if self.cache_salt:  # vLLM-style per-request cache isolation, keyed by our namespace
             extra_body["cache_salt"] = bytes(request.tenant.namespace).hex()
         if self.prompt_cache_key:  # OpenAI: keeps one tenant's requests on the same cache machines

@@ -167,6 +167,12 @@ def test_provider_route_to_openai_compatible_upstream(monkeypatch, transport):
                                headers=h)
             assert comp.status_code == 200, comp.text
             assert comp.json()["choices"][0]["text"] == " w0 w1"
+            # vLLM's sampling extras reach the upstream in the body, as the client sent them
+            extras = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 1, "stop_token_ids": [3]}
+            sent = client.post("/v1/chat/completions", json={**body, **extras}, headers=h)
+            assert sent.status_code == 200, sent.text
+            assert {k: upstream.bodies[-1].get(k) for k in extras} == extras
+            assert "min_p" not in upstream.bodies[0]  # and only when sent
             # echo: the gateway prepends the prompt; its scores no provider returns, so with logprobs a 400
             echoed = client.post("/v1/completions", json={"model": "up-tiny", "prompt": "a b c", "max_tokens": 2,
                                                           "echo": True}, headers=h)
