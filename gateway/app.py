@@ -230,7 +230,8 @@ def create_app(
         if app.state.tenancy is None and settings.home is not None:
             owned_tenancy = app.state.tenancy = open_tenancy(
                 settings.home, auth_cache_ttl_s=settings.auth_cache_ttl_s,
-                database_url=settings.database_url, redis_url=settings.redis_url)
+                database_url=settings.database_url, redis_url=settings.redis_url,
+                store_retention_days=settings.store_retention_days)
         # The first probe round: model lists, and one log line per node that is not fit yet (down,
         # or refusing the node token); a node may start later, routing still works.
         await probe_once(app.state.router, settings.node_probe_interval_s)

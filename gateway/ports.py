@@ -105,10 +105,12 @@ class TenantDirectory(Protocol):
 
 
 def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0, database_url: str | None = None,
-                 redis_url: str | None = None) -> TenancyService:
-    """Open the real tenancy service under ``home`` (on ``database_url`` / ``redis_url`` when given)."""
+                 redis_url: str | None = None, store_retention_days: float = 30.0) -> TenancyService:
+    """Open the real tenancy service under ``home`` (on ``database_url`` / ``redis_url`` when given);
+    ``store_retention_days`` 0 keeps stored responses and completions until deleted."""
     return TenancyService.open(home, auth_cache_ttl_s=auth_cache_ttl_s, database_url=database_url,
-                               redis_url=redis_url)
+                               redis_url=redis_url,
+                               stored_ttl_s=store_retention_days * 86_400.0 if store_retention_days else None)
 
 
 # QuotaExceededError.kind -> the error ``type`` OpenAI gives that refusal.

@@ -291,6 +291,9 @@ class GatewaySettings(BaseModel):
     # A tenant's steps waiting for its threads, beyond which its next request is refused (429).
     worker_queue_per_tenant: int = Field(64, ge=0)
     auth_cache_ttl_s: float = 5.0
+    # Stored responses and chat completions (store: true) are deleted this many days after they were
+    # stored (OpenAI keeps them 30); 0 keeps them until they, or their tenant, are deleted.
+    store_retention_days: float = Field(30.0, ge=0.0, allow_inf_nan=False)
     # Node choice: hash this many bytes of the canonical prompt with the namespace (the shared prefix).
     route_prefix_bytes: int = Field(1024, ge=16)
     # Load guard: leave the rendezvous choice when it has more than factor * (least load + 1) in flight.

@@ -67,6 +67,13 @@ def replace_head(db: Database, tenant_id: str, completion_id: str, head: bytes) 
                       [head, completion_id, tenant_id]) > 0
 
 
+def purge(db: Database, tenant_id: str | None, before: float) -> int:
+    """Delete the tenant's (every tenant's, for None) completions stored before ``before`` (epoch s)."""
+    if tenant_id is None:
+        return db.execute("DELETE FROM chat_completions WHERE created_at < ?", [before])
+    return db.execute("DELETE FROM chat_completions WHERE tenant_id = ? AND created_at < ?", [tenant_id, before])
+
+
 def delete(db: Database, tenant_id: str, completion_id: str) -> bool:
     return db.execute("DELETE FROM chat_completions WHERE id = ? AND tenant_id = ?", [completion_id, tenant_id]) > 0
 

@@ -67,5 +67,12 @@ def open_body(cipher: Sealer, tenant_id: str, response_id: str, sealed: bytes) -
     return body
 
 
+def purge(db: Database, tenant_id: str | None, before: float) -> int:
+    """Delete the tenant's (every tenant's, for None) responses stored before ``before`` (epoch s)."""
+    if tenant_id is None:
+        return db.execute("DELETE FROM responses WHERE created_at < ?", [before])
+    return db.execute("DELETE FROM responses WHERE tenant_id = ? AND created_at < ?", [tenant_id, before])
+
+
 def delete(db: Database, tenant_id: str, response_id: str) -> bool:
     return db.execute("DELETE FROM responses WHERE id = ? AND tenant_id = ?", [response_id, tenant_id]) > 0

@@ -98,6 +98,7 @@ _KEK_FINGERPRINT = "kek_fingerprint"
 _SECRET_FINGERPRINT = "server_secret_fingerprint"
 NAMESPACE_KEY_OWNER = "system:namespace"  # data_keys owner of the namespace root key
 _RECENT_IDS = 50_000
+STORED_TTL_S = 30 * 86_400.0  # stored responses and chat completions: kept 30 days, as OpenAI keeps them
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord) if f.name != "price_as")  # price_as: not a column  # request ids remembered to keep in-memory spend idempotent like the ledger
 # How long a request-path read (budget check, /v1/usage) waits for the ledger to commit this
 # process's queued rows before it answers from what is committed: a slow disk must not turn into 500s.
@@ -169,8 +170,13 @@ class TenancyService:
         ledger_max_delay_s: float = 0.05,
         database_url: str | None = None,
         redis_url: str | None = None,
+        stored_ttl_s: float | None = STORED_TTL_S,
     ) -> None:
         """Prefer ``TenancyService.open(home)``.
+
+        ``stored_ttl_s``: how long a stored response or chat completion is kept (OpenAI's 30 days by
+        default; None keeps them until they or their tenant are deleted). Older ones are deleted when
+        the service opens and, a tenant's, before each of its store calls: never served, never kept.
 
         ``database_url``: None (the SQLite file under ``home``), ``sqlite:///PATH`` or
         ``postgresql://...`` (shared by a fleet). ``redis_url``: fleet-wide rate limits, budgets and
@@ -186,6 +192,9 @@ class TenancyService:
             raise DatabaseUnavailableError(str(exc)) from None
         self.db_path = self.database.sqlite_path  # None on PostgreSQL
         self.auth_cache_ttl_s = auth_cache_ttl_s
+        if stored_ttl_s is not None and not stored_ttl_s > 0:
+            raise ValueError(f"stored_ttl_s must be > 0 or None, got {stored_ttl_s}")
+        self.stored_ttl_s = stored_ttl_s
         self._lock = threading.RLock()
         self._db = self.database.connect()
         try:
@@ -195,6 +204,7 @@ class TenancyService:
             self._secret = self._load_server_secret()
             self._pepper = self._secret.pepper
             self._check_server_secret()
+            self._purge_stored(None)
             self._namespace_key = self._load_namespace_key()
             self._miss_family_key = hmac.new(self._namespace_key, b"prefixgate/miss-family/v1", hashlib.sha256).digest()
             self._prices = PriceBook(reference_model)
@@ -692,9 +702,20 @@ class TenancyService:
 
     def _require_live_tenant(self, ctx: TenantContext) -> None:
         """Refuse a context whose tenant was deleted (by another process) while its key stayed in
-        this process's auth cache: its key is then as unknown as any (HTTP 401)."""
+        this process's auth cache: its key is then as unknown as any (HTTP 401). Every store call
+        starts here (under the lock), so the tenant's expired stored items go first (``stored_ttl_s``)."""
         if store.get_tenant(self._db, tenant_id=ctx.tenant_id) is None:
             raise _tenant_gone()
+        self._purge_stored(ctx.tenant_id)
+
+    def _purge_stored(self, tenant_id: str | None) -> None:
+        """Delete the tenant's (every tenant's, for None) stored responses and chat completions older
+        than ``stored_ttl_s``: two indexed DELETEs."""
+        if self.stored_ttl_s is None:
+            return
+        before = time.time() - self.stored_ttl_s
+        responses.purge(self._db, tenant_id, before)
+        chat_completions.purge(self._db, tenant_id, before)
 
     def _response_cipher(self, ctx: TenantContext) -> TenantCipher:
         """The tenant's own data key (not a share group's): its stored responses die with it."""

@@ -141,3 +141,60 @@ def test_a_tenant_deleted_by_another_process_is_an_unknown_key(
     finally:
         gateway.close()
         cli.close()
+
+
+def _age(svc: TenancyService, table: str, row_id: str, seconds: float) -> None:
+    """Make a stored row look ``seconds`` older (its created_at moved back)."""
+    db = svc.database.connect()
+    try:
+        with db.transaction():
+            db.execute(f"UPDATE {table} SET created_at = created_at - ? WHERE id = ?", [seconds, row_id])
+    finally:
+        db.close()
+
+
+def test_stored_items_expire_after_the_retention(home: Path, open_service: Callable[..., TenancyService]) -> None:
+    """Past ``stored_ttl_s`` a stored completion or response is never served (retrieve, messages, list,
+    update, delete, previous_response_id's load) and is deleted: the tenant's own at its next store
+    call, every tenant's when a service opens."""
+    svc = open_service(home, stored_ttl_s=3600.0)
+    try:
+        a = svc.authenticate(svc.create_tenant("a").api_key)
+        b = svc.authenticate(svc.create_tenant("b").api_key)
+        for cid in ("chatcmpl-old", "chatcmpl-new"):
+            svc.save_chat_completion(a, _stored(cid))
+        svc.save_response(a, "resp_old", {"id": "resp_old"})
+        svc.save_chat_completion(b, _stored("chatcmpl-b-old"))
+        _age(svc, "chat_completions", "chatcmpl-old", 7200)
+        _age(svc, "chat_completions", "chatcmpl-b-old", 7200)
+        _age(svc, "responses", "resp_old", 7200)
+        assert svc.load_chat_completion(a, "chatcmpl-old") is None
+        assert svc.chat_completion_messages(a, "chatcmpl-old") is None
+        assert svc.update_chat_completion_metadata(a, "chatcmpl-old", {"k": "v"}) is None
+        assert svc.delete_chat_completion(a, "chatcmpl-old") is False
+        assert _ids(svc, a) == (["chatcmpl-new"], False)
+        assert svc.load_response(a, "resp_old") is None
+        assert svc.load_chat_completion(a, "chatcmpl-new") is not None  # within the retention: kept
+        kept = {r["id"] for r in read_rows(svc, "SELECT id FROM chat_completions")}
+        assert kept == {"chatcmpl-new", "chatcmpl-b-old"}  # b's waits for b's next call, or a restart
+        assert read_rows(svc, "SELECT id FROM responses") == []
+    finally:
+        svc.close()
+    again = open_service(home, stored_ttl_s=3600.0)  # opening purges every tenant's
+    try:
+        assert {r["id"] for r in read_rows(again, "SELECT id FROM chat_completions")} == {"chatcmpl-new"}
+    finally:
+        again.close()
+
+
+def test_without_a_retention_stored_items_stay(home: Path, open_service: Callable[..., TenancyService]) -> None:
+    svc = open_service(home, stored_ttl_s=None)
+    try:
+        a = svc.authenticate(svc.create_tenant("a").api_key)
+        svc.save_chat_completion(a, _stored("chatcmpl-1"))
+        _age(svc, "chat_completions", "chatcmpl-1", 400 * 86_400)
+        assert svc.load_chat_completion(a, "chatcmpl-1") is not None
+    finally:
+        svc.close()
+    with pytest.raises(ValueError, match="stored_ttl_s"):
+        open_service(home, stored_ttl_s=0.0)
