@@ -53,11 +53,12 @@ def insert(db: Database, tenant_id: str, completion_id: str, model: str, head: b
                [completion_id, tenant_id, time.time(), model, head, messages])
 
 
-def sealed_part(db: Database, part: Part, tenant_id: str, completion_id: str) -> bytes | None:
-    """The sealed ``part`` of this tenant's completion ``completion_id``, or None."""
+def sealed_part(db: Database, part: Part, tenant_id: str, completion_id: str, since: float = 0.0) -> bytes | None:
+    """The sealed ``part`` of this tenant's completion ``completion_id`` stored at ``since`` (epoch s)
+    or later, or None."""
     column = {"head": "head", "messages": "messages"}[part]  # a column name, never the caller's text
-    rows = db.query(f"SELECT {column} AS v FROM chat_completions WHERE id = ? AND tenant_id = ?",
-                    [completion_id, tenant_id])
+    rows = db.query(f"SELECT {column} AS v FROM chat_completions WHERE id = ? AND tenant_id = ? AND created_at >= ?",
+                    [completion_id, tenant_id, since])
     return bytes(rows[0]["v"]) if rows else None
 
 
@@ -94,20 +95,21 @@ class SealedHead:
     head: bytes
 
 
-def cursor_of(db: Database, tenant_id: str, completion_id: str) -> Cursor | None:
-    """The cursor after this tenant's completion ``completion_id``; None when it has none such."""
-    rows = db.query("SELECT created_at FROM chat_completions WHERE id = ? AND tenant_id = ?",
-                    [completion_id, tenant_id])
+def cursor_of(db: Database, tenant_id: str, completion_id: str, since: float = 0.0) -> Cursor | None:
+    """The cursor after this tenant's completion ``completion_id`` (stored at ``since`` or later);
+    None when it has none such."""
+    rows = db.query("SELECT created_at FROM chat_completions WHERE id = ? AND tenant_id = ? AND created_at >= ?",
+                    [completion_id, tenant_id, since])
     return Cursor(rows[0]["created_at"], completion_id) if rows else None
 
 
 def heads_after(db: Database, tenant_id: str, *, after: Cursor | None, order: ListOrder, model: str | None,
-                limit: int) -> list[SealedHead]:
-    """Up to ``limit`` sealed heads of the tenant's completions past ``after`` in ``order``, of
-    ``model`` only when one is given."""
+                limit: int, since: float = 0.0) -> list[SealedHead]:
+    """Up to ``limit`` sealed heads of the tenant's completions stored at ``since`` or later, past
+    ``after`` in ``order``, of ``model`` only when one is given."""
     direction, past = ("ASC", ">") if order == "asc" else ("DESC", "<")
-    sql = "SELECT id, created_at, head FROM chat_completions WHERE tenant_id = ?"
-    params: list[object] = [tenant_id]
+    sql = "SELECT id, created_at, head FROM chat_completions WHERE tenant_id = ? AND created_at >= ?"
+    params: list[object] = [tenant_id, since]
     if after is not None:
         sql += f" AND (created_at {past} ? OR (created_at = ? AND id {past} ?))"
         params += [after.created_at, after.created_at, after.completion_id]

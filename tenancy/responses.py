@@ -55,9 +55,11 @@ def insert(db: Database, tenant_id: str, response_id: str, sealed: bytes) -> Non
                [response_id, tenant_id, time.time(), sealed])
 
 
-def sealed_body(db: Database, tenant_id: str, response_id: str) -> bytes | None:
-    """The sealed body of this tenant's response ``response_id``, or None."""
-    rows = db.query("SELECT body FROM responses WHERE id = ? AND tenant_id = ?", [response_id, tenant_id])
+def sealed_body(db: Database, tenant_id: str, response_id: str, since: float = 0.0) -> bytes | None:
+    """The sealed body of this tenant's response ``response_id`` stored at ``since`` (epoch s) or
+    later, or None."""
+    rows = db.query("SELECT body FROM responses WHERE id = ? AND tenant_id = ? AND created_at >= ?",
+                    [response_id, tenant_id, since])
     return bytes(rows[0]["body"]) if rows else None
 
 

@@ -176,7 +176,7 @@ class TenancyService:
 
         ``stored_ttl_s``: how long a stored response or chat completion is kept (OpenAI's 30 days by
         default; None keeps them until they or their tenant are deleted). Older ones are deleted when
-        the service opens and, a tenant's, before each of its store calls: never served, never kept.
+        the service opens and, a tenant's, by its next store write (save, delete); reads filter them out, so one is never served.
 
         ``database_url``: None (the SQLite file under ``home``), ``sqlite:///PATH`` or
         ``postgresql://...`` (shared by a fleet). ``redis_url``: fleet-wide rate limits, budgets and
@@ -674,6 +674,7 @@ class TenancyService:
         and no data key is made again for it (``_cipher`` refuses a deleted tenant's owner too)."""
         with self._lock:
             self._require_live_tenant(ctx)
+            self._purge_stored(ctx.tenant_id)
             cipher = self._response_cipher(ctx)
         sealed = responses.seal(cipher, ctx.tenant_id, response_id, body)
         self._insert_for_tenant(ctx, lambda: responses.insert(self._db, ctx.tenant_id, response_id, sealed))
@@ -697,20 +698,24 @@ class TenancyService:
         with self._lock:
             self._require_live_tenant(ctx)
             cipher = self._response_cipher(ctx)
-            sealed = responses.sealed_body(self._db, ctx.tenant_id, response_id)
+            sealed = responses.sealed_body(self._db, ctx.tenant_id, response_id, self._stored_since())
         return None if sealed is None else responses.open_body(cipher, ctx.tenant_id, response_id, sealed)
 
     def _require_live_tenant(self, ctx: TenantContext) -> None:
         """Refuse a context whose tenant was deleted (by another process) while its key stayed in
-        this process's auth cache: its key is then as unknown as any (HTTP 401). Every store call
-        starts here (under the lock), so the tenant's expired stored items go first (``stored_ttl_s``)."""
+        this process's auth cache: its key is then as unknown as any (HTTP 401)."""
         if store.get_tenant(self._db, tenant_id=ctx.tenant_id) is None:
             raise _tenant_gone()
-        self._purge_stored(ctx.tenant_id)
+
+    def _stored_since(self) -> float:
+        """The oldest creation time (epoch s) a stored item may have and still be served: the reads
+        filter by it, so an expired item is never served whether or not it was deleted yet."""
+        return 0.0 if self.stored_ttl_s is None else time.time() - self.stored_ttl_s
 
     def _purge_stored(self, tenant_id: str | None) -> None:
         """Delete the tenant's (every tenant's, for None) stored responses and chat completions older
-        than ``stored_ttl_s``: two indexed DELETEs."""
+        than ``stored_ttl_s``: two indexed DELETEs, run by the store's writes (and at open), never by
+        its reads, which stay reads (a purge on every read doubled a load's time under the lock)."""
         if self.stored_ttl_s is None:
             return
         before = time.time() - self.stored_ttl_s
@@ -725,6 +730,7 @@ class TenancyService:
         """True when this tenant's response was deleted; AuthenticationError when the tenant is gone."""
         with self._lock:
             self._require_live_tenant(ctx)
+            self._purge_stored(ctx.tenant_id)
             return responses.delete(self._db, ctx.tenant_id, response_id)
 
     # -- stored chat completions (store: true on /v1/chat/completions) -------------------------
@@ -736,6 +742,7 @@ class TenancyService:
         AuthenticationError when the tenant is gone, as ``save_response``."""
         with self._lock:
             self._require_live_tenant(ctx)
+            self._purge_stored(ctx.tenant_id)
             cipher = self._response_cipher(ctx)
         cid = stored.completion_id
         head = chat_completions.seal(cipher, "head", ctx.tenant_id, cid, stored.completion)
@@ -749,7 +756,7 @@ class TenancyService:
         with self._lock:
             self._require_live_tenant(ctx)
             cipher = self._response_cipher(ctx)
-            sealed = chat_completions.sealed_part(self._db, "head", ctx.tenant_id, completion_id)
+            sealed = chat_completions.sealed_part(self._db, "head", ctx.tenant_id, completion_id, self._stored_since())
         if sealed is None:
             return None
         completion: dict[str, Any] | None = chat_completions.open_part(cipher, "head", ctx.tenant_id,
@@ -761,7 +768,8 @@ class TenancyService:
         with self._lock:
             self._require_live_tenant(ctx)
             cipher = self._response_cipher(ctx)
-            sealed = chat_completions.sealed_part(self._db, "messages", ctx.tenant_id, completion_id)
+            sealed = chat_completions.sealed_part(self._db, "messages", ctx.tenant_id, completion_id,
+                                                  self._stored_since())
         if sealed is None:
             return None
         messages: list[dict[str, Any]] | None = chat_completions.open_part(cipher, "messages", ctx.tenant_id,
@@ -777,9 +785,10 @@ class TenancyService:
         with self._lock:
             self._require_live_tenant(ctx)
             cipher = self._response_cipher(ctx)
+            since = self._stored_since()
             cursor = None
             if query.after is not None:
-                cursor = chat_completions.cursor_of(self._db, ctx.tenant_id, query.after)
+                cursor = chat_completions.cursor_of(self._db, ctx.tenant_id, query.after, since)
                 if cursor is None:
                     return None
         wanted = query.limit + 1  # one more than the page: whether there is a next one
@@ -787,7 +796,7 @@ class TenancyService:
         while len(found) < wanted:
             with self._lock:
                 batch = chat_completions.heads_after(self._db, ctx.tenant_id, after=cursor, order=query.order,
-                                                     model=query.model, limit=wanted)
+                                                     model=query.model, limit=wanted, since=since)
             for row in batch:
                 completion = chat_completions.open_part(cipher, "head", ctx.tenant_id, row.completion_id, row.head)
                 if completion is not None and _has_metadata(completion, query.metadata):
@@ -818,6 +827,7 @@ class TenancyService:
         """True when this tenant's stored completion was deleted; AuthenticationError when the tenant is gone."""
         with self._lock:
             self._require_live_tenant(ctx)
+            self._purge_stored(ctx.tenant_id)
             return chat_completions.delete(self._db, ctx.tenant_id, completion_id)
 
     # -- administration ------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def _age(svc: TenancyService, table: str, row_id: str, seconds: float) -> None:
 def test_stored_items_expire_after_the_retention(home: Path, open_service: Callable[..., TenancyService]) -> None:
     """Past ``stored_ttl_s`` a stored completion or response is never served (retrieve, messages, list,
     update, delete, previous_response_id's load) and is deleted: the tenant's own at its next store
-    call, every tenant's when a service opens."""
+    write (here the delete), every tenant's when a service opens."""
     svc = open_service(home, stored_ttl_s=3600.0)
     try:
         a = svc.authenticate(svc.create_tenant("a").api_key)
@@ -168,6 +168,8 @@ def test_stored_items_expire_after_the_retention(home: Path, open_service: Calla
         _age(svc, "chat_completions", "chatcmpl-old", 7200)
         _age(svc, "chat_completions", "chatcmpl-b-old", 7200)
         _age(svc, "responses", "resp_old", 7200)
+        assert svc.load_response(a, "resp_old") is None  # filtered by the read: no write has purged it yet
+        assert {r["id"] for r in read_rows(svc, "SELECT id FROM responses")} == {"resp_old"}
         assert svc.load_chat_completion(a, "chatcmpl-old") is None
         assert svc.chat_completion_messages(a, "chatcmpl-old") is None
         assert svc.update_chat_completion_metadata(a, "chatcmpl-old", {"k": "v"}) is None
