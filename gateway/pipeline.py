@@ -575,7 +575,7 @@ async def prepare(
         if max_len:  # token ids need no tokenizer: a list longer than the context fails without one
             for inp in inputs:
                 ids = inp.get("prompt_token_ids")
-                if ids is not None and len(ids) >= max_len:
+                if ids is not None and len(ids) > max_len - _least_output(asked):
                     raise _prompt_too_long(max_len, len(ids), fields)
         # Tokenized once: the engine gets the ids and skips its own tokenization (issue 17).
         token_ids = await _tokenize(threads, scoped.tenant_id, backend.client, probes, fields.prompt)
@@ -587,7 +587,7 @@ async def prepare(
     longest = max(prompt_counts, default=0)
     if max_len:
         room = max_len - longest
-        if room < 1:
+        if room < _least_output(asked):
             raise _prompt_too_long(max_len, longest, fields)
         if asked is None:
             asked = min(settings.default_max_tokens, room)
@@ -728,6 +728,13 @@ def _route_price(router: Router, model: str) -> str | None:
 
 def _tokenize_all(engine: EngineClient, requests: list[GenerateRequest]) -> list[list[int]]:
     return [engine.tokenize(r) for r in requests]
+
+
+def _least_output(asked: int | None) -> int:
+    """Context a request must leave after its prompt: none for ``max_tokens: 0`` (echo's prompt scored
+    alone, which lm-eval-harness sends at the full context; the engine's own check is prompt + max_tokens
+    <= max_model_len), one token for anything that generates."""
+    return 0 if asked == 0 else 1
 
 
 def _prompt_too_long(max_len: int, prompt: int, fields: RequestFields) -> OpenAIError:

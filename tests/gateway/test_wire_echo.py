@@ -14,7 +14,7 @@ import json
 import httpx
 import openai
 import pytest
-from wire_server import error_of, poster, tiny_server
+from wire_server import error_of, max_model_len, poster, tiny_server
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -176,6 +176,24 @@ def test_streaming_echo_of_the_prompt_alone(server, tok):
 def test_bad_echo_requests_get_openai_errors(post, extra, param, code):
     body = {"model": "tiny", "prompt": "Write something", "max_tokens": 1, **extra}
     assert error_of(post("/v1/completions", body), param)["code"] == code
+
+
+def test_a_prompt_filling_the_whole_context_is_scored(server, oai, post, tok):
+    """lm-eval-harness cuts loglikelihood requests to the model's full context: with ``max_tokens: 0``
+    nothing is generated, so a prompt of exactly ``max_model_len`` tokens fits; one more does not, and
+    neither does the full context with a token to generate."""
+    limit = max_model_len(*server)
+    seed = tok.encode("Counting on: one two three four five six seven eight nine ten. ")
+    ids = (seed * (limit // len(seed) + 1))[:limit]
+    scored = oai.completions.create(model="tiny", prompt=ids, echo=True, logprobs=0, max_tokens=0)
+    assert scored.usage.prompt_tokens == limit and scored.usage.completion_tokens == 0
+    values = scored.choices[0].logprobs.token_logprobs
+    assert len(values) == limit and values[0] is None and all(v is not None for v in values[1:])
+    body = {"model": "tiny", "echo": True, "logprobs": 0}
+    over = error_of(post("/v1/completions", {**body, "prompt": ids + ids[:1], "max_tokens": 0}), "prompt")
+    assert over["code"] == "context_length_exceeded"
+    generating = error_of(post("/v1/completions", {**body, "prompt": ids, "max_tokens": 1}), "prompt")
+    assert generating["code"] == "context_length_exceeded"
 
 
 def test_echo_stays_refused_on_chat(oai):
