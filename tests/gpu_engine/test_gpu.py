@@ -128,3 +128,45 @@ def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
     assert torch.allclose(got, want, atol=2e-3), float((got - want).abs().max())
     got_top = torch.tensor([[v for _, _, v in lp.top] for lp in scores.scored])
     assert torch.allclose(got_top, torch.topk(ref, 3, dim=-1).values, atol=2e-3)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_bf16_decode_through_the_one_launch_mlp_half(tmp_path, monkeypatch, graphs):
+    """A bf16 model's decode steps with the MLP half as one persistent launch (prefixgate_kernels/mlp_block.py,
+    switched on by ``ENGINE_MAX_ROWS``) against the same steps as four kernels a layer: the same tokens,
+    logits within bf16 rounding (only the norms' sums of squares are added in another order), in a decode
+    graph and eagerly."""
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from engine.models.random_init import build_random_model
+    from prefixgate_kernels import mlp_block
+    from tests.gpu_engine.helpers import IdTokenizer, small_arch
+
+    launches = []
+    real = mlp_block.mlp_block
+
+    def counted(*args, **kwargs):
+        launches.append(args[1].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mlp_block, "mlp_block", counted)
+
+    def run(rows: int) -> torch.Tensor:
+        monkeypatch.setattr(mlp_block, "ENGINE_MAX_ROWS", rows)
+        arch = small_arch(tmp_path)
+        model = build_random_model(arch, "cuda", torch.bfloat16, seed=0, std=0.05)
+        cfg = EngineConfig(model_dir=tmp_path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
+                           max_num_seqs=8, use_cuda_graphs=graphs)
+        runner = ModelRunner(cfg, arch=arch, tokenizer=IdTokenizer(), model=model)
+        batch = prefill_then_decode_batch(runner)
+        logits = runner.forward(batch).float().clone()
+        if graphs:
+            assert runner.decode_graphs is not None and runner.decode_graphs.num_runs == 1
+        return logits
+
+    four_kernels = run(0)
+    assert launches == []
+    one_launch = run(16)
+    assert launches  # eagerly the decode step's 3 rows; with graphs each captured size's rows
+    assert one_launch.argmax(-1).tolist() == four_kernels.argmax(-1).tolist()
+    torch.testing.assert_close(one_launch, four_kernels, rtol=0.02, atol=0.02)

@@ -506,3 +506,50 @@ def test_penalty_kernels_gpu(rows, penalised):
     picks = torch.tensor([128255, 7], dtype=torch.int64, device="cuda")
     penalties.count_picks(table, index, picks)
     assert table[6, 128255].item() == 1.0 and table[2, 7].item() == 1.0 and table.sum().item() == 2.0
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_mlp_block_gpu(m):
+    """The MLP half in one persistent launch at a Llama-8B layer's shape: within bf16's rounding of the
+    four reference ops (cuBLAS's partials), and bit for bit the same as its own phases launched one by one
+    (the barriers change when a tile runs, never what it computes)."""
+    from prefixgate_kernels import mlp_block
+    from tests.kernels import test_mlp_block as blk
+
+    cfg = mlp_block.choose_config(m, 4096, 14336, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert cfg is not None
+    got, res = blk.run_case(m, 4096, 14336, torch.bfloat16, seed=m, config=cfg, device="cuda")
+    case = blk.make_case(m, 4096, 14336, torch.bfloat16, seed=m, device="cuda")
+    phased = mlp_block.mlp_block(**case, eps=1e-5, config=cfg, one_launch=False)
+    assert torch.equal(got, phased) and torch.equal(res, case["residual"])
+
+
+def test_mlp_block_gpu_graph_replays_reuse_the_barrier():
+    """One barrier state through 3 layers a replay and 50 replays of a captured graph (600 barriers):
+    every replay's output equals an eager phase-by-phase run's, and the count is zero at the end."""
+    from prefixgate_kernels import mlp_block
+    from tests.kernels import test_mlp_block as blk
+
+    cfg = mlp_block.choose_config(4, 4096, 14336, torch.cuda.get_device_properties(0).multi_processor_count)
+    case = blk.make_case(4, 4096, 14336, torch.bfloat16, seed=3, device="cuda")
+    state = mlp_block.barrier_state(torch.device("cuda"))
+    start = case["residual"].clone()
+
+    def layers(one_launch: bool) -> torch.Tensor:
+        out = None
+        for _ in range(3):
+            out = mlp_block.mlp_block(**case, eps=1e-5, config=cfg, state=state, one_launch=one_launch)
+        return out
+
+    want = layers(False)
+    want_res = case["residual"].clone()
+    graph = torch.cuda.CUDAGraph()
+    case["residual"].copy_(start)
+    with torch.cuda.graph(graph):
+        got = layers(True)
+    for _ in range(50):
+        case["residual"].copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want) and torch.equal(case["residual"], want_res)
+    assert int(state[0]) == 0
