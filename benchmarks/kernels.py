@@ -1136,7 +1136,7 @@ def gate_up_silu_chain_case(gen, rows=(1, 8, 16, 32), layers=32, hidden=4096, in
 
 
 # mlp_block_case's variants beyond the launcher's config: (name, BlockConfig fields over the launcher's)
-MLP_BLOCK_VARIANTS = (("stages4", {"num_stages": 4}), ("warps8", {"num_warps": 8}),
+MLP_BLOCK_VARIANTS = (("warps4", {"num_warps": 4}), ("bk128", {"block_k": 128}),
                       ("gu32", {"gate_up_cols": 32}), ("two_per_sm", {"programs": 2}))
 
 

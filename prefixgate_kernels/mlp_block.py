@@ -31,8 +31,11 @@ is. The interpreter runs programs one after another, so there each phase is its 
 (``one_launch=False``), the same code without the barriers; compiled, both forms run and agree
 bit for bit (tests/kernels/test_gpu.py).
 
-The GEMM phases run each program's tiles as one flattened loop over (tile, K slice), so Triton's
-software pipeline streams across tile boundaries instead of draining and refilling at each one.
+The GEMM phases run each program's tiles as one flattened loop over (tile, K slice) that loads the
+weights two iterations ahead by hand (Triton's pipeliner does not take these loops: no async copies in
+the sm_90 compile), so one program an SM keeps three weight tiles in flight across tile boundaries; the
+first two of a phase are loaded before the barrier it waits at, since weights depend on nothing the step
+computes.
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ class BlockConfig:
     down_cols: int = 32
     down_slices: int = 4
     block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
+    # 8 warps: three weight tiles in flight take 252 registers a thread without spilling (the sm_90
+    # compile here; 4 warps spill 344 bytes), one program an SM
+    num_warps: int = 8
+    num_stages: int = 1  # Triton's pipeliner does not take the flattened loops; the kernel prefetches itself
 
 
 def choose_config(m: int, hidden: int, inter: int, num_sms: int) -> BlockConfig | None:
@@ -150,32 +155,51 @@ def _normalise(h, inv, w):
 
 
 @triton.jit
-def _gate_up_phase(res_ptr, ss_ptr, w_norm_ptr, w_ptr, act_ptr, M, hidden, inter, eps, stride_rm, stride_wn,
-                   stride_am, pid, NPROG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NCOL: tl.constexpr, DOT_TY: tl.constexpr):
+def _gate_up_weights(w_ptr, it, n_it, pid, k_steps, inter, stride_wn, NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """The gate and up weight tiles of this program's iteration ``it`` (tile pid + (it // k_steps) NPROG, K
+    slice it % k_steps); nothing read past its last iteration."""
+    ok = (tl.full([BLOCK_N], it, tl.int32) < n_it)[:, None]  # (a tensor: the interpreter takes no scalar mask)
+    rn = (pid + (it // k_steps) * NPROG) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + ((it % k_steps) * BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
+    wg = tl.load(g_ptrs, mask=ok, other=0.0)
+    wu = tl.load(g_ptrs + inter.to(tl.int64) * stride_wn, mask=ok, other=0.0)
+    return wg, wu
+
+
+@triton.jit
+def _gate_up_iterations(inter, hidden, pid, NPROG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's (tile, K slice) iterations of the gate|up phase: tiles pid, pid + NPROG, ..."""
+    return tl.cdiv(inter // BLOCK_N - pid, NPROG) * (hidden // BLOCK_K)
+
+
+@triton.jit
+def _gate_up_loop(res_ptr, ss_ptr, w_norm_ptr, w_ptr, act_ptr, M, hidden, inter, eps, stride_rm, stride_wn,
+                  stride_am, pid, wg0, wu0, wg1, wu1, NPROG: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NCOL: tl.constexpr, DOT_TY: tl.constexpr):
     """act = silu(x . gate) * (x . up) for this program's column tiles, x = the normalised residual
-    (computed per K slice from the residual and ss: every program reads the whole row, 8 KB a row)."""
+    (computed per K slice from the residual and ss: every program reads the whole row, 8 KB a row).
+    The weights two iterations ahead are loaded before each iteration's product (``wg0 .. wu1``: the
+    first two, issued by the caller, before the barrier that this phase's residual waits for): one
+    program an SM keeps three tiles in flight, where Triton's pipeliner does not take this loop."""
     inv = _inv_rms(ss_ptr, hidden, eps, BLOCK_M, NCOL)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rk = tl.arange(0, BLOCK_K)
     k_steps = hidden // BLOCK_K
-    tiles = tl.cdiv(inter // BLOCK_N - pid, NPROG)  # this program's tiles: pid, pid + NPROG, ...
+    n_it = _gate_up_iterations(inter, hidden, pid, NPROG, BLOCK_N, BLOCK_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for it in range(0, tiles * k_steps):
-        t = pid + (it // k_steps) * NPROG
+    for it in range(0, n_it):
+        wg2, wu2 = _gate_up_weights(w_ptr, it + 2, n_it, pid, k_steps, inter, stride_wn, NPROG, BLOCK_N, BLOCK_K)
         k0 = (it % k_steps) * BLOCK_K
-        rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
         h = tl.load(res_ptr + rm[:, None] * stride_rm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
         x = _normalise(h, inv, tl.load(w_norm_ptr + k0 + rk)).to(DOT_TY)
-        g_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k0 + rk)[None, :]
-        wg = tl.load(g_ptrs).to(DOT_TY)
-        wu = tl.load(g_ptrs + inter.to(tl.int64) * stride_wn).to(DOT_TY)
-        acc_g += tl.dot(x, tl.trans(wg))
-        acc_u += tl.dot(x, tl.trans(wu))
+        acc_g += tl.dot(x, tl.trans(wg0.to(DOT_TY)))
+        acc_u += tl.dot(x, tl.trans(wu0.to(DOT_TY)))
         if it % k_steps == k_steps - 1:
             # gate_up_silu's epilogue: gate and up rounded as the GEMM would store them, silu rounded
+            rn = (pid + (it // k_steps) * NPROG) * BLOCK_N + tl.arange(0, BLOCK_N)
             gate = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
             up = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -183,31 +207,52 @@ def _gate_up_phase(res_ptr, ss_ptr, w_norm_ptr, w_ptr, act_ptr, M, hidden, inter
                      mask=m_ok[:, None])
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        wg0, wu0, wg1, wu1 = wg1, wu1, wg2, wu2
 
 
 @triton.jit
-def _down_phase(act_ptr, w_ptr, parts_ptr, M, hidden, inter, stride_am, stride_wn, stride_part, stride_pm, pid,
-                NPROG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SLICES: tl.constexpr, DOT_TY: tl.constexpr):
+def _down_weights(w_ptr, it, n_it, pid, k_steps, inter, stride_wn, NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SLICES: tl.constexpr):
+    """The down weight tile of this program's iteration ``it`` (work item pid + (it // k_steps) NPROG =
+    (column tile, K slice)); nothing read past its last iteration."""
+    item = pid + (it // k_steps) * NPROG
+    rn = (item // SLICES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = (item % SLICES) * (inter // SLICES) + (it % k_steps) * BLOCK_K
+    ok = (tl.full([BLOCK_N], it, tl.int32) < n_it)[:, None]
+    return tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                   mask=ok, other=0.0)
+
+
+@triton.jit
+def _down_iterations(inter, hidden, pid, NPROG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SLICES: tl.constexpr):
+    return tl.cdiv((hidden // BLOCK_N) * SLICES - pid, NPROG) * (inter // SLICES // BLOCK_K)
+
+
+@triton.jit
+def _down_loop(act_ptr, w_ptr, parts_ptr, M, hidden, inter, stride_am, stride_wn, stride_part, stride_pm, pid, w0, w1,
+               NPROG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SLICES: tl.constexpr, DOT_TY: tl.constexpr):
     """fp32 partials [SLICES, M, hidden] of act . down^T: work item i = (column tile i // SLICES, K slice
-    i % SLICES), handed out round robin."""
+    i % SLICES), handed out round robin; weights two iterations ahead as in ``_gate_up_loop``."""
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rk = tl.arange(0, BLOCK_K)
     k_steps = inter // SLICES // BLOCK_K
-    items = tl.cdiv((hidden // BLOCK_N) * SLICES - pid, NPROG)
+    n_it = _down_iterations(inter, hidden, pid, NPROG, BLOCK_N, BLOCK_K, SLICES)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for it in range(0, items * k_steps):
+    for it in range(0, n_it):
+        w2 = _down_weights(w_ptr, it + 2, n_it, pid, k_steps, inter, stride_wn, NPROG, BLOCK_N, BLOCK_K, SLICES)
         item = pid + (it // k_steps) * NPROG
         s = item % SLICES
-        rn = (item // SLICES) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = s * (inter // SLICES) + (it % k_steps) * BLOCK_K
         a = tl.load(act_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k0 + rk)[None, :])
-        acc += tl.dot(a.to(DOT_TY), tl.trans(w.to(DOT_TY)))
+        acc += tl.dot(a.to(DOT_TY), tl.trans(w0.to(DOT_TY)))
         if it % k_steps == k_steps - 1:
+            rn = (item // SLICES) * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(parts_ptr + s * stride_part + rm[:, None] * stride_pm + rn[None, :], acc, mask=m_ok[:, None])
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w0, w1 = w1, w2
 
 
 @triton.jit
@@ -251,19 +296,28 @@ def _mlp_block_kernel(
 ):
     pid = tl.program_id(0)
     ss_b = ss_ptr + (hidden // NCOL) * BLOCK_M
+    if PHASE == 0 or PHASE == 2:  # the first gate|up weights, before the residual they do not depend on
+        n_gu = _gate_up_iterations(inter, hidden, pid, NPROG, GU_N, BLOCK_K)
+        wg0, wu0 = _gate_up_weights(w_gu_ptr, 0, n_gu, pid, hidden // BLOCK_K, inter, stride_gu, NPROG, GU_N, BLOCK_K)
+        wg1, wu1 = _gate_up_weights(w_gu_ptr, 1, n_gu, pid, hidden // BLOCK_K, inter, stride_gu, NPROG, GU_N, BLOCK_K)
     if PHASE == 0 or PHASE == 1:
         _add_partials(o_ptr, res_ptr, ss_ptr, M, hidden, stride_o_part, stride_om, stride_rm, pid, NPROG,
                       O_PARTIALS, BLOCK_M, NCOL)
     if PHASE == 0:
         _grid_sync(state_ptr, NPROG)
     if PHASE == 0 or PHASE == 2:
-        _gate_up_phase(res_ptr, ss_ptr, w_post_ptr, w_gu_ptr, act_ptr, M, hidden, inter, eps, stride_rm, stride_gu,
-                       stride_am, pid, NPROG, BLOCK_M, GU_N, BLOCK_K, NCOL, DOT_TY)
+        _gate_up_loop(res_ptr, ss_ptr, w_post_ptr, w_gu_ptr, act_ptr, M, hidden, inter, eps, stride_rm, stride_gu,
+                      stride_am, pid, wg0, wu0, wg1, wu1, NPROG, BLOCK_M, GU_N, BLOCK_K, NCOL, DOT_TY)
+    if PHASE == 0 or PHASE == 3:  # the first down weights, before the barrier that act waits for
+        d_steps = inter // SLICES // BLOCK_K
+        n_down = _down_iterations(inter, hidden, pid, NPROG, DOWN_N, BLOCK_K, SLICES)
+        w0 = _down_weights(w_down_ptr, 0, n_down, pid, d_steps, inter, stride_down, NPROG, DOWN_N, BLOCK_K, SLICES)
+        w1 = _down_weights(w_down_ptr, 1, n_down, pid, d_steps, inter, stride_down, NPROG, DOWN_N, BLOCK_K, SLICES)
     if PHASE == 0:
         _grid_sync(state_ptr, NPROG)
     if PHASE == 0 or PHASE == 3:
-        _down_phase(act_ptr, w_down_ptr, down_ptr, M, hidden, inter, stride_am, stride_down, M * hidden, hidden,
-                    pid, NPROG, BLOCK_M, DOWN_N, BLOCK_K, SLICES, DOT_TY)
+        _down_loop(act_ptr, w_down_ptr, down_ptr, M, hidden, inter, stride_am, stride_down, M * hidden, hidden,
+                   pid, w0, w1, NPROG, BLOCK_M, DOWN_N, BLOCK_K, SLICES, DOT_TY)
     if PHASE == 0:
         _grid_sync(state_ptr, NPROG)
     if PHASE == 0 or PHASE == 4:
