@@ -601,16 +601,6 @@ def sec_decode_mlp(dev, args, model, runner, bw) -> dict:
                                     {"off": 0, "on16": 16, "on32": 32})
 
 
-def sec_decode_mlp_block(dev, args, model, runner, bw) -> dict:
-    """The MLP half (post-attention add + norm, gate|up + SiLU, down, the next add + norm) as one persistent
-    launch with grid barriers (``mlp_block.ENGINE_MAX_ROWS``: 8 and 16) against its four kernels (0, the
-    default until measured)."""
-    from prefixgate_kernels import mlp_block
-
-    return decode_ab_module_setting(dev, args, model, runner, bw, "mlp block", mlp_block, "ENGINE_MAX_ROWS",
-                                    {"off": 0, "on8": 8, "on16": 16})
-
-
 def sec_decode_penalties(dev, args, model, runner, bw) -> dict:
     """Every row of the decode sweeps with presence and frequency penalties (0.5 each) and a repetition
     penalty (1.1), applied by the Triton kernels (``engine.penalties.GPU_PENALTIES``, the default) and by
@@ -1315,7 +1305,6 @@ def main() -> int:
     section("decode_partials", sec_decode_partials, dev, args, model, runner, bw)
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
-    section("decode_mlp_block", sec_decode_mlp_block, dev, args, model, runner, bw)
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)
     section("decode_penalties", sec_decode_penalties, dev, args, model, runner, bw)

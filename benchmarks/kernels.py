@@ -1135,81 +1135,6 @@ def gate_up_silu_chain_case(gen, rows=(1, 8, 16, 32), layers=32, hidden=4096, in
     return out
 
 
-# mlp_block_case's variants beyond the launcher's config: (name, BlockConfig fields over the launcher's)
-MLP_BLOCK_VARIANTS = (("warps4", {"num_warps": 4}), ("bk128", {"block_k": 128}),
-                      ("gu32", {"gate_up_cols": 32}), ("two_per_sm", {"programs": 2}))
-
-
-def mlp_block_case(gen, rows=(1, 2, 4, 8, 16), layers=32, hidden=4096, inter=14336, device="cuda",
-                   timer=None) -> list[dict]:
-    """The decode step's MLP half, ``layers`` of them in one CUDA graph: the engine's four launches a layer
-    (``add_rms_norm`` of the o partials, ``mlp_partials``: gate|up storing SiLU x up and the down
-    projection's partials, ``add_rms_norm`` into the next layer's input) against ``mlp_block``'s one
-    persistent launch with grid barriers, at the launcher's config and ``MLP_BLOCK_VARIANTS``
-    (``two_per_sm``: two programs an SM). Each config checked first against the four ops (rel. error)
-    and against its own phases launched one by one (bit for bit). -> us a layer, and the gate|up + down
-    weight bytes over the time as a share of copy."""
-    import dataclasses
-
-    from prefixgate_kernels import mlp_block
-
-    timer = timer or bench_graph
-    sms = decode_attention.num_sms(torch.device(device))
-    eps = 1e-5
-    w_gu = [torch.randn(2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen) * hidden ** -0.5
-            for _ in range(layers)]
-    w_down = [torch.randn(hidden, inter, device=device, dtype=torch.bfloat16, generator=gen) * inter ** -0.5
-              for _ in range(layers)]
-    norms = [1 + 0.1 * torch.randn(hidden, device=device, dtype=torch.bfloat16, generator=gen)
-             for _ in range(layers + 1)]
-    nbytes = 3 * hidden * inter * 2
-    copy = ceilings()["copy_TBps"] if torch.device(device).type == "cuda" else 1.0
-    out = []
-    for m in rows:
-        o = torch.randn(4, m, hidden, device=device, generator=gen) * 0.1
-        residual = torch.randn(m, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-        base = mlp_block.choose_config(m, hidden, inter, sms)
-        if base is None:
-            continue
-        configs = {"launcher": base}
-        for name, fields in MLP_BLOCK_VARIANTS:
-            if name == "two_per_sm":
-                fields = {"programs": 2 * sms}
-            configs[name] = dataclasses.replace(base, **fields)
-        state = mlp_block.barrier_state(torch.device(device))
-
-        def engine_ops(i: int, res: torch.Tensor, o=o) -> torch.Tensor:
-            h = triton_ops.add_rms_norm(o, res, norms[i], eps)
-            return triton_ops.add_rms_norm(triton_ops.mlp_partials(h, w_gu[i], None, w_down[i]), res, norms[i + 1], eps)
-
-        def block(i: int, res: torch.Tensor, cfg, one_launch: bool = True, o=o, state=state) -> torch.Tensor:
-            return mlp_block.mlp_block(o, res, norms[i], w_gu[i], w_down[i], norms[i + 1], eps, cfg, state=state,
-                                       one_launch=one_launch)
-
-        def timed(layer_fn, residual=residual) -> dict | None:
-            res = residual.clone()
-            ms = timer(lambda: [layer_fn(i, res) for i in range(layers)])
-            return None if ms is None else {
-                "us_per_layer": 1000 * ms / layers, "pct_copy": 100 * nbytes * layers / (ms * 1e-3) / 1e12 / copy}
-
-        want = engine_ops(0, residual.clone())
-        row: dict = {"rows": m, "layers": layers, "rel_err": {}, "bit_equal_phases": {},
-                     "us": {"engine ops": timed(engine_ops)}}
-        for name, cfg in configs.items():
-            try:
-                got = block(0, residual.clone(), cfg)
-                row["rel_err"][name] = rel_err(got, want)
-                row["bit_equal_phases"][name] = bool(torch.equal(got, block(0, residual.clone(), cfg, one_launch=False)))
-                row["us"][f"block {name}"] = timed(lambda i, res, cfg=cfg: block(i, res, cfg))
-            except Exception as e:  # noqa: BLE001  (a config that does not compile or fit is a finding)
-                row["us"][f"block {name}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        out.append(row)
-        print(f"MLP half M={m}: " + ", ".join(
-            f"{k} {v['us_per_layer']:.2f} us ({v['pct_copy']:.0f} %)" if v and "us_per_layer" in v else f"{k} {v}"
-            for k, v in row["us"].items()), flush=True)
-        print(f"   errors {row['rel_err']}; phases bit-equal {row['bit_equal_phases']}", flush=True)
-    return out
-
 @triton.jit
 def _grid_barrier_kernel(counter_ptr, out_ptr, iters, NPROG: tl.constexpr):
     """``iters`` grid-wide barriers among NPROG co-resident programs: each arrives (release add at GPU
@@ -1411,9 +1336,6 @@ SOLO_PROBES: dict[str, tuple[str, Callable[..., object], str]] = {
                      "(gate_up_silu_chain_case)"),
     "rope-decode": ("rope_decode", rope_decode_chain_case, "a decode step's RoPE + K/V write and attention, two "
                     "kernels a layer against one launch, 32 layers in a graph (rope_decode_chain_case)"),
-    "mlp-block": ("mlp_block", mlp_block_case, "the decode MLP half (norm, gate|up + SiLU, down, norm), 32 "
-                  "layers in a graph: the engine's four launches a layer against one persistent launch "
-                  "(mlp_block_case)"),
     "grid-barrier": ("grid_barrier", grid_barrier_case, "one grid-wide barrier among 1 or 2 programs an SM "
                      "against a kernel boundary in a CUDA graph (grid_barrier_case)"),
     "few-warps": ("few_warps", few_warps_case, "decode programs of one and two warps: the 9 / 3 class and the "

@@ -99,12 +99,8 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         sizes: Sequence[int],
         device: torch.device,
-        mlp_barrier: torch.Tensor | None = None,
     ) -> None:
         self.model, self.layer_caches, self.ops = model, layer_caches, ops
-        # the one-launch MLP half's grid barrier (AttentionMetadata.mlp_barrier), the runner's: the graphs
-        # replay on its stream between its eager steps, never beside them
-        self._mlp_barrier = mlp_barrier
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes = tuple(sorted(set(sizes)))
@@ -151,7 +147,6 @@ class DecodeGraphs:
             seq_lens=d["seq_lens"][:n],
             decode_only=True,
             merge_counters=self._merge_counters,
-            mlp_barrier=self._mlp_barrier,
         )
         ids = d["tokens"].gather(0, d["token_src"][:n])  # the host's token or a fed one, per row
         hidden = self.model(ids, d["positions"][:n], self.layer_caches, meta, self.ops)  # [n, H]

@@ -174,9 +174,6 @@ class ModelRunner:
         # before fusing. Both paths store centred keys: the fused RoPE+KV-write kernel subtracts the
         # same bias (prefixgate_kernels/rotary.py), so CPU and GPU nodes write interchangeable fp8 blocks.
         fused = torch_device.type == "cuda"
-        # the one-launch MLP half's grid barrier (prefixgate_kernels/mlp_block.py, barrier_state's layout: arrivals,
-        # generation): one for every launch on the compute stream, eager or in a decode graph (they never overlap)
-        self._mlp_barrier = torch.zeros(2, dtype=torch.int32, device=torch_device) if fused else None
         if self.fp8_scales is not None:
             self.set_fp8_calibration(*self.calibrate_fp8())
         if fused:
@@ -191,7 +188,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.layer_caches, self.ops, self.block_size,
                 max_blocks_per_seq=-(-arch.max_model_len // self.block_size),
-                sizes=graph_batch_sizes(config.max_num_seqs), device=torch_device, mlp_barrier=self._mlp_barrier,
+                sizes=graph_batch_sizes(config.max_num_seqs), device=torch_device,
             )
             self.decode_graphs.capture()
         self.prefill_graphs: PrefillGraphs | None = None
@@ -294,7 +291,6 @@ class ModelRunner:
             decode_only=decode_only,
             context_lens=tuple(seq_lens),
             merge_counters=self._merge_counters(len(chunks)) if decode_only and dev.type == "cuda" else None,
-            mlp_barrier=self._mlp_barrier,
         )
         input_ids = to_device(ids, torch.int64, dev)
         return input_ids, tensor_to_device(positions, dev), meta

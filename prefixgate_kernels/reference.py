@@ -298,13 +298,3 @@ def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
     as ``linear_partials`` returns it (fp32 partials [S, M, N] or the [M, N] product) for the next
     ``add_rms_norm``."""
     return linear_partials(silu_mul(linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
-
-
-def mlp_block_or_none(o: torch.Tensor, residual: torch.Tensor, post_norm_weight: torch.Tensor,
-                      gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None, down_weight: torch.Tensor,
-                      down_bias: torch.Tensor | None, next_norm_weight: torch.Tensor, eps: float,
-                      barrier: torch.Tensor | None) -> torch.Tensor | None:
-    """The Triton ops' one-launch MLP half; the reference has none: None, and the caller runs
-    ``add_rms_norm``, ``mlp_partials``, ``add_rms_norm`` (``prefixgate_kernels.mlp_block.reference`` composes
-    exactly those)."""
-    return None

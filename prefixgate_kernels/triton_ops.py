@@ -23,7 +23,6 @@ from prefixgate_kernels import (
     decode_attention,
     gate_up_silu,
     kv_write,
-    mlp_block,
     partial_gemm,
     prefill_attention,
     rmsnorm,
@@ -39,7 +38,6 @@ __all__ = [
     "prefill_splits",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
     "rms_norm", "add_rms_norm", "rotary_write_kv", "rotary_decode_attention", "silu_mul", "linear", "linear_partials",
-    "mlp_block_or_none",
 ]
 
 
@@ -407,32 +405,3 @@ def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
     act = silu_mul(linear(x, gate_up_weight, gate_up_bias)) if config is None else (
         gate_up_silu.gate_up_silu(x, gate_up_weight, config))
     return linear_partials(act, down_weight, down_bias)
-
-
-def mlp_block_or_none(o: torch.Tensor, residual: torch.Tensor, post_norm_weight: torch.Tensor,
-                      gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None, down_weight: torch.Tensor,
-                      down_bias: torch.Tensor | None, next_norm_weight: torch.Tensor, eps: float,
-                      barrier: torch.Tensor | None) -> torch.Tensor | None:
-    """From the o projection's output (``linear_partials``') to the next layer's normalised input in one
-    persistent launch (``prefixgate_kernels.mlp_block``; ``residual`` updated in place as the two
-    ``add_rms_norm`` calls would), or None where that launch does not apply and the caller runs
-    ``add_rms_norm``, ``mlp_partials``, ``add_rms_norm``: more than ``mlp_block.ENGINE_MAX_ROWS`` rows
-    (0: never), no ``barrier`` state (``mlp_block.barrier_state``) from the step's owner, biases, operands
-    other than contiguous 16-bit weights of the residual's dtype, sizes its tiles do not divide."""
-    _check_rows("residual", residual)
-    m, hidden = residual.shape
-    if (barrier is None or not 0 < m <= mlp_block.ENGINE_MAX_ROWS or gate_up_bias is not None
-            or down_bias is not None or residual.dtype not in (torch.bfloat16, torch.float16)
-            or not residual.is_contiguous()):
-        return None
-    weights = (post_norm_weight, gate_up_weight, down_weight, next_norm_weight)
-    if any(w.dtype != residual.dtype or not w.is_contiguous() or w.device != residual.device for w in weights):
-        return None
-    if o.shape[-2:] != residual.shape or not o.is_contiguous() or (o.dim() == 3 and o.dtype != torch.float32) or (
-            o.dim() == 2 and o.dtype != residual.dtype):
-        return None
-    config = mlp_block.choose_config(m, hidden, down_weight.shape[1], num_sms(residual.device))
-    if config is None or gate_up_weight.shape != (2 * down_weight.shape[1], hidden):
-        return None
-    return mlp_block.mlp_block(o, residual, post_norm_weight, gate_up_weight, down_weight, next_norm_weight, eps,
-                               config, state=barrier)

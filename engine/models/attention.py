@@ -47,9 +47,6 @@ class AttentionMetadata:
     merge_counters  [>= B * kv_heads] int32 zeros the GPU decode kernel counts finished splits in
                   (prefixgate_kernels/decode_attention.py), owned by whoever launches the steps on one stream
                   (the runner, its decode graphs); None: each launch zeroes its own
-    mlp_barrier   [2] int32 zeros: the grid barrier of the one-launch MLP half
-                  (prefixgate_kernels/mlp_block.py), owned as merge_counters are; None: the MLP half
-                  runs as its four kernels
     """
 
     slot_mapping: torch.Tensor
@@ -59,7 +56,6 @@ class AttentionMetadata:
     decode_only: bool
     context_lens: tuple[int, ...] | None = None
     merge_counters: torch.Tensor | None = None
-    mlp_barrier: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,6 @@ concatenated once at load, and three fused kernels from ``ops`` per layer step::
 
 A decode-only step calls ``rotary_decode_attention(qkv)`` instead of the RoPE + write and the
 attention: on the GPU one launch does both (prefixgate_kernels/decode_attention.py, ``RopeWrite``).
-Where ``ops.mlp_block_or_none`` has a launch for the step's rows, the post-attention add + norm, the
-MLP and the next layer's add + norm are one persistent launch (prefixgate_kernels/mlp_block.py).
 
 ``ops.linear`` is cuBLAS. The o and down projections, whose only reader is the next
 ``add_rms_norm``, go through ``ops.linear_partials``: at decode-sized 16-bit batches on the GPU
@@ -162,16 +160,6 @@ class MLP(nn.Module):
         # prefixgate_kernels/gate_up_silu.py)
         return ops.mlp_partials(x, self.gate_up_weight, self.gate_up_bias, self.down_proj.weight, self.down_proj.bias)
 
-    def forward_block(self, o: torch.Tensor, residual: torch.Tensor, post_norm_weight: torch.Tensor,
-                      next_norm_weight: torch.Tensor, eps: float, barrier: torch.Tensor | None,
-                      ops: ModuleType) -> torch.Tensor | None:
-        """The post-attention add + norm, this MLP and the next add + norm (``next_norm_weight``) in one
-        launch where ``ops`` has one for these rows (``residual`` updated in place): the next layer's
-        normalised input; None where it does not apply (the caller runs the three steps itself)."""
-        assert self.gate_up_weight is not None, "call fuse_projections() first"
-        return ops.mlp_block_or_none(o, residual, post_norm_weight, self.gate_up_weight, self.gate_up_bias,
-                                     self.down_proj.weight, self.down_proj.bias, next_norm_weight, eps, barrier)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _project(self.down_proj, F.silu(_project(self.gate_proj, x)) * _project(self.up_proj, x))
 
@@ -260,23 +248,12 @@ class LlamaForCausalLM(nn.Module):
         eps = self.arch.rms_norm_eps
         residual = self.model.embed_tokens(input_ids)  # [T, hidden], the running sum (updated in place)
         delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to residual
-        h: torch.Tensor | None = None  # the next layer's normalised input, where the MLP half's launch made it
-        layers = self.model.layers
-        for i, (layer, cache) in enumerate(zip(layers, caches, strict=True)):
-            if h is None:
-                w_in = layer.input_layernorm.weight
-                h = ops.rms_norm(residual, w_in, eps) if delta is None else ops.add_rms_norm(delta, residual, w_in, eps)
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            w_in = layer.input_layernorm.weight
+            h = ops.rms_norm(residual, w_in, eps) if delta is None else ops.add_rms_norm(delta, residual, w_in, eps)
             delta = layer.self_attn.forward_fused(h, cos, sin, cache, meta, ops)
-            w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
-            h = layer.mlp.forward_block(delta, residual, layer.post_attention_layernorm.weight, w_next, eps,
-                                        meta.mlp_barrier, ops)
-            if h is None:  # the four kernels: post-attention norm and the MLP here, the next norm above
-                delta = layer.mlp.forward_fused(ops.add_rms_norm(delta, residual, layer.post_attention_layernorm.weight,
-                                                                 eps), ops)
-            else:
-                delta = None
-        if h is not None:
-            return h
+            h = ops.add_rms_norm(delta, residual, layer.post_attention_layernorm.weight, eps)
+            delta = layer.mlp.forward_fused(h, ops)
         if delta is None:
             return ops.rms_norm(residual, self.model.norm.weight, eps)
         return ops.add_rms_norm(delta, residual, self.model.norm.weight, eps)

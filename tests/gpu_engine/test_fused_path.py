@@ -65,33 +65,3 @@ def test_fused_path_with_a_cached_prefix(tmp_path):
 
     (plain, _), (fused, _) = _logits_both_paths(runner, batch)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-
-
-def test_fused_path_through_the_one_launch_mlp_half(tmp_path):
-    """Where ``ops.mlp_block_or_none`` answers (on the GPU: prefixgate_kernels/mlp_block.py), each layer's
-    post-attention norm, MLP and the next layer's input norm come from it, the last layer's with the
-    model's final norm: the same function as the plain path. Here an ops module whose one-launch half is
-    mlp_block's reference composition, so the wiring is checked on any machine."""
-    import types
-
-    from prefixgate_kernels import mlp_block
-
-    calls = []
-
-    def block_or_none(o, residual, post, gate_up, gate_up_bias, down, down_bias, nxt, eps, barrier):
-        calls.append(nxt)
-        return mlp_block.reference(o, residual, post, gate_up, down, nxt, eps, slices=2)
-
-    ops = types.ModuleType("block_ops")
-    ops.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
-    ops.mlp_block_or_none = block_or_none
-    runner = small_runner(tmp_path, "cpu", use_cuda_graphs=False)
-    runner.ops = ops
-    runner.model.fuse_projections()
-    (plain, plain_kv), (fused, fused_kv) = _logits_both_paths(runner, prefill_then_decode_batch)
-    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fused_kv.float(), plain_kv.float(), rtol=1e-4, atol=1e-4)
-    layers = runner.model.model.layers
-    want = [layer.input_layernorm.weight for layer in layers[1:]] + [runner.model.model.norm.weight]
-    assert len(calls) == 2 * len(layers)  # the prefill step and the decode step
-    assert all(a is b for a, b in zip(calls, want + want))

@@ -20,7 +20,7 @@ if os.environ.get("PREFIXGATE_KERNELS_GPU") != "1" and not torch.cuda.is_availab
     os.environ["TRITON_INTERPRET"] = "1"
     for module in ("decode_attention", "prefill_attention", "kv_write", "block_copy", "rmsnorm", "rotary",
                    "activation", "skinny_gemm", "gate_up_silu", "argmax", "triton_ops",
-                   "chacha20_poly1305", "penalties", "mlp_block"):
+                   "chacha20_poly1305", "penalties"):
         name = f"prefixgate_kernels.{module}"
         if name in sys.modules:
             importlib.reload(sys.modules[name])
