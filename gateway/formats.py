@@ -106,10 +106,14 @@ class _ChoiceState:
 
 
 class ChoiceText:
-    """Accumulates each choice's text, tool calls, logprobs and finish reason for a whole response."""
+    """Accumulates each choice's text, tool calls, logprobs and finish reason for a whole response.
+    ``keep=False``: parses each increment (tool-call tags may span increments) and records the finish,
+    but keeps no text, calls or logprobs: a stream that builds no whole response holds nothing that
+    grows with its length."""
 
-    def __init__(self, prep: Prepared | None = None) -> None:
+    def __init__(self, prep: Prepared | None = None, *, keep: bool = True) -> None:
         self._parse = bool(prep and prep.tool_parsing)
+        self._keep = keep
         self._states: dict[int, _ChoiceState] = {}
         self.text: dict[int, list[str]] = defaultdict(list)
         self.tool_deltas: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -123,12 +127,13 @@ class ChoiceText:
         which a door's own stream format sends on."""
         state = self._states.get(i) or self._states.setdefault(i, _ChoiceState(self._parse))
         delta = state.split(out)
-        if delta.content:
-            self.text[i].append(delta.content)
-        self.tool_deltas[i] += delta.tool_calls
-        self.logprobs[i] += out.logprobs
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs[i] = out.prompt_logprobs
+        if self._keep:
+            if delta.content:
+                self.text[i].append(delta.content)
+            self.tool_deltas[i] += delta.tool_calls
+            self.logprobs[i] += out.logprobs
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs[i] = out.prompt_logprobs
         if out.finished:
             self.finish[i] = state.finish_reason(out)
             self.stop_sequence[i] = out.stop_sequence
@@ -204,16 +209,16 @@ class _Format:
 
 
 class ChatFormat(_Format):
-    """Chat's whole response and stream. A stream's choices are also gathered as they go out
-    (``acc``: the same parsing the chunks come from, done once), so the completion it sent can be
-    built whole at its end, as ``StoredChatFormat`` keeps it."""
+    """Chat's whole response and stream. A stream's increments are parsed once (``acc``: tool-call
+    tags may span increments); with ``keep_stream`` its choices are also gathered as they go out, so
+    the completion it sent can be built whole at its end, as ``StoredChatFormat`` keeps it."""
 
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, prep: Prepared) -> None:
+    def __init__(self, prep: Prepared, *, keep_stream: bool = False) -> None:
         super().__init__(prep)
         self._started: set[int] = set()
-        self.acc = ChoiceText(prep)
+        self.acc = ChoiceText(prep, keep=keep_stream)
 
     def _logprobs(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any] | None:
         if self.prep.logprobs is None:
@@ -268,7 +273,7 @@ class StoredChatFormat(ChatFormat):
     fails or is left before its end keeps nothing."""
 
     def __init__(self, prep: Prepared, keep: Keep) -> None:
-        super().__init__(prep)
+        super().__init__(prep, keep_stream=True)
         self._keep = keep
         self._completed: dict[str, Any] | None = None
 

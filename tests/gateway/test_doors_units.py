@@ -181,3 +181,25 @@ def test_messages_whole_and_stream_turn_local_tool_calls_into_tool_use_blocks():
     assert "<tool" not in streamed
     tail = b"".join(fmt.tail(usage)).decode()
     assert '"tool_use"' in tail and "get_weather" in tail
+
+
+def test_an_unstored_chat_stream_keeps_nothing_that_grows_and_a_stored_one_keeps_its_completion():
+    from gateway.formats import ChatFormat, StoredChatFormat
+
+    fmt = ChatFormat(_tool_prep())
+    chunks = [c for out in _outputs() for c in fmt.chunks(0, out)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content", "") for d in deltas).strip() == "Let me check."
+    names = [call["function"]["name"] for d in deltas for call in d.get("tool_calls", []) if "name" in call["function"]]
+    assert names == ["get_weather"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not fmt.acc.text[0] and not fmt.acc.tool_deltas[0] and not fmt.acc.logprobs[0]  # parsed, not kept
+
+    async def keep(completion: dict) -> None:
+        raise AssertionError("not reached: the stream has no tail here")
+
+    kept = StoredChatFormat(_tool_prep(), keep)
+    for out in _outputs():
+        kept.chunks(0, out)
+    assert "".join(kept.acc.text[0]).strip() == "Let me check."  # what the stored completion is built from
+    assert [c["function"]["name"] for c in kept.acc.tool_calls(0)] == ["get_weather"]
