@@ -44,8 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (name, N, K) of a Llama-8B layer's decode GEMVs
 SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336), ("qkv", 6144, 4096), ("o", 4096, 4096))
-# (BLOCK_N, BLOCK_K, NUM_BUF, num_warps)
-CONFIGS = ((32, 256, 6, 4), (32, 256, 8, 4), (16, 256, 8, 4), (32, 128, 8, 4), (64, 128, 6, 8), (32, 256, 8, 8))
+# (BLOCK_N, BLOCK_K, NUM_BUF, num_warps, programs an SM). Call 2 (docs/gpu.md, session 29): the bytes in
+# flight an SM decide it (64 KB: 80-84 % of copy on gate|up, 96-128 KB: 92-93 %); call 3 goes to 192 KB,
+# in one program's ring or two programs' rings
+CONFIGS = ((32, 256, 8, 4, 1), (32, 256, 12, 4, 1), (64, 256, 6, 4, 1), (64, 256, 6, 8, 1), (32, 256, 6, 4, 2),
+           (16, 256, 12, 4, 2))
 
 
 @gluon.jit
@@ -90,9 +93,11 @@ def _stream_gemv_kernel(w_desc, x_ptr, y_ptr, N, K, NPROG: gl.constexpr, BLOCK_N
         mbarrier.invalidate(ready.index(s))
 
 
-def stream_gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int], sms: int) -> torch.Tensor:
-    """x [1, K] . w[N, K]^T -> [1, N] with one program an SM (``cfg``: BLOCK_N, BLOCK_K, NUM_BUF, warps)."""
-    block_n, block_k, num_buf, warps = cfg
+def stream_gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int, int], sms: int) -> torch.Tensor:
+    """x [1, K] . w[N, K]^T -> [1, N] with ``per_sm`` programs an SM (``cfg``: BLOCK_N, BLOCK_K, NUM_BUF, warps,
+    per_sm)."""
+    block_n, block_k, num_buf, warps, per_sm = cfg
+    sms *= per_sm
     n, k = w.shape
     assert x.shape == (1, k) and n % block_n == 0 and k % block_k == 0
     layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
@@ -167,7 +172,7 @@ def main() -> int:
             record("gate_up_silu", bench_graph(lambda x=x, ws=ws, cfg=cfg: [gate_up_silu.gate_up_silu(x, w, cfg)
                                                                             for w in ws]))
         for cfg in CONFIGS:
-            key = "bn{}_bk{}_buf{}_w{}".format(*cfg)
+            key = "bn{}_bk{}_buf{}_w{}_x{}".format(*cfg)
             try:
                 got = stream_gemv(x, ws[0], cfg, sms)
                 torch.cuda.synchronize()
