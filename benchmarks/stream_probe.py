@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # (name, N, K) of a Llama-8B layer's decode GEMVs
 SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336), ("qkv", 6144, 4096), ("o", 4096, 4096))
 # (BLOCK_N, BLOCK_K, NUM_BUF, num_warps, programs an SM). Call 2 (docs/gpu.md, session 29): the bytes in
-# flight an SM decide it (64 KB: 80-84 % of copy on gate|up, 96-128 KB: 92-93 %); call 3 goes to 192 KB,
-# in one program's ring or two programs' rings
-CONFIGS = ((32, 256, 8, 4, 1), (32, 256, 12, 4, 1), (64, 256, 6, 4, 1), (64, 256, 6, 8, 1), (32, 256, 6, 4, 2),
-           (16, 256, 12, 4, 2))
+# flight an SM decide it (64 KB: 80-84 % of copy on gate|up, 96-128 KB: 92-93 %); call 3: 192 KB in one
+# ring was no faster (88-94 %), two programs an SM 95 %, down at 64-72 % in every form
+CONFIGS = ((32, 256, 8, 4, 1), (32, 256, 8, 8, 1), (64, 256, 6, 8, 1), (32, 256, 6, 4, 2), (16, 256, 12, 4, 2),
+           (16, 256, 6, 4, 2))
 
 
 @gluon.jit
@@ -72,6 +72,9 @@ def _stream_gemv_kernel(w_desc, x_ptr, y_ptr, N, K, NPROG: gl.constexpr, BLOCK_N
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, L))
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
     acc = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, L))
+    # x's slice one iteration ahead: a program with one or two output tiles (down, o) meets each slice of
+    # x once, from L2, and waited for it every iteration (call 3: down at 72 % whatever the ring's depth)
+    x = gl.load(x_ptr + cols).to(gl.float32)
     for i in range(n_it):
         gl.thread_barrier()  # every warp has read slot (i - 1) % NUM_BUF: the TMA may refill it
         nxt = i + NUM_BUF - 1
@@ -82,9 +85,10 @@ def _stream_gemv_kernel(w_desc, x_ptr, y_ptr, N, K, NPROG: gl.constexpr, BLOCK_N
                                                  (nxt % k_steps) * BLOCK_K], ready.index(ns), ring.index(ns), pred=ok)
         slot = i % NUM_BUF
         mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+        x_next = gl.load(x_ptr + ((i + 1) % k_steps) * BLOCK_K + cols).to(gl.float32)
         w = ring.index(slot).load(L).to(gl.float32)
-        x = gl.load(x_ptr + (i % k_steps) * BLOCK_K + cols).to(gl.float32)
         acc += gl.sum(w * x[None, :], axis=1)
+        x = x_next
         if i % k_steps == k_steps - 1:
             n0 = (pid + (i // k_steps) * NPROG) * BLOCK_N
             gl.store(y_ptr + n0 + rows, acc.to(y_ptr.dtype.element_ty))
