@@ -44,51 +44,56 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (name, N, K) of a Llama-8B layer's decode GEMVs
 SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336), ("qkv", 6144, 4096), ("o", 4096, 4096))
-# (BLOCK_N, BLOCK_K, NUM_BUF, num_warps, programs an SM). Call 2 (docs/gpu.md, session 29): the bytes in
+# (BLOCK_N, BLOCK_K, NUM_BUF, num_warps, programs an SM, SUB boxes a slot). Call 2 (docs/gpu.md, session 29): the bytes in
 # flight an SM decide it (64 KB: 80-84 % of copy on gate|up, 96-128 KB: 92-93 %); call 3: 192 KB in one
-# ring was no faster (88-94 %), two programs an SM 95 %, down at 64-72 % in every form
-CONFIGS = ((32, 256, 8, 4, 1), (32, 256, 8, 8, 1), (64, 256, 6, 8, 1), (32, 256, 6, 4, 2), (16, 256, 12, 4, 2),
-           (16, 256, 6, 4, 2))
+# ring was no faster (88-94 %), two programs an SM 95 %, down at 64-72 % in every form; call 4: x's slice loaded
+# ahead changed nothing; call 5: SUB boxes a slot, 512 x SUB contiguous bytes of each weight row
+CONFIGS = ((32, 256, 8, 4, 1, 1), (32, 256, 3, 4, 1, 4), (16, 256, 3, 4, 1, 4), (16, 256, 4, 4, 1, 4),
+           (16, 256, 3, 4, 2, 4), (8, 256, 4, 4, 2, 4))
+
+
+@gluon.jit
+def _fill(w_desc, ring, ready, it, n_it, k_steps, pid, NPROG: gl.constexpr, BLOCK_N: gl.constexpr,
+          BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, SUB: gl.constexpr):
+    """TMA this program's iteration ``it`` into its slot: SUB boxes of [BLOCK_N, BLOCK_K] side by side along K
+    (SUB x 512 bytes of each weight row), one mbarrier counting all their bytes; nothing past the last."""
+    slot = it % NUM_BUF
+    ok = it < n_it
+    mbarrier.expect(ready.index(slot), SUB * BLOCK_N * BLOCK_K * 2, pred=ok)
+    n0 = (pid + (it // k_steps) * NPROG) * BLOCK_N
+    k0 = (it % k_steps) * (SUB * BLOCK_K)
+    for j in gl.static_range(SUB):
+        tma.async_copy_global_to_shared(w_desc, [n0, k0 + j * BLOCK_K], ready.index(slot), ring.index(slot * SUB + j),
+                                        pred=ok)
 
 
 @gluon.jit
 def _stream_gemv_kernel(w_desc, x_ptr, y_ptr, N, K, NPROG: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+                        BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, SUB: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
-    k_steps = K // BLOCK_K
+    k_steps = K // (BLOCK_K * SUB)
     n_it = ((N // BLOCK_N - pid + NPROG - 1) // NPROG) * k_steps
-    ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF * SUB, BLOCK_N, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(s), count=1)
-    tile_bytes: gl.constexpr = BLOCK_N * BLOCK_K * 2
     for s in gl.static_range(NUM_BUF - 1):
-        ok = s < n_it
-        mbarrier.expect(ready.index(s), tile_bytes, pred=ok)
-        tma.async_copy_global_to_shared(w_desc, [(pid + (s // k_steps) * NPROG) * BLOCK_N, (s % k_steps) * BLOCK_K],
-                                        ready.index(s), ring.index(s), pred=ok)
+        _fill(w_desc, ring, ready, s, n_it, k_steps, pid, NPROG, BLOCK_N, BLOCK_K, NUM_BUF, SUB)
     # a [BLOCK_N, BLOCK_K] tile: 8 bf16 (16 bytes) a thread along K, warps down the rows
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, L))
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
     acc = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, L))
-    # x's slice one iteration ahead: a program with one or two output tiles (down, o) meets each slice of
-    # x once, from L2, and waited for it every iteration (call 3: down at 72 % whatever the ring's depth)
-    x = gl.load(x_ptr + cols).to(gl.float32)
     for i in range(n_it):
         gl.thread_barrier()  # every warp has read slot (i - 1) % NUM_BUF: the TMA may refill it
-        nxt = i + NUM_BUF - 1
-        ns = nxt % NUM_BUF
-        ok = nxt < n_it
-        mbarrier.expect(ready.index(ns), tile_bytes, pred=ok)
-        tma.async_copy_global_to_shared(w_desc, [(pid + (nxt // k_steps) * NPROG) * BLOCK_N,
-                                                 (nxt % k_steps) * BLOCK_K], ready.index(ns), ring.index(ns), pred=ok)
+        _fill(w_desc, ring, ready, i + NUM_BUF - 1, n_it, k_steps, pid, NPROG, BLOCK_N, BLOCK_K, NUM_BUF, SUB)
         slot = i % NUM_BUF
         mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
-        x_next = gl.load(x_ptr + ((i + 1) % k_steps) * BLOCK_K + cols).to(gl.float32)
-        w = ring.index(slot).load(L).to(gl.float32)
-        acc += gl.sum(w * x[None, :], axis=1)
-        x = x_next
+        k0 = (i % k_steps) * (SUB * BLOCK_K)
+        for j in gl.static_range(SUB):
+            x = gl.load(x_ptr + k0 + j * BLOCK_K + cols).to(gl.float32)
+            w = ring.index(slot * SUB + j).load(L).to(gl.float32)
+            acc += gl.sum(w * x[None, :], axis=1)
         if i % k_steps == k_steps - 1:
             n0 = (pid + (i // k_steps) * NPROG) * BLOCK_N
             gl.store(y_ptr + n0 + rows, acc.to(y_ptr.dtype.element_ty))
@@ -99,16 +104,16 @@ def _stream_gemv_kernel(w_desc, x_ptr, y_ptr, N, K, NPROG: gl.constexpr, BLOCK_N
 
 def stream_gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int, int], sms: int) -> torch.Tensor:
     """x [1, K] . w[N, K]^T -> [1, N] with ``per_sm`` programs an SM (``cfg``: BLOCK_N, BLOCK_K, NUM_BUF, warps,
-    per_sm)."""
-    block_n, block_k, num_buf, warps, per_sm = cfg
+    per_sm, SUB boxes a slot)."""
+    block_n, block_k, num_buf, warps, per_sm, sub = cfg
     sms *= per_sm
     n, k = w.shape
-    assert x.shape == (1, k) and n % block_n == 0 and k % block_k == 0
+    assert x.shape == (1, k) and n % block_n == 0 and k % (block_k * sub) == 0
     layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
     desc = TensorDescriptor.from_tensor(w, [block_n, block_k], layout)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _stream_gemv_kernel[(sms,)](desc, x, y, n, k, NPROG=sms, BLOCK_N=block_n, BLOCK_K=block_k, NUM_BUF=num_buf,
-                                num_warps=warps)
+                                SUB=sub, num_warps=warps)
     return y
 
 
@@ -176,7 +181,7 @@ def main() -> int:
             record("gate_up_silu", bench_graph(lambda x=x, ws=ws, cfg=cfg: [gate_up_silu.gate_up_silu(x, w, cfg)
                                                                             for w in ws]))
         for cfg in CONFIGS:
-            key = "bn{}_bk{}_buf{}_w{}_x{}".format(*cfg)
+            key = "bn{}_bk{}_buf{}_w{}_x{}_sub{}".format(*cfg)
             try:
                 got = stream_gemv(x, ws[0], cfg, sms)
                 torch.cuda.synchronize()
