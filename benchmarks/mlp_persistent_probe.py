@@ -1,0 +1,320 @@
+"""The decode step's MLP half as one persistent Gluon launch at batch 1 (issue #19 item 1, session 29).
+
+``benchmarks/stream_probe.py`` found the streaming form: one program an SM owning a ring of shared-memory
+slots that the TMA fills, work items of (output tile x K slice), which reads the step's GEMVs at cuBLAS's
+rate but gate|up's (-5 %). This probe builds the MLP half on it, the four launches the engine runs from
+the o projection to the next layer's input (``add_rms_norm``, ``gate_up_silu``, the down projection's
+K-slice partials, ``add_rms_norm``), as phases of one launch separated by grid barriers::
+
+    before P1   TMA the first gate|up tiles (weights depend on nothing the step computes)
+    P1          16 programs: residual += sum(o's 4 fp32 partials) over 256 columns; sum of squares -> ss_a
+    barrier
+    P2          gate|up items (32 columns x half of K): x = the normalised residual slice, computed from
+                the residual and ss_a as it is read; gate and up sums of each half -> fp32 partials
+    (TMA the first down tiles, then) barrier
+    P3          down items (64 rows x quarter of K): act = silu(gate) * up from P2's partials as it is read
+                (gate|up's roundings); fp32 partials a quarter
+    barrier
+    P4          16 programs: residual += sum(down's partials); sum of squares -> ss_b
+    barrier
+    P5          16 programs: out = w_next * normalised residual
+
+The ring's iterations run on across the phases (slot = iteration % NUM_BUF, each slot's mbarrier phase
+its use count), so P3's first tiles land while P2's last ones are read. The barrier is
+session 29's sense-reversing one (an arrival count the last arrival zeroes, a generation word it
+advances). Batch 1, bf16, Llama-8B's 4,096 / 14,336; against the engine's four launches, 32 layers in one
+CUDA graph, each with its own weights. Compiled only (Gluon).
+
+    python benchmarks/mlp_persistent_probe.py --out benchmarks/results/mlp_persistent_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HIDDEN, INTER = 4096, 14336
+NCOL = 256  # columns of a norm tile (P1, P4, P5): 16 tiles
+GU_N, DOWN_N, BLOCK_K = 32, 64, 256
+GU_HALVES, DOWN_SLICES = 2, 4
+# (NUM_BUF, num_warps)
+CONFIGS = ((6, 8), (5, 8), (6, 4))
+
+
+@gluon.jit
+def _grid_sync(state_ptr, NPROG: gl.constexpr):
+    gl.thread_barrier()
+    gen = gl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
+    arrived = gl.atomic_add(state_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == NPROG - 1:
+        gl.atomic_xchg(state_ptr, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(state_ptr + 1, gen + 1, sem="release", scope="gpu")
+    else:
+        seen = gl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
+        while seen == gen:
+            seen = gl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _fill(gu_desc, down_desc, ring, ready, g, n2, limit, pid, NPROG: gl.constexpr, NUM_BUF: gl.constexpr):
+    """TMA ring iteration ``g`` (P2's first n2, then P3's) into slot g % NUM_BUF, unless ``g >= limit`` (P2's
+    loop stops at n2: P3's first tiles are issued once, after it)."""
+    slot = g % NUM_BUF
+    ok = g < limit
+    mbarrier.expect(ready.index(slot), 32 * 1024, pred=ok)
+    if g < n2:  # gate|up: item (tile, half), 8 K steps an item; gate rows in the slot's top half, up rows below
+        item = pid + (g // 8) * NPROG
+        n0 = (item // 2) * 32
+        k0 = (item % 2) * 2048 + (g % 8) * 256
+        dst = ring.index(slot)
+        tma.async_copy_global_to_shared(gu_desc, [n0, k0], ready.index(slot), dst.slice(0, 32), pred=ok)
+        tma.async_copy_global_to_shared(gu_desc, [14336 + n0, k0], ready.index(slot), dst.slice(32, 32), pred=ok)
+    else:  # down: item (64-row tile, quarter of K), 14 K steps an item
+        i = g - n2
+        item = pid + (i // 14) * NPROG
+        tma.async_copy_global_to_shared(down_desc, [(item // 4) * 64, (item % 4) * 3584 + (i % 14) * 256],
+                                        ready.index(slot), ring.index(slot), pred=ok)
+
+
+@gluon.jit
+def _norm_sums(parts_ptr, res_ptr, ss_ptr, pid, L1: gl.constexpr):
+    """Tile ``pid`` of 256 columns: residual += the 4 fp32 partials' sum rounded to bf16, rounded; the
+    tile's sum of squares -> ss[pid] (add_rms_norm's roundings)."""
+    cols = pid * 256 + gl.arange(0, 256, layout=L1)
+    acc = gl.zeros([256], gl.float32, layout=L1)
+    for s in gl.static_range(4):
+        acc += gl.load(parts_ptr + s * 4096 + cols, cache_modifier=".cg")
+    r = gl.load(res_ptr + cols, cache_modifier=".cg")
+    h = (r.to(gl.float32) + acc.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
+    gl.store(res_ptr + cols, h)
+    h32 = h.to(gl.float32)
+    gl.store(ss_ptr + pid, gl.sum(h32 * h32, axis=0))
+
+
+@gluon.jit
+def _inv_rms(ss_ptr, eps, L1: gl.constexpr):
+    t = gl.arange(0, 16, layout=L1)
+    return 1.0 / gl.sqrt(gl.sum(gl.load(ss_ptr + t, cache_modifier=".cg"), axis=0) / 4096 + eps)
+
+
+@gluon.jit
+def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr, gu_parts_ptr, down_parts_ptr,
+                     ss_ptr, out_ptr, state_ptr, eps, NPROG: gl.constexpr, NUM_BUF: gl.constexpr,
+                     num_warps: gl.constexpr):
+    pid = gl.program_id(0)
+    n2 = ((896 - pid + NPROG - 1) // NPROG) * 8  # P2: 448 tiles x 2 halves of K, 8 steps each
+    n_all = n2 + ((256 - pid + NPROG - 1) // NPROG) * 14  # P3: 64 tiles x 4 quarters of K, 14 steps each
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, 64, 256], down_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(NUM_BUF - 1):
+        _fill(gu_desc, down_desc, ring, ready, s, n2, n2, pid, NPROG, NUM_BUF)
+    L1: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
+    cols = gl.arange(0, 256, layout=gl.SliceLayout(0, L))
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+
+    if pid < 16:  # P1
+        _norm_sums(o_ptr, res_ptr, ss_ptr, pid, L1)
+    _grid_sync(state_ptr, NPROG)
+
+    # P2: gate|up
+    inv = _inv_rms(ss_ptr, eps, L1)
+    acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
+    for i in range(n2):
+        gl.thread_barrier()  # slot (i - 1) % NUM_BUF is read by every warp: refill it
+        _fill(gu_desc, down_desc, ring, ready, i + NUM_BUF - 1, n2, n2, pid, NPROG, NUM_BUF)
+        item = pid + (i // 8) * NPROG
+        k0 = (item % 2) * 2048 + (i % 8) * 256
+        h = gl.load(res_ptr + k0 + cols, cache_modifier=".cg").to(gl.float32)
+        w_norm = gl.load(w_post_ptr + k0 + cols).to(gl.float32)
+        x = (w_norm * (h * inv).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16).to(gl.float32)
+        slot = i % NUM_BUF
+        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+        w = ring.index(slot).load(L).to(gl.float32)
+        acc += gl.sum(w * x[None, :], axis=1)
+        if i % 8 == 7:  # rows 0-31: gate columns n0.., 32-63: up columns; one fp32 partial per half of K
+            n0 = (item // 2) * 32
+            idx = gl.where(rows < 32, n0 + rows, 14336 + n0 + rows - 32)
+            gl.store(gu_parts_ptr + (item % 2) * 28672 + idx, acc)
+            acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
+    gl.thread_barrier()  # every slot of P2 is read: P3's first tiles may go in before the barrier
+    for s in gl.static_range(NUM_BUF - 1):
+        _fill(gu_desc, down_desc, ring, ready, n2 + s, n2, n_all, pid, NPROG, NUM_BUF)
+    _grid_sync(state_ptr, NPROG)
+
+    # P3: down
+    for i in range(n_all - n2):
+        g = n2 + i
+        gl.thread_barrier()
+        _fill(gu_desc, down_desc, ring, ready, g + NUM_BUF - 1, n2, n_all, pid, NPROG, NUM_BUF)
+        item = pid + (i // 14) * NPROG
+        k0 = (item % 4) * 3584 + (i % 14) * 256
+        gate_sum = gl.load(gu_parts_ptr + k0 + cols, cache_modifier=".cg")
+        gate_sum += gl.load(gu_parts_ptr + 28672 + k0 + cols, cache_modifier=".cg")
+        up_sum = gl.load(gu_parts_ptr + 14336 + k0 + cols, cache_modifier=".cg")
+        up_sum += gl.load(gu_parts_ptr + 28672 + 14336 + k0 + cols, cache_modifier=".cg")
+        gate = gate_sum.to(gl.bfloat16).to(gl.float32)  # gate_up_silu's roundings
+        up = up_sum.to(gl.bfloat16).to(gl.float32)
+        act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+        x = (act * up).to(gl.bfloat16).to(gl.float32)
+        slot = g % NUM_BUF
+        mbarrier.wait(ready.index(slot), (g // NUM_BUF) & 1)
+        w = ring.index(slot).load(L).to(gl.float32)
+        acc += gl.sum(w * x[None, :], axis=1)
+        if i % 14 == 13:
+            gl.store(down_parts_ptr + (item % 4) * 4096 + (item // 4) * 64 + rows, acc)
+            acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
+    _grid_sync(state_ptr, NPROG)
+
+    if pid < 16:  # P4
+        _norm_sums(down_parts_ptr, res_ptr, ss_ptr + 16, pid, L1)
+    _grid_sync(state_ptr, NPROG)
+    if pid < 16:  # P5
+        inv_b = _inv_rms(ss_ptr + 16, eps, L1)
+        c = pid * 256 + gl.arange(0, 256, layout=L1)
+        h2 = gl.load(res_ptr + c).to(gl.float32)  # this program's own tile, written in P4
+        y = (h2 * inv_b).to(gl.bfloat16).to(gl.float32)
+        gl.store(out_ptr + c, (gl.load(w_next_ptr + c).to(gl.float32) * y).to(gl.bfloat16))
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(s))
+
+
+class MlpHalf:
+    """One layer's launch: descriptors and scratch made once (as an engine would keep them)."""
+
+    def __init__(self, w_gu: torch.Tensor, w_down: torch.Tensor, sms: int, state: torch.Tensor,
+                 num_buf: int = 6, warps: int = 8) -> None:
+        gu_layout = gl.NVMMASharedLayout.get_default_for([GU_N, BLOCK_K], gl.bfloat16)
+        down_layout = gl.NVMMASharedLayout.get_default_for([DOWN_N, BLOCK_K], gl.bfloat16)
+        self.gu_desc = TensorDescriptor.from_tensor(w_gu, [GU_N, BLOCK_K], gu_layout)
+        self.down_desc = TensorDescriptor.from_tensor(w_down, [DOWN_N, BLOCK_K], down_layout)
+        dev = w_gu.device
+        self.gu_parts = torch.empty(GU_HALVES * 2 * INTER, dtype=torch.float32, device=dev)
+        self.down_parts = torch.empty(DOWN_SLICES * HIDDEN, dtype=torch.float32, device=dev)
+        self.ss = torch.empty(32, dtype=torch.float32, device=dev)
+        self.state, self.sms, self.num_buf, self.warps = state, sms, num_buf, warps
+
+    def __call__(self, o: torch.Tensor, residual: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+        out = torch.empty_like(residual)
+        _mlp_half_kernel[(self.sms,)](self.gu_desc, self.down_desc, o, residual, w_post, w_next, self.gu_parts,
+                                      self.down_parts, self.ss, out, self.state, eps, NPROG=self.sms,
+                                      NUM_BUF=self.num_buf, num_warps=self.warps)
+        return out
+
+
+def bench_graph(fn) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return float(triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median"))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp(min=1e-12))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/mlp_persistent_probe.json")
+    ap.add_argument("--layers", type=int, default=32)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/mlp_persistent_probe.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from stream_probe import copy_tbps  # this script's own folder is on sys.path
+
+    from prefixgate_kernels import triton_ops
+
+    t0 = time.time()
+    dev = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device=dev).manual_seed(0)
+    copy = copy_tbps()
+    eps = 1e-5
+    layers = args.layers
+    w_gu = [torch.randn(2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen) * HIDDEN ** -0.5
+            for _ in range(layers)]
+    w_down = [torch.randn(HIDDEN, INTER, device=dev, dtype=torch.bfloat16, generator=gen) * INTER ** -0.5
+              for _ in range(layers)]
+    norms = [1 + 0.1 * torch.randn(HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers + 1)]
+    o = torch.randn(4, 1, HIDDEN, device=dev, generator=gen) * 0.1
+    residual = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
+    nbytes = 3 * HIDDEN * INTER * 2 * layers
+    commit = os.environ.get("PREFIXGATE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(0),
+                    "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
+                    "python": platform.python_version(), "copy_TBps": copy, "sms": sms, "layers": layers,
+                    "us_per_layer": {}, "pct_copy": {}, "rel_err": {}, "residual_rel_err": {}}
+    print(f"{result['gpu']}: copy {copy:.2f} TB/s, {sms} SMs", flush=True)
+
+    def engine_ops(i: int, res: torch.Tensor) -> torch.Tensor:
+        h = triton_ops.add_rms_norm(o, res, norms[i], eps)
+        return triton_ops.add_rms_norm(triton_ops.mlp_partials(h, w_gu[i], None, w_down[i]), res, norms[i + 1], eps)
+
+    def record(key: str, ms: float) -> None:
+        result["us_per_layer"][key] = 1000 * ms / layers
+        result["pct_copy"][key] = 100 * nbytes / (ms * 1e-3) / 1e12 / copy
+
+    res_want = residual.clone()
+    want = engine_ops(0, res_want)
+    res_e = residual.clone()
+    record("engine ops", bench_graph(lambda: [engine_ops(i, res_e) for i in range(layers)]))
+    state = torch.zeros(2, dtype=torch.int32, device=dev)
+    for num_buf, warps in CONFIGS:
+        key = f"persistent buf{num_buf}_w{warps}"
+        try:
+            halves = [MlpHalf(w_gu[i], w_down[i], sms, state, num_buf, warps) for i in range(layers)]
+            res_got = residual.clone()
+            got = halves[0](o, res_got, norms[0], norms[1], eps)
+            torch.cuda.synchronize()
+            result["rel_err"][key] = rel_err(got, want)
+            result["residual_rel_err"][key] = rel_err(res_got, res_want)
+            if not result["rel_err"][key] < 2e-2:
+                result["us_per_layer"][key] = f"wrong: rel. error {result['rel_err'][key]:.3g}"
+                continue
+            res_p = residual.clone()
+            record(key, bench_graph(lambda halves=halves, res_p=res_p: [
+                halves[i](o, res_p, norms[i], norms[i + 1], eps) for i in range(layers)]))
+            result["barrier_state_after"] = state.tolist()
+        except Exception as e:  # noqa: BLE001  (a config that does not compile or fit is a finding)
+            result["us_per_layer"][key] = f"{type(e).__name__}: {e}"[:300]
+        print(f"{key}: {result['us_per_layer'][key]}, rel. error {result['rel_err'].get(key)}", flush=True)
+    print("MLP half at batch 1, us a layer (% of copy): " + ", ".join(
+        f"{k} {v:.2f} ({result['pct_copy'][k]:.0f} %)" if isinstance(v, float) else f"{k} {v}"
+        for k, v in result["us_per_layer"].items()), flush=True)
+    result["wall_s"] = time.time() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"-> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
