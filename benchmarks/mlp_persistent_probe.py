@@ -52,8 +52,9 @@ HIDDEN, INTER = 4096, 14336
 NCOL = 256  # columns of a norm tile (P1, P4, P5): 16 tiles
 GU_N, DOWN_N, BLOCK_K = 32, 64, 256
 GU_HALVES, DOWN_SLICES = 2, 4
-# (NUM_BUF, num_warps)
-CONFIGS = ((6, 8), (5, 8), (6, 4))
+# (NUM_BUF, num_warps). Call 7: 169-175 us a layer against the four launches' 124.6, each step waiting on
+# its L2 inputs; call 8 loads them a step ahead
+CONFIGS = ((6, 8), (6, 4), (4, 8))
 
 
 @gluon.jit
@@ -114,6 +115,33 @@ def _inv_rms(ss_ptr, eps, L1: gl.constexpr):
 
 
 @gluon.jit
+def _gate_up_inputs(res_ptr, w_post_ptr, i, pid, cols, n2, NPROG: gl.constexpr):
+    """The residual and norm-weight slices gate|up's step ``i`` of this program reads (zeros past its last)."""
+    item = pid + (i // 8) * NPROG
+    k0 = (item % 2) * 2048 + (i % 8) * 256
+    ok = (cols * 0 + i) < n2
+    h = gl.load(res_ptr + k0 + cols, mask=ok, other=0.0, cache_modifier=".cg").to(gl.float32)
+    return h, gl.load(w_post_ptr + k0 + cols, mask=ok, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _down_input(gu_parts_ptr, i, pid, cols, n3, NPROG: gl.constexpr):
+    """silu(gate) * up for down's step ``i`` of this program, from gate|up's two fp32 halves, rounded as
+    ``gate_up_silu`` rounds (zeros past its last step)."""
+    item = pid + (i // 14) * NPROG
+    k0 = (item % 4) * 3584 + (i % 14) * 256
+    ok = (cols * 0 + i) < n3
+    gate_sum = gl.load(gu_parts_ptr + k0 + cols, mask=ok, other=0.0, cache_modifier=".cg")
+    gate_sum += gl.load(gu_parts_ptr + 28672 + k0 + cols, mask=ok, other=0.0, cache_modifier=".cg")
+    up_sum = gl.load(gu_parts_ptr + 14336 + k0 + cols, mask=ok, other=0.0, cache_modifier=".cg")
+    up_sum += gl.load(gu_parts_ptr + 28672 + 14336 + k0 + cols, mask=ok, other=0.0, cache_modifier=".cg")
+    gate = gate_sum.to(gl.bfloat16).to(gl.float32)
+    up = up_sum.to(gl.bfloat16).to(gl.float32)
+    act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+    return (act * up).to(gl.bfloat16).to(gl.float32)
+
+
+@gluon.jit
 def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr, gu_parts_ptr, down_parts_ptr,
                      ss_ptr, out_ptr, state_ptr, eps, NPROG: gl.constexpr, NUM_BUF: gl.constexpr,
                      num_warps: gl.constexpr):
@@ -135,53 +163,49 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
         _norm_sums(o_ptr, res_ptr, ss_ptr, pid, L1)
     _grid_sync(state_ptr, NPROG)
 
-    # P2: gate|up
+    # P2: gate|up. The residual and norm-weight slices a step reads come from L2 (written by other SMs in P1,
+    # so .cg): loaded a step ahead, or their latency is on every step's path (call 7: 36-40 % slower)
     inv = _inv_rms(ss_ptr, eps, L1)
     acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
+    h, w_norm = _gate_up_inputs(res_ptr, w_post_ptr, 0, pid, cols, n2, NPROG)
     for i in range(n2):
         gl.thread_barrier()  # slot (i - 1) % NUM_BUF is read by every warp: refill it
         _fill(gu_desc, down_desc, ring, ready, i + NUM_BUF - 1, n2, n2, pid, NPROG, NUM_BUF)
-        item = pid + (i // 8) * NPROG
-        k0 = (item % 2) * 2048 + (i % 8) * 256
-        h = gl.load(res_ptr + k0 + cols, cache_modifier=".cg").to(gl.float32)
-        w_norm = gl.load(w_post_ptr + k0 + cols).to(gl.float32)
+        h_next, w_norm_next = _gate_up_inputs(res_ptr, w_post_ptr, i + 1, pid, cols, n2, NPROG)
         x = (w_norm * (h * inv).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16).to(gl.float32)
         slot = i % NUM_BUF
         mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
         w = ring.index(slot).load(L).to(gl.float32)
         acc += gl.sum(w * x[None, :], axis=1)
         if i % 8 == 7:  # rows 0-31: gate columns n0.., 32-63: up columns; one fp32 partial per half of K
+            item = pid + (i // 8) * NPROG
             n0 = (item // 2) * 32
             idx = gl.where(rows < 32, n0 + rows, 14336 + n0 + rows - 32)
             gl.store(gu_parts_ptr + (item % 2) * 28672 + idx, acc)
             acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
+        h = h_next
+        w_norm = w_norm_next
     gl.thread_barrier()  # every slot of P2 is read: P3's first tiles may go in before the barrier
     for s in gl.static_range(NUM_BUF - 1):
         _fill(gu_desc, down_desc, ring, ready, n2 + s, n2, n_all, pid, NPROG, NUM_BUF)
     _grid_sync(state_ptr, NPROG)
 
-    # P3: down
+    # P3: down; SiLU x up's inputs (gate|up's fp32 halves, from L2) a step ahead, as P2's
+    act_x = _down_input(gu_parts_ptr, 0, pid, cols, n_all - n2, NPROG)
     for i in range(n_all - n2):
         g = n2 + i
         gl.thread_barrier()
         _fill(gu_desc, down_desc, ring, ready, g + NUM_BUF - 1, n2, n_all, pid, NPROG, NUM_BUF)
-        item = pid + (i // 14) * NPROG
-        k0 = (item % 4) * 3584 + (i % 14) * 256
-        gate_sum = gl.load(gu_parts_ptr + k0 + cols, cache_modifier=".cg")
-        gate_sum += gl.load(gu_parts_ptr + 28672 + k0 + cols, cache_modifier=".cg")
-        up_sum = gl.load(gu_parts_ptr + 14336 + k0 + cols, cache_modifier=".cg")
-        up_sum += gl.load(gu_parts_ptr + 28672 + 14336 + k0 + cols, cache_modifier=".cg")
-        gate = gate_sum.to(gl.bfloat16).to(gl.float32)  # gate_up_silu's roundings
-        up = up_sum.to(gl.bfloat16).to(gl.float32)
-        act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-        x = (act * up).to(gl.bfloat16).to(gl.float32)
+        act_next = _down_input(gu_parts_ptr, i + 1, pid, cols, n_all - n2, NPROG)
         slot = g % NUM_BUF
         mbarrier.wait(ready.index(slot), (g // NUM_BUF) & 1)
         w = ring.index(slot).load(L).to(gl.float32)
-        acc += gl.sum(w * x[None, :], axis=1)
+        acc += gl.sum(w * act_x[None, :], axis=1)
         if i % 14 == 13:
+            item = pid + (i // 14) * NPROG
             gl.store(down_parts_ptr + (item % 4) * 4096 + (item // 4) * 64 + rows, acc)
             acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
+        act_x = act_next
     _grid_sync(state_ptr, NPROG)
 
     if pid < 16:  # P4
