@@ -52,9 +52,9 @@ HIDDEN, INTER = 4096, 14336
 NCOL = 256  # columns of a norm tile (P1, P4, P5): 16 tiles
 GU_N, DOWN_N, BLOCK_K = 32, 64, 256
 GU_HALVES, DOWN_SLICES = 2, 4
-# (NUM_BUF, num_warps). Call 7: 169-175 us a layer against the four launches' 124.6, each step waiting on
-# its L2 inputs; call 8 loads them a step ahead
-CONFIGS = ((6, 8), (6, 4), (4, 8))
+# (NUM_BUF, num_warps). Call 7: 169-175 us a layer against the four launches' 124.6; call 8, each step's L2
+# inputs loaded a step ahead: the same; call 9: the barrier spins on reads instead of atomics
+CONFIGS = ((6, 8), (5, 8))
 
 
 @gluon.jit
@@ -66,9 +66,12 @@ def _grid_sync(state_ptr, NPROG: gl.constexpr):
         gl.atomic_xchg(state_ptr, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(state_ptr + 1, gen + 1, sem="release", scope="gpu")
     else:
-        seen = gl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
+        # spin on plain volatile reads, then one acquire: early programs spinning with atomic RMWs on one L2
+        # line queued the streaming programs' traffic there (call 8: 171 us a layer against ~130 expected)
+        seen = gl.load(state_ptr + 1, volatile=True)
         while seen == gen:
-            seen = gl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
+            seen = gl.load(state_ptr + 1, volatile=True)
+        gl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
     gl.thread_barrier()
 
 
