@@ -53,8 +53,9 @@ NCOL = 256  # columns of a norm tile (P1, P4, P5): 16 tiles
 GU_N, DOWN_N, BLOCK_K = 32, 64, 256
 GU_HALVES, DOWN_SLICES = 2, 4
 # (NUM_BUF, num_warps). Call 7: 169-175 us a layer against the four launches' 124.6; call 8, each step's L2
-# inputs loaded a step ahead: the same; call 9: the barrier spins on reads instead of atomics
-CONFIGS = ((6, 8), (5, 8))
+# inputs loaded a step ahead: the same; call 9, the barrier spinning on reads: the same; call 10 reads
+# each program's timer at its phase ends
+CONFIGS = ((6, 8),)
 
 
 @gluon.jit
@@ -73,6 +74,14 @@ def _grid_sync(state_ptr, NPROG: gl.constexpr):
             seen = gl.load(state_ptr + 1, volatile=True)
         gl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
     gl.thread_barrier()
+
+
+@gluon.jit
+def _stamp(stamps_ptr, slot, after):
+    """The GPU's nanosecond timer at ``stamps_ptr + slot``, read once ``after`` (an fp32 scalar) is known."""
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,f", [after], dtype=gl.int64, is_pure=False,
+                                    pack=1)
+    gl.store(stamps_ptr + slot, now)
 
 
 @gluon.jit
@@ -146,9 +155,11 @@ def _down_input(gu_parts_ptr, i, pid, cols, n3, NPROG: gl.constexpr):
 
 @gluon.jit
 def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr, gu_parts_ptr, down_parts_ptr,
-                     ss_ptr, out_ptr, state_ptr, eps, NPROG: gl.constexpr, NUM_BUF: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     ss_ptr, out_ptr, state_ptr, stamps_ptr, eps, NPROG: gl.constexpr, NUM_BUF: gl.constexpr,
+                     STAMPS: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
+    if STAMPS:  # 8 timer reads a program: start, then after P1, barrier 1, P2, barrier 2, P3, barrier 3, the end
+        _stamp(stamps_ptr, pid * 8, eps)
     n2 = ((896 - pid + NPROG - 1) // NPROG) * 8  # P2: 448 tiles x 2 halves of K, 8 steps each
     n_all = n2 + ((256 - pid + NPROG - 1) // NPROG) * 14  # P3: 64 tiles x 4 quarters of K, 14 steps each
     ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, 64, 256], down_desc.layout)
@@ -164,11 +175,15 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
 
     if pid < 16:  # P1
         _norm_sums(o_ptr, res_ptr, ss_ptr, pid, L1)
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 8 + 1, eps)
     _grid_sync(state_ptr, NPROG)
 
     # P2: gate|up. The residual and norm-weight slices a step reads come from L2 (written by other SMs in P1,
     # so .cg): loaded a step ahead, or their latency is on every step's path (call 7: 36-40 % slower)
     inv = _inv_rms(ss_ptr, eps, L1)
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 8 + 2, inv)
     acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
     h, w_norm = _gate_up_inputs(res_ptr, w_post_ptr, 0, pid, cols, n2, NPROG)
     for i in range(n2):
@@ -188,6 +203,8 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
             acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
         h = h_next
         w_norm = w_norm_next
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 8 + 3, gl.sum(acc, axis=0))
     gl.thread_barrier()  # every slot of P2 is read: P3's first tiles may go in before the barrier
     for s in gl.static_range(NUM_BUF - 1):
         _fill(gu_desc, down_desc, ring, ready, n2 + s, n2, n_all, pid, NPROG, NUM_BUF)
@@ -195,6 +212,8 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
 
     # P3: down; SiLU x up's inputs (gate|up's fp32 halves, from L2) a step ahead, as P2's
     act_x = _down_input(gu_parts_ptr, 0, pid, cols, n_all - n2, NPROG)
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 8 + 4, gl.sum(act_x, axis=0))
     for i in range(n_all - n2):
         g = n2 + i
         gl.thread_barrier()
@@ -209,7 +228,11 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
             gl.store(down_parts_ptr + (item % 4) * 4096 + (item // 4) * 64 + rows, acc)
             acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
         act_x = act_next
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 8 + 5, gl.sum(acc, axis=0))
     _grid_sync(state_ptr, NPROG)
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 8 + 6, eps)
 
     if pid < 16:  # P4
         _norm_sums(down_parts_ptr, res_ptr, ss_ptr + 16, pid, L1)
@@ -220,6 +243,8 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
         h2 = gl.load(res_ptr + c).to(gl.float32)  # this program's own tile, written in P4
         y = (h2 * inv_b).to(gl.bfloat16).to(gl.float32)
         gl.store(out_ptr + c, (gl.load(w_next_ptr + c).to(gl.float32) * y).to(gl.bfloat16))
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 8 + 7, eps)
     for s in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(s))
 
@@ -240,11 +265,12 @@ class MlpHalf:
         self.state, self.sms, self.num_buf, self.warps = state, sms, num_buf, warps
 
     def __call__(self, o: torch.Tensor, residual: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+                 eps: float, stamps: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(residual)
         _mlp_half_kernel[(self.sms,)](self.gu_desc, self.down_desc, o, residual, w_post, w_next, self.gu_parts,
-                                      self.down_parts, self.ss, out, self.state, eps, NPROG=self.sms,
-                                      NUM_BUF=self.num_buf, num_warps=self.warps)
+                                      self.down_parts, self.ss, out, self.state,
+                                      stamps if stamps is not None else self.ss, eps, NPROG=self.sms,
+                                      NUM_BUF=self.num_buf, STAMPS=stamps is not None, num_warps=self.warps)
         return out
 
 
@@ -330,6 +356,18 @@ def main() -> int:
             record(key, bench_graph(lambda halves=halves, res_p=res_p: [
                 halves[i](o, res_p, norms[i], norms[i + 1], eps) for i in range(layers)]))
             result["barrier_state_after"] = state.tolist()
+            # where one launch's time goes: each program's timer at its phase ends (a launch after warm-up)
+            stamps = torch.zeros(sms, 8, dtype=torch.int64, device=dev)
+            halves[1](o, residual.clone(), norms[1], norms[2], eps, stamps=stamps)
+            torch.cuda.synchronize()
+            t = (stamps - stamps[:, 0].min()).double() / 1000  # us from the first program's start
+            names = ["start", "P1 done", "barrier 1", "P2 done", "barrier 2", "P3 done", "barrier 3", "end"]
+            result.setdefault("phases_us", {})[key] = {
+                n: {"min": float(t[:, j].min()), "mean": float(t[:, j].mean()), "max": float(t[:, j].max())}
+                for j, n in enumerate(names)}
+            print(f"   {key} phases (us from the first start; min / mean / max over programs): " + "; ".join(
+                f"{n} {float(t[:, j].min()):.1f}/{float(t[:, j].mean()):.1f}/{float(t[:, j].max()):.1f}"
+                for j, n in enumerate(names)), flush=True)
         except Exception as e:  # noqa: BLE001  (a config that does not compile or fit is a finding)
             result["us_per_layer"][key] = f"{type(e).__name__}: {e}"[:300]
         print(f"{key}: {result['us_per_layer'][key]}, rel. error {result['rel_err'].get(key)}", flush=True)
