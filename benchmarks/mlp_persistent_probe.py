@@ -6,8 +6,8 @@ rate but gate|up's (-5 %). This probe builds the MLP half on it, the four launch
 the o projection to the next layer's input (``add_rms_norm``, ``gate_up_silu``, the down projection's
 K-slice partials, ``add_rms_norm``), as phases of one launch separated by grid barriers::
 
-    before P1   TMA the first gate|up tiles (weights depend on nothing the step computes)
-    P1          16 programs: residual += sum(o's 4 fp32 partials) over 256 columns; sum of squares -> ss_a
+    P1          16 programs (which then, as all others at once, TMA their first gate|up tiles: weights
+                depend on nothing the step computes): residual += sum(o's 4 fp32 partials) over 256 columns; sum of squares -> ss_a
     barrier
     P2          gate|up items (32 columns x half of K): x = the normalised residual slice, computed from
                 the residual and ss_a as it is read; gate and up sums of each half -> fp32 partials
@@ -53,9 +53,9 @@ NCOL = 256  # columns of a norm tile (P1, P4, P5): 16 tiles
 GU_N, DOWN_N, BLOCK_K = 32, 64, 256
 GU_HALVES, DOWN_SLICES = 2, 4
 # (NUM_BUF, num_warps). Call 7: 169-175 us a layer against the four launches' 124.6; call 8, each step's L2
-# inputs loaded a step ahead: the same; call 9, the barrier spinning on reads: the same; call 10 reads
-# each program's timer at its phase ends
-CONFIGS = ((6, 8),)
+# inputs loaded a step ahead: the same; call 9, the barrier spinning on reads: the same; call 10's timers:
+# down at half speed (SiLU's inputs waited for in their own step); call 11 computes SiLU a step later
+CONFIGS = ((6, 8), (5, 8))
 
 
 @gluon.jit
@@ -137,9 +137,10 @@ def _gate_up_inputs(res_ptr, w_post_ptr, i, pid, cols, n2, NPROG: gl.constexpr):
 
 
 @gluon.jit
-def _down_input(gu_parts_ptr, i, pid, cols, n3, NPROG: gl.constexpr):
-    """silu(gate) * up for down's step ``i`` of this program, from gate|up's two fp32 halves, rounded as
-    ``gate_up_silu`` rounds (zeros past its last step)."""
+def _down_sums(gu_parts_ptr, i, pid, cols, n3, NPROG: gl.constexpr):
+    """gate|up's fp32 sums (its two halves added) for down's step ``i`` of this program (zeros past its last):
+    the loads alone, so a step issues them for the next one and waits for them only there (call 10: with SiLU
+    computed at once, each step waited for its own loads, down at half speed)."""
     item = pid + (i // 14) * NPROG
     k0 = (item % 4) * 3584 + (i % 14) * 256
     ok = (cols * 0 + i) < n3
@@ -147,6 +148,12 @@ def _down_input(gu_parts_ptr, i, pid, cols, n3, NPROG: gl.constexpr):
     gate_sum += gl.load(gu_parts_ptr + 28672 + k0 + cols, mask=ok, other=0.0, cache_modifier=".cg")
     up_sum = gl.load(gu_parts_ptr + 14336 + k0 + cols, mask=ok, other=0.0, cache_modifier=".cg")
     up_sum += gl.load(gu_parts_ptr + 28672 + 14336 + k0 + cols, mask=ok, other=0.0, cache_modifier=".cg")
+    return gate_sum, up_sum
+
+
+@gluon.jit
+def _silu_mul(gate_sum, up_sum):
+    """silu(gate) * up rounded as ``gate_up_silu`` rounds it."""
     gate = gate_sum.to(gl.bfloat16).to(gl.float32)
     up = up_sum.to(gl.bfloat16).to(gl.float32)
     act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
@@ -166,15 +173,15 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(s), count=1)
+    L1: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    if pid < 16:  # P1, before this program's first weight tiles: its few loads would queue behind them
+        _norm_sums(o_ptr, res_ptr, ss_ptr, pid, L1)
     for s in gl.static_range(NUM_BUF - 1):
         _fill(gu_desc, down_desc, ring, ready, s, n2, n2, pid, NPROG, NUM_BUF)
-    L1: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
     cols = gl.arange(0, 256, layout=gl.SliceLayout(0, L))
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
 
-    if pid < 16:  # P1
-        _norm_sums(o_ptr, res_ptr, ss_ptr, pid, L1)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 1, eps)
     _grid_sync(state_ptr, NPROG)
@@ -211,14 +218,15 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     _grid_sync(state_ptr, NPROG)
 
     # P3: down; SiLU x up's inputs (gate|up's fp32 halves, from L2) a step ahead, as P2's
-    act_x = _down_input(gu_parts_ptr, 0, pid, cols, n_all - n2, NPROG)
+    gate_sum, up_sum = _down_sums(gu_parts_ptr, 0, pid, cols, n_all - n2, NPROG)
     if STAMPS:
-        _stamp(stamps_ptr, pid * 8 + 4, gl.sum(act_x, axis=0))
+        _stamp(stamps_ptr, pid * 8 + 4, eps)
     for i in range(n_all - n2):
         g = n2 + i
         gl.thread_barrier()
         _fill(gu_desc, down_desc, ring, ready, g + NUM_BUF - 1, n2, n_all, pid, NPROG, NUM_BUF)
-        act_next = _down_input(gu_parts_ptr, i + 1, pid, cols, n_all - n2, NPROG)
+        gate_next, up_next = _down_sums(gu_parts_ptr, i + 1, pid, cols, n_all - n2, NPROG)
+        act_x = _silu_mul(gate_sum, up_sum)
         slot = g % NUM_BUF
         mbarrier.wait(ready.index(slot), (g // NUM_BUF) & 1)
         w = ring.index(slot).load(L).to(gl.float32)
@@ -227,7 +235,8 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
             item = pid + (i // 14) * NPROG
             gl.store(down_parts_ptr + (item % 4) * 4096 + (item // 4) * 64 + rows, acc)
             acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
-        act_x = act_next
+        gate_sum = gate_next
+        up_sum = up_next
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 5, gl.sum(acc, axis=0))
     _grid_sync(state_ptr, NPROG)
