@@ -47,6 +47,7 @@ from gateway.routes import (
     models,
     ops,
     responses,
+    tokenize,
     usage,
 )
 from gateway.routes.completions_asgi import CompletionRoutes, replaying
@@ -300,7 +301,8 @@ def create_app(
     async def _tenancy(request: Request, exc: TenancyError) -> JSONResponse:
         return render(request, tenancy_error(exc))
 
-    for module in (completions, chat_store, responses, messages, cache, models, usage, ops, dashboard, disagg):
+    for module in (completions, chat_store, responses, messages, cache, models, usage, ops, dashboard, disagg,
+                   tokenize):
         app.include_router(module.router)
     app.state.node_drain = NodeDrain()
     # The completion routes' fast path, inside the node API and the body limit (docs/gateway.md).
