@@ -19,10 +19,11 @@ silently different ids. A model served through a provider has no tokenizer here:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from engine.protocol import EngineClient, EngineError, PromptDecoder
 from gateway.deps import TenantDep
@@ -34,6 +35,7 @@ from gateway.routes.completions import Parts, PartsDep, record_rejected
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter(tags=["tokenize"])
+M = TypeVar("M", ChatCompletionRequest, CompletionRequest)
 
 
 class TokenizeRequest(BaseModel):
@@ -103,12 +105,12 @@ async def tokenize(body: TokenizeRequest, ctx: TenantDep, parts: PartsDep) -> di
         fields: dict[str, Any] = {"model": model, "messages": body.messages, "max_tokens": 1}
         if body.tools is not None:
             fields["tools"] = body.tools
-        req: ChatCompletionRequest | CompletionRequest = ChatCompletionRequest.model_validate(fields)
+        req: ChatCompletionRequest | CompletionRequest = _as_request(ChatCompletionRequest, fields)
     else:
         if body.tools is not None:
             raise invalid_request("'tools' go with 'messages', not with a text 'prompt'", param="tools")
         kind = "completion"
-        req = CompletionRequest.model_validate({"model": model, "prompt": body.prompt, "max_tokens": 1})
+        req = _as_request(CompletionRequest, {"model": model, "prompt": body.prompt, "max_tokens": 1})
     prep = await _prepared(kind, req, ctx, parts)
     ids = prep.requests[0].prompt_token_ids
     if ids is None:  # a provider route: the upstream tokenizes
@@ -117,6 +119,15 @@ async def tokenize(body: TokenizeRequest, ctx: TenantDep, parts: PartsDep) -> di
     tokens = list(ids)
     return {"count": len(tokens), "max_model_len": parts.router.max_model_len(prep.backend), "tokens": tokens,
             "token_strs": None}
+
+
+def _as_request(schema: type[M], fields: dict[str, Any]) -> M:
+    """The completion request these fields make, its errors reported as the body's (a message a chat
+    completion would refuse is the same 400 here, under ``messages``), not as a server error."""
+    try:
+        return schema.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
 
 
 async def _prepared(kind: str, req: ChatCompletionRequest | CompletionRequest, ctx: TenantCtx,

@@ -77,6 +77,11 @@ def test_bad_requests_get_openai_errors(server, post):
                                      "messages")["message"]
     assert error_of(post("/tokenize", {"model": "tiny"}), "prompt")["code"] == "missing_required_parameter"
     assert post("/tokenize", {"model": "no-such-model", "prompt": "hi"}).status_code == 404
+    # what a chat completion refuses in its messages is the same 400 here, not a server error
+    assert error_of(post("/tokenize", {"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}),
+                    "messages[0].role")
+    assert error_of(post("/tokenize", {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}),
+                    "messages[0].tool_call_id")
     assert error_of(post("/detokenize", {"model": "tiny", "tokens": [1, 10**9]}), "prompt")  # past the vocabulary
     limit = max_model_len(*server)
     long = error_of(post("/tokenize", {"model": "tiny", "prompt": "word " * (2 * limit)}), "prompt")
