@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 HIDDEN, INTER = 4096, 14336
 NCOL = 256  # columns of a norm tile (P1, P4, P5): 16 tiles
 GU_N, DOWN_N, BLOCK_K = 32, 64, 256
-GU_HALVES, DOWN_SLICES = 2, 4
+GU_SLICES, DOWN_SLICES = 4, 4  # K quarters: gate|up (call 12 on), down
 # (NUM_BUF, num_warps). Calls 7-11 (docs/gpu.md, session 29): 175 -> 162 us a layer against the four launches'
 # 124.5; call 12: the row and SiLU x up in shared memory, two barriers instead of four, gate|up in K quarters
 CONFIGS = ((5, 8), (6, 8), (4, 8))
@@ -257,7 +257,7 @@ class MlpHalf:
         self.gu_desc = TensorDescriptor.from_tensor(w_gu, [GU_N, BLOCK_K], gu_layout)
         self.down_desc = TensorDescriptor.from_tensor(w_down, [DOWN_N, BLOCK_K], down_layout)
         dev = w_gu.device
-        self.gu_parts = torch.empty(GU_HALVES * 2 * INTER, dtype=torch.float32, device=dev)
+        self.gu_parts = torch.empty(GU_SLICES * 2 * INTER, dtype=torch.float32, device=dev)
         self.down_parts = torch.empty(DOWN_SLICES * HIDDEN, dtype=torch.float32, device=dev)
         self.ss = torch.empty(32, dtype=torch.float32, device=dev)
         assert sms % 4 == 0, "a program's down items share one quarter of K only when the grid is a multiple of 4"
