@@ -54,7 +54,7 @@ GU_N, DOWN_N, BLOCK_K = 32, 64, 256
 GU_SLICES, DOWN_SLICES = 4, 4  # K quarters: gate|up (call 12 on), down
 # (NUM_BUF, num_warps). Calls 7-11 (docs/gpu.md, session 29): 175 -> 162 us a layer against the four launches'
 # 124.5; call 12: the row and SiLU x up in shared memory, two barriers instead of four, gate|up in K quarters
-CONFIGS = ((5, 8), (4, 8))  # call 14: items from counters; the ring looks ahead at most one item (<= 5 slots)
+CONFIGS = ((5, 8), (6, 8), (4, 8))
 
 
 @gluon.jit
@@ -84,28 +84,24 @@ def _stamp(stamps_ptr, slot, after):
 
 
 @gluon.jit
-def _fill_gate_up(gu_desc, ring, ready, g, item, step, NUM_BUF: gl.constexpr):
-    """TMA ring iteration ``g``: gate|up item ``item`` (32-column tile x quarter of K), its K step ``step``
-    of 4: 32 gate rows on top of the slot, the same 32 up rows below; nothing for an item past the last."""
+def _fill(gu_desc, down_desc, ring, ready, g, n2, limit, pid, NPROG: gl.constexpr, NUM_BUF: gl.constexpr):
+    """TMA ring iteration ``g`` (P2's first n2, then P3's) into slot g % NUM_BUF, unless ``g >= limit`` (P2's
+    loop stops at n2: P3's first tiles are issued once, after its SiLU inputs are in)."""
     slot = g % NUM_BUF
-    ok = item < 1792
+    ok = g < limit
     mbarrier.expect(ready.index(slot), 32 * 1024, pred=ok)
-    n0 = (item // 4) * 32
-    k0 = (item % 4) * 1024 + step * 256
-    dst = ring.index(slot)
-    tma.async_copy_global_to_shared(gu_desc, [n0, k0], ready.index(slot), dst.slice(0, 32), pred=ok)
-    tma.async_copy_global_to_shared(gu_desc, [14336 + n0, k0], ready.index(slot), dst.slice(32, 32), pred=ok)
-
-
-@gluon.jit
-def _fill_down(down_desc, ring, ready, g, tile, quarter, step, NUM_BUF: gl.constexpr):
-    """TMA ring iteration ``g``: down's 64-row tile ``tile`` in quarter ``quarter`` of K, K step ``step`` of 14;
-    nothing for a tile past the last."""
-    slot = g % NUM_BUF
-    ok = tile < 64
-    mbarrier.expect(ready.index(slot), 32 * 1024, pred=ok)
-    tma.async_copy_global_to_shared(down_desc, [tile * 64, quarter * 3584 + step * 256], ready.index(slot),
-                                    ring.index(slot), pred=ok)
+    if g < n2:  # gate|up: item (32-column tile, quarter of K), 4 K steps; gate rows on top, up rows below
+        item = pid + (g // 4) * NPROG
+        n0 = (item // 4) * 32
+        k0 = (item % 4) * 1024 + (g % 4) * 256
+        dst = ring.index(slot)
+        tma.async_copy_global_to_shared(gu_desc, [n0, k0], ready.index(slot), dst.slice(0, 32), pred=ok)
+        tma.async_copy_global_to_shared(gu_desc, [14336 + n0, k0], ready.index(slot), dst.slice(32, 32), pred=ok)
+    else:  # down: item (64-row tile, quarter of K), 14 K steps an item
+        i = g - n2
+        item = pid + (i // 14) * NPROG
+        tma.async_copy_global_to_shared(down_desc, [(item // 4) * 64, (item % 4) * 3584 + (i % 14) * 256],
+                                        ready.index(slot), ring.index(slot), pred=ok)
 
 
 @gluon.jit
@@ -151,6 +147,8 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     pid = gl.program_id(0)
     if STAMPS:  # 8 timer reads: start, P1, gate|up, barrier, SiLU, down, barrier, the end
         _stamp(stamps_ptr, pid * 8, eps)
+    n2 = ((1792 - pid + NPROG - 1) // NPROG) * 4
+    n_all = n2 + ((256 - pid + NPROG - 1) // NPROG) * 14
     L2D: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a [16, 256] row
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
     # unswizzled row-major [16, 256] buffers, stored whole (rank-2 layout), read a row at a time through a
@@ -173,56 +171,37 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 256], S2, h)
     x_rows = x_smem._reinterpret(gl.bfloat16, [16, 256], S1)
     gl.store(res_ptr + offs, h, mask=mine)
-    # gate|up items come from a counter as programs free up (call 13's timers: with items dealt round robin,
-    # the first program finished 15 us before the last); the ring looks ahead L = NUM_BUF - 1 <= 4 steps,
-    # so at most the next item is grabbed before the current one is consumed
-    L_AHEAD: gl.constexpr = NUM_BUF - 1
-    gu_ctr = state_ptr + 2
-    cur = gl.atomic_add(gu_ctr, 1, sem="relaxed", scope="gpu")
-    for s in gl.static_range(L_AHEAD):
-        _fill_gate_up(gu_desc, ring, ready, s, cur, s, NUM_BUF)
+    for s in gl.static_range(NUM_BUF - 1):
+        _fill(gu_desc, down_desc, ring, ready, s, n2, n2, pid, NPROG, NUM_BUF)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 1, ss)
 
     # P2: gate|up, x from shared memory
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
     acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
-    nxt = cur
-    i = 0
-    while cur < 1792:
-        step = i % 4
-        if step == 0 and i > 0:
-            cur = nxt
-        if cur < 1792:
-            gl.thread_barrier()  # slot (i - 1) % NUM_BUF is read by every warp: refill it
-            g = i + L_AHEAD
-            if g % 4 == 0:  # the fill reaches the next item's first step: take it now
-                nxt = gl.atomic_add(gu_ctr, 1, sem="relaxed", scope="gpu")
-            _fill_gate_up(gu_desc, ring, ready, g, gl.where(g // 4 == i // 4, cur, nxt), g % 4, NUM_BUF)
-            x = x_rows.index((cur % 4) * 4 + step).load(gl.SliceLayout(0, L)).to(gl.float32)
-            slot = i % NUM_BUF
-            mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
-            w = ring.index(slot).load(L).to(gl.float32)
-            acc += gl.sum(w * x[None, :], axis=1)
-            if step == 3:  # rows 0-31: gate columns n0.., 32-63: up columns; one fp32 partial per quarter of K
-                n0 = (cur // 4) * 32
-                idx = gl.where(rows < 32, n0 + rows, 14336 + n0 + rows - 32)
-                gl.store(gu_parts_ptr + (cur % 4) * 28672 + idx, acc)
-                acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
-            i += 1
-    n2 = i  # ring iterations consumed: down's continue from here
+    for i in range(n2):
+        gl.thread_barrier()  # slot (i - 1) % NUM_BUF is read by every warp: refill it
+        _fill(gu_desc, down_desc, ring, ready, i + NUM_BUF - 1, n2, n2, pid, NPROG, NUM_BUF)
+        item = pid + (i // 4) * NPROG
+        x = x_rows.index((item % 4) * 4 + i % 4).load(gl.SliceLayout(0, L)).to(gl.float32)
+        slot = i % NUM_BUF
+        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+        w = ring.index(slot).load(L).to(gl.float32)
+        acc += gl.sum(w * x[None, :], axis=1)
+        if i % 4 == 3:  # rows 0-31: gate columns n0.., 32-63: up columns; one fp32 partial per quarter of K
+            n0 = (item // 4) * 32
+            idx = gl.where(rows < 32, n0 + rows, 14336 + n0 + rows - 32)
+            gl.store(gu_parts_ptr + (item % 4) * 28672 + idx, acc)
+            acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 2, gl.sum(acc, axis=0))
     _grid_sync(state_ptr, NPROG)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 3, eps)
 
-    # SiLU x up of this program's quarter of down's K, once, into shared memory; down's tiles of that quarter
-    # come from the quarter's own counter (33 programs a quarter: 132 is a multiple of 4)
-    if pid == 0:
-        gl.atomic_xchg(gu_ctr, 0, sem="relaxed", scope="gpu")  # every gate|up item is taken: zero for the next launch
-    quarter = pid % 4
-    k = quarter * 3584 + offs  # rows 0..13 of the [16, 256] tile: the quarter's 3,584 columns
+    # SiLU x up of this program's quarter of down's K (every item of a program has pid % 4 as its quarter:
+    # NPROG is a multiple of 4), once, into shared memory; then down's first tiles
+    k = (pid % 4) * 3584 + offs  # rows 0..13 of the [16, 256] tile: the quarter's 3,584 columns
     valid = r16[:, None] < 14
     gate_sum = gl.zeros([16, 256], gl.float32, layout=L2D)
     up_sum = gl.zeros([16, 256], gl.float32, layout=L2D)
@@ -232,45 +211,30 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     act_rows = gl.allocate_shared_memory(gl.bfloat16, [16, 256], S2, _silu_mul(gate_sum, up_sum))._reinterpret(
         gl.bfloat16, [16, 256], S1)
     gl.thread_barrier()  # every slot of P2 is read: down's first tiles may go in
-    dn_ctr = state_ptr + 4 + quarter
-    tile = gl.atomic_add(dn_ctr, 1, sem="relaxed", scope="gpu")
-    for s in gl.static_range(L_AHEAD):
-        _fill_down(down_desc, ring, ready, n2 + s, tile, quarter, s, NUM_BUF)
+    for s in gl.static_range(NUM_BUF - 1):
+        _fill(gu_desc, down_desc, ring, ready, n2 + s, n2, n_all, pid, NPROG, NUM_BUF)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 4, eps)
 
     # P3: down, act from shared memory
-    nxt = tile
-    i = 0
-    while tile < 64:
-        step = i % 14
-        if step == 0 and i > 0:
-            tile = nxt
-        if tile < 64:
-            g = n2 + i
-            gl.thread_barrier()
-            ahead = i + L_AHEAD
-            if ahead % 14 == 0:
-                nxt = gl.atomic_add(dn_ctr, 1, sem="relaxed", scope="gpu")
-            _fill_down(down_desc, ring, ready, g + L_AHEAD, gl.where(ahead // 14 == i // 14, tile, nxt), quarter,
-                       ahead % 14, NUM_BUF)
-            act_x = act_rows.index(step).load(gl.SliceLayout(0, L)).to(gl.float32)
-            slot = g % NUM_BUF
-            mbarrier.wait(ready.index(slot), (g // NUM_BUF) & 1)
-            w = ring.index(slot).load(L).to(gl.float32)
-            acc += gl.sum(w * act_x[None, :], axis=1)
-            if step == 13:
-                gl.store(down_parts_ptr + quarter * 4096 + tile * 64 + rows, acc)
-                acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
-            i += 1
+    for i in range(n_all - n2):
+        g = n2 + i
+        gl.thread_barrier()
+        _fill(gu_desc, down_desc, ring, ready, g + NUM_BUF - 1, n2, n_all, pid, NPROG, NUM_BUF)
+        act_x = act_rows.index(i % 14).load(gl.SliceLayout(0, L)).to(gl.float32)
+        slot = g % NUM_BUF
+        mbarrier.wait(ready.index(slot), (g // NUM_BUF) & 1)
+        w = ring.index(slot).load(L).to(gl.float32)
+        acc += gl.sum(w * act_x[None, :], axis=1)
+        if i % 14 == 13:
+            item = pid + (i // 14) * NPROG
+            gl.store(down_parts_ptr + (item % 4) * 4096 + (item // 4) * 64 + rows, acc)
+            acc = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, L))
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 5, gl.sum(acc, axis=0))
     _grid_sync(state_ptr, NPROG)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 6, eps)
-    if pid == 0:  # every down tile is taken: zero the four counters for the next launch
-        for q in gl.static_range(4):
-            gl.atomic_xchg(state_ptr + 4 + q, 0, sem="relaxed", scope="gpu")
 
     # the next norm, in every program from its own copy of the residual; programs 0..15 write their columns
     h2, ss2 = _residual_sum(down_parts_ptr, h_smem.load(L2D), L2D)
@@ -359,7 +323,7 @@ def main() -> int:
     want = engine_ops(0, res_want)
     res_e = residual.clone()
     record("engine ops", bench_graph(lambda: [engine_ops(i, res_e) for i in range(layers)]))
-    state = torch.zeros(8, dtype=torch.int32, device=dev)  # the barrier's two words, then the work counters
+    state = torch.zeros(2, dtype=torch.int32, device=dev)
     for num_buf, warps in CONFIGS:
         key = f"persistent buf{num_buf}_w{warps}"
         try:
