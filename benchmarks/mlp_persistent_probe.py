@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -281,8 +279,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/mlp_persistent_probe.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kernels import bench_graph, ceilings, rel_err  # the kernel benchmark's (this script's folder)
-
+    from benchmarks.kernels import bench_graph, ceilings, rel_err  # the kernel benchmark's
+    from benchmarks.provenance import git_commit
     from prefixgate_kernels import triton_ops
 
     t0 = time.time()
@@ -300,10 +298,8 @@ def main() -> int:
     o = torch.randn(4, 1, HIDDEN, device=dev, generator=gen) * 0.1
     residual = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
     nbytes = 3 * HIDDEN * INTER * 2 * layers
-    commit = os.environ.get("PREFIXGATE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(0),
-                    "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
+                    "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
                     "python": platform.python_version(), "copy_TBps": copy, "sms": sms, "layers": layers,
                     "us_per_layer": {}, "pct_copy": {}, "rel_err": {}, "residual_rel_err": {}}
     print(f"{result['gpu']}: copy {copy:.2f} TB/s, {sms} SMs", flush=True)

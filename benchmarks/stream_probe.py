@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -135,18 +133,16 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/stream_probe.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kernels import bench_graph, ceilings  # the kernel benchmark's timing and copy ceiling (this folder)
-
+    from benchmarks.kernels import bench_graph, ceilings  # the kernel benchmark's timing and copy ceiling
+    from benchmarks.provenance import git_commit
     from prefixgate_kernels import gate_up_silu
 
     t0 = time.time()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy = ceilings()["copy_TBps"]
-    commit = os.environ.get("PREFIXGATE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(0),
-                    "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
+                    "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
                     "python": platform.python_version(), "copy_TBps": copy, "sms": sms, "rows": []}
     print(f"{result['gpu']}: copy {copy:.2f} TB/s, {sms} SMs", flush=True)
     for name, n, k in SHAPES:

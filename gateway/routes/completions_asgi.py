@@ -170,7 +170,7 @@ def validated_or_refused(schema: type[M], body: bytes) -> M:
         return schema.model_validate_json(body)
     except ValidationError as exc:
         if exc.errors()[0]["type"] == "body_limit":  # the scan's own words, whichever parser: not parsed twice
-            raise RequestValidationError(_under_body(exc)) from None
+            raise RequestValidationError(under_body(exc)) from None
     try:
         data = json.loads(body)
     except json.JSONDecodeError as exc:  # FastAPI's own error for it (fastapi.routing)
@@ -181,10 +181,10 @@ def validated_or_refused(schema: type[M], body: bytes) -> M:
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        raise RequestValidationError(_under_body(exc)) from None
+        raise RequestValidationError(under_body(exc)) from None
 
 
-def _under_body(exc: ValidationError) -> list[dict[str, object]]:
+def under_body(exc: ValidationError) -> list[dict[str, object]]:
     """pydantic's errors as FastAPI reports a body's: each location starts with ``body``."""
     return [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
 

@@ -32,6 +32,7 @@ from gateway.ingress import MAX_TOKEN_IDS, body_limit
 from gateway.pipeline import Prepared, engine_failure, prepare
 from gateway.ports import TenantCtx
 from gateway.routes.completions import Parts, PartsDep, record_rejected
+from gateway.routes.completions_asgi import under_body
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter(tags=["tokenize"])
@@ -127,7 +128,7 @@ def _as_request(schema: type[M], fields: dict[str, Any]) -> M:
     try:
         return schema.model_validate(fields)
     except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
+        raise RequestValidationError(under_body(exc)) from None
 
 
 async def _prepared(kind: str, req: ChatCompletionRequest | CompletionRequest, ctx: TenantCtx,
