@@ -36,6 +36,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,8 +53,27 @@ GU_N, DOWN_N, BLOCK_K = 32, 64, 256
 GU_SLICES, DOWN_SLICES = 4, 4  # K quarters: gate|up (call 12 on), down
 # (NUM_BUF, num_warps). Calls 7-11 (docs/gpu.md, session 29): 175 -> 162 us a layer against the four launches'
 # 124.5; call 12: the row and SiLU x up in shared memory, two barriers instead of four, gate|up in K quarters.
-# (NUM_BUF, num_warps, counters): session 30 puts round robin (call 13's schedule) beside items from counters
-CONFIGS = ((5, 8, False), (5, 8, True), (4, 8, True), (4, 8, False))
+
+
+class Config(NamedTuple):
+    num_buf: int
+    warps: int = 8
+    counters: bool = False  # items from counters (else round robin, call 13's)
+    early_gate_up: bool = False  # the first gate|up tiles issued before P1's reads are waited on
+    early_down: bool = False  # the first down tiles issued before the barrier after gate|up
+
+    @property
+    def key(self) -> str:
+        return f"persistent buf{self.num_buf}_w{self.warps}" + "".join(
+            f"_{name}" for name, on in (("counters", self.counters), ("early_gu", self.early_gate_up),
+                                        ("early_down", self.early_down)) if on)
+
+
+# session 30's call 1: counters 1-2 us slower than round robin on an H100; what is left is the phases that stream
+# nothing (P1, the barrier + SiLU x up), so call 2 issues the next phase's first tiles under them
+CONFIGS = (Config(5), Config(5, early_gate_up=True), Config(5, early_down=True),
+           Config(5, early_gate_up=True, early_down=True), Config(5, counters=True, early_gate_up=True, early_down=True),
+           Config(4, early_gate_up=True, early_down=True))
 
 
 @gluon.jit
@@ -118,26 +138,29 @@ def _grab(counter_ptr, first, k, stride, COUNTERS: gl.constexpr):
 
 
 @gluon.jit
-def _residual_sum(parts_ptr, h, L2D: gl.constexpr):
-    """h + the 4 fp32 partials' sum rounded to bf16, rounded (add_rms_norm's roundings), over the whole row
-    as [16, 256]; and 1 / rms of the result."""
-    r16 = gl.arange(0, 16, layout=gl.SliceLayout(1, L2D))
-    c256 = gl.arange(0, 256, layout=gl.SliceLayout(0, L2D))
-    offs = r16[:, None] * 256 + c256[None, :]
-    acc = gl.zeros([16, 256], gl.float32, layout=L2D)
-    for s in gl.static_range(4):
-        acc += gl.load(parts_ptr + s * 4096 + offs, cache_modifier=".cg")
-    out = (h.to(gl.float32) + acc.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
+def _residual_add(h, parts_sum):
+    """h + the partials' fp32 sum rounded to bf16, rounded (add_rms_norm's roundings); and the result's sum of
+    squares."""
+    out = (h.to(gl.float32) + parts_sum.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
     o32 = out.to(gl.float32)
     return out, gl.sum(gl.sum(o32 * o32, axis=1), axis=0)
 
 
 @gluon.jit
-def _normalised(h, inv, w_ptr, L2D: gl.constexpr):
+def _residual_sum(parts_ptr, h, L2D: gl.constexpr):
+    """``_residual_add`` of the 4 fp32 partials at ``parts_ptr``, the whole row as [16, 256]."""
     r16 = gl.arange(0, 16, layout=gl.SliceLayout(1, L2D))
     c256 = gl.arange(0, 256, layout=gl.SliceLayout(0, L2D))
-    w = gl.load(w_ptr + r16[:, None] * 256 + c256[None, :]).to(gl.float32)
-    return (w * (h.to(gl.float32) * inv).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
+    offs = r16[:, None] * 256 + c256[None, :]
+    acc = gl.load(parts_ptr + offs, cache_modifier=".cg")
+    for s in gl.static_range(1, 4):
+        acc += gl.load(parts_ptr + s * 4096 + offs, cache_modifier=".cg")
+    return _residual_add(h, acc)
+
+
+@gluon.jit
+def _normalised(h, inv, w):
+    return (w.to(gl.float32) * (h.to(gl.float32) * inv).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
 
 
 @gluon.jit
@@ -152,7 +175,8 @@ def _silu_mul(gate_sum, up_sum):
 @gluon.jit
 def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr, gu_parts_ptr, down_parts_ptr,
                      ss_ptr, out_ptr, state_ptr, stamps_ptr, eps, NPROG: gl.constexpr, NUM_BUF: gl.constexpr,
-                     COUNTERS: gl.constexpr, STAMPS: gl.constexpr, num_warps: gl.constexpr):
+                     COUNTERS: gl.constexpr, EARLY_GATE_UP: gl.constexpr, EARLY_DOWN: gl.constexpr,
+                     STAMPS: gl.constexpr, num_warps: gl.constexpr):
     """Call 12's form: each program makes the whole normalised row itself (72 KB read from L2) and keeps
     it, and the residual, in shared memory, so no barrier stands before gate|up and none before the next
     layer's norm; SiLU x up of the program's quarter of down's K is made once into shared memory, before
@@ -180,13 +204,15 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     offs = r16[:, None] * 256 + c256[None, :]
     mine = r16[:, None] == pid  # the 256 columns this program writes back (programs 0..15)
 
-    # P1, in every program: residual + o, its rms, the normalised row -> shared memory
-    h, ss = _residual_sum(o_ptr, gl.load(res_ptr + offs, cache_modifier=".cg"), L2D)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 256], S2, _normalised(h, 1.0 / gl.sqrt(ss / 4096 + eps),
-                                                                              w_post_ptr, L2D))
-    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 256], S2, h)
-    x_rows = x_smem._reinterpret(gl.bfloat16, [16, 256], S1)
-    gl.store(res_ptr + offs, h, mask=mine)
+    # P1, in every program: residual + o, its rms, the normalised row -> shared memory. Its L2 reads are issued
+    # first; with EARLY_GATE_UP the ring's first weight tiles go in before they are waited on, so the stream
+    # starts under P1 (issued after them, the reads do not queue behind 17 MB of tiles: call 11's lesson)
+    res_in = gl.load(res_ptr + offs, cache_modifier=".cg")
+    o0 = gl.load(o_ptr + offs, cache_modifier=".cg")
+    o1 = gl.load(o_ptr + 4096 + offs, cache_modifier=".cg")
+    o2 = gl.load(o_ptr + 2 * 4096 + offs, cache_modifier=".cg")
+    o3 = gl.load(o_ptr + 3 * 4096 + offs, cache_modifier=".cg")
+    w_post = gl.load(w_post_ptr + offs)
     gu_ctr = state_ptr + 2
     cur = _grab(gu_ctr, pid, 0, NPROG, COUNTERS)
     # nxt is set by a grab before any read; its first value only has to differ from cur's: Triton's frontend
@@ -194,8 +220,18 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     # aliasing cur's initial value froze cur (session 29's call 14 hung in a loop the compiler made endless)
     nxt = cur + NPROG
     grabs = 1
-    for s in gl.static_range(AHEAD):
-        _fill_gate_up(gu_desc, ring, ready, s, cur, s, NUM_BUF)
+    if EARLY_GATE_UP:
+        for s in gl.static_range(AHEAD):
+            _fill_gate_up(gu_desc, ring, ready, s, cur, s, NUM_BUF)
+    h, ss = _residual_add(res_in, (((o0 + o1) + o2) + o3))
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 256], S2, _normalised(h, 1.0 / gl.sqrt(ss / 4096 + eps),
+                                                                              w_post))
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 256], S2, h)
+    x_rows = x_smem._reinterpret(gl.bfloat16, [16, 256], S1)
+    gl.store(res_ptr + offs, h, mask=mine)
+    if not EARLY_GATE_UP:
+        for s in gl.static_range(AHEAD):
+            _fill_gate_up(gu_desc, ring, ready, s, cur, s, NUM_BUF)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 1, ss)
 
@@ -224,6 +260,13 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
             cur = nxt
         i += 1
     n2 = i  # ring iterations used by gate|up: down's continue from here (the fills past them were off)
+    quarter = pid % 4  # every down item of a program is in this quarter of K (NPROG is a multiple of 4)
+    dn_ctr = state_ptr + 4 + quarter
+    if EARLY_DOWN:  # down's first tiles go in before the barrier, streaming under it and SiLU x up
+        gl.thread_barrier()  # every slot of P2 is read
+        tile = _grab(dn_ctr, pid // 4, 0, NPROG // 4, COUNTERS)
+        for s in gl.static_range(AHEAD):
+            _fill_down(down_desc, ring, ready, n2 + s, tile, quarter, s, NUM_BUF)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 2, gl.sum(acc, axis=0))
     _grid_sync(state_ptr, NPROG)
@@ -232,9 +275,7 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     if COUNTERS and pid == 0:  # every gate|up item is taken: zero the counter for the next launch
         gl.atomic_xchg(gu_ctr, 0, sem="relaxed", scope="gpu")
 
-    # SiLU x up of this program's quarter of down's K (every down item of a program is in pid % 4: NPROG is a
-    # multiple of 4, and with counters the quarter has its own), once, into shared memory; then down's first tiles
-    quarter = pid % 4
+    # SiLU x up of this program's quarter of down's K, once, into shared memory; then down's first tiles
     k = quarter * 3584 + offs  # rows 0..13 of the [16, 256] tile: the quarter's 3,584 columns
     valid = r16[:, None] < 14
     gate_sum = gl.zeros([16, 256], gl.float32, layout=L2D)
@@ -244,13 +285,13 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
         up_sum += gl.load(gu_parts_ptr + q * 28672 + 14336 + k, mask=valid, other=0.0, cache_modifier=".cg")
     act_rows = gl.allocate_shared_memory(gl.bfloat16, [16, 256], S2, _silu_mul(gate_sum, up_sum))._reinterpret(
         gl.bfloat16, [16, 256], S1)
-    gl.thread_barrier()  # every slot of P2 is read: down's first tiles may go in
-    dn_ctr = state_ptr + 4 + quarter
-    tile = _grab(dn_ctr, pid // 4, 0, NPROG // 4, COUNTERS)
+    if not EARLY_DOWN:
+        gl.thread_barrier()  # every slot of P2 is read: down's first tiles may go in
+        tile = _grab(dn_ctr, pid // 4, 0, NPROG // 4, COUNTERS)
+        for s in gl.static_range(AHEAD):
+            _fill_down(down_desc, ring, ready, n2 + s, tile, quarter, s, NUM_BUF)
     nxt_tile = tile + NPROG // 4  # as nxt above: a value distinct from tile's until its first grab
     grabs = 1
-    for s in gl.static_range(AHEAD):
-        _fill_down(down_desc, ring, ready, n2 + s, tile, quarter, s, NUM_BUF)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 4, eps)
 
@@ -289,7 +330,8 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
     h2, ss2 = _residual_sum(down_parts_ptr, h_smem.load(L2D), L2D)
     if pid < 16:
         gl.store(res_ptr + offs, h2, mask=mine)
-        gl.store(out_ptr + offs, _normalised(h2, 1.0 / gl.sqrt(ss2 / 4096 + eps), w_next_ptr, L2D), mask=mine)
+        gl.store(out_ptr + offs, _normalised(h2, 1.0 / gl.sqrt(ss2 / 4096 + eps), gl.load(w_next_ptr + offs)),
+                 mask=mine)
     if STAMPS:
         _stamp(stamps_ptr, pid * 8 + 7, ss2)
     for s in gl.static_range(NUM_BUF):
@@ -299,8 +341,7 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
 class MlpHalf:
     """One layer's launch: descriptors and scratch made once (as an engine would keep them)."""
 
-    def __init__(self, w_gu: torch.Tensor, w_down: torch.Tensor, sms: int, state: torch.Tensor,
-                 num_buf: int = 5, warps: int = 8, counters: bool = False) -> None:
+    def __init__(self, w_gu: torch.Tensor, w_down: torch.Tensor, sms: int, state: torch.Tensor, config: Config) -> None:
         gu_layout = gl.NVMMASharedLayout.get_default_for([GU_N, BLOCK_K], gl.bfloat16)
         down_layout = gl.NVMMASharedLayout.get_default_for([DOWN_N, BLOCK_K], gl.bfloat16)
         self.gu_desc = TensorDescriptor.from_tensor(w_gu, [GU_N, BLOCK_K], gu_layout)
@@ -310,9 +351,9 @@ class MlpHalf:
         self.down_parts = torch.empty(DOWN_SLICES * HIDDEN, dtype=torch.float32, device=dev)
         self.ss = torch.empty(32, dtype=torch.float32, device=dev)
         assert sms % 4 == 0, "a program's down items share one quarter of K only when the grid is a multiple of 4"
-        assert 2 <= num_buf <= 5, "the ring looks ahead num_buf - 1 iterations, at most one item of gate|up's 4 steps"
+        assert 2 <= config.num_buf <= 5, "the ring looks ahead num_buf - 1 iterations: at most one gate|up item (4 steps)"
         assert state.numel() >= 8, "two barrier words, a gate|up counter, a spare, four down counters"
-        self.state, self.sms, self.num_buf, self.warps, self.counters = state, sms, num_buf, warps, counters
+        self.state, self.sms, self.config = state, sms, config
 
     def __call__(self, o: torch.Tensor, residual: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor,
                  eps: float, stamps: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,8 +361,9 @@ class MlpHalf:
         _mlp_half_kernel[(self.sms,)](self.gu_desc, self.down_desc, o, residual, w_post, w_next, self.gu_parts,
                                       self.down_parts, self.ss, out, self.state,
                                       stamps if stamps is not None else self.ss, eps, NPROG=self.sms,
-                                      NUM_BUF=self.num_buf, COUNTERS=self.counters, STAMPS=stamps is not None,
-                                      num_warps=self.warps)
+                                      NUM_BUF=self.config.num_buf, COUNTERS=self.config.counters,
+                                      EARLY_GATE_UP=self.config.early_gate_up, EARLY_DOWN=self.config.early_down,
+                                      STAMPS=stamps is not None, num_warps=self.config.warps)
         return out
 
 
@@ -374,10 +416,10 @@ def main() -> int:
     res_e = residual.clone()
     record("engine ops", bench_graph(lambda: [engine_ops(i, res_e) for i in range(layers)]))
     state = torch.zeros(8, dtype=torch.int32, device=dev)  # the barrier's two words, then the work counters
-    for num_buf, warps, counters in CONFIGS:
-        key = f"persistent buf{num_buf}_w{warps}" + ("_counters" if counters else "")
+    for config in CONFIGS:
+        key = config.key
         try:
-            halves = [MlpHalf(w_gu[i], w_down[i], sms, state, num_buf, warps, counters) for i in range(layers)]
+            halves = [MlpHalf(w_gu[i], w_down[i], sms, state, config) for i in range(layers)]
             res_got = residual.clone()
             got = halves[0](o, res_got, norms[0], norms[1], eps)
             torch.cuda.synchronize()
