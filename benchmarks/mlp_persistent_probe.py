@@ -230,7 +230,9 @@ def _mlp_half_kernel(gu_desc, down_desc, o_ptr, res_ptr, w_post_ptr, w_next_ptr,
                                                                               w_post))
     h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 256], S2, h)
     x_rows = x_smem._reinterpret(gl.bfloat16, [16, 256], S1)
-    gl.store(res_ptr + offs, h, mask=mine)
+    # no store of h to res_ptr here: a program that starts late would read it as the old residual (the race in
+    # session 29's calls 12-13 and session 30's calls 1-3, one wrong result in call 3); nothing in this launch
+    # reads it back, and the store after the last barrier replaces it
     if not EARLY_GATE_UP:
         for s in gl.static_range(AHEAD):
             _fill_gate_up(gu_desc, ring, ready, s, cur, s, NUM_BUF)
