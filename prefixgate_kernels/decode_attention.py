@@ -180,6 +180,7 @@ def _decode_split_kernel(
     ROPE_WRITE: tl.constexpr = False,
     HAS_K_BIAS: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
     adjacent heads of the cache read as one row of ``MEMBERS * MEMBER_DIM`` values (``joined_kv_heads``),
@@ -193,7 +194,13 @@ def _decode_split_kernel(
     the program whose split holds the token (position ``seq_len - 1``) rotates that token's K, writes
     K and V into the cache (quantized as ``kv_write`` does) and, after a CTA barrier, streams its
     split as any program does, reading them back; no other program reads that slot. Bit for bit the
-    values the two kernels would have produced (``_rope_tile`` rounds as the reference does)."""
+    values the two kernels would have produced (``_rope_tile`` rounds as the reference does).
+
+    With ``LAUNCH_DEPENDENTS`` every program lets the next kernel launch at once (programmatic dependent
+    launch): a kernel launched after it with PDL starts under this one and waits (``griddepcontrol.wait``)
+    before it reads what this one writes; without a PDL launch after it the instruction does nothing."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -665,6 +672,7 @@ def paged_decode(
     merge_chunk: int | None = None,
     stamps: torch.Tensor | None = None,
     rope: RopeWrite | None = None,
+    launch_dependents: bool = False,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``prefixgate_kernels.triton_ops``.
 
@@ -697,7 +705,11 @@ def paged_decode(
 
     ``rope`` (``RopeWrite``): ``q`` is the q columns of the step's merged q|k|v projection, not yet
     rotated, and the launch also does ``prefixgate_kernels.rotary.rotary_write_kv``'s work (the kernel's
-    ``ROPE_WRITE``); KV heads are then read one by one."""
+    ``ROPE_WRITE``); KV heads are then read one by one.
+
+    ``launch_dependents``: each program signals at its start that the next kernel may launch (the kernel's
+    ``LAUNCH_DEPENDENTS``), for a consumer launched with programmatic dependent launch that streams its own
+    inputs while this one runs. A scheduling hint only: the interpreter, which has no such launch, ignores it."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if rope is not None:
@@ -762,6 +774,7 @@ def paged_decode(
         block_tables.stride(0), *sc_strides, o_st[0], o_st[1],
         STAMPS=stamps is not None, ROPE_WRITE=rope is not None,
         HAS_K_BIAS=rope is not None and rope.k_bias is not None, SOFT_FP8=rope is not None and interpreting(),
+        LAUNCH_DEPENDENTS=launch_dependents and not interpreting(),
         **plan.options,
     )
     if plan.num_splits > 1 and not plan.fused_merge:
