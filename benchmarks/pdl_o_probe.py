@@ -46,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
 CONTEXT, BLOCK_SIZE = 2048, 16
-# a slot: 64 output rows x 256 of K; K in quarters (the engine's partials). constexpr: the kernels read them
-BLOCK_N, BLOCK_K, SLICES = gl.constexpr(64), gl.constexpr(256), gl.constexpr(4)
+# a slot: 64 output rows x 256 of K; K in quarters (the engine's partials); the kernels read the constexprs
+SLOT_ROWS, SLOT_COLS, QUARTERS = 64, 256, 4
+BLOCK_N, BLOCK_K, SLICES = gl.constexpr(SLOT_ROWS), gl.constexpr(SLOT_COLS), gl.constexpr(QUARTERS)
 
 
 @gluon.jit
@@ -140,10 +141,10 @@ class OPartials:
     """One layer's o projection as this probe's kernel: the descriptor and the partials made once."""
 
     def __init__(self, w: torch.Tensor, sms: int, config: Config) -> None:
-        layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
-        self.desc = TensorDescriptor.from_tensor(w, [BLOCK_N, BLOCK_K], layout)
+        layout = gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, SLOT_COLS], gl.bfloat16)
+        self.desc = TensorDescriptor.from_tensor(w, [SLOT_ROWS, SLOT_COLS], layout)
         self.n = w.shape[0]
-        self.parts = torch.empty(SLICES, 1, self.n, dtype=torch.float32, device=w.device)
+        self.parts = torch.empty(QUARTERS, 1, self.n, dtype=torch.float32, device=w.device)
         assert sms % 4 == 0 and w.shape[1] == 4 * 1024, "a program's items share one quarter of K"
         assert config.prefetch <= config.num_buf
         self.sms, self.config = sms, config
