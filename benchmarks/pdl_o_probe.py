@@ -60,6 +60,29 @@ def _grid_wait(after):
 
 
 @gluon.jit
+def _stamp(stamps_ptr, slot, after):
+    """The GPU's nanosecond timer at ``stamps_ptr + slot``, read once ``after`` (a scalar) is known."""
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=gl.int64, is_pure=False,
+                                    pack=1)
+    gl.store(stamps_ptr + slot, now)
+
+
+@gluon.jit
+def _prefetch_rest_l2(w_addr, pid, quarter, n_items, K, NPROG: gl.constexpr, num_warps: gl.constexpr):
+    """Put the weights of the program's items after its first into L2 (``cp.async.bulk.prefetch.L2``): each of
+    up to 4 items' 64 rows, the quarter's 2 KB of each, one thread a row. The ring's later steps then read L2."""
+    PL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    idx = gl.arange(0, 256, layout=PL)
+    j = 1 + idx // 64
+    item = pid + j * NPROG
+    row = (item // 4) * BLOCK_N + idx % 64
+    addr = w_addr + (row.to(gl.int64) * K + quarter * 1024) * 2
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 2048; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, (j < n_items).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _fill(w_desc, ring, ready, g, n_steps, pid, NPROG: gl.constexpr, NUM_BUF: gl.constexpr):
     """TMA the program's step ``g`` (item g // 4, its K step g % 4) into slot g % NUM_BUF; nothing past the last."""
     slot = g % NUM_BUF
@@ -71,15 +94,19 @@ def _fill(w_desc, ring, ready, g, n_steps, pid, NPROG: gl.constexpr, NUM_BUF: gl
 
 
 @gluon.jit
-def _o_partials_kernel(w_desc, x_ptr, parts_ptr, N, NPROG: gl.constexpr, NUM_BUF: gl.constexpr,
-                       PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+def _o_partials_kernel(w_desc, w_addr, x_ptr, parts_ptr, stamps_ptr, N, K, NPROG: gl.constexpr,
+                       NUM_BUF: gl.constexpr, PREFETCH: gl.constexpr, L2_REST: gl.constexpr, STAMPS: gl.constexpr,
+                       num_warps: gl.constexpr):
     """parts[q, 0, n] = sum over K quarter q of x[0, k] * W[n, k], one program an SM (batch 1).
 
     Every item of a program (pid, pid + NPROG, ...) is in quarter pid % 4 (NPROG a multiple of 4), so the
     program reads x's quarter once, after the wait, into registers (four [256] rows)."""
     pid = gl.program_id(0)
+    if STAMPS:  # three timer reads: the start, the wait passed, the end
+        _stamp(stamps_ptr, pid * 3, pid)
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
     XL: gl.constexpr = gl.SliceLayout(0, L)
+    quarter = pid % 4
     n_items = (N // BLOCK_N * SLICES - pid + NPROG - 1) // NPROG
     n_steps = n_items * 4
     ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -88,10 +115,13 @@ def _o_partials_kernel(w_desc, x_ptr, parts_ptr, N, NPROG: gl.constexpr, NUM_BUF
         mbarrier.init(ready.index(s), count=1)
     for s in gl.static_range(PREFETCH):  # the weights depend on nothing the attention writes
         _fill(w_desc, ring, ready, s, n_steps, pid, NPROG, NUM_BUF)
+    if L2_REST:
+        _prefetch_rest_l2(w_addr, pid, quarter, n_items, K, NPROG, num_warps)
     _grid_wait(pid)
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 3 + 1, pid)
     for s in gl.static_range(PREFETCH, NUM_BUF):
         _fill(w_desc, ring, ready, s, n_steps, pid, NPROG, NUM_BUF)
-    quarter = pid % 4
     cols = gl.arange(0, BLOCK_K, layout=XL)
     x0 = gl.load(x_ptr + quarter * 1024 + cols).to(gl.float32)
     x1 = gl.load(x_ptr + quarter * 1024 + BLOCK_K + cols).to(gl.float32)
@@ -117,6 +147,8 @@ def _o_partials_kernel(w_desc, x_ptr, parts_ptr, N, NPROG: gl.constexpr, NUM_BUF
             _fill(w_desc, ring, ready, g + NUM_BUF, n_steps, pid, NPROG, NUM_BUF)
         item = pid + j * NPROG
         gl.store(parts_ptr + quarter * N + (item // 4) * BLOCK_N + rows, acc)
+    if STAMPS:
+        _stamp(stamps_ptr, pid * 3 + 2, pid)
     for s in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(s))
 
@@ -125,16 +157,19 @@ class Config(NamedTuple):
     num_buf: int = 5
     prefetch: int = 0  # slots issued before griddepcontrol.wait
     pdl: bool = False  # launched with PDL after an attention that lets it launch at its start
+    l2_rest: bool = False  # the items after the first put in L2 before the wait
     warps: int = 8
 
     @property
     def key(self) -> str:
-        return f"gluon buf{self.num_buf}" + (f" pdl prefetch{self.prefetch}" if self.pdl else "")
+        return (f"gluon buf{self.num_buf}" + (f" pdl prefetch{self.prefetch}" if self.pdl else "")
+                + (" l2rest" if self.l2_rest else ""))
 
 
 # the GEMV alone first (no PDL: it waits for the attention as any launch does), then PDL with 0, 2 and all
-# slots in flight before the wait
-CONFIGS = (Config(5), Config(5, 0, True), Config(5, 2, True), Config(5, 5, True), Config(4, 4, True))
+# slots in flight before the wait; call 6: the rest of the weights into L2 before the wait too
+CONFIGS = (Config(5), Config(5, 0, True), Config(5, 5, True), Config(5, 5, True, True), Config(5, 0, True, True),
+           Config(4, 4, True, True))
 
 
 class OPartials:
@@ -143,16 +178,18 @@ class OPartials:
     def __init__(self, w: torch.Tensor, sms: int, config: Config) -> None:
         layout = gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, SLOT_COLS], gl.bfloat16)
         self.desc = TensorDescriptor.from_tensor(w, [SLOT_ROWS, SLOT_COLS], layout)
-        self.n = w.shape[0]
+        self.w, self.n, self.k = w, w.shape[0], w.shape[1]
         self.parts = torch.empty(QUARTERS, 1, self.n, dtype=torch.float32, device=w.device)
         assert sms % 4 == 0 and w.shape[1] == 4 * 1024, "a program's items share one quarter of K"
         assert config.prefetch <= config.num_buf
         self.sms, self.config = sms, config
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, stamps: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
-        _o_partials_kernel[(self.sms,)](self.desc, x, self.parts, self.n, NPROG=self.sms, NUM_BUF=c.num_buf,
-                                        PREFETCH=c.prefetch, num_warps=c.warps, launch_pdl=c.pdl)
+        _o_partials_kernel[(self.sms,)](self.desc, self.w.data_ptr(), x, self.parts,
+                                        stamps if stamps is not None else self.parts, self.n, self.k,
+                                        NPROG=self.sms, NUM_BUF=c.num_buf, PREFETCH=c.prefetch, L2_REST=c.l2_rest,
+                                        STAMPS=stamps is not None, num_warps=c.warps, launch_pdl=c.pdl)
         return self.parts
 
 
@@ -212,6 +249,27 @@ def main() -> int:
         result["us_per_layer"][key] = [1000 * ms / layers]
         print(f"{key}: {1000 * ms / layers:.2f} us a layer", flush=True)
 
+    def timeline(key: str, projection: OPartials, pdl: bool) -> None:
+        """One eager attention -> o of layer 1 after warm-up, both stamping: us from the attention's first start."""
+        att = torch.full((KV_HEADS * 256 * 5,), -1, dtype=torch.int64, device=dev)
+        o_st = torch.zeros(sms, 3, dtype=torch.int64, device=dev)
+        k, v = caches[1]
+        for stamps in (None, (att, o_st)):  # the first pass compiles the stamping forms
+            x = paged_decode(q, k, v, table, seq_lens, scale, None, None, merge_counters=counters,
+                             launch_dependents=pdl, stamps=None if stamps is None else stamps[0]).view(1, HIDDEN)
+            projection(x, None if stamps is None else stamps[1])
+        torch.cuda.synchronize()
+        a = att.view(-1, 5)[:, :4]
+        t0_ns = int(a[:, 0][a[:, 0] > 0].min())
+        a_end = (a.max(dim=1).values - t0_ns).double() / 1000
+        a_end = a_end[a[:, 0] > 0]
+        o = (o_st - t0_ns).double() / 1000
+        line = {"attention programs end": a_end, "o start": o[:, 0], "o wait passed": o[:, 1], "o end": o[:, 2]}
+        result.setdefault("timeline_us", {})[key] = {
+            n: {"min": float(t.min()), "max": float(t.max())} for n, t in line.items()}
+        print(f"   {key} timeline (us from the attention's first start, min / max): " + "; ".join(
+            f"{n} {float(t.min()):.1f}/{float(t.max()):.1f}" for n, t in line.items()), flush=True)
+
     res_e = residual.clone()
     record("attention alone", lambda: [attention(i, False) for i in range(layers)])
     x0 = attention(0, False)
@@ -233,6 +291,7 @@ def main() -> int:
                 continue
             if not config.pdl:
                 record(f"{key} o alone", lambda p=projections: [p[i](x0) for i in range(layers)])
+            timeline(key, projections[1], config.pdl)
             res_p = residual.clone()
             record(f"{key} chain", lambda p=projections, res_p=res_p, trig=config.pdl: [
                 triton_ops.add_rms_norm(p[i](attention(i, trig)), res_p, norm_w[i], eps) for i in range(layers)])
