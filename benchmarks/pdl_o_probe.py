@@ -44,6 +44,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prefixgate_kernels.decode_attention import DependentLaunch, paged_decode  # noqa: E402
+
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
 CONTEXT, BLOCK_SIZE = 2048, 16
 # a slot: 64 output rows x 256 of K; K in quarters (the engine's partials); the kernels read the constexprs
@@ -65,6 +67,21 @@ def _stamp(stamps_ptr, slot, after):
     now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=gl.int64, is_pure=False,
                                     pack=1)
     gl.store(stamps_ptr + slot, now)
+
+
+@gluon.jit
+def _sleep_until(start_ns, DELAY_NS: gl.constexpr):
+    """Spin (``nanosleep`` 100 ns at a time) until the GPU's timer reads ``start_ns + DELAY_NS``."""
+    gl.inline_asm_elementwise(
+        "{ .reg .u64 t; .reg .pred p; WAIT_LOOP: nanosleep.u32 100; mov.u64 t, %globaltimer; "
+        "setp.lt.u64 p, t, $1; @p bra WAIT_LOOP; mov.u32 $0, 0; }",
+        "=r,l", [start_ns + DELAY_NS], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _now(after):
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=gl.int64, is_pure=False,
+                                     pack=1)
 
 
 @gluon.jit
@@ -95,8 +112,8 @@ def _fill(w_desc, ring, ready, g, n_steps, pid, NPROG: gl.constexpr, NUM_BUF: gl
 
 @gluon.jit
 def _o_partials_kernel(w_desc, w_addr, x_ptr, parts_ptr, stamps_ptr, N, K, NPROG: gl.constexpr,
-                       NUM_BUF: gl.constexpr, PREFETCH: gl.constexpr, L2_REST: gl.constexpr, STAMPS: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       NUM_BUF: gl.constexpr, PREFETCH: gl.constexpr, L2_REST: gl.constexpr, DELAY_NS: gl.constexpr,
+                       STAMPS: gl.constexpr, num_warps: gl.constexpr):
     """parts[q, 0, n] = sum over K quarter q of x[0, k] * W[n, k], one program an SM (batch 1).
 
     Every item of a program (pid, pid + NPROG, ...) is in quarter pid % 4 (NPROG a multiple of 4), so the
@@ -104,6 +121,8 @@ def _o_partials_kernel(w_desc, w_addr, x_ptr, parts_ptr, stamps_ptr, N, K, NPROG
     pid = gl.program_id(0)
     if STAMPS:  # three timer reads: the start, the wait passed, the end
         _stamp(stamps_ptr, pid * 3, pid)
+    if DELAY_NS > 0:  # let the attention's own loads go out first (they queue behind the tiles in flight)
+        _sleep_until(_now(pid), DELAY_NS)
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
     XL: gl.constexpr = gl.SliceLayout(0, L)
     quarter = pid % 4
@@ -158,18 +177,24 @@ class Config(NamedTuple):
     prefetch: int = 0  # slots issued before griddepcontrol.wait
     pdl: bool = False  # launched with PDL after an attention that lets it launch at its start
     l2_rest: bool = False  # the items after the first put in L2 before the wait
+    trigger: DependentLaunch = DependentLaunch.START  # where the attention lets this launch (with pdl)
+    delay_ns: int = 0  # the program sleeps this long before it issues any tile
     warps: int = 8
 
     @property
     def key(self) -> str:
         return (f"gluon buf{self.num_buf}" + (f" pdl prefetch{self.prefetch}" if self.pdl else "")
-                + (" l2rest" if self.l2_rest else ""))
+                + (" l2rest" if self.l2_rest else "")
+                + (f" {self.trigger.name.lower()}" if self.pdl and self.trigger != DependentLaunch.START else "")
+                + (f" delay{self.delay_ns}" if self.delay_ns else ""))
 
 
-# the GEMV alone first (no PDL: it waits for the attention as any launch does), then PDL with 0, 2 and all
-# slots in flight before the wait; call 6: the rest of the weights into L2 before the wait too
-CONFIGS = (Config(5), Config(5, 0, True), Config(5, 5, True), Config(5, 5, True, True), Config(5, 0, True, True),
-           Config(4, 4, True, True))
+# the GEMV alone first (no PDL: it waits for the attention as any launch does), then PDL with nothing and all
+# slots in flight before the wait. Call 6: the rest into L2 as well lost (the bulk prefetches held the threads);
+# call 7: the tiles in flight queue the attention's own loads, so they go out later (a sleep) or the attention
+# lets the o launch only once its keys are read
+CONFIGS = (Config(5), Config(5, 0, True), Config(5, 5, True), Config(5, 5, True, delay_ns=1500),
+           Config(5, 5, True, delay_ns=3000), Config(5, 5, True, trigger=DependentLaunch.AFTER_KEYS))
 
 
 class OPartials:
@@ -189,7 +214,8 @@ class OPartials:
         _o_partials_kernel[(self.sms,)](self.desc, self.w.data_ptr(), x, self.parts,
                                         stamps if stamps is not None else self.parts, self.n, self.k,
                                         NPROG=self.sms, NUM_BUF=c.num_buf, PREFETCH=c.prefetch, L2_REST=c.l2_rest,
-                                        STAMPS=stamps is not None, num_warps=c.warps, launch_pdl=c.pdl)
+                                        DELAY_NS=c.delay_ns, STAMPS=stamps is not None, num_warps=c.warps,
+                                        launch_pdl=c.pdl)
         return self.parts
 
 
@@ -205,7 +231,6 @@ def main() -> int:
     from benchmarks.kernels import bench_graph, ceilings, rel_err
     from benchmarks.provenance import git_commit
     from prefixgate_kernels import triton_ops
-    from prefixgate_kernels.decode_attention import paged_decode
 
     t0 = time.time()
     dev = "cuda"
@@ -228,7 +253,7 @@ def main() -> int:
     scale = HEAD_DIM ** -0.5
     o_bytes = HIDDEN * HIDDEN * 2
 
-    def attention(i: int, trigger: bool) -> torch.Tensor:
+    def attention(i: int, trigger: DependentLaunch) -> torch.Tensor:
         k, v = caches[i]
         return paged_decode(q, k, v, table, seq_lens, scale, None, None, merge_counters=counters,
                             launch_dependents=trigger).view(1, HIDDEN)
@@ -249,15 +274,16 @@ def main() -> int:
         result["us_per_layer"][key] = [1000 * ms / layers]
         print(f"{key}: {1000 * ms / layers:.2f} us a layer", flush=True)
 
-    def timeline(key: str, projection: OPartials, pdl: bool) -> None:
+    def timeline(key: str, projection: OPartials, trigger: DependentLaunch) -> None:
         """One eager attention -> o of layer 1 after warm-up, both stamping: us from the attention's first start."""
         att = torch.full((KV_HEADS * 256 * 5,), -1, dtype=torch.int64, device=dev)
         o_st = torch.zeros(sms, 3, dtype=torch.int64, device=dev)
         k, v = caches[1]
-        for stamps in (None, (att, o_st)):  # the first pass compiles the stamping forms
+        for _ in range(2):  # the first pass compiles the stamping forms
+            att.fill_(-1)
             x = paged_decode(q, k, v, table, seq_lens, scale, None, None, merge_counters=counters,
-                             launch_dependents=pdl, stamps=None if stamps is None else stamps[0]).view(1, HIDDEN)
-            projection(x, None if stamps is None else stamps[1])
+                             launch_dependents=trigger, stamps=att).view(1, HIDDEN)
+            projection(x, o_st)
         torch.cuda.synchronize()
         a = att.view(-1, 5)[:, :4]
         t0_ns = int(a[:, 0][a[:, 0] > 0].min())
@@ -271,18 +297,19 @@ def main() -> int:
             f"{n} {float(t.min()):.1f}/{float(t.max()):.1f}" for n, t in line.items()), flush=True)
 
     res_e = residual.clone()
-    record("attention alone", lambda: [attention(i, False) for i in range(layers)])
-    x0 = attention(0, False)
+    record("attention alone", lambda: [attention(i, DependentLaunch.NONE) for i in range(layers)])
+    x0 = attention(0, DependentLaunch.NONE)
     record("cuBLAS o alone", lambda: [triton_ops.linear_partials(x0, w_o[i]) for i in range(layers)])
     record("engine chain (attention, cuBLAS o partials, norm)", lambda: [
-        triton_ops.add_rms_norm(triton_ops.linear_partials(attention(i, False), w_o[i]), res_e, norm_w[i], eps)
+        triton_ops.add_rms_norm(triton_ops.linear_partials(attention(i, DependentLaunch.NONE), w_o[i]), res_e, norm_w[i], eps)
         for i in range(layers)])
     want = triton_ops.linear_partials(x0, w_o[0]).sum(0)
     for config in CONFIGS:
         key = config.key
+        trigger = config.trigger if config.pdl else DependentLaunch.NONE
         try:
             projections = [OPartials(w_o[i], sms, config) for i in range(layers)]
-            got = projections[0](attention(0, config.pdl)).sum(0)
+            got = projections[0](attention(0, trigger)).sum(0)
             torch.cuda.synchronize()
             result["rel_err"][key] = rel_err(got, want)
             if not result["rel_err"][key] < 1e-2:
@@ -291,9 +318,9 @@ def main() -> int:
                 continue
             if not config.pdl:
                 record(f"{key} o alone", lambda p=projections: [p[i](x0) for i in range(layers)])
-            timeline(key, projections[1], config.pdl)
+            timeline(key, projections[1], trigger)
             res_p = residual.clone()
-            record(f"{key} chain", lambda p=projections, res_p=res_p, trig=config.pdl: [
+            record(f"{key} chain", lambda p=projections, res_p=res_p, trig=trigger: [
                 triton_ops.add_rms_norm(p[i](attention(i, trig)), res_p, norm_w[i], eps) for i in range(layers)])
         except Exception as e:  # noqa: BLE001  (a config that does not compile or fit is a finding)
             result["us_per_layer"][key] = f"{type(e).__name__}: {e}"[:300]
