@@ -191,10 +191,10 @@ class Config(NamedTuple):
 
 # the GEMV alone first (no PDL: it waits for the attention as any launch does), then PDL with nothing and all
 # slots in flight before the wait. Call 6: the rest into L2 as well lost (the bulk prefetches held the threads);
-# call 7: the tiles in flight queue the attention's own loads, so they go out later (a sleep) or the attention
-# lets the o launch only once its keys are read
-CONFIGS = (Config(5), Config(5, 0, True), Config(5, 5, True), Config(5, 5, True, delay_ns=1500),
-           Config(5, 5, True, delay_ns=3000), Config(5, 5, True, trigger=DependentLaunch.AFTER_KEYS))
+# call 7: tiles issued later (a sleep) or the o launched once the attention's keys are read lose; call 8: the
+# engine's table width (256 attention programs, 2 an SM beside the o's ring) and smaller rings
+CONFIGS = (Config(5), Config(5, 0, True), Config(5, 5, True), Config(4, 4, True), Config(3, 3, True),
+           Config(5, 5, True, trigger=DependentLaunch.AFTER_KEYS))
 
 
 class OPartials:
@@ -223,6 +223,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/pdl_o_probe.json")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--table-tokens", default="2048,8448",
+                    help="block table widths, in tokens, to run (the launcher sizes its split count from the width "
+                         "when, as in the engine's decode graphs, it has no length hint: 8 splits at 2,048, 32 at "
+                         "8,448, so 64 or 256 attention programs beside the o's)")
     ap.add_argument("--rounds", type=int, default=2, help="times every chain is timed, in turn")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -242,7 +246,11 @@ def main() -> int:
     caches = [(torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen),
                torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen))
               for _ in range(layers)]
-    table = torch.randperm(blocks, device=dev, generator=gen).to(torch.int32)[None, :]
+    live = torch.randperm(blocks, device=dev, generator=gen).to(torch.int32)
+    tables = {}
+    for width in (int(w) for w in args.table_tokens.split(",")):
+        tables[width] = torch.zeros(1, width // BLOCK_SIZE, dtype=torch.int32, device=dev)
+        tables[width][0, :blocks] = live  # the live context's blocks first; the rest never read
     seq_lens = torch.full((1,), CONTEXT, dtype=torch.int32, device=dev)
     counters = torch.zeros(KV_HEADS, dtype=torch.int32, device=dev)
     w_o = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen) * HIDDEN ** -0.5
@@ -253,7 +261,7 @@ def main() -> int:
     scale = HEAD_DIM ** -0.5
     o_bytes = HIDDEN * HIDDEN * 2
 
-    def attention(i: int, trigger: DependentLaunch) -> torch.Tensor:
+    def attention(i: int, trigger: DependentLaunch, table: torch.Tensor) -> torch.Tensor:
         k, v = caches[i]
         return paged_decode(q, k, v, table, seq_lens, scale, None, None, merge_counters=counters,
                             launch_dependents=trigger).view(1, HIDDEN)
@@ -274,16 +282,26 @@ def main() -> int:
         result["us_per_layer"][key] = [1000 * ms / layers]
         print(f"{key}: {1000 * ms / layers:.2f} us a layer", flush=True)
 
-    def timeline(key: str, projection: OPartials, trigger: DependentLaunch) -> None:
-        """One eager attention -> o of layer 1 after warm-up, both stamping: us from the attention's first start."""
+    def timeline(key: str, projection: OPartials, trigger: DependentLaunch, table: torch.Tensor) -> None:
+        """Layer 1's attention -> o, both stamping, replayed from a CUDA graph (eagerly the host's launch of the
+        o comes long after the attention has ended): us from the attention's first start."""
         att = torch.full((KV_HEADS * 256 * 5,), -1, dtype=torch.int64, device=dev)
         o_st = torch.zeros(sms, 3, dtype=torch.int64, device=dev)
         k, v = caches[1]
-        for _ in range(2):  # the first pass compiles the stamping forms
-            att.fill_(-1)
+
+        def pair() -> None:
             x = paged_decode(q, k, v, table, seq_lens, scale, None, None, merge_counters=counters,
                              launch_dependents=trigger, stamps=att).view(1, HIDDEN)
             projection(x, o_st)
+
+        pair()  # compiles the stamping forms
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            pair()
+        for _ in range(2):
+            att.fill_(-1)
+            graph.replay()
         torch.cuda.synchronize()
         a = att.view(-1, 5)[:, :4]
         t0_ns = int(a[:, 0][a[:, 0] > 0].min())
@@ -296,35 +314,37 @@ def main() -> int:
         print(f"   {key} timeline (us from the attention's first start, min / max): " + "; ".join(
             f"{n} {float(t.min()):.1f}/{float(t.max()):.1f}" for n, t in line.items()), flush=True)
 
-    res_e = residual.clone()
-    record("attention alone", lambda: [attention(i, DependentLaunch.NONE) for i in range(layers)])
-    x0 = attention(0, DependentLaunch.NONE)
-    record("cuBLAS o alone", lambda: [triton_ops.linear_partials(x0, w_o[i]) for i in range(layers)])
-    record("engine chain (attention, cuBLAS o partials, norm)", lambda: [
-        triton_ops.add_rms_norm(triton_ops.linear_partials(attention(i, DependentLaunch.NONE), w_o[i]), res_e, norm_w[i], eps)
-        for i in range(layers)])
-    want = triton_ops.linear_partials(x0, w_o[0]).sum(0)
-    for config in CONFIGS:
-        key = config.key
-        trigger = config.trigger if config.pdl else DependentLaunch.NONE
-        try:
-            projections = [OPartials(w_o[i], sms, config) for i in range(layers)]
-            got = projections[0](attention(0, trigger)).sum(0)
-            torch.cuda.synchronize()
-            result["rel_err"][key] = rel_err(got, want)
-            if not result["rel_err"][key] < 1e-2:
-                result["us_per_layer"][key] = f"wrong: rel. error {result['rel_err'][key]:.3g}"
+    for width, tbl in tables.items():
+        tag = f"[{width}] "
+        res_e = residual.clone()
+        record(tag + "attention alone", lambda t=tbl: [attention(i, DependentLaunch.NONE, t) for i in range(layers)])
+        x0 = attention(0, DependentLaunch.NONE, tbl)
+        record(tag + "cuBLAS o alone", lambda x=x0: [triton_ops.linear_partials(x, w_o[i]) for i in range(layers)])
+        record(tag + "engine chain (attention, cuBLAS o partials, norm)", lambda t=tbl, r=res_e: [
+            triton_ops.add_rms_norm(triton_ops.linear_partials(attention(i, DependentLaunch.NONE, t), w_o[i]), r,
+                                    norm_w[i], eps) for i in range(layers)])
+        want = triton_ops.linear_partials(x0, w_o[0]).sum(0)
+        for config in CONFIGS:
+            key = tag + config.key
+            trigger = config.trigger if config.pdl else DependentLaunch.NONE
+            try:
+                projections = [OPartials(w_o[i], sms, config) for i in range(layers)]
+                got = projections[0](attention(0, trigger, tbl)).sum(0)
+                torch.cuda.synchronize()
+                result["rel_err"][key] = rel_err(got, want)
+                if not result["rel_err"][key] < 1e-2:
+                    result["us_per_layer"][key] = f"wrong: rel. error {result['rel_err'][key]:.3g}"
+                    print(f"{key}: {result['us_per_layer'][key]}", flush=True)
+                    continue
+                if not config.pdl:
+                    record(f"{key} o alone", lambda p=projections, x=x0: [p[i](x) for i in range(layers)])
+                timeline(key, projections[1], trigger, tbl)
+                res_p = residual.clone()
+                record(f"{key} chain", lambda p=projections, r=res_p, trig=trigger, t=tbl: [
+                    triton_ops.add_rms_norm(p[i](attention(i, trig, t)), r, norm_w[i], eps) for i in range(layers)])
+            except Exception as e:  # noqa: BLE001  (a config that does not compile or fit is a finding)
+                result["us_per_layer"][key] = f"{type(e).__name__}: {e}"[:300]
                 print(f"{key}: {result['us_per_layer'][key]}", flush=True)
-                continue
-            if not config.pdl:
-                record(f"{key} o alone", lambda p=projections: [p[i](x0) for i in range(layers)])
-            timeline(key, projections[1], trigger)
-            res_p = residual.clone()
-            record(f"{key} chain", lambda p=projections, res_p=res_p, trig=trigger: [
-                triton_ops.add_rms_norm(p[i](attention(i, trig)), res_p, norm_w[i], eps) for i in range(layers)])
-        except Exception as e:  # noqa: BLE001  (a config that does not compile or fit is a finding)
-            result["us_per_layer"][key] = f"{type(e).__name__}: {e}"[:300]
-            print(f"{key}: {result['us_per_layer'][key]}", flush=True)
     for _ in range(1, args.rounds):  # the same graphs captured again, in the same order
         for key, fn in timed.items():
             ms = bench_graph(fn)
