@@ -50,6 +50,7 @@ def _gate_up_silu_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_TY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -62,7 +63,20 @@ def _gate_up_silu_kernel(
     u_ptrs = g_ptrs + INTER.to(tl.int64) * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
+    if PDL:
+        # launched with programmatic dependent launch under the kernel that writes x (a norm that lets it
+        # start at once): the first K slice's weights, which depend on nothing, are loaded before the wait
+        # for that kernel's writes, so they stream under it
+        wg = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0).to(DOT_TY)
+        wu = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0).to(DOT_TY)
+        tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0).to(DOT_TY)
+        acc_g += tl.dot(x, tl.trans(wg))
+        acc_u += tl.dot(x, tl.trans(wu))
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    for _ in range(BLOCK_K if PDL else 0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0).to(DOT_TY)
         wg = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0).to(DOT_TY)
         wu = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0).to(DOT_TY)
@@ -92,9 +106,12 @@ def choose_config(m: int, inter: int, k: int, num_sms: int, max_rows: int = MAX_
     return GateUpConfig(block_n, block_k, num_stages=3 if block_n > 16 else 4)
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig, pdl: bool = False) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for ``weight`` [2I, K] = gate rows | up rows -> [M, I] in x's dtype.
-    Inputs are checked by ``prefixgate_kernels.triton_ops``."""
+    Inputs are checked by ``prefixgate_kernels.triton_ops``. ``pdl``: launched with programmatic dependent
+    launch, the first K slice's weights loaded before it waits for the kernel that writes x (which must
+    let it launch: ``rmsnorm.add_rms_norm(..., launch_dependents=True)``); compiled kernels only, the
+    interpreter launches it as usual."""
     m, k = x.shape
     inter = weight.shape[0] // 2
     assert k % config.block_k == 0, f"K={k} must be a multiple of {config.block_k}"
@@ -103,9 +120,11 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig) ->
         return out
     dot_ty = tl.float32 if interpreting() or x.dtype == torch.float32 else (
         tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
+    pdl = pdl and not interpreting()
+    launch = {"launch_pdl": True} if pdl else {}
     _gate_up_silu_kernel[(cdiv(inter, config.block_n),)](
         x, weight, out, m, inter, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_TY=dot_ty,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_TY=dot_ty, PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     return out

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixgate_kernels._common import next_pow2
+from prefixgate_kernels._common import interpreting, next_pow2
 
 
 @triton.jit
@@ -37,7 +37,10 @@ def _add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:  # a kernel launched after this one with PDL may start now (it waits for our writes)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -62,7 +65,8 @@ def _add_rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            launch_dependents: bool = False) -> torch.Tensor:
     # partials (fp32, any count, one included) are summed and rounded to the residual's dtype, the row's
     partials = x.shape[0] if x.dim() == 3 else 0
     row_dtype = residual.dtype if partials else x.dtype
@@ -75,7 +79,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _add_rms_norm_kernel[(tokens,)](
         x, res, weight, out, x.stride(-2), res.stride(0), out.stride(0), x.stride(0) if partials else 0,
         hidden, eps, HAS_RESIDUAL=residual is not None, PARTIALS=partials, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)),
+        LAUNCH_DEPENDENTS=launch_dependents and not interpreting(), num_warps=max(1, min(16, block // 256)),
     )
     return out
 
@@ -85,7 +89,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 launch_dependents: bool = False) -> torch.Tensor:
     """``residual += x`` in place (x [T, H], or fp32 partials [S, T, H] summed first), -> rms_norm(residual)
-    [T, H]. Inputs are checked by ``prefixgate_kernels.triton_ops``."""
-    return _launch(x, residual, weight, eps)
+    [T, H]. Inputs are checked by ``prefixgate_kernels.triton_ops``. ``launch_dependents``: the program
+    lets a kernel launched after it with programmatic dependent launch start at once (``gate_up_silu``'s
+    ``pdl``); a scheduling hint the interpreter ignores."""
+    return _launch(x, residual, weight, eps, launch_dependents)

@@ -287,6 +287,40 @@ def test_mlp_partials_gpu(m, monkeypatch):
     assert fused.rel_err(got.sum(0) if got.dim() == 3 else got, exact) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 8])
+def test_gate_up_silu_under_pdl_after_the_norm_gpu(m):
+    """The norm letting the next kernel launch at its start and gate|up + SiLU launched with PDL (its first
+    K slice loaded before it waits): the same bytes as the plain pair, eagerly and replayed from a CUDA
+    graph whose norm rewrites the input each time (a gate|up that read x before the wait would see the
+    previous replay's)."""
+    from prefixgate_kernels import gate_up_silu, rmsnorm
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    parts = torch.randn(4, m, 4096, device="cuda", generator=gen)
+    res0 = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w_norm = 1 + 0.1 * torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w_gu = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 4096 ** -0.5
+    config = gate_up_silu.choose_config(m, 14336, 4096, torch.cuda.get_device_properties(0).multi_processor_count)
+
+    def pair(res: torch.Tensor, pdl: bool) -> torch.Tensor:
+        h = rmsnorm.add_rms_norm(parts, res, w_norm, 1e-5, launch_dependents=pdl)
+        return gate_up_silu.gate_up_silu(h, w_gu, config, pdl=pdl)
+
+    want_res = res0.clone()
+    want = pair(want_res, False)
+    got_res = res0.clone()
+    assert torch.equal(pair(got_res, True), want) and torch.equal(got_res, want_res)
+    res, want_res = res0.clone(), res0.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pair(res, True)
+    for _ in range(3):  # each replay adds the partials to the residual again: a new x every time
+        graph.replay()
+        want = pair(want_res, False)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(res, want_res)
+
+
 @pytest.mark.parametrize("m", [1, 16])
 def test_linear_through_the_skinny_gemm_gpu(m, monkeypatch):
     """``ops.linear`` with the weight-streaming GEMM switched on (q|k|v's shape, chain_config's tiles)."""
