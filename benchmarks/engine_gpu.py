@@ -650,6 +650,16 @@ def sec_decode_skinny(dev, args, model, runner, bw) -> dict:
                                     {"off": 0, "on16": 16})
 
 
+def sec_decode_pdl(dev, args, model, runner, bw) -> dict:
+    """The decode step's programmatic-dependent-launch links (``triton_ops.DECODE_PDL``: the attention and the
+    norms let the next kernel launch at their start; gate|up + SiLU and, at one row, the o projection as
+    ``gemv_pdl`` load weights before they wait) against plain launches."""
+    from prefixgate_kernels import triton_ops
+
+    return decode_ab_module_setting(dev, args, model, runner, bw, "decode PDL", triton_ops, "DECODE_PDL",
+                                    {"off": False, "on": True})
+
+
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
     """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
     the default) against ``rotary_write_kv`` then the attention."""
@@ -1304,6 +1314,7 @@ def main() -> int:
     section("decode_profile", sec_decode_profile, dev, args, runner)
     section("decode_partials", sec_decode_partials, dev, args, model, runner, bw)
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
+    section("decode_pdl", sec_decode_pdl, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)

@@ -286,9 +286,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    pdl: bool = False) -> torch.Tensor:
     """``linear`` for a projection read only by ``add_rms_norm``: fp32 split-K partials [S, M, N] where
-    ``prefixgate_kernels.partial_gemm.slices_for`` says so (decode-sized 16-bit CUDA batches), else [M, N]."""
+    ``prefixgate_kernels.partial_gemm.slices_for`` says so (decode-sized 16-bit CUDA batches), else [M, N].
+    ``pdl`` (x comes from a kernel that lets the next one launch early) is a launch hint of the Triton ops:
+    nothing to do here."""
     return partial_gemm.linear_partials(x, weight, bias, linear)
 
 

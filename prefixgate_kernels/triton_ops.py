@@ -13,6 +13,7 @@ Differences from the reference, all on inputs the reference would also mishandle
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +30,7 @@ from prefixgate_kernels import (
     rotary,
     skinny_gemm,
 )
-from prefixgate_kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache, num_sms
+from prefixgate_kernels._common import ATTN_DTYPES, check_kv_scales, check_paged_cache, interpreting, num_sms
 from prefixgate_kernels.launch_layout import CacheLayout
 from prefixgate_kernels.reference import FP8_DTYPE, dequantize, is_quantized, quantize  # noqa: F401  (re-exported)
 
@@ -39,6 +40,24 @@ __all__ = [
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
     "rms_norm", "add_rms_norm", "rotary_write_kv", "rotary_decode_attention", "silu_mul", "linear", "linear_partials",
 ]
+
+# Programmatic dependent launch (PDL) between a decode step's latency-bound kernels and the weight-streaming
+# ones after them (docs/gpu.md, session 30): the decode attention and ``add_rms_norm`` let the next kernel
+# launch at their start; gate|up + SiLU (its first K slice) and, at one row, the o projection (``gemv_pdl``,
+# ``linear_partials(..., pdl=True)``) load weights before they wait for their input. Every part is correct
+# whatever runs before it (without an early launch PDL waits as a plain launch does); sm_90 or newer only.
+DECODE_PDL = False
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _pdl(device: torch.device) -> bool:
+    """``DECODE_PDL`` and a device whose kernels can launch dependents (compute capability 9.0 or newer)."""
+    return (DECODE_PDL and device.type == "cuda" and not interpreting()
+            and _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9)
 
 
 def _check_int_vector(name: str, t: torch.Tensor, length: int | None, device: torch.device) -> None:
@@ -262,7 +281,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     hidden = residual.shape[1]
     assert residual.device == x.device and weight.device == x.device, "x, residual and weight must share a device"
     assert weight.shape == (hidden,) and weight.is_contiguous(), f"weight must be [{hidden}] contiguous"
-    return rmsnorm.add_rms_norm(x, residual, weight, eps)
+    return rmsnorm.add_rms_norm(x, residual, weight, eps, launch_dependents=_pdl(x.device))
 
 
 def rotary_write_kv(
@@ -314,9 +333,11 @@ def rotary_decode_attention(
     _check_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, context_lens, merge_counters)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    return decode_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                                         context_lens=context_lens, merge_counters=merge_counters,
-                                         rope=decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias) if fused else None)
+    return decode_attention.paged_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, context_lens=context_lens,
+        merge_counters=merge_counters, rope=decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias) if fused else None,
+        launch_dependents=decode_attention.DependentLaunch.START if _pdl(q.device) else
+        decode_attention.DependentLaunch.NONE)
 
 
 def _check_rotary_inputs(
@@ -373,14 +394,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return skinny_gemm.skinny_linear(x, weight, bias, config)
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    pdl: bool = False) -> torch.Tensor:
     """``linear`` for a projection whose only reader is ``add_rms_norm``: at decode-sized 16-bit batches
     its split-K fp32 partials [S, M, N] (one batched GEMM, no reduce kernel; ``prefixgate_kernels.partial_gemm``),
-    else the [M, N] product as ``linear`` returns it."""
+    else the [M, N] product as ``linear`` returns it. ``pdl``: x comes from a kernel that lets the next one
+    launch early (the decode attention); with ``DECODE_PDL`` a one-row projection then runs as
+    ``gemv_pdl.partials_gemv``, its weights streaming under that kernel (the same [4, 1, N] partials)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], (
         f"x [M, K] and weight [out, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}"
     )
     assert weight.device == x.device, "x and weight must share a device"
+    if pdl and _pdl(x.device) and partial_gemm.slices_for(x.shape[0], x.shape[1], x.dtype, bias is not None,
+                                                          x.is_cuda) > 1:
+        from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
+
+        # it stands in for partial_gemm only where that would return as many partials
+        if gemv_pdl.QUARTERS == partial_gemm.SLICES and gemv_pdl.supports(x, weight, bias):
+            return gemv_pdl.partials_gemv(x, weight)
     return partial_gemm.linear_partials(x, weight, bias, linear)
 
 
@@ -403,5 +434,5 @@ def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
         config = gate_up_silu.choose_config(x.shape[0], inter, x.shape[1], num_sms(x.device),
                                             max_rows=gate_up_silu.ENGINE_MAX_ROWS)
     act = silu_mul(linear(x, gate_up_weight, gate_up_bias)) if config is None else (
-        gate_up_silu.gate_up_silu(x, gate_up_weight, config))
+        gate_up_silu.gate_up_silu(x, gate_up_weight, config, pdl=_pdl(x.device)))
     return linear_partials(act, down_weight, down_bias)

@@ -126,9 +126,11 @@ class Attention(nn.Module):
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,
                                               meta.seq_lens, self.scale, cache.k_scale, cache.v_scale,
                                               context_lens=meta.context_lens)
-        # read only by the next add_rms_norm: at decode sizes split-K partials it sums (prefixgate_kernels/partial_gemm.py)
+        # read only by the next add_rms_norm: at decode sizes split-K partials it sums (prefixgate_kernels/partial_gemm.py);
+        # after the decode attention, which lets the next kernel launch early (triton_ops.DECODE_PDL), its weights
+        # may stream under that launch
         return ops.linear_partials(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight,
-                                   self.o_proj.bias)
+                                   self.o_proj.bias, pdl=meta.decode_only)
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         t = x.shape[0]

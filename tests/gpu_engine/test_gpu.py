@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -128,3 +130,40 @@ def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
     assert torch.allclose(got, want, atol=2e-3), float((got - want).abs().max())
     got_top = torch.tensor([[v for _, _, v in lp.top] for lp in scores.scored])
     assert torch.allclose(got_top, torch.topk(ref, 3, dim=-1).values, atol=2e-3)
+def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch):
+    """A bf16 model's batch-1 decode graphs with the decode step's PDL links (``triton_ops.DECODE_PDL``: the
+    attention and the norms let the next kernel launch early, gate|up + SiLU and the o projection, as
+    ``gemv_pdl``, stream weights before they wait) against the same graphs without: the same token, logits
+    within bf16 rounding (the o projection's K-quarter sums run in another order)."""
+    from engine.batch import ScheduledBatch, SequenceChunk
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from engine.models.random_init import build_random_model, llama_config_dict
+    from engine.models.spec import parse_checkpoint_config
+    from prefixgate_kernels import gemv_pdl, triton_ops
+    from tests.gpu_engine.helpers import GREEDY, SHAPE, IdTokenizer
+
+    shape = dict(SHAPE, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=128)
+    (tmp_path / "config.json").write_text(json.dumps(llama_config_dict(**shape)), encoding="utf-8")
+    arch = parse_checkpoint_config(tmp_path)
+    prompt = [(7 * i + 3) % 500 for i in range(37)]
+
+    def run(on: bool) -> torch.Tensor:
+        monkeypatch.setattr(triton_ops, "DECODE_PDL", on)
+        model = build_random_model(arch, "cuda", torch.bfloat16, seed=0, std=0.05)
+        cfg = EngineConfig(model_dir=tmp_path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
+                           max_num_seqs=8)
+        runner = ModelRunner(cfg, arch=arch, tokenizer=IdTokenizer(), model=model)
+        runner.execute(ScheduledBatch([SequenceChunk("s0", prompt, 0, [3, 4, 5], True, GREEDY)]))
+        logits = runner.forward(ScheduledBatch([SequenceChunk("s0", [11], len(prompt), [3, 4, 5], True,
+                                                              GREEDY)])).float().clone()
+        assert runner.decode_graphs is not None and runner.decode_graphs.num_runs == 1
+        return logits
+
+    x = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
+    assert gemv_pdl.supports(x, torch.empty(1024, 1024, device="cuda", dtype=torch.bfloat16), None)
+    with_links = run(True)
+    without = run(False)
+    assert with_links.argmax(-1).tolist() == without.argmax(-1).tolist()
+    torch.testing.assert_close(with_links, without, rtol=0.02, atol=0.02)

@@ -321,6 +321,71 @@ def test_gate_up_silu_under_pdl_after_the_norm_gpu(m):
         assert torch.equal(out, want) and torch.equal(res, want_res)
 
 
+@pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 4096, 4096), (torch.float16, 1024, 8192),
+                                       (torch.bfloat16, 640, 1024)])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_partials_gemv_gpu(dtype, n, k, pdl):
+    """``gemv_pdl.partials_gemv``: four fp32 partials over K's quarters whose sum is the product (within
+    fp32 rounding of the float64 one), each quarter its own slice of K (against ``partial_gemm``'s)."""
+    from prefixgate_kernels import gemv_pdl, partial_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(1, k, device="cuda", dtype=dtype, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k ** -0.5
+    assert gemv_pdl.supports(x, w, None)
+    parts = gemv_pdl.partials_gemv(x, w, pdl=pdl)
+    assert parts.shape == (4, 1, n) and parts.dtype == torch.float32
+    want = partial_gemm.sliced_partials(x, w, 4).double()
+    assert fused.rel_err(parts.double(), want) < 1e-5
+    assert fused.rel_err(parts.sum(0).double(), x.double() @ w.double().T) < 1e-5
+
+
+def test_partials_gemv_supports_only_its_shapes_gpu():
+    from prefixgate_kernels import gemv_pdl
+
+    def ok(m=1, n=4096, k=4096, dtype=torch.bfloat16, bias=False, device="cuda"):
+        x = torch.empty(m, k, device=device, dtype=dtype)
+        w = torch.empty(n, k, device=device, dtype=dtype)
+        return gemv_pdl.supports(x, w, torch.empty(n, device=device, dtype=dtype) if bias else None)
+
+    assert ok() and ok(k=8192) and ok(n=64, k=1024)
+    assert not ok(m=2) and not ok(bias=True) and not ok(dtype=torch.float32) and not ok(device="cpu")
+    assert not ok(n=4000) and not ok(k=3584) and not ok(k=3072)  # N % 64; K % 1024; K / 1024 not a power of two
+
+
+def test_o_projection_under_pdl_after_the_attention_gpu():
+    """The decode attention letting the next kernel launch at its start, and the o projection launched with
+    PDL streaming its weights before it waits: the same partials as launched plainly after it, eagerly and
+    from a CUDA graph whose replays give the attention new queries (a projection that read the attention's
+    output before the wait would see the previous replay's)."""
+    from prefixgate_kernels import gemv_pdl
+    from prefixgate_kernels.decode_attention import DependentLaunch, paged_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k_cache = torch.randn(40, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(40, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    table = torch.randperm(40, device="cuda", generator=gen).to(torch.int32)[None, :]
+    seq_lens = torch.tensor([600], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w_o = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 4096 ** -0.5
+
+    def pair(trigger: DependentLaunch, pdl: bool) -> torch.Tensor:
+        out = paged_decode(q, k_cache, v_cache, table, seq_lens, 128 ** -0.5, None, None, launch_dependents=trigger)
+        return gemv_pdl.partials_gemv(out.view(1, 4096), w_o, pdl=pdl)
+
+    want = pair(DependentLaunch.NONE, False).clone()
+    assert torch.equal(pair(DependentLaunch.START, True), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = pair(DependentLaunch.START, True)
+    for _ in range(3):
+        q.normal_(generator=gen)
+        graph.replay()
+        want = pair(DependentLaunch.NONE, False)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("m", [1, 16])
 def test_linear_through_the_skinny_gemm_gpu(m, monkeypatch):
     """``ops.linear`` with the weight-streaming GEMM switched on (q|k|v's shape, chain_config's tiles)."""

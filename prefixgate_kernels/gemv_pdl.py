@@ -1,0 +1,133 @@
+"""A one-row projection into K-quarter partials whose weights stream under the kernel before it (Gluon, PDL).
+
+At batch 1 the decode attention is one wave of short, latency-bound programs under which the HBM is mostly
+idle, and the o projection after it reads the layer's o weights (32 MiB at Llama-8B). Launched with
+programmatic dependent launch after an attention that lets it launch at its start
+(``decode_attention.DependentLaunch.START``), this kernel puts its first weight tiles in flight into its
+own shared memory and only then waits (``griddepcontrol.wait``) for the attention's output::
+
+    grid = (SMs rounded down to a multiple of 4,)     one program an SM
+    items                 (64 output rows, a quarter of K), dealt round robin: program p takes p, p + grid, ...
+                          (all in quarter p % 4, so the program reads one quarter of x)
+    ring                  NUM_BUF slots of [64, 256] weights that the TMA fills, NUM_BUF in flight
+    program               fill every slot -> griddepcontrol.wait -> x's quarter into shared memory ->
+                          for each step: wait its slot, y += W_slot . x_step (fp32), refill the slot;
+                          at an item's end store its 64 sums as quarter q's partial
+    out                   fp32 partials [4, 1, N], as ``partial_gemm.linear_partials`` returns them: the
+                          next ``add_rms_norm`` sums them
+
+Without PDL (or after a kernel that does not let it launch early) it is an ordinary GEMV that streams the
+weights at cuBLAS's rate (session 30: 14.3 against 14.0 us a layer for 4,096 x 4,096 on an H100). Measured
+in ``benchmarks/pdl_o_probe.py`` and ``benchmarks/pdl_layer_probe.py`` (docs/gpu.md, session 30): under the
+attention, at the engine's table width, -1.6 to -1.7 us a layer on an H100. Compiled only (Gluon has no
+interpreter); sm_90 or newer (TMA, griddepcontrol).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from prefixgate_kernels._common import num_sms
+
+SLOT_ROWS, SLOT_COLS, QUARTERS = 64, 256, 4
+# 4 slots (128 KB): beside two programs of the bf16 decode attention at head dim 128 (2 x ~39 KB) an SM
+# still has room for the ring, so every SM's program starts under the attention (5 slots measured the same)
+NUM_BUF = 4
+BLOCK_N, BLOCK_K = gl.constexpr(SLOT_ROWS), gl.constexpr(SLOT_COLS)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Shapes and dtypes the kernel takes: one 16-bit row on a CUDA device of compute capability 9.0 or
+    newer, no bias, N a multiple of 64, and a quarter of K a power-of-two multiple of 256."""
+    if x.dim() != 2 or x.shape[0] != 1 or bias is not None or x.device.type != "cuda":
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or not weight.is_contiguous():
+        return False
+    n, k = weight.shape
+    steps = k // (QUARTERS * SLOT_COLS)
+    if n % SLOT_ROWS or k % (QUARTERS * SLOT_COLS) or steps & (steps - 1) or not x.is_contiguous():
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+@gluon.jit
+def _grid_wait(after):
+    """``griddepcontrol.wait`` once ``after`` is known: returns when the kernel launched before this one has
+    finished and its writes are visible; at once when this launch was not a PDL one."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [after], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _fill(w_desc, ring, ready, g, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.constexpr, NUM_BUF: gl.constexpr):
+    """TMA the program's step ``g`` (its item g // STEPS, K step g % STEPS) into slot g % NUM_BUF; nothing past
+    the last."""
+    slot = g % NUM_BUF
+    ok = g < n_steps
+    item = pid + (g // STEPS) * NPROG
+    mbarrier.expect(ready.index(slot), BLOCK_N * BLOCK_K * 2, pred=ok)
+    tma.async_copy_global_to_shared(w_desc, [(item // 4) * BLOCK_N, ((item % 4) * STEPS + g % STEPS) * BLOCK_K],
+                                    ready.index(slot), ring.index(slot), pred=ok)
+
+
+@gluon.jit
+def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, NPROG: gl.constexpr,
+                          NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+    pid = gl.program_id(0)
+    quarter = pid % 4
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # x's quarter, [STEPS, 256]
+    # x's quarter kept unswizzled, stored whole (rank 2) and read a step at a time through a rank-1 view
+    S2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    n_items = (N // BLOCK_N * 4 - pid + NPROG - 1) // NPROG
+    n_steps = n_items * STEPS
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(NUM_BUF):  # the weights depend on nothing the kernel before this one writes
+        _fill(w_desc, ring, ready, s, n_steps, pid, STEPS, NPROG, NUM_BUF)
+    _grid_wait(pid)
+    r = gl.arange(0, STEPS, layout=gl.SliceLayout(1, XL))
+    c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
+    x_tile = gl.load(x_ptr + quarter * (STEPS * BLOCK_K) + r[:, None] * BLOCK_K + c[None, :])
+    x_rows = gl.allocate_shared_memory(x_tile.dtype, [STEPS, BLOCK_K], S2, x_tile)._reinterpret(
+        x_tile.dtype, [STEPS, BLOCK_K], S1)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+    for j in range(n_items):
+        acc = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, L))
+        for st in range(STEPS):
+            g = j * STEPS + st
+            slot = g % NUM_BUF
+            mbarrier.wait(ready.index(slot), (g // NUM_BUF) & 1)
+            w = ring.index(slot).load(L).to(gl.float32)
+            x = x_rows.index(st).load(gl.SliceLayout(0, L)).to(gl.float32)
+            acc += gl.sum(w * x[None, :], axis=1)
+            gl.thread_barrier()  # every warp has read the slot: refill it with step g + NUM_BUF
+            _fill(w_desc, ring, ready, g + NUM_BUF, n_steps, pid, STEPS, NPROG, NUM_BUF)
+        item = pid + j * NPROG
+        gl.store(parts_ptr + quarter * N + (item // 4) * BLOCK_N + rows, acc)
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(s))
+
+
+def partials_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T as fp32 partials [4, 1, N] over K's quarters (their sum is the product).
+    ``pdl``: launched with programmatic dependent launch (its weights stream under the kernel before it,
+    which must let it launch early to gain anything; correct either way). Shapes as ``supports`` says."""
+    assert supports(x, weight, None), f"partials_gemv takes one 16-bit row: x {tuple(x.shape)} {x.dtype}, weight " \
+                                      f"{tuple(weight.shape)} {weight.dtype}"
+    n, k = weight.shape
+    layout = gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, SLOT_COLS],
+                                                  gl.bfloat16 if weight.dtype == torch.bfloat16 else gl.float16)
+    desc = TensorDescriptor.from_tensor(weight, [SLOT_ROWS, SLOT_COLS], layout)
+    parts = torch.empty(QUARTERS, 1, n, dtype=torch.float32, device=x.device)
+    grid = num_sms(x.device) // 4 * 4
+    _partials_gemv_kernel[(grid,)](desc, x, parts, n, STEPS=k // (QUARTERS * SLOT_COLS), NPROG=grid,
+                                   NUM_BUF=NUM_BUF, num_warps=8, launch_pdl=pdl)
+    return parts
