@@ -46,7 +46,9 @@ __all__ = [
 # launch at their start; gate|up + SiLU (its first K slice) and, at one row, the o projection (``gemv_pdl``,
 # ``linear_partials(..., pdl=True)``) load weights before they wait for their input. Every part is correct
 # whatever runs before it (without an early launch PDL waits as a plain launch does); sm_90 or newer only.
-DECODE_PDL = False
+# Measured in the engine on the H200 (session 30, call 10): the overlapped batch-1 step 4.49 / 4.53 -> 4.44 /
+# 4.42 ms (-1.8 %), batch 8 -0.2 %, batches 32 and 128 unchanged.
+DECODE_PDL = True
 
 
 @functools.cache
