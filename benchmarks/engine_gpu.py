@@ -455,7 +455,8 @@ DECODE_KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match
     ("attention", ("_decode_split_kernel", "_reduce_kernel", "_prefill_kernel", "_merge_kernel",
                    "_prefill_overlap_kernel", "_prefill_specialized_kernel")),
     # the gate|up GEMM that stores SiLU x up (gate_up_silu) is a GEMM, before "silu" names an activation
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "_skinny_kernel", "_gate_up_silu_kernel")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "_skinny_kernel", "_gate_up_silu_kernel",
+              "_partials_gemv_kernel")),
     ("norm", ("rms_norm",)),
     ("rotary_kv_write", ("rotary", "_write_kv_kernel")),
     ("activation", ("silu",)),
