@@ -20,7 +20,7 @@ Without PDL (or after a kernel that does not let it launch early) it is an ordin
 weights at cuBLAS's rate (session 30: 14.3 against 14.0 us a layer for 4,096 x 4,096 on an H100). Measured
 in ``benchmarks/pdl_o_probe.py`` and ``benchmarks/pdl_layer_probe.py`` (docs/gpu.md, session 30): under the
 attention, at the engine's table width, -1.6 to -1.7 us a layer on an H100. Compiled only (Gluon has no
-interpreter); sm_90 or newer (TMA, griddepcontrol).
+interpreter); where ``supports`` says (sm_90 under Triton 3.6, as the Gluon prefills).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from prefixgate_kernels._common import num_sms
+from prefixgate_kernels.prefill_attention import gluon_runs_on
 
 SLOT_ROWS, SLOT_COLS, QUARTERS = 64, 256, 4
 # 4 slots (128 KB): beside two programs of the bf16 decode attention at head dim 128 (2 x ~39 KB) an SM
@@ -41,8 +42,9 @@ BLOCK_N, BLOCK_K = gl.constexpr(SLOT_ROWS), gl.constexpr(SLOT_COLS)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Shapes and dtypes the kernel takes: one 16-bit row on a CUDA device of compute capability 9.0 or
-    newer, no bias, N a multiple of 64, and a quarter of K a power-of-two multiple of 256."""
+    """Shapes and dtypes the kernel takes: one 16-bit row, no bias, N a multiple of 64, and a quarter of K a
+    power-of-two multiple of 256; on a device where the Gluon kernels were written and measured (an sm_90 GPU
+    under Triton 3.6: ``prefill_attention.gluon_runs_on``, as for the Gluon prefills)."""
     if x.dim() != 2 or x.shape[0] != 1 or bias is not None or x.device.type != "cuda":
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or not weight.is_contiguous():
@@ -51,7 +53,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     steps = k // (QUARTERS * SLOT_COLS)
     if n % SLOT_ROWS or k % (QUARTERS * SLOT_COLS) or steps & (steps - 1) or not x.is_contiguous():
         return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return gluon_runs_on(x.device)
 
 
 @gluon.jit

@@ -162,7 +162,8 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch):
         return logits
 
     x = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
-    assert gemv_pdl.supports(x, torch.empty(1024, 1024, device="cuda", dtype=torch.bfloat16), None)
+    if not gemv_pdl.supports(x, torch.empty(1024, 1024, device="cuda", dtype=torch.bfloat16), None):
+        pytest.skip("the o projection's Gluon GEMV runs on an sm_90 GPU under Triton 3.6 (gluon_supported)")
     with_links = run(True)
     without = run(False)
     assert with_links.argmax(-1).tolist() == without.argmax(-1).tolist()

@@ -19,9 +19,11 @@ from tests.kernels.kernel_cases import gpu_ready
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CUDA and compiled Triton")]
 KV_DTYPES = [None, ref.FP8_DTYPE, torch.int8]
-# the Gluon prefills' own tests: sm_90 and Triton 3.6 only (prefill_attention.gluon_supported)
+# the Gluon kernels' own tests (the prefills, gemv_pdl): sm_90 and Triton 3.6 only (prefill_attention.gluon_supported)
 needs_gluon = pytest.mark.skipif(not gpu_ready() or not prefill_attention.gluon_runs_on(torch.device("cuda")),
                                  reason="the Gluon prefills need an sm_90 GPU and Triton 3.6")
+needs_pdl = pytest.mark.skipif(not gpu_ready() or torch.cuda.get_device_capability()[0] < 9,
+                               reason="programmatic dependent launch (griddepcontrol) needs compute capability 9.0")
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -287,6 +289,7 @@ def test_mlp_partials_gpu(m, monkeypatch):
     assert fused.rel_err(got.sum(0) if got.dim() == 3 else got, exact) < 1e-2
 
 
+@needs_pdl
 @pytest.mark.parametrize("m", [1, 8])
 def test_gate_up_silu_under_pdl_after_the_norm_gpu(m):
     """The norm letting the next kernel launch at its start and gate|up + SiLU launched with PDL (its first
@@ -321,6 +324,7 @@ def test_gate_up_silu_under_pdl_after_the_norm_gpu(m):
         assert torch.equal(out, want) and torch.equal(res, want_res)
 
 
+@needs_gluon
 @pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 4096, 4096), (torch.float16, 1024, 8192),
                                        (torch.bfloat16, 640, 1024)])
 @pytest.mark.parametrize("pdl", [False, True])
@@ -340,6 +344,7 @@ def test_partials_gemv_gpu(dtype, n, k, pdl):
     assert fused.rel_err(parts.sum(0).double(), x.double() @ w.double().T) < 1e-5
 
 
+@needs_gluon
 def test_partials_gemv_supports_only_its_shapes_gpu():
     from prefixgate_kernels import gemv_pdl
 
@@ -353,6 +358,7 @@ def test_partials_gemv_supports_only_its_shapes_gpu():
     assert not ok(n=4000) and not ok(k=3584) and not ok(k=3072)  # N % 64; K % 1024; K / 1024 not a power of two
 
 
+@needs_gluon
 def test_o_projection_under_pdl_after_the_attention_gpu():
     """The decode attention letting the next kernel launch at its start, and the o projection launched with
     PDL streaming its weights before it waits: the same partials as launched plainly after it, eagerly and
