@@ -43,6 +43,8 @@ from benchmarks.pdl_o_probe import (  # noqa: E402
     Q_HEADS,
     Config,
     OPartials,
+    layer_caches,
+    padded_table,
 )
 from prefixgate_kernels.decode_attention import DependentLaunch, paged_decode  # noqa: E402
 
@@ -70,12 +72,8 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     copy = ceilings()["copy_TBps"]
     layers, eps = args.layers, 1e-5
-    blocks = CONTEXT // BLOCK_SIZE
-    caches = [(torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen),
-               torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen))
-              for _ in range(layers)]
-    table = torch.zeros(1, TABLE_TOKENS // BLOCK_SIZE, dtype=torch.int32, device=dev)
-    table[0, :blocks] = torch.randperm(blocks, device=dev, generator=gen).to(torch.int32)
+    caches = layer_caches(layers, gen, dev)
+    table = padded_table(TABLE_TOKENS, torch.randperm(CONTEXT // BLOCK_SIZE, device=dev, generator=gen).to(torch.int32))
     seq_lens = torch.full((1,), CONTEXT, dtype=torch.int32, device=dev)
     counters = torch.zeros(KV_HEADS, dtype=torch.int32, device=dev)
 

@@ -197,6 +197,23 @@ CONFIGS = (Config(5), Config(5, 0, True), Config(5, 5, True), Config(4, 4, True)
            Config(5, 5, True, trigger=DependentLaunch.AFTER_KEYS))
 
 
+def layer_caches(layers: int, gen: torch.Generator, dev: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's own K and V cache of ``CONTEXT`` tokens (bf16, Llama-8B's KV heads), so nothing of one
+    layer's attention is served from L2 for the next."""
+    blocks = CONTEXT // BLOCK_SIZE
+    shape = (blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return [(torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen),
+             torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)) for _ in range(layers)]
+
+
+def padded_table(width_tokens: int, live: torch.Tensor) -> torch.Tensor:
+    """A one-sequence block table ``width_tokens`` wide: the live context's blocks first, the rest never read
+    (the launcher sizes its split count from the width, as in the engine's decode graphs)."""
+    table = torch.zeros(1, width_tokens // BLOCK_SIZE, dtype=torch.int32, device=live.device)
+    table[0, :live.numel()] = live
+    return table
+
+
 class OPartials:
     """One layer's o projection as this probe's kernel: the descriptor and the partials made once."""
 
@@ -242,15 +259,9 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     copy = ceilings()["copy_TBps"]
     layers, eps = args.layers, 1e-5
-    blocks = CONTEXT // BLOCK_SIZE
-    caches = [(torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen),
-               torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen))
-              for _ in range(layers)]
-    live = torch.randperm(blocks, device=dev, generator=gen).to(torch.int32)
-    tables = {}
-    for width in (int(w) for w in args.table_tokens.split(",")):
-        tables[width] = torch.zeros(1, width // BLOCK_SIZE, dtype=torch.int32, device=dev)
-        tables[width][0, :blocks] = live  # the live context's blocks first; the rest never read
+    caches = layer_caches(layers, gen, dev)
+    live = torch.randperm(CONTEXT // BLOCK_SIZE, device=dev, generator=gen).to(torch.int32)
+    tables = {width: padded_table(width, live) for width in (int(w) for w in args.table_tokens.split(","))}
     seq_lens = torch.full((1,), CONTEXT, dtype=torch.int32, device=dev)
     counters = torch.zeros(KV_HEADS, dtype=torch.int32, device=dev)
     w_o = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen) * HIDDEN ** -0.5
