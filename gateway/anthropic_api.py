@@ -34,7 +34,7 @@ from pydantic import ConfigDict, Field, StrictBool
 
 from engine.protocol import RequestOutput
 from gateway.errors import OpenAIError, invalid_request
-from gateway.formats import ChoiceText, sse
+from gateway.formats import ChoiceText, Kept, sse
 from gateway.ingress import ScannedBody
 from gateway.pipeline import Prepared
 from gateway.schemas import MAX_NAME_CHARS, null_means
@@ -304,7 +304,9 @@ class MessagesFormat:
         self.long_upto = long_upto
         self.reported_creation = reported_creation
         self.msg_id = "msg_" + uuid.uuid4().hex
-        self.acc = ChoiceText(prep)  # choice 0: tool calls parsed (local engine) or streamed (provider)
+        # choice 0: tool calls parsed (local engine) or streamed (provider); a stream sends them as tool_use
+        # blocks at its end, its text as it comes (``whole`` is given the responder's own ChoiceText)
+        self.acc = ChoiceText(prep, keep=Kept.TOOL_CALLS)
         self.started = False
         self.text_open = False
         self.finish: str | None = None

@@ -26,6 +26,7 @@ answer. Streaming, the prompt rides in the choice's first chunk, before its firs
 
 from __future__ import annotations
 
+import enum
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -105,13 +106,22 @@ class _ChoiceState:
         return reason
 
 
-class ChoiceText:
-    """Accumulates each choice's text, tool calls, logprobs and finish reason for a whole response.
-    ``keep=False``: parses each increment (tool-call tags may span increments) and records the finish,
-    but keeps no text, calls or logprobs: a stream that builds no whole response holds nothing that
-    grows with its length."""
+class Kept(enum.Enum):
+    """What a ``ChoiceText`` keeps of the increments it parses. Every form parses each increment (tool-call
+    tags may span increments) and records the finish; what grows with the answer's length is kept only as
+    far as its reader needs it."""
 
-    def __init__(self, prep: Prepared | None = None, *, keep: bool = True) -> None:
+    EVERYTHING = "everything"  # text, tool calls, logprobs: a whole response is built from them
+    TOOL_CALLS = "tool_calls"  # a stream whose tool calls go out at its end (Anthropic's messages)
+    NOTHING = "nothing"  # a stream that sends everything as it comes
+
+
+class ChoiceText:
+    """Accumulates each choice's text, tool calls, logprobs and finish reason for a whole response, or
+    as much of them as ``keep`` says (``Kept``): a stream that builds no whole response holds nothing it
+    does not send at its end."""
+
+    def __init__(self, prep: Prepared | None = None, *, keep: Kept = Kept.EVERYTHING) -> None:
         self._parse = bool(prep and prep.tool_parsing)
         self._keep = keep
         self._states: dict[int, _ChoiceState] = {}
@@ -127,10 +137,11 @@ class ChoiceText:
         which a door's own stream format sends on."""
         state = self._states.get(i) or self._states.setdefault(i, _ChoiceState(self._parse))
         delta = state.split(out)
-        if self._keep:
+        if self._keep is not Kept.NOTHING:
+            self.tool_deltas[i] += delta.tool_calls
+        if self._keep is Kept.EVERYTHING:
             if delta.content:
                 self.text[i].append(delta.content)
-            self.tool_deltas[i] += delta.tool_calls
             self.logprobs[i] += out.logprobs
             if out.prompt_logprobs is not None:
                 self.prompt_logprobs[i] = out.prompt_logprobs
@@ -218,7 +229,7 @@ class ChatFormat(_Format):
     def __init__(self, prep: Prepared, *, keep_stream: bool = False) -> None:
         super().__init__(prep)
         self._started: set[int] = set()
-        self.acc = ChoiceText(prep, keep=keep_stream)
+        self.acc = ChoiceText(prep, keep=Kept.EVERYTHING if keep_stream else Kept.NOTHING)
 
     def _logprobs(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any] | None:
         if self.prep.logprobs is None:

@@ -181,6 +181,8 @@ def test_messages_whole_and_stream_turn_local_tool_calls_into_tool_use_blocks():
     assert "<tool" not in streamed
     tail = b"".join(fmt.tail(usage)).decode()
     assert '"tool_use"' in tail and "get_weather" in tail
+    # the stream kept its tool calls for the tail, not its text or logprobs (sent as they came)
+    assert fmt.acc.tool_deltas[0] and not fmt.acc.text[0] and not fmt.acc.logprobs[0]
 
 
 def test_an_unstored_chat_stream_keeps_nothing_that_grows_and_a_stored_one_keeps_its_completion():
