@@ -661,6 +661,15 @@ def sec_decode_pdl(dev, args, model, runner, bw) -> dict:
                                     {"off": False, "on": True})
 
 
+def sec_decode_qkv_pdl(dev, args, model, runner, bw) -> dict:
+    """With the PDL links on: the q|k|v projection as ``gemv_pdl``'s partials under the input norm, summed by the
+    decode attention (``triton_ops.QKV_PDL``), against cuBLAS's q|k|v."""
+    from prefixgate_kernels import triton_ops
+
+    return decode_ab_module_setting(dev, args, model, runner, bw, "q|k|v under PDL", triton_ops, "QKV_PDL",
+                                    {"off": False, "on": True})
+
+
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
     """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
     the default) against ``rotary_write_kv`` then the attention."""
@@ -1316,6 +1325,7 @@ def main() -> int:
     section("decode_partials", sec_decode_partials, dev, args, model, runner, bw)
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
     section("decode_pdl", sec_decode_pdl, dev, args, model, runner, bw)
+    section("decode_qkv_pdl", sec_decode_qkv_pdl, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)

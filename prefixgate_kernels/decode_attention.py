@@ -50,7 +50,7 @@ from prefixgate_kernels._common import (
 from prefixgate_kernels._dot import exact_dot
 from prefixgate_kernels.kv_write import _quantize_store
 from prefixgate_kernels.reference import FP8_DTYPE
-from prefixgate_kernels.rotary import _rope_tile
+from prefixgate_kernels.rotary import _load_summed, _rope_tile_summed
 
 LOG2E = 1.4426950408889634
 
@@ -109,22 +109,27 @@ def _stamp_sm(stamps_ptr, slot, after):
 def _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos, stride_sin,
                 slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh, k_col, v_col,
                 stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
-                stride_sb, stride_ss, stride_sh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                stride_sb, stride_ss, stride_sh, stride_qs, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr, MEMBER_DIM: tl.constexpr, MEMBERS: tl.constexpr,
-                ROPE_WRITE: tl.constexpr, HAS_K_BIAS: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """A program's query rows ``[GROUP_PAD, D]`` in q's dtype: loaded, rotated from the q|k|v row
+                ROPE_WRITE: tl.constexpr, HAS_K_BIAS: tl.constexpr, SOFT_FP8: tl.constexpr,
+                QKV_SLICES: tl.constexpr, ROW_TY: tl.constexpr):
+    """A program's query rows ``[GROUP_PAD, D]`` in ``ROW_TY``: loaded, rotated from the q|k|v row
     (``ROPE_WRITE``, which also writes the step's token K / V where this program's split [start, end)
-    holds position ``seq_len - 1``), or spread over their members' columns (``MEMBER_DIM`` > 0)."""
+    holds position ``seq_len - 1``; with ``QKV_SLICES`` > 1 the row is that many fp32 partials
+    ``stride_qs`` apart, summed and rounded to ``ROW_TY``), or spread over their members' columns
+    (``MEMBER_DIM`` > 0)."""
     if ROPE_WRITE:  # q|k|v row in, rotated q; the token's K / V into the cache by the split holding it
         row = q_ptr + b * stride_qb
-        cos = tl.load(cos_ptr + b * stride_cos + d).to(q_ptr.dtype.element_ty).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_sin + d).to(q_ptr.dtype.element_ty).to(tl.float32)
-        q = _rope_tile(row, heads, d, row_ok[:, None] & (d < HEAD_DIM)[None, :], cos, sin, HEAD_DIM)
+        cos = tl.load(cos_ptr + b * stride_cos + d).to(ROW_TY).to(tl.float32)
+        sin = tl.load(sin_ptr + b * stride_sin + d).to(ROW_TY).to(tl.float32)
+        q = _rope_tile_summed(row, stride_qs, heads, d, row_ok[:, None] & (d < HEAD_DIM)[None, :], cos, sin,
+                              HEAD_DIM, QKV_SLICES, ROW_TY)
         slot_id = tl.load(slot_mapping_ptr + b)
         writes = (seq_len - 1 >= start) & (seq_len - 1 < end) & (slot_id >= 0)
-        _write_token_kv(row, cos, sin, slot_id, writes, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr,
-                        kvh, k_col, v_col, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
-                        stride_sb, stride_ss, stride_sh, HEAD_DIM, BLOCK_SIZE, KV_QUANT, SOFT_FP8, HAS_K_BIAS)
+        _write_token_kv(row, stride_qs, cos, sin, slot_id, writes, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr,
+                        v_scale_ptr, kvh, k_col, v_col, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws,
+                        stride_vwh, stride_sb, stride_ss, stride_sh, HEAD_DIM, BLOCK_SIZE, KV_QUANT, SOFT_FP8,
+                        HAS_K_BIAS, QKV_SLICES, ROW_TY)
         # the writer's stores are seen by its own threads' loads below (bar.sync orders a CTA's global
         # accesses); the other splits never read the token's slot
         tl.debug_barrier()
@@ -162,6 +167,7 @@ def _decode_split_kernel(
     v_write_ptr,  # the V cache in its own dtype (v_ptr may be its int16 pairs view)
     stride_cos, stride_sin,
     k_col, v_col,  # where a q|k|v row's K and V start (Hq * D, (Hq + Hkv) * D)
+    stride_qs,  # QKV_SLICES > 1: elements from one fp32 partial of the q|k|v rows to the next
     stride_vwb, stride_vws, stride_vwh,
     qk_scale,  # softmax scale * log2(e)
     split_tokens,  # keys per split; 0: each sequence's own context cut into NUM_SPLITS (``split_length``)
@@ -192,6 +198,7 @@ def _decode_split_kernel(
     HAS_K_BIAS: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
     LAUNCH_DEPENDENTS: tl.constexpr = 0,
+    QKV_SLICES: tl.constexpr = 1,
 ):
     """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
     adjacent heads of the cache read as one row of ``MEMBERS * MEMBER_DIM`` values (``joined_kv_heads``),
@@ -248,8 +255,8 @@ def _decode_split_kernel(
     q = _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, sin_ptr, stride_cos, stride_sin,
                     slot_mapping_ptr, k_bias_ptr, k_ptr, v_write_ptr, k_scale_ptr, v_scale_ptr, kvh, k_col, v_col,
                     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vwb, stride_vws, stride_vwh,
-                    stride_sb, stride_ss, stride_sh, GROUP, HEAD_DIM, BLOCK_SIZE, KV_QUANT, MEMBER_DIM, MEMBERS,
-                    ROPE_WRITE, HAS_K_BIAS, SOFT_FP8)
+                    stride_sb, stride_ss, stride_sh, stride_qs, GROUP, HEAD_DIM, BLOCK_SIZE, KV_QUANT, MEMBER_DIM,
+                    MEMBERS, ROPE_WRITE, HAS_K_BIAS, SOFT_FP8, QKV_SLICES, out_ptr.dtype.element_ty)
     if NUM_SPLITS > 1:  # noqa: SIM102 - a compile-time test around a run-time one (one split never exits)
         if start >= seq_len:
             return
@@ -357,25 +364,25 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _write_token_kv(row, cos, sin, slot_id, writes, k_bias_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                    kvh, k_col, v_col,
+def _write_token_kv(row, slice_stride, cos, sin, slot_id, writes, k_bias_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                    v_scale_ptr, kvh, k_col, v_col,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_sb, stride_ss, stride_sh,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
-                    SOFT_FP8: tl.constexpr, HAS_K_BIAS: tl.constexpr):
+                    SOFT_FP8: tl.constexpr, HAS_K_BIAS: tl.constexpr, SLICES: tl.constexpr, dt: tl.constexpr):
     """``_rotary_write_kv_kernel``'s K / V half for one KV head of one token: ``rope(k) - k_bias`` and
-    ``v`` from the q|k|v ``row`` into the cache slot ``slot_id``, stored where ``writes``. Branch-free:
-    every program loads the token's K and V rows (one head's each), so the loads do not wait for the slot and the
-    sequence length that decide the store, and only the stores are masked."""
-    dt = row.dtype.element_ty
+    ``v`` from the q|k|v ``row`` (or its ``SLICES`` fp32 partials, summed and rounded to ``dt``) into the
+    cache slot ``slot_id``, stored where ``writes``. Branch-free: every program loads the token's K and V
+    rows (one head's each), so the loads do not wait for the slot and the sequence length that decide the
+    store, and only the stores are masked."""
     d = tl.arange(0, HEAD_DIM)
     kh = kvh + tl.zeros([1], tl.int32)  # a [1, D] tile: kv_write's store takes [heads, D]
     row_ok = (kh >= 0)[:, None] & (d < HEAD_DIM)[None, :]
-    k = _rope_tile(row + k_col, kh, d, row_ok, cos, sin, HEAD_DIM)
+    k = _rope_tile_summed(row + k_col, slice_stride, kh, d, row_ok, cos, sin, HEAD_DIM, SLICES, dt)
     if HAS_K_BIAS:  # as prefixgate_kernels.rotary: the bias rounded to k's dtype, one rounding of the difference
         bias = tl.load(k_bias_ptr + kh[:, None] * HEAD_DIM + d[None, :])
         k = (k.to(tl.float32) - bias.to(dt).to(tl.float32)).to(dt)
-    v = tl.load(row + v_col + kh[:, None] * HEAD_DIM + d[None, :])
+    v = _load_summed(row + v_col + kh[:, None] * HEAD_DIM + d[None, :], row_ok, slice_stride, SLICES, dt)
     block = slot_id // BLOCK_SIZE
     slot = slot_id % BLOCK_SIZE
     store = tl.where(writes, row_ok, False)  # (row_ok & writes: the interpreter rejects that mask's dtype)
@@ -719,7 +726,9 @@ def paged_decode(
 
     ``rope`` (``RopeWrite``): ``q`` is the q columns of the step's merged q|k|v projection, not yet
     rotated, and the launch also does ``prefixgate_kernels.rotary.rotary_write_kv``'s work (the kernel's
-    ``ROPE_WRITE``); KV heads are then read one by one.
+    ``ROPE_WRITE``); KV heads are then read one by one. With ``rope.slices`` > 1 those rows are the
+    projection's fp32 split-K partials (``q`` views the first), summed in the kernel, and the output is in
+    ``rope.dtype``.
 
     ``launch_dependents``: where each program signals that the next kernel may launch (the kernel's
     ``LAUNCH_DEPENDENTS``), for a consumer launched with programmatic dependent launch that streams its own
@@ -732,6 +741,11 @@ def paged_decode(
         joined_heads = 1
         if q.stride(1) != head_dim or q.stride(2) != 1:
             raise ValueError("with rope, q must be the q columns of q|k|v rows (heads of head_dim values, adjacent)")
+        if (rope.slices > 1) != (q.dtype == torch.float32 and rope.dtype is not None):
+            raise ValueError(f"q|k|v as fp32 partials goes with RopeWrite.slices > 1 (got q {q.dtype}, "
+                             f"{rope.slices} slices)")
+    # the output's dtype, which the kernel also rounds q|k|v partials to
+    out_dtype = rope.dtype if rope is not None and rope.slices > 1 else q.dtype
     v_write = v_cache
     # joined heads are one view of the cache only where a head's rows follow each other
     adjacent = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
@@ -750,7 +764,7 @@ def paged_decode(
         head_dim = next_pow2(members * member_dim)  # the kernel's width; the padding columns are masked
     hint = None if context_lens is None else (context_lens if isinstance(context_lens, tuple) else tuple(context_lens))
     plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
-                        q.dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
+                        out_dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
                         num_stages, v_pairs, max_registers, fused_merge, member_dim, members, merge_chunk,
                         interpreting())
     if stamps is not None:
@@ -760,7 +774,7 @@ def paged_decode(
         if stamps.dtype != torch.int64 or not stamps.is_contiguous() or stamps.numel() < need:
             raise ValueError(f"stamps must be a contiguous int64 buffer of at least {need} values, got "
                              f"{stamps.dtype} x {stamps.numel()}")
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, Hq, D] (q may be a view of q|k|v rows)
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)  # [B, Hq, D] (q may be a view of q|k|v rows)
     ks, vs, sc_strides = scale_args(k_cache, k_scale, v_scale)
     part_out = part_lse = placeholder(q.device, torch.float32)
     counters = placeholder(q.device, torch.int32)  # read only by FUSED_MERGE launches
@@ -774,12 +788,12 @@ def paged_decode(
     q_st, k_st, v_st, o_st = q.stride(), k_cache.stride(), v_arg.stride(), out.stride()
     if rope is not None:
         cos, sin, slots = rope.cos, rope.sin, rope.slot_mapping
-        bias = rope.k_bias if rope.k_bias is not None else placeholder(q.device, q.dtype)
+        bias = rope.k_bias if rope.k_bias is not None else placeholder(q.device, out_dtype)
         rope_args = (cos, sin, slots, bias, v_write, cos.stride(0), sin.stride(0), q_heads * head_dim,
-                     (q_heads + kv_heads) * head_dim, *v_write.stride()[:3])
+                     (q_heads + kv_heads) * head_dim, rope.slice_stride, *v_write.stride()[:3])
     else:
         unused = placeholder(q.device, torch.float32)
-        rope_args = (unused, unused, placeholder(q.device, torch.int64), unused, v_arg, 0, 0, 0, 0, 0, 0, 0)
+        rope_args = (unused, unused, placeholder(q.device, torch.int64), unused, v_arg, 0, 0, 0, 0, 0, 0, 0, 0)
     _decode_split_kernel[plan.grid](
         q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse, counters,
         stamps if stamps is not None else placeholder(q.device, torch.int64), *rope_args,
@@ -789,6 +803,7 @@ def paged_decode(
         STAMPS=stamps is not None, ROPE_WRITE=rope is not None,
         HAS_K_BIAS=rope is not None and rope.k_bias is not None, SOFT_FP8=rope is not None and interpreting(),
         LAUNCH_DEPENDENTS=0 if interpreting() else int(launch_dependents),
+        QKV_SLICES=rope.slices if rope is not None else 1,
         **plan.options,
     )
     if plan.num_splits > 1 and not plan.fused_merge:
@@ -816,6 +831,16 @@ class RopeWrite:
     sin: torch.Tensor
     slot_mapping: torch.Tensor  # [B] int64: the token's cache slot, -1 for padding rows
     k_bias: torch.Tensor | None = None  # [Hkv, D] contiguous: the fp8 calibration's key mean
+    # > 1: ``q`` views the first of that many fp32 split-K partials of the q|k|v rows (``gemv_pdl``'s, ``slice_stride``
+    # elements apart), which the kernel sums in order and rounds to ``dtype``, the projection's own, before RoPE
+    slices: int = 1
+    slice_stride: int = 0
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.slices > 1 and (self.dtype not in (torch.bfloat16, torch.float16) or self.slice_stride <= 0):
+            raise ValueError(f"{self.slices} q|k|v partials need a 16-bit dtype to round to and a positive slice "
+                             f"stride, got {self.dtype} and {self.slice_stride}")
 
 
 def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:

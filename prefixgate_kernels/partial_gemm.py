@@ -57,3 +57,12 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if slices == 1 or weight.dtype != x.dtype or not (x.is_contiguous() and weight.is_contiguous()):
         return linear(x, weight, bias)
     return sliced_partials(x, weight, slices)
+
+
+def summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The product K-slice partials [S, M, N] stand for: their fp32 sum slice by slice, in order, rounded once to
+    ``dtype`` (the order the kernels that read partials sum them in)."""
+    acc = parts[0].clone()
+    for s in range(1, parts.shape[0]):
+        acc += parts[s]
+    return acc.to(dtype)

@@ -268,9 +268,13 @@ def rotary_decode_attention(
     *,
     context_lens: Sequence[int] | None = None,  # launch hints of the Triton op, unused here
     merge_counters: torch.Tensor | None = None,
+    qkv_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """A decode step's attention from its merged q|k|v rows: ``rotary_write_kv``, then
-    ``paged_decode_attention`` over the caches that now hold the new tokens -> [B, Hq, D]."""
+    ``paged_decode_attention`` over the caches that now hold the new tokens -> [B, Hq, D]. ``qkv`` may be
+    fp32 K-slice partials [S, B, N] of a ``qkv_dtype`` projection: their sum, rounded, is the rows."""
+    if qkv.dim() == 3:
+        qkv = partial_gemm.summed(qkv, qkv_dtype)
     q = rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
@@ -284,6 +288,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] (``F.linear``)."""
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode-only step's merged q|k|v projection (``linear``); the Triton op may return K-slice partials,
+    which ``rotary_decode_attention`` takes either way."""
+    return linear(x, weight, bias)
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

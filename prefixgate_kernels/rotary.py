@@ -32,12 +32,33 @@ from prefixgate_kernels.kv_write import _quantize_store
 
 
 @triton.jit
+def _load_summed(ptrs, mask, slice_stride, SLICES: tl.constexpr, DT: tl.constexpr):
+    """The values at ``ptrs``: a plain load where ``SLICES`` is 1, else the fp32 sum of ``SLICES`` split-K
+    partials ``slice_stride`` elements apart (``prefixgate_kernels.gemv_pdl``), in order, rounded to ``DT``:
+    what the unsliced GEMM would have stored, up to the order of its fp32 sum."""
+    if SLICES == 1:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SLICES):
+        acc += tl.load(ptrs + s * slice_stride, mask=mask, other=0.0)
+    return acc.to(DT)
+
+
+@triton.jit
 def _rope_tile(base_ptr, heads, d, mask, cos, sin, HEAD_DIM: tl.constexpr):
     """[HEADS_PAD, D] rotated tile in the input dtype (cos/sin already rounded to it, as fp32)."""
+    return _rope_tile_summed(base_ptr, 0, heads, d, mask, cos, sin, HEAD_DIM, 1, base_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rope_tile_summed(base_ptr, slice_stride, heads, d, mask, cos, sin, HEAD_DIM: tl.constexpr,
+                      SLICES: tl.constexpr, DT: tl.constexpr):
+    """``_rope_tile`` of rows held as ``SLICES`` fp32 partials (``_load_summed``), in ``DT``."""
     half: tl.constexpr = HEAD_DIM // 2
-    x = tl.load(base_ptr + heads[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    x = _load_summed(base_ptr + heads[:, None] * HEAD_DIM + d[None, :], mask, slice_stride, SLICES, DT)
     partner = tl.where(d < half, d + half, d - half)
-    xp = tl.load(base_ptr + heads[:, None] * HEAD_DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = _load_summed(base_ptr + heads[:, None] * HEAD_DIM + partner[None, :], mask, slice_stride, SLICES,
+                      DT).to(tl.float32)
     xp = tl.where((d < half)[None, :], -xp, xp)
     dt = x.dtype
     a = (x.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)

@@ -39,6 +39,7 @@ __all__ = [
     "prefill_splits",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
     "rms_norm", "add_rms_norm", "rotary_write_kv", "rotary_decode_attention", "silu_mul", "linear", "linear_partials",
+    "qkv_projection",
 ]
 
 # Programmatic dependent launch (PDL) between a decode step's latency-bound kernels and the weight-streaming
@@ -49,6 +50,8 @@ __all__ = [
 # Measured in the engine on the H200 (session 30, call 10): the overlapped batch-1 step 4.49 / 4.53 -> 4.44 /
 # 4.42 ms (-1.8 %), batch 8 -0.2 %, batches 32 and 128 unchanged.
 DECODE_PDL = True
+# The q|k|v projection as the same kind of launch under the input norm (``qkv_projection``): off until measured.
+QKV_PDL = False
 
 
 @functools.cache
@@ -321,23 +324,40 @@ def rotary_decode_attention(
     *,
     context_lens: Sequence[int] | None = None,
     merge_counters: torch.Tensor | None = None,
+    qkv_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``rotary_write_kv`` then ``paged_decode_attention`` -> [B, Hq, D], in one launch
     (``decode_attention.RopeWrite``) except where the launcher reads KV heads joined in pairs
-    (``decode_attention.joined_kv_heads``: fp8 at head dim <= 64), which keeps the two kernels."""
-    _check_rotary_inputs(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
+    (``decode_attention.joined_kv_heads``: fp8 at head dim <= 64), which keeps the two kernels.
+    ``qkv`` may be ``qkv_projection``'s fp32 K-slice partials [S, B, N] of a ``qkv_dtype`` projection: the one
+    launch sums them (the two kernels are given their rounded sum)."""
+    partials = qkv.dim() == 3
+    if partials:
+        assert qkv.dtype == torch.float32 and qkv.is_contiguous() and qkv_dtype in (torch.bfloat16, torch.float16), (
+            f"q|k|v partials must be contiguous fp32 [S, B, N] of a 16-bit projection, got {qkv.dtype} "
+            f"{tuple(qkv.shape)} of {qkv_dtype}")
+    rows = qkv[0] if partials else qkv
+    _check_rotary_inputs(rows, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
     _, _, kv_heads, head_dim = k_cache.shape
-    fused = (qkv.shape[0] > 0 and decode_attention.FUSE_ROPE_WRITE
+    fused = (rows.shape[0] > 0 and decode_attention.FUSE_ROPE_WRITE
              and decode_attention.joined_kv_heads(head_dim, kv_heads, k_cache.dtype) == 1)
+    if partials and not fused:  # the two kernels read the projection itself
+        qkv, partials = partial_gemm.summed(qkv, qkv_dtype), False
+        rows = qkv
     # the inputs are checked once here; the launchers below are the unchecked ones
-    q = (qkv[:, : num_q_heads * head_dim].view(qkv.shape[0], num_q_heads, head_dim) if fused else
+    q = (rows[:, : num_q_heads * head_dim].view(rows.shape[0], num_q_heads, head_dim) if fused else
          rotary.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias))
     _check_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, context_lens, merge_counters)
     if q.shape[0] == 0:
-        return torch.empty_like(q)
+        return torch.empty(q.shape, dtype=qkv_dtype if partials else q.dtype, device=q.device)
+    rope = None
+    if fused:
+        rope = decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias, slices=qkv.shape[0] if partials else 1,
+                                          slice_stride=qkv.stride(0) if partials else 0,
+                                          dtype=qkv_dtype if partials else None)
     return decode_attention.paged_decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, context_lens=context_lens,
-        merge_counters=merge_counters, rope=decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias) if fused else None,
+        merge_counters=merge_counters, rope=rope,
         launch_dependents=decode_attention.DependentLaunch.START if _pdl(q.device) else
         decode_attention.DependentLaunch.NONE)
 
@@ -394,6 +414,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
     return skinny_gemm.skinny_linear(x, weight, bias, config)
+
+
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode-only step's merged q|k|v projection, read only by ``rotary_decode_attention``: ``linear``'s
+    [T, N], or with ``DECODE_PDL`` and ``QKV_PDL`` at one 16-bit row ``gemv_pdl``'s fp32 K-quarter partials
+    [4, 1, N], launched under the norm before it (which lets it start early); the attention sums them."""
+    if QKV_PDL and x.dim() == 2 and x.shape[0] == 1 and _pdl(x.device):
+        from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
+
+        if gemv_pdl.supports(x, weight, bias):
+            return gemv_pdl.partials_gemv(x, weight)
+    return linear(x, weight, bias)
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -114,13 +114,15 @@ class Attention(nn.Module):
         """x [T, hidden] normed; cos, sin [T, D] fp32 -> attention output projected [T, hidden]."""
         assert self.qkv_weight is not None, "call fuse_projections() first"
         t = x.shape[0]
-        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         if meta.decode_only:  # RoPE, the K/V write and the attention: one launch on the GPU
+            # [T, (Hq + 2 Hkv) * D], or its K-slice partials (one row under triton_ops.QKV_PDL), which the launch sums
+            qkv = ops.qkv_projection(x, self.qkv_weight, self.qkv_bias)
             out = ops.rotary_decode_attention(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
                                               meta.block_tables, meta.seq_lens, self.scale, cache.k_scale,
                                               cache.v_scale, cache.k_bias, context_lens=meta.context_lens,
-                                              merge_counters=meta.merge_counters)
+                                              merge_counters=meta.merge_counters, qkv_dtype=x.dtype)
         else:
+            qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
             q = ops.rotary_write_kv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
                                     cache.k_scale, cache.v_scale, cache.k_bias)  # [T, Hq, D]; K/V now in the cache
             out = ops.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q,

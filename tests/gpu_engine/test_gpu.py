@@ -130,11 +130,13 @@ def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
     assert torch.allclose(got, want, atol=2e-3), float((got - want).abs().max())
     got_top = torch.tensor([[v for _, _, v in lp.top] for lp in scores.scored])
     assert torch.allclose(got_top, torch.topk(ref, 3, dim=-1).values, atol=2e-3)
-def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch):
+@pytest.mark.parametrize("qkv_link", [False, True])
+def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link):
     """A bf16 model's batch-1 decode graphs with the decode step's PDL links (``triton_ops.DECODE_PDL``: the
     attention and the norms let the next kernel launch early, gate|up + SiLU and the o projection, as
-    ``gemv_pdl``, stream weights before they wait) against the same graphs without: the same token, logits
-    within bf16 rounding (the o projection's K-quarter sums run in another order)."""
+    ``gemv_pdl``, stream weights before they wait; with ``QKV_PDL`` the q|k|v projection too, its partials
+    summed by the attention) against the same graphs without: the same token, logits within bf16 rounding
+    (the K-quarter sums run in another order)."""
     from engine.batch import ScheduledBatch, SequenceChunk
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
@@ -151,6 +153,7 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch):
 
     def run(on: bool) -> torch.Tensor:
         monkeypatch.setattr(triton_ops, "DECODE_PDL", on)
+        monkeypatch.setattr(triton_ops, "QKV_PDL", on and qkv_link)  # q|k|v as gemv_pdl's partials too
         model = build_random_model(arch, "cuda", torch.bfloat16, seed=0, std=0.05)
         cfg = EngineConfig(model_dir=tmp_path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
                            max_num_seqs=8)

@@ -392,6 +392,33 @@ def test_o_projection_under_pdl_after_the_attention_gpu():
         assert torch.equal(got, want)
 
 
+@needs_gluon
+def test_rotary_decode_attention_reads_gemv_pdl_partials_gpu():
+    """The q|k|v projection as ``gemv_pdl``'s K-quarter partials, summed by the decode launch: the same cache
+    bytes and the same output as the launch given their rounded sum (``partial_gemm.summed``)."""
+    from prefixgate_kernels import gemv_pdl, partial_gemm
+    from tests.kernels.test_rope_decode import _copy_caches, rope_decode_inputs
+
+    case = rope_decode_inputs(32, 8, 128, 16, torch.bfloat16, torch.bfloat16, [700], seed=9, device="cuda",
+                              padded_row=False)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(48 * 128, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 4096 ** -0.5
+    parts = gemv_pdl.partials_gemv(x, w)
+    summed = partial_gemm.summed(parts, torch.bfloat16)
+    a, b = _copy_caches(case), _copy_caches(case)
+
+    def attend(c, qkv, **kw):
+        return triton_ops.rotary_decode_attention(qkv, c["cos"], c["sin"], c["k_cache"], c["v_cache"],
+                                                  c["slot_mapping"], 32, c["block_tables"], c["seq_lens"], 0.125,
+                                                  **kw)
+
+    out_parts = attend(a, parts, qkv_dtype=torch.bfloat16)
+    out_sum = attend(b, summed)
+    assert torch.equal(a["k_cache"], b["k_cache"]) and torch.equal(a["v_cache"], b["v_cache"])
+    assert fused.rel_err(out_parts, out_sum) < 1e-3  # two compiled programs: equal within their schedules
+
+
 @pytest.mark.parametrize("m", [1, 16])
 def test_linear_through_the_skinny_gemm_gpu(m, monkeypatch):
     """``ops.linear`` with the weight-streaming GEMM switched on (q|k|v's shape, chain_config's tiles)."""

@@ -174,3 +174,65 @@ def test_fused_launch_needs_q_columns_of_qkv_rows():
     with pytest.raises(ValueError, match="q columns"):
         decode_attention.paged_decode(q, case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
                                       0.125, None, None, rope=rope)
+
+
+def _as_partials(case, slices=4, seed=0):
+    """The case's q|k|v rows as ``slices`` fp32 partials whose in-order sum, rounded, is exactly those rows
+    (the last partial makes up the difference, so the rounding is tested on values a GEMM could give)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = case["qkv"].float()
+    parts = torch.randn(slices, *rows.shape, generator=gen) * 0.5
+    parts[-1] = 0.0
+    head = parts[0].clone()
+    for s in range(1, slices - 1):
+        head += parts[s]
+    parts[-1] = rows - head
+    from prefixgate_kernels import partial_gemm
+
+    summed = partial_gemm.summed(parts, case["qkv"].dtype)
+    return parts.contiguous(), summed
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kv_dtype", [torch.float16, ref.FP8_DTYPE])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fused_rope_decode_reads_qkv_partials(kv_dtype, num_splits):
+    """q|k|v given as fp32 K-slice partials (``qkv_projection``'s under ``QKV_PDL``): the one launch sums them
+    in order and rounds to the projection's dtype, so it writes the same cache bytes and returns exactly
+    what it returns for their rounded sum; the op and the reference take the partials too."""
+    case = rope_decode_inputs(8, 2, 32, 16, kv_dtype, torch.float16, [37, 130, 16], seed=40 + num_splits,
+                              with_bias=kv_dtype == ref.FP8_DTYPE)
+    parts, summed = _as_partials(case, seed=num_splits)
+    plain, sliced = _copy_caches(dict(case, qkv=summed)), _copy_caches(dict(case, qkv=summed))
+    out_plain = run_fused(plain, num_splits=num_splits)
+    b, head_dim = summed.shape[0], case["k_cache"].shape[3]
+    q = parts[0, :, : 8 * head_dim].view(b, 8, head_dim)
+    rope = decode_attention.RopeWrite(case["cos"], case["sin"], case["slot_mapping"], case["k_bias"], slices=4,
+                                      slice_stride=parts.stride(0), dtype=torch.float16)
+    out_sliced = decode_attention.paged_decode(q, sliced["k_cache"], sliced["v_cache"], sliced["block_tables"],
+                                               sliced["seq_lens"], 0.125, sliced["k_scale"], sliced["v_scale"],
+                                               rope=rope, num_splits=num_splits)
+    assert out_sliced.dtype == torch.float16
+    for name in ("k_cache", "v_cache"):
+        assert _same_bytes(sliced[name], plain[name]), f"{name}: other bytes from the partials"
+    real = case["slot_mapping"] >= 0
+    assert torch.equal(out_sliced[real], out_plain[real])
+    op, want = _copy_caches(case), _copy_caches(dict(case, qkv=summed))
+    out_op = triton_ops.rotary_decode_attention(
+        parts, op["cos"], op["sin"], op["k_cache"], op["v_cache"], op["slot_mapping"], 8, op["block_tables"],
+        op["seq_lens"], 0.125, op["k_scale"], op["v_scale"], op["k_bias"], qkv_dtype=torch.float16)
+    out_ref = ref.rotary_decode_attention(
+        parts, want["cos"], want["sin"], want["k_cache"], want["v_cache"], want["slot_mapping"], 8,
+        want["block_tables"], want["seq_lens"], 0.125, want["k_scale"], want["v_scale"], want["k_bias"],
+        qkv_dtype=torch.float16)
+    assert rel_err(out_op[real], out_ref[real]) < (3e-2 if kv_dtype == ref.FP8_DTYPE else 2e-3)
+
+
+def test_qkv_partials_need_a_16_bit_dtype_and_a_stride():
+    case = rope_decode_inputs(8, 2, 32, 16, torch.float16, torch.float16, [20], seed=1)
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        decode_attention.RopeWrite(case["cos"], case["sin"], case["slot_mapping"], slices=4, slice_stride=0,
+                                   dtype=torch.float16)
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        decode_attention.RopeWrite(case["cos"], case["sin"], case["slot_mapping"], slices=4, slice_stride=10,
+                                   dtype=torch.float32)
