@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,8 +43,9 @@ from benchmarks.pdl_o_probe import (  # noqa: E402
     OPartials,
     layer_caches,
     padded_table,
+    start_gpu_run,
 )
-from prefixgate_kernels.decode_attention import DependentLaunch, paged_decode  # noqa: E402
+from prefixgate_kernels.decode_attention import paged_decode  # noqa: E402
 
 INTER = 14336
 TABLE_TOKENS = 8448  # the engine's decode graphs at an 8K max_model_len: the launcher runs 32 splits
@@ -58,19 +57,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/pdl_layer_probe.py needs a CUDA GPU", file=sys.stderr)
+    run = start_gpu_run("benchmarks/pdl_layer_probe.py")
+    if run is None:
         return 2
-    from benchmarks.kernels import bench_graph, ceilings, rel_err
-    from benchmarks.provenance import git_commit
+    from benchmarks.kernels import bench_graph, rel_err
     from prefixgate_kernels import gate_up_silu as gus
     from prefixgate_kernels import rmsnorm, triton_ops
 
-    t0 = time.time()
-    dev = "cuda"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device=dev).manual_seed(0)
-    copy = ceilings()["copy_TBps"]
+    dev, sms, gen, copy = run.dev, run.sms, run.gen, run.copy_TBps
     layers, eps = args.layers, 1e-5
     caches = layer_caches(layers, gen, dev)
     table = padded_table(TABLE_TOKENS, torch.randperm(CONTEXT // BLOCK_SIZE, device=dev, generator=gen).to(torch.int32))
@@ -91,7 +85,7 @@ def main() -> int:
     assert gu_config is not None
     gluon_o = [OPartials(w_o[i], sms, Config(5, 5, True)) for i in range(layers)]
 
-    def attention(i: int, trigger: DependentLaunch) -> torch.Tensor:
+    def attention(i: int, trigger: bool) -> torch.Tensor:
         k, v = caches[i]
         return paged_decode(q, k, v, table, seq_lens, 1 / HEAD_DIM ** 0.5, None, None, merge_counters=counters,
                             launch_dependents=trigger).view(1, HIDDEN)
@@ -102,15 +96,12 @@ def main() -> int:
 
     def layer_half(i: int, res: torch.Tensor, o_link: bool, mlp_link: bool) -> torch.Tensor:
         if o_link:
-            parts = gluon_o[i](attention(i, DependentLaunch.START))
+            parts = gluon_o[i](attention(i, True))
         else:
-            parts = triton_ops.linear_partials(attention(i, DependentLaunch.NONE), w_o[i])
+            parts = triton_ops.linear_partials(attention(i, False), w_o[i])
         return mlp(i, parts, res, mlp_link)
 
-    result: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(0),
-                    "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
-                    "python": platform.python_version(), "copy_TBps": copy, "sms": sms, "layers": layers,
-                    "context": CONTEXT, "table_tokens": TABLE_TOKENS, "us_per_layer": {}, "rel_err": {}}
+    result: dict = {**run.header(layers), "table_tokens": TABLE_TOKENS, "us_per_layer": {}, "rel_err": {}}
     print(f"{result['gpu']}: copy {copy:.2f} TB/s, {sms} SMs", flush=True)
     chains: dict[str, Callable[[], object]] = {}
     for mlp_link in (False, True):
@@ -146,7 +137,7 @@ def main() -> int:
     print("us a layer, the rounds in turn: " + "; ".join(
         f"{k} {' / '.join('-' if x is None else f'{x:.2f}' for x in v)}" for k, v in result["us_per_layer"].items()),
         flush=True)
-    result["wall_s"] = time.time() - t0
+    result["wall_s"] = time.time() - run.t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"-> {args.out}")

@@ -32,6 +32,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefixgate_kernels.decode_attention import DependentLaunch, paged_decode  # noqa: E402
+from prefixgate_kernels.decode_attention import paged_decode  # noqa: E402
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
 CONTEXT, BLOCK_SIZE = 2048, 16
@@ -70,36 +71,6 @@ def _stamp(stamps_ptr, slot, after):
 
 
 @gluon.jit
-def _sleep_until(start_ns, DELAY_NS: gl.constexpr):
-    """Spin (``nanosleep`` 100 ns at a time) until the GPU's timer reads ``start_ns + DELAY_NS``."""
-    gl.inline_asm_elementwise(
-        "{ .reg .u64 t; .reg .pred p; WAIT_LOOP: nanosleep.u32 100; mov.u64 t, %globaltimer; "
-        "setp.lt.u64 p, t, $1; @p bra WAIT_LOOP; mov.u32 $0, 0; }",
-        "=r,l", [start_ns + DELAY_NS], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _now(after):
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=gl.int64, is_pure=False,
-                                     pack=1)
-
-
-@gluon.jit
-def _prefetch_rest_l2(w_addr, pid, quarter, n_items, K, NPROG: gl.constexpr, num_warps: gl.constexpr):
-    """Put the weights of the program's items after its first into L2 (``cp.async.bulk.prefetch.L2``): each of
-    up to 4 items' 64 rows, the quarter's 2 KB of each, one thread a row. The ring's later steps then read L2."""
-    PL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    idx = gl.arange(0, 256, layout=PL)
-    j = 1 + idx // 64
-    item = pid + j * NPROG
-    row = (item // 4) * BLOCK_N + idx % 64
-    addr = w_addr + (row.to(gl.int64) * K + quarter * 1024) * 2
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 2048; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, (j < n_items).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _fill(w_desc, ring, ready, g, n_steps, pid, NPROG: gl.constexpr, NUM_BUF: gl.constexpr):
     """TMA the program's step ``g`` (item g // 4, its K step g % 4) into slot g % NUM_BUF; nothing past the last."""
     slot = g % NUM_BUF
@@ -111,9 +82,8 @@ def _fill(w_desc, ring, ready, g, n_steps, pid, NPROG: gl.constexpr, NUM_BUF: gl
 
 
 @gluon.jit
-def _o_partials_kernel(w_desc, w_addr, x_ptr, parts_ptr, stamps_ptr, N, K, NPROG: gl.constexpr,
-                       NUM_BUF: gl.constexpr, PREFETCH: gl.constexpr, L2_REST: gl.constexpr, DELAY_NS: gl.constexpr,
-                       STAMPS: gl.constexpr, num_warps: gl.constexpr):
+def _o_partials_kernel(w_desc, x_ptr, parts_ptr, stamps_ptr, N, NPROG: gl.constexpr, NUM_BUF: gl.constexpr,
+                       PREFETCH: gl.constexpr, STAMPS: gl.constexpr, num_warps: gl.constexpr):
     """parts[q, 0, n] = sum over K quarter q of x[0, k] * W[n, k], one program an SM (batch 1).
 
     Every item of a program (pid, pid + NPROG, ...) is in quarter pid % 4 (NPROG a multiple of 4), so the
@@ -121,8 +91,6 @@ def _o_partials_kernel(w_desc, w_addr, x_ptr, parts_ptr, stamps_ptr, N, K, NPROG
     pid = gl.program_id(0)
     if STAMPS:  # three timer reads: the start, the wait passed, the end
         _stamp(stamps_ptr, pid * 3, pid)
-    if DELAY_NS > 0:  # let the attention's own loads go out first (they queue behind the tiles in flight)
-        _sleep_until(_now(pid), DELAY_NS)
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
     XL: gl.constexpr = gl.SliceLayout(0, L)
     quarter = pid % 4
@@ -134,8 +102,6 @@ def _o_partials_kernel(w_desc, w_addr, x_ptr, parts_ptr, stamps_ptr, N, K, NPROG
         mbarrier.init(ready.index(s), count=1)
     for s in gl.static_range(PREFETCH):  # the weights depend on nothing the attention writes
         _fill(w_desc, ring, ready, s, n_steps, pid, NPROG, NUM_BUF)
-    if L2_REST:
-        _prefetch_rest_l2(w_addr, pid, quarter, n_items, K, NPROG, num_warps)
     _grid_wait(pid)
     if STAMPS:
         _stamp(stamps_ptr, pid * 3 + 1, pid)
@@ -176,25 +142,52 @@ class Config(NamedTuple):
     num_buf: int = 5
     prefetch: int = 0  # slots issued before griddepcontrol.wait
     pdl: bool = False  # launched with PDL after an attention that lets it launch at its start
-    l2_rest: bool = False  # the items after the first put in L2 before the wait
-    trigger: DependentLaunch = DependentLaunch.START  # where the attention lets this launch (with pdl)
-    delay_ns: int = 0  # the program sleeps this long before it issues any tile
     warps: int = 8
 
     @property
     def key(self) -> str:
-        return (f"gluon buf{self.num_buf}" + (f" pdl prefetch{self.prefetch}" if self.pdl else "")
-                + (" l2rest" if self.l2_rest else "")
-                + (f" {self.trigger.name.lower()}" if self.pdl and self.trigger != DependentLaunch.START else "")
-                + (f" delay{self.delay_ns}" if self.delay_ns else ""))
+        return f"gluon buf{self.num_buf}" + (f" pdl prefetch{self.prefetch}" if self.pdl else "")
 
 
 # the GEMV alone first (no PDL: it waits for the attention as any launch does), then PDL with nothing and all
-# slots in flight before the wait. Call 6: the rest into L2 as well lost (the bulk prefetches held the threads);
-# call 7: tiles issued later (a sleep) or the o launched once the attention's keys are read lose; call 8: the
-# engine's table width (256 attention programs, 2 an SM beside the o's ring) and smaller rings
-CONFIGS = (Config(5), Config(5, 0, True), Config(5, 5, True), Config(4, 4, True), Config(3, 3, True),
-           Config(5, 5, True, trigger=DependentLaunch.AFTER_KEYS))
+# slots in flight before the wait, at the engine's table width too (256 attention programs, 2 an SM beside the
+# o's ring) and with smaller rings. Refuted and taken out (in the tree at 74ce4e5, docs/gpu.md session 30): the
+# rest of the weights put in L2 before the wait (call 6), tiles issued after a sleep, and the o launched only once
+# the attention's keys are read (call 7)
+CONFIGS = (Config(5), Config(5, 0, True), Config(5, 5, True), Config(4, 4, True), Config(3, 3, True))
+
+
+@dataclass(frozen=True)
+class GpuRun:
+    """What the PDL probes share at their start: the device, its SM count, one seeded generator and the copy
+    ceiling (``benchmarks.kernels.ceilings``) measured in the same run."""
+
+    sms: int
+    gen: torch.Generator
+    copy_TBps: float
+    t0: float
+    dev: str = "cuda"
+
+    def header(self, layers: int) -> dict:
+        """The results JSON's provenance: command, GPU, commit, versions, the copy ceiling."""
+        from benchmarks.provenance import git_commit
+
+        return {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(0),
+                "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
+                "python": platform.python_version(), "copy_TBps": self.copy_TBps, "sms": self.sms, "layers": layers,
+                "context": CONTEXT}
+
+
+def start_gpu_run(script: str) -> GpuRun | None:
+    """A ``GpuRun``, or None (said on stderr) without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        return None
+    from benchmarks.kernels import ceilings
+
+    t0 = time.time()
+    return GpuRun(torch.cuda.get_device_properties(0).multi_processor_count,
+                  torch.Generator(device="cuda").manual_seed(0), ceilings()["copy_TBps"], t0)
 
 
 def layer_caches(layers: int, gen: torch.Generator, dev: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -220,7 +213,7 @@ class OPartials:
     def __init__(self, w: torch.Tensor, sms: int, config: Config) -> None:
         layout = gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, SLOT_COLS], gl.bfloat16)
         self.desc = TensorDescriptor.from_tensor(w, [SLOT_ROWS, SLOT_COLS], layout)
-        self.w, self.n, self.k = w, w.shape[0], w.shape[1]
+        self.n = w.shape[0]
         self.parts = torch.empty(QUARTERS, 1, self.n, dtype=torch.float32, device=w.device)
         assert sms % 4 == 0 and w.shape[1] == 4 * 1024, "a program's items share one quarter of K"
         assert config.prefetch <= config.num_buf
@@ -228,11 +221,9 @@ class OPartials:
 
     def __call__(self, x: torch.Tensor, stamps: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
-        _o_partials_kernel[(self.sms,)](self.desc, self.w.data_ptr(), x, self.parts,
-                                        stamps if stamps is not None else self.parts, self.n, self.k,
-                                        NPROG=self.sms, NUM_BUF=c.num_buf, PREFETCH=c.prefetch, L2_REST=c.l2_rest,
-                                        DELAY_NS=c.delay_ns, STAMPS=stamps is not None, num_warps=c.warps,
-                                        launch_pdl=c.pdl)
+        _o_partials_kernel[(self.sms,)](self.desc, x, self.parts, stamps if stamps is not None else self.parts,
+                                        self.n, NPROG=self.sms, NUM_BUF=c.num_buf, PREFETCH=c.prefetch,
+                                        STAMPS=stamps is not None, num_warps=c.warps, launch_pdl=c.pdl)
         return self.parts
 
 
@@ -246,18 +237,13 @@ def main() -> int:
                          "8,448, so 64 or 256 attention programs beside the o's)")
     ap.add_argument("--rounds", type=int, default=2, help="times every chain is timed, in turn")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/pdl_o_probe.py needs a CUDA GPU", file=sys.stderr)
+    run = start_gpu_run("benchmarks/pdl_o_probe.py")
+    if run is None:
         return 2
-    from benchmarks.kernels import bench_graph, ceilings, rel_err
-    from benchmarks.provenance import git_commit
+    from benchmarks.kernels import bench_graph, rel_err
     from prefixgate_kernels import triton_ops
 
-    t0 = time.time()
-    dev = "cuda"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device=dev).manual_seed(0)
-    copy = ceilings()["copy_TBps"]
+    dev, sms, gen, copy = run.dev, run.sms, run.gen, run.copy_TBps
     layers, eps = args.layers, 1e-5
     caches = layer_caches(layers, gen, dev)
     live = torch.randperm(CONTEXT // BLOCK_SIZE, device=dev, generator=gen).to(torch.int32)
@@ -272,15 +258,12 @@ def main() -> int:
     scale = HEAD_DIM ** -0.5
     o_bytes = HIDDEN * HIDDEN * 2
 
-    def attention(i: int, trigger: DependentLaunch, table: torch.Tensor) -> torch.Tensor:
+    def attention(i: int, trigger: bool, table: torch.Tensor) -> torch.Tensor:
         k, v = caches[i]
         return paged_decode(q, k, v, table, seq_lens, scale, None, None, merge_counters=counters,
                             launch_dependents=trigger).view(1, HIDDEN)
 
-    result: dict = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(0),
-                    "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
-                    "python": platform.python_version(), "copy_TBps": copy, "sms": sms, "layers": layers,
-                    "context": CONTEXT, "us_per_layer": {}, "rel_err": {}}
+    result: dict = {**run.header(layers), "us_per_layer": {}, "rel_err": {}}
     print(f"{result['gpu']}: copy {copy:.2f} TB/s, {sms} SMs", flush=True)
     timed: dict[str, Callable[[], object]] = {}
 
@@ -293,7 +276,7 @@ def main() -> int:
         result["us_per_layer"][key] = [1000 * ms / layers]
         print(f"{key}: {1000 * ms / layers:.2f} us a layer", flush=True)
 
-    def timeline(key: str, projection: OPartials, trigger: DependentLaunch, table: torch.Tensor) -> None:
+    def timeline(key: str, projection: OPartials, trigger: bool, table: torch.Tensor) -> None:
         """Layer 1's attention -> o, both stamping, replayed from a CUDA graph (eagerly the host's launch of the
         o comes long after the attention has ended): us from the attention's first start."""
         att = torch.full((KV_HEADS * 256 * 5,), -1, dtype=torch.int64, device=dev)
@@ -328,16 +311,16 @@ def main() -> int:
     for width, tbl in tables.items():
         tag = f"[{width}] "
         res_e = residual.clone()
-        record(tag + "attention alone", lambda t=tbl: [attention(i, DependentLaunch.NONE, t) for i in range(layers)])
-        x0 = attention(0, DependentLaunch.NONE, tbl)
+        record(tag + "attention alone", lambda t=tbl: [attention(i, False, t) for i in range(layers)])
+        x0 = attention(0, False, tbl)
         record(tag + "cuBLAS o alone", lambda x=x0: [triton_ops.linear_partials(x, w_o[i]) for i in range(layers)])
         record(tag + "engine chain (attention, cuBLAS o partials, norm)", lambda t=tbl, r=res_e: [
-            triton_ops.add_rms_norm(triton_ops.linear_partials(attention(i, DependentLaunch.NONE, t), w_o[i]), r,
+            triton_ops.add_rms_norm(triton_ops.linear_partials(attention(i, False, t), w_o[i]), r,
                                     norm_w[i], eps) for i in range(layers)])
         want = triton_ops.linear_partials(x0, w_o[0]).sum(0)
         for config in CONFIGS:
             key = tag + config.key
-            trigger = config.trigger if config.pdl else DependentLaunch.NONE
+            trigger = config.pdl  # the attention lets a PDL-launched o start at once
             try:
                 projections = [OPartials(w_o[i], sms, config) for i in range(layers)]
                 got = projections[0](attention(0, trigger, tbl)).sum(0)
@@ -366,7 +349,7 @@ def main() -> int:
     print("us a layer, the rounds in turn: " + "; ".join(
         f"{k} {' / '.join(f'{r:.2f}' for r in v)}" if isinstance(v, list) else f"{k} {v}"
         for k, v in result["us_per_layer"].items()), flush=True)
-    result["wall_s"] = time.time() - t0
+    result["wall_s"] = time.time() - run.t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"-> {args.out}")

@@ -26,7 +26,6 @@ dot runs on the raw (upcast) cache values: fp8 -> one per-tensor scale; int8 -> 
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from collections.abc import Sequence
@@ -53,16 +52,6 @@ from prefixgate_kernels.reference import FP8_DTYPE
 from prefixgate_kernels.rotary import _load_summed, _rope_tile_summed
 
 LOG2E = 1.4426950408889634
-
-
-class DependentLaunch(enum.IntEnum):
-    """Where a decode launch's programs let a kernel launched after it with programmatic dependent launch
-    start (``griddepcontrol.launch_dependents``): not at all (at their exit), at their start, or once their
-    split's keys are read (before the merge)."""
-
-    NONE = 0
-    START = 1
-    AFTER_KEYS = 2
 
 
 @triton.jit
@@ -197,7 +186,7 @@ def _decode_split_kernel(
     ROPE_WRITE: tl.constexpr = False,
     HAS_K_BIAS: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
-    LAUNCH_DEPENDENTS: tl.constexpr = 0,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
     QKV_SLICES: tl.constexpr = 1,
 ):
     """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
@@ -214,11 +203,11 @@ def _decode_split_kernel(
     split as any program does, reading them back; no other program reads that slot. Bit for bit the
     values the two kernels would have produced (``_rope_tile`` rounds as the reference does).
 
-    With ``LAUNCH_DEPENDENTS`` (a ``DependentLaunch``) every program lets the next kernel launch
-    (programmatic dependent launch) at its start (1) or once its split's keys are read (2): a kernel
-    launched after it with PDL starts under this one and waits (``griddepcontrol.wait``) before it reads
-    what this one writes; without a PDL launch after it the instruction does nothing."""
-    if LAUNCH_DEPENDENTS == 1:
+    With ``LAUNCH_DEPENDENTS`` every program lets the next kernel launch at its start (programmatic
+    dependent launch): a kernel launched after it with PDL starts under this one and waits
+    (``griddepcontrol.wait``) before it reads what this one writes; without a PDL launch after it the
+    instruction does nothing. (Letting it launch only once a split's keys are read gained less: session 30.)"""
+    if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -310,8 +299,6 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
         m_i = m_new
 
-    if LAUNCH_DEPENDENTS == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     if STAMPS:
         _stamp(stamps_ptr, stamp_row + 1, tl.max(l_i, 0))
     v_final = 1.0 / l_i
@@ -693,7 +680,7 @@ def paged_decode(
     merge_chunk: int | None = None,
     stamps: torch.Tensor | None = None,
     rope: RopeWrite | None = None,
-    launch_dependents: DependentLaunch = DependentLaunch.NONE,
+    launch_dependents: bool = False,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``prefixgate_kernels.triton_ops``.
 
@@ -730,7 +717,7 @@ def paged_decode(
     projection's fp32 split-K partials (``q`` views the first), summed in the kernel, and the output is in
     ``rope.dtype``.
 
-    ``launch_dependents``: where each program signals that the next kernel may launch (the kernel's
+    ``launch_dependents``: each program signals at its start that the next kernel may launch (the kernel's
     ``LAUNCH_DEPENDENTS``), for a consumer launched with programmatic dependent launch that streams its own
     inputs while this one runs. A scheduling hint only: the interpreter, which has no such launch, ignores it."""
     num_seqs, q_heads, head_dim = q.shape
@@ -802,7 +789,7 @@ def paged_decode(
         block_tables.stride(0), *sc_strides, o_st[0], o_st[1],
         STAMPS=stamps is not None, ROPE_WRITE=rope is not None,
         HAS_K_BIAS=rope is not None and rope.k_bias is not None, SOFT_FP8=rope is not None and interpreting(),
-        LAUNCH_DEPENDENTS=0 if interpreting() else int(launch_dependents),
+        LAUNCH_DEPENDENTS=launch_dependents and not interpreting(),
         QKV_SLICES=rope.slices if rope is not None else 1,
         **plan.options,
     )

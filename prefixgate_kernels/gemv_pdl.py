@@ -3,7 +3,7 @@
 At batch 1 the decode attention is one wave of short, latency-bound programs under which the HBM is mostly
 idle, and the o projection after it reads the layer's o weights (32 MiB at Llama-8B). Launched with
 programmatic dependent launch after an attention that lets it launch at its start
-(``decode_attention.DependentLaunch.START``), this kernel puts its first weight tiles in flight into its
+(``paged_decode(..., launch_dependents=True)``), this kernel puts its first weight tiles in flight into its
 own shared memory and only then waits (``griddepcontrol.wait``) for the attention's output::
 
     grid = (SMs rounded down to a multiple of 4,)     one program an SM

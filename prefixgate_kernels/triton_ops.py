@@ -360,8 +360,7 @@ def rotary_decode_attention(
     return decode_attention.paged_decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, context_lens=context_lens,
         merge_counters=merge_counters, rope=rope,
-        launch_dependents=decode_attention.DependentLaunch.START if _pdl(q.device) else
-        decode_attention.DependentLaunch.NONE)
+        launch_dependents=_pdl(q.device))
 
 
 def _check_rotary_inputs(
