@@ -670,6 +670,16 @@ def sec_decode_qkv_pdl(dev, args, model, runner, bw) -> dict:
                                     {"off": False, "on": True})
 
 
+def sec_decode_rows_pdl(dev, args, model, runner, bw) -> dict:
+    """With the PDL links on: the o and q|k|v projections of 2 to 8 rows as ``gemv_pdl``'s tensor-core partials
+    (``gemv_pdl.MAX_ROWS`` 8, the default) against one row only (1: cuBLAS above it), at batches 1, 4 and 8."""
+    from prefixgate_kernels import gemv_pdl
+
+    few = argparse.Namespace(**{**vars(args), "sweep_batches": (1, 4, 8)})
+    return decode_ab_module_setting(dev, few, model, runner, bw, "o and q|k|v under PDL up to 8 rows", gemv_pdl,
+                                    "MAX_ROWS", {"one row": 1, "up to 8": 8})
+
+
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
     """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
     the default) against ``rotary_write_kv`` then the attention."""
@@ -949,7 +959,7 @@ def host_profile_hit(engine: LLMEngine, make_prompt, top: int = 25) -> dict:
 
 def _kernel_category(name: str) -> str:
     n = name.lower()
-    if "_prefill_kernel" in n or "_merge_kernel" in n:
+    if "_prefill_kernel" in n or "_prefill_specialized_kernel" in n or "_merge_kernel" in n:
         return "attention"
     if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")):
         return "gemm"
@@ -1326,6 +1336,7 @@ def main() -> int:
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
     section("decode_pdl", sec_decode_pdl, dev, args, model, runner, bw)
     section("decode_qkv_pdl", sec_decode_qkv_pdl, dev, args, model, runner, bw)
+    section("decode_rows_pdl", sec_decode_rows_pdl, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)

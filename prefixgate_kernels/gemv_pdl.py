@@ -1,4 +1,5 @@
-"""A one-row projection into K-quarter partials whose weights stream under the kernel before it (Gluon, PDL).
+"""A decode projection of 1 to 8 rows into K-quarter partials whose weights stream under the kernel before it
+(Gluon, PDL).
 
 At batch 1 the decode attention is one wave of short, latency-bound programs under which the HBM is mostly
 idle, and the o projection after it reads the layer's o weights (32 MiB at Llama-8B). Launched with
@@ -16,6 +17,11 @@ own shared memory and only then waits (``griddepcontrol.wait``) for the attentio
     out                   fp32 partials [4, 1, N], as ``partial_gemm.linear_partials`` returns them: the
                           next ``add_rms_norm`` sums them
 
+That is the one-row kernel (CUDA cores: each thread multiplies its weights by x and the rows are summed
+across threads). For 2 to ``MAX_ROWS`` rows (a decode batch of a few sequences) ``_partials_mma_kernel`` keeps
+the items, the ring and the wait and takes each slot as a warpgroup MMA's A operand, x's rows (padded to 8
+with zeros) as its B: each weight byte is still read once, where CUDA cores would spend a pass of FMAs a row.
+
 Without PDL (or after a kernel that does not let it launch early) it is an ordinary GEMV that streams the
 weights at cuBLAS's rate (session 30: 14.3 against 14.0 us a layer for 4,096 x 4,096 on an H100). Measured
 in ``benchmarks/pdl_o_probe.py`` and ``benchmarks/pdl_layer_probe.py`` (docs/gpu.md, session 30): under the
@@ -28,13 +34,17 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from prefixgate_kernels._common import num_sms
 from prefixgate_kernels.prefill_attention import gluon_runs_on
 
 SLOT_ROWS, SLOT_COLS, QUARTERS = 64, 256, 4
+# Rows the kernels take: 1 on CUDA cores (``_partials_gemv_kernel``), 2..MAX_ROWS on the tensor cores
+# (``_partials_mma_kernel``: a warpgroup MMA of a 64-row weight slot by the rows padded to MMA_ROWS)
+MAX_ROWS = 8
+MMA_ROWS = 8
 # 4 slots (128 KB): beside two programs of the bf16 decode attention at head dim 128 (2 x ~39 KB) an SM
 # still has room for the ring, so every SM's program starts under the attention (5 slots measured the same)
 NUM_BUF = 4
@@ -42,10 +52,10 @@ BLOCK_N, BLOCK_K = gl.constexpr(SLOT_ROWS), gl.constexpr(SLOT_COLS)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Shapes and dtypes the kernel takes: one 16-bit row, no bias, N a multiple of 64, and a quarter of K a
+    """Shapes and dtypes the kernels take: 1 to ``MAX_ROWS`` 16-bit rows, no bias, N a multiple of 64, and a quarter of K a
     power-of-two multiple of 256; on a device where the Gluon kernels were written and measured (an sm_90 GPU
     under Triton 3.6: ``prefill_attention.gluon_runs_on``, as for the Gluon prefills)."""
-    if x.dim() != 2 or x.shape[0] != 1 or bias is not None or x.device.type != "cuda":
+    if x.dim() != 2 or not 0 < x.shape[0] <= min(MAX_ROWS, MMA_ROWS) or bias is not None or x.device.type != "cuda":
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or not weight.is_contiguous():
         return False
@@ -118,18 +128,72 @@ def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, NPRO
         mbarrier.invalidate(ready.index(s))
 
 
+@gluon.jit
+def _partials_mma_kernel(w_desc, x_ptr, parts_ptr, M, N, STEPS: gl.constexpr, NPROG: gl.constexpr,
+                         NUM_BUF: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """``_partials_gemv_kernel``'s items, ring and wait for 2..ROWS rows: one warpgroup a program, each weight
+    slot [64, 256] taken as the MMA's A operand and x's step [ROWS, 256] (rows past M zero) as its B, so
+    every weight byte is read once whatever the rows (on CUDA cores each row would cost a pass of FMAs)."""
+    pid = gl.program_id(0)
+    quarter = pid % 4
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, ROWS, 16])
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # x's step, [ROWS, 256]
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    n_items = (N // BLOCK_N * 4 - pid + NPROG - 1) // NPROG
+    n_steps = n_items * STEPS
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(NUM_BUF):  # the weights depend on nothing the kernel before this one writes
+        _fill(w_desc, ring, ready, s, n_steps, pid, STEPS, NPROG, NUM_BUF)
+    _grid_wait(pid)
+    x_steps = gl.allocate_shared_memory(w_desc.dtype, [STEPS, ROWS, BLOCK_K], XS)
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
+    c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
+    x_row = x_ptr + r[:, None] * (4 * STEPS * BLOCK_K) + quarter * (STEPS * BLOCK_K) + c[None, :]
+    for i in gl.static_range(STEPS):
+        x_steps.index(i).store(gl.load(x_row + i * BLOCK_K, mask=(r < M)[:, None], other=0.0))
+    fence_async_shared()  # the generic stores above, before the MMAs' async reads
+    gl.thread_barrier()
+    n_out = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
+    m_out = gl.arange(0, ROWS, layout=gl.SliceLayout(0, ACC))
+    for j in range(n_items):
+        acc = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=ACC)
+        for st in range(STEPS):
+            g = j * STEPS + st
+            slot = g % NUM_BUF
+            mbarrier.wait(ready.index(slot), (g // NUM_BUF) & 1)
+            acc = warpgroup_mma(ring.index(slot), x_steps.index(st).permute((1, 0)), acc)  # waits for its result
+            gl.thread_barrier()  # every warp's MMA has read the slot: refill it with step g + NUM_BUF
+            _fill(w_desc, ring, ready, g + NUM_BUF, n_steps, pid, STEPS, NPROG, NUM_BUF)
+        item = pid + j * NPROG
+        gl.store(parts_ptr + quarter * M * N + m_out[None, :] * N + (item // 4) * BLOCK_N + n_out[:, None], acc,
+                 mask=(m_out < M)[None, :])
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(s))
+
+
 def partials_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T as fp32 partials [4, 1, N] over K's quarters (their sum is the product).
+    """x [M, K] @ weight [N, K]^T as fp32 partials [4, M, N] over K's quarters (their sum is the product).
     ``pdl``: launched with programmatic dependent launch (its weights stream under the kernel before it,
-    which must let it launch early to gain anything; correct either way). Shapes as ``supports`` says."""
-    assert supports(x, weight, None), f"partials_gemv takes one 16-bit row: x {tuple(x.shape)} {x.dtype}, weight " \
-                                      f"{tuple(weight.shape)} {weight.dtype}"
+    which must let it launch early to gain anything; correct either way). One row runs on CUDA cores, 2 to
+    ``MAX_ROWS`` on the tensor cores. Shapes as ``supports`` says."""
+    assert supports(x, weight, None), f"partials_gemv takes 1 to {MAX_ROWS} 16-bit rows: x {tuple(x.shape)} " \
+                                      f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+    m = x.shape[0]
     n, k = weight.shape
     layout = gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, SLOT_COLS],
                                                   gl.bfloat16 if weight.dtype == torch.bfloat16 else gl.float16)
     desc = TensorDescriptor.from_tensor(weight, [SLOT_ROWS, SLOT_COLS], layout)
-    parts = torch.empty(QUARTERS, 1, n, dtype=torch.float32, device=x.device)
+    parts = torch.empty(QUARTERS, m, n, dtype=torch.float32, device=x.device)
     grid = num_sms(x.device) // 4 * 4
-    _partials_gemv_kernel[(grid,)](desc, x, parts, n, STEPS=k // (QUARTERS * SLOT_COLS), NPROG=grid,
-                                   NUM_BUF=NUM_BUF, num_warps=8, launch_pdl=pdl)
+    steps = k // (QUARTERS * SLOT_COLS)
+    if m == 1:
+        _partials_gemv_kernel[(grid,)](desc, x, parts, n, STEPS=steps, NPROG=grid, NUM_BUF=NUM_BUF, num_warps=8,
+                                       launch_pdl=pdl)
+    else:
+        _partials_mma_kernel[(grid,)](desc, x, parts, m, n, STEPS=steps, NPROG=grid, NUM_BUF=NUM_BUF,
+                                      ROWS=MMA_ROWS, num_warps=4, launch_pdl=pdl)
     return parts

@@ -419,9 +419,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A decode-only step's merged q|k|v projection, read only by ``rotary_decode_attention``: ``linear``'s
-    [T, N], or with ``DECODE_PDL`` and ``QKV_PDL`` at one 16-bit row ``gemv_pdl``'s fp32 K-quarter partials
-    [4, 1, N], launched under the norm before it (which lets it start early); the attention sums them."""
-    if QKV_PDL and x.dim() == 2 and x.shape[0] == 1 and _pdl(x.device):
+    [T, N], or with ``DECODE_PDL`` and ``QKV_PDL`` at 1 to ``gemv_pdl.MAX_ROWS`` 16-bit rows ``gemv_pdl``'s fp32
+    K-quarter partials [4, T, N], launched under the norm before it (which lets it start early); the attention
+    sums them."""
+    if QKV_PDL and x.dim() == 2 and _pdl(x.device):
         from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
 
         if gemv_pdl.supports(x, weight, bias):
@@ -434,8 +435,8 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``linear`` for a projection whose only reader is ``add_rms_norm``: at decode-sized 16-bit batches
     its split-K fp32 partials [S, M, N] (one batched GEMM, no reduce kernel; ``prefixgate_kernels.partial_gemm``),
     else the [M, N] product as ``linear`` returns it. ``pdl``: x comes from a kernel that lets the next one
-    launch early (the decode attention); with ``DECODE_PDL`` a one-row projection then runs as
-    ``gemv_pdl.partials_gemv``, its weights streaming under that kernel (the same [4, 1, N] partials)."""
+    launch early (the decode attention); with ``DECODE_PDL`` a projection of 1 to ``gemv_pdl.MAX_ROWS`` rows then
+    runs as ``gemv_pdl.partials_gemv``, its weights streaming under that kernel (the same [4, M, N] partials)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], (
         f"x [M, K] and weight [out, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}"
     )

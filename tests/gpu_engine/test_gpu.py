@@ -130,9 +130,9 @@ def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
     assert torch.allclose(got, want, atol=2e-3), float((got - want).abs().max())
     got_top = torch.tensor([[v for _, _, v in lp.top] for lp in scores.scored])
     assert torch.allclose(got_top, torch.topk(ref, 3, dim=-1).values, atol=2e-3)
-@pytest.mark.parametrize("qkv_link", [False, True])
-def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link):
-    """A bf16 model's batch-1 decode graphs with the decode step's PDL links (``triton_ops.DECODE_PDL``: the
+@pytest.mark.parametrize("qkv_link,rows", [(False, 1), (True, 1), (True, 3)])
+def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, rows):
+    """A bf16 model's batch-1 (and batch-3) decode graphs with the decode step's PDL links (``triton_ops.DECODE_PDL``: the
     attention and the norms let the next kernel launch early, gate|up + SiLU and the o projection, as
     ``gemv_pdl``, stream weights before they wait; with ``QKV_PDL`` the q|k|v projection too, its partials
     summed by the attention) against the same graphs without: the same token, logits within bf16 rounding
@@ -158,13 +158,15 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link):
         cfg = EngineConfig(model_dir=tmp_path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
                            max_num_seqs=8)
         runner = ModelRunner(cfg, arch=arch, tokenizer=IdTokenizer(), model=model)
-        runner.execute(ScheduledBatch([SequenceChunk("s0", prompt, 0, [3, 4, 5], True, GREEDY)]))
-        logits = runner.forward(ScheduledBatch([SequenceChunk("s0", [11], len(prompt), [3, 4, 5], True,
-                                                              GREEDY)])).float().clone()
+        tables = [[3 * i + 3, 3 * i + 4, 3 * i + 5] for i in range(rows)]
+        runner.execute(ScheduledBatch([SequenceChunk(f"s{i}", prompt[i:], 0, tables[i], True, GREEDY)
+                                       for i in range(rows)]))
+        logits = runner.forward(ScheduledBatch([SequenceChunk(f"s{i}", [11 + i], len(prompt) - i, tables[i], True,
+                                                              GREEDY) for i in range(rows)])).float().clone()
         assert runner.decode_graphs is not None and runner.decode_graphs.num_runs == 1
         return logits
 
-    x = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(rows, 1024, device="cuda", dtype=torch.bfloat16)
     if not gemv_pdl.supports(x, torch.empty(1024, 1024, device="cuda", dtype=torch.bfloat16), None):
         pytest.skip("the o projection's Gluon GEMV runs on an sm_90 GPU under Triton 3.6 (gluon_supported)")
     with_links = run(True)

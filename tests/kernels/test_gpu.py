@@ -328,17 +328,19 @@ def test_gate_up_silu_under_pdl_after_the_norm_gpu(m):
 @pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 4096, 4096), (torch.float16, 1024, 8192),
                                        (torch.bfloat16, 640, 1024)])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_partials_gemv_gpu(dtype, n, k, pdl):
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_partials_gemv_gpu(dtype, n, k, pdl, m):
     """``gemv_pdl.partials_gemv``: four fp32 partials over K's quarters whose sum is the product (within
-    fp32 rounding of the float64 one), each quarter its own slice of K (against ``partial_gemm``'s)."""
+    fp32 rounding of the float64 one), each quarter its own slice of K (against ``partial_gemm``'s); one row
+    on CUDA cores, several on the tensor cores."""
     from prefixgate_kernels import gemv_pdl, partial_gemm
 
-    gen = torch.Generator(device="cuda").manual_seed(n + k)
-    x = torch.randn(1, k, device="cuda", dtype=dtype, generator=gen)
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
     w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k ** -0.5
     assert gemv_pdl.supports(x, w, None)
     parts = gemv_pdl.partials_gemv(x, w, pdl=pdl)
-    assert parts.shape == (4, 1, n) and parts.dtype == torch.float32
+    assert parts.shape == (4, m, n) and parts.dtype == torch.float32
     want = partial_gemm.sliced_partials(x, w, 4).double()
     assert fused.rel_err(parts.double(), want) < 1e-5
     assert fused.rel_err(parts.sum(0).double(), x.double() @ w.double().T) < 1e-5
@@ -353,31 +355,32 @@ def test_partials_gemv_supports_only_its_shapes_gpu():
         w = torch.empty(n, k, device=device, dtype=dtype)
         return gemv_pdl.supports(x, w, torch.empty(n, device=device, dtype=dtype) if bias else None)
 
-    assert ok() and ok(k=8192) and ok(n=64, k=1024)
-    assert not ok(m=2) and not ok(bias=True) and not ok(dtype=torch.float32) and not ok(device="cpu")
+    assert ok() and ok(k=8192) and ok(n=64, k=1024) and ok(m=2) and ok(m=gemv_pdl.MAX_ROWS)
+    assert not ok(m=gemv_pdl.MAX_ROWS + 1) and not ok(m=0) and not ok(bias=True) and not ok(dtype=torch.float32) and not ok(device="cpu")
     assert not ok(n=4000) and not ok(k=3584) and not ok(k=3072)  # N % 64; K % 1024; K / 1024 not a power of two
 
 
 @needs_gluon
-def test_o_projection_under_pdl_after_the_attention_gpu():
+@pytest.mark.parametrize("rows", [1, 4])
+def test_o_projection_under_pdl_after_the_attention_gpu(rows):
     """The decode attention letting the next kernel launch at its start, and the o projection launched with
     PDL streaming its weights before it waits: the same partials as launched plainly after it, eagerly and
     from a CUDA graph whose replays give the attention new queries (a projection that read the attention's
-    output before the wait would see the previous replay's)."""
+    output before the wait would see the previous replay's). One row (CUDA cores) and four (tensor cores)."""
     from prefixgate_kernels import gemv_pdl
     from prefixgate_kernels.decode_attention import paged_decode
 
     gen = torch.Generator(device="cuda").manual_seed(3)
-    k_cache = torch.randn(40, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_cache = torch.randn(40, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    table = torch.randperm(40, device="cuda", generator=gen).to(torch.int32)[None, :]
-    seq_lens = torch.tensor([600], dtype=torch.int32, device="cuda")
-    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = torch.randn(160, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(160, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    table = torch.randperm(160, device="cuda", generator=gen).to(torch.int32).view(4, 40)[:rows].contiguous()
+    seq_lens = torch.tensor([600, 37, 640, 211][:rows], dtype=torch.int32, device="cuda")
+    q = torch.randn(rows, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     w_o = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 4096 ** -0.5
 
     def pair(trigger: bool, pdl: bool) -> torch.Tensor:
         out = paged_decode(q, k_cache, v_cache, table, seq_lens, 128 ** -0.5, None, None, launch_dependents=trigger)
-        return gemv_pdl.partials_gemv(out.view(1, 4096), w_o, pdl=pdl)
+        return gemv_pdl.partials_gemv(out.view(rows, 4096), w_o, pdl=pdl)
 
     want = pair(False, False).clone()
     assert torch.equal(pair(True, True), want)
@@ -393,16 +396,18 @@ def test_o_projection_under_pdl_after_the_attention_gpu():
 
 
 @needs_gluon
-def test_rotary_decode_attention_reads_gemv_pdl_partials_gpu():
+@pytest.mark.parametrize("lens", [[700], [700, 45, 1290]])
+def test_rotary_decode_attention_reads_gemv_pdl_partials_gpu(lens):
     """The q|k|v projection as ``gemv_pdl``'s K-quarter partials, summed by the decode launch: the same cache
-    bytes and the same output as the launch given their rounded sum (``partial_gemm.summed``)."""
+    bytes and the same output as the launch given their rounded sum (``partial_gemm.summed``); one row and
+    three."""
     from prefixgate_kernels import gemv_pdl, partial_gemm
     from tests.kernels.test_rope_decode import _copy_caches, rope_decode_inputs
 
-    case = rope_decode_inputs(32, 8, 128, 16, torch.bfloat16, torch.bfloat16, [700], seed=9, device="cuda",
+    case = rope_decode_inputs(32, 8, 128, 16, torch.bfloat16, torch.bfloat16, lens, seed=9, device="cuda",
                               padded_row=False)
     gen = torch.Generator(device="cuda").manual_seed(9)
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(len(lens), 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(48 * 128, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 4096 ** -0.5
     parts = gemv_pdl.partials_gemv(x, w)
     summed = partial_gemm.summed(parts, torch.bfloat16)
