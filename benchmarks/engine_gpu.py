@@ -680,6 +680,16 @@ def sec_decode_rows_pdl(dev, args, model, runner, bw) -> dict:
                                     "MAX_ROWS", {"one row": 1, "up to 8": 8})
 
 
+def sec_decode_rows32_pdl(dev, args, model, runner, bw) -> dict:
+    """As ``sec_decode_rows_pdl`` for 9 to 32 rows (``gemv_pdl.MAX_ROWS`` 32 against 8), at batches 8, 16, 24
+    and 32 (the graphs' sizes; 24 rows run as an MMA of 32)."""
+    from prefixgate_kernels import gemv_pdl
+
+    wide = argparse.Namespace(**{**vars(args), "sweep_batches": (8, 16, 24, 32)})
+    return decode_ab_module_setting(dev, wide, model, runner, bw, "o and q|k|v under PDL up to 32 rows", gemv_pdl,
+                                    "MAX_ROWS", {"up to 8": 8, "up to 32": 32})
+
+
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
     """RoPE and the K/V write inside the decode attention launch (``decode_attention.FUSE_ROPE_WRITE``,
     the default) against ``rotary_write_kv`` then the attention."""
@@ -1337,6 +1347,7 @@ def main() -> int:
     section("decode_pdl", sec_decode_pdl, dev, args, model, runner, bw)
     section("decode_qkv_pdl", sec_decode_qkv_pdl, dev, args, model, runner, bw)
     section("decode_rows_pdl", sec_decode_rows_pdl, dev, args, model, runner, bw)
+    section("decode_rows32_pdl", sec_decode_rows32_pdl, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)
     section("decode_skinny", sec_decode_skinny, dev, args, model, runner, bw)
     section("decode_argmax", sec_decode_argmax, dev, args, model, runner, bw)

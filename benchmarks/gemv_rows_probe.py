@@ -2,8 +2,8 @@
 (issue #19 item 1, session 31).
 
 ``gemv_pdl.partials_gemv`` streams a projection's weights through a ring of TMA-filled shared-memory slots,
-one program an SM; one row runs on CUDA cores, 2 to 8 rows on the tensor cores (a warpgroup MMA of each
-64-row weight slot by the rows, padded to 8). Launched with PDL after a kernel that lets it start early, its
+one program an SM; one row runs on CUDA cores, 2 to 32 rows on the tensor cores (a warpgroup MMA of each
+64-row weight slot by the rows, padded to a power of two from 8). Launched with PDL after a kernel that lets it start early, its
 first weight tiles stream under that kernel (what ``benchmarks/engine_gpu.py --sections decode_rows_pdl``
 measures in the engine). Here, without PDL, the question is only whether it streams as fast as what it
 replaces at each row count: the engine's K-quarter partials through cuBLAS (``partial_gemm``, one batched
@@ -34,7 +34,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/gemv_rows_probe.json")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
     args = ap.parse_args()
     from benchmarks.pdl_o_probe import start_gpu_run
 
@@ -45,6 +45,7 @@ def main() -> int:
     from prefixgate_kernels import gemv_pdl, partial_gemm, triton_ops
 
     dev, gen, layers = run.dev, run.gen, args.layers
+    gemv_pdl.MAX_ROWS = max(int(r) for r in args.rows.split(","))  # every row count asked for, as the engine's cap
     result: dict = {**run.header(layers), "us_per_layer": {}, "rel_err": {}, "weights_TBps": {}}
     print(f"{result['gpu']}: copy {run.copy_TBps:.2f} TB/s, {run.sms} SMs", flush=True)
     lines = []

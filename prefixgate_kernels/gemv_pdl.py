@@ -19,8 +19,8 @@ own shared memory and only then waits (``griddepcontrol.wait``) for the attentio
 
 That is the one-row kernel (CUDA cores: each thread multiplies its weights by x and the rows are summed
 across threads). For 2 to ``MAX_ROWS`` rows (a decode batch of a few sequences) ``_partials_mma_kernel`` keeps
-the items, the ring and the wait and takes each slot as a warpgroup MMA's A operand, x's rows (padded to 8
-with zeros) as its B: each weight byte is still read once, where CUDA cores would spend a pass of FMAs a row.
+the items, the ring and the wait and takes each slot as a warpgroup MMA's A operand, x's rows (padded to a
+power of two from 8, with zeros) as its B: each weight byte is still read once, where CUDA cores would spend a pass of FMAs a row.
 
 Without PDL (or after a kernel that does not let it launch early) it is an ordinary GEMV that streams the
 weights at cuBLAS's rate (session 30: 14.3 against 14.0 us a layer for 4,096 x 4,096 on an H100). Measured
@@ -42,26 +42,38 @@ from prefixgate_kernels.prefill_attention import gluon_runs_on
 
 SLOT_ROWS, SLOT_COLS, QUARTERS = 64, 256, 4
 # Rows the kernels take: 1 on CUDA cores (``_partials_gemv_kernel``), 2..MAX_ROWS on the tensor cores
-# (``_partials_mma_kernel``: a warpgroup MMA of a 64-row weight slot by the rows padded to MMA_ROWS)
+# (``_partials_mma_kernel``: a warpgroup MMA of a 64-row weight slot by the rows, padded to ``mma_rows``)
 MAX_ROWS = 8
-MMA_ROWS = 8
+MMA_ROWS_LIMIT = 32  # x's steps for 32 rows take 64 KB of shared memory at K = 4,096, beside the ring's 128
+SHARED_BYTES = 220 * 1024  # what one program may allocate (sm_90: 227 KB a block, less the barriers' slack)
 # 4 slots (128 KB): beside two programs of the bf16 decode attention at head dim 128 (2 x ~39 KB) an SM
 # still has room for the ring, so every SM's program starts under the attention (5 slots measured the same)
 NUM_BUF = 4
 BLOCK_N, BLOCK_K = gl.constexpr(SLOT_ROWS), gl.constexpr(SLOT_COLS)
 
 
+def mma_rows(m: int) -> int:
+    """The MMA's N for ``m`` rows: a power of two from 8 (gl.arange takes powers of two; wgmma N is a multiple
+    of 8)."""
+    return max(8, 1 << (m - 1).bit_length())
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Shapes and dtypes the kernels take: 1 to ``MAX_ROWS`` 16-bit rows, no bias, N a multiple of 64, and a quarter of K a
-    power-of-two multiple of 256; on a device where the Gluon kernels were written and measured (an sm_90 GPU
-    under Triton 3.6: ``prefill_attention.gluon_runs_on``, as for the Gluon prefills)."""
-    if x.dim() != 2 or not 0 < x.shape[0] <= min(MAX_ROWS, MMA_ROWS) or bias is not None or x.device.type != "cuda":
+    """Shapes and dtypes the kernels take: 1 to ``MAX_ROWS`` 16-bit rows, no bias, N a multiple of 64, a quarter
+    of K a power-of-two multiple of 256, x's quarter and the ring within ``SHARED_BYTES``; on a device where
+    the Gluon kernels were written and measured (an sm_90 GPU under Triton 3.6:
+    ``prefill_attention.gluon_runs_on``, as for the Gluon prefills)."""
+    rows_ok = 0 < x.shape[0] <= min(MAX_ROWS, MMA_ROWS_LIMIT) if x.dim() == 2 else False
+    if not rows_ok or bias is not None or x.device.type != "cuda":
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or not weight.is_contiguous():
         return False
     n, k = weight.shape
     steps = k // (QUARTERS * SLOT_COLS)
     if n % SLOT_ROWS or k % (QUARTERS * SLOT_COLS) or steps & (steps - 1) or not x.is_contiguous():
+        return False
+    x_bytes = steps * mma_rows(x.shape[0]) * SLOT_COLS * 2 if x.shape[0] > 1 else 0  # x's quarter, MMA form
+    if NUM_BUF * SLOT_ROWS * SLOT_COLS * 2 + x_bytes > SHARED_BYTES:
         return False
     return gluon_runs_on(x.device)
 
@@ -195,5 +207,5 @@ def partials_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True) -> to
                                        launch_pdl=pdl)
     else:
         _partials_mma_kernel[(grid,)](desc, x, parts, m, n, STEPS=steps, NPROG=grid, NUM_BUF=NUM_BUF,
-                                      ROWS=MMA_ROWS, num_warps=4, launch_pdl=pdl)
+                                      ROWS=mma_rows(m), num_warps=4, launch_pdl=pdl)
     return parts

@@ -328,13 +328,14 @@ def test_gate_up_silu_under_pdl_after_the_norm_gpu(m):
 @pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 4096, 4096), (torch.float16, 1024, 8192),
                                        (torch.bfloat16, 640, 1024)])
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_partials_gemv_gpu(dtype, n, k, pdl, m):
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 32])
+def test_partials_gemv_gpu(dtype, n, k, pdl, m, monkeypatch):
     """``gemv_pdl.partials_gemv``: four fp32 partials over K's quarters whose sum is the product (within
     fp32 rounding of the float64 one), each quarter its own slice of K (against ``partial_gemm``'s); one row
     on CUDA cores, several on the tensor cores."""
     from prefixgate_kernels import gemv_pdl, partial_gemm
 
+    monkeypatch.setattr(gemv_pdl, "MAX_ROWS", gemv_pdl.MMA_ROWS_LIMIT)
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
     w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k ** -0.5
@@ -347,7 +348,7 @@ def test_partials_gemv_gpu(dtype, n, k, pdl, m):
 
 
 @needs_gluon
-def test_partials_gemv_supports_only_its_shapes_gpu():
+def test_partials_gemv_supports_only_its_shapes_gpu(monkeypatch):
     from prefixgate_kernels import gemv_pdl
 
     def ok(m=1, n=4096, k=4096, dtype=torch.bfloat16, bias=False, device="cuda"):
@@ -358,6 +359,9 @@ def test_partials_gemv_supports_only_its_shapes_gpu():
     assert ok() and ok(k=8192) and ok(n=64, k=1024) and ok(m=2) and ok(m=gemv_pdl.MAX_ROWS)
     assert not ok(m=gemv_pdl.MAX_ROWS + 1) and not ok(m=0) and not ok(bias=True) and not ok(dtype=torch.float32) and not ok(device="cpu")
     assert not ok(n=4000) and not ok(k=3584) and not ok(k=3072)  # N % 64; K % 1024; K / 1024 not a power of two
+    monkeypatch.setattr(gemv_pdl, "MAX_ROWS", gemv_pdl.MMA_ROWS_LIMIT)
+    # 32 rows of x's quarter fit beside the ring at K = 4,096 (64 KB), not at 16,384 (256 KB)
+    assert ok(m=32) and ok(m=16, k=8192) and not ok(m=32, k=16384) and not ok(m=33)
 
 
 @needs_gluon
