@@ -44,11 +44,13 @@ __all__ = [
 
 # Programmatic dependent launch (PDL) between a decode step's latency-bound kernels and the weight-streaming
 # ones after them (docs/gpu.md, session 30): the decode attention and ``add_rms_norm`` let the next kernel
-# launch at their start; gate|up + SiLU (its first K slice) and, at one row, the o projection (``gemv_pdl``,
-# ``linear_partials(..., pdl=True)``) load weights before they wait for their input. Every part is correct
-# whatever runs before it (without an early launch PDL waits as a plain launch does); sm_90 or newer only.
+# launch at their start; gate|up + SiLU (its first K slice) and, at 1 to ``gemv_pdl.MAX_ROWS`` rows, the o
+# projection (``gemv_pdl``, ``linear_partials(..., pdl=True)``) load weights before they wait for their input.
+# Every part is correct whatever runs before it (without an early launch PDL waits as a plain launch does);
+# sm_90 or newer only.
 # Measured in the engine on the H200 (session 30, call 10): the overlapped batch-1 step 4.49 / 4.53 -> 4.44 /
-# 4.42 ms (-1.8 %), batch 8 -0.2 %, batches 32 and 128 unchanged.
+# 4.42 ms (-1.8 %), batch 8 -0.2 %, batches 32 and 128 unchanged; with ``gemv_pdl``'s MMA form for 2 to 8 rows
+# (session 31, call 2, H100) batches 4 and 8 a further -3.0 / -2.4 %.
 DECODE_PDL = True
 # The q|k|v projection as the same kind of launch under the input norm (``qkv_projection``), its partials summed
 # by the decode attention. Measured in the engine on an H100 (session 30, call 13; the links above on in both
