@@ -99,6 +99,20 @@ def _fill(w_desc, ring, ready, g, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.c
 
 
 @gluon.jit
+def _ring_started(w_desc, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.constexpr, NUM_BUF: gl.constexpr):
+    """The ring's slots and their barriers, every slot's first fill issued, then ``griddepcontrol.wait``: the
+    weights depend on nothing the kernel before this one writes, so they stream before the wait."""
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(NUM_BUF):
+        _fill(w_desc, ring, ready, s, n_steps, pid, STEPS, NPROG, NUM_BUF)
+    _grid_wait(pid)
+    return ring, ready
+
+
+@gluon.jit
 def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, NPROG: gl.constexpr,
                           NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
@@ -110,13 +124,7 @@ def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, NPRO
     S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     n_items = (N // BLOCK_N * 4 - pid + NPROG - 1) // NPROG
     n_steps = n_items * STEPS
-    ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(s), count=1)
-    for s in gl.static_range(NUM_BUF):  # the weights depend on nothing the kernel before this one writes
-        _fill(w_desc, ring, ready, s, n_steps, pid, STEPS, NPROG, NUM_BUF)
-    _grid_wait(pid)
+    ring, ready = _ring_started(w_desc, n_steps, pid, STEPS, NPROG, NUM_BUF)
     r = gl.arange(0, STEPS, layout=gl.SliceLayout(1, XL))
     c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
     x_tile = gl.load(x_ptr + quarter * (STEPS * BLOCK_K) + r[:, None] * BLOCK_K + c[None, :])
@@ -154,13 +162,7 @@ def _partials_mma_kernel(w_desc, x_ptr, parts_ptr, M, N, STEPS: gl.constexpr, NP
     XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     n_items = (N // BLOCK_N * 4 - pid + NPROG - 1) // NPROG
     n_steps = n_items * STEPS
-    ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(s), count=1)
-    for s in gl.static_range(NUM_BUF):  # the weights depend on nothing the kernel before this one writes
-        _fill(w_desc, ring, ready, s, n_steps, pid, STEPS, NPROG, NUM_BUF)
-    _grid_wait(pid)
+    ring, ready = _ring_started(w_desc, n_steps, pid, STEPS, NPROG, NUM_BUF)
     x_steps = gl.allocate_shared_memory(w_desc.dtype, [STEPS, ROWS, BLOCK_K], XS)
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
     c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
