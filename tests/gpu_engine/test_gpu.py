@@ -136,7 +136,7 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, 
     attention and the norms let the next kernel launch early, gate|up + SiLU and the o projection, as
     ``gemv_pdl``, stream weights before they wait; with ``QKV_PDL`` the q|k|v projection too, its partials
     summed by the attention) against the same graphs without: the same token, logits within bf16 rounding
-    (the K-quarter sums run in another order)."""
+    (the K-quarter sums run in another order; norm-wise, see below)."""
     from engine.batch import ScheduledBatch, SequenceChunk
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
@@ -172,4 +172,6 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, 
     with_links = run(True)
     without = run(False)
     assert with_links.argmax(-1).tolist() == without.argmax(-1).tolist()
-    torch.testing.assert_close(with_links, without, rtol=0.02, atol=0.02)
+    # norm-wise: the K-quarter sums run in another order, so a bf16 hidden value here and there rounds the other
+    # way, and at 13 rows a few of the bf16 logits land 2-3 ulps apart (0.045 seen); a wrong row would be ~1
+    assert float((with_links - without).norm() / without.norm()) < 5e-3
