@@ -1,4 +1,4 @@
-"""A decode projection of 1 to 8 rows into K-quarter partials whose weights stream under the kernel before it
+"""A decode projection of 1 to 32 rows into K-quarter partials whose weights stream under the kernel before it
 (Gluon, PDL).
 
 At batch 1 the decode attention is one wave of short, latency-bound programs under which the HBM is mostly
@@ -14,16 +14,19 @@ own shared memory and only then waits (``griddepcontrol.wait``) for the attentio
     program               fill every slot -> griddepcontrol.wait -> x's quarter into shared memory ->
                           for each step: wait its slot, y += W_slot . x_step (fp32), refill the slot;
                           at an item's end store its 64 sums as quarter q's partial
-    out                   fp32 partials [4, 1, N], as ``partial_gemm.linear_partials`` returns them: the
+    out                   fp32 partials [4, M, N], as ``partial_gemm.linear_partials`` returns them: the
                           next ``add_rms_norm`` sums them
 
 That is the one-row kernel (CUDA cores: each thread multiplies its weights by x and the rows are summed
 across threads). For 2 to ``MAX_ROWS`` rows (a decode batch of a few sequences) ``_partials_mma_kernel`` keeps
 the items, the ring and the wait and takes each slot as a warpgroup MMA's A operand, x's rows (padded to a
-power of two from 8, with zeros) as its B: each weight byte is still read once, where CUDA cores would spend a pass of FMAs a row.
+power of two from 8, with zeros) as its B: each weight byte is still read once, where CUDA cores would
+spend a pass of FMAs a row. Launched plainly it is 2-8 % faster than cuBLAS at 1-8 rows and 0-3 % slower at
+16-32; under the attention the engine's decode step at batch 4 / 8 / 16 / 32 gains 3.0 / 2.4 / 2.0 / 1.3 %
+(H100, docs/gpu.md session 31).
 
 Without PDL (or after a kernel that does not let it launch early) it is an ordinary GEMV that streams the
-weights at cuBLAS's rate (session 30: 14.3 against 14.0 us a layer for 4,096 x 4,096 on an H100). Measured
+weights at about cuBLAS's rate (session 31: 13.7 against 14.1 us a layer for 4,096 x 4,096 on an H100). Measured
 in ``benchmarks/pdl_o_probe.py`` and ``benchmarks/pdl_layer_probe.py`` (docs/gpu.md, session 30): under the
 attention, at the engine's table width, -1.6 to -1.7 us a layer on an H100. Compiled only (Gluon has no
 interpreter); where ``supports`` says (sm_90 under Triton 3.6, as the Gluon prefills).

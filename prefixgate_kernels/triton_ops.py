@@ -49,8 +49,8 @@ __all__ = [
 # Every part is correct whatever runs before it (without an early launch PDL waits as a plain launch does);
 # sm_90 or newer only.
 # Measured in the engine on the H200 (session 30, call 10): the overlapped batch-1 step 4.49 / 4.53 -> 4.44 /
-# 4.42 ms (-1.8 %), batch 8 -0.2 %, batches 32 and 128 unchanged; with ``gemv_pdl``'s MMA form for 2 to 8 rows
-# (session 31, call 2, H100) batches 4 and 8 a further -3.0 / -2.4 %.
+# 4.42 ms (-1.8 %), batch 8 -0.2 %, batches 32 and 128 unchanged; with ``gemv_pdl``'s MMA form for 2 to 32 rows
+# (session 31, calls 2-3, H100) batches 4 / 8 / 16 / 32 a further -3.0 / -2.4 / -2.0 / -1.3 %.
 DECODE_PDL = True
 # The q|k|v projection as the same kind of launch under the input norm (``qkv_projection``), its partials summed
 # by the decode attention. Measured in the engine on an H100 (session 30, call 13; the links above on in both
