@@ -672,7 +672,8 @@ def sec_decode_qkv_pdl(dev, args, model, runner, bw) -> dict:
 
 def sec_decode_rows_pdl(dev, args, model, runner, bw) -> dict:
     """With the PDL links on: the o and q|k|v projections of 2 to 8 rows as ``gemv_pdl``'s tensor-core partials
-    (``gemv_pdl.MAX_ROWS`` 8, the default) against one row only (1: cuBLAS above it), at batches 1, 4 and 8."""
+    (``gemv_pdl.MAX_ROWS`` 8) against one row only (1: cuBLAS above it), at batches 1, 4 and 8 (session 31's
+    call 2; the default is 32 since its call 3, ``sec_decode_rows32_pdl``)."""
     from prefixgate_kernels import gemv_pdl
 
     few = argparse.Namespace(**{**vars(args), "sweep_batches": (1, 4, 8)})
