@@ -75,10 +75,17 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     steps = k // (QUARTERS * SLOT_COLS)
     if n % SLOT_ROWS or k % (QUARTERS * SLOT_COLS) or steps & (steps - 1) or not x.is_contiguous():
         return False
-    x_bytes = steps * mma_rows(x.shape[0]) * SLOT_COLS * 2 if x.shape[0] > 1 else 0  # x's quarter, MMA form
-    if NUM_BUF * SLOT_ROWS * SLOT_COLS * 2 + x_bytes > SHARED_BYTES:
+    if not fits_shared_memory(x.shape[0], k):
         return False
     return gluon_runs_on(x.device)
+
+
+def fits_shared_memory(m: int, k: int) -> bool:
+    """Whether a program's ring and, for 2 or more rows, x's quarter of K (``mma_rows(m)`` rows, kept whole in
+    shared memory as the MMAs' B operand) fit ``SHARED_BYTES``: 32 rows at K = 4,096 take 64 KB beside the
+    ring's 128, at K = 8,192 twice that."""
+    x_bytes = k // QUARTERS * mma_rows(m) * 2 if m > 1 else 0
+    return NUM_BUF * SLOT_ROWS * SLOT_COLS * 2 + x_bytes <= SHARED_BYTES
 
 
 @gluon.jit

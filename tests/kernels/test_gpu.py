@@ -339,7 +339,7 @@ def test_partials_gemv_gpu(dtype, n, k, pdl, m, monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
     w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k ** -0.5
-    if m > 16 and k > 4096:  # x's quarter, 8 steps of 32 rows (128 KB), does not fit beside the ring's 128 KB
+    if not gemv_pdl.fits_shared_memory(m, k):  # 32 rows at K = 8,192: x's quarter (128 KB) beside the ring's 128
         assert not gemv_pdl.supports(x, w, None)
         return
     assert gemv_pdl.supports(x, w, None)
