@@ -115,7 +115,8 @@ class Attention(nn.Module):
         assert self.qkv_weight is not None, "call fuse_projections() first"
         t = x.shape[0]
         if meta.decode_only:  # RoPE, the K/V write and the attention: one launch on the GPU
-            # [T, (Hq + 2 Hkv) * D], or its K-slice partials (one row under triton_ops.QKV_PDL), which the launch sums
+            # [T, (Hq + 2 Hkv) * D], or its K-slice partials (1 to gemv_pdl.MAX_ROWS rows under triton_ops.QKV_PDL),
+            # which the launch sums
             qkv = ops.qkv_projection(x, self.qkv_weight, self.qkv_bias)
             out = ops.rotary_decode_attention(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, self.num_heads,
                                               meta.block_tables, meta.seq_lens, self.scale, cache.k_scale,
