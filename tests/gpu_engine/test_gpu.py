@@ -75,7 +75,7 @@ def test_bf16_decode_with_split_k_partials_matches_without(tmp_path, monkeypatch
         arch = small_arch(tmp_path)
         model = build_random_model(arch, "cuda", torch.bfloat16, seed=0, std=0.05)
         cfg = EngineConfig(model_dir=tmp_path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
-                           max_num_seqs=16)
+                           max_num_seqs=8)
         runner = ModelRunner(cfg, arch=arch, tokenizer=IdTokenizer(), model=model)
         for k in (arch.num_heads * arch.head_dim, arch.intermediate_size):  # o's and down's K: sliced when on
             assert partial_gemm.slices_for(3, k, torch.bfloat16, False, True) == (partial_gemm.SLICES if on else 1)
@@ -132,8 +132,8 @@ def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
     assert torch.allclose(got_top, torch.topk(ref, 3, dim=-1).values, atol=2e-3)
 @pytest.mark.parametrize("qkv_link,rows", [(False, 1), (True, 1), (True, 3), (True, 13)])
 def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, rows):
-    """A bf16 model's decode graphs (batch 1, 3 and 13, the last padded to 16 rows) with the decode step's PDL links (``triton_ops.DECODE_PDL``: the
-    attention and the norms let the next kernel launch early, gate|up + SiLU and the o projection, as
+    """A bf16 model's decode graphs (batch 1, 3 and 13, the last padded to 16 rows) with the decode step's PDL
+    links (``triton_ops.DECODE_PDL``: the attention and the norms let the next kernel launch early, gate|up + SiLU and the o projection, as
     ``gemv_pdl``, stream weights before they wait; with ``QKV_PDL`` the q|k|v projection too, its partials
     summed by the attention) against the same graphs without: the same token, logits within bf16 rounding
     (the K-quarter sums run in another order; norm-wise, see below)."""
