@@ -130,6 +130,8 @@ def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
     assert torch.allclose(got, want, atol=2e-3), float((got - want).abs().max())
     got_top = torch.tensor([[v for _, _, v in lp.top] for lp in scores.scored])
     assert torch.allclose(got_top, torch.topk(ref, 3, dim=-1).values, atol=2e-3)
+
+
 @pytest.mark.parametrize("qkv_link,rows", [(False, 1), (True, 1), (True, 3), (True, 13)])
 def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, rows):
     """A bf16 model's decode graphs (batch 1, 3 and 13, the last padded to 16 rows) with the decode step's PDL
