@@ -46,6 +46,11 @@ def main() -> int:
 
     dev, gen, layers = run.dev, run.gen, args.layers
     gemv_pdl.MAX_ROWS = max(int(r) for r in args.rows.split(","))  # every row count asked for, as the engine's cap
+    probe = torch.empty(1, HIDDEN, device=dev, dtype=torch.bfloat16)
+    if not gemv_pdl.supports(probe, torch.empty(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16), None):
+        print(f"skipped: gemv_pdl runs on an sm_90 GPU under Triton 3.6 ({torch.cuda.get_device_name(0)}, "
+              f"compute capability {torch.cuda.get_device_capability(0)})")
+        return 0
     result: dict = {**run.header(layers), "us_per_layer": {}, "rel_err": {}, "weights_TBps": {}}
     print(f"{result['gpu']}: copy {run.copy_TBps:.2f} TB/s, {run.sms} SMs", flush=True)
     lines = []

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # GPU check in one call: the `-m gpu` pytest subset of the kernels (bf16 dots, fp8/int8 KV, compiled
-# Triton) and of the GPU engine path (CUDA graphs, side-stream transfers), benchmarks/kernels.py, then
-# benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
+# Triton) and of the GPU engine path (CUDA graphs, side-stream transfers), benchmarks/kernels.py and
+# benchmarks/gemv_rows_probe.py, then benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
 # root on a CUDA machine:
 #   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_TESTS=1 / SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 / SKIP_PD_BENCH=1 /
 #   SKIP_TIERS=1 to skip one;
 #   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...";
 #   GPU_TESTS="<pytest paths and -k>" to run part of the GPU tests; KERNEL_ARGS replaces the kernel benchmark's
 #   default --skip-gemms; TIERS_ARGS the tier benchmark's arguments)
-# Results: benchmarks/results/kernels_h200.json, engine_gpu_h200.json (or $OUT/ when the device tool sets OUT).
+# Results: benchmarks/results/kernels_h200.json, gemv_rows_probe.json, engine_gpu_h200.json (or $OUT/ when the
+# device tool sets OUT).
 set -uo pipefail
 export PREFIXGATE_KERNELS_GPU=1   # compiled Triton: tests/kernels/conftest.py leaves the interpreter off
 export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1
@@ -49,12 +50,17 @@ phase_done tests
 
 BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
 BENCH_RC=0
+PROBE_RC=0
 if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
   # the single decode GEMMs are diagnostics (session 8 measured the chain instead: kernels.py --gemm-only),
   # and the tiles the launcher does not pick were timed beside its choice in sessions 7-9 (the decisions
   # are in docs/gpu.md): both left out so that the suite fits one 600 s call
   "$PY" benchmarks/kernels.py --out "$BENCH_JSON" ${KERNEL_ARGS:---skip-gemms --launcher-only} "$@" 2>&1 | tee "$RES/kernels_bench.log"
   BENCH_RC=${PIPESTATUS[0]}
+  # the decode step's o and q|k|v projections as gemv_pdl against cuBLAS at 1-32 rows (~15 s; says why it is
+  # skipped where the Gluon kernels do not run)
+  "$PY" benchmarks/gemv_rows_probe.py --out "$RES/gemv_rows_probe.json" 2>&1 | tee "$RES/gemv_rows_probe.log"
+  PROBE_RC=${PIPESTATUS[0]}
 fi
 
 # The engine on the GPU: prints its own table last (see docs/gpu.md for how to read it).
@@ -136,6 +142,10 @@ PYEOF
 else
   echo "benchmark failed (rc $BENCH_RC): see $RES/kernels_bench.log"
 fi
+if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
+  sed -n '/^projection /,$p' "$RES/gemv_rows_probe.log"
+  echo "gemv_rows_probe.py: rc $PROBE_RC (log $RES/gemv_rows_probe.log)"
+fi
 if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
   # the engine's own table again, last, so that it survives a truncated log tail
   sed -n '/^figure /,$p' "$RES/engine_gpu.log"
@@ -173,4 +183,4 @@ if [ "${SKIP_TIERS:-0}" != 1 ]; then
 fi
 phase_done tiers
 echo "phases (wall):$PHASES"
-exit $(( TEST_RC != 0 || BENCH_RC != 0 || ENGINE_RC != 0 || PD_RC != 0 || TIERS_RC != 0 ))
+exit $(( TEST_RC != 0 || BENCH_RC != 0 || PROBE_RC != 0 || ENGINE_RC != 0 || PD_RC != 0 || TIERS_RC != 0 ))
