@@ -456,7 +456,7 @@ DECODE_KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match
                    "_prefill_overlap_kernel", "_prefill_specialized_kernel")),
     # the gate|up GEMM that stores SiLU x up (gate_up_silu) is a GEMM, before "silu" names an activation
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "_skinny_kernel", "_gate_up_silu_kernel",
-              "_partials_gemv_kernel")),
+              "_partials_gemv_kernel", "_partials_mma_kernel")),
     ("norm", ("rms_norm",)),
     ("rotary_kv_write", ("rotary", "_write_kv_kernel")),
     ("activation", ("silu",)),
@@ -653,8 +653,8 @@ def sec_decode_skinny(dev, args, model, runner, bw) -> dict:
 
 def sec_decode_pdl(dev, args, model, runner, bw) -> dict:
     """The decode step's programmatic-dependent-launch links (``triton_ops.DECODE_PDL``: the attention and the
-    norms let the next kernel launch at their start; gate|up + SiLU and, at one row, the o projection as
-    ``gemv_pdl`` load weights before they wait) against plain launches."""
+    norms let the next kernel launch at their start; gate|up + SiLU and, at 1 to ``gemv_pdl.MAX_ROWS`` rows, the o
+    projection as ``gemv_pdl`` load weights before they wait) against plain launches."""
     from prefixgate_kernels import triton_ops
 
     return decode_ab_module_setting(dev, args, model, runner, bw, "decode PDL", triton_ops, "DECODE_PDL",
@@ -670,25 +670,26 @@ def sec_decode_qkv_pdl(dev, args, model, runner, bw) -> dict:
                                     {"off": False, "on": True})
 
 
-def sec_decode_rows_pdl(dev, args, model, runner, bw) -> dict:
-    """With the PDL links on: the o and q|k|v projections of 2 to 8 rows as ``gemv_pdl``'s tensor-core partials
-    (``gemv_pdl.MAX_ROWS`` 8) against one row only (1: cuBLAS above it), at batches 1, 4 and 8 (session 31's
-    call 2; the default is 32 since its call 3, ``sec_decode_rows32_pdl``)."""
+def _gemv_rows_ab(dev, args, model, runner, bw, batches: tuple[int, ...], values: dict[str, int]) -> dict:
+    """``decode_ab`` over ``gemv_pdl.MAX_ROWS`` (name -> rows up to which the o and q|k|v projections run as
+    ``gemv_pdl``, PDL links on in every arm; cuBLAS above it) at the decode sweep's ``batches``."""
     from prefixgate_kernels import gemv_pdl
 
-    few = argparse.Namespace(**{**vars(args), "sweep_batches": (1, 4, 8)})
-    return decode_ab_module_setting(dev, few, model, runner, bw, "o and q|k|v under PDL up to 8 rows", gemv_pdl,
-                                    "MAX_ROWS", {"one row": 1, "up to 8": 8})
+    at = argparse.Namespace(**{**vars(args), "sweep_batches": batches})
+    return decode_ab_module_setting(dev, at, model, runner, bw, f"o and q|k|v under PDL up to {max(values.values())} rows",
+                                    gemv_pdl, "MAX_ROWS", values)
+
+
+def sec_decode_rows_pdl(dev, args, model, runner, bw) -> dict:
+    """The o and q|k|v projections of 2 to 8 rows as ``gemv_pdl``'s tensor-core partials against one row only, at
+    batches 1, 4 and 8 (session 31's call 2)."""
+    return _gemv_rows_ab(dev, args, model, runner, bw, (1, 4, 8), {"one row": 1, "up to 8": 8})
 
 
 def sec_decode_rows32_pdl(dev, args, model, runner, bw) -> dict:
-    """As ``sec_decode_rows_pdl`` for 9 to 32 rows (``gemv_pdl.MAX_ROWS`` 32 against 8), at batches 8, 16, 24
-    and 32 (the graphs' sizes; 24 rows run as an MMA of 32)."""
-    from prefixgate_kernels import gemv_pdl
-
-    wide = argparse.Namespace(**{**vars(args), "sweep_batches": (8, 16, 24, 32)})
-    return decode_ab_module_setting(dev, wide, model, runner, bw, "o and q|k|v under PDL up to 32 rows", gemv_pdl,
-                                    "MAX_ROWS", {"up to 8": 8, "up to 32": 32})
+    """The same for 9 to 32 rows (32, the default since session 31's call 3, against 8), at batches 8, 16, 24 and
+    32 (the graphs' sizes; 24 rows run as an MMA of 32)."""
+    return _gemv_rows_ab(dev, args, model, runner, bw, (8, 16, 24, 32), {"up to 8": 8, "up to 32": 32})
 
 
 def sec_decode_rope(dev, args, model, runner, bw) -> dict:
@@ -969,12 +970,10 @@ def host_profile_hit(engine: LLMEngine, make_prompt, top: int = 25) -> dict:
 
 
 def _kernel_category(name: str) -> str:
-    n = name.lower()
-    if "_prefill_kernel" in n or "_prefill_specialized_kernel" in n or "_merge_kernel" in n:
-        return "attention"
-    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")):
-        return "gemm"
-    return "other"
+    """The hit profile's three classes: the decode profile's attention and GEMM (``decode_kernel_class``, one
+    table for both profiles), everything else "other"."""
+    cls = decode_kernel_class(name)
+    return cls if cls in ("attention", "gemm") else "other"
 
 
 def _kernel_gaps(prof, min_us: float = 20.0) -> dict:

@@ -47,7 +47,7 @@ SLOT_ROWS, SLOT_COLS, QUARTERS = 64, 256, 4
 # Rows the kernels take: 1 on CUDA cores (``_partials_gemv_kernel``), 2..MAX_ROWS on the tensor cores
 # (``_partials_mma_kernel``: a warpgroup MMA of a 64-row weight slot by the rows, padded to ``mma_rows``)
 MAX_ROWS = 32  # session 31 (H100): against 8, the decode step at batch 16 / 24 / 32 -2.0 / -1.2 / -1.3 %
-MMA_ROWS_LIMIT = 32  # x's steps for 32 rows take 64 KB of shared memory at K = 4,096, beside the ring's 128
+MMA_ROWS_LIMIT = 32  # the most rows tested and measured (an MMA N of 32); shared memory is fits_shared_memory's
 SHARED_BYTES = 220 * 1024  # what one program may allocate (sm_90: 227 KB a block, less the barriers' slack)
 # 4 slots (128 KB): beside two programs of the bf16 decode attention at head dim 128 (2 x ~39 KB) an SM
 # still has room for the ring, so every SM's program starts under the attention (5 slots measured the same)
