@@ -1,0 +1,238 @@
+"""Where the fp8 decode of the 9 / 3 class goes (issue #19 item 4, session 32): the same launch with its
+work taken away piece by piece.
+
+The 9 / 3 class (64 sequences x 4K, 9 query heads of 64 over 3 KV heads) decodes an fp8 cache only
+1.32-1.46x as fast as a bf16 one (target 1.6x) and streams at ~53 % of copy where bf16 streams at ~76 %.
+Fewer instructions alone did not move it (session 21: the masks, 7 % of the mix, taken out: unchanged), nor
+one-warp programs (-5 %), nor reading the three heads as one row (session 17: unchanged). Before a rewrite
+(the keys as the MMA's M, docs/gpu.md "Item 4: where the next attempt starts"), this probe asks which part of
+the launch holds the time. One Triton kernel, one (sequence, KV head, split) program as the engine's
+``_decode_split_kernel`` runs it (its launcher's tiles and split count, V read as int16 pairs), in modes:
+
+    loads       K's and V's bytes of each tile loaded as 32-bit words and xor-ed into a register tile:
+                the launch's memory traffic and address work, nothing else
+    rows        the same bytes, a program reading every KV head of its tokens (rows of Hkv x D bytes,
+                Hkv times the splits): the traffic in whole token rows
+    mma         loads, the fp8 -> f16 conversions and both products, scores used as they come (no softmax)
+    full        the engine's math: online softmax between the products (checked against the reference)
+
+each beside the engine's own launch (``decode_attention.paged_decode``) on the same cache, all as CUDA-graph
+replays of one launch, and the same on a control that streams well, head dim 128 at 32 / 8 heads (fp8 1.7x
+bf16 there). Partials only: no split merge.
+
+    python benchmarks/decode_fp8_ablation.py --out benchmarks/results/decode_fp8_ablation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prefixgate_kernels.decode_attention import LOG2E, _unpack_8bit_pairs  # noqa: E402
+
+MODES = {"loads": 0, "rows": 1, "mma": 2, "full": 3}
+# (batch, q heads, kv heads, head dim, context, block size); the probe takes the engine launcher's tiles and split
+# count for each (``decode_attention.choose_tiles`` / ``choose_num_splits``)
+CLASSES = {"9/3 hd64": (64, 9, 3, 64, 4096, 16), "32/8 hd128": (64, 32, 8, 128, 4096, 16)}
+
+
+@triton.jit
+def _ablation_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, part_ptr, lse_ptr, qk_scale, split_tokens, seq_len,
+                     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     stride_wb, stride_ws, stride_wh, stride_btb,
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, MODE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, seq_len)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, HEAD_DIM)
+    dh = tl.arange(0, HEAD_DIM // 2)
+    bt_row = bt_ptr + b * stride_btb
+    if MODE <= 1:
+        # words of a K / V row: one head's (loads) or every head's (rows: kvh is 0, the program's tokens span
+        # all heads' columns, ROW_WORDS of WORDS real)
+        w = tl.arange(0, WORDS)
+        w_ok = w < ROW_WORDS
+        seen = tl.zeros([BLOCK_N, WORDS], tl.int32)
+        for t0 in range(start, end, BLOCK_N):
+            toks = t0 + tl.arange(0, BLOCK_N)
+            tok_ok = toks < end
+            page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+            row = page[:, None] * stride_wb + (toks % BLOCK_SIZE)[:, None] * stride_ws + kvh * stride_wh + w[None, :]
+            ok = tok_ok[:, None] & w_ok[None, :]
+            seen ^= tl.load(kw_ptr + row, mask=ok, other=0) ^ tl.load(vw_ptr + row, mask=ok, other=0)
+        # one number a program, so that no load is dead code (the sum wraps; its value means nothing)
+        tl.store(lse_ptr + (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + split,
+                 tl.sum(tl.sum(seen, 0), 0).to(tl.float32))
+        return
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(rows < GROUP)[:, None],
+                other=0.0).to(tl.float16)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc_e = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+    acc_o = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % BLOCK_SIZE
+        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=tok_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        pairs = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dh[None, :],
+                        mask=tok_ok[:, None], other=0)
+        v_even, v_odd = _unpack_8bit_pairs(pairs, 1)
+        if MODE == 2:
+            p16 = (s * qk_scale).to(tl.float16)
+            acc_e += tl.dot(p16, v_even)
+            acc_o += tl.dot(p16, v_odd)
+        else:
+            s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p16 = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
+            m_i = m_new
+    if MODE == 2:
+        l_i += 1.0
+        m_i = tl.zeros([GROUP_PAD], tl.float32)
+    bh = b * (GROUP * tl.num_programs(1)) + heads
+    p_row = part_ptr + (bh[:, None] * tl.num_programs(2) + split) * HEAD_DIM
+    ok = (rows < GROUP)[:, None]
+    tl.store(p_row + 2 * dh[None, :], acc_e / l_i[:, None], mask=ok)
+    tl.store(p_row + 2 * dh[None, :] + 1, acc_o / l_i[:, None], mask=ok)
+    tl.store(lse_ptr + bh * tl.num_programs(2) + split, m_i + tl.log2(l_i), mask=rows < GROUP)
+
+
+class Case:
+    """One class's fp8 cache, block tables and query, and a launch of each mode over them."""
+
+    def __init__(self, shape: tuple[int, ...], gen: torch.Generator) -> None:
+        from benchmarks.kernels import paged_setup, quantize_cache
+        from prefixgate_kernels import decode_attention
+        from prefixgate_kernels.reference import FP8_DTYPE
+
+        self.batch, self.q_heads, self.kv_heads, self.head_dim, self.context, self.block_size = shape
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.tiles = decode_attention.choose_tiles(self.head_dim, FP8_DTYPE, self.batch * self.kv_heads, sms)
+        self.splits = decode_attention.choose_num_splits(
+            self.batch, self.kv_heads, self.context, sms, self.tiles.block_n, programs_per_sm=self.tiles.programs_per_sm,
+            one_wave=decode_attention.one_wave_rule_for(FP8_DTYPE))
+        kv, self.tables, self.lens = paged_setup(self.batch, self.kv_heads, self.head_dim, self.context,
+                                                 self.block_size, gen)
+        qkv, self.k_scale, self.v_scale = quantize_cache(kv, FP8_DTYPE)
+        del kv
+        self.k, self.v = qkv[:, 0, 0], qkv[:, 0, 1]  # [NB, BS, Hkv, D] fp8, strided layer views
+        self.q = torch.randn(self.batch, self.q_heads, self.head_dim, device="cuda", dtype=torch.bfloat16,
+                             generator=gen)
+        self.scale = 1 / math.sqrt(self.head_dim)
+        # keys a split, in whole tiles, as the engine's launcher cuts them
+        self.split_tokens = triton.cdiv(triton.cdiv(self.context, self.splits), self.tiles.block_n) * self.tiles.block_n
+        self.part = torch.empty(self.batch, self.q_heads, self.splits, self.head_dim, dtype=torch.float32,
+                                device="cuda")
+        self.lse = torch.empty(self.batch, self.q_heads, self.splits, dtype=torch.float32, device="cuda")
+        # the loads / rows modes' one number a program
+        self.sink = torch.empty(self.batch * self.kv_heads * self.splits, dtype=torch.float32, device="cuda")
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.context * self.kv_heads * self.head_dim
+
+    def launch(self, mode: str) -> None:
+        group = self.q_heads // self.kv_heads
+        kw, vw = self.k.view(torch.int32), self.v.view(torch.int32)  # [NB, BS, Hkv, D / 4]
+        vp = self.v.view(torch.int16)  # [NB, BS, Hkv, D / 2]: two fp8 values an element
+        words = self.head_dim // 4
+        grid = (self.batch, self.kv_heads, self.splits)
+        split_tokens, row_words, block_n = self.split_tokens, words, self.tiles.block_n
+        if mode == "rows":  # every head of a token in one program, Hkv times the programs along the context
+            grid = (self.batch, 1, self.splits * self.kv_heads)
+            split_tokens = triton.cdiv(self.context, self.splits * self.kv_heads)
+            row_words = words * self.kv_heads
+            block_n = max(16, block_n * words // triton.next_power_of_2(row_words))  # as many words a tile
+        options = {"maxnreg": self.tiles.max_registers} if self.tiles.max_registers else {}
+        _ablation_kernel[grid](
+            self.q, self.k, vp, kw, vw, self.tables, self.part, self.sink if mode in ("loads", "rows") else self.lse,
+            self.scale * LOG2E * float(self.k_scale),
+            split_tokens, self.context,
+            self.q.stride(0), self.q.stride(1), *self.k.stride()[:3], *vp.stride()[:3], *kw.stride()[:3],
+            self.tables.stride(0),
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=self.head_dim,
+            BLOCK_SIZE=self.block_size, BLOCK_N=block_n, WORDS=triton.next_power_of_2(row_words), ROW_WORDS=row_words,
+            MODE=MODES[mode], num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages, **options)
+
+    def merged(self) -> torch.Tensor:
+        """The full mode's partials merged in torch (log2-domain weights), times V's scale: the attention output."""
+        w = torch.exp2(self.lse - self.lse.amax(-1, keepdim=True))
+        return (self.part * w[..., None]).sum(2) / w.sum(-1)[..., None] * float(self.v_scale)
+
+    def engine(self) -> torch.Tensor:
+        from prefixgate_kernels import decode_attention
+
+        return decode_attention.paged_decode(self.q, self.k, self.v, self.tables, self.lens, self.scale,
+                                             self.k_scale, self.v_scale)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/decode_fp8_ablation.json")
+    ap.add_argument("--rounds", type=int, default=2, help="times every launch is timed, in turn")
+    args = ap.parse_args()
+    from benchmarks.pdl_o_probe import start_gpu_run
+
+    run = start_gpu_run("benchmarks/decode_fp8_ablation.py")
+    if run is None:
+        return 2
+    from benchmarks.kernels import bench_graph, rel_err
+    from prefixgate_kernels import reference as ref
+
+    result: dict = {**run.header(1), "classes": {}}
+    print(f"{result['gpu']}: copy {run.copy_TBps:.2f} TB/s, {run.sms} SMs", flush=True)
+    lines = []
+    for label, shape in CLASSES.items():
+        case = Case(shape, run.gen)
+        case.launch("full")
+        n = min(case.batch, 4)
+        want = ref.paged_decode_attention(case.q[:n], case.k, case.v, case.tables[:n], case.lens[:n], case.scale,
+                                          case.k_scale, case.v_scale)
+        row: dict = {"shape": shape, "kv_bytes": case.kv_bytes, "splits": case.splits,
+                     "tiles": {"block_n": case.tiles.block_n, "num_stages": case.tiles.num_stages,
+                               "num_warps": case.tiles.num_warps, "max_registers": case.tiles.max_registers},
+                     "full_rel_err": rel_err(case.merged()[:n], want),
+                     "engine_rel_err": rel_err(case.engine()[:n], want), "ms": {}}
+        launches = {"engine": case.engine, **{m: (lambda m=m, c=case: c.launch(m)) for m in MODES}}
+        for _ in range(args.rounds):
+            for name, fn in launches.items():
+                row["ms"].setdefault(name, []).append(bench_graph(fn))
+        best = {k: min(v) for k, v in row["ms"].items() if all(x is not None for x in v)}
+        row["pct_copy"] = {k: case.kv_bytes / (ms * 1e-3) / 1e12 / run.copy_TBps for k, ms in best.items()}
+        result["classes"][label] = row
+        lines.append(f"{label:<11} " + "  ".join(f"{k} {best[k] * 1000:6.1f} us ({row['pct_copy'][k]:.0%})"
+                                                  for k in ("engine", *MODES) if k in best)
+                     + f"   err full {row['full_rel_err']:.1e} engine {row['engine_rel_err']:.1e}")
+        del case
+        torch.cuda.empty_cache()
+    print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
