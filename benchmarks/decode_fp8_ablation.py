@@ -204,6 +204,9 @@ class Case:
         self.q = torch.randn(self.batch, self.q_heads, self.head_dim, device="cuda", dtype=torch.bfloat16,
                              generator=gen)
         self.scale = 1 / math.sqrt(self.head_dim)
+        # host floats, read once here: a launch inside a CUDA graph's capture may not read the device
+        self.qk_scale = self.scale * LOG2E * float(self.k_scale)
+        self.v_scale_value = float(self.v_scale)
         # keys a split, in whole tiles, as the engine's launcher cuts them
         self.split_tokens = triton.cdiv(triton.cdiv(self.context, self.splits), self.tiles.block_n) * self.tiles.block_n
         self.part = torch.empty(self.batch, self.q_heads, self.splits, self.head_dim, dtype=torch.float32,
@@ -231,7 +234,7 @@ class Case:
         options = {"maxnreg": self.tiles.max_registers} if self.tiles.max_registers else {}
         _ablation_kernel[grid](
             self.q, self.k, vp, kw, vw, self.tables, self.part, self.sink if mode in ("loads", "rows") else self.lse,
-            self.scale * LOG2E * float(self.k_scale),
+            self.qk_scale,
             split_tokens, self.context,
             self.q.stride(0), self.q.stride(1), *self.k.stride()[:3], *vp.stride()[:3], *kw.stride()[:3],
             self.tables.stride(0),
@@ -242,7 +245,7 @@ class Case:
     def merged(self) -> torch.Tensor:
         """The full mode's partials merged in torch (log2-domain weights), times V's scale: the attention output."""
         w = torch.exp2(self.lse - self.lse.amax(-1, keepdim=True))
-        return (self.part * w[..., None]).sum(2) / w.sum(-1)[..., None] * float(self.v_scale)
+        return (self.part * w[..., None]).sum(2) / w.sum(-1)[..., None] * self.v_scale_value
 
     def engine(self) -> torch.Tensor:
         from prefixgate_kernels import decode_attention
