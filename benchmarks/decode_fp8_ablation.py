@@ -18,6 +18,8 @@ the launch holds the time. One Triton kernel, one (sequence, KV head, split) pro
     warps       the same math with each warp streaming its own quarter of every tile and keeping its own
                 softmax state ([warps, rows, keys] tensors, batched MMAs), merged once at the end: no
                 cross-warp reduction a tile (checked likewise)
+    keys        warps, with the keys as the MMAs' M and the query rows as an N of 8: S^T = K q^T
+                ([warps, keys, 8]: the softmax on half the elements of [16, keys]), O^T = V^T P^T
 
 each beside the engine's own launch (``decode_attention.paged_decode``) on the same cache, all as CUDA-graph
 replays of one launch, and the same on a control that streams well, head dim 128 at 32 / 8 heads (fp8 1.7x
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefixgate_kernels.decode_attention import LOG2E, _unpack_8bit_pairs  # noqa: E402
 
-MODES = {"loads": 0, "rows": 1, "mma": 2, "full": 3, "warps": 4}
+MODES = {"loads": 0, "rows": 1, "mma": 2, "full": 3, "warps": 4, "keys": 5}
 # (batch, q heads, kv heads, head dim, context, block size); the probe takes the engine launcher's tiles and split
 # count for each (``decode_attention.choose_tiles`` / ``choose_num_splits``)
 CLASSES = {"9/3 hd64": (64, 9, 3, 64, 4096, 16), "32/8 hd128": (64, 32, 8, 128, 4096, 16)}
@@ -54,7 +56,7 @@ def _ablation_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, part_ptr, lse_
                      stride_wb, stride_ws, stride_wh, stride_btb,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      BLOCK_N: tl.constexpr, WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, MODE: tl.constexpr,
-                     WARPS: tl.constexpr):
+                     WARPS: tl.constexpr, QN: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,6 +90,11 @@ def _ablation_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, part_ptr, lse_
         _per_warp_streams(q, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, end, b, kvh, split, rows, heads,
                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, WARPS)
+        return
+    if MODE == 5:
+        _keys_as_m(q_ptr, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, end, b, kvh, split,
+                   stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                   GROUP, QN, HEAD_DIM, BLOCK_SIZE, BLOCK_N, WARPS)
         return
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -182,6 +189,62 @@ def _per_warp_streams(q, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, star
     tl.store(lse_ptr + bh * tl.num_programs(2) + split, m + tl.log2(l_i), mask=rows < GROUP)
 
 
+@triton.jit
+def _keys_as_m(q_ptr, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, end, b, kvh, split,
+               stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+               GROUP: tl.constexpr, QN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr, WARPS: tl.constexpr):
+    """``_per_warp_streams`` transposed: the scores as S^T = K q^T with the ``QN`` (>= GROUP) query rows as the
+    MMA's N, the softmax over axis 1 (keys) of [WARPS, WN, QN], the output as O^T = V^T P^T."""
+    WN: tl.constexpr = BLOCK_N // WARPS
+    wi = tl.arange(0, WARPS)
+    ni = tl.arange(0, WN)
+    d = tl.arange(0, HEAD_DIM)
+    dh = tl.arange(0, HEAD_DIM // 2)
+    rows = tl.arange(0, QN)
+    heads = kvh * GROUP + rows
+    q = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + d[:, None], mask=(rows < GROUP)[None, :],
+                other=0.0).to(tl.float16)  # q^T [D, QN]
+    q3 = tl.broadcast_to(q[None, :, :], (WARPS, HEAD_DIM, QN))
+    m3 = tl.full([WARPS, QN], float("-inf"), tl.float32)
+    l3 = tl.zeros([WARPS, QN], tl.float32)
+    acc_e = tl.zeros([WARPS, QN, HEAD_DIM // 2], tl.float32)  # O's even and odd output dims
+    acc_o = tl.zeros([WARPS, QN, HEAD_DIM // 2], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + wi[:, None] * WN + ni[None, :]  # [WARPS, WN]
+        tok_ok = toks < end
+        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % BLOCK_SIZE
+        k = tl.load(k_ptr + page[:, :, None] * stride_kb + slot[:, :, None] * stride_ks + kvh * stride_kh
+                    + d[None, None, :], mask=tok_ok[:, :, None], other=0.0)  # [WARPS, WN, D]
+        s = tl.dot(k.to(tl.float16), q3)  # S^T [WARPS, WN, QN]
+        s = tl.where(tok_ok[:, :, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m3, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m3 - m_safe)
+        p = tl.exp2(s - m_safe[:, None, :])
+        l3 = l3 * alpha + tl.sum(p, 1)
+        pairs = tl.load(v_ptr + page[:, :, None] * stride_vb + slot[:, :, None] * stride_vs + kvh * stride_vh
+                        + dh[None, None, :], mask=tok_ok[:, :, None], other=0)  # [WARPS, WN, D/2]
+        v_even, v_odd = _unpack_8bit_pairs(pairs, 1)
+        p16 = p.to(tl.float16)
+        pt = tl.trans(p16, (0, 2, 1))  # P [WARPS, QN, WN]
+        acc_e = acc_e * alpha[:, :, None] + tl.dot(pt, v_even)
+        acc_o = acc_o * alpha[:, :, None] + tl.dot(pt, v_odd)
+        m3 = m_new
+    m = tl.max(m3, 0)
+    w = tl.where(m3 == float("-inf"), 0.0, tl.exp2(m3 - m[None, :]))
+    l_i = tl.sum(l3 * w, 0)
+    out_e = tl.sum(acc_e * w[:, :, None], 0) / l_i[:, None]  # [QN, D/2]
+    out_o = tl.sum(acc_o * w[:, :, None], 0) / l_i[:, None]
+    bh = b * (GROUP * tl.num_programs(1)) + heads
+    p_row = part_ptr + (bh[:, None] * tl.num_programs(2) + split) * HEAD_DIM
+    ok = (rows < GROUP)[:, None]
+    tl.store(p_row + 2 * dh[None, :], out_e, mask=ok)
+    tl.store(p_row + 2 * dh[None, :] + 1, out_o, mask=ok)
+    tl.store(lse_ptr + bh * tl.num_programs(2) + split, m + tl.log2(l_i), mask=rows < GROUP)
+
+
 class Case:
     """One class's fp8 cache, block tables and query, and a launch of each mode over them."""
 
@@ -240,7 +303,8 @@ class Case:
             self.tables.stride(0),
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=self.head_dim,
             BLOCK_SIZE=self.block_size, BLOCK_N=block_n, WORDS=triton.next_power_of_2(row_words), ROW_WORDS=row_words,
-            MODE=MODES[mode], WARPS=self.tiles.num_warps, num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages, **options)
+            MODE=MODES[mode], WARPS=self.tiles.num_warps, QN=max(8, triton.next_power_of_2(group)),
+            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages, **options)
 
     def merged(self) -> torch.Tensor:
         """The full mode's partials merged in torch (log2-domain weights), times V's scale: the attention output."""
@@ -276,7 +340,7 @@ def main() -> int:
         want = ref.paged_decode_attention(case.q[:n], case.k, case.v, case.tables[:n], case.lens[:n], case.scale,
                                           case.k_scale, case.v_scale)
         errs = {}
-        for mode in ("full", "warps"):  # the two modes that compute the attention, against the reference
+        for mode in ("full", "warps", "keys"):  # the two modes that compute the attention, against the reference
             case.launch(mode)
             errs[f"{mode}_rel_err"] = rel_err(case.merged()[:n], want)
         row: dict = {**errs, "shape": shape, "kv_bytes": case.kv_bytes, "splits": case.splits,
@@ -292,7 +356,7 @@ def main() -> int:
         result["classes"][label] = row
         lines.append(f"{label:<11} " + "  ".join(f"{k} {best[k] * 1000:6.1f} us ({row['pct_copy'][k]:.0%})"
                                                   for k in ("engine", *MODES) if k in best)
-                     + f"   err full {row['full_rel_err']:.1e} warps {row['warps_rel_err']:.1e} "
+                     + f"   err full {row['full_rel_err']:.1e} warps {row['warps_rel_err']:.1e} keys {row['keys_rel_err']:.1e} "
                        f"engine {row['engine_rel_err']:.1e}")
         del case
         torch.cuda.empty_cache()
