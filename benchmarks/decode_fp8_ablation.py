@@ -21,7 +21,8 @@ the launch holds the time. One Triton kernel, one (sequence, KV head, split) pro
     keys        warps, with the keys as the MMAs' M and the query rows as an N of 8: S^T = K q^T
                 ([warps, keys, 8]: the softmax on half the elements of [16, keys]), O^T = V^T P^T
 
-each beside the engine's own launch (``decode_attention.paged_decode``) on the same cache, all as CUDA-graph
+each beside the engine's own launch (``decode_attention.paged_decode``), with its row-wise loop and with
+``keys_as_m=True`` (the keys mode's loop inside the engine's kernel), on the same cache, all as CUDA-graph
 replays of one launch, and the same on a control that streams well, head dim 128 at 32 / 8 heads (fp8 1.7x
 bf16 there). Partials only: no split merge.
 
@@ -311,11 +312,12 @@ class Case:
         w = torch.exp2(self.lse - self.lse.amax(-1, keepdim=True))
         return (self.part * w[..., None]).sum(2) / w.sum(-1)[..., None] * self.v_scale_value
 
-    def engine(self) -> torch.Tensor:
+    def engine(self, keys_as_m: bool = False) -> torch.Tensor:
+        """The engine's launch (``keys_as_m``: with ``decode_attention._attend_keys_as_m``'s loop)."""
         from prefixgate_kernels import decode_attention
 
         return decode_attention.paged_decode(self.q, self.k, self.v, self.tables, self.lens, self.scale,
-                                             self.k_scale, self.v_scale)
+                                             self.k_scale, self.v_scale, keys_as_m=keys_as_m)
 
 
 def main() -> int:
@@ -346,8 +348,10 @@ def main() -> int:
         row: dict = {**errs, "shape": shape, "kv_bytes": case.kv_bytes, "splits": case.splits,
                      "tiles": {"block_n": case.tiles.block_n, "num_stages": case.tiles.num_stages,
                                "num_warps": case.tiles.num_warps, "max_registers": case.tiles.max_registers},
-                     "engine_rel_err": rel_err(case.engine()[:n], want), "ms": {}}
-        launches = {"engine": case.engine, **{m: (lambda m=m, c=case: c.launch(m)) for m in MODES}}
+                     "engine_rel_err": rel_err(case.engine()[:n], want),
+                     "engine_keys_rel_err": rel_err(case.engine(keys_as_m=True)[:n], want), "ms": {}}
+        launches = {"engine": case.engine, "engine_keys": lambda c=case: c.engine(keys_as_m=True),
+                    **{m: (lambda m=m, c=case: c.launch(m)) for m in MODES}}
         for _ in range(args.rounds):
             for name, fn in launches.items():
                 row["ms"].setdefault(name, []).append(bench_graph(fn))
@@ -355,9 +359,9 @@ def main() -> int:
         row["pct_copy"] = {k: case.kv_bytes / (ms * 1e-3) / 1e12 / run.copy_TBps for k, ms in best.items()}
         result["classes"][label] = row
         lines.append(f"{label:<11} " + "  ".join(f"{k} {best[k] * 1000:6.1f} us ({row['pct_copy'][k]:.0%})"
-                                                  for k in ("engine", *MODES) if k in best)
+                                                  for k in ("engine", "engine_keys", *MODES) if k in best)
                      + f"   err full {row['full_rel_err']:.1e} warps {row['warps_rel_err']:.1e} keys {row['keys_rel_err']:.1e} "
-                       f"engine {row['engine_rel_err']:.1e}")
+                       f"engine {row['engine_rel_err']:.1e} engine_keys {row['engine_keys_rel_err']:.1e}")
         del case
         torch.cuda.empty_cache()
     print("\n".join(lines))

@@ -246,3 +246,48 @@ def test_decode_checks_inputs():
         triton_ops.paged_decode_attention(q, k8, v8, tables, lens, 0.1)
 
 
+
+
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE, torch.int8])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_keys_as_m_matches_reference(kv_dtype, group, num_splits):
+    """The keys as the MMAs' M in per-warp streams (``_attend_keys_as_m``): lengths of 1 token (three of the
+    four streams never see a key), under one stream's share of a tile, across tiles; one split or three (some
+    empty for the short sequences), merged in the kernel."""
+    run_case(64, group, 16, [1, 13, 70, 300], kv_dtype, num_splits=num_splits, keys_as_m=True, block_n=64,
+             seed=11 * group + num_splits)
+
+
+def test_decode_keys_as_m_agrees_with_the_row_wise_loop():
+    """Both loops over the same launch (bf16 queries, fp8 cache, head dim 128, GQA 4): the same attention within
+    rounding (fp32 sums in another order)."""
+    common = dict(q_dtype=torch.bfloat16, num_splits=2, block_n=64, seed=3)
+    rows = run_case(128, 4, 16, [200, 31], ref.FP8_DTYPE, keys_as_m=False, **common)
+    keys = run_case(128, 4, 16, [200, 31], ref.FP8_DTYPE, keys_as_m=True, **common)
+    assert abs(rows - keys) < 2e-3
+
+
+def test_decode_keys_as_m_refuses_what_it_cannot_run():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, ks, vs = make_kv_cache(4, 16, 1, 64, ref.FP8_DTYPE, "cpu", gen)
+    tables = make_block_tables([20], 16, 4, gen, "cpu")
+    lens = torch.tensor([20], dtype=torch.int32)
+    q = torch.randn(1, 16, 64, dtype=torch.float16)  # 16 query heads on one KV head: more than the MMA's N of 8
+    with pytest.raises(ValueError, match="up to 8 query heads"):
+        decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, ks, vs, keys_as_m=True)
+    with pytest.raises(ValueError, match="whole 16-key"):
+        decode_attention.paged_decode(q[:, :4], k_cache, v_cache, tables, lens, 0.125, ks, vs, keys_as_m=True,
+                                      block_n=32)
+
+
+def test_decode_keys_as_m_is_the_launchers_choice_only_where_it_applies(monkeypatch):
+    monkeypatch.setattr(decode_attention, "KEYS_AS_M", True)
+    fp8 = ref.FP8_DTYPE
+    assert decode_attention.keys_as_m_applies(64, 3, fp8, 0)
+    assert not decode_attention.keys_as_m_applies(128, 3, fp8, 0)  # head dim 128 streams near copy speed
+    assert not decode_attention.keys_as_m_applies(64, 16, fp8, 0)
+    assert not decode_attention.keys_as_m_applies(64, 4, fp8, 2)  # heads read in pairs
+    assert not decode_attention.keys_as_m_applies(64, 3, torch.bfloat16, 0)
+    monkeypatch.setattr(decode_attention, "KEYS_AS_M", False)
+    assert not decode_attention.keys_as_m_applies(64, 3, fp8, 0)
