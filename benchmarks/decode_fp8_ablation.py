@@ -9,8 +9,8 @@ one-warp programs (-5 %), nor reading the three heads as one row (session 17: un
 the launch holds the time. One Triton kernel, one (sequence, KV head, split) program as the engine's
 ``_decode_split_kernel`` runs it (its launcher's tiles and split count, V read as int16 pairs), in modes:
 
-    loads       K's and V's bytes of each tile loaded as 32-bit words and xor-ed into a register tile:
-                the launch's memory traffic and address work, nothing else
+    loads       K's and V's bytes of each tile loaded as 32-bit words and xor-ed into a register tile, the
+                next tile's loaded before this one's are used: the traffic and address work, nothing else
     rows        the same bytes, a program reading every KV head of its tokens (rows of Hkv x D bytes,
                 Hkv times the splits): the traffic in whole token rows
     mma         loads, the fp8 -> f16 conversions and both products, scores used as they come (no softmax)
@@ -78,13 +78,15 @@ def _ablation_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, part_ptr, lse_
         w = tl.arange(0, WORDS)
         w_ok = w < ROW_WORDS
         seen = tl.zeros([BLOCK_N, WORDS], tl.int32)
+        # the next tile's words are loaded before this tile's are used (a register prefetch: plain loads get no
+        # cp.async pipeline, and call 1's form, without it, waited for every tile and streamed below the others)
+        k_next, v_next = _tile_words(kw_ptr, vw_ptr, bt_row, start, end, kvh, w, w_ok, stride_wb, stride_ws,
+                                     stride_wh, BLOCK_SIZE, BLOCK_N)
         for t0 in range(start, end, BLOCK_N):
-            toks = t0 + tl.arange(0, BLOCK_N)
-            tok_ok = toks < end
-            page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-            row = page[:, None] * stride_wb + (toks % BLOCK_SIZE)[:, None] * stride_ws + kvh * stride_wh + w[None, :]
-            ok = tok_ok[:, None] & w_ok[None, :]
-            seen ^= tl.load(kw_ptr + row, mask=ok, other=0) ^ tl.load(vw_ptr + row, mask=ok, other=0)
+            k_cur, v_cur = k_next, v_next
+            k_next, v_next = _tile_words(kw_ptr, vw_ptr, bt_row, t0 + BLOCK_N, end, kvh, w, w_ok, stride_wb,
+                                         stride_ws, stride_wh, BLOCK_SIZE, BLOCK_N)
+            seen ^= k_cur ^ v_cur
         # one number a program, so that no load is dead code (the sum wraps; its value means nothing)
         tl.store(lse_ptr + (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + split,
                  tl.sum(tl.sum(seen, 0), 0).to(tl.float32))
@@ -144,6 +146,18 @@ def _ablation_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, part_ptr, lse_
     tl.store(p_row + 2 * dh[None, :], acc_e / l_i[:, None], mask=ok)
     tl.store(p_row + 2 * dh[None, :] + 1, acc_o / l_i[:, None], mask=ok)
     tl.store(lse_ptr + bh * tl.num_programs(2) + split, m_i + tl.log2(l_i), mask=rows < GROUP)
+
+
+@triton.jit
+def _tile_words(kw_ptr, vw_ptr, bt_row, t0, end, kvh, w, w_ok, stride_wb, stride_ws, stride_wh,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The K and V words of tokens [t0, t0 + BLOCK_N) (zeros past ``end``)."""
+    toks = t0 + tl.arange(0, BLOCK_N)
+    tok_ok = toks < end
+    page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    row = page[:, None] * stride_wb + (toks % BLOCK_SIZE)[:, None] * stride_ws + kvh * stride_wh + w[None, :]
+    ok = tok_ok[:, None] & w_ok[None, :]
+    return tl.load(kw_ptr + row, mask=ok, other=0), tl.load(vw_ptr + row, mask=ok, other=0)
 
 
 @triton.jit
