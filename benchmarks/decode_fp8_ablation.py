@@ -320,7 +320,7 @@ def _heads_in_rows(q_ptr, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, sta
 class Case:
     """One class's fp8 cache, block tables and query, and a launch of each mode over them."""
 
-    def __init__(self, shape: tuple[int, ...], gen: torch.Generator) -> None:
+    def __init__(self, shape: tuple[int, ...], gen: torch.Generator, split_scale: int = 1) -> None:
         from benchmarks.kernels import paged_setup, quantize_cache
         from prefixgate_kernels import decode_attention
         from prefixgate_kernels.reference import FP8_DTYPE
@@ -330,7 +330,7 @@ class Case:
         self.tiles = decode_attention.choose_tiles(self.head_dim, FP8_DTYPE, self.batch * self.kv_heads, sms)
         self.splits = decode_attention.choose_num_splits(
             self.batch, self.kv_heads, self.context, sms, self.tiles.block_n, programs_per_sm=self.tiles.programs_per_sm,
-            one_wave=decode_attention.one_wave_rule_for(FP8_DTYPE))
+            one_wave=decode_attention.one_wave_rule_for(FP8_DTYPE)) * split_scale  # x split_scale: more programs
         kv, self.tables, self.lens = paged_setup(self.batch, self.kv_heads, self.head_dim, self.context,
                                                  self.block_size, gen)
         qkv, self.k_scale, self.v_scale = quantize_cache(kv, FP8_DTYPE)
@@ -410,6 +410,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/decode_fp8_ablation.json")
     ap.add_argument("--rounds", type=int, default=2, help="times every launch is timed, in turn")
+    ap.add_argument("--split-scales", default="1",
+                    help="comma-separated multiples of the launcher's split count: past 1, the probe's loads, rows, "
+                         "mma and full modes again with that many times the programs (more bytes in flight an SM)")
     args = ap.parse_args()
     from benchmarks.pdl_o_probe import start_gpu_run
 
@@ -451,6 +454,20 @@ def main() -> int:
                        f"engine {row['engine_rel_err']:.1e} engine_keys {row['engine_keys_rel_err']:.1e}")
         del case
         torch.cuda.empty_cache()
+        for scale in (int(x) for x in args.split_scales.split(",") if int(x) > 1):
+            case = Case(shape, run.gen, split_scale=scale)
+            more = {}
+            for m in ("loads", "rows", "mma", "full"):
+                times = [t for t in (bench_graph(lambda m=m, c=case: c.launch(m)) for _ in range(args.rounds))
+                         if t is not None]
+                if times:
+                    more[m] = min(times)
+            row[f"ms_splits_x{scale}"] = more
+            lines.append(f"{label:<11} splits x{scale} ({case.splits}): " + "  ".join(
+                f"{k} {v * 1000:6.1f} us ({case.kv_bytes / (v * 1e-3) / 1e12 / run.copy_TBps:.0%})"
+                for k, v in more.items()))
+            del case
+            torch.cuda.empty_cache()
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
