@@ -25,12 +25,16 @@ the launch holds the time. One Triton kernel, one (sequence, KV head, split) pro
                 Hkv times the splits (call 1 of session 32 found the per-head launches no faster without
                 their softmax: the traffic of 64-byte rows at a 192-byte stride, not the math, holds them)
 
-each beside the engine's own launch (``decode_attention.paged_decode``), with its row-wise loop and with
-``keys_as_m=True`` (the keys mode's loop inside the engine's kernel), on the same cache, all as CUDA-graph
+each beside the engine's own launch (``decode_attention.paged_decode``) on the same cache, all as CUDA-graph
 replays of one launch, and the same on a control that streams well, head dim 128 at 32 / 8 heads (fp8 1.7x
 bf16 there). Partials only: no split merge.
 
-    python benchmarks/decode_fp8_ablation.py --out benchmarks/results/decode_fp8_ablation.json
+    python benchmarks/decode_fp8_ablation.py [--split-scales 1,2,4] --out benchmarks/results/decode_fp8_ablation.json
+
+Measured on an H100 (session 32, docs/gpu.md): the 9 / 3 class's engine launch 62.8 us; without the softmax 57.6;
+the loads alone 54.9 (61 % of copy) and as whole rows 51.3 (65 %), unchanged with 2x and 4x the programs; warps
+62.9, keys 60.8 (also tried inside the engine's kernel: 63.8, and removed), heads 56.6. The launch is held by how
+its bytes are read (scattered 16-token pages of small rows), not by its math.
 """
 
 from __future__ import annotations
@@ -398,12 +402,12 @@ class Case:
         w = torch.exp2(lse - lse.amax(-1, keepdim=True))
         return (part * w[..., None]).sum(2) / w.sum(-1)[..., None] * self.v_scale_value
 
-    def engine(self, keys_as_m: bool = False) -> torch.Tensor:
-        """The engine's launch (``keys_as_m``: with ``decode_attention._attend_keys_as_m``'s loop)."""
+    def engine(self) -> torch.Tensor:
+        """The engine's launch."""
         from prefixgate_kernels import decode_attention
 
         return decode_attention.paged_decode(self.q, self.k, self.v, self.tables, self.lens, self.scale,
-                                             self.k_scale, self.v_scale, keys_as_m=keys_as_m)
+                                             self.k_scale, self.v_scale)
 
 
 def main() -> int:
@@ -438,9 +442,8 @@ def main() -> int:
                      "tiles": {"block_n": case.tiles.block_n, "num_stages": case.tiles.num_stages,
                                "num_warps": case.tiles.num_warps, "max_registers": case.tiles.max_registers},
                      "engine_rel_err": rel_err(case.engine()[:n], want),
-                     "engine_keys_rel_err": rel_err(case.engine(keys_as_m=True)[:n], want), "ms": {}}
-        launches = {"engine": case.engine, "engine_keys": lambda c=case: c.engine(keys_as_m=True),
-                    **{m: (lambda m=m, c=case: c.launch(m)) for m in MODES}}
+                     "ms": {}}
+        launches = {"engine": case.engine, **{m: (lambda m=m, c=case: c.launch(m)) for m in MODES}}
         for _ in range(args.rounds):
             for name, fn in launches.items():
                 row["ms"].setdefault(name, []).append(bench_graph(fn))
@@ -448,10 +451,10 @@ def main() -> int:
         row["pct_copy"] = {k: case.kv_bytes / (ms * 1e-3) / 1e12 / run.copy_TBps for k, ms in best.items()}
         result["classes"][label] = row
         lines.append(f"{label:<11} " + "  ".join(f"{k} {best[k] * 1000:6.1f} us ({row['pct_copy'][k]:.0%})"
-                                                  for k in ("engine", "engine_keys", *MODES) if k in best)
+                                                  for k in ("engine", *MODES) if k in best)
                      + f"   err full {row['full_rel_err']:.1e} warps {row['warps_rel_err']:.1e} keys {row['keys_rel_err']:.1e} "
                        f"heads {row['heads_rel_err']:.1e} "
-                       f"engine {row['engine_rel_err']:.1e} engine_keys {row['engine_keys_rel_err']:.1e}")
+                       f"engine {row['engine_rel_err']:.1e}")
         del case
         torch.cuda.empty_cache()
         for scale in (int(x) for x in args.split_scales.split(",") if int(x) > 1):

@@ -1891,14 +1891,10 @@ def main() -> int:
     ap.add_argument("--launcher-only", action="store_true",
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
                          "with --suffix-sweep: the launcher's rows only")
-    ap.add_argument("--keys-as-m", action="store_true",
-                    help="the launcher with decode_attention.KEYS_AS_M on: fp8 launches of head dim <= 64 with up to 8 "
-                         "query heads a KV head read one by one attend with the keys as the MMAs' M (session 32)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    decode_attention.KEYS_AS_M = args.keys_as_m or decode_attention.KEYS_AS_M
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     ceil = ceilings()
@@ -1906,7 +1902,6 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "gpu": torch.cuda.get_device_name(0),
         "commit": git_commit(),
-        "keys_as_m": decode_attention.KEYS_AS_M,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),

@@ -131,82 +131,6 @@ def _query_tile(q_ptr, b, heads, rows, row_ok, d, seq_len, start, end, cos_ptr, 
     return q
 
 
-@triton.jit
-def _attend_keys_as_m(q, k_ptr, v_ptr, bt_row, k_scale_ptr, v_scale_ptr, qk_scale, start, end, kvh,
-                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
-                      stride_sh, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, KV_QUANT: tl.constexpr, DOT_TY: tl.constexpr, V_PAIRS: tl.constexpr,
-                      STREAMS: tl.constexpr):
-    """The split's keys [start, end) against the query rows ``q`` [GROUP_PAD, D] (``DOT_TY``), as ``STREAMS``
-    streams with the keys as the MMAs' M (``_decode_split_kernel``'s ``KEYS_AS_M``). Returns the softmax state of
-    the split, ``(m, l, acc_e, acc_o)`` with ``acc_e`` / ``acc_o`` the even and odd output dims [GROUP_PAD, D/2]
-    (``V_PAIRS``), or ``(m, l, acc, acc)`` with ``acc`` [GROUP_PAD, D]; the same values the row-wise loop keeps.
-
-    Key ``t0 + w * BLOCK_N / STREAMS + n`` of a tile belongs to stream w, a batch index of every tensor below:
-    a batched MMA keeps a batch in one warp, so a stream's max, sum and output never cross warps until the one
-    merge at the end (the row-wise loop reduces each tile's max and sum across its warps through shared
-    memory). The scores come out as S^T = K q^T with the (up to 8) query rows as the MMA's N, so the softmax runs
-    on [STREAMS, keys, GROUP_PAD], half the elements of the row-wise [16, keys]; P goes back to rows as the A
-    operand of O = P V."""
-    WN: tl.constexpr = BLOCK_N // STREAMS
-    wi = tl.arange(0, STREAMS)
-    ni = tl.arange(0, WN)
-    d = tl.arange(0, HEAD_DIM)
-    dh = tl.arange(0, HEAD_DIM // 2)
-    q3 = tl.broadcast_to(tl.trans(q)[None, :, :], (STREAMS, HEAD_DIM, GROUP_PAD))
-    if KV_QUANT == 1:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)  # one scale a tensor: folded into the score scale
-    m3 = tl.full([STREAMS, GROUP_PAD], float("-inf"), tl.float32)
-    l3 = tl.zeros([STREAMS, GROUP_PAD], tl.float32)
-    if V_PAIRS:
-        acc_e = tl.zeros([STREAMS, GROUP_PAD, HEAD_DIM // 2], tl.float32)
-        acc_o = tl.zeros([STREAMS, GROUP_PAD, HEAD_DIM // 2], tl.float32)
-    else:
-        acc = tl.zeros([STREAMS, GROUP_PAD, HEAD_DIM], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        toks = t0 + wi[:, None] * WN + ni[None, :]  # [STREAMS, WN]
-        tok_ok = toks < end
-        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-        slot = toks % BLOCK_SIZE
-        k = tl.load(k_ptr + page[:, :, None] * stride_kb + slot[:, :, None] * stride_ks + kvh * stride_kh
-                    + d[None, None, :], mask=tok_ok[:, :, None], other=0.0)  # [STREAMS, WN, D]
-        s = exact_dot(k.to(DOT_TY), q3, DOT_TY)  # S^T [STREAMS, WN, GROUP_PAD] fp32
-        if KV_QUANT == 2:
-            sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
-            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[:, :, None]
-        s = tl.where(tok_ok[:, :, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m3, tl.max(s, 1))
-        # a stream whose keys so far were all past the split's end keeps -inf: its alpha and p are 0, not NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m3 - m_safe)
-        p = tl.exp2(s - m_safe[:, None, :])
-        l3 = l3 * alpha + tl.sum(p, 1)
-        if KV_QUANT == 2:
-            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[:, :, None]
-        v_row = page[:, :, None] * stride_vb + slot[:, :, None] * stride_vs + kvh * stride_vh
-        if V_PAIRS:
-            pairs = tl.load(v_ptr + v_row + dh[None, None, :], mask=tok_ok[:, :, None],
-                            other=0)  # [STREAMS, WN, D/2]
-            v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
-            p_rows = tl.trans(p.to(tl.float16), (0, 2, 1))  # P [STREAMS, GROUP_PAD, WN]
-            acc_e = acc_e * alpha[:, :, None] + tl.dot(p_rows, v_even)
-            acc_o = acc_o * alpha[:, :, None] + tl.dot(p_rows, v_odd)
-        else:
-            v = tl.load(v_ptr + v_row + d[None, None, :], mask=tok_ok[:, :, None], other=0.0)  # [STREAMS, WN, D]
-            p_rows = tl.trans(p.to(DOT_TY), (0, 2, 1))
-            acc = acc * alpha[:, :, None] + exact_dot(p_rows, v.to(DOT_TY), DOT_TY)
-        m3 = m_new
-    # the streams merged as splits are: weights exp2(m_w - m), a stream that saw no key weighing 0
-    m = tl.max(m3, 0)
-    w = tl.where(m3 == float("-inf"), 0.0, tl.exp2(m3 - m[None, :]))
-    l_i = tl.sum(l3 * w, 0)
-    if V_PAIRS:
-        return m, l_i, tl.sum(acc_e * w[:, :, None], 0), tl.sum(acc_o * w[:, :, None], 0)
-    else:
-        merged = tl.sum(acc * w[:, :, None], 0)
-        return m, l_i, merged, merged
-
-
 # The block table's row stride is its width, which changes with the longest context in the batch:
 # left to Triton's default it would be specialised on divisibility by 16 and compile a second variant
 # the first time the width is not a multiple of 16 (seen on the H200: the engine's first mixed
@@ -264,8 +188,6 @@ def _decode_split_kernel(
     SOFT_FP8: tl.constexpr = False,
     LAUNCH_DEPENDENTS: tl.constexpr = False,
     QKV_SLICES: tl.constexpr = 1,
-    KEYS_AS_M: tl.constexpr = False,
-    STREAMS: tl.constexpr = 4,
 ):
     """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
     adjacent heads of the cache read as one row of ``MEMBERS * MEMBER_DIM`` values (``joined_kv_heads``),
@@ -284,10 +206,7 @@ def _decode_split_kernel(
     With ``LAUNCH_DEPENDENTS`` every program lets the next kernel launch at its start (programmatic
     dependent launch): a kernel launched after it with PDL starts under this one and waits
     (``griddepcontrol.wait``) before it reads what this one writes; without a PDL launch after it the
-    instruction does nothing. (Letting it launch only once a split's keys are read gained less: session 30.)
-
-    With ``KEYS_AS_M`` the split's keys are attended by ``_attend_keys_as_m`` (``STREAMS`` per-warp streams, the
-    keys as the MMAs' M; ``GROUP_PAD`` is then the MMA's N, 8 for up to 8 query rows; no joined heads)."""
+    instruction does nothing. (Letting it launch only once a split's keys are read gained less: session 30.)"""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -336,57 +255,49 @@ def _decode_split_kernel(
         k_tensor_scale = tl.load(k_scale_ptr)
         v_tensor_scale = tl.load(v_scale_ptr)
 
-    if KEYS_AS_M:  # STREAMS streams, the keys as the MMAs' M (``_attend_keys_as_m``)
-        m_i, l_i, acc_e, acc_o = _attend_keys_as_m(
-            q, k_ptr, v_ptr, block_tables_ptr + b * stride_btb, k_scale_ptr, v_scale_ptr, qk_scale, start, end, kvh,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_QUANT, DOT_TY, V_PAIRS, STREAMS)
-        acc = acc_e  # without V_PAIRS both are the whole output row
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if V_PAIRS:
+        acc_e = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 0, 2, 4, ...
+        acc_o = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 1, 3, 5, ...
     else:
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        if V_PAIRS:
-            acc_e = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 0, 2, 4, ...
-            acc_o = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)  # output dims 1, 3, 5, ...
-        else:
-            acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        bt_row = block_tables_ptr + b * stride_btb
-        for t0 in range(start, end, BLOCK_N):
-            toks = t0 + tl.arange(0, BLOCK_N)
-            tok_ok = toks < end
-            page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-            slot = toks % BLOCK_SIZE
-            k = tl.load(
-                k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                mask=tok_ok[:, None] & col_ok[None, :], other=0.0,
-            )  # [BLOCK_N, D]
-            s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
-            if KV_QUANT == 1:
-                s = s * k_tensor_scale
-            if KV_QUANT == 2:
-                sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
-                s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-            s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + b * stride_btb
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % BLOCK_SIZE
+        k = tl.load(
+            k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            mask=tok_ok[:, None] & col_ok[None, :], other=0.0,
+        )  # [BLOCK_N, D]
+        s = exact_dot(q, tl.trans(k.to(DOT_TY)), DOT_TY)  # [GROUP_PAD, BLOCK_N] fp32
+        if KV_QUANT == 1:
+            s = s * k_tensor_scale
+        if KV_QUANT == 2:
+            sc_off = page * stride_sb + slot * stride_ss + kvh * stride_sh
+            s = s * tl.load(k_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
 
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if KV_QUANT == 2:
-                p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
-            v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
-            if V_PAIRS:
-                pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None] & pair_ok[None, :],
-                                other=0)  # [BLOCK_N, D/2] int16
-                v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
-                p16 = p.to(tl.float16)
-                acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
-                acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
-            else:
-                v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None] & col_ok[None, :],
-                            other=0.0)  # [BLOCK_N, D]
-                acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
-            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT == 2:
+            p = p * tl.load(v_scale_ptr + sc_off, mask=tok_ok, other=0.0)[None, :]
+        v_row = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
+        if V_PAIRS:
+            pairs = tl.load(v_ptr + v_row + dh[None, :], mask=tok_ok[:, None] & pair_ok[None, :],
+                            other=0)  # [BLOCK_N, D/2] int16
+            v_even, v_odd = _unpack_8bit_pairs(pairs, KV_QUANT)
+            p16 = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
+        else:
+            v = tl.load(v_ptr + v_row + d[None, :], mask=tok_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + exact_dot(p.to(DOT_TY), v.to(DOT_TY), DOT_TY)
+        m_i = m_new
 
     if STAMPS:
         _stamp(stamps_ptr, stamp_row + 1, tl.max(l_i, 0))
@@ -770,7 +681,6 @@ def paged_decode(
     stamps: torch.Tensor | None = None,
     rope: RopeWrite | None = None,
     launch_dependents: bool = False,
-    keys_as_m: bool | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``prefixgate_kernels.triton_ops``.
 
@@ -809,11 +719,7 @@ def paged_decode(
 
     ``launch_dependents``: each program signals at its start that the next kernel may launch (the kernel's
     ``LAUNCH_DEPENDENTS``), for a consumer launched with programmatic dependent launch that streams its own
-    inputs while this one runs. A scheduling hint only: the interpreter, which has no such launch, ignores it.
-
-    ``keys_as_m``: attend with the keys as the MMAs' M in per-warp streams (``_attend_keys_as_m``); None: where
-    ``keys_as_m_applies`` says so. Only for up to ``KEYS_AS_M_MAX_GROUP`` query heads a KV head, heads read one
-    by one."""
+    inputs while this one runs. A scheduling hint only: the interpreter, which has no such launch, ignores it."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if rope is not None:
@@ -830,8 +736,6 @@ def paged_decode(
     v_write = v_cache
     # joined heads are one view of the cache only where a head's rows follow each other
     adjacent = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
-    if joined_heads is None and keys_as_m:
-        joined_heads = 1  # the keys-as-M loop reads heads one by one
     if joined_heads is None:
         joined_heads = joined_kv_heads(head_dim, kv_heads, k_cache.dtype) if fused_merge and adjacent else 1
     if joined_heads < 1:
@@ -845,13 +749,11 @@ def paged_decode(
         k_cache = k_cache.view(*k_cache.shape[:2], kv_heads, members * member_dim)
         v_cache = v_cache.view(*v_cache.shape[:2], kv_heads, members * member_dim)
         head_dim = next_pow2(members * member_dim)  # the kernel's width; the padding columns are masked
-    if keys_as_m is None:  # resolved here, not in the cached plan: KEYS_AS_M may change between launches
-        keys_as_m = keys_as_m_applies(head_dim, q_heads // kv_heads, k_cache.dtype, members)
     hint = None if context_lens is None else (context_lens if isinstance(context_lens, tuple) else tuple(context_lens))
     plan = _launch_plan(num_seqs, q_heads, head_dim, block_size, kv_heads, block_tables.shape[1] * block_size,
                         out_dtype, k_cache.dtype, q.device, hint, split_by_length, num_splits, block_n, num_warps,
                         num_stages, v_pairs, max_registers, fused_merge, member_dim, members, merge_chunk,
-                        keys_as_m, interpreting())
+                        interpreting())
     if stamps is not None:
         if interpreting():
             raise ValueError("stamps read the GPU's timer: a compiled kernel only, not the interpreter")
@@ -954,21 +856,6 @@ def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:
     return 2 if kv_heads % 2 == 0 else 1
 
 
-# Whether launches attend with the keys as the MMAs' M (``_attend_keys_as_m``) where ``keys_as_m_applies``'
-# shapes are met. Off until measured on a GPU against the row-wise loop (issue #19 item 4, session 32:
-# benchmarks/decode_fp8_ablation.py's "keys" mode).
-KEYS_AS_M = False
-KEYS_AS_M_MAX_GROUP = 8  # the query rows are the MMA's N: 8, and at most 16 before the softmax's saving is gone
-
-
-def keys_as_m_applies(head_dim: int, group: int, kv_dtype: torch.dtype, members: int) -> bool:
-    """The launcher's default for ``paged_decode(keys_as_m=None)``: with ``KEYS_AS_M`` on, an fp8 cache of head
-    dim 64 or less (the shape class it was written for, 9 / 3 heads of 64: its fp8 launch is issue-bound where
-    head dim 128 streams near copy speed) with up to ``KEYS_AS_M_MAX_GROUP`` query heads a KV head, read one by
-    one."""
-    return KEYS_AS_M and kv_dtype == FP8_DTYPE and head_dim <= 64 and group <= KEYS_AS_M_MAX_GROUP and not members
-
-
 @dataclass(frozen=True)
 class _LaunchPlan:
     """Everything about a decode launch that follows from its shapes, dtypes and hints alone."""
@@ -991,7 +878,7 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
                  context_lens: tuple[int, ...] | None, split_by_length: bool | None, num_splits: int | None,
                  block_n: int | None, num_warps: int | None, num_stages: int | None, v_pairs: bool | None,
                  max_registers: int | None, fused_merge: bool, member_dim: int, members: int,
-                 merge_chunk: int | None, keys_as_m: bool,
+                 merge_chunk: int | None,
                  interp: bool) -> _LaunchPlan:
     group = q_heads // kv_heads
     code = kv_code_for(kv_dtype)
@@ -1024,21 +911,12 @@ def _launch_plan(num_seqs: int, q_heads: int, head_dim: int, block_size: int, kv
         merge_chunk = max(2, _MERGE_TILE_ELEMENTS // (group_p2 * head_dim))
     elif merge_chunk < 2 or merge_chunk & (merge_chunk - 1):
         raise ValueError(f"merge_chunk must be a power of two >= 2, got {merge_chunk}")
-    if keys_as_m and (group > KEYS_AS_M_MAX_GROUP or members):
-        raise ValueError(f"keys as the MMAs' M take up to {KEYS_AS_M_MAX_GROUP} query heads a KV head read one by "
-                         f"one, got {group} (joined heads: {members})")
-    if keys_as_m and block_n % (num_warps * 16):
-        raise ValueError(f"keys as the MMAs' M split a {block_n}-key tile into {num_warps} streams of whole 16-key "
-                         f"MMA rows: block_n must be a multiple of {num_warps * 16}")
     options: dict[str, object] = dict(
-        NUM_SPLITS=num_splits, GROUP=group,
-        # the MMA's M (16 at least) of the row-wise loop; the N of the keys-as-M one (8 at least)
-        GROUP_PAD=max(8, next_pow2(group)) if keys_as_m else max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_QUANT=code, DOT_TY=dot_ty, V_PAIRS=v_pairs,
         FUSED_MERGE=fused_merge, GROUP_P2=group_p2, SPLITS_PAD=splits_pad,
         MERGE_CHUNK=min(splits_pad, merge_chunk), MEMBER_DIM=member_dim, MEMBERS=members,
         ROW_WIDTH=members * member_dim if members else head_dim,
-        KEYS_AS_M=keys_as_m, STREAMS=num_warps,
         num_warps=num_warps, num_stages=num_stages,
     )
     if max_registers and not interp:

@@ -77,18 +77,6 @@ def test_decode_gpu_kv_heads_in_threes(kv_dtype, joined):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("head_dim,group,block_n", [(64, 3, 128), (64, 8, 64), (128, 4, 64)])
-def test_decode_gpu_keys_as_m(kv_dtype, head_dim, group, block_n):
-    """The keys as the MMAs' M in per-warp streams (``decode_attention._attend_keys_as_m``), compiled (V read as
-    int16 pairs for 8-bit caches, bf16 queries): the 9 / 3 class's shape and others, a graph-shaped table of 4K
-    holding 1-4,100 tokens cut by length into 8 splits, against the reference."""
-    lens = [1 + (i * 613) % 4100 for i in range(48)]
-    decode.run_case(head_dim, group, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=3, seed=head_dim + group,
-                    device="cuda", table_width=4160 // 16, num_splits=8, split_by_length=True, keys_as_m=True,
-                    block_n=block_n)
-
-
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim,split_by_length", [(64, None), (128, None), (128, False)])
 def test_decode_gpu_graph_shaped_table(kv_dtype, head_dim, split_by_length):
     """The launch a decode CUDA graph makes: no length hint, a table sized for 16K tokens holding
