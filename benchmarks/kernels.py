@@ -34,7 +34,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
-from prefixgate_kernels import decode_attention, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
+from prefixgate_kernels import decode_attention, decode_rows, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
 from prefixgate_kernels import reference as ref  # noqa: E402
 from prefixgate_kernels.launch_layout import CacheLayout  # noqa: E402
 
@@ -198,6 +198,8 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
     # The same call timed again at the end of the case: the spread between the two is the noise floor.
     row["bf16_TBps"] = kv_bytes / (ms * 1e-3) / 1e12
     row["bf16_pct_copy"] = row["bf16_TBps"] / ceil["copy_TBps"]
+    if head_dim <= 64:
+        rows_case(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, check)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms)
     row["tiles"] = {"block_n": tiles.block_n, "num_stages": tiles.num_stages, "num_warps": tiles.num_warps}
@@ -247,6 +249,8 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
+        if name == "fp8" and head_dim <= 64:
+            rows_case(row, name, q, kq, vq, tables, lens, scale, ks, vs, check)
         if decode_attention.joined_kv_heads(head_dim, kv_heads, kq.dtype) > 1:
             # the launcher reads KV heads in pairs or threes here (sessions 14, 17): the per-head launch beside it
             def per_head(kq=kq, vq=vq, ks=ks, vs=vs):
@@ -295,6 +299,18 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
     del kv
     torch.cuda.empty_cache()
     return row
+
+
+def rows_case(row: dict, name: str, q, kc, vc, tables, lens, scale, ks, vs, check) -> None:
+    """``decode_rows.paged_decode_rows`` (every KV head of a token read as one row; session 32) on a class's
+    cache, eager and graph replays, checked against the reference: ``row[f"{name}_rows"]``."""
+    def run():
+        return decode_rows.paged_decode_rows(q, kc, vc, tables, lens, scale, ks, vs)
+
+    try:
+        row[f"{name}_rows"] = {"rel_err": check(run(), kc, vc, ks, vs), "ms": bench(run), "graph_ms": bench_graph(run)}
+    except Exception as e:  # noqa: BLE001 - a candidate's failure is recorded, never the class row's loss
+        row[f"{name}_rows_error"] = f"{type(e).__name__}: {e}"
 
 
 def prev_tiles_ms(row: dict, name: str, q, kc, vc, tables, lens, scale, ks, vs, tiles) -> None:
@@ -2078,6 +2094,11 @@ def print_table(r: dict) -> None:
             print(f"{s:<30}{d['num_splits']:>7}{d['bf16_ms']:>9.3f}{_ms(d.get('bf16_graph_ms')):>9}"
                   f"{100 * d['bf16_pct_copy'] * d['bf16_ms'] / best:>6.0f}%{d['sdpa_contig_ms'] / best:>8.2f}"
                   f"{best / fp8_best:>7.2f}{prev:>24}")
+            if "fp8_rows" in d and "bf16_rows" in d:  # decode_rows beside the launcher (session 32)
+                fr, br = d["fp8_rows"], d["bf16_rows"]
+                print(f"{'':<30}whole rows: bf16 {_ms(br.get('graph_ms'))} ms, fp8 {_ms(fr.get('graph_ms'))} ms "
+                      f"(fp8 x {best / min(x for x in (fr['ms'], fr.get('graph_ms')) if x is not None):.2f} "
+                      f"of the launcher's bf16; err {br['rel_err']:.1e} / {fr['rel_err']:.1e})")
     for row in r.get("graph_splits", {}).get("rows", []):
         sh = row["shape"]
         cells = "  ".join(f"{name} {row[f'{name}_fixed']['graph_ms']:.4f} / {row[f'{name}_by_length']['graph_ms']:.4f}"

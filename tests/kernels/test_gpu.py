@@ -12,6 +12,7 @@ from prefixgate_kernels import prefill_attention, triton_ops
 from prefixgate_kernels import reference as ref
 from prefixgate_kernels.launch_layout import CacheLayout
 from tests.kernels import test_decode_attention as decode
+from tests.kernels import test_decode_rows as rows
 from tests.kernels import test_fused_layer_ops as fused
 from tests.kernels import test_kv_write as kvw
 from tests.kernels import test_prefill_attention as prefill
@@ -74,6 +75,17 @@ def test_decode_gpu_kv_heads_in_threes(kv_dtype, joined):
     lens = [1 + (i * 613) % 4100 for i in range(64)]
     decode.run_case(64, 3, 16, lens, kv_dtype, q_dtype=torch.bfloat16, kv_heads=3, seed=6, device="cuda",
                     table_width=4160 // 16, joined_heads=joined, num_splits=8, split_by_length=True)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, ref.FP8_DTYPE])
+@pytest.mark.parametrize("group,kv_heads,num_splits", [(3, 3, None), (3, 3, 1), (1, 5, 7), (8, 1, None)])
+def test_decode_rows_gpu(kv_dtype, group, kv_heads, num_splits):
+    """Every KV head of a token read as one row (``decode_rows.paged_decode_rows``), compiled: V as int16 pairs for
+    fp8, bf16 queries, the launcher's tiles and splits or forced ones, over a graph-shaped table of 4K holding
+    1-4,100 tokens."""
+    lens = [1 + (i * 613) % 4100 for i in range(48)]
+    rows.run_rows_case(64, group, kv_heads, lens, kv_dtype, q_dtype=torch.bfloat16, seed=group + kv_heads,
+                       device="cuda", table_width=4160 // 16, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
