@@ -21,9 +21,10 @@ the launch holds the time. One Triton kernel, one (sequence, KV head, split) pro
     keys        warps, with the keys as the MMAs' M and the query rows as an N of 8: S^T = K q^T
                 ([warps, keys, 8]: the softmax on half the elements of [16, keys]), P back to rows for O = P V
     heads       every KV head of its tokens in one program, as whole token rows (Hkv x D contiguous bytes, the
-                heads padded to a power of two and masked), batched MMAs over the heads, 32-token tiles,
-                Hkv times the splits (call 1 of session 32 found the per-head launches no faster without
-                their softmax: the traffic of 64-byte rows at a 192-byte stride, not the math, holds them)
+                heads padded to a power of two and masked), batched MMAs over the heads: since call 3 the
+                engine's kernel of that form (``decode_rows.paged_decode_rows``, its own tiles and splits, the
+                merge included); calls 2-3 ran this probe's first version of it (32-token tiles, Hkv times
+                the splits, partials only)
 
 each beside the engine's own launch (``decode_attention.paged_decode``) on the same cache, all as CUDA-graph
 replays of one launch, and the same on a control that streams well, head dim 128 at 32 / 8 heads (fp8 1.7x
@@ -51,9 +52,10 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prefixgate_kernels import decode_rows  # noqa: E402
 from prefixgate_kernels.decode_attention import LOG2E, _unpack_8bit_pairs  # noqa: E402
 
-MODES = {"loads": 0, "rows": 1, "mma": 2, "full": 3, "warps": 4, "keys": 5, "heads": 6}
+MODES = {"loads": 0, "rows": 1, "mma": 2, "full": 3, "warps": 4, "keys": 5, "heads": -1}  # heads: decode_rows
 # (batch, q heads, kv heads, head dim, context, block size); the probe takes the engine launcher's tiles and split
 # count for each (``decode_attention.choose_tiles`` / ``choose_num_splits``)
 CLASSES = {"9/3 hd64": (64, 9, 3, 64, 4096, 16), "32/8 hd128": (64, 32, 8, 128, 4096, 16)}
@@ -65,7 +67,7 @@ def _ablation_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, part_ptr, lse_
                      stride_wb, stride_ws, stride_wh, stride_btb,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      BLOCK_N: tl.constexpr, WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, MODE: tl.constexpr,
-                     WARPS: tl.constexpr, QN: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr):
+                     WARPS: tl.constexpr, QN: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,11 +103,6 @@ def _ablation_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, part_ptr, lse_
         _per_warp_streams(q, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, end, b, kvh, split, rows, heads,
                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, WARPS)
-        return
-    if MODE == 6:
-        _heads_in_rows(q_ptr, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, end, b, split,
-                       stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                       GROUP, GROUP_PAD, KV_HEADS, HEADS_P2, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
         return
     if MODE == 5:
         _keys_as_m(q_ptr, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, end, b, kvh, split,
@@ -273,54 +270,6 @@ def _keys_as_m(q_ptr, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, 
     tl.store(lse_ptr + bh * tl.num_programs(2) + split, m + tl.log2(l_i), mask=rows < GROUP)
 
 
-@triton.jit
-def _heads_in_rows(q_ptr, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, end, b, split,
-                   stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The full mode's math for every KV head of sequence ``b``'s keys [start, end): tiles [HEADS_P2, BLOCK_N, D]
-    whose rows are the cache's whole token rows (heads past KV_HEADS masked: no bytes), a batch a head."""
-    hi = tl.arange(0, HEADS_P2)
-    h_ok = hi < KV_HEADS
-    rows = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    dh = tl.arange(0, HEAD_DIM // 2)
-    heads = hi[:, None] * GROUP + rows[None, :]  # [HEADS_P2, GROUP_PAD] query heads
-    row_ok = h_ok[:, None] & (rows < GROUP)[None, :]
-    q = tl.load(q_ptr + b * stride_qb + heads[:, :, None] * stride_qh + d[None, None, :], mask=row_ok[:, :, None],
-                other=0.0).to(tl.float16)  # [HEADS_P2, GROUP_PAD, D]
-    m3 = tl.full([HEADS_P2, GROUP_PAD], float("-inf"), tl.float32)
-    l3 = tl.zeros([HEADS_P2, GROUP_PAD], tl.float32)
-    acc_e = tl.zeros([HEADS_P2, GROUP_PAD, HEAD_DIM // 2], tl.float32)
-    acc_o = tl.zeros([HEADS_P2, GROUP_PAD, HEAD_DIM // 2], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        toks = t0 + tl.arange(0, BLOCK_N)
-        tok_ok = toks < end
-        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-        slot = toks % BLOCK_SIZE
-        ok = h_ok[:, None, None] & tok_ok[None, :, None]
-        k = tl.load(k_ptr + page[None, :, None] * stride_kb + slot[None, :, None] * stride_ks
-                    + hi[:, None, None] * stride_kh + d[None, None, :], mask=ok, other=0.0)  # [HEADS_P2, BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k.to(tl.float16), (0, 2, 1)))  # [HEADS_P2, GROUP_PAD, BLOCK_N]
-        s = tl.where(tok_ok[None, None, :], s * qk_scale, float("-inf"))  # t0 < end: a real key in every tile
-        m_new = tl.maximum(m3, tl.max(s, 2))
-        alpha = tl.exp2(m3 - m_new)
-        p = tl.exp2(s - m_new[:, :, None])
-        l3 = l3 * alpha + tl.sum(p, 2)
-        pairs = tl.load(v_ptr + page[None, :, None] * stride_vb + slot[None, :, None] * stride_vs
-                        + hi[:, None, None] * stride_vh + dh[None, None, :], mask=ok, other=0)
-        v_even, v_odd = _unpack_8bit_pairs(pairs, 1)
-        p16 = p.to(tl.float16)
-        acc_e = acc_e * alpha[:, :, None] + tl.dot(p16, v_even)
-        acc_o = acc_o * alpha[:, :, None] + tl.dot(p16, v_odd)
-        m3 = m_new
-    bh = b * (GROUP * KV_HEADS) + heads
-    p_row = part_ptr + (bh[:, :, None] * tl.num_programs(2) + split) * HEAD_DIM
-    tl.store(p_row + 2 * dh[None, None, :], acc_e / l3[:, :, None], mask=row_ok[:, :, None])
-    tl.store(p_row + 2 * dh[None, None, :] + 1, acc_o / l3[:, :, None], mask=row_ok[:, :, None])
-    tl.store(lse_ptr + bh * tl.num_programs(2) + split, m3 + tl.log2(l3), mask=row_ok)
-
-
 class Case:
     """One class's fp8 cache, block tables and query, and a launch of each mode over them."""
 
@@ -351,15 +300,8 @@ class Case:
         self.part = torch.empty(self.batch, self.q_heads, self.splits, self.head_dim, dtype=torch.float32,
                                 device="cuda")
         self.lse = torch.empty(self.batch, self.q_heads, self.splits, dtype=torch.float32, device="cuda")
-        # the heads mode's partials: Hkv times the splits, each over every head
-        self.heads_p2 = triton.next_power_of_2(self.kv_heads)
-        self.heads_block_n = max(16, self.tiles.block_n // self.heads_p2)  # as many bytes a tile as the launcher's
-        self.heads_splits = self.splits * self.kv_heads
-        self.heads_split_tokens = (triton.cdiv(triton.cdiv(self.context, self.heads_splits), self.heads_block_n)
-                                   * self.heads_block_n)
-        self.part_heads = torch.empty(self.batch, self.q_heads, self.heads_splits, self.head_dim,
-                                      dtype=torch.float32, device="cuda")
-        self.lse_heads = torch.empty(self.batch, self.q_heads, self.heads_splits, dtype=torch.float32, device="cuda")
+        # the heads mode's output (decode_rows merges its splits itself)
+        self.out_heads = torch.empty_like(self.q)
         # the loads / rows modes' one number a program
         self.sink = torch.empty(self.batch * self.kv_heads * self.splits, dtype=torch.float32, device="cuda")
 
@@ -380,10 +322,10 @@ class Case:
             row_words = words * self.kv_heads
             block_n = max(16, block_n * words // triton.next_power_of_2(row_words))  # as many words a tile
         part, lse = self.part, self.sink if mode in ("loads", "rows") else self.lse
-        if mode == "heads":
-            grid = (self.batch, 1, self.heads_splits)
-            split_tokens, block_n = self.heads_split_tokens, self.heads_block_n
-            part, lse = self.part_heads, self.lse_heads
+        if mode == "heads":  # the engine's kernel of this form: every head of a token's row in one program
+            self.out_heads = decode_rows.paged_decode_rows(self.q, self.k, self.v, self.tables, self.lens, self.scale,
+                                                           self.k_scale, self.v_scale)
+            return
         options = {"maxnreg": self.tiles.max_registers} if self.tiles.max_registers else {}
         _ablation_kernel[grid](
             self.q, self.k, vp, kw, vw, self.tables, part, lse, self.qk_scale,
@@ -393,14 +335,15 @@ class Case:
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=self.head_dim,
             BLOCK_SIZE=self.block_size, BLOCK_N=block_n, WORDS=triton.next_power_of_2(row_words), ROW_WORDS=row_words,
             MODE=MODES[mode], WARPS=self.tiles.num_warps, QN=max(8, triton.next_power_of_2(group)),
-            KV_HEADS=self.kv_heads, HEADS_P2=self.heads_p2,
             num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages, **options)
 
     def merged(self, mode: str) -> torch.Tensor:
-        """A computing mode's partials merged in torch (log2-domain weights), times V's scale: the attention output."""
-        part, lse = (self.part_heads, self.lse_heads) if mode == "heads" else (self.part, self.lse)
-        w = torch.exp2(lse - lse.amax(-1, keepdim=True))
-        return (part * w[..., None]).sum(2) / w.sum(-1)[..., None] * self.v_scale_value
+        """A computing mode's attention output: its partials merged in torch (log2-domain weights) times V's scale,
+        or the heads mode's own output."""
+        if mode == "heads":
+            return self.out_heads
+        w = torch.exp2(self.lse - self.lse.amax(-1, keepdim=True))
+        return (self.part * w[..., None]).sum(2) / w.sum(-1)[..., None] * self.v_scale_value
 
     def engine(self) -> torch.Tensor:
         """The engine's launch."""
