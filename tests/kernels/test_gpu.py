@@ -12,7 +12,7 @@ from prefixgate_kernels import prefill_attention, triton_ops
 from prefixgate_kernels import reference as ref
 from prefixgate_kernels.launch_layout import CacheLayout
 from tests.kernels import test_decode_attention as decode
-from tests.kernels import test_decode_rows as rows
+from tests.kernels import test_decode_rows as whole_rows
 from tests.kernels import test_fused_layer_ops as fused
 from tests.kernels import test_kv_write as kvw
 from tests.kernels import test_prefill_attention as prefill
@@ -84,8 +84,8 @@ def test_decode_rows_gpu(kv_dtype, group, kv_heads, num_splits):
     fp8, bf16 queries, the launcher's tiles and splits or forced ones, over a graph-shaped table of 4K holding
     1-4,100 tokens."""
     lens = [1 + (i * 613) % 4100 for i in range(48)]
-    rows.run_rows_case(64, group, kv_heads, lens, kv_dtype, q_dtype=torch.bfloat16, seed=group + kv_heads,
-                       device="cuda", table_width=4160 // 16, num_splits=num_splits)
+    whole_rows.run_rows_case(64, group, kv_heads, lens, kv_dtype, q_dtype=torch.bfloat16, seed=group + kv_heads,
+                             device="cuda", table_width=4160 // 16, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
