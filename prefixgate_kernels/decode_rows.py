@@ -234,6 +234,8 @@ def paged_decode_rows(
     code = kv_code(k_cache)
     if code == KV_INT8:
         raise ValueError("paged_decode_rows reads fp8 and 16-bit caches; int8's per-head scales are not read here")
+    if k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold heads of q's {head_dim}")
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads do not share {kv_heads} KV heads evenly")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -241,6 +243,8 @@ def paged_decode_rows(
             raise ValueError(f"{name}'s token rows must hold their heads adjacent (strides {tuple(cache.stride())})")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head dim must be a power of two of at least 16, got {head_dim}")
+    if num_seqs == 0:
+        return torch.empty_like(q)
     group = q_heads // kv_heads
     interp = interpreting()
     block_n = block_n if block_n is not None else tile_tokens(kv_heads, head_dim, k_cache.dtype)

@@ -87,3 +87,6 @@ def test_rows_refuse_what_they_cannot_read():
         decode_rows.paged_decode_rows(q, apart, v, tables, lens, 0.125, ks, vs)
     with pytest.raises(ValueError, match="block_n"):
         decode_rows.paged_decode_rows(q, k, v, tables, lens, 0.125, ks, vs, block_n=24)
+    with pytest.raises(ValueError, match="heads of q's 32"):
+        decode_rows.paged_decode_rows(q[..., :32], k, v, tables, lens, 0.125, ks, vs)
+    assert decode_rows.paged_decode_rows(q[:0], k, v, tables[:0], lens[:0], 0.125, ks, vs).shape == (0, 9, 64)
