@@ -217,14 +217,7 @@ def _decode_split_kernel(
         _stamp(stamps_ptr, stamp_row, split.to(tl.float32))
         _stamp_sm(stamps_ptr, stamp_row + 4, split.to(tl.float32))
     seq_len = tl.load(seq_lens_ptr + b)
-    if NUM_SPLITS == 1:  # the whole context: no split length to work out (see _split_length)
-        split_len = seq_len
-        start = 0
-        end = seq_len
-    else:
-        split_len = _split_length(seq_len, split_tokens, NUM_SPLITS, BLOCK_N)
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
+    split_len, start, end = _split_range(seq_len, split, split_tokens, NUM_SPLITS, BLOCK_N)
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -422,6 +415,19 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, bh0, b, head0, n_valid, s
     o = acc / tl.where(g_ok, w_sum, 1.0)[:, None]
     _store_heads(out_ptr + b * stride_ob + (head0 + g)[:, None] * stride_oh, d[None, :], o.to(out_ptr.dtype.element_ty),
                  g, GROUP, MEMBER_DIM, MEMBERS)
+
+
+@triton.jit
+def _split_range(seq_len, split, split_tokens, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(split_len, start, end)``: the keys [start, end) of split ``split`` of a ``seq_len``-token context,
+    ``split_len`` keys a split (``_split_length``); one split takes the whole context, with no length to work
+    out."""
+    if NUM_SPLITS == 1:
+        return seq_len, 0, seq_len
+    else:
+        split_len = _split_length(seq_len, split_tokens, NUM_SPLITS, BLOCK_N)
+        start = split * split_len
+        return split_len, start, tl.minimum(start + split_len, seq_len)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ Here that form is a kernel of its own: one program per (sequence, split) over al
                                    a batch a head: S = Q K^T and O += P V as batched MMAs
     q     [HEADS_P2, GROUP_PAD, D] each head's query rows
 
-Splits cut each sequence's own context (``decode_attention._split_length``, as in a CUDA graph); the last
+Splits cut each sequence's own context (``decode_attention._split_range``, as in a CUDA graph); the last
 of a sequence's splits to finish merges every head's partials (``decode_attention._merge_splits``),
 counted in int32 zeros it leaves zero. fp8 and 16-bit caches (int8's per-head scales are not read here).
 Written for a few small heads: the fp8 9 / 3 launch compiles (sm_90, Triton 3.6) to 138 registers and 41 KB
@@ -48,7 +48,7 @@ from prefixgate_kernels.decode_attention import (
     _MERGE_TILE_ELEMENTS,
     LOG2E,
     _merge_splits,
-    _split_length,
+    _split_range,
     _unpack_8bit_pairs,
     choose_num_splits,
 )
@@ -97,14 +97,7 @@ def _decode_rows_kernel(
     b = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    if NUM_SPLITS == 1:
-        split_len = seq_len
-        start = 0
-        end = seq_len
-    else:
-        split_len = _split_length(seq_len, 0, NUM_SPLITS, BLOCK_N)
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
+    split_len, start, end = _split_range(seq_len, split, 0, NUM_SPLITS, BLOCK_N)  # cut by length
     hi = tl.arange(0, HEADS_P2)
     h_ok = hi < KV_HEADS
     rows = tl.arange(0, GROUP_PAD)
