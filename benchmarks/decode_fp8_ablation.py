@@ -353,6 +353,38 @@ class Case:
                                              self.k_scale, self.v_scale)
 
 
+# decode_rows launches beside its defaults (tile tokens, stages, splits; None: the default), each with the merge
+# counters kept by the caller as the engine's graph keeps them ("kept") or zeroed by the launch (a memset node)
+ROWS_VARIANTS = [
+    (None, 5, None), (None, 4, None), (None, 3, None), (64, 5, None), (64, 4, None), (16, 5, None),
+    (None, 5, "x0.5"), (None, 5, "x2"),
+]
+
+
+def rows_variants(case: Case, rounds: int) -> dict[str, float | None]:
+    """``decode_rows.paged_decode_rows`` on ``case`` over ``ROWS_VARIANTS`` -> {label: best graph ms}."""
+    from benchmarks.kernels import bench_graph
+    from prefixgate_kernels.decode_attention import choose_num_splits
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default_splits = choose_num_splits(case.batch, 1, case.context, sms, 256,
+                                                   programs_per_sm=decode_rows.PROGRAMS_PER_SM)
+    counters = torch.zeros(case.batch, dtype=torch.int32, device="cuda")
+    out: dict[str, float | None] = {}
+    for block_n, stages, splits in ROWS_VARIANTS:
+        n = {None: default_splits, "x0.5": max(1, default_splits // 2), "x2": default_splits * 2}[splits]
+        for kept in (False, True):
+            def launch(block_n=block_n, stages=stages, n=n, kept=kept):
+                decode_rows.paged_decode_rows(case.q, case.k, case.v, case.tables, case.lens, case.scale,
+                                              case.k_scale, case.v_scale, num_splits=n, block_n=block_n,
+                                              num_stages=stages, merge_counters=counters if kept else None)
+            label = f"bn{block_n or decode_rows.tile_tokens(case.kv_heads, case.head_dim, case.k.dtype)}_s{stages}" \
+                    f"_sp{n}{'_kept' if kept else ''}"
+            times = [t for t in (bench_graph(launch) for _ in range(rounds)) if t is not None]
+            out[label] = min(times) if times else None
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/decode_fp8_ablation.json")
@@ -360,6 +392,9 @@ def main() -> int:
     ap.add_argument("--split-scales", default="1",
                     help="comma-separated multiples of the launcher's split count: past 1, the probe's loads, rows, "
                          "mma and full modes again with that many times the programs (more bytes in flight an SM)")
+    ap.add_argument("--rows-variants", action="store_true",
+                    help="also decode_rows (the heads mode) over ROWS_VARIANTS: tile tokens, pipeline stages and "
+                         "split counts around its defaults, and with the merge counters kept by the caller")
     args = ap.parse_args()
     from benchmarks.pdl_o_probe import start_gpu_run
 
@@ -398,6 +433,10 @@ def main() -> int:
                      + f"   err full {row['full_rel_err']:.1e} warps {row['warps_rel_err']:.1e} keys {row['keys_rel_err']:.1e} "
                        f"heads {row['heads_rel_err']:.1e} "
                        f"engine {row['engine_rel_err']:.1e}")
+        if args.rows_variants:
+            row["rows_variants_ms"] = rows_variants(case, args.rounds)
+            lines.append(f"{label:<11} whole rows: " + "  ".join(f"{k} {v * 1000:.1f}" for k, v in
+                                                               row["rows_variants_ms"].items() if v is not None))
         del case
         torch.cuda.empty_cache()
         for scale in (int(x) for x in args.split_scales.split(",") if int(x) > 1):

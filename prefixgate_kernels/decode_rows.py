@@ -82,7 +82,7 @@ def _decode_rows_kernel(
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    GROUP_P2: tl.constexpr,
+    Q_HEADS_P2: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEADS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -183,10 +183,12 @@ def _decode_rows_kernel(
             arrived = tl.atomic_add(counters_ptr + b, 1, sem="acq_rel", scope="gpu")
             if arrived == n_valid - 1:
                 tl.store(counters_ptr + b, 0)  # zero again for the next launch
-                for h in tl.static_range(KV_HEADS):
-                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b * (GROUP * KV_HEADS) + h * GROUP, b,
-                                  h * GROUP, n_valid, stride_ob, stride_oh, NUM_SPLITS, GROUP, GROUP_P2, SPLITS_PAD,
-                                  MERGE_CHUNK, HEAD_DIM, 0, 0)
+                # every query head of the sequence in one merge: its heads are adjacent rows of the partials, and
+                # one merge per KV head (session 32's form) put KV_HEADS dependent rounds of L2 reads on the
+                # launch's tail
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b * (GROUP * KV_HEADS), b, 0, n_valid,
+                              stride_ob, stride_oh, NUM_SPLITS, GROUP * KV_HEADS, Q_HEADS_P2, SPLITS_PAD, MERGE_CHUNK,
+                              HEAD_DIM, 0, 0)
 
 
 def tile_tokens(kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
@@ -261,8 +263,8 @@ def paged_decode_rows(
                                                                                  device=q.device)
     v_arg = v_cache.view(torch.uint8).view(torch.int16) if v_pairs else v_cache
     splits_pad = max(2, next_pow2(num_splits))
-    group_p2 = next_pow2(group)
-    merge_chunk = min(splits_pad, max(2, _MERGE_TILE_ELEMENTS // (group_p2 * head_dim)))
+    q_heads_p2 = next_pow2(q_heads)
+    merge_chunk = min(splits_pad, max(2, _MERGE_TILE_ELEMENTS // (q_heads_p2 * head_dim)))
     options: dict[str, object] = {}
     if not interp:
         options["num_stages"] = num_stages
@@ -270,7 +272,7 @@ def paged_decode_rows(
         q, k_cache, v_arg, block_tables, seq_lens, ks, vs, out, part_out, part_lse, counters, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_arg.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, KV_HEADS=kv_heads,
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), Q_HEADS_P2=q_heads_p2, KV_HEADS=kv_heads,
         HEADS_P2=next_pow2(kv_heads), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         KV_QUANT=1 if code == KV_FP8 else 0, DOT_TY=dot_dtype_for(q.dtype, k_cache.dtype, interp), V_PAIRS=v_pairs,
         SPLITS_PAD=splits_pad, MERGE_CHUNK=merge_chunk, num_warps=num_warps, **options,
