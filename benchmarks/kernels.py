@@ -783,7 +783,8 @@ def joined_heads_case(gen, shapes=JOINED_SHAPES, tiles=JOINED_TILES, launches: i
             print(f"joined {','.join(str(v) for v in shape)} {name}: per head {res['per_head']['graph_ms'] or 0:.4f} ms "
                   f"(chain {res['per_head']['chain_per_launch_ms'] or 0:.4f}), joined default "
                   f"{res['joined_default']['graph_ms'] or 0:.4f}, best {res['best_joined']} (chain "
-                  f"{res.get('best_chain_per_launch_ms') or 0:.4f}); "
+                  f"{res.get('best_chain_per_launch_ms') or 0:.4f}); whole rows "
+                  f"{res['whole_rows']['graph_ms'] or 0:.4f} (chain {res['whole_rows']['chain_per_launch_ms'] or 0:.4f}); "
                   + "  ".join(f"{k} {v.get('graph_ms') or 0:.4f}" for k, v in res["joined"].items()), flush=True)
             del caches
         rows.append(row)
@@ -828,6 +829,17 @@ def _joined_dtype_row(q, caches, tables, lens, counters, scale, shape, tiles, sm
     timed = {k: v for k, v in res["joined"].items() if v.get("graph_ms")}
     res["best_joined"] = best = min(timed, key=lambda k: timed[k]["graph_ms"]) if timed else None
     res["per_head"]["chain_per_launch_ms"] = chain_ms(joined_heads=1)
+
+    def rows_launch(c):
+        return decode_rows.paged_decode_rows(q, c[0][:, 0, 0], c[0][:, 0, 1], tables, lens, scale, c[1], c[2],
+                                             merge_counters=counters)
+
+    # every head of a token as one row in its own kernel (session 32's decode_rows), as a launch and in a chain
+    ms = timer(lambda: rows_launch(caches[0]))
+    chain = timer(lambda: [rows_launch(caches[j % 2]) for j in range(launches)])
+    res["whole_rows"] = {"graph_ms": ms, "rel_err": rel_err(rows_launch(caches[0])[:n_check], want),
+                         "TBps": None if not ms else kv_bytes / (ms * 1e-3) / 1e12,
+                         "chain_per_launch_ms": None if chain is None else chain / launches}
     if best is not None:
         bn, warps, stages = timed[best]["tiles"]
         res["best_chain_per_launch_ms"] = chain_ms(joined_heads=3, block_n=bn, num_warps=warps, num_stages=stages,

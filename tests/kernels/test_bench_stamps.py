@@ -59,10 +59,11 @@ def test_joined_heads_probe_runs_each_launch_and_checks_it():
         for name in ("bf16", "fp8"):
             res = row[name]
             errs = [res["per_head"]["rel_err"], res["joined_default"]["rel_err"]]
-            errs += [v["rel_err"] for v in res["joined"].values()]
+            errs += [v["rel_err"] for v in res["joined"].values()] + [res["whole_rows"]["rel_err"]]
             assert all(e < 1e-2 for e in errs), errs
             assert res["best_joined"].startswith("bn32_w4_s2_")
             assert res["per_head"]["chain_per_launch_ms"] is not None and res["best_chain_per_launch_ms"] is not None
+            assert res["whole_rows"]["chain_per_launch_ms"] is not None
     assert all(v["tiles"] == (32, 4, 2) for v in rows[1]["fp8"]["joined"].values())
 
 
