@@ -395,6 +395,9 @@ def main() -> int:
     ap.add_argument("--rows-variants", action="store_true",
                     help="also decode_rows (the heads mode) over ROWS_VARIANTS: tile tokens, pipeline stages and "
                          "split counts around its defaults, and with the merge counters kept by the caller")
+    ap.add_argument("--block-sizes", default="16",
+                    help="comma-separated cache block sizes (tokens a page) of the 9 / 3 class: past 16, the class "
+                         "again with pages that long (larger contiguous chunks of whole token rows)")
     args = ap.parse_args()
     from benchmarks.pdl_o_probe import start_gpu_run
 
@@ -407,7 +410,10 @@ def main() -> int:
     result: dict = {**run.header(1), "classes": {}}
     print(f"{result['gpu']}: copy {run.copy_TBps:.2f} TB/s, {run.sms} SMs", flush=True)
     lines = []
-    for label, shape in CLASSES.items():
+    classes = dict(CLASSES)
+    for bs in (int(x) for x in args.block_sizes.split(",") if int(x) != 16):
+        classes[f"9/3 bs{bs}"] = (*CLASSES["9/3 hd64"][:5], bs)
+    for label, shape in classes.items():
         case = Case(shape, run.gen)
         n = min(case.batch, 4)
         want = ref.paged_decode_attention(case.q[:n], case.k, case.v, case.tables[:n], case.lens[:n], case.scale,

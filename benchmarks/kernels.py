@@ -57,6 +57,7 @@ DECODE_CLASSES = [
     (1, 32, 8, 128, 65536, 16),
     (2, 32, 8, 128, 65536, 16),
     (2, 32, 8, 128, 131072, 16),
+    (64, 9, 3, 64, 4096, 32),  # head dim 64, GQA 3, block size 32 (whole-row pages of 6 KB, K only)
 ]
 MIXED_LENS = (32, 100, 8000)  # batch of 32, lengths uniform in [100, 8000]
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # swept with each DECODE_TILES entry (bf16; --full-sweeps)
