@@ -18,10 +18,17 @@ Here that form is a kernel of its own: one program per (sequence, split) over al
 Splits cut each sequence's own context (``decode_attention._split_range``, as in a CUDA graph); the last
 of a sequence's splits to finish merges every head's partials (``decode_attention._merge_splits``),
 counted in int32 zeros it leaves zero. fp8 and 16-bit caches (int8's per-head scales are not read here).
-Written for a few small heads: the fp8 9 / 3 launch compiles (sm_90, Triton 3.6) to 138 registers and 41 KB
-of shared memory at 4 warps; 8 heads of 128 would spill (255 registers).
-Not yet the launcher's choice anywhere: ``benchmarks/kernels.py`` times it beside the launcher on the
-classes it fits (docs/gpu.md, session 32).
+Written for a few small heads: the fp8 9 / 3 launch compiles (sm_90, Triton 3.6) to 96 registers and 24 KB
+of shared memory at 4 warps with its 16-token tiles; 8 heads of 128 spill (255 registers; measured 1.5x slower
+than the per-head launch there).
+
+Measured (session 33, H100, 64 x 4K, graph replays): the fp8 9 / 3 launch 58.6 us, 57.2 with the merge counters
+kept by the caller, against the per-head launch's 62.8 (fp8 / the launcher's bf16 1.54 against 1.41). Not the
+launcher's choice: in a chain of launches, as a decode step runs them, the two are equal (49.4 against 49.9 us a
+launch: what this form saves is the single launch's tail), it is slower at small batches (one program a split
+rather than one a head and split: 8 x 4K bf16 25.1 against 22.0 us), and the per-head launch also brings the
+fused RoPE / K-V write and the early (PDL) start into the engine's step. ``benchmarks/kernels.py`` times it
+beside the launcher on the classes it fits (docs/gpu.md, sessions 32-33).
 """
 
 from __future__ import annotations
@@ -53,10 +60,13 @@ from prefixgate_kernels.decode_attention import (
     choose_num_splits,
 )
 
-# Bytes of K (and as many of V) a tile holds: the per-head launch's 128-token tile of 64-byte fp8 rows
-TILE_BYTES = 8192
-# Programs an SM holds (sm_90 compile of the fp8 9 / 3 launch: 136 registers at 4 warps), the wave the
-# split count fills
+# Bytes of K (and as many of V) a tile holds. Session 33 (H100, the fp8 9 / 3 class, graph replays,
+# benchmarks/decode_fp8_ablation.py --rows-variants): 16-token tiles (4 KB) 58.6 us, 32 (8 KB, session 32's
+# choice, half the per-head launch's 128-token tile) 61.2, 64 65.7; so 4 KB
+TILE_BYTES = 4096
+# The wave the split count fills, in programs an SM: the measured launches ran 3 (6 splits at 64 x 4K on 132 SMs;
+# 3 or 12 splits were slower). The sm_90 compile of the 16-token fp8 9 / 3 launch (96 registers, 24 KB of shared
+# memory) would fit 5; not measured
 PROGRAMS_PER_SM = 3
 
 

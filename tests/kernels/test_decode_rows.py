@@ -52,8 +52,9 @@ def test_rows_match_reference(kv_dtype, group, kv_heads, num_splits):
 def test_rows_launchers_own_choices_over_a_graph_shaped_table():
     """The default tile (``tile_tokens``) and split count from a table much wider than the contexts: each
     sequence's own context is cut into the splits, as a CUDA graph's launch needs."""
-    assert decode_rows.tile_tokens(3, 64, ref.FP8_DTYPE) == 32
-    assert decode_rows.tile_tokens(8, 128, torch.bfloat16) == 16
+    assert decode_rows.tile_tokens(3, 64, ref.FP8_DTYPE) == 16  # 4 KB of whole rows (heads padded to 4)
+    assert decode_rows.tile_tokens(1, 64, ref.FP8_DTYPE) == 64
+    assert decode_rows.tile_tokens(8, 128, torch.bfloat16) == 16  # never under an MMA's K
     run_rows_case(64, 3, 3, [1, 150, 9, 333], ref.FP8_DTYPE, table_width=64, seed=3)
 
 
