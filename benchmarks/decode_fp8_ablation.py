@@ -35,7 +35,9 @@ bf16 there). Partials only: no split merge.
 Measured on an H100 (session 32, docs/gpu.md): the 9 / 3 class's engine launch 62.8 us; without the softmax 57.6;
 the loads alone 54.9 (61 % of copy) and as whole rows 51.3 (65 %), unchanged with 2x and 4x the programs; warps
 62.9, keys 60.8 (also tried inside the engine's kernel: 63.8, and removed), heads 56.6. The launch is held by how
-its bytes are read (scattered 16-token pages of small rows), not by its math.
+its bytes are read, not by its math. Session 33 (``--rows-variants --block-sizes 16,32,64``): pages of 32 and 64
+tokens move none of the modes (loads 61 %, rows 67-68 % of copy at each), so the scattered pages are not it either;
+``decode_rows`` 61.2 us at its 32-token tiles of then, 58.6 at 16 (since its default), 57.2 with kept counters.
 """
 
 from __future__ import annotations
@@ -356,7 +358,7 @@ class Case:
 # decode_rows launches beside its defaults (tile tokens, stages, splits; None: the default), each with the merge
 # counters kept by the caller as the engine's graph keeps them ("kept") or zeroed by the launch (a memset node)
 ROWS_VARIANTS = [
-    (None, 5, None), (None, 4, None), (None, 3, None), (64, 5, None), (64, 4, None), (16, 5, None),
+    (None, 5, None), (None, 4, None), (None, 3, None), (32, 5, None), (32, 3, None), (64, 5, None),
     (None, 5, "x0.5"), (None, 5, "x2"),
 ]
 
