@@ -359,7 +359,7 @@ class Case:
 # counters kept by the caller as the engine's graph keeps them ("kept") or zeroed by the launch (a memset node)
 ROWS_VARIANTS = [
     (None, 5, None), (None, 4, None), (None, 3, None), (32, 5, None), (32, 3, None), (64, 5, None),
-    (None, 5, "x0.5"), (None, 5, "x2"),
+    (None, 5, "x0.5"), (None, 5, "x2"), (None, 5, "pps5"),
 ]
 
 
@@ -374,7 +374,9 @@ def rows_variants(case: Case, rounds: int) -> dict[str, float | None]:
     counters = torch.zeros(case.batch, dtype=torch.int32, device="cuda")
     out: dict[str, float | None] = {}
     for block_n, stages, splits in ROWS_VARIANTS:
-        n = {None: default_splits, "x0.5": max(1, default_splits // 2), "x2": default_splits * 2}[splits]
+        # pps5: the splits that fill 5 programs an SM (the 16-token launch's registers and shared memory fit 5)
+        n = {None: default_splits, "x0.5": max(1, default_splits // 2), "x2": default_splits * 2,
+             "pps5": choose_num_splits(case.batch, 1, case.context, sms, 256, programs_per_sm=5)}[splits]
         for kept in (False, True):
             def launch(block_n=block_n, stages=stages, n=n, kept=kept):
                 decode_rows.paged_decode_rows(case.q, case.k, case.v, case.tables, case.lens, case.scale,
@@ -400,6 +402,9 @@ def main() -> int:
     ap.add_argument("--block-sizes", default="16",
                     help="comma-separated cache block sizes (tokens a page) of the 9 / 3 class: past 16, the class "
                          "again with pages that long (larger contiguous chunks of whole token rows)")
+    ap.add_argument("--batches", default="64",
+                    help="comma-separated batch sizes of the 9 / 3 class: past 64, the class again with that many "
+                         "sequences (a launch of more bytes: how much its fixed costs weigh)")
     args = ap.parse_args()
     from benchmarks.pdl_o_probe import start_gpu_run
 
@@ -415,6 +420,8 @@ def main() -> int:
     classes = dict(CLASSES)
     for bs in (int(x) for x in args.block_sizes.split(",") if int(x) != 16):
         classes[f"9/3 bs{bs}"] = (*CLASSES["9/3 hd64"][:5], bs)
+    for batch in (int(x) for x in args.batches.split(",") if int(x) != 64):
+        classes[f"9/3 b{batch}"] = (batch, *CLASSES["9/3 hd64"][1:])
     for label, shape in classes.items():
         case = Case(shape, run.gen)
         n = min(case.batch, 4)
