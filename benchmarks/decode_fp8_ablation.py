@@ -275,23 +275,27 @@ def _keys_as_m(q_ptr, k_ptr, v_ptr, bt_row, part_ptr, lse_ptr, qk_scale, start, 
 class Case:
     """One class's fp8 cache, block tables and query, and a launch of each mode over them."""
 
-    def __init__(self, shape: tuple[int, ...], gen: torch.Generator, split_scale: int = 1) -> None:
+    def __init__(self, shape: tuple[int, ...], gen: torch.Generator, split_scale: int = 1,
+                 layout: str = "token", device: str = "cuda") -> None:
         from benchmarks.kernels import paged_setup, quantize_cache
         from prefixgate_kernels import decode_attention
         from prefixgate_kernels.reference import FP8_DTYPE
 
         self.batch, self.q_heads, self.kv_heads, self.head_dim, self.context, self.block_size = shape
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        sms = decode_attention.num_sms(torch.device(device))  # the interpreter's (tests): a small fake machine
         self.tiles = decode_attention.choose_tiles(self.head_dim, FP8_DTYPE, self.batch * self.kv_heads, sms)
         self.splits = decode_attention.choose_num_splits(
             self.batch, self.kv_heads, self.context, sms, self.tiles.block_n, programs_per_sm=self.tiles.programs_per_sm,
             one_wave=decode_attention.one_wave_rule_for(FP8_DTYPE)) * split_scale  # x split_scale: more programs
         kv, self.tables, self.lens = paged_setup(self.batch, self.kv_heads, self.head_dim, self.context,
-                                                 self.block_size, gen)
+                                                 self.block_size, gen, device=device)
         qkv, self.k_scale, self.v_scale = quantize_cache(kv, FP8_DTYPE)
-        del kv
+        self.layout = layout
+        if layout == "head":
+            kv, qkv = head_major(kv), head_major(qkv)
+        self.k16, self.v16 = kv[:, 0, 0], kv[:, 0, 1]  # the same cache in bf16, for the launcher's bf16 launch
         self.k, self.v = qkv[:, 0, 0], qkv[:, 0, 1]  # [NB, BS, Hkv, D] fp8, strided layer views
-        self.q = torch.randn(self.batch, self.q_heads, self.head_dim, device="cuda", dtype=torch.bfloat16,
+        self.q = torch.randn(self.batch, self.q_heads, self.head_dim, device=device, dtype=torch.bfloat16,
                              generator=gen)
         self.scale = 1 / math.sqrt(self.head_dim)
         # host floats, read once here: a launch inside a CUDA graph's capture may not read the device
@@ -300,12 +304,12 @@ class Case:
         # keys a split, in whole tiles, as the engine's launcher cuts them
         self.split_tokens = triton.cdiv(triton.cdiv(self.context, self.splits), self.tiles.block_n) * self.tiles.block_n
         self.part = torch.empty(self.batch, self.q_heads, self.splits, self.head_dim, dtype=torch.float32,
-                                device="cuda")
-        self.lse = torch.empty(self.batch, self.q_heads, self.splits, dtype=torch.float32, device="cuda")
+                                device=device)
+        self.lse = torch.empty(self.batch, self.q_heads, self.splits, dtype=torch.float32, device=device)
         # the heads mode's output (decode_rows merges its splits itself)
         self.out_heads = torch.empty_like(self.q)
         # the loads / rows modes' one number a program
-        self.sink = torch.empty(self.batch * self.kv_heads * self.splits, dtype=torch.float32, device="cuda")
+        self.sink = torch.empty(self.batch * self.kv_heads * self.splits, dtype=torch.float32, device=device)
 
     @property
     def kv_bytes(self) -> int:
@@ -347,12 +351,50 @@ class Case:
         w = torch.exp2(self.lse - self.lse.amax(-1, keepdim=True))
         return (self.part * w[..., None]).sum(2) / w.sum(-1)[..., None] * self.v_scale_value
 
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The probe's modes this cache's layout allows: with head-major pages a token's heads are not one row, so
+        neither the rows mode nor ``decode_rows`` (which refuses such a cache) reads it."""
+        return tuple(m for m in MODES if self.layout == "token" or m not in ("rows", "heads"))
+
     def engine(self) -> torch.Tensor:
         """The engine's launch."""
         from prefixgate_kernels import decode_attention
 
         return decode_attention.paged_decode(self.q, self.k, self.v, self.tables, self.lens, self.scale,
                                              self.k_scale, self.v_scale)
+
+    def engine_bf16(self) -> torch.Tensor:
+        """The engine's launcher on the same cache in bf16 (its own tiles and splits): the ratio's denominator."""
+        from prefixgate_kernels import triton_ops
+
+        return triton_ops.paged_decode_attention(self.q, self.k16, self.v16, self.tables, self.lens, self.scale)
+
+
+def batch_fits(classes: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """Each launch's time against its bytes over the 9 / 3 class's batches, a line a page layout:
+    {layout: {launch: {"TBps": the rate past the fixed cost, "fixed_us": the fixed cost}}} (bf16 against its own
+    bytes, twice fp8's). Needs two batches or more; the 9 / 3 rows are those of shape (*, 9, 3, 64, 4096, 16)."""
+    from benchmarks.kernels import line_fit
+
+    points: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for row in classes.values():
+        if tuple(row["shape"][1:]) != CLASSES["9/3 hd64"][1:]:
+            continue
+        per_layout = points.setdefault(row["layout"], {})
+        for name, times in row["ms"].items():
+            if all(t is not None for t in times):
+                nbytes = row["kv_bytes"] * (2 if name == "engine_bf16" else 1)
+                per_layout.setdefault(name, []).append((nbytes, min(times)))
+    return {layout: {name: line_fit(pts) for name, pts in launches.items() if len(pts) >= 2}
+            for layout, launches in points.items()}
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` [.., BS, Hkv, D] with the same values, each page's bytes laid head by head ([.., Hkv, BS, D] in
+    memory): a (sequence, KV head) program then reads BS x D contiguous bytes a page, not BS rows of D bytes
+    Hkv x D apart. The kernels take the strides as given."""
+    return cache.transpose(-3, -2).contiguous().transpose(-3, -2)
 
 
 # decode_rows launches beside its defaults (tile tokens, stages, splits; None: the default), each with the merge
@@ -405,6 +447,10 @@ def main() -> int:
     ap.add_argument("--batches", default="64",
                     help="comma-separated batch sizes of the 9 / 3 class: past 64, the class again with that many "
                          "sequences (a launch of more bytes: how much its fixed costs weigh)")
+    ap.add_argument("--layouts", default="token",
+                    help="comma-separated page layouts of the 9 / 3 class: 'token' (the engine's: a token's heads "
+                         "adjacent) and 'head' (each page head by head: a program's bytes contiguous a page); "
+                         "past token, the class and its --batches again head-major")
     args = ap.parse_args()
     from benchmarks.pdl_o_probe import start_gpu_run
 
@@ -420,41 +466,57 @@ def main() -> int:
     classes = dict(CLASSES)
     for bs in (int(x) for x in args.block_sizes.split(",") if int(x) != 16):
         classes[f"9/3 bs{bs}"] = (*CLASSES["9/3 hd64"][:5], bs)
+    nine_three = [("9/3 hd64", CLASSES["9/3 hd64"])]
     for batch in (int(x) for x in args.batches.split(",") if int(x) != 64):
         classes[f"9/3 b{batch}"] = (batch, *CLASSES["9/3 hd64"][1:])
-    for label, shape in classes.items():
-        case = Case(shape, run.gen)
+        nine_three.append((f"9/3 b{batch}", classes[f"9/3 b{batch}"]))
+    cases = [(label, shape, "token") for label, shape in classes.items()]
+    for layout in (x for x in args.layouts.split(",") if x != "token"):
+        if layout != "head":
+            ap.error(f"--layouts: unknown layout {layout!r} (token, head)")
+        cases += [(f"{label} {layout}", shape, layout) for label, shape in nine_three]
+    for label, shape, layout in cases:
+        case = Case(shape, run.gen, layout=layout)
         n = min(case.batch, 4)
         want = ref.paged_decode_attention(case.q[:n], case.k, case.v, case.tables[:n], case.lens[:n], case.scale,
                                           case.k_scale, case.v_scale)
+        want16 = ref.paged_decode_attention(case.q[:n], case.k16, case.v16, case.tables[:n], case.lens[:n],
+                                            case.scale)
         errs = {}
-        for mode in ("full", "warps", "keys", "heads"):  # the modes that compute the attention, against the reference
+        computing = [m for m in ("full", "warps", "keys", "heads") if m in case.modes]
+        for mode in computing:  # the modes that compute the attention, against the reference
             case.launch(mode)
             errs[f"{mode}_rel_err"] = rel_err(case.merged(mode)[:n], want)
-        row: dict = {**errs, "shape": shape, "kv_bytes": case.kv_bytes, "splits": case.splits,
+        row: dict = {**errs, "shape": shape, "layout": layout, "kv_bytes": case.kv_bytes, "splits": case.splits,
                      "tiles": {"block_n": case.tiles.block_n, "num_stages": case.tiles.num_stages,
                                "num_warps": case.tiles.num_warps, "max_registers": case.tiles.max_registers},
                      "engine_rel_err": rel_err(case.engine()[:n], want),
+                     "engine_bf16_rel_err": rel_err(case.engine_bf16()[:n], want16),
                      "ms": {}}
-        launches = {"engine": case.engine, **{m: (lambda m=m, c=case: c.launch(m)) for m in MODES}}
+        launches = {"engine": case.engine, "engine_bf16": case.engine_bf16,
+                    **{m: (lambda m=m, c=case: c.launch(m)) for m in case.modes}}
         for _ in range(args.rounds):
             for name, fn in launches.items():
                 row["ms"].setdefault(name, []).append(bench_graph(fn))
         best = {k: min(v) for k, v in row["ms"].items() if all(x is not None for x in v)}
-        row["pct_copy"] = {k: case.kv_bytes / (ms * 1e-3) / 1e12 / run.copy_TBps for k, ms in best.items()}
+        # bf16 moves twice the fp8 bytes: its share of copy against its own bytes
+        row["pct_copy"] = {k: case.kv_bytes * (2 if k == "engine_bf16" else 1) / (ms * 1e-3) / 1e12 / run.copy_TBps
+                           for k, ms in best.items()}
+        if "engine" in best and "engine_bf16" in best:
+            row["fp8_over_bf16"] = best["engine_bf16"] / best["engine"]
         result["classes"][label] = row
         lines.append(f"{label:<11} " + "  ".join(f"{k} {best[k] * 1000:6.1f} us ({row['pct_copy'][k]:.0%})"
-                                                  for k in ("engine", *MODES) if k in best)
-                     + f"   err full {row['full_rel_err']:.1e} warps {row['warps_rel_err']:.1e} keys {row['keys_rel_err']:.1e} "
-                       f"heads {row['heads_rel_err']:.1e} "
-                       f"engine {row['engine_rel_err']:.1e}")
+                                                  for k in ("engine", "engine_bf16", *case.modes) if k in best)
+                     + (f"  fp8/bf16 {row['fp8_over_bf16']:.2f}" if "fp8_over_bf16" in row else "")
+                     + "   err " + " ".join(f"{k.removesuffix('_rel_err')} {v:.1e}" for k, v in row.items()
+                                             if k.endswith("_rel_err")))
         if args.rows_variants and label == "9/3 hd64":  # the heads mode alone covers the other pages and the control
             row["rows_variants_ms"] = rows_variants(case, args.rounds)
             lines.append(f"{label:<11} whole rows: " + "  ".join(f"{k} {v * 1000:.1f}" for k, v in
                                                                row["rows_variants_ms"].items() if v is not None))
         del case
         torch.cuda.empty_cache()
-        for scale in (int(x) for x in args.split_scales.split(",") if int(x) > 1):
+        for scale in (int(x) for x in args.split_scales.split(",") if int(x) > 1 and layout == "token"):
             case = Case(shape, run.gen, split_scale=scale)
             more = {}
             for m in ("loads", "rows", "mma", "full"):
@@ -468,6 +530,11 @@ def main() -> int:
                 for k, v in more.items()))
             del case
             torch.cuda.empty_cache()
+    result["fits"] = batch_fits(result["classes"])
+    for layout, fits in result["fits"].items():
+        lines.append(f"fits, 9 / 3 over batches, {layout} pages: " + "  ".join(
+            f"{k} {f['fixed_us']:.1f} us + {f['TBps'] / run.copy_TBps:.0%}" for k, f in fits.items()
+            if f["TBps"] is not None))
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
