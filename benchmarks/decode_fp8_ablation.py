@@ -277,7 +277,7 @@ class Case:
 
     def __init__(self, shape: tuple[int, ...], gen: torch.Generator, split_scale: int = 1,
                  layout: str = "token", device: str = "cuda") -> None:
-        from benchmarks.kernels import paged_setup, quantize_cache
+        from benchmarks.kernels import head_major, paged_setup, quantize_cache
         from prefixgate_kernels import decode_attention
         from prefixgate_kernels.reference import FP8_DTYPE
 
@@ -292,7 +292,7 @@ class Case:
         qkv, self.k_scale, self.v_scale = quantize_cache(kv, FP8_DTYPE)
         self.layout = layout
         if layout == "head":
-            kv, qkv = head_major(kv), head_major(qkv)
+            kv, qkv = head_major(kv), head_major(qkv)  # (quantize_cache keeps it too; here once, after it)
         self.k16, self.v16 = kv[:, 0, 0], kv[:, 0, 1]  # the same cache in bf16, for the launcher's bf16 launch
         self.k, self.v = qkv[:, 0, 0], qkv[:, 0, 1]  # [NB, BS, Hkv, D] fp8, strided layer views
         self.q = torch.randn(self.batch, self.q_heads, self.head_dim, device=device, dtype=torch.bfloat16,
@@ -388,13 +388,6 @@ def batch_fits(classes: dict[str, dict]) -> dict[str, dict[str, dict]]:
                 per_layout.setdefault(name, []).append((nbytes, min(times)))
     return {layout: {name: line_fit(pts) for name, pts in launches.items() if len(pts) >= 2}
             for layout, launches in points.items()}
-
-
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """``cache`` [.., BS, Hkv, D] with the same values, each page's bytes laid head by head ([.., Hkv, BS, D] in
-    memory): a (sequence, KV head) program then reads BS x D contiguous bytes a page, not BS rows of D bytes
-    Hkv x D apart. The kernels take the strides as given."""
-    return cache.transpose(-3, -2).contiguous().transpose(-3, -2)
 
 
 # decode_rows launches beside its defaults (tile tokens, stages, splits; None: the default), each with the merge

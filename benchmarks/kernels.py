@@ -135,12 +135,27 @@ def ceilings() -> dict:
     return {"copy_TBps": copy_tbs, "copy_ms": ms, "matmul_bf16_TFLOPs": 2 * 8192**3 / (ms_mm * 1e-3) / 1e12}
 
 
-def paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device="cuda"):
-    """A block-major cache [NB, 1, 2, BS, Hkv, D] bf16 with shuffled block tables (fragmented pages)."""
+PAGE_LAYOUTS = ("token", "head")
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` [.., BS, Hkv, D] with the same values, each page's bytes laid head by head ([.., Hkv, BS, D] in
+    memory; ``engine.kv_layout.KVPageLayout.HEAD``): a (sequence, KV head) program reads BS x D contiguous bytes a
+    page, not BS rows of D bytes Hkv x D apart. The kernels take the strides as given."""
+    return cache.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
+def paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device="cuda", layout="token"):
+    """A block-major cache [NB, 1, 2, BS, Hkv, D] bf16 with shuffled block tables (fragmented pages);
+    ``layout`` "head": the same shape with each page laid head by head (``head_major``)."""
+    if layout not in PAGE_LAYOUTS:
+        raise ValueError(f"layout must be one of {PAGE_LAYOUTS}, got {layout!r}")
     per_seq = context // block_size
     num_blocks = batch * per_seq
     kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
                      generator=gen)
+    if layout == "head":
+        kv = head_major(kv)
     perm = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
     tables = perm.view(batch, per_seq).contiguous()
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -148,13 +163,15 @@ def paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device="cud
 
 
 def quantize_cache(kv: torch.Tensor, dtype: torch.dtype):
-    """bf16 cache -> (quantized cache, k_scale, v_scale) with the reference's scale conventions."""
+    """bf16 cache -> (quantized cache, k_scale, v_scale) with the reference's scale conventions; the quantized
+    cache keeps ``kv``'s strides (its page layout)."""
     if dtype == ref.FP8_DTYPE:
         amax = kv.abs().amax().float()
         s = (amax / ref.FP8_MAX).reshape(1)
-        return (kv.float() / s).clamp(-ref.FP8_MAX, ref.FP8_MAX).to(dtype), s, s.clone()
-    nb, layers, _, bs, h, d = kv.shape
-    q = torch.empty(kv.shape, dtype=torch.int8, device=kv.device)
+        out = torch.empty_like(kv, dtype=dtype)
+        out.copy_((kv.float() / s).clamp(-ref.FP8_MAX, ref.FP8_MAX))
+        return out, s, s.clone()
+    q = torch.empty_like(kv, dtype=torch.int8)
     scales = []
     for i in range(2):
         x = kv[:, 0, i].float()  # [NB, BS, H, D]
@@ -170,16 +187,19 @@ def sdpa_contiguous_ms(q4, batch, kv_heads, context, head_dim, scale, gen) -> fl
     return bench(lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale))
 
 
-def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, compare_tiles: bool = True) -> dict:
+def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, compare_tiles: bool = True,
+                layout: str = "token") -> dict:
     """One decode shape: the launcher's choice (eager and graph replay) against SDPA, fp8 and int8;
-    ``compare_tiles`` also times the tiles it did not pick (the session-2 tiles, the other fp8 set)."""
+    ``compare_tiles`` also times the tiles it did not pick (the session-2 tiles, the other fp8 set); ``layout``:
+    the cache's page layout (``paged_setup``)."""
     batch, q_heads, kv_heads, head_dim, context, block_size = shape
     scale = 1 / math.sqrt(head_dim)
-    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen)
+    kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, layout=layout)
     k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]  # strided layer views, as the engine passes them
     q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * kv.element_size()
-    row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"], shape))}
+    row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"], shape)),
+                 "page_layout": layout}
     n_check = min(batch, 4)
 
     def check(out, kc, vc, ks=None, vs=None):
@@ -702,23 +722,26 @@ def gemm_split_probe_case(gen, ceil: dict, layers: int = 32, splits=(2, 4, 8), n
     return out
 
 
-def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device="cuda", timer=None) -> list[dict]:
+def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device="cuda", timer=None,
+                        layout: str = "token") -> list[dict]:
     """The few-pair classes as a decode step runs them: ``launches`` launches back to back in one
     CUDA graph, alternating between two caches (each launch reads one the previous did not, so L2
     holds nothing of it), persistent merge counters; bf16 and fp8 per launch, against one launch in
     a graph of its own (where the graph's own launch is part of every figure). ``device`` and
-    ``timer`` (default ``bench_graph``) let the flow run on the CPU's interpreter."""
+    ``timer`` (default ``bench_graph``) let the flow run on the CPU's interpreter; ``layout``: the caches' page
+    layout (``paged_setup``)."""
     timer = timer or bench_graph
     rows = []
     for i in classes:
         batch, q_heads, kv_heads, head_dim, context, block_size = DECODE_CLASSES[i]
         scale = 1 / math.sqrt(head_dim)
-        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device)
-        kv2 = torch.randn_like(kv)
+        kv, tables, lens = paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device=device,
+                                       layout=layout)
+        kv2 = torch.randn_like(kv)  # keeps kv's strides
         q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
         counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
         row: dict = {"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context", "block_size"],
-                                       DECODE_CLASSES[i])), "launches": launches}
+                                       DECODE_CLASSES[i])), "launches": launches, "page_layout": layout}
         for name in ("bf16", "fp8"):
             caches = [(c, None, None) if name == "bf16" else quantize_cache(c, ref.FP8_DTYPE) for c in (kv, kv2)]
 
@@ -736,7 +759,7 @@ def few_pair_chain_case(gen, classes=FEW_PAIR_CLASSES, launches: int = 8, device
         row["fp8_x_single"] = b["single_graph_ms"] / f["single_graph_ms"] if f["single_graph_ms"] else None
         row["fp8_x_chain"] = (b["chain_per_launch_ms"] / f["chain_per_launch_ms"]
                               if f["chain_per_launch_ms"] else None)
-        print(f"chain {','.join(str(v) for v in DECODE_CLASSES[i])}: bf16 {1000 * b['single_graph_ms']:.1f} us alone, "
+        print(f"chain {','.join(str(v) for v in DECODE_CLASSES[i])} {layout} pages: bf16 {1000 * b['single_graph_ms']:.1f} us alone, "
               f"{1000 * (b['chain_per_launch_ms'] or 0):.1f} a launch in a chain of {launches}; fp8 "
               f"{1000 * f['single_graph_ms']:.1f} / {1000 * (f['chain_per_launch_ms'] or 0):.1f}; fp8 / bf16 "
               f"{row['fp8_x_single'] or 0:.2f} alone, {row['fp8_x_chain'] or 0:.2f} chained", flush=True)
@@ -1888,6 +1911,10 @@ def main() -> int:
     ap.add_argument("--suffix-sweep", action="store_true",
                     help="only the ceilings and steps of 16-256 tokens over 8K cached: launcher vs SUFFIX_VARIANTS")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
+    ap.add_argument("--page-layouts", default="token",
+                    help="comma-separated KV page layouts of the class table (token: a token's heads adjacent; head: "
+                         "each page head by head); past token, the classes again in that layout "
+                         "(result['classes_by_layout']) and, with --classes, in chains of launches too")
     ap.add_argument("--class-variants", action="store_true",
                     help="with --classes: time the 8-bit tile variants on those classes too")
     ap.add_argument("--classes", default=None, help="comma-separated indices into DECODE_CLASSES: only those "
@@ -2028,11 +2055,24 @@ def main() -> int:
                                             compare_tiles=not args.launcher_only))
         save()
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
+    layouts = [x for x in args.page_layouts.split(",") if x]
+    if any(x not in PAGE_LAYOUTS for x in layouts):
+        ap.error(f"--page-layouts: each of {PAGE_LAYOUTS}, got {args.page_layouts!r}")
     if args.classes is not None and not args.skip_classes:
         # --class-variants: the 8-bit tile variants on the picked classes too (head dim 64: QUANT_TILES_HD64)
-        result["classes"] = [decode_case(DECODE_CLASSES[int(i)], gen, ceil, quick=not args.class_variants)
-                             for i in args.classes.split(",") if i]
+        picked_classes = [int(i) for i in args.classes.split(",") if i]
+        result["classes"] = [decode_case(DECODE_CLASSES[i], gen, ceil, quick=not args.class_variants)
+                             for i in picked_classes]
         save()
+        for layout in (x for x in layouts if x != "token"):
+            result.setdefault("classes_by_layout", {})[layout] = [
+                decode_case(DECODE_CLASSES[i], gen, ceil, quick=not args.class_variants, compare_tiles=False,
+                            layout=layout) for i in picked_classes]
+            save()
+            chains = result.setdefault("chain_by_layout", {})
+            for each in ("token", layout):
+                chains[each] = few_pair_chain_case(gen, classes=picked_classes, layout=each)
+                save()
     elif not args.skip_classes:
         result["classes"] = []
         for shape in DECODE_CLASSES:

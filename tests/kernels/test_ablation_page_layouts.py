@@ -22,10 +22,22 @@ def _case(layout: str) -> ablation.Case:
 
 def test_head_major_keeps_values_and_lays_each_page_head_by_head():
     x = torch.randn(5, 1, 2, 16, 3, 64)
-    hm = ablation.head_major(x)
+    hm = kbench.head_major(x)
     assert torch.equal(hm, x)
     # [.., BS, Hkv, D] strides: a head's 16 x 64 elements of a page contiguous, the next head 16 x 64 further
     assert hm.stride()[-3:] == (64, 16 * 64, 1)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+def test_quantized_cache_keeps_the_page_layout(dtype):
+    kv, _, _ = kbench.paged_setup(2, 3, 64, 64, 16, torch.Generator().manual_seed(3), device="cpu", layout="head")
+    assert kv.stride()[-3:] == (64, 16 * 64, 1)
+    qkv, ks, vs = kbench.quantize_cache(kv, ref.FP8_DTYPE if dtype == "fp8" else torch.int8)
+    assert qkv.stride() == kv.stride()
+    token, _, _ = kbench.quantize_cache(kv.contiguous(), ref.FP8_DTYPE if dtype == "fp8" else torch.int8)
+    assert torch.equal(qkv.view(torch.uint8), token.view(torch.uint8))  # the same bytes' values, laid otherwise
+    with pytest.raises(ValueError, match="layout"):
+        kbench.paged_setup(1, 3, 64, 64, 16, torch.Generator(), device="cpu", layout="heads")
 
 
 @pytest.mark.parametrize("layout", ["token", "head"])
