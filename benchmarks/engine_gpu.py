@@ -50,7 +50,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from engine.batch import ScheduledBatch, SequenceChunk  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import KV_PAGE_LAYOUTS, EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.models.random_init import LLAMA31_8B_SHAPE, build_random_model, llama_config_dict  # noqa: E402
@@ -251,7 +251,8 @@ def sec_correctness(dev: str, args) -> dict:
     model = build_random_model(arch, dev, torch.float32, seed=1, std=0.05)
     hf = hf_sharing(model, cfg, dev)
     config = EngineConfig(model_dir=Path("random-small"), device=dev, dtype="float32", num_kv_blocks=1024,
-                          max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
+                          max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+                          kv_page_layout=args.kv_page_layout)
     runner = ModelRunner(config, arch=arch, tokenizer=IdTokenizer(), model=model)
     rng = random.Random(0)
     base = [rng.randrange(arch.vocab_size) for _ in range(600)]
@@ -757,7 +758,7 @@ def sec_long_prefill(dev, args, shape) -> dict:
     blocks = (n16 * len16 + len32) // 16 + 256
     config = EngineConfig(model_dir=Path("random-long"), device=dev, num_kv_blocks=blocks, max_num_seqs=8,
                           max_num_batched_tokens=budget, max_model_len=max_len, use_cuda_graphs=False,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, kv_page_layout=args.kv_page_layout)
     if dev.startswith("cuda"):
         model.fuse_projections()  # before transformers shares the tensors: it then holds the merged views
     hf = None if args.no_hf else hf_sharing(model, cfg, dev)
@@ -1239,6 +1240,9 @@ def main() -> int:
                     default=prefill_attention.PREFILL_KERNEL.value,
                     help="the kernel of unsplit 16-bit prefill launches where a Gluon one applies (an A/B: "
                          "set before any graph is captured)")
+    ap.add_argument("--kv-page-layout", choices=list(KV_PAGE_LAYOUTS), default="auto",
+                    help="the engines' KV page layout (engine/kv_layout.py; auto = head on CUDA): an A/B of the pool's "
+                         "byte order")
     args = ap.parse_args()
     prefill_attention.PREFILL_KERNEL = prefill_attention.PrefillKernel(args.prefill_attention)
     dev = args.device
@@ -1269,6 +1273,7 @@ def main() -> int:
                     "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "prefill_attention": prefill_attention.PREFILL_KERNEL.value,
+        "kv_page_layout": args.kv_page_layout,
         "sections": {},
     }
     try:
@@ -1325,7 +1330,7 @@ def main() -> int:
     config = EngineConfig(model_dir=Path("random-llama-3.1-8b-shape"), device=dev, kv_memory_fraction=args.kv_memory_fraction,
                           num_kv_blocks=None if dev.startswith("cuda") else 4096, max_num_seqs=64,
                           max_num_batched_tokens=16384 if not smoke else 256, max_model_len=max_len,
-                          use_cuda_graphs=not args.no_graphs)
+                          use_cuda_graphs=not args.no_graphs, kv_page_layout=args.kv_page_layout)
     t0 = time.perf_counter()
     # graphs up to 128 sequences for the decode sweep; the engines' schedulers keep config's 64
     runner = ModelRunner(replace(config, max_num_seqs=max(config.max_num_seqs, max(args.sweep_batches))), arch=arch,

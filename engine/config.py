@@ -18,6 +18,8 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 EvictionPolicyName = Literal["cost", "lru"]
+KVPageLayoutName = Literal["auto", "token", "head"]
+KV_PAGE_LAYOUTS = ("auto", "token", "head")
 # Default ``max_mixed_prefill_tokens`` on a CPU device: a step of 2,048 prefill tokens takes seconds
 # on a CPU, and every decode riding in it waits that long; a 256-token step costs ~1/8 of that and
 # keeps the prefill throughput (measured in docs/engine.md, "Prefill cap in shared steps").
@@ -32,6 +34,9 @@ class EngineConfig:
     dtype: compute dtype; "auto" = float32 on CPU, bfloat16 on CUDA.
     kv_dtype: KV cache storage; "auto" follows dtype; fp8 (e4m3) and int8 quantize on write.
     block_size: tokens per KV block (the prefix-cache granularity).
+    kv_page_layout: the order of a block's bytes in device memory (``engine.kv_layout``): "token"
+        (a token's KV heads adjacent) or "head" (each page head by head); "auto" = head on CUDA,
+        token on CPU. Blocks leave the pool in token order either way.
     num_kv_blocks: HBM blocks; None = size from ``kv_memory_fraction`` of free device memory
         (CUDA) or ``cpu_kv_bytes`` (CPU).
     max_num_seqs: most requests in one running batch.
@@ -68,6 +73,7 @@ class EngineConfig:
     dtype: ComputeDtype = "auto"
     kv_dtype: KVDtype = "auto"
     block_size: int = 16
+    kv_page_layout: KVPageLayoutName = "auto"
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.85
     cpu_kv_bytes: int = 256 * 1024 * 1024
@@ -98,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {'/'.join(COMPUTE_DTYPES)} (or bf16/fp16/fp32), got {self.dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {'/'.join(KV_DTYPES)} (or bf16/fp16/fp32), got {self.kv_dtype!r}")
+        if self.kv_page_layout not in KV_PAGE_LAYOUTS:
+            raise ValueError(f"kv_page_layout must be one of {'/'.join(KV_PAGE_LAYOUTS)}, got {self.kv_page_layout!r}")
         if self.prepare_workers < 1 or self.prepare_queued_per_tenant < 0:
             raise ValueError(f"prepare_workers must be >= 1 and prepare_queued_per_tenant >= 0, got "
                              f"{self.prepare_workers} and {self.prepare_queued_per_tenant}")

@@ -8,7 +8,10 @@ KV cache (block-major, one block = one contiguous run of bytes)::
     kv_cache  : [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]
     kv_scales : [num_blocks, num_layers, 2, block_size, num_kv_heads] float32   (int8 only)
 
-An exported block is ``kv_cache[b]``'s bytes followed by ``kv_scales[b]``'s bytes (int8).
+``kv_cache`` is a view of the pool ``kv_pages``, whose blocks are laid out in ``kv_layout``
+(engine/kv_layout.py: each page token by token, or head by head on a GPU). An exported block is its
+``kv_cache[b]`` values in token order (``kv_cache[b].contiguous()``'s bytes, whatever the pool's
+layout) followed by ``kv_scales[b]``'s bytes (int8).
 fp8 uses one scale per (layer, k|v) and stores keys minus a per-(layer, head, channel) bias, both
 calibrated once at load from a fixed text (engine/kv_calibration.py, the same on every node), so
 its blocks carry no scale bytes.
@@ -33,6 +36,7 @@ from engine.cuda_graphs import DecodeGraphs, TokenFeed, graph_batch_sizes
 from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
 from engine.guided import GrammarCompile, GrammarCompiler
 from engine.host_to_device import host_tensor, tensor_to_device, to_device
+from engine.kv_layout import KVPageLayout
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
 from engine.models.chat_render import render_chat_ids
 from engine.models.llama import LlamaForCausalLM
@@ -151,13 +155,18 @@ class ModelRunner:
         self.sampler = Sampler(torch_device, grammars=self.grammars, eos_token_ids=eos)
 
         layer_shape = (arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_layout = (KVPageLayout.for_device(torch_device) if config.kv_page_layout == "auto"
+                          else KVPageLayout(config.kv_page_layout))
         elems = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
         self._cache_block_bytes = elems * self.kv_dtype.itemsize
         self._scale_block_bytes = elems // arch.head_dim * 4 if self.kv_dtype == torch.int8 else 0
         self.kv_bytes_per_block = self._cache_block_bytes + self._scale_block_bytes
         self.num_kv_blocks = self._count_blocks(torch_device)
 
-        self.kv_cache = torch.zeros((self.num_kv_blocks, *layer_shape), dtype=self.kv_dtype, device=torch_device)
+        page_shape = self.kv_layout.block_shape(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # the pool in memory (block moves copy its raw rows) and its token-ordered view (what layers index)
+        self.kv_pages = torch.zeros((self.num_kv_blocks, *page_shape), dtype=self.kv_dtype, device=torch_device)
+        self.kv_cache = self.kv_layout.token_view(self.kv_pages)
         self.kv_scales = None
         if self.kv_dtype == torch.int8:
             self.kv_scales = torch.ones((self.num_kv_blocks, *layer_shape[:-1]), dtype=torch.float32, device=torch_device)
@@ -429,7 +438,7 @@ class ModelRunner:
             return
         src = to_device([c.src for c in copies], torch.int64, self.kv_cache.device)
         dst = to_device([c.dst for c in copies], torch.int64, self.kv_cache.device)
-        self.ops.copy_blocks(self.kv_cache, src, dst)
+        self.ops.copy_blocks(self.kv_pages, src, dst)  # raw rows: a block is one run of bytes in either layout
         if self.kv_scales is not None:
             self.ops.copy_blocks(self.kv_scales, src, dst)
 
@@ -503,7 +512,7 @@ class ModelRunner:
             # launch (the step loop pays this per evicted block: issue 19, session 5)
             rows = slice(first, first + n)
             kv = self._cache_block_bytes
-            out[:, :kv].copy_(self.kv_cache[rows].view(torch.uint8).reshape(n, -1))
+            out[:, :kv].view(n, *self.kv_cache.shape[1:-1], -1).copy_(self.kv_cache[rows].view(torch.uint8))
             if self.kv_scales is not None:
                 out[:, kv:].copy_(self.kv_scales[rows].view(torch.uint8).reshape(n, -1))
             return
@@ -514,7 +523,8 @@ class ModelRunner:
 
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         scales = self.ops.gather_blocks(self.kv_scales, ids) if self.kv_scales is not None else None
-        return _packed_rows(self.ops.gather_blocks(self.kv_cache, ids), scales, n)
+        pages = self.ops.gather_blocks(self.kv_pages, ids)
+        return _packed_rows(self.kv_layout.to_token_order(pages), scales, n)
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Inverse of ``export_blocks``: data uint8 [len(block_ids), kv_bytes_per_block] (any device)."""
@@ -542,8 +552,8 @@ class ModelRunner:
             t.record_stream(stream)
 
     def _scatter_packed(self, ids: torch.Tensor, n: int, data: torch.Tensor) -> None:
-        kv = data[:, : self._cache_block_bytes].contiguous().view(self.kv_dtype)
-        self.ops.scatter_blocks(self.kv_cache, ids, kv.reshape(n, *self.kv_cache.shape[1:]))
+        kv = data[:, : self._cache_block_bytes].contiguous().view(self.kv_dtype)  # token order (the transfer format)
+        self.ops.scatter_blocks(self.kv_pages, ids, self.kv_layout.from_token_order(kv.reshape(n, *self.kv_cache.shape[1:])))
         if self.kv_scales is not None:
             sc = data[:, self._cache_block_bytes :].contiguous().view(torch.float32)
             self.ops.scatter_blocks(self.kv_scales, ids, sc.reshape(n, *self.kv_scales.shape[1:]))

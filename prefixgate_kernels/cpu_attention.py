@@ -187,9 +187,13 @@ def _decode_group(
 
 
 def _native_kernel(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> cpu_native.NativeKernel | None:
-    """The native kernel when it runs this call: bf16 queries and an unquantized bf16 cache on CPU,
-    a compiled (head dim, group) instance, and a machine where it built and loaded."""
+    """The native kernel when it runs this call: bf16 queries and an unquantized bf16 cache on CPU
+    whose pages are laid token by token, a compiled (head dim, group) instance, and a machine where it
+    built and loaded."""
     if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or k_scale is not None or q.device.type != "cpu":
+        return None
+    _, _, kv_heads, head_dim = k_cache.shape
+    if k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1):  # it reads whole token rows (not head-major pages)
         return None
     kernel = cpu_native.load()
     if kernel is None or not kernel.supports(q.shape[-1], q.shape[1] // k_cache.shape[2]):
