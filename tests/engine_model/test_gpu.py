@@ -64,3 +64,28 @@ def test_cuda_bf16_close_and_kv_sized_from_free_memory(tiny_model_dir):
     del runner
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8", "int8"])
+def test_cuda_head_major_pool_matches_token_pool(kv_dtype, tiny_model_dir):
+    # the compiled kernels read the GPU's default pool (each page head by head) as they read token-ordered
+    # pages: the same logits within rounding, the same greedy tokens, the same exported bytes
+    runners = [ModelRunner(EngineConfig(model_dir=tiny_model_dir, device="cuda", dtype="float32", kv_dtype=kv_dtype,
+                                        num_kv_blocks=64, block_size=16, kv_page_layout=layout))
+               for layout in ("token", "auto")]
+    assert [r.kv_layout.value for r in runners] == ["token", "head"]
+    prompt = list(range(1000, 1037))
+    logits = [r.forward(ScheduledBatch([SequenceChunk("l", prompt, 0, [5, 9, 2], True, GREEDY)]), all_logits=True)
+              for r in runners]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
+    outs = []
+    for r in runners:
+        alloc = BlockAllocator(64, seed=1)
+        ps = [list(range(7, 12)), list(range(300, 340)), list(range(4000, 4019))]
+        seqs = [Seq(f"g{i}", list(p), alloc.take(blocks_needed(len(p) + 10, 16))) for i, p in enumerate(ps)]
+        outs.append(run(r, seqs, 10, chunk=16))
+    assert outs[0] == outs[1]
+    assert torch.equal(runners[1].export_blocks([5, 9, 2]), runners[0].export_blocks([5, 9, 2]))
+    del runners
+    gc.collect()
+    torch.cuda.empty_cache()
