@@ -202,7 +202,7 @@ def sec_kernel(dev: torch.device, seg_bytes: int, segments: int, trials: int) ->
 
 
 def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int, max_num_seqs: int = 4,
-                graphs: bool = False) -> ModelRunner:
+                graphs: bool = False, kv_page_layout: str = "auto") -> ModelRunner:
     cfg = llama_config_dict(**shape)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
@@ -211,7 +211,8 @@ def make_runner(dev: torch.device, shape: dict, prefix: int, blocks: int, max_nu
     model = build_random_model(arch, dev, dtype, seed=0)
     config = EngineConfig(model_dir=Path("random-8b"), device=str(dev), num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=prefix + 256, max_model_len=prefix + 256, use_cuda_graphs=graphs,
-                          prefill_graph_tokens=0)  # decode graphs only: these runs time restores and decode steps
+                          prefill_graph_tokens=0,  # decode graphs only: these runs time restores and decode steps
+                          kv_page_layout=kv_page_layout)
     return ModelRunner(config, arch=arch, tokenizer=IdTokenizer(), model=model)
 
 
@@ -685,6 +686,9 @@ def main() -> int:
     ap.add_argument("--nvme-trials", type=int, default=3, help="(each reads 2 GiB from the disk)")
     ap.add_argument("--sections", default="ceilings,kernel,recompute,restore,stepload,engine_ttft")
     ap.add_argument("--stepload-modes", default="off,gpu_seal,cpu_seal,off")
+    ap.add_argument("--kv-page-layout", choices=["auto", "token", "head"], default="auto",
+                    help="the runners' KV page layout (engine/kv_layout.py; auto = head on CUDA): imports and exports "
+                         "convert head-major pages to the token-ordered transfer format")
     ap.add_argument("--stepload-decode", type=int, default=256, help="decode tokens per sequence")
     ap.add_argument("--stepload-profile", action="store_true",
                     help="cProfile each stepload run (top entries per step in the JSON; on Python 3.12+ "
@@ -738,7 +742,9 @@ def main() -> int:
         save()
         return r
 
-    runner = make_runner(dev, shape, prefix, num_blocks + 64, max_num_seqs=4 if args.smoke else 32)
+    result["kv_page_layout"] = args.kv_page_layout
+    runner = make_runner(dev, shape, prefix, num_blocks + 64, max_num_seqs=4 if args.smoke else 32,
+                         kv_page_layout=args.kv_page_layout)
     bb = runner.kv_bytes_per_block
     result["shape"].update(block_bytes=bb, kv_bytes=num_blocks * bb)
     if "ceilings" in wanted:
@@ -754,7 +760,8 @@ def main() -> int:
             dict(seqs=32, prompt=64, decode=args.stepload_decode, pool=768, filler=2048)
         sl_runner = runner
         if args.stepload_graphs and dev.type == "cuda":
-            sl_runner = make_runner(dev, shape, 2048, 768 + 8, max_num_seqs=32, graphs=True)
+            sl_runner = make_runner(dev, shape, 2048, 768 + 8, max_num_seqs=32, graphs=True,
+                                    kv_page_layout=args.kv_page_layout)
         result["sections"]["stepload"] = section("stepload", lambda: sec_stepload(
             dev, sl_runner, **sl, dram_bytes=4 << 30 if not args.smoke else 16 << 20, seg_blocks=seg_blocks,
             modes=args.stepload_modes.split(","), profile=args.stepload_profile, trace=args.stepload_trace,
