@@ -11,7 +11,10 @@ a copy-on-write is one memcpy per block)::
 
     kv_cache: [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]
     layer l's keys   = kv_cache[:, l, 0]  -> [num_blocks, block_size, num_kv_heads, head_dim]
-    layer l's values = kv_cache[:, l, 1]  (strided views; kernels take the block stride as given)
+    layer l's values = kv_cache[:, l, 1]  (strided views; kernels take every stride as given)
+
+``kv_cache`` is indexed in that order whatever the order of a block's bytes in memory
+(engine/kv_layout.py: a page token by token, or head by head on a GPU).
 
 Token ``p`` of a sequence lives in block ``block_table[p // block_size]`` at slot
 ``p % block_size``.

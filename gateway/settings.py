@@ -21,6 +21,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     kv_dtype = "auto"           # KV cache: auto (= dtype) / bf16 / fp16 / fp32 / fp8 / int8
     kv_blocks = 512
     block_size = 16             # tokens per KV block (8/16/32/64/128)
+    kv_page_layout = "auto"     # a block's bytes: auto (head on CUDA, token on CPU) / token / head (docs/gpu.md)
     max_num_seqs = 64           # most requests in one running batch
     max_num_batched_tokens = 2048
     max_mixed_prefill_tokens = 256  # prefill tokens of a shared step (default: 256 on CPU, no cap on CUDA; 0 = no cap)
@@ -237,6 +238,8 @@ class GatewaySettings(BaseModel):
     kv_dtype: str = "auto"
     kv_blocks: int | None = None
     block_size: Literal[8, 16, 32, 64, 128] = 16
+    # EngineConfig.kv_page_layout: the order of a KV block's bytes (engine/kv_layout.py)
+    kv_page_layout: Literal["auto", "token", "head"] = "auto"
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=8)
     # EngineConfig.max_mixed_prefill_tokens: None = the device's default (CPU 256, CUDA no cap), 0 = no cap
@@ -318,7 +321,8 @@ class GatewaySettings(BaseModel):
             raise ValueError("no local model: this gateway only routes")
         return EngineConfig(
             model_dir=self.model_dir, device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
-            block_size=self.block_size, num_kv_blocks=self.kv_blocks, max_num_seqs=self.max_num_seqs,
+            block_size=self.block_size, kv_page_layout=self.kv_page_layout, num_kv_blocks=self.kv_blocks,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_mixed_prefill_tokens=self.max_mixed_prefill_tokens,
             prefill_graph_tokens=self.prefill_graph_tokens,
             prepare_workers=self.prepare_workers, prepare_queued_per_tenant=self.prepare_queued_per_tenant,

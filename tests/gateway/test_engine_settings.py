@@ -16,7 +16,7 @@ def test_config_file_engine_keys_are_accepted_and_passed_to_the_engine(tmp_path,
         f'model = "{tiny_model_dir}"\n'
         'dtype = "bf16"\nkv_dtype = "int8"\nblock_size = 32\n'
         "max_num_batched_tokens = 512\nmax_num_seqs = 8\nthreads = 1\nprefill_graph_tokens = 256\n"
-        "max_mixed_prefill_tokens = 64\n"
+        "max_mixed_prefill_tokens = 64\nkv_page_layout = \"head\"\n"
     )
     args = build_parser().parse_args(["serve", "--config", str(cfg)])
     engine = build_settings(args, tmp_path).engine_config()
@@ -24,6 +24,7 @@ def test_config_file_engine_keys_are_accepted_and_passed_to_the_engine(tmp_path,
     assert (engine.max_num_batched_tokens, engine.max_num_seqs, engine.num_threads) == (512, 8, 1)
     assert engine.prefill_graph_tokens == 256
     assert engine.mixed_prefill_cap == 64
+    assert engine.kv_page_layout == "head"
     assert engine.model_dir == tiny_model_dir
 
 
@@ -66,6 +67,9 @@ def test_bad_engine_keys_in_a_config_file_are_named(tmp_path):
         GatewaySettings(**read_config_file(cfg))
     cfg.write_text("[engine]\nblock_size = 12\n")
     with pytest.raises(ValueError, match="block_size"):
+        GatewaySettings(**read_config_file(cfg))
+    cfg.write_text('[engine]\nkv_page_layout = "nhd"\n')
+    with pytest.raises(ValueError, match="kv_page_layout"):
         GatewaySettings(**read_config_file(cfg))
 
 
