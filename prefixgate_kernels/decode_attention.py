@@ -740,10 +740,9 @@ def paged_decode(
     # the output's dtype, which the kernel also rounds q|k|v partials to
     out_dtype = rope.dtype if rope is not None and rope.slices > 1 else q.dtype
     v_write = v_cache
-    # joined heads are one view of the cache only where a head's rows follow each other
-    adjacent = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
+    adjacent = heads_adjacent(k_cache, v_cache)
     if joined_heads is None:
-        joined_heads = joined_kv_heads(head_dim, kv_heads, k_cache.dtype) if fused_merge and adjacent else 1
+        joined_heads = launcher_joined_heads(k_cache, v_cache) if fused_merge else 1
     if joined_heads < 1:
         raise ValueError(f"joined_heads must be at least 1, got {joined_heads}")
     member_dim = members = 0
@@ -834,6 +833,22 @@ class RopeWrite:
         if self.slices > 1 and (self.dtype not in (torch.bfloat16, torch.float16) or self.slice_stride <= 0):
             raise ValueError(f"{self.slices} q|k|v partials need a 16-bit dtype to round to and a positive slice "
                              f"stride, got {self.dtype} and {self.slice_stride}")
+
+
+def heads_adjacent(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether a token's KV heads follow each other in both caches ([NB, BS, Hkv, D] with a head's D values
+    contiguous and the next head's right after): joined heads are one view of the cache only then. A pool laid
+    head by head (engine/kv_layout.py) is not."""
+    head_dim = k_cache.shape[3]
+    return all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
+
+
+def launcher_joined_heads(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """How many KV heads ``paged_decode`` reads as one row of these caches by default (with the merge in the
+    kernel): ``joined_kv_heads`` where the heads are adjacent, else 1. ``triton_ops.rotary_decode_attention``
+    asks the same to know whether the one-launch RoPE / K-V write applies (it reads heads one by one)."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    return joined_kv_heads(head_dim, kv_heads, k_cache.dtype) if heads_adjacent(k_cache, v_cache) else 1
 
 
 def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:

@@ -332,7 +332,8 @@ def rotary_decode_attention(
 ) -> torch.Tensor:
     """``rotary_write_kv`` then ``paged_decode_attention`` -> [B, Hq, D], in one launch
     (``decode_attention.RopeWrite``) except where the launcher reads KV heads joined in pairs
-    (``decode_attention.joined_kv_heads``: fp8 at head dim <= 64), which keeps the two kernels.
+    (``decode_attention.launcher_joined_heads``: fp8 at head dim <= 64 on pages laid token by token), which
+    keeps the two kernels.
     ``qkv`` may be ``qkv_projection``'s fp32 K-slice partials [S, B, N] of a ``qkv_dtype`` projection: the one
     launch sums them (the two kernels are given their rounded sum)."""
     partials = qkv.dim() == 3
@@ -342,9 +343,9 @@ def rotary_decode_attention(
             f"{tuple(qkv.shape)} of {qkv_dtype}")
     rows = qkv[0] if partials else qkv
     _check_rotary_inputs(rows, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
-    _, _, kv_heads, head_dim = k_cache.shape
+    head_dim = k_cache.shape[3]
     fused = (rows.shape[0] > 0 and decode_attention.FUSE_ROPE_WRITE
-             and decode_attention.joined_kv_heads(head_dim, kv_heads, k_cache.dtype) == 1)
+             and decode_attention.launcher_joined_heads(k_cache, v_cache) == 1)
     if partials and not fused:  # the two kernels read the projection itself
         qkv, partials = partial_gemm.summed(qkv, qkv_dtype), False
         rows = qkv

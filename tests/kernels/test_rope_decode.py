@@ -161,6 +161,31 @@ def test_rotary_decode_attention_op_matches_reference(kv_dtype, head_dim, kv_hea
         assert _same_bytes(flat_got, flat_before), f"{name}: a slot outside the mapping changed"
 
 
+@needs_interpreter
+def test_rotary_decode_attention_is_one_launch_on_head_major_pages(monkeypatch):
+    """fp8 at head dim <= 64 with an even head count: on pages laid head by head (the engine's CUDA pool) no heads
+    can be read in pairs, so the op takes the one launch (no separate rotary_write_kv) and matches the reference."""
+    case = rope_decode_inputs(8, 2, 32, 16, ref.FP8_DTYPE, torch.float16, [40, 90, 3], seed=5)
+    for name in ("k_cache", "v_cache"):  # the same values, each page head by head
+        case[name] = case[name].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not decode_attention.heads_adjacent(case["k_cache"], case["v_cache"])
+    assert decode_attention.launcher_joined_heads(case["k_cache"], case["v_cache"]) == 1
+    got, want, two = _copy_caches(case), _copy_caches(case), _copy_caches(case)
+    run_two_kernels(two)  # rotary_write_kv, then the attention
+
+    def two_kernels(*a, **k):
+        raise AssertionError("rotary_write_kv ran: the op kept two kernels")
+    monkeypatch.setattr(triton_ops.rotary, "rotary_write_kv", two_kernels)
+    out = triton_ops.rotary_decode_attention(
+        got["qkv"], got["cos"], got["sin"], got["k_cache"], got["v_cache"], got["slot_mapping"], got["q_heads"],
+        got["block_tables"], got["seq_lens"], 0.125, got["k_scale"], got["v_scale"], got["k_bias"])
+    out_want = run_reference(want)
+    real = case["slot_mapping"] >= 0
+    assert rel_err(out[real], out_want[real]) < 3e-2
+    for name in ("k_cache", "v_cache"):  # the new tokens written as rotary_write_kv writes them
+        assert _same_bytes(got[name], two[name]), name
+
+
 def test_fused_launch_reads_heads_one_by_one():
     case = rope_decode_inputs(8, 2, 32, 16, torch.float16, torch.float16, [20], seed=1)
     with pytest.raises(ValueError, match="one by one"):
