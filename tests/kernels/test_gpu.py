@@ -261,6 +261,24 @@ def test_fused_rope_decode_gpu(kv_dtype, q_heads, kv_heads, head_dim, block_size
     rope.check_fused_case(case, tol, exact=False, **launch)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, ref.FP8_DTYPE, torch.int8])
+def test_fused_rope_decode_on_head_major_pages_gpu(kv_dtype):
+    """The engine's CUDA pool lays each page head by head (engine/kv_layout.py): the fused launch on such pages,
+    32 / 8 heads of 64 (fp8 reads them in pairs on token-ordered pages, per head here), against the two kernels on
+    the same pages and the reference; heads read one by one there, so ``rotary_decode_attention`` takes it."""
+    from prefixgate_kernels import decode_attention
+    from tests.kernels import test_rope_decode as rope
+
+    lens = [1, 17, 300, 2049, 33]
+    case = rope.rope_decode_inputs(32, 8, 64, 16, kv_dtype, torch.bfloat16, lens, seed=64, device="cuda",
+                                   with_bias=kv_dtype == ref.FP8_DTYPE)
+    for name in ("k_cache", "v_cache"):  # the same values, each page head by head
+        case[name] = case[name].transpose(1, 2).contiguous().transpose(1, 2)
+    assert decode_attention.launcher_joined_heads(case["k_cache"], case["v_cache"]) == 1
+    tol = decode.TOL[kv_dtype] if kv_dtype == torch.bfloat16 else 3e-2
+    rope.check_fused_case(case, tol, exact=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_mul_gpu(dtype):
     fused.run_silu_case(33, 14336, dtype, seed=4, device="cuda")
