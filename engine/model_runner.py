@@ -553,7 +553,8 @@ class ModelRunner:
 
     def _scatter_packed(self, ids: torch.Tensor, n: int, data: torch.Tensor) -> None:
         kv = data[:, : self._cache_block_bytes].contiguous().view(self.kv_dtype)  # token order (the transfer format)
-        self.ops.scatter_blocks(self.kv_pages, ids, self.kv_layout.from_token_order(kv.reshape(n, *self.kv_cache.shape[1:])))
+        pages = self.kv_layout.from_token_order(kv.reshape(n, *self.kv_cache.shape[1:]))
+        self.ops.scatter_blocks(self.kv_pages, ids, pages)
         if self.kv_scales is not None:
             sc = data[:, self._cache_block_bytes :].contiguous().view(torch.float32)
             self.ops.scatter_blocks(self.kv_scales, ids, sc.reshape(n, *self.kv_scales.shape[1:]))
