@@ -876,7 +876,7 @@ def joined_kv_heads(head_dim: int, kv_heads: int, kv_dtype: torch.dtype) -> int:
     Only a cache whose pages are laid token by token can be viewed so. The engine's CUDA pool lays each
     page head by head (engine/kv_layout.py), where every head's 64-byte rows are already one contiguous
     run a page and the per-head launch streams at ~94 % of copy past its fixed cost (session 34): the
-    launcher reads heads one by one there (``paged_decode``'s ``adjacent``)."""
+    launcher reads heads one by one there (``launcher_joined_heads``)."""
     if kv_dtype != FP8_DTYPE or head_dim > 64:
         return 1
     return 2 if kv_heads % 2 == 0 else 1
