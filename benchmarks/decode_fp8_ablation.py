@@ -277,7 +277,7 @@ class Case:
 
     def __init__(self, shape: tuple[int, ...], gen: torch.Generator, split_scale: int = 1,
                  layout: str = "token", device: str = "cuda") -> None:
-        from benchmarks.kernels import head_major, paged_setup, quantize_cache
+        from benchmarks.kernels import paged_setup, quantize_cache
         from prefixgate_kernels import decode_attention
         from prefixgate_kernels.reference import FP8_DTYPE
 
@@ -288,11 +288,9 @@ class Case:
             self.batch, self.kv_heads, self.context, sms, self.tiles.block_n, programs_per_sm=self.tiles.programs_per_sm,
             one_wave=decode_attention.one_wave_rule_for(FP8_DTYPE)) * split_scale  # x split_scale: more programs
         kv, self.tables, self.lens = paged_setup(self.batch, self.kv_heads, self.head_dim, self.context,
-                                                 self.block_size, gen, device=device)
+                                                 self.block_size, gen, device=device, layout=layout)
         qkv, self.k_scale, self.v_scale = quantize_cache(kv, FP8_DTYPE)
-        self.layout = layout
-        if layout == "head":
-            kv, qkv = head_major(kv), head_major(qkv)  # (quantize_cache keeps it too; here once, after it)
+        self.layout = layout  # quantize_cache kept paged_setup's page layout
         self.k16, self.v16 = kv[:, 0, 0], kv[:, 0, 1]  # the same cache in bf16, for the launcher's bf16 launch
         self.k, self.v = qkv[:, 0, 0], qkv[:, 0, 1]  # [NB, BS, Hkv, D] fp8, strided layer views
         self.q = torch.randn(self.batch, self.q_heads, self.head_dim, device=device, dtype=torch.bfloat16,

@@ -61,7 +61,7 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import KV_PAGE_LAYOUTS, EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.models.random_init import LLAMA31_8B_SHAPE, build_random_model, llama_config_dict  # noqa: E402
@@ -686,7 +686,7 @@ def main() -> int:
     ap.add_argument("--nvme-trials", type=int, default=3, help="(each reads 2 GiB from the disk)")
     ap.add_argument("--sections", default="ceilings,kernel,recompute,restore,stepload,engine_ttft")
     ap.add_argument("--stepload-modes", default="off,gpu_seal,cpu_seal,off")
-    ap.add_argument("--kv-page-layout", choices=["auto", "token", "head"], default="auto",
+    ap.add_argument("--kv-page-layout", choices=list(KV_PAGE_LAYOUTS), default="auto",
                     help="the runners' KV page layout (engine/kv_layout.py; auto = head on CUDA): imports and exports "
                          "convert head-major pages to the token-ordered transfer format")
     ap.add_argument("--stepload-decode", type=int, default=256, help="decode tokens per sequence")

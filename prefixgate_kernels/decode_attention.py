@@ -740,14 +740,13 @@ def paged_decode(
     # the output's dtype, which the kernel also rounds q|k|v partials to
     out_dtype = rope.dtype if rope is not None and rope.slices > 1 else q.dtype
     v_write = v_cache
-    adjacent = heads_adjacent(k_cache, v_cache)
     if joined_heads is None:
         joined_heads = launcher_joined_heads(k_cache, v_cache) if fused_merge else 1
     if joined_heads < 1:
         raise ValueError(f"joined_heads must be at least 1, got {joined_heads}")
     member_dim = members = 0
     if joined_heads > 1:  # the kernel's heads are the cache's groups: [NB, BS, Hkv, D] viewed as [NB, BS, Hkv/J, J*D]
-        if not fused_merge or kv_heads % joined_heads or not adjacent:
+        if not fused_merge or kv_heads % joined_heads or not heads_adjacent(k_cache, v_cache):
             raise ValueError(f"KV heads are read {joined_heads} together with the merge in the kernel, of a head "
                              f"count they divide (got {kv_heads}), from a cache whose heads' rows are adjacent")
         members, member_dim, kv_heads = joined_heads, head_dim, kv_heads // joined_heads
