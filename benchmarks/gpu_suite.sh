@@ -82,6 +82,7 @@ elif [ "$BENCH_RC" = 0 ]; then
   "$PY" - "$BENCH_JSON" <<'PYEOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
+print(f"KV pages: {r.get('page_layout', 'token')}")
 print(f"{'decode shape':<26}{'%copy':>7}{'vs sdpa':>9}{'vs gather':>10}{'fp8 x':>7}")
 for d in r["decode"]:
     s = ",".join(str(v) for v in d["shape"].values())

@@ -34,6 +34,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import git_commit  # noqa: E402 - after the path insert
+from engine.kv_layout import KVPageLayout  # noqa: E402
 from prefixgate_kernels import decode_attention, decode_rows, prefill_attention, skinny_gemm, triton_ops  # noqa: E402
 from prefixgate_kernels import reference as ref  # noqa: E402
 from prefixgate_kernels.launch_layout import CacheLayout  # noqa: E402
@@ -136,6 +137,8 @@ def ceilings() -> dict:
 
 
 PAGE_LAYOUTS = ("token", "head")
+# what EngineConfig(kv_page_layout="auto") lays out on a GPU: the pages the suite's figures should describe
+ENGINE_CUDA_LAYOUT = KVPageLayout.for_device(torch.device("cuda")).value
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
@@ -219,7 +222,7 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
     # The same call timed again at the end of the case: the spread between the two is the noise floor.
     row["bf16_TBps"] = kv_bytes / (ms * 1e-3) / 1e12
     row["bf16_pct_copy"] = row["bf16_TBps"] / ceil["copy_TBps"]
-    if head_dim <= 64:
+    if head_dim <= 64 and layout == "token":  # decode_rows reads whole token rows: token pages only
         rows_case(row, "bf16", q, k_cache, v_cache, tables, lens, scale, None, None, check)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = decode_attention.choose_tiles(head_dim, kv.dtype, batch * kv_heads, sms)
@@ -270,7 +273,7 @@ def decode_case(shape, gen, ceil: dict, quick: bool, full_sweeps: bool = False, 
         row[f"{name}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{name}_ms"]
         row[f"{name}_graph_ms"] = bench_graph(lambda kq=kq, vq=vq, ks=ks, vs=vs: triton_ops.paged_decode_attention(
             q, kq, vq, tables, lens, scale, ks, vs))
-        if name == "fp8" and head_dim <= 64:
+        if name == "fp8" and head_dim <= 64 and layout == "token":
             rows_case(row, name, q, kq, vq, tables, lens, scale, ks, vs, check)
         if decode_attention.joined_kv_heads(head_dim, kv_heads, kq.dtype) > 1:
             # the launcher reads KV heads in pairs or threes here (sessions 14, 17): the per-head launch beside it
@@ -1484,16 +1487,19 @@ def merge_chain_case(gen, ceil: dict, batches=(1, 8, 32), context=2048, table_to
     return {"rows": rows}
 
 
-def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
+def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size=16, layout: str = "token") -> dict:
     """One batch of very different lengths (MIXED_LENS). The launcher gets the lengths as a host-side
     hint (``context_lens``, as the engine's eager steps pass them) and fits its split count to them;
-    without the hint it must assume every sequence fills the table (timed too: ``no_hint``)."""
+    without the hint it must assume every sequence fills the table (timed too: ``no_hint``). ``layout``: the
+    cache's page layout (``paged_setup``)."""
     batch, lo, hi = MIXED_LENS
     lens_l = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(7)).tolist()
     per_seq = -(-hi // block_size)
     num_blocks = batch * per_seq
     kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
                      generator=gen)
+    if layout == "head":
+        kv = head_major(kv)
     tables = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32).view(batch, per_seq).contiguous()
     lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
     k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
@@ -1522,7 +1528,7 @@ def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size
                   "chosen_without_hint": decode_attention.choose_num_splits(batch, kv_heads, per_seq * block_size,
                                                                             sms, bn),
                   "ms_by_splits": split_ms, "no_hint_ms": no_hint_ms, "no_hint_graph_ms": no_hint_graph_ms}
-    row = {"splits": row_splits, "shape": {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+    row = {"page_layout": layout, "splits": row_splits, "shape": {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
                      "lens": f"{lo}-{hi}", "block_size": block_size},
            "total_tokens": sum(lens_l), "rel_err": rel_err(out[:4], want), "bf16_ms": ms, "bf16_graph_ms": graph_ms,
            "bf16_pct_copy": kv_bytes / (best * 1e-3) / 1e12 / ceil["copy_TBps"]}
@@ -1911,10 +1917,11 @@ def main() -> int:
     ap.add_argument("--suffix-sweep", action="store_true",
                     help="only the ceilings and steps of 16-256 tokens over 8K cached: launcher vs SUFFIX_VARIANTS")
     ap.add_argument("--skip-classes", action="store_true", help="skip DECODE_CLASSES, the mixed batch, fused ops")
-    ap.add_argument("--page-layouts", default="token",
-                    help="comma-separated KV page layouts of the class table (token: a token's heads adjacent; head: "
-                         "each page head by head); past token, the classes again in that layout "
-                         "(result['classes_by_layout']) and, with --classes, in chains of launches too")
+    ap.add_argument("--page-layouts", default=ENGINE_CUDA_LAYOUT,
+                    help="comma-separated KV page layouts (token: a token's heads adjacent; head: each page head by "
+                         "head). The first lays out the decode shapes, the class table, the mixed batch and the "
+                         "chains; each further one, the classes again (result['classes_by_layout']) and, with "
+                         f"--classes, their chains too. Default: the engine's own on CUDA ({ENGINE_CUDA_LAYOUT})")
     ap.add_argument("--class-variants", action="store_true",
                     help="with --classes: time the 8-bit tile variants on those classes too")
     ap.add_argument("--classes", default=None, help="comma-separated indices into DECODE_CLASSES: only those "
@@ -1949,6 +1956,10 @@ def main() -> int:
                     help="decode: time the launcher's own tiles only (not the session-2 tiles or the other fp8 set); "
                          "with --suffix-sweep: the launcher's rows only")
     args = ap.parse_args()
+    layouts = [x for x in args.page_layouts.split(",") if x]
+    if not layouts or any(x not in PAGE_LAYOUTS for x in layouts):
+        ap.error(f"--page-layouts: each of {PAGE_LAYOUTS}, got {args.page_layouts!r}")
+    primary = layouts[0]
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -1963,6 +1974,7 @@ def main() -> int:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "ceilings": ceil,
+        "page_layout": primary,
         "decode": [],
     }
     out = Path(args.out)
@@ -2052,46 +2064,49 @@ def main() -> int:
         save()
     for shape in picked:
         result["decode"].append(decode_case(shape, gen, ceil, args.quick, args.full_sweeps,
-                                            compare_tiles=not args.launcher_only))
+                                            compare_tiles=not args.launcher_only, layout=primary))
         save()
         print(f"decode {shape} done ({time.time() - t0:.0f}s)", flush=True)
-    layouts = [x for x in args.page_layouts.split(",") if x]
-    if any(x not in PAGE_LAYOUTS for x in layouts):
-        ap.error(f"--page-layouts: each of {PAGE_LAYOUTS}, got {args.page_layouts!r}")
     if args.classes is not None and not args.skip_classes:
         # --class-variants: the 8-bit tile variants on the picked classes too (head dim 64: QUANT_TILES_HD64)
         picked_classes = [int(i) for i in args.classes.split(",") if i]
-        result["classes"] = [decode_case(DECODE_CLASSES[i], gen, ceil, quick=not args.class_variants)
-                             for i in picked_classes]
+        result["classes"] = [decode_case(DECODE_CLASSES[i], gen, ceil, quick=not args.class_variants,
+                                         layout=primary) for i in picked_classes]
         save()
-        for layout in (x for x in layouts if x != "token"):
+        for layout in layouts[1:]:
             result.setdefault("classes_by_layout", {})[layout] = [
                 decode_case(DECODE_CLASSES[i], gen, ceil, quick=not args.class_variants, compare_tiles=False,
                             layout=layout) for i in picked_classes]
             save()
             chains = result.setdefault("chain_by_layout", {})
-            for each in ("token", layout):
+            for each in (primary, layout):
                 chains[each] = few_pair_chain_case(gen, classes=picked_classes, layout=each)
                 save()
     elif not args.skip_classes:
         result["classes"] = []
         for shape in DECODE_CLASSES:
             try:
-                result["classes"].append(decode_case(shape, gen, ceil, quick=True, compare_tiles=not args.launcher_only))
+                result["classes"].append(decode_case(shape, gen, ceil, quick=True, compare_tiles=not args.launcher_only,
+                                                     layout=primary))
             except Exception as e:  # noqa: BLE001  (one shape failing must not lose the others)
                 result["classes"].append({"shape": dict(zip(["batch", "q_heads", "kv_heads", "head_dim", "context",
                                                              "block_size"], shape)), "error": f"{type(e).__name__}: {e}"})
             save()
             print(f"class {shape} done ({time.time() - t0:.0f}s)", flush=True)
-        result["mixed"] = mixed_case(gen, ceil)
+        result["mixed"] = mixed_case(gen, ceil, layout=primary)
         save()
         result["graph_splits"] = graph_split_case(gen, ceil)
         save()
         result["merge_chain"] = merge_chain_case(gen, ceil)
         save()
         # the classes whose one-launch graphs carry the graph's own launch in every figure (session 15)
-        result["few_pair_chain"] = few_pair_chain_case(gen)
+        result["few_pair_chain"] = few_pair_chain_case(gen, layout=primary)
         save()
+        for layout in layouts[1:]:
+            result.setdefault("classes_by_layout", {})[layout] = [
+                decode_case(shape, gen, ceil, quick=True, compare_tiles=False, layout=layout)
+                for shape in DECODE_CLASSES]
+            save()
         result["fused_ops"] = [fused_ops_case(gen, ceil, n) for n in (32, 16384)]
         if not args.skip_gemms:
             result["decode_gemms"] = decode_gemm_case(gen, ceil, args.full_sweeps)
@@ -2121,7 +2136,8 @@ def main() -> int:
 def print_table(r: dict) -> None:
     c = r["ceilings"]
     print(f"\n{r['gpu']}  torch {r['torch']}  triton {r['triton']}  commit {r['commit'][:10]}")
-    print(f"copy {c['copy_TBps']:.2f} TB/s (read+write)   bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+    print(f"copy {c['copy_TBps']:.2f} TB/s (read+write)   bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s   "
+          f"KV pages: {r.get('page_layout', 'token')}")
     hdr = (f"{'decode B,Hq,Hkv,D,ctx,BS':<28}{'ours ms':>9}{'again':>7}{'%copy':>7}{'sdpa':>8}{'gath+sdpa':>10}"
            f"{'fp8 ms':>8}{'fp8 x':>7}{'int8 ms':>8}{'int8 x':>7}{'err bf16/fp8/int8':>24}")
     print(hdr)
