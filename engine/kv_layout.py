@@ -18,8 +18,9 @@ TOKEN: its native attention kernel reads whole token rows.
 
 A block is one contiguous run of bytes in either layout, so copies between blocks move raw bytes.
 Blocks leave the pool (tiers, prefill/decode transfer, other nodes) in TOKEN order whatever the
-pool's layout (``to_token_order`` / ``from_token_order``): a block exported by a GPU node imports
-into a CPU node's pool, and the reverse.
+pool's layout: the runner gathers and scatters them through ``token_view``, and the block copy ops
+transpose a HEAD pool's tiles on the way in one pass. A block exported by a GPU node imports into a
+CPU node's pool, and the reverse.
 """
 
 from __future__ import annotations
@@ -52,18 +53,4 @@ class KVPageLayout(enum.StrEnum):
         view, no copy. The pool's logical form, which the kernels and ops index."""
         if self is KVPageLayout.HEAD:
             return blocks.transpose(1 + _SLOT_DIM, 1 + _HEAD_DIM)
-        return blocks
-
-    def to_token_order(self, blocks: torch.Tensor) -> torch.Tensor:
-        """``blocks`` [N, *block_shape] in this layout -> the same blocks contiguous in TOKEN order (the
-        transfer format); TOKEN pools return ``blocks`` itself."""
-        if self is KVPageLayout.HEAD:
-            return self.token_view(blocks).contiguous()
-        return blocks
-
-    def from_token_order(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``to_token_order``: [N, layers, 2, block_size, kv_heads, head_dim] TOKEN-ordered
-        blocks -> [N, *block_shape] contiguous in this layout."""
-        if self is KVPageLayout.HEAD:
-            return blocks.transpose(1 + _SLOT_DIM, 1 + _HEAD_DIM).contiguous()
         return blocks

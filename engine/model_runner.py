@@ -523,8 +523,9 @@ class ModelRunner:
 
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         scales = self.ops.gather_blocks(self.kv_scales, ids) if self.kv_scales is not None else None
-        pages = self.ops.gather_blocks(self.kv_pages, ids)
-        return _packed_rows(self.kv_layout.to_token_order(pages), scales, n)
+        # through the pool's token view: the blocks come out in token order (the transfer format) in one
+        # pass, whatever the pool's layout (a head-major pool's tiles are transposed on the way)
+        return _packed_rows(self.ops.gather_blocks(self.kv_cache, ids), scales, n)
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Inverse of ``export_blocks``: data uint8 [len(block_ids), kv_bytes_per_block] (any device)."""
@@ -553,8 +554,9 @@ class ModelRunner:
 
     def _scatter_packed(self, ids: torch.Tensor, n: int, data: torch.Tensor) -> None:
         kv = data[:, : self._cache_block_bytes].contiguous().view(self.kv_dtype)  # token order (the transfer format)
-        pages = self.kv_layout.from_token_order(kv.reshape(n, *self.kv_cache.shape[1:]))
-        self.ops.scatter_blocks(self.kv_pages, ids, pages)
+        # written through the pool's token view: one pass into either layout (no transpose to the pool's
+        # order first: on a head-major pool that was a second read and write of every restored byte)
+        self.ops.scatter_blocks(self.kv_cache, ids, kv.reshape(n, *self.kv_cache.shape[1:]))
         if self.kv_scales is not None:
             sc = data[:, self._cache_block_bytes :].contiguous().view(torch.float32)
             self.ops.scatter_blocks(self.kv_scales, ids, sc.reshape(n, *self.kv_scales.shape[1:]))

@@ -238,7 +238,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tenso
     assert tuple(out.shape) == (n, *cache.shape[1:]), f"out must be {(n, *cache.shape[1:])}, got {tuple(out.shape)}"
     assert out.dtype == cache.dtype, f"out is {out.dtype}, cache is {cache.dtype}"
     assert out.device == cache.device, f"out is on {out.device}, cache on {cache.device} (copy D2H afterwards)"
-    block_copy.copy_rows(cache, out, block_ids, None, n)
+    _copy_blocks_as_laid_out(cache, out, block_ids, None, n)
     return out
 
 
@@ -252,7 +252,17 @@ def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.
     assert staging.device == cache.device, f"staging is on {staging.device}, cache on {cache.device} (copy H2D first)"
     if staging.dtype != cache.dtype:
         staging = staging.to(cache.dtype)
-    block_copy.copy_rows(staging, cache, None, block_ids, n)
+    _copy_blocks_as_laid_out(staging, cache, None, block_ids, n)
+
+
+def _copy_blocks_as_laid_out(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor | None,
+                             dst_idx: torch.Tensor | None, n: int) -> None:
+    """Whole blocks as rows of bytes where both sides' blocks are contiguous; else (a head-major pool's
+    token view against token-ordered staging) tile by tile in one pass (``block_copy.copy_pages``)."""
+    if (block_copy.rows_contiguous(src) and block_copy.rows_contiguous(dst)) or src.dim() != 6:
+        block_copy.copy_rows(src, dst, src_idx, dst_idx, n)
+    else:
+        block_copy.copy_pages(src, dst, src_idx, dst_idx, n)
 
 
 # ------------------------------------------------------------------ fused layer ops (decode/prefill)

@@ -86,6 +86,10 @@ def test_cuda_head_major_pool_matches_token_pool(kv_dtype, tiny_model_dir):
         outs.append(run(r, seqs, 10, chunk=16))
     assert outs[0] == outs[1]
     assert torch.equal(runners[1].export_blocks([5, 9, 2]), runners[0].export_blocks([5, 9, 2]))
+    # the token pool's blocks restored into the head pool (one pass through its token view) come back the same
+    data = runners[0].export_blocks([5, 9, 2])
+    runners[1].import_blocks([40, 41, 50], data)
+    assert torch.equal(runners[1].export_blocks([40, 41, 50]), data)
     del runners
     gc.collect()
     torch.cuda.empty_cache()

@@ -73,3 +73,54 @@ def test_scatter_converts_dtype_and_checks_shapes():
         triton_ops.scatter_blocks(cache, torch.tensor([1]), staging)
     with pytest.raises(AssertionError, match="must be contiguous"):
         triton_ops.gather_blocks(cache.transpose(1, 2), torch.tensor([1]))
+
+
+def head_major_pool(dtype, shape, gen):
+    """A pool laid head by head ([N, L, 2, H, BS, D] in memory) seen as the engine's token view [N, L, 2, BS, H, D]."""
+    n, layers, two, bs, heads, dim = shape
+    return random_cache(dtype, (n, layers, two, heads, bs, dim), gen).transpose(3, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_major_pool_gathers_to_token_order_in_one_pass(dtype):
+    gen = torch.Generator().manual_seed(3)
+    pool = head_major_pool(dtype, ENGINE_SHAPE, gen)
+    ids = torch.tensor([5, 0, 3])
+    packed = triton_ops.gather_blocks(pool, ids)
+    assert packed.is_contiguous() and packed.shape == (3, *ENGINE_SHAPE[1:])
+    assert torch.equal(packed.view(torch.uint8), ref.gather_blocks(pool, ids).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_ordered_rows_scatter_into_a_head_major_pool(dtype):
+    gen = torch.Generator().manual_seed(4)
+    pool = head_major_pool(dtype, ENGINE_SHAPE, gen)
+    want = pool.clone()  # clone keeps the strides (a head-major pool too)
+    staging = random_cache(dtype, (3, *ENGINE_SHAPE[1:]), gen)  # the transfer format: token order
+    ids = torch.tensor([6, 1, 2])
+    ref.scatter_blocks(want, ids, staging)
+    triton_ops.scatter_blocks(pool, ids.to(torch.int32), staging)
+    assert torch.equal(pool.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    untouched = [0, 3, 4, 5]  # blocks not named keep their bytes
+    assert torch.equal(pool[untouched].contiguous().view(torch.uint8), want[untouched].contiguous().view(torch.uint8))
+
+
+def test_page_copy_takes_rows_narrower_than_a_word_and_block_sizes_off_a_power_of_two():
+    # head_dim 3 in bf16 (6-byte rows: int16 words), 5 slots and 3 heads (tiles masked past both)
+    gen = torch.Generator().manual_seed(5)
+    shape = (4, 1, 2, 5, 3, 3)
+    pool = head_major_pool(torch.bfloat16, shape, gen)
+    staging = random_cache(torch.bfloat16, (2, *shape[1:]), gen)
+    want = pool.clone()
+    ref.scatter_blocks(want, torch.tensor([3, 0]), staging)
+    triton_ops.scatter_blocks(pool, torch.tensor([3, 0]), staging)
+    assert torch.equal(pool.contiguous(), want.contiguous())
+    assert torch.equal(triton_ops.gather_blocks(pool, torch.tensor([0, 3])), staging[[1, 0]])
+
+
+def test_page_copy_refuses_a_layout_it_cannot_tile():
+    from prefixgate_kernels import block_copy
+
+    pool = torch.zeros(2, 1, 2, 4, 2, 8).transpose(4, 5)  # head_dim not contiguous
+    with pytest.raises(AssertionError, match="head_dim must be contiguous"):
+        block_copy.copy_pages(torch.zeros(1, 1, 2, 4, 8, 2), pool, None, torch.tensor([0]), 1)

@@ -225,6 +225,24 @@ def test_block_ops_gpu(dtype):
     assert torch.equal(cache[7].view(torch.uint8), cache[1].view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, ref.FP8_DTYPE, torch.int8])
+def test_head_major_block_transfers_gpu(dtype):
+    # the engine's GPU pool (pages head by head) seen through its token view: blocks gather to token order and
+    # token-ordered rows scatter back in one pass each (block_copy.copy_pages), byte for byte as the reference
+    gen = torch.Generator().manual_seed(1)
+    raw = (torch.randn(64, 4, 2, 8, 16, 128, generator=gen) * 10)
+    pool = (raw.to(torch.int8) if dtype == torch.int8 else raw.to(dtype)).cuda().transpose(3, 4)
+    ids = torch.tensor([3, 60, 17], device="cuda")
+    packed = triton_ops.gather_blocks(pool, ids)
+    assert packed.is_contiguous()
+    assert torch.equal(packed.view(torch.uint8), pool[ids].contiguous().view(torch.uint8))
+    want = pool.clone()
+    dst = torch.tensor([9, 0, 41], device="cuda")
+    ref.scatter_blocks(want, dst, packed)
+    triton_ops.scatter_blocks(pool, dst, packed)
+    assert torch.equal(pool.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_gpu(dtype, with_residual):
