@@ -167,7 +167,7 @@ def _check_pages(t: torch.Tensor, name: str) -> None:
     )
 
 
-def _page_words(t: torch.Tensor, name: str, word: torch.dtype) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+def _page_words(t: torch.Tensor, word: torch.dtype) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
     """t [N, layers, 2, slots, heads, D] (head_dim contiguous; layers and K/V one run of planes) -> a
     words view of its storage from t's first element and the (block, plane, slot, head) strides in words."""
     size = t.element_size()
@@ -207,8 +207,8 @@ def copy_pages(
     for t, name in ((src, "source"), (dst, "destination")):
         _check_pages(t, name)
     word = _page_word_for(src, dst)
-    s, (sb, sp, ss, sh) = _page_words(src, "source", word)
-    d, (db, dp, ds, dh) = _page_words(dst, "destination", word)
+    s, (sb, sp, ss, sh) = _page_words(src, word)
+    d, (db, dp, ds, dh) = _page_words(dst, word)
     _, layers, _, slots, heads, head_dim = src.shape
     row_words = head_dim * src.element_size() // torch.empty((), dtype=word).element_size()
     dummy = placeholder(src.device, torch.int64)

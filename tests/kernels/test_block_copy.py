@@ -100,9 +100,8 @@ def test_token_ordered_rows_scatter_into_a_head_major_pool(dtype):
     ids = torch.tensor([6, 1, 2])
     ref.scatter_blocks(want, ids, staging)
     triton_ops.scatter_blocks(pool, ids.to(torch.int32), staging)
+    # the whole pool: the named blocks as the reference wrote them, every other block's bytes untouched
     assert torch.equal(pool.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
-    untouched = [0, 3, 4, 5]  # blocks not named keep their bytes
-    assert torch.equal(pool[untouched].contiguous().view(torch.uint8), want[untouched].contiguous().view(torch.uint8))
 
 
 def test_page_copy_takes_rows_narrower_than_a_word_and_block_sizes_off_a_power_of_two():
