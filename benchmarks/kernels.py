@@ -148,17 +148,21 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(-3, -2).contiguous().transpose(-3, -2)
 
 
+def random_pages(num_blocks, block_size, kv_heads, head_dim, gen, device="cuda", layout="token") -> torch.Tensor:
+    """A random bf16 block-major cache [NB, 1, 2, BS, Hkv, D]; ``layout`` "head": each page laid head by head."""
+    if layout not in PAGE_LAYOUTS:
+        raise ValueError(f"layout must be one of {PAGE_LAYOUTS}, got {layout!r}")
+    kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
+                     generator=gen)
+    return head_major(kv) if layout == "head" else kv
+
+
 def paged_setup(batch, kv_heads, head_dim, context, block_size, gen, device="cuda", layout="token"):
     """A block-major cache [NB, 1, 2, BS, Hkv, D] bf16 with shuffled block tables (fragmented pages);
     ``layout`` "head": the same shape with each page laid head by head (``head_major``)."""
-    if layout not in PAGE_LAYOUTS:
-        raise ValueError(f"layout must be one of {PAGE_LAYOUTS}, got {layout!r}")
     per_seq = context // block_size
     num_blocks = batch * per_seq
-    kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
-                     generator=gen)
-    if layout == "head":
-        kv = head_major(kv)
+    kv = random_pages(num_blocks, block_size, kv_heads, head_dim, gen, device, layout)
     perm = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
     tables = perm.view(batch, per_seq).contiguous()
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -1496,10 +1500,7 @@ def mixed_case(gen, ceil: dict, q_heads=32, kv_heads=8, head_dim=128, block_size
     lens_l = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(7)).tolist()
     per_seq = -(-hi // block_size)
     num_blocks = batch * per_seq
-    kv = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
-                     generator=gen)
-    if layout == "head":
-        kv = head_major(kv)
+    kv = random_pages(num_blocks, block_size, kv_heads, head_dim, gen, layout=layout)
     tables = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32).view(batch, per_seq).contiguous()
     lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
     k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]

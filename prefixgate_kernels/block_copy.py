@@ -171,7 +171,7 @@ def _page_words(t: torch.Tensor, word: torch.dtype) -> tuple[torch.Tensor, tuple
     """t [N, layers, 2, slots, heads, D] (head_dim contiguous; layers and K/V one run of planes) -> a
     words view of its storage from t's first element and the (block, plane, slot, head) strides in words."""
     size = t.element_size()
-    wsize = torch.empty((), dtype=word).element_size()
+    wsize = word.itemsize
     flat = t.as_strided((t.shape[0], t.stride(0)), (t.stride(0), 1)) if t.shape[0] else t.reshape(0, 1)
     if flat.dtype.is_floating_point and size == 1:
         flat = flat.view(torch.uint8)
@@ -183,7 +183,7 @@ def _page_words(t: torch.Tensor, word: torch.dtype) -> tuple[torch.Tensor, tuple
 def _page_word_for(*tensors: torch.Tensor) -> torch.dtype:
     """The widest word that divides every row (head_dim) and every stride of the tensors, in bytes."""
     for w in _WORDS:
-        wsize = torch.empty((), dtype=w).element_size()
+        wsize = w.itemsize
         if all(t.shape[5] * t.element_size() % wsize == 0
                and all(t.stride(d) * t.element_size() % wsize == 0 for d in (0, 2, 3, 4))
                and t.data_ptr() % wsize == 0 for t in tensors):
@@ -210,7 +210,7 @@ def copy_pages(
     s, (sb, sp, ss, sh) = _page_words(src, word)
     d, (db, dp, ds, dh) = _page_words(dst, word)
     _, layers, _, slots, heads, head_dim = src.shape
-    row_words = head_dim * src.element_size() // torch.empty((), dtype=word).element_size()
+    row_words = head_dim * src.element_size() // word.itemsize
     dummy = placeholder(src.device, torch.int64)
     _copy_pages_kernel[(n, layers * 2 * heads)](
         s, d,
