@@ -93,6 +93,12 @@ def _packed_rows(data: torch.Tensor, scales: torch.Tensor | None, n: int) -> tor
     return rows if scales is None else torch.cat([rows, scales.view(torch.uint8).reshape(n, -1)], dim=1)
 
 
+def _row_view(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """uint8 rows [n, bytes of one of ``like``'s blocks] (each row contiguous) as [n, *like.shape[1:]] of
+    ``like``'s dtype, in token order: a view, so a gather writes the rows' bytes."""
+    return rows.view(like.dtype).view(rows.shape[0], *like.shape[1:])
+
+
 class ModelRunner:
     """See the contract in engine/batch.py and the module docstring. Not thread-safe: one caller."""
 
@@ -519,7 +525,12 @@ class ModelRunner:
         ids = torch.tensor(wanted, dtype=torch.int64)
         if self.kv_cache.device.type == "cuda":  # a pageable H2D copy would wait for the stream to drain
             ids = ids.pin_memory().to(self.kv_cache.device, non_blocking=True)
-        out.copy_(self._gather_packed(ids, n))
+        # straight into out's rows (KV bytes, then the scales' bytes), in token order: no staging tensor
+        # to gather into and copy again
+        kv = self._cache_block_bytes
+        self.ops.gather_blocks(self.kv_cache, ids, out=_row_view(out[:, :kv], self.kv_cache))
+        if self.kv_scales is not None:
+            self.ops.gather_blocks(self.kv_scales, ids, out=_row_view(out[:, kv:], self.kv_scales))
 
     def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         scales = self.ops.gather_blocks(self.kv_scales, ids) if self.kv_scales is not None else None

@@ -90,6 +90,11 @@ def test_cuda_head_major_pool_matches_token_pool(kv_dtype, tiny_model_dir):
     data = runners[0].export_blocks([5, 9, 2])
     runners[1].import_blocks([40, 41, 50], data)
     assert torch.equal(runners[1].export_blocks([40, 41, 50]), data)
+    # the device-spill gather of blocks not in a run, into the last rows of a staging buffer (KV, then scales)
+    for r in runners:
+        rows = torch.full((4, r.kv_bytes_per_block), 7, dtype=torch.uint8, device="cuda")
+        r.gather_blocks_into([5, 9, 2], rows[1:])
+        assert torch.equal(rows[1:].cpu(), data) and set(rows[0].tolist()) == {7}
     del runners
     gc.collect()
     torch.cuda.empty_cache()

@@ -104,6 +104,25 @@ def test_token_ordered_rows_scatter_into_a_head_major_pool(dtype):
     assert torch.equal(pool.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_gather_writes_into_part_of_each_wider_staging_row(layout):
+    """The runner's spill staging: a row holds a block's KV bytes, then its scales' bytes; each gather
+    writes its part of every row through a view (row stride wider than the part), rows not named untouched."""
+    gen = torch.Generator().manual_seed(6)
+    pool = (head_major_pool if layout == "head" else random_cache)(torch.int8, ENGINE_SHAPE, gen)
+    scales = torch.rand(ENGINE_SHAPE[:5], generator=gen)  # [N, layers, 2, block_size, kv_heads] fp32
+    kv_bytes, scale_bytes = pool[0].numel(), scales[0].numel() * 4
+    staging = torch.full((4, kv_bytes + scale_bytes), 7, dtype=torch.uint8)
+    ids = torch.tensor([5, 0, 3])
+    rows = staging[1:]
+    triton_ops.gather_blocks(pool, ids, out=rows[:, :kv_bytes].view(torch.int8).view(3, *pool.shape[1:]))
+    triton_ops.gather_blocks(scales, ids, out=rows[:, kv_bytes:].view(torch.float32).view(3, *scales.shape[1:]))
+    want = torch.cat([ref.gather_blocks(pool, ids).view(torch.uint8).reshape(3, -1),
+                      scales[ids].view(torch.uint8).reshape(3, -1)], dim=1)
+    assert torch.equal(rows, want)
+    assert set(staging[0].tolist()) == {7}
+
+
 def test_page_copy_takes_rows_narrower_than_a_word_and_block_sizes_off_a_power_of_two():
     # head_dim 3 in bf16 (6-byte rows: int16 words), 5 slots and 3 heads (tiles masked past both)
     gen = torch.Generator().manual_seed(5)
