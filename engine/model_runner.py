@@ -87,12 +87,6 @@ def _last_rows(batch: ScheduledBatch) -> list[int]:
     return last
 
 
-def _packed_rows(data: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``n`` blocks' KV (and their per-token scales) as uint8 rows of ``kv_bytes_per_block``."""
-    rows = data.view(torch.uint8).reshape(n, -1)
-    return rows if scales is None else torch.cat([rows, scales.view(torch.uint8).reshape(n, -1)], dim=1)
-
-
 def _row_view(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """uint8 rows [n, bytes of one of ``like``'s blocks] (each row contiguous) as [n, *like.shape[1:]] of
     ``like``'s dtype, in token order: a view, so a gather writes the rows' bytes."""
@@ -460,7 +454,7 @@ class ModelRunner:
         n = len(ids)
         stream = self._transfer_stream
         if stream is None:
-            return self._gather_packed(ids, n).cpu().contiguous()
+            return self._gather_packed(ids, n).cpu()
         # Side stream: after the compute work queued so far (it may still be writing these blocks),
         # concurrent with what is queued later; only this stream is waited on.
         stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
@@ -478,10 +472,10 @@ class ModelRunner:
         n = len(ids)
         stream = self._transfer_stream
         if stream is None:
-            return self._gather_packed(ids, n).contiguous().clone()
+            return self._gather_packed(ids, n)  # a new tensor: the blocks' later steps do not touch it
         stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
         with torch.cuda.stream(stream):
-            packed = self._gather_packed(ids, n).contiguous()
+            packed = self._gather_packed(ids, n)
         stream.synchronize()
         return packed
 
@@ -525,18 +519,23 @@ class ModelRunner:
         ids = torch.tensor(wanted, dtype=torch.int64)
         if self.kv_cache.device.type == "cuda":  # a pageable H2D copy would wait for the stream to drain
             ids = ids.pin_memory().to(self.kv_cache.device, non_blocking=True)
-        # straight into out's rows (KV bytes, then the scales' bytes), in token order: no staging tensor
-        # to gather into and copy again
+        self._gather_rows_into(ids, out)
+
+    def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """-> a new uint8 [n, kv_bytes_per_block] on this runner's device holding the blocks ``ids``."""
+        out = torch.empty(n, self.kv_bytes_per_block, dtype=torch.uint8, device=self.kv_cache.device)
+        self._gather_rows_into(ids, out)
+        return out
+
+    def _gather_rows_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """The blocks ``ids`` (a device index tensor) into ``out``'s rows, in the transfer format: each row
+        its block's KV bytes in token order, then its scales' bytes. Each part is gathered straight into
+        its slice of the rows through the pool's token view: one pass whatever the pool's layout (a
+        head-major pool's tiles are transposed on the way), no staging tensor copied or concatenated."""
         kv = self._cache_block_bytes
         self.ops.gather_blocks(self.kv_cache, ids, out=_row_view(out[:, :kv], self.kv_cache))
         if self.kv_scales is not None:
             self.ops.gather_blocks(self.kv_scales, ids, out=_row_view(out[:, kv:], self.kv_scales))
-
-    def _gather_packed(self, ids: torch.Tensor, n: int) -> torch.Tensor:
-        scales = self.ops.gather_blocks(self.kv_scales, ids) if self.kv_scales is not None else None
-        # through the pool's token view: the blocks come out in token order (the transfer format) in one
-        # pass, whatever the pool's layout (a head-major pool's tiles are transposed on the way)
-        return _packed_rows(self.ops.gather_blocks(self.kv_cache, ids), scales, n)
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Inverse of ``export_blocks``: data uint8 [len(block_ids), kv_bytes_per_block] (any device)."""
