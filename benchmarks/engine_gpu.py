@@ -671,6 +671,17 @@ def sec_decode_qkv_pdl(dev, args, model, runner, bw) -> dict:
                                     {"off": False, "on": True})
 
 
+def sec_decode_down_pdl(dev, args, model, runner, bw) -> dict:
+    """With the other PDL links on: the down projection as ``gemv_pdl``'s partials launched under gate|up + SiLU,
+    which lets it start as its programs run out (``triton_ops.DOWN_PDL``), against cuBLAS's batched partials, at
+    batches 1, 4 and 8 (where gemv_pdl takes down's 14,336-wide K) and 32 (neither link: the control)."""
+    from prefixgate_kernels import triton_ops
+
+    at = argparse.Namespace(**{**vars(args), "sweep_batches": (1, 4, 8, 32)})
+    return decode_ab_module_setting(dev, at, model, runner, bw, "down under PDL", triton_ops, "DOWN_PDL",
+                                    {"off": False, "on": True})
+
+
 def _gemv_rows_ab(dev, args, model, runner, bw, batches: tuple[int, ...], values: dict[str, int]) -> dict:
     """``decode_ab`` over ``gemv_pdl.MAX_ROWS`` (name -> rows up to which the o and q|k|v projections run as
     ``gemv_pdl``, PDL links on in every arm; cuBLAS above it) at the decode sweep's ``batches``."""
@@ -1351,6 +1362,7 @@ def main() -> int:
     section("decode_rope", sec_decode_rope, dev, args, model, runner, bw)
     section("decode_pdl", sec_decode_pdl, dev, args, model, runner, bw)
     section("decode_qkv_pdl", sec_decode_qkv_pdl, dev, args, model, runner, bw)
+    section("decode_down_pdl", sec_decode_down_pdl, dev, args, model, runner, bw)
     section("decode_rows_pdl", sec_decode_rows_pdl, dev, args, model, runner, bw)
     section("decode_rows32_pdl", sec_decode_rows32_pdl, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)

@@ -51,7 +51,12 @@ def _gate_up_silu_kernel(
     BLOCK_K: tl.constexpr,
     DOT_TY: tl.constexpr,
     PDL: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:
+        # the down projection after it, launched with PDL (``gemv_pdl``), may take the SMs this grid's last
+        # programs leave and put its first weight tiles in flight before it waits for our writes
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,12 +111,14 @@ def choose_config(m: int, inter: int, k: int, num_sms: int, max_rows: int = MAX_
     return GateUpConfig(block_n, block_k, num_stages=3 if block_n > 16 else 4)
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig, pdl: bool = False) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig, pdl: bool = False,
+                 launch_dependents: bool = False) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for ``weight`` [2I, K] = gate rows | up rows -> [M, I] in x's dtype.
     Inputs are checked by ``prefixgate_kernels.triton_ops``. ``pdl``: launched with programmatic dependent
     launch, the first K slice's weights loaded before it waits for the kernel that writes x (which must
-    let it launch: ``rmsnorm.add_rms_norm(..., launch_dependents=True)``); compiled kernels only, the
-    interpreter launches it as usual."""
+    let it launch: ``rmsnorm.add_rms_norm(..., launch_dependents=True)``). ``launch_dependents``: each
+    program lets a kernel launched after it with PDL start (that kernel must wait for these writes, as
+    ``gemv_pdl`` does). Compiled kernels only, the interpreter launches it as usual."""
     m, k = x.shape
     inter = weight.shape[0] // 2
     assert k % config.block_k == 0, f"K={k} must be a multiple of {config.block_k}"
@@ -125,6 +132,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig, pd
     _gate_up_silu_kernel[(cdiv(inter, config.block_n),)](
         x, weight, out, m, inter, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(16, next_pow2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_TY=dot_ty, PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch,
+        LAUNCH_DEPENDENTS=launch_dependents and not interpreting(), num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch,
     )
     return out

@@ -62,22 +62,27 @@ def mma_rows(m: int) -> int:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Shapes and dtypes the kernels take: 1 to ``MAX_ROWS`` 16-bit rows, no bias, N a multiple of 64, a quarter
-    of K a power-of-two multiple of 256, x's quarter and the ring within ``SHARED_BYTES``; on a device where
-    the Gluon kernels were written and measured (an sm_90 GPU under Triton 3.6:
-    ``prefill_attention.gluon_runs_on``, as for the Gluon prefills)."""
-    rows_ok = 0 < x.shape[0] <= min(MAX_ROWS, MMA_ROWS_LIMIT) if x.dim() == 2 else False
-    if not rows_ok or bias is not None or x.device.type != "cuda":
+    """Shapes and dtypes the kernels take: 1 to ``MAX_ROWS`` 16-bit rows of a contiguous x on the weight's
+    device, and the weight as ``takes`` says."""
+    if x.dim() != 2 or not x.is_contiguous() or x.device != weight.device:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or not weight.is_contiguous():
+    return takes(x.shape[0], x.dtype, weight, bias)
+
+
+def takes(rows: int, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``rows`` contiguous rows of ``dtype`` times ``weight`` are the kernels' shapes: 1 to ``MAX_ROWS``
+    16-bit rows, no bias, N a multiple of 64, a quarter of K a multiple of 256 (Llama-8B's down projection:
+    14 steps of 256), x's quarter and the ring within ``SHARED_BYTES``; on a device where the Gluon kernels were
+    written and measured (an sm_90 GPU under Triton 3.6: ``prefill_attention.gluon_runs_on``, as for the Gluon
+    prefills). Shapes only: the engine asks before it has the rows (``triton_ops.mlp_partials``)."""
+    if not 0 < rows <= min(MAX_ROWS, MMA_ROWS_LIMIT) or bias is not None or weight.device.type != "cuda":
+        return False
+    if dtype not in (torch.bfloat16, torch.float16) or weight.dtype != dtype or not weight.is_contiguous():
         return False
     n, k = weight.shape
-    steps = k // (QUARTERS * SLOT_COLS)
-    if n % SLOT_ROWS or k % (QUARTERS * SLOT_COLS) or steps & (steps - 1) or not x.is_contiguous():
+    if n % SLOT_ROWS or k % (QUARTERS * SLOT_COLS) or not fits_shared_memory(rows, k):
         return False
-    if not fits_shared_memory(x.shape[0], k):
-        return False
-    return gluon_runs_on(x.device)
+    return gluon_runs_on(weight.device)
 
 
 def fits_shared_memory(m: int, k: int) -> bool:
@@ -123,23 +128,25 @@ def _ring_started(w_desc, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.constexpr
 
 
 @gluon.jit
-def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, NPROG: gl.constexpr,
-                          NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, X_STEPS: gl.constexpr,
+                          NPROG: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     quarter = pid % 4
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # x's quarter, [STEPS, 256]
-    # x's quarter kept unswizzled, stored whole (rank 2) and read a step at a time through a rank-1 view
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # x's quarter, [X_STEPS, 256]
+    # x's quarter kept unswizzled, stored whole (rank 2) and read a step at a time through a rank-1 view;
+    # X_STEPS is STEPS rounded up to a power of two (gl.arange's), the rows past STEPS zero and never read
     S2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     n_items = (N // BLOCK_N * 4 - pid + NPROG - 1) // NPROG
     n_steps = n_items * STEPS
     ring, ready = _ring_started(w_desc, n_steps, pid, STEPS, NPROG, NUM_BUF)
-    r = gl.arange(0, STEPS, layout=gl.SliceLayout(1, XL))
+    r = gl.arange(0, X_STEPS, layout=gl.SliceLayout(1, XL))
     c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
-    x_tile = gl.load(x_ptr + quarter * (STEPS * BLOCK_K) + r[:, None] * BLOCK_K + c[None, :])
-    x_rows = gl.allocate_shared_memory(x_tile.dtype, [STEPS, BLOCK_K], S2, x_tile)._reinterpret(
-        x_tile.dtype, [STEPS, BLOCK_K], S1)
+    x_tile = gl.load(x_ptr + quarter * (STEPS * BLOCK_K) + r[:, None] * BLOCK_K + c[None, :],
+                     mask=(r < STEPS)[:, None], other=0.0)
+    x_rows = gl.allocate_shared_memory(x_tile.dtype, [X_STEPS, BLOCK_K], S2, x_tile)._reinterpret(
+        x_tile.dtype, [X_STEPS, BLOCK_K], S1)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
     for j in range(n_items):
         acc = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, L))
@@ -215,8 +222,8 @@ def partials_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True) -> to
     grid = num_sms(x.device) // 4 * 4
     steps = k // (QUARTERS * SLOT_COLS)
     if m == 1:
-        _partials_gemv_kernel[(grid,)](desc, x, parts, n, STEPS=steps, NPROG=grid, NUM_BUF=NUM_BUF, num_warps=8,
-                                       launch_pdl=pdl)
+        _partials_gemv_kernel[(grid,)](desc, x, parts, n, STEPS=steps, X_STEPS=1 << (steps - 1).bit_length(),
+                                       NPROG=grid, NUM_BUF=NUM_BUF, num_warps=8, launch_pdl=pdl)
     else:
         _partials_mma_kernel[(grid,)](desc, x, parts, m, n, STEPS=steps, NPROG=grid, NUM_BUF=NUM_BUF,
                                       ROWS=mma_rows(m), num_warps=4, launch_pdl=pdl)

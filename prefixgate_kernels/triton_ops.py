@@ -56,6 +56,11 @@ DECODE_PDL = True
 # by the decode attention. Measured in the engine on an H100 (session 30, call 13; the links above on in both
 # arms): the overlapped batch-1 step 5.785 / 5.797 -> 5.725 / 5.736 ms (-1.1 %), batches 8 and 32 unchanged.
 QKV_PDL = True
+# The down projection as the same kind of launch under gate|up + SiLU (``gate_up_silu``, which then lets it start
+# as its programs run out): where gate|up + SiLU runs and ``gemv_pdl`` takes the rows (1 to 8 at Llama-8B's
+# 14,336-wide K), down's first weight tiles stream under gate|up's last wave instead of after it. Off until the
+# engine's A/B (``benchmarks/engine_gpu.py --sections ceilings,decode_down_pdl``) has measured it.
+DOWN_PDL = False
 
 
 @functools.cache
@@ -454,14 +459,22 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         f"x [M, K] and weight [out, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}"
     )
     assert weight.device == x.device, "x and weight must share a device"
-    if pdl and _pdl(x.device) and partial_gemm.slices_for(x.shape[0], x.shape[1], x.dtype, bias is not None,
-                                                          x.is_cuda) > 1:
+    if pdl and _pdl(x.device) and x.is_contiguous() and _gemv_pdl_takes(x.shape[0], x.dtype, weight, bias):
         from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
 
-        # it stands in for partial_gemm only where that would return as many partials
-        if gemv_pdl.QUARTERS == partial_gemm.SLICES and gemv_pdl.supports(x, weight, bias):
-            return gemv_pdl.partials_gemv(x, weight)
+        return gemv_pdl.partials_gemv(x, weight)
     return partial_gemm.linear_partials(x, weight, bias, linear)
+
+
+def _gemv_pdl_takes(rows: int, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``linear_partials(x, weight, bias, pdl=True)`` runs ``gemv_pdl`` for ``rows`` contiguous rows of
+    ``dtype``: it stands in for ``partial_gemm`` only where that would return as many partials and the kernel
+    takes the shapes."""
+    if partial_gemm.slices_for(rows, weight.shape[1], dtype, bias is not None, weight.is_cuda) <= 1:
+        return False
+    from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
+
+    return gemv_pdl.QUARTERS == partial_gemm.SLICES and gemv_pdl.takes(rows, dtype, weight, bias)
 
 
 def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
@@ -482,6 +495,10 @@ def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
             and gate_up_weight.dtype == x.dtype and gate_up_weight.is_contiguous()):
         config = gate_up_silu.choose_config(x.shape[0], inter, x.shape[1], num_sms(x.device),
                                             max_rows=gate_up_silu.ENGINE_MAX_ROWS)
-    act = silu_mul(linear(x, gate_up_weight, gate_up_bias)) if config is None else (
-        gate_up_silu.gate_up_silu(x, gate_up_weight, config, pdl=_pdl(x.device)))
-    return linear_partials(act, down_weight, down_bias)
+    if config is None:
+        return linear_partials(silu_mul(linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
+    # the down link (``DOWN_PDL``): gate|up + SiLU lets down launch early only where down will be the
+    # ``gemv_pdl`` launch that uses it (a cuBLAS GEMM after it would gain nothing)
+    link = DOWN_PDL and _pdl(x.device) and _gemv_pdl_takes(x.shape[0], x.dtype, down_weight, down_bias)
+    act = gate_up_silu.gate_up_silu(x, gate_up_weight, config, pdl=_pdl(x.device), launch_dependents=link)
+    return linear_partials(act, down_weight, down_bias, pdl=link)

@@ -132,22 +132,25 @@ def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
     assert torch.allclose(got_top, torch.topk(ref, 3, dim=-1).values, atol=2e-3)
 
 
-@pytest.mark.parametrize("qkv_link,rows", [(False, 1), (True, 1), (True, 3), (True, 13)])
-def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, rows):
+@pytest.mark.parametrize("qkv_link,down_link,rows", [(False, False, 1), (True, False, 1), (True, True, 1),
+                                                     (True, True, 3), (True, True, 13)])
+def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, down_link, rows):
     """A bf16 model's decode graphs (batch 1, 3 and 13, the last padded to 16 rows) with the decode step's PDL
-    links (``triton_ops.DECODE_PDL``: the attention and the norms let the next kernel launch early, gate|up + SiLU and the o projection, as
-    ``gemv_pdl``, stream weights before they wait; with ``QKV_PDL`` the q|k|v projection too, its partials
-    summed by the attention) against the same graphs without: the same token, logits within bf16 rounding
-    (the K-quarter sums run in another order; norm-wise, see below)."""
+    links (``triton_ops.DECODE_PDL``: the attention and the norms let the next kernel launch early, gate|up + SiLU
+    and the o projection, as ``gemv_pdl``, stream weights before they wait; with ``QKV_PDL`` the q|k|v projection
+    too, its partials summed by the attention; with ``DOWN_PDL`` the down projection as ``gemv_pdl`` under gate|up
+    + SiLU, 3 steps of 256 a quarter of its K) against the same graphs without: the same token, logits within
+    bf16 rounding (the K-quarter sums run in another order; norm-wise, see below)."""
     from engine.batch import ScheduledBatch, SequenceChunk
     from engine.config import EngineConfig
+    from engine.cuda_graphs import graph_batch_sizes, padded_batch_size
     from engine.model_runner import ModelRunner
     from engine.models.random_init import build_random_model, llama_config_dict
     from engine.models.spec import parse_checkpoint_config
     from prefixgate_kernels import gemv_pdl, triton_ops
     from tests.gpu_engine.helpers import GREEDY, SHAPE, IdTokenizer
 
-    shape = dict(SHAPE, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
+    shape = dict(SHAPE, hidden_size=1024, intermediate_size=3072, num_attention_heads=8, num_key_value_heads=2,
                  head_dim=128)
     (tmp_path / "config.json").write_text(json.dumps(llama_config_dict(**shape)), encoding="utf-8")
     arch = parse_checkpoint_config(tmp_path)
@@ -156,6 +159,7 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, 
     def run(on: bool) -> torch.Tensor:
         monkeypatch.setattr(triton_ops, "DECODE_PDL", on)
         monkeypatch.setattr(triton_ops, "QKV_PDL", on and qkv_link)  # q|k|v as gemv_pdl's partials too
+        monkeypatch.setattr(triton_ops, "DOWN_PDL", on and down_link)  # down as gemv_pdl under gate|up + SiLU
         model = build_random_model(arch, "cuda", torch.bfloat16, seed=0, std=0.05)
         cfg = EngineConfig(model_dir=tmp_path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
                            max_num_seqs=16)
@@ -171,6 +175,10 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, qkv_link, 
     x = torch.empty(rows, 1024, device="cuda", dtype=torch.bfloat16)
     if not gemv_pdl.supports(x, torch.empty(1024, 1024, device="cuda", dtype=torch.bfloat16), None):
         pytest.skip("the o projection's Gluon GEMV runs on an sm_90 GPU under Triton 3.6 (gluon_supported)")
+    if down_link:  # the shape this case is for: down taken by gemv_pdl at the graph's padded rows
+        padded = padded_batch_size(rows, graph_batch_sizes(16))
+        assert triton_ops._gemv_pdl_takes(padded, torch.bfloat16,
+                                          torch.empty(1024, 3072, device="cuda", dtype=torch.bfloat16), None)
     with_links = run(True)
     without = run(False)
     assert with_links.argmax(-1).tolist() == without.argmax(-1).tolist()

@@ -374,13 +374,15 @@ def test_gate_up_silu_under_pdl_after_the_norm_gpu(m):
 
 @needs_gluon
 @pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 4096, 4096), (torch.float16, 1024, 8192),
-                                       (torch.bfloat16, 640, 1024)])
+                                       (torch.bfloat16, 640, 1024), (torch.bfloat16, 4096, 14336),
+                                       (torch.float16, 320, 3072)])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 32])
 def test_partials_gemv_gpu(dtype, n, k, pdl, m, monkeypatch):
     """``gemv_pdl.partials_gemv``: four fp32 partials over K's quarters whose sum is the product (within
     fp32 rounding of the float64 one), each quarter its own slice of K (against ``partial_gemm``'s); one row
-    on CUDA cores, several on the tensor cores."""
+    on CUDA cores, several on the tensor cores; quarters of 1, 4, 8 and, not a power of two, 3 and 14 steps
+    (Llama-8B's down projection)."""
     from prefixgate_kernels import gemv_pdl, partial_gemm
 
     monkeypatch.setattr(gemv_pdl, "MAX_ROWS", gemv_pdl.MMA_ROWS_LIMIT)
@@ -410,7 +412,12 @@ def test_partials_gemv_supports_only_its_shapes_gpu(monkeypatch):
     assert ok() and ok(k=8192) and ok(n=64, k=1024) and ok(m=2) and ok(m=gemv_pdl.MAX_ROWS)
     assert not ok(m=gemv_pdl.MAX_ROWS + 1) and not ok(m=0) and not ok(bias=True)
     assert not ok(dtype=torch.float32) and not ok(device="cpu")
-    assert not ok(n=4000) and not ok(k=3584) and not ok(k=3072)  # N % 64; K % 1024; K / 1024 not a power of two
+    assert not ok(n=4000) and not ok(k=3584)  # N % 64; K % 1024
+    assert ok(k=3072) and ok(k=14336) and ok(m=8, k=14336)  # quarters of 3 and 14 steps
+    assert not ok(m=16, k=14336)  # 16 rows of a 3,584-wide quarter (112 KB) beside the ring's 128
+    x = torch.empty(2, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not gemv_pdl.supports(x.t().contiguous().t(), torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16),
+                                 None)  # x not contiguous
     monkeypatch.setattr(gemv_pdl, "MAX_ROWS", gemv_pdl.MMA_ROWS_LIMIT)
     # 32 rows of x's quarter fit beside the ring at K = 4,096 (64 KB), not at 16,384 (256 KB)
     assert ok(m=32) and ok(m=16, k=8192) and not ok(m=32, k=16384) and not ok(m=33)
@@ -447,6 +454,42 @@ def test_o_projection_under_pdl_after_the_attention_gpu(rows):
         q.normal_(generator=gen)
         graph.replay()
         want = pair(False, False)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+
+
+@needs_gluon
+@pytest.mark.parametrize("rows", [1, 5])
+def test_down_projection_under_pdl_after_gate_up_silu_gpu(rows):
+    """gate|up + SiLU letting the next kernel launch as its programs run, and the down projection launched with
+    PDL streaming its weights before it waits (``triton_ops.DOWN_PDL``): the same partials as the pair launched
+    plainly, eagerly and from a CUDA graph whose replays give gate|up a new input each time (a down projection
+    that read the activation before the wait would see the previous replay's). Llama-8B's MLP widths: down's K
+    quarter is 14 steps of 256; one row on CUDA cores, five on the tensor cores."""
+    from prefixgate_kernels import gate_up_silu, gemv_pdl
+    from prefixgate_kernels._common import num_sms
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    hidden, inter = 4096, 14336
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w_gate_up = torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * hidden ** -0.5
+    w_down = torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * inter ** -0.5
+    config = gate_up_silu.choose_config(rows, inter, hidden, num_sms(x.device))
+    assert config is not None
+
+    def pair(linked: bool) -> torch.Tensor:
+        act = gate_up_silu.gate_up_silu(x, w_gate_up, config, launch_dependents=linked)
+        return gemv_pdl.partials_gemv(act, w_down, pdl=linked)
+
+    want = pair(False).clone()
+    assert torch.equal(pair(True), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = pair(True)
+    for _ in range(3):
+        x.normal_(generator=gen)
+        graph.replay()
+        want = pair(False)
         torch.cuda.synchronize()
         assert torch.equal(got, want)
 
