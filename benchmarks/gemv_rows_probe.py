@@ -1,5 +1,5 @@
-"""The decode step's o and q|k|v projections at 1 to 8 rows: ``gemv_pdl`` against cuBLAS, launched plainly
-(issue #19 item 1, session 31).
+"""The decode step's o, q|k|v and down projections at 1 to 32 rows: ``gemv_pdl`` against cuBLAS, launched
+plainly (issue #19 item 1, sessions 31 and 37).
 
 ``gemv_pdl.partials_gemv`` streams a projection's weights through a ring of TMA-filled shared-memory slots,
 one program an SM; one row runs on CUDA cores, 2 to 32 rows on the tensor cores (a warpgroup MMA of each
@@ -7,7 +7,8 @@ one program an SM; one row runs on CUDA cores, 2 to 32 rows on the tensor cores 
 first weight tiles stream under that kernel (what ``benchmarks/engine_gpu.py --sections decode_rows_pdl``
 measures in the engine). Here, without PDL, the question is only whether it streams as fast as what it
 replaces at each row count: the engine's K-quarter partials through cuBLAS (``partial_gemm``, one batched
-GEMM) for o, and cuBLAS's q|k|v GEMM (``triton_ops.linear``).
+GEMM) for o and down, and cuBLAS's q|k|v GEMM (``triton_ops.linear``). Down's quarters are 14 steps of 256
+(K = 14,336); past 8 rows its x quarter does not fit beside the ring, and those rows are left out.
 
 Each of ``--layers`` layers has its own weights (nothing served from L2 for the next), all in one CUDA graph;
 the result is microseconds a layer, with each kernel's partials checked against the float64 product.
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN = 4096
-SHAPES = {"o": (HIDDEN, HIDDEN), "q|k|v": (6144, HIDDEN)}  # Llama-8B: [out, in]
+SHAPES = {"o": (HIDDEN, HIDDEN), "q|k|v": (6144, HIDDEN), "down": (HIDDEN, 14336)}  # Llama-8B: [out, in]
 
 
 def main() -> int:
@@ -57,10 +58,13 @@ def main() -> int:
     for name, (n, k) in SHAPES.items():
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * k ** -0.5
                    for _ in range(layers)]
-        cublas = ((lambda x, w: partial_gemm.linear_partials(x, w, None, triton_ops.linear)) if name == "o"
+        cublas = ((lambda x, w: partial_gemm.linear_partials(x, w, None, triton_ops.linear)) if name != "q|k|v"
                   else triton_ops.linear)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            if not gemv_pdl.supports(x, weights[0], None):
+                print(f"{name} {m}: not gemv_pdl's shape (x's quarter and the ring over shared memory)", flush=True)
+                continue
             want = x.double() @ weights[0].double().T
             got = gemv_pdl.partials_gemv(x, weights[0], pdl=False).sum(0)
             err = rel_err(got, want)
