@@ -455,7 +455,7 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``linear`` for a projection whose only reader is ``add_rms_norm``: at decode-sized 16-bit batches
     its split-K fp32 partials [S, M, N] (one batched GEMM, no reduce kernel; ``prefixgate_kernels.partial_gemm``),
     else the [M, N] product as ``linear`` returns it. ``pdl``: x comes from a kernel that lets the next one
-    launch early (the decode attention); with ``DECODE_PDL`` a projection of 1 to ``gemv_pdl.MAX_ROWS`` rows then
+    launch early (the decode attention, or gate|up + SiLU under ``DOWN_PDL``); with ``DECODE_PDL`` a projection of 1 to ``gemv_pdl.MAX_ROWS`` rows then
     runs as ``gemv_pdl.partials_gemv``, its weights streaming under that kernel (the same [4, M, N] partials)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], (
         f"x [M, K] and weight [out, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}"
