@@ -455,7 +455,7 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``linear`` for a projection whose only reader is ``add_rms_norm``: at decode-sized 16-bit batches
     its split-K fp32 partials [S, M, N] (one batched GEMM, no reduce kernel; ``prefixgate_kernels.partial_gemm``),
     else the [M, N] product as ``linear`` returns it. ``pdl``: x comes from a kernel that lets the next one
-    launch early (the decode attention, or gate|up + SiLU under ``DOWN_PDL``); with ``DECODE_PDL`` a projection of 1 to ``gemv_pdl.MAX_ROWS`` rows then
+    launch early (the decode attention); with ``DECODE_PDL`` a projection of 1 to ``gemv_pdl.MAX_ROWS`` rows then
     runs as ``gemv_pdl.partials_gemv``, its weights streaming under that kernel (the same [4, M, N] partials)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], (
         f"x [M, K] and weight [out, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -500,7 +500,12 @@ def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
     if config is None:
         return linear_partials(silu_mul(linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
     # the down link (``DOWN_PDL``): gate|up + SiLU lets down launch early only where down will be the
-    # ``gemv_pdl`` launch that uses it (a cuBLAS GEMM after it would gain nothing)
-    link = DOWN_PDL and _pdl(x.device) and _gemv_pdl_takes(x.shape[0], x.dtype, down_weight, down_bias)
-    act = gate_up_silu.gate_up_silu(x, gate_up_weight, config, pdl=_pdl(x.device), launch_dependents=link)
-    return linear_partials(act, down_weight, down_bias, pdl=link)
+    # ``gemv_pdl`` launch that uses it (a cuBLAS GEMM after it would gain nothing); decided once, here
+    pdl = _pdl(x.device)
+    link = DOWN_PDL and pdl and _gemv_pdl_takes(x.shape[0], x.dtype, down_weight, down_bias)
+    act = gate_up_silu.gate_up_silu(x, gate_up_weight, config, pdl=pdl, launch_dependents=link)
+    if not link:
+        return linear_partials(act, down_weight, down_bias)
+    from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
+
+    return gemv_pdl.partials_gemv(act, down_weight)  # act: a new contiguous [M, I] of x's dtype
