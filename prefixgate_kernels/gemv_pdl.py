@@ -102,6 +102,14 @@ def _grid_wait(after):
 
 
 @gluon.jit
+def _launch_dependents(after):
+    """``griddepcontrol.launch_dependents`` once ``after`` is known: a kernel launched after this one with PDL (the
+    next ``add_rms_norm``) may launch now; it waits for this one's writes before it reads them."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [after], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _fill(w_desc, ring, ready, g, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.constexpr, NUM_BUF: gl.constexpr):
     """TMA the program's step ``g`` (its item g // STEPS, K step g % STEPS) into slot g % NUM_BUF; nothing past
     the last."""
@@ -114,9 +122,12 @@ def _fill(w_desc, ring, ready, g, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.c
 
 
 @gluon.jit
-def _ring_started(w_desc, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.constexpr, NUM_BUF: gl.constexpr):
+def _ring_started(w_desc, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.constexpr, NUM_BUF: gl.constexpr,
+                  LAUNCH_DEPENDENTS: gl.constexpr):
     """The ring's slots and their barriers, every slot's first fill issued, then ``griddepcontrol.wait``: the
-    weights depend on nothing the kernel before this one writes, so they stream before the wait."""
+    weights depend on nothing the kernel before this one writes, so they stream before the wait. With
+    ``LAUNCH_DEPENDENTS`` the next kernel may launch once the wait has returned (not before: launched early
+    ourselves, we would let it park beside the kernel we wait on too)."""
     ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_BUF):
@@ -124,12 +135,15 @@ def _ring_started(w_desc, n_steps, pid, STEPS: gl.constexpr, NPROG: gl.constexpr
     for s in gl.static_range(NUM_BUF):
         _fill(w_desc, ring, ready, s, n_steps, pid, STEPS, NPROG, NUM_BUF)
     _grid_wait(pid)
+    if LAUNCH_DEPENDENTS:
+        _launch_dependents(pid)
     return ring, ready
 
 
 @gluon.jit
 def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, X_STEPS: gl.constexpr,
-                          NPROG: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+                          NPROG: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+                          LAUNCH_DEPENDENTS: gl.constexpr = False):
     pid = gl.program_id(0)
     quarter = pid % 4
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # a [64, 256] slot
@@ -140,7 +154,7 @@ def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, X_ST
     S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     n_items = (N // BLOCK_N * 4 - pid + NPROG - 1) // NPROG
     n_steps = n_items * STEPS
-    ring, ready = _ring_started(w_desc, n_steps, pid, STEPS, NPROG, NUM_BUF)
+    ring, ready = _ring_started(w_desc, n_steps, pid, STEPS, NPROG, NUM_BUF, LAUNCH_DEPENDENTS)
     r = gl.arange(0, X_STEPS, layout=gl.SliceLayout(1, XL))
     c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
     x_tile = gl.load(x_ptr + quarter * (STEPS * BLOCK_K) + r[:, None] * BLOCK_K + c[None, :],
@@ -167,7 +181,8 @@ def _partials_gemv_kernel(w_desc, x_ptr, parts_ptr, N, STEPS: gl.constexpr, X_ST
 
 @gluon.jit
 def _partials_mma_kernel(w_desc, x_ptr, parts_ptr, M, N, STEPS: gl.constexpr, NPROG: gl.constexpr,
-                         NUM_BUF: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
+                         NUM_BUF: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr,
+                         LAUNCH_DEPENDENTS: gl.constexpr = False):
     """``_partials_gemv_kernel``'s items, ring and wait for 2..ROWS rows: one warpgroup a program, each weight
     slot [64, 256] taken as the MMA's A operand and x's step [ROWS, 256] (rows past M zero) as its B, so
     every weight byte is read once whatever the rows (on CUDA cores each row would cost a pass of FMAs)."""
@@ -179,7 +194,7 @@ def _partials_mma_kernel(w_desc, x_ptr, parts_ptr, M, N, STEPS: gl.constexpr, NP
     XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     n_items = (N // BLOCK_N * 4 - pid + NPROG - 1) // NPROG
     n_steps = n_items * STEPS
-    ring, ready = _ring_started(w_desc, n_steps, pid, STEPS, NPROG, NUM_BUF)
+    ring, ready = _ring_started(w_desc, n_steps, pid, STEPS, NPROG, NUM_BUF, LAUNCH_DEPENDENTS)
     x_steps = gl.allocate_shared_memory(w_desc.dtype, [STEPS, ROWS, BLOCK_K], XS)
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
     c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
@@ -206,10 +221,13 @@ def _partials_mma_kernel(w_desc, x_ptr, parts_ptr, M, N, STEPS: gl.constexpr, NP
         mbarrier.invalidate(ready.index(s))
 
 
-def partials_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+def partials_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True,
+                  launch_dependents: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T as fp32 partials [4, M, N] over K's quarters (their sum is the product).
     ``pdl``: launched with programmatic dependent launch (its weights stream under the kernel before it,
-    which must let it launch early to gain anything; correct either way). One row runs on CUDA cores, 2 to
+    which must let it launch early to gain anything; correct either way). ``launch_dependents``: once its
+    wait has returned, each program lets a kernel launched after it with PDL start (the next norm, which
+    waits for these partials: ``rmsnorm.add_rms_norm(..., pdl=True)``). One row runs on CUDA cores, 2 to
     ``MAX_ROWS`` on the tensor cores. Shapes as ``supports`` says."""
     assert supports(x, weight, None), f"partials_gemv takes 1 to {MAX_ROWS} 16-bit rows: x {tuple(x.shape)} " \
                                       f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
@@ -223,8 +241,10 @@ def partials_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True) -> to
     steps = k // (QUARTERS * SLOT_COLS)
     if m == 1:
         _partials_gemv_kernel[(grid,)](desc, x, parts, n, STEPS=steps, X_STEPS=1 << (steps - 1).bit_length(),
-                                       NPROG=grid, NUM_BUF=NUM_BUF, num_warps=8, launch_pdl=pdl)
+                                       NPROG=grid, NUM_BUF=NUM_BUF, num_warps=8, LAUNCH_DEPENDENTS=launch_dependents,
+                                       launch_pdl=pdl)
     else:
         _partials_mma_kernel[(grid,)](desc, x, parts, m, n, STEPS=steps, NPROG=grid, NUM_BUF=NUM_BUF,
-                                      ROWS=mma_rows(m), num_warps=4, launch_pdl=pdl)
+                                      ROWS=mma_rows(m), num_warps=4, LAUNCH_DEPENDENTS=launch_dependents,
+                                      launch_pdl=pdl)
     return parts

@@ -38,8 +38,9 @@ def _add_rms_norm_kernel(
     PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
 ):
-    if LAUNCH_DEPENDENTS:  # a kernel launched after this one with PDL may start now (it waits for our writes)
+    if LAUNCH_DEPENDENTS and not WAIT:  # a kernel launched after this one with PDL may start now (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -48,6 +49,15 @@ def _add_rms_norm_kernel(
     # was issued only after that reduction's barrier (the compiled PTX showed the load after bar.sync), a
     # second memory round trip; measured in session 26: ~0.1 us a norm on the H100.
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if WAIT:
+        # launched with PDL under the projection that writes x (``gemv_pdl`` lets it launch once its own wait
+        # returns): the weight, which no kernel writes, is in flight; x and the residual only after this
+        # returns, when that kernel has finished and its writes are visible
+        tl.extra.cuda.gdc_wait()
+        if LAUNCH_DEPENDENTS:
+            # launched early ourselves, we let the next kernel launch only once our wait has returned, not while
+            # the projection before us still streams (grids parked beside a running one: docs/gpu.md, session 12)
+            tl.extra.cuda.gdc_launch_dependents()
     if PARTIALS > 0:  # the projection's output is the sum of its slices, rounded as it would have been
         acc = tl.zeros([BLOCK], tl.float32)
         for p in tl.static_range(PARTIALS):
@@ -66,7 +76,7 @@ def _add_rms_norm_kernel(
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            launch_dependents: bool = False) -> torch.Tensor:
+            launch_dependents: bool = False, pdl: bool = False) -> torch.Tensor:
     # partials (fp32, any count, one included) are summed and rounded to the residual's dtype, the row's
     partials = x.shape[0] if x.dim() == 3 else 0
     row_dtype = residual.dtype if partials else x.dtype
@@ -76,10 +86,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         return out
     block = next_pow2(hidden)
     res = residual if residual is not None else x
+    pdl = pdl and not interpreting()
+    launch = {"launch_pdl": True} if pdl else {}
     _add_rms_norm_kernel[(tokens,)](
         x, res, weight, out, x.stride(-2), res.stride(0), out.stride(0), x.stride(0) if partials else 0,
         hidden, eps, HAS_RESIDUAL=residual is not None, PARTIALS=partials, BLOCK=block,
-        LAUNCH_DEPENDENTS=launch_dependents and not interpreting(), num_warps=max(1, min(16, block // 256)),
+        LAUNCH_DEPENDENTS=launch_dependents and not interpreting(), WAIT=pdl, num_warps=max(1, min(16, block // 256)),
+        **launch,
     )
     return out
 
@@ -90,9 +103,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 launch_dependents: bool = False) -> torch.Tensor:
+                 launch_dependents: bool = False, pdl: bool = False) -> torch.Tensor:
     """``residual += x`` in place (x [T, H], or fp32 partials [S, T, H] summed first), -> rms_norm(residual)
     [T, H]. Inputs are checked by ``prefixgate_kernels.triton_ops``. ``launch_dependents``: the program
     lets a kernel launched after it with programmatic dependent launch start at once (``gate_up_silu``'s
-    ``pdl``); a scheduling hint the interpreter ignores."""
-    return _launch(x, residual, weight, eps, launch_dependents)
+    ``pdl``). ``pdl``: launched with programmatic dependent launch, the weight loaded before it waits for the
+    kernel before it (which gains only if that kernel lets it launch early: ``gemv_pdl``'s
+    ``launch_dependents``; correct after any kernel). Both are scheduling hints the interpreter ignores."""
+    return _launch(x, residual, weight, eps, launch_dependents, pdl)

@@ -14,6 +14,8 @@ Differences from the reference, all on inputs the reference would also mishandle
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -63,6 +65,41 @@ QKV_PDL = True
 # on in both arms): the overlapped step at batch 1 5.907 / 5.909 -> 5.776 / 5.768 ms (-2.3 %), batch 4 -1.9 %,
 # batch 8 -1.8 %, batch 32 (no link) -0.2 %.
 DOWN_PDL = True
+# The norm after a ``gemv_pdl`` projection (o, and down under ``DOWN_PDL``) as the same kind of launch: the projection
+# lets it launch once its own wait has returned, and ``add_rms_norm`` loads its weight and parks until the
+# projection's partials are written, instead of launching after the projection's last program ends. Off until
+# measured in the engine (``benchmarks/engine_gpu.py --sections decode_reader_pdl``).
+NORM_PDL = False
+# The decode attention after the q|k|v projection (``QKV_PDL``'s ``gemv_pdl`` partials) as the same kind of launch:
+# the projection lets it launch once its own wait has returned, and the attention reads its sequence's length and
+# split, then waits for the partials, instead of launching after the projection's last program. Off until
+# measured (``benchmarks/engine_gpu.py --sections decode_reader_pdl``).
+ATTN_PDL = False
+
+
+class _LinkedOutput(threading.local):
+    """The output of the last launch on this thread that lets the next kernel launch early (a ``gemv_pdl``
+    projection under ``NORM_PDL`` or ``ATTN_PDL``): its reader (``add_rms_norm``, ``rotary_decode_attention``) is
+    launched with PDL only when that output is its input, so that it parks under that projection and no other
+    kernel (the link is a scheduling choice, correct either way: the reader waits for the kernel before it). A
+    weak reference: the launcher holds no tensor."""
+
+    ref: weakref.ReferenceType[torch.Tensor] | None = None
+
+
+_linked = _LinkedOutput()
+
+
+def _linked_to_next(out: torch.Tensor) -> torch.Tensor:
+    """``out``, remembered as the output whose reader may be launched with PDL (``_takes_link``)."""
+    _linked.ref = weakref.ref(out)
+    return out
+
+
+def _takes_link(x: torch.Tensor) -> bool:
+    """Whether ``x`` is the output of the launch just made that lets its reader launch early (forgotten once asked)."""
+    ref, _linked.ref = _linked.ref, None
+    return ref is not None and ref() is x
 
 
 @functools.cache
@@ -307,7 +344,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     hidden = residual.shape[1]
     assert residual.device == x.device and weight.device == x.device, "x, residual and weight must share a device"
     assert weight.shape == (hidden,) and weight.is_contiguous(), f"weight must be [{hidden}] contiguous"
-    return rmsnorm.add_rms_norm(x, residual, weight, eps, launch_dependents=_pdl(x.device))
+    return rmsnorm.add_rms_norm(x, residual, weight, eps, launch_dependents=_pdl(x.device), pdl=_takes_link(x))
 
 
 def rotary_write_kv(
@@ -353,6 +390,7 @@ def rotary_decode_attention(
     keeps the two kernels.
     ``qkv`` may be ``qkv_projection``'s fp32 K-slice partials [S, B, N] of a ``qkv_dtype`` projection: the one
     launch sums them (the two kernels are given their rounded sum)."""
+    linked = _takes_link(qkv)  # asked first: a launch below (the partials' sum) would come between
     partials = qkv.dim() == 3
     if partials:
         assert qkv.dtype == torch.float32 and qkv.is_contiguous() and qkv_dtype in (torch.bfloat16, torch.float16), (
@@ -377,10 +415,10 @@ def rotary_decode_attention(
         rope = decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias, slices=qkv.shape[0] if partials else 1,
                                           slice_stride=qkv.stride(0) if partials else 0,
                                           dtype=qkv_dtype if partials else None)
+    # with PDL only right after the projection that named q|k|v (partials still: no sum launched in between)
     return decode_attention.paged_decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, context_lens=context_lens,
-        merge_counters=merge_counters, rope=rope,
-        launch_dependents=_pdl(q.device))
+        merge_counters=merge_counters, rope=rope, launch_dependents=_pdl(q.device), pdl=linked and partials)
 
 
 def _check_rotary_inputs(
@@ -446,7 +484,8 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
 
         if gemv_pdl.supports(x, weight, bias):
-            return gemv_pdl.partials_gemv(x, weight)
+            parts = gemv_pdl.partials_gemv(x, weight, launch_dependents=ATTN_PDL)
+            return _linked_to_next(parts) if ATTN_PDL else parts
     return linear(x, weight, bias)
 
 
@@ -462,10 +501,17 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     )
     assert weight.device == x.device, "x and weight must share a device"
     if pdl and _pdl(x.device) and x.is_contiguous() and _gemv_pdl_takes(x.shape[0], x.dtype, weight, bias):
-        from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
-
-        return gemv_pdl.partials_gemv(x, weight)
+        return _gemv_partials_for_norm(x, weight)
     return partial_gemm.linear_partials(x, weight, bias, linear)
+
+
+def _gemv_partials_for_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gemv_pdl``'s partials launched with PDL for the ``add_rms_norm`` that reads them: under ``NORM_PDL`` it lets
+    that norm launch early, and the norm is told so (``_takes_link``)."""
+    from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
+
+    parts = gemv_pdl.partials_gemv(x, weight, launch_dependents=NORM_PDL)
+    return _linked_to_next(parts) if NORM_PDL else parts
 
 
 def _gemv_pdl_takes(rows: int, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -506,6 +552,4 @@ def mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
     act = gate_up_silu.gate_up_silu(x, gate_up_weight, config, pdl=pdl, launch_dependents=link)
     if not link:
         return linear_partials(act, down_weight, down_bias)
-    from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
-
-    return gemv_pdl.partials_gemv(act, down_weight)  # act: a new contiguous [M, I] of x's dtype
+    return _gemv_partials_for_norm(act, down_weight)  # act: a new contiguous [M, I] of x's dtype

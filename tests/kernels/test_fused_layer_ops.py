@@ -266,3 +266,32 @@ def test_add_rms_norm_rejects_bad_partials():
         triton_ops.add_rms_norm(torch.randn(2, 4, 64, dtype=torch.float16), residual, torch.ones(64), 1e-5)
     with pytest.raises(AssertionError, match="must be \\[S"):
         triton_ops.add_rms_norm(torch.randn(2, 4, 32), residual, torch.ones(64), 1e-5)
+
+
+def test_add_rms_norm_launch_hints_leave_the_result_alone():
+    """``pdl`` and ``launch_dependents`` are scheduling hints (the norm link, ``triton_ops.NORM_PDL``): the
+    interpreter ignores them, so the norm over partials is the same bytes with or without."""
+    from prefixgate_kernels import rmsnorm
+
+    gen = torch.Generator().manual_seed(17)
+    parts = torch.randn(4, 3, 512, generator=gen)
+    weight = (1 + 0.1 * torch.randn(512, generator=gen)).to(torch.float16)
+    residual = torch.randn(3, 512, generator=gen).to(torch.float16)
+    res_plain, res_hinted = residual.clone(), residual.clone()
+    plain = rmsnorm.add_rms_norm(parts, res_plain, weight, 1e-5)
+    hinted = rmsnorm.add_rms_norm(parts, res_hinted, weight, 1e-5, launch_dependents=True, pdl=True)
+    assert torch.equal(plain, hinted) and torch.equal(res_plain, res_hinted)
+
+
+def test_norm_link_is_taken_only_by_the_output_it_names():
+    """The norm after a projection is launched with PDL only when its x is the output the launch just before it
+    named (``_linked_to_next``): not another tensor, and not twice (a second reader did not follow that launch)."""
+    out, other = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
+    assert not triton_ops._takes_link(out)  # nothing named yet
+    assert triton_ops._linked_to_next(out) is out
+    assert not triton_ops._takes_link(other)  # asked with another tensor: forgotten, not taken
+    assert not triton_ops._takes_link(out)
+    triton_ops._linked_to_next(out)
+    assert triton_ops._takes_link(out) and not triton_ops._takes_link(out)
+    triton_ops._linked_to_next(torch.zeros(1))  # its output gone: nothing to match
+    assert not triton_ops._takes_link(out)
