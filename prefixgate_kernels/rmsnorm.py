@@ -40,7 +40,8 @@ def _add_rms_norm_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr = False,
     WAIT: tl.constexpr = False,
 ):
-    if LAUNCH_DEPENDENTS and not WAIT:  # a kernel launched after this one with PDL may start now (it waits for our writes)
+    if LAUNCH_DEPENDENTS and not WAIT:
+        # a kernel launched after this one with PDL may start now (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -55,8 +56,9 @@ def _add_rms_norm_kernel(
         # returns, when that kernel has finished and its writes are visible
         tl.extra.cuda.gdc_wait()
         if LAUNCH_DEPENDENTS:
-            # launched early ourselves, we let the next kernel launch only once our wait has returned, not while
-            # the projection before us still streams (grids parked beside a running one: docs/gpu.md, session 12)
+            # launched early ourselves, we let the next kernel launch only once our wait has returned, not
+            # while the projection before us still streams (grids parked beside a running one: docs/gpu.md,
+            # session 12)
             tl.extra.cuda.gdc_launch_dependents()
     if PARTIALS > 0:  # the projection's output is the sum of its slices, rounded as it would have been
         acc = tl.zeros([BLOCK], tl.float32)
@@ -91,8 +93,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _add_rms_norm_kernel[(tokens,)](
         x, res, weight, out, x.stride(-2), res.stride(0), out.stride(0), x.stride(0) if partials else 0,
         hidden, eps, HAS_RESIDUAL=residual is not None, PARTIALS=partials, BLOCK=block,
-        LAUNCH_DEPENDENTS=launch_dependents and not interpreting(), WAIT=pdl, num_warps=max(1, min(16, block // 256)),
-        **launch,
+        LAUNCH_DEPENDENTS=launch_dependents and not interpreting(), WAIT=pdl,
+        num_warps=max(1, min(16, block // 256)), **launch,
     )
     return out
 
