@@ -682,23 +682,16 @@ def sec_decode_down_pdl(dev, args, model, runner, bw) -> dict:
                                     {"off": False, "on": True})
 
 
-def sec_decode_reader_pdl(dev, args, model, runner, bw) -> dict:
-    """With the other PDL links on: the kernels that read a ``gemv_pdl`` projection launched with PDL under it,
-    which lets them launch once its own wait returns: the norm after o (1 to 32 rows) and after down (1 to 8,
-    ``triton_ops.NORM_PDL``), the attention after q|k|v (``triton_ops.ATTN_PDL``); off, each alone, both, at
-    batches 1, 4, 8 and 32 (down under cuBLAS there: the o's norm only)."""
+def sec_decode_norm_pdl(dev, args, model, runner, bw) -> dict:
+    """With the other PDL links on: the norm after each ``gemv_pdl`` projection (o at 1 to 32 rows, down at 1 to 8)
+    launched with PDL under it, which lets it launch once its own wait returns (``triton_ops.NORM_PDL``), against
+    the norm launched after the projection's last program, at batches 1, 4, 8 and 32 (down under cuBLAS there:
+    the o's norm only)."""
     from prefixgate_kernels import triton_ops
 
-    def links(norm: bool, attn: bool) -> Callable[[], None]:
-        def apply() -> None:
-            triton_ops.NORM_PDL, triton_ops.ATTN_PDL = norm, attn
-        return apply
-
     at = argparse.Namespace(**{**vars(args), "sweep_batches": (1, 4, 8, 32)})
-    arms = {"off": links(False, False), "norm": links(True, False), "attn": links(False, True),
-            "both": links(True, True)}
-    return decode_ab(dev, at, model, runner, bw, "readers under PDL", arms,
-                     links(triton_ops.NORM_PDL, triton_ops.ATTN_PDL))
+    return decode_ab_module_setting(dev, at, model, runner, bw, "norm under PDL", triton_ops, "NORM_PDL",
+                                    {"off": False, "on": True})
 
 
 def _gemv_rows_ab(dev, args, model, runner, bw, batches: tuple[int, ...], values: dict[str, int]) -> dict:
@@ -1382,7 +1375,7 @@ def main() -> int:
     section("decode_pdl", sec_decode_pdl, dev, args, model, runner, bw)
     section("decode_qkv_pdl", sec_decode_qkv_pdl, dev, args, model, runner, bw)
     section("decode_down_pdl", sec_decode_down_pdl, dev, args, model, runner, bw)
-    section("decode_reader_pdl", sec_decode_reader_pdl, dev, args, model, runner, bw)
+    section("decode_norm_pdl", sec_decode_norm_pdl, dev, args, model, runner, bw)
     section("decode_rows_pdl", sec_decode_rows_pdl, dev, args, model, runner, bw)
     section("decode_rows32_pdl", sec_decode_rows32_pdl, dev, args, model, runner, bw)
     section("decode_mlp", sec_decode_mlp, dev, args, model, runner, bw)

@@ -188,7 +188,6 @@ def _decode_split_kernel(
     SOFT_FP8: tl.constexpr = False,
     LAUNCH_DEPENDENTS: tl.constexpr = False,
     QKV_SLICES: tl.constexpr = 1,
-    WAIT: tl.constexpr = False,
 ):
     """One (sequence, kv head, split) program. With ``MEMBER_DIM`` > 0 a "kv head" is ``MEMBERS``
     adjacent heads of the cache read as one row of ``MEMBERS * MEMBER_DIM`` values (``joined_kv_heads``),
@@ -207,13 +206,8 @@ def _decode_split_kernel(
     With ``LAUNCH_DEPENDENTS`` every program lets the next kernel launch at its start (programmatic
     dependent launch): a kernel launched after it with PDL starts under this one and waits
     (``griddepcontrol.wait``) before it reads what this one writes; without a PDL launch after it the
-    instruction does nothing. (Letting it launch only once a split's keys are read gained less: session 30.)
-
-    With ``WAIT`` the launch is itself a PDL one under the projection that writes ``q`` (``gemv_pdl``'s q|k|v
-    partials, which let it launch once their own wait returns): the sequence's length and its split's range are
-    read first, then ``griddepcontrol.wait`` before anything of q|k|v, and only then (``LAUNCH_DEPENDENTS``) the
-    next kernel may launch, so that no grid is launched under the projection beyond this one."""
-    if LAUNCH_DEPENDENTS and not WAIT:
+    instruction does nothing. (Letting it launch only once a split's keys are read gained less: session 30.)"""
+    if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -236,10 +230,6 @@ def _decode_split_kernel(
     # (sm_90 PTX here; fp8 per head 20 % slower on the H200, session 17 call 1).
     col_ok = d < ROW_WIDTH
     pair_ok = dh < ROW_WIDTH // 2
-    if WAIT:  # what the projection before this launch writes is read only after it has finished
-        tl.extra.cuda.gdc_wait()
-        if LAUNCH_DEPENDENTS:
-            tl.extra.cuda.gdc_launch_dependents()
     # The query rows (and with ROPE_WRITE the token's K / V write) before the empty split's exit: after
     # it, their loads waited for the sequence length's (a branch on it), two memory round trips in a
     # row where one does (an empty split loads its rows for nothing and stores none). Measured in
@@ -697,7 +687,6 @@ def paged_decode(
     stamps: torch.Tensor | None = None,
     rope: RopeWrite | None = None,
     launch_dependents: bool = False,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Launch the split-KV decode kernel. Inputs are checked by ``prefixgate_kernels.triton_ops``.
 
@@ -736,10 +725,7 @@ def paged_decode(
 
     ``launch_dependents``: each program signals at its start that the next kernel may launch (the kernel's
     ``LAUNCH_DEPENDENTS``), for a consumer launched with programmatic dependent launch that streams its own
-    inputs while this one runs. ``pdl``: launched with programmatic dependent launch, each program waiting
-    (``griddepcontrol.wait``) before it reads q, which gains where the kernel before it lets it launch early
-    (``gemv_pdl``'s ``launch_dependents``) and is correct after any kernel. Both are scheduling hints only: the
-    interpreter, which has no such launch, ignores them."""
+    inputs while this one runs. A scheduling hint only: the interpreter, which has no such launch, ignores it."""
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if rope is not None:
@@ -809,9 +795,7 @@ def paged_decode(
         HAS_K_BIAS=rope is not None and rope.k_bias is not None, SOFT_FP8=rope is not None and interpreting(),
         LAUNCH_DEPENDENTS=launch_dependents and not interpreting(),
         QKV_SLICES=rope.slices if rope is not None else 1,
-        WAIT=pdl and not interpreting(),
         **plan.options,
-        **({"launch_pdl": True} if pdl and not interpreting() else {}),
     )
     if plan.num_splits > 1 and not plan.fused_merge:
         _reduce_kernel[(num_seqs, q_heads)](

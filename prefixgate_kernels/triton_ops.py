@@ -67,22 +67,20 @@ QKV_PDL = True
 DOWN_PDL = True
 # The norm after a ``gemv_pdl`` projection (o, and down under ``DOWN_PDL``) as the same kind of launch: the projection
 # lets it launch once its own wait has returned, and ``add_rms_norm`` loads its weight and parks until the
-# projection's partials are written, instead of launching after the projection's last program ends. Off until
-# measured in the engine (``benchmarks/engine_gpu.py --sections decode_reader_pdl``).
-NORM_PDL = False
-# The decode attention after the q|k|v projection (``QKV_PDL``'s ``gemv_pdl`` partials) as the same kind of launch:
-# the projection lets it launch once its own wait has returned, and the attention reads its sequence's length and
-# split, then waits for the partials, instead of launching after the projection's last program. Off until
-# measured (``benchmarks/engine_gpu.py --sections decode_reader_pdl``).
-ATTN_PDL = False
+# projection's partials are written, instead of launching after the projection's last program ends. Measured in
+# the engine on an H100 (session 38, ``benchmarks/engine_gpu.py --sections decode_reader_pdl``, now
+# ``decode_norm_pdl``; the links above on in both arms): the overlapped step over its floor at batch 1 / 4 / 8
+# 1.109-1.111 -> 1.105-1.108, 1.104-1.107 -> 1.102, 1.103-1.106 -> 1.101 (-0.3 % each), batch 32 unchanged. The
+# same link for the decode attention under the q|k|v projection lost (+0.6 / +1.7 / +1.5 % at 1 / 4 / 8) and is
+# not kept (docs/gpu.md, session 38).
+NORM_PDL = True
 
 
 class _LinkedOutput(threading.local):
     """The output of the last launch on this thread that lets the next kernel launch early (a ``gemv_pdl``
-    projection under ``NORM_PDL`` or ``ATTN_PDL``): its reader (``add_rms_norm``, ``rotary_decode_attention``) is
-    launched with PDL only when that output is its input, so that it parks under that projection and no other
-    kernel (the link is a scheduling choice, correct either way: the reader waits for the kernel before it). A
-    weak reference: the launcher holds no tensor."""
+    projection under ``NORM_PDL``): ``add_rms_norm`` is launched with PDL only when that output is its x, so that
+    it parks under that projection and no other kernel (the link is a scheduling choice, correct either way: the
+    norm waits for the kernel before it). A weak reference: the launcher holds no tensor."""
 
     ref: weakref.ReferenceType[torch.Tensor] | None = None
 
@@ -390,7 +388,6 @@ def rotary_decode_attention(
     keeps the two kernels.
     ``qkv`` may be ``qkv_projection``'s fp32 K-slice partials [S, B, N] of a ``qkv_dtype`` projection: the one
     launch sums them (the two kernels are given their rounded sum)."""
-    linked = _takes_link(qkv)  # asked first: a launch below (the partials' sum) would come between
     partials = qkv.dim() == 3
     if partials:
         assert qkv.dtype == torch.float32 and qkv.is_contiguous() and qkv_dtype in (torch.bfloat16, torch.float16), (
@@ -415,10 +412,10 @@ def rotary_decode_attention(
         rope = decode_attention.RopeWrite(cos, sin, slot_mapping, k_bias, slices=qkv.shape[0] if partials else 1,
                                           slice_stride=qkv.stride(0) if partials else 0,
                                           dtype=qkv_dtype if partials else None)
-    # with PDL only right after the projection that named q|k|v (partials still: no sum launched in between)
     return decode_attention.paged_decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, context_lens=context_lens,
-        merge_counters=merge_counters, rope=rope, launch_dependents=_pdl(q.device), pdl=linked and partials)
+        merge_counters=merge_counters, rope=rope,
+        launch_dependents=_pdl(q.device))
 
 
 def _check_rotary_inputs(
@@ -484,8 +481,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         from prefixgate_kernels import gemv_pdl  # Gluon: imported where it can run
 
         if gemv_pdl.supports(x, weight, bias):
-            parts = gemv_pdl.partials_gemv(x, weight, launch_dependents=ATTN_PDL)
-            return _linked_to_next(parts) if ATTN_PDL else parts
+            return gemv_pdl.partials_gemv(x, weight)
     return linear(x, weight, bias)
 
 

@@ -55,8 +55,11 @@ def build_random_model(
     device type) gives the same weights."""
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
-    model.to_empty(device=device)
+    # cast on the meta device, then allocate: allocated first, an 8B model took its fp32 size (32 GB) on the
+    # device before the cast (48 GB at the peak), and two engine processes sharing an 80 GB card ran out of
+    # memory building (benchmarks/gpu_pd.sh, session 38)
     model.to(dtype)
+    model.to_empty(device=device)
     model.tie_weights()
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)

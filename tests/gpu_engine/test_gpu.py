@@ -134,25 +134,23 @@ def test_prompt_scores_on_the_gpu_match_transformers(tiny_model_dir):
 
 @pytest.mark.parametrize("links,rows", [
     ((), 1), (("qkv",), 1), (("qkv", "down"), 1), (("qkv", "down"), 3), (("qkv", "down"), 13),
-    (("qkv", "down", "norm"), 1), (("qkv", "down", "norm", "attn"), 1), (("qkv", "down", "norm", "attn"), 3),
-    (("qkv", "down", "norm", "attn"), 13)])
+    (("qkv", "down", "norm"), 1), (("qkv", "down", "norm"), 3), (("qkv", "down", "norm"), 13)])
 def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, links, rows):
     """A bf16 model's decode graphs (batch 1, 3 and 13, the last padded to 16 rows) with the decode step's PDL
     links (``triton_ops.DECODE_PDL``: the attention and the norms let the next kernel launch early, gate|up + SiLU
     and the o projection, as ``gemv_pdl``, stream weights before they wait; with ``QKV_PDL`` the q|k|v projection
     too, its partials summed by the attention; with ``DOWN_PDL`` the down projection as ``gemv_pdl`` under gate|up
     + SiLU, 3 steps of 256 a quarter of its K; with ``NORM_PDL`` the norm after each ``gemv_pdl`` projection
-    launched early under it; with ``ATTN_PDL`` the attention under the q|k|v projection) against the same graphs
-    without: the same token, logits within bf16 rounding (the K-quarter sums run in another order; norm-wise, see
-    below)."""
-    qkv_link, down_link, norm_link, attn_link = (name in links for name in ("qkv", "down", "norm", "attn"))
+    launched early under it) against the same graphs without: the same token, logits within bf16 rounding (the
+    K-quarter sums run in another order; norm-wise, see below)."""
+    qkv_link, down_link, norm_link = (name in links for name in ("qkv", "down", "norm"))
     from engine.batch import ScheduledBatch, SequenceChunk
     from engine.config import EngineConfig
     from engine.cuda_graphs import graph_batch_sizes, padded_batch_size
     from engine.model_runner import ModelRunner
     from engine.models.random_init import build_random_model, llama_config_dict
     from engine.models.spec import parse_checkpoint_config
-    from prefixgate_kernels import decode_attention, gemv_pdl, rmsnorm, triton_ops
+    from prefixgate_kernels import gemv_pdl, rmsnorm, triton_ops
     from tests.gpu_engine.helpers import GREEDY, SHAPE, IdTokenizer
 
     shape = dict(SHAPE, hidden_size=1024, intermediate_size=3072, num_attention_heads=8, num_key_value_heads=2,
@@ -166,7 +164,6 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, links, row
         monkeypatch.setattr(triton_ops, "QKV_PDL", on and qkv_link)  # q|k|v as gemv_pdl's partials too
         monkeypatch.setattr(triton_ops, "DOWN_PDL", on and down_link)  # down as gemv_pdl under gate|up + SiLU
         monkeypatch.setattr(triton_ops, "NORM_PDL", on and norm_link)  # the norms after them launched early
-        monkeypatch.setattr(triton_ops, "ATTN_PDL", on and attn_link)  # the attention under q|k|v
         model = build_random_model(arch, "cuda", torch.bfloat16, seed=0, std=0.05)
         cfg = EngineConfig(model_dir=tmp_path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
                            max_num_seqs=16)
@@ -186,25 +183,17 @@ def test_decode_with_pdl_links_matches_without(tmp_path, monkeypatch, links, row
         padded = padded_batch_size(rows, graph_batch_sizes(16))
         assert triton_ops._gemv_pdl_takes(padded, torch.bfloat16,
                                           torch.empty(1024, 3072, device="cuda", dtype=torch.bfloat16), None)
-    norm_launches: list[bool] = []  # each add_rms_norm and attention launch's pdl, to see the links taken
-    attn_launches: list[bool] = []
-    plain_norm, plain_decode = rmsnorm.add_rms_norm, decode_attention.paged_decode
+    norm_launches: list[bool] = []  # each add_rms_norm launch's pdl, to see the norm link taken
+    plain_norm = rmsnorm.add_rms_norm
 
     def recorded_norm(*args, pdl: bool = False, **kwargs):
         norm_launches.append(pdl)
         return plain_norm(*args, pdl=pdl, **kwargs)
 
-    def recorded_decode(*args, pdl: bool = False, **kwargs):
-        attn_launches.append(pdl)
-        return plain_decode(*args, pdl=pdl, **kwargs)
-
     monkeypatch.setattr(rmsnorm, "add_rms_norm", recorded_norm)
-    monkeypatch.setattr(decode_attention, "paged_decode", recorded_decode)
     with_links = run(True)
-    # captured decode graphs of every size: both norms after a gemv_pdl projection (o, down) of each layer linked,
-    # and each layer's attention under its q|k|v
+    # captured decode graphs of every size: both norms after a gemv_pdl projection (o, down) of each layer linked
     assert (sum(norm_launches) >= 2 * arch.num_layers) == norm_link, (sum(norm_launches), len(norm_launches))
-    assert (sum(attn_launches) >= arch.num_layers) == attn_link, (sum(attn_launches), len(attn_launches))
     without = run(False)
     assert with_links.argmax(-1).tolist() == without.argmax(-1).tolist()
     # norm-wise: the K-quarter sums run in another order, so a bf16 hidden value here and there rounds the other

@@ -567,66 +567,6 @@ def test_rotary_decode_attention_reads_gemv_pdl_partials_gpu(lens):
     assert fused.rel_err(out_parts, out_sum) < 1e-3  # two compiled programs: equal within their schedules
 
 
-@needs_gluon
-@pytest.mark.parametrize(("lens", "kv_dtype"), [([700], torch.bfloat16), ([700, 45, 1290], torch.bfloat16),
-                                               ([700, 45, 1290], triton_ops.FP8_DTYPE)])
-def test_attention_under_pdl_after_the_qkv_projection_gpu(lens, kv_dtype, monkeypatch):
-    """The q|k|v projection as ``gemv_pdl``'s partials letting the next kernel launch once its wait returns, and the
-    decode attention (RoPE and the K/V write inside) launched with PDL, waiting before it reads them
-    (``triton_ops.ATTN_PDL``), then the o projection under it: the same caches and the same output bytes as the
-    chain launched plainly, eagerly and from a CUDA graph whose replays give the projection a new input each time
-    (an attention that read the partials before its wait would see the previous replay's). Through
-    ``triton_ops`` (``qkv_projection`` names its output, ``rotary_decode_attention`` takes the link), one row
-    and three, a bf16 and an fp8 cache."""
-    from prefixgate_kernels import decode_attention
-    from tests.kernels.test_rope_decode import _copy_caches, rope_decode_inputs
-
-    rows = len(lens)
-    case = rope_decode_inputs(32, 8, 128, 16, kv_dtype, torch.bfloat16, lens, seed=13, device="cuda", padded_row=False)
-    gen = torch.Generator(device="cuda").manual_seed(13)
-    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w_qkv = torch.randn(48 * 128, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 4096 ** -0.5
-    w_o = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 4096 ** -0.5
-    monkeypatch.setattr(triton_ops, "QKV_PDL", True)
-    launched_pdl: list[bool] = []  # each attention launch's pdl: the link taken exactly when asked for
-    plain_decode = decode_attention.paged_decode
-
-    def recorded_decode(*args, pdl: bool = False, **kwargs):
-        launched_pdl.append(pdl)
-        return plain_decode(*args, pdl=pdl, **kwargs)
-
-    monkeypatch.setattr(decode_attention, "paged_decode", recorded_decode)
-
-    def chain(linked: bool, c: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setattr(triton_ops, "ATTN_PDL", linked)
-        qkv = triton_ops.qkv_projection(x, w_qkv)
-        assert qkv.dim() == 3  # gemv_pdl's partials: the shape this link is for
-        out = triton_ops.rotary_decode_attention(qkv, c["cos"], c["sin"], c["k_cache"], c["v_cache"],
-                                                 c["slot_mapping"], 32, c["block_tables"], c["seq_lens"], 0.125,
-                                                 c["k_scale"], c["v_scale"], qkv_dtype=torch.bfloat16)
-        return out, triton_ops.linear_partials(out.view(rows, 4096), w_o, pdl=True)
-
-    plain, linked = _copy_caches(case), _copy_caches(case)
-    want = chain(False, plain)
-    got = chain(True, linked)
-    assert launched_pdl == [False, True]
-    assert torch.equal(linked["k_cache"].view(torch.uint8), plain["k_cache"].view(torch.uint8))
-    assert torch.equal(linked["v_cache"].view(torch.uint8), plain["v_cache"].view(torch.uint8))
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
-    captured = _copy_caches(case)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain(True, captured)
-    for _ in range(3):
-        x.normal_(generator=gen)
-        graph.replay()
-        plain = _copy_caches(captured)  # the caches as the replay left them but the new token's slots rewritten
-        want = chain(False, plain)
-        torch.cuda.synchronize()
-        assert torch.equal(captured["k_cache"].view(torch.uint8), plain["k_cache"].view(torch.uint8))
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
-
-
 @pytest.mark.parametrize("m", [1, 16])
 def test_linear_through_the_skinny_gemm_gpu(m, monkeypatch):
     """``ops.linear`` with the weight-streaming GEMM switched on (q|k|v's shape, chain_config's tiles)."""
