@@ -18,8 +18,9 @@ G=${PD_GPUS:-1}
 NAME=pd_cuda_8b$([ "$G" = 2 ] && echo _2gpu)
 # KV blocks a node (2 MiB each at the 8B shape): 8,192 (16 GiB) beside its 16 GB of weights when each node has
 # its own GPU or the one GPU is an H200's 141 GB; two nodes sharing an 80 GB card do not fit that (session 37: the
-# second node's 16 GiB pool ran out of memory on an H100), so there 4,096 (8 GiB, 64K tokens: the 8 long prompts
-# of 8,192 tokens and the 16 decoders at once). PD_KV_BLOCKS overrides.
+# second node's 16 GiB pool ran out of memory on an H100), so there 4,096 (8 GiB, 64K tokens: the 16 decoders'
+# 384 blocks and a long prompt's 513, of which only a few live at once as each decodes 8 tokens; finished ones
+# stay cached until evicted; session 39 ran it to the end on an H100). PD_KV_BLOCKS overrides.
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null | head -1 | tr -d ' ')
 KV_BLOCKS=${PD_KV_BLOCKS:-$([ "$G" = 2 ] || [ "${GPU_MIB:-0}" -ge 120000 ] && echo 8192 || echo 4096)}
 "$PY" benchmarks/pd.py --device cuda --gpus "$G" --shape 8b --decoders 16 --short-tokens 256 --decode-tokens 128 \
