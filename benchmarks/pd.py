@@ -18,7 +18,12 @@ SmolLM2-135M-Instruct on CPU by default) and drives them with the gateway's spli
    request on the decode node), once split (long prompts prefilled on the prefill node, their
    KV moved; short ones stay colocated by the split policy). Fresh tenant namespaces per phase,
    so neither phase hits the other's cache. Reported: the decoders' TPOT p50/p99 (gaps between
-   streamed tokens at the client), TTFT p50/p99 of the long requests and of the decoders.
+   streamed tokens at the client), TTFT p50/p99 of the long requests and of the decoders, and
+   every generated token per second of wall time; with ``--nodes engine``, the split requests'
+   TTFT by part (``pd_engine_nodes.split_phases``) and a third arm: both processes as
+   independent colocated engines, each request routed as the gateway routes among engine nodes
+   (``pd_engine_nodes.RoutedPairClient``: rendezvous on the prompt's leading block hash, with the
+   in-flight guard).
 
 ``--nodes engine`` (the default with ``--device cuda``) starts two ``benchmarks/pd_node.py``
 processes instead: the same ``DisaggEngine`` roles with a random-weight model (``--shape 8b``: the
@@ -91,6 +96,14 @@ PREDICTION_GPU = {
     "decoder_tpot_p99": "split lower than colocated, but less than the prefill step's share: without MPS the two "
                         "processes' kernels time-slice the one GPU, so a long prefill still delays decode steps",
     "long_ttft": "split higher: lookup + prefill round trip + transfer + import + the decode node's first step",
+    # written before the first run of the routed arm (session 40, an H100 with --gpus 1; #23's two-GPU run after)
+    "routed_one_gpu": "two colocated engines on one GPU, routed as the gateway routes: decoders' TPOT p99 at or "
+                      "above one colocated engine's (each still chunks its long prefills into its decode steps, "
+                      "and the two processes time-slice the card), long-prompt TTFT p50 within 0.8-1.5x of it, "
+                      "generated tokens/s 0.7-1.0x of it (two half-sized decode batches take turns)",
+    "routed_two_gpus": "two colocated engines on two GPUs: decoders' TPOT p99 near one colocated engine's (the "
+                       "chunks stay in the steps), above the split's; long-prompt TTFT p50 the lowest of the three "
+                       "(no transfer, half the queue); generated tokens/s 1.5-2x one colocated engine's",
 }
 
 
@@ -235,6 +248,8 @@ async def mixed_phase(client: DisaggEngineClient, tag: str, args: argparse.Names
             dec_ttft.append(ttft)
             tpot.extend(b - a for a, b in zip(times, times[1:]))
 
+    long_out: list[int] = []
+
     async def arrivals() -> None:
         await asyncio.sleep(args.warmup_s)
         pending = []
@@ -242,16 +257,19 @@ async def mixed_phase(client: DisaggEngineClient, tag: str, args: argparse.Names
             gr = gen_request(f"{tag}-L{j}", f"{tag}-long-{j}".encode(), args.long_tokens, 8, seed=10_000 + j, hi=args.token_hi)
             pending.append(asyncio.create_task(stream_times(client, gr)))
             await asyncio.sleep(args.interval_s)
-        for ttft, _ in await asyncio.gather(*pending):
+        for ttft, times in await asyncio.gather(*pending):
             long_ttft.append(ttft)
+            long_out.append(len(times))
         stop_at.set()
 
     t0 = time.perf_counter()
     await asyncio.gather(arrivals(), *(decoder(d) for d in range(args.decoders)))
     wall = time.perf_counter() - t0
     r = lambda x: round(x, 4) if x is not None else None  # noqa: E731
+    generated = len(tpot) + len(dec_ttft) + sum(long_out)
     return {
         "wall_s": round(wall, 2), "decoder_tokens": len(tpot) + len(dec_ttft),
+        "tokens_per_s": round(generated / wall, 1),  # every generated token, decoders' and long prompts'
         "decoder_tpot_p50_s": r(pct(tpot, 50)), "decoder_tpot_p99_s": r(pct(tpot, 99)),
         "decoder_ttft_p50_s": r(pct(dec_ttft, 50)), "decoder_ttft_p99_s": r(pct(dec_ttft, 99)),
         "long_ttft_p50_s": r(pct(long_ttft, 50)), "long_ttft_p99_s": r(pct(long_ttft, 99)),
@@ -329,7 +347,15 @@ def host_shm_only_bw(nbytes: int, block_bytes: int, repeats: int = 5) -> float:
 async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], authkeys: tuple[bytes, bytes],
                            devices: tuple[str, str]) -> dict:
     """Transfer bandwidth and the mixed workload against two ``pd_node.py`` processes."""
-    from pd_engine_nodes import NodeClient, PairClient, device_copy_bw, digest_bw
+    from pd_engine_nodes import (
+        NodeClient,
+        PairClient,
+        RoutedNode,
+        RoutedPairClient,
+        device_copy_bw,
+        digest_bw,
+        split_phases,
+    )
 
     loop = asyncio.get_running_loop()
     prefill, decode = (NodeClient(p, k, loop) for p, k in zip(ports, authkeys))
@@ -357,6 +383,13 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
                  "split": await mixed_phase(split, "sp", args)}
         mixed["split"]["handoffs"] = len(split.handoffs)
         mixed["split"]["handoff_status"] = sorted({h.transfer.status.value for h in split.handoffs})
+        mixed["split"]["phases"] = split_phases(split.splits)
+        # the issue's third arm: both processes as independent colocated engines, routed as the gateway
+        # routes (each on its own GPU with --gpus 2; time-slicing GPU 0 with --gpus 1)
+        routed = RoutedPairClient([RoutedNode(f"engine-{devices[0]}-a", prefill),
+                                   RoutedNode(f"engine-{devices[1]}-b", decode)])
+        mixed["routed"] = await mixed_phase(routed, "ro", args)
+        mixed["routed"]["picks"] = {n.label: n.picked for n in routed.nodes}
         leaks = {"prefill": await prefill.call("integrity"), "decode": await decode.call("integrity")}
     finally:
         prefill.close()
@@ -472,12 +505,22 @@ def report(args: argparse.Namespace, figures: dict, load_before: tuple[float, fl
     else:
         print_socket_transfer(t)
     keys = ["decoder_tpot_p50_s", "decoder_tpot_p99_s", "decoder_ttft_p50_s", "decoder_ttft_p99_s",
-            "long_ttft_p50_s", "long_ttft_p99_s", "decoder_tokens", "wall_s"]
-    print(f"{'measure':<22}{'colocated':>12}{'split':>12}{'split/colocated':>17}")
+            "long_ttft_p50_s", "long_ttft_p99_s", "decoder_tokens", "tokens_per_s", "wall_s"]
+    arms = [a for a in ("split", "routed") if a in m]
+    print(f"{'measure':<22}{'colocated':>12}" + "".join(f"{a:>12}{a + '/colocated':>18}" for a in arms))
     for k in keys:
-        a, b = m["colocated"][k], m["split"][k]
-        ratio = f"{b / a:.2f}x" if a and b else "-"
-        print(f"{k:<22}{a!s:>12}{b!s:>12}{ratio:>17}")
+        base = m["colocated"][k]
+        cells = ""
+        for a in arms:
+            v = m[a][k]
+            cells += f"{v!s:>12}{(f'{v / base:.2f}x' if base and v else '-'):>18}"
+        print(f"{k:<22}{base!s:>12}{cells}")
+    if "routed" in m:
+        print("routed: requests per engine " + ", ".join(f"{k} {v}" for k, v in m["routed"]["picks"].items()))
+    phases = m["split"].get("phases")
+    if phases:
+        print("split requests' TTFT by part, p50 / p99 s: "
+              + ", ".join(f"{k.removesuffix('_s')} {v['p50']} / {v['p99']}" for k, v in phases.items()))
     if args.smoke:
         name = f"pd_{args.device.split(':')[0]}_smoke.json"
     else:

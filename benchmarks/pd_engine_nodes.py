@@ -18,11 +18,12 @@ import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Client
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from engine.disagg.api import HandoffReport, LookupResult
 from engine.protocol import GenerateRequest, RequestOutput
 from gateway.disagg_client import Placement, SplitPolicy
+from gateway.routing_policy import prefix_hash_choice, token_route_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,6 +89,43 @@ class NodeClient:
         self.conn.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitTiming:
+    """One split request's way to its first token, part by part, as the driver saw it."""
+
+    lookup_s: float  # the decode node's lookup round trip
+    handoff_s: float  # the prefill node's call, end to end: its queue, the prefill, the export, the transfer
+    report: HandoffReport  # the prefill node's own figures: prefill_s (its queue and the prefill), the transfer
+    first_token_s: float  # from the handoff's return to the decode node's first token
+
+
+# The parts ``split_phases`` reports, each a function of one split's timing.
+_PHASES = {
+    "lookup_s": lambda t: t.lookup_s,
+    "prefill_node_s": lambda t: t.report.prefill_s,
+    "transfer_s": lambda t: t.report.transfer.seconds,
+    # what the call took beyond the two: the export (gather into the staging rows) and the calls' own hops
+    "export_and_calls_s": lambda t: max(0.0, t.handoff_s - t.report.prefill_s - t.report.transfer.seconds),
+    "first_token_s": lambda t: t.first_token_s,
+}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def split_phases(timings: list[SplitTiming]) -> dict[str, dict[str, float]]:
+    """p50 / p99 of each part of the split requests' TTFT: which part a slow split spent its time in
+    (the prefill node's queue behind earlier long prompts, the transfer, or the decode node's first
+    step behind its running batch). Empty when no request was split."""
+    if not timings:
+        return {}
+    return {name: {"p50": round(_quantile([part(t) for t in timings], 0.5), 4),
+                   "p99": round(_quantile([part(t) for t in timings], 0.99), 4)}
+            for name, part in _PHASES.items()}
+
+
 @dataclasses.dataclass
 class PairClient:
     """Colocated (``policy`` None: every request on the decode node) or split by ``policy``."""
@@ -97,21 +135,79 @@ class PairClient:
     receiver: str
     policy: SplitPolicy | None
     handoffs: list[HandoffReport] = dataclasses.field(default_factory=list)
+    splits: list[SplitTiming] = dataclasses.field(default_factory=list)
     prefill_inflight: int = 0
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        parts: tuple[float, float, HandoffReport] | None = None
         if self.policy is not None:
+            t0 = time.perf_counter()
             look: LookupResult = await self.decode.call("lookup", request)
+            t1 = time.perf_counter()
             placement, _reason = self.policy.decide(look, self.prefill_inflight)
             if placement is Placement.SPLIT:
                 self.prefill_inflight += 1
                 try:
-                    self.handoffs.append(await self.prefill.call("prefill", request, self.receiver,
-                                                                 look.cached_tokens))
+                    report = await self.prefill.call("prefill", request, self.receiver, look.cached_tokens)
                 finally:
                     self.prefill_inflight -= 1
+                self.handoffs.append(report)
+                parts = (t1 - t0, time.perf_counter() - t1, report)
+        t_decode = time.perf_counter()
         async for out in self.decode.stream("generate", request):
+            if parts is not None and out.new_token_ids:
+                self.splits.append(SplitTiming(parts[0], parts[1], parts[2], time.perf_counter() - t_decode))
+                parts = None
             yield out
+
+
+class StreamingNode(Protocol):
+    """What ``RoutedPairClient`` asks of a node (``NodeClient`` has it)."""
+
+    def stream(self, op: str, *args: Any) -> AsyncIterator[Any]: ...
+
+
+@dataclasses.dataclass
+class RoutedNode:
+    """One engine of ``RoutedPairClient``'s pool: what the routing policy reads (``NodeLoad``)."""
+
+    label: str
+    client: StreamingNode
+    inflight: int = 0
+    picked: int = 0
+
+
+# The gateway's defaults (gateway/settings.py): route_prefix_tokens 256, the in-flight guard 2.0;
+# the nodes' KV block size and the router's longest chain.
+ROUTE_PREFIX_TOKENS, ROUTE_LOAD_FACTOR, ROUTE_BLOCK_SIZE, ROUTE_MAX_BLOCKS = 256, 2.0, 16, 512
+
+
+@dataclasses.dataclass
+class RoutedPairClient:
+    """Two independent colocated engines, each serving whole requests (prefill and decode on its own
+    GPU with ``--gpus 2``), chosen per request as the gateway's default policy chooses among engine
+    nodes: rendezvous hashing on the prompt's leading block hash, leaving the affinity node once it
+    has more than ``load_factor`` x (least + 1) in flight (``gateway.routing_policy``)."""
+
+    nodes: list[RoutedNode]
+    load_factor: float = ROUTE_LOAD_FACTOR
+
+    def pick(self, request: GenerateRequest) -> RoutedNode:
+        if request.prompt_token_ids is None:
+            raise ValueError("the benchmark's requests carry token ids")
+        key, _chain = token_route_key(request.tenant.namespace, request.prompt_token_ids, ROUTE_BLOCK_SIZE,
+                                      ROUTE_PREFIX_TOKENS // ROUTE_BLOCK_SIZE, ROUTE_MAX_BLOCKS)
+        return prefix_hash_choice(key, self.nodes, self.load_factor)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        node = self.pick(request)
+        node.inflight += 1
+        node.picked += 1
+        try:
+            async for out in node.client.stream("generate", request):
+                yield out
+        finally:
+            node.inflight -= 1
 
 
 def start_node(role: str, device: str, args: Any, env: dict[str, str]) -> subprocess.Popen:

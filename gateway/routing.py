@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.block_hashing import DEFAULT_BLOCK_SIZE, BlockHash, prefix_block_hashes
+from engine.block_hashing import DEFAULT_BLOCK_SIZE, BlockHash
 from engine.protocol import EngineClient, ModelCard
 from gateway.errors import OpenAIError
 from gateway.fleet_index import FleetIndex
@@ -48,6 +48,7 @@ from gateway.routing_policy import (
     prefix_hash_choice,
     rendezvous_order,  # noqa: F401 - re-exported: callers and tests name it from gateway.routing
     round_robin_choice,
+    token_route_key,
 )
 
 ROUTE_BLOCK_BYTES = 256
@@ -249,10 +250,8 @@ class Router:
         ids = token_ids if token_ids is not None else prompt_token_ids(body)
         if ids is None:
             return RouteKey(routing_key(namespace, prompt_route_bytes(body), self.prefix_bytes))
-        chain = tuple(prefix_block_hashes(namespace, ids, self.block_size, self.max_route_blocks))
-        if not chain:  # shorter than a block: the whole prompt is the key
-            return RouteKey(hashlib.sha256(namespace + json.dumps(list(ids)).encode()).digest())
-        return RouteKey(chain[min(len(chain), self.prefix_blocks) - 1], chain)
+        key, chain = token_route_key(namespace, ids, self.block_size, self.prefix_blocks, self.max_route_blocks)
+        return RouteKey(key, chain)
 
     def pick(self, model: str, backends: Sequence[Backend], rk: RouteKey) -> Backend:
         """One node of a pool by the router's policy (nodes that are down are skipped)."""

@@ -20,11 +20,13 @@ real nodes (docs/fleet.md).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Protocol, TypeVar
 
+from engine.block_hashing import BlockHash, prefix_block_hashes
 from engine.kv_events import ExternalBlockHash
 from gateway.fleet_index import FleetIndex
 
@@ -47,6 +49,18 @@ class NodeLoad(Protocol):
 
 
 N = TypeVar("N", bound=NodeLoad)
+
+
+def token_route_key(namespace: bytes, token_ids: Sequence[int], block_size: int, prefix_blocks: int,
+                    max_blocks: int) -> tuple[bytes, tuple[BlockHash, ...]]:
+    """A token-id prompt's rendezvous key and block chain: the chain is the engine's own block hashes
+    (up to ``max_blocks``), the key its hash at ``prefix_blocks`` (the shared-prefix span), or, for a
+    prompt shorter than one block, a hash of the whole prompt. Pure, and free of the gateway's web
+    packages, so that a benchmark driving engine nodes directly routes as the gateway does."""
+    chain = tuple(prefix_block_hashes(namespace, token_ids, block_size, max_blocks))
+    if not chain:
+        return hashlib.sha256(namespace + json.dumps(list(token_ids)).encode()).digest(), ()
+    return chain[min(len(chain), prefix_blocks) - 1], chain
 
 
 def rendezvous_order(key: bytes, nodes: Sequence[N]) -> list[N]:
