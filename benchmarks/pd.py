@@ -232,6 +232,21 @@ async def transfer_phase(prefill_url: str, receiver: str, n_tokens: int, repeats
     return out
 
 
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """Each numeric figure of ``mixed_phase``'s rounds as its median over them (a figure missing from a
+    round, e.g. no long request finished, is left out of that figure's median), the rounds kept too."""
+    out: dict = {}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+        if values:
+            out[key] = round(statistics.median(values), 4)
+        elif all(r.get(key) is None for r in rounds):
+            out[key] = None
+    if len(rounds) > 1:
+        out["rounds"] = rounds
+    return out
+
+
 async def mixed_phase(client: DisaggEngineClient, tag: str, args: argparse.Namespace) -> dict:
     stop_at = asyncio.Event()
     tpot: list[float] = []
@@ -378,17 +393,22 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
         else:
             baselines = {"memcpy": memcpy_bw(nbytes)}
             ref = baselines["memcpy"]
+        # three arms: one colocated engine (the decode node), the split, and the issue's third arm: both
+        # processes as independent colocated engines routed as the gateway routes (each on its own GPU with
+        # --gpus 2; time-slicing GPU 0 with --gpus 1). Rounds interleave the arms (fresh namespaces each),
+        # so a slow stretch of the host falls on all three; each figure is the median over the rounds.
         split = PairClient(decode, prefill, receiver, SplitPolicy(min_split_tokens=args.split_min_tokens))
-        mixed = {"colocated": await mixed_phase(PairClient(decode, prefill, receiver, None), "co", args),
-                 "split": await mixed_phase(split, "sp", args)}
-        mixed["split"]["handoffs"] = len(split.handoffs)
-        mixed["split"]["handoff_status"] = sorted({h.transfer.status.value for h in split.handoffs})
-        mixed["split"]["phases"] = split_phases(split.splits)
-        # the issue's third arm: both processes as independent colocated engines, routed as the gateway
-        # routes (each on its own GPU with --gpus 2; time-slicing GPU 0 with --gpus 1)
         routed = RoutedPairClient([RoutedNode(f"engine-{devices[0]}-a", prefill),
                                    RoutedNode(f"engine-{devices[1]}-b", decode)])
-        mixed["routed"] = await mixed_phase(routed, "ro", args)
+        arms = {"colocated": PairClient(decode, prefill, receiver, None), "split": split, "routed": routed}
+        rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for r in range(args.mixed_repeats):
+            for arm, arm_client in arms.items():
+                rounds[arm].append(await mixed_phase(arm_client, f"{arm[:2]}{r}", args))
+        mixed = {arm: median_of_rounds(rs) for arm, rs in rounds.items()}
+        mixed["split"]["handoffs"] = len(split.handoffs)
+        mixed["split"]["handoff_status"] = sorted({h.transfer.status.value for h in split.handoffs})
+        mixed["split"]["phases"] = split_phases(split.splits)  # over every round's split requests
         mixed["routed"]["picks"] = {n.label: n.picked for n in routed.nodes}
         leaks = {"prefill": await prefill.call("integrity"), "decode": await decode.call("integrity")}
     finally:
@@ -415,6 +435,8 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--split-min-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--mixed-repeats", type=int, default=1,
+                   help="--nodes engine: rounds of the mixed workload, the arms interleaved; figures are medians")
     p.add_argument("--device", default="cpu", help="cpu or cuda (GPU variant: not run by the CPU CI)")
     p.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="with --device cuda: nodes share GPU 0 or get one each")
     p.add_argument("--model", default="smol",

@@ -84,3 +84,16 @@ def test_routed_pair_keeps_a_prefix_on_one_engine_and_leaves_a_busy_one():
         from engine.protocol import GenerateRequest, StaticTenantScope
 
         client.pick(GenerateRequest("z", StaticTenantScope(), prompt="text"))
+
+
+def test_mixed_rounds_reduce_to_medians():
+    pd = pytest.importorskip("benchmarks.pd")
+    rounds = [{"wall_s": 6.0, "long_ttft_p50_s": 0.7, "decoder_tpot_p99_s": None, "tag": "x"},
+              {"wall_s": 5.0, "long_ttft_p50_s": None, "decoder_tpot_p99_s": None, "tag": "y"},
+              {"wall_s": 7.0, "long_ttft_p50_s": 0.3, "decoder_tpot_p99_s": None, "tag": "z"}]
+    out = pd.median_of_rounds(rounds)
+    assert out["wall_s"] == 6.0
+    assert out["long_ttft_p50_s"] == 0.5  # a round without the figure is left out of its median
+    assert out["decoder_tpot_p99_s"] is None and "tag" not in out
+    assert out["rounds"] == rounds
+    assert "rounds" not in pd.median_of_rounds(rounds[:1])
