@@ -402,10 +402,19 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
                                    RoutedNode(f"engine-{devices[1]}-b", decode)])
         arms = {"colocated": PairClient(decode, prefill, receiver, None), "split": split, "routed": routed}
         rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
+
+        async def compiled() -> dict[str, list[str]]:
+            # Triton launches each node compiled since the last ask: a compile stalls that node's engine
+            # thread for a second or more, so a round that compiles is not a steady-state round
+            return {"prefill": await prefill.call("compiles"), "decode": await decode.call("compiles")}
+
+        compiles = [{"before": "mixed", **await compiled()}]
         for r in range(args.mixed_repeats):
             for arm, arm_client in arms.items():
                 rounds[arm].append(await mixed_phase(arm_client, f"{arm[:2]}{r}", args))
+                compiles.append({"round": r, "arm": arm, **await compiled()})
         mixed = {arm: median_of_rounds(rs) for arm, rs in rounds.items()}
+        mixed["compiles"] = compiles
         mixed["split"]["handoffs"] = len(split.handoffs)
         mixed["split"]["handoff_status"] = sorted({h.transfer.status.value for h in split.handoffs})
         mixed["split"]["phases"] = split_phases(split.splits)  # over every round's split requests
@@ -539,6 +548,10 @@ def report(args: argparse.Namespace, figures: dict, load_before: tuple[float, fl
         print(f"{k:<22}{base!s:>12}{cells}")
     if "routed" in m:
         print("routed: requests per engine " + ", ".join(f"{k} {v}" for k, v in m["routed"]["picks"].items()))
+    for c in m.get("compiles", []):
+        if c["prefill"] or c["decode"]:
+            when = f"before the {c['before']} rounds" if "before" in c else f"round {c['round']} {c['arm']}"
+            print(f"Triton compiles, {when}: prefill node {len(c['prefill'])}, decode node {len(c['decode'])}")
     phases = m["split"].get("phases")
     if phases:
         print("split requests' TTFT by part, p50 / p99 s: "

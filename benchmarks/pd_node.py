@@ -12,7 +12,7 @@ one host), the receiver's checks and ``import_chain``.
                                  --kv-blocks N --max-model-len N --authkey-env VAR
 
 Prints ``READY <port>`` once listening on 127.0.0.1. Messages (pickled, authenticated by the key):
-    driver -> node  (op, call_id, *args)   op: generate | prefill | lookup | address | stop
+    driver -> node  (op, call_id, *args)   op: generate | prefill | lookup | address | integrity | compiles | stop
     node -> driver  ("item", call_id, RequestOutput) ... ("done", call_id, result) | ("error", call_id, text)
 """
 
@@ -25,7 +25,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -73,7 +73,25 @@ def build_node(args: argparse.Namespace, node_token: str) -> DisaggEngine:
                         TransferMetrics(metrics.registry))
 
 
-async def serve(conn: Connection, node: DisaggEngine) -> None:
+class CompileLog(Protocol):
+    """What the ``compiles`` op reads (``prefixgate_kernels.jit_watch.CompileRecorder`` on a GPU)."""
+
+    kernels: list[str]
+
+    def stop(self) -> None: ...
+
+
+class NoCompiles:
+    """Where Triton's interpreter runs (the CPU) nothing is compiled: the ``compiles`` op answers []."""
+
+    def __init__(self) -> None:
+        self.kernels: list[str] = []
+
+    def stop(self) -> None:
+        pass
+
+
+async def serve(conn: Connection, node: DisaggEngine, compiles: CompileLog) -> None:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[tuple[Any, ...] | None] = asyncio.Queue()
     lock = threading.Lock()
@@ -106,6 +124,10 @@ async def serve(conn: Connection, node: DisaggEngine) -> None:
                 result = node.receiver_address()
             elif op == "integrity":
                 result = await node.check_integrity()
+            elif op == "compiles":
+                # the Triton launches compiled since the last ask (a compile on the engine thread stalls
+                # every request of this node: benchmarks/pd.py records them per round)
+                result, compiles.kernels = compiles.kernels, []
             else:
                 raise ValueError(f"unknown op {op!r}")
             send(("done", cid, result))
@@ -135,12 +157,20 @@ def main() -> int:
     args = p.parse_args()
     authkey = os.environ[args.authkey_env].encode()
     node = build_node(args, os.environ[args.node_token_env])
+    recorder: CompileLog = NoCompiles()
+    if args.device.startswith("cuda"):
+        from prefixgate_kernels.jit_watch import CompileRecorder
+
+        compile_recorder = CompileRecorder()
+        compile_recorder.start()
+        recorder = compile_recorder
     with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
         print(f"READY {listener.address[1]}", flush=True)
         with listener.accept() as conn:
             try:
-                asyncio.run(serve(conn, node))
+                asyncio.run(serve(conn, node, recorder))
             finally:
+                recorder.stop()
                 node.shutdown()
     return 0
 
