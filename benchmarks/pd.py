@@ -549,9 +549,13 @@ def report(args: argparse.Namespace, figures: dict, load_before: tuple[float, fl
     if "routed" in m:
         print("routed: requests per engine " + ", ".join(f"{k} {v}" for k, v in m["routed"]["picks"].items()))
     for c in m.get("compiles", []):
-        if c["prefill"] or c["decode"]:
-            when = f"before the {c['before']} rounds" if "before" in c else f"round {c['round']} {c['arm']}"
-            print(f"Triton compiles, {when}: prefill node {len(c['prefill'])}, decode node {len(c['decode'])}")
+        if "before" in c:  # the build, the graph captures and the transfer phase: counts only
+            print(f"Triton compiles before the {c['before']} rounds: prefill node {len(c['prefill'])}, "
+                  f"decode node {len(c['decode'])}")
+        elif c["prefill"] or c["decode"]:
+            names = {node: ", ".join(k["kernel"].split("[", 1)[0] for k in c[node]) or "-" for node in ("prefill", "decode")}
+            print(f"Triton compiles, round {c['round']} {c['arm']}: prefill node {names['prefill']}; "
+                  f"decode node {names['decode']}")
     phases = m["split"].get("phases")
     if phases:
         print("split requests' TTFT by part, p50 / p99 s: "

@@ -77,6 +77,7 @@ class CompileLog(Protocol):
     """What the ``compiles`` op reads (``prefixgate_kernels.jit_watch.CompileRecorder`` on a GPU)."""
 
     kernels: list[str]
+    specializations: list[str]
 
     def stop(self) -> None: ...
 
@@ -86,6 +87,7 @@ class NoCompiles:
 
     def __init__(self) -> None:
         self.kernels: list[str] = []
+        self.specializations: list[str] = []
 
     def stop(self) -> None:
         pass
@@ -127,7 +129,9 @@ async def serve(conn: Connection, node: DisaggEngine, compiles: CompileLog) -> N
             elif op == "compiles":
                 # the Triton launches compiled since the last ask (a compile on the engine thread stalls
                 # every request of this node: benchmarks/pd.py records them per round)
-                result, compiles.kernels = compiles.kernels, []
+                result = [{"kernel": k, "specialization": sp}
+                          for k, sp in zip(compiles.kernels, compiles.specializations, strict=False)]
+                compiles.kernels, compiles.specializations = [], []
             else:
                 raise ValueError(f"unknown op {op!r}")
             send(("done", cid, result))
@@ -156,7 +160,8 @@ def main() -> int:
     p.add_argument("--node-token-env", default="PD_BENCH_TOKEN")
     args = p.parse_args()
     authkey = os.environ[args.authkey_env].encode()
-    node = build_node(args, os.environ[args.node_token_env])
+    # from before the build, so that the first compile of each kernel (graph capture) is on record
+    # beside any later one of the same kernel: their specializations say what made the second
     recorder: CompileLog = NoCompiles()
     if args.device.startswith("cuda"):
         from prefixgate_kernels.jit_watch import CompileRecorder
@@ -164,6 +169,7 @@ def main() -> int:
         compile_recorder = CompileRecorder()
         compile_recorder.start()
         recorder = compile_recorder
+    node = build_node(args, os.environ[args.node_token_env])
     with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
         print(f"READY {listener.address[1]}", flush=True)
         with listener.accept() as conn:

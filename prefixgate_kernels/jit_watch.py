@@ -9,6 +9,7 @@ compiles nothing, so on the CPU the list stays empty. One recorder at a time (th
 
 from __future__ import annotations
 
+import json
 from types import TracebackType
 
 import triton
@@ -16,15 +17,22 @@ import triton
 
 class CompileRecorder:
     """``kernels``: the name and specialised signature of every launch compiled between ``start``
-    and ``stop`` (or inside ``with``), in order, by any thread."""
+    and ``stop`` (or inside ``with``), in order, by any thread. ``specializations``: for each, what
+    Triton keyed the compile on (its serialised signature, constexprs and per-argument attributes such
+    as an integer's divisibility by 16, or the cache key where a Triton gives no such record): two
+    compiles of one kernel differ there, which says which argument made the second one."""
 
     def __init__(self) -> None:
         self.kernels: list[str] = []
+        self.specializations: list[str] = []
         self._previous: object = None
         self._on = False
 
     def _record(self, **kw: object) -> None:  # None: the launch goes on
         self.kernels.append(str(kw["repr"]))
+        compile_args = kw.get("compile")
+        data = compile_args.get("specialization_data") if isinstance(compile_args, dict) else None
+        self.specializations.append(_what_it_keys_on(data) if isinstance(data, str) else str(kw.get("key")))
 
     def start(self) -> None:
         self._previous, self._on = triton.knobs.runtime.jit_cache_hook, True
@@ -42,3 +50,18 @@ class CompileRecorder:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+# The parts of Triton's serialised specialization that tell two compiles of one kernel apart (its
+# options and target are the same for every launch of a process, and long).
+_KEYED_ON = ("signature", "constant_keys", "constant_vals", "attrs_keys", "attrs_vals")
+
+
+def _what_it_keys_on(data: str) -> str:
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(parsed, dict):
+        return data
+    return json.dumps({k: parsed[k] for k in _KEYED_ON if k in parsed}, separators=(",", ":"))

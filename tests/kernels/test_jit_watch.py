@@ -23,7 +23,14 @@ def test_the_recorder_keeps_launches_going_and_restores_the_previous_hook():
             # what Triton passes before compiling; a truthy return would skip the launch
             assert hook(key=("k",), repr="_kernel[num_warps=4](x: *fp32)", fn=None, compile={},
                         is_manual_warmup=False, already_compiled=False) is None
-        assert rec.kernels == ["_kernel[num_warps=4](x: *fp32)"]
+            # with Triton's serialised specialization, that is what is kept; without one, the cache key
+            assert hook(key=("k2",), repr="_kernel[num_warps=4](x: *fp32, n: i32)", fn=None,
+                        compile={"specialization_data": '{"name": "k", "attrs_vals": [[["tt.divisibility", 16]]], '
+                                                        '"options": {"num_warps": 4}}'},
+                        is_manual_warmup=False, already_compiled=False) is None
+        assert rec.kernels == ["_kernel[num_warps=4](x: *fp32)", "_kernel[num_warps=4](x: *fp32, n: i32)"]
+        # the options and the target are left out: the same for every launch of a process
+        assert rec.specializations == ["('k',)", '{"attrs_vals":[[["tt.divisibility",16]]]}']
         assert triton.knobs.runtime.jit_cache_hook is earlier
         rec.stop()  # a second stop changes nothing
         assert triton.knobs.runtime.jit_cache_hook is earlier
