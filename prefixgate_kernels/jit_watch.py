@@ -10,9 +10,11 @@ compiles nothing, so on the CPU the list stays empty. One recorder at a time (th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from types import TracebackType
 
 import triton
+import triton.runtime.jit as _triton_jit
 
 
 class CompileRecorder:
@@ -26,6 +28,7 @@ class CompileRecorder:
         self.kernels: list[str] = []
         self.specializations: list[str] = []
         self._previous: object = None
+        self._serializer: Callable[..., str] | None = None
         self._on = False
 
     def _record(self, **kw: object) -> None:  # None: the launch goes on
@@ -37,11 +40,20 @@ class CompileRecorder:
     def start(self) -> None:
         self._previous, self._on = triton.knobs.runtime.jit_cache_hook, True
         triton.knobs.runtime.jit_cache_hook = self._record
+        # With any hook set, Triton serialises each compile's specialization to JSON before calling it,
+        # and Triton 3.6 cannot serialise a Gluon layout constexpr: the Hopper prefill's launch raised
+        # TypeError under the recorder (session 40). While recording, that serialiser falls back to
+        # text for what JSON cannot hold; stop() puts the original back.
+        self._serializer = getattr(_triton_jit, "serialize_specialization_data", None)
+        if self._serializer is not None:
+            _triton_jit.serialize_specialization_data = _tolerant(self._serializer)
 
     def stop(self) -> None:
         """Put the previous hook back; a no-op when not started (safe in a ``finally``)."""
         if self._on:
             triton.knobs.runtime.jit_cache_hook, self._on = self._previous, False
+            if self._serializer is not None:
+                _triton_jit.serialize_specialization_data = self._serializer
 
     def __enter__(self) -> CompileRecorder:
         self.start()
@@ -65,3 +77,23 @@ def _what_it_keys_on(data: str) -> str:
     if not isinstance(parsed, dict):
         return data
     return json.dumps({k: parsed[k] for k in _KEYED_ON if k in parsed}, separators=(",", ":"))
+
+
+def _tolerant(serialize: Callable[..., str]) -> Callable[..., str]:
+    """Triton's ``serialize_specialization_data`` (name, signature, constexprs, attributes, ...), with
+    the constexprs and attributes as text where JSON cannot hold them (a Gluon layout)."""
+
+    def serialize_or_describe(*args: object, **kwargs: object) -> str:
+        try:
+            return serialize(*args, **kwargs)
+        except TypeError:
+            named = dict(zip(("name", "signature", "constants", "attrs"), args)) | kwargs
+            name, signature, constants, attrs = (named.get(k) for k in ("name", "signature", "constants", "attrs"))
+            consts = constants if isinstance(constants, dict) else {}
+            attributes = attrs if isinstance(attrs, dict) else {}
+            return json.dumps({"name": str(name), "signature": signature,
+                               "constant_keys": [str(k) for k in consts], "constant_vals": [str(v) for v in consts.values()],
+                               "attrs_keys": [str(k) for k in attributes],
+                               "attrs_vals": [str(v) for v in attributes.values()]}, default=str)
+
+    return serialize_or_describe
