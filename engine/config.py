@@ -57,6 +57,9 @@ class EngineConfig:
     num_threads: torch intra-op threads for CPU compute (process-wide); None = torch's default.
     use_cuda_graphs: on a CUDA device, replay decode steps (and one-sequence prefill steps of up to
         ``prefill_graph_tokens`` new tokens) from captured CUDA graphs.
+    warm_up_kernels: on a CUDA device, run once at start an eager step of each distinct launch the
+        eager path may make (engine/kernel_warmup.py), so that Triton compiles those kernels before a
+        request waits for them; False starts faster and compiles at first use instead.
     prefill_graph_tokens: the longest one-sequence prefill step replayed from a graph (a prefix
         hit's suffix, a chat turn), capped by ``max_num_batched_tokens`` and the model's context;
         0 = prefill steps always run eagerly (engine/prefill_graphs.py).
@@ -87,6 +90,7 @@ class EngineConfig:
     prepare_workers: int = 4
     prepare_queued_per_tenant: int = 64
     use_cuda_graphs: bool = True
+    warm_up_kernels: bool = True
     prefill_graph_tokens: int = 512
     dram_bytes: int = 0
     nvme_dir: Path | None = None

@@ -24,6 +24,7 @@ stream so that tier transfers overlap the compute stream. CPU behaviour is uncha
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from engine.cuda_graphs import DecodeGraphs, TokenFeed, graph_batch_sizes
 from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
 from engine.guided import GrammarCompile, GrammarCompiler
 from engine.host_to_device import host_tensor, tensor_to_device, to_device
+from engine.kernel_warmup import WarmupStep, candidates, distinct_steps, row_class, warmup_batch
 from engine.kv_layout import KVPageLayout
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
 from engine.models.chat_render import render_chat_ids
@@ -91,6 +93,14 @@ def _row_view(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """uint8 rows [n, bytes of one of ``like``'s blocks] (each row contiguous) as [n, *like.shape[1:]] of
     ``like``'s dtype, in token order: a view, so a gather writes the rows' bytes."""
     return rows.view(like.dtype).view(rows.shape[0], *like.shape[1:])
+
+
+class StepRoute(enum.Enum):
+    """How ``ModelRunner.forward`` runs a batch."""
+
+    DECODE_GRAPH = "decode_graph"  # a captured decode step (engine/cuda_graphs.py)
+    PREFILL_GRAPH = "prefill_graph"  # a captured one-sequence prefill step (engine/prefill_graphs.py)
+    EAGER = "eager"
 
 
 class ModelRunner:
@@ -210,6 +220,10 @@ class ModelRunner:
                 layout=CacheLayout.of(self.dtype, self.layer_caches[0].k),
             )
             self.prefill_graphs.capture()
+        # after the captures: what the graphs launch is compiled by now; the eager path's launches next
+        self.kernel_warmup_steps = 0
+        if torch_device.type == "cuda" and config.warm_up_kernels:
+            self.kernel_warmup_steps = self._warm_up_eager_kernels()
 
     # ----------------------------------------------------------------------------------- setup
     def _count_blocks(self, device: torch.device) -> int:
@@ -314,6 +328,44 @@ class ModelRunner:
         return self._eager_merge_counters
 
     @torch.inference_mode()
+    @torch.inference_mode()
+    def _warm_up_eager_kernels(self) -> int:
+        """engine/kernel_warmup.py: one eager step of each distinct prefill launch (kernel, tiles, split
+        count as ``plan_prefill`` picks them) and row class the eager path may make, sampled greedily;
+        -> steps run."""
+        from prefixgate_kernels.prefill_attention import choose_prefill_tiles, plan_prefill
+
+        layout = CacheLayout.of(self.dtype, self.layer_caches[0].k)
+        q_heads, device = self.arch.num_heads, self.kv_cache.device
+        max_context = min(self.arch.max_model_len, self.num_kv_blocks * self.block_size)
+
+        def eager(step: WarmupStep) -> bool:
+            return self._graph_for(warmup_batch(step, self.block_size, "probe"), False, None) is StepRoute.EAGER
+
+        def launch_key(step: WarmupStep) -> tuple[object, ...]:
+            plan = plan_prefill(step.num_tokens, step.num_seqs, q_heads, step.context, device, layout)
+            return plan.kernel, choose_prefill_tiles(step.num_tokens, True).block_m, plan.splits, row_class(step.num_tokens)
+
+        steps = distinct_steps(candidates(self.config.max_num_batched_tokens, self.config.max_num_seqs, max_context),
+                               eager, launch_key)
+        for i, step in enumerate(steps):
+            batch = warmup_batch(step, self.block_size, f"kernel-warm-up-{i}")
+            self.execute(batch)
+            for chunk in batch.chunks:
+                self.release(chunk.request_id)
+        return len(steps)
+
+    def _graph_for(self, batch: ScheduledBatch, all_logits: bool, feed: TokenFeed | None) -> StepRoute:
+        """Which captured graph runs ``batch``, if any."""
+        graphs = self.decode_graphs
+        if graphs is not None and not all_logits and batch.is_decode_only and len(batch.chunks) <= graphs.sizes[-1]:
+            return StepRoute.DECODE_GRAPH
+        prefill = self.prefill_graphs
+        if prefill is not None and not all_logits and feed is None and len(batch.chunks) == 1 \
+                and prefill.accepts(batch.chunks[0]):
+            return StepRoute.PREFILL_GRAPH
+        return StepRoute.EAGER
+
     def forward(self, batch: ScheduledBatch, all_logits: bool = False, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one packed forward (writing K/V) and return logits float32:
         [num sampled chunks, V] (last position of each chunk with sample=True), or [T, V] with all_logits.
@@ -323,15 +375,13 @@ class ModelRunner:
         the next forward: copy it to keep it. ``all_logits=True`` always runs eagerly. ``feed``: one-token
         chunks whose token is a previous step's pick still on the device (engine.cuda_graphs.TokenFeed)."""
         self.copy_blocks(batch.block_copies)
-        graphs = self.decode_graphs
-        if graphs is not None and not all_logits and batch.is_decode_only and len(batch.chunks) <= graphs.sizes[-1]:
-            logits = graphs.run(batch.chunks, feed)  # [B, V], a view of the graph's output
+        route = self._graph_for(batch, all_logits, feed)
+        if route is StepRoute.DECODE_GRAPH and self.decode_graphs is not None:
+            logits = self.decode_graphs.run(batch.chunks, feed)  # [B, V], a view of the graph's output
             rows = [i for i, c in enumerate(batch.chunks) if c.sample]
             return logits if len(rows) == len(batch.chunks) else logits[to_device(rows, torch.long, logits.device)]
-        prefill = self.prefill_graphs
-        if prefill is not None and not all_logits and feed is None and len(batch.chunks) == 1 \
-                and prefill.accepts(batch.chunks[0]):
-            logits = prefill.run(batch.chunks[0])  # [1, V], a view of the graph's output
+        if route is StepRoute.PREFILL_GRAPH and self.prefill_graphs is not None:
+            logits = self.prefill_graphs.run(batch.chunks[0])  # [1, V], a view of the graph's output
             return logits if batch.chunks[0].sample else logits[:0]
         hidden = self._eager_hidden(batch, feed)  # [T, hidden]
         if not all_logits:

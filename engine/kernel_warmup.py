@@ -1,0 +1,87 @@
+"""Eager steps a GPU runner runs once at start, so that Triton compiles what the eager path may launch
+before a request has to wait for it.
+
+Why: Triton compiles a kernel once per set of constexprs, at the first launch that asks for it, on the
+thread that launches: the engine's. The eager prefill picks its kernel, tiles and KV split count per
+step (``prefill_attention.plan_prefill``), and the split merge is compiled per split count, so a shape
+the engine has not run yet can stop it for a compile of 0.5-2 s while every request on it waits. Session
+40's prefill/decode runs on an H100 (docs/gpu.md) caught it: the decode node compiled the split prefill at
+its first short suffix over an imported prefix, during serving, and that round's long prompts reached
+their first token in 1.25 s against 0.70 in the rounds after. CUDA-graph capture compiles what the graphs
+launch; these steps cover the eager path: steps of several sequences, prefills longer than the prefill
+graphs, and greedy sampling outside a graph.
+
+Which steps: every combination of a few token counts, sequences per step and contexts (``candidates``)
+that the runner would run eagerly, keeping the first step of each distinct launch the planner would make,
+crossed with the row counts the step's other kernels compile for (``row_class``; ``distinct_steps``). Steps share their blocks and write garbage K/V into them: at start no block holds
+anything a request could read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+
+from engine.batch import ScheduledBatch, SequenceChunk
+from engine.protocol import SamplingParams
+
+# Token counts around the planner's thresholds: one and two rows, one and two 16-row groups, the 64-row
+# tile and just past it, a graph size and beyond; sequences per step; contexts from the chunk itself to
+# the model's longest (a split count changes with the context a step's longest sequence reaches).
+TOKEN_COUNTS = (1, 2, 16, 17, 32, 33, 64, 65, 128, 512, 1024, 2048, 4096, 8192)
+SEQS_PER_STEP = (1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+WARMUP_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def row_class(num_tokens: int) -> tuple[bool, bool, int]:
+    """What the step's other kernels compile per row count: Triton specialises an integer argument on
+    being 1 and on dividing by 16, and the decode-sized kernels pick their row tile from the count up to
+    32 rows (``gate_up_silu``, ``partial_gemm``, ``skinny_gemm``: 16 or 32), cuBLAS above."""
+    bucket = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64 if num_tokens <= 64 else 0
+    return num_tokens == 1, num_tokens % 16 == 0, bucket
+
+
+@dataclass(frozen=True)
+class WarmupStep:
+    """A step of ``num_seqs`` sequences whose new tokens sum to ``num_tokens`` (the first sequence takes
+    all but one token for each other sequence), every sequence at ``context`` tokens after the step."""
+
+    num_tokens: int
+    num_seqs: int
+    context: int
+
+    @property
+    def first_chunk_tokens(self) -> int:
+        return self.num_tokens - (self.num_seqs - 1)
+
+
+def candidates(token_budget: int, max_seqs: int, max_context: int) -> Iterator[WarmupStep]:
+    """Step shapes within the runner's limits: at most ``token_budget`` new tokens and ``max_seqs``
+    sequences a step, contexts up to ``max_context`` (the model's, or what the KV pool holds)."""
+    for tokens in sorted({t for t in TOKEN_COUNTS if t <= token_budget} | {token_budget}):
+        for seqs in sorted({s for s in SEQS_PER_STEP if s <= min(max_seqs, tokens)} | {min(max_seqs, tokens)}):
+            first = tokens - (seqs - 1)
+            for context in sorted({first, *(c for c in CONTEXTS if first <= c <= max_context)}):
+                if context <= max_context:
+                    yield WarmupStep(tokens, seqs, context)
+
+
+def distinct_steps(steps: Iterator[WarmupStep], eager: Callable[[WarmupStep], bool],
+                   launch_key: Callable[[WarmupStep], Hashable]) -> list[WarmupStep]:
+    """The first step of each distinct ``launch_key`` among those the runner runs ``eager``ly."""
+    kept: dict[Hashable, WarmupStep] = {}
+    for step in steps:
+        if eager(step):
+            kept.setdefault(launch_key(step), step)
+    return list(kept.values())
+
+
+def warmup_batch(step: WarmupStep, block_size: int, tag: str) -> ScheduledBatch:
+    """``step`` as a batch: token id 0 everywhere, every sequence on blocks 0 .. context / block_size."""
+    table = list(range(-(-step.context // block_size)))
+    chunks = []
+    for i in range(step.num_seqs):
+        n = step.first_chunk_tokens if i == 0 else 1
+        chunks.append(SequenceChunk(f"{tag}-{i}", [0] * n, step.context - n, table, True, WARMUP_SAMPLING))
+    return ScheduledBatch(chunks)
