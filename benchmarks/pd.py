@@ -403,7 +403,7 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
         arms = {"colocated": PairClient(decode, prefill, receiver, None), "split": split, "routed": routed}
         rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
 
-        async def compiled() -> dict[str, list[str]]:
+        async def compiled() -> dict[str, list[dict[str, str]]]:
             # Triton launches each node compiled since the last ask: a compile stalls that node's engine
             # thread for a second or more, so a round that compiles is not a steady-state round
             return {"prefill": await prefill.call("compiles"), "decode": await decode.call("compiles")}

@@ -76,8 +76,7 @@ def build_node(args: argparse.Namespace, node_token: str) -> DisaggEngine:
 class CompileLog(Protocol):
     """What the ``compiles`` op reads (``prefixgate_kernels.jit_watch.CompileRecorder`` on a GPU)."""
 
-    kernels: list[str]
-    specializations: list[str]
+    def drain(self) -> list[tuple[str, str]]: ...
 
     def stop(self) -> None: ...
 
@@ -85,9 +84,8 @@ class CompileLog(Protocol):
 class NoCompiles:
     """Where Triton's interpreter runs (the CPU) nothing is compiled: the ``compiles`` op answers []."""
 
-    def __init__(self) -> None:
-        self.kernels: list[str] = []
-        self.specializations: list[str] = []
+    def drain(self) -> list[tuple[str, str]]:
+        return []
 
     def stop(self) -> None:
         pass
@@ -129,9 +127,7 @@ async def serve(conn: Connection, node: DisaggEngine, compiles: CompileLog) -> N
             elif op == "compiles":
                 # the Triton launches compiled since the last ask (a compile on the engine thread stalls
                 # every request of this node: benchmarks/pd.py records them per round)
-                result = [{"kernel": k, "specialization": sp}
-                          for k, sp in zip(compiles.kernels, compiles.specializations, strict=False)]
-                compiles.kernels, compiles.specializations = [], []
+                result = [{"kernel": k, "specialization": sp} for k, sp in compiles.drain()]
             else:
                 raise ValueError(f"unknown op {op!r}")
             send(("done", cid, result))

@@ -328,7 +328,6 @@ class ModelRunner:
         return self._eager_merge_counters
 
     @torch.inference_mode()
-    @torch.inference_mode()
     def _warm_up_eager_kernels(self) -> int:
         """engine/kernel_warmup.py: one eager step of each distinct prefill launch (kernel, tiles, split
         count as ``plan_prefill`` picks them) and row class the eager path may make, sampled greedily;
@@ -366,6 +365,7 @@ class ModelRunner:
             return StepRoute.PREFILL_GRAPH
         return StepRoute.EAGER
 
+    @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, all_logits: bool = False, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one packed forward (writing K/V) and return logits float32:
         [num sampled chunks, V] (last position of each chunk with sample=True), or [T, V] with all_logits.

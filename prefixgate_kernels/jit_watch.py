@@ -10,6 +10,7 @@ compiles nothing, so on the CPU the list stays empty. One recorder at a time (th
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from types import TracebackType
 
@@ -27,15 +28,25 @@ class CompileRecorder:
     def __init__(self) -> None:
         self.kernels: list[str] = []
         self.specializations: list[str] = []
+        self._lock = threading.Lock()  # compiles come on any launching thread; drain() reads on another
         self._previous: object = None
         self._serializer: Callable[..., str] | None = None
         self._on = False
 
     def _record(self, **kw: object) -> None:  # None: the launch goes on
-        self.kernels.append(str(kw["repr"]))
         compile_args = kw.get("compile")
         data = compile_args.get("specialization_data") if isinstance(compile_args, dict) else None
-        self.specializations.append(_what_it_keys_on(data) if isinstance(data, str) else str(kw.get("key")))
+        keyed_on = _what_it_keys_on(data) if isinstance(data, str) else str(kw.get("key"))
+        with self._lock:
+            self.kernels.append(str(kw["repr"]))
+            self.specializations.append(keyed_on)
+
+    def drain(self) -> list[tuple[str, str]]:
+        """(kernel, specialization) of each compile recorded since the last drain, and forget them."""
+        with self._lock:
+            out = list(zip(self.kernels, self.specializations, strict=True))
+            self.kernels, self.specializations = [], []
+        return out
 
     def start(self) -> None:
         self._previous, self._on = triton.knobs.runtime.jit_cache_hook, True

@@ -32,6 +32,9 @@ def test_the_recorder_keeps_launches_going_and_restores_the_previous_hook():
         assert rec.kernels == ["_kernel[num_warps=4](x: *fp32)", "_kernel[num_warps=4](x: *fp32, n: i32)"]
         # the options and the target are left out: the same for every launch of a process
         assert rec.specializations == ["('k',)", '{"attrs_vals":[[["tt.divisibility",16]]]}']
+        assert rec.drain() == [("_kernel[num_warps=4](x: *fp32)", "('k',)"),
+                               ("_kernel[num_warps=4](x: *fp32, n: i32)", '{"attrs_vals":[[["tt.divisibility",16]]]}')]
+        assert rec.drain() == [] and rec.kernels == []
         assert triton.knobs.runtime.jit_cache_hook is earlier
         rec.stop()  # a second stop changes nothing
         assert triton.knobs.runtime.jit_cache_hook is earlier
