@@ -26,6 +26,7 @@ Config file layout (TOML shown; YAML with the same keys works too)::
     max_num_batched_tokens = 2048
     max_mixed_prefill_tokens = 256  # prefill tokens of a shared step (default: 256 on CPU, no cap on CUDA; 0 = no cap)
     prefill_graph_tokens = 512  # CUDA: one-sequence prefill steps up to this many tokens from graphs (0 = off)
+    warm_up_kernels = true      # CUDA: compile the eager path's Triton kernels at start (false: at first use)
     max_model_len = 8192        # longest context served (default: the model's, capped by the KV pool)
     threads = 2                 # torch CPU threads (default: torch's choice)
     dram_bytes = "1GiB"
@@ -245,6 +246,7 @@ class GatewaySettings(BaseModel):
     # EngineConfig.max_mixed_prefill_tokens: None = the device's default (CPU 256, CUDA no cap), 0 = no cap
     max_mixed_prefill_tokens: int | None = Field(None, ge=0)
     prefill_graph_tokens: int = Field(512, ge=0)  # EngineConfig.prefill_graph_tokens (0 = eager prefill)
+    warm_up_kernels: bool = True  # EngineConfig.warm_up_kernels (CUDA: the eager path's kernels compiled at start)
     # EngineConfig.prepare_workers / prepare_queued_per_tenant: the engine's per-tenant prepare lanes
     prepare_workers: int = Field(4, ge=1)
     prepare_queued_per_tenant: int = Field(64, ge=0)
@@ -324,7 +326,7 @@ class GatewaySettings(BaseModel):
             block_size=self.block_size, kv_page_layout=self.kv_page_layout, num_kv_blocks=self.kv_blocks,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_mixed_prefill_tokens=self.max_mixed_prefill_tokens,
-            prefill_graph_tokens=self.prefill_graph_tokens,
+            prefill_graph_tokens=self.prefill_graph_tokens, warm_up_kernels=self.warm_up_kernels,
             prepare_workers=self.prepare_workers, prepare_queued_per_tenant=self.prepare_queued_per_tenant,
             max_model_len=self.max_model_len, num_threads=self.threads,
             dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,

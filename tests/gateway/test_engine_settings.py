@@ -16,7 +16,7 @@ def test_config_file_engine_keys_are_accepted_and_passed_to_the_engine(tmp_path,
         f'model = "{tiny_model_dir}"\n'
         'dtype = "bf16"\nkv_dtype = "int8"\nblock_size = 32\n'
         "max_num_batched_tokens = 512\nmax_num_seqs = 8\nthreads = 1\nprefill_graph_tokens = 256\n"
-        "max_mixed_prefill_tokens = 64\nkv_page_layout = \"head\"\n"
+        "max_mixed_prefill_tokens = 64\nkv_page_layout = \"head\"\nwarm_up_kernels = false\n"
     )
     args = build_parser().parse_args(["serve", "--config", str(cfg)])
     engine = build_settings(args, tmp_path).engine_config()
@@ -25,6 +25,7 @@ def test_config_file_engine_keys_are_accepted_and_passed_to_the_engine(tmp_path,
     assert engine.prefill_graph_tokens == 256
     assert engine.mixed_prefill_cap == 64
     assert engine.kv_page_layout == "head"
+    assert engine.warm_up_kernels is False  # on by default (EngineConfig), off here
     assert engine.model_dir == tiny_model_dir
 
 
