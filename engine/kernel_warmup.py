@@ -13,8 +13,9 @@ graphs, and greedy sampling outside a graph.
 
 Which steps: every combination of a few token counts, sequences per step and contexts (``candidates``)
 that the runner would run eagerly, keeping the first step of each distinct launch the planner would make,
-crossed with the row counts the step's other kernels compile for (``row_class``; ``distinct_steps``). Steps share their blocks and write garbage K/V into them: at start no block holds
-anything a request could read.
+crossed with the row counts the step's other kernels compile for (``row_class``; ``distinct_steps``).
+Steps share their blocks and write garbage K/V into them: at start no block holds anything a request
+could read.
 """
 
 from __future__ import annotations
