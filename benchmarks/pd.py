@@ -20,7 +20,7 @@ SmolLM2-135M-Instruct on CPU by default) and drives them with the gateway's spli
    so neither phase hits the other's cache. Reported: the decoders' TPOT p50/p99 (gaps between
    streamed tokens at the client), TTFT p50/p99 of the long requests and of the decoders, and
    every generated token per second of wall time; with ``--nodes engine``, the split requests'
-   TTFT by part (``pd_engine_nodes.split_phases``) and a third arm: both processes as
+   TTFT by part (``split_phases``) and a third arm: both processes as
    independent colocated engines, each request routed as the gateway routes among engine nodes
    (``pd_engine_nodes.RoutedPairClient``: rendezvous on the prompt's leading block hash, with the
    in-flight guard).
@@ -232,6 +232,13 @@ async def transfer_phase(prefill_url: str, receiver: str, n_tokens: int, repeats
     return out
 
 
+def split_phases(parts: dict[str, list[float]]) -> dict[str, dict[str, float | None]]:
+    """p50 / p99 of each part of the split requests' TTFT (``pd_engine_nodes.split_parts``), by the same
+    percentile as every other figure here; empty when no request was split."""
+    return {name: {"p50": round(pct(v, 50) or 0.0, 4), "p99": round(pct(v, 99) or 0.0, 4)}
+            for name, v in parts.items() if v}
+
+
 def median_of_rounds(rounds: list[dict]) -> dict:
     """Each numeric figure of ``mixed_phase``'s rounds as its median over them (a figure missing from a
     round, e.g. no long request finished, is left out of that figure's median), the rounds kept too."""
@@ -369,7 +376,7 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
         RoutedPairClient,
         device_copy_bw,
         digest_bw,
-        split_phases,
+        split_parts,
     )
 
     loop = asyncio.get_running_loop()
@@ -417,7 +424,7 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
         mixed["compiles"] = compiles
         mixed["split"]["handoffs"] = len(split.handoffs)
         mixed["split"]["handoff_status"] = sorted({h.transfer.status.value for h in split.handoffs})
-        mixed["split"]["phases"] = split_phases(split.splits)  # over every round's split requests
+        mixed["split"]["phases"] = split_phases(split_parts(split.splits))  # over every round's split requests
         mixed["routed"]["picks"] = {n.label: n.picked for n in routed.nodes}
         leaks = {"prefill": await prefill.call("integrity"), "decode": await decode.call("integrity")}
     finally:

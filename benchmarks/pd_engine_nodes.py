@@ -110,20 +110,11 @@ _PHASES = {
 }
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def split_phases(timings: list[SplitTiming]) -> dict[str, dict[str, float]]:
-    """p50 / p99 of each part of the split requests' TTFT: which part a slow split spent its time in
-    (the prefill node's queue behind earlier long prompts, the transfer, or the decode node's first
-    step behind its running batch). Empty when no request was split."""
-    if not timings:
-        return {}
-    return {name: {"p50": round(_quantile([part(t) for t in timings], 0.5), 4),
-                   "p99": round(_quantile([part(t) for t in timings], 0.99), 4)}
-            for name, part in _PHASES.items()}
+def split_parts(timings: list[SplitTiming]) -> dict[str, list[float]]:
+    """Each part of the split requests' TTFT, one value a request (``pd.split_phases`` takes their
+    percentiles): which part a slow split spent its time in (the prefill node's queue behind earlier
+    long prompts, the transfer, or the decode node's first step behind its running batch)."""
+    return {name: [part(t) for t in timings] for name, part in _PHASES.items()}
 
 
 @dataclasses.dataclass

@@ -37,8 +37,8 @@ WARMUP_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 def row_class(num_tokens: int) -> tuple[bool, bool, int]:
     """What the step's other kernels compile per row count: Triton specialises an integer argument on
-    being 1 and on dividing by 16, and the decode-sized kernels pick their row tile from the count up to
-    32 rows (``gate_up_silu``, ``partial_gemm``, ``skinny_gemm``: 16 or 32), cuBLAS above."""
+    being 1 and on dividing by 16 (where the kernel does not opt out), and the decode-sized kernels take
+    at most 32 rows, picking a row tile from the count (``gate_up_silu``: 16 up to 16 rows, 32 up to 32)."""
     bucket = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64 if num_tokens <= 64 else 0
     return num_tokens == 1, num_tokens % 16 == 0, bucket
 

@@ -1,4 +1,5 @@
-"""benchmarks/pd_engine_nodes.py's split-TTFT parts, on made-up timings (no engine, no GPU)."""
+"""benchmarks/pd_engine_nodes.py's split-TTFT parts and routed pair, and pd.py's summaries of them, on made-up
+timings (no engine, no GPU)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import pytest
 from engine.disagg.api import HandoffReport, TransferReport, TransferStatus
 
 nodes = pytest.importorskip("benchmarks.pd_engine_nodes")
+pd = pytest.importorskip("benchmarks.pd")
+
+
+def phases_of(timings):
+    return pd.split_phases(nodes.split_parts(timings))
 
 
 def timing(lookup: float, handoff: float, prefill: float, transfer: float, first: float):
@@ -16,12 +22,12 @@ def timing(lookup: float, handoff: float, prefill: float, transfer: float, first
 
 
 def test_no_split_no_phases():
-    assert nodes.split_phases([]) == {}
+    assert phases_of([]) == {}
 
 
 def test_parts_split_the_handoff():
     # the call's time beyond the prefill node's prefill and the transfer is the export and the hops
-    phases = nodes.split_phases([timing(0.001, 0.5, 0.4, 0.06, 0.02)])
+    phases = phases_of([timing(0.001, 0.5, 0.4, 0.06, 0.02)])
     assert phases["prefill_node_s"] == {"p50": 0.4, "p99": 0.4}
     assert phases["transfer_s"] == {"p50": 0.06, "p99": 0.06}
     assert phases["export_and_calls_s"]["p50"] == pytest.approx(0.04)
@@ -32,10 +38,10 @@ def test_parts_split_the_handoff():
 def test_quantiles_over_requests():
     # one request stuck behind the prefill node's queue: p99 shows it, p50 does not
     timings = [timing(0.001, 0.3, 0.25, 0.02, 0.01) for _ in range(8)] + [timing(0.001, 1.8, 1.75, 0.02, 0.01)]
-    phases = nodes.split_phases(timings)
+    phases = phases_of(timings)
     assert phases["prefill_node_s"] == {"p50": 0.25, "p99": 1.75}
     # a clock slip that makes the parts exceed the call is floored, not reported negative
-    assert nodes.split_phases([timing(0.0, 0.1, 0.09, 0.02, 0.0)])["export_and_calls_s"]["p50"] == 0.0
+    assert phases_of([timing(0.0, 0.1, 0.09, 0.02, 0.0)])["export_and_calls_s"]["p50"] == 0.0
 
 
 class RecordingNode:
@@ -87,7 +93,6 @@ def test_routed_pair_keeps_a_prefix_on_one_engine_and_leaves_a_busy_one():
 
 
 def test_mixed_rounds_reduce_to_medians():
-    pd = pytest.importorskip("benchmarks.pd")
     rounds = [{"wall_s": 6.0, "long_ttft_p50_s": 0.7, "decoder_tpot_p99_s": None, "tag": "x"},
               {"wall_s": 5.0, "long_ttft_p50_s": None, "decoder_tpot_p99_s": None, "tag": "y"},
               {"wall_s": 7.0, "long_ttft_p50_s": 0.3, "decoder_tpot_p99_s": None, "tag": "z"}]
