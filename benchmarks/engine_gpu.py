@@ -1361,6 +1361,9 @@ def main() -> int:
     sync(dev)
     result["runner"] = {"num_kv_blocks": runner.num_kv_blocks, "kv_bytes_per_block": runner.kv_bytes_per_block,
                         "kv_memory_fraction": config.kv_memory_fraction, "init_and_capture_s": time.perf_counter() - t0,
+                        # the part of it the kernel warm-up took (engine/kernel_warmup.py; 0 where off)
+                        "kernel_warmup_steps": runner.kernel_warmup_steps,
+                        "kernel_warmup_s": runner.kernel_warmup_seconds,
                         "graph_sizes": list(runner.decode_graphs.sizes) if runner.decode_graphs else [],
                         "prefill_graphs": runner.prefill_graphs.num_graphs if runner.prefill_graphs else 0}
     save()

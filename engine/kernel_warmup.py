@@ -11,6 +11,11 @@ their first token in 1.25 s against 0.70 in the rounds after. CUDA-graph capture
 launch; these steps cover the eager path: steps of several sequences, prefills longer than the prefill
 graphs, and greedy sampling outside a graph.
 
+Past the forward, kernels run only when a request asks for a feature: the sampling penalties' two
+kernels, and the block moves (a copy-on-write's row copy; a KV export's or import's gather and scatter
+through the pool's page layout). Without a warm-up the first tenant to ask for one stops every tenant's
+steps for its compile; ``penalised_batch`` and ``MOVED_BLOCKS`` run each once at start.
+
 Which steps: every combination of a few token counts, sequences per step and contexts (``candidates``)
 that the runner would run eagerly, keeping the first step of each distinct launch the planner would make,
 crossed with the row counts the step's other kernels compile for (``row_class``; ``distinct_steps``).
@@ -33,6 +38,14 @@ TOKEN_COUNTS = (1, 2, 16, 17, 32, 33, 64, 65, 128, 512, 1024, 2048, 4096, 8192)
 SEQS_PER_STEP = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 WARMUP_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+# every penalty at once: the Triton path applies all three in one launch, then counts the pick
+PENALISED_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, repetition_penalty=1.1,
+                                    frequency_penalty=0.1, presence_penalty=0.1)
+# blocks an export and an import move at start: not consecutive, so that the gather and scatter take
+# their index kernels (a run of consecutive blocks is copied by slices, compiling nothing), and the
+# copy-on-write's source and destination (distinct: a copy within one block races)
+MOVED_BLOCKS = (0, 2)
+COPIED_BLOCK = (1, 3)  # (src, dst)
 
 
 def row_class(num_tokens: int) -> tuple[bool, bool, int]:
@@ -86,3 +99,10 @@ def warmup_batch(step: WarmupStep, block_size: int, tag: str) -> ScheduledBatch:
         n = step.first_chunk_tokens if i == 0 else 1
         chunks.append(SequenceChunk(f"{tag}-{i}", [0] * n, step.context - n, table, True, WARMUP_SAMPLING))
     return ScheduledBatch(chunks)
+
+
+def penalised_batch(block_size: int, tag: str) -> ScheduledBatch:
+    """A one-token decode step with every sampling penalty on (``PENALISED_SAMPLING``), its prompt one
+    token long: what the first penalised request's steps launch past the forward."""
+    chunk = SequenceChunk(tag, [0], block_size, [0, 1], True, PENALISED_SAMPLING, prompt_token_ids=(0,))
+    return ScheduledBatch([chunk])

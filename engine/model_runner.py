@@ -25,6 +25,7 @@ stream so that tier transfers overlap the compute stream. CPU behaviour is uncha
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +38,16 @@ from engine.cuda_graphs import DecodeGraphs, TokenFeed, graph_batch_sizes
 from engine.gpu_memory import kv_blocks_for_budget, kv_budget_from_free
 from engine.guided import GrammarCompile, GrammarCompiler
 from engine.host_to_device import host_tensor, tensor_to_device, to_device
-from engine.kernel_warmup import WarmupStep, candidates, distinct_steps, row_class, warmup_batch
+from engine.kernel_warmup import (
+    COPIED_BLOCK,
+    MOVED_BLOCKS,
+    WarmupStep,
+    candidates,
+    distinct_steps,
+    penalised_batch,
+    row_class,
+    warmup_batch,
+)
 from engine.kv_layout import KVPageLayout
 from engine.models.attention import AttentionMetadata, LayerCache, select_ops
 from engine.models.chat_render import render_chat_ids
@@ -222,8 +232,13 @@ class ModelRunner:
             self.prefill_graphs.capture()
         # after the captures: what the graphs launch is compiled by now; the eager path's launches next
         self.kernel_warmup_steps = 0
+        self.kernel_warmup_seconds = 0.0  # start-up time the warm-up took (steps and feature kernels)
         if torch_device.type == "cuda" and config.warm_up_kernels:
+            began = time.perf_counter()
             self.kernel_warmup_steps = self._warm_up_eager_kernels()
+            self._warm_up_feature_kernels()
+            torch.cuda.synchronize(torch_device)
+            self.kernel_warmup_seconds = time.perf_counter() - began
 
     # ----------------------------------------------------------------------------------- setup
     def _count_blocks(self, device: torch.device) -> int:
@@ -327,7 +342,8 @@ class ModelRunner:
             self._eager_merge_counters = torch.zeros(need, dtype=torch.int32, device=self.kv_cache.device)
         return self._eager_merge_counters
 
-    @torch.inference_mode()
+    # Not under inference mode: the steps run as the engine runs them (``forward`` is in inference mode
+    # itself), so state the sampler creates here (the penalties' table) stays writable by later steps.
     def _warm_up_eager_kernels(self) -> int:
         """engine/kernel_warmup.py: one eager step of each distinct prefill launch (kernel, tiles, split
         count as ``plan_prefill`` picks them) and row class the eager path may make, sampled greedily;
@@ -353,6 +369,18 @@ class ModelRunner:
             for chunk in batch.chunks:
                 self.release(chunk.request_id)
         return len(steps)
+
+    def _warm_up_feature_kernels(self) -> None:
+        """engine/kernel_warmup.py: the kernels a request's features launch past the forward, once each:
+        a penalised greedy step (the penalties' launch and the pick's count), a copy-on-write, a KV
+        export and import of blocks that are not consecutive (the gather and scatter kernels)."""
+        batch = penalised_batch(self.block_size, "kernel-warm-up-penalties")
+        self.execute(batch)
+        self.release(batch.chunks[0].request_id)
+        if self.num_kv_blocks <= max(*MOVED_BLOCKS, *COPIED_BLOCK):
+            return  # a pool this small (tests) has no room for the moves
+        self.copy_blocks([BlockCopy(*COPIED_BLOCK)])
+        self.import_blocks(MOVED_BLOCKS, self.export_blocks_device(MOVED_BLOCKS))
 
     def _graph_for(self, batch: ScheduledBatch, all_logits: bool, feed: TokenFeed | None) -> StepRoute:
         """Which captured graph runs ``batch``, if any."""

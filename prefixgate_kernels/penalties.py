@@ -29,7 +29,10 @@ from prefixgate_kernels._common import cdiv
 BLOCK = 4096  # columns a program: 16 KiB of fp32 logits; a 128K vocabulary is 32 programs a row
 
 
-@triton.jit
+# The penalised row count only offsets into ``index`` and bounds the grid: left specialised (equal to 1,
+# divisible by 16, or neither), a batch with a new count class would compile another variant on the
+# engine's thread while every request waits (issue 19, session 41).
+@triton.jit(do_not_specialize=["n_rows_p"])
 def _penalise_kernel(
     logits_ptr,  # [N, V] fp32, rows contiguous
     counts_ptr,  # [slots, V] fp32
@@ -60,7 +63,7 @@ def _penalise_kernel(
     tl.store(logits_ptr + row * stride_logits + cols, x, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows_p"])
 def _count_kernel(
     counts_ptr,  # [slots, V] fp32
     index_ptr,  # [2, P] int64: the rows, then their slots

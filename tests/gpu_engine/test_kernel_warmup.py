@@ -1,11 +1,16 @@
 """engine/kernel_warmup.py: the eager steps a GPU runner runs at start so that Triton compiles the eager
 path's kernels before a request waits for them. The shapes and their selection on the CPU; on a GPU, that
 a runner built with the warm-up compiles nothing at its first eager steps of several sequences (a short
-suffix over a long prefix beside decoding rows), and one built without it does."""
+suffix over a long prefix beside decoding rows), and one built without it does; likewise for the first
+uses of request features (penalties, block moves), each arm in a fresh process."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +74,28 @@ def test_a_cpu_runner_does_not_warm_up_but_the_steps_run_there(tmp_path):
     assert out.sampled_token_ids[0] is not None
 
 
+def _penalised_tokens(runner: ModelRunner) -> list[int]:
+    from engine.kernel_warmup import PENALISED_SAMPLING
+
+    prompt = [7, 7, 9, 7, 11, 7]
+    out = runner.execute(ScheduledBatch([SequenceChunk("p", prompt, 0, [20], True, PENALISED_SAMPLING,
+                                                       prompt_token_ids=prompt)])).sampled_token_ids
+    first = out[0]
+    nxt = runner.execute(ScheduledBatch([SequenceChunk("p", [first], len(prompt), [20], True, PENALISED_SAMPLING,
+                                                       output_token_ids=[first], prompt_token_ids=prompt)]))
+    return [first, nxt.sampled_token_ids[0]]
+
+
+def test_the_feature_warm_up_runs_on_a_cpu_runner_and_leaves_no_state(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    warmed, fresh = small_runner(tmp_path / "a", "cpu"), small_runner(tmp_path / "b", "cpu")
+    warmed._warm_up_feature_kernels()  # a penalised step, a copy-on-write, an export and import
+    # a penalised request afterwards picks as on a runner that never warmed up: the warm-up's
+    # penalty counts were released with its request, and it touched only its own blocks
+    assert _penalised_tokens(warmed) == _penalised_tokens(fresh)
+
+
 def _mixed_steps() -> list[ScheduledBatch]:
     """A short suffix over a long prefix beside decoding rows, as a decode node steps after a KV
     import: several sequences, so the eager path (and its split prefill)."""
@@ -117,3 +144,30 @@ def test_a_warmed_runner_compiles_nothing_at_its_first_mixed_steps(tmp_path, war
         assert compiled.kernels == [], compiled.kernels
     else:  # the control: without the warm-up these steps compile (the split prefill among them)
         assert any(k.startswith("_prefill_kernel") for k in compiled.kernels), compiled.kernels
+
+
+def _first_use_compiles(warm: bool) -> dict:
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "tests.gpu_engine.first_use_probe", "--warm" if warm else "--cold"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warm", [True, False], ids=["warmed", "cold"])
+def test_a_warmed_runner_compiles_nothing_at_the_first_use_of_a_feature(warm):
+    """Penalised steps of 1, 3 and 16 rows, a copy-on-write, KV exports and imports (to the device and
+    the host), each arm in a fresh process (tests/gpu_engine/first_use_probe.py)."""
+    from tests.kernels.kernel_cases import gpu_ready
+
+    if not gpu_ready():
+        pytest.skip("needs CUDA and compiled Triton")
+    probe = _first_use_compiles(warm)
+    if warm:
+        assert probe["compiled"] == [], probe
+        assert probe["kernel_warmup_steps"] > 0 and probe["kernel_warmup_seconds"] > 0
+    else:  # the control: the same first uses compile the penalties' and the block moves' kernels
+        assert {"_penalise_kernel", "_count_kernel", "_copy_rows_kernel"} <= set(probe["compiled"]), probe
+        assert probe["kernel_warmup_steps"] == 0
