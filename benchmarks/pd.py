@@ -381,7 +381,14 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
 
     loop = asyncio.get_running_loop()
     prefill, decode = (NodeClient(p, k, loop) for p, k in zip(ports, authkeys))
+    async def compiled() -> dict[str, list[dict[str, str]]]:
+        # Triton launches each node compiled since the last ask: a compile stalls that node's engine
+        # thread for a second or more, so a round that compiles is not a steady-state round
+        return {"prefill": await prefill.call("compiles"), "decode": await decode.call("compiles")}
+
     try:
+        # the build, the graph captures and the kernel warm-up; then the transfer phase's own (below)
+        at_start = {"before": "transfers", **await compiled()}
         receiver = await decode.call("address")
         transfers = []
         for i in range(args.repeats):
@@ -410,12 +417,7 @@ async def run_engine_nodes(args: argparse.Namespace, ports: tuple[int, int], aut
         arms = {"colocated": PairClient(decode, prefill, receiver, None), "split": split, "routed": routed}
         rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
 
-        async def compiled() -> dict[str, list[dict[str, str]]]:
-            # Triton launches each node compiled since the last ask: a compile stalls that node's engine
-            # thread for a second or more, so a round that compiles is not a steady-state round
-            return {"prefill": await prefill.call("compiles"), "decode": await decode.call("compiles")}
-
-        compiles = [{"before": "mixed", **await compiled()}]
+        compiles = [at_start, {"before": "mixed", **await compiled()}]
         for r in range(args.mixed_repeats):
             for arm, arm_client in arms.items():
                 rounds[arm].append(await mixed_phase(arm_client, f"{arm[:2]}{r}", args))
@@ -556,9 +558,11 @@ def report(args: argparse.Namespace, figures: dict, load_before: tuple[float, fl
     if "routed" in m:
         print("routed: requests per engine " + ", ".join(f"{k} {v}" for k, v in m["routed"]["picks"].items()))
     for c in m.get("compiles", []):
-        if "before" in c:  # the build, the graph captures and the transfer phase: counts only
-            print(f"Triton compiles before the {c['before']} rounds: prefill node {len(c['prefill'])}, "
-                  f"decode node {len(c['decode'])}")
+        if c.get("before") == "transfers":  # the build, the graph captures, the warm-up: counts only
+            print(f"Triton compiles at start: prefill node {len(c['prefill'])}, decode node {len(c['decode'])}")
+        elif "before" in c:  # the transfer phase (each node's first export / import)
+            names = {node: ", ".join(k["kernel"].split("[", 1)[0] for k in c[node]) or "-" for node in ("prefill", "decode")}
+            print(f"Triton compiles in the transfer phase: prefill node {names['prefill']}; decode node {names['decode']}")
         elif c["prefill"] or c["decode"]:
             names = {node: ", ".join(k["kernel"].split("[", 1)[0] for k in c[node]) or "-" for node in ("prefill", "decode")}
             print(f"Triton compiles, round {c['round']} {c['arm']}: prefill node {names['prefill']}; "
