@@ -17,8 +17,12 @@ through the pool's page layout). Without a warm-up the first tenant to ask for o
 steps for its compile; ``penalised_batch`` and ``MOVED_BLOCKS`` run each once at start.
 
 Which steps: every combination of a few token counts, sequences per step and contexts (``candidates``)
-that the runner would run eagerly, keeping the first step of each distinct launch the planner would make,
-crossed with the row counts the step's other kernels compile for (``row_class``; ``distinct_steps``).
+that the runner would run eagerly, keeping the first step of each distinct launch the planner would make
+(kernel, tiles, split or not), crossed with the row counts the step's other kernels compile for
+(``row_class``; ``distinct_steps``). The split merge compiles once per split count, and which counts a
+server's steps reach depends on their sequence counts and contexts in ways this grid can miss (session
+41: three sequences just past 8,192 tokens split eight ways on an H100, and no step of the grid did), so
+the runner compiles it for every count the planner may pick (``prefill_attention.compile_merges``).
 Steps share their blocks and write garbage K/V into them: at start no block holds anything a request
 could read.
 """

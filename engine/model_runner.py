@@ -345,9 +345,10 @@ class ModelRunner:
     # Not under inference mode: the steps run as the engine runs them (``forward`` is in inference mode
     # itself), so state the sampler creates here (the penalties' table) stays writable by later steps.
     def _warm_up_eager_kernels(self) -> int:
-        """engine/kernel_warmup.py: one eager step of each distinct prefill launch (kernel, tiles, split
-        count as ``plan_prefill`` picks them) and row class the eager path may make, sampled greedily;
-        -> steps run."""
+        """engine/kernel_warmup.py: one eager step of each distinct prefill launch (kernel, tiles, split or
+        not, as ``plan_prefill`` picks them) and row class the eager path may make, sampled greedily;
+        -> steps run. The split count itself keys no compile but the merge's, which
+        ``_warm_up_feature_kernels`` compiles for every count."""
         from prefixgate_kernels.prefill_attention import choose_prefill_tiles, plan_prefill
 
         layout = CacheLayout.of(self.dtype, self.layer_caches[0].k)
@@ -359,7 +360,8 @@ class ModelRunner:
 
         def launch_key(step: WarmupStep) -> tuple[object, ...]:
             plan = plan_prefill(step.num_tokens, step.num_seqs, q_heads, step.context, device, layout)
-            return plan.kernel, choose_prefill_tiles(step.num_tokens, True).block_m, plan.splits, row_class(step.num_tokens)
+            return (plan.kernel, choose_prefill_tiles(step.num_tokens, True).block_m, plan.splits > 1,
+                    row_class(step.num_tokens))
 
         steps = distinct_steps(candidates(self.config.max_num_batched_tokens, self.config.max_num_seqs, max_context),
                                eager, launch_key)
@@ -373,7 +375,13 @@ class ModelRunner:
     def _warm_up_feature_kernels(self) -> None:
         """engine/kernel_warmup.py: the kernels a request's features launch past the forward, once each:
         a penalised greedy step (the penalties' launch and the pick's count), a copy-on-write, a KV
-        export and import of blocks that are not consecutive (the gather and scatter kernels)."""
+        export and import of blocks that are not consecutive (the gather and scatter kernels); and the
+        prefill's split merge at every split count (``compile_merges``: the eager steps' grid reaches
+        some counts only)."""
+        from prefixgate_kernels.prefill_attention import compile_merges
+
+        if self.kv_cache.device.type == "cuda":
+            compile_merges(self.arch.num_heads, self.arch.head_dim, self.dtype, self.kv_cache.device)
         batch = penalised_batch(self.block_size, "kernel-warm-up-penalties")
         self.execute(batch)
         self.release(batch.chunks[0].request_id)

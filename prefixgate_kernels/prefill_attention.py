@@ -281,6 +281,8 @@ def choose_prefill_tiles(num_tokens: int, on_gpu: bool) -> PrefillTiles:
 _SPLIT_OVERHEAD_KEYS = 256
 # Each split streams at least this many keys: below it the partials cost more than the split saves.
 _MIN_SPLIT_KEYS = 1024
+# the most KV splits a launch takes (powers of two up to it): the merge compiles once per count
+MAX_PREFILL_SPLITS = 16
 
 
 def choose_prefill_splits(q_tiles: int, q_heads: int, max_context: int, num_sms: int,
@@ -297,7 +299,7 @@ def choose_prefill_splits(q_tiles: int, q_heads: int, max_context: int, num_sms:
     wave = max(1, num_sms * programs_per_sm)
     best, best_cost = 1, None
     s = 1
-    while s <= 16 and (s == 1 or max_context / s >= _MIN_SPLIT_KEYS):
+    while s <= MAX_PREFILL_SPLITS and (s == 1 or max_context / s >= _MIN_SPLIT_KEYS):
         cost = math.ceil(programs * s / wave) * (max_context / s + _SPLIT_OVERHEAD_KEYS)
         if best_cost is None or cost < best_cost * 0.97:  # fewer splits unless clearly better
             best, best_cost = s, cost
@@ -536,6 +538,23 @@ def split_partials(num_splits: int, q: torch.Tensor) -> tuple[torch.Tensor, torc
     num_tokens, q_heads, head_dim = q.shape
     return (torch.empty(num_splits, num_tokens, q_heads, head_dim, dtype=torch.float32, device=q.device),
             torch.empty(num_splits, num_tokens, q_heads, dtype=torch.float32, device=q.device))
+
+
+def split_counts() -> tuple[int, ...]:
+    """Every split count above one that ``choose_prefill_splits`` may pick."""
+    return tuple(2**i for i in range(1, MAX_PREFILL_SPLITS.bit_length()))
+
+
+def compile_merges(q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Launch the split merge once for each count of ``split_counts`` on empty partials, as a prefill of
+    ``q_heads`` heads of ``head_dim`` in ``dtype`` launches it, so that each variant (``NUM_SPLITS`` is a
+    constexpr) is compiled before a step asks for it: which counts a server's steps reach depends on
+    their sequence counts and contexts in ways a warm-up's grid of steps can miss (session 41: three
+    sequences just past 8,192 tokens took eight splits; no step of the grid did)."""
+    for splits in split_counts():
+        part_out = torch.zeros(splits, 1, q_heads, head_dim, dtype=torch.float32, device=device)
+        part_lse = torch.zeros(splits, 1, q_heads, dtype=torch.float32, device=device)
+        merge_splits(part_out, part_lse, torch.empty(1, q_heads, head_dim, dtype=dtype, device=device))
 
 
 def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:

@@ -159,15 +159,17 @@ def _first_use_compiles(warm: bool) -> dict:
 @pytest.mark.parametrize("warm", [True, False], ids=["warmed", "cold"])
 def test_a_warmed_runner_compiles_nothing_at_the_first_use_of_a_feature(warm):
     """Penalised steps of 1, 3 and 16 rows, a copy-on-write, KV exports and imports (to the device and
-    the host), each arm in a fresh process (tests/gpu_engine/first_use_probe.py)."""
+    the host), a mixed step at the most KV splits such a step reaches here, each arm in a fresh process
+    (tests/gpu_engine/first_use_probe.py)."""
     from tests.kernels.kernel_cases import gpu_ready
 
     if not gpu_ready():
         pytest.skip("needs CUDA and compiled Triton")
     probe = _first_use_compiles(warm)
+    assert probe["long_step_splits"] > 1, probe  # the long step splits (and merges)
     if warm:
         assert probe["compiled"] == [], probe
         assert probe["kernel_warmup_steps"] > 0 and probe["kernel_warmup_seconds"] > 0
     else:  # the control: the same first uses compile the penalties' and the block moves' kernels
-        assert {"_penalise_kernel", "_count_kernel", "_copy_rows_kernel"} <= set(probe["compiled"]), probe
+        assert {"_penalise_kernel", "_count_kernel", "_copy_rows_kernel", "_merge_kernel"} <= set(probe["compiled"]), probe
         assert probe["kernel_warmup_steps"] == 0

@@ -202,3 +202,16 @@ def test_prefill_gluon_dispatch_rule(monkeypatch):
     assert pa.gluon_kernel(n, 64, 128, bf, bf, bf) is pa.PrefillKernel.TRITON  # its key tiles are 64 wide
     monkeypatch.setattr(pa, "PREFILL_KERNEL", pa.PrefillKernel.TRITON)
     assert pa.gluon_kernel(n, 64, 16, bf, bf, bf) is pa.PrefillKernel.TRITON
+
+
+def test_the_warm_up_compiles_the_merge_for_every_split_count_the_planner_picks():
+    """``compile_merges`` (the GPU runner's warm-up) launches the merge at ``split_counts()``: every count
+    ``choose_prefill_splits`` returns above one must be among them, whatever the grid and context."""
+    from prefixgate_kernels.prefill_attention import choose_prefill_splits, split_counts
+
+    picked = {choose_prefill_splits(tiles, heads, context, sms, per_sm)
+              for tiles in (1, 2, 3, 5, 8, 40) for heads in (1, 8, 32, 64)
+              for context in (100, 1024, 2049, 8193, 65536, 131072, 1 << 20)
+              for sms in (1, 78, 114, 132) for per_sm in (1, 2)}
+    assert picked - {1} <= set(split_counts()), picked
+    assert max(picked) == max(split_counts())  # the largest count is reached, not only bounded
