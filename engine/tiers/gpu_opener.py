@@ -20,6 +20,7 @@ later ones.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import warnings
 from collections.abc import Sequence
@@ -29,9 +30,16 @@ import numpy as np
 import torch
 
 from engine.protocol import BlockCipher
-from engine.tiers.device_aead import DEVICE_HEADER_BYTES, DeviceSealingCipher, device_blob_parts
+from engine.tiers.device_aead import (
+    DEVICE_BLOB_VERSION,
+    DEVICE_HEADER_BYTES,
+    DeviceBlobParts,
+    DeviceSealingCipher,
+    device_blob_parts,
+)
 from engine.tiers.opener import DecryptsInto, OpenedRuns, SealedRun
 from prefixgate_kernels import chacha20_poly1305 as gpu_aead
+from prefixgate_kernels import chacha20_poly1305_ref as ref_aead
 
 # A stored blob reaches this module as a read-only memoryview of the tier's page-locked memory, and
 # ``torch.frombuffer`` of it only feeds a host-to-device copy; PyTorch warns once per process that
@@ -125,6 +133,19 @@ class PinnedHostOpener:
         self._pool.shutdown(wait=True)
 
 
+def _reference_blob(key: bytes, plaintext: bytes, aad: bytes) -> bytes:
+    """A device blob (``engine.tiers.device_aead``'s layout) sealed by the pure-Python RFC 8439 reference."""
+    nonce = secrets.token_bytes(12)
+    return bytes([DEVICE_BLOB_VERSION, 0, 0, 0]) + nonce + ref_aead.seal(key, nonce, plaintext, aad)
+
+
+# The self-test's segments: (blocks in the segment, first wanted, count), of 64-byte blocks: a whole
+# segment and a run from inside a longer one (a plaintext offset, a second blob in the staging buffer
+# and a second output row: every offset class an open launches with, ``DeviceAeadOpener.self_test``).
+SELF_TEST_RUNS = ((2, 0, 2), (3, 1, 2))
+SELF_TEST_BLOCK_BYTES = 64
+
+
 class DeviceAeadOpener:
     """``SegmentOpener``: ChaCha20-Poly1305 blobs opened in HBM; other blobs, or a cipher without a
     device key, go to ``fallback`` (a ``PinnedHostOpener`` on the same device by default)."""
@@ -136,14 +157,51 @@ class DeviceAeadOpener:
         self._work = _new_stream(self.device)
         self.opened_on_device = 0  # segments, for tests and the benchmark
         self.opened_on_host = 0
+        if self.device.type == "cuda":
+            self.self_test()
+
+    def self_test(self) -> None:
+        """Open segments the pure-Python RFC 8439 reference sealed and compare with their plaintext.
+
+        Run once at construction on CUDA: a device whose kernels disagree with the reference is
+        refused before it opens anything, and every variant of the kernels a restore launches is
+        compiled before the first one. The kernels specialise their word offsets and lengths (each
+        equal to 1, divisible by 16 or neither): a ciphertext starts 4 words into its 64-byte-aligned
+        blob, a plaintext offset and an output row are whole 64-byte blocks, so ``SELF_TEST_RUNS``
+        launches with the one class of each that any restore of whole blocks does. The sealer's
+        self-test does not cover these: a seal's offsets are all word 0 (its ciphertext goes to a buffer of its own).
+        Not counted in ``opened_on_device``."""
+        key, bb = secrets.token_bytes(32), SELF_TEST_BLOCK_BYTES
+        runs, parts, wanted = [], [], []
+        for i, (blocks, first, count) in enumerate(SELF_TEST_RUNS):
+            plain, aad = secrets.token_bytes(blocks * bb), f"prefixgate-device-open-self-test-{i}".encode()
+            blob = _reference_blob(key, plain, aad)
+            blob_parts = device_blob_parts(blob)
+            assert blob_parts is not None  # the layout this module parses
+            runs.append(SealedRun(blob, aad, blocks, first, count))
+            parts.append(blob_parts)
+            wanted.append(plain[first * bb:(first + count) * bb])
+        opened = self._open_on_device(key, runs, parts, bb)
+        data = opened.data
+        got = data.cpu().numpy().tobytes() if isinstance(data, torch.Tensor) else bytes(data)
+        if opened.ok != len(runs) or got != b"".join(wanted):
+            raise RuntimeError(f"ChaCha20-Poly1305 opened on {self.device} disagrees with the RFC 8439 reference: "
+                               "device opening refused")
 
     def open_runs(self, cipher: BlockCipher, runs: Sequence[SealedRun], block_bytes: int) -> OpenedRuns:
         key = cipher.device_key() if isinstance(cipher, DeviceSealingCipher) else None
         parts = [device_blob_parts(r.blob) for r in runs]
-        if (key is None or block_bytes % 64 or not runs
-                or any(p is None or p.ct_len != r.num_blocks * block_bytes for p, r in zip(parts, runs, strict=True))):
+        whole = [p for p, r in zip(parts, runs, strict=True) if p is not None and p.ct_len == r.num_blocks * block_bytes]
+        if key is None or block_bytes % 64 or not runs or len(whole) != len(runs):
             self.opened_on_host += len(runs)
             return self.fallback.open_runs(cipher, runs, block_bytes)
+        opened = self._open_on_device(key, runs, whole, block_bytes)
+        self.opened_on_device += len(runs)
+        return opened
+
+    def _open_on_device(self, key: bytes, runs: Sequence[SealedRun], parts: Sequence[DeviceBlobParts],
+                        block_bytes: int) -> OpenedRuns:
+        """``open_runs`` for device blobs under ``key`` (``parts``: each run's), ``block_bytes`` a multiple of 64."""
         # staging: every blob at a 64-byte-aligned offset of one device buffer, viewed as int32 words
         offsets, size = [], 0
         for r in runs:
@@ -175,7 +233,6 @@ class DeviceAeadOpener:
             for t in (staging, out):
                 t.record_stream(self._work)
         ok = next((i for i, g in enumerate(good) if not g), len(good))
-        self.opened_on_device += len(runs)
         return OpenedRuns(ok, out[:sum(r.count for r in runs[:ok])])
 
     def close(self) -> None:

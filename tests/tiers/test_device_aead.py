@@ -179,3 +179,49 @@ def test_read_only_blob_warning_is_silenced_only_in_the_opener():
                                 "torch.frombuffer(memoryview(bytes(8)), dtype=torch.uint8)"],
                                capture_output=True, text=True, env=env, timeout=120, check=True)
     assert "buffer is not writable" in elsewhere.stderr
+
+
+def test_opener_self_test_agrees_with_the_reference_and_refuses_a_disagreeing_device(monkeypatch):
+    """``DeviceAeadOpener.self_test`` (run at construction on CUDA; here called directly, in Triton's
+    interpreter on a CPU) opens what the RFC 8439 reference sealed, and refuses the device when the
+    two disagree."""
+    opener = DeviceAeadOpener(DEVICE)
+    opener.self_test()
+    assert opener.opened_on_device == 0  # not counted as restored segments
+    from engine.tiers import gpu_opener
+
+    real = gpu_opener.ref_aead.seal
+    # a reference that seals other bytes than the kernels open: the tags still match (they cover the
+    # ciphertext as stored), the plaintext does not
+    monkeypatch.setattr(gpu_opener.ref_aead, "seal", lambda key, nonce, plain, aad: real(
+        key, nonce, bytes(b ^ 1 for b in plain[:1]) + plain[1:], aad))
+    with pytest.raises(RuntimeError, match="disagrees with the RFC 8439 reference"):
+        opener.self_test()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA: Triton's interpreter compiles nothing")
+def test_restores_of_any_shape_compile_nothing_after_the_self_test():
+    """A restore that compiles a kernel variant does so while the request that asked for the prefix
+    waits: the opener's self-test must have compiled every variant that whole-block runs launch
+    (whole segments and runs from inside one, one to several blobs a restore, block sizes of 64 bytes
+    to 2 MiB)."""
+    from engine.tiers.opener import SealedRun
+    from prefixgate_kernels.jit_watch import CompileRecorder
+
+    opener = DeviceAeadOpener(DEVICE)
+    cipher = TenantCipher(new_data_key(), owner="t")
+    rng = random.Random(3)
+    with CompileRecorder() as compiled:
+        for block_bytes, shapes in ((2 << 20, ((1, 0, 1), (3, 1, 2), (5, 0, 5))), (1 << 20, ((7, 2, 3),)),
+                                    (48 << 10, ((1, 0, 1), (2, 1, 1), (9, 0, 9))), (64, ((4, 3, 1), (2, 0, 2)))):
+            runs, wanted = [], []
+            for i, (blocks, first, count) in enumerate(shapes):
+                plain, aad = rng.randbytes(blocks * block_bytes), f"seg-{i}".encode()
+                runs.append(SealedRun(cipher.encrypt_for_device(plain, aad), aad, blocks, first, count))
+                wanted.append(plain[first * block_bytes:(first + count) * block_bytes])
+            opened = opener.open_runs(cipher, runs, block_bytes)
+            assert opened.ok == len(runs) and host(opened.data) == b"".join(wanted)
+        torch.cuda.synchronize()
+    assert compiled.kernels == [], compiled.kernels
+    assert opener.opened_on_device == 9
