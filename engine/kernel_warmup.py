@@ -105,8 +105,10 @@ def warmup_batch(step: WarmupStep, block_size: int, tag: str) -> ScheduledBatch:
     return ScheduledBatch(chunks)
 
 
-def penalised_batch(block_size: int, tag: str) -> ScheduledBatch:
-    """A one-token decode step with every sampling penalty on (``PENALISED_SAMPLING``), its prompt one
-    token long: what the first penalised request's steps launch past the forward."""
-    chunk = SequenceChunk(tag, [0], block_size, [0, 1], True, PENALISED_SAMPLING, prompt_token_ids=(0,))
-    return ScheduledBatch([chunk])
+def penalised_batch(tag: str) -> ScheduledBatch:
+    """A step with every sampling penalty on (``PENALISED_SAMPLING``): what the first penalised request's
+    steps launch past the forward. Two sequences, one of them prefilling, so that the step runs eagerly:
+    a decode graph's replay would count as a served step in its statistics (``DecodeGraphs.num_runs``),
+    and the penalties' kernels are the same after either path."""
+    return ScheduledBatch([SequenceChunk(f"{tag}-0", [0, 0], 0, [0], True, PENALISED_SAMPLING, prompt_token_ids=(0,)),
+                           SequenceChunk(f"{tag}-1", [0], 1, [0], True, PENALISED_SAMPLING, prompt_token_ids=(0,))])

@@ -382,9 +382,10 @@ class ModelRunner:
 
         if self.kv_cache.device.type == "cuda":
             compile_merges(self.arch.num_heads, self.arch.head_dim, self.dtype, self.kv_cache.device)
-        batch = penalised_batch(self.block_size, "kernel-warm-up-penalties")
+        batch = penalised_batch("kernel-warm-up-penalties")
         self.execute(batch)
-        self.release(batch.chunks[0].request_id)
+        for chunk in batch.chunks:
+            self.release(chunk.request_id)
         if self.num_kv_blocks <= max(*MOVED_BLOCKS, *COPIED_BLOCK):
             return  # a pool this small (tests) has no room for the moves
         self.copy_blocks([BlockCopy(*COPIED_BLOCK)])

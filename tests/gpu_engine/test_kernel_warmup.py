@@ -54,6 +54,18 @@ def test_row_classes_part_where_kernels_compile_anew():
     assert row_class(100) == row_class(1000) and row_class(128) == row_class(4096)
 
 
+def test_the_penalised_warm_up_step_runs_eagerly():
+    from engine.kernel_warmup import PENALISED_SAMPLING, penalised_batch
+
+    batch = penalised_batch("p")
+    # several sequences, one prefilling: neither a decode graph (its replays are served-step statistics)
+    # nor a one-sequence prefill graph takes it
+    assert len(batch.chunks) == 2 and not batch.is_decode_only
+    assert all(c.sampling == PENALISED_SAMPLING and c.sample and c.prompt_token_ids for c in batch.chunks)
+    sampling = PENALISED_SAMPLING
+    assert sampling.repetition_penalty != 1 and sampling.frequency_penalty and sampling.presence_penalty
+
+
 def test_warmup_batch_shapes_the_step():
     batch = warmup_batch(WarmupStep(num_tokens=20, num_seqs=3, context=100), block_size=16, tag="w")
     assert [c.num_tokens for c in batch.chunks] == [18, 1, 1]
