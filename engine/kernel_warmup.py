@@ -14,7 +14,9 @@ graphs, and greedy sampling outside a graph.
 Past the forward, kernels run only when a request asks for a feature: the sampling penalties' two
 kernels, and the block moves (a copy-on-write's row copy; a KV export's or import's gather and scatter
 through the pool's page layout). Without a warm-up the first tenant to ask for one stops every tenant's
-steps for its compile; ``penalised_batch`` and ``MOVED_BLOCKS`` run each once at start.
+steps for its compile; ``feature_batch`` and ``MOVED_BLOCKS`` run each once at start. The feature step
+also takes the sampler's other paths once (temperature with top-k, top-p and min-p, a seed, logit bias,
+logprobs, a scored prompt): torch ops, no Triton, but each one's first launch loads its CUDA module.
 
 Which steps: every combination of a few token counts, sequences per step and contexts (``candidates``)
 that the runner would run eagerly, keeping the first step of each distinct launch the planner would make
@@ -30,7 +32,7 @@ could read.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.protocol import SamplingParams
@@ -45,6 +47,11 @@ WARMUP_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 # every penalty at once: the Triton path applies all three in one launch, then counts the pick
 PENALISED_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, repetition_penalty=1.1,
                                     frequency_penalty=0.1, presence_penalty=0.1)
+# the penalties again, with a scored prompt (``forward_scoring``) and greedy logprobs
+SCORED_SAMPLING = replace(PENALISED_SAMPLING, logprobs=2, prompt_logprobs=2)
+# every filter of a sampled pick, a seeded generator, a logit bias and logprobs
+SAMPLED_SAMPLING = replace(PENALISED_SAMPLING, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=0,
+                           logit_bias=((0, 1.0),), logprobs=2)
 # blocks an export and an import move at start: not consecutive, so that the gather and scatter take
 # their index kernels (a run of consecutive blocks is copied by slices, compiling nothing), and the
 # copy-on-write's source and destination (distinct: a copy within one block races)
@@ -105,10 +112,12 @@ def warmup_batch(step: WarmupStep, block_size: int, tag: str) -> ScheduledBatch:
     return ScheduledBatch(chunks)
 
 
-def penalised_batch(tag: str) -> ScheduledBatch:
-    """A step with every sampling penalty on (``PENALISED_SAMPLING``): what the first penalised request's
-    steps launch past the forward. Two sequences, one of them prefilling, so that the step runs eagerly:
-    a decode graph's replay would count as a served step in its statistics (``DecodeGraphs.num_runs``),
-    and the penalties' kernels are the same after either path."""
-    return ScheduledBatch([SequenceChunk(f"{tag}-0", [0, 0], 0, [0], True, PENALISED_SAMPLING, prompt_token_ids=(0,)),
-                           SequenceChunk(f"{tag}-1", [0], 1, [0], True, PENALISED_SAMPLING, prompt_token_ids=(0,))])
+def feature_batch(tag: str) -> ScheduledBatch:
+    """A step with every sampling penalty on: what the first penalised request's steps launch past the
+    forward; one sequence prefills a two-token prompt it scores (``SCORED_SAMPLING``: one target), the
+    other decodes a token with every filter of a sampled pick (``SAMPLED_SAMPLING``). Two sequences, one
+    of them prefilling, so that the step runs eagerly: a decode graph's replay would count as a served
+    step in its statistics (``DecodeGraphs.num_runs``), and the kernels after it are the same."""
+    return ScheduledBatch([SequenceChunk(f"{tag}-0", [0, 0], 0, [0], True, SCORED_SAMPLING, prompt_targets=(0,),
+                                         prompt_token_ids=(0, 0)),
+                           SequenceChunk(f"{tag}-1", [0], 1, [0], True, SAMPLED_SAMPLING, prompt_token_ids=(0,))])

@@ -44,7 +44,7 @@ from engine.kernel_warmup import (
     WarmupStep,
     candidates,
     distinct_steps,
-    penalised_batch,
+    feature_batch,
     row_class,
     warmup_batch,
 )
@@ -374,7 +374,8 @@ class ModelRunner:
 
     def _warm_up_feature_kernels(self) -> None:
         """engine/kernel_warmup.py: the kernels a request's features launch past the forward, once each:
-        a penalised greedy step (the penalties' launch and the pick's count), a copy-on-write, a KV
+        a penalised step (the penalties' launch and the pick's count; the sampler's other paths and a
+        scored prompt beside them: ``feature_batch``), a copy-on-write, a KV
         export and import of blocks that are not consecutive (the gather and scatter kernels); and the
         prefill's split merge at every split count (``compile_merges``: the eager steps' grid reaches
         some counts only)."""
@@ -382,7 +383,7 @@ class ModelRunner:
 
         if self.kv_cache.device.type == "cuda":
             compile_merges(self.arch.num_heads, self.arch.head_dim, self.dtype, self.kv_cache.device)
-        batch = penalised_batch("kernel-warm-up-penalties")
+        batch = feature_batch("kernel-warm-up-features")
         self.execute(batch)
         for chunk in batch.chunks:
             self.release(chunk.request_id)

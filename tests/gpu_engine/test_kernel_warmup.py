@@ -54,16 +54,21 @@ def test_row_classes_part_where_kernels_compile_anew():
     assert row_class(100) == row_class(1000) and row_class(128) == row_class(4096)
 
 
-def test_the_penalised_warm_up_step_runs_eagerly():
-    from engine.kernel_warmup import PENALISED_SAMPLING, penalised_batch
+def test_the_feature_warm_up_step_runs_eagerly_with_every_sampling_feature():
+    from engine.kernel_warmup import feature_batch
 
-    batch = penalised_batch("p")
+    batch = feature_batch("p")
     # several sequences, one prefilling: neither a decode graph (its replays are served-step statistics)
     # nor a one-sequence prefill graph takes it
     assert len(batch.chunks) == 2 and not batch.is_decode_only
-    assert all(c.sampling == PENALISED_SAMPLING and c.sample and c.prompt_token_ids for c in batch.chunks)
-    sampling = PENALISED_SAMPLING
-    assert sampling.repetition_penalty != 1 and sampling.frequency_penalty and sampling.presence_penalty
+    scored, sampled = batch.chunks
+    for c in batch.chunks:
+        s = c.sampling
+        assert c.sample and c.prompt_token_ids and s.logprobs
+        assert s.repetition_penalty != 1 and s.frequency_penalty and s.presence_penalty
+    assert scored.prompt_targets and scored.sampling.prompt_logprobs and scored.sampling.temperature == 0
+    s = sampled.sampling
+    assert s.temperature > 0 and s.top_p < 1 and s.top_k and s.min_p and s.seed is not None and s.logit_bias
 
 
 def test_warmup_batch_shapes_the_step():
