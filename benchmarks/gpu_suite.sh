@@ -3,7 +3,7 @@
 # Triton) and of the GPU engine path (CUDA graphs, side-stream transfers), benchmarks/kernels.py and
 # benchmarks/gemv_rows_probe.py, then benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
 # root on a CUDA machine:
-#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_TESTS=1 / SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 / SKIP_PD_BENCH=1 /
+#   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_TESTS=1 / SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 / SKIP_FIRST_USE=1 / SKIP_PD_BENCH=1 /
 #   SKIP_TIERS=1 to skip one;
 #   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...";
 #   GPU_TESTS="<pytest paths and -k>" to run part of the GPU tests; KERNEL_ARGS replaces the kernel benchmark's
@@ -73,6 +73,14 @@ if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
 fi
 
 phase_done engine_bench
+# What a request's first use of a feature (penalties, block moves, the most-split prefill) costs the engine's
+# thread with and without the kernel warm-up, each arm in a fresh process (~60 s). SKIP_FIRST_USE=1 skips it.
+FIRST_USE_RC=0
+if [ "${SKIP_FIRST_USE:-0}" != 1 ]; then
+  "$PY" benchmarks/first_use.py --out "$RES/first_use.json" 2>&1 | tee "$RES/first_use.log"
+  FIRST_USE_RC=${PIPESTATUS[0]}
+fi
+phase_done first_use
 echo
 echo "== gpu suite =="
 echo "pytest -m gpu: $(tail -n 1 "$RES/kernels_gpu_pytest.log")  (rc $TEST_RC)"
@@ -147,6 +155,10 @@ if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
   sed -n '/^projection /,$p' "$RES/gemv_rows_probe.log"
   echo "gemv_rows_probe.py: rc $PROBE_RC (log $RES/gemv_rows_probe.log)"
 fi
+if [ "${SKIP_FIRST_USE:-0}" != 1 ]; then
+  sed -n '/^first use /,/^warm-up:/p' "$RES/first_use.log"
+  echo "first_use.py: rc $FIRST_USE_RC"
+fi
 if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
   # the engine's own table again, last, so that it survives a truncated log tail
   sed -n '/^figure /,$p' "$RES/engine_gpu.log"
@@ -184,4 +196,4 @@ if [ "${SKIP_TIERS:-0}" != 1 ]; then
 fi
 phase_done tiers
 echo "phases (wall):$PHASES"
-exit $(( TEST_RC != 0 || BENCH_RC != 0 || PROBE_RC != 0 || ENGINE_RC != 0 || PD_RC != 0 || TIERS_RC != 0 ))
+exit $(( TEST_RC != 0 || BENCH_RC != 0 || PROBE_RC != 0 || ENGINE_RC != 0 || FIRST_USE_RC != 0 || PD_RC != 0 || TIERS_RC != 0 ))

@@ -2,15 +2,11 @@
 path's kernels before a request waits for them. The shapes and their selection on the CPU; on a GPU, that
 a runner built with the warm-up compiles nothing at its first eager steps of several sequences (a short
 suffix over a long prefix beside decoding rows), and one built without it does; likewise for the first
-uses of request features (penalties, block moves), each arm in a fresh process."""
+uses of request features (penalties, block moves, the most-split merge), each arm in a fresh process."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -164,12 +160,11 @@ def test_a_warmed_runner_compiles_nothing_at_its_first_mixed_steps(tmp_path, war
 
 
 def _first_use_compiles(warm: bool) -> dict:
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "tests.gpu_engine.first_use_probe", "--warm" if warm else "--cold"],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from benchmarks.first_use import (
+        run_probe,  # the probe in a fresh process (Triton's kernels are per process)
+    )
+
+    return run_probe(warm)
 
 
 @pytest.mark.gpu
@@ -177,7 +172,7 @@ def _first_use_compiles(warm: bool) -> dict:
 def test_a_warmed_runner_compiles_nothing_at_the_first_use_of_a_feature(warm):
     """Penalised steps of 1, 3 and 16 rows, a copy-on-write, KV exports and imports (to the device and
     the host), a mixed step at the most KV splits such a step reaches here, each arm in a fresh process
-    (tests/gpu_engine/first_use_probe.py)."""
+    (``benchmarks/first_use.py --probe``, which also times them)."""
     from tests.kernels.kernel_cases import gpu_ready
 
     if not gpu_ready():
