@@ -58,10 +58,11 @@ class EngineConfig:
     use_cuda_graphs: on a CUDA device, replay decode steps (and one-sequence prefill steps of up to
         ``prefill_graph_tokens`` new tokens) from captured CUDA graphs.
     warm_up_kernels: on a CUDA device, run once at start an eager step of each distinct launch the
-        eager path may make, then the kernels of a request's features (the sampling penalties, the block
-        moves of a copy-on-write and a KV export or import) once each (engine/kernel_warmup.py), so that
-        Triton compiles those kernels before a request waits for them; False starts faster and compiles
-        at first use instead.
+        eager path may make, then the kernels of a request's features once each (the sampling penalties
+        and the sampler's other paths, a scored prompt, the block moves of a copy-on-write and a KV
+        export or import, the prefill's split merge at every split count; engine/kernel_warmup.py), so
+        that Triton compiles those kernels before a request waits for them; False starts faster and
+        compiles at first use instead.
     prefill_graph_tokens: the longest one-sequence prefill step replayed from a graph (a prefix
         hit's suffix, a chat turn), capped by ``max_num_batched_tokens`` and the model's context;
         0 = prefill steps always run eagerly (engine/prefill_graphs.py).

@@ -169,8 +169,8 @@ class DeviceAeadOpener:
         equal to 1, divisible by 16 or neither): a ciphertext starts 4 words into its 64-byte-aligned
         blob, a plaintext offset and an output row are whole 64-byte blocks, so ``SELF_TEST_RUNS``
         launches with the one class of each that any restore of whole blocks does. The sealer's
-        self-test does not cover these: a seal's offsets are all word 0 (its ciphertext goes to a buffer of its own).
-        Not counted in ``opened_on_device``."""
+        self-test does not cover these: a seal's offsets are all word 0 (its ciphertext goes to a
+        buffer of its own). Not counted in ``opened_on_device``."""
         key, bb = secrets.token_bytes(32), SELF_TEST_BLOCK_BYTES
         runs, parts, wanted = [], [], []
         for i, (blocks, first, count) in enumerate(SELF_TEST_RUNS):
