@@ -557,16 +557,18 @@ def report(args: argparse.Namespace, figures: dict, load_before: tuple[float, fl
         print(f"{k:<22}{base!s:>12}{cells}")
     if "routed" in m:
         print("routed: requests per engine " + ", ".join(f"{k} {v}" for k, v in m["routed"]["picks"].items()))
+    def names(c: dict, node: str) -> str:
+        return ", ".join(k["kernel"].split("[", 1)[0] for k in c[node]) or "-"
+
     for c in m.get("compiles", []):
         if c.get("before") == "transfers":  # the build, the graph captures, the warm-up: counts only
             print(f"Triton compiles at start: prefill node {len(c['prefill'])}, decode node {len(c['decode'])}")
         elif "before" in c:  # the transfer phase (each node's first export / import)
-            names = {node: ", ".join(k["kernel"].split("[", 1)[0] for k in c[node]) or "-" for node in ("prefill", "decode")}
-            print(f"Triton compiles in the transfer phase: prefill node {names['prefill']}; decode node {names['decode']}")
+            print(f"Triton compiles in the transfer phase: prefill node {names(c, 'prefill')}; "
+                  f"decode node {names(c, 'decode')}")
         elif c["prefill"] or c["decode"]:
-            names = {node: ", ".join(k["kernel"].split("[", 1)[0] for k in c[node]) or "-" for node in ("prefill", "decode")}
-            print(f"Triton compiles, round {c['round']} {c['arm']}: prefill node {names['prefill']}; "
-                  f"decode node {names['decode']}")
+            print(f"Triton compiles, round {c['round']} {c['arm']}: prefill node {names(c, 'prefill')}; "
+                  f"decode node {names(c, 'decode')}")
     phases = m["split"].get("phases")
     if phases:
         print("split requests' TTFT by part, p50 / p99 s: "

@@ -199,29 +199,56 @@ def test_opener_self_test_agrees_with_the_reference_and_refuses_a_disagreeing_de
         opener.self_test()
 
 
+# Run in a fresh process by the test below (Triton keeps compiled kernels per process: in the test
+# process an earlier test may have compiled what the self-test should): the opener's construction, then
+# restores of assorted shapes, each step's compiles recorded.
+_RESTORE_SHAPES_PROBE = """
+import json, random
+import torch
+from engine.tiers.gpu_opener import DeviceAeadOpener
+from engine.tiers.opener import SealedRun
+from prefixgate_kernels.jit_watch import CompileRecorder
+from tenancy.crypto import TenantCipher, new_data_key
+
+with CompileRecorder() as at_start:
+    opener = DeviceAeadOpener("cuda")
+    torch.cuda.synchronize()
+cipher, rng, checked = TenantCipher(new_data_key(), owner="t"), random.Random(3), []
+with CompileRecorder() as restoring:
+    for block_bytes, shapes in ((2 << 20, ((1, 0, 1), (3, 1, 2), (5, 0, 5))), (1 << 20, ((7, 2, 3),)),
+                                (48 << 10, ((1, 0, 1), (2, 1, 1), (9, 0, 9))), (64, ((4, 3, 1), (2, 0, 2)))):
+        runs, wanted = [], []
+        for i, (blocks, first, count) in enumerate(shapes):
+            plain, aad = rng.randbytes(blocks * block_bytes), f"seg-{i}".encode()
+            runs.append(SealedRun(cipher.encrypt_for_device(plain, aad), aad, blocks, first, count))
+            wanted.append(plain[first * block_bytes:(first + count) * block_bytes])
+        opened = opener.open_runs(cipher, runs, block_bytes)
+        checked.append(opened.ok == len(runs) and opened.data.cpu().numpy().tobytes() == b"".join(wanted))
+    torch.cuda.synchronize()
+print(json.dumps({"at_start": [k.split("[", 1)[0] for k in at_start.kernels],
+                  "restoring": [k.split("[", 1)[0] for k in restoring.kernels],
+                  "checked": checked, "opened_on_device": opener.opened_on_device}))
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA: Triton's interpreter compiles nothing")
 def test_restores_of_any_shape_compile_nothing_after_the_self_test():
     """A restore that compiles a kernel variant does so while the request that asked for the prefix
-    waits: the opener's self-test must have compiled every variant that whole-block runs launch
-    (whole segments and runs from inside one, one to several blobs a restore, block sizes of 64 bytes
-    to 2 MiB)."""
-    from engine.tiers.opener import SealedRun
-    from prefixgate_kernels.jit_watch import CompileRecorder
+    waits: in a fresh process, the opener's self-test compiles both kernels at construction, and then
+    restores of whole segments and runs from inside one, one to several blobs a restore, block sizes of
+    64 bytes to 2 MiB, compile nothing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    opener = DeviceAeadOpener(DEVICE)
-    cipher = TenantCipher(new_data_key(), owner="t")
-    rng = random.Random(3)
-    with CompileRecorder() as compiled:
-        for block_bytes, shapes in ((2 << 20, ((1, 0, 1), (3, 1, 2), (5, 0, 5))), (1 << 20, ((7, 2, 3),)),
-                                    (48 << 10, ((1, 0, 1), (2, 1, 1), (9, 0, 9))), (64, ((4, 3, 1), (2, 0, 2)))):
-            runs, wanted = [], []
-            for i, (blocks, first, count) in enumerate(shapes):
-                plain, aad = rng.randbytes(blocks * block_bytes), f"seg-{i}".encode()
-                runs.append(SealedRun(cipher.encrypt_for_device(plain, aad), aad, blocks, first, count))
-                wanted.append(plain[first * block_bytes:(first + count) * block_bytes])
-            opened = opener.open_runs(cipher, runs, block_bytes)
-            assert opened.ok == len(runs) and host(opened.data) == b"".join(wanted)
-        torch.cuda.synchronize()
-    assert compiled.kernels == [], compiled.kernels
-    assert opener.opened_on_device == 9
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _RESTORE_SHAPES_PROBE], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(probe["at_start"]) == {"_chacha20_xor_kernel", "_poly1305_kernel"}, probe
+    assert probe["restoring"] == [], probe
+    assert probe["checked"] == [True] * 4 and probe["opened_on_device"] == 9, probe
