@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+import benchmarks.pd as pd
+import benchmarks.pd_engine_nodes as nodes
 from engine.disagg.api import HandoffReport, TransferReport, TransferStatus
-
-nodes = pytest.importorskip("benchmarks.pd_engine_nodes")
-pd = pytest.importorskip("benchmarks.pd")
 
 
 def phases_of(timings):

@@ -2,7 +2,7 @@
 same checkpoint, batched, chunked, with prefix hits and after forced preemption; AsyncEngine
 streams and frees blocks on abort; ``prefixgate generate --json`` works.
 
-Skipped until the model runner (engine-model team) is importable.
+Skipped where the engine extra is not installed.
 """
 
 import asyncio
@@ -10,9 +10,8 @@ import json
 
 import pytest
 
-pytest.importorskip("engine.model_runner", reason="needs the engine-model runner")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="pip install 'prefixgate[engine]' (torch)")
+transformers = pytest.importorskip("transformers", reason="pip install 'prefixgate[engine]' (transformers)")
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.launch import build_engine, build_llm_engine, build_tiny_checkpoint  # noqa: E402

@@ -9,8 +9,7 @@ share scope ``group:NAME`` puts several tenants in one. The real engine on the t
 
 import pytest
 
-pytest.importorskip("engine.model_runner", reason="needs the engine-model runner")
-pytest.importorskip("torch")
+pytest.importorskip("torch", reason="pip install 'prefixgate[engine]' (torch)")
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-pytest.importorskip("engine.launch")
+pytest.importorskip("torch", reason="pip install 'prefixgate[engine]' (torch)")  # `serve --model tiny` runs the real engine
 
 from gateway.cli.serve_cmd import ensure_tiny_model  # noqa: E402
 from tenancy.service import TenancyService  # noqa: E402

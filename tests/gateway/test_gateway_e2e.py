@@ -1,7 +1,7 @@
 """End to end: `prefixgate serve` (real engine with the tiny model, real tenancy, real canonicalizer)
 in a subprocess on a free loopback port, driven by the real openai SDK.
 
-Skipped only while the engine, tenancy or promptlint packages have not landed.
+Skipped where the engine extra is not installed.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import httpx
 import openai
 import pytest
 
-pytest.importorskip("engine.launch", reason="engine.launch has not landed yet")
-pytest.importorskip("tenancy.service", reason="tenancy has not landed yet")
-pytest.importorskip("promptlint.canon", reason="promptlint.canon has not landed yet")
+pytest.importorskip("torch", reason="pip install 'prefixgate[engine]' (torch)")
 
 from gateway_fakes import LoopbackServer  # noqa: E402
 from test_gateway_sdk import CHROMIUM, render_dashboard  # noqa: E402

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import benchmarks.decode_fp8_ablation as ablation
+import benchmarks.kernels as kbench
+import prefixgate_kernels.reference as ref
 from tests.kernels.kernel_cases import INTERPRET
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels in the interpreter (TRITON_INTERPRET=1)")
-ablation = pytest.importorskip("benchmarks.decode_fp8_ablation")
-ref = pytest.importorskip("prefixgate_kernels.reference")
-kbench = pytest.importorskip("benchmarks.kernels")
 
 SHAPE = (2, 9, 3, 64, 64, 16)  # the 9 / 3 class, two sequences of 64 tokens in 16-token pages
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import benchmarks.kernels as kbench
 from tests.kernels.kernel_cases import INTERPRET
-
-kbench = pytest.importorskip("benchmarks.kernels")
 
 
 def test_summarise_stamps_reads_a_launch_timeline():
