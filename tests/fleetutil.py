@@ -169,14 +169,6 @@ def read_rows(svc: object, sql: str, params: Sequence[Any] = ()) -> list[dict]:
         db.close()
 
 
-def sqlite_only(svc: object, why: str) -> None:
-    """Skip a test that reads the SQLite file itself when it runs on PostgreSQL."""
-    import pytest
-
-    if svc.database.kind != "sqlite":  # type: ignore[attr-defined]
-        pytest.skip(f"reads the SQLite file: {why}")
-
-
 # -- pytest fixtures (imported by the conftest files that use them) ---------------------------------
 
 import pytest  # noqa: E402

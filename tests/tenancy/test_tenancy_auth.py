@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import sqlite3
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from engine.protocol import BlockCipher, TenantScope
 from tenancy.errors import AuthenticationError
 from tenancy.keys import ServerSecret, parse_key_id
 from tenancy.service import TenancyService
-from tests.fleetutil import sqlite_only
+from tests.fleetutil import read_rows
 
 
 def test_created_key_authenticates_and_context_is_a_tenant_scope(svc: TenancyService) -> None:
@@ -28,17 +27,36 @@ def test_created_key_authenticates_and_context_is_a_tenant_scope(svc: TenancySer
     assert len(ctx.namespace) == 32
 
 
-def test_only_a_peppered_hash_of_the_key_is_stored(svc: TenancyService, home: Path) -> None:
-    sqlite_only(svc, "the key must be absent from the database file's bytes")
+def _store_files_bytes(svc: TenancyService, home: Path, request: pytest.FixtureRequest) -> bytes:
+    """Every byte the store has written for this test: the SQLite file (and its WAL), or, on PostgreSQL,
+    the database's own directory and the cluster's write-ahead log after a checkpoint (the server's files,
+    as a stolen disk would show them)."""
+    if svc.database.kind == "sqlite":
+        return b"".join(p.read_bytes() for p in home.iterdir() if p.name.startswith("prefixgate.db"))
+    server = request.getfixturevalue("postgres_server")
+    (row,) = read_rows(svc, "SELECT oid FROM pg_database WHERE datname = current_database()")
+    import psycopg
+
+    with psycopg.connect(server.url(), autocommit=True) as conn:
+        conn.execute("CHECKPOINT")  # the rows reach the table's files, not only the WAL and shared buffers
+    data = server.dir / "data"
+    files = [p for d in (data / "base" / str(row["oid"]), data / "pg_wal") for p in d.rglob("*") if p.is_file()]
+    assert files, f"no PostgreSQL files under {data}"
+    return b"".join(p.read_bytes() for p in files)
+
+
+def test_only_a_peppered_hash_of_the_key_is_stored(svc: TenancyService, home: Path,
+                                                   request: pytest.FixtureRequest) -> None:
     created = svc.create_tenant("acme")
+    (row,) = read_rows(svc, "SELECT key_hash FROM api_keys WHERE key_id = ?", [created.key_id])
+    stored = bytes(row["key_hash"])
+    raw = _store_files_bytes(svc, home, request)
     svc.close()
-    raw = b"".join(p.read_bytes() for p in home.iterdir() if p.name.startswith("prefixgate.db"))
+    # the hash is in the files (so the search below reads the right bytes), the key is not
+    assert stored in raw
     assert created.api_key.encode() not in raw
     secret_part = created.api_key.split("_", 1)[1].encode()
     assert secret_part not in raw
-    conn = sqlite3.connect(home / "prefixgate.db")
-    (stored,) = conn.execute("SELECT key_hash FROM api_keys WHERE key_id = ?", [created.key_id]).fetchone()
-    conn.close()
     pepper = ServerSecret.load(home).pepper
     assert stored == hmac.new(pepper, created.api_key.encode(), hashlib.sha256).digest()
     # a plain unpeppered SHA-256 is not what is stored (a stolen db alone cannot test guesses)
