@@ -241,11 +241,11 @@ def test_restores_of_any_shape_compile_nothing_after_the_self_test():
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", _RESTORE_SHAPES_PROBE], cwd=repo, env=env, capture_output=True,
+    from tests.serverutil import REPO
+
+    # `python -c` puts its working directory first on sys.path: the repository's packages import
+    done = subprocess.run([sys.executable, "-c", _RESTORE_SHAPES_PROBE], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
