@@ -8,7 +8,8 @@
 #   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...";
 #   GPU_TESTS="<pytest paths and -k>" to run part of the GPU tests; KERNEL_ARGS replaces the kernel benchmark's
 #   default --skip-gemms; TIERS_ARGS the tier benchmark's arguments)
-# Results: benchmarks/results/kernels_h200.json, gemv_rows_probe.json, engine_gpu_h200.json (or $OUT/ when the
+# Results: benchmarks/results/kernels_<card>.json, gemv_rows_probe.json, engine_gpu_<card>.json (<card>: h200, h100
+# or gpu, from nvidia-smi's name of the first GPU; or $OUT/ when the
 # device tool sets OUT).
 set -uo pipefail
 export PREFIXGATE_KERNELS_GPU=1   # compiled Triton: tests/kernels/conftest.py leaves the interpreter off
@@ -16,6 +17,12 @@ export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 RES=${OUT:-benchmarks/results}
 mkdir -p "$RES"
+# the card in the default result names: before session 43 they said h200 whichever card ran them
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+  *H200*) CARD_TAG=h200 ;;
+  *H100*) CARD_TAG=h100 ;;
+  *) CARD_TAG=gpu ;;
+esac
 # each phase's wall seconds, printed with the summary: the whole suite is meant to fit one 600 s device
 # call, and a slow device host (session 14's call 4: 566 s, cut during the tier stepload) shows where
 SUITE_T0=$SECONDS
@@ -48,7 +55,7 @@ else
 fi
 phase_done tests
 
-BENCH_JSON=${BENCH_JSON:-$RES/kernels_h200.json}
+BENCH_JSON=${BENCH_JSON:-$RES/kernels_${CARD_TAG}.json}
 BENCH_RC=0
 PROBE_RC=0
 if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
@@ -67,7 +74,7 @@ fi
 phase_done kernel_bench
 ENGINE_RC=0
 if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
-  "$PY" benchmarks/engine_gpu.py --out "${ENGINE_JSON:-$RES/engine_gpu_h200.json}" --mt-requests "${MT_REQUESTS:-16}" \
+  "$PY" benchmarks/engine_gpu.py --out "${ENGINE_JSON:-$RES/engine_gpu_${CARD_TAG}.json}" --mt-requests "${MT_REQUESTS:-16}" \
     ${ENGINE_ARGS:-} 2>&1 | tee "$RES/engine_gpu.log"
   ENGINE_RC=${PIPESTATUS[0]}
 fi
@@ -162,7 +169,7 @@ fi
 if [ "${SKIP_ENGINE_BENCH:-0}" != 1 ]; then
   # the engine's own table again, last, so that it survives a truncated log tail
   sed -n '/^figure /,$p' "$RES/engine_gpu.log"
-  echo "engine_gpu.py: rc $ENGINE_RC (JSON ${ENGINE_JSON:-$RES/engine_gpu_h200.json})"
+  echo "engine_gpu.py: rc $ENGINE_RC (JSON ${ENGINE_JSON:-$RES/engine_gpu_${CARD_TAG}.json})"
 else
   echo "engine benchmark skipped"
 fi
@@ -188,7 +195,7 @@ if [ "${SKIP_TIERS:-0}" != 1 ]; then
   "$PY" -m pytest tests/kernels/test_chacha20_poly1305.py tests/tiers/test_device_aead.py tests/tiers/test_device_seal.py -q -p no:cacheprovider \
     -o addopts="" 2>&1 | tee "$RES/tiers_gpu_pytest.log"
   TIERS_RC=${PIPESTATUS[0]}
-  "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_h200.json}" ${TIERS_ARGS:---stepload-graphs --stepload-modes off,gpu_seal,off --nvme-modes plain,gpu_chacha --nvme-trials 1} 2>&1 \
+  "$PY" benchmarks/tiers_gpu.py --out "${TIERS_JSON:-$RES/tiers_gpu_${CARD_TAG}.json}" ${TIERS_ARGS:---stepload-graphs --stepload-modes off,gpu_seal,off --nvme-modes plain,gpu_chacha --nvme-trials 1} 2>&1 \
     | tee "$RES/tiers_gpu.log"
   TIERS_RC=$(( TIERS_RC != 0 || PIPESTATUS[0] != 0 ))
   echo "tiers: pytest $(tail -n 1 "$RES/tiers_gpu_pytest.log")"
