@@ -4,7 +4,8 @@
 # benchmarks/gemv_rows_probe.py, then benchmarks/engine_gpu.py (8B-shaped engine vs transformers; docs/gpu.md). Run from the repository
 # root on a CUDA machine:
 #   bash benchmarks/gpu_suite.sh [--quick]        (SKIP_TESTS=1 / SKIP_KERNEL_BENCH=1 / SKIP_ENGINE_BENCH=1 / SKIP_FIRST_USE=1 / SKIP_PD_BENCH=1 /
-#   SKIP_TIERS=1 to skip one;
+#   SKIP_TIERS=1 to skip one; ONLY=engine_bench,first_use to run just the phases named (tests, kernel_bench,
+#   engine_bench, first_use, pd, tiers); DRY_RUN=1 prints the phases a call would run and stops;
 #   MT_REQUESTS=N requests per tenant in the engine's tenants section, default 16; ENGINE_ARGS="--sections ...";
 #   GPU_TESTS="<pytest paths and -k>" to run part of the GPU tests; KERNEL_ARGS replaces the kernel benchmark's
 #   default --skip-gemms; TIERS_ARGS the tier benchmark's arguments)
@@ -12,6 +13,35 @@
 # or gpu, from nvidia-smi's name of the first GPU; or $OUT/ when the
 # device tool sets OUT).
 set -uo pipefail
+# ONLY: the phases to run, by the names their "== phase" lines print. The whole suite no longer fits one
+# 600 s device call (session 43 on an H100: GPU tests ~280 s in 6 workers, kernels ~135, engine 210, first
+# use 60, prefill/decode 129, then the tiers), so a session runs it as a few calls, each naming its phases.
+SUITE_PHASES="tests:SKIP_TESTS kernel_bench:SKIP_KERNEL_BENCH engine_bench:SKIP_ENGINE_BENCH first_use:SKIP_FIRST_USE pd:SKIP_PD_BENCH tiers:SKIP_TIERS"
+if [ -n "${ONLY:-}" ]; then
+  IFS=, read -r -a only_phases <<< "$ONLY"  # split on commas only: "pd " or an empty name is refused below
+  for name in "${only_phases[@]}"; do
+    case " $SUITE_PHASES " in
+      *" $name:"*) ;;
+      *) echo "gpu_suite.sh: unknown phase '$name' in ONLY (phases: tests, kernel_bench, engine_bench, first_use, pd, tiers)" >&2
+         exit 2 ;;
+    esac
+  done
+  for entry in $SUITE_PHASES; do
+    case ",$ONLY," in
+      *",${entry%%:*},"*) export "${entry#*:}=0" ;;
+      *) export "${entry#*:}=1" ;;
+    esac
+  done
+fi
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  run=""
+  for entry in $SUITE_PHASES; do
+    skip_var=${entry#*:}
+    [ "${!skip_var:-0}" = 1 ] || run="$run ${entry%%:*}"
+  done
+  echo "phases:${run:- none}"
+  exit 0
+fi
 export PREFIXGATE_KERNELS_GPU=1   # compiled Triton: tests/kernels/conftest.py leaves the interpreter off
 export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
@@ -43,8 +73,7 @@ if [ -n "${TIKTOKEN_CACHE_DIR:-}" ] || "$PY" -c "import litellm" 2>/dev/null; th
 XDIST=""
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST="-n ${GPU_TEST_WORKERS:-6}"; fi
 # GPU_TESTS narrows the selection for a short call (pytest arguments, e.g. "tests/gpu_engine -k overlap").
-# SKIP_TESTS=1 leaves the GPU tests out: the second of two calls when the suite does not fit one (the
-# first: SKIP_PD_BENCH=1 SKIP_TIERS=1; the second: SKIP_TESTS=1 SKIP_KERNEL_BENCH=1 SKIP_ENGINE_BENCH=1).
+# SKIP_TESTS=1 leaves the GPU tests out (ONLY=..., above, names the phases of one call instead).
 # Session 15's phases on the H200: tests 86 s, kernel benchmark 104 s; session 14's whole run 551-566 s.
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   "$PY" -m pytest ${GPU_TESTS:-tests/kernels tests/gpu_engine $MODEL_TESTS} -m gpu $XDIST -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$RES/kernels_gpu_pytest.log"
