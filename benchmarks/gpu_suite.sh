@@ -53,8 +53,8 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
   *H100*) CARD_TAG=h100 ;;
   *) CARD_TAG=gpu ;;
 esac
-# each phase's wall seconds, printed with the summary: the whole suite is meant to fit one 600 s device
-# call, and a slow device host (session 14's call 4: 566 s, cut during the tier stepload) shows where
+# each phase's wall seconds, printed with the summary: what a call's ONLY can hold within 600 s, and on a
+# slow device host (session 14's call 4: 566 s, cut during the tier stepload) where the time went
 SUITE_T0=$SECONDS
 PHASES=""
 phase_done() {  # also said at once: a call cut by its time limit still shows the phases that ended
