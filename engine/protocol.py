@@ -502,6 +502,14 @@ class EngineClient(Protocol):
         ...
 
 
+class OwnedEngine(EngineClient, Protocol):
+    """An in-process engine the serving process built (``engine.launch.build_engine``: ``AsyncEngine``, or
+    ``DisaggEngine`` for a prefill/decode node) and so must stop: ``shutdown`` ends its thread, waiting up
+    to ``timeout`` seconds for the step in progress."""
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
 @runtime_checkable
 class PromptDecoder(Protocol):
     """An engine that can turn prompt token ids back into text (the in-process engine can).

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -24,7 +22,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.protocol import EngineClient
+from engine.protocol import EngineClient, OwnedEngine
 from gateway.anthropic_api import error_body as anthropic_error_body
 from gateway.deps import bearer_key
 from gateway.disagg_client import DisaggEngineClient, DisaggMetrics, SplitPolicy
@@ -34,7 +32,7 @@ from gateway.kv_event_subscriber import EventSource, KVEventSubscriber
 from gateway.metrics import GatewayMetrics, LiveStats
 from gateway.miss_tracker import MissTracker
 from gateway.node_health import NodeCollector, probe_forever, probe_once
-from gateway.ports import TenancyError, TenancyPort, open_tenancy, tenancy_error
+from gateway.ports import AsyncCloseable, LedgerFlush, TenancyError, TenancyPort, open_tenancy, tenancy_error
 from gateway.query_credentials import QueryCredentialRefusal
 from gateway.remote import NodeTimeouts, RemoteEngineClient
 from gateway.routes import (
@@ -159,7 +157,7 @@ def build_router(settings: GatewaySettings, registry: CollectorRegistry | None =
                   outliers=OutlierPolicy(settings.node_cooldown_failures, settings.node_cooldown_s))
 
 
-def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> EngineClient | None:
+def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) -> OwnedEngine | None:
     if settings.model_dir is None:
         return None
     from engine.launch import build_engine
@@ -172,17 +170,6 @@ def _build_local_engine(settings: GatewaySettings, registry: CollectorRegistry) 
         disagg = DisaggConfig(Role(settings.role), settings.node_token or "", kv_host=settings.host,
                               kv_port=settings.kv_port, kv_advertise_host=settings.kv_advertise_host or "")
     return build_engine(config, registry=registry, disagg=disagg)
-
-
-async def _call_optional(obj: Any, *names: str) -> None:
-    """Call the first lifecycle method ``obj`` has (engines differ: start/stop/aclose/shutdown)."""
-    for name in names:
-        fn = getattr(obj, name, None)
-        if callable(fn):
-            result = fn()
-            if inspect.isawaitable(result):
-                await result
-            return
 
 
 async def _sample_forever(series: TimeSeries) -> None:
@@ -225,9 +212,7 @@ def create_app(
         owned_engine = owned_tenancy = None
         app.state.inflight.reopen()
         if app.state.engine is None:
-            owned_engine = app.state.engine = _build_local_engine(settings, registry)
-            if owned_engine is not None:
-                await _call_optional(owned_engine, "start")
+            owned_engine = app.state.engine = _build_local_engine(settings, registry)  # running once built
         if app.state.tenancy is None and settings.home is not None:
             owned_tenancy = app.state.tenancy = open_tenancy(
                 settings.home, auth_cache_ttl_s=settings.auth_cache_ttl_s,
@@ -254,14 +239,15 @@ def create_app(
             prober.cancel()
             app.state.router.stop_events()
             for client in app.state.router.all_clients():  # nodes' and direct upstreams' HTTP pools
-                await _call_optional(client, "aclose")
+                if isinstance(client, AsyncCloseable):
+                    await client.aclose()
             if owned_engine is not None:
-                await _call_optional(owned_engine, "aclose", "shutdown", "stop", "close")
+                owned_engine.shutdown()
             tenancy_now = app.state.tenancy
-            if tenancy_now is not None:
-                await _call_optional(tenancy_now, "flush")
+            if isinstance(tenancy_now, LedgerFlush):
+                tenancy_now.flush()
             if owned_tenancy is not None:
-                await _call_optional(owned_tenancy, "close")
+                owned_tenancy.close()
 
     app = FastAPI(title="PrefixGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings

@@ -36,6 +36,7 @@ from gateway.errors import OpenAIError
 from gateway.pipeline import Prepared
 from gateway.schemas import Usage
 from gateway.tool_calls import ParsedDelta, ToolCallParser, merge_tool_deltas
+from gateway.upstream import ProviderOutput
 from gateway.wire_json import ascii_json
 
 
@@ -47,8 +48,8 @@ def finish_reason(out: RequestOutput) -> str | None:
 
 
 def _provider_tool_deltas(out: RequestOutput) -> list[dict[str, Any]]:
-    """Tool-call deltas an upstream provider streamed (gateway.upstream.ProviderOutput)."""
-    return list(getattr(out, "tool_call_deltas", ()) or ())
+    """Tool-call deltas an upstream provider streamed (an engine's own output carries none)."""
+    return list(out.tool_call_deltas) if isinstance(out, ProviderOutput) else []
 
 
 def chat_logprob(lp: TokenLogprob) -> dict[str, Any]:

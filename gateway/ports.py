@@ -70,6 +70,22 @@ class TenancyPort(Protocol):
 
 
 @runtime_checkable
+class AsyncCloseable(Protocol):
+    """A backend client that holds connections (a node's or an upstream provider's HTTP pool; the
+    in-process engine holds none): ``aclose`` releases them at shutdown."""
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class LedgerFlush(Protocol):
+    """A tenancy that queues ledger rows (``TenancyService.flush``; fakes may write at once): shutdown
+    writes the queue out before the process ends."""
+
+    def flush(self) -> None: ...
+
+
+@runtime_checkable
 class FleetStatusSource(Protocol):
     """Which store and limits the tenancy uses (``TenancyService.fleet_status``; fakes may not have it)."""
 

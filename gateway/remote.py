@@ -440,5 +440,10 @@ class RemoteEngineClient:
             raise NotImplementedError("this node pool has no tokenizer in the gateway (RouteConfig.tokenizer)")
         return self.tokenizer.tokenize(request)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``aclose`` released the HTTP pool (the gateway's lifespan does at shutdown)."""
+        return self._http.is_closed
+
     async def aclose(self) -> None:
         await self._http.aclose()

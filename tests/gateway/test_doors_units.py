@@ -205,3 +205,18 @@ def test_an_unstored_chat_stream_keeps_nothing_that_grows_and_a_stored_one_keeps
         kept.chunks(0, out)
     assert "".join(kept.acc.text[0]).strip() == "Let me check."  # what the stored completion is built from
     assert [c["function"]["name"] for c in kept.acc.tool_calls(0)] == ["get_weather"]
+
+
+def test_a_providers_streamed_tool_call_deltas_pass_through_and_an_engines_plain_text_has_none():
+    from gateway.upstream import ProviderOutput
+
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city"'}}
+    more = {"index": 0, "function": {"arguments": ': "Oslo"}'}}
+    acc = ChoiceText()  # no tool parsing: a provider parses its own calls
+    first = acc.add(0, ProviderOutput("r", (), "", False, 10, 0, 1, tool_call_deltas=(call,)))
+    acc.add(0, ProviderOutput("r", (), "", True, 10, 0, 2, finish_reason="tool_calls", tool_call_deltas=(more,)))
+    assert first.tool_calls == [call]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in acc.tool_calls(0)] == [
+        ("get_weather", '{"city": "Oslo"}')]
+    plain = ChoiceText().add(0, RequestOutput("r", (1,), "<tool_call>", True, 10, 0, 1, finish_reason="stop"))
+    assert plain.tool_calls == [] and plain.content == "<tool_call>"
