@@ -52,7 +52,12 @@ from engine.tiers.nvme import NvmeTier
 from engine.tiers.opener import HostOpener, SealedRun, SegmentOpener
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     import torch
+
+    # a run's plaintext on the host: bytes, or the runner's CPU export ``[N, block_bytes]`` uint8
+    HostKV: TypeAlias = bytes | bytearray | memoryview | torch.Tensor
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +275,7 @@ class TierManager:
         return self.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s
 
     # ---- demotion ------------------------------------------------------------------------------
-    def demote(self, tenant: TenantScope, hashes: Sequence[BlockHash], data: Any,
+    def demote(self, tenant: TenantScope, hashes: Sequence[BlockHash], data: HostKV | DevicePlaintext,
                retain_for_s: float = 0.0) -> Future[DemoteReport]:
         """Spill a run of consecutive blocks of one hash chain; returns at once.
 
@@ -324,7 +329,7 @@ class TierManager:
             fut.exception(timeout=timeout)
 
     def _demote(self, tenant: TenantScope, hashes: tuple[BlockHash, ...], view: _Plain,
-                keepalive: Any, retain_until_s: float | None = None) -> DemoteReport:
+                keepalive: HostKV | DevicePlaintext, retain_until_s: float | None = None) -> DemoteReport:
         del keepalive  # held by the closure only so the exporter's buffer outlives the view
         self._maybe_sweep()
         report = DemoteReport()
@@ -617,13 +622,14 @@ class TierManager:
             self.nvme.close()
 
 
-def _as_bytes_view(data: Any) -> memoryview:
-    """bytes / bytearray / memoryview / CPU tensor or ndarray -> flat read-only byte view (no copy)."""
-    if hasattr(data, "numpy") and not isinstance(data, memoryview):
-        if getattr(data, "device", None) is not None and str(data.device) != "cpu":
-            raise ValueError("demote() needs a CPU buffer; export the blocks to host memory first")
-        data = data.contiguous().numpy() if hasattr(data, "contiguous") else data.numpy()
-    return memoryview(data).cast("B").toreadonly()
+def _as_bytes_view(data: HostKV) -> memoryview:
+    """bytes / bytearray / memoryview / CPU tensor -> flat read-only byte view (no copy but a
+    non-contiguous tensor's)."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        return memoryview(data).cast("B").toreadonly()
+    if data.device.type != "cpu":
+        raise ValueError("demote() needs a CPU buffer; export the blocks to host memory first")
+    return memoryview(data.contiguous().numpy()).cast("B").toreadonly()
 
 
 _Plain = memoryview | DevicePlaintext  # a run's plaintext on its way down: host bytes, or still in HBM

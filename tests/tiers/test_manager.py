@@ -62,6 +62,15 @@ def test_tensor_export_is_accepted_and_long_runs_are_chunked(make_manager):
     assert torch.equal(torch.frombuffer(bytearray(res.data), dtype=torch.uint8).view(10, BLOCK_BYTES), t)
     with pytest.raises(ValueError, match="bytes"):
         m.demote(a, hs, b"short")
+    # a tensor still on a device is refused before anything is queued (no host view of it exists)
+    with pytest.raises(ValueError, match="CPU buffer"):
+        m.demote(a, hs, torch.empty(10, BLOCK_BYTES, dtype=torch.uint8, device="meta"))
+    # a non-contiguous CPU export (every other block) is read in its logical order
+    two = torch.randint(0, 256, (4, BLOCK_BYTES), dtype=torch.uint8)
+    hs2 = chain(a.namespace, 2, seed=7)
+    spill(m, a, hs2, two[::2])
+    _, res = restore_all(m, a, hs2)
+    assert bytes(res.data) == two[::2].contiguous().numpy().tobytes()
 
 
 def test_dram_overflow_cascades_to_nvme_and_restore_spans_both(make_manager, registry):
