@@ -49,6 +49,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tenant_key(home: Path, name: str, **settings: object) -> str:
+    """A new tenant's first API key, written to the tenancy store under ``home`` (SQLite) before a
+    server opens it; ``settings`` as ``TenancyService.create_tenant`` takes them."""
+    from tenancy.service import TenancyService
+
+    svc = TenancyService.open(home)
+    try:
+        key = svc.create_tenant(name, **settings).api_key
+        svc.flush()
+    finally:
+        svc.close()
+    return key
+
+
 def serve_tiny(home: Path, *flags: str, env: dict[str, str] | None = None,
                timeout: float = 180.0, port: int | None = None) -> tuple[str, subprocess.Popen]:
     """Start ``serve --model tiny`` under ``home`` with extra ``flags`` and wait for ``/health``.

@@ -21,7 +21,7 @@ from gateway.settings import GatewaySettings, RouteConfig
 from tenancy.pricing import PriceBook
 from tenancy.service import TenancyService
 from tests.fleetutil import read_rows
-from tests.serverutil import serve_tiny, stop
+from tests.serverutil import serve_tiny, stop, tenant_key
 
 SYSTEM = [{"type": "text", "text": "You are the claims assistant of ExampleCo. " * 8,
            "cache_control": {"type": "ephemeral"}}]
@@ -78,12 +78,7 @@ def test_a_providers_cache_writes_reach_the_ledger_usage_and_cost(tmp_path, monk
 
 
 def test_the_local_engines_cache_writes_reach_the_ledger_and_usage(tmp_path):
-    svc = TenancyService.open(tmp_path)
-    try:
-        key = svc.create_tenant("acme").api_key
-        svc.flush()
-    finally:
-        svc.close()
+    key = tenant_key(tmp_path, "acme")
     url, proc = serve_tiny(tmp_path, "--kv-blocks", "128", timeout=300)
     try:
         client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)

@@ -13,16 +13,11 @@ from gateway_fakes import FakeEngine, FakeTenancy
 from gateway.app import create_app
 from gateway.remote import RemoteEngineClient
 from gateway.settings import GatewaySettings, RouteConfig
-from tenancy.service import TenancyService
+from tests.serverutil import tenant_key
 
 
 def test_the_engine_and_tenancy_it_built_are_stopped_with_the_ledger_written(tmp_path, tiny_model_dir):
-    svc = TenancyService.open(tmp_path)
-    try:
-        key = svc.create_tenant("acme").api_key
-        svc.flush()
-    finally:
-        svc.close()
+    key = tenant_key(tmp_path, "acme")
     app = create_app(GatewaySettings(home=tmp_path, model="tiny", model_dir=tiny_model_dir, kv_blocks=64))
     with TestClient(app) as client:
         engine = app.state.engine

@@ -28,8 +28,7 @@ from engine.protocol import GenerateRequest, RequestOutput  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from gateway.tool_calls import MAX_PARALLEL_CALLS  # noqa: E402
-from tenancy.service import TenancyService  # noqa: E402
-from tests.serverutil import serve_tiny, stop  # noqa: E402
+from tests.serverutil import serve_tiny, stop, tenant_key  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
@@ -50,12 +49,7 @@ SCHEMA = {"type": "object", "properties": {
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     home = tmp_path_factory.mktemp("pg-tools")
-    svc = TenancyService.open(home)
-    try:
-        key = svc.create_tenant("tools").api_key
-        svc.flush()
-    finally:
-        svc.close()
+    key = tenant_key(home, "tools")
     url, proc = serve_tiny(home, "--kv-blocks", "256", timeout=300)
     try:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
