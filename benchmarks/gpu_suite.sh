@@ -22,7 +22,9 @@ if [ -n "${ONLY:-}" ]; then
   for name in "${only_phases[@]}"; do
     case " $SUITE_PHASES " in
       *" $name:"*) ;;
-      *) echo "gpu_suite.sh: unknown phase '$name' in ONLY (phases: tests, kernel_bench, engine_bench, first_use, pd, tiers)" >&2
+      *) known=""
+         for entry in $SUITE_PHASES; do known="${known:+$known, }${entry%%:*}"; done
+         echo "gpu_suite.sh: unknown phase '$name' in ONLY (phases: $known)" >&2
          exit 2 ;;
     esac
   done
