@@ -126,11 +126,11 @@ def engine_flag_values(args: argparse.Namespace) -> dict[str, Any]:
     from engine.config import COMPUTE_DTYPES, DTYPE_ALIASES, KV_DTYPES
 
     values: dict[str, Any] = {}
-    threads = _int_flag("--threads", getattr(args, "threads", None), 1)
+    threads = _int_flag("--threads", args.threads, 1)
     if threads is not None:
         values["threads"] = threads
-    for flag, key, allowed in (("--dtype", "dtype", COMPUTE_DTYPES), ("--kv-dtype", "kv_dtype", KV_DTYPES)):
-        given = getattr(args, key, None)
+    for flag, key, given, allowed in (("--dtype", "dtype", args.dtype, COMPUTE_DTYPES),
+                                      ("--kv-dtype", "kv_dtype", args.kv_dtype, KV_DTYPES)):
         if given is None:
             continue
         value = DTYPE_ALIASES.get(given, given)
@@ -207,22 +207,22 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
              "device": args.device, "kv_blocks": _int_flag("--kv-blocks", args.kv_blocks, 2),
              "dram_bytes": _size_flag("--dram-bytes", args.dram_bytes), "nvme_dir": args.nvme_dir,
              "nvme_bytes": _size_flag("--nvme-bytes", args.nvme_bytes),
-             "max_model_len": _int_flag("--max-model-len", getattr(args, "max_model_len", None), 1),
-             "database_url": getattr(args, "database_url", None) or _env_url("PREFIXGATE_DATABASE_URL"),
-             "redis_url": getattr(args, "redis_url", None) or _env_url("PREFIXGATE_REDIS_URL"),
-             "role": getattr(args, "role", None), "kv_port": _int_flag("--kv-port", getattr(args, "kv_port", None), 0),
-             "kv_advertise_host": getattr(args, "kv_advertise_host", None),
-             "shutdown_grace_s": _seconds_flag("--shutdown-grace-s", getattr(args, "shutdown_grace_s", None))}
+             "max_model_len": _int_flag("--max-model-len", args.max_model_len, 1),
+             "database_url": args.database_url or _env_url("PREFIXGATE_DATABASE_URL"),
+             "redis_url": args.redis_url or _env_url("PREFIXGATE_REDIS_URL"),
+             "role": args.role, "kv_port": _int_flag("--kv-port", args.kv_port, 0),
+             "kv_advertise_host": args.kv_advertise_host,
+             "shutdown_grace_s": _seconds_flag("--shutdown-grace-s", args.shutdown_grace_s)}
     values.update({k: v for k, v in flags.items() if v is not None})
     values.update(engine_flag_values(args))
-    if getattr(args, "no_prefix_cache", False):  # callers may build the Namespace by hand
+    if args.no_prefix_cache:
         values["prefix_caching"] = False
     if args.node_token_env:
         token = os.environ.get(args.node_token_env)
         if not token:
             raise CLIError(f"--node-token-env {args.node_token_env}: that environment variable is empty or unset")
         values["node_token"] = token
-    metrics_env = getattr(args, "metrics_token_env", None)
+    metrics_env = args.metrics_token_env
     if metrics_env:
         token = os.environ.get(metrics_env)
         if not token:
@@ -230,7 +230,7 @@ def build_settings(args: argparse.Namespace, home: Path, port_hint: str | None =
         values["metrics_token"] = token
     elif os.environ.get("PREFIXGATE_METRICS_TOKEN") and "metrics_token" not in values:
         values["metrics_token"] = os.environ["PREFIXGATE_METRICS_TOKEN"]
-    if getattr(args, "metrics_public", False):
+    if args.metrics_public:
         values["metrics_public"] = True
     device = values.get("device", "cpu")
     if device != "cpu" and not str(device).startswith("cuda"):

@@ -143,14 +143,13 @@ def test_prompt_logprobs_cross_the_split_wire_and_are_refused_on_node_routes():
 
 
 def test_serve_settings_from_flags_and_file(tmp_path):
-    import argparse
-
+    from gateway.cli.main import build_parser
     from gateway.cli.serve_cmd import build_settings
 
     cfg = tmp_path / "gw.yaml"
     cfg.write_text("server:\n  port: 9100\nengine:\n  dram_bytes: 1GiB\n")
-    args = argparse.Namespace(config=str(cfg), host=None, port="9200", model="none", device=None, kv_blocks="64",
-                              dram_bytes=None, nvme_dir=None, nvme_bytes="2GiB", node_token_env=None)
+    args = build_parser().parse_args(["serve", "--config", str(cfg), "--port", "9200", "--model", "none",
+                                      "--kv-blocks", "64", "--nvme-bytes", "2GiB"])
     s = build_settings(args, tmp_path)
     assert s.port == 9200  # a flag beats the file
     assert s.dram_bytes == 1024**3 and s.kv_blocks == 64 and s.model is None and s.home == tmp_path
