@@ -88,13 +88,35 @@ from engine.tokenizer_pool import TokenizerPool
 _DETOK_CONTEXT = 5
 
 
+class ModelLimits(Protocol):
+    """What the engine reads of the runner's model summary (``engine.models.spec.ModelSpec``): the
+    prompt bound, the vocabulary for token-id checks, the tokens that end a request."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+
+class TextCodec(Protocol):
+    """The two tokenizer calls the engine makes: a text prompt's ids, and ids back to text (a
+    ``transformers`` tokenizer in production)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
 class Runner(Protocol):
     """What the engine needs of a model runner (``engine.model_runner.ModelRunner`` in production;
     tests inject a deterministic double). See the ModelRunner contract in the engine docs."""
 
-    spec: Any  # has vocab_size, max_model_len, eos_token_ids
-    tokenizer: Any  # encode(text) -> list[int]; decode(ids, skip_special_tokens=...) -> str
-    tokenizers: TokenizerPool[Any]  # copies of ``tokenizer``, one per thread using it at a time
+    spec: ModelLimits
+    tokenizers: TokenizerPool[TextCodec]  # private tokenizer copies, one per thread using one at a time
     max_token_chars: int  # characters of the vocabulary's longest token (engine.prompt_bounds)
     block_size: int
     num_kv_blocks: int
@@ -124,12 +146,13 @@ class OverlapRunner(Protocol):
     Methods only: a runtime isinstance check looks members up statically, so a wrapper that
     forwards attributes through ``__getattr__`` (benchmarks' timers) still qualifies."""
 
-    def launch(self, batch: ScheduledBatch, feed: Sequence[tuple[int, int]] = (), after: Any = None) -> Any:
+    def launch(self, batch: ScheduledBatch, feed: Sequence[tuple[int, int]] = (), after: object = None) -> object:
         """Queue ``batch``; ``feed`` pairs (chunk index, chunk index in ``after``) say which
-        one-token chunks take the token ``after`` sampled for that chunk. -> an opaque handle."""
+        one-token chunks take the token ``after`` sampled for that chunk. -> an opaque handle
+        (the engine only hands it back, to ``collect`` or as the next launch's ``after``)."""
         ...
 
-    def collect(self, handle: Any) -> StepResult: ...
+    def collect(self, handle: object) -> StepResult: ...
 
 
 @dataclass
@@ -137,7 +160,7 @@ class _Launched:
     """A step on the device whose tokens the host has not read yet."""
 
     step: SchedulerOutput
-    handle: Any  # the runner's LaunchedStep
+    handle: object  # the runner's own handle (ModelRunner's LaunchedStep), opaque to the engine
     needs_host_tokens: bool  # a grammar row: schedule the next step only after collecting this one
     launched_at: float  # perf_counter
 
