@@ -20,9 +20,12 @@ from promptlint.canon import canonicalize_owned as _canonicalize
 from tenancy.service import (  # noqa: F401 - re-exported
     AuthenticationError,
     FleetStatus,
+    KeyInfo,
     QuotaExceededError,
+    Quotas,
     TenancyError,
     TenancyService,
+    TenantInfo,
     UsageRecord,
 )
 from tenancy.service import metrics_label as tenant_metrics_label  # noqa: F401 - the label a tenant's name gets
@@ -35,11 +38,14 @@ class TenantCtx(Protocol):
     name: str
     key_id: str
     is_admin: bool
+    share_scope: str  # "tenant" | "user" | "group:<name>"
     canon_mode: str
     per_user_vars: tuple[str, ...]
     namespace: bytes
+    tenant_key: bytes  # the tenant's identity in the engine (quotas, fairness), whatever the scope
     metrics_label: str
     cipher: object | None  # the tenant's BlockCipher (None: its KV never leaves HBM)
+    quotas: Quotas
     cache_retention_s: float | None  # the tenant's default retention of its prompts' prefixes
 
 
@@ -115,9 +121,9 @@ class LedgerStatsSource(Protocol):
 class TenantDirectory(Protocol):
     """Listing tenants and keys (``TenancyService`` has it; test fakes may not): the panel's isolation table."""
 
-    def list_tenants(self) -> list[Any]: ...
+    def list_tenants(self) -> list[TenantInfo]: ...
 
-    def list_keys(self, name: str | None = None) -> list[Any]: ...
+    def list_keys(self, name: str | None = None) -> list[KeyInfo]: ...
 
 
 def open_tenancy(home: Path, *, auth_cache_ttl_s: float = 5.0, database_url: str | None = None,

@@ -33,12 +33,13 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
+from prometheus_client import CollectorRegistry
 
-from engine.protocol import CacheInspector
+from engine.protocol import CacheInspector, EngineClient
 from gateway.deps import EngineDep, LiveStatsDep, TenancyDep, TenantDep
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import LiveStats
-from gateway.ports import TenantDirectory, tenant_metrics_label
+from gateway.ports import Quotas, TenancyPort, TenantCtx, TenantDirectory, tenant_metrics_label
 from gateway.timeseries import WINDOWS, TimeSeries, read_registry, tenant_blocks
 
 router = APIRouter(tags=["dashboard"])
@@ -123,7 +124,7 @@ def _computed_prefixes(engine_stats: dict[str, Any], only_tenant: str | None, to
     return rows[:top]
 
 
-def _isolation_row(name: str, share_scope: str, encrypted: bool | None, quotas: Any,
+def _isolation_row(name: str, share_scope: str, encrypted: bool | None, quotas: Quotas,
                    last_key: float | None, used: dict[str, int]) -> dict[str, Any]:
     return {
         "tenant": name, "share_scope": share_scope, "spill_encrypted": encrypted,
@@ -135,13 +136,14 @@ def _isolation_row(name: str, share_scope: str, encrypted: bool | None, quotas: 
     }
 
 
-def _own_blocks(ctx: Any, engine: Any) -> dict[str, int]:
+def _own_blocks(ctx: TenantCtx, engine: EngineClient | None) -> dict[str, int]:
     """The caller's blocks per tier, by its tenant key (never by its label, which another tenant
     may share); none without a local engine (a remote node's blocks are not this process's)."""
     return engine.tenant_blocks(ctx) if isinstance(engine, CacheInspector) else {}
 
 
-def _isolation(ctx: Any, tenancy: Any, live: LiveStats, registry: Any, engine: Any) -> list[dict[str, Any]]:
+def _isolation(ctx: TenantCtx, tenancy: TenancyPort, live: LiveStats, registry: CollectorRegistry,
+               engine: EngineClient | None) -> list[dict[str, Any]]:
     """Share scope, spill encryption, quotas and the newest API key of each visible tenant.
 
     Encryption is a property of an authenticated context (its cipher): known for the caller and
