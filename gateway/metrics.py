@@ -234,7 +234,7 @@ class LiveStats:
     cut to 32 characters) must not see each other's rows.
     """
 
-    def __init__(self, clock: Any = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
         self._clock = clock
         self._by_tenant: dict[str, TenantTotals] = {}

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field
 
-from engine.protocol import CacheInspector
+from engine.protocol import CacheInspector, EngineClient
 from gateway.deps import EngineDep, TenancyDep, TenantDep
 from gateway.door import chat_request, prepare_door, refusals_counted, translated, whole_prompt_for
 from gateway.errors import OpenAIError, invalid_request
@@ -44,7 +44,7 @@ class WarmRequest(ScannedBody):  # scanned (depth, text, size) like every door's
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
 
-def _inspector(engine: Any) -> CacheInspector:
+def _inspector(engine: EngineClient | None) -> CacheInspector:
     if not isinstance(engine, CacheInspector):
         raise OpenAIError(501, "this server has no local engine whose cache can be inspected or warmed",
                           code="not_implemented")
