@@ -46,6 +46,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from tenancy.database import Database
 from tenancy.pricing import UNPRICED
 
 SCHEMA = "prefixgate.report/v1"
@@ -132,7 +133,7 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(clamped, UTC).isoformat().replace("+00:00", "Z")
 
 
-def fetch_rows(db: Any, *, tenant_ids: list[str] | None, since: datetime | None, until: datetime) -> list[dict]:
+def fetch_rows(db: Database, *, tenant_ids: list[str] | None, since: datetime | None, until: datetime) -> list[dict]:
     sql = (
         "SELECT u.*, COALESCE(t.name, 'deleted:' || u.tenant_id) AS tenant "
         "FROM usage u LEFT JOIN tenants t ON t.id = u.tenant_id WHERE u.created_at < ?"
@@ -211,7 +212,7 @@ def _breaks(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def build_report(
-    db: Any, *, tenant_ids: list[str] | None = None, since: datetime | None = None, until: datetime | None = None
+    db: Database, *, tenant_ids: list[str] | None = None, since: datetime | None = None, until: datetime | None = None
 ) -> dict[str, Any]:
     until = until or datetime.now(UTC) + timedelta(seconds=1)
     rows = fetch_rows(db, tenant_ids=tenant_ids, since=since, until=until)
