@@ -182,7 +182,7 @@ def _error_from_response(status: int, body: bytes) -> EngineError:
     return exc
 
 
-def _stream_error(base_url: str, err: Any) -> EngineError:
+def _stream_error(base_url: str, err: object) -> EngineError:
     message = err.get("message") if isinstance(err, Mapping) else err
     return NodeServerError(f"engine node {base_url} failed mid-stream: {message}")
 

@@ -64,7 +64,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.config import COMPUTE_DTYPES, DTYPE_ALIASES, KV_DTYPES, EngineConfig, parse_size
 
@@ -336,7 +336,7 @@ class GatewaySettings(BaseModel):
 
     @field_validator("dtype", "kv_dtype")
     @classmethod
-    def _dtype(cls, v: str, info: Any) -> str:
+    def _dtype(cls, v: str, info: ValidationInfo) -> str:
         v = DTYPE_ALIASES.get(v, v)
         allowed = KV_DTYPES if info.field_name == "kv_dtype" else COMPUTE_DTYPES
         if v not in allowed:

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -140,6 +140,9 @@ class _NodeBody(BaseModel):
                                  priority=self.priority, tenant_key=key)
 
 
+NodeBodyT = TypeVar("NodeBodyT", bound=_NodeBody)
+
+
 class NodeCompletionBody(_NodeBody):
     prompt: list[int] | str = Field(min_length=1)
 
@@ -230,7 +233,7 @@ def build_node_app(state: State) -> FastAPI:
             raise OpenAIError(503, "this process has no local engine", code="no_engine")
         return state.engine
 
-    async def parse(request: Request, model: type[_NodeBody]) -> Any:
+    async def parse(request: Request, model: type[NodeBodyT]) -> NodeBodyT:
         try:
             return model.model_validate(await request.json())
         except (ValueError, ValidationError) as exc:  # malformed JSON is a ValueError too
