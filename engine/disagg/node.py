@@ -25,8 +25,10 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.disagg.api import (
     DisaggConfig,
     HandoffReport,
@@ -249,7 +251,8 @@ class DisaggEngine:
         self._counts[key] = self._counts.get(key, 0) + 1
 
 
-def build_disagg_engine(config: Any, disagg: DisaggConfig, registry: Any = None) -> DisaggEngine:
+def build_disagg_engine(config: EngineConfig, disagg: DisaggConfig,
+                        registry: CollectorRegistry | None = None) -> DisaggEngine:
     """Load the model and start the engine thread (and, for a decode role, the KV receiver)."""
     from engine.launch import build_llm_engine_for
     from engine.metrics import EngineMetrics

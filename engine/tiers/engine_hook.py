@@ -32,6 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
 from engine.kv_types import BlockHash, EvictedBlock, FinishedRestore, TierName
@@ -314,7 +315,8 @@ class TierHook:
         self.manager.close()
 
 
-def build_tier_hook(config: EngineConfig, runner: KVBlockIO, registry: Any = None, **kwargs: Any) -> TierHook | None:
+def build_tier_hook(config: EngineConfig, runner: KVBlockIO, registry: CollectorRegistry | None = None,
+                    **kwargs: Any) -> TierHook | None:
     """The composition root's one call: a ``TierHook`` sized by ``config.dram_bytes`` /
     ``nvme_dir`` / ``nvme_bytes``, or None when both tiers are off (or prefix caching is)."""
     if not config.enable_prefix_caching or (config.dram_bytes <= 0 and
