@@ -23,13 +23,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from engine.config import parse_size
 from gateway.cli.main import CLIError, resolve_home
 from gateway.settings import GatewaySettings, read_config_file
+
+if TYPE_CHECKING:  # uvicorn is imported when the server starts: `prefixgate --help` stays fast
+    import uvicorn
 
 DEV_TENANT = "dev"
 DEV_KEY_FILE = "dev-api-key"
@@ -350,7 +353,7 @@ def _exception_line(traceback_text: str) -> str | None:
 class _StartupFailure(logging.Filter):
     """Keeps the last line of a start-up traceback and drops the rest: a user sees one line."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: uvicorn.Server) -> None:
         super().__init__()
         self.server = server
         self.reason: str | None = None
@@ -379,7 +382,7 @@ def _probe_url(settings: GatewaySettings) -> str:
     return f"http://[{host}]:{settings.port}" if ":" in host else f"http://{host}:{settings.port}"
 
 
-def _announce_when_healthy(server: Any, probe: str, ready: str, banner: Callable[[], str] | None) -> None:
+def _announce_when_healthy(server: uvicorn.Server, probe: str, ready: str, banner: Callable[[], str] | None) -> None:
     """Poll until uvicorn listens and ``/health`` says 200, then print; give up silently if it stops."""
     import httpx
 
