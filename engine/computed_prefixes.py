@@ -24,7 +24,7 @@ This module imports only the standard library.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -122,7 +122,7 @@ class ComputedPrefixes:
         self._by_tenant: dict[str, SpaceSaving[bytes]] = {}
         self._labels: dict[str, str] = {}  # tenant key -> its metrics label, for display
 
-    def observe(self, tenant_key: str, label: str, block_hashes: list[bytes], num_prompt_tokens: int,
+    def observe(self, tenant_key: str, label: str, block_hashes: Sequence[bytes], num_prompt_tokens: int,
                 num_cached_tokens: int, block_size: int) -> None:
         """Count the first full prompt block computed by one request (nothing if it computed none)."""
         first = num_cached_tokens // block_size

@@ -104,19 +104,35 @@ class ModelLimits(Protocol):
 
 class TextCodec(Protocol):
     """The two tokenizer calls the engine makes: a text prompt's ids, and ids back to text (a
-    ``transformers`` tokenizer in production)."""
+    ``transformers`` tokenizer in production, whose ``decode`` is annotated for batches too: the
+    engine decodes one flat id list, and ``_one_text`` holds it to the one string that gives)."""
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str | list[str]: ...
+
+
+def _one_text(decoded: str | list[str]) -> str:
+    if not isinstance(decoded, str):
+        raise TypeError(f"the tokenizer decoded one id list to {type(decoded).__name__}, not a string")
+    return decoded
 
 
 class Runner(Protocol):
     """What the engine needs of a model runner (``engine.model_runner.ModelRunner`` in production;
-    tests inject a deterministic double). See the ModelRunner contract in the engine docs."""
+    tests inject a deterministic double). See the ModelRunner contract in the engine docs.
 
-    spec: ModelLimits
-    tokenizers: TokenizerPool[TextCodec]  # private tokenizer copies, one per thread using one at a time
+    ``spec`` and ``tokenizers`` are read-only here: the engine never replaces them, and a runner's
+    own, narrower types (``ModelSpec``, a pool of ``transformers`` tokenizers) then conform."""
+
+    @property
+    def spec(self) -> ModelLimits: ...
+
+    @property
+    def tokenizers(self) -> TokenizerPool[TextCodec]:
+        """Private tokenizer copies, one per thread using one at a time."""
+        ...
+
     max_token_chars: int  # characters of the vocabulary's longest token (engine.prompt_bounds)
     block_size: int
     num_kv_blocks: int
@@ -272,7 +288,7 @@ class LLMEngine:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                                       part=RequestPart.PROMPT, code="invalid_value")
         with self.runner.tokenizers.borrow() as tok:
-            return str(tok.decode(ids, skip_special_tokens=False))
+            return _one_text(tok.decode(ids, skip_special_tokens=False))
 
     def _tokenize(self, request: GenerateRequest) -> tuple[list[int], bytes | None]:
         """``tokenize``, with the ids packed as int64 bytes when they were given as integers (the
@@ -284,6 +300,7 @@ class LLMEngine:
         # tokenizer copy, so one tenant's long render never holds up another's (engine.tokenizer_pool).
         if request.messages is not None:
             return list(self.runner.render_prompt(request.messages, request.tools)), None
+        assert request.prompt is not None  # GenerateRequest holds exactly one of ids, messages, prompt
         with self.runner.tokenizers.borrow() as tok:
             return list(tok.encode(request.prompt)), None
 
@@ -596,7 +613,7 @@ class LLMEngine:
         -> (token or exception per chunk, the token's logprob info per chunk)."""
         try:
             result = self.runner.execute(step.batch)
-            tokens = list(result.sampled_token_ids)
+            tokens: list[int | None | BaseException] = list(result.sampled_token_ids)
             if len(tokens) != len(step.batch.chunks):
                 raise RuntimeError(f"runner returned {len(tokens)} tokens for {len(step.batch.chunks)} chunks")
             return tokens, _token_infos(result, len(tokens))
@@ -738,8 +755,9 @@ class LLMEngine:
         assert state is not None
         state.tokens.append(token)
         with self.runner.tokenizers.borrow() as tok:  # not the one a prepare() thread may be encoding with
-            prefix_text = tok.decode(state.tokens[state.prefix_offset : state.read_offset], skip_special_tokens=True)
-            full_text = tok.decode(state.tokens[state.prefix_offset :], skip_special_tokens=True)
+            prefix_text = _one_text(tok.decode(state.tokens[state.prefix_offset : state.read_offset],
+                                               skip_special_tokens=True))
+            full_text = _one_text(tok.decode(state.tokens[state.prefix_offset :], skip_special_tokens=True))
         # U+FFFD at the end = a multi-byte character split across tokens: wait for the rest
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             req.output_text += full_text[len(prefix_text) :]

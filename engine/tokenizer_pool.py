@@ -29,7 +29,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-T = TypeVar("T")
+# Covariant: a pool of transformers tokenizers is a pool of what the engine needs of one
+# (engine.llm_engine.TextCodec); a borrower only ever receives copies.
+T = TypeVar("T", covariant=True)
 
 
 class TokenizerPool(Generic[T]):

@@ -32,21 +32,57 @@ from tenancy.service import metrics_label as tenant_metrics_label  # noqa: F401 
 
 
 class TenantCtx(Protocol):
-    """What the gateway reads of ``tenancy.service.TenantContext`` (also a ``TenantScope``)."""
+    """What the gateway reads of ``tenancy.service.TenantContext`` (also a ``TenantScope``).
 
-    tenant_id: str
-    name: str
-    key_id: str
-    is_admin: bool
-    share_scope: str  # "tenant" | "user" | "group:<name>"
-    canon_mode: str
-    per_user_vars: tuple[str, ...]
-    namespace: bytes
-    tenant_key: bytes  # the tenant's identity in the engine (quotas, fairness), whatever the scope
-    metrics_label: str
-    cipher: object | None  # the tenant's BlockCipher (None: its KV never leaves HBM)
-    quotas: Quotas
-    cache_retention_s: float | None  # the tenant's default retention of its prompts' prefixes
+    Read-only members: the context is a frozen dataclass, and its narrower field types (``canon_mode``
+    a Literal, ``cipher`` a ``TenantCipher``) conform to read-only members only."""
+
+    @property
+    def tenant_id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def key_id(self) -> str: ...
+
+    @property
+    def is_admin(self) -> bool: ...
+
+    @property
+    def share_scope(self) -> str:
+        """One of ``tenant``, ``user``, ``group:<name>``."""
+        ...
+
+    @property
+    def canon_mode(self) -> str: ...
+
+    @property
+    def per_user_vars(self) -> tuple[str, ...]: ...
+
+    @property
+    def namespace(self) -> bytes: ...
+
+    @property
+    def tenant_key(self) -> bytes:
+        """The tenant's identity in the engine (quotas, fairness), whatever the scope."""
+        ...
+
+    @property
+    def metrics_label(self) -> str: ...
+
+    @property
+    def cipher(self) -> object | None:
+        """The tenant's BlockCipher (None: its KV never leaves HBM)."""
+        ...
+
+    @property
+    def quotas(self) -> Quotas: ...
+
+    @property
+    def cache_retention_s(self) -> float | None:
+        """The tenant's default retention of its prompts' prefixes."""
+        ...
 
 
 class PriceQuote(Protocol):

@@ -392,3 +392,30 @@ def test_the_vocabulary_check_is_the_same_on_and_off_the_packed_path():
         conv, packed = _int_list_packed(ids)
         assert _first_outside(conv, packed, 256) is None is _first_outside(conv, None, 256)
     assert engine.add_request(greq("ok-long", long_ok)).num_prompt_tokens == 600
+
+
+class _BatchDecodingTokenizer:
+    """Decodes to a list of strings, as ``transformers`` annotates ``decode`` for batched input."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids, skip_special_tokens: bool = False) -> list[str]:
+        return [bytes(token_ids).decode("utf-8", errors="replace")]
+
+
+def test_a_tokenizer_decoding_to_a_list_fails_that_request_not_the_engine():
+    """The engine decodes one flat id list and holds the tokenizer to the one string that gives: a list
+    fails the request with a clear error (never text built from a list's repr), and the next runs."""
+    from engine.tokenizer_pool import TokenizerPool
+
+    engine, runner = make_engine()
+    runner.tokenizers = TokenizerPool(_BatchDecodingTokenizer())
+    engine.add_request(greq("bad", prompt(1, 12), max_tokens=3))
+    results = run_all(engine)
+    last = results["bad"]["outs"][-1]
+    assert last.finished and last.error is not None and "decoded one id list to list" in last.error
+    assert results["bad"]["text"] == ""
+    runner.tokenizers = TokenizerPool(runner.tokenizer)
+    engine.add_request(greq("good", prompt(2, 12), max_tokens=3))
+    assert run_all(engine)["good"]["outs"][-1].error is None
