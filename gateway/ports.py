@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from engine.protocol import TenantScope
 from gateway.errors import OpenAIError
 from promptlint.canon import CanonResult
 from promptlint.canon import canonicalize_owned as _canonicalize
@@ -31,11 +32,12 @@ from tenancy.service import (  # noqa: F401 - re-exported
 from tenancy.service import metrics_label as tenant_metrics_label  # noqa: F401 - the label a tenant's name gets
 
 
-class TenantCtx(Protocol):
-    """What the gateway reads of ``tenancy.service.TenantContext`` (also a ``TenantScope``).
+class TenantCtx(TenantScope, Protocol):
+    """What the gateway reads of ``tenancy.service.TenantContext``: the engine's ``TenantScope``
+    (namespace, tenant key, metrics label, cipher, priority, block quotas) and the tenant's own settings.
 
     Read-only members: the context is a frozen dataclass, and its narrower field types (``canon_mode``
-    a Literal, ``cipher`` a ``TenantCipher``) conform to read-only members only."""
+    a Literal) conform to read-only members only."""
 
     @property
     def tenant_id(self) -> str: ...
@@ -59,22 +61,6 @@ class TenantCtx(Protocol):
 
     @property
     def per_user_vars(self) -> tuple[str, ...]: ...
-
-    @property
-    def namespace(self) -> bytes: ...
-
-    @property
-    def tenant_key(self) -> bytes:
-        """The tenant's identity in the engine (quotas, fairness), whatever the scope."""
-        ...
-
-    @property
-    def metrics_label(self) -> str: ...
-
-    @property
-    def cipher(self) -> object | None:
-        """The tenant's BlockCipher (None: its KV never leaves HBM)."""
-        ...
 
     @property
     def quotas(self) -> Quotas: ...
