@@ -27,7 +27,7 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -89,7 +89,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ EngineClient
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         if self._stopping:
             raise EngineShutDownError("the engine is shutting down")
         req = await self.prepare(request)  # raises PromptTooLongError & co before anything is queued

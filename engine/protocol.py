@@ -12,12 +12,23 @@ This module imports no torch, so the gateway can depend on it cheaply.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal, Protocol, runtime_checkable
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error"]  # how the in-process engine ends a request
+# what a RequestOutput may carry: the engine's reasons and those an OpenAI-compatible backend (an engine
+# node, a provider) reports besides
+OutputFinishReason = FinishReason | Literal["tool_calls", "content_filter"]
+_BACKEND_FINISH: dict[str, OutputFinishReason] = {
+    "stop": "stop", "length": "length", "tool_calls": "tool_calls", "content_filter": "content_filter", "abort": "abort"}
+
+
+def backend_finish_reason(reported: object) -> OutputFinishReason:
+    """A backend's reported ``finish_reason`` as an output's: one OpenAI defines (or abort) as it is, anything
+    else (missing, a provider's own word) as "stop", which every OpenAI client can read."""
+    return _BACKEND_FINISH.get(reported, "stop") if isinstance(reported, str) else "stop"
 
 
 class OutputFailure(Enum):
@@ -346,7 +357,7 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    finish_reason: FinishReason | None = None
+    finish_reason: OutputFinishReason | None = None
     # On the last output of a request that a stop string ended: that string (as the request listed
     # it); None for every other ending (EOS, a stop token id, max_tokens) and on earlier outputs.
     stop_sequence: str | None = None
@@ -478,7 +489,7 @@ class EngineClient(Protocol):
     - ``health`` is cheap and never raises; ``stats`` returns a JSON-serialisable snapshot.
     """
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         """An async generator (``async def`` with ``yield``) in implementations."""
         ...
 

@@ -37,7 +37,7 @@ from gateway.errors import OpenAIError, invalid_request
 from gateway.formats import ChoiceText, Kept, sse
 from gateway.ingress import ScannedBody
 from gateway.pipeline import Prepared
-from gateway.schemas import MAX_NAME_CHARS, null_means
+from gateway.schemas import MAX_NAME_CHARS, Usage, null_means
 from promptlint.cache_control import Breakpoint
 
 BLOCK_TYPES = ("text", "image", "tool_use", "tool_result")
@@ -203,13 +203,17 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
+_CHAT_TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}  # Messages tool_choice type -> chat's
+
+
 def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
     if choice is None:
         return None
     kind = choice.get("type")
     if kind == "tool":
         return {"type": "function", "function": {"name": str(choice.get("name", ""))}}
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    # a JSON list or object as the type is unhashable: refused below like any other wrong type
+    mapped = _CHAT_TOOL_CHOICE.get(kind) if isinstance(kind, str) else None
     if mapped is None:
         raise invalid_request(f"tool_choice type must be 'auto', 'any', 'tool' or 'none', got {kind!r}",
                               param="tool_choice.type")
@@ -347,7 +351,7 @@ class MessagesFormat:
         return {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.prep.model,
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
-    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]:
         self.acc = acc
         self.finish = acc.finish.get(0)
         text = "".join(acc.text.get(0, []))
@@ -381,7 +385,7 @@ class MessagesFormat:
     def frame(self, chunk: dict[str, Any]) -> bytes:
         return sse(chunk, chunk["type"])
 
-    def tail(self, usage: dict[str, Any]) -> list[bytes]:
+    def tail(self, usage: Usage) -> list[bytes]:
         events: list[dict[str, Any]] = []
         tools = self._tool_blocks()
         if not self.text_open and not tools:

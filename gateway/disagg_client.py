@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import enum
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -162,7 +162,7 @@ class DisaggEngineClient(RemoteEngineClient):
             raise NodeUnavailableError(f"decode node {self.base_url} has no KV receiver (serve --role decode)")
         return reachable_receiver(look.receiver, self.base_url)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         look = await self.lookup(request)  # raises the node's EngineError (prompt too long ...) as usual
         node = self._least_loaded_prefill()
         placement, reason = self.policy.decide(look, node.inflight)

@@ -118,7 +118,7 @@ class KVEventSubscriber:
     def _run(self) -> None:
         import zmq
 
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         poller = zmq.Poller()
         sockets: dict[zmq.Socket, str] = {}
         try:

@@ -281,18 +281,18 @@ class LiveStats:
         with self._lock:
             return [o for o in self._recent if since <= o.at < until]
 
-    def most_computed(self, only: str | None = None, top: int = 10) -> list[dict[str, Any]]:
+    def most_computed(self, only: str | None = None, top: int = 10) -> list[dict[str, str | int]]:
         """The prompt families whose prompt tokens were computed most (cache misses), most first."""
-        rows = []
+        found: list[tuple[int, str, str, str, int]] = []  # computed, tenant, family, tenant id, requests
         with self._lock:
             for tenant_id, t in self._by_tenant.items():
                 if only is not None and tenant_id != only:
                     continue
                 for family, (requests, computed) in t.computed.items():
-                    rows.append({"tenant_id": tenant_id, "tenant": t.name, "family": family_label(family),
-                                 "requests": requests, "computed_tokens": computed})
-        rows.sort(key=lambda r: (-r["computed_tokens"], r["tenant"], r["family"]))
-        return rows[:top]
+                    found.append((computed, t.name, family_label(family), tenant_id, requests))
+        found.sort(key=lambda r: (-r[0], r[1], r[2]))
+        return [{"tenant_id": tenant_id, "tenant": name, "family": family, "requests": requests,
+                 "computed_tokens": computed} for computed, name, family, tenant_id, requests in found[:top]]
 
     def spill_encrypted(self) -> dict[str, bool | None]:
         """Tenant id -> whether its latest request's context could encrypt spilled KV."""

@@ -30,6 +30,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -240,7 +241,18 @@ def break_counter(registry: CollectorRegistry) -> Counter:
     )
 
 
-def usage_fields(record: MissRecord | None) -> dict[str, str | int | None]:
+class MissFields(TypedDict, total=False):
+    """The miss columns of a ``UsageRecord`` (its keyword arguments of those names)."""
+
+    miss_rule: str
+    miss_position: int
+    miss_detail: str
+    miss_tokens: int
+    miss_family: str
+    miss_context: str | None
+
+
+def usage_fields(record: MissRecord | None) -> MissFields:
     """The ``UsageRecord`` miss fields for ``record`` (all None when the request broke nothing).
 
     The context (prompt text before the break) goes to the ledger in clear, so it is kept only where it

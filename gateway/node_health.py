@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -146,7 +146,10 @@ class NodeCollector:
                                   value=float(router.routed_prefix_blocks))
 
 
-def _counter(name: str, documentation: str, labels: list[str], counts: Mapping[tuple[str, ...], int]) -> Metric:
+LabelValues = TypeVar("LabelValues", bound=tuple[str, ...])  # one str per label (Mapping's key is invariant)
+
+
+def _counter(name: str, documentation: str, labels: list[str], counts: Mapping[LabelValues, int]) -> Metric:
     """A counter family with one sample per key of ``counts`` (the key is the label values)."""
     family = CounterMetricFamily(name, documentation, labels=labels)
     for values, n in counts.items():

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
@@ -46,6 +46,7 @@ from gateway.ports import (
     TenancyPort,
     TenantCtx,
     UsageRecord,
+    UsageStatus,
     canonicalize,
     quota_error,
 )
@@ -58,7 +59,7 @@ from gateway.tenant_threads import TenantThreads
 from gateway.tool_calls import ToolPlan, plan_tools
 from gateway.upstream import ProviderOutput, UpstreamRequest
 from promptlint.cache_control import CacheControlError, retention_seconds
-from promptlint.canon import CanonResult
+from promptlint.canon import CanonMode, CanonResult
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -451,7 +452,8 @@ async def _sized(large: bool, threads: TenantThreads, tenant_id: str, fn: Callab
     return fn(*args)
 
 
-def _canonical(req: ChatCompletionRequest | CompletionRequest, mode: str, per_user_vars: Sequence[str]) -> CanonResult:
+def _canonical(req: ChatCompletionRequest | CompletionRequest, mode: CanonMode,
+               per_user_vars: Sequence[str]) -> CanonResult:
     """The body as the backend will see it: the request dumped, the client's salt dropped, canonicalized."""
     body = req.model_dump(exclude_unset=True)
     body.pop("cache_salt", None)  # the namespace is server-derived; a client salt is ignored
@@ -530,7 +532,7 @@ async def prepare(
         raise quota_error(exc) from None
 
     # Chat bodies only: a raw completions prompt is opaque text that no transform may reorder.
-    mode = scoped.canon_mode if kind == "chat" else "off"
+    mode: CanonMode = scoped.canon_mode if kind == "chat" else "off"
     per_user_vars = scoped.per_user_vars
     large = text_chars > _INLINE_CHARS  # reorder's regexes, and every step below that walks the body
     tid = scoped.tenant_id
@@ -763,7 +765,7 @@ AbortSink = Callable[[int, AbortReport | None], None]
 
 
 def run_choices(prep: Prepared, router: Router, *, one_task: bool = False, on_abort: AbortSink | None = None
-                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Run every choice concurrently and yield ``(choice_index, output)`` as they arrive.
 
     An ``EngineError`` from any choice propagates. However the consumer stops (finished, error,
@@ -799,7 +801,7 @@ def _move(prep: Prepared, alternative: Backend) -> None:
 
 
 async def _run_all(prep: Prepared, router: Router, on_abort: AbortSink | None = None
-                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                   ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """``run_choices`` for any number of choices: one pump task each, merged through a queue."""
     used: dict[int, Backend] = {}  # the backend each choice ended on (after any failover)
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -866,7 +868,7 @@ async def _run_all(prep: Prepared, router: Router, on_abort: AbortSink | None = 
 
 
 async def _run_one(prep: Prepared, router: Router, on_abort: AbortSink | None = None
-                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                   ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """``run_choices`` for one choice, in the caller's task: same failover, same abort on leaving.
 
     ``Router.track`` and ``aclosing`` are written out (try/finally): as context managers they cost
@@ -1010,7 +1012,7 @@ class Accounting:
             prep.miss_record = prep.miss_tracker.settle(
                 prep.miss, request_id=prep.request_id, prompt_tokens=prompt, cached_tokens=cached)
 
-    def record(self, status: str) -> None:
+    def record(self, status: UsageStatus) -> None:
         """Write the ledger row, metrics and dashboard totals once. A ledger failure is logged with
         the request id, never turned into an error for a response that has already been produced."""
         if self.recorded:
@@ -1021,7 +1023,7 @@ class Accounting:
         except Exception:
             log.exception("could not record usage of request %s", self.prep.request_id)
 
-    def _record(self, status: str) -> None:
+    def _record(self, status: UsageStatus) -> None:
         prep = self.prep
         prompt, cached, completion = self.usage(client_left=status == "aborted")
         latency = time.perf_counter() - self.start

@@ -8,13 +8,14 @@ modules directly, within the allow-lists of ``.importlinter``. The ledger row is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from engine.protocol import TenantScope
 from gateway.errors import OpenAIError
-from promptlint.canon import CanonResult
+from promptlint.canon import CanonMode, CanonResult
 from promptlint.canon import canonicalize_owned as _canonicalize
 
 # The rest of the gateway (and its test fakes) take tenancy's types from here.
@@ -30,6 +31,7 @@ from tenancy.service import (  # noqa: F401 - re-exported
     UsageRecord,
 )
 from tenancy.service import metrics_label as tenant_metrics_label  # noqa: F401 - the label a tenant's name gets
+from tenancy.types import UsageStatus  # noqa: F401 - re-exported
 
 
 class TenantCtx(TenantScope, Protocol):
@@ -57,7 +59,7 @@ class TenantCtx(TenantScope, Protocol):
         ...
 
     @property
-    def canon_mode(self) -> str: ...
+    def canon_mode(self) -> CanonMode: ...
 
     @property
     def per_user_vars(self) -> tuple[str, ...]: ...
@@ -94,7 +96,7 @@ class TenancyPort(Protocol):
         """Queue the row for the ledger; the price it was stored at (also for a duplicate)."""
         ...
 
-    def usage(self, ctx: TenantCtx, since: datetime | None = None) -> dict: ...
+    def usage(self, ctx: TenantCtx, since: datetime | None = None, *, tenant: str | None = None) -> dict: ...
 
 
 @runtime_checkable
@@ -186,11 +188,11 @@ def tenancy_error(exc: TenancyError) -> OpenAIError:
     return OpenAIError(exc.status, str(exc), code=exc.code)
 
 
-def canonicalize(body: dict[str, Any], mode: str, per_user_vars: Any = ()) -> CanonResult:
+def canonicalize(body: dict[str, Any], mode: CanonMode, per_user_vars: Sequence[str] = ()) -> CanonResult:
     """``promptlint.canon.canonicalize`` for a tenant's mode ("off" returns the body unchanged).
 
     ``body`` is the caller's to give away (the request's own ``model_dump``, scanned at ingress):
     canonicalized in place, not copied (``canonicalize_owned``)."""
     if mode == "off":
         return CanonResult(body, ())
-    return _canonicalize(body, mode, per_user_vars=tuple(per_user_vars or ()))
+    return _canonicalize(body, mode, per_user_vars=tuple(per_user_vars))

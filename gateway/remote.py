@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,7 @@ from engine.protocol import (
     PrepareQueueFullError,
     PromptTooLongError,
     RequestOutput,
+    backend_finish_reason,
 )
 
 if TYPE_CHECKING:  # transformers is the engine extra's; a gateway-only install never loads it
@@ -329,7 +330,7 @@ class RemoteEngineClient:
             return request.model
         return self._models[0].id if self._models else None
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         prefixgate = any(c.owned_by == "prefixgate" for c in self._models)
         path, body = request_body(request, self._served_model(request), prefixgate_node=prefixgate)
         start = time.perf_counter()
@@ -346,7 +347,7 @@ class RemoteEngineClient:
             raise _transport_error(self.base_url, exc) from exc
 
     async def _outputs(self, request: GenerateRequest, resp: httpx.Response,
-                       start: float) -> AsyncIterator[RequestOutput]:
+                       start: float) -> AsyncGenerator[RequestOutput, None]:
         """Server-sent chunks -> one output per text delta, then a final one with the usage. Each
         output carries the prompt and cached tokens known so far (``PromptSoFar``)."""
         rid = request.request_id
@@ -378,7 +379,7 @@ class RemoteEngineClient:
         self.state.cached_tokens_reported = cached is not None
         prompt = int(usage.get("prompt_tokens") or known.prompt)
         completion = int(usage.get("completion_tokens") or seen)
-        reason = finish if finish in ("stop", "length", "tool_calls", "abort") else "stop"
+        reason = backend_finish_reason(finish)
         yield RequestOutput(rid, (), "", True, prompt, min(cached or 0, prompt), completion,
                             finish_reason=reason, ttft_s=ttft)
 

@@ -25,6 +25,7 @@ from engine.protocol import (
 from gateway.errors import OpenAIError
 from gateway.formats import ChatFormat, ChoiceText, CompletionFormat, WireFormat
 from gateway.pipeline import Accounting, Prepared, engine_failure, run_choices
+from gateway.ports import UsageStatus
 from gateway.routing import Router
 from gateway.shutdown import current_stop, shutdown_error
 from gateway.wire_json import utf8_json
@@ -107,7 +108,7 @@ class EventStream(Response):
 
     async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
         prep, acct = self.prep, self.acct
-        status = "aborted"  # if the client leaves, this task is cancelled before status changes
+        status: UsageStatus = "aborted"  # if the client leaves, this task is cancelled before status changes
         refusal: OpenAIError | None = None
         stop = current_stop()
         try:
@@ -137,13 +138,13 @@ class EventStream(Response):
         if refusal is not None:
             await self.render_error(refusal)(scope, receive, send)
 
-    async def _events(self, send: Send, outputs: AsyncIterator[Indexed], first: Indexed | None) -> str:
+    async def _events(self, send: Send, outputs: AsyncIterator[Indexed], first: Indexed | None) -> UsageStatus:
         """Send the status line and every event; the ledger status the stream ended with."""
         prep, acct, fmt = self.prep, self.acct, self.fmt
         self.init_headers({**prep.headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         self.started = True
-        status = "ok"
+        status: UsageStatus = "ok"
         try:
             if first is not None:
                 acct.observe(*first)

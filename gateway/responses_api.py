@@ -49,7 +49,7 @@ from gateway.pipeline import (
     RequestFields,
     refuse_verbosity,
 )
-from gateway.schemas import MAX_NAME_CHARS, SCHEMA_NAME_PATTERN, Metadata, now, null_means
+from gateway.schemas import MAX_NAME_CHARS, SCHEMA_NAME_PATTERN, Metadata, Usage, now, null_means
 from gateway.structured_output import guided_for_response_format
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -222,10 +222,11 @@ def input_messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()
             content = _chat_content(item.get("content"), f"{where}.content")
             turns.add({"role": role, "content": content}, MessageSource(where, parts=True))  # part j = part j
         elif kind == "function_call":
-            call = {"id": _string_field(item, "call_id", where), "type": "function",
+            call_id = _string_field(item, "call_id", where)
+            call = {"id": call_id, "type": "function",
                     "function": {"name": _string_field(item, "name", where),
                                  "arguments": _string_field(item, "arguments", where)}}
-            called.add(call["id"])
+            called.add(call_id)
             last = turns.messages[-1] if turns.messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
@@ -356,7 +357,7 @@ def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
 
 
-def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
+def responses_usage(usage: Usage) -> dict[str, Any]:
     """Chat ``usage`` -> Responses ``usage`` (input/output tokens, cached tokens in the details)."""
     return {
         "input_tokens": usage["prompt_tokens"],
@@ -453,7 +454,7 @@ class ResponsesFormat:
             echo["verbosity"] = self.req.text.verbosity
         return echo
 
-    def _finished(self, usage: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
+    def _finished(self, usage: Usage, calls: list[dict[str, Any]]) -> dict[str, Any]:
         response = self._response(self._status(), self._output(calls), responses_usage(usage))
         self.completed = response
         return response
@@ -462,7 +463,7 @@ class ResponsesFormat:
         if self.completed is not None:
             await self.on_complete(self.completed)
 
-    def whole(self, acc: ChoiceText, usage: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, acc: ChoiceText, usage: Usage) -> dict[str, Any]:
         self.text = acc.text.get(0, [])
         self.logprobs = acc.logprobs.get(0, []) if self.req.wants_logprobs() else []
         self.calls = acc
@@ -514,7 +515,7 @@ class ResponsesFormat:
     def frame(self, chunk: dict[str, Any]) -> bytes:
         return sse(chunk, chunk["type"])
 
-    def tail(self, usage: dict[str, Any]) -> list[bytes]:
+    def tail(self, usage: Usage) -> list[bytes]:
         events: list[dict[str, Any]] = []
         calls = self._call_items()
         if not self.msg_open and not calls:

@@ -238,9 +238,7 @@ class Router:
         if self.events is not None:
             self.events.stop()
 
-    def local_backend(self, local: EngineClient | None) -> Backend | None:
-        if local is None:
-            return None
+    def local_backend(self, local: EngineClient) -> Backend:
         if self._local_backend is None or self._local_backend.client is not local:
             self._local_backend = Backend("local", BackendKind.LOCAL, local, "")
         return self._local_backend
@@ -287,10 +285,10 @@ class Router:
                 # ``token_ids``, so the pick sees the block chain the nodes will cache.
                 return route.backends[0]
             return self.pick(model, route.backends, self.route_key(namespace, body, token_ids))
-        backend = self.local_backend(local)
-        if backend is not None:
+        if local is not None:
             for card in local.models():
                 if card.id == model:
+                    backend = self.local_backend(local)
                     backend.target_model = card.id
                     return backend
         raise OpenAIError(

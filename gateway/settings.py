@@ -66,7 +66,15 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from engine.config import COMPUTE_DTYPES, DTYPE_ALIASES, KV_DTYPES, EngineConfig, parse_size
+from engine.config import (
+    COMPUTE_DTYPES,
+    DTYPE_ALIASES,
+    KV_DTYPES,
+    ComputeDtype,
+    EngineConfig,
+    KVDtype,
+    parse_size,
+)
 
 _NODE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # safe in a header, a metric label and a log line
 
@@ -235,8 +243,8 @@ class GatewaySettings(BaseModel):
     model: str | None = None
     model_dir: Path | None = None  # resolved checkpoint directory (serve_cmd fills it from `model`)
     device: str = "cpu"
-    dtype: str = "auto"
-    kv_dtype: str = "auto"
+    dtype: ComputeDtype = "auto"
+    kv_dtype: KVDtype = "auto"
     kv_blocks: int | None = None
     block_size: Literal[8, 16, 32, 64, 128] = 16
     # EngineConfig.kv_page_layout: the order of a KV block's bytes (engine/kv_layout.py)
@@ -334,9 +342,13 @@ class GatewaySettings(BaseModel):
             model_id=self.model if self.model and self.model != str(self.model_dir) else None,
         )
 
-    @field_validator("dtype", "kv_dtype")
+    # before the Literal's own check: the short names (bf16, ...) become the engine's, and a wrong one
+    # gets this message, which names the short forms too
+    @field_validator("dtype", "kv_dtype", mode="before")
     @classmethod
-    def _dtype(cls, v: str, info: ValidationInfo) -> str:
+    def _dtype(cls, v: object, info: ValidationInfo) -> object:
+        if not isinstance(v, str):
+            return v  # the Literal's check says what was expected
         v = DTYPE_ALIASES.get(v, v)
         allowed = KV_DTYPES if info.field_name == "kv_dtype" else COMPUTE_DTYPES
         if v not in allowed:

@@ -20,12 +20,12 @@ import hashlib
 import json
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutput
+from engine.protocol import EngineError, GenerateRequest, ModelCard, RequestOutput, backend_finish_reason
 from gateway.http1 import Http1Client
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class ProviderClient:
             return list(request.prompt_token_ids or ())
         return scoped_prompt(request.prompt, request.tenant.namespace) if self.tenant_prefix else request.prompt
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         """The ``EngineClient`` call; an ``UpstreamRequest`` adds pass-through fields and the stream choice.
 
         Returns ``_outputs``' async generator itself (nothing runs before the first output is asked
@@ -204,7 +204,7 @@ class ProviderClient:
 
     async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs for ``request``. ``incremental=False`` (the client did not ask to stream) makes one
         non-streamed upstream call: measured 8 ms instead of 29 ms per call through litellm on loopback."""
         import litellm  # heavy import: only when a provider route is used
@@ -302,12 +302,6 @@ def scoped_prompt(prompt: str, namespace: bytes) -> str:
     return f"{_marker_line(namespace)}\n{prompt}"
 
 
-def _finish(reason: Any) -> Any:
-    if reason in ("stop", "length", "tool_calls", "content_filter"):
-        return reason
-    return "stop" if reason is None else str(reason)
-
-
 def _as_dict(obj: Any) -> dict[str, Any]:
     if isinstance(obj, dict):
         return obj
@@ -324,7 +318,7 @@ def _whole_output(rid: str, resp: Any, *, chat: bool, start: float) -> ProviderO
     calls = tuple({**_as_dict(c), "index": i} for i, c in enumerate(_get(message, "tool_calls") or []))
     return ProviderOutput(
         rid, (), text or "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-        finish_reason=_finish(_get(choice, "finish_reason")), ttft_s=time.perf_counter() - start,
+        finish_reason=backend_finish_reason(_get(choice, "finish_reason")), ttft_s=time.perf_counter() - start,
         tool_call_deltas=calls, cache_creation_tokens=u.cache_creation_tokens,
     )
 
@@ -350,7 +344,7 @@ async def _chunk_outputs(rid: str, chunks: AsyncIterator[Any], start: float) -> 
                                      tool_call_deltas=tuple(_as_dict(t) for t in tools))
     u = normalize_usage(usage) if usage is not None else NormalizedUsage(0, 0, seen)
     yield ProviderOutput(rid, (), "", True, u.prompt_tokens, u.cached_tokens, u.completion_tokens or seen,
-                         finish_reason=_finish(finish), ttft_s=ttft, cache_creation_tokens=u.cache_creation_tokens)
+                         finish_reason=backend_finish_reason(finish), ttft_s=ttft, cache_creation_tokens=u.cache_creation_tokens)
 
 
 async def _sse_chunks(body: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
@@ -438,7 +432,7 @@ class DirectOpenAIClient(ProviderClient):
 
     async def _outputs(
         self, request: GenerateRequest, extra: dict[str, Any], *, incremental: bool = True
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         body, headers = self._body(request, extra)
         start = time.perf_counter()
         rid = request.request_id

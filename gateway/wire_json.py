@@ -19,6 +19,7 @@ the bytes (or the error) are what they always were.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
@@ -30,7 +31,9 @@ def is_plain(value: object) -> bool:
 
     One loop over a stack, not a recursion or ``all()`` over a generator: each Python call (and each
     generator step) costs more than the check itself, and this runs for every stream frame."""
-    stack = [value]
+    # Any: each item's type is checked by ``type(...) is`` (exact, so a dict subclass is not plain), which
+    # mypy does not narrow on; isinstance would, at a cost on this per-frame path and with another meaning
+    stack: list[Any] = [value]
     while stack:
         item = stack.pop()
         kind = type(item)

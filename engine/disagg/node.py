@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import Future
 from typing import Any
 
@@ -135,7 +135,7 @@ class DisaggEngine:
 
     # ------------------------------------------------------------------ EngineClient
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         return self.inner.generate(request)
 
     async def abort(self, request_id: str) -> AbortReport | None:
@@ -154,6 +154,10 @@ class DisaggEngine:
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return self.inner.count_prompt_tokens(request)
+
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        # the node's own gateway tokenizes a chat request here before it reaches generate
+        return self.inner.tokenize(request)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.receiver is not None:

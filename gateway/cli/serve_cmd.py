@@ -314,7 +314,8 @@ def _serve(settings: GatewaySettings, log_level: str, banner: Callable[[], str] 
     app = create_app(settings)
     # uvicorn's own cancel is the last resort, after the drain has stopped what was left.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                            timeout_graceful_shutdown=settings.shutdown_grace_s + STOP_WINDOW_S,
+                            # uvicorn annotates int, but hands it to asyncio.timeout, which takes float seconds
+                            timeout_graceful_shutdown=settings.shutdown_grace_s + STOP_WINDOW_S,  # type: ignore[arg-type]
                             http=protocol_class(settings.header_timeout_s, settings.max_connections))
     install_access_log_redaction()  # after uvicorn.Config: it sets up the access logger
     server = DrainingServer(config, app.state.inflight, settings.shutdown_grace_s)
@@ -412,17 +413,17 @@ def dev_api_key(home: Path) -> tuple[str, bool]:
     svc = open_tenancy(home)
     try:
         if svc.get_tenant_by_name(DEV_TENANT) is None:
-            created = svc.create_tenant(DEV_TENANT, admin=True)
+            key = svc.create_tenant(DEV_TENANT, admin=True).api_key
         else:  # the tenant outlived its key file: issue it a fresh key rather than fail
-            created = svc.create_key(DEV_TENANT)
+            key = svc.create_key(DEV_TENANT).api_key
         svc.flush()
     finally:
         svc.close()
     # O_EXCL + 0600: the key is a secret and is never overwritten by a concurrent rerun.
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
-        fh.write(created.api_key + "\n")
-    return created.api_key, True
+        fh.write(key + "\n")
+    return key, True
 
 
 def run_dev_serve(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ import json
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -265,7 +265,7 @@ def build_node_app(state: State) -> FastAPI:
             drain.inflight -= 1
             raise
 
-        async def outputs() -> AsyncIterator[RequestOutput]:
+        async def outputs() -> AsyncGenerator[RequestOutput, None]:
             try:
                 yield first
                 async for out in stream:

@@ -42,6 +42,4 @@ def parse_since(text: str | None) -> datetime | None:
 async def usage(ctx: TenantDep, tenancy: TenancyDep, since: str | None = None, tenant: str | None = None) -> Any:
     """``since``: 30m / 12h / 7d or ISO-8601. ``tenant``: an admin key may name one tenant (else all);
     any other key sees only its own tenant (naming another is a 403 from tenancy)."""
-    if tenant is None:
-        return tenancy.usage(ctx, since=parse_since(since))
     return tenancy.usage(ctx, since=parse_since(since), tenant=tenant)

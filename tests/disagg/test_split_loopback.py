@@ -169,6 +169,25 @@ def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes
     assert 'prefixgate_pd_decisions_total{placement="colocated",reason="cached_on_decode"} 1.0' in metrics
 
 
+def test_a_node_serves_a_chat_request_sent_to_its_own_api(nodes):
+    """A prefill or decode node is a whole gateway: a chat request sent straight to it is tokenized by
+    its engine (the node's engine once had no ``tokenize``: a 400 naming the missing attribute)."""
+    from gateway.ports import open_tenancy
+
+    for url, home in zip(nodes[:2], nodes.homes):
+        svc = open_tenancy(home)
+        key = svc.create_tenant(f"direct-{home.name}").api_key
+        svc.flush()
+        svc.close()
+        resp = httpx.post(f"{url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, trust_env=False,
+                          timeout=60, json={"model": "tiny", "max_tokens": 4, "temperature": 0,
+                                            "messages": [{"role": "user", "content": "What do you sell?"}]})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["usage"]["completion_tokens"] >= 1
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+
+
 def test_health_lists_a_split_routes_prefill_nodes_and_the_split_skips_a_down_one(nodes, tmp_path, monkeypatch):
     import sys
 

@@ -193,7 +193,8 @@ class FakeTenancy:
         return self.price(record.price_as or record.model, record.prompt_tokens, record.cached_tokens,
                           record.completion_tokens, record.cache_creation_tokens)
 
-    def usage(self, ctx: FakeCtx, since: Any = None) -> dict:
+    def usage(self, ctx: FakeCtx, since: Any = None, *, tenant: str | None = None) -> dict:
+        # rows carry no tenant names here, so an admin's ``tenant`` does not narrow the fake's count
         own = [r for r in self.rows if ctx.is_admin or r.tenant_id == ctx.tenant_id]
         return {"requests": len(own), "prompt_tokens": sum(r.prompt_tokens for r in own)}
 

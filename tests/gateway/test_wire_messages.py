@@ -48,6 +48,14 @@ def test_disable_parallel_tool_use_is_parallel_tool_calls_false(kind):
     assert chat_body(allowed)["parallel_tool_calls"] is True
 
 
+@pytest.mark.parametrize("kind", [["any"], {"type": "any"}, 3, None])
+def test_a_tool_choice_type_that_is_not_a_string_is_a_400_not_a_500(server, kind):
+    r = poster(*server)("/v1/messages", {"model": "tiny", "max_tokens": 2, "tools": [CLOCK], "tool_choice": {"type": kind},
+                                         "messages": [{"role": "user", "content": "Time?"}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and "tool_choice" in r.json()["error"]["message"]
+
+
 def test_disable_parallel_tool_use_gives_one_call(claude):
     r = claude.messages.create(model="tiny", max_tokens=200, extra_body=GREEDY, tools=[CLOCK],
                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
