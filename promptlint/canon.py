@@ -33,7 +33,7 @@ Everything here is stdlib and precompiled: the gateway calls it on every request
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -266,6 +266,7 @@ def json_depth(value: Any) -> int:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[object]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):
@@ -510,12 +511,12 @@ def _move_dynamic(body: dict, per_user_vars: Sequence[str], applied: list[str]) 
         return
     # Without a user message the context goes last, but never after a trailing assistant prefill: that
     # message must stay last (and unnormalized), or a second pass would change it (idempotence).
-    tail = len(messages)
+    end = len(messages)
     if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
-        tail -= 1
+        end -= 1
     last_user = max(
         (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
-        default=tail,
+        default=end,
     )
     per_user = per_user_line_pattern(per_user_vars)
     moved_lines: list[str] = []

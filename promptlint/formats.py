@@ -33,16 +33,15 @@ def _text(report: Report, savings: Savings | None, fail_under: float | None) -> 
         out.append(f"{f.path}:{f.line}:{f.column}: {f.code} {rules[f.code].name}: {f.message}{mark}")
     if out:
         out.append("")
-    scored = [r for r in report.files if r.doc is not None]
+    scored = [(r, r.doc) for r in report.files if r.doc is not None]
     if scored:
         shown = scored
         if len(scored) > MAX_TABLE_ROWS:  # a big tree: the files most worth a look
-            shown = sorted(scored, key=lambda r: (r.doc.score, r.path))[:MAX_TABLE_ROWS]
-        names = {id(r): _row_name(r) for r in shown}
+            shown = sorted(scored, key=lambda rd: (rd[1].score, rd[0].path))[:MAX_TABLE_ROWS]
+        names = {id(r): _row_name(r) for r, _ in shown}
         width = max(len(n) for n in names.values())
         out.append(f"{'file':<{width}}  score  prefix/total tokens")
-        for r in shown:
-            d = r.doc
+        for r, d in shown:
             out.append(f"{names[id(r)]:<{width}}  {d.score:5.1f}  {d.prefix_tokens}/{d.total_tokens}")
         if len(shown) < len(scored):
             out.append(f"... the {len(shown)} lowest of {len(scored)} files (--format json lists all)")

@@ -48,9 +48,15 @@ def _edit(body: dict[str, object], path: JsonPath, change: Callable[[str], str])
     parent: object = body
     for key in path[:-1]:
         parent = _child(parent, key)
-    text = _child(parent, path[-1])
-    if isinstance(text, str) and isinstance(parent, dict | list):
-        parent[path[-1]] = change(text)  # _child found a str there: a dict key or a list index
+    key = path[-1]
+    text = _child(parent, key)
+    if not isinstance(text, str):
+        return
+    if isinstance(parent, dict):
+        parent[key] = change(text)
+    elif isinstance(parent, list):
+        assert isinstance(key, int)  # _child finds a list's item by an index only
+        parent[key] = change(text)
 
 
 def _child(value: object, key: str | int) -> object:

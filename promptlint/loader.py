@@ -389,7 +389,8 @@ def _text_blocks(content: Any, where: str) -> list[tuple[str, int | None]]:
             if isinstance(part, str):
                 out.append((part, i))
             elif isinstance(part, dict):
-                out.append((part.get("text") if isinstance(part.get("text"), str) else "", i))
+                text = part.get("text")
+                out.append((text if isinstance(text, str) else "", i))
             else:
                 raise _Invalid(f"{where}[{i}] must be a string or an object")
         return out
@@ -399,7 +400,8 @@ def _text_blocks(content: Any, where: str) -> list[tuple[str, int | None]]:
 def _request_doc(
     path: Path, shown: str, raw: str, body: dict[str, Any], ext: str, positions: StringPositions,
 ) -> PromptDoc:
-    meta = body.get("promptlint") if isinstance(body.get("promptlint"), dict) else {}
+    section = body.get("promptlint")
+    meta: dict[str, Any] = section if isinstance(section, dict) else {}
     messages = body.get("messages", [])
     if not isinstance(messages, list):
         raise _Invalid("'messages' must be a list")

@@ -49,8 +49,9 @@ PER_USER_KEYS = (
     "customer_id", "customer_email", "account_id", "account", "member_id", "first_name", "last_name",
     "full_name", "phone", "user_phone",
 )
-_PER_USER_LINE = per_user_line_pattern(PER_USER_KEYS)
-assert _PER_USER_LINE is not None
+_per_user_line = per_user_line_pattern(PER_USER_KEYS)
+assert _per_user_line is not None  # None only for no names
+_PER_USER_LINE: re.Pattern[str] = _per_user_line
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+")

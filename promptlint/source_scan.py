@@ -138,7 +138,7 @@ class _Scopes:
                 self.parent[child] = node
         self.tree = tree
         # scope node -> name -> [(line, value node, op)]  op: "=" | "append" | "extend" | "+="
-        self.defs: dict[ast.AST, dict[str, list[tuple[int, ast.AST, str]]]] = {}
+        self.defs: dict[ast.AST, dict[str, list[tuple[int, ast.expr, str]]]] = {}
         for node in ast.walk(tree):
             scope = self.scope_of(node)
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
@@ -152,7 +152,7 @@ class _Scopes:
                   and len(node.args) == 1):
                 self._add(scope, node.func.value.id, node.lineno, node.args[0], node.func.attr)
 
-    def _add(self, scope, name, line, value, op) -> None:
+    def _add(self, scope: ast.AST, name: str, line: int, value: ast.expr, op: str) -> None:
         self.defs.setdefault(scope, {}).setdefault(name, []).append((line, value, op))
 
     def scope_of(self, node: ast.AST) -> ast.AST:
@@ -161,7 +161,7 @@ class _Scopes:
             p = self.parent.get(p)
         return p if p is not None else self.tree
 
-    def history(self, name: str, at: ast.AST) -> list[tuple[ast.AST, str]]:
+    def history(self, name: str, at: ast.AST) -> list[tuple[ast.expr, str]]:
         """What ``name`` holds where ``at`` uses it: its last assignment, then later append/extend/+=.
 
         The innermost scope that assigns the name wins; module-level names are found wherever they are
@@ -341,8 +341,8 @@ class _CallScan:
                 return self._const_str(hist[0][0], depth + 1)
         return None
 
-    def static(self, text: str, role: str, node: ast.AST, first_line: int | None = None) -> list[Element]:
-        line = first_line or getattr(node, "lineno", 1)
+    def static(self, text: str, role: str, node: ast.expr, first_line: int | None = None) -> list[Element]:
+        line = node.lineno if first_line is None else first_line
         # A string on one physical line has only escaped newlines ("\\n"): it all stays on that line.
         indexed = text.replace("\n", " ") if _one_line(node) else text
         out = split_text(text, role, LineIndex(indexed, line), "none")
@@ -350,7 +350,7 @@ class _CallScan:
             if e.literal and e.name == "date":  # a date written into code is a constant (as in templates)
                 e.dyn, e.literal = None, False
             if e.line == line:
-                e.column += getattr(node, "col_offset", 0)
+                e.column += node.col_offset
         return out
 
     def fstring(self, node: ast.JoinedStr, role: str) -> list[Element]:

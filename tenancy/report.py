@@ -44,7 +44,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 from tenancy.database import Database
 from tenancy.pricing import UNPRICED
@@ -189,6 +189,17 @@ def aggregate(
 MAX_MISSES = 1000  # the export stays small; `breaks` counts every miss of the period
 
 
+class Break(TypedDict):
+    """One entry of the report's ``breaks``: a tenant's cache misses under one rule."""
+
+    tenant_id: str
+    tenant: str
+    rule: str
+    requests: int
+    tokens_lost: int
+    usd_lost: float
+
+
 def _breaks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``misses`` and ``breaks`` parts of the report, from rows that carry a ``miss_rule``."""
     missed = [r for r in rows if r.get("miss_rule")]
@@ -198,8 +209,11 @@ def _breaks(rows: list[dict[str, Any]]) -> dict[str, Any]:
         acc[0] += 1
         acc[1] += r.get("miss_tokens") or 0
         acc[2] += r.get("miss_usd") or 0.0
-    breaks = [{"tenant_id": tid, "tenant": name, "rule": rule, "requests": int(n), "tokens_lost": int(tok),
-               "usd_lost": usd} for (name, tid, rule), (n, tok, usd) in by_rule.items()]
+    breaks: list[Break] = [
+        {"tenant_id": tid, "tenant": name, "rule": rule, "requests": int(n), "tokens_lost": int(tok),
+         "usd_lost": usd}
+        for (name, tid, rule), (n, tok, usd) in by_rule.items()
+    ]
     breaks.sort(key=lambda b: (-b["tokens_lost"], -b["requests"], b["tenant"], b["rule"]))
     misses = [
         {"request_id": r["request_id"], "tenant_id": r["tenant_id"], "tenant": r["tenant"], "model": r["model"],

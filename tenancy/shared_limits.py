@@ -248,6 +248,8 @@ class SharedLimits:
     def _handle(self, data: object) -> None:
         try:
             item = json.loads(data) if isinstance(data, str) else None
+            if not isinstance(item, dict):
+                raise TypeError("not a JSON object")
             event = FleetEvent(item["event"])
             tenant_id = item["tenant_id"]
             origin = item.get("origin")

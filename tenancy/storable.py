@@ -107,8 +107,10 @@ def storable_row(row: Mapping[str, Any]) -> dict[str, Any]:
     for columns, required in ((REQUIRED_NUMBERS, True), (OPTIONAL_NUMBERS, False)):
         for column in columns:
             value = row.get(column)
-            kind = type(value)
-            if (kind is int and -_INT_MAX <= value <= _INT_MAX) or (kind is float and math.isfinite(value)):
+            # exact types: a bool (an int subclass) goes through storable_number, which stores it as an int
+            if (type(value) is int and -_INT_MAX <= value <= _INT_MAX) or (
+                type(value) is float and math.isfinite(value)
+            ):
                 out[column] = value
             elif value is None:  # an optional number left out (ttft, the miss columns)
                 out[column] = 0 if required else None

@@ -14,16 +14,16 @@ import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, get_args
 
-from promptlint.model import Finding
+from promptlint.model import Finding, Severity
 
 
 @dataclass(frozen=True)
 class Rule:
     code: str
     name: str
-    severity: str
+    severity: Severity
     summary: str
     fixable: bool
     doc: str
@@ -51,5 +51,6 @@ def all_rules() -> dict[str, Rule]:
         )
         assert rule.code not in rules, f"duplicate rule code {rule.code}"
         assert mod_info.name.startswith(rule.code.lower()), f"{mod_info.name} does not match {rule.code}"
+        assert rule.severity in get_args(Severity), f"{rule.code}: unknown severity {rule.severity!r}"
         rules[rule.code] = rule
     return rules

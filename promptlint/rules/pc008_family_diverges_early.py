@@ -20,25 +20,27 @@ Fix:
 """
 
 from collections import defaultdict
+from collections.abc import Iterator
 
+from promptlint.analysis import LintContext
 from promptlint.explain import first_divergence
-from promptlint.model import Finding
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC008"
 NAME = "family-diverges-early"
-SEVERITY = "info"
+SEVERITY: Severity = "info"
 SUMMARY = "templates of one family share most text but diverge early"
 FIXABLE = False
 MIN_SHARED_SHARE = 0.5  # of a template's characters in lines that a sibling also has
 MIN_SHARED_CHARS = 400  # about 100 tokens: below that, hoisting is not worth a finding
 
 
-def _lines(doc) -> list[str]:
+def _lines(doc: PromptDoc) -> list[str]:
     return "".join(e.text for e in doc.elements).split("\n")
 
 
-def check_project(docs, ctx):
-    families: dict[str, list] = defaultdict(list)
+def check_project(docs: list[PromptDoc], ctx: LintContext) -> Iterator[Finding]:
+    families: dict[str, list[PromptDoc]] = defaultdict(list)
     for doc in docs:
         if doc.kind == "template":
             families[str(doc.meta.get("family") or doc.path.parent.as_posix())].append(doc)
