@@ -1,6 +1,6 @@
 # PrefixGate: two commands on a fresh machine.
 #   make serve   installs into .venv, converts the default model (SmolLM2-135M-Instruct) if missing, starts the gateway
-#   make test    installs into .venv, runs ruff, the import-linter contracts and pytest
+#   make test    installs into .venv, runs ruff, the import-linter contracts, mypy and pytest
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -44,6 +44,7 @@ serve: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test: install lint
 	@TIKTOKEN_CACHE_DIR="$$($(PY) -c 'import litellm,os;print(os.path.join(os.path.dirname(litellm.__file__),"litellm_core_utils","tokenizers"))')" \
