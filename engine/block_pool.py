@@ -266,8 +266,7 @@ class BlockPool:
                 raise ValueError(f"double free of block {block_id}")
             assert block.namespace is not None
             held = callers if holder is not None else self._holds.get(block.namespace)
-            refs = held.get(block_id, 0) if held else 0
-            if refs <= 0:
+            if not held or (refs := held.get(block_id, 0)) <= 0:
                 raise ValueError(f"block {block_id} is not held by this tenant")
             if refs > 1:
                 held[block_id] = refs - 1

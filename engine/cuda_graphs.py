@@ -34,7 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +44,9 @@ from engine.batch import SequenceChunk
 from engine.graph_inputs import StaticInputs, capture_graph
 from engine.host_to_device import to_device
 from engine.models.attention import AttentionMetadata, LayerCache
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 PADDING_SLOT = -1  # write_kv skips slot -1: padded rows never touch the cache
 # A step's static inputs go to the device in one copy (True) or one per buffer (False: six DMAs on the
@@ -92,7 +97,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         layer_caches: list[LayerCache],
         ops: ModuleType,
         block_size: int,
@@ -163,10 +168,10 @@ class DecodeGraphs:
         self._reset_padding(self.sizes[-1])
         self._dev_copy(self.sizes[-1])
         torch.cuda.synchronize(self.device)
-        pool = None
+        pool: torch.cuda._POOL_HANDLE | None = None
         stream = torch.cuda.Stream(self.device)
         for n in reversed(self.sizes):
-            graph, self._logits[n] = capture_graph(lambda n=n: self._forward(n), stream, self.device, pool)
+            graph, self._logits[n] = capture_graph(partial(self._forward, n), stream, self.device, pool)
             pool = graph.pool()
             self._graphs[n] = graph
         torch.cuda.synchronize(self.device)

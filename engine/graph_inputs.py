@@ -20,12 +20,13 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import torch
 
 _ALIGN = 64  # bytes: each named buffer starts on a cache line
 # memoryview formats of the dtypes the runners' inputs use (int64 ids/positions/slots, int32 tables)
-_WORD_FORMATS = {torch.int64: "q", torch.int32: "i"}
+_WORD_FORMATS: dict[torch.dtype, Literal["q", "i"]] = {torch.int64: "q", torch.int32: "i"}
 
 
 class StaticInputs:
@@ -41,7 +42,7 @@ class StaticInputs:
             total += -(-nbytes // _ALIGN) * _ALIGN
         self._spans = spans
         self._row_bytes = {k: math.prod(shape[1:]) * dtype.itemsize for k, (shape, dtype) in shapes.items()}
-        self._last = next(reversed(shapes)) if shapes else None
+        self._last = next(reversed(spans)) if spans else None  # spans: shapes' names, in order
         self._host_bytes = torch.zeros(max(total, _ALIGN), dtype=torch.uint8, pin_memory=self.on_cuda)
         self._dev_bytes = torch.zeros_like(self._host_bytes, device=device)
 
@@ -51,7 +52,7 @@ class StaticInputs:
 
         self.host = views(self._host_bytes)
         self.dev = views(self._dev_bytes)
-        self._words: dict[str, memoryview] = {}
+        self._words: dict[str, memoryview[int]] = {}
         for k, (_shape, dtype) in shapes.items():
             fmt = _WORD_FORMATS.get(dtype)
             if fmt is None:
@@ -63,7 +64,7 @@ class StaticInputs:
             self._words[k] = memoryview(raw).cast("B").cast(fmt)
         self._copied: torch.cuda.Event | None = None
 
-    def words(self, name: str) -> memoryview:
+    def words(self, name: str) -> memoryview[int]:
         """The host buffer ``name`` as a flat, writable memoryview of its elements (format ``q`` for
         int64, ``i`` for int32): ``words(n)[a:b] = array("q", values)`` writes b - a elements."""
         return self._words[name]
@@ -109,7 +110,7 @@ class StaticInputs:
 
 
 def capture_graph(forward: Callable[[], torch.Tensor], stream: torch.cuda.Stream, device: torch.device,
-                  pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                  pool: torch.cuda._POOL_HANDLE | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture ``forward`` (run twice first on ``stream``: the Triton kernels compile and the
     allocator settles outside the capture) into a graph in ``pool`` -> (graph, its output)."""
     stream.wait_stream(torch.cuda.current_stream(device))

@@ -51,6 +51,7 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import llguidance
 import llguidance.hf
@@ -58,12 +59,20 @@ import torch
 
 from engine.protocol import GuidedSpec
 
+
+class _Limits(TypedDict):  # the LLParserLimits set here (a plain dict would type every value the same)
+    max_grammar_size: int
+    initial_lexer_fuel: int
+    step_lexer_fuel: int
+    max_lexer_states: int
+
+
 # Work bounds for one grammar: the schema's size, the compiled grammar's size, lexer fuel at
 # start and per token (llguidance stops a step that runs out and reports an error), and the
 # wall-clock time a compile may take before the request is refused.
 MAX_SCHEMA_BYTES = 64 * 1024
-_LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-               max_lexer_states=100_000)
+_LIMITS: _Limits = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                        max_lexer_states=100_000)
 COMPILE_TIMEOUT_S = 5.0
 # Finished compiles kept in all (one per namespace and distinct spec: prototype matchers and
 # refusals), shared fairly among tenants (_FairCache). Compiles queued or running are not in it.
@@ -335,19 +344,18 @@ class GrammarCompiler:
         self._pool.submit(self._run, spec, fut)
 
     def _run(self, spec: GuidedSpec, fut: GrammarCompile) -> None:
-        result: llguidance.LLMatcher | None = None
-        error: BaseException | None = None
+        outcome: llguidance.LLMatcher | BaseException
         try:
-            result = self._build(spec)
+            outcome = self._build(spec)
         except BaseException as exc:  # noqa: BLE001 - the refusal (or a bug) goes to the waiters
-            error = exc
+            outcome = exc
         try:
             self._finish(spec)
         finally:
-            if error is not None:
-                fut.set_exception(error)
+            if isinstance(outcome, BaseException):
+                fut.set_exception(outcome)
             else:
-                fut.set_result(result)
+                fut.set_result(outcome)
 
     def _finish(self, spec: GuidedSpec) -> None:
         """``spec``'s compile ended: keep it in the cache (before its waiters wake, so ``matcher``

@@ -411,11 +411,11 @@ class KVCacheManager:
         if reason is not None:
             return
         hbm_ids = list(hbm.block_ids)
-        key = tenant.tenant_key
-        self._pool.touch(hbm_ids, tenant.namespace, key)
-        new_ids = self._pool.allocate(n, tenant.namespace, key)
+        holder = tenant.tenant_key
+        self._pool.touch(hbm_ids, tenant.namespace, holder)
+        new_ids = self._pool.allocate(n, tenant.namespace, holder)
         assert new_ids is not None
-        self._restoring[rid] = _Restore(key, hbm_ids, new_ids, below[:n])
+        self._restoring[rid] = _Restore(holder, hbm_ids, new_ids, below[:n])
         self._lower.start_restore(rid, tenant, below[:n], new_ids)
 
     def _finish_restores(self, timeout_s: float) -> None:

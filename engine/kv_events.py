@@ -263,7 +263,7 @@ class KVEventPublisher:
     def _run(self) -> None:
         import zmq
 
-        ctx = zmq.Context.instance()
+        ctx: zmq.SyncContext = zmq.Context.instance()
         sock = ctx.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 500)
         try:

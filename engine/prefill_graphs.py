@@ -35,7 +35,9 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +47,9 @@ from engine.graph_inputs import StaticInputs, capture_graph
 from engine.models.attention import AttentionMetadata, LayerCache
 from engine.step_inputs import position_and_slot_arrays
 from prefixgate_kernels.launch_layout import CacheLayout
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 
 def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -96,7 +101,7 @@ class PrefillGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         layer_caches: list[LayerCache],
         ops: ModuleType,
         block_size: int,
@@ -195,7 +200,7 @@ class PrefillGraphs:
         the step's own rows over block 0): the warm-up runs write nothing into the cache."""
         if not self.captured:
             return
-        pool = None
+        pool: torch.cuda._POOL_HANDLE | None = None
         stream = torch.cuda.Stream(self.device)
         for t in reversed(self.sizes):
             self._write_padding(t)
@@ -203,7 +208,7 @@ class PrefillGraphs:
             torch.cuda.synchronize(self.device)
             for splits in sorted(self._hints[t]):
                 key = PrefillGraphKey(t, splits)
-                graph, self._logits[key] = capture_graph(lambda key=key: self._forward(key), stream, self.device, pool)
+                graph, self._logits[key] = capture_graph(partial(self._forward, key), stream, self.device, pool)
                 pool = graph.pool()
                 self._graphs[key] = graph
         torch.cuda.synchronize(self.device)

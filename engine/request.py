@@ -26,8 +26,7 @@ from engine.prefix_index import block_hashes, packed_block_hashes
 from engine.protocol import FinishReason, OutputFailure, Retention, SamplingParams, TenantScope
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
+    from engine.guided import GrammarCompile  # for the checker only: it imports torch and llguidance
     from engine.protocol import TokenLogprob
 
 
@@ -100,10 +99,10 @@ class Request:
     stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
     error: str | None = None
     failure: OutputFailure | None = None  # with finish_reason "error": a cause the caller can act on
-    # A guided request's grammar compile (engine.guided.GrammarCompile), held for the request's life:
-    # the compiler finds it by spec while any request holds it, so the engine thread never rebuilds a
-    # grammar the compile cache evicted between admission and the request's first step.
-    grammar: Future[object] | None = None
+    # A guided request's grammar compile, held for the request's life: the compiler finds it by spec
+    # while any request holds it, so the engine thread never rebuilds a grammar the compile cache
+    # evicted between admission and the request's first step.
+    grammar: GrammarCompile | None = None
 
     # the prompt as native int64 bytes when the caller has them (LLMEngine.prepare packs a prompt
     # while validating it): its block hashes are then taken from them instead of packing it again

@@ -164,12 +164,12 @@ class Sampler:
             counted = self._output_counts.penalise(logits, penalised, params, request_ids, outputs, prompts)
         if held_back:
             vocab = logits.shape[-1]
-            pairs = [(i, t) for i in held_back
-                     for t in {*params[i].stop_token_ids, *(() if params[i].ignore_eos else self.eos_token_ids)}
-                     if 0 <= t < vocab]
-            if pairs:
-                logits[to_device([i for i, _ in pairs], torch.long, logits.device),
-                       to_device([t for _, t in pairs], torch.long, logits.device)] = float("-inf")
+            ends = [(i, t) for i in held_back
+                    for t in {*params[i].stop_token_ids, *(() if params[i].ignore_eos else self.eos_token_ids)}
+                    if 0 <= t < vocab]
+            if ends:
+                logits[to_device([i for i, _ in ends], torch.long, logits.device),
+                       to_device([t for _, t in ends], torch.long, logits.device)] = float("-inf")
         if guided:
             vocab = logits.shape[-1]
             bitmask = torch.empty((len(guided), bitmask_words(vocab)), dtype=torch.int32)

@@ -70,9 +70,12 @@ def scale_args(
     flattened to [1], int8 ones as given with their (block, slot, head) strides, a placeholder otherwise."""
     code = kv_code(k_cache)
     if code == KV_FP8:
+        assert k_scale is not None and v_scale is not None  # check_kv_scales: a quantized cache has both
         return k_scale.reshape(-1), v_scale.reshape(-1), (0, 0, 0)
     if code == KV_INT8:
-        return k_scale, v_scale, k_scale.stride()
+        assert k_scale is not None and v_scale is not None
+        blocks, slots, heads = k_scale.stride()  # [num_blocks, block_size, kv_heads] (check_kv_scales)
+        return k_scale, v_scale, (blocks, slots, heads)
     dummy = placeholder(k_cache.device, torch.float32)
     return dummy, dummy, (0, 0, 0)
 

@@ -49,8 +49,9 @@ from prefixgate_kernels.chacha20_poly1305_ref import P1305, R_CLAMP, aad_term, f
 
 try:  # a compiled ChaCha20 for the one-time key; the project depends on it, a bare device host may not
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+    _HAVE_CRYPTOGRAPHY = True
 except ImportError:  # pragma: no cover - exercised where cryptography is absent
-    Cipher = algorithms = None
+    _HAVE_CRYPTOGRAPHY = False
 
 CHACHA_LANES = 128  # 64-byte blocks per program
 POLY_LANES = 128  # lanes per program of the tag kernel
@@ -63,7 +64,7 @@ def poly1305_key(key: bytes, nonce: bytes) -> tuple[int, int]:
     2.6). Every seal and every opened span needs one, on the host, on a tier worker that holds the
     GIL: the reference's pure-Python block costs ~100 us, `cryptography`'s ChaCha20 ~8 us (its
     16-byte nonce is the 32-bit little-endian block counter, here 0, then the 96-bit nonce)."""
-    if Cipher is None:
+    if not _HAVE_CRYPTOGRAPHY:
         return ref.poly1305_key(key, nonce)
     if len(key) != 32 or len(nonce) != 12:
         raise ValueError("ChaCha20 needs a 32-byte key and a 12-byte nonce")

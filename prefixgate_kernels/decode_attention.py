@@ -738,7 +738,10 @@ def paged_decode(
             raise ValueError(f"q|k|v as fp32 partials goes with RopeWrite.slices > 1 (got q {q.dtype}, "
                              f"{rope.slices} slices)")
     # the output's dtype, which the kernel also rounds q|k|v partials to
-    out_dtype = rope.dtype if rope is not None and rope.slices > 1 else q.dtype
+    out_dtype = q.dtype
+    if rope is not None and rope.slices > 1:
+        assert rope.dtype is not None  # RopeWrite.__post_init__: partials come with a dtype to round to
+        out_dtype = rope.dtype
     v_write = v_cache
     if joined_heads is None:
         joined_heads = launcher_joined_heads(k_cache, v_cache) if fused_merge else 1

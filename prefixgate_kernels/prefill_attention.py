@@ -29,6 +29,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import triton
@@ -350,8 +351,23 @@ GLUON_HEAD_DIMS = (64, 128)
 GLUON_MIN_TOKENS = 128
 GLUON_SPLIT_MIN_TOKENS = 64
 SPECIALIZED_ROWS = 128  # a program's query rows: two consumer warpgroups of 64
-OVERLAP_TILES = {"block_m": 128, "block_n": 64, "num_buf": 3, "num_warps": 8}
-SPECIALIZED_TILES = {"block_n": 128, "num_buf": 3, "pingpong": True}
+
+
+class OverlapTiles(TypedDict):  # paged_prefill_overlap's tile arguments
+    block_m: int
+    block_n: int
+    num_buf: int
+    num_warps: int
+
+
+class SpecializedTiles(TypedDict):  # paged_prefill_specialized's
+    block_n: int
+    num_buf: int
+    pingpong: bool
+
+
+OVERLAP_TILES: OverlapTiles = {"block_m": 128, "block_n": 64, "num_buf": 3, "num_warps": 8}
+SPECIALIZED_TILES: SpecializedTiles = {"block_n": 128, "num_buf": 3, "pingpong": True}
 
 
 # Gluon (triton.experimental.gluon) is experimental and its API moves between releases (3.9 removed the
@@ -430,6 +446,7 @@ def plan_prefill(num_tokens: int, num_seqs: int, q_heads: int, max_context: int 
         return PrefillPlan(kernel, splits)
     # from 65 rows on Triton's tiles are the specialised kernel's (128 rows, one an SM): the same count
     same_tiles = (tiles.block_m, tiles.programs_per_sm) == (SPECIALIZED_ROWS, 1)
+    assert max_context is not None  # splits > 1 came from it
     own = splits if same_tiles else splits_for_launch(num_tokens, num_seqs, q_heads, max_context, num_sms(device),
                                                       SPECIALIZED_ROWS, 1)
     return PrefillPlan(kernel, own) if own > 1 else PrefillPlan(PrefillKernel.TRITON, splits)

@@ -274,6 +274,7 @@ def rotary_decode_attention(
     ``paged_decode_attention`` over the caches that now hold the new tokens -> [B, Hq, D]. ``qkv`` may be
     fp32 K-slice partials [S, B, N] of a ``qkv_dtype`` projection: their sum, rounded, is the rows."""
     if qkv.dim() == 3:
+        assert qkv_dtype is not None, "q|k|v partials need qkv_dtype, the dtype to round their sum to"
         qkv = partial_gemm.summed(qkv, qkv_dtype)
     q = rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, k_scale, v_scale, k_bias)
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)

@@ -81,7 +81,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             launch_dependents: bool = False, pdl: bool = False) -> torch.Tensor:
     # partials (fp32, any count, one included) are summed and rounded to the residual's dtype, the row's
     partials = x.shape[0] if x.dim() == 3 else 0
-    row_dtype = residual.dtype if partials else x.dtype
+    row_dtype = x.dtype
+    if partials:
+        assert residual is not None  # partials come through add_rms_norm alone: summed into its residual
+        row_dtype = residual.dtype
     tokens, hidden = x.shape[-2:]
     out = torch.empty((tokens, hidden), dtype=torch.promote_types(row_dtype, weight.dtype), device=x.device)
     if tokens == 0:

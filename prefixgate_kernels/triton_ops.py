@@ -399,6 +399,7 @@ def rotary_decode_attention(
     fused = (rows.shape[0] > 0 and decode_attention.FUSE_ROPE_WRITE
              and decode_attention.launcher_joined_heads(k_cache, v_cache) == 1)
     if partials and not fused:  # the two kernels read the projection itself
+        assert qkv_dtype is not None  # checked with the partials above
         qkv, partials = partial_gemm.summed(qkv, qkv_dtype), False
         rows = qkv
     # the inputs are checked once here; the launchers below are the unchecked ones

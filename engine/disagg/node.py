@@ -228,7 +228,8 @@ class DisaggEngine:
     def _send(self, request: GenerateRequest, exported: ExportedPrefix, transport: KVTransport) -> TransferReport:
         if not exported.hashes:
             return TransferReport(TransferStatus.IMPORTED, reason="no full block to send")
-        staging: memoryview | torch.Tensor = (memoryview(exported.staging.numpy()).cast("B")
+        # .data is memoryview(array): numpy's stubs give ndarray the buffer protocol for Python 3.12+ only
+        staging: memoryview | torch.Tensor = (exported.staging.numpy().data.cast("B")
                                               if transport.staging_device == "cpu" else exported.staging)
         return transport.send(OutgoingTransfer(request.request_id, bytes(request.tenant.namespace),
                                                exported.hashes, exported.tokens, staging, exported.prefix,

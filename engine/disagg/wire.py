@@ -143,7 +143,8 @@ def read_hello(source: ByteSource) -> bytes:
 
 
 def encode_frame(
-    key: bytes, nonce: bytes, kind: FrameKind, header: dict[str, Any], payload: bytes | memoryview = b""
+    key: bytes, nonce: bytes, kind: FrameKind, header: dict[str, Any],
+    payload: bytes | bytearray | memoryview = b"",
 ) -> list[bytes | memoryview]:
     """The frame as buffers to send in order (``socket.sendmsg``): the payload is not copied."""
     head = json.dumps(header, separators=(",", ":")).encode()

@@ -124,6 +124,9 @@ def render_chat_ids(
         )
     except Exception as exc:  # jinja2 TemplateError, or the template's own raise_exception
         raise ValueError(f"cannot render these messages with the chat template: {exc}") from exc
+    # annotated as any of its return shapes; tokenize=False (and no return_dict) gives the text
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
     return _tokenize_pieces(tokenizer, text, markers)
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
+from typing import TYPE_CHECKING, overload
 
 import torch
 import torch.nn.functional as F
@@ -182,11 +183,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+if TYPE_CHECKING:
+    class DecoderLayers(nn.ModuleList):
+        """Holds DecoderLayers, which torch types as Module (at run time a plain ModuleList)."""
+
+        def __iter__(self) -> Iterator[DecoderLayer]: ...
+        @overload
+        def __getitem__(self, idx: slice) -> nn.ModuleList: ...
+        @overload
+        def __getitem__(self, idx: int) -> DecoderLayer: ...
+        def __getitem__(self, idx: int | slice) -> DecoderLayer | nn.ModuleList: ...
+else:
+    DecoderLayers = nn.ModuleList
+
+
 class LlamaBackbone(nn.Module):
     def __init__(self, arch: ArchConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = DecoderLayers(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from safetensors.torch import save_file
+from transformers import PreTrainedTokenizerFast
 
 from engine.models.atomic_dir import atomic_directory
 from engine.models.tokenizer_build import IM_END, build_tokenizer
@@ -32,7 +34,23 @@ BUILDER_VERSION = 1
 ENCODING = "cl100k_base"
 MARKER = "prefixgate_tiny.json"
 
-TINY_DIMS = {
+
+class TinyDims(TypedDict):
+    """config.json's shape fields: sizes are ints (they size tensors), the two constants floats."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+
+
+TINY_DIMS: TinyDims = {
     "hidden_size": 256,
     "intermediate_size": 768,
     "num_hidden_layers": 4,
@@ -106,6 +124,14 @@ def tiny_state_dict(seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    # convert_tokens_to_ids is annotated int | list[int] (a list in, a list out); one token gives one id
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(tid, int):
+        raise ValueError(f"tokenizer has no single id for {token!r}: {tid!r}")
+    return tid
+
+
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -133,7 +159,7 @@ def build_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     out_dir = Path(out_dir).expanduser().resolve()
     with atomic_directory(out_dir) as tmp:
         tokenizer = build_tokenizer(ENCODING, TINY_DIMS["vocab_size"])
-        eos_ids = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+        eos_ids = [_token_id(tokenizer, IM_END), _token_id(tokenizer, "<|endoftext|>")]
         pad_id = tokenizer.pad_token_id
         tokenizer.save_pretrained(tmp)
         # save_pretrained records its own backend class name (e.g. "TokenizersBackend" in

@@ -130,7 +130,7 @@ class PutResult:
 
     stored: bool
     reason: str | None = None
-    evicted: Sequence[tuple[SegmentMeta, bytes | None]] = field(default_factory=tuple)
+    evicted: Sequence[tuple[SegmentMeta, bytes | memoryview | None]] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True)

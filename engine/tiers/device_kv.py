@@ -29,4 +29,5 @@ class DeviceKV:
     def to_host(self) -> memoryview:
         if self.ready is not None:
             self.ready.synchronize()
-        return memoryview(self.data.cpu().contiguous().numpy()).cast("B").toreadonly()
+        # .data is memoryview(array): numpy's stubs give ndarray the buffer protocol for Python 3.12+ only
+        return self.data.cpu().contiguous().numpy().data.cast("B").toreadonly()

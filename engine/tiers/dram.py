@@ -65,7 +65,8 @@ class PinnedBlob:
         return int(self._a.size)
 
     def view(self) -> memoryview:
-        return memoryview(self._a).toreadonly()
+        # .data is memoryview(array): numpy's stubs give ndarray the buffer protocol for Python 3.12+ only
+        return self._a.data.toreadonly()
 
 
 class DramTier(IndexedTierQueries):

@@ -95,7 +95,8 @@ class PinnedHostOpener:
     def _decrypt(cipher: BlockCipher, run: SealedRun, block_bytes: int, into: np.ndarray) -> bool:
         """Plaintext of the run's wanted blocks into ``into`` (their length); False on a bad tag."""
         if isinstance(cipher, DecryptsInto) and run.first == 0 and run.count == run.num_blocks:
-            return cipher.decrypt_into(run.blob, run.aad, memoryview(into))
+            # .data is memoryview(into): numpy's stubs give ndarray the buffer protocol for Python 3.12+ only
+            return cipher.decrypt_into(run.blob, run.aad, into.data)
         plain = cipher.decrypt(run.blob, run.aad)
         if plain is None or len(plain) != run.num_blocks * block_bytes:
             return False
@@ -211,17 +212,19 @@ class DeviceAeadOpener:
         with _StreamCtx(self._copy):
             staging = torch.empty(size, dtype=torch.uint8, device=self.device)
             out = torch.empty(sum(r.count for r in runs), block_bytes, dtype=torch.uint8, device=self.device)
-            events = []
+            events: list[torch.cuda.Event | None] = []
             for r, off in zip(runs, offsets, strict=True):
                 staging[off:off + len(r.blob)].copy_(torch.frombuffer(r.blob, dtype=torch.uint8), non_blocking=True)
-                events.append(torch.cuda.Event() if self._copy is not None else None)
+                ev = None
                 if self._copy is not None:
-                    events[-1].record(self._copy)
+                    ev = torch.cuda.Event()
+                    ev.record(self._copy)
+                events.append(ev)
         words, out_words = staging.view(torch.int32), out.view(-1).view(torch.int32)
         with _StreamCtx(self._work):
             for r, p, off, ev in zip(runs, parts, offsets, events, strict=True):
-                if ev is not None:
-                    self._work.wait_event(ev)
+                if ev is not None:  # on CUDA, where both streams exist: self._work.wait_event(ev)
+                    ev.wait(self._work)
                 span = gpu_aead.SealedSpan(p.nonce, (off + DEVICE_HEADER_BYTES) // 4, p.ct_len, p.tag, r.aad,
                                            row * block_bytes // 4, plain_from=r.first * block_bytes,
                                            plain_bytes=r.count * block_bytes)

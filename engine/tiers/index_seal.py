@@ -22,6 +22,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from engine.kv_types import BlockHash
 
 _LABEL = b"prefixgate/nvme-index/v1"
 
@@ -52,10 +56,13 @@ class IndexSealer:
         plain = b"".join(hashes)
         return _xor(plain, self._mask(self._k_ns(namespace), segment_id, len(plain)))
 
-    def unseal(self, namespace: bytes, segment_id: str, sealed: bytes, hash_len: int) -> tuple[bytes, ...]:
+    def unseal(self, namespace: bytes, segment_id: str, sealed: bytes,
+               hash_len: int) -> tuple[BlockHash, ...]:
         """The hashes ``seal`` hid, given the same namespace (a wrong one gives random bytes)."""
         plain = _xor(sealed, self._mask(self._k_ns(namespace), segment_id, len(sealed)))
-        return tuple(plain[i:i + hash_len] for i in range(0, len(plain), hash_len))
+        # typed once, as prefix_index does: BlockHash(...) per hash is a Python call (NewType)
+        hashes = tuple(plain[i:i + hash_len] for i in range(0, len(plain), hash_len))
+        return cast("tuple[BlockHash, ...]", hashes)
 
 
 def _xor(a: bytes, b: bytes) -> bytes:

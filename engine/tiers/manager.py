@@ -199,6 +199,7 @@ class TierManager:
                                  tenant_cap=self._cap_fn(TierName.DRAM, dram_bytes), floor_fraction=floor_fraction,
                                  clock=clock, arena_slack_bytes=max(in_flight, dram_bytes // 16))
         if nvme_bytes > 0:
+            assert nvme_dir is not None  # refused above
             root = Path(nvme_dir) / f"kv-v{FORMAT_VERSION}" / _slug(model_id)
             self.nvme = NvmeTier(root, nvme_bytes, score=self.cost.score_fn("nvme"),
                                  tenant_cap=self._cap_fn(TierName.NVME, nvme_bytes), floor_fraction=floor_fraction,
@@ -422,13 +423,16 @@ class TierManager:
                            owner=tenant.tenant_key)
         return meta, blob
 
-    def _put(self, tier: DramTier | NvmeTier, sealed: tuple[SegmentMeta, bytes | PinnedBlob],
+    def _put(self, tier: DramTier | NvmeTier, sealed: tuple[SegmentMeta, bytes | memoryview | PinnedBlob],
              report: DemoteReport) -> bool:
         """Store one segment in ``tier``, cascading what it evicts downwards. True if stored."""
         meta, blob = sealed
         try:
             # DRAM keeps a device sealer's pinned buffer as it is; NVMe writes its bytes
-            res = tier.put(meta, blob.view() if isinstance(blob, PinnedBlob) and tier is not self.dram else blob)
+            if isinstance(tier, DramTier):
+                res = tier.put(meta, blob)
+            else:
+                res = tier.put(meta, blob.view() if isinstance(blob, PinnedBlob) else blob)
         except TierWriteError as exc:
             log.warning("kv tier %s: demotion skipped: %s", tier.name, exc)
             self._skip(report, tier.name, SkipReason.IO_ERROR, meta.num_blocks)
@@ -475,7 +479,9 @@ class TierManager:
         only, so the scheduler may call it on every admission attempt.
         """
         self._maybe_sweep()
-        found_h, found_t, found_l = [], [], []
+        found_h: list[BlockHash] = []
+        found_t: list[str] = []  # TierMatch.tiers: a TierName or PENDING
+        found_l: list[BlockLocation] = []
         for h in hashes:
             for tier in self.tiers:
                 loc = tier.contains(namespace, h)
@@ -514,8 +520,9 @@ class TierManager:
             # then look again: they may have been stored, or dropped by the cost/quota rules.
             with self._pending_lock:
                 futs = {self._inflight.get((match.namespace, h)) for h in match.hashes}
-            for fut in futs - {None}:
-                fut.exception()
+            for fut in futs:
+                if fut is not None:
+                    fut.exception()
             match = self.lookup(match.namespace, match.hashes)
         # Read every segment the match touches first, then open them in one call (the GPU opener
         # batches and pipelines them); a segment gone since the lookup ends the restore there.
@@ -629,7 +636,8 @@ def _as_bytes_view(data: HostKV) -> memoryview:
         return memoryview(data).cast("B").toreadonly()
     if data.device.type != "cpu":
         raise ValueError("demote() needs a CPU buffer; export the blocks to host memory first")
-    return memoryview(data.contiguous().numpy()).cast("B").toreadonly()
+    # .data is memoryview(array): numpy's stubs give ndarray the buffer protocol for Python 3.12+ only
+    return data.contiguous().numpy().data.cast("B").toreadonly()
 
 
 _Plain = memoryview | DevicePlaintext  # a run's plaintext on its way down: host bytes, or still in HBM

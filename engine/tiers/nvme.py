@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 from engine.kv_types import BlockHash, TierName
 from engine.tiers.base import (
@@ -244,7 +245,10 @@ class NvmeTier(IndexedTierQueries):
                 return None
             if self._path(sid).stat().st_size != nbytes:
                 return None
-            masked = tuple(sealed[i:i + hlen] for i in range(0, len(sealed), hlen))
+            # masked stand-ins in the hashes' place, under the sealed namespace: no lookup finds them
+            # until _unseal_locked gives the segment its real namespace and hashes
+            masked = cast("tuple[BlockHash, ...]",
+                          tuple(sealed[i:i + hlen] for i in range(0, len(sealed), hlen)))
             return SegmentMeta(sid, _SEALED_PREFIX + tag, label, masked, bb, nbytes, float(created),
                                float(last), None if expires is None else float(expires), hits,
                                None if retain is None else float(retain),
