@@ -26,7 +26,6 @@ from engine.prefix_index import block_hashes, packed_block_hashes
 from engine.protocol import FinishReason, OutputFailure, Retention, SamplingParams, TenantScope
 
 if TYPE_CHECKING:
-    from engine.guided import GrammarCompile  # for the checker only: it imports torch and llguidance
     from engine.protocol import TokenLogprob
 
 
@@ -101,8 +100,9 @@ class Request:
     failure: OutputFailure | None = None  # with finish_reason "error": a cause the caller can act on
     # A guided request's grammar compile, held for the request's life: the compiler finds it by spec
     # while any request holds it, so the engine thread never rebuilds a grammar the compile cache
-    # evicted between admission and the request's first step.
-    grammar: GrammarCompile | None = None
+    # evicted between admission and the request's first step. Only held, never read back: typed as
+    # any object, so this torch-free module needs nothing of engine.guided (torch, llguidance).
+    grammar: object | None = None
 
     # the prompt as native int64 bytes when the caller has them (LLMEngine.prepare packs a prompt
     # while validating it): its block hashes are then taken from them instead of packing it again

@@ -16,9 +16,13 @@ import asyncio
 import json
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 from gateway.cli.main import CLIError, resolve_home
 from gateway.cli.serve_cmd import add_engine_flags, engine_flag_values, resolve_model
+
+if TYPE_CHECKING:  # the engine loads inside the command: the CLI's help stays fast
+    from engine.protocol import EngineClient, GenerateRequest, RequestOutput
 
 
 def register(subparsers, common: argparse.ArgumentParser) -> None:
@@ -78,6 +82,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     finally:
         engine.shutdown()
+    if last is None:  # the engine's contract is a finished output at the end; say so if it broke it
+        raise CLIError("generation ended without an output")
     if last.finish_reason == "error":
         raise CLIError(f"generation failed: {last.error}")
     if args.json:
@@ -89,10 +95,10 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _collect(engine, request):
+async def _collect(engine: EngineClient, request: GenerateRequest) -> tuple[list[int], str, RequestOutput | None]:
     ids: list[int] = []
     text = ""
-    last = None
+    last: RequestOutput | None = None
     async for out in engine.generate(request):
         ids += out.new_token_ids
         text += out.new_text
