@@ -16,9 +16,11 @@ Fix:
     'messages', 'system', 'tools' or 'template' key; otherwise leave it out of the paths.
 """
 
+from promptlint.model import Severity
+
 CODE = "PC000"
 NAME = "invalid-file"
-SEVERITY = "error"
+SEVERITY: Severity = "error"
 SUMMARY = "the file cannot be read or parsed as a prompt"
 FIXABLE = False
 # Emitted by promptlint.loader, not by a check function.

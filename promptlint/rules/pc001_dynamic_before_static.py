@@ -18,16 +18,19 @@ Fix:
     with ``promptlint: movable`` (in a comment your renderer strips) and ``--fix`` moves it.
 """
 
-from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, move_hint, shown
+from collections.abc import Iterator
+
+from promptlint.analysis import MIN_STATIC_AFTER, LintContext, finding, is_movable, move_hint, shown
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC001"
 NAME = "dynamic-before-static"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "a template variable comes before static text, which then cannot be cached"
 FIXABLE = True
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     # Once per file: the first variable that cuts the prefix is the one to fix first.
     for i, e in enumerate(doc.elements):
         if e.dyn in ("placeholder", "input", "control") and doc.static_after[i] >= MIN_STATIC_AFTER:

@@ -20,16 +20,19 @@ Fix:
     for lines marked ``promptlint: movable``.
 """
 
-from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, move_hint, shown
+from collections.abc import Iterator
+
+from promptlint.analysis import MIN_STATIC_AFTER, LintContext, finding, is_movable, move_hint, shown
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC002"
 NAME = "volatile-value-in-prefix"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "a timestamp, date, UUID or request id comes before static text"
 FIXABLE = True
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     for i, e in enumerate(doc.elements):
         if e.dyn == "volatile" and doc.static_after[i] >= MIN_STATIC_AFTER:
             kind = f"{e.name} value" if e.literal else "volatile placeholder"

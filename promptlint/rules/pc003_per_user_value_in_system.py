@@ -18,16 +18,19 @@ Fix:
     ``key: value`` lines of the variables a tenant marks as per-user.
 """
 
-from promptlint.analysis import MIN_STATIC_AFTER, finding, is_movable, move_hint, shown
+from collections.abc import Iterator
+
+from promptlint.analysis import MIN_STATIC_AFTER, LintContext, finding, is_movable, move_hint, shown
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC003"
 NAME = "per-user-value-in-system"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "a per-user value (name, id, email) comes before static text"
 FIXABLE = True
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     for i, e in enumerate(doc.elements):
         if e.dyn == "per-user" and doc.static_after[i] >= MIN_STATIC_AFTER:
             where = ("in a tool definition" if e.is_tools else "in the system prompt"

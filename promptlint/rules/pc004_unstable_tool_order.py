@@ -21,19 +21,22 @@ Fix:
     ``properties`` keep their order: it is the order the model writes the fields in.
 """
 
+from collections.abc import Iterator
+
+from promptlint.analysis import LintContext
 from promptlint.canon import canonicalize, tool_name, tool_sort_blocker
-from promptlint.model import Finding
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC004"
 NAME = "unstable-tool-order"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "tools unsorted or schema keys in a non-canonical order"
 FIXABLE = True
 # The request keys this rule checks, and the only ones its fix (their ``safe`` canonical form) rewrites.
 CANON_KEYS = ("tools", "functions", "response_format")
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     if doc.body is None:
         return
     probe = {k: doc.body[k] for k in CANON_KEYS if k in doc.body}

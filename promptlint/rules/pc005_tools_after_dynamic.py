@@ -19,13 +19,14 @@ Fix:
 """
 
 import re
+from collections.abc import Iterator
 
-from promptlint.analysis import shown
-from promptlint.model import Finding
+from promptlint.analysis import LintContext, shown
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC005"
 NAME = "tools-after-dynamic"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "tool definitions or schemas come after dynamic content"
 FIXABLE = False
 
@@ -47,7 +48,7 @@ def _maybe_tools(text: str) -> bool:
     return any(h in lower for h in _HINTS)
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     first = doc.first_dynamic
     if first is None:
         return

@@ -20,13 +20,14 @@ Fix:
 """
 
 import re
+from collections.abc import Iterator
 
-from promptlint.analysis import shown
-from promptlint.model import Finding
+from promptlint.analysis import LintContext, shown
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC006"
 NAME = "static-after-user-content"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "few-shot examples or long instructions come after the user's input"
 FIXABLE = False
 LONG_STATIC = 200
@@ -37,7 +38,7 @@ _EXAMPLES = re.compile(
 )
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     first_input = next((i for i, e in enumerate(doc.elements) if e.dyn == "input"), None)
     if first_input is None:
         return

@@ -19,16 +19,19 @@ Fix:
     static text is below the minimum in total are left alone: they cannot benefit.
 """
 
-from promptlint.model import Finding
+from collections.abc import Iterator
+
+from promptlint.analysis import LintContext
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC007"
 NAME = "prefix-below-minimum"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "the static prefix is below the provider's minimum cacheable length"
 FIXABLE = False
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     first = doc.first_dynamic
     if first is None or doc.prefix_tokens >= ctx.min_cache_tokens or doc.static_tokens < ctx.min_cache_tokens:
         return

@@ -20,14 +20,16 @@ Fix:
 """
 
 import re
+from collections.abc import Iterator
 
+from promptlint.analysis import LintContext
 from promptlint.canon import canonicalize
 from promptlint.line_ends import without_line_ends
-from promptlint.model import Finding
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC009"
 NAME = "unstable-whitespace"
-SEVERITY = "info"
+SEVERITY: Severity = "info"
 SUMMARY = "line endings, trailing or invisible whitespace in the prefix"
 FIXABLE = True
 # The request keys this rule checks, and the only ones its fix (their ``safe`` canonical form) rewrites.
@@ -37,7 +39,7 @@ _INVISIBLE = re.compile("[\u200b\u200c\u200d\u2060\ufeff\u00a0]")
 _TRAILING = re.compile(r"[ \t]+\r?$")
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     if doc.kind == "source":
         return  # the raw text is Python code, not the prompt; its whitespace is the code's business
     if doc.kind == "request":

@@ -19,16 +19,19 @@ Fix:
     move dynamic values after it.
 """
 
-from promptlint.analysis import finding, shown
+from collections.abc import Iterator
+
+from promptlint.analysis import LintContext, finding, shown
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC010"
 NAME = "cache-breakpoint-after-dynamic"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "a cache_control breakpoint comes after dynamic content"
 FIXABLE = False
 
 
-def _last_user_message(doc) -> range:
+def _last_user_message(doc: PromptDoc) -> range:
     """Indices of the elements of the last user message (the trailing run of ``user`` elements)."""
     last = max((i for i, e in enumerate(doc.elements) if e.role == "user"), default=-1)
     first = last
@@ -37,7 +40,7 @@ def _last_user_message(doc) -> range:
     return range(first, last + 1)
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     exempt = _last_user_message(doc)
     first_dyn = None
     late = []
@@ -49,6 +52,7 @@ def check(doc, ctx):
         if e.breakpoint and first_dyn is not None:
             late.append(e)
     if late:
+        assert first_dyn is not None  # a breakpoint is late only after the first dynamic value
         more = f" ({len(late) - 1} later breakpoint(s) likewise)" if len(late) > 1 else ""
         yield finding(
             doc, late[0], CODE, SEVERITY,

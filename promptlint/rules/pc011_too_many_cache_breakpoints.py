@@ -16,17 +16,20 @@ Fix:
     of the conversation history.
 """
 
-from promptlint.analysis import finding
+from collections.abc import Iterator
+
+from promptlint.analysis import LintContext, finding
 from promptlint.cache_control import MAX_BREAKPOINTS, count_marks
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC011"
 NAME = "too-many-cache-breakpoints"
-SEVERITY = "error"
+SEVERITY: Severity = "error"
 SUMMARY = "more than four cache_control breakpoints"
 FIXABLE = False
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     marked = [e for e in doc.elements if e.breakpoint]
     # The request itself is the count (the gateway's parser, the one Anthropic's limit applies to);
     # elements only say where the marks sit.

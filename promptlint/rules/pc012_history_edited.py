@@ -19,16 +19,19 @@ Fix:
     at a fixed point (every 20 turns), keep that summary unchanged, and append after it.
 """
 
-from promptlint.model import Finding
+from collections.abc import Iterator
+
+from promptlint.analysis import LintContext
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC012"
 NAME = "history-edited"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "the conversation history is truncated or rewritten instead of appended to"
 FIXABLE = False
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     # Source files record history slices while building their elements (promptlint.source_scan).
     for line, column, expr in doc.meta.get("history_slices", ()):
         yield Finding(

@@ -22,16 +22,19 @@ Fix:
     not part of a prompt can say ``# promptlint: noqa[PC013]``.
 """
 
-from promptlint.model import Finding
+from collections.abc import Iterator
+
+from promptlint.analysis import LintContext
+from promptlint.model import Finding, PromptDoc, Severity
 
 CODE = "PC013"
 NAME = "unstable-build-order"
-SEVERITY = "warning"
+SEVERITY: Severity = "warning"
 SUMMARY = "source code shuffles, iterates a set or dumps JSON unsorted while building prompts"
 FIXABLE = False
 
 
-def check(doc, ctx):
+def check(doc: PromptDoc, ctx: LintContext) -> Iterator[Finding]:
     # promptlint.source_scan attaches the file's hazards (promptlint.order_hazards) to its first doc.
     for h in doc.meta.get("order_hazards", ()):
         yield Finding(
