@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -54,6 +54,7 @@ from engine.protocol import (
     ModelCard,
     RequestOutput,
     StaticTenantScope,
+    TenantScope,
 )
 from engine.request import Request
 
@@ -158,6 +159,16 @@ class DisaggEngine:
     def tokenize(self, request: GenerateRequest) -> list[int]:
         # the node's own gateway tokenizes a chat request here before it reaches generate
         return self.inner.tokenize(request)
+
+    # the node's own API answers /detokenize, echo of a token-id prompt and /v1/cache as any engine's does
+    def decode_prompt(self, token_ids: Sequence[int]) -> str:
+        return self.inner.decode_prompt(token_ids)
+
+    def cache_usage(self, tenant: TenantScope) -> dict[str, int]:
+        return self.inner.cache_usage(tenant)
+
+    def tenant_blocks(self, tenant: TenantScope) -> dict[str, int]:
+        return self.inner.tenant_blocks(tenant)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.receiver is not None:

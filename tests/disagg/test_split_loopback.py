@@ -171,7 +171,8 @@ def test_gateway_routes_split_and_the_openai_sdk_sees_single_engine_output(nodes
 
 def test_a_node_serves_a_chat_request_sent_to_its_own_api(nodes):
     """A prefill or decode node is a whole gateway: a chat request sent straight to it is tokenized by
-    its engine (the node's engine once had no ``tokenize``: a 400 naming the missing attribute)."""
+    its engine (the node's engine once had no ``tokenize``: a 400 naming the missing attribute), and its
+    /detokenize and /v1/cache answer as a plain server's do."""
     from gateway.ports import open_tenancy
 
     for url, home in zip(nodes[:2], nodes.homes):
@@ -186,6 +187,15 @@ def test_a_node_serves_a_chat_request_sent_to_its_own_api(nodes):
         body = resp.json()
         assert body["usage"]["completion_tokens"] >= 1
         assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        # and the rest of an engine's API: token ids back to text, the tenant's cache (the node's engine once
+        # answered both with "not supported"); the chat above left its prompt's full blocks in the cache
+        back = httpx.post(f"{url}/detokenize", headers={"authorization": f"Bearer {key}"}, trust_env=False,
+                          timeout=60, json={"model": "tiny", "tokens": [72, 105]})
+        assert back.status_code == 200, back.text
+        assert isinstance(back.json()["prompt"], str) and back.json()["prompt"]
+        cache = httpx.get(f"{url}/v1/cache", headers={"authorization": f"Bearer {key}"}, trust_env=False, timeout=60)
+        assert cache.status_code == 200, cache.text
+        assert cache.json()["tokens"]["hbm"] > 0 and cache.json()["tenant"] == f"direct-{home.name}"
 
 
 def test_health_lists_a_split_routes_prefill_nodes_and_the_split_skips_a_down_one(nodes, tmp_path, monkeypatch):
