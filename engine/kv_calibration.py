@@ -71,7 +71,9 @@ class AmaxRecorder:
         self.v_amax: list[float] = []
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         # key, value: [T, Hkv, D]
         mean = key.float().mean(dim=0) if self.centre_keys else torch.zeros_like(key[0], dtype=torch.float32)
         self.k_mean.append(mean)
@@ -79,8 +81,10 @@ class AmaxRecorder:
         self.v_amax.append(float(value.float().abs().amax()))
         self._kv = (key, value)
 
-    def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                k_scale=None, v_scale=None) -> torch.Tensor:
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         assert self._kv is not None, "write_kv runs before attention"
         key, value = self._kv
         group = q.shape[1] // key.shape[1]
@@ -90,7 +94,7 @@ class AmaxRecorder:
         out = F.scaled_dot_product_attention(qh.float(), kh.float(), vh.float(), scale=scale, is_causal=True)
         return out.squeeze(0).transpose(0, 1).to(q.dtype)
 
-    def paged_decode_attention(self, *args, **kwargs) -> torch.Tensor:
+    def paged_decode_attention(self, *args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("calibration runs a prefill only")
 
 

@@ -263,7 +263,7 @@ class ModelRunner:
     def calibrate_fp8(self, centre_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 K/V scales [L, 2, 1] and key bias [L, Hkv, D] from one unquantized forward over the
         fixed calibration text (engine/kv_calibration.py). Reads and writes no KV block."""
-        from engine.kv_calibration import CALIBRATION_TEXT, calibrate_fp8
+        from engine.kv_calibration import CALIBRATION_TEXT, AmaxRecorder, calibrate_fp8
 
         limit = min(self.spec.max_model_len, self.num_kv_blocks * self.block_size)
         ids = list(self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))[:limit]
@@ -272,7 +272,7 @@ class ModelRunner:
                               sampling=SamplingParams())
 
         @torch.inference_mode()
-        def run(recorder) -> None:
+        def run(recorder: AmaxRecorder) -> None:
             input_ids, positions, meta = self._prepare([chunk])
             with self.model.plain_path():
                 self.model(input_ids, positions, self.layer_caches, meta, recorder)

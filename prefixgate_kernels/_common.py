@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixgate_kernels.reference import FP8_DTYPE
+
+if TYPE_CHECKING:  # triton loads where a launcher first needs it
+    import triton.language as tl
 
 # KV storage codes, passed to kernels as a constexpr so each storage format compiles its own variant.
 KV_PLAIN, KV_FP8, KV_INT8 = 0, 1, 2
@@ -101,7 +105,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def dot_dtype(q_dtype: torch.dtype, cache: torch.Tensor):
+def dot_dtype(q_dtype: torch.dtype, cache: torch.Tensor) -> tl.dtype:
     """The tl dtype attention kernels feed to ``tl.dot``.
 
     fp32 in the interpreter (its bf16 dot is broken); fp16 for fp8/int8 caches, because e4m3 -> fp16
@@ -111,7 +115,7 @@ def dot_dtype(q_dtype: torch.dtype, cache: torch.Tensor):
     return dot_dtype_for(q_dtype, cache.dtype, interpreting())
 
 
-def dot_dtype_for(q_dtype: torch.dtype, kv_dtype: torch.dtype, interp: bool):
+def dot_dtype_for(q_dtype: torch.dtype, kv_dtype: torch.dtype, interp: bool) -> tl.dtype:
     """``dot_dtype`` from the dtypes alone (a launch plan cached by shapes and dtypes)."""
     import triton.language as tl
 

@@ -65,15 +65,17 @@ __all__ = [
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+          attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> [B, Hq, Tq, D]; kv heads shared by Hq/Hkv query heads."""
     group = q.shape[1] // k.shape[1]
     if group > 1 and _HAS_GQA:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **kw)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
 # A decode group's padded length may exceed its shortest member's by this factor plus one block.

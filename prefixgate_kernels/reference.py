@@ -31,7 +31,9 @@ def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in (FP8_DTYPE, torch.int8)
 
 
-def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None):
+def quantize(
+    x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [T, H, D] float -> (q [T, H, D] cache_dtype, per-token-head scale [T, H] or None).
 
     For fp8 the given per-tensor ``scale`` is used; for int8 a fresh scale per (token, head).

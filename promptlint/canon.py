@@ -33,7 +33,7 @@ Everything here is stdlib and precompiled: the gateway calls it on every request
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -156,7 +156,7 @@ class ForwardFinder:
         return best
 
 
-def lines_with(chars: str, text: str):
+def lines_with(chars: str, text: str) -> Iterator[tuple[int, str]]:
     """Yield (offset, line) for each line of ``text`` that contains one of ``chars``."""
     pos = 0
     finder = ForwardFinder(text, chars)

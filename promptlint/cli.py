@@ -17,9 +17,13 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from promptlint.errors import UsageError
+
+if TYPE_CHECKING:  # the commands import what they run: `promptlint --help` stays fast
+    from promptlint.config import Config
+    from promptlint.linter import Report
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -126,7 +130,7 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _add_live_findings(report, path: Path, config) -> None:
+def _add_live_findings(report: Report, path: Path, config: Config) -> None:
     """Attach ``--from-usage`` miss records to the files they came from (see ``promptlint.from_usage``)."""
     from promptlint.from_usage import attribute, load_misses
     from promptlint.linter import attach_findings

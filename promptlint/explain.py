@@ -231,7 +231,8 @@ def _is_input_or_append(prev_r: Rendered, previous: dict, seg: Segment | None, p
     return seg.role in ("user", "tool", "function")
 
 
-def _below_minimum(cur_r, previous, current, pos, min_tokens, count) -> Break | None:
+def _below_minimum(cur_r: Rendered, previous: dict[str, Any], current: dict[str, Any], pos: int,
+                   min_tokens: int, count: Callable[[str], int] | None) -> Break | None:
     if not min_tokens or count is None:
         return None
     shared = count(cur_r.text[:pos])
@@ -244,7 +245,8 @@ def _below_minimum(cur_r, previous, current, pos, min_tokens, count) -> Break | 
                  render(previous).text, cur_r.text, count)
 
 
-def _make(rule, detail, message, where, pos, prev_text, cur_text, count) -> Break:
+def _make(rule: str, detail: str, message: str, where: str, pos: int, prev_text: str, cur_text: str,
+          count: Callable[[str], int] | None) -> Break:
     return Break(
         rule=rule, name=RULE_NAMES[rule], detail=detail, message=message, where=where, position=pos,
         token_position=count(cur_text[:pos]) if count is not None else None,
@@ -254,7 +256,9 @@ def _make(rule, detail, message, where, pos, prev_text, cur_text, count) -> Brea
     )
 
 
-def _classify(previous, current, prev_r, cur_r, seg_prev, seg_cur, pos, per_user_vars) -> tuple[str, str, str]:
+def _classify(previous: dict[str, Any], current: dict[str, Any], prev_r: Rendered, cur_r: Rendered,
+              seg_prev: Segment, seg_cur: Segment, pos: int,
+              per_user_vars: Sequence[str]) -> tuple[str, str, str]:
     if seg_prev.where == "tools" or seg_cur.where == "tools":
         return _classify_tools(previous, current, prev_r, cur_r, pos)
     # Both at the same message (the text before pos is equal, so the segment starts line up).
@@ -287,7 +291,8 @@ def _classify(previous, current, prev_r, cur_r, seg_prev, seg_cur, pos, per_user
     return UNEXPLAINED, "changed", f"{place} changed at character {pos} (a prompt edit or deploy?)"
 
 
-def _classify_tools(previous, current, prev_r, cur_r, pos) -> tuple[str, str, str]:
+def _classify_tools(previous: dict[str, Any], current: dict[str, Any], prev_r: Rendered, cur_r: Rendered,
+                    pos: int) -> tuple[str, str, str]:
     prev_tools = previous.get("tools") or previous.get("functions") or []
     cur_tools = current.get("tools") or current.get("functions") or []
     canon_prev = canonicalize({"tools": prev_tools}, "safe").body
@@ -370,7 +375,8 @@ def _msg_key(msg: Any) -> str:
     return json.dumps(msg, sort_keys=True, ensure_ascii=False)
 
 
-def _history_edit(previous, current, seg: Segment, role: str) -> tuple[str, str] | None:
+def _history_edit(previous: dict[str, Any], current: dict[str, Any], seg: Segment,
+                  role: str) -> tuple[str, str] | None:
     """(detail, message) when message ``seg.index`` was history in ``previous`` and was rewritten."""
     prev_msgs = previous.get("messages") or []
     cur_msgs = current.get("messages") or []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
+from collections.abc import Iterator
 
 from promptlint.canon import (
     DIGITS,
@@ -97,6 +98,8 @@ _BLOCK_STATEMENTS = {"for", "if", "macro", "call", "filter", "with", "autoescape
 _CONTROL_STATEMENTS = {"if", "elif", "else", "for", "include", "call", "macro", "import", "from", "extends"}
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 _NEWLINE = re.compile(r"\n")
+# One cut of a text into elements: (start, end, class, name, literal); split_text makes them
+_Cut = tuple[int, int, DynClass, str, bool]
 
 
 def _placeholder(m: re.Match[str]) -> tuple[DynClass, str] | None:
@@ -124,14 +127,14 @@ def _placeholder(m: re.Match[str]) -> tuple[DynClass, str] | None:
     return classify_name(name), name
 
 
-def _placeholders(text: str, syntax: str):
+def _placeholders(text: str, syntax: str) -> Iterator[re.Match[str]]:
     """The placeholder matches of ``text`` under ``syntax``'s own rules, in order."""
     if syntax == "format":
         return _format_fields(text)
     return _template_placeholders(text, jinja=syntax in ("auto", "jinja"))
 
 
-def _template_placeholders(text: str, jinja: bool):
+def _template_placeholders(text: str, jinja: bool) -> Iterator[re.Match[str]]:
     """``_PLACEHOLDER_RE.finditer(text)``, but only tried where a ``{`` or ``$`` is: every placeholder
     starts with one, and a regex alternation scans slowly through the long static text between.
     The text of a Jinja ``{% raw %}...{% endraw %}`` block is literal: only its two tags are matched."""
@@ -149,7 +152,7 @@ def _template_placeholders(text: str, jinja: bool):
             pos = end.end()
 
 
-def _format_fields(text: str):
+def _format_fields(text: str) -> Iterator[re.Match[str]]:
     """The replacement fields of a ``str.format`` template, read left to right as ``str.format`` does:
     ``{{`` and ``}}`` are literal braces, so ``{{"answer": ...}}`` holds no field and ``{{{x}}}`` one."""
     pos = 0
@@ -233,7 +236,7 @@ def split_text(
     ``dollar``; ``none``). ``var_classes`` overrides the name-based guess for listed variables.
     """
     allowed = None if syntax == "auto" else _SYNTAX_GROUPS.get(syntax, set())
-    cuts: list[tuple[int, int, DynClass, str, bool]] = []
+    cuts: list[_Cut] = []
     blocks = _BlockMap()
     for m in _placeholders(text, syntax):
         style = _style(m)
@@ -252,12 +255,13 @@ def split_text(
             cls = var_classes[name]
         cuts.append((m.start(), m.end(), cls, name, False))
     # Literal per-user lines and dynamic values live in the static stretches between placeholders.
-    literal: list[tuple[int, int, DynClass, str, bool]] = []
+    literal: list[_Cut] = []
     if find_any(text, ":=" + DIGITS) >= 0:
-        for base, line in lines_with(":=", text):
-            m = _PER_USER_LINE.match(line)
-            if m is not None:
-                literal.append((base + m.start("value"), base + m.end("value"), "per-user", m.group("key"), True))
+        for base, text_line in lines_with(":=", text):
+            hit = _PER_USER_LINE.match(text_line)
+            if hit is not None:
+                literal.append((base + hit.start("value"), base + hit.end("value"), "per-user", hit.group("key"),
+                                True))
         for s in find_dynamic_spans(text):
             literal.append((s.start, s.end, "volatile", s.kind, True))
     if literal:
@@ -279,10 +283,10 @@ def split_text(
     return elements
 
 
-def _merge_cuts(placeholders, literal):
+def _merge_cuts(placeholders: list[_Cut], literal: list[_Cut]) -> list[_Cut]:
     """Add literal cuts that do not overlap a placeholder (a placeholder wins)."""
     merged = sorted(placeholders + literal, key=lambda c: (c[0], -c[1]))
-    out = []
+    out: list[_Cut] = []
     end = -1
     for cut in merged:
         if cut[0] >= end:

@@ -11,8 +11,12 @@ import importlib.util
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from promptlint.errors import UsageError
+
+if TYPE_CHECKING:  # tiktoken loads on the first count
+    from tiktoken import Encoding
 
 DEFAULT_MODEL = "gpt-4o"
 
@@ -42,7 +46,7 @@ def encoding_name(model: str) -> str:
 
 
 @lru_cache(maxsize=4)
-def _encoding(name: str):
+def _encoding(name: str) -> Encoding:
     ensure_tiktoken_cache()
     import tiktoken  # deferred: `promptlint rule` and `rules` never need it
 

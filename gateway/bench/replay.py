@@ -47,15 +47,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.bench.traces import WORKLOADS, Session, TraceSizes, build_trace
+
+if TYPE_CHECKING:  # matplotlib loads inside write_plots only
+    from matplotlib.axes import Axes
 
 # Where the ``gateway`` package was imported from: a checkout's root, or site-packages when installed.
 # Child ``serve`` processes get it on PYTHONPATH so that they run this same code.
@@ -508,7 +512,8 @@ def write_plots(cells: list[dict[str, Any]], prefix: Path) -> list[Path]:
     nrows = -(-len(workloads) // ncols)
     paths = []
 
-    def grid(name: str, title: str, draw, xlabel: str, ylabel: str, legend_loc: str, **limits) -> None:
+    def grid(name: str, title: str, draw: Callable[[Axes, dict[str, Any]], None], xlabel: str, ylabel: str,
+             legend_loc: str, **limits: tuple[float | None, float | None]) -> None:
         """One panel per workload, ``draw(ax, cell)`` for each of its cells, saved as ``<prefix>_<name>.png``."""
         fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
         for ax, wl in zip(axes.flat, workloads):
@@ -525,13 +530,13 @@ def write_plots(cells: list[dict[str, Any]], prefix: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=72)
         plt.close(fig)
 
-    def ttft_cdf(ax, c) -> None:
+    def ttft_cdf(ax: Axes, c: dict[str, Any]) -> None:
         xs = sorted(t * 1e3 for t in c["summary"]["ttfts"])
         if xs:
             ys = [i / len(xs) for i in range(len(xs) + 1)]
             ax.step([0.0, *xs], ys, where="post", color=colors[c["config"]], label=c["config"])
 
-    def hit_rate(ax, c) -> None:
+    def hit_rate(ax: Axes, c: dict[str, Any]) -> None:
         tl = sorted(c["summary"]["timeline"], key=lambda x: x["t_end_s"])
         xs, ys, p, h = [], [], 0, 0
         for point in tl:  # cumulative hit rate as requests finish

@@ -20,7 +20,9 @@ from gateway.cli.http_args import api_key, gateway_url
 from gateway.cli.main import CLIError
 
 
-def register(subparsers, common: argparse.ArgumentParser) -> None:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     p = subparsers.add_parser("cache", help="warm a prompt prefix or show a tenant's cache on a running gateway",
                               description="Warm a prompt prefix ahead of traffic, or show what a tenant holds.")
     sub = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)

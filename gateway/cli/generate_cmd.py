@@ -25,7 +25,9 @@ if TYPE_CHECKING:  # the engine loads inside the command: the CLI's help stays f
     from engine.protocol import EngineClient, GenerateRequest, RequestOutput
 
 
-def register(subparsers, common: argparse.ArgumentParser) -> None:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     p = subparsers.add_parser(
         "generate", help="generate a completion with the local engine",
         description="Generate a completion for PROMPT with the local paged-KV engine.",

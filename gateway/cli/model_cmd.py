@@ -18,7 +18,9 @@ def _add_home(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--home", default=argparse.SUPPRESS, help="state directory (see prefixgate --help)")
 
 
-def register(subparsers, common: argparse.ArgumentParser) -> None:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     model = subparsers.add_parser("model", help="manage local model checkpoints")
     _add_home(model)
     actions = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
