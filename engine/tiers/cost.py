@@ -22,12 +22,12 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.protocol import BlockCipher
 from engine.tiers.base import SegmentMeta
+from engine.tiers.placement import ScoreFn
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class CostModel:
     def worth_keeping(self, tier: str, num_blocks: int, nbytes: int) -> bool:
         return self.recompute_s(num_blocks) >= self.rates.min_gain * self.restore_s(tier, nbytes)
 
-    def score_fn(self, tier: str) -> Callable[[SegmentMeta, float], float]:
+    def score_fn(self, tier: str) -> ScoreFn:
         """The eviction score of ``engine.tiers.placement`` for segments of ``tier``."""
 
         def score(meta: SegmentMeta, now_s: float) -> float:

@@ -10,7 +10,6 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 from gateway.cli.http_args import api_key, gateway_url
 from gateway.cli.main import CLIError, resolve_home
@@ -59,7 +58,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     p = subparsers.add_parser(
         "bench", parents=[common], help="replay multi-tenant workloads; cache on/off, canon on/off",
         description="Replay multi-tenant traces (system prompts, chat, agents, RAG, random) against "

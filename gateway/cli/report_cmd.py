@@ -42,7 +42,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     p = subparsers.add_parser("report", parents=[sub_common()], help="usage, cache hit rate, cost and savings per tenant")
     p.add_argument("--tenant", metavar="NAME", help="only this tenant (default: all)")
     p.add_argument("--since", metavar="AGE|DATE", default="7d",

@@ -158,7 +158,9 @@ def resolve_model(model: str, home: Path, flag: str = "--model") -> tuple[str, P
     return path.name, path
 
 
-def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     serve = subparsers.add_parser("serve", parents=[common], help="run the OpenAI-compatible gateway",
                                   description="Run the OpenAI-compatible gateway (and its local engine).")
     _add_serve_flags(serve)

@@ -304,7 +304,9 @@ def _json_flag() -> argparse.ArgumentParser:
     return p
 
 
-def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     parents = [sub_common(), _json_flag()]
 
     tenant = subparsers.add_parser("tenant", help="create, list, show, change and delete tenants")
