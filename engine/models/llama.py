@@ -78,6 +78,23 @@ def _concat_as_views(a: nn.Linear, b: nn.Linear, c: nn.Linear | None, name: str)
     return merged
 
 
+class _Linear(nn.Linear):
+    """``nn.Linear`` without its random initial draw. Every builder fills each weight itself
+    (``engine.models.loader.build_model`` from the checkpoint, ``random_init.build_random_model``
+    from a seeded generator), and the draw, made on the meta device they build on, is what first
+    imports ``torch._dynamo`` (1.3-2.3 s of a CPU server's start)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _Embedding(nn.Embedding):
+    """``nn.Embedding`` without its random initial draw (as ``_Linear``)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -97,10 +114,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         hidden = arch.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=arch.o_bias)
+        self.q_proj = _Linear(hidden, self.num_heads * self.head_dim, bias=arch.qkv_bias)
+        self.k_proj = _Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
+        self.v_proj = _Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
+        self.o_proj = _Linear(self.num_heads * self.head_dim, hidden, bias=arch.o_bias)
         self.scale = self.head_dim**-0.5
         self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, hidden] after fuse_projections
         self.qkv_bias: torch.Tensor | None = None
@@ -152,7 +169,7 @@ class MLP(nn.Module):
     def __init__(self, arch: ArchConfig):
         super().__init__()
         h, i, b = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(h, i, bias=b), nn.Linear(h, i, bias=b), nn.Linear(i, h, bias=b)
+        self.gate_proj, self.up_proj, self.down_proj = _Linear(h, i, bias=b), _Linear(h, i, bias=b), _Linear(i, h, bias=b)
         self.gate_up_weight: torch.Tensor | None = None  # [2I, hidden] after fuse_projections
         self.gate_up_bias: torch.Tensor | None = None
 
@@ -203,7 +220,7 @@ else:
 class LlamaBackbone(nn.Module):
     def __init__(self, arch: ArchConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = _Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = DecoderLayers(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -215,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaBackbone(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = _Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.fused = False  # set by fuse_projections: forward takes the fused-kernel path
 
