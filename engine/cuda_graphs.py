@@ -35,7 +35,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +43,7 @@ from engine.batch import SequenceChunk
 from engine.graph_inputs import StaticInputs, capture_graph
 from engine.host_to_device import to_device
 from engine.models.attention import AttentionMetadata, LayerCache
+from engine.models.kernel_ops import FusedOps
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -99,7 +99,7 @@ class DecodeGraphs:
         self,
         model: LlamaForCausalLM,
         layer_caches: list[LayerCache],
-        ops: ModuleType,
+        ops: FusedOps,
         block_size: int,
         max_blocks_per_seq: int,
         sizes: Sequence[int],

@@ -58,7 +58,8 @@ CALIBRATION_TEXT = (
 
 
 class AmaxRecorder:
-    """Stands in for a KV ops module during one prefill from position 0 (one sequence).
+    """Stands in for the KV ops (an ``engine.models.kernel_ops.AttentionOps``) during one prefill from
+    position 0 (one sequence).
 
     ``write_kv`` records each layer's K/V absolute maxima (calls arrive in layer order) and keeps
     the new K/V; ``paged_prefill_attention`` attends causally over exactly those tensors.

@@ -274,8 +274,7 @@ class ModelRunner:
         @torch.inference_mode()
         def run(recorder: AmaxRecorder) -> None:
             input_ids, positions, meta = self._prepare([chunk])
-            with self.model.plain_path():
-                self.model(input_ids, positions, self.layer_caches, meta, recorder)
+            self.model.forward_plain(input_ids, positions, self.layer_caches, meta, recorder)
 
         return calibrate_fp8(run, self.arch.num_layers, centre_keys=centre_keys)
 

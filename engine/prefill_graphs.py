@@ -36,7 +36,6 @@ import time
 from array import array
 from dataclasses import dataclass
 from functools import partial
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +44,7 @@ from engine.batch import SequenceChunk
 from engine.cuda_graphs import PADDING_SLOT, padded_batch_size
 from engine.graph_inputs import StaticInputs, capture_graph
 from engine.models.attention import AttentionMetadata, LayerCache
+from engine.models.kernel_ops import KernelOps
 from engine.step_inputs import position_and_slot_arrays
 from prefixgate_kernels.launch_layout import CacheLayout
 
@@ -103,7 +103,7 @@ class PrefillGraphs:
         self,
         model: LlamaForCausalLM,
         layer_caches: list[LayerCache],
-        ops: ModuleType,
+        ops: KernelOps,
         block_size: int,
         max_blocks_per_seq: int,
         q_heads: int,

@@ -9,7 +9,11 @@ the same kernel runs every sequence that shares no block with another (one call 
 batch-1 decode 6.0 -> 4.6 ms of CPU per token); sequences sharing a prefix keep the cascade below.
 
 Same signatures and cache layout as ``prefixgate_kernels.reference`` (whose plain einsum-softmax ``_attend``
-stays the test oracle); the block moves and ``write_kv`` are the reference ones.
+stays the test oracle); the block moves, ``write_kv`` and the fused layer ops (``rms_norm`` ..
+``mlp_partials``) are the reference ones. The CPU runner never fuses, so the engine calls only the
+attention, ``write_kv`` and the block moves here; with the fused ops too the module is a whole ops module
+(``engine.models.kernel_ops.KernelOps``), as ``reference`` and ``triton_ops`` are, and a fused model
+runs on it as on ``reference``.
 
 Prefill (why SDPA): the reference materializes a float32 [heads, Tq, Tk] score matrix per
 sequence (a 4K prompt: 4K x 4K x heads floats) and softmaxes it out of cache; PyTorch's fused
@@ -41,23 +45,36 @@ transformers' eager attention does (bf16 models: bf16 GEMMs; fp32 models: fp32 t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from prefixgate_kernels import cpu_native
 from prefixgate_kernels.reference import (
+    add_rms_norm,
     copy_blocks,
     dequantize,
     gather_blocks,
     gather_context,
+    linear,
+    linear_partials,
+    mlp_partials,
     prefill_splits,
+    qkv_projection,
+    rms_norm,
+    rotary_decode_attention,
+    rotary_write_kv,
     scatter_blocks,
+    silu_mul,
     write_kv,
 )
 
 __all__ = [
     "copy_blocks", "gather_blocks", "scatter_blocks", "write_kv",
     "paged_decode_attention", "paged_prefill_attention", "prefill_splits",
+    "rms_norm", "add_rms_norm", "rotary_write_kv", "rotary_decode_attention", "silu_mul", "linear", "linear_partials",
+    "qkv_projection", "mlp_partials",
 ]
 
 
@@ -263,6 +280,9 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,  # host-side copy of seq_lens: a launch hint, unused here
+    merge_counters: torch.Tensor | None = None,  # the Triton kernel's split-merge workspace, unused here
 ) -> torch.Tensor:
     """One query token per sequence over its whole cached context -> [B, Hq, D]."""
     out = torch.empty_like(q)
@@ -280,6 +300,8 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    context_lens: Sequence[int] | None = None,  # host-side copy of seq_lens: a launch hint, unused here
 ) -> torch.Tensor:
     """New tokens attend causally among themselves and fully to their cached prefix (K/V written first)."""
     native = _native_kernel(q, k_cache, k_scale)

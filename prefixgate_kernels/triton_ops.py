@@ -41,7 +41,7 @@ __all__ = [
     "prefill_splits",
     "write_kv", "is_quantized", "quantize", "dequantize", "FP8_DTYPE",
     "rms_norm", "add_rms_norm", "rotary_write_kv", "rotary_decode_attention", "silu_mul", "linear", "linear_partials",
-    "qkv_projection",
+    "qkv_projection", "mlp_partials",
 ]
 
 # Programmatic dependent launch (PDL) between a decode step's latency-bound kernels and the weight-streaming

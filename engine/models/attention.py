@@ -1,8 +1,8 @@
 """Paged attention for one layer, and the single place where the KV ops are chosen by device.
 
-``select_ops`` returns a module with the reference op signatures (``write_kv``,
-``paged_prefill_attention``, ``paged_decode_attention``, ``copy_blocks``, ``gather_blocks``,
-``scatter_blocks``): ``prefixgate_kernels.cpu_attention`` on CPU (the reference ops, with a native AVX-512 BF16 kernel or
+``select_ops`` returns a kernel ops module, typed as what the engine calls on it
+(``engine.models.kernel_ops.KernelOps``: ``write_kv``, the paged attentions, the fused layer ops,
+the block moves): ``prefixgate_kernels.cpu_attention`` on CPU (the reference ops, with a native AVX-512 BF16 kernel or
 PyTorch's fused SDPA for prefill attention),
 ``prefixgate_kernels.triton_ops`` on CUDA when present, else ``prefixgate_kernels.reference``.
 Swapping implementations is that one function.
@@ -10,22 +10,23 @@ Swapping implementations is that one function.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
+from engine.models.kernel_ops import AttentionOps, KernelOps
 from prefixgate_kernels import cpu_attention, reference
 
 log = logging.getLogger(__name__)
 
 
-def select_ops(device: torch.device | str) -> ModuleType:
+def select_ops(device: torch.device | str) -> KernelOps:
     if torch.device(device).type == "cuda":
         try:
-            return importlib.import_module("prefixgate_kernels.triton_ops")
+            from prefixgate_kernels import triton_ops  # imported where it can run
+
+            return triton_ops
         except ImportError as exc:  # the Triton launchers are not built yet / triton missing
             log.warning("prefixgate_kernels.triton_ops unavailable (%s); using the torch reference ops on CUDA", exc)
         return reference
@@ -72,7 +73,7 @@ class LayerCache:
 
 
 def paged_attention(
-    ops: ModuleType,
+    ops: AttentionOps,
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]

@@ -33,8 +33,6 @@ state dict, its names and its memory are unchanged (transformers can still share
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from types import ModuleType
 from typing import TYPE_CHECKING, overload
 
 import torch
@@ -42,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import AttentionMetadata, LayerCache, paged_attention
+from engine.models.kernel_ops import AttentionOps, FusedOps
 from engine.models.rope import RotaryEmbedding
 from engine.models.spec import ArchConfig
 from prefixgate_kernels import cpu_native
@@ -129,7 +128,7 @@ class Attention(nn.Module):
             self.qkv_bias = _concat_as_views(self.q_proj, self.k_proj, self.v_proj, "bias")
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
-                      meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
+                      meta: AttentionMetadata, ops: FusedOps) -> torch.Tensor:
         """x [T, hidden] normed; cos, sin [T, D] fp32 -> attention output projected [T, hidden]."""
         assert self.qkv_weight is not None, "call fuse_projections() first"
         t = x.shape[0]
@@ -155,7 +154,7 @@ class Attention(nn.Module):
                                    self.o_proj.bias, pdl=meta.decode_only)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
-                meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
+                meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
         t = x.shape[0]
         q = _project(self.q_proj, x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = _project(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -178,7 +177,7 @@ class MLP(nn.Module):
         if self.gate_proj.bias is not None:
             self.gate_up_bias = _concat_as_views(self.gate_proj, self.up_proj, None, "bias")
 
-    def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         assert self.gate_up_weight is not None, "call fuse_projections() first"
         # down(silu(gate) * up): [T, hidden], or its split-K partials [S, T, hidden] for the next
         # add_rms_norm to sum (at decode sizes on the GPU the gate|up GEMM stores silu(gate) * up itself:
@@ -198,7 +197,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
-                meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
+                meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, ops)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -246,17 +245,6 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse_projections()
         self.fused = True
 
-    @contextmanager
-    def plain_path(self) -> Iterator[None]:
-        """Run forward on the plain (unfused) path inside the block, e.g. for fp8 calibration, whose
-        recording ops stand in for the KV ops of that path. The fused weights stay: the plain
-        parameters are views of them."""
-        was, self.fused = self.fused, False
-        try:
-            yield
-        finally:
-            self.fused = was
-
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -264,26 +252,45 @@ class LlamaForCausalLM(nn.Module):
     def init_rotary(self, device: torch.device | str) -> None:
         self.rotary = RotaryEmbedding(self.arch.rope, self.arch.head_dim, self.arch.max_model_len, device)
 
+    if TYPE_CHECKING:  # nn.Module types __call__ as taking anything: calls are checked against forward's
+        def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                     meta: AttentionMetadata, ops: FusedOps) -> torch.Tensor: ...
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         caches: list[LayerCache],  # one per layer
         meta: AttentionMetadata,
-        ops: ModuleType,
+        ops: FusedOps,
     ) -> torch.Tensor:
-        """-> final hidden states [T, hidden] (normed; feed the rows you need to ``compute_logits``)."""
+        """-> final hidden states [T, hidden] (normed; feed the rows you need to ``compute_logits``),
+        on the fused path once ``fuse_projections`` ran, else on the plain one."""
         assert self.rotary is not None, "call init_rotary(device) after loading"
         cos, sin = self.rotary.cos_sin(positions)
         if self.fused:
             return self._forward_fused(input_ids, cos[:, 0], sin[:, 0], caches, meta, ops)
+        return self._forward_plain(input_ids, cos, sin, caches, meta, ops)
+
+    def forward_plain(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                      meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
+        """``forward`` on the plain path whether or not the projections are fused (the plain
+        parameters are views of the fused weights), with ops that need only be ``AttentionOps``:
+        fp8 calibration's recording stand-in for the KV ops (engine/kv_calibration.py)."""
+        assert self.rotary is not None, "call init_rotary(device) after loading"
+        cos, sin = self.rotary.cos_sin(positions)
+        return self._forward_plain(input_ids, cos, sin, caches, meta, ops)
+
+    def _forward_plain(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       caches: list[LayerCache], meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
+        """The plain path; cos, sin [T, 1, D] -> final normed hidden [T, hidden]."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta, ops)
         return self.model.norm(x)
 
     def _forward_fused(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       caches: list[LayerCache], meta: AttentionMetadata, ops: ModuleType) -> torch.Tensor:
+                       caches: list[LayerCache], meta: AttentionMetadata, ops: FusedOps) -> torch.Tensor:
         """The fused path (module docstring); cos, sin [T, D] fp32 -> final normed hidden [T, hidden]."""
         eps = self.arch.rms_norm_eps
         residual = self.model.embed_tokens(input_ids)  # [T, hidden], the running sum (updated in place)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.batch import ScheduledBatch, SequenceChunk
-from prefixgate_kernels import reference
+from prefixgate_kernels import cpu_attention, reference
 from tests.gpu_engine.helpers import GREEDY, prefill_then_decode_batch, small_runner
 
 
@@ -52,10 +52,13 @@ def test_fused_path_matches_plain_path_on_cpu(tmp_path, kv_dtype):
     assert fused.argmax(-1).tolist() == plain.argmax(-1).tolist()
 
 
-def test_fused_path_with_a_cached_prefix(tmp_path):
-    """A second request reuses the first one's blocks: the fused prefill attends over the cached part."""
+@pytest.mark.parametrize("ops", [reference, cpu_attention], ids=["reference", "cpu_attention"])
+def test_fused_path_with_a_cached_prefix(tmp_path, ops):
+    """A second request reuses the first one's blocks: the fused prefill attends over the cached part.
+    CPU serving never fuses, but ``cpu_attention`` is a whole ops module (its fused ops the reference
+    ones, its prefill attention given the ``context_lens`` hint): a fused model runs on it too."""
     runner = small_runner(tmp_path, "cpu", use_cuda_graphs=False)
-    runner.ops = reference  # the fused ops' torch references; CPU serving (prefixgate_kernels.cpu_attention) never fuses
+    runner.ops = ops
     runner.model.fuse_projections()
     prompt = [(5 * i + 1) % 500 for i in range(40)]
 
