@@ -32,7 +32,7 @@ reads it (softmax cancels the shift).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,8 @@ class AmaxRecorder:
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                 seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                v_scale: torch.Tensor | None = None, *,
+                                context_lens: Sequence[int] | None = None) -> torch.Tensor:
         assert self._kv is not None, "write_kv runs before attention"
         key, value = self._kv
         group = q.shape[1] // key.shape[1]

@@ -61,6 +61,8 @@ class AttentionOps(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        *,
+        context_lens: Sequence[int] | None = None,  # seq_lens on the host: a launch hint (the fused path's)
     ) -> torch.Tensor: ...
 
     def paged_decode_attention(
@@ -79,28 +81,12 @@ class AttentionOps(Protocol):
 class FusedOps(AttentionOps, Protocol):
     """The fused forward path's ops (``LlamaForCausalLM`` after ``fuse_projections``, module
     docstring of engine/models/llama.py): RMSNorm with the residual add, the merged projections and
-    their split-K partials, RoPE with the K/V write (and, for decode, the attention in the same call),
-    and the prefill attention given its host-side ``context_lens`` hint.
+    their split-K partials, RoPE with the K/V write (and, for decode, the attention in the same call).
 
     Implemented by ``prefixgate_kernels.triton_ops`` (the Triton / Gluon launchers) and
     ``prefixgate_kernels.reference`` (their torch references), and by
     ``prefixgate_kernels.cpu_attention``, whose fused ops are the reference ones (the runner fuses
     on CUDA only)."""
-
-    def paged_prefill_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-        *,
-        context_lens: Sequence[int] | None = None,  # seq_lens on the host: a launch hint
-    ) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 

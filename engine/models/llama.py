@@ -266,24 +266,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """-> final hidden states [T, hidden] (normed; feed the rows you need to ``compute_logits``),
         on the fused path once ``fuse_projections`` ran, else on the plain one."""
+        if not self.fused:
+            return self.forward_plain(input_ids, positions, caches, meta, ops)
         assert self.rotary is not None, "call init_rotary(device) after loading"
         cos, sin = self.rotary.cos_sin(positions)
-        if self.fused:
-            return self._forward_fused(input_ids, cos[:, 0], sin[:, 0], caches, meta, ops)
-        return self._forward_plain(input_ids, cos, sin, caches, meta, ops)
+        return self._forward_fused(input_ids, cos[:, 0], sin[:, 0], caches, meta, ops)
 
     def forward_plain(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                       meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
         """``forward`` on the plain path whether or not the projections are fused (the plain
         parameters are views of the fused weights), with ops that need only be ``AttentionOps``:
-        fp8 calibration's recording stand-in for the KV ops (engine/kv_calibration.py)."""
+        what ``forward`` runs before ``fuse_projections``, and fp8 calibration's recording stand-in
+        for the KV ops (engine/kv_calibration.py)."""
         assert self.rotary is not None, "call init_rotary(device) after loading"
         cos, sin = self.rotary.cos_sin(positions)
-        return self._forward_plain(input_ids, cos, sin, caches, meta, ops)
-
-    def _forward_plain(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       caches: list[LayerCache], meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
-        """The plain path; cos, sin [T, 1, D] -> final normed hidden [T, hidden]."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta, ops)
